@@ -1,0 +1,37 @@
+# taipan: `make run` (install, fetch the default model, run a demo) and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+export HF_HUB_OFFLINE := 1
+
+.PHONY: install model run test test-slow lint format bench
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: $(STAMP)
+	$(PY) -m runtime.models smollm2 >/dev/null
+
+run: model
+	$(PY) -m runtime.demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+test: model lint
+	$(PY) -m pytest -q
+
+test-slow: model
+	$(PY) -m pytest -q -m slow
+
+bench: model
+	$(VENV)/bin/taipan bench --model smollm2 --num-prompts 32 --output-len 64

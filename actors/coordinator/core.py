@@ -1,0 +1,66 @@
+"""The coordinator's pure core: request ids, routes, rank choice. No zmq, no clock.
+
+Owns the mapping client (identity, client request id) <-> global request id <-> rank. Only the
+coordinator actor calls it, once per inbound message, so its decisions are a function of the
+inbound sequence (replay re-drives it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Route:
+    client: bytes
+    client_request_id: int
+    rank: int
+
+
+class NoRankError(RuntimeError):
+    pass
+
+
+class CoordinatorCore:
+    def __init__(self):
+        self.ranks: list[int] = []  # ranks with a loaded model, in registration order
+        self.routes: dict[int, Route] = {}  # global id -> route, until the terminal output
+        self.by_client: dict[tuple[bytes, int], int] = {}
+        self.next_id = 1
+        self._rr = 0
+
+    def add_rank(self, rank: int) -> None:
+        if rank not in self.ranks:
+            self.ranks.append(rank)
+
+    def pick_rank(self) -> int:
+        """Round robin over ready ranks (prefix-aware policies arrive with prefix caching)."""
+        if not self.ranks:
+            raise NoRankError("no engine has a model loaded yet")
+        rank = self.ranks[self._rr % len(self.ranks)]
+        self._rr += 1
+        return rank
+
+    def admit(self, client: bytes, client_request_id: int) -> tuple[int, int]:
+        """Give a new request a global id and a rank. Raises ValueError for a duplicate id."""
+        key = (client, client_request_id)
+        if key in self.by_client:
+            raise ValueError(f"request id {client_request_id} is already in flight")
+        rank = self.pick_rank()
+        gid = self.next_id
+        self.next_id += 1
+        self.routes[gid] = Route(client, client_request_id, rank)
+        self.by_client[key] = gid
+        return gid, rank
+
+    def lookup(self, client: bytes, client_request_id: int) -> tuple[int, Route] | None:
+        gid = self.by_client.get((client, client_request_id))
+        return None if gid is None else (gid, self.routes[gid])
+
+    def route_of(self, gid: int, finished: bool) -> Route | None:
+        """Where an engine output goes; forgets the route at the terminal output."""
+        route = self.routes.get(gid)
+        if route is not None and finished:
+            del self.routes[gid]
+            del self.by_client[(route.client, route.client_request_id)]
+        return route

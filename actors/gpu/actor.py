@@ -1,0 +1,53 @@
+"""The gpu actor: serves LoadModel and StepPlan from its engine, computing in its own thread.
+
+The forward runs in a dedicated single-thread executor so the event loop (and the engine that
+shares it) stays free while the device works. A failed load or step becomes an error reply or a
+StepResult with `error` set; the actor keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+from messages.common import ErrorReply
+from messages.gpu import LoadModel, StepPlan, StepResult
+from runtime.actor import Actor
+from runtime.channel import Channel, Envelope
+
+
+class GpuActor(Actor):
+    def __init__(self, rank: int, channel: Channel):
+        super().__init__(f"gpu-{rank}")
+        from actors.gpu.worker import ModelWorker  # torch loads here, not at import
+
+        self.worker = ModelWorker()
+        self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)
+        self.serve(channel)
+        self.on(LoadModel, self.on_load)
+        self.on(StepPlan, self.on_step)
+
+    async def _in_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def on_load(self, env: Envelope, msg: LoadModel) -> None:
+        try:
+            reply = await self._in_thread(self.worker.load, msg)
+        except Exception as e:
+            self.log.error("load failed", model=msg.model, error=str(e))
+            reply = ErrorReply("load_failed", f"cannot load {msg.model}: {e}", None)
+        await env.reply(reply)
+
+    async def on_step(self, env: Envelope, msg: StepPlan) -> None:
+        if self.worker.model is None:
+            await env.reply(StepResult(msg.step, msg.sample.astype("int32"), "no model", 0.0))
+            return
+        try:
+            reply = await self._in_thread(self.worker.step, msg)
+        except Exception as e:
+            self.log.exception("step failed", step=msg.step)
+            reply = StepResult(msg.step, msg.sample.astype("int32") * 0 - 1, repr(e), 0.0)
+        await env.reply(reply)
+
+    async def stopping(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,300 @@
+"""The wire format: a tag -> class registry, msgpack encoding, and validation.
+
+Owns: how a message becomes frames and back. Must not touch: sockets (runtime/channel.py does
+that) and torch (nothing in messages/ imports it).
+
+A message is a frozen dataclass registered under an integer tag with `@message(tag)`. On the wire
+it is one msgpack array `[tag, version, *fields]` in frame 0; numpy arrays travel as a msgpack
+ExtType holding (dtype, shape, bytes), and arrays larger than `INLINE_ARRAY_BYTES` travel as extra
+frames (ExtType holds the frame index) so the receiver wraps them without a copy.
+
+Decoding trusts nothing: an unknown tag, a wrong version or arity, a field of the wrong type, a
+bad array header or an oversized frame raises `MessageError`. Nested plain records (e.g.
+`SamplingParams`) are `@struct` dataclasses, encoded as an array of their fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgpack
+import numpy as np
+
+EXT_ARRAY_INLINE = 1
+EXT_ARRAY_FRAME = 2
+INLINE_ARRAY_BYTES = 64 * 1024
+MAX_FRAME_BYTES = 1 << 30
+MAX_FRAMES = 64
+ALLOWED_DTYPES = frozenset(
+    "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64".split()
+)
+
+# Tag ranges per family (DESIGN.md §3); a registration outside every range is a bug.
+TAG_RANGES = {
+    "connection": range(0, 20),
+    "requests": range(20, 40),
+    "lifecycle": range(40, 60),
+    "consensus": range(60, 80),
+    "allocator": range(80, 100),
+    "mamba_cache": range(100, 120),
+    "gpu": range(120, 140),
+    "stats": range(140, 160),
+}
+
+
+class MessageError(ValueError):
+    """A frame sequence that is not a valid message. `code` is a short machine-readable kind."""
+
+    def __init__(self, text: str, code: str = "bad_message"):
+        super().__init__(text)
+        self.code = code
+
+
+_REGISTRY: dict[int, type] = {}
+_CHECKERS: dict[type, list[tuple[str, Callable[[Any], Any]]]] = {}
+
+
+def message(tag: int, version: int = 1):
+    """Register a frozen dataclass as a wire message under `tag`."""
+
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+        if not any(tag in r for r in TAG_RANGES.values()):
+            raise TypeError(f"{cls.__name__}: tag {tag} is outside every family range")
+        if tag in _REGISTRY:
+            raise TypeError(f"tag {tag} is taken by {_REGISTRY[tag].__name__}")
+        cls.TAG = tag
+        cls.VERSION = version
+        _REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+def struct(cls):
+    """A nested record inside messages: a frozen dataclass encoded as the array of its fields."""
+    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    cls.IS_STRUCT = True
+    return cls
+
+
+def registry() -> dict[int, type]:
+    return dict(_REGISTRY)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+
+def _checker(tp) -> Callable[[Any], Any]:
+    """Build a function that validates (and lightly normalises) one decoded value of type tp."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        subs = [_checker(a) for a in typing.get_args(tp)]
+        allows_none = type(None) in typing.get_args(tp)
+
+        def check_union(v):
+            if v is None:
+                if allows_none:
+                    return None
+                raise MessageError("None where a value is required", "bad_field")
+            errors = []
+            for sub in subs:
+                try:
+                    return sub(v)
+                except MessageError as e:
+                    errors.append(str(e))
+            raise MessageError("; ".join(errors), "bad_field")
+
+        return check_union
+    if tp is type(None):
+
+        def check_none(v):
+            if v is not None:
+                raise MessageError(f"expected None, got {type(v).__name__}", "bad_field")
+            return None
+
+        return check_none
+    if origin is list or origin is tuple:
+        (item,) = typing.get_args(tp)[:1]
+        check_item = _checker(item)
+
+        def check_list(v):
+            if not isinstance(v, list | tuple):
+                raise MessageError(f"expected list, got {type(v).__name__}", "bad_field")
+            return tuple(check_item(x) for x in v)
+
+        return check_list
+    if origin is dict:
+        _, val = typing.get_args(tp)
+        check_val = _checker(val)
+
+        def check_dict(v):
+            if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+                raise MessageError("expected a map with string keys", "bad_field")
+            return {k: check_val(x) for k, x in v.items()}
+
+        return check_dict
+    if isinstance(tp, type) and getattr(tp, "IS_STRUCT", False):
+        return lambda v: _decode_struct(tp, v)
+    simple = {
+        bool: (bool,),
+        int: (int,),
+        float: (float, int),
+        str: (str,),
+        bytes: (bytes,),
+        np.ndarray: (np.ndarray,),
+    }
+    if tp not in simple:
+        raise TypeError(f"unsupported message field type {tp!r}")
+    allowed = simple[tp]
+
+    def check_simple(v):
+        if tp is not bool and isinstance(v, bool) or not isinstance(v, allowed):
+            raise MessageError(f"expected {tp.__name__}, got {type(v).__name__}", "bad_field")
+        if tp is int and not -(2**63) <= v < 2**64:
+            raise MessageError("integer out of 64-bit range", "bad_field")
+        return float(v) if tp is float else v
+
+    return check_simple
+
+
+def _field_checkers(cls) -> list[tuple[str, Callable[[Any], Any]]]:
+    checkers = _CHECKERS.get(cls)
+    if checkers is None:
+        hints = typing.get_type_hints(cls)
+        checkers = [(f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls)]
+        _CHECKERS[cls] = checkers
+    return checkers
+
+
+def _build(cls, values: Sequence[Any]):
+    checkers = _field_checkers(cls)
+    if len(values) != len(checkers):
+        raise MessageError(
+            f"{cls.__name__} takes {len(checkers)} fields, got {len(values)}", "bad_arity"
+        )
+    kwargs = {}
+    for (name, check), v in zip(checkers, values, strict=True):
+        try:
+            kwargs[name] = check(v)
+        except MessageError as e:
+            raise MessageError(f"{cls.__name__}.{name}: {e}", e.code) from None
+    return cls(**kwargs)
+
+
+def _decode_struct(cls, v):
+    if not isinstance(v, list | tuple):
+        raise MessageError(f"{cls.__name__}: expected an array of fields", "bad_field")
+    return _build(cls, v)
+
+
+# --- encoding --------------------------------------------------------------------------------
+
+
+def _to_wire(v, extra: list):
+    if isinstance(v, np.ndarray):
+        if v.dtype.name not in ALLOWED_DTYPES:
+            raise TypeError(f"dtype {v.dtype} cannot travel")
+        arr = np.ascontiguousarray(v)
+        if arr.nbytes > INLINE_ARRAY_BYTES:
+            extra.append(memoryview(arr).cast("B"))
+            body = msgpack.packb([arr.dtype.name, list(arr.shape), len(extra)])
+            return msgpack.ExtType(EXT_ARRAY_FRAME, body)
+        body = msgpack.packb([arr.dtype.name, list(arr.shape), arr.tobytes()])
+        return msgpack.ExtType(EXT_ARRAY_INLINE, body)
+    if getattr(type(v), "IS_STRUCT", False):
+        return [_to_wire(getattr(v, f.name), extra) for f in dataclasses.fields(v)]
+    if isinstance(v, list | tuple):
+        return [_to_wire(x, extra) for x in v]
+    if isinstance(v, dict):
+        return {k: _to_wire(x, extra) for k, x in v.items()}
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    return v
+
+
+def encode(msg) -> list:
+    """Message -> frames (bytes or memoryviews). Raises TypeError for an unregistered object."""
+    cls = type(msg)
+    if _REGISTRY.get(getattr(cls, "TAG", None)) is not cls:
+        raise TypeError(f"{cls.__name__} is not a registered message")
+    extra: list = []
+    fields = [_to_wire(getattr(msg, f.name), extra) for f in dataclasses.fields(msg)]
+    head = msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
+    return [head, *extra]
+
+
+# --- decoding --------------------------------------------------------------------------------
+
+
+def _array_from(body: bytes, frames: Sequence[memoryview]) -> np.ndarray:
+    try:
+        dtype, shape, data = msgpack.unpackb(body, raw=False)
+    except Exception as e:
+        raise MessageError(f"bad array header: {e}", "bad_array") from None
+    if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
+        raise MessageError(f"array dtype {dtype!r} not allowed", "bad_array")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
+    ):
+        raise MessageError(f"bad array shape {shape!r}", "bad_array")
+    if isinstance(data, int) and not isinstance(data, bool):
+        if not 1 <= data < len(frames):
+            raise MessageError(f"array refers to missing frame {data}", "bad_array")
+        data = frames[data]
+    elif not isinstance(data, bytes):
+        raise MessageError("array data must be bytes or a frame index", "bad_array")
+    dt = np.dtype(dtype)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if count * dt.itemsize != len(data):
+        raise MessageError(
+            f"array of {dtype}{shape} needs {count * dt.itemsize} bytes, got {len(data)}",
+            "bad_array",
+        )
+    return np.frombuffer(data, dtype=dt).reshape(shape)
+
+
+def decode(frames: Sequence[bytes | memoryview]):
+    """Frames -> message. Every malformed input raises MessageError, nothing else."""
+    if not frames:
+        raise MessageError("empty message", "empty")
+    if len(frames) > MAX_FRAMES:
+        raise MessageError(f"{len(frames)} frames (max {MAX_FRAMES})", "too_large")
+    views = [memoryview(f) for f in frames]
+    if any(v.nbytes > MAX_FRAME_BYTES for v in views):
+        raise MessageError(f"frame over {MAX_FRAME_BYTES} bytes", "too_large")
+
+    def ext_hook(code, body):
+        if code == EXT_ARRAY_INLINE or code == EXT_ARRAY_FRAME:
+            return _array_from(body, views)
+        raise MessageError(f"unknown ExtType {code}", "bad_ext")
+
+    try:
+        obj = msgpack.unpackb(
+            views[0], raw=False, ext_hook=ext_hook, strict_map_key=True, use_list=True
+        )
+    except MessageError:
+        raise
+    except Exception as e:  # msgpack raises many types for garbage; they all mean "not msgpack"
+        raise MessageError(
+            f"not a msgpack message: {type(e).__name__}: {e}", "bad_msgpack"
+        ) from None
+    if not isinstance(obj, list) or len(obj) < 2:
+        raise MessageError("a message is an array [tag, version, *fields]", "bad_envelope")
+    tag, version, *values = obj
+    if not isinstance(tag, int) or isinstance(tag, bool):
+        raise MessageError(f"tag must be an int, got {type(tag).__name__}", "bad_envelope")
+    cls = _REGISTRY.get(tag)
+    if cls is None:
+        raise MessageError(f"unknown message tag {tag}", "unknown_tag")
+    if version != cls.VERSION:
+        raise MessageError(
+            f"{cls.__name__} version {version!r}, expected {cls.VERSION}", "bad_version"
+        )
+    return _build(cls, values)

@@ -1,0 +1,251 @@
+"""Model loading: a GGUF file or a Hugging Face directory -> (model, config, tokenizer).
+
+Owns reading hyper-parameters, mapping checkpoint tensor names onto our modules, undoing
+llama.cpp's layout changes, and turning every failure into a `ModelLoadError` that names the path
+and the cause. Does not allocate the KV cache or pick a block count (the GPU actor does).
+
+GGUF tensors are dequantized to `dtype` at load time (no quantized matmuls). llama.cpp stores
+the rows of Q and K interleaved per head (pairs `(i, i + head_dim/2)` of rotate-half RoPE made
+adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging Face order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from ops.models.llama import LlamaConfig, LlamaForCausalLM
+from ops.tokenizer import Tokenizer, TokenizerError
+
+# GGUF tensor name -> our parameter name (`{n}` is the layer index).
+_GGUF_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{n}.attn_norm.weight": "layers.{n}.input_layernorm.weight",
+    "blk.{n}.ffn_norm.weight": "layers.{n}.post_attention_layernorm.weight",
+    "blk.{n}.attn_q.weight": "layers.{n}.self_attn.q_proj.weight",
+    "blk.{n}.attn_k.weight": "layers.{n}.self_attn.k_proj.weight",
+    "blk.{n}.attn_v.weight": "layers.{n}.self_attn.v_proj.weight",
+    "blk.{n}.attn_output.weight": "layers.{n}.self_attn.o_proj.weight",
+    "blk.{n}.ffn_gate.weight": "layers.{n}.mlp.gate_proj.weight",
+    "blk.{n}.ffn_up.weight": "layers.{n}.mlp.up_proj.weight",
+    "blk.{n}.ffn_down.weight": "layers.{n}.mlp.down_proj.weight",
+}
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+class ModelLoadError(Exception):
+    """The checkpoint at a path cannot be loaded; the message says which path and why."""
+
+
+def load_model(
+    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
+    """Load a `.gguf` file or a Hugging Face Llama directory, weights in `dtype` on `device`.
+
+    A directory without config.json but with exactly one .gguf file loads that file.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir() and not (path / "config.json").exists():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) != 1:
+            raise ModelLoadError(
+                f"{path}: not a Hugging Face model directory (no config.json) and holds "
+                f"{len(ggufs)} .gguf files; pass the model file itself"
+            )
+        path = ggufs[0]
+    try:
+        if path.is_dir():
+            return _load_hf_dir(path, dtype, device)
+        return _load_gguf(path, dtype, device)
+    except TokenizerError as exc:  # its message already names the file
+        raise ModelLoadError(str(exc)) from exc
+
+
+# ---- GGUF ---------------------------------------------------------------------------------------
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device) -> tuple:
+    import gguf
+
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"{path}: cannot read GGUF ({exc})") from exc
+
+    def field(key: str, default=None):
+        f = reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    tokenizer = Tokenizer.from_gguf_reader(reader, path)
+    tensors = {t.name: t for t in reader.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ModelLoadError(f"{path}: no token_embd.weight tensor")
+    hidden = field("llama.embedding_length")
+    num_heads = field("llama.attention.head_count")
+    config = LlamaConfig(
+        vocab_size=int(tensors["token_embd.weight"].shape[1]),
+        hidden_size=hidden,
+        intermediate_size=field("llama.feed_forward_length"),
+        num_layers=field("llama.block_count"),
+        num_heads=num_heads,
+        num_kv_heads=field("llama.attention.head_count_kv", num_heads),
+        head_dim=field("llama.attention.key_length", hidden // num_heads),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        max_position_embeddings=field("llama.context_length", 4096),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+    if field("llama.rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in tensors:
+        raise ModelLoadError(f"{path}: RoPE scaling (e.g. Llama 3.1's) is not supported yet")
+
+    state = {}
+    for name, tensor in tensors.items():
+        ours = _gguf_to_ours(name)
+        if ours is None:
+            raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a llama model")
+        # dequantize gives numpy float32 (float16 for F16 tensors) in row-major [out, in] order
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        weight = torch.from_numpy(values.copy()).float()
+        weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+        if name.endswith("attn_q.weight"):
+            weight = _unpermute_rows(weight, config.num_heads)
+        elif name.endswith("attn_k.weight"):
+            weight = _unpermute_rows(weight, config.num_kv_heads)
+        state[ours] = weight.to(dtype)
+    return _build(path, config, state, dtype, device), config, tokenizer
+
+
+def _gguf_to_ours(name: str) -> str | None:
+    layer = _LAYER.match(name)
+    key = _LAYER.sub("blk.{n}.", name) if layer else name
+    ours = _GGUF_NAMES.get(key)
+    return None if ours is None else ours.format(n=layer.group(1) if layer else "")
+
+
+def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (convert_hf_to_gguf.py `permute`).
+
+    Within each head llama.cpp stores row `2*i + j` what Hugging Face stores at `j*half + i`
+    (i < half = head_dim/2, j in {0, 1}), so reshape rows to [heads, half, 2] and swap the last two.
+    weight: [num_heads * head_dim, in_features].
+    """
+    rows, cols = weight.shape
+    half = rows // num_heads // 2
+    return weight.view(num_heads, half, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+# ---- Hugging Face directory ---------------------------------------------------------------------
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device) -> tuple:
+    from safetensors.torch import load_file
+
+    try:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}/config.json: cannot read ({exc})") from exc
+    _check_hf_architecture(path, hf)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    config = _hf_llama_config(path, hf, tokenizer)
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    state = {}
+    for file in files:
+        try:
+            tensors = load_file(str(file), device="cpu")
+        except Exception as exc:  # safetensors raises its own untyped errors
+            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
+        for name, tensor in tensors.items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # a buffer older checkpoints saved; recomputed from rope_theta
+            ours = name.removeprefix("model.")
+            state[ours] = tensor.to(dtype)
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return _build(path, config, state, dtype, device), config, tokenizer
+
+
+def _check_hf_architecture(path: Path, hf: dict) -> None:
+    archs = hf.get("architectures") or []
+    if "LlamaForCausalLM" not in archs and hf.get("model_type") != "llama":
+        raise ModelLoadError(
+            f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
+            "(supported: LlamaForCausalLM)"
+        )
+
+
+def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ModelLoadError(f"{path}: RoPE type {rope_type!r} is not supported yet")
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ModelLoadError(f"{path}: {flag}=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
+    eos = hf.get("eos_token_id")
+    eos_ids = list(tokenizer.eos_token_ids)
+    for token_id in eos if isinstance(eos, list) else [eos]:
+        if isinstance(token_id, int) and token_id not in eos_ids:
+            eos_ids.append(token_id)
+    try:
+        num_heads = hf["num_attention_heads"]
+        return LlamaConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
+            eos_token_ids=tuple(eos_ids),
+        )
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
+# ---- shared ------------------------------------------------------------------------------------
+
+
+def _build(path: Path, config: LlamaConfig, state: dict, dtype, device) -> LlamaForCausalLM:
+    """Instantiate without initializing (meta device), then adopt the loaded tensors."""
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{path}: checkpoint does not match the llama layout "
+            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+        )
+    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:  # shape mismatches
+        raise ModelLoadError(f"{path}: weights do not fit the config: {exc}") from exc
+    return model.requires_grad_(False).eval()

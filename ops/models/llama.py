@@ -1,0 +1,130 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, ...) over a flat varlen batch and a paged KV cache.
+
+Owns the model's structure and its forward pass. Weights come from ops/loader.py; block tables,
+slots and positions from the GPU actor (via `AttentionMetadata`); the cache tensor is allocated
+here but owned and kept by the GPU actor. Parameter names are Hugging Face's without the leading
+`model.` (`layers.0.self_attn.q_proj.weight`), so a safetensors checkpoint maps one to one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ops.attention import AttentionMetadata
+from ops.layers import Attention, RMSNorm, SwiGLUMLP, rope_cos_sin
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(
+            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        layer_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        # x: [tokens, hidden]
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, layer_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """`forward` runs one step over T tokens from B sequences (no padding) and returns hidden
+    states; `compute_logits` turns the rows the caller wants (usually each sequence's last
+    token) into fp32 logits, so the [T, vocab] matrix of a long prefill is never built."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # Tied models reuse the embedding matrix as the output projection.
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """input_ids, positions: [T] int64; kv_cache: see `allocate_kv_cache` (written in place).
+        Returns hidden: [T, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)  # x: [T, hidden]
+        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn, kv_cache[i])
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits: [N, vocab] float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+
+def allocate_kv_cache(
+    config: LlamaConfig,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """An uninitialised cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    (index 0 of dim 1 holds keys, 1 holds values).
+
+    Not zeroed: attention reads only slots this request wrote, and on the CPU untouched pages of
+    a large pool then cost no memory. A read of an unwritten slot shows up as garbage, not as a
+    plausible zero."""
+    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def kv_cache_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values (for sizing the block pool)."""
+    element_size = torch.empty((), dtype=dtype).element_size()
+    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element_size
+    return block_size * per_token

@@ -1,0 +1,107 @@
+"""The actor base: a TaskGroup, receive loops over typed channels, a handler registry.
+
+Owns: dispatch of inbound messages to handlers by message type, the error policy (a bad message
+or a failing handler gets an `ErrorReply` and the actor keeps running), and shutdown. Subclasses
+register handlers with `self.on(MsgType, coroutine)` and may start extra tasks in `started()`;
+every task lives in the actor's TaskGroup, nothing is fire-and-forget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from messages.common import ErrorReply
+from runtime.channel import Channel, Envelope
+from runtime.log import get_logger
+
+Handler = Callable[[Envelope, Any], Awaitable[None]]
+
+
+class Actor:
+    def __init__(self, name: str):
+        self.name = name
+        self.log = get_logger(actor=name)
+        self._handlers: dict[type, Handler] = {}
+        self._served: list[Channel] = []
+        self._tasks: list[asyncio.Task] = []
+        self._tg: asyncio.TaskGroup | None = None
+        self._stopped = asyncio.Event()
+
+    # --- wiring -------------------------------------------------------------------------------
+
+    def on(self, msg_type: type, handler: Handler) -> None:
+        self._handlers[msg_type] = handler
+
+    def serve(self, channel: Channel) -> None:
+        """Dispatch every message arriving on `channel` to the registered handlers."""
+        self._served.append(channel)
+        if self._tg is not None:
+            self.spawn(self._recv_loop(channel))
+
+    def spawn(self, coro) -> asyncio.Task:
+        """Start a task owned by this actor's TaskGroup (cancelled when the actor stops)."""
+        assert self._tg is not None, "spawn() before run()"
+        task = self._tg.create_task(coro)
+        self._tasks.append(task)
+        return task
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def started(self) -> None:
+        """Hook: runs once inside the TaskGroup, after the receive loops start."""
+
+    async def stopping(self) -> None:
+        """Hook: runs once after stop() is called, before tasks are cancelled."""
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            for ch in self._served:
+                self.spawn(self._recv_loop(ch))
+            await self.started()
+            await self._stopped.wait()
+            await self.stopping()
+            for task in self._tasks:
+                task.cancel()
+
+    # --- dispatch -----------------------------------------------------------------------------
+
+    async def _recv_loop(self, channel: Channel) -> None:
+        while True:
+            env = await channel.recv()
+            await self.dispatch(env)
+
+    async def dispatch(self, env: Envelope) -> None:
+        self.log.debug("recv", channel=env.channel.name, msg=type(env.msg).__name__)
+        if env.error is not None:
+            self.log.warning("bad message", channel=env.channel.name, error=str(env.error))
+            await self._reply_error(env, env.error.code, str(env.error))
+            return
+        handler = self._handlers.get(type(env.msg))
+        if handler is None:
+            if isinstance(env.msg, ErrorReply):
+                self.log.warning("error reply", code=env.msg.code, text=env.msg.text)
+                return
+            name = type(env.msg).__name__
+            await self._reply_error(env, "unexpected_message", f"{self.name} does not take {name}")
+            return
+        try:
+            await handler(env, env.msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.log.exception("handler failed", msg=type(env.msg).__name__)
+            await self._reply_error(env, "internal", f"{type(e).__name__}: {e}")
+
+    async def _reply_error(self, env: Envelope, code: str, text: str) -> None:
+        if env.channel.routed and env.sender is None:
+            return
+        try:
+            await env.reply(ErrorReply(code, text[:2000], None))
+        except Exception:  # the peer may be gone; the error is already logged
+            self.log.warning("could not send error reply", code=code)

@@ -1,0 +1,188 @@
+"""`taipan bench`: output tokens/s, ours vs Hugging Face transformers vs the hardware limit.
+
+Measured side by side in one run on the same prompts (same token ids), greedy, every request
+generating exactly `--output-len` tokens (EOS ignored on both sides). Ours is timed from the
+first submission to the last completion through the real runtime (client -> coordinator ->
+engine -> gpu actor); HF is `generate` on one left-padded batch. The hardware limit is a floor
+on step time from measured matmul throughput and memory bandwidth (weights read once per decode
+step). Each run appends its JSON rows to tests/perf/results.jsonl.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+
+SEED_PROMPTS = [
+    "The history of the printing press begins",
+    "Write a short poem about the sea.",
+    "Explain why the sky is blue in simple terms:",
+    "def fibonacci(n):",
+    "Three facts about octopuses:",
+    "Once upon a time, in a village at the edge of a great forest, there lived",
+    "The main difference between a list and a tuple in Python is",
+    "Translate to French: The cat sleeps on the warm windowsill.",
+]
+
+RESULTS = os.path.join("tests", "perf", "results.jsonl")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--num-prompts", type=int, default=32)
+    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument("--json", action="store_true", help="print one JSON object per workload")
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
+    p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"{SEED_PROMPTS[i % len(SEED_PROMPTS)]} ({i})" for i in range(n)]
+
+
+def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[int]]]:
+    from messages.requests import SamplingParams
+    from runtime.cli import _runtime
+    from runtime.client import Client
+
+    sampling = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    with _runtime(args) as rt, Client(rt.address) as client:
+        client.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
+        start = time.perf_counter()
+        done = client.generate(prompts, sampling)
+        elapsed = time.perf_counter() - start
+    return elapsed, [c.prompt_token_ids for c in done], [c.token_ids for c in done]
+
+
+def _hf(args, model_path: str, prompt_ids: list[list[int]]) -> tuple[float, list[list[int]]]:
+    import torch
+
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError:
+        raise RuntimeError("the HF side needs transformers: pip install -e '.[dev]'") from None
+    dtype = getattr(torch, args.dtype)
+    if model_path.endswith(".gguf"):
+        d, f = os.path.split(model_path)
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = model.to(args.device).eval()
+    width = max(len(p) for p in prompt_ids)
+    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=args.device)
+    mask = torch.tensor(
+        [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=args.device
+    )
+    kw = dict(
+        max_new_tokens=args.output_len,
+        min_new_tokens=args.output_len,
+        do_sample=False,
+        pad_token_id=pad,
+    )
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids[:2],
+            attention_mask=mask[:2],
+            **dict(kw, max_new_tokens=2, min_new_tokens=2),
+        )
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        elapsed = time.perf_counter() - start
+    return elapsed, out[:, width:].tolist()
+
+
+def _hardware_limit(args, model_path: str, batch: int) -> dict:
+    """Measured peak matmul rate and copy bandwidth, and the decode floor they imply."""
+    import torch
+
+    from ops.loader import load_model
+
+    dtype = getattr(torch, args.dtype)
+    model, _, _ = load_model(model_path, dtype=dtype, device=args.device)
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    n = 2048
+    a = torch.randn(n, n, dtype=dtype, device=args.device)
+    b = torch.randn(n, n, dtype=dtype, device=args.device)
+    src = torch.randn(64 * 1024 * 1024 // 4, dtype=torch.float32, device=args.device)
+
+    def best(fn, reps=5):
+        times = []
+        for _ in range(reps):
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    flops = 2 * n**3 / best(lambda: a @ b)
+    bandwidth = 2 * src.numel() * 4 / best(lambda: src.clone())
+    # One decode step of `batch` sequences: 2*params FLOPs per token, the weights read once.
+    step = max(2 * params * batch / flops, weight_bytes / bandwidth)
+    return {
+        "hw_matmul_gflop_s": flops / 1e9,
+        "hw_copy_gb_s": bandwidth / 1e9,
+        "hw_limit_output_tok_s": batch / step,
+        "params": params,
+    }
+
+
+def run(args) -> int:
+    from runtime.models import resolve
+
+    if args.num_prompts < 1 or args.output_len < 1:
+        raise ValueError("--num-prompts and --output-len must be >= 1")
+    prompts = _prompts(args.num_prompts)
+    _, model_path = resolve(args.model)
+    ours_s, prompt_ids, ours_tokens = _ours(args, prompts)
+    total = args.num_prompts * args.output_len
+    row = {
+        "workload": f"generate-{args.num_prompts}x{args.output_len}",
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "num_prompts": args.num_prompts,
+        "output_len": args.output_len,
+        "ours_seconds": round(ours_s, 3),
+        "ours_output_tok_s": round(total / ours_s, 1),
+    }
+    if not args.no_hf:
+        hf_s, hf_tokens = _hf(args, model_path, prompt_ids)
+        same = sum(a == b for a, b in zip(ours_tokens, hf_tokens, strict=True))
+        row.update(
+            hf_seconds=round(hf_s, 3),
+            hf_output_tok_s=round(total / hf_s, 1),
+            ratio=round(hf_s / ours_s, 3),
+            identical_outputs=f"{same}/{args.num_prompts}",
+        )
+    row.update(
+        {k: round(v, 1) for k, v in _hardware_limit(args, model_path, args.num_prompts).items()}
+    )
+    row.update(
+        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        machine=f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        command="taipan " + " ".join(sys.argv[1:]),
+    )
+    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
+    with open(args.results, "a") as f:
+        f.write(json.dumps(row) + "\n")
+    if args.json:
+        print(json.dumps(row))
+    else:
+        print(f"workload {row['workload']}: ours {row['ours_output_tok_s']} output tok/s", end="")
+        if "hf_output_tok_s" in row:
+            print(
+                f", HF transformers {row['hf_output_tok_s']} tok/s, ratio {row['ratio']}x, "
+                f"identical {row['identical_outputs']}",
+                end="",
+            )
+        print(f", hardware limit {row['hw_limit_output_tok_s']} tok/s")
+    return 0

@@ -1,0 +1,236 @@
+"""InferenceConfig: the seed's fields and defaults, frozen and validated; RuntimePlan beside it.
+
+Owns: user-facing configuration and its parsing from JSON / `--set FIELD=VALUE`. Values found at
+run time (block count, eos ids, ...) live in `RuntimePlan`, never written back into the config.
+
+Every seed field exists. A field whose feature is not built yet raises `ConfigError` naming it
+when set to anything but its default (`NOT_IMPLEMENTED`); nothing is silently ignored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+
+
+class ConfigError(ValueError):
+    pass
+
+
+class PrefixCachingEvictionPolicy(enum.StrEnum):
+    REF_ZERO = "ref_zero"
+    LRU = "lru"
+
+
+class PrefixCachingCoordinatorPolicy(enum.StrEnum):
+    LONGEST_PREFIX = "longest_prefix"
+    FIRST_PREFIX_BLOCK = "first_prefix_block"
+    ROUND_ROBIN = "round_robin"
+
+
+class KVCacheManagementMode(enum.StrEnum):
+    PERSIST = "persist"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+
+class CudaGraphSizingDistribution(enum.StrEnum):
+    EXPONENTIAL = "exponential"
+    LINEAR = "linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class InferenceConfig:
+    block_size_tokens: int = 256
+    buffer_size_gb: float = 20
+    paused_buffer_size_gb: float | None = None
+    mamba_inference_state_config: dict | None = None
+    mamba_memory_ratio: float | None = None
+    max_requests: int | None = None
+    max_tokens: int | None = None
+    unified_memory_level: int = 0
+    kv_cache_management_mode: KVCacheManagementMode | None = None
+    num_cuda_graphs: int | None = None
+    cuda_graph_mixed_prefill_count: int | None = 16
+    cuda_graph_sizing_distribution: CudaGraphSizingDistribution | None = None
+    use_cuda_graphs_for_non_decode_steps: bool = True
+    cuda_graph_all_prefills: bool = False
+    static_kv_memory_pointers: bool = False
+    max_sequence_length: int = 2560
+    pg_collection: dict | None = None
+    use_flashinfer_fused_rope: bool | None = False
+    materialize_only_last_token_logits: bool = True
+    enable_chunked_prefill: bool = False
+    num_speculative_tokens: int = 0
+    enable_prefix_caching: bool = False
+    prefix_caching_eviction_policy: PrefixCachingEvictionPolicy | None = None
+    prefix_caching_coordinator_policy: PrefixCachingCoordinatorPolicy | None = None
+    prefix_caching_routing_alpha: float = 0.5
+    prefix_caching_mamba_gb: float | None = None
+    track_paused_request_events: bool = False
+    track_generated_token_events: bool = False
+    metrics_writer: str | None = None
+    logging_step_interval: int = 0
+    sampling_backend: str = "torch"
+    request_metadata_types: list | None = None
+    use_synchronous_zmq_collectives: bool = False
+    disable_ep_consensus: bool = False
+    ep_consensus_interval: int = 20
+    verbose: dataclasses.InitVar[bool] = False
+
+    def __post_init__(self, verbose: bool):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in NOT_IMPLEMENTED and value != f.default:
+                raise ConfigError(
+                    f"{f.name}={value!r} is not implemented yet ({NOT_IMPLEMENTED[f.name]}); "
+                    f"leave it at its default {f.default!r}"
+                )
+        self._check_ranges()
+
+    def _check_ranges(self) -> None:
+        positive = ("block_size_tokens", "max_sequence_length", "ep_consensus_interval")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_requests", "max_tokens"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1 when set, got {value}")
+        if not self.buffer_size_gb > 0:
+            raise ConfigError(f"buffer_size_gb must be > 0, got {self.buffer_size_gb}")
+        if self.logging_step_interval < 0:
+            raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
+        if not 0 <= self.prefix_caching_routing_alpha <= 1:
+            raise ConfigError("prefix_caching_routing_alpha must be in [0, 1]")
+        if self.max_tokens is not None and self.max_requests is not None:
+            if self.max_tokens < self.max_requests:
+                raise ConfigError(
+                    f"max_tokens ({self.max_tokens}) must be >= max_requests "
+                    f"({self.max_requests}): every running request needs a token each step"
+                )
+
+    # --- parsing ------------------------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, values: dict) -> InferenceConfig:
+        names = {f.name for f in dataclasses.fields(cls)} | {"verbose"}
+        unknown = sorted(set(values) - names)
+        if unknown:
+            raise ConfigError(f"unknown InferenceConfig field(s): {', '.join(unknown)}")
+        hints = typing.get_type_hints(cls)
+        return cls(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
+
+    @classmethod
+    def from_cli(cls, config_file: str | None, sets: list[str]) -> InferenceConfig:
+        values: dict = {}
+        if config_file:
+            try:
+                with open(config_file) as f:
+                    loaded = json.load(f)
+            except (OSError, json.JSONDecodeError) as e:
+                raise ConfigError(f"cannot read config file {config_file}: {e}") from None
+            if not isinstance(loaded, dict):
+                raise ConfigError(f"config file {config_file} must hold a JSON object")
+            values.update(loaded)
+        for item in sets:
+            name, sep, raw = item.partition("=")
+            if not sep:
+                raise ConfigError(f"--set expects FIELD=VALUE, got {item!r}")
+            values[name.strip()] = raw.strip()
+        return cls.from_dict(values)
+
+    def to_dict(self) -> dict:
+        return {
+            f.name: (v.value if isinstance(v := getattr(self, f.name), enum.Enum) else v)
+            for f in dataclasses.fields(self)
+        }
+
+
+def _coerce(name: str, tp, value):
+    """Turn a JSON value or a --set string into the field's type, or raise ConfigError."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if isinstance(value, str) and tp is not str and not isinstance(tp, type(enum.Enum)):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise ConfigError(f"{name}: cannot parse {value!r} as {tp.__name__}") from None
+    try:
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            return tp(value)
+        if tp is bool and isinstance(value, bool):
+            return value
+        if tp is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if tp is float and isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+        if tp in (str, dict, list) and isinstance(value, tp):
+            return value
+    except ValueError:
+        choices = ", ".join(m.value for m in tp)
+        raise ConfigError(f"{name}: {value!r} is not one of {choices}") from None
+    raise ConfigError(f"{name}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+# Field -> why it is refused when set. Shrinks as features land.
+NOT_IMPLEMENTED = {
+    "paused_buffer_size_gb": "pausing and evicting requests arrives with the full engine",
+    "mamba_inference_state_config": "hybrid Mamba models are not supported yet",
+    "mamba_memory_ratio": "hybrid Mamba models are not supported yet",
+    "unified_memory_level": "unified memory is not supported",
+    "kv_cache_management_mode": "suspend/resume is not built yet",
+    "num_cuda_graphs": "CUDA graphs are not captured yet",
+    "cuda_graph_mixed_prefill_count": "CUDA graphs are not captured yet",
+    "cuda_graph_sizing_distribution": "CUDA graphs are not captured yet",
+    "use_cuda_graphs_for_non_decode_steps": "CUDA graphs are not captured yet",
+    "cuda_graph_all_prefills": "CUDA graphs are not captured yet",
+    "static_kv_memory_pointers": "suspend/resume is not built yet",
+    "pg_collection": "taipan wires its own process groups; a torch ProcessGroupCollection "
+    "cannot be passed",
+    "use_flashinfer_fused_rope": "flashinfer is not used",
+    "materialize_only_last_token_logits": "prompt log-probs are not built yet",
+    "num_speculative_tokens": "speculative decoding is not built",
+    "enable_prefix_caching": "prefix caching is not built yet",
+    "prefix_caching_eviction_policy": "prefix caching is not built yet",
+    "prefix_caching_coordinator_policy": "prefix-aware routing is not built yet",
+    "prefix_caching_routing_alpha": "prefix-aware routing is not built yet",
+    "prefix_caching_mamba_gb": "hybrid Mamba models are not supported yet",
+    "track_paused_request_events": "request events are not built yet",
+    "track_generated_token_events": "request events are not built yet",
+    "metrics_writer": "no metrics writer (wandb) integration",
+    "sampling_backend": "only the torch sampling backend exists",
+    "request_metadata_types": "per-request metadata tracking is not built",
+    "use_synchronous_zmq_collectives": "expert-parallel consensus is not built yet",
+    "disable_ep_consensus": "expert-parallel consensus is not built yet",
+    "ep_consensus_interval": "expert-parallel consensus is not built yet",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimePlan:
+    """What one engine rank found out at start-up. Never mixed back into InferenceConfig."""
+
+    num_blocks: int
+    block_size: int
+    max_requests: int
+    max_tokens: int
+    max_sequence_length: int
+    eos_token_ids: tuple[int, ...]
+
+
+DEFAULT_MAX_TOKENS = 16384
+DEFAULT_MAX_REQUESTS = 128
+
+
+def plan_limits(config: InferenceConfig) -> tuple[int, int]:
+    """(max_requests, max_tokens) with the seed's defaults filled in."""
+    max_tokens = config.max_tokens or DEFAULT_MAX_TOKENS
+    max_requests = config.max_requests or min(DEFAULT_MAX_REQUESTS, max_tokens)
+    return max_requests, max_tokens

@@ -1,0 +1,189 @@
+"""The process launcher: start a coordinator and engine ranks, wait until ready, stop cleanly.
+
+    with Runtime("smollm2", InferenceConfig()) as rt:
+        client = Client(rt.address)
+
+Owns the child processes and a private temp dir for ipc sockets. Shutdown sends STOP through the
+coordinator (every request gets its terminal output), waits for the children, escalates to
+SIGTERM then SIGKILL, and removes the ipc files. Children also die with this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+
+from runtime.config import InferenceConfig, plan_limits
+from runtime.models import resolve
+
+
+class LaunchError(RuntimeError):
+    pass
+
+
+class Runtime:
+    def __init__(
+        self,
+        model: str = "smollm2",
+        config: InferenceConfig | None = None,
+        *,
+        address: str | None = None,
+        record_dir: str | None = None,
+        num_ranks: int = 1,
+        dtype: str = "float32",
+        device: str = "cpu",
+        log_level: str | None = None,
+    ):
+        if num_ranks != 1:
+            raise LaunchError(
+                "more than one engine rank needs the data-parallel coordinator; "
+                "only num_ranks=1 is built so far"
+            )
+        self.model_name, self.model_path = resolve(model)
+        self.config = config or InferenceConfig()
+        self.num_ranks = num_ranks
+        self.dtype, self.device = dtype, device
+        self.record_dir = os.path.abspath(record_dir) if record_dir else None
+        self.log_level = log_level
+        self.tmp = tempfile.mkdtemp(prefix="taipan-")
+        self.address = address or f"ipc://{self.tmp}/frontend.sock"
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self._exit_callbacks: list = []
+
+    # --- start --------------------------------------------------------------------------------
+
+    def _spec(self) -> dict:
+        max_requests, _ = plan_limits(self.config)
+        blocks_per_request = -(-self.config.max_sequence_length // self.config.block_size_tokens)
+        return {
+            "frontend": self.address,
+            "backend": f"ipc://{self.tmp}/backend.sock",
+            "num_ranks": self.num_ranks,
+            "model_name": self.model_name,
+            "model_path": self.model_path,
+            "dtype": self.dtype,
+            "device": self.device,
+            "config": self.config.to_dict(),
+            # More blocks than every admissible request can hold would only waste memory.
+            "max_blocks": max_requests * blocks_per_request,
+            "record_dir": self.record_dir,
+            "log_level": self.log_level,
+        }
+
+    def _spawn(self, name: str, *args: str) -> None:
+        cmd = [sys.executable, "-m", "runtime.procs", *args]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        self.procs.append((name, proc))
+        threading.Thread(target=self._watch, args=(name, proc), daemon=True).start()
+
+    def _watch(self, name: str, proc: subprocess.Popen) -> None:
+        proc.wait()  # a blocking wait in its own thread: no polling
+        for callback in list(self._exit_callbacks):
+            try:
+                callback(name, proc.returncode)
+            except RuntimeError:  # the waiting event loop has closed
+                pass
+
+    def start(self, timeout: float = 600.0) -> Runtime:
+        spec = json.dumps(self._spec())
+        try:
+            self._spawn("coordinator", "coordinator", spec)
+            for rank in range(self.num_ranks):
+                self._spawn(f"engine-{rank}", "engine", spec, str(rank))
+            asyncio.run(self._wait_ready(timeout))
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    async def _wait_ready(self, timeout: float) -> None:
+        from runtime.client import AsyncClient
+
+        loop = asyncio.get_running_loop()
+        died = loop.create_future()
+
+        def on_exit(name, code):
+            loop.call_soon_threadsafe(lambda: died.done() or died.set_result((name, code)))
+
+        self._exit_callbacks.append(on_exit)
+        for name, proc in self.procs:
+            if proc.poll() is not None:
+                on_exit(name, proc.returncode)
+        client = AsyncClient(self.address, connect_timeout=timeout)
+        connect = asyncio.ensure_future(client.connect())
+        try:
+            done, _ = await asyncio.wait({connect, died}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._exit_callbacks.remove(on_exit)
+        if connect in done:
+            try:
+                connect.result()
+            except TimeoutError:
+                raise LaunchError(f"the runtime was not ready within {timeout:.0f} s") from None
+            except RuntimeError as e:
+                raise LaunchError(str(e)) from None
+            await client.close()
+            return
+        connect.cancel()
+        await asyncio.gather(connect, return_exceptions=True)
+        name, code = died.result()
+        raise LaunchError(f"{name} exited with code {code} during start-up (see its log above)")
+
+    # --- stop ---------------------------------------------------------------------------------
+
+    def alive(self) -> bool:
+        return any(p.poll() is None for _, p in self.procs)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        if self.alive():
+            try:
+                asyncio.run(asyncio.wait_for(self._send_stop(), timeout))
+            except Exception:  # the coordinator is gone or stuck: signals take over
+                pass
+        for sig, wait in ((None, timeout), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+            for _, proc in self.procs:
+                if sig is not None and proc.poll() is None:
+                    proc.send_signal(sig)
+            for _, proc in self.procs:
+                try:
+                    proc.wait(wait)
+                except subprocess.TimeoutExpired:
+                    pass
+            if not self.alive():
+                break
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    async def _send_stop(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        from actors.client.actor import ClientActor
+        from runtime.channel import make_socket
+
+        ctx = zmq.asyncio.Context()
+        channel = make_socket(ctx, zmq.DEALER, self.address, bind=False, name="coordinator")
+        actor = ClientActor(channel)
+        task = asyncio.create_task(actor.run())
+        try:
+            await actor.stop_runtime("launcher shutdown")
+        finally:
+            actor.stop()
+            await task
+            channel.close()
+            ctx.term()
+
+    def __enter__(self) -> Runtime:
+        if not self.procs:
+            self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

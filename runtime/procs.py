@@ -1,0 +1,142 @@
+"""Child-process entry points: `python -m runtime.procs coordinator|engine SPEC_JSON [RANK]`.
+
+One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
+actors on one event loop, wired over inproc. The launcher (runtime/launcher.py) writes SPEC.
+Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
+clean stop through STOP messages) and treat SIGTERM as "stop now".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import json
+import signal
+import sys
+
+import zmq
+import zmq.asyncio
+
+from runtime.channel import make_socket
+from runtime.config import InferenceConfig
+from runtime.log import configure
+
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own cleanup still stops us
+        pass
+
+
+def _recorder(spec: dict, actor: str):
+    if not spec.get("record_dir"):
+        return None
+    from runtime.record import Recorder
+
+    return Recorder(spec["record_dir"], actor)
+
+
+async def _run_until_stopped(actors: list) -> None:
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal.SIGTERM, lambda: [a.stop() for a in actors])
+    async with asyncio.TaskGroup() as tg:
+        tasks = [tg.create_task(a.run()) for a in actors]
+        # The first actor is the one whose end ends the process.
+        await tasks[0]
+        for a in actors[1:]:
+            a.stop()
+
+
+async def coordinator_main(spec: dict) -> None:
+    from actors.coordinator.actor import CoordinatorActor
+
+    ctx = zmq.asyncio.Context()
+    rec = _recorder(spec, "coordinator")
+    frontend = make_socket(
+        ctx, zmq.ROUTER, spec["frontend"], bind=True, name="clients", recorder=rec
+    )
+    backend = make_socket(ctx, zmq.ROUTER, spec["backend"], bind=True, name="engines", recorder=rec)
+    config = InferenceConfig.from_dict(spec["config"])
+    actor = CoordinatorActor(
+        frontend, backend, spec["num_ranks"], spec["model_name"], config.max_sequence_length
+    )
+    try:
+        await _run_until_stopped([actor])
+    finally:
+        frontend.close()
+        backend.close()
+        ctx.term()
+        if rec is not None:
+            rec.close()
+
+
+async def engine_main(spec: dict, rank: int) -> None:
+    from actors.allocator.actor import AllocatorActor
+    from actors.engine.actor import EngineActor
+    from actors.gpu.actor import GpuActor
+    from messages.gpu import LoadModel
+
+    ctx = zmq.asyncio.Context()
+    recs = {name: _recorder(spec, f"{name}-{rank}") for name in ("engine", "allocator", "gpu")}
+    alloc_addr, gpu_addr = f"inproc://allocator-{rank}", f"inproc://gpu-{rank}"
+    # Each inproc pair: the served side binds, the engine connects.
+    alloc_side = make_socket(
+        ctx, zmq.PAIR, alloc_addr, bind=True, name="engine", recorder=recs["allocator"]
+    )
+    gpu_side = make_socket(ctx, zmq.PAIR, gpu_addr, bind=True, name="engine", recorder=recs["gpu"])
+    to_alloc = make_socket(
+        ctx, zmq.PAIR, alloc_addr, bind=False, name="allocator", recorder=recs["engine"]
+    )
+    to_gpu = make_socket(ctx, zmq.PAIR, gpu_addr, bind=False, name="gpu", recorder=recs["engine"])
+    to_coord = make_socket(
+        ctx,
+        zmq.DEALER,
+        spec["backend"],
+        bind=False,
+        name="coordinator",
+        identity=f"engine-{rank}".encode(),
+        recorder=recs["engine"],
+    )
+    config = InferenceConfig.from_dict(spec["config"])
+    max_blocks = spec["max_blocks"]
+    load = LoadModel(
+        spec["model_path"],
+        spec["dtype"],
+        spec["device"],
+        config.block_size_tokens,
+        max_blocks,
+        float(config.buffer_size_gb),
+    )
+    channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
+    try:
+        engine = EngineActor(rank, config, load, to_coord, to_alloc, to_gpu)
+        await _run_until_stopped([engine, AllocatorActor(alloc_side), GpuActor(rank, gpu_side)])
+    finally:
+        for ch in channels:
+            ch.close()
+        ctx.term()
+        for rec in recs.values():
+            if rec is not None:
+                rec.close()
+
+
+def main(argv: list[str]) -> None:
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    role, spec = argv[0], json.loads(argv[1])
+    configure(spec.get("log_level"))
+    import uvloop
+
+    if role == "coordinator":
+        uvloop.run(coordinator_main(spec))
+    elif role == "engine":
+        uvloop.run(engine_main(spec, int(argv[2])))
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

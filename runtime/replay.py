@@ -1,0 +1,345 @@
+"""`taipan replay DIR`: read a `--record` directory, print a timeline, or `--check` determinism.
+
+Owns: turning `.tplog` files (runtime/record.py) into a merged, filtered, readable timeline, and
+re-driving deterministic actors from their recorded inbound messages. Reads logs, never writes
+them; builds fresh actor cores and never touches live actors or sockets.
+
+Checkers: `CHECKERS` maps an actor-name prefix ("allocator" covers "allocator" and
+"allocator-0") to a factory `make(actor_name) -> respond`; `respond(record)` takes one recorded
+inbound record and returns the outbound messages the actor's deterministic core produces for it,
+as `(channel, peer, frames)`. Register more (e.g. the coordinator's routing core) by adding to
+the dict. Exit codes: 0 ok, 1 a divergence, 2 unreadable input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import heapq
+import os
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+
+from messages.codec import MessageError, decode, encode, registry
+from runtime.record import SUFFIX, LogError, Record, read_log
+
+Outbound = tuple[str, bytes | None, tuple[bytes, ...]]
+Responder = Callable[[Record], list[Outbound]]
+MAX_ITEMS = 6  # values shown per array / list in a summary
+MAX_STR = 60  # characters shown per string field
+REQUEST_ID_FIELDS = ("request_id",)
+REQUEST_ID_ARRAYS = ("request_ids", "alloc_ids", "free_ids")
+ARROWS = {"in": "←", "out": "→"}
+
+
+def _allocator_checker(actor_name: str) -> Responder:
+    # Imported here: runtime/ sits below actors/, and only --check needs the allocator.
+    from actors.allocator.actor import AllocatorService
+
+    service = AllocatorService(actor_name)
+
+    def respond(rec: Record) -> list[Outbound]:
+        reply = service.handle_frames(rec.frames)
+        if reply is None:
+            return []
+        return [(rec.channel, rec.peer, tuple(bytes(f) for f in encode(reply)))]
+
+    return respond
+
+
+CHECKERS: dict[str, Callable[[str], Responder]] = {"allocator": _allocator_checker}
+
+
+class ReplayError(Exception):
+    """Input that replay cannot use (missing directory, no logs, unknown actor)."""
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dir", help="a --record directory, or one .tplog file")
+    parser.add_argument(
+        "--actor", action="append", default=[], metavar="NAME", help="only this actor (repeat)"
+    )
+    parser.add_argument(
+        "--request",
+        type=int,
+        metavar="ID",
+        help="only messages about request ID (request_id, request_ids, alloc_ids or free_ids)",
+    )
+    parser.add_argument(
+        "--type",
+        action="append",
+        default=[],
+        dest="types",
+        metavar="NAME",
+        help="only messages of this class, e.g. BlockOps (repeat)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="re-drive deterministic actors from their inbound messages and compare the replies",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        try:
+            logs = _select(_find_logs(args.dir), args.actor)
+            _check_types(args.types)
+        except ReplayError as e:
+            print(f"taipan replay: {e}", file=sys.stderr)
+            return 2
+        loaded, errors = _load(logs)
+        if args.check:
+            if errors:
+                for err in errors:
+                    print(f"taipan replay: {err}", file=sys.stderr)
+                return 2
+            return check(loaded, logs)
+        # A crash leaves a torn tail: show everything before it, then say where it broke.
+        print_timeline(loaded, request=args.request, types=set(args.types))
+        for err in errors:
+            print(f"taipan replay: {err}", file=sys.stderr)
+        return 2 if errors else 0
+    except BrokenPipeError:  # `taipan replay DIR | head`: the reader left, which is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="taipan replay", description=__doc__.split("\n")[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def _find_logs(path: str) -> dict[str, Path]:
+    p = Path(path)
+    if p.is_file():
+        return {p.name.removesuffix(SUFFIX): p}
+    if not p.is_dir():
+        raise ReplayError(f"{path} does not exist")
+    logs = {f.name.removesuffix(SUFFIX): f for f in sorted(p.glob(f"*{SUFFIX}"))}
+    if not logs:
+        raise ReplayError(f"no {SUFFIX} files in {path}")
+    return logs
+
+
+def _select(logs: dict[str, Path], actors: list[str]) -> dict[str, Path]:
+    missing = [a for a in actors if a not in logs]
+    if missing:
+        raise ReplayError(f"no log for actor {', '.join(missing)} (have: {', '.join(logs)})")
+    return {name: p for name, p in logs.items() if not actors or name in actors}
+
+
+def _check_types(types: list[str]) -> None:
+    known = {cls.__name__ for cls in registry().values()}
+    unknown = [t for t in types if t not in known]
+    if unknown:
+        raise ReplayError(
+            f"unknown message type {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        )
+
+
+def _load(logs: dict[str, Path]) -> tuple[dict[str, list[Record]], list[str]]:
+    loaded: dict[str, list[Record]] = {}
+    errors: list[str] = []
+    for name, path in logs.items():
+        records = loaded.setdefault(name, [])
+        try:
+            for rec in read_log(path):  # keep the good records before a bad one
+                records.append(rec)
+        except LogError as e:
+            errors.append(str(e))
+    return loaded, errors
+
+
+# --- timeline -------------------------------------------------------------------------------------
+
+
+def print_timeline(
+    loaded: dict[str, list[Record]], request: int | None = None, types: set[str] = frozenset()
+) -> None:
+    """Every record of every actor, merged by time (each actor's own order kept)."""
+    times = [r.time for recs in loaded.values() for r in recs]
+    if not times:
+        return
+    t0 = min(times)  # relative to the first record of all, so filters do not shift times
+    width = max(len(name) for name in loaded)
+    lines = []
+    streams = [[(name, r) for r in recs] for name, recs in loaded.items()]
+    for name, rec in heapq.merge(*streams, key=lambda item: item[1].time):
+        msg, error = _decode(rec.frames)
+        if types and (msg is None or type(msg).__name__ not in types):
+            continue
+        if request is not None and (msg is None or not _mentions(msg, request)):
+            continue
+        where = f"{ARROWS[rec.direction]} {_endpoint(rec.channel, rec.peer)}"
+        lines.append(
+            (f"{(rec.time - t0) * 1e3:10.3f} ms  {name:<{width}}", where, _text(msg, error))
+        )
+    # Pad the channel column to the widest one shown, so that summaries line up.
+    pad = max((len(where) for _, where, _ in lines), default=0)
+    for head, where, text in lines:
+        print(f"{head} {where:<{pad}}  {text}")
+
+
+def _decode(frames: tuple[bytes, ...]):
+    try:
+        return decode(frames), None
+    except MessageError as e:
+        return None, e
+
+
+def _text(msg, error: MessageError | None) -> str:
+    return f"<bad message: {_cut(str(error), 80)}>" if msg is None else summarize(msg)
+
+
+def _endpoint(channel: str, peer: bytes | None) -> str:
+    return channel if peer is None else f"{channel}[{_peer(peer)}]"
+
+
+def _mentions(msg, request_id: int) -> bool:
+    for field in REQUEST_ID_FIELDS:
+        if getattr(msg, field, None) == request_id:
+            return True
+    for field in REQUEST_ID_ARRAYS:
+        arr = getattr(msg, field, None)
+        if isinstance(arr, np.ndarray) and bool(np.any(arr == request_id)):
+            return True
+    return False
+
+
+def summarize(msg) -> str:
+    """`TypeName field=value ...`, arrays as dtype[shape] and their first few values."""
+    if not dataclasses.is_dataclass(msg):
+        return _value(msg)
+    fields = " ".join(f"{f.name}={_value(getattr(msg, f.name))}" for f in dataclasses.fields(msg))
+    return f"{type(msg).__name__} {fields}".rstrip()
+
+
+def _value(v) -> str:
+    if isinstance(v, np.ndarray):
+        head = v.reshape(-1)[:MAX_ITEMS].tolist()
+        more = " …" if v.size > MAX_ITEMS else ""
+        shape = ",".join(str(d) for d in v.shape)
+        values = f" [{' '.join(_value(x) for x in head)}{more}]" if v.size else ""
+        return f"{v.dtype.name}[{shape}]{values}"
+    if isinstance(v, str):
+        return repr(_cut(v, MAX_STR))
+    if isinstance(v, bytes):
+        return f"bytes[{len(v)}]"
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    if isinstance(v, list | tuple):
+        more = ", …" if len(v) > MAX_ITEMS else ""
+        return f"({', '.join(_value(x) for x in v[:MAX_ITEMS])}{more})"
+    if isinstance(v, dict):
+        items = list(v.items())
+        more = ", …" if len(items) > MAX_ITEMS else ""
+        return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in items[:MAX_ITEMS]) + more + "}"
+    if dataclasses.is_dataclass(v):
+        return f"({summarize(v)})"
+    return repr(v)
+
+
+def _cut(s: str, limit: int) -> str:
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def _peer(peer: bytes) -> str:
+    if peer.isascii() and peer.decode("ascii").isprintable():
+        return _cut(peer.decode("ascii"), 16)
+    return _cut(peer.hex(), 16)
+
+
+# --- check ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Divergence:
+    index: int  # position of the offending record in the actor's log
+    offset: int  # its byte offset, or -1 when the log ended early
+    what: str
+    recorded: str
+    replayed: str
+
+
+def check(loaded: dict[str, list[Record]], paths: dict[str, Path] | None = None) -> int:
+    """Re-drive every actor that has a checker; print one line per actor; 0 ok, 1 divergence."""
+    failed = False
+    for name, records in loaded.items():
+        make = _checker_for(name)
+        if make is None:
+            print(f"{name}: not checked (not deterministic yet)")
+            continue
+        div = check_actor(records, make(name))
+        if div is None:
+            n_in = sum(r.direction == "in" for r in records)
+            print(
+                f"{name}: ok, {len(records)} records checked ({n_in} in, {len(records) - n_in} out)"
+            )
+            continue
+        failed = True
+        where = f"byte {div.offset} of {paths[name]}" if paths and div.offset >= 0 else "end of log"
+        print(f"{name}: DIVERGES at record #{div.index} ({where}): {div.what}")
+        print(f"  recorded: {div.recorded}")
+        print(f"  replayed: {div.replayed}")
+    return 1 if failed else 0
+
+
+def _checker_for(name: str) -> Callable[[str], Responder] | None:
+    prefixes = [p for p in CHECKERS if name.startswith(p)]
+    return CHECKERS[max(prefixes, key=len)] if prefixes else None
+
+
+def check_actor(records: Iterable[Record], respond: Responder) -> Divergence | None:
+    """Compare what `respond` produces for each inbound record with the recorded outbound ones.
+
+    Replies are matched in order; an actor may answer one inbound message with zero or more
+    outbound ones, so expected replies queue up until the next recorded "out" consumes them.
+    """
+    pending: deque[tuple[int, Outbound]] = deque()
+    index = -1
+    for index, rec in enumerate(records):
+        if rec.direction == "in":
+            try:
+                pending.extend((index, out) for out in respond(rec))
+            except Exception as e:  # a crashing core is a divergence to report, not to raise
+                return Divergence(index, rec.offset, "the checker raised", "-", repr(e))
+            continue
+        recorded = _describe(rec.channel, rec.peer, rec.frames)
+        if not pending:
+            return Divergence(
+                index, rec.offset, "recorded a message replay did not produce", recorded, "nothing"
+            )
+        source, (channel, peer, frames) = pending.popleft()
+        if (channel, peer, frames) != (rec.channel, rec.peer, tuple(rec.frames)):
+            replayed = _describe(channel, peer, frames)
+            what = f"reply to inbound record #{source} differs"
+            if recorded == replayed:
+                what += " (same summary, different encoded bytes)"
+            return Divergence(index, rec.offset, what, recorded, replayed)
+    if pending:
+        source, (channel, peer, frames) = pending[0]
+        return Divergence(
+            index + 1,
+            -1,
+            f"replay answered inbound record #{source}, the log has no reply",
+            "nothing",
+            _describe(channel, peer, frames),
+        )
+    return None
+
+
+def _describe(channel: str, peer: bytes | None, frames: tuple[bytes, ...]) -> str:
+    return f"{ARROWS['out']} {_endpoint(channel, peer)}  {_text(*_decode(frames))}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

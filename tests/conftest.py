@@ -1,0 +1,53 @@
+"""Shared fixtures: the default model, one running runtime, and the Hugging Face oracle."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from runtime.config import InferenceConfig  # noqa: E402
+
+# A small engine so that tests exercise many blocks, several steps and chunking paths.
+TEST_CONFIG = dict(
+    block_size_tokens=16, max_tokens=256, max_requests=32, buffer_size_gb=1, max_sequence_length=512
+)
+
+
+@pytest.fixture(scope="session")
+def model_path() -> str:
+    from runtime.models import resolve
+
+    return resolve("smollm2")[1]
+
+
+@pytest.fixture(scope="session")
+def runtime(model_path):
+    """One real runtime (coordinator + engine processes) shared by the end-to-end tests."""
+    from runtime.launcher import Runtime
+
+    with Runtime(model_path, InferenceConfig(**TEST_CONFIG)) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="session")
+def client(runtime):
+    from runtime.client import Client
+
+    with Client(runtime.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def hf(model_path):
+    """(model, tokenizer) from transformers on the same GGUF, fp32: the oracle."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    d, f = os.path.split(model_path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).eval()
+    return model, tok
