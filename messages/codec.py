@@ -199,7 +199,8 @@ def _to_wire(v, extra: list):
     if isinstance(v, np.ndarray):
         if v.dtype.name not in ALLOWED_DTYPES:
             raise TypeError(f"dtype {v.dtype} cannot travel")
-        arr = np.ascontiguousarray(v)
+        # The wire is little-endian and keeps 0-d shapes (ascontiguousarray makes them 1-d).
+        arr = np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("<")).reshape(v.shape)
         if arr.nbytes > INLINE_ARRAY_BYTES:
             extra.append(memoryview(arr).cast("B"))
             body = msgpack.packb([arr.dtype.name, list(arr.shape), len(extra)])
@@ -250,7 +251,7 @@ def _array_from(body: bytes, frames: Sequence[memoryview]) -> np.ndarray:
         data = frames[data]
     elif not isinstance(data, bytes):
         raise MessageError("array data must be bytes or a frame index", "bad_array")
-    dt = np.dtype(dtype)
+    dt = np.dtype(dtype).newbyteorder("<")
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
     if count * dt.itemsize != len(data):
         raise MessageError(
@@ -293,7 +294,7 @@ def decode(frames: Sequence[bytes | memoryview]):
     cls = _REGISTRY.get(tag)
     if cls is None:
         raise MessageError(f"unknown message tag {tag}", "unknown_tag")
-    if version != cls.VERSION:
+    if type(version) is not int or version != cls.VERSION:
         raise MessageError(
             f"{cls.__name__} version {version!r}, expected {cls.VERSION}", "bad_version"
         )

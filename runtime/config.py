@@ -106,12 +106,12 @@ class InferenceConfig:
             raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
         if not 0 <= self.prefix_caching_routing_alpha <= 1:
             raise ConfigError("prefix_caching_routing_alpha must be in [0, 1]")
-        if self.max_tokens is not None and self.max_requests is not None:
-            if self.max_tokens < self.max_requests:
-                raise ConfigError(
-                    f"max_tokens ({self.max_tokens}) must be >= max_requests "
-                    f"({self.max_requests}): every running request needs a token each step"
-                )
+        max_tokens = self.max_tokens or DEFAULT_MAX_TOKENS
+        if self.max_requests is not None and max_tokens < self.max_requests:
+            raise ConfigError(
+                f"max_tokens ({max_tokens}) must be >= max_requests "
+                f"({self.max_requests}): every running request needs a token each step"
+            )
 
     # --- parsing ------------------------------------------------------------------------------
 
@@ -122,6 +122,7 @@ class InferenceConfig:
         if unknown:
             raise ConfigError(f"unknown InferenceConfig field(s): {', '.join(unknown)}")
         hints = typing.get_type_hints(cls)
+        hints = {k: getattr(t, "type", t) for k, t in hints.items()}  # unwrap InitVar[bool]
         return cls(**{k: _coerce(k, hints[k], v) for k, v in values.items()})
 
     @classmethod
@@ -131,7 +132,7 @@ class InferenceConfig:
             try:
                 with open(config_file) as f:
                     loaded = json.load(f)
-            except (OSError, json.JSONDecodeError) as e:
+            except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
                 raise ConfigError(f"cannot read config file {config_file}: {e}") from None
             if not isinstance(loaded, dict):
                 raise ConfigError(f"config file {config_file} must hold a JSON object")
@@ -158,10 +159,14 @@ def _coerce(name: str, tp, value):
             return None
         tp = next(a for a in args if a is not type(None))
     if isinstance(value, str) and tp is not str and not isinstance(tp, type(enum.Enum)):
+        if tp is bool and value.lower() in ("true", "false"):  # accept Python's True/False too
+            value = value.lower()
         try:
             value = json.loads(value)
         except json.JSONDecodeError:
-            raise ConfigError(f"{name}: cannot parse {value!r} as {tp.__name__}") from None
+            raise ConfigError(
+                f"{name}: cannot parse {value!r} as {getattr(tp, '__name__', tp)}"
+            ) from None
     try:
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             return tp(value)

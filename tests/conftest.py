@@ -17,6 +17,19 @@ TEST_CONFIG = dict(
 )
 
 
+def pytest_collection_modifyitems(config, items):
+    """GPU tests skip (with a reason) where CUDA is absent; CI never has a GPU."""
+    gpu_items = [i for i in items if i.get_closest_marker("gpu")]
+    if not gpu_items:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU: run `pytest -m gpu` on the device")
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def model_path() -> str:
     from runtime.models import resolve

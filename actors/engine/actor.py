@@ -158,6 +158,7 @@ class EngineActor(Actor):
                 self.work.clear()
                 continue
             batch = sched.schedule()
+            await self._emit(batch.ended)
             if not batch.chunks and not batch.free_ids:
                 # Work exists but nothing fits this step (cannot happen with reservations);
                 # wait for an abort or a finish to change that rather than spinning.

@@ -45,6 +45,7 @@ class StepBatch:
     step: int
     chunks: list[Chunk]
     free_ids: list[int]
+    ended: list[EngineRequest]  # aborted before this step: report them now
 
     @property
     def num_tokens(self) -> int:
@@ -99,8 +100,8 @@ class Scheduler:
         self.waiting.append(req)
 
     def abort(self, request_id: int) -> EngineRequest | None:
-        """Mark a request aborted. A waiting one ends now (returned); a running one at the end
-        of the step that may be in flight (update() finishes it)."""
+        """Mark a request aborted. A waiting one ends now (returned); a running one ends at the
+        end of the step in flight (update()) or at the next schedule(), whichever comes first."""
         req = self.requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return None
@@ -126,9 +127,12 @@ class Scheduler:
         bs = self.plan.block_size
         budget = self.plan.max_tokens
         chunks: list[Chunk] = []
+        # No step is in flight while we plan: aborted running requests end here, and their
+        # blocks go back in this very step.
+        ended = [r for r in self.running if r.aborted]
+        for r in ended:
+            self._finish(r, "abort")
         for req in list(self.running):
-            if req.aborted:
-                continue
             remaining = req.num_tokens - req.num_computed_tokens
             n = min(remaining, budget)
             if n <= 0:
@@ -154,7 +158,7 @@ class Scheduler:
         free_ids = list(self.pending_free)
         self.pending_free.clear()
         self.step += 1
-        return StepBatch(self.step, chunks, free_ids)
+        return StepBatch(self.step, chunks, free_ids, ended)
 
     def assign_blocks(self, batch: StepBatch, block_ids: np.ndarray, num_free: int) -> None:
         offset = 0
@@ -230,10 +234,6 @@ class Scheduler:
                 self._finish(r, reason)
             if reason is not None or r.stream:
                 out.append(r)
-        # Aborted requests that were not in this batch (nothing to compute this step).
-        for r in [r for r in self.running if r.aborted]:
-            self._finish(r, "abort")
-            out.append(r)
         return out
 
     def fail_all(self, reason: str) -> list[EngineRequest]:

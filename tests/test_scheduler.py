@@ -1,0 +1,570 @@
+"""The engine's Scheduler, driven the way EngineActor drives it, against a fake allocator (a free
+list) and a fake gpu that writes every step into a shadow KV cache and checks that each sequence
+reads back exactly its own tokens.
+
+The fake gpu samples token (position * 7) % 50 + 10 for the token at `position`, so each request's
+output is known in advance (`expected_output`) whatever the batching, chunking or block layout.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from actors.engine.request import EngineRequest, Status
+from actors.engine.scheduler import Scheduler, StepBatch, derive_seed
+from messages.requests import SamplingParams
+from runtime.config import RuntimePlan
+
+REASONS = {"stop", "length", "abort"}
+
+
+def fake_token(position: int) -> int:
+    return (position * 7) % 50 + 10
+
+
+def make_plan(
+    num_blocks=64, block_size=4, max_requests=8, max_tokens=32, max_sequence_length=256, eos=()
+) -> RuntimePlan:
+    return RuntimePlan(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_requests=max_requests,
+        max_tokens=max_tokens,
+        max_sequence_length=max_sequence_length,
+        eos_token_ids=tuple(eos),
+    )
+
+
+def make_request(rid: int, prompt_len: int, max_tokens: int = 4, stream=False, **sampling):
+    prompt = ((np.arange(prompt_len) * 31 + rid * 7) % 1000 + 100).astype(np.int32)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.5, top_k=rid, **sampling)
+    return EngineRequest(rid, prompt, params, stream, arrival_time=float(rid), seed=1000 + rid)
+
+
+def expected_output(req: EngineRequest, plan: RuntimePlan) -> tuple[list[int], str]:
+    """What the request generates with the fake gpu, and why it stops."""
+    s, p, out = req.sampling, len(req.prompt), []
+    while True:
+        tok = fake_token(p + len(out))
+        out.append(tok)
+        if (not s.ignore_eos and tok in plan.eos_token_ids) or tok in s.stop_token_ids:
+            return out, "stop"
+        if len(out) >= s.max_tokens or p + len(out) >= plan.max_sequence_length:
+            return out, "length"
+
+
+class FakePool:
+    """The allocator's contract (messages/allocator.py): frees by request id, then allocations,
+    all or nothing; lowest free block first."""
+
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.free = list(range(num_blocks))
+        self.held: dict[int, list[int]] = {}
+
+    def apply(self, free_ids, allocs: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+        for rid in free_ids:
+            self.free.extend(self.held.pop(rid, []))
+        self.free.sort()
+        total = sum(n for _, n in allocs)
+        assert total <= len(self.free), f"planned {total} blocks, {len(self.free)} free"
+        out = []
+        for rid, n in allocs:
+            taken, self.free = self.free[:n], self.free[n:]
+            self.held.setdefault(rid, []).extend(taken)
+            out.extend(taken)
+        return np.asarray(out, dtype=np.int32), len(self.free)
+
+
+class Harness:
+    """One rank's step loop (EngineActor._step_loop / _run_step) around a real Scheduler."""
+
+    def __init__(self, plan: RuntimePlan, chunked: bool):
+        self.plan = plan
+        self.sched = Scheduler(plan, chunked)
+        self.pool = FakePool(plan.num_blocks)
+        size = plan.num_blocks * plan.block_size
+        self.kv_token = np.full(size, -1, dtype=np.int64)
+        self.kv_owner = np.full(size, -1, dtype=np.int64)
+        self.added: dict[int, EngineRequest] = {}
+        self.add_order: list[int] = []
+        self.first_scheduled: list[int] = []
+        self.reports: dict[int, list[tuple[list[int], bool]]] = {}
+        self.ended: dict[int, EngineRequest] = {}
+        self.abort_called: set[int] = set()
+        self.history: list[list[tuple[int, int, bool]]] = []  # per step: (id, tokens, samples)
+
+    # --- what the actor's handlers do ---------------------------------------------------------
+
+    def add(self, req: EngineRequest) -> str | None:
+        problem = self.sched.check(len(req.prompt), req.sampling)
+        if problem is None:
+            self.sched.add(req)
+            self.added[req.request_id] = req
+            self.add_order.append(req.request_id)
+        return problem
+
+    def abort(self, rid: int) -> None:
+        if rid in self.sched.requests:
+            self.abort_called.add(rid)
+        ended = self.sched.abort(rid)
+        if ended is not None:
+            assert ended.request_id == rid and ended.finish_reason == "abort"
+            assert ended.status is Status.FINISHED and ended not in self.sched.waiting
+            self.emit([ended])
+
+    def emit(self, requests: list[EngineRequest]) -> None:
+        """EngineActor._emit: one RequestOutput per reported request."""
+        for r in requests:
+            new = r.generated[r.num_streamed :]
+            r.num_streamed = len(r.generated)
+            finished = r.finish_reason is not None
+            self.reports.setdefault(r.request_id, []).append((new, finished))
+            if finished:
+                assert r.request_id not in self.ended, f"request {r.request_id} ended twice"
+                assert r.status is Status.FINISHED and r.blocks == []
+                self.ended[r.request_id] = r
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def step(self, in_flight: Callable[[], None] = lambda: None) -> bool:
+        """One step loop iteration; False when the engine would go idle."""
+        sched = self.sched
+        batch = sched.schedule()
+        self.check_batch(batch)
+        self.emit(batch.ended)
+        if not batch.chunks and not batch.free_ids:
+            return False
+        allocs = [(c.request.request_id, c.new_blocks) for c in batch.chunks if c.new_blocks]
+        block_ids, num_free = self.pool.apply(batch.free_ids, allocs)
+        sched.assign_blocks(batch, block_ids, num_free)
+        self.check_blocks(batch)
+        if not batch.chunks:
+            return True
+        arrays = sched.plan_arrays(batch)
+        self.check_plan(batch, arrays)
+        tokens = self.gpu(batch, arrays)
+        in_flight()  # messages the actor handles while the forward runs
+        self.emit(sched.update(batch, tokens))
+        self.check_after_update()
+        return True
+
+    def run(self, max_steps: int = 10_000) -> int:
+        for n in range(max_steps):
+            if not self.step():
+                assert not self.sched.has_work(), "the scheduler has work but plans nothing"
+                return n
+        raise AssertionError("did not finish")
+
+    def gpu(self, batch: StepBatch, a: dict[str, np.ndarray]) -> np.ndarray:
+        """Write the step's K/V, check each sequence reads its own tokens, sample."""
+        bs = self.plan.block_size
+        owners = np.repeat(
+            [c.request.request_id for c in batch.chunks], np.diff(a["query_start_loc"])
+        )
+        self.kv_token[a["slot_mapping"]] = a["input_ids"]
+        self.kv_owner[a["slot_mapping"]] = owners
+        for i, c in enumerate(batch.chunks):
+            pos = np.arange(a["seq_lens"][i])
+            slots = a["block_tables"][i][pos // bs].astype(np.int64) * bs + pos % bs
+            assert (self.kv_owner[slots] == c.request.request_id).all(), "reads another's KV"
+            assert np.array_equal(self.kv_token[slots], c.request.token_slice(0, len(pos)))
+        toks = [fake_token(int(a["seq_lens"][i])) for i in range(len(batch.chunks))]
+        return np.where(a["sample"] == 1, toks, -1).astype(np.int32)
+
+    # --- invariants ---------------------------------------------------------------------------
+
+    def check_batch(self, batch: StepBatch) -> None:
+        plan, sched = self.plan, self.sched
+        assert batch.num_tokens <= plan.max_tokens
+        assert len(batch.chunks) <= plan.max_requests
+        assert len(sched.running) <= plan.max_requests
+        ids = [c.request.request_id for c in batch.chunks]
+        assert len(ids) == len(set(ids))
+        assert all(c.num_new_tokens >= 1 for c in batch.chunks)
+        assert all(c.request.status is Status.RUNNING for c in batch.chunks)
+        assert len(batch.free_ids) == len(set(batch.free_ids))
+        assert not set(batch.free_ids) & set(sched.requests)
+        for rid in ids:
+            if rid not in self.first_scheduled:
+                self.first_scheduled.append(rid)
+        self.history.append(
+            [(c.request.request_id, c.num_new_tokens, c.samples) for c in batch.chunks]
+        )
+
+    def check_blocks(self, batch: StepBatch) -> None:
+        bs, sched = self.plan.block_size, self.sched
+        assert sched.num_free_blocks == len(self.pool.free)
+        for c in batch.chunks:
+            r = c.request
+            assert len(r.blocks) * bs >= r.num_computed_tokens + c.num_new_tokens
+        live = [r for r in sched.requests.values() if r.blocks]
+        owned = [b for r in live for b in r.blocks]
+        assert len(owned) == len(set(owned)), "a block has two owners"
+        for r in live:
+            assert self.pool.held[r.request_id] == r.blocks
+            assert len(r.blocks) <= -(-r.max_total_tokens // bs)
+        assert not set(owned) & set(self.pool.free)
+
+    def check_plan(self, batch: StepBatch, a: dict[str, np.ndarray]) -> None:
+        bs = self.plan.block_size
+        n = len(batch.chunks)
+        qsl = a["query_start_loc"]
+        assert qsl[0] == 0 and np.all(np.diff(qsl) >= 1) and qsl[-1] == batch.num_tokens
+        for key, dtype in [("input_ids", np.int32), ("positions", np.int32)]:
+            assert a[key].dtype == dtype and a[key].shape == (batch.num_tokens,)
+        assert a["slot_mapping"].dtype == np.int64
+        assert a["block_tables"].shape[0] == n and a["block_tables"].dtype == np.int32
+        assert len(set(a["slot_mapping"].tolist())) == batch.num_tokens
+        for i, c in enumerate(batch.chunks):
+            r = c.request
+            lo, hi = qsl[i], qsl[i + 1]
+            start, stop = r.num_computed_tokens, r.num_computed_tokens + c.num_new_tokens
+            assert hi - lo == c.num_new_tokens
+            pos = a["positions"][lo:hi]
+            assert np.array_equal(pos, np.arange(start, stop))
+            table = a["block_tables"][i]
+            assert np.array_equal(table[: len(r.blocks)], r.blocks)
+            assert np.array_equal(a["slot_mapping"][lo:hi], table[pos // bs] * bs + pos % bs)
+            assert np.array_equal(a["input_ids"][lo:hi], r.token_slice(start, stop))
+            assert a["seq_lens"][i] == stop
+            assert a["sample"][i] == (stop == r.num_tokens)
+            assert a["gen_index"][i] == len(r.generated)
+            assert a["seeds"][i] == r.seed and a["top_k"][i] == r.sampling.top_k
+            assert a["temperature"][i] == np.float32(r.sampling.temperature)
+            assert a["top_p"][i] == np.float32(r.sampling.top_p)
+
+    def check_after_update(self) -> None:
+        bs = self.plan.block_size
+        for r in self.sched.running:
+            assert r.num_computed_tokens < r.num_tokens
+            assert len(r.blocks) == -(-r.num_computed_tokens // bs), "blocks beyond need"
+            assert len(r.generated) < r.sampling.max_tokens
+
+    def check_end(self) -> None:
+        assert not self.sched.has_work() and not self.sched.requests
+        assert set(self.ended) == set(self.added)
+        assert self.pool.held == {} and self.pool.free == list(range(self.plan.num_blocks))
+        assert self.sched.num_free_blocks == self.plan.num_blocks
+        admitted = set(self.first_scheduled)
+        assert self.first_scheduled == [i for i in self.add_order if i in admitted], "not FIFO"
+        for rid, r in self.ended.items():
+            assert r.finish_reason in REASONS, r.finish_reason
+            assert len(r.generated) <= r.sampling.max_tokens
+            want, reason = expected_output(r, self.plan)
+            if r.finish_reason == "abort":
+                assert rid in self.abort_called
+                assert r.generated == want[: len(r.generated)] and len(r.generated) < len(want)
+            else:
+                assert (r.generated, r.finish_reason) == (want, reason)
+            reports = self.reports[rid]
+            assert [f for _, f in reports] == [False] * (len(reports) - 1) + [True]
+            assert [t for new, _ in reports for t in new] == r.generated
+            if not r.stream:
+                assert len(reports) == 1
+
+
+# --- property: random workloads --------------------------------------------------------------
+
+
+@st.composite
+def workloads(draw):
+    bs = draw(st.sampled_from([1, 2, 4, 8]))
+    max_tokens = draw(st.integers(1, 40))
+    max_requests = draw(st.integers(1, min(max_tokens, 6)))
+    max_seq = draw(st.integers(2, 48))
+    need = -(-max_seq // bs)
+    plan = make_plan(
+        num_blocks=draw(st.integers(max(1, need // 2), 3 * need)),
+        block_size=bs,
+        max_requests=max_requests,
+        max_tokens=max_tokens,
+        max_sequence_length=max_seq,
+        eos=draw(st.lists(st.integers(10, 59), max_size=2, unique=True)),
+    )
+    requests = []
+    for rid in range(draw(st.integers(1, 10))):
+        prompt_len = draw(st.integers(1, max_seq - 1))
+        arrival = draw(st.integers(0, 15))
+        abort_at = draw(st.none() | st.none() | st.integers(arrival, arrival + 25))
+        req = make_request(
+            rid,
+            prompt_len,
+            max_tokens=draw(st.integers(1, max_seq - prompt_len)),
+            stream=draw(st.booleans()),
+            ignore_eos=draw(st.booleans()),
+            stop_token_ids=tuple(draw(st.lists(st.integers(10, 59), max_size=2))),
+        )
+        requests.append((arrival, abort_at, req))
+    return plan, draw(st.booleans()), requests
+
+
+def expected_problem(plan: RuntimePlan, chunked: bool, req: EngineRequest) -> str | None:
+    total = len(req.prompt) + req.sampling.max_tokens
+    if not chunked and len(req.prompt) > plan.max_tokens:
+        return "enable_chunked_prefill"
+    if -(-total // plan.block_size) > plan.num_blocks:
+        return "KV blocks"
+    return None
+
+
+@settings(
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 200)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(workloads())
+def test_random_workloads_keep_every_invariant(workload):
+    plan, chunked, requests = workload
+    h = Harness(plan, chunked)
+    last = max([max(a, b or 0) for a, b, _ in requests], default=0)
+    tick = 0
+    while tick <= last or h.sched.has_work():
+        assert tick < 5000, "no progress"
+        for arrival, _, req in requests:
+            if arrival == tick:
+                problem = h.add(req)
+                want = expected_problem(plan, chunked, req)
+                assert (problem is None) == (want is None), (problem, want)
+                assert problem is None or want in problem
+        aborts = [req.request_id for _, at, req in requests if at == tick]
+
+        def in_flight(aborts=aborts):
+            for rid in aborts:
+                h.abort(rid)
+
+        if not h.step(in_flight):
+            assert not h.sched.has_work(), "the scheduler has work but plans nothing"
+            in_flight()  # idle: the aborts still arrive
+        tick += 1
+    h.check_end()
+    reasons = {r.finish_reason for r in h.ended.values()}
+    event(f"reasons: {sorted(reasons)}")
+    event(f"rejected: {len(requests) > len(h.added)}")
+    event(f"split prompt: {any(not s for step in h.history for _, _, s in step)}")
+    event(f"steps > 20: {len(h.history) > 20}")
+
+
+# --- examples --------------------------------------------------------------------------------
+
+
+def test_chunked_prefill_splits_a_long_prompt_while_decodes_ride_along():
+    h = Harness(make_plan(block_size=4, max_tokens=8, max_requests=4), chunked=True)
+    h.add(make_request(1, 3, max_tokens=20))
+    h.step()
+    h.add(make_request(2, 20, max_tokens=2))
+    for _ in range(5):
+        h.step()
+    assert h.history == [
+        [(1, 3, True)],
+        [(1, 1, True), (2, 7, False)],
+        [(1, 1, True), (2, 7, False)],
+        [(1, 1, True), (2, 6, True)],  # the last chunk samples the first token
+        [(1, 1, True), (2, 1, True)],
+        [(1, 1, True)],  # request 2 ended at length 2
+    ]
+    assert h.ended[2].generated == expected_output(h.ended[2], h.plan)[0]
+    h.run()
+    h.check_end()
+
+
+def test_without_chunked_prefill_a_prompt_waits_for_a_whole_step_budget():
+    h = Harness(make_plan(block_size=4, max_tokens=8, max_requests=4), chunked=False)
+    h.add(make_request(1, 3, max_tokens=3))
+    h.step()
+    h.add(make_request(2, 8, max_tokens=2))  # 8 tokens do not fit beside 1 decode token
+    h.run()
+    assert h.history[:4] == [[(1, 3, True)], [(1, 1, True)], [(1, 1, True)], [(2, 8, True)]]
+    h.check_end()
+
+
+def test_check_explains_why_a_request_can_never_run():
+    sched = Scheduler(make_plan(num_blocks=4, block_size=4, max_tokens=8), False)
+    assert sched.check(8, SamplingParams(max_tokens=4)) is None
+    too_long = sched.check(9, SamplingParams(max_tokens=4))
+    assert "prompt (9 tokens)" in too_long and "max_tokens (8)" in too_long
+    assert "enable_chunked_prefill" in too_long
+    assert "empty" in sched.check(0, SamplingParams())
+    assert "needs 5 KV blocks; the pool has 4" in sched.check(8, SamplingParams(max_tokens=9))
+    chunked = Scheduler(make_plan(num_blocks=64, block_size=4, max_tokens=8), True)
+    assert chunked.check(9, SamplingParams(max_tokens=4)) is None
+    seq = Scheduler(make_plan(max_sequence_length=10), True)
+    assert "exceeds max_sequence_length (10)" in seq.check(6, SamplingParams(max_tokens=5))
+    assert seq.check(6, SamplingParams(max_tokens=4)) is None
+
+
+def test_request_filling_max_sequence_length_ends_by_length():
+    h = Harness(make_plan(max_sequence_length=10), chunked=False)
+    h.add(make_request(1, 6, max_tokens=4))
+    h.run()
+    assert h.ended[1].finish_reason == "length" and h.ended[1].num_tokens == 10
+    h.check_end()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_eos_stops_unless_ignore_eos(ignore_eos):
+    eos = fake_token(5 + 2)  # the third generated token of a 5-token prompt
+    h = Harness(make_plan(eos=(999, eos)), chunked=False)
+    h.add(make_request(1, 5, max_tokens=10, ignore_eos=ignore_eos))
+    h.run()
+    r = h.ended[1]
+    if ignore_eos:
+        assert r.finish_reason == "length" and len(r.generated) == 10
+    else:
+        assert r.finish_reason == "stop" and r.generated == [fake_token(p) for p in (5, 6, 7)]
+    h.check_end()
+
+
+def test_stop_token_ids_stop_even_with_ignore_eos():
+    stop = fake_token(4 + 1)
+    h = Harness(make_plan(), chunked=False)
+    h.add(make_request(1, 4, max_tokens=10, ignore_eos=True, stop_token_ids=(stop,)))
+    h.run()
+    assert h.ended[1].finish_reason == "stop" and h.ended[1].generated[-1] == stop
+    assert len(h.ended[1].generated) == 2
+    h.check_end()
+
+
+def test_abort_of_a_waiting_request_ends_it_at_once():
+    h = Harness(make_plan(max_requests=1, max_tokens=8), chunked=False)
+    h.add(make_request(1, 4, max_tokens=5))
+    h.add(make_request(2, 4, max_tokens=5))
+    h.step()  # 1 runs, 2 waits (max_requests)
+    assert [r.request_id for r in h.sched.waiting] == [2]
+    h.abort(2)
+    r = h.ended[2]
+    assert r.finish_reason == "abort" and r.generated == [] and 2 not in h.sched.requests
+    assert h.sched.abort(2) is None and h.sched.abort(12345) is None
+    h.run()
+    h.check_end()
+
+
+def test_abort_of_a_running_request_ends_it_at_the_next_update():
+    h = Harness(make_plan(), chunked=False)
+    h.add(make_request(1, 4, max_tokens=50))
+    h.add(make_request(2, 4, max_tokens=50))
+    h.step()
+    h.step(in_flight=lambda: h.abort(1))
+    assert 1 in h.abort_called and h.ended[1].finish_reason == "abort"
+    assert len(h.ended[1].generated) == 1  # the in-flight step's token is dropped
+    batch = h.sched.schedule()
+    assert batch.free_ids == [1] and [c.request.request_id for c in batch.chunks] == [2]
+
+
+def test_abort_of_a_running_request_not_in_the_batch_ends_at_the_next_update():
+    h = Harness(make_plan(), chunked=False)
+    h.add(make_request(1, 4, max_tokens=50))
+    h.add(make_request(2, 4, max_tokens=50))
+    h.step()
+    h.abort(1)  # between steps, while request 2 keeps running
+    assert 1 not in h.ended
+    h.step()  # 1 has no chunk; update() ends it anyway
+    assert h.ended[1].finish_reason == "abort" and len(h.ended[1].generated) == 1
+    h.step(in_flight=lambda: h.abort(2))
+    h.run()
+    h.check_end()
+
+
+def test_abort_between_steps_of_the_only_running_request_ends_it():
+    h = Harness(make_plan(), chunked=False)
+    h.add(make_request(1, 4, max_tokens=50))
+    h.step()
+    h.abort(1)  # e.g. handled while the engine awaits coord.send in _emit
+    for _ in range(3):
+        h.step()
+    assert 1 in h.ended and h.ended[1].finish_reason == "abort"
+
+
+def test_failed_step_ends_its_requests_with_error():
+    h = Harness(make_plan(max_requests=2), chunked=False)
+    for rid in (1, 2, 3):
+        h.add(make_request(rid, 4, max_tokens=5))
+    batch = h.sched.schedule()
+    ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
+    h.sched.assign_blocks(batch, ids, free)
+    ended = h.sched.update(batch, None, error="boom")
+    assert [(r.request_id, r.finish_reason, r.error) for r in ended] == [
+        (1, "error", "boom"),
+        (2, "error", "boom"),
+    ]
+    assert [r.request_id for r in h.sched.waiting] == [3]
+    assert sorted(h.sched.pending_free) == [1, 2]
+    h.run()  # request 3 still runs, and the failed requests' blocks come back
+    assert h.ended[3].finish_reason == "length"
+    assert h.pool.free == list(range(h.plan.num_blocks))
+
+
+def test_fail_all_ends_everything_once_and_frees_the_pool():
+    h = Harness(make_plan(max_requests=2), chunked=False)
+    for rid in (1, 2, 3):
+        h.add(make_request(rid, 4, max_tokens=50, stream=True))
+    h.step()
+    ended = h.sched.fail_all("abort")
+    assert sorted(r.request_id for r in ended) == [1, 2, 3]
+    assert all(r.finish_reason == "abort" and r.status is Status.FINISHED for r in ended)
+    assert h.sched.fail_all("abort") == []
+    h.emit(ended)
+    h.run()
+    assert h.pool.free == list(range(h.plan.num_blocks)) and not h.sched.has_work()
+
+
+def test_admission_reserves_blocks_for_every_token_a_request_may_need():
+    # 4 blocks of 4: request 1 may grow to 12 tokens (3 blocks), so request 2 (8 tokens, 2
+    # blocks) waits although the step budget and max_requests would let it in.
+    h = Harness(make_plan(num_blocks=4, block_size=4, max_tokens=32), chunked=False)
+    h.add(make_request(1, 4, max_tokens=8))
+    h.add(make_request(2, 4, max_tokens=4))
+    h.run()
+    steps_1 = [i for i, step in enumerate(h.history) if any(rid == 1 for rid, _, _ in step)]
+    steps_2 = [i for i, step in enumerate(h.history) if any(rid == 2 for rid, _, _ in step)]
+    assert len(steps_1) == 8 and min(steps_2) > max(steps_1)
+    h.check_end()
+
+
+def test_plan_arrays_for_a_mixed_step():
+    h = Harness(make_plan(block_size=2, max_tokens=8), chunked=False)
+    a = make_request(1, 3, max_tokens=5)
+    h.add(a)
+    h.step()
+    h.add(make_request(2, 2, max_tokens=5))
+    batch = h.sched.schedule()
+    ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
+    h.sched.assign_blocks(batch, ids, free)
+    got = h.sched.plan_arrays(batch)
+    want = {
+        "input_ids": [fake_token(3), 114, 145],  # prompt of 2: (31 i + 14) % 1000 + 100
+        "positions": [3, 0, 1],
+        "slot_mapping": [3, 4, 5],  # request 1: blocks [0, 1]; request 2: block [2]
+        "query_start_loc": [0, 1, 3],
+        "seq_lens": [4, 2],
+        "block_tables": [[0, 1], [2, 0]],
+        "sample": [1, 1],
+        "gen_index": [1, 0],
+        "top_k": [1, 2],
+        "seeds": [1001, 1002],
+    }
+    assert {k: got[k].tolist() for k in want} == want
+
+
+def test_add_twice_and_bad_allocator_reply_are_refused():
+    sched = Scheduler(make_plan(), False)
+    assert not sched.has_work()
+    sched.add(make_request(1, 4))
+    assert sched.has_work()
+    with pytest.raises(ValueError, match="already known"):
+        sched.add(make_request(1, 4))
+    batch = sched.schedule()
+    with pytest.raises(ValueError, match="expected 1"):
+        sched.assign_blocks(batch, np.array([0, 1], dtype=np.int32), 62)
+
+
+def test_derive_seed_is_fixed_by_the_message_and_in_range():
+    seeds = {derive_seed(rid, t) for rid in range(50) for t in (0.0, 1.5)}
+    assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds)
+    assert derive_seed(7, 1.25) == derive_seed(7, 1.25)
