@@ -32,6 +32,15 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length of each sequence including this step
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of each new token
+    # Host-side layout, filled once per step by `with_layout` so that no layer syncs the device:
+    # Python copies of the loop bounds, and the decode rows (one query token each) that run as
+    # one batched computation instead of a loop.
+    host_query_start: list[int] | None = None
+    host_seq_lens: list[int] | None = None
+    decode_seqs: torch.Tensor | None = None  # [Bd] int64 sequence indices with query_len 1
+    decode_tokens: torch.Tensor | None = None  # [Bd] int64 their token indices
+    decode_max_len: int = 0  # longest context among the decode rows
+    prefill: PrefillLayout | None = None  # the other sequences, padded into one batch
 
     @property
     def num_seqs(self) -> int:
@@ -44,6 +53,49 @@ class AttentionMetadata:
             block_tables=self.block_tables.to(device),
             slot_mapping=self.slot_mapping.to(device),
         )
+
+    def with_layout(self, query_start: list[int], seq_lens: list[int]) -> AttentionMetadata:
+        """Attach the host layout (from the host copies the caller already has): decode rows
+        and prefill rows each become one batched computation, the same for every layer."""
+        self.host_query_start, self.host_seq_lens = list(query_start), list(seq_lens)
+        device = self.seq_lens.device
+        lens = [query_start[b + 1] - query_start[b] for b in range(len(seq_lens))]
+        decode = [b for b, n in enumerate(lens) if n == 1]
+        if decode:
+            self.decode_seqs = torch.tensor(decode, dtype=torch.int64, device=device)
+            tokens = [query_start[b] for b in decode]
+            self.decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
+            self.decode_max_len = max(seq_lens[b] for b in decode)
+        rows = [b for b, n in enumerate(lens) if n > 1]
+        if rows:
+            self.prefill = PrefillLayout.build(rows, query_start, seq_lens, device)
+        return self
+
+
+@dataclass
+class PrefillLayout:
+    """Sequences with several query tokens, padded to the longest: [Bp, Qmax] index tables."""
+
+    seqs: torch.Tensor  # [Bp] int64 sequence indices
+    tokens: torch.Tensor  # [Bp, Qmax] int64 token index of each query (0 where padded)
+    valid: torch.Tensor  # [Bp, Qmax] bool, False where padded
+    positions: torch.Tensor  # [Bp, Qmax] int64 position of each query in its sequence
+    max_len: int  # longest context among these rows
+
+    @classmethod
+    def build(cls, rows: list[int], query_start: list[int], seq_lens: list[int], device):
+        qmax = max(query_start[b + 1] - query_start[b] for b in rows)
+        tokens = torch.zeros(len(rows), qmax, dtype=torch.int64)
+        valid = torch.zeros(len(rows), qmax, dtype=torch.bool)
+        positions = torch.zeros(len(rows), qmax, dtype=torch.int64)
+        for i, b in enumerate(rows):
+            n = query_start[b + 1] - query_start[b]
+            tokens[i, :n] = torch.arange(query_start[b], query_start[b + 1])
+            valid[i, :n] = True
+            positions[i, :n] = torch.arange(seq_lens[b] - n, seq_lens[b])
+        seqs = torch.tensor(rows, dtype=torch.int64)
+        max_len = max(seq_lens[b] for b in rows)
+        return cls(*(x.to(device) for x in (seqs, tokens, valid, positions)), max_len)
 
 
 def write_kv(
@@ -81,7 +133,8 @@ def paged_attention_ref(
     q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal GQA attention of each query token over its sequence's paged KV (this step's keys
-    must already be written). Plain torch, fp32 inside; one loop iteration per sequence.
+    must already be written). Plain torch, fp32 inside: decode rows batched when the host
+    layout is attached (`with_layout`), one loop iteration per other sequence.
 
     q: [T, heads, head_dim] -> out: [T, heads, head_dim] in q's dtype.
     """
@@ -89,13 +142,27 @@ def paged_attention_ref(
     num_kv_heads = layer_cache.shape[-2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    # One host sync for the whole step: the loop bounds are Python ints.
-    starts = attn.query_start_loc.tolist()
-    seq_lens = attn.seq_lens.tolist()
+    starts = attn.host_query_start
+    seq_lens = attn.host_seq_lens
+    if starts is None:  # no host layout attached: one device sync for the loop bounds
+        starts, seq_lens = attn.query_start_loc.tolist(), attn.seq_lens.tolist()
+    if attn.host_query_start is not None:  # batched: no per-sequence loop
+        if attn.decode_seqs is not None:
+            out[attn.decode_tokens] = paged_decode_attention_ref(
+                q[attn.decode_tokens],
+                layer_cache,
+                attn.block_tables[attn.decode_seqs],
+                attn.seq_lens[attn.decode_seqs],
+                scale,
+                attn.decode_max_len,
+            )
+        if attn.prefill is not None:
+            _batched_prefill_attention(q, out, layer_cache, attn, scale)
+        return out
     for b, seq_len in enumerate(seq_lens):
         start, end = starts[b], starts[b + 1]
         query_len = end - start
-        if query_len == 0:
+        if query_len == 0 or (query_len == 1 and attn.decode_seqs is not None):
             continue
         k, v = gather_kv(layer_cache, attn.block_tables[b], seq_len)  # [S, kv_heads, D]
         # qg: [kv_heads, group, query_len, D]; each kv head serves `group` query heads
@@ -113,6 +180,78 @@ def paged_attention_ref(
         o = torch.matmul(probs, vv)  # [kv_heads, group, query_len, D]
         out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim).to(q.dtype)
     return out
+
+
+def _gather_padded(
+    layer_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values of positions [0, max_len) of each row, through its block table:
+    [rows, max_len, kv_heads, D] (0 = every position the table covers). Gathers slots, not
+    whole blocks, so large blocks cost only what is used."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
+    if max_len <= 0:
+        max_len = block_tables.shape[1] * block_size
+    pos = torch.arange(max_len, device=block_tables.device)
+    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
+    k = layer_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)[slots]
+    v = layer_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)[slots]
+    return k, v
+
+
+def _batched_prefill_attention(
+    q: torch.Tensor,
+    out: torch.Tensor,
+    layer_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+) -> None:
+    """Causal attention of the prefill rows as one padded batch; writes their rows of `out`."""
+    lay = attn.prefill
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = layer_cache.shape[-2]
+    bp, qmax = lay.tokens.shape
+    k, v = _gather_padded(layer_cache, attn.block_tables[lay.seqs], lay.max_len)
+    k, v = k.float(), v.float()  # [Bp, S, kv_heads, D], S = the longest context
+    key_pos = torch.arange(k.shape[1], device=q.device)
+    seen = key_pos[None, None, :] <= lay.positions[:, :, None]  # [Bp, Qmax, S] causal
+    qg = q[lay.tokens].float().view(bp, qmax, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [Bp, kv, group, Qmax, S]
+    scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)  # padded query rows are NaN; never read back
+    # Keys past the longest query position were never written here (garbage may be NaN).
+    used = key_pos[None, :] <= lay.positions.max(dim=1).values[:, None]  # [Bp, S]
+    v = torch.where(used[:, :, None, None], v, 0.0)
+    o = torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(bp, qmax, num_heads, head_dim)
+    out[lay.tokens[lay.valid]] = o[lay.valid].to(out.dtype)
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_len: int = 0,
+) -> torch.Tensor:
+    """Batched attention of Bd sequences that each have one query token (decode), padded to the
+    longest context in the batch (`max_len`, 0 = the whole block table) and masked. fp32 inside.
+
+    q: [Bd, heads, D]; block_tables: [Bd, max_blocks]; seq_lens: [Bd] -> [Bd, heads, D].
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = layer_cache.shape[-2]
+    k, v = _gather_padded(layer_cache, block_tables, max_len)  # [Bd, S, kv_heads, D]
+    positions = torch.arange(k.shape[1], device=q.device)
+    valid = positions[None, :] < seq_lens[:, None].long()  # [Bd, S]
+    qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bkgd,bskd->bkgs", qg, k.float()) * scale  # [Bd, kv, group, S]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Slots past a sequence's end were never written (the cache is not zeroed): a zero weight
+    # times garbage can still be NaN, so clear them.
+    v = torch.where(valid[:, :, None, None], v.float(), 0.0)
+    out = torch.einsum("bkgs,bskd->bkgd", probs, v)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def build_attention_metadata(

@@ -56,9 +56,8 @@ class Attention(nn.Module):
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = head_dim**-0.5
-        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=False)
+        # q, k and v projections fused into one matrix (rows: q, then k, then v): one GEMM.
+        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
 
     def forward(
@@ -71,9 +70,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         # x: [tokens, hidden]; layer_cache: [2, num_blocks, block_size, kv_heads, head_dim]
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q = apply_rope(q, cos, sin)  # q: [tokens, heads, head_dim]
         k = apply_rope(k, cos, sin)  # k: [tokens, kv_heads, head_dim]
         write_kv(k, v, layer_cache, attn.slot_mapping)
@@ -84,10 +86,11 @@ class Attention(nn.Module):
 class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        # gate and up projections fused (rows: gate, then up): one GEMM.
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, hidden] -> [tokens, intermediate] -> [tokens, hidden]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # x: [tokens, hidden] -> [tokens, 2 * intermediate] -> [tokens, hidden]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

@@ -236,6 +236,7 @@ def _build(path: Path, config: LlamaConfig, state: dict, dtype, device) -> Llama
     """Instantiate without initializing (meta device), then adopt the loaded tensors."""
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
+    state = _fuse_projections(state, config.num_layers)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
@@ -249,3 +250,19 @@ def _build(path: Path, config: LlamaConfig, state: dict, dtype, device) -> Llama
     except RuntimeError as exc:  # shape mismatches
         raise ModelLoadError(f"{path}: weights do not fit the config: {exc}") from exc
     return model.requires_grad_(False).eval()
+
+
+def _fuse_projections(state: dict, num_layers: int) -> dict:
+    """Checkpoint names (q/k/v_proj, gate/up_proj) -> our fused qkv_proj and gate_up_proj.
+    A layer that lacks any part is left alone (the layout check names what is missing)."""
+    state = dict(state)
+    fused = {
+        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    }
+    for n in range(num_layers):
+        for target, parts in fused.items():
+            names = [f"layers.{n}.{p}.weight" for p in parts]
+            if all(name in state for name in names):
+                state[f"layers.{n}.{target}.weight"] = torch.cat([state.pop(x) for x in names])
+    return state

@@ -66,7 +66,7 @@ class ModelWorker:
             seq_lens=t(plan.seq_lens),
             block_tables=t(plan.block_tables),
             slot_mapping=t(plan.slot_mapping, torch.int64),
-        )
+        ).with_layout(plan.query_start_loc.tolist(), plan.seq_lens.tolist())
         hidden = self.model(
             t(plan.input_ids, torch.int64), t(plan.positions, torch.int64), attn, self.kv_cache
         )
@@ -74,14 +74,17 @@ class ModelWorker:
         rows = np.flatnonzero(plan.sample)
         last = plan.query_start_loc[1:][rows] - 1
         logits = self.model.compute_logits(hidden[t(last, torch.int64)])
-        tokens = sample(
-            logits,
-            t(plan.temperature[rows]),
-            t(plan.top_k[rows]),
-            t(plan.top_p[rows]),
-            t(plan.seeds[rows]),
-            t(plan.gen_index[rows]),
-        )
+        if not (plan.temperature[rows] > 0).any():
+            tokens = logits.argmax(dim=-1)  # all greedy: skip the sort and the noise
+        else:
+            tokens = sample(
+                logits,
+                t(plan.temperature[rows]),
+                t(plan.top_k[rows]),
+                t(plan.top_p[rows]),
+                t(plan.seeds[rows]),
+                t(plan.gen_index[rows]),
+            )
         token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
         token_ids[rows] = tokens.cpu().numpy()
         return StepResult(plan.step, token_ids, None, time.perf_counter() - start)

@@ -3,7 +3,8 @@
 Owns the model's structure and its forward pass. Weights come from ops/loader.py; block tables,
 slots and positions from the GPU actor (via `AttentionMetadata`); the cache tensor is allocated
 here but owned and kept by the GPU actor. Parameter names are Hugging Face's without the leading
-`model.` (`layers.0.self_attn.q_proj.weight`), so a safetensors checkpoint maps one to one.
+`model.` (`layers.0.self_attn.o_proj.weight`), except that q/k/v and gate/up are fused at load
+(ops/loader.py `_fuse_projections`: `qkv_proj`, `gate_up_proj`).
 """
 
 from __future__ import annotations
