@@ -20,10 +20,12 @@ from ops.attention import build_attention_metadata
 from ops.loader import ModelLoadError, load_model
 from ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
 from ops.sampling import sample
+from runtime.models import resolve
 
-REPO = Path(__file__).resolve().parents[1]
-MODEL_DIR = REPO / "models"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The default model as `make model` fetches it (runtime/models.py), wherever its cache is.
+MODEL_PATH = Path(resolve("smollm2")[1])
+MODEL_DIR = MODEL_PATH.parent
+GGUF_NAME = MODEL_PATH.name
 BLOCK_SIZE = 16
 ATOL = 1e-3
 

@@ -18,10 +18,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ops.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from runtime.models import resolve
 
+# The default model as `make model` fetches it (runtime/models.py), wherever its cache is.
 REPO = Path(__file__).resolve().parents[1]
-MODEL_DIR = REPO / "models"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_PATH = Path(resolve("smollm2")[1])
+MODEL_DIR = MODEL_PATH.parent
+GGUF_NAME = MODEL_PATH.name
 
 TEXTS = [
     "Hello world",
