@@ -14,6 +14,7 @@ at offset `p % block_size`, i.e. in slot `block_id * block_size + offset`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +41,11 @@ class AttentionMetadata:
     decode_seqs: torch.Tensor | None = None  # [Bd] int64 sequence indices with query_len 1
     decode_tokens: torch.Tensor | None = None  # [Bd] int64 their token indices
     decode_max_len: int = 0  # longest context among the decode rows
+    # With the block size known: each decode row's slots for positions [0, decode_max_len),
+    # positions past its end clamped to its last token (written, so finite), and the additive
+    # mask that hides them. The same for every layer, so built once per step.
+    decode_slots: torch.Tensor | None = None  # [Bd, S] int64
+    decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, S] float32, 0 or -inf
     prefill: PrefillLayout | None = None  # the other sequences, padded into one batch
 
     @property
@@ -54,9 +60,12 @@ class AttentionMetadata:
             slot_mapping=self.slot_mapping.to(device),
         )
 
-    def with_layout(self, query_start: list[int], seq_lens: list[int]) -> AttentionMetadata:
+    def with_layout(
+        self, query_start: list[int], seq_lens: list[int], block_size: int = 0
+    ) -> AttentionMetadata:
         """Attach the host layout (from the host copies the caller already has): decode rows
-        and prefill rows each become one batched computation, the same for every layer."""
+        and prefill rows each become one batched computation, the same for every layer.
+        `block_size` (0 = unknown) lets the decode rows' slots be computed once here."""
         self.host_query_start, self.host_seq_lens = list(query_start), list(seq_lens)
         device = self.seq_lens.device
         lens = [query_start[b + 1] - query_start[b] for b in range(len(seq_lens))]
@@ -66,10 +75,22 @@ class AttentionMetadata:
             tokens = [query_start[b] for b in decode]
             self.decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
             self.decode_max_len = max(seq_lens[b] for b in decode)
+            if block_size > 0:
+                self._decode_slots(block_size)
         rows = [b for b, n in enumerate(lens) if n > 1]
         if rows:
             self.prefill = PrefillLayout.build(rows, query_start, seq_lens, device)
         return self
+
+    def _decode_slots(self, block_size: int) -> None:
+        lens = self.seq_lens[self.decode_seqs].long()[:, None]  # [Bd, 1]
+        pos = torch.arange(self.decode_max_len, device=lens.device)[None, :]  # [1, S]
+        clamped = torch.minimum(pos, lens - 1)
+        tables = self.block_tables[self.decode_seqs].long()
+        blocks = torch.gather(tables, 1, clamped // block_size)
+        self.decode_slots = blocks * block_size + clamped % block_size
+        bias = torch.zeros(clamped.shape, device=lens.device).masked_fill(pos >= lens, -math.inf)
+        self.decode_bias = bias[:, None, None, :]  # [Bd, 1, 1, S]
 
 
 @dataclass
@@ -147,7 +168,11 @@ def paged_attention_ref(
     if starts is None:  # no host layout attached: one device sync for the loop bounds
         starts, seq_lens = attn.query_start_loc.tolist(), attn.seq_lens.tolist()
     if attn.host_query_start is not None:  # batched: no per-sequence loop
-        if attn.decode_seqs is not None:
+        if attn.decode_slots is not None:
+            out[attn.decode_tokens] = _decode_attention_by_slots(
+                q[attn.decode_tokens], layer_cache, attn.decode_slots, attn.decode_bias, scale
+            )
+        elif attn.decode_seqs is not None:
             out[attn.decode_tokens] = paged_decode_attention_ref(
                 q[attn.decode_tokens],
                 layer_cache,
@@ -223,6 +248,26 @@ def _batched_prefill_attention(
     v = torch.where(used[:, :, None, None], v, 0.0)
     o = torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(bp, qmax, num_heads, head_dim)
     out[lay.tokens[lay.valid]] = o[lay.valid].to(out.dtype)
+
+
+def _decode_attention_by_slots(
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    slots: torch.Tensor,
+    bias: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """paged_decode_attention_ref with the per-step work hoisted out (slots, mask): two gathers,
+    two matmuls and a softmax per layer. q: [Bd, heads, D] -> [Bd, heads, D]."""
+    num_seqs, num_heads, head_dim = q.shape
+    _, num_blocks, block_size, num_kv_heads, _ = layer_cache.shape
+    flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    k = flat[0][slots].float().permute(0, 2, 3, 1)  # [Bd, kv_heads, D, S]
+    v = flat[1][slots].float().transpose(1, 2)  # [Bd, kv_heads, S, D]
+    qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim) * scale
+    probs = torch.softmax(torch.matmul(qg, k) + bias, dim=-1)  # [Bd, kv, group, S]
+    out = torch.matmul(probs, v)  # [Bd, kv_heads, group, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 def paged_decode_attention_ref(

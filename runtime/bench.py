@@ -110,6 +110,7 @@ def _hardware_limit(args, model_path: str, batch: int) -> dict:
     a = torch.randn(n, n, dtype=dtype, device=args.device)
     b = torch.randn(n, n, dtype=dtype, device=args.device)
     src = torch.randn(64 * 1024 * 1024 // 4, dtype=torch.float32, device=args.device)
+    dst = torch.empty_like(src)  # preallocated: time the copy, not page faults
 
     def best(fn, reps=5):
         times = []
@@ -124,7 +125,7 @@ def _hardware_limit(args, model_path: str, batch: int) -> dict:
         return min(times)
 
     flops = 2 * n**3 / best(lambda: a @ b)
-    bandwidth = 2 * src.numel() * 4 / best(lambda: src.clone())
+    bandwidth = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))
     # One decode step of `batch` sequences: 2*params FLOPs per token, the weights read once.
     step = max(2 * params * batch / flops, weight_bytes / bandwidth)
     return {

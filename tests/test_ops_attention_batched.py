@@ -52,5 +52,7 @@ def test_batched_equals_loop(seed):
 
     loop = paged_attention_ref(q, cache, meta(), dim**-0.5)
     batched = paged_attention_ref(q, cache, meta().with_layout(starts, seq_lens), dim**-0.5)
+    by_slots = paged_attention_ref(q, cache, meta().with_layout(starts, seq_lens, bs), dim**-0.5)
     assert not torch.isnan(loop).any() and not torch.isnan(batched).any()
     torch.testing.assert_close(batched, loop, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(by_slots, loop, rtol=1e-5, atol=1e-5)

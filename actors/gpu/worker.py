@@ -25,6 +25,7 @@ class ModelWorker:
         self.model = None
         self.kv_cache: torch.Tensor | None = None
         self.device = torch.device("cpu")
+        self.block_size = 0
 
     def load(self, msg: LoadModel) -> ModelLoaded:
         if msg.dtype not in DTYPES:
@@ -40,6 +41,7 @@ class ModelWorker:
             raise ValueError(
                 f"buffer_size_gb ({msg.kv_cache_gb}) holds no KV block of {per_block} bytes"
             )
+        self.block_size = msg.block_size
         self.kv_cache = allocate_kv_cache(config, num_blocks, msg.block_size, dtype, self.device)
         self.model = model
         return ModelLoaded(
@@ -66,7 +68,7 @@ class ModelWorker:
             seq_lens=t(plan.seq_lens),
             block_tables=t(plan.block_tables),
             slot_mapping=t(plan.slot_mapping, torch.int64),
-        ).with_layout(plan.query_start_loc.tolist(), plan.seq_lens.tolist())
+        ).with_layout(plan.query_start_loc.tolist(), plan.seq_lens.tolist(), self.block_size)
         hidden = self.model(
             t(plan.input_ids, torch.int64), t(plan.positions, torch.int64), attn, self.kv_cache
         )
