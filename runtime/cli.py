@@ -85,7 +85,7 @@ def cmd_serve(args) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    rt._exit_callbacks.append(lambda name, code: stop.set())  # a child died: shut down too
+    rt.on_child_exit(lambda name, code: stop.set())  # a child died: shut down too
     try:
         rt.start()
         print(f"taipan: serving {rt.model_name} at {rt.address}", file=sys.stderr, flush=True)

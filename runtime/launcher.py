@@ -139,6 +139,10 @@ class Runtime:
 
     # --- stop ---------------------------------------------------------------------------------
 
+    def on_child_exit(self, callback) -> None:
+        """Call `callback(name, returncode)` (from a watcher thread) when a child process ends."""
+        self._exit_callbacks.append(callback)
+
     def alive(self) -> bool:
         return any(p.poll() is None for _, p in self.procs)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 
+import numpy as np
+
 from messages.common import ErrorReply
 from messages.gpu import LoadModel, StepPlan, StepResult
 from runtime.actor import Actor
@@ -39,14 +41,15 @@ class GpuActor(Actor):
         await env.reply(reply)
 
     async def on_step(self, env: Envelope, msg: StepPlan) -> None:
+        no_tokens = np.full(len(msg.sample), -1, dtype=np.int32)
         if self.worker.model is None:
-            await env.reply(StepResult(msg.step, msg.sample.astype("int32"), "no model", 0.0))
+            await env.reply(StepResult(msg.step, no_tokens, "no model is loaded", 0.0))
             return
         try:
             reply = await self._in_thread(self.worker.step, msg)
         except Exception as e:
             self.log.exception("step failed", step=msg.step)
-            reply = StepResult(msg.step, msg.sample.astype("int32") * 0 - 1, repr(e), 0.0)
+            reply = StepResult(msg.step, no_tokens, f"{type(e).__name__}: {e}", 0.0)
         await env.reply(reply)
 
     async def stopping(self) -> None:
