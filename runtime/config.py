@@ -90,6 +90,10 @@ class InferenceConfig:
                     f"leave it at its default {f.default!r}"
                 )
         self._check_ranges()
+        if verbose:
+            from runtime.log import get_logger
+
+            get_logger(component="config").warning("inference config", **self.to_dict())
 
     def _check_ranges(self) -> None:
         positive = ("block_size_tokens", "max_sequence_length", "ep_consensus_interval")
