@@ -1,11 +1,11 @@
 """`taipan bench`: output tokens/s, ours vs Hugging Face transformers vs the hardware limit.
 
-Measured side by side in one run on the same prompts (same token ids), greedy, every request
-generating exactly `--output-len` tokens (EOS ignored on both sides). Ours is timed from the
-first submission to the last completion through the real runtime (client -> coordinator ->
-engine -> gpu actor); HF is `generate` on one left-padded batch. The hardware limit is a floor
-on step time from measured matmul throughput and memory bandwidth (weights read once per decode
-step). Each run appends its JSON rows to tests/perf/results.jsonl.
+Measured side by side in one run on the same prompts (same token ids, mixed lengths), greedy,
+every request generating exactly `--output-len` tokens (EOS ignored on both sides). Ours is
+timed from the first submission to the last completion through the real runtime (client ->
+coordinator -> engine -> gpu actor); HF is `generate` on one left-padded batch. The hardware
+limit is a floor on step time from measured matmul throughput and memory bandwidth (weights read
+once per decode step). Each run appends its JSON rows to tests/perf/results.jsonl.
 """
 
 from __future__ import annotations
@@ -40,7 +40,14 @@ def add_arguments(p) -> None:
 
 
 def _prompts(n: int) -> list[str]:
-    return [f"{SEED_PROMPTS[i % len(SEED_PROMPTS)]} ({i})" for i in range(n)]
+    """n prompts of mixed lengths (about 10 to 150 tokens), as a serving mix has them: prompt i
+    repeats its seed sentence 1 + (5 * i) % 11 times. Equal lengths would hide the padding
+    that a static batch pays."""
+    out = []
+    for i in range(n):
+        seed = SEED_PROMPTS[i % len(SEED_PROMPTS)]
+        out.append(" ".join([seed] * (1 + (5 * i) % 11)) + f" ({i})")
+    return out
 
 
 def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[int]]]:
@@ -73,6 +80,7 @@ def run(args) -> int:
         "dtype": args.dtype,
         "device": args.device,
         "num_prompts": args.num_prompts,
+        "prompt_tokens": f"{min(map(len, prompt_ids))}-{max(map(len, prompt_ids))}",
         "output_len": args.output_len,
         "ours_seconds": round(ours_s, 3),
         "ours_output_tok_s": round(total / ours_s, 1),
