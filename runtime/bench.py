@@ -52,11 +52,11 @@ def _prompts(n: int) -> list[str]:
 
 def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[int]]]:
     from messages.requests import SamplingParams
-    from runtime.cli import _runtime
+    from runtime.cli import build_runtime
     from runtime.client import Client
 
     sampling = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    with _runtime(args) as rt, Client(rt.address) as client:
+    with build_runtime(args) as rt, Client(rt.address) as client:
         client.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         start = time.perf_counter()
         done = client.generate(prompts, sampling)

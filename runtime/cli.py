@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _runtime(args, address: str | None = None):
+def build_runtime(args, address: str | None = None):
     from runtime.launcher import Runtime
 
     config = InferenceConfig.from_cli(args.config, args.set)
@@ -81,7 +81,7 @@ def _runtime(args, address: str | None = None):
 
 
 def cmd_serve(args) -> int:
-    rt = _runtime(args, args.address)
+    rt = build_runtime(args, args.address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -112,7 +112,7 @@ def cmd_generate(args) -> int:
         raise ConfigError("; ".join(problems))
     rt = None
     if args.address is None:
-        rt = _runtime(args).start()
+        rt = build_runtime(args).start()
     try:
         with Client(args.address or rt.address) as client:
             done = client.generate(args.prompt, sampling, chat=args.chat, raise_on_error=False)

@@ -1,7 +1,7 @@
 """A random-weight Llama saved as a Hugging Face directory, for tests and the GPU device.
 
 The GGUF is too large to carry to the device, so GPU runs use a model built here from a config:
-the shape of SmolLM2-135M (or smaller), random weights, and a byte-level tokenizer (256 byte
+the shape of SmolLM2-135M (or any other), random weights, and a byte-level tokenizer (256 byte
 tokens plus the chat specials) with a ChatML template. Needs transformers (test-only).
 """
 
@@ -21,14 +21,6 @@ SMOLLM2_SHAPE = dict(
     num_attention_heads=9,
     num_key_value_heads=3,
     head_dim=64,
-)
-TINY_SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
 )
 
 
