@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from messages.codec import message
+from messages.requests import empty_array_field
 
 
 @message(120)
@@ -45,6 +46,13 @@ class StepPlan:
     query_start_loc int32[B+1], seq_lens int32[B] (context after this step), block_tables
     int32[B, max_blocks]; sample int8[B] (1 = this sequence's last token is sampled);
     temperature float32[B], top_k int32[B], top_p float32[B], seeds int64[B], gen_index int32[B].
+
+    Log-probs (log-softmax of the raw fp32 logits, before temperature / top-k / top-p):
+    logprobs int8[B] (1 = return the log-prob of the token sampled for this sequence);
+    top_n int32[B] (how many top (id, log-prob) pairs to return for the sampled position, 0 =
+    none); prompt_targets int32[T] (for each input token, the id of the token that follows it in
+    the prompt, whose log-prob is wanted; -1 = not wanted). With any prompt target set, the
+    worker materializes logits for those tokens too (in bounded chunks).
     """
 
     step: int
@@ -60,13 +68,52 @@ class StepPlan:
     top_p: np.ndarray
     seeds: np.ndarray
     gen_index: np.ndarray
+    logprobs: np.ndarray
+    top_n: np.ndarray
+    prompt_targets: np.ndarray
 
 
 @message(123)
 class StepResult:
-    """token_ids int32[B] (-1 where not sampled); `error` set if the forward failed."""
+    """token_ids int32[B] (-1 where not sampled); `error` set if the forward failed.
+
+    log_probs float32[B] (NaN where not asked or not sampled); top_n_ids int32[B, N] and
+    top_n_log_probs float32[B, N] with N = max(plan.top_n) (rows past a sequence's own top_n,
+    or not sampled: id -1, NaN); prompt_log_probs float32[K] for the K input tokens whose
+    prompt_target >= 0, in token order, and prompt_top_n_ids int32[K, N] /
+    prompt_top_n_log_probs float32[K, N] for them (N as above, from that sequence's top_n).
+    """
 
     step: int
     token_ids: np.ndarray
     error: str | None
     forward_seconds: float
+    log_probs: np.ndarray = empty_array_field(np.float32)
+    top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
+    top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
+    prompt_log_probs: np.ndarray = empty_array_field(np.float32)
+    prompt_top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
+    prompt_top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
+
+
+@message(124)
+class GpuControl:
+    """Engine -> gpu actor, only between steps: "suspend" (with `mode` "persist", "offload" or
+    "recompute"), "resume", or "update_weights" (with `path` or `state`, as
+    messages.lifecycle.UpdateWeights; only while suspended)."""
+
+    command: str
+    mode: str | None
+    path: str | None
+    state: dict[str, np.ndarray] | None
+
+
+@message(125)
+class GpuControlReply:
+    """`error` None on success. `kv_valid`: False after a "resume" whose KV contents were dropped
+    (mode "recompute"): every cached token must be recomputed. `weight_version` counts updates."""
+
+    command: str
+    error: str | None
+    kv_valid: bool
+    weight_version: int

@@ -7,11 +7,42 @@ request ends with exactly one `RequestOutput` whose `finished` is true.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from messages.codec import message, struct
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
+MAX_TOP_N = 20
+
+
+def empty_array_field(dtype, ndim: int = 1):
+    """A default for an optional array field: empty, of the right dtype and rank."""
+    return dataclasses.field(default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
+
+
+EVENT_TYPES = (
+    "ADD_ENGINE",
+    "ADD_CONTEXT",
+    "GENERATED_TOKEN",
+    "PAUSE",
+    "EVICT",
+    "FINISH",
+    "FAIL",
+    "ERROR_TRANSIENT",
+    "ERROR_NONTRANSIENT",
+)
+
+
+@struct
+class RequestEvent:
+    """One lifecycle event of a request (see EVENT_TYPES); `timestamp` is the engine's clock
+    (seconds, from the inbound message that caused it); `payload` e.g. a token id."""
+
+    type: str
+    timestamp: float
+    payload: int | None
 
 
 @struct
@@ -20,6 +51,17 @@ class SamplingParams:
 
     temperature 0 is greedy; top_k 0 and top_p 1.0 are off; seed None draws from fresh entropy
     (the engine picks one), a given seed makes the draws reproducible whatever the batch holds.
+
+    Stopping: EOS (unless `ignore_eos`), any of `stop_token_ids`, or a stop word: a token
+    sequence in `stop_word_ids` completed by the generated tokens (it may span any number of
+    steps). `stop` holds stop words as text; the client tokenizes them into `stop_word_ids`
+    before sending (the engine matches ids only). `include_stop_word` keeps the stop word's
+    tokens in the output (default: dropped).
+    Log-probs are log-softmax of the raw logits: `return_log_probs` returns one per generated
+    token and, unless `skip_prompt_log_probs`, one per prompt token after the first;
+    `top_n_logprobs` > 0 adds the top-n (id, log-prob) pairs per generated token (and per prompt
+    token with `return_prompt_top_n_logprobs`). `streaming_interval`: a streaming request gets a
+    delta every that many generated tokens (and always at the end).
     """
 
     max_tokens: int = 16
@@ -29,6 +71,14 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    stop_word_ids: tuple[tuple[int, ...], ...] = ()
+    include_stop_word: bool = False
+    return_log_probs: bool = False
+    skip_prompt_log_probs: bool = False
+    top_n_logprobs: int = 0
+    return_prompt_top_n_logprobs: bool = False
+    streaming_interval: int = 1
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, as sentences a user can act on."""
@@ -45,6 +95,19 @@ class SamplingParams:
             out.append(f"seed must be in [0, 2**63), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             out.append("stop_token_ids must be non-negative")
+        if any(not w or min(w) < 0 for w in self.stop_word_ids):
+            out.append("each of stop_word_ids must be a non-empty list of non-negative ids")
+        if not 0 <= self.top_n_logprobs <= MAX_TOP_N:
+            out.append(f"top_n_logprobs must be in [0, {MAX_TOP_N}], got {self.top_n_logprobs}")
+        if self.return_prompt_top_n_logprobs and not (
+            self.return_log_probs and self.top_n_logprobs and not self.skip_prompt_log_probs
+        ):
+            out.append(
+                "return_prompt_top_n_logprobs needs return_log_probs, top_n_logprobs > 0 and "
+                "skip_prompt_log_probs false"
+            )
+        if self.streaming_interval < 1:
+            out.append(f"streaming_interval must be >= 1, got {self.streaming_interval}")
         return out
 
 
@@ -73,9 +136,14 @@ class EngineSubmit:
 class RequestOutput:
     """Engine -> coordinator -> client: new tokens of one request, and whether it ended.
 
-    Streaming requests get a delta per step; others get one output with every generated token.
-    The terminal output (`finished`) carries `finish_reason` in FINISH_REASONS and, for
-    "error", the `error` text.
+    Streaming requests get a delta every `streaming_interval` tokens; others get one output
+    with every generated token. The terminal output (`finished`) carries `finish_reason` in
+    FINISH_REASONS and, for "error", the `error` text, and the request's `events`, `ttft`
+    (first token time - arrival, seconds) and `tpot` (mean time per later token).
+
+    Log-probs travel with the tokens they belong to: `log_probs` float32[new], `top_n_ids`
+    int32[new, n] and `top_n_log_probs` float32[new, n] (empty when not asked). Prompt log-probs
+    (float32[P-1], and [P-1, n] top-n) travel once, in the terminal output.
     """
 
     request_id: int
@@ -85,6 +153,15 @@ class RequestOutput:
     error: str | None
     num_prompt_tokens: int
     num_generated_tokens: int
+    log_probs: np.ndarray = empty_array_field(np.float32)
+    top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
+    top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
+    prompt_log_probs: np.ndarray = empty_array_field(np.float32)
+    prompt_top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
+    prompt_top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
+    events: tuple[RequestEvent, ...] = ()
+    ttft: float | None = None
+    tpot: float | None = None
 
 
 @message(23)

@@ -189,8 +189,9 @@ class Scheduler:
             sample.append(c.samples)
             tables[i, : len(r.blocks)] = r.blocks
         reqs = [c.request for c in batch.chunks]
+        ids_all = np.concatenate(ids).astype(np.int32)
         return {
-            "input_ids": np.concatenate(ids).astype(np.int32),
+            "input_ids": ids_all,
             "positions": np.concatenate(positions).astype(np.int32),
             "slot_mapping": np.concatenate(slots),
             "query_start_loc": np.asarray(query_start, dtype=np.int32),
@@ -202,6 +203,9 @@ class Scheduler:
             "top_p": np.asarray([r.sampling.top_p for r in reqs], dtype=np.float32),
             "seeds": np.asarray([r.seed for r in reqs], dtype=np.int64),
             "gen_index": np.asarray([len(r.generated) for r in reqs], dtype=np.int32),
+            "logprobs": np.zeros(len(reqs), dtype=np.int8),
+            "top_n": np.zeros(len(reqs), dtype=np.int32),
+            "prompt_targets": np.full(len(ids_all), -1, dtype=np.int32),
         }
 
     def update(
