@@ -3,7 +3,7 @@
 Importing this package registers every message family, so `decode` knows every tag.
 """
 
-from messages import allocator, common, gpu, lifecycle, requests  # noqa: F401
+from messages import allocator, common, gpu, lifecycle, requests, stats  # noqa: F401
 from messages.codec import MessageError, decode, encode, registry
 
 __all__ = ["MessageError", "decode", "encode", "registry"]

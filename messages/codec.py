@@ -28,7 +28,7 @@ EXT_ARRAY_INLINE = 1
 EXT_ARRAY_FRAME = 2
 INLINE_ARRAY_BYTES = 64 * 1024
 MAX_FRAME_BYTES = 1 << 30
-MAX_FRAMES = 64
+MAX_FRAMES = 4096  # a state dict in UpdateWeights is one frame per large tensor
 ALLOWED_DTYPES = frozenset(
     "bool int8 uint8 int16 uint16 int32 uint32 int64 uint64 float16 float32 float64".split()
 )

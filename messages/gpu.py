@@ -36,6 +36,7 @@ class ModelLoaded:
     max_position_embeddings: int
     tokenizer: str
     eos_token_ids: tuple[int, ...]
+    block_bytes: int  # one KV block over all layers (sizes paused_buffer_size_gb in blocks)
 
 
 @message(122)
@@ -75,13 +76,16 @@ class StepPlan:
 
 @message(123)
 class StepResult:
-    """token_ids int32[B] (-1 where not sampled); `error` set if the forward failed.
+    """token_ids int32[B] (-1 where not sampled); `error` set if the forward failed (or the
+    worker is suspended).
 
     log_probs float32[B] (NaN where not asked or not sampled); top_n_ids int32[B, N] and
     top_n_log_probs float32[B, N] with N = max(plan.top_n) (rows past a sequence's own top_n,
     or not sampled: id -1, NaN); prompt_log_probs float32[K] for the K input tokens whose
     prompt_target >= 0, in token order, and prompt_top_n_ids int32[K, N] /
     prompt_top_n_log_probs float32[K, N] for them (N as above, from that sequence's top_n).
+    Top-n pairs are sorted by descending log-prob. Without `error` these arrays always have
+    these shapes (all NaN / -1, or K = 0, when nothing is asked); with `error` they may be empty.
     """
 
     step: int
@@ -99,8 +103,18 @@ class StepResult:
 @message(124)
 class GpuControl:
     """Engine -> gpu actor, only between steps: "suspend" (with `mode` "persist", "offload" or
-    "recompute"), "resume", or "update_weights" (with `path` or `state`, as
-    messages.lifecycle.UpdateWeights; only while suspended)."""
+    "recompute"; None is an error: the engine resolves the config default), "resume", or
+    "update_weights" (with exactly one of `path` or `state`, as messages.lifecycle.UpdateWeights;
+    only while suspended). Fields a command does not use are ignored.
+
+    update_weights checks everything before it changes anything: a checkpoint at `path` must
+    have the loaded architecture (same hyper-parameters and shapes); each `state` name must be
+    a parameter of the loaded model in Hugging Face naming (the "model." prefix optional;
+    q/k/v_proj and gate/up_proj land in their rows of our fused projections; with tied
+    embeddings "lm_head.weight" is the embedding matrix, and may come alongside an equal
+    "model.embed_tokens.weight") with its exact shape and a float dtype (float16/32/64: bfloat16
+    cannot travel as a numpy array). Weights are copied in place, in the model's dtype.
+    A step while suspended gets a StepResult with `error` "the gpu worker is suspended"."""
 
     command: str
     mode: str | None
@@ -110,8 +124,12 @@ class GpuControl:
 
 @message(125)
 class GpuControlReply:
-    """`error` None on success. `kv_valid`: False after a "resume" whose KV contents were dropped
-    (mode "recompute"): every cached token must be recomputed. `weight_version` counts updates."""
+    """`error` None on success; otherwise the text says why and nothing changed (a suspend or
+    resume in the wrong state names the state). `kv_valid`: False when the KV contents are
+    dropped: the reply to a "suspend" in mode "recompute", and to the "resume" that follows it
+    (every cached token must be recomputed); True otherwise. Update_weights leaves the KV as it
+    was (computed with the old weights). `weight_version` counts successful updates since
+    LoadModel (0 = as loaded)."""
 
     command: str
     error: str | None

@@ -7,6 +7,10 @@ and the cause. Does not allocate the KV cache or pick a block count (the GPU act
 GGUF tensors are dequantized to `dtype` at load time (no quantized matmuls). llama.cpp stores
 the rows of Q and K interleaved per head (pairs `(i, i + head_dim/2)` of rotate-half RoPE made
 adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging Face order.
+
+For weight updates in place (the gpu worker's update_weights) it also checks that new weights
+fit: `check_same_architecture` for a checkpoint, `state_updates` for a state dict in Hugging Face
+names (mapped onto row ranges of our fused parameters).
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import json
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ops.models.llama import LlamaConfig, LlamaForCausalLM
@@ -252,17 +257,116 @@ def _build(path: Path, config: LlamaConfig, state: dict, dtype, device) -> Llama
     return model.requires_grad_(False).eval()
 
 
+# Our fused parameter -> the checkpoint parameters stacked into it, in row order.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
 def _fuse_projections(state: dict, num_layers: int) -> dict:
     """Checkpoint names (q/k/v_proj, gate/up_proj) -> our fused qkv_proj and gate_up_proj.
     A layer that lacks any part is left alone (the layout check names what is missing)."""
     state = dict(state)
-    fused = {
-        "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    }
     for n in range(num_layers):
-        for target, parts in fused.items():
+        for target, parts in _FUSED.items():
             names = [f"layers.{n}.{p}.weight" for p in parts]
             if all(name in state for name in names):
                 state[f"layers.{n}.{target}.weight"] = torch.cat([state.pop(x) for x in names])
     return state
+
+
+# ---- weight updates (the gpu worker's update_weights) --------------------------------------------
+
+# Hyper-parameters that must agree for new weights to replace the loaded ones in place.
+_ARCHITECTURE_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
+_PART = re.compile(r"^(layers\.\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight$")
+
+
+class WeightUpdateError(ValueError):
+    """New weights do not fit the loaded model; the message names the parameter or field."""
+
+
+def check_same_architecture(loaded: LlamaConfig, new: LlamaConfig, path: str | Path) -> None:
+    """Raise WeightUpdateError naming every hyper-parameter of `new` that differs."""
+    diffs = [
+        f"{f} {getattr(new, f)!r} (loaded: {getattr(loaded, f)!r})"
+        for f in _ARCHITECTURE_FIELDS
+        if getattr(new, f) != getattr(loaded, f)
+    ]
+    if diffs:
+        raise WeightUpdateError(f"{path}: not the loaded architecture: {', '.join(diffs)}")
+
+
+def hf_name_to_ours(name: str, config: LlamaConfig) -> tuple[str, slice]:
+    """A Hugging Face parameter name -> (our parameter name, the rows of it that hold it).
+
+    The "model." prefix is optional; q/k/v_proj and gate/up_proj are row ranges of our fused
+    qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting); with tied embeddings
+    "lm_head.weight" is the embedding matrix. A name that matches none of these comes back
+    unchanged with all rows (the caller reports it if we have no such parameter).
+    """
+    ours = name.removeprefix("model.")
+    if ours == "lm_head.weight" and config.tie_word_embeddings:
+        return "embed_tokens.weight", slice(None)
+    part = _PART.match(ours)
+    if part is None:
+        return ours, slice(None)
+    q = config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    rows = {
+        "self_attn.q_proj": slice(0, q),
+        "self_attn.k_proj": slice(q, q + kv),
+        "self_attn.v_proj": slice(q + kv, q + 2 * kv),
+        "mlp.gate_proj": slice(0, inter),
+        "mlp.up_proj": slice(inter, 2 * inter),
+    }
+    target = next(t for t, parts in _FUSED.items() if part.group(2) in parts)
+    return f"{part.group(1)}.{target}.weight", rows[part.group(2)]
+
+
+def state_updates(
+    state: dict[str, np.ndarray], model: LlamaForCausalLM
+) -> list[tuple[str, slice, np.ndarray]]:
+    """Check a (partial) state dict in Hugging Face names against `model`; changes nothing.
+
+    Returns (our parameter name, its rows, array) per entry. Raises WeightUpdateError naming
+    the parameter for an unknown name, a wrong shape, an array that is not floating point, or
+    two names for the same rows with different values (lm_head.weight and
+    model.embed_tokens.weight of a tied model may both come, equal, as `state_dict()` gives them).
+    """
+    params = model.state_dict()
+    seen: dict[tuple, str] = {}
+    out = []
+    for name, array in state.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue  # a buffer some checkpoints carry; recomputed from rope_theta
+        ours, rows = hf_name_to_ours(name, model.config)
+        if ours not in params:
+            raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
+        if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
+            kind = getattr(array, "dtype", type(array).__name__)
+            raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
+        expected = tuple(params[ours][rows].shape)
+        if array.shape != expected:
+            raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
+        key = (ours, rows.start, rows.stop)
+        if key in seen:
+            if not np.array_equal(state[seen[key]], array):
+                raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
+            continue
+        seen[key] = name
+        out.append((ours, rows, array))
+    return out

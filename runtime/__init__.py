@@ -13,6 +13,8 @@ _EXPORTS = {
     "Completion": "runtime.client",
     "Delta": "runtime.client",
     "RequestError": "runtime.client",
+    "ControlError": "runtime.client",
+    "ControlAck": "messages.lifecycle",
     "SamplingParams": "messages.requests",
     "InferenceConfig": "runtime.config",
     "ConfigError": "runtime.config",

@@ -1,12 +1,17 @@
 """Client and AsyncClient: talk to a running taipan runtime (coordinator address).
 
 The client tokenizes (the tokenizer travels from the engine in ModelInfo, so no model files are
-needed here), submits token ids, and detokenizes incrementally. No torch is imported.
+needed here), turns stop words into token ids, submits token ids, and detokenizes incrementally.
+It also drives the lifecycle (pause, suspend, update_weights, resume, unpause, stop: see
+messages/lifecycle.py). No torch is imported.
 
     async with AsyncClient("ipc:///tmp/taipan.sock") as c:
         [done] = await c.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
         async for delta in c.stream("Hello", SamplingParams(max_tokens=8)):
             print(delta.text, end="")
+        await c.pause(); await c.suspend()
+        await c.update_weights(path="/ckpt/step-100")
+        await c.resume(); await c.unpause()
 """
 
 from __future__ import annotations
@@ -14,19 +19,42 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 
 import numpy as np
 import zmq
 import zmq.asyncio
 
-from actors.client.actor import ClientActor
-from messages.requests import SamplingParams
+from actors.client.actor import ClientActor, ControlError
+from messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
+from messages.lifecycle import (
+    ControlAck,
+    Pause,
+    Resume,
+    Stop,
+    Suspend,
+    Unpause,
+    UpdateWeights,
+)
+from messages.requests import RequestEvent, RequestOutput, SamplingParams
+from messages.stats import Stats
 from ops.tokenizer import IncrementalDetokenizer, Tokenizer
 from runtime.channel import make_socket
 
 Prompt = str | Sequence[int] | Sequence[dict]
+TopN = list[dict[int, float]]  # per token: {token id: log-prob} of its top-n candidates
+
+__all__ = [
+    "AsyncClient",
+    "Client",
+    "Completion",
+    "ControlAck",
+    "ControlError",
+    "Delta",
+    "RequestError",
+]
 
 
 class RequestError(RuntimeError):
@@ -35,21 +63,79 @@ class RequestError(RuntimeError):
 
 @dataclasses.dataclass
 class Completion:
+    """One finished request. Log-prob fields are None unless asked for in SamplingParams:
+    `log_probs` (one per token of `token_ids`, with `return_log_probs`), `top_n_logprobs` (with
+    `top_n_logprobs` > 0), `prompt_log_probs` (one per prompt token after the first) and
+    `prompt_top_n_logprobs`. `events`, `ttft` and `tpot` come from the engine (seconds)."""
+
     prompt: str | None
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
     finish_reason: str
     error: str | None = None
+    log_probs: list[float] | None = None
+    top_n_logprobs: TopN | None = None
+    prompt_log_probs: list[float] | None = None
+    prompt_top_n_logprobs: TopN | None = None
+    events: list[RequestEvent] = dataclasses.field(default_factory=list)
+    ttft: float | None = None
+    tpot: float | None = None
 
 
 @dataclasses.dataclass
 class Delta:
+    """New text of a streamed request, with the log-probs of its tokens (None unless asked).
+    The last delta (`finished`) also carries the prompt log-probs, events, ttft and tpot."""
+
     text: str
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
     error: str | None = None
+    log_probs: list[float] | None = None
+    top_n_logprobs: TopN | None = None
+    prompt_log_probs: list[float] | None = None
+    prompt_top_n_logprobs: TopN | None = None
+    events: list[RequestEvent] = dataclasses.field(default_factory=list)
+    ttft: float | None = None
+    tpot: float | None = None
+
+
+def _top_n(ids: np.ndarray, log_probs: np.ndarray) -> TopN:
+    return [
+        dict(zip(i, lp, strict=True))
+        for i, lp in zip(ids.tolist(), log_probs.tolist(), strict=True)
+    ]
+
+
+def _token_log_probs(out: RequestOutput, sampling: SamplingParams):
+    """(log_probs, top_n) of the tokens in `out`, each None when the request did not ask."""
+    log_probs = out.log_probs.tolist() if sampling.return_log_probs else None
+    top = _top_n(out.top_n_ids, out.top_n_log_probs) if sampling.top_n_logprobs else None
+    return log_probs, top
+
+
+def _final_fields(out: RequestOutput, sampling: SamplingParams) -> dict:
+    """What only the terminal output carries, as Completion/Delta keyword arguments."""
+    fields: dict = {"events": list(out.events), "ttft": out.ttft, "tpot": out.tpot}
+    if sampling.return_log_probs and not sampling.skip_prompt_log_probs:
+        fields["prompt_log_probs"] = out.prompt_log_probs.tolist()
+    if sampling.return_prompt_top_n_logprobs:
+        fields["prompt_top_n_logprobs"] = _top_n(out.prompt_top_n_ids, out.prompt_top_n_log_probs)
+    return fields
+
+
+def _check_state_fits(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Arrays for UpdateWeights.state; refuse, before sending, what the wire cannot carry."""
+    arrays = {str(k): np.asarray(v) for k, v in state.items()}
+    big = sum(1 for a in arrays.values() if a.nbytes > INLINE_ARRAY_BYTES)
+    if big + 1 > MAX_FRAMES:
+        raise ValueError(
+            f"update_weights(state=...) has {big} arrays over {INLINE_ARRAY_BYTES} bytes but one "
+            f"message carries at most {MAX_FRAMES - 1}; pass a checkpoint path instead"
+        )
+    return arrays
 
 
 class AsyncClient:
@@ -127,18 +213,30 @@ class AsyncClient:
 
     async def _one(self, prompt: Prompt, sampling: SamplingParams | None, chat: bool):
         text, ids = self._encode(prompt, chat)
+        sampling = sampling or SamplingParams()
         tokens: list[int] = []
+        log_probs: list[float] | None = [] if sampling.return_log_probs else None
+        top_n: TopN | None = [] if sampling.top_n_logprobs else None
         last = None
-        async for out in self._outputs(ids, sampling or SamplingParams(), stream=False):
-            tokens.extend(int(t) for t in out.new_token_ids)
+        async for out in self._outputs(ids, sampling, stream=False):
+            tokens.extend(out.new_token_ids.tolist())
+            new_log_probs, new_top_n = _token_log_probs(out, sampling)
+            if log_probs is not None:
+                log_probs.extend(new_log_probs)
+            if top_n is not None:
+                top_n.extend(new_top_n)
             last = out
         return Completion(
             prompt=text,
             prompt_token_ids=ids.tolist(),
+            # A stop word the request did not want kept was already dropped by the engine.
             text=self.tokenizer.decode(tokens),
             token_ids=tokens,
             finish_reason=last.finish_reason,
             error=last.error,
+            log_probs=log_probs,
+            top_n_logprobs=top_n,
+            **_final_fields(last, sampling),
         )
 
     async def stream(
@@ -146,17 +244,39 @@ class AsyncClient:
     ) -> AsyncIterator[Delta]:
         """Yield text deltas as tokens arrive; the last delta has `finished` set."""
         _, ids = self._encode(prompt, chat)
+        sampling = sampling or SamplingParams()
         detok = IncrementalDetokenizer(self.tokenizer, ids.tolist())
-        async for out in self._outputs(ids, sampling or SamplingParams(), stream=True):
-            new = [int(t) for t in out.new_token_ids]
+        async for out in self._outputs(ids, sampling, stream=True):
+            new = out.new_token_ids.tolist()
             text = detok.feed(new)
+            log_probs, top_n = _token_log_probs(out, sampling)
+            final = {}
             if out.finished:
                 text += detok.flush()
-            yield Delta(text, new, out.finished, out.finish_reason, out.error)
+                final = _final_fields(out, sampling)
+            yield Delta(
+                text, new, out.finished, out.finish_reason, out.error, log_probs, top_n, **final
+            )
+
+    def _with_stop_word_ids(self, sampling: SamplingParams) -> SamplingParams:
+        """Tokenize `sampling.stop` into `stop_word_ids` (after any ids given): the engine
+        matches ids only. Words are encoded alone, without special tokens, so a word whose
+        tokens merge with the text before it in the output is not matched there."""
+        stop = (sampling.stop,) if isinstance(sampling.stop, str) else tuple(sampling.stop)
+        words = [tuple(w) for w in sampling.stop_word_ids]
+        for word in stop:
+            ids = tuple(self.tokenizer.encode(word, add_special_tokens=False))
+            if not ids:
+                raise ValueError(f"stop word {word!r} encodes to no tokens")
+            if ids not in words:
+                words.append(ids)
+        return dataclasses.replace(sampling, stop=stop, stop_word_ids=tuple(words))
 
     async def _outputs(self, ids: np.ndarray, sampling: SamplingParams, stream: bool):
         if self._actor is None:
             raise RuntimeError("the client is not connected")
+        if sampling.stop:
+            sampling = self._with_stop_word_ids(sampling)
         request_id, queue = await self._actor.submit(ids, sampling, stream)
         finished = False
         try:
@@ -168,9 +288,59 @@ class AsyncClient:
             if not finished and self._actor is not None:
                 await self._actor.abort(request_id)  # the caller stopped listening
 
-    async def stop(self) -> None:
-        """Stop the whole runtime: every request is aborted, every process exits."""
-        await self._actor.stop_runtime("client asked to stop")
+    async def stats(self) -> Stats:
+        """The lifecycle state and every rank's latest counters (messages/stats.py)."""
+        if self._actor is None:
+            raise RuntimeError("the client is not connected")
+        return await self._actor.stats()
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    # Each returns the runtime's ControlAck (`state` after it, `weight_version`) once every engine
+    # has acknowledged, and raises ControlError when the runtime refuses (e.g. code
+    # "illegal_transition": resume while RUNNING) or an engine fails it (the state stays).
+
+    async def _control(self, command: str, msg) -> ControlAck:
+        if self._actor is None:
+            raise RuntimeError("the client is not connected")
+        return await self._actor.control(command, msg)
+
+    async def pause(self) -> ControlAck:
+        """RUNNING -> PAUSED: the step in flight finishes, no more run; requests keep their KV
+        and new submissions queue."""
+        return await self._control("pause", Pause())
+
+    async def unpause(self) -> ControlAck:
+        """PAUSED -> RUNNING."""
+        return await self._control("unpause", Unpause())
+
+    async def suspend(self, mode: str | None = None) -> ControlAck:
+        """PAUSED -> SUSPENDED: release the big tensors as `mode` says ("persist", "offload",
+        "recompute"; None: the runtime's kv_cache_management_mode)."""
+        return await self._control("suspend", Suspend(mode))
+
+    async def resume(self) -> ControlAck:
+        """SUSPENDED -> PAUSED: bring back what suspend released."""
+        return await self._control("resume", Resume())
+
+    async def update_weights(
+        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+    ) -> ControlAck:
+        """While SUSPENDED, load new weights from `path` (GGUF file or Hugging Face directory,
+        readable by the engine processes) or from `state` (HF parameter name -> array; a subset
+        is allowed). Exactly one of the two. The ack's `weight_version` is the new version."""
+        if (path is None) == (state is None):
+            raise ValueError("update_weights takes exactly one of path and state")
+        msg = (
+            UpdateWeights(os.fspath(path), None)
+            if path is not None
+            else UpdateWeights(None, _check_state_fits(state))
+        )
+        return await self._control("update_weights", msg)
+
+    async def stop(self) -> ControlAck:
+        """Stop the whole runtime (legal from PAUSED or SUSPENDED: pause first): every request is
+        aborted with its terminal output, every process exits."""
+        return await self._control("stop", Stop("client asked to stop"))
 
 
 class Client:
@@ -212,8 +382,28 @@ class Client:
 
         return it()
 
-    def stop(self) -> None:
-        self._run(self._async.stop())
+    def stats(self) -> Stats:
+        return self._run(self._async.stats())
+
+    def pause(self) -> ControlAck:
+        return self._run(self._async.pause())
+
+    def unpause(self) -> ControlAck:
+        return self._run(self._async.unpause())
+
+    def suspend(self, mode: str | None = None) -> ControlAck:
+        return self._run(self._async.suspend(mode))
+
+    def resume(self) -> ControlAck:
+        return self._run(self._async.resume())
+
+    def update_weights(
+        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+    ) -> ControlAck:
+        return self._run(self._async.update_weights(path, state))
+
+    def stop(self) -> ControlAck:
+        return self._run(self._async.stop())
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -106,6 +106,12 @@ class InferenceConfig:
                 raise ConfigError(f"{name} must be >= 1 when set, got {value}")
         if not self.buffer_size_gb > 0:
             raise ConfigError(f"buffer_size_gb must be > 0, got {self.buffer_size_gb}")
+        paused = self.paused_buffer_size_gb
+        if paused is not None and not 0 <= paused <= self.buffer_size_gb:
+            raise ConfigError(
+                f"paused_buffer_size_gb ({paused}) must be in [0, buffer_size_gb "
+                f"({self.buffer_size_gb})]: paused requests hold blocks of the same pool"
+            )
         if self.logging_step_interval < 0:
             raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
         if not 0 <= self.prefix_caching_routing_alpha <= 1:
@@ -190,11 +196,9 @@ def _coerce(name: str, tp, value):
 
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {
-    "paused_buffer_size_gb": "pausing and evicting requests arrives with the full engine",
     "mamba_inference_state_config": "hybrid Mamba models are not supported yet",
     "mamba_memory_ratio": "hybrid Mamba models are not supported yet",
     "unified_memory_level": "unified memory is not supported",
-    "kv_cache_management_mode": "suspend/resume is not built yet",
     "num_cuda_graphs": "CUDA graphs are not captured yet",
     "cuda_graph_mixed_prefill_count": "CUDA graphs are not captured yet",
     "cuda_graph_sizing_distribution": "CUDA graphs are not captured yet",
@@ -204,15 +208,14 @@ NOT_IMPLEMENTED = {
     "pg_collection": "taipan wires its own process groups; a torch ProcessGroupCollection "
     "cannot be passed",
     "use_flashinfer_fused_rope": "flashinfer is not used",
-    "materialize_only_last_token_logits": "prompt log-probs are not built yet",
+    "materialize_only_last_token_logits": "taipan materializes only the logits a request "
+    "asks for (return_log_probs includes the prompt's), so there is nothing to switch",
     "num_speculative_tokens": "speculative decoding is not built",
     "enable_prefix_caching": "prefix caching is not built yet",
     "prefix_caching_eviction_policy": "prefix caching is not built yet",
     "prefix_caching_coordinator_policy": "prefix-aware routing is not built yet",
     "prefix_caching_routing_alpha": "prefix-aware routing is not built yet",
     "prefix_caching_mamba_gb": "hybrid Mamba models are not supported yet",
-    "track_paused_request_events": "request events are not built yet",
-    "track_generated_token_events": "request events are not built yet",
     "metrics_writer": "no metrics writer (wandb) integration",
     "sampling_backend": "only the torch sampling backend exists",
     "request_metadata_types": "per-request metadata tracking is not built",
@@ -232,6 +235,10 @@ class RuntimePlan:
     max_tokens: int
     max_sequence_length: int
     eos_token_ids: tuple[int, ...]
+    # Blocks paused requests may hold before the oldest are evicted (from
+    # paused_buffer_size_gb); None: no cap, paused requests are evicted only when nothing else
+    # can run.
+    max_paused_blocks: int | None = None
 
 
 DEFAULT_MAX_TOKENS = 16384

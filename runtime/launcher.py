@@ -3,9 +3,10 @@
     with Runtime("smollm2", InferenceConfig()) as rt:
         client = Client(rt.address)
 
-Owns the child processes and a private temp dir for ipc sockets. Shutdown sends STOP through the
-coordinator (every request gets its terminal output), waits for the children, escalates to
-SIGTERM then SIGKILL, and removes the ipc files. Children also die with this process.
+Owns the child processes and a private temp dir for ipc sockets. Shutdown sends PAUSE then STOP
+through the coordinator (STOP is legal only while paused or suspended; every request gets its
+terminal output), waits for the children, escalates to SIGTERM then SIGKILL, and removes the ipc
+files. Children also die with this process.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ import threading
 
 from runtime.config import InferenceConfig, plan_limits
 from runtime.models import resolve
+
+BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
 
 
 class LaunchError(RuntimeError):
@@ -147,12 +150,17 @@ class Runtime:
         return any(p.poll() is None for _, p in self.procs)
 
     def shutdown(self, timeout: float = 30.0) -> None:
+        stopped = False
         if self.alive():
             try:
                 asyncio.run(asyncio.wait_for(self._send_stop(), timeout))
-            except Exception:  # the coordinator is gone or stuck: signals take over
-                pass
-        for sig, wait in ((None, timeout), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+                stopped = True
+            except Exception as e:  # the coordinator is gone, stuck or refused: signals take over
+                from runtime.log import get_logger
+
+                get_logger(component="launcher").warning("clean stop failed", error=repr(e))
+        steps = [(None, timeout)] if stopped else []  # after a clean stop they exit by themselves
+        for sig, wait in [*steps, (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)]:
             for _, proc in self.procs:
                 if sig is not None and proc.poll() is None:
                     proc.send_signal(sig)
@@ -166,10 +174,13 @@ class Runtime:
         shutil.rmtree(self.tmp, ignore_errors=True)
 
     async def _send_stop(self) -> None:
+        """PAUSE (unless already paused or suspended), then STOP. A failure raises, and
+        `shutdown` falls back to signals."""
         import zmq
         import zmq.asyncio
 
-        from actors.client.actor import ClientActor
+        from actors.client.actor import ClientActor, ControlError
+        from messages.lifecycle import Pause, Stop
         from runtime.channel import make_socket
 
         ctx = zmq.asyncio.Context()
@@ -177,12 +188,32 @@ class Runtime:
         actor = ClientActor(channel)
         task = asyncio.create_task(actor.run())
         try:
-            await actor.stop_runtime("launcher shutdown")
+            try:
+                await self._control_when_free(actor, "pause", Pause())
+            except ControlError as e:
+                if e.code != "illegal_transition":  # already PAUSED or SUSPENDED is fine
+                    raise
+            await self._control_when_free(actor, "stop", Stop("launcher shutdown"))
         finally:
             actor.stop()
             await task
             channel.close()
             ctx.term()
+
+    @staticmethod
+    async def _control_when_free(actor, command: str, msg) -> None:
+        """Send a control; while another client's command holds the coordinator ("busy"),
+        try again shortly (the caller bounds the whole shutdown with a timeout)."""
+        from actors.client.actor import ControlError
+
+        while True:
+            try:
+                await actor.control(command, msg)
+                return
+            except ControlError as e:
+                if e.code != "busy":
+                    raise
+            await asyncio.sleep(BUSY_RETRY_S)
 
     def __enter__(self) -> Runtime:
         if not self.procs:

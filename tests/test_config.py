@@ -210,8 +210,19 @@ def test_enum_value_not_in_choices_lists_them():
 
 
 def test_enum_option_goes_through_the_not_implemented_check():
-    with pytest.raises(ConfigError, match="kv_cache_management_mode.*not implemented"):
-        InferenceConfig.from_cli(None, ["kv_cache_management_mode=persist"])
+    with pytest.raises(ConfigError, match="cuda_graph_sizing_distribution.*not implemented"):
+        InferenceConfig.from_cli(None, ["cuda_graph_sizing_distribution=linear"])
+
+
+def test_enum_option_parses_to_its_member():
+    config = InferenceConfig.from_cli(None, ["kv_cache_management_mode=offload"])
+    assert config.kv_cache_management_mode == "offload"
+
+
+@pytest.mark.parametrize("value", [-0.5, 30.0])
+def test_paused_buffer_must_fit_in_the_buffer(value):
+    with pytest.raises(ConfigError, match="paused_buffer_size_gb"):
+        InferenceConfig(buffer_size_gb=20, paused_buffer_size_gb=value)
 
 
 @pytest.mark.parametrize(

@@ -144,6 +144,10 @@ def assert_same(a, b, where="msg"):
         assert type(a) is type(b), where
         for f in dataclasses.fields(a):
             assert_same(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}")
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(a, tuple | list):
         assert isinstance(b, tuple) and len(a) == len(b), where
         for k, (x, y) in enumerate(zip(a, b, strict=True)):
@@ -170,7 +174,7 @@ def array_ext(dtype, shape, data, code=EXT_ARRAY_INLINE):
 
 def output_with(array) -> list:
     """RequestOutput fields (tag first) with `array` as new_token_ids."""
-    return [22, 1, 7, array, False, None, None, 3, 0]
+    return [22, 1, 7, array, False, None, None, 3, 0, *_OUTPUT_TAIL]
 
 
 # --- the registry ----------------------------------------------------------------------------
@@ -282,10 +286,13 @@ def test_several_large_arrays_keep_their_order():
         "top_p": np.ones(1, dtype=np.float32),
         "seeds": np.array([2**62], dtype=np.int64),
         "gen_index": np.zeros(1, dtype=np.int32),
+        "logprobs": np.zeros(1, dtype=np.int8),
+        "top_n": np.zeros(1, dtype=np.int32),
+        "prompt_targets": np.full(n, -1, dtype=np.int32),
     }
     msg = StepPlan(step=5, **arrays)
     frames = encode(msg)
-    assert len(frames) == 1 + 4
+    assert len(frames) == 1 + 5  # ids, positions, slots, tables, targets
     out = roundtrip(msg)
     assert_same(msg, out)
     assert out.block_tables.shape == (n, 4)
@@ -351,7 +358,14 @@ def expect_error(frames, code: str | None = None, match: str | None = None) -> M
 
 
 _ARR = array_ext("int32", [1], b"\0\0\0\0")
-_SAMPLING = [16, 1.0, 0, 1.0, None, False, []]
+_SAMPLING = [16, 1.0, 0, 1.0, None, False, [], [], [], False, False, False, 0, False, 1]
+_STOP_TOKEN_IDS = 6  # its index in _SAMPLING
+_OUTPUT_TAIL = [_ARR] * 6 + [[], None, None]  # RequestOutput's optional fields
+
+
+def _sampling_with(index: int, value) -> list:
+    return [*_SAMPLING[:index], value, *_SAMPLING[index + 1 :]]
+
 
 BAD_ENVELOPES = {
     "empty_list": ([], "empty"),
@@ -371,15 +385,21 @@ BAD_ENVELOPES = {
     "bool_where_int": (frame0(23, 1, True), "bad_field"),
     "float_where_int": (frame0(23, 1, 5.0), "bad_field"),
     "none_where_int": (frame0(23, 1, None), "bad_field"),
-    "int_where_bool": (frame0(22, 1, 7, _ARR, 1, None, None, 3, 0), "bad_field"),
+    "int_where_bool": (frame0(22, 1, 7, _ARR, 1, None, None, 3, 0, *_OUTPUT_TAIL), "bad_field"),
     "int_where_str": (frame0(2, 1, 5, "text", None), "bad_field"),
     "bytes_where_str": (frame0(2, 1, b"code", "text", None), "bad_field"),
     "str_where_array": (frame0(*output_with("abc")), "bad_field"),
     "list_where_array": (frame0(*output_with([1, 2])), "bad_field"),
     "map_where_struct": (frame0(20, 1, 1, _ARR, {"max_tokens": 3}, False), "bad_field"),
     "struct_wrong_arity": (frame0(20, 1, 1, _ARR, [1, 1.0], False), "bad_arity"),
-    "struct_bad_item": (frame0(20, 1, 1, _ARR, [*_SAMPLING[:-1], ["x"]], False), "bad_field"),
-    "struct_str_tuple": (frame0(20, 1, 1, _ARR, [*_SAMPLING[:-1], "ab"], False), "bad_field"),
+    "struct_bad_item": (
+        frame0(20, 1, 1, _ARR, _sampling_with(_STOP_TOKEN_IDS, ["x"]), False),
+        "bad_field",
+    ),
+    "struct_str_tuple": (
+        frame0(20, 1, 1, _ARR, _sampling_with(_STOP_TOKEN_IDS, "ab"), False),
+        "bad_field",
+    ),
     "int_map_key": ([msgpack.packb([2, 1, {1: "x"}, "t", None])], "bad_msgpack"),
     "str_map_key_where_str": (frame0(2, 1, {"k": "x"}, "t", None), "bad_field"),
     "unknown_ext": (frame0(*output_with(msgpack.ExtType(9, b"x"))), "bad_ext"),
@@ -388,7 +408,7 @@ BAD_ENVELOPES = {
 
 def test_the_bad_envelope_fixtures_are_one_change_from_valid():
     assert decode(frame0(20, 1, 1, _ARR, _SAMPLING, False)).sampling == SamplingParams()
-    assert decode(frame0(22, 1, 7, _ARR, False, None, None, 3, 0)).finished is False
+    assert decode(frame0(22, 1, 7, _ARR, False, None, None, 3, 0, *_OUTPUT_TAIL)).finished is False
     assert decode(frame0(2, 1, "code", "text", None)) == ErrorReply("code", "text", None)
 
 

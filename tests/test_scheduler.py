@@ -16,8 +16,10 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from actors.engine.actor import output_of
 from actors.engine.request import EngineRequest, Status
 from actors.engine.scheduler import Scheduler, StepBatch, derive_seed
+from messages.gpu import StepResult
 from messages.requests import SamplingParams
 from runtime.config import RuntimePlan
 
@@ -28,8 +30,20 @@ def fake_token(position: int) -> int:
     return (position * 7) % 50 + 10
 
 
+def fake_log_prob(position: int) -> float:
+    """The fake gpu's log-prob of the token at `position` (prompt or generated), as the float32
+    it travels as."""
+    return float(np.float32(-position / 1000))
+
+
 def make_plan(
-    num_blocks=64, block_size=4, max_requests=8, max_tokens=32, max_sequence_length=256, eos=()
+    num_blocks=64,
+    block_size=4,
+    max_requests=8,
+    max_tokens=32,
+    max_sequence_length=256,
+    eos=(),
+    max_paused_blocks=None,
 ) -> RuntimePlan:
     return RuntimePlan(
         num_blocks=num_blocks,
@@ -38,6 +52,7 @@ def make_plan(
         max_tokens=max_tokens,
         max_sequence_length=max_sequence_length,
         eos_token_ids=tuple(eos),
+        max_paused_blocks=max_paused_blocks,
     )
 
 
@@ -87,7 +102,8 @@ class Harness:
 
     def __init__(self, plan: RuntimePlan, chunked: bool):
         self.plan = plan
-        self.sched = Scheduler(plan, chunked)
+        self.sched = Scheduler(plan, chunked, track_paused_events=True)
+        self.now = 0.0
         self.pool = FakePool(plan.num_blocks)
         size = plan.num_blocks * plan.block_size
         self.kv_token = np.full(size, -1, dtype=np.int64)
@@ -105,15 +121,15 @@ class Harness:
     def add(self, req: EngineRequest) -> str | None:
         problem = self.sched.check(len(req.prompt), req.sampling)
         if problem is None:
-            self.sched.add(req)
+            self.sched.add(req, self.now)
             self.added[req.request_id] = req
             self.add_order.append(req.request_id)
         return problem
 
-    def abort(self, rid: int) -> None:
+    def abort(self, rid: int, in_flight: bool = True) -> None:
         if rid in self.sched.requests:
             self.abort_called.add(rid)
-        ended = self.sched.abort(rid)
+        ended = self.sched.abort(rid, in_flight, self.now)
         if ended is not None:
             assert ended.request_id == rid and ended.finish_reason == "abort"
             assert ended.status is Status.FINISHED and ended not in self.sched.waiting
@@ -122,9 +138,10 @@ class Harness:
     def emit(self, requests: list[EngineRequest]) -> None:
         """EngineActor._emit: one RequestOutput per reported request."""
         for r in requests:
-            new = r.generated[r.num_streamed :]
-            r.num_streamed = len(r.generated)
-            finished = r.finish_reason is not None
+            out = output_of(r)
+            new, finished = out.new_token_ids.tolist(), out.finished
+            assert finished == (r.finish_reason is not None)
+            assert len(new) or finished, "an output with nothing in it"
             self.reports.setdefault(r.request_id, []).append((new, finished))
             if finished:
                 assert r.request_id not in self.ended, f"request {r.request_id} ended twice"
@@ -136,7 +153,8 @@ class Harness:
     def step(self, in_flight: Callable[[], None] = lambda: None) -> bool:
         """One step loop iteration; False when the engine would go idle."""
         sched = self.sched
-        batch = sched.schedule()
+        self.now += 1.0
+        batch = sched.schedule(self.now)
         self.check_batch(batch)
         self.emit(batch.ended)
         if not batch.chunks and not batch.free_ids:
@@ -149,9 +167,10 @@ class Harness:
             return True
         arrays = sched.plan_arrays(batch)
         self.check_plan(batch, arrays)
-        tokens = self.gpu(batch, arrays)
+        result = self.gpu(batch, arrays)
         in_flight()  # messages the actor handles while the forward runs
-        self.emit(sched.update(batch, tokens))
+        self.now += 0.5
+        self.emit(sched.update(batch, result, self.now))
         self.check_after_update()
         return True
 
@@ -162,8 +181,9 @@ class Harness:
                 return n
         raise AssertionError("did not finish")
 
-    def gpu(self, batch: StepBatch, a: dict[str, np.ndarray]) -> np.ndarray:
-        """Write the step's K/V, check each sequence reads its own tokens, sample."""
+    def gpu(self, batch: StepBatch, a: dict[str, np.ndarray]) -> StepResult:
+        """Write the step's K/V, check each sequence reads its own tokens, sample; log-probs
+        are `fake_log_prob` of the position of the token they are for."""
         bs = self.plan.block_size
         owners = np.repeat(
             [c.request.request_id for c in batch.chunks], np.diff(a["query_start_loc"])
@@ -176,7 +196,28 @@ class Harness:
             assert (self.kv_owner[slots] == c.request.request_id).all(), "reads another's KV"
             assert np.array_equal(self.kv_token[slots], c.request.token_slice(0, len(pos)))
         toks = [fake_token(int(a["seq_lens"][i])) for i in range(len(batch.chunks))]
-        return np.where(a["sample"] == 1, toks, -1).astype(np.int32)
+        wanted = a["prompt_targets"] >= 0
+        for i, c in enumerate(batch.chunks):  # targets are the prompt's next tokens
+            lo, hi = a["query_start_loc"][i], a["query_start_loc"][i + 1]
+            for t in np.flatnonzero(wanted[lo:hi]) + lo:
+                assert a["prompt_targets"][t] == c.request.prompt[a["positions"][t] + 1]
+        lps = [fake_log_prob(int(n)) for n in a["seq_lens"]]
+        n_top = int(a["top_n"].max(initial=0))
+        top_ids = np.tile(np.arange(n_top, dtype=np.int32), (len(toks), 1))
+        return StepResult(
+            batch.step,
+            np.where(a["sample"] == 1, toks, -1).astype(np.int32),
+            None,
+            0.0,
+            log_probs=np.where(a["logprobs"] == 1, lps, np.nan).astype(np.float32),
+            top_n_ids=top_ids,
+            top_n_log_probs=-top_ids.astype(np.float32),
+            prompt_log_probs=np.asarray(
+                [fake_log_prob(int(p) + 1) for p in a["positions"][wanted]], np.float32
+            ),
+            prompt_top_n_ids=np.zeros((int(wanted.sum()), n_top), np.int32),
+            prompt_top_n_log_probs=np.zeros((int(wanted.sum()), n_top), np.float32),
+        )
 
     # --- invariants ---------------------------------------------------------------------------
 
@@ -190,7 +231,10 @@ class Harness:
         assert all(c.num_new_tokens >= 1 for c in batch.chunks)
         assert all(c.request.status is Status.RUNNING for c in batch.chunks)
         assert len(batch.free_ids) == len(set(batch.free_ids))
-        assert not set(batch.free_ids) & set(sched.requests)
+        evicted = {r.request_id for r in sched.waiting if r.record.checkpoints}
+        assert not set(batch.free_ids) & (set(sched.requests) - evicted)
+        assert not set(ids) & {r.request_id for r in sched.paused}
+        assert all(r.status is Status.PAUSED and r.blocks for r in sched.paused)
         for rid in ids:
             if rid not in self.first_scheduled:
                 self.first_scheduled.append(rid)
@@ -263,6 +307,14 @@ class Harness:
                 assert r.generated == want[: len(r.generated)] and len(r.generated) < len(want)
             else:
                 assert (r.generated, r.finish_reason) == (want, reason)
+            if r.sampling.return_log_probs:
+                p = len(r.prompt)
+                assert r.log_probs == [fake_log_prob(p + j) for j in range(len(r.generated))]
+                if r.finish_reason != "abort":
+                    assert r.prompt_log_probs == [fake_log_prob(j) for j in range(1, p)]
+            kinds = [e.type for e in r.events]
+            assert kinds[0] == "ADD_ENGINE" and kinds[-1] in ("FINISH", "FAIL")
+            assert kinds.count("EVICT") <= len(r.record.checkpoints)  # + "recompute" resumes
             reports = self.reports[rid]
             assert [f for _, f in reports] == [False] * (len(reports) - 1) + [True]
             assert [t for new, _ in reports for t in new] == r.generated
@@ -287,6 +339,7 @@ def workloads(draw):
         max_tokens=max_tokens,
         max_sequence_length=max_seq,
         eos=draw(st.lists(st.integers(10, 59), max_size=2, unique=True)),
+        max_paused_blocks=draw(st.none() | st.integers(0, need)),
     )
     requests = []
     for rid in range(draw(st.integers(1, 10))):
@@ -300,6 +353,7 @@ def workloads(draw):
             stream=draw(st.booleans()),
             ignore_eos=draw(st.booleans()),
             stop_token_ids=tuple(draw(st.lists(st.integers(10, 59), max_size=2))),
+            return_log_probs=draw(st.booleans()),
         )
         requests.append((arrival, abort_at, req))
     return plan, draw(st.booleans()), requests
@@ -341,7 +395,8 @@ def test_random_workloads_keep_every_invariant(workload):
 
         if not h.step(in_flight):
             assert not h.sched.has_work(), "the scheduler has work but plans nothing"
-            in_flight()  # idle: the aborts still arrive
+            for rid in aborts:  # idle: the aborts still arrive
+                h.abort(rid, in_flight=False)
         tick += 1
     h.check_end()
     reasons = {r.finish_reason for r in h.ended.values()}
@@ -349,6 +404,7 @@ def test_random_workloads_keep_every_invariant(workload):
     event(f"rejected: {len(requests) > len(h.added)}")
     event(f"split prompt: {any(not s for step in h.history for _, _, s in step)}")
     event(f"steps > 20: {len(h.history) > 20}")
+    event(f"paused: {h.sched.num_paused_total > 0}, evicted: {h.sched.num_evicted_total > 0}")
 
 
 # --- examples --------------------------------------------------------------------------------
@@ -440,7 +496,7 @@ def test_abort_of_a_waiting_request_ends_it_at_once():
     h.abort(2)
     r = h.ended[2]
     assert r.finish_reason == "abort" and r.generated == [] and 2 not in h.sched.requests
-    assert h.sched.abort(2) is None and h.sched.abort(12345) is None
+    assert h.sched.abort(2, False, 0.0) is None and h.sched.abort(12345, False, 0.0) is None
     h.run()
     h.check_end()
 
@@ -453,19 +509,18 @@ def test_abort_of_a_running_request_ends_it_at_the_next_update():
     h.step(in_flight=lambda: h.abort(1))
     assert 1 in h.abort_called and h.ended[1].finish_reason == "abort"
     assert len(h.ended[1].generated) == 1  # the in-flight step's token is dropped
-    batch = h.sched.schedule()
+    batch = h.sched.schedule(h.now)
     assert batch.free_ids == [1] and [c.request.request_id for c in batch.chunks] == [2]
 
 
-def test_abort_of_a_running_request_not_in_the_batch_ends_at_the_next_update():
+def test_abort_between_steps_ends_a_running_request_at_once():
     h = Harness(make_plan(), chunked=False)
     h.add(make_request(1, 4, max_tokens=50))
     h.add(make_request(2, 4, max_tokens=50))
     h.step()
-    h.abort(1)  # between steps, while request 2 keeps running
-    assert 1 not in h.ended
-    h.step()  # 1 has no chunk; update() ends it anyway
+    h.abort(1, in_flight=False)  # between steps (or while the engine is paused)
     assert h.ended[1].finish_reason == "abort" and len(h.ended[1].generated) == 1
+    assert h.sched.pending_free == {1: 1}
     h.step(in_flight=lambda: h.abort(2))
     h.run()
     h.check_end()
@@ -475,7 +530,7 @@ def test_abort_between_steps_of_the_only_running_request_ends_it():
     h = Harness(make_plan(), chunked=False)
     h.add(make_request(1, 4, max_tokens=50))
     h.step()
-    h.abort(1)  # e.g. handled while the engine awaits coord.send in _emit
+    h.abort(1, in_flight=False)  # e.g. handled while the engine awaits coord.send in _emit
     for _ in range(3):
         h.step()
     assert 1 in h.ended and h.ended[1].finish_reason == "abort"
@@ -485,10 +540,10 @@ def test_failed_step_ends_its_requests_with_error():
     h = Harness(make_plan(max_requests=2), chunked=False)
     for rid in (1, 2, 3):
         h.add(make_request(rid, 4, max_tokens=5))
-    batch = h.sched.schedule()
+    batch = h.sched.schedule(0.0)
     ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
     h.sched.assign_blocks(batch, ids, free)
-    ended = h.sched.update(batch, None, error="boom")
+    ended = h.sched.update(batch, None, 1.0, error="boom")
     assert [(r.request_id, r.finish_reason, r.error) for r in ended] == [
         (1, "error", "boom"),
         (2, "error", "boom"),
@@ -505,26 +560,109 @@ def test_fail_all_ends_everything_once_and_frees_the_pool():
     for rid in (1, 2, 3):
         h.add(make_request(rid, 4, max_tokens=50, stream=True))
     h.step()
-    ended = h.sched.fail_all("abort")
+    ended = h.sched.fail_all("abort", 1.0)
     assert sorted(r.request_id for r in ended) == [1, 2, 3]
     assert all(r.finish_reason == "abort" and r.status is Status.FINISHED for r in ended)
-    assert h.sched.fail_all("abort") == []
+    assert h.sched.fail_all("abort", 2.0) == []
     h.emit(ended)
     h.run()
     assert h.pool.free == list(range(h.plan.num_blocks)) and not h.sched.has_work()
 
 
-def test_admission_reserves_blocks_for_every_token_a_request_may_need():
-    # 4 blocks of 4: request 1 may grow to 12 tokens (3 blocks), so request 2 (8 tokens, 2
-    # blocks) waits although the step budget and max_requests would let it in.
-    h = Harness(make_plan(num_blocks=4, block_size=4, max_tokens=32), chunked=False)
-    h.add(make_request(1, 4, max_tokens=8))
-    h.add(make_request(2, 4, max_tokens=4))
+def test_a_request_without_a_free_block_pauses_and_resumes_lifo():
+    # 6 blocks of 2 tokens, three requests of 2-token prompts: each holds one block after its
+    # prefill and needs one more block every 2 tokens. With 6 blocks, the third request to need
+    # its third block finds none free and pauses; the last paused resumes first.
+    h = Harness(make_plan(num_blocks=6, block_size=2, max_tokens=32), chunked=False)
+    for rid in (1, 2, 3):
+        h.add(make_request(rid, 2, max_tokens=6))
     h.run()
-    steps_1 = [i for i, step in enumerate(h.history) if any(rid == 1 for rid, _, _ in step)]
-    steps_2 = [i for i, step in enumerate(h.history) if any(rid == 2 for rid, _, _ in step)]
-    assert len(steps_1) == 8 and min(steps_2) > max(steps_1)
     h.check_end()
+    assert h.sched.num_paused_total > 0
+    paused = [e for r in h.ended.values() for e in r.events if e.type == "PAUSE"]
+    assert paused, "PAUSE events are tracked in this harness"
+
+
+def test_nothing_runnable_evicts_the_oldest_paused_and_recomputes_it():
+    # 4 blocks of 2: two requests grow until both need a block and none is free; the engine
+    # evicts the oldest paused one, the other finishes, and the evicted one recomputes its
+    # prompt + generated tokens and still produces the expected tokens.
+    h = Harness(make_plan(num_blocks=4, block_size=2, max_tokens=32), chunked=False)
+    h.add(make_request(1, 2, max_tokens=6, return_log_probs=True))
+    h.add(make_request(2, 2, max_tokens=6, return_log_probs=True))
+    h.run()
+    h.check_end()
+    assert h.sched.num_evicted_total >= 1
+    evicted = [r for r in h.ended.values() if r.record.checkpoints]
+    assert evicted and all("EVICT" in [e.type for e in r.events] for r in evicted)
+    # the recompute step covered prompt + generated tokens at once
+    assert any(n > 2 for step in h.history for _, n, _ in step)
+
+
+def test_paused_requests_over_their_block_budget_are_evicted():
+    plan = make_plan(num_blocks=6, block_size=2, max_tokens=32, max_paused_blocks=0)
+    h = Harness(plan, chunked=True)
+    for rid in (1, 2, 3):
+        h.add(make_request(rid, 2, max_tokens=6))
+    h.run()
+    h.check_end()
+    # with a zero budget every pause is followed by an eviction in the same step
+    assert h.sched.num_paused_total == h.sched.num_evicted_total > 0
+
+
+def test_invalidated_kv_is_recomputed_with_the_same_outputs():
+    h = Harness(make_plan(block_size=4), chunked=False)
+    for rid in (1, 2):
+        h.add(make_request(rid, 5, max_tokens=8, return_log_probs=True))
+    for _ in range(3):
+        h.step()
+    h.sched.invalidate_kv()  # a "recompute" resume
+    assert all(r.num_computed_tokens == 0 and r.blocks for r in h.sched.running)
+    h.run()
+    h.check_end()
+
+
+def _stream_texts(h, rid):
+    return [new for new, _ in h.reports[rid]]
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_word_across_steps_stops_and_is_dropped_unless_included(include, stream):
+    # generated tokens of a 4-token prompt are fake_token(4), fake_token(5), ...
+    word = (fake_token(6), fake_token(7), fake_token(8))
+    h = Harness(make_plan(), chunked=False)
+    req = make_request(
+        1, 4, max_tokens=20, stream=stream, stop_word_ids=(word,), include_stop_word=include
+    )
+    h.add(req)
+    h.run()
+    r = h.ended[1]
+    head = [fake_token(4), fake_token(5)]
+    assert r.finish_reason == "stop"
+    assert r.generated == head + (list(word) if include else [])
+    streamed = [t for new in _stream_texts(h, 1) for t in new]
+    assert streamed == r.generated  # the dropped word was never streamed
+    if stream:  # tokens that might start the stop word were held back until decided
+        assert _stream_texts(h, 1)[0] == [fake_token(4)]
+
+
+def test_streaming_interval_batches_deltas():
+    h = Harness(make_plan(), chunked=False)
+    h.add(make_request(1, 4, max_tokens=7, stream=True, streaming_interval=3))
+    h.run()
+    assert [len(new) for new in _stream_texts(h, 1)] == [3, 3, 1]
+
+
+def test_events_and_timings():
+    h = Harness(make_plan(), chunked=False)
+    h.add(make_request(1, 4, max_tokens=3))
+    h.run()
+    r = h.ended[1]
+    assert [e.type for e in r.events] == ["ADD_ENGINE", "ADD_CONTEXT", "FINISH"]
+    assert r.ttft == r.first_token_time - r.arrival_time and r.tpot == 1.5
+    out = output_of(r)  # the terminal output carries them (again: outputs are idempotent)
+    assert out.ttft == r.ttft and [e.type for e in out.events][-1] == "FINISH"
 
 
 def test_plan_arrays_for_a_mixed_step():
@@ -533,7 +671,7 @@ def test_plan_arrays_for_a_mixed_step():
     h.add(a)
     h.step()
     h.add(make_request(2, 2, max_tokens=5))
-    batch = h.sched.schedule()
+    batch = h.sched.schedule(h.now)
     ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
     h.sched.assign_blocks(batch, ids, free)
     got = h.sched.plan_arrays(batch)
@@ -555,11 +693,11 @@ def test_plan_arrays_for_a_mixed_step():
 def test_add_twice_and_bad_allocator_reply_are_refused():
     sched = Scheduler(make_plan(), False)
     assert not sched.has_work()
-    sched.add(make_request(1, 4))
+    sched.add(make_request(1, 4), 0.0)
     assert sched.has_work()
     with pytest.raises(ValueError, match="already known"):
-        sched.add(make_request(1, 4))
-    batch = sched.schedule()
+        sched.add(make_request(1, 4), 0.0)
+    batch = sched.schedule(0.0)
     with pytest.raises(ValueError, match="expected 1"):
         sched.assign_blocks(batch, np.array([0, 1], dtype=np.int32), 62)
 

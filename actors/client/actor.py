@@ -1,9 +1,12 @@
 """The client actor: one DEALER connection to the coordinator, shared by all of a client's requests.
 
-Owns request numbering for this connection and the per-request output queues. `AsyncClient`
-(runtime/client.py) is the public face; this shell only moves messages. Every request it
-submits gets exactly one terminal output in its queue: from the runtime, or made up here if the
-connection closes first.
+Owns request numbering for this connection, the per-request output queues, and the one
+lifecycle command this connection may have in flight. `AsyncClient` (runtime/client.py) is the
+public face; this shell only moves messages. Every request it submits gets exactly one terminal
+output in its queue: from the runtime, or made up here if the connection closes first.
+
+Control replies carry no id, so a connection sends one command at a time (`control` holds a
+lock): the next `ControlAck`, or `ErrorReply` naming no request, answers it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import itertools
 import numpy as np
 
 from messages.common import ErrorReply
-from messages.lifecycle import Stop, StopAck
+from messages.lifecycle import ControlAck
 from messages.requests import (
     AbortRequest,
     GetModelInfo,
@@ -23,8 +26,18 @@ from messages.requests import (
     SamplingParams,
     SubmitRequest,
 )
+from messages.stats import GetStats, Stats
 from runtime.actor import Actor
 from runtime.channel import Channel, Envelope
+
+
+class ControlError(RuntimeError):
+    """The runtime refused or failed a lifecycle command. `code` is the ErrorReply code
+    ("illegal_transition", "busy", "control_failed", "bad_request", ...), `text` says why."""
+
+    def __init__(self, command: str, code: str, text: str):
+        super().__init__(f"{code}: {text}")
+        self.command, self.code, self.text = command, code, text
 
 
 class ClientActor(Actor):
@@ -34,12 +47,15 @@ class ClientActor(Actor):
         self.queues: dict[int, asyncio.Queue[RequestOutput]] = {}
         self.ids = itertools.count(1)
         self.info_waiters: list[asyncio.Future] = []
-        self.stop_waiters: list[asyncio.Future] = []
+        self.stats_waiters: list[asyncio.Future] = []  # FIFO: one Stats answers each GetStats
+        self.control_lock = asyncio.Lock()
+        self.control_waiter: tuple[str, asyncio.Future] | None = None  # (command, answer)
         self.serve(channel)
         self.on(RequestOutput, self.on_output)
         self.on(ModelInfo, self.on_info)
         self.on(ErrorReply, self.on_error)
-        self.on(StopAck, self.on_stop_ack)
+        self.on(ControlAck, self.on_control_ack)
+        self.on(Stats, self.on_stats)
 
     async def submit(self, prompt: np.ndarray, sampling: SamplingParams, stream: bool):
         request_id = next(self.ids)
@@ -58,11 +74,23 @@ class ClientActor(Actor):
         await self.channel.send(GetModelInfo())
         return await fut
 
-    async def stop_runtime(self, reason: str) -> None:
+    async def stats(self) -> Stats:
         fut = asyncio.get_running_loop().create_future()
-        self.stop_waiters.append(fut)
-        await self.channel.send(Stop(reason))
-        await fut
+        self.stats_waiters.append(fut)
+        await self.channel.send(GetStats())
+        return await fut
+
+    async def control(self, command: str, msg) -> ControlAck:
+        """Send one lifecycle command (`command` is its ControlAck name) and wait for the
+        answer; raises ControlError when the runtime refuses or fails it."""
+        async with self.control_lock:
+            fut = asyncio.get_running_loop().create_future()
+            self.control_waiter = (command, fut)
+            try:
+                await self.channel.send(msg)
+                return await fut
+            finally:
+                self.control_waiter = None
 
     # --- inbound ------------------------------------------------------------------------------
 
@@ -77,12 +105,24 @@ class ClientActor(Actor):
     async def on_info(self, env: Envelope, msg: ModelInfo) -> None:
         self._resolve(self.info_waiters, msg)
 
-    async def on_stop_ack(self, env: Envelope, msg: StopAck) -> None:
-        self._resolve(self.stop_waiters, msg)
+    async def on_stats(self, env: Envelope, msg: Stats) -> None:
+        if self.stats_waiters:
+            self.stats_waiters.pop(0).set_result(msg)
+
+    async def on_control_ack(self, env: Envelope, msg: ControlAck) -> None:
+        waiter = self.control_waiter
+        if waiter is None or waiter[0] != msg.command or waiter[1].done():
+            self.log.warning("stray control ack", command=msg.command, state=msg.state)
+            return
+        waiter[1].set_result(msg)
 
     async def on_error(self, env: Envelope, msg: ErrorReply) -> None:
         if msg.code == "load_failed" and self.info_waiters:
             self._resolve(self.info_waiters, RuntimeError(f"model load failed: {msg.text}"))
+            return
+        waiter = self.control_waiter
+        if msg.request_id is None and waiter is not None and not waiter[1].done():
+            waiter[1].set_exception(ControlError(waiter[0], msg.code, msg.text))
             return
         self.log.warning("runtime error reply", code=msg.code, text=msg.text)
 
@@ -106,4 +146,6 @@ class ClientActor(Actor):
             )
         self.queues.clear()
         self._resolve(self.info_waiters, ConnectionError("the client closed"))
-        self._resolve(self.stop_waiters, ConnectionError("the client closed"))
+        self._resolve(self.stats_waiters, ConnectionError("the client closed"))
+        if self.control_waiter is not None:
+            self._resolve([self.control_waiter[1]], ConnectionError("the client closed"))

@@ -64,3 +64,51 @@ class CoordinatorCore:
             del self.routes[gid]
             del self.by_client[(route.client, route.client_request_id)]
         return route
+
+
+@dataclasses.dataclass
+class ControlRound:
+    """One lifecycle command in flight: which engines still owe an answer, and what they said.
+
+    The coordinator actor opens a round when it forwards a command, records each engine's answer
+    (`ControlAck`/`StopAck`, or `ErrorReply`) with `answer`, and closes it when `done` or on a
+    timeout (`time_out`). The round succeeded only if every engine acknowledged it.
+    """
+
+    command: str
+    client: bytes  # who asked; gets the one reply
+    waiting: set[bytes]  # engine identities that have not answered yet
+    errors: list[str] = dataclasses.field(default_factory=list)
+    weight_versions: list[int] = dataclasses.field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return not self.waiting
+
+    @property
+    def ok(self) -> bool:
+        return self.done and not self.errors
+
+    def answer(
+        self,
+        engine: bytes,
+        name: str,
+        *,
+        error: str | None = None,
+        weight_version: int | None = None,
+    ) -> bool:
+        """Record `engine`'s answer (`name` labels it in error texts). False, changing nothing,
+        when that engine owes no answer (a duplicate, or a late answer to an older round)."""
+        if engine not in self.waiting:
+            return False
+        self.waiting.discard(engine)
+        if error is not None:
+            self.errors.append(f"{name}: {error}")
+        if weight_version is not None:
+            self.weight_versions.append(weight_version)
+        return True
+
+    def time_out(self, names: list[str], timeout: float) -> None:
+        """Give up on the engines still waited for (`names`, in a stable order)."""
+        self.errors.append(f"{', '.join(names)} did not answer {self.command} within {timeout:g} s")
+        self.waiting.clear()

@@ -1,9 +1,16 @@
 """The engine actor: one rank's step loop, a thin shell around the Scheduler.
 
-Channels: `coord` (DEALER to the coordinator; served: EngineSubmit, AbortRequest, Stop),
-`alloc` and `gpu` (PAIR over inproc; called by the step loop only, one message each way per
-step). The engine never touches tensors or the block pool itself: it plans, the allocator hands
-out blocks, the gpu actor computes.
+Channels: `coord` (DEALER to the coordinator; served: EngineSubmit, AbortRequest, GetStats and
+the lifecycle controls), `alloc` and `gpu` (PAIR over inproc; one message each way per step,
+and the gpu control calls between steps). The engine never touches tensors or the block pool
+itself: it plans, the allocator hands out blocks, the gpu actor computes.
+
+Lifecycle (the coordinator's FSM decides what is legal; the engine re-checks its own state):
+PAUSE waits for the step in flight and stops stepping (requests keep their KV, submissions
+queue); SUSPEND / RESUME / UPDATE_WEIGHTS go to the gpu actor (a "recompute" resume makes every
+request recompute its KV); UNPAUSE starts stepping again. Each is answered with a ControlAck.
+Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
+replay of the same messages makes the same decisions.
 """
 
 from __future__ import annotations
@@ -16,9 +23,19 @@ from actors.engine.request import EngineRequest
 from actors.engine.scheduler import Scheduler, StepBatch, derive_seed
 from messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
 from messages.common import ErrorReply, Hello
-from messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
-from messages.lifecycle import Stop, StopAck
+from messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepPlan, StepResult
+from messages.lifecycle import (
+    ControlAck,
+    Pause,
+    Resume,
+    Stop,
+    StopAck,
+    Suspend,
+    Unpause,
+    UpdateWeights,
+)
 from messages.requests import AbortRequest, EngineSubmit, RequestOutput
+from messages.stats import GetStats, RankStats, Stats
 from runtime.actor import Actor
 from runtime.channel import Channel, Envelope
 from runtime.config import InferenceConfig, RuntimePlan, plan_limits
@@ -48,10 +65,25 @@ class EngineActor(Actor):
         self.scheduler: Scheduler | None = None
         self.vocab_size = 0
         self.work = asyncio.Event()
+        self.now = 0.0  # time of the last inbound message (see module docstring)
+        self.state = "RUNNING"
+        self.weight_version = 0
+        self.in_flight = False
+        self.device_lock = asyncio.Lock()  # one user of the alloc/gpu channels at a time
+        self.tokens_last_step = 0
         self.serve(coord)
-        self.on(EngineSubmit, self.on_submit)
-        self.on(AbortRequest, self.on_abort)
-        self.on(Stop, self.on_stop)
+        for msg_type, handler in [
+            (EngineSubmit, self.on_submit),
+            (AbortRequest, self.on_abort),
+            (Stop, self.on_stop),
+            (GetStats, self.on_get_stats),
+            (Pause, self.on_pause),
+            (Unpause, self.on_unpause),
+            (Suspend, self.on_suspend),
+            (Resume, self.on_resume),
+            (UpdateWeights, self.on_update_weights),
+        ]:
+            self.on(msg_type, handler)
 
     async def started(self) -> None:
         await self.coord.send(Hello("engine", self.rank))
@@ -62,6 +94,7 @@ class EngineActor(Actor):
     async def _call(self, channel: Channel, msg, expect: type):
         await channel.send(msg)
         env = await channel.recv()
+        self.now = env.time
         if isinstance(env.msg, expect):
             return env.msg
         if isinstance(env.msg, ErrorReply):
@@ -93,16 +126,23 @@ class EngineActor(Actor):
             max_tokens=max_tokens,
             max_sequence_length=self.config.max_sequence_length,
             eos_token_ids=tuple(loaded.eos_token_ids),
+            max_paused_blocks=paused_block_cap(self.config, loaded),
         )
         self.vocab_size = loaded.vocab_size
-        self.scheduler = Scheduler(plan, self.config.enable_chunked_prefill)
+        self.scheduler = Scheduler(
+            plan,
+            self.config.enable_chunked_prefill,
+            track_paused_events=self.config.track_paused_request_events,
+            track_token_events=self.config.track_generated_token_events,
+        )
         self.log.info("engine ready", num_blocks=plan.num_blocks, max_tokens=plan.max_tokens)
         await self.coord.send(loaded)
         await self._step_loop()
 
-    # --- handlers -----------------------------------------------------------------------------
+    # --- requests -----------------------------------------------------------------------------
 
     async def on_submit(self, env: Envelope, msg: EngineSubmit) -> None:
+        self.now = env.time
         prompt = msg.prompt_token_ids
         problem = None
         if self.scheduler is None:
@@ -129,22 +169,122 @@ class EngineActor(Actor):
             msg.arrival_time,
             seed,
         )
-        self.scheduler.add(req)
+        self.scheduler.add(req, env.time)
         self.work.set()
 
     async def on_abort(self, env: Envelope, msg: AbortRequest) -> None:
+        self.now = env.time
         if self.scheduler is None:
             return
-        ended = self.scheduler.abort(msg.request_id)
+        ended = self.scheduler.abort(msg.request_id, self.in_flight, env.time)
         if ended is not None:
             await self._emit([ended])
         self.work.set()
 
     async def on_stop(self, env: Envelope, msg: Stop) -> None:
-        if self.scheduler is not None:
-            await self._emit(self.scheduler.fail_all("abort"))
-        await self.coord.send(StopAck(self.name))
-        self.stop()
+        self.now = env.time
+        async with self.device_lock:  # let the step in flight finish and report
+            if self.scheduler is not None:
+                await self._emit(self.scheduler.fail_all("abort", env.time))
+            await self.coord.send(StopAck(self.name))
+            self.stop()
+
+    async def on_get_stats(self, env: Envelope, msg: GetStats) -> None:
+        await env.reply(self._stats())
+
+    def _stats(self) -> Stats:
+        s = self.scheduler.stats() if self.scheduler is not None else None
+        if s is None:
+            return Stats(self.state, ())
+        rank = RankStats(
+            self.rank,
+            self.state,
+            s["step"],
+            s["running"],
+            s["waiting"],
+            s["paused"],
+            self.scheduler.plan.num_blocks,
+            s["blocks_free"],
+            s["blocks_used"],
+            s["paused_total"],
+            s["evicted_total"],
+            self.tokens_last_step,
+            self.weight_version,
+        )
+        return Stats(self.state, (rank,))
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def _refuse(self, env: Envelope, command: str, legal_in: str) -> bool:
+        if self.state == legal_in and self.scheduler is not None:
+            return False
+        text = f"{self.name}: {command} is illegal while {self.state}"
+        if self.scheduler is None:
+            text = f"{self.name}: {command} before the model is loaded"
+        await env.reply(ErrorReply("illegal_transition", text, None))
+        return True
+
+    async def _ack(self, env: Envelope, command: str) -> None:
+        await env.reply(ControlAck(command, self.state, self.weight_version))
+
+    async def on_pause(self, env: Envelope, msg: Pause) -> None:
+        self.now = env.time
+        if await self._refuse(env, "pause", "RUNNING"):
+            return
+        self.state = "PAUSED"
+        async with self.device_lock:  # the step in flight ends before the ack
+            await self._ack(env, "pause")
+
+    async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
+        self.now = env.time
+        if await self._refuse(env, "unpause", "PAUSED"):
+            return
+        self.state = "RUNNING"
+        self.work.set()
+        await self._ack(env, "unpause")
+
+    async def _gpu_control(self, env: Envelope, command: str, msg: GpuControl):
+        """Run one gpu control call between steps; an error goes back to the coordinator."""
+        async with self.device_lock:
+            try:
+                reply = await self._call(self.gpu, msg, GpuControlReply)
+            except EngineError as e:
+                reply = GpuControlReply(command, str(e), True, self.weight_version)
+        if reply.error is not None:
+            await env.reply(ErrorReply("control_failed", f"{command}: {reply.error}", None))
+            return None
+        return reply
+
+    async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
+        self.now = env.time
+        if await self._refuse(env, "suspend", "PAUSED"):
+            return
+        mode = msg.mode or self.config.kv_cache_management_mode or "persist"
+        if await self._gpu_control(env, "suspend", GpuControl("suspend", str(mode), None, None)):
+            self.state = "SUSPENDED"
+            await self._ack(env, "suspend")
+
+    async def on_resume(self, env: Envelope, msg: Resume) -> None:
+        self.now = env.time
+        if await self._refuse(env, "resume", "SUSPENDED"):
+            return
+        reply = await self._gpu_control(env, "resume", GpuControl("resume", None, None, None))
+        if reply is not None:
+            if not reply.kv_valid:
+                self.scheduler.invalidate_kv()
+            self.state = "PAUSED"
+            await self._ack(env, "resume")
+
+    async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
+        self.now = env.time
+        if await self._refuse(env, "update_weights", "SUSPENDED"):
+            return
+        control = GpuControl("update_weights", None, msg.path, msg.state)
+        reply = await self._gpu_control(env, "update_weights", control)
+        if reply is not None:
+            self.weight_version = reply.weight_version
+            self.scheduler.increment_staleness()
+            await self._ack(env, "update_weights")
 
     # --- the step loop ------------------------------------------------------------------------
 
@@ -154,26 +294,28 @@ class EngineActor(Actor):
         interval = self.config.logging_step_interval
         while True:
             await self.work.wait()
-            if not sched.has_work():
+            if self.state != "RUNNING" or not sched.has_work():
                 self.work.clear()
                 continue
-            batch = sched.schedule()
-            await self._emit(batch.ended)
-            if not batch.chunks and not batch.free_ids:
-                # Work exists but nothing fits this step (cannot happen with reservations);
-                # wait for an abort or a finish to change that rather than spinning.
-                self.work.clear()
-                continue
-            await self._run_step(batch)
+            async with self.device_lock:
+                if self.state != "RUNNING":  # paused while we waited for the lock
+                    continue
+                batch = sched.schedule(self.now)
+                await self._emit(batch.ended)
+                if not batch.chunks and not batch.free_ids:
+                    # Work exists but nothing fits this step; an abort or a finish changes that.
+                    self.work.clear()
+                    continue
+                self.in_flight = True
+                try:
+                    await self._run_step(batch)
+                finally:
+                    self.in_flight = False
+            self.tokens_last_step = batch.num_tokens
             if interval and sched.step % interval == 0:
-                self.log.info(
-                    "stats",
-                    step=sched.step,
-                    running=len(sched.running),
-                    waiting=len(sched.waiting),
-                    blocks_free=sched.num_free_blocks,
-                    tokens=batch.num_tokens,
-                )
+                stats = self._stats()
+                self.log.info("stats", **sched.stats(), tokens=batch.num_tokens)
+                await self.coord.send(stats)
 
     async def _run_step(self, batch: StepBatch) -> None:
         sched = self.scheduler
@@ -196,23 +338,61 @@ class EngineActor(Actor):
         except EngineError as e:
             # The step's requests fail (each gets its terminal output); the engine keeps serving.
             self.log.error("step failed", step=batch.step, error=str(e))
-            await self._emit(sched.update(batch, None, error=str(e)))
+            await self._emit(sched.update(batch, None, self.now, error=str(e)))
             return
-        await self._emit(sched.update(batch, result.token_ids))
+        await self._emit(sched.update(batch, result, self.now))
 
     async def _emit(self, requests: list[EngineRequest]) -> None:
         for r in requests:
-            new = np.asarray(r.generated[r.num_streamed :], dtype=np.int32)
-            r.num_streamed = len(r.generated)
-            finished = r.finish_reason is not None
-            await self.coord.send(
-                RequestOutput(
-                    r.request_id,
-                    new,
-                    finished,
-                    r.finish_reason,
-                    r.error,
-                    len(r.prompt),
-                    len(r.generated),
-                )
+            await self.coord.send(output_of(r))
+
+
+def output_of(r: EngineRequest) -> RequestOutput:
+    """The next RequestOutput of `r`: its streamable tokens (all, once it has ended), their
+    log-probs, and on the terminal output the prompt log-probs, events and timings."""
+    start = r.num_streamed
+    stop = start + r.ready_to_stream() if r.stream else len(r.generated)
+    if r.finish_reason is not None:
+        stop = len(r.generated)
+    r.num_streamed = stop
+    finished = r.finish_reason is not None
+    kw = {}
+    if r.sampling.return_log_probs:
+        kw["log_probs"] = np.asarray(r.log_probs[start:stop], dtype=np.float32)
+    if r.sampling.top_n_logprobs:
+        kw["top_n_ids"], kw["top_n_log_probs"] = _stack(r.top_n[start:stop], r.sampling)
+    if finished:
+        if r.wants_prompt_log_probs:
+            kw["prompt_log_probs"] = np.asarray(r.prompt_log_probs, dtype=np.float32)
+        if r.prompt_top_n:
+            kw["prompt_top_n_ids"], kw["prompt_top_n_log_probs"] = _stack(
+                r.prompt_top_n, r.sampling
             )
+        kw.update(events=tuple(r.events), ttft=r.ttft, tpot=r.tpot)
+    return RequestOutput(
+        r.request_id,
+        np.asarray(r.generated[start:stop], dtype=np.int32),
+        finished,
+        r.finish_reason,
+        r.error,
+        len(r.prompt),
+        len(r.generated),
+        **kw,
+    )
+
+
+def _stack(pairs, sampling) -> tuple[np.ndarray, np.ndarray]:
+    n = sampling.top_n_logprobs
+    if not pairs:
+        return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
+    ids = np.stack([p[0] for p in pairs]).astype(np.int32)
+    lps = np.stack([p[1] for p in pairs]).astype(np.float32)
+    return ids, lps
+
+
+def paused_block_cap(config: InferenceConfig, loaded: ModelLoaded) -> int | None:
+    """Blocks paused requests may hold: `paused_buffer_size_gb` (inclusive in buffer_size_gb,
+    as Megatron's unified_memory_level 0) over the bytes of one block."""
+    if config.paused_buffer_size_gb is None:
+        return None
+    return int(config.paused_buffer_size_gb * 1024**3 // loaded.block_bytes)

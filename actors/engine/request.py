@@ -1,6 +1,8 @@
-"""The engine's view of one request: its tokens, its KV progress, its blocks, how it ends.
+"""The engine's view of one request: its tokens, its KV progress, its blocks, its events, how it
+ends, and what it has still to report.
 
-Owned by the scheduler (actors/engine/scheduler.py); only it mutates these objects.
+Owned by the scheduler (actors/engine/scheduler.py); only it mutates these objects. The engine
+actor reads them to build `RequestOutput`s (`take_output`).
 """
 
 from __future__ import annotations
@@ -10,12 +12,14 @@ import enum
 
 import numpy as np
 
-from messages.requests import SamplingParams
+from actors.engine.record import RequestRecord
+from messages.requests import RequestEvent, SamplingParams
 
 
 class Status(enum.Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"  # queued, no KV (new, or evicted: its KV must be recomputed)
+    RUNNING = "running"  # in the batch
+    PAUSED = "paused"  # keeps its KV blocks, waits for a free block
     FINISHED = "finished"
 
 
@@ -35,6 +39,15 @@ class EngineRequest:
     aborted: bool = False
     finish_reason: str | None = None
     error: str | None = None
+    events: list[RequestEvent] = dataclasses.field(default_factory=list)
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # Log-probs, aligned with `generated` (and with prompt positions 1..P-1 for the prompt).
+    log_probs: list[float] = dataclasses.field(default_factory=list)
+    top_n: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    prompt_log_probs: list[float] = dataclasses.field(default_factory=list)
+    prompt_top_n: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
+    record: RequestRecord = dataclasses.field(default_factory=RequestRecord)
 
     @property
     def num_tokens(self) -> int:
@@ -58,3 +71,62 @@ class EngineRequest:
     def blocks_needed(self, num_tokens: int, block_size: int) -> int:
         """Blocks to add so that `num_tokens` tokens have a KV slot."""
         return max(0, -(-num_tokens // block_size) - len(self.blocks))
+
+    # --- log-probs wanted -----------------------------------------------------------------------
+
+    @property
+    def wants_prompt_log_probs(self) -> bool:
+        s = self.sampling
+        return s.return_log_probs and not s.skip_prompt_log_probs
+
+    def prompt_targets(self, start: int, stop: int) -> np.ndarray:
+        """For the tokens at positions [start, stop): the prompt token that follows each, where
+        its log-prob is still wanted (not yet computed: an evicted request recomputes its KV but
+        keeps the log-probs it has), else -1."""
+        out = np.full(stop - start, -1, dtype=np.int32)
+        if not self.wants_prompt_log_probs:
+            return out
+        first = max(start, len(self.prompt_log_probs))  # position whose successor is next
+        last = min(stop, len(self.prompt) - 1)
+        if first < last:
+            out[first - start : last - start] = self.prompt[first + 1 : last + 1]
+        return out
+
+    # --- events -------------------------------------------------------------------------------
+
+    def add_event(self, type_: str, timestamp: float, payload: int | None = None) -> None:
+        self.events.append(RequestEvent(type_, timestamp, payload))
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        n = len(self.generated)
+        if n < 2 or self.first_token_time is None or self.last_token_time is None:
+            return None
+        return (self.last_token_time - self.first_token_time) / (n - 1)
+
+    # --- reporting ----------------------------------------------------------------------------
+
+    def holdback(self) -> int:
+        """Trailing generated tokens that could still turn out to start a stop word (which may be
+        dropped): a streaming request must not send them yet."""
+        best = 0
+        gen = self.generated
+        for word in self.sampling.stop_word_ids:
+            for k in range(min(len(word) - 1, len(gen)), best, -1):
+                if tuple(gen[len(gen) - k :]) == tuple(word[:k]):
+                    best = k
+                    break
+        return best
+
+    def ready_to_stream(self) -> int:
+        """How many generated tokens a streaming output may carry now (0 = send nothing yet)."""
+        if self.finish_reason is not None:
+            return len(self.generated) - self.num_streamed
+        n = len(self.generated) - self.holdback() - self.num_streamed
+        return n if n >= self.sampling.streaming_interval else 0

@@ -1,18 +1,26 @@
 """Continuous batching: which requests run in the next step, and with how many tokens.
 
-Pure core: ints, lists and numpy; no torch, no zmq, no clock (times come from messages).
-Owns every EngineRequest. The engine actor calls, once per step:
+Pure core: ints, lists and numpy; no torch, no zmq, no clock (times come from messages, so a
+replay of the same inbound messages makes the same decisions). Owns every EngineRequest. The
+engine actor calls, once per step:
 
-    batch = scheduler.schedule()          # what runs, which blocks to free / allocate
+    batch = scheduler.schedule(now)       # what runs, which blocks to free / allocate
     scheduler.assign_blocks(batch, ids)   # the allocator's answer
     plan = scheduler.plan_arrays(batch)   # numpy arrays for the StepPlan
-    done = scheduler.update(batch, toks)  # append sampled tokens, stop checks
+    done = scheduler.update(batch, result, now)  # append sampled tokens, stop checks
 
-Budgets: at most `max_tokens` tokens and `max_requests` running requests per step. Running
-requests go first (one decode token each, or the next prompt chunk), then waiting requests are
-admitted FIFO. A request is admitted only if the pool can hold every block it may ever need
-(prompt + max_tokens) on top of what running requests may still need: so a running request
-never finds the pool empty. (Pausing and eviction replace this reservation in a later step.)
+Budgets: at most `max_tokens` tokens and `max_requests` running requests per step. Order of
+service (Megatron's DynamicInferenceEngine):
+1. running requests, decode rows first (one token each), then prefill chunks (with chunked
+   prefill a chunk is cut to the token budget and to the blocks that are free). A running
+   request whose next tokens need a block when none is free is *paused*: it keeps its blocks.
+2. paused requests resume last-in-first-out as blocks free up;
+3. if paused requests hold more than `max_paused_blocks` blocks, or nothing at all can run,
+   the oldest paused ones are *evicted*: blocks freed, the request checkpointed (prompt +
+   generated so far kept) and queued first to be recomputed;
+4. waiting requests are admitted FIFO while budgets and free blocks allow (none while any
+   request is paused: those come first).
+A request that can never fit (see `check`) fails at submission.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from collections import deque
 import numpy as np
 
 from actors.engine.request import EngineRequest, Status
+from messages.gpu import StepResult
 from messages.requests import SamplingParams
 from runtime.config import RuntimePlan
 
@@ -32,6 +41,7 @@ class Chunk:
     request: EngineRequest
     num_new_tokens: int
     new_blocks: int
+    num_prompt_targets: int = 0  # prompt log-probs this chunk computes (set by plan_arrays)
 
     @property
     def samples(self) -> bool:
@@ -61,15 +71,26 @@ def derive_seed(request_id: int, arrival_time: float) -> int:
 
 
 class Scheduler:
-    def __init__(self, plan: RuntimePlan, enable_chunked_prefill: bool):
+    def __init__(
+        self,
+        plan: RuntimePlan,
+        enable_chunked_prefill: bool,
+        track_paused_events: bool = False,
+        track_token_events: bool = False,
+    ):
         self.plan = plan
         self.chunked_prefill = enable_chunked_prefill
+        self.track_paused_events = track_paused_events
+        self.track_token_events = track_token_events
         self.waiting: deque[EngineRequest] = deque()
         self.running: list[EngineRequest] = []
+        self.paused: list[EngineRequest] = []  # a stack: the last one paused resumes first
         self.requests: dict[int, EngineRequest] = {}
         self.num_free_blocks = plan.num_blocks  # the allocator's count after the last reply
         self.pending_free: dict[int, int] = {}  # request id -> blocks to free next step
         self.step = 0
+        self.num_paused_total = 0
+        self.num_evicted_total = 0
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -93,72 +114,151 @@ class Scheduler:
             return f"needs {-(-total // p.block_size)} KV blocks; the pool has {p.num_blocks}"
         return None
 
-    def add(self, req: EngineRequest) -> None:
+    def add(self, req: EngineRequest, now: float) -> None:
         if req.request_id in self.requests:
             raise ValueError(f"request {req.request_id} is already known")
         self.requests[req.request_id] = req
+        req.add_event("ADD_ENGINE", now)
         self.waiting.append(req)
 
-    def abort(self, request_id: int) -> EngineRequest | None:
-        """Mark a request aborted. A waiting one ends now (returned); a running one ends at the
-        end of the step in flight (update()) or at the next schedule(), whichever comes first."""
+    def abort(self, request_id: int, step_in_flight: bool, now: float) -> EngineRequest | None:
+        """Mark a request aborted. It ends now (returned) unless it is in the step in flight;
+        then it ends at the end of that step (update()) or at the next schedule()."""
         req = self.requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return None
         req.aborted = True
-        if req.status is Status.WAITING:
-            self.waiting.remove(req)
-            self._finish(req, "abort")
-            return req
-        return None
+        if req.status is Status.RUNNING and step_in_flight:
+            return None
+        self._finish(req, "abort", now=now)
+        return req
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_free)
+        return bool(self.waiting or self.running or self.paused or self.pending_free)
 
     # --- one step -----------------------------------------------------------------------------
 
     def _free_view(self) -> int:
         return self.num_free_blocks + sum(self.pending_free.values())
 
-    def _reserved(self, req: EngineRequest) -> int:
-        return req.blocks_needed(req.max_total_tokens, self.plan.block_size)
-
-    def schedule(self) -> StepBatch:
+    def _fit(self, req: EngineRequest, budget: int, free: int) -> tuple[int, int, bool]:
+        """(tokens, new blocks, blocked): what `req` can run this step within `budget` tokens
+        and `free` blocks. Only a chunked prefill may be cut short; `blocked` says that the
+        request could not run for want of a free block (not of budget)."""
         bs = self.plan.block_size
+        remaining = req.num_tokens - req.num_computed_tokens
+        n = min(remaining, budget)
+        if n <= 0 or (n < remaining and not (self.chunked_prefill or req.generated)):
+            return 0, 0, False
+        need = req.blocks_needed(req.num_computed_tokens + n, bs)
+        if need <= free:
+            return n, need, False
+        # An evicted request recomputes prompt + generated in chunks even without chunked
+        # prefill: its admission promised only prompt + max_tokens <= max_sequence_length.
+        if (self.chunked_prefill or req.generated) and remaining > 1:
+            n = (len(req.blocks) + free) * bs - req.num_computed_tokens
+            if n > 0:
+                return n, free, False
+        return 0, 0, True
+
+    def schedule(self, now: float) -> StepBatch:
+        """Plan the next step. Nothing may be in flight: the previous step's update() ran."""
         budget = self.plan.max_tokens
+        free = self._free_view()
         chunks: list[Chunk] = []
-        # No step is in flight while we plan: aborted running requests end here, and their
-        # blocks go back in this very step.
-        ended = [r for r in self.running if r.aborted]
+        ended = [r for r in self.running + self.paused if r.aborted]
         for r in ended:
-            self._finish(r, "abort")
-        for req in list(self.running):
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = min(remaining, budget)
-            if n <= 0:
+            self._finish(r, "abort", now=now)
+        # 1. running: decode rows first, so decode tokens ride along with prefill chunks.
+        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+            n, need, blocked = self._fit(req, budget, free)
+            if blocked:
+                self._pause(req, now)
+            if n == 0:
                 continue
-            budget -= n
-            new_blocks = req.blocks_needed(req.num_computed_tokens + n, bs)
-            chunks.append(Chunk(req, n, new_blocks))
-        spare = self._free_view() - sum(self._reserved(r) for r in self.running)
-        while self.waiting and len(self.running) < self.plan.max_requests and budget > 0:
+            budget, free = budget - n, free - need
+            chunks.append(Chunk(req, n, need))
+        # 2. paused: LIFO; 3. eviction (over the paused budget, or nothing else can run).
+        budget, free = self._resume(chunks, budget, free)
+        evicted = self._evict_over_budget(now)
+        while not chunks and self.paused:
+            self._evict(self.paused[0], now)
+            evicted = True
+            budget, free = self._resume(chunks, budget, self._free_view())
+        # 4. admission, FIFO, only while nobody waits paused and nobody was just evicted (the
+        # pool is short: re-admitting the evicted request at once would only churn).
+        while self.waiting and not (self.paused or evicted):
             req = self.waiting[0]
-            n = req.num_tokens
-            if n > budget and not self.chunked_prefill:
+            if len(self.running) >= self.plan.max_requests:
                 break
-            if self._reserved(req) > spare:
+            if req.generated and req.blocks_needed(req.num_tokens + 1, self.plan.block_size) > free:
+                break  # an evicted request comes back when all it had (and one more) fits
+            n, need, _ = self._fit(req, budget, free)
+            if n == 0:
                 break
             self.waiting.popleft()
-            n = min(n, budget)
-            budget -= n
-            spare -= self._reserved(req)
+            budget, free = budget - n, free - need
             req.status = Status.RUNNING
+            req.add_event("ADD_CONTEXT", now)
             self.running.append(req)
-            chunks.append(Chunk(req, n, req.blocks_needed(n, bs)))
+            chunks.append(Chunk(req, n, need))
         free_ids = list(self.pending_free)
         self.pending_free.clear()
         self.step += 1
         return StepBatch(self.step, chunks, free_ids, ended)
+
+    def _pause(self, req: EngineRequest, now: float) -> None:
+        self.running.remove(req)
+        req.status = Status.PAUSED
+        self.paused.append(req)
+        self.num_paused_total += 1
+        if self.track_paused_events:
+            req.add_event("PAUSE", now)
+
+    def _resume(self, chunks: list[Chunk], budget: int, free: int) -> tuple[int, int]:
+        while self.paused and len(self.running) < self.plan.max_requests:
+            req = self.paused[-1]
+            n, need, _ = self._fit(req, budget, free)
+            if n == 0:
+                break
+            self.paused.pop()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            budget, free = budget - n, free - need
+            chunks.append(Chunk(req, n, need))
+        return budget, free
+
+    def _evict_over_budget(self, now: float) -> bool:
+        cap = self.plan.max_paused_blocks
+        evicted = False
+        while cap is not None and self.paused and sum(len(r.blocks) for r in self.paused) > cap:
+            self._evict(self.paused[0], now)
+            evicted = True
+        return evicted
+
+    def _evict(self, req: EngineRequest, now: float) -> None:
+        """Free a paused request's blocks; it recomputes prompt + generated when re-admitted."""
+        self.paused.remove(req)
+        self.pending_free[req.request_id] = len(req.blocks)
+        req.blocks = []
+        req.record.checkpoint(req.num_tokens)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        req.add_event("EVICT", now)
+        self.waiting.appendleft(req)
+        self.num_evicted_total += 1
+
+    def invalidate_kv(self) -> None:
+        """Every cached K/V is gone (a resume after suspend in "recompute" mode): requests keep
+        their blocks and recompute prompt + generated tokens into them."""
+        for req in self.running + self.paused:
+            req.num_computed_tokens = 0
+            req.record.checkpoint(req.num_tokens)
+
+    def increment_staleness(self) -> None:
+        """One weight update happened (RL): age every live request's tokens."""
+        for req in self.requests.values():
+            req.record.increment_staleness(req.num_tokens, policy_only=not req.blocks)
 
     def assign_blocks(self, batch: StepBatch, block_ids: np.ndarray, num_free: int) -> None:
         offset = 0
@@ -172,7 +272,7 @@ class Scheduler:
     def plan_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The StepPlan arrays (see messages/gpu.py) for this batch."""
         bs = self.plan.block_size
-        ids, positions, slots, seq_lens, sample = [], [], [], [], []
+        ids, positions, slots, seq_lens, sample, targets = [], [], [], [], [], []
         query_start = [0]
         width = max(len(c.request.blocks) for c in batch.chunks)
         tables = np.zeros((len(batch.chunks), width), dtype=np.int32)
@@ -187,11 +287,12 @@ class Scheduler:
             query_start.append(query_start[-1] + c.num_new_tokens)
             seq_lens.append(stop)
             sample.append(c.samples)
+            targets.append(r.prompt_targets(start, stop))
+            c.num_prompt_targets = int((targets[-1] >= 0).sum())
             tables[i, : len(r.blocks)] = r.blocks
         reqs = [c.request for c in batch.chunks]
-        ids_all = np.concatenate(ids).astype(np.int32)
         return {
-            "input_ids": ids_all,
+            "input_ids": np.concatenate(ids).astype(np.int32),
             "positions": np.concatenate(positions).astype(np.int32),
             "slot_mapping": np.concatenate(slots),
             "query_start_loc": np.asarray(query_start, dtype=np.int32),
@@ -203,50 +304,86 @@ class Scheduler:
             "top_p": np.asarray([r.sampling.top_p for r in reqs], dtype=np.float32),
             "seeds": np.asarray([r.seed for r in reqs], dtype=np.int64),
             "gen_index": np.asarray([len(r.generated) for r in reqs], dtype=np.int32),
-            "logprobs": np.zeros(len(reqs), dtype=np.int8),
-            "top_n": np.zeros(len(reqs), dtype=np.int32),
-            "prompt_targets": np.full(len(ids_all), -1, dtype=np.int32),
+            "logprobs": np.asarray([r.sampling.return_log_probs for r in reqs], dtype=np.int8),
+            "top_n": np.asarray([r.sampling.top_n_logprobs for r in reqs], dtype=np.int32),
+            "prompt_targets": np.concatenate(targets),
         }
 
-    def update(
-        self, batch: StepBatch, token_ids: np.ndarray | None, error: str = ""
-    ) -> list[EngineRequest]:
-        """Apply a step's sampled tokens (None: the step failed with `error`). Returns the
-        requests that have something to report: new tokens of streaming requests, and every
-        request that ended."""
+    def update(self, batch: StepBatch, result: StepResult | None, now: float, error: str = ""):
+        """Apply a step's result (None: the step failed with `error`). Returns the requests
+        with something to report: streamable tokens, or an ending."""
         out = []
+        k = 0  # offset into the compacted prompt log-probs
         for i, c in enumerate(batch.chunks):
             r = c.request
+            if result is not None and c.num_prompt_targets:
+                self._take_prompt_log_probs(r, result, k, c.num_prompt_targets)
+                k += c.num_prompt_targets
             if r.status is Status.FINISHED:
                 continue
-            if token_ids is None:
-                self._finish(r, "error", error or "the step failed")
+            if result is None:
+                self._finish(r, "error", error or "the step failed", now)
                 out.append(r)
                 continue
             samples = c.samples  # before num_computed_tokens moves
             r.num_computed_tokens += c.num_new_tokens
             if r.aborted:
-                self._finish(r, "abort")
+                self._finish(r, "abort", now=now)
                 out.append(r)
                 continue
             if not samples:
                 continue
-            tok = int(token_ids[i])
-            r.generated.append(tok)
-            reason = self._stop_reason(r, tok)
-            if reason is not None:
-                self._finish(r, reason)
-            if reason is not None or r.stream:
+            self._append_token(r, result, i, now)
+            if r.finish_reason is not None or (r.stream and r.ready_to_stream()):
                 out.append(r)
         return out
 
-    def fail_all(self, reason: str) -> list[EngineRequest]:
+    def _take_prompt_log_probs(self, r: EngineRequest, res: StepResult, k: int, n: int) -> None:
+        r.prompt_log_probs.extend(res.prompt_log_probs[k : k + n].tolist())
+        top = r.sampling.top_n_logprobs
+        if r.sampling.return_prompt_top_n_logprobs and top:
+            for j in range(k, k + n):
+                r.prompt_top_n.append(
+                    (res.prompt_top_n_ids[j, :top].copy(), res.prompt_top_n_log_probs[j, :top])
+                )
+
+    def _append_token(self, r: EngineRequest, res: StepResult, i: int, now: float) -> None:
+        tok = int(res.token_ids[i])
+        r.generated.append(tok)
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.last_token_time = now
+        s = r.sampling
+        if s.return_log_probs:
+            r.log_probs.append(float(res.log_probs[i]))
+        if s.top_n_logprobs:
+            n = s.top_n_logprobs
+            r.top_n.append((res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy()))
+        if self.track_token_events:
+            r.add_event("GENERATED_TOKEN", now, tok)
+        reason = self._stop_reason(r, tok)
+        if reason is not None:
+            self._finish(r, reason, now=now)
+
+    def fail_all(self, reason: str, now: float) -> list[EngineRequest]:
         """End every request (used at shutdown with reason "abort")."""
         ended = []
-        for r in list(self.waiting) + list(self.running):
-            self._finish(r, reason)
+        for r in list(self.waiting) + list(self.running) + list(self.paused):
+            self._finish(r, reason, now=now)
             ended.append(r)
         return ended
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "step": self.step,
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "paused": len(self.paused),
+            "blocks_free": self.num_free_blocks,
+            "blocks_used": self.plan.num_blocks - self.num_free_blocks,
+            "paused_total": self.num_paused_total,
+            "evicted_total": self.num_evicted_total,
+        }
 
     # --- ending -------------------------------------------------------------------------------
 
@@ -256,18 +393,39 @@ class Scheduler:
             return "stop"
         if tok in s.stop_token_ids:
             return "stop"
+        for word in s.stop_word_ids:
+            if tuple(r.generated[-len(word) :]) == tuple(word):
+                if not s.include_stop_word:
+                    self._drop_tail(r, len(word))
+                return "stop"
         if len(r.generated) >= s.max_tokens or r.num_tokens >= self.plan.max_sequence_length:
             return "length"
         return None
 
-    def _finish(self, r: EngineRequest, reason: str, error: str | None = None) -> None:
+    @staticmethod
+    def _drop_tail(r: EngineRequest, n: int) -> None:
+        """Remove a matched stop word (never streamed: `holdback` kept it back)."""
+        n = min(n, len(r.generated) - r.num_streamed)
+        del r.generated[len(r.generated) - n :]
+        del r.log_probs[len(r.generated) :]
+        del r.top_n[len(r.generated) :]
+
+    def _finish(
+        self, r: EngineRequest, reason: str, error: str | None = None, now: float | None = None
+    ) -> None:
         if r.status is Status.RUNNING:
             self.running.remove(r)
+        elif r.status is Status.PAUSED:
+            self.paused.remove(r)
         elif r.status is Status.WAITING and r in self.waiting:
             self.waiting.remove(r)
         r.status = Status.FINISHED
         r.finish_reason = reason
         r.error = error
+        if now is not None:
+            if reason == "error":
+                r.add_event("ERROR_NONTRANSIENT", now)
+            r.add_event("FAIL" if reason in ("error", "abort") else "FINISH", now)
         if r.blocks:
             self.pending_free[r.request_id] = len(r.blocks)
             r.blocks = []

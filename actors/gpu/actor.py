@@ -1,8 +1,10 @@
-"""The gpu actor: serves LoadModel and StepPlan from its engine, computing in its own thread.
+"""The gpu actor: serves LoadModel, StepPlan and GpuControl from its engine, computing in its
+own thread.
 
 The forward runs in a dedicated single-thread executor so the event loop (and the engine that
-shares it) stays free while the device works. A failed load or step becomes an error reply or a
-StepResult with `error` set; the actor keeps serving.
+shares it) stays free while the device works; controls run in the same thread, so they never
+overlap a step. A failed load, step or control becomes an error reply, a StepResult or a
+GpuControlReply with `error` set; the actor keeps serving.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import concurrent.futures
 import numpy as np
 
 from messages.common import ErrorReply
-from messages.gpu import LoadModel, StepPlan, StepResult
+from messages.gpu import GpuControl, GpuControlReply, LoadModel, StepPlan, StepResult
 from runtime.actor import Actor
 from runtime.channel import Channel, Envelope
 
@@ -28,6 +30,7 @@ class GpuActor(Actor):
         self.serve(channel)
         self.on(LoadModel, self.on_load)
         self.on(StepPlan, self.on_step)
+        self.on(GpuControl, self.on_control)
 
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
@@ -50,6 +53,17 @@ class GpuActor(Actor):
         except Exception as e:
             self.log.exception("step failed", step=msg.step)
             reply = StepResult(msg.step, no_tokens, f"{type(e).__name__}: {e}", 0.0)
+        await env.reply(reply)
+
+    async def on_control(self, env: Envelope, msg: GpuControl) -> None:
+        try:
+            reply = await self._in_thread(self.worker.control, msg)
+        except Exception as e:  # the worker answers expected failures itself; this is the rest
+            self.log.exception("control failed", command=msg.command)
+            error = f"{type(e).__name__}: {e}"
+            reply = GpuControlReply(
+                msg.command, error, self.worker.kv_valid, self.worker.weight_version
+            )
         await env.reply(reply)
 
     async def stopping(self) -> None:

@@ -1,7 +1,14 @@
-"""The model worker: weights, the KV cache tensor, forward + sampling for one StepPlan.
+"""The model worker: weights, the KV cache tensor, forward + sampling (+ log-probs) for one
+StepPlan, and the lifecycle controls between steps (suspend, resume, update_weights).
 
-The only place in actors/ that imports torch. It runs in the gpu actor's dedicated thread; it
-never decides what to compute (the engine's plan does) and never talks to sockets.
+The only place in actors/ that imports torch. It runs in the gpu actor's dedicated thread, so a
+step and a control never overlap; it never decides what to compute (the engine's plan does) and
+never talks to sockets.
+
+Suspend modes (messages.gpu.GpuControl): "persist" keeps the KV tensor; "offload" copies it to
+CPU memory (pinned on CUDA) and frees the device tensor; "recompute" frees it. Resume allocates a
+fresh device tensor (with the offloaded contents, or uninitialized for "recompute"): its address
+changes, so anything captured against the old one (CUDA graphs) must be captured again.
 """
 
 from __future__ import annotations
@@ -12,20 +19,41 @@ import time
 import numpy as np
 import torch
 
-from messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
-from ops.loader import load_model
+from messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepPlan, StepResult
+from ops.loader import (
+    ModelLoadError,
+    WeightUpdateError,
+    check_same_architecture,
+    load_model,
+    state_updates,
+)
+from ops.logprobs import log_probs_and_top_n, prompt_log_probs
 from ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from ops.sampling import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUSPEND_MODES = ("persist", "offload", "recompute")
+# Prompt log-probs build fp32 logits at most this many rows, and elements, at a time.
+PROMPT_LOGITS_MAX_ROWS = 1024
+PROMPT_LOGITS_MAX_ELEMENTS = 1 << 26  # 256 MiB
+
+
+class ControlError(Exception):
+    """A GpuControl that cannot apply in the worker's current state; nothing was changed."""
 
 
 class ModelWorker:
     def __init__(self):
         self.model = None
+        self.config = None
         self.kv_cache: torch.Tensor | None = None
         self.device = torch.device("cpu")
+        self.dtype = torch.float32
         self.block_size = 0
+        self.weight_version = 0  # successful update_weights since load
+        self.suspend_mode: str | None = None  # None: running
+        self._kv_shape: tuple[int, ...] = ()
+        self._kv_offloaded: torch.Tensor | None = None  # the KV contents while offloaded
 
     def load(self, msg: LoadModel) -> ModelLoaded:
         if msg.dtype not in DTYPES:
@@ -43,7 +71,9 @@ class ModelWorker:
             )
         self.block_size = msg.block_size
         self.kv_cache = allocate_kv_cache(config, num_blocks, msg.block_size, dtype, self.device)
-        self.model = model
+        self.model, self.config, self.dtype = model, config, dtype
+        self.weight_version, self.suspend_mode = 0, None
+        self._kv_shape, self._kv_offloaded = tuple(self.kv_cache.shape), None
         return ModelLoaded(
             model=msg.model,
             num_blocks=num_blocks,
@@ -52,6 +82,7 @@ class ModelWorker:
             max_position_embeddings=config.max_position_embeddings,
             tokenizer=json.dumps(tokenizer.to_wire()),
             eos_token_ids=tuple(config.eos_token_ids),
+            block_bytes=per_block,
         )
 
     def _tensor(self, a: np.ndarray, dtype=None) -> torch.Tensor:
@@ -59,9 +90,28 @@ class ModelWorker:
         t = torch.from_numpy(np.array(a, copy=True))
         return t.to(self.device, dtype=dtype, non_blocking=True)
 
+    # ---- steps ---------------------------------------------------------------------------------
+
     @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
         start = time.perf_counter()
+        token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
+        if self.suspend_mode is not None:
+            return StepResult(plan.step, token_ids, "the gpu worker is suspended", 0.0)
+        hidden = self._forward(plan)  # [T, H]
+        # Only the last token of each sampled sequence needs logits (and prompt log-probs'
+        # tokens, which get theirs in chunks).
+        rows = np.flatnonzero(plan.sample)
+        last = plan.query_start_loc[1:][rows] - 1
+        logits = self.model.compute_logits(hidden[self._tensor(last, torch.int64)])
+        tokens = self._sample(plan, rows, logits)
+        token_ids[rows] = tokens.cpu().numpy()
+        n = int(plan.top_n.max(initial=0))
+        extra = self._log_probs(plan, rows, logits, tokens, n)
+        extra.update(self._prompt_log_probs(plan, hidden, n))
+        return StepResult(plan.step, token_ids, None, time.perf_counter() - start, **extra)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
         t = self._tensor
         attn = AttentionMetadata(
             query_start_loc=t(plan.query_start_loc),
@@ -69,24 +119,172 @@ class ModelWorker:
             block_tables=t(plan.block_tables),
             slot_mapping=t(plan.slot_mapping, torch.int64),
         ).with_layout(plan.query_start_loc.tolist(), plan.seq_lens.tolist(), self.block_size)
-        hidden = self.model(
-            t(plan.input_ids, torch.int64), t(plan.positions, torch.int64), attn, self.kv_cache
-        )
-        # hidden: [T, H]; only the last token of each sampled sequence needs logits.
-        rows = np.flatnonzero(plan.sample)
-        last = plan.query_start_loc[1:][rows] - 1
-        logits = self.model.compute_logits(hidden[t(last, torch.int64)])
+        input_ids, positions = t(plan.input_ids, torch.int64), t(plan.positions, torch.int64)
+        return self.model(input_ids, positions, attn, self.kv_cache)
+
+    def _sample(self, plan: StepPlan, rows: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
         if not (plan.temperature[rows] > 0).any():
-            tokens = logits.argmax(dim=-1)  # all greedy: skip the sort and the noise
-        else:
-            tokens = sample(
-                logits,
-                t(plan.temperature[rows]),
-                t(plan.top_k[rows]),
-                t(plan.top_p[rows]),
-                t(plan.seeds[rows]),
-                t(plan.gen_index[rows]),
+            return logits.argmax(dim=-1)  # all greedy: skip the sort and the noise
+        t = self._tensor
+        return sample(
+            logits,
+            t(plan.temperature[rows]),
+            t(plan.top_k[rows]),
+            t(plan.top_p[rows]),
+            t(plan.seeds[rows]),
+            t(plan.gen_index[rows]),
+        )
+
+    def _log_probs(
+        self,
+        plan: StepPlan,
+        rows: np.ndarray,
+        logits: torch.Tensor,
+        tokens: torch.Tensor,
+        n: int,
+    ) -> dict[str, np.ndarray]:
+        """StepResult's log_probs / top_n arrays (n columns) for the sampled rows; device work
+        only where a sampled row asks for it."""
+        batch = len(plan.sample)
+        out = {
+            "log_probs": np.full(batch, np.nan, dtype=np.float32),
+            "top_n_ids": np.full((batch, n), -1, dtype=np.int32),
+            "top_n_log_probs": np.full((batch, n), np.nan, dtype=np.float32),
+        }
+        wanted, counts = plan.logprobs[rows] != 0, plan.top_n[rows]
+        if wanted.any() or counts.any():
+            picked, ids, values = log_probs_and_top_n(logits, tokens, self._tensor(counts), n)
+            out["log_probs"][rows] = np.where(wanted, picked.cpu().numpy(), np.nan)
+            out["top_n_ids"][rows] = ids.cpu().numpy()
+            out["top_n_log_probs"][rows] = values.cpu().numpy()
+        return out
+
+    def _prompt_log_probs(
+        self, plan: StepPlan, hidden: torch.Tensor, n: int
+    ) -> dict[str, np.ndarray]:
+        """StepResult's prompt_* arrays: one row per input token with a prompt target."""
+        tokens = np.flatnonzero(plan.prompt_targets >= 0)
+        if len(tokens) == 0:
+            return {
+                "prompt_log_probs": np.zeros(0, dtype=np.float32),
+                "prompt_top_n_ids": np.zeros((0, n), dtype=np.int32),
+                "prompt_top_n_log_probs": np.zeros((0, n), dtype=np.float32),
+            }
+        seq = np.searchsorted(plan.query_start_loc, tokens, side="right") - 1
+        by_vocab = PROMPT_LOGITS_MAX_ELEMENTS // self.config.vocab_size
+        picked, ids, values = prompt_log_probs(
+            hidden[self._tensor(tokens, torch.int64)],
+            self._tensor(plan.prompt_targets[tokens], torch.int64),
+            self._tensor(plan.top_n[seq]),
+            n,
+            self.model.compute_logits,
+            chunk_rows=max(1, min(PROMPT_LOGITS_MAX_ROWS, by_vocab)),
+        )
+        return {
+            "prompt_log_probs": picked.cpu().numpy(),
+            "prompt_top_n_ids": ids.cpu().numpy().astype(np.int32),
+            "prompt_top_n_log_probs": values.cpu().numpy(),
+        }
+
+    # ---- lifecycle controls --------------------------------------------------------------------
+
+    @property
+    def kv_valid(self) -> bool:
+        """False while the KV contents are dropped (suspended in mode "recompute")."""
+        return self.suspend_mode != "recompute"
+
+    def control(self, msg: GpuControl) -> GpuControlReply:
+        """Apply one lifecycle command between steps. One that cannot apply (unknown command or
+        mode, wrong state, weights that do not fit) comes back as `error`, nothing changed."""
+        handlers = {
+            "suspend": self._suspend,
+            "resume": self._resume,
+            "update_weights": self._update_weights,
+        }
+        try:
+            if self.model is None:
+                raise ControlError("no model is loaded")
+            if msg.command not in handlers:
+                raise ControlError(
+                    f"unknown gpu control {msg.command!r} (expected {', '.join(handlers)})"
+                )
+            kv_valid = handlers[msg.command](msg)
+        except (ControlError, ModelLoadError, WeightUpdateError) as e:
+            return GpuControlReply(msg.command, str(e), self.kv_valid, self.weight_version)
+        return GpuControlReply(msg.command, None, kv_valid, self.weight_version)
+
+    def _suspend(self, msg: GpuControl) -> bool:
+        if self.suspend_mode is not None:
+            raise ControlError(
+                f"cannot suspend: the gpu worker is already suspended (mode {self.suspend_mode})"
             )
-        token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
-        token_ids[rows] = tokens.cpu().numpy()
-        return StepResult(plan.step, token_ids, None, time.perf_counter() - start)
+        if msg.mode not in SUSPEND_MODES:
+            raise ControlError(
+                f"suspend mode {msg.mode!r} is not one of {', '.join(SUSPEND_MODES)}"
+            )
+        if msg.mode == "offload":
+            # Pinned host memory makes the copies DMA transfers instead of staged ones.
+            pinned = self.device.type == "cuda"
+            host = torch.empty(self._kv_shape, dtype=self.dtype, pin_memory=pinned)
+            self._kv_offloaded = host.copy_(self.kv_cache)
+        if msg.mode != "persist":
+            self.kv_cache = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the memory back for others (e.g. training)
+        self.suspend_mode = msg.mode
+        return self.kv_valid
+
+    def _resume(self, msg: GpuControl) -> bool:
+        if self.suspend_mode is None:
+            raise ControlError("cannot resume: the gpu worker is running (not suspended)")
+        mode = self.suspend_mode
+        if mode != "persist":
+            kv = torch.empty(self._kv_shape, dtype=self.dtype, device=self.device)
+            if mode == "offload":
+                kv.copy_(self._kv_offloaded)
+            self.kv_cache, self._kv_offloaded = kv, None
+        self.suspend_mode = None
+        return mode != "recompute"
+
+    def _update_weights(self, msg: GpuControl) -> bool:
+        if self.suspend_mode is None:
+            raise ControlError("update_weights needs a suspended gpu worker; it is running")
+        if (msg.path is None) == (msg.state is None):
+            raise ControlError("update_weights needs exactly one of path and state")
+        if msg.path is not None:
+            updates = self._updates_from_path(msg.path)
+        else:
+            updates = state_updates(msg.state, self.model)
+        params = self.model.state_dict()  # views of the live parameters: copy in place
+        with torch.no_grad():
+            for name, rows, values in updates:
+                params[name][rows].copy_(_as_tensor(values))
+        self.weight_version += 1
+        return self.kv_valid
+
+    def _updates_from_path(self, path: str) -> list[tuple[str, slice, torch.Tensor]]:
+        """Every parameter of the checkpoint at `path`, loaded on the CPU and checked to have the
+        loaded model's architecture and shapes."""
+        model, config, _ = load_model(path, dtype=self.dtype, device="cpu")
+        check_same_architecture(self.config, config, path)
+        ours, new = self.model.state_dict(), model.state_dict()
+        if set(ours) != set(new):
+            raise WeightUpdateError(
+                f"{path}: parameters differ (missing {sorted(set(ours) - set(new))[:5]}, "
+                f"unexpected {sorted(set(new) - set(ours))[:5]})"
+            )
+        for name, tensor in new.items():
+            if tensor.shape != ours[name].shape:
+                raise WeightUpdateError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(ours[name].shape)}"
+                )
+        return [(name, slice(None), tensor) for name, tensor in new.items()]
+
+
+def _as_tensor(values: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values
+    values = np.ascontiguousarray(values)
+    # Arrays decoded off the wire are read-only views; torch.from_numpy wants writable memory.
+    return torch.from_numpy(values if values.flags.writeable else values.copy())

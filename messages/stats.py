@@ -1,0 +1,44 @@
+"""Stats family (tags 140-159): what an engine rank reports about itself.
+
+An engine sends `Stats` (with its one `RankStats`) to the coordinator every
+`logging_step_interval` steps (when set) and in answer to `GetStats`. The coordinator answers a
+client's `GetStats` with one `Stats` holding every rank's latest `RankStats`.
+"""
+
+from __future__ import annotations
+
+from messages.codec import message, struct
+
+
+@message(140)
+class GetStats:
+    pass
+
+
+@struct
+class RankStats:
+    """One rank's counters. `state`: "RUNNING", "PAUSED" or "SUSPENDED"; blocks_free counts
+    the allocator's free list after the last step (blocks of finished requests come back with
+    the next step, which an idle engine runs at once)."""
+
+    rank: int
+    state: str
+    step: int
+    running: int
+    waiting: int
+    paused: int
+    num_blocks: int
+    blocks_free: int
+    blocks_used: int
+    paused_total: int
+    evicted_total: int
+    tokens_last_step: int
+    weight_version: int
+
+
+@message(141)
+class Stats:
+    """`state`: the coordinator's FSM state (an engine sends its own)."""
+
+    state: str
+    ranks: tuple[RankStats, ...]

@@ -1,0 +1,84 @@
+"""Log-probabilities under the raw logits: of given tokens, the top-n, and a prompt's, chunked.
+
+Owns the math only (torch in, torch out). Which rows and tokens are wanted comes from the caller
+(the gpu worker reads them off the StepPlan); nothing here knows about plans or numpy.
+
+A log-prob is log-softmax of the fp32 logits before temperature / top-k / top-p, as
+`torch.log_softmax(logits.float(), -1)` gives. It is computed as `logit - logsumexp(row)`, which
+never builds a second [rows, vocab] matrix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+def log_probs_and_top_n(
+    logits: torch.Tensor, tokens: torch.Tensor, counts: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: the log-prob of `tokens[r]` and the `counts[r]` most likely (id, log-prob) pairs.
+
+    logits: [R, V]; tokens: [R] int; counts: [R] int (0 = no top-n for that row; clipped to n).
+    Returns log_probs [R] f32, top_ids [R, n] int64 and top_log_probs [R, n] f32, sorted by
+    descending log-prob; entries past a row's count (or past V) are id -1 and NaN.
+    """
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)  # [R]
+    picked = logits.gather(1, tokens.long()[:, None]).squeeze(1) - lse
+    top_ids, top_log_probs = _top_n(logits, lse, counts, n)
+    return picked, top_ids, top_log_probs
+
+
+def _top_n(
+    logits: torch.Tensor, lse: torch.Tensor, counts: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, vocab = logits.shape
+    ids = torch.full((rows, n), -1, dtype=torch.int64, device=logits.device)
+    values = torch.full((rows, n), float("nan"), dtype=torch.float32, device=logits.device)
+    k = min(n, vocab)
+    if k == 0 or rows == 0:
+        return ids, values
+    # Log-softmax is monotonic in the logits: the top logits are the top log-probs.
+    top_logits, top_ids = logits.topk(k, dim=-1, sorted=True)  # [R, k]
+    keep = torch.arange(k, device=logits.device)[None, :] < counts.to(logits.device)[:, None]
+    ids[:, :k] = torch.where(keep, top_ids, -1)
+    values[:, :k] = torch.where(keep, top_logits - lse[:, None], float("nan"))
+    return ids, values
+
+
+def prompt_log_probs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    counts: torch.Tensor,
+    n: int,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`log_probs_and_top_n` for K prompt tokens whose logits are not built yet.
+
+    hidden: [K, H] (the final hidden states of those tokens); targets: [K] (the next prompt
+    token of each); counts: [K] top-n per token. Logits are materialized `chunk_rows` rows at a
+    time, so a long prompt never holds a [K, vocab] matrix. Returns as `log_probs_and_top_n`.
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    parts = [
+        log_probs_and_top_n(
+            compute_logits(hidden[i : i + chunk_rows]),
+            targets[i : i + chunk_rows],
+            counts[i : i + chunk_rows],
+            n,
+        )
+        for i in range(0, hidden.shape[0], chunk_rows)
+    ]
+    if not parts:  # no prompt token wants a log-prob: empty results of the right shapes
+        device = hidden.device
+        return (
+            torch.zeros(0, device=device),
+            torch.zeros((0, n), dtype=torch.int64, device=device),
+            torch.zeros((0, n), device=device),
+        )
+    picked, top_ids, top_log_probs = zip(*parts, strict=True)
+    return torch.cat(picked), torch.cat(top_ids), torch.cat(top_log_probs)

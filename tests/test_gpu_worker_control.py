@@ -1,0 +1,289 @@
+"""The gpu worker's lifecycle controls (GpuControl -> GpuControlReply), the worker alone on CPU.
+
+A small random Llama (tests/random_llama.py) saved as a Hugging Face directory is both what the
+worker loads and, through transformers, the oracle for weight updates.
+
+Checks: suspend / resume in each mode (offload keeps the KV bytes and the next decode step's
+result, recompute reports kv_valid False, persist keeps the very tensor); a step while suspended
+and illegal orders come back as errors naming the state; update_weights from a state dict (a
+few matrices, the tied lm_head, a whole `state_dict()`) and from a checkpoint directory gives
+exactly Hugging Face's logits for the modified model; bad names, shapes and checkpoints error
+and leave the weights alone; weight_version counts successful updates; the actor shell turns
+every control, even a failing one, into a GpuControlReply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from actors.gpu.actor import GpuActor
+from actors.gpu.worker import ModelWorker
+from messages.gpu import GpuControl, GpuControlReply, LoadModel
+from ops.attention import build_attention_metadata
+from runtime.channel import Envelope
+from tests.random_llama import make_random_llama
+from tests.test_ops_logprobs import Seq, make_plan
+
+transformers = pytest.importorskip("transformers")
+
+BLOCK_SIZE = 16
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 101, 32]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_llama(str(tmp_path_factory.mktemp("random-llama")), SHAPE)
+
+
+@pytest.fixture
+def worker(model_dir):
+    w = ModelWorker()
+    w.load(LoadModel(model_dir, "float32", "cpu", BLOCK_SIZE, 8, 1.0))
+    return w
+
+
+@pytest.fixture
+def hf_model(model_dir):
+    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def control(worker, command, mode=None, path=None, state=None):
+    return worker.control(GpuControl(command, mode, path, state))
+
+
+def prefill_and_decode(worker) -> tuple[object, object]:
+    """Prefill PROMPT, then decode one token (asking its log-prob). Returns both results."""
+    first = worker.step(make_plan(1, [Seq(PROMPT, 0, [5, 2])]))
+    token = int(first.token_ids[0])
+    second = worker.step(make_plan(2, [Seq([token], len(PROMPT), [5, 2], logprobs=True)]))
+    return first, second
+
+
+@torch.no_grad()
+def our_logits(worker, ids: list[int]) -> torch.Tensor:
+    meta, positions = build_attention_metadata([len(ids)], [len(ids)], [[1, 3]], BLOCK_SIZE)
+    hidden = worker.model(torch.tensor(ids), positions, meta, worker.kv_cache)
+    return worker.model.compute_logits(hidden)
+
+
+@torch.no_grad()
+def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
+    return hf_model(torch.tensor([ids])).logits[0].float()
+
+
+def assert_matches_hf(worker, hf_model) -> None:
+    torch.testing.assert_close(
+        our_logits(worker, PROMPT), hf_logits(hf_model, PROMPT), atol=1e-4, rtol=0
+    )
+
+
+def weights(worker) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in worker.model.state_dict().items()}
+
+
+def assert_same_weights(worker, before: dict[str, torch.Tensor]) -> None:
+    for name, t in worker.model.state_dict().items():
+        assert torch.equal(t, before[name]), name
+
+
+# ---- suspend / resume ---------------------------------------------------------------------------
+
+
+def test_offload_round_trip_keeps_kv_bytes_and_the_next_step(worker):
+    _, decoded = prefill_and_decode(worker)
+    before = worker.kv_cache.clone()
+    reply = control(worker, "suspend", "offload")
+    assert reply.error is None and reply.kv_valid and reply.weight_version == 0
+    assert worker.kv_cache is None
+    reply = control(worker, "resume")
+    assert reply.error is None and reply.kv_valid
+    # Compare bits: the never-written slots hold garbage, possibly NaN patterns.
+    assert torch.equal(worker.kv_cache.view(torch.int32), before.view(torch.int32))
+    token = int(decoded.token_ids[0])
+    again = worker.step(make_plan(2, [Seq([token], len(PROMPT), [5, 2], logprobs=True)]))
+    assert again.token_ids.tolist() == decoded.token_ids.tolist()
+    assert again.log_probs.tolist() == decoded.log_probs.tolist()
+
+
+def test_recompute_drops_the_kv_and_says_so(worker):
+    first, _ = prefill_and_decode(worker)
+    shape = worker.kv_cache.shape
+    reply = control(worker, "suspend", "recompute")
+    assert reply.error is None and not reply.kv_valid and worker.kv_cache is None
+    reply = control(worker, "resume")
+    assert reply.error is None and not reply.kv_valid
+    assert worker.kv_cache.shape == shape
+    # Re-prefilling (what the engine does on kv_valid False) gives the same token again.
+    again = worker.step(make_plan(3, [Seq(PROMPT, 0, [5, 2])]))
+    assert again.token_ids.tolist() == first.token_ids.tolist()
+    assert control(worker, "suspend", "persist").kv_valid  # valid again after the re-prefill
+
+
+def test_persist_keeps_the_tensor(worker):
+    prefill_and_decode(worker)
+    kv = worker.kv_cache
+    reply = control(worker, "suspend", "persist")
+    assert reply.error is None and reply.kv_valid and worker.kv_cache is kv
+    reply = control(worker, "resume")
+    assert reply.error is None and reply.kv_valid and worker.kv_cache is kv
+
+
+def test_step_while_suspended_is_an_error(worker):
+    control(worker, "suspend", "persist")
+    r = worker.step(make_plan(1, [Seq(PROMPT, 0, [5, 2])]))
+    assert r.error == "the gpu worker is suspended" and r.token_ids.tolist() == [-1]
+
+
+def test_illegal_orders_and_bad_commands_error_and_change_nothing(worker):
+    cases = [
+        (("resume",), "running"),
+        (("update_weights", None, None, {}), "running"),
+        (("suspend", None), "mode None"),
+        (("suspend", "hibernate"), "'hibernate'"),
+        (("reload",), "unknown gpu control 'reload'"),
+    ]
+    for args, text in cases:
+        reply = control(worker, *args)
+        assert reply.error is not None and text in reply.error, (args, reply.error)
+        assert worker.suspend_mode is None and worker.kv_cache is not None
+    assert control(worker, "suspend", "offload").error is None
+    reply = control(worker, "suspend", "persist")
+    assert "already suspended (mode offload)" in reply.error
+    assert worker.suspend_mode == "offload" and worker.kv_cache is None
+    assert "no model is loaded" in control(ModelWorker(), "resume").error
+
+
+# ---- update_weights -----------------------------------------------------------------------------
+
+
+def perturb(hf_model, names: list[str], seed: int) -> dict[str, np.ndarray]:
+    """Add noise to `names` of the HF model in place; return them as a state dict."""
+    gen = torch.Generator().manual_seed(seed)
+    params = hf_model.state_dict(keep_vars=True)  # named_parameters() hides the tied lm_head
+    with torch.no_grad():
+        for name in names:
+            params[name].add_(torch.randn(params[name].shape, generator=gen) * 0.05)
+    return {name: params[name].detach().numpy().copy() for name in names}
+
+
+def test_update_from_a_state_dict_matches_hf(worker, hf_model):
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.norm.weight",
+    ]
+    state = perturb(hf_model, names, seed=1)
+    original = our_logits(worker, PROMPT)
+    assert control(worker, "update_weights", state=state).error  # not suspended
+    assert control(worker, "suspend", "persist").error is None
+    reply = control(worker, "update_weights", state=state)
+    assert reply.error is None and reply.weight_version == 1
+    assert control(worker, "resume").weight_version == 1
+    assert not torch.allclose(our_logits(worker, PROMPT), original, atol=1e-3)
+    assert_matches_hf(worker, hf_model)
+
+
+def test_tied_lm_head_and_a_whole_state_dict(worker, hf_model):
+    control(worker, "suspend", "persist")
+    (lm_head,) = perturb(hf_model, ["lm_head.weight"], seed=2).values()  # tied: the embedding
+    assert control(worker, "update_weights", state={"lm_head.weight": lm_head}).error is None
+    assert np.array_equal(worker.model.embed_tokens.weight.numpy(), lm_head)
+    perturb(
+        hf_model, [f"model.layers.1.{p}.weight" for p in ("self_attn.k_proj", "mlp.gate_proj")], 3
+    )
+    full = {name: t.numpy() for name, t in hf_model.state_dict().items()}
+    assert "lm_head.weight" in full and "model.embed_tokens.weight" in full
+    reply = control(worker, "update_weights", state=full)
+    assert reply.error is None and reply.weight_version == 2
+    control(worker, "resume")
+    assert_matches_hf(worker, hf_model)
+
+
+def test_update_from_a_checkpoint_directory_matches_hf(worker, hf_model, model_dir, tmp_path):
+    perturb(hf_model, ["model.layers.0.self_attn.o_proj.weight", "model.embed_tokens.weight"], 4)
+    hf_model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_dir}/{name}", tmp_path / name)
+    control(worker, "suspend", "offload")
+    reply = control(worker, "update_weights", path=str(tmp_path))
+    assert reply.error is None and reply.weight_version == 1
+    control(worker, "resume")
+    assert_matches_hf(worker, hf_model)
+
+
+def test_bad_updates_error_and_leave_the_weights(worker, tmp_path):
+    control(worker, "suspend", "persist")
+    before = weights(worker)
+    q = np.zeros((64, 64), dtype=np.float32)  # q_proj is [heads * head_dim, hidden] = [64, 64]
+    other = make_random_llama(str(tmp_path / "other"), {**SHAPE, "intermediate_size": 128})
+    cases = [
+        ({"model.layers.0.self_attn.q_proj.weight": q, "model.layers.9.mlp.up_proj.weight": q},
+         "unknown parameter 'model.layers.9.mlp.up_proj.weight'"),
+        ({"model.layers.0.self_attn.q_proj.weight": q,
+          "model.layers.1.self_attn.k_proj.weight": q}, "expected (32, 64)"),
+        ({"model.norm.weight": np.zeros(64, dtype=np.int32)}, "not a floating-point"),
+        ({"lm_head.weight": np.zeros((259, 64), np.float32),
+          "model.embed_tokens.weight": np.ones((259, 64), np.float32)}, "differ"),
+    ]  # fmt: skip
+    for state, text in cases:
+        reply = control(worker, "update_weights", state=state)
+        assert reply.error is not None and text in reply.error, reply.error
+        assert reply.weight_version == 0
+    for path, text in [(other, "intermediate_size 128 (loaded: 96)"), ("/no/such", "no such")]:
+        reply = control(worker, "update_weights", path=path)
+        assert reply.error is not None and text in reply.error, reply.error
+    reply = control(worker, "update_weights", path=other, state={})
+    assert "exactly one of path and state" in reply.error
+    assert_same_weights(worker, before)
+    assert worker.weight_version == 0 and worker.suspend_mode == "persist"
+
+
+# ---- the actor shell ----------------------------------------------------------------------------
+
+
+class FakeChannel:
+    """Stands in for the engine's inproc channel: records what the actor sends back."""
+
+    name, routed = "gpu", False
+
+    def __init__(self):
+        self.sent = []
+
+    async def send(self, msg, to=None) -> None:
+        self.sent.append(msg)
+
+
+def test_actor_answers_every_control_with_a_reply(monkeypatch):
+    channel = FakeChannel()
+    actor = GpuActor(0, channel)
+
+    async def send(msg) -> None:
+        await actor.dispatch(Envelope(channel, None, msg, None, 0.0))
+
+    asyncio.run(send(GpuControl("resume", None, None, None)))  # no model: a reply, not a raise
+
+    def broken(msg):
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(actor.worker, "control", broken)
+    asyncio.run(send(GpuControl("suspend", "offload", None, None)))
+    actor.executor.shutdown()
+    first, second = channel.sent
+    assert isinstance(first, GpuControlReply) and "no model is loaded" in first.error
+    assert isinstance(second, GpuControlReply) and second.command == "suspend"
+    assert second.error == "RuntimeError: device lost" and second.weight_version == 0
