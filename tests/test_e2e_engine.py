@@ -1,0 +1,166 @@
+"""The engine's request features through the real runtime and the real SmolLM2 model: a KV pool
+so small that requests pause and are evicted, staggered admission, stop words across steps,
+log-probs against Hugging Face, streaming abort returning every block, events and timings."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from messages.requests import SamplingParams
+from runtime.client import AsyncClient, Client
+from runtime.config import InferenceConfig
+from runtime.launcher import Runtime
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time, there was a little robot who",
+    "def quicksort(arr):",
+    "The three primary colors are",
+    "In 1969, the first humans",
+    "Water boils at",
+]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
+BLOCK = 16
+
+
+def blocks_gb(hf, n: int) -> float:
+    """buffer_size_gb that holds `n` KV blocks of BLOCK tokens (fp32): K and V of every layer."""
+    c = hf[0].config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    per_block = c.num_hidden_layers * 2 * BLOCK * c.num_key_value_heads * head_dim * 4
+    return (n + 0.5) * per_block / 1024**3
+
+
+def tiny_pool(hf, **extra) -> InferenceConfig:
+    """8 blocks of 16 tokens for 6 requests that each grow to 2-3 blocks: they cannot all run,
+    so running requests pause, and (nothing else runnable, or over the paused budget) the
+    oldest paused ones are evicted and recomputed."""
+    return InferenceConfig(
+        block_size_tokens=BLOCK,
+        buffer_size_gb=blocks_gb(hf, 8),
+        max_tokens=24,
+        max_requests=8,
+        max_sequence_length=512,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def expected(client):
+    """Greedy outputs from the shared runtime (a pool large enough that nothing pauses)."""
+    return [c.token_ids for c in client.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_tiny_pool_pauses_and_evicts_with_identical_outputs(model_path, hf, expected, chunked):
+    extra = dict(enable_chunked_prefill=chunked)
+    if chunked:  # and at most one block's worth of paused requests before eviction
+        extra["paused_buffer_size_gb"] = blocks_gb(hf, 1)
+    with Runtime(model_path, tiny_pool(hf, **extra)) as rt, Client(rt.address) as c:
+        done = c.generate(PROMPTS, GREEDY)
+        [stats] = c.stats().ranks
+    assert [d.token_ids for d in done] == expected
+    assert stats.num_blocks == 8 and stats.blocks_free == 8
+    assert stats.paused_total > 0 and stats.evicted_total > 0, stats
+
+
+def test_staggered_admission_gives_the_same_outputs(client, runtime, expected):
+    async def staggered():
+        async with AsyncClient(runtime.address) as ac:
+
+            async def one(i: int):
+                await asyncio.sleep(0.15 * i)
+                [done] = await ac.generate([PROMPTS[i]], GREEDY)
+                return done.token_ids
+
+            return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
+
+    assert asyncio.run(staggered()) == expected
+
+
+def _first_index(seq: list[int], word: list[int]) -> int:
+    return next(i for i in range(len(seq)) if seq[i : i + len(word)] == word)
+
+
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_word_spanning_steps(client, expected, include, stream):
+    full = expected[1]
+    word = full[5:8]  # three tokens: generated over three steps
+    at = _first_index(full, word)
+    sampling = SamplingParams(
+        max_tokens=24, temperature=0.0, stop_word_ids=(tuple(word),), include_stop_word=include
+    )
+    if stream:
+        deltas = list(client.stream(PROMPTS[1], sampling))
+        tokens = [t for d in deltas for t in d.token_ids]
+        text = "".join(d.text for d in deltas)
+        reason = deltas[-1].finish_reason
+    else:
+        [done] = client.generate([PROMPTS[1]], sampling)
+        tokens, text, reason = done.token_ids, done.text, done.finish_reason
+    want = full[: at + 3] if include else full[:at]
+    assert (tokens, reason) == (want, "stop")
+    assert text == client.tokenizer.decode(want)
+
+
+def test_stop_word_given_as_text(client, expected):
+    full = expected[0]
+    word = client.tokenizer.decode(full[3:5])
+    [done] = client.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, stop=(word,))
+    )
+    assert done.finish_reason == "stop" and word not in done.text
+    assert full[: len(done.token_ids)] == done.token_ids and len(done.token_ids) < len(full)
+
+
+def test_log_probs_match_hf(client, hf):
+    model, _ = hf
+    sampling = SamplingParams(
+        max_tokens=6, temperature=0.0, return_log_probs=True, top_n_logprobs=3
+    )
+    [done] = client.generate([PROMPTS[3]], sampling)
+    ids = done.prompt_token_ids + done.token_ids
+    with torch.inference_mode():
+        logits = model(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)  # row t predicts token t + 1
+    p = len(done.prompt_token_ids)
+    targets = torch.tensor(ids[1:])
+    want = ref[:-1].gather(1, targets[:, None])[:, 0]
+    assert np.allclose(done.prompt_log_probs, want[: p - 1].numpy(), atol=1e-4)
+    assert np.allclose(done.log_probs, want[p - 1 :].numpy(), atol=1e-4)
+    for j, top in enumerate(done.top_n_logprobs):
+        values, indices = ref[p - 1 + j].topk(3)
+        assert list(top) == indices.tolist()
+        assert np.allclose(list(top.values()), values.numpy(), atol=1e-4)
+    assert done.prompt_top_n_logprobs is None  # not asked for
+
+
+def test_abort_of_a_streaming_request_returns_its_blocks(client):
+    start = client.stats().ranks[0].blocks_free
+    stream = client.stream("Tell me a very long story:", SamplingParams(max_tokens=300))
+    got = 0
+    for delta in stream:
+        got += len(delta.token_ids)
+        if got >= 3:
+            break
+    stream.close()  # the client aborts the request
+    deadline = time.monotonic() + 20
+    while client.stats().ranks[0].blocks_free != start:
+        assert time.monotonic() < deadline, "blocks did not come back"
+        time.sleep(0.05)
+
+
+def test_completion_carries_events_and_timings(client):
+    [done] = client.generate([PROMPTS[5]], SamplingParams(max_tokens=5, temperature=0.0))
+    kinds = [e.type for e in done.events]
+    assert kinds[:2] == ["ADD_ENGINE", "ADD_CONTEXT"] and kinds[-1] == "FINISH"
+    times = [e.timestamp for e in done.events]
+    assert times == sorted(times)
+    assert done.ttft is not None and done.ttft > 0
+    assert done.tpot is not None and done.tpot > 0

@@ -1,0 +1,177 @@
+"""The lifecycle through the real runtime and the real SmolLM2 model: pause / unpause, suspend /
+resume in every KV mode mid-generation, weight updates checked against Hugging Face with the
+same weights, illegal transitions, and `taipan replay --check` over the whole recorded session
+(which also pauses and evicts requests: the KV pool is tiny)."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from messages.requests import SamplingParams
+from runtime.client import AsyncClient, Client, ControlError
+from runtime.launcher import Runtime
+from tests.test_e2e_engine import PROMPTS, tiny_pool
+from tests.test_e2e_generate import hf_greedy
+
+GREEDY = SamplingParams(max_tokens=20, temperature=0.0)
+SAMPLED = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11)
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory, model_path, hf):
+    """A recorded runtime with a tiny KV pool and chunked prefill, and its record dir."""
+    rec = tmp_path_factory.mktemp("lifecycle-rec")
+    config = tiny_pool(hf, enable_chunked_prefill=True)
+    rt = Runtime(model_path, config, record_dir=str(rec))
+    with rt, Client(rt.address) as c:
+        yield rt, c, rec
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(session):
+    _, c, _ = session
+    return {
+        "greedy": [d.token_ids for d in c.generate(PROMPTS[:3], GREEDY)],
+        "sampled": [d.token_ids for d in c.generate(PROMPTS[:3], SAMPLED)],
+    }
+
+
+async def _interrupted(address: str, sampling: SamplingParams, interrupt) -> list[list[int]]:
+    """Stream PROMPTS[:3]; once every stream has tokens, run `interrupt(client)`; finish."""
+    async with AsyncClient(address) as ac:
+        seen = [asyncio.Event() for _ in range(3)]
+
+        async def one(i: int) -> list[int]:
+            tokens = []
+            async for delta in ac.stream(PROMPTS[i], sampling):
+                tokens += delta.token_ids
+                if len(tokens) >= 3:
+                    seen[i].set()
+            return tokens
+
+        tasks = [asyncio.create_task(one(i)) for i in range(3)]
+        await asyncio.gather(*(e.wait() for e in seen))
+        await interrupt(ac)
+        return await asyncio.gather(*tasks)
+
+
+def test_pause_mid_generation_then_unpause_gives_the_same_tokens(session, uninterrupted):
+    rt, c, _ = session
+    progress = {}
+
+    async def pause_and_hold(ac: AsyncClient):
+        ack = await ac.pause()
+        assert ack.state == "PAUSED"
+        before = (await ac.stats()).ranks[0].step
+        await asyncio.sleep(0.5)  # paused: no step runs, requests keep their KV
+        progress["steps while paused"] = (await ac.stats()).ranks[0].step - before
+        assert (await ac.unpause()).state == "RUNNING"
+
+    got = asyncio.run(_interrupted(rt.address, GREEDY, pause_and_hold))
+    assert progress["steps while paused"] == 0
+    assert got == uninterrupted["greedy"]
+
+
+def test_submissions_queue_while_paused(session, uninterrupted):
+    rt, c, _ = session
+
+    async def scenario():
+        async with AsyncClient(rt.address) as ac:
+            await ac.pause()
+            task = asyncio.create_task(ac.generate(PROMPTS[:1], GREEDY))
+            await asyncio.sleep(0.5)
+            assert not task.done()
+            assert (await ac.stats()).ranks[0].waiting == 1
+            await ac.unpause()
+            return (await task)[0].token_ids
+
+    assert asyncio.run(scenario()) == uninterrupted["greedy"][0]
+
+
+@pytest.mark.parametrize("mode", ["persist", "offload", "recompute"])
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_suspend_resume_mid_generation_gives_the_same_tokens(session, uninterrupted, mode, kind):
+    rt, _, _ = session
+
+    async def suspend_cycle(ac: AsyncClient):
+        await ac.pause()
+        assert (await ac.suspend(mode)).state == "SUSPENDED"
+        assert (await ac.resume()).state == "PAUSED"
+        assert (await ac.unpause()).state == "RUNNING"
+
+    sampling = GREEDY if kind == "greedy" else SAMPLED
+    got = asyncio.run(_interrupted(rt.address, sampling, suspend_cycle))
+    assert got == uninterrupted[kind]
+
+
+def test_illegal_transitions_are_refused_and_serving_goes_on(session, uninterrupted):
+    _, c, _ = session
+    for call, state in [(c.resume, "RUNNING"), (c.stop, "RUNNING"), (c.unpause, "RUNNING")]:
+        with pytest.raises(ControlError) as err:
+            call()
+        assert err.value.code == "illegal_transition" and state in err.value.text
+    c.pause()
+    with pytest.raises(ControlError, match="PAUSED") as err:
+        c.update_weights(state={"model.norm.weight": torch.ones(576).numpy()})
+    assert err.value.code == "illegal_transition"
+    c.unpause()
+    assert c.generate(PROMPTS[:1], GREEDY)[0].token_ids == uninterrupted["greedy"][0]
+
+
+def test_update_weights_while_suspended_changes_what_new_requests_get(session, hf):
+    _, c, _ = session
+    model, _ = hf
+    name = "model.layers.3.mlp.down_proj.weight"
+    param = model.get_parameter(name)
+    original = param.detach().clone()
+    with torch.no_grad():
+        param.mul_(0.25)  # the oracle with the same new weights
+    try:
+        ids = c.tokenizer.encode(PROMPTS[2])
+        want = hf_greedy(hf, ids, GREEDY.max_tokens)
+        c.pause()
+        c.suspend("offload")
+        ack = c.update_weights(state={name: param.detach().numpy().copy()})
+        assert ack.state == "SUSPENDED" and ack.weight_version == 1
+        c.resume()
+        c.unpause()
+        [done] = c.generate([PROMPTS[2]], GREEDY)
+        assert done.token_ids == want
+        assert c.stats().ranks[0].weight_version == 1
+    finally:
+        with torch.no_grad():
+            param.copy_(original)
+    c.pause()
+    c.suspend("persist")
+    assert c.update_weights(state={name: original.numpy()}).weight_version == 2
+    c.resume()
+    c.unpause()
+    assert c.generate([PROMPTS[2]], GREEDY)[0].token_ids == hf_greedy(hf, ids, GREEDY.max_tokens)
+
+
+def test_replay_check_passes_over_the_whole_session(session):
+    rt, c, rec = session
+    c.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))  # 6 in 8 blocks: pauses
+    [stats] = c.stats().ranks
+    assert stats.paused_total > 0 and stats.evicted_total > 0, stats
+    rt.shutdown()
+    done = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "replay", str(rec), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "allocator-0" in done.stdout and "ok" in done.stdout
+    timeline = subprocess.run(
+        [sys.executable, "-m", "runtime.cli", "replay", str(rec), "--type", "Suspend"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert "Suspend" in timeline.stdout
