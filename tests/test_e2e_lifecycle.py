@@ -41,20 +41,22 @@ def uninterrupted(session):
     }
 
 
-async def _interrupted(address: str, sampling: SamplingParams, interrupt) -> list[list[int]]:
-    """Stream PROMPTS[:3]; once every stream has tokens, run `interrupt(client)`; finish."""
+async def interrupted(
+    address: str, sampling: SamplingParams, interrupt, prompts=PROMPTS[:3]
+) -> list[list[int]]:
+    """Stream `prompts`; once every stream has tokens, run `interrupt(client)`; finish."""
     async with AsyncClient(address) as ac:
-        seen = [asyncio.Event() for _ in range(3)]
+        seen = [asyncio.Event() for _ in prompts]
 
         async def one(i: int) -> list[int]:
             tokens = []
-            async for delta in ac.stream(PROMPTS[i], sampling):
+            async for delta in ac.stream(prompts[i], sampling):
                 tokens += delta.token_ids
                 if len(tokens) >= 3:
                     seen[i].set()
             return tokens
 
-        tasks = [asyncio.create_task(one(i)) for i in range(3)]
+        tasks = [asyncio.create_task(one(i)) for i in range(len(prompts))]
         await asyncio.gather(*(e.wait() for e in seen))
         await interrupt(ac)
         return await asyncio.gather(*tasks)
@@ -72,7 +74,7 @@ def test_pause_mid_generation_then_unpause_gives_the_same_tokens(session, uninte
         progress["steps while paused"] = (await ac.stats()).ranks[0].step - before
         assert (await ac.unpause()).state == "RUNNING"
 
-    got = asyncio.run(_interrupted(rt.address, GREEDY, pause_and_hold))
+    got = asyncio.run(interrupted(rt.address, GREEDY, pause_and_hold))
     assert progress["steps while paused"] == 0
     assert got == uninterrupted["greedy"]
 
@@ -105,7 +107,7 @@ def test_suspend_resume_mid_generation_gives_the_same_tokens(session, uninterrup
         assert (await ac.unpause()).state == "RUNNING"
 
     sampling = GREEDY if kind == "greedy" else SAMPLED
-    got = asyncio.run(_interrupted(rt.address, sampling, suspend_cycle))
+    got = asyncio.run(interrupted(rt.address, sampling, suspend_cycle))
     assert got == uninterrupted[kind]
 
 

@@ -76,3 +76,67 @@ def test_gpu_bf16_first_tokens_agree_with_hf(model_dir):
     hf = _hf_greedy(model_dir, torch.bfloat16, prompt_ids, 8)
     first = sum(a[0] == b[0] for a, b in zip(ours, hf, strict=True))
     assert first >= len(PROMPTS) - 1, (ours, hf)  # bf16 rounding may flip a near-tie
+
+
+def _blocks_gb(n: int, dtype_bytes: int) -> float:
+    """buffer_size_gb holding `n` blocks of 16 tokens of the SmolLM2-shaped model."""
+    per_block = 30 * 2 * 16 * 3 * 64 * dtype_bytes
+    return (n + 0.5) * per_block / 1024**3
+
+
+def test_gpu_log_probs_match_hf(model_dir):
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    sampling = SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True, return_log_probs=True, top_n_logprobs=2
+    )
+    with Runtime(model_dir, InferenceConfig(**CONFIG), device="cuda") as rt:
+        with Client(rt.address) as c:
+            done = c.generate(PROMPTS, sampling)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    for d in done:
+        ids = d.prompt_token_ids + d.token_ids
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids], device="cuda")).logits[0].float()
+        ref = torch.log_softmax(logits, -1)[:-1].gather(1, torch.tensor(ids[1:]).cuda()[:, None])
+        ref = ref[:, 0].cpu().numpy()
+        p = len(d.prompt_token_ids)
+        assert np.allclose(d.prompt_log_probs, ref[: p - 1], atol=1e-3)
+        assert np.allclose(d.log_probs, ref[p - 1 :], atol=1e-3)
+        assert all(len(top) == 2 for top in d.top_n_logprobs)
+
+
+def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir):
+    import asyncio
+
+    import torch
+
+    from tests.test_e2e_lifecycle import interrupted
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = InferenceConfig(  # paused requests may hold no block: every pause evicts
+        **dict(CONFIG, buffer_size_gb=_blocks_gb(10, 4), max_tokens=64),
+        enable_chunked_prefill=True,
+        paused_buffer_size_gb=0.0,
+    )
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    with Runtime(model_dir, config, device="cuda") as rt, Client(rt.address) as c:
+        done = c.generate(PROMPTS, sampling)
+        [stats] = c.stats().ranks
+        outs = {}
+        for mode in ("offload", "recompute"):
+
+            async def cycle(ac, mode=mode):
+                await ac.pause()
+                await ac.suspend(mode)
+                await ac.resume()
+                await ac.unpause()
+
+            outs[mode] = asyncio.run(interrupted(rt.address, sampling, cycle, PROMPTS))
+    want = _hf_greedy(model_dir, torch.float32, [d.prompt_token_ids for d in done], 24)
+    assert [d.token_ids for d in done] == want
+    assert stats.paused_total > 0 and stats.evicted_total > 0, stats
+    assert outs["offload"] == want and outs["recompute"] == want
