@@ -97,6 +97,10 @@ class Runtime:
 
     def start(self, timeout: float = 600.0) -> Runtime:
         spec = json.dumps(self._spec())
+        if self.record_dir:  # `taipan replay --check` re-plans engine steps with this config
+            os.makedirs(self.record_dir, exist_ok=True)
+            with open(os.path.join(self.record_dir, "config.json"), "w") as f:
+                json.dump(self.config.to_dict(), f, indent=1)
         try:
             self._spawn("coordinator", "coordinator", spec)
             for rank in range(self.num_ranks):

@@ -4,10 +4,12 @@ Owns: turning `.tplog` files (runtime/record.py) into a merged, filtered, readab
 re-driving deterministic actors from their recorded inbound messages. Reads logs, never writes
 them; builds fresh actor cores and never touches live actors or sockets.
 
-Checkers: `CHECKERS` maps an actor-name prefix ("allocator" covers "allocator" and
-"allocator-0") to a factory `make(actor_name) -> respond`; `respond(record)` takes one recorded
-inbound record and returns the outbound messages the actor's deterministic core produces for it,
-as `(channel, peer, frames)`. Register more (e.g. the coordinator's routing core) by adding to
+The engine has its own checker (`check_engine`: it re-plans every step and compares BlockOps and
+StepPlan, see actors/engine/check.py). Other checkers: `CHECKERS` maps an actor-name prefix
+("allocator" covers "allocator" and "allocator-0") to a factory `make(actor_name) -> respond`;
+`respond(record)` takes one recorded inbound record and returns the outbound messages the
+actor's deterministic core produces for it, as `(channel, peer, frames)`. Register more (e.g.
+the coordinator's routing core) by adding to
 the dict. Exit codes: 0 ok, 1 a divergence, 2 unreadable input.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import heapq
+import json
 import os
 import sys
 from collections import deque
@@ -25,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from messages.codec import MessageError, decode, encode, registry
+from runtime.config import ConfigError, InferenceConfig
 from runtime.record import SUFFIX, LogError, Record, read_log
 
 Outbound = tuple[str, bytes | None, tuple[bytes, ...]]
@@ -34,6 +38,7 @@ MAX_STR = 60  # characters shown per string field
 REQUEST_ID_FIELDS = ("request_id",)
 REQUEST_ID_ARRAYS = ("request_ids", "alloc_ids", "free_ids")
 ARROWS = {"in": "←", "out": "→"}
+CONFIG_FILE = "config.json"  # the InferenceConfig, written by the launcher when recording
 
 
 def _allocator_checker(actor_name: str) -> Responder:
@@ -274,23 +279,57 @@ def check(loaded: dict[str, list[Record]], paths: dict[str, Path] | None = None)
     """Re-drive every actor that has a checker; print one line per actor; 0 ok, 1 divergence."""
     failed = False
     for name, records in loaded.items():
-        make = _checker_for(name)
-        if make is None:
-            print(f"{name}: not checked (not deterministic yet)")
-            continue
-        div = check_actor(records, make(name))
-        if div is None:
-            n_in = sum(r.direction == "in" for r in records)
-            print(
-                f"{name}: ok, {len(records)} records checked ({n_in} in, {len(records) - n_in} out)"
-            )
-            continue
+        n_in = sum(r.direction == "in" for r in records)
+        counts = f"{len(records)} records checked ({n_in} in, {len(records) - n_in} out)"
+        if name.startswith("engine"):
+            directory = paths[name].parent if paths else None
+            div, note = check_engine(records, directory)
+            if div is None:
+                print(f"{name}: {note}" if note.startswith("not") else f"{name}: ok, {note}")
+                continue
+        else:
+            make = _checker_for(name)
+            if make is None:
+                print(f"{name}: not checked (not deterministic yet)")
+                continue
+            div = check_actor(records, make(name))
+            if div is None:
+                print(f"{name}: ok, {counts}")
+                continue
         failed = True
         where = f"byte {div.offset} of {paths[name]}" if paths and div.offset >= 0 else "end of log"
         print(f"{name}: DIVERGES at record #{div.index} ({where}): {div.what}")
         print(f"  recorded: {div.recorded}")
         print(f"  replayed: {div.replayed}")
     return 1 if failed else 0
+
+
+def check_engine(records: list[Record], directory: Path | None) -> tuple[Divergence | None, str]:
+    """Re-plan every step of an engine log (actors/engine/check.py) with the config the launcher
+    saved beside it; (divergence, "") or (None, a note on what was checked)."""
+    from actors.engine.check import EngineReplay  # runtime/ sits below actors/
+
+    config_path = directory / CONFIG_FILE if directory is not None else None
+    if config_path is None or not config_path.exists():
+        return None, f"not checked (no {CONFIG_FILE} beside the log)"
+    try:
+        config = InferenceConfig.from_dict(json.loads(config_path.read_text()))
+    except (ValueError, ConfigError) as e:
+        return None, f"not checked ({config_path} is unusable: {e})"
+    replay = EngineReplay(config)
+    for index, rec in enumerate(records):
+        msg, _ = _decode(rec.frames)
+        try:
+            if rec.direction == "in":
+                what = replay.inbound(rec.channel, msg, rec.time)
+            else:
+                what = replay.outbound(msg, rec.frames) if msg is not None else None
+        except Exception as e:  # a crashing core is a divergence to report, not to raise
+            return Divergence(index, rec.offset, "the checker raised", "-", repr(e)), ""
+        if what is not None:
+            recorded = _describe(rec.channel, rec.peer, rec.frames)
+            return Divergence(index, rec.offset, what, recorded, what), ""
+    return None, f"{replay.steps_checked} steps re-planned ({len(records)} records)"
 
 
 def _checker_for(name: str) -> Callable[[str], Responder] | None:

@@ -169,7 +169,7 @@ def test_replay_check_passes_over_the_whole_session(session):
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "allocator-0" in done.stdout and "ok" in done.stdout
+    assert "allocator-0: ok" in done.stdout and "engine-0: ok" in done.stdout
     timeline = subprocess.run(
         [sys.executable, "-m", "runtime.cli", "replay", str(rec), "--type", "Suspend"],
         capture_output=True,

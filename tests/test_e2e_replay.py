@@ -11,6 +11,7 @@ import pytest
 
 from messages import decode, encode
 from messages.allocator import BlockOpsReply
+from messages.gpu import StepResult
 from messages.requests import SamplingParams
 from runtime.client import Client
 from runtime.config import InferenceConfig
@@ -48,7 +49,8 @@ def test_every_actor_is_recorded(recorded):
 def test_check_passes_on_recorded_session(recorded):
     done = replay(recorded, "--check")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "allocator-0" in done.stdout and "ok" in done.stdout
+    assert "allocator-0: ok" in done.stdout
+    assert "engine-0: ok" in done.stdout and "steps re-planned" in done.stdout
 
 
 def test_timeline_filters_by_actor_and_type(recorded):
@@ -77,3 +79,41 @@ def test_check_fails_on_altered_allocator_log(recorded, tmp_path):
     assert done.returncode == 1
     assert "allocator-0" in done.stdout + done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _copy_altering(src, dst, name: str, alter) -> bool:
+    """Copy log `name` from src to dst; `alter(record, msg)` returns new frames for the first
+    record it wants changed (None: keep). Other logs are not copied. Returns whether one was."""
+    changed = False
+    with Recorder(dst, name) as out:
+        for r in read_log(src / f"{name}.tplog"):
+            frames = [bytes(f) for f in r.frames]
+            if not changed:
+                new = alter(r, decode(frames))
+                if new is not None:
+                    frames, changed = new, True
+            out.write(r.direction, r.channel, r.peer, frames, r.time)
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return changed
+
+
+def test_engine_check_fails_when_a_sampled_token_is_altered(recorded, tmp_path):
+    def alter(r, msg):
+        if r.direction == "in" and isinstance(msg, StepResult) and (msg.token_ids >= 0).any():
+            tokens = msg.token_ids.copy()
+            tokens[np.flatnonzero(tokens >= 0)[0]] += 1
+            return encode(dataclasses.replace(msg, token_ids=tokens))
+        return None
+
+    assert _copy_altering(recorded, tmp_path, "engine-0", alter)
+    done = replay(tmp_path, "--check")
+    assert done.returncode == 1, done.stdout
+    assert "engine-0: DIVERGES" in done.stdout and "StepPlan differs" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_engine_check_needs_the_config(recorded, tmp_path):
+    assert not _copy_altering(recorded, tmp_path, "engine-0", lambda r, m: None)
+    (tmp_path / "config.json").unlink()
+    done = replay(tmp_path, "--check")
+    assert done.returncode == 0 and "engine-0: not checked (no config.json" in done.stdout

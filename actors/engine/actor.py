@@ -19,11 +19,19 @@ import asyncio
 
 import numpy as np
 
+from actors.engine.plan import (
+    BootError,
+    block_ops,
+    new_scheduler,
+    runtime_plan,
+    step_plan,
+    submission,
+)
 from actors.engine.request import EngineRequest
-from actors.engine.scheduler import Scheduler, StepBatch, derive_seed
-from messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
+from actors.engine.scheduler import Scheduler, StepBatch
+from messages.allocator import AllocatorInit, AllocatorReady, BlockOpsReply
 from messages.common import ErrorReply, Hello
-from messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepPlan, StepResult
+from messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepResult
 from messages.lifecycle import (
     ControlAck,
     Pause,
@@ -38,7 +46,7 @@ from messages.requests import AbortRequest, EngineSubmit, RequestOutput
 from messages.stats import GetStats, RankStats, Stats
 from runtime.actor import Actor
 from runtime.channel import Channel, Envelope
-from runtime.config import InferenceConfig, RuntimePlan, plan_limits
+from runtime.config import InferenceConfig
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
 
@@ -85,6 +93,10 @@ class EngineActor(Actor):
         ]:
             self.on(msg_type, handler)
 
+    async def dispatch(self, env: Envelope) -> None:
+        self.now = env.time  # every inbound message sets the clock (see actors/engine/check.py)
+        await super().dispatch(env)
+
     async def started(self) -> None:
         await self.coord.send(Hello("engine", self.rank))
         self.spawn(self._boot_then_loop())
@@ -111,30 +123,13 @@ class EngineActor(Actor):
             self.log.error("model load failed", error=str(e))
             await self.coord.send(ErrorReply("load_failed", str(e), None))
             return
-        max_requests, max_tokens = plan_limits(self.config)
-        if self.config.max_sequence_length > loaded.max_position_embeddings:
-            text = (
-                f"max_sequence_length ({self.config.max_sequence_length}) exceeds the model's "
-                f"max_position_embeddings ({loaded.max_position_embeddings})"
-            )
-            await self.coord.send(ErrorReply("load_failed", text, None))
+        try:
+            plan = runtime_plan(self.config, loaded, ready)
+        except BootError as e:
+            await self.coord.send(ErrorReply("load_failed", str(e), None))
             return
-        plan = RuntimePlan(
-            num_blocks=ready.num_blocks,
-            block_size=loaded.block_size,
-            max_requests=max_requests,
-            max_tokens=max_tokens,
-            max_sequence_length=self.config.max_sequence_length,
-            eos_token_ids=tuple(loaded.eos_token_ids),
-            max_paused_blocks=paused_block_cap(self.config, loaded),
-        )
         self.vocab_size = loaded.vocab_size
-        self.scheduler = Scheduler(
-            plan,
-            self.config.enable_chunked_prefill,
-            track_paused_events=self.config.track_paused_request_events,
-            track_token_events=self.config.track_generated_token_events,
-        )
+        self.scheduler = new_scheduler(self.config, plan)
         self.log.info("engine ready", num_blocks=plan.num_blocks, max_tokens=plan.max_tokens)
         await self.coord.send(loaded)
         await self._step_loop()
@@ -142,38 +137,17 @@ class EngineActor(Actor):
     # --- requests -----------------------------------------------------------------------------
 
     async def on_submit(self, env: Envelope, msg: EngineSubmit) -> None:
-        self.now = env.time
-        prompt = msg.prompt_token_ids
-        problem = None
-        if self.scheduler is None:
-            problem = "the engine has no model loaded"
-        elif prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-            problem = "prompt_token_ids must be a 1-D integer array"
-        elif prompt.size and (prompt.min() < 0 or prompt.max() >= self.vocab_size):
-            problem = f"prompt token ids must be in [0, {self.vocab_size})"
-        else:
-            problem = self.scheduler.check(len(prompt), msg.sampling)
-        if problem is not None:
+        req, problem = submission(self.scheduler, self.vocab_size, msg)
+        if req is None:
+            n = len(msg.prompt_token_ids)
             await self.coord.send(
-                RequestOutput(msg.request_id, NO_TOKENS, True, "error", problem, len(prompt), 0)
+                RequestOutput(msg.request_id, NO_TOKENS, True, "error", problem, n, 0)
             )
             return
-        seed = msg.sampling.seed
-        if seed is None:
-            seed = derive_seed(msg.request_id, msg.arrival_time)
-        req = EngineRequest(
-            msg.request_id,
-            prompt.astype(np.int32),
-            msg.sampling,
-            msg.stream,
-            msg.arrival_time,
-            seed,
-        )
         self.scheduler.add(req, env.time)
         self.work.set()
 
     async def on_abort(self, env: Envelope, msg: AbortRequest) -> None:
-        self.now = env.time
         if self.scheduler is None:
             return
         ended = self.scheduler.abort(msg.request_id, self.in_flight, env.time)
@@ -182,7 +156,6 @@ class EngineActor(Actor):
         self.work.set()
 
     async def on_stop(self, env: Envelope, msg: Stop) -> None:
-        self.now = env.time
         async with self.device_lock:  # let the step in flight finish and report
             if self.scheduler is not None:
                 await self._emit(self.scheduler.fail_all("abort", env.time))
@@ -228,7 +201,6 @@ class EngineActor(Actor):
         await env.reply(ControlAck(command, self.state, self.weight_version))
 
     async def on_pause(self, env: Envelope, msg: Pause) -> None:
-        self.now = env.time
         if await self._refuse(env, "pause", "RUNNING"):
             return
         self.state = "PAUSED"
@@ -236,7 +208,6 @@ class EngineActor(Actor):
             await self._ack(env, "pause")
 
     async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
-        self.now = env.time
         if await self._refuse(env, "unpause", "PAUSED"):
             return
         self.state = "RUNNING"
@@ -256,7 +227,6 @@ class EngineActor(Actor):
         return reply
 
     async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
-        self.now = env.time
         if await self._refuse(env, "suspend", "PAUSED"):
             return
         mode = msg.mode or self.config.kv_cache_management_mode or "persist"
@@ -265,7 +235,6 @@ class EngineActor(Actor):
             await self._ack(env, "suspend")
 
     async def on_resume(self, env: Envelope, msg: Resume) -> None:
-        self.now = env.time
         if await self._refuse(env, "resume", "SUSPENDED"):
             return
         reply = await self._gpu_control(env, "resume", GpuControl("resume", None, None, None))
@@ -276,7 +245,6 @@ class EngineActor(Actor):
             await self._ack(env, "resume")
 
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
-        self.now = env.time
         if await self._refuse(env, "update_weights", "SUSPENDED"):
             return
         control = GpuControl("update_weights", None, msg.path, msg.state)
@@ -300,17 +268,16 @@ class EngineActor(Actor):
             async with self.device_lock:
                 if self.state != "RUNNING":  # paused while we waited for the lock
                     continue
+                # From planning to the step's first message nothing may yield: replay relies on
+                # it (actors/engine/check.py).
                 batch = sched.schedule(self.now)
-                await self._emit(batch.ended)
                 if not batch.chunks and not batch.free_ids:
                     # Work exists but nothing fits this step; an abort or a finish changes that.
+                    await self._emit(batch.ended)
                     self.work.clear()
                     continue
                 self.in_flight = True
-                try:
-                    await self._run_step(batch)
-                finally:
-                    self.in_flight = False
+                await self._run_step(batch)
             self.tokens_last_step = batch.num_tokens
             if interval and sched.step % interval == 0:
                 stats = self._stats()
@@ -318,29 +285,29 @@ class EngineActor(Actor):
                 await self.coord.send(stats)
 
     async def _run_step(self, batch: StepBatch) -> None:
+        """Run one planned step; `in_flight` drops as soon as its result is applied."""
         sched = self.scheduler
-        counts = np.asarray([c.new_blocks for c in batch.chunks if c.new_blocks], np.int32)
-        ids = np.asarray([c.request.request_id for c in batch.chunks if c.new_blocks], np.int64)
-        ops = BlockOps(batch.step, np.asarray(batch.free_ids, np.int64), ids, counts)
         try:
-            if len(ids) or batch.free_ids:  # no block changes: no allocator hop this step
+            ops = block_ops(batch)
+            if ops is not None:  # no block changes: no allocator hop this step
                 reply = await self._call(self.alloc, ops, BlockOpsReply)
                 if not reply.ok:
                     sched.num_free_blocks = reply.num_free
                     raise EngineError(f"allocator refused a planned step: {reply.error}")
                 sched.assign_blocks(batch, reply.block_ids, reply.num_free)
-            if not batch.chunks:
-                return
-            plan = StepPlan(step=batch.step, **sched.plan_arrays(batch))
-            result = await self._call(self.gpu, plan, StepResult)
-            if result.error is not None:
-                raise EngineError(f"forward failed: {result.error}")
+            outputs = []
+            if batch.chunks:
+                result = await self._call(self.gpu, step_plan(sched, batch), StepResult)
+                if result.error is not None:
+                    raise EngineError(f"forward failed: {result.error}")
+                outputs = sched.update(batch, result, self.now)
         except EngineError as e:
             # The step's requests fail (each gets its terminal output); the engine keeps serving.
             self.log.error("step failed", step=batch.step, error=str(e))
-            await self._emit(sched.update(batch, None, self.now, error=str(e)))
-            return
-        await self._emit(sched.update(batch, result, self.now))
+            outputs = sched.update(batch, None, self.now, error=str(e))
+        finally:
+            self.in_flight = False
+        await self._emit(batch.ended + outputs)
 
     async def _emit(self, requests: list[EngineRequest]) -> None:
         for r in requests:
@@ -388,11 +355,3 @@ def _stack(pairs, sampling) -> tuple[np.ndarray, np.ndarray]:
     ids = np.stack([p[0] for p in pairs]).astype(np.int32)
     lps = np.stack([p[1] for p in pairs]).astype(np.float32)
     return ids, lps
-
-
-def paused_block_cap(config: InferenceConfig, loaded: ModelLoaded) -> int | None:
-    """Blocks paused requests may hold: `paused_buffer_size_gb` (inclusive in buffer_size_gb,
-    as Megatron's unified_memory_level 0) over the bytes of one block."""
-    if config.paused_buffer_size_gb is None:
-        return None
-    return int(config.paused_buffer_size_gb * 1024**3 // loaded.block_bytes)

@@ -204,7 +204,8 @@ class Scheduler:
             chunks.append(Chunk(req, n, need))
         free_ids = list(self.pending_free)
         self.pending_free.clear()
-        self.step += 1
+        if chunks or free_ids:  # an empty plan is not a step (and sends nothing)
+            self.step += 1
         return StepBatch(self.step, chunks, free_ids, ended)
 
     def _pause(self, req: EngineRequest, now: float) -> None:

@@ -1,0 +1,89 @@
+"""Pure translations between the engine's messages and its Scheduler, shared by the live engine
+actor (actors/engine/actor.py) and the replay checker (actors/engine/check.py), so that both
+build byte-identical messages from the same decisions.
+
+No sockets, no clock, no torch: plain functions of their arguments.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from actors.engine.request import EngineRequest
+from actors.engine.scheduler import Scheduler, StepBatch, derive_seed
+from messages.allocator import AllocatorReady, BlockOps
+from messages.gpu import ModelLoaded, StepPlan
+from messages.requests import EngineSubmit
+from runtime.config import InferenceConfig, RuntimePlan, plan_limits
+
+
+class BootError(Exception):
+    """The engine cannot serve with this model and config; the text says why."""
+
+
+def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorReady):
+    """What the rank found out at start-up (raises BootError)."""
+    if config.max_sequence_length > loaded.max_position_embeddings:
+        raise BootError(
+            f"max_sequence_length ({config.max_sequence_length}) exceeds the model's "
+            f"max_position_embeddings ({loaded.max_position_embeddings})"
+        )
+    max_requests, max_tokens = plan_limits(config)
+    paused = None
+    if config.paused_buffer_size_gb is not None:
+        # Inclusive in buffer_size_gb, as Megatron's unified_memory_level 0.
+        paused = int(config.paused_buffer_size_gb * 1024**3 // loaded.block_bytes)
+    return RuntimePlan(
+        num_blocks=ready.num_blocks,
+        block_size=loaded.block_size,
+        max_requests=max_requests,
+        max_tokens=max_tokens,
+        max_sequence_length=config.max_sequence_length,
+        eos_token_ids=tuple(loaded.eos_token_ids),
+        max_paused_blocks=paused,
+    )
+
+
+def new_scheduler(config: InferenceConfig, plan: RuntimePlan) -> Scheduler:
+    return Scheduler(
+        plan,
+        config.enable_chunked_prefill,
+        track_paused_events=config.track_paused_request_events,
+        track_token_events=config.track_generated_token_events,
+    )
+
+
+def submission(
+    sched: Scheduler | None, vocab_size: int, msg: EngineSubmit
+) -> tuple[EngineRequest | None, str | None]:
+    """(the request to add, None) or (None, why it can never run here)."""
+    prompt = msg.prompt_token_ids
+    if sched is None:
+        return None, "the engine has no model loaded"
+    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
+        return None, "prompt_token_ids must be a 1-D integer array"
+    if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab_size):
+        return None, f"prompt token ids must be in [0, {vocab_size})"
+    problem = sched.check(len(prompt), msg.sampling)
+    if problem is not None:
+        return None, problem
+    seed = msg.sampling.seed
+    if seed is None:
+        seed = derive_seed(msg.request_id, msg.arrival_time)
+    req = EngineRequest(
+        msg.request_id, prompt.astype(np.int32), msg.sampling, msg.stream, msg.arrival_time, seed
+    )
+    return req, None
+
+
+def block_ops(batch: StepBatch) -> BlockOps | None:
+    """The allocator message of a step, or None when the step changes no block."""
+    counts = np.asarray([c.new_blocks for c in batch.chunks if c.new_blocks], np.int32)
+    ids = np.asarray([c.request.request_id for c in batch.chunks if c.new_blocks], np.int64)
+    if not len(ids) and not batch.free_ids:
+        return None
+    return BlockOps(batch.step, np.asarray(batch.free_ids, np.int64), ids, counts)
+
+
+def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
+    return StepPlan(step=batch.step, **sched.plan_arrays(batch))
