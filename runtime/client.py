@@ -66,7 +66,9 @@ class Completion:
     """One finished request. Log-prob fields are None unless asked for in SamplingParams:
     `log_probs` (one per token of `token_ids`, with `return_log_probs`), `top_n_logprobs` (with
     `top_n_logprobs` > 0), `prompt_log_probs` (one per prompt token after the first) and
-    `prompt_top_n_logprobs`. `events`, `ttft` and `tpot` come from the engine (seconds)."""
+    `prompt_top_n_logprobs`. `events`, `ttft` and `tpot` come from the engine (seconds);
+    `policy_staleness` / `kv_cache_staleness` count, per token of prompt + generated, the weight
+    updates since it was produced / since its K/V were computed (RL loops)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -81,6 +83,8 @@ class Completion:
     events: list[RequestEvent] = dataclasses.field(default_factory=list)
     ttft: float | None = None
     tpot: float | None = None
+    policy_staleness: list[int] | None = None
+    kv_cache_staleness: list[int] | None = None
 
 
 @dataclasses.dataclass
@@ -100,6 +104,8 @@ class Delta:
     events: list[RequestEvent] = dataclasses.field(default_factory=list)
     ttft: float | None = None
     tpot: float | None = None
+    policy_staleness: list[int] | None = None
+    kv_cache_staleness: list[int] | None = None
 
 
 def _top_n(ids: np.ndarray, log_probs: np.ndarray) -> TopN:
@@ -118,7 +124,13 @@ def _token_log_probs(out: RequestOutput, sampling: SamplingParams):
 
 def _final_fields(out: RequestOutput, sampling: SamplingParams) -> dict:
     """What only the terminal output carries, as Completion/Delta keyword arguments."""
-    fields: dict = {"events": list(out.events), "ttft": out.ttft, "tpot": out.tpot}
+    fields: dict = {
+        "events": list(out.events),
+        "ttft": out.ttft,
+        "tpot": out.tpot,
+        "policy_staleness": out.policy_staleness.tolist(),
+        "kv_cache_staleness": out.kv_cache_staleness.tolist(),
+    }
     if sampling.return_log_probs and not sampling.skip_prompt_log_probs:
         fields["prompt_log_probs"] = out.prompt_log_probs.tolist()
     if sampling.return_prompt_top_n_logprobs:

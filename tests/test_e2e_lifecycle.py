@@ -156,6 +156,40 @@ def test_update_weights_while_suspended_changes_what_new_requests_get(session, h
     assert c.generate([PROMPTS[2]], GREEDY)[0].token_ids == hf_greedy(hf, ids, GREEDY.max_tokens)
 
 
+def test_staleness_counts_a_weight_update_a_request_lived_through(session, hf):
+    rt, _, _ = session
+    name = "model.norm.weight"
+    same = hf[0].get_parameter(name).detach().numpy().copy()  # an update that changes nothing
+
+    async def scenario():
+        async with AsyncClient(rt.address) as ac:
+            deltas, seen = [], asyncio.Event()
+
+            async def consume():
+                async for d in ac.stream(PROMPTS[0], GREEDY):
+                    deltas.append(d)
+                    if sum(len(x.token_ids) for x in deltas) >= 3:
+                        seen.set()
+
+            task = asyncio.create_task(consume())
+            await seen.wait()
+            await ac.pause()
+            await ac.suspend("persist")
+            await ac.update_weights(state={name: same})
+            await ac.resume()
+            await ac.unpause()
+            await task
+            return deltas
+
+    deltas = asyncio.run(scenario())
+    final = deltas[-1]
+    stale = final.policy_staleness
+    n_prompt = len(stale) - sum(len(d.token_ids) for d in deltas)
+    assert n_prompt > 0 and len(stale) == len(final.kv_cache_staleness)
+    assert set(stale[: n_prompt + 3]) == {1} and stale[-1] == 0  # later tokens are fresh
+    assert final.kv_cache_staleness == final.policy_staleness  # "persist" kept that old KV
+
+
 def test_replay_check_passes_over_the_whole_session(session):
     rt, c, rec = session
     c.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))  # 6 in 8 blocks: pauses

@@ -360,7 +360,7 @@ def expect_error(frames, code: str | None = None, match: str | None = None) -> M
 _ARR = array_ext("int32", [1], b"\0\0\0\0")
 _SAMPLING = [16, 1.0, 0, 1.0, None, False, [], [], [], False, False, False, 0, False, 1]
 _STOP_TOKEN_IDS = 6  # its index in _SAMPLING
-_OUTPUT_TAIL = [_ARR] * 6 + [[], None, None]  # RequestOutput's optional fields
+_OUTPUT_TAIL = [_ARR] * 6 + [[], None, None, _ARR, _ARR]  # RequestOutput optional fields
 
 
 def _sampling_with(index: int, value) -> list:

@@ -335,7 +335,14 @@ def output_of(r: EngineRequest) -> RequestOutput:
             kw["prompt_top_n_ids"], kw["prompt_top_n_log_probs"] = _stack(
                 r.prompt_top_n, r.sampling
             )
-        kw.update(events=tuple(r.events), ttft=r.ttft, tpot=r.tpot)
+        policy, kv = r.record.staleness(r.num_tokens)
+        kw.update(
+            events=tuple(r.events),
+            ttft=r.ttft,
+            tpot=r.tpot,
+            policy_staleness=policy,
+            kv_cache_staleness=kv,
+        )
     return RequestOutput(
         r.request_id,
         np.asarray(r.generated[start:stop], dtype=np.int32),
