@@ -156,6 +156,14 @@ def test_abort_of_a_streaming_request_returns_its_blocks(client):
         time.sleep(0.05)
 
 
+def test_streaming_interval_groups_tokens(client, expected):
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, streaming_interval=5)
+    deltas = list(client.stream(PROMPTS[0], sampling))
+    sizes = [len(d.token_ids) for d in deltas]
+    assert all(n == 5 for n in sizes[:-1]) and 0 < sizes[-1] <= 5, sizes
+    assert [t for d in deltas for t in d.token_ids] == expected[0]
+
+
 def test_completion_carries_events_and_timings(client):
     [done] = client.generate([PROMPTS[5]], SamplingParams(max_tokens=5, temperature=0.0))
     kinds = [e.type for e in done.events]

@@ -26,7 +26,7 @@ SAMPLED = SamplingParams(max_tokens=20, temperature=0.8, top_p=0.9, seed=11)
 def session(tmp_path_factory, model_path, hf):
     """A recorded runtime with a tiny KV pool and chunked prefill, and its record dir."""
     rec = tmp_path_factory.mktemp("lifecycle-rec")
-    config = tiny_pool(hf, enable_chunked_prefill=True)
+    config = tiny_pool(hf, enable_chunked_prefill=True, logging_step_interval=5)
     rt = Runtime(model_path, config, record_dir=str(rec))
     with rt, Client(rt.address) as c:
         yield rt, c, rec
@@ -204,10 +204,12 @@ def test_replay_check_passes_over_the_whole_session(session):
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert "allocator-0: ok" in done.stdout and "engine-0: ok" in done.stdout
-    timeline = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "replay", str(rec), "--type", "Suspend"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert "Suspend" in timeline.stdout
+
+    def timeline(*args: str) -> str:
+        cmd = [sys.executable, "-m", "runtime.cli", "replay", str(rec), *args]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
+
+    assert "Suspend" in timeline("--type", "Suspend")
+    # logging_step_interval=5: the engine reports its stats to the coordinator every 5 steps
+    reports = timeline("--actor", "coordinator", "--type", "Stats").splitlines()
+    assert len([x for x in reports if "Stats" in x]) >= stats.step // 5
