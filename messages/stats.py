@@ -19,7 +19,7 @@ class GetStats:
 class RankStats:
     """One rank's counters. `state`: "RUNNING", "PAUSED" or "SUSPENDED"; blocks_free counts
     the allocator's free list after the last step (blocks of finished requests come back with
-    the next step, which an idle engine runs at once)."""
+    the next step, which an idle engine runs at once and a paused one at unpause)."""
 
     rank: int
     state: str

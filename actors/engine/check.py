@@ -89,8 +89,8 @@ class EngineReplay:
                 sched.num_free_blocks = msg.num_free
                 return self._fail(f"allocator refused a planned step: {msg.error}")
             sched.assign_blocks(batch, msg.block_ids, msg.num_free)
-            if not batch.chunks:
-                self.in_flight = None
+            if not batch.chunks:  # a step that only freed blocks: no StepPlan follows
+                self.in_flight = self.batch = None
             return None
         if isinstance(msg, ErrorReply):
             return self._fail(f"{channel}: {msg.text}")
@@ -101,6 +101,7 @@ class EngineReplay:
         return None
 
     def _fail(self, error: str) -> None:
+        """The step failed (as the live engine's EngineError path): its requests end."""
         self.sched.update(self.in_flight, None, self.now, error=error)
         self.in_flight = self.batch = None
         return None

@@ -1,0 +1,135 @@
+"""The engine replay checker (actors/engine/check.py) on message sequences made the way the live
+engine makes them (tests/test_scheduler.py's harness stands in for the allocator and the gpu):
+it re-plans every step without divergence, including aborts in flight, pauses, evictions and
+steps that only free blocks; and it names the first step a changed message would alter."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from actors.engine import plan as P
+from actors.engine.check import EngineReplay
+from messages.allocator import AllocatorReady, BlockOpsReply
+from messages.codec import encode
+from messages.gpu import ModelLoaded, StepResult
+from messages.requests import AbortRequest, EngineSubmit
+from runtime.config import InferenceConfig
+from tests.test_scheduler import Harness, make_request
+
+CONFIG = InferenceConfig(
+    block_size_tokens=2, max_tokens=16, max_requests=4, max_sequence_length=64, buffer_size_gb=1
+)
+LOADED = ModelLoaded("m", 6, 2, 2000, 64, "{}", (), 1)
+
+
+class RecordingHarness(Harness):
+    """Writes the engine's side of every exchange as (direction, channel, msg, time)."""
+
+    def __init__(self):
+        plan = P.runtime_plan(CONFIG, LOADED, AllocatorReady(6, 6))
+        super().__init__(plan, chunked=False)
+        self.sched = P.new_scheduler(CONFIG, plan)
+        self.records = [("in", "gpu", LOADED, 0.0), ("in", "allocator", AllocatorReady(6, 6), 0.0)]
+
+    def submit(self, req):
+        msg = EngineSubmit(req.request_id, req.prompt, req.sampling, False, req.arrival_time)
+        self.records.append(("in", "coordinator", msg, self.now))
+        new, _ = P.submission(self.sched, LOADED.vocab_size, msg)
+        self.sched.add(new, self.now)
+        self.added[new.request_id] = new
+
+    def abort(self, rid: int, in_flight: bool = True) -> None:
+        self.records.append(("in", "coordinator", AbortRequest(rid), self.now))
+        super().abort(rid, in_flight)
+
+    def step(self, in_flight=lambda: None) -> bool:
+        self.now += 1.0
+        batch = self.sched.schedule(self.now)
+        if not batch.chunks and not batch.free_ids:
+            return False
+        ops = P.block_ops(batch)
+        if ops is not None:
+            self.records.append(("out", "allocator", ops, self.now))
+            allocs = [(c.request.request_id, c.new_blocks) for c in batch.chunks if c.new_blocks]
+            ids, num_free = self.pool.apply(batch.free_ids, allocs)
+            self.now += 0.1
+            reply = BlockOpsReply(batch.step, True, ids, num_free, None)
+            self.records.append(("in", "allocator", reply, self.now))
+            self.sched.assign_blocks(batch, ids, num_free)
+        if batch.chunks:
+            plan = P.step_plan(self.sched, batch)
+            self.records.append(("out", "gpu", plan, self.now))
+            result = self.gpu(batch, self.sched.plan_arrays(batch))
+            in_flight()
+            self.now += 0.5
+            self.records.append(("in", "gpu", result, self.now))
+            self.emit(self.sched.update(batch, result, self.now))
+        return True
+
+
+def replay(records) -> tuple[str | None, int]:
+    checker = EngineReplay(CONFIG)
+    for direction, channel, msg, time in records:
+        if direction == "in":
+            what = checker.inbound(channel, msg, time)
+        else:
+            what = checker.outbound(msg, tuple(encode(msg)))
+        if what is not None:
+            return what, checker.steps_checked
+    return None, checker.steps_checked
+
+
+def workload() -> RecordingHarness:
+    """6 blocks of 2 tokens for 3 requests: pauses and an eviction; one abort in flight."""
+    h = RecordingHarness()
+    for rid in (1, 2, 3):
+        h.submit(make_request(rid, 2, max_tokens=6, return_log_probs=True))
+    h.step()
+    h.step(in_flight=lambda: h.abort(3))
+    h.run()
+    assert h.sched.num_paused_total > 0
+    return h
+
+
+def test_replay_of_a_faithful_log_has_no_divergence():
+    h = workload()
+    what, steps = replay(h.records)
+    assert what is None and steps == sum(1 for r in h.records if type(r[2]).__name__ == "StepPlan")
+    assert any(r[2].__class__.__name__ == "BlockOps" and not len(r[2].alloc_ids) for r in h.records)
+
+
+def test_an_altered_sampled_token_diverges_at_the_next_plan():
+    records = workload().records
+    i = next(i for i, r in enumerate(records) if isinstance(r[2], StepResult))
+    d, ch, msg, t = records[i]
+    tokens = msg.token_ids.copy()
+    tokens[tokens >= 0] += 1
+    records[i] = (d, ch, dataclasses.replace(msg, token_ids=tokens), t)
+    what, _ = replay(records)
+    assert what is not None and "StepPlan differs" in what
+
+
+def test_an_abort_moved_out_of_flight_diverges():
+    records = workload().records
+    i = next(i for i, r in enumerate(records) if isinstance(r[2], AbortRequest))
+    # the abort arrived while step 2 was in flight; put it before that step's first message
+    j = min(k for k in range(i) if records[k][0] == "out" and records[k][2].step == 2)
+    records.insert(j, records.pop(i))
+    what, _ = replay(records)
+    assert what is not None and "BlockOps differs" in what
+
+
+def test_a_plan_with_no_scheduler_is_reported():
+    plan = P.step_plan(*_one_step())
+    assert "before it could have a scheduler" in EngineReplay(CONFIG).outbound(plan, ())
+
+
+def _one_step():
+    h = RecordingHarness()
+    h.submit(make_request(1, 2, max_tokens=2))
+    batch = h.sched.schedule(1.0)
+    ids, free = h.pool.apply([], [(1, batch.chunks[0].new_blocks)])
+    h.sched.assign_blocks(batch, np.asarray(ids), free)
+    return h.sched, batch
