@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
 @dataclass
@@ -282,17 +283,29 @@ def _gather_slots(layer_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch
     return k, v
 
 
+def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Fused attention with grouped K/V. q: [B, heads, Q, D]; k, v: [B, kv_heads, S, D]; mask
+    [B, 1, Q, S] (bool, True = seen, or additive float) -> [B, heads, Q, D]."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    # On CUDA, SDPA with a mask may pick cuDNN, which builds a new graph for every new shape:
+    # 10-25 ms of host time per call, and a decode step's context length changes every step.
+    # The memory-efficient kernel has no such cost; it wants K/V with every head.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 def _prefill_attention_by_slots(
     q: torch.Tensor, out: torch.Tensor, layer_cache: torch.Tensor, lay: PrefillLayout, scale: float
 ) -> None:
-    """The prefill rows as one padded batch through fused SDPA (GQA without repeating K/V);
+    """The prefill rows as one padded batch through fused SDPA (grouped K/V, see `_sdpa`);
     writes their rows of `out`. Every gathered slot was written, so no NaN can leak in."""
     bp, qmax = lay.tokens.shape
     k, v = _gather_slots(layer_cache, lay.slots)  # [Bp, kv_heads, S, D]
     qp = q[lay.tokens].transpose(1, 2)  # [Bp, heads, Qmax, D]
-    o = F.scaled_dot_product_attention(
-        qp, k.to(q.dtype), v.to(q.dtype), attn_mask=lay.mask, scale=scale, enable_gqa=True
-    )
+    o = _sdpa(qp, k.to(q.dtype), v.to(q.dtype), lay.mask, scale)
     o = o.transpose(1, 2)  # [Bp, Qmax, heads, D]
     out[lay.tokens[lay.valid]] = o[lay.valid].to(out.dtype)
 
@@ -307,14 +320,7 @@ def _decode_attention_by_slots(
     """paged_decode_attention_ref with the per-step work hoisted out (slots, mask): two gathers
     and one fused SDPA per layer. q: [Bd, heads, D] -> [Bd, heads, D]."""
     k, v = _gather_slots(layer_cache, slots)  # [Bd, kv_heads, S, D]
-    o = F.scaled_dot_product_attention(
-        q[:, :, None],
-        k.to(q.dtype),
-        v.to(q.dtype),
-        attn_mask=bias.to(q.dtype),
-        scale=scale,
-        enable_gqa=True,
-    )
+    o = _sdpa(q[:, :, None], k.to(q.dtype), v.to(q.dtype), bias.to(q.dtype), scale)
     return o[:, :, 0]
 
 

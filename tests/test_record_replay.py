@@ -185,7 +185,7 @@ def test_check_passes_on_a_real_session(session, capsys):
     assert replay_run(session, "--check") == 0
     out = capsys.readouterr().out
     assert "allocator: ok, 14 records checked (7 in, 7 out)" in out
-    assert "engine: not checked (not deterministic yet)" in out
+    assert "engine: not checked (no config.json beside the log)" in out  # a bare session
 
 
 def test_check_covers_named_allocators(tmp_path, capsys):
