@@ -25,7 +25,7 @@ class Actor:
         self.log = get_logger(actor=name)
         self._handlers: dict[type, Handler] = {}
         self._served: list[Channel] = []
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()  # live tasks only: done ones drop out
         self._tg: asyncio.TaskGroup | None = None
         self._stopped = asyncio.Event()
 
@@ -44,7 +44,8 @@ class Actor:
         """Start a task owned by this actor's TaskGroup (cancelled when the actor stops)."""
         assert self._tg is not None, "spawn() before run()"
         task = self._tg.create_task(coro)
-        self._tasks.append(task)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
         return task
 
     # --- lifecycle ----------------------------------------------------------------------------
@@ -66,7 +67,7 @@ class Actor:
             await self.started()
             await self._stopped.wait()
             await self.stopping()
-            for task in self._tasks:
+            for task in list(self._tasks):
                 task.cancel()
 
     # --- dispatch -----------------------------------------------------------------------------
