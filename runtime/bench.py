@@ -39,7 +39,7 @@ def add_arguments(p) -> None:
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
 
 
-def _prompts(n: int) -> list[str]:
+def mixed_prompts(n: int) -> list[str]:
     """n prompts of mixed lengths (about 10 to 150 tokens), as a serving mix has them: prompt i
     repeats its seed sentence 1 + (5 * i) % 11 times. Equal lengths would hide the padding
     that a static batch pays."""
@@ -70,7 +70,7 @@ def run(args) -> int:
 
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")
-    prompts = _prompts(args.num_prompts)
+    prompts = mixed_prompts(args.num_prompts)
     _, model_path = resolve(args.model)
     ours_s, prompt_ids, ours_tokens = _ours(args, prompts)
     total = args.num_prompts * args.output_len

@@ -61,14 +61,29 @@ class RequestError(RuntimeError):
     """A request ended with finish_reason "error"; the text says why."""
 
 
+@dataclasses.dataclass(kw_only=True)
+class RequestDetails:
+    """What Completion and Delta carry beside tokens and text. Log-prob fields are None unless
+    asked for in SamplingParams: `log_probs` (one per token, with `return_log_probs`),
+    `top_n_logprobs` (with `top_n_logprobs` > 0), `prompt_log_probs` (one per prompt token after
+    the first) and `prompt_top_n_logprobs`. `events`, `ttft` and `tpot` come from the engine
+    (seconds); `policy_staleness` / `kv_cache_staleness` count, per token of prompt + generated,
+    the weight updates since it was produced / since its K/V were computed (RL loops)."""
+
+    log_probs: list[float] | None = None
+    top_n_logprobs: TopN | None = None
+    prompt_log_probs: list[float] | None = None
+    prompt_top_n_logprobs: TopN | None = None
+    events: list[RequestEvent] = dataclasses.field(default_factory=list)
+    ttft: float | None = None
+    tpot: float | None = None
+    policy_staleness: list[int] | None = None
+    kv_cache_staleness: list[int] | None = None
+
+
 @dataclasses.dataclass
-class Completion:
-    """One finished request. Log-prob fields are None unless asked for in SamplingParams:
-    `log_probs` (one per token of `token_ids`, with `return_log_probs`), `top_n_logprobs` (with
-    `top_n_logprobs` > 0), `prompt_log_probs` (one per prompt token after the first) and
-    `prompt_top_n_logprobs`. `events`, `ttft` and `tpot` come from the engine (seconds);
-    `policy_staleness` / `kv_cache_staleness` count, per token of prompt + generated, the weight
-    updates since it was produced / since its K/V were computed (RL loops)."""
+class Completion(RequestDetails):
+    """One finished request (see RequestDetails for the optional fields)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -76,36 +91,18 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     error: str | None = None
-    log_probs: list[float] | None = None
-    top_n_logprobs: TopN | None = None
-    prompt_log_probs: list[float] | None = None
-    prompt_top_n_logprobs: TopN | None = None
-    events: list[RequestEvent] = dataclasses.field(default_factory=list)
-    ttft: float | None = None
-    tpot: float | None = None
-    policy_staleness: list[int] | None = None
-    kv_cache_staleness: list[int] | None = None
 
 
 @dataclasses.dataclass
-class Delta:
+class Delta(RequestDetails):
     """New text of a streamed request, with the log-probs of its tokens (None unless asked).
-    The last delta (`finished`) also carries the prompt log-probs, events, ttft and tpot."""
+    The last delta (`finished`) also carries the prompt log-probs, events, timings, staleness."""
 
     text: str
     token_ids: list[int]
     finished: bool
     finish_reason: str | None
     error: str | None = None
-    log_probs: list[float] | None = None
-    top_n_logprobs: TopN | None = None
-    prompt_log_probs: list[float] | None = None
-    prompt_top_n_logprobs: TopN | None = None
-    events: list[RequestEvent] = dataclasses.field(default_factory=list)
-    ttft: float | None = None
-    tpot: float | None = None
-    policy_staleness: list[int] | None = None
-    kv_cache_staleness: list[int] | None = None
 
 
 def _top_n(ids: np.ndarray, log_probs: np.ndarray) -> TopN:
@@ -267,7 +264,14 @@ class AsyncClient:
                 text += detok.flush()
                 final = _final_fields(out, sampling)
             yield Delta(
-                text, new, out.finished, out.finish_reason, out.error, log_probs, top_n, **final
+                text,
+                new,
+                out.finished,
+                out.finish_reason,
+                out.error,
+                log_probs=log_probs,
+                top_n_logprobs=top_n,
+                **final,
             )
 
     def _with_stop_word_ids(self, sampling: SamplingParams) -> SamplingParams:

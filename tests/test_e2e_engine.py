@@ -15,15 +15,9 @@ from messages.requests import SamplingParams
 from runtime.client import AsyncClient, Client
 from runtime.config import InferenceConfig
 from runtime.launcher import Runtime
+from tests.test_e2e_generate import PROMPTS as GENERATE_PROMPTS
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, there was a little robot who",
-    "def quicksort(arr):",
-    "The three primary colors are",
-    "In 1969, the first humans",
-    "Water boils at",
-]
+PROMPTS = GENERATE_PROMPTS[:6]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0)
 BLOCK = 16
 

@@ -18,7 +18,7 @@ from actors.gpu.worker import ModelWorker
 from messages.gpu import LoadModel, StepPlan
 from messages.requests import SamplingParams
 from ops.tokenizer import Tokenizer
-from runtime.bench import _prompts
+from runtime.bench import mixed_prompts
 from runtime.config import RuntimePlan
 
 
@@ -26,7 +26,7 @@ def main(model_dir: str, dtype: str = "bfloat16") -> None:
     w = ModelWorker()
     w.load(LoadModel(model_dir, dtype, "cuda", 16, 4096, 4.0))
     tok = Tokenizer.from_hf_dir(model_dir)
-    prompts = [np.asarray(tok.encode(p), np.int32) for p in _prompts(32)]
+    prompts = [np.asarray(tok.encode(p), np.int32) for p in mixed_prompts(32)]
     plan = RuntimePlan(4096, 16, 128, 16384, 2560, ())
     s = Scheduler(plan, False)
     sp = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
