@@ -14,14 +14,15 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 model: $(STAMP)
-	$(PY) -m runtime.models smollm2 >/dev/null
+	$(PY) -m taipan.models smollm2 >/dev/null
 
 run: model
-	$(PY) -m runtime.demo
+	$(PY) -m taipan.demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	$(PY) -m tests.lint_imports
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format .

@@ -1,6 +1,6 @@
 """The wire format: a tag -> class registry, msgpack encoding, and validation.
 
-Owns: how a message becomes frames and back. Must not touch: sockets (runtime/channel.py does
+Owns: how a message becomes frames and back. Must not touch: sockets (actors/channel.py does
 that) and torch (nothing in messages/ imports it).
 
 A message is a frozen dataclass registered under an integer tag with `@message(tag)`. On the wire

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from messages.codec import message
+from taipan.messages.codec import message
 
 
 @message(0)

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from messages.codec import message
-from messages.requests import empty_array_field
+from taipan.messages.codec import message
+from taipan.messages.requests import empty_array_field
 
 
 @message(120)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from messages.codec import message
+from taipan.messages.codec import message
 
 
 @message(40)

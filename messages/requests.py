@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 
-from messages.codec import message, struct
+from taipan.messages.codec import message, struct
 
 FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_TOP_N = 20

@@ -7,7 +7,7 @@ client's `GetStats` with one `Stats` holding every rank's latest `RankStats`.
 
 from __future__ import annotations
 
-from messages.codec import message, struct
+from taipan.messages.codec import message, struct
 
 
 @message(140)

@@ -50,7 +50,7 @@ def hf_generate(
 
 def hardware_limit(args, model_path: str, batch: int) -> dict:
     """Measured peak matmul rate and copy bandwidth, and the decode floor they imply."""
-    from ops.loader import load_model
+    from taipan.ops.loader import load_model
 
     dtype = getattr(torch, args.dtype)
     model, _, _ = load_model(model_path, dtype=dtype, device=args.device)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops.attention import AttentionMetadata, paged_attention_ref, write_kv
+from taipan.ops.attention import AttentionMetadata, paged_attention_ref, write_kv
 
 
 class RMSNorm(nn.Module):

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ops.models.llama import LlamaConfig, LlamaForCausalLM
-from ops.tokenizer import Tokenizer, TokenizerError
+from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
+from taipan.ops.tokenizer import Tokenizer, TokenizerError
 
 # GGUF tensor name -> our parameter name (`{n}` is the layer index).
 _GGUF_NAMES = {

@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.models import BPE
 
-from ops.chat_template import ChatTemplateError, compile_chat_template, read_chat_template
+from taipan.ops.chat_template import ChatTemplateError, compile_chat_template, read_chat_template
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
 _CONTROL, _USER_DEFINED = 3, 4

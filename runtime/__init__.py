@@ -1,24 +1,25 @@
-"""The runtime: actor base, channels, launcher, config, recording, CLI and the public Python API.
+"""taipan, the top layer (the repository's runtime/ folder): launcher, process entry points, CLI,
+client library, replay tooling, bench, and the public Python API.
 
-    from runtime import Client, AsyncClient, SamplingParams
+    from taipan import Client, AsyncClient, SamplingParams
 
-Names are imported lazily so that `runtime.procs` and friends start fast.
+Names are imported lazily so that `taipan.procs` and friends start fast.
 """
 
 from __future__ import annotations
 
 _EXPORTS = {
-    "Client": "runtime.client",
-    "AsyncClient": "runtime.client",
-    "Completion": "runtime.client",
-    "Delta": "runtime.client",
-    "RequestError": "runtime.client",
-    "ControlError": "runtime.client",
-    "ControlAck": "messages.lifecycle",
-    "SamplingParams": "messages.requests",
-    "InferenceConfig": "runtime.config",
-    "ConfigError": "runtime.config",
-    "Runtime": "runtime.launcher",
+    "Client": "taipan.client",
+    "AsyncClient": "taipan.client",
+    "Completion": "taipan.client",
+    "Delta": "taipan.client",
+    "RequestError": "taipan.client",
+    "ControlError": "taipan.client",
+    "ControlAck": "taipan.messages.lifecycle",
+    "SamplingParams": "taipan.messages.requests",
+    "InferenceConfig": "taipan.actors.config",
+    "ConfigError": "taipan.actors.config",
+    "Runtime": "taipan.launcher",
 }
 
 __all__ = list(_EXPORTS)

@@ -51,12 +51,12 @@ def mixed_prompts(n: int) -> list[str]:
 
 
 def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[int]]]:
-    from messages.requests import SamplingParams
-    from runtime.cli import build_runtime
-    from runtime.client import Client
+    from taipan.client import Client
+    from taipan.launcher import runtime_from_args
+    from taipan.messages.requests import SamplingParams
 
     sampling = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    with build_runtime(args) as rt, Client(rt.address) as client:
+    with runtime_from_args(args) as rt, Client(rt.address) as client:
         client.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0))  # warm-up
         start = time.perf_counter()
         done = client.generate(prompts, sampling)
@@ -65,8 +65,8 @@ def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[i
 
 
 def run(args) -> int:
-    from ops.bench import hardware_limit, hf_generate  # torch lives in ops/, not runtime/
-    from runtime.models import resolve
+    from taipan.models import resolve
+    from taipan.ops.bench import hardware_limit, hf_generate  # torch lives in ops/, not runtime/
 
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")

@@ -12,23 +12,8 @@ import signal
 import sys
 import threading
 
-from runtime.config import ConfigError, InferenceConfig
-
-
-def _runtime_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or an HF directory")
-    p.add_argument("--config", help="JSON file with InferenceConfig fields")
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="FIELD=VALUE",
-        help="set an InferenceConfig field (repeatable)",
-    )
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
-    p.add_argument("--record", metavar="DIR", help="record every actor's messages into DIR")
-    p.add_argument("--log-level", default=None, help="debug, info, warning (default), error")
+from taipan.actors.config import ConfigError
+from taipan.launcher import add_runtime_arguments, runtime_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,11 +21,11 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run coordinator + engines until SIGINT/SIGTERM")
-    _runtime_args(serve)
+    add_runtime_arguments(serve)
     serve.add_argument("--address", help="client address, e.g. tcp://127.0.0.1:5555")
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
-    _runtime_args(gen)
+    add_runtime_arguments(gen)
     gen.add_argument("--address", help="use a running runtime instead of starting one")
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
     gen.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
@@ -52,36 +37,21 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
 
-    from runtime import replay
+    from taipan import replay
 
     rep = sub.add_parser("replay", help="print or check a recorded message log")
     replay.add_arguments(rep)
 
-    from runtime import bench
+    from taipan import bench
 
     b = sub.add_parser("bench", help="throughput: ours vs Hugging Face transformers")
-    _runtime_args(b)
+    add_runtime_arguments(b)
     bench.add_arguments(b)
     return parser
 
 
-def build_runtime(args, address: str | None = None):
-    from runtime.launcher import Runtime
-
-    config = InferenceConfig.from_cli(args.config, args.set)
-    return Runtime(
-        args.model,
-        config,
-        address=address,
-        record_dir=args.record,
-        dtype=args.dtype,
-        device=args.device,
-        log_level=args.log_level,
-    )
-
-
 def cmd_serve(args) -> int:
-    rt = build_runtime(args, args.address)
+    rt = runtime_from_args(args, args.address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -96,8 +66,8 @@ def cmd_serve(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from messages.requests import SamplingParams
-    from runtime.client import Client
+    from taipan.client import Client
+    from taipan.messages.requests import SamplingParams
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
@@ -112,7 +82,7 @@ def cmd_generate(args) -> int:
         raise ConfigError("; ".join(problems))
     rt = None
     if args.address is None:
-        rt = build_runtime(args).start()
+        rt = runtime_from_args(args).start()
     try:
         with Client(args.address or rt.address) as client:
             done = client.generate(args.prompt, sampling, chat=args.chat, raise_on_error=False)
@@ -140,18 +110,18 @@ def cmd_generate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from runtime.launcher import LaunchError
-    from runtime.models import ModelNotFoundError
+    from taipan.launcher import LaunchError
+    from taipan.models import ModelNotFoundError
 
     args = _parser().parse_args(argv)
     handlers = {"serve": cmd_serve, "generate": cmd_generate}
     try:
         if args.command == "replay":
-            from runtime import replay
+            from taipan import replay
 
             code = replay.run(args)
         elif args.command == "bench":
-            from runtime import bench
+            from taipan import bench
 
             code = bench.run(args)
         else:

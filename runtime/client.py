@@ -27,9 +27,10 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from actors.client.actor import ClientActor, ControlError
-from messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
-from messages.lifecycle import (
+from taipan.actors.channel import make_socket
+from taipan.actors.client.actor import ClientActor, ControlError
+from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
+from taipan.messages.lifecycle import (
     ControlAck,
     Pause,
     Resume,
@@ -38,10 +39,9 @@ from messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from messages.requests import RequestEvent, RequestOutput, SamplingParams
-from messages.stats import Stats
-from ops.tokenizer import IncrementalDetokenizer, Tokenizer
-from runtime.channel import make_socket
+from taipan.messages.requests import RequestEvent, RequestOutput, SamplingParams
+from taipan.messages.stats import Stats
+from taipan.ops.tokenizer import IncrementalDetokenizer, Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict]
 TopN = list[dict[int, float]]  # per token: {token id: log-prob} of its top-n candidates

@@ -6,9 +6,9 @@ from __future__ import annotations
 import sys
 import time
 
-from messages.requests import SamplingParams
-from runtime.client import Client
-from runtime.launcher import Runtime
+from taipan.client import Client
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
 
 PROMPTS = [
     "What is the capital of France?",

@@ -21,8 +21,8 @@ import sys
 import tempfile
 import threading
 
-from runtime.config import InferenceConfig, plan_limits
-from runtime.models import resolve
+from taipan.actors.config import InferenceConfig, plan_limits
+from taipan.models import resolve
 
 BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
 
@@ -81,7 +81,7 @@ class Runtime:
         }
 
     def _spawn(self, name: str, *args: str) -> None:
-        cmd = [sys.executable, "-m", "runtime.procs", *args]
+        cmd = [sys.executable, "-m", "taipan.procs", *args]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
         self.procs.append((name, proc))
@@ -112,7 +112,7 @@ class Runtime:
         return self
 
     async def _wait_ready(self, timeout: float) -> None:
-        from runtime.client import AsyncClient
+        from taipan.client import AsyncClient
 
         loop = asyncio.get_running_loop()
         died = loop.create_future()
@@ -160,7 +160,7 @@ class Runtime:
                 asyncio.run(asyncio.wait_for(self._send_stop(), timeout))
                 stopped = True
             except Exception as e:  # the coordinator is gone, stuck or refused: signals take over
-                from runtime.log import get_logger
+                from taipan.actors.log import get_logger
 
                 get_logger(component="launcher").warning("clean stop failed", error=repr(e))
         steps = [(None, timeout)] if stopped else []  # after a clean stop they exit by themselves
@@ -183,9 +183,9 @@ class Runtime:
         import zmq
         import zmq.asyncio
 
-        from actors.client.actor import ClientActor, ControlError
-        from messages.lifecycle import Pause, Stop
-        from runtime.channel import make_socket
+        from taipan.actors.channel import make_socket
+        from taipan.actors.client.actor import ClientActor, ControlError
+        from taipan.messages.lifecycle import Pause, Stop
 
         ctx = zmq.asyncio.Context()
         channel = make_socket(ctx, zmq.DEALER, self.address, bind=False, name="coordinator")
@@ -208,7 +208,7 @@ class Runtime:
     async def _control_when_free(actor, command: str, msg) -> None:
         """Send a control; while another client's command holds the coordinator ("busy"),
         try again shortly (the caller bounds the whole shutdown with a timeout)."""
-        from actors.client.actor import ControlError
+        from taipan.actors.client.actor import ControlError
 
         while True:
             try:
@@ -226,3 +226,37 @@ class Runtime:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+# --- command line ---------------------------------------------------------------------------
+
+
+def add_runtime_arguments(p) -> None:
+    """The command-line options that build a Runtime (serve, generate, bench)."""
+    p.add_argument("--model", default="smollm2", help="smollm2, a .gguf file or an HF directory")
+    p.add_argument("--config", help="JSON file with InferenceConfig fields")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="FIELD=VALUE",
+        help="set an InferenceConfig field (repeatable)",
+    )
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--record", metavar="DIR", help="record every actor's messages into DIR")
+    p.add_argument("--log-level", default=None, help="debug, info, warning (default), error")
+
+
+def runtime_from_args(args, address: str | None = None) -> Runtime:
+    """A Runtime (not started) from the options of `add_runtime_arguments`."""
+    config = InferenceConfig.from_cli(args.config, args.set)
+    return Runtime(
+        args.model,
+        config,
+        address=address,
+        record_dir=args.record,
+        dtype=args.dtype,
+        device=args.device,
+        log_level=args.log_level,
+    )

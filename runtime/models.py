@@ -106,5 +106,5 @@ def resolve(spec: str) -> tuple[str, str]:
     )
 
 
-if __name__ == "__main__":  # python -m runtime.models smollm2  -> prints the cached path
+if __name__ == "__main__":  # python -m taipan.models smollm2  -> prints the cached path
     print(resolve(sys.argv[1] if len(sys.argv) > 1 else "smollm2")[1])

@@ -1,4 +1,4 @@
-"""Child-process entry points: `python -m runtime.procs coordinator|engine SPEC_JSON [RANK]`.
+"""Child-process entry points: `python -m taipan.procs coordinator|engine SPEC_JSON [RANK]`.
 
 One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
 actors on one event loop, wired over inproc. The launcher (runtime/launcher.py) writes SPEC.
@@ -17,9 +17,9 @@ import sys
 import zmq
 import zmq.asyncio
 
-from runtime.channel import make_socket
-from runtime.config import InferenceConfig
-from runtime.log import configure
+from taipan.actors.channel import make_socket
+from taipan.actors.config import InferenceConfig
+from taipan.actors.log import configure
 
 PR_SET_PDEATHSIG = 1
 
@@ -34,7 +34,7 @@ def _die_with_parent() -> None:
 def _recorder(spec: dict, actor: str):
     if not spec.get("record_dir"):
         return None
-    from runtime.record import Recorder
+    from taipan.actors.record import Recorder
 
     return Recorder(spec["record_dir"], actor)
 
@@ -51,7 +51,7 @@ async def _run_until_stopped(actors: list) -> None:
 
 
 async def coordinator_main(spec: dict) -> None:
-    from actors.coordinator.actor import CoordinatorActor
+    from taipan.actors.coordinator.actor import CoordinatorActor
 
     ctx = zmq.asyncio.Context()
     rec = _recorder(spec, "coordinator")
@@ -74,10 +74,10 @@ async def coordinator_main(spec: dict) -> None:
 
 
 async def engine_main(spec: dict, rank: int) -> None:
-    from actors.allocator.actor import AllocatorActor
-    from actors.engine.actor import EngineActor
-    from actors.gpu.actor import GpuActor
-    from messages.gpu import LoadModel
+    from taipan.actors.allocator.actor import AllocatorActor
+    from taipan.actors.engine.actor import EngineActor
+    from taipan.actors.gpu.actor import GpuActor
+    from taipan.messages.gpu import LoadModel
 
     ctx = zmq.asyncio.Context()
     recs = {name: _recorder(spec, f"{name}-{rank}") for name in ("engine", "allocator", "gpu")}

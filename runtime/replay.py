@@ -1,6 +1,6 @@
 """`taipan replay DIR`: read a `--record` directory, print a timeline, or `--check` determinism.
 
-Owns: turning `.tplog` files (runtime/record.py) into a merged, filtered, readable timeline, and
+Owns: turning `.tplog` files (actors/record.py) into a merged, filtered, readable timeline, and
 re-driving deterministic actors from their recorded inbound messages. Reads logs, never writes
 them; builds fresh actor cores and never touches live actors or sockets.
 
@@ -27,14 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from messages.codec import MessageError, decode, encode, registry
-from runtime.config import ConfigError, InferenceConfig
-from runtime.record import SUFFIX, LogError, Record, read_log
+from taipan.actors.allocator.actor import AllocatorService
+from taipan.actors.config import ConfigError, InferenceConfig
+from taipan.actors.engine.check import EngineReplay
+from taipan.actors.record import SUFFIX, LogError, Record, read_log
+from taipan.messages.codec import MessageError, decode, encode, registry
+from taipan.messages.summary import cut as _cut
+from taipan.messages.summary import summarize
 
 Outbound = tuple[str, bytes | None, tuple[bytes, ...]]
 Responder = Callable[[Record], list[Outbound]]
-MAX_ITEMS = 6  # values shown per array / list in a summary
-MAX_STR = 60  # characters shown per string field
 REQUEST_ID_FIELDS = ("request_id",)
 REQUEST_ID_ARRAYS = ("request_ids", "alloc_ids", "free_ids")
 ARROWS = {"in": "←", "out": "→"}
@@ -42,9 +44,6 @@ CONFIG_FILE = "config.json"  # the InferenceConfig, written by the launcher when
 
 
 def _allocator_checker(actor_name: str) -> Responder:
-    # Imported here: runtime/ sits below actors/, and only --check needs the allocator.
-    from actors.allocator.actor import AllocatorService
-
     service = AllocatorService(actor_name)
 
     def respond(rec: Record) -> list[Outbound]:
@@ -220,43 +219,6 @@ def _mentions(msg, request_id: int) -> bool:
     return False
 
 
-def summarize(msg) -> str:
-    """`TypeName field=value ...`, arrays as dtype[shape] and their first few values."""
-    if not dataclasses.is_dataclass(msg):
-        return _value(msg)
-    fields = " ".join(f"{f.name}={_value(getattr(msg, f.name))}" for f in dataclasses.fields(msg))
-    return f"{type(msg).__name__} {fields}".rstrip()
-
-
-def _value(v) -> str:
-    if isinstance(v, np.ndarray):
-        head = v.reshape(-1)[:MAX_ITEMS].tolist()
-        more = " …" if v.size > MAX_ITEMS else ""
-        shape = ",".join(str(d) for d in v.shape)
-        values = f" [{' '.join(_value(x) for x in head)}{more}]" if v.size else ""
-        return f"{v.dtype.name}[{shape}]{values}"
-    if isinstance(v, str):
-        return repr(_cut(v, MAX_STR))
-    if isinstance(v, bytes):
-        return f"bytes[{len(v)}]"
-    if isinstance(v, float):
-        return f"{v:.6g}"
-    if isinstance(v, list | tuple):
-        more = ", …" if len(v) > MAX_ITEMS else ""
-        return f"({', '.join(_value(x) for x in v[:MAX_ITEMS])}{more})"
-    if isinstance(v, dict):
-        items = list(v.items())
-        more = ", …" if len(items) > MAX_ITEMS else ""
-        return "{" + ", ".join(f"{k}: {_value(x)}" for k, x in items[:MAX_ITEMS]) + more + "}"
-    if dataclasses.is_dataclass(v):
-        return f"({summarize(v)})"
-    return repr(v)
-
-
-def _cut(s: str, limit: int) -> str:
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
 def _peer(peer: bytes) -> str:
     if peer.isascii() and peer.decode("ascii").isprintable():
         return _cut(peer.decode("ascii"), 16)
@@ -307,8 +269,6 @@ def check(loaded: dict[str, list[Record]], paths: dict[str, Path] | None = None)
 def check_engine(records: list[Record], directory: Path | None) -> tuple[Divergence | None, str]:
     """Re-plan every step of an engine log (actors/engine/check.py) with the config the launcher
     saved beside it; (divergence, "") or (None, a note on what was checked)."""
-    from actors.engine.check import EngineReplay  # runtime/ sits below actors/
-
     config_path = directory / CONFIG_FILE if directory is not None else None
     if config_path is None or not config_path.exists():
         return None, f"not checked (no {CONFIG_FILE} beside the log)"

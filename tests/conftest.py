@@ -9,7 +9,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 
-from runtime.config import InferenceConfig  # noqa: E402
+from taipan.actors.config import InferenceConfig  # noqa: E402
 
 # A small engine so that tests exercise many blocks, several steps and chunking paths.
 TEST_CONFIG = dict(
@@ -32,7 +32,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def model_path() -> str:
-    from runtime.models import resolve
+    from taipan.models import resolve
 
     return resolve("smollm2")[1]
 
@@ -40,7 +40,7 @@ def model_path() -> str:
 @pytest.fixture(scope="session")
 def runtime(model_path):
     """One real runtime (coordinator + engine processes) shared by the end-to-end tests."""
-    from runtime.launcher import Runtime
+    from taipan.launcher import Runtime
 
     with Runtime(model_path, InferenceConfig(**TEST_CONFIG)) as rt:
         yield rt
@@ -48,7 +48,7 @@ def runtime(model_path):
 
 @pytest.fixture(scope="session")
 def client(runtime):
-    from runtime.client import Client
+    from taipan.client import Client
 
     with Client(runtime.address) as c:
         yield c

@@ -27,7 +27,7 @@ SMOLLM2_SHAPE = dict(
 def _byte_tokenizer_json(path: str) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    from ops.tokenizer import bytes_to_unicode
+    from taipan.ops.tokenizer import bytes_to_unicode
 
     vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))

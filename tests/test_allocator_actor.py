@@ -9,11 +9,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.allocator.actor import MAX_BLOCKS, AllocatorActor, AllocatorService
-from messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
-from messages.codec import decode, encode
-from messages.common import ErrorReply, Heartbeat
-from runtime.channel import make_socket
+from taipan.actors.allocator.actor import MAX_BLOCKS, AllocatorActor, AllocatorService
+from taipan.actors.channel import make_socket
+from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
+from taipan.messages.codec import decode, encode
+from taipan.messages.common import ErrorReply, Heartbeat
 
 
 def ops(step, free=(), alloc=(), counts=(), *, free_dtype=np.int64, count_dtype=np.int32):

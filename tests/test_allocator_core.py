@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.allocator.core import AllocatorError, BlockPool
+from taipan.actors.allocator.core import AllocatorError, BlockPool
 
 
 def test_lowest_free_blocks_first_and_reused_after_free():

@@ -12,7 +12,7 @@ def test_bench_json_row(tmp_path, model_path):
     cmd = [
         sys.executable,
         "-m",
-        "runtime.cli",
+        "taipan.cli",
         "bench",
         "--model",
         model_path,

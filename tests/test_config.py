@@ -10,7 +10,7 @@ import typing
 
 import pytest
 
-from runtime.config import (
+from taipan.actors.config import (
     DEFAULT_MAX_REQUESTS,
     DEFAULT_MAX_TOKENS,
     NOT_IMPLEMENTED,

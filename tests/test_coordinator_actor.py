@@ -17,10 +17,12 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.coordinator.actor import CONTROL_COMMANDS, CoordinatorActor
-from messages.common import ErrorReply, Hello
-from messages.gpu import ModelLoaded
-from messages.lifecycle import (
+from taipan.actors.channel import Channel, make_socket
+from taipan.actors.coordinator.actor import CONTROL_COMMANDS, CoordinatorActor
+from taipan.client import AsyncClient, Client, ControlError
+from taipan.messages.common import ErrorReply, Hello
+from taipan.messages.gpu import ModelLoaded
+from taipan.messages.lifecycle import (
     ControlAck,
     Pause,
     Resume,
@@ -30,7 +32,7 @@ from messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from messages.requests import (
+from taipan.messages.requests import (
     EngineSubmit,
     GetModelInfo,
     ModelInfo,
@@ -39,10 +41,8 @@ from messages.requests import (
     SamplingParams,
     SubmitRequest,
 )
-from messages.stats import GetStats, RankStats, Stats
-from ops.tokenizer import Tokenizer, bytes_to_unicode
-from runtime.channel import Channel, make_socket
-from runtime.client import AsyncClient, Client, ControlError
+from taipan.messages.stats import GetStats, RankStats, Stats
+from taipan.ops.tokenizer import Tokenizer, bytes_to_unicode
 
 FRONT, BACK = "inproc://coord-test-front", "inproc://coord-test-back"
 WAIT_S = 5.0

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.coordinator.core import CoordinatorCore, NoRankError, Route
+from taipan.actors.coordinator.core import CoordinatorCore, NoRankError, Route
 
 
 def core_with(*ranks: int) -> CoordinatorCore:

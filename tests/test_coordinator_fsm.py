@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.coordinator.fsm import (
+from taipan.actors.coordinator.fsm import (
     COMMANDS,
     TRANSITIONS,
     IllegalTransition,

@@ -3,10 +3,10 @@ across steps while other requests decode, and greedy outputs do not change."""
 
 from __future__ import annotations
 
-from messages.requests import SamplingParams
-from runtime.client import Client
-from runtime.config import InferenceConfig
-from runtime.launcher import Runtime
+from taipan.actors.config import InferenceConfig
+from taipan.client import Client
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
 
 PROMPTS = [
     "Summarise: " + "The quick brown fox jumps over the lazy dog. " * 12,  # ~130 tokens

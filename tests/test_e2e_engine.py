@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from messages.requests import SamplingParams
-from runtime.client import AsyncClient, Client
-from runtime.config import InferenceConfig
-from runtime.launcher import Runtime
+from taipan.actors.config import InferenceConfig
+from taipan.client import AsyncClient, Client
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
 from tests.test_e2e_generate import PROMPTS as GENERATE_PROMPTS
 
 PROMPTS = GENERATE_PROMPTS[:6]

@@ -10,8 +10,8 @@ import asyncio
 import pytest
 import torch
 
-from messages.requests import SamplingParams
-from runtime.client import AsyncClient, RequestError
+from taipan.client import AsyncClient, RequestError
+from taipan.messages.requests import SamplingParams
 
 PROMPTS = [
     "The capital of France is",
@@ -136,7 +136,7 @@ def test_cli_generate_json_against_running_runtime(runtime, client):
     cmd = [
         sys.executable,
         "-m",
-        "runtime.cli",
+        "taipan.cli",
         "generate",
         "--address",
         runtime.address,

@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from messages.requests import SamplingParams
-from runtime.client import AsyncClient, Client, ControlError
-from runtime.launcher import Runtime
+from taipan.client import AsyncClient, Client, ControlError
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
 from tests.test_e2e_engine import PROMPTS, tiny_pool
 from tests.test_e2e_generate import hf_greedy
 
@@ -197,7 +197,7 @@ def test_replay_check_passes_over_the_whole_session(session):
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats
     rt.shutdown()
     done = subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "replay", str(rec), "--check"],
+        [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--check"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -206,7 +206,7 @@ def test_replay_check_passes_over_the_whole_session(session):
     assert "allocator-0: ok" in done.stdout and "engine-0: ok" in done.stdout
 
     def timeline(*args: str) -> str:
-        cmd = [sys.executable, "-m", "runtime.cli", "replay", str(rec), *args]
+        cmd = [sys.executable, "-m", "taipan.cli", "replay", str(rec), *args]
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
 
     assert "Suspend" in timeline("--type", "Suspend")

@@ -9,14 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from messages import decode, encode
-from messages.allocator import BlockOpsReply
-from messages.gpu import StepResult
-from messages.requests import SamplingParams
-from runtime.client import Client
-from runtime.config import InferenceConfig
-from runtime.launcher import Runtime
-from runtime.record import Recorder, read_log
+from taipan.actors.config import InferenceConfig
+from taipan.actors.record import Recorder, read_log
+from taipan.client import Client
+from taipan.launcher import Runtime
+from taipan.messages import decode, encode
+from taipan.messages.allocator import BlockOpsReply
+from taipan.messages.gpu import StepResult
+from taipan.messages.requests import SamplingParams
 from tests.conftest import TEST_CONFIG
 
 
@@ -34,7 +34,7 @@ def recorded(tmp_path_factory, model_path):
 
 def replay(*args) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "runtime.cli", "replay", *map(str, args)],
+        [sys.executable, "-m", "taipan.cli", "replay", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=120,

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import zmq
 
-from messages import decode, encode
-from messages.allocator import BlockOps
-from messages.common import ErrorReply
-from messages.requests import RequestOutput, SamplingParams, SubmitRequest
-from runtime.client import Client
-from runtime.launcher import Runtime
-from runtime.models import ModelNotFoundError
+from taipan.client import Client
+from taipan.launcher import Runtime
+from taipan.messages import decode, encode
+from taipan.messages.allocator import BlockOps
+from taipan.messages.common import ErrorReply
+from taipan.messages.requests import RequestOutput, SamplingParams, SubmitRequest
+from taipan.models import ModelNotFoundError
 
 
 def test_garbage_frames_do_not_stop_the_coordinator(runtime, client):
@@ -71,7 +71,7 @@ def test_unknown_model_path_is_a_clear_error(tmp_path):
         [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "taipan.cli",
             "generate",
             "--model",
             str(tmp_path / "x.gguf"),
@@ -114,7 +114,7 @@ def test_sigterm_mid_generation_leaves_nothing_behind(tmp_path, model_path):
         [
             sys.executable,
             "-m",
-            "runtime.cli",
+            "taipan.cli",
             "serve",
             "--model",
             model_path,

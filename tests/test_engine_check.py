@@ -9,13 +9,13 @@ import dataclasses
 
 import numpy as np
 
-from actors.engine import plan as P
-from actors.engine.check import EngineReplay
-from messages.allocator import AllocatorReady, BlockOpsReply
-from messages.codec import encode
-from messages.gpu import ModelLoaded, StepResult
-from messages.requests import AbortRequest, EngineSubmit
-from runtime.config import InferenceConfig
+from taipan.actors.config import InferenceConfig
+from taipan.actors.engine import plan as P
+from taipan.actors.engine.check import EngineReplay
+from taipan.messages.allocator import AllocatorReady, BlockOpsReply
+from taipan.messages.codec import encode
+from taipan.messages.gpu import ModelLoaded, StepResult
+from taipan.messages.requests import AbortRequest, EngineSubmit
 from tests.test_scheduler import Harness, make_request
 
 CONFIG = InferenceConfig(

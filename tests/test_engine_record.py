@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.engine.actor import output_of
-from actors.engine.record import RequestRecord
+from taipan.actors.engine.actor import output_of
+from taipan.actors.engine.record import RequestRecord
 from tests.test_scheduler import Harness, make_plan, make_request
 
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from messages.requests import SamplingParams
-from runtime.client import Client
-from runtime.config import InferenceConfig
-from runtime.launcher import Runtime
+from taipan.actors.config import InferenceConfig
+from taipan.client import Client
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
 
 pytestmark = pytest.mark.gpu
 

@@ -21,11 +21,11 @@ import numpy as np
 import pytest
 import torch
 
-from actors.gpu.actor import GpuActor
-from actors.gpu.worker import ModelWorker
-from messages.gpu import GpuControl, GpuControlReply, LoadModel
-from ops.attention import build_attention_metadata
-from runtime.channel import Envelope
+from taipan.actors.channel import Envelope
+from taipan.actors.gpu.actor import GpuActor
+from taipan.actors.gpu.worker import ModelWorker
+from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel
+from taipan.ops.attention import build_attention_metadata
 from tests.random_llama import make_random_llama
 from tests.test_ops_logprobs import Seq, make_plan
 

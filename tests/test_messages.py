@@ -20,9 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-import messages
-from messages import MessageError, decode, encode
-from messages.codec import (
+from taipan import messages
+from taipan.messages import MessageError, decode, encode
+from taipan.messages.codec import (
     ALLOWED_DTYPES,
     EXT_ARRAY_FRAME,
     EXT_ARRAY_INLINE,
@@ -32,9 +32,9 @@ from messages.codec import (
     _checker,
     message,
 )
-from messages.common import ErrorReply, Heartbeat
-from messages.gpu import StepPlan, StepResult
-from messages.requests import AbortRequest, RequestOutput, SamplingParams, SubmitRequest
+from taipan.messages.common import ErrorReply, Heartbeat
+from taipan.messages.gpu import StepPlan, StepResult
+from taipan.messages.requests import AbortRequest, RequestOutput, SamplingParams, SubmitRequest
 
 FAST = settings(
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),
@@ -46,14 +46,14 @@ DTYPES = sorted(ALLOWED_DTYPES)
 
 # Module that defines a message -> the family whose tag range it must use (DESIGN.md §3).
 MODULE_FAMILY = {
-    "messages.common": "connection",
-    "messages.requests": "requests",
-    "messages.lifecycle": "lifecycle",
-    "messages.consensus": "consensus",
-    "messages.allocator": "allocator",
-    "messages.mamba_cache": "mamba_cache",
-    "messages.gpu": "gpu",
-    "messages.stats": "stats",
+    "taipan.messages.common": "connection",
+    "taipan.messages.requests": "requests",
+    "taipan.messages.lifecycle": "lifecycle",
+    "taipan.messages.consensus": "consensus",
+    "taipan.messages.allocator": "allocator",
+    "taipan.messages.mamba_cache": "mamba_cache",
+    "taipan.messages.gpu": "gpu",
+    "taipan.messages.stats": "stats",
 }
 
 

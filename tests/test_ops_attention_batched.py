@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ops.attention import AttentionMetadata, paged_attention_ref, write_kv
+from taipan.ops.attention import AttentionMetadata, paged_attention_ref, write_kv
 
 
 @pytest.mark.parametrize("seed", range(6))

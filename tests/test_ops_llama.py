@@ -16,11 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ops.attention import build_attention_metadata
-from ops.loader import ModelLoadError, load_model
-from ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
-from ops.sampling import sample
-from runtime.models import resolve
+from taipan.models import resolve
+from taipan.ops.attention import build_attention_metadata
+from taipan.ops.loader import ModelLoadError, load_model
+from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
+from taipan.ops.sampling import sample
 
 # The default model as `make model` fetches it (runtime/models.py), wherever its cache is.
 MODEL_PATH = Path(resolve("smollm2")[1])

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-import actors.gpu.worker as worker_module
-from actors.gpu.worker import ModelWorker
-from messages.gpu import LoadModel, StepPlan
-from ops.logprobs import log_probs_and_top_n, prompt_log_probs
+import taipan.actors.gpu.worker as worker_module
+from taipan.actors.gpu.worker import ModelWorker
+from taipan.messages.gpu import LoadModel, StepPlan
+from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
 
 BLOCK_SIZE = 16
 ATOL = 1e-4

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ops.sampling import exponential_noise, logprobs, sample
+from taipan.ops.sampling import exponential_noise, logprobs, sample
 
 VOCAB = 64
 

@@ -17,8 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from ops.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
-from runtime.models import resolve
+from taipan.models import resolve
+from taipan.ops.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 
 # The default model as `make model` fetches it (runtime/models.py), wherever its cache is.
 REPO = Path(__file__).resolve().parents[1]

@@ -15,13 +15,20 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from actors.allocator.actor import AllocatorActor
-from messages.allocator import AllocatorInit, BlockOps, BlockOpsReply
-from messages.codec import decode, encode
-from messages.common import Heartbeat
-from runtime import replay
-from runtime.channel import make_socket
-from runtime.record import FILE_HEADER, RECORD_HEADER, LogError, Recorder, _record_header, read_log
+from taipan import replay
+from taipan.actors.allocator.actor import AllocatorActor
+from taipan.actors.channel import make_socket
+from taipan.actors.record import (
+    FILE_HEADER,
+    RECORD_HEADER,
+    LogError,
+    Recorder,
+    _record_header,
+    read_log,
+)
+from taipan.messages.allocator import AllocatorInit, BlockOps, BlockOpsReply
+from taipan.messages.codec import decode, encode
+from taipan.messages.common import Heartbeat
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -230,7 +237,7 @@ def test_truncated_log_exits_2_naming_the_offset(session, tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"truncated record at byte {third.offset} of {log}" in err
         assert err.count("\n") == 1 and "Traceback" not in err
-    code = "import sys; from runtime.replay import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from taipan.replay import main; sys.exit(main(sys.argv[1:]))"
     proc = subprocess.run(
         [sys.executable, "-c", code, str(broken), "--check"],
         cwd=REPO,

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from actors.engine.actor import output_of
-from actors.engine.request import EngineRequest, Status
-from actors.engine.scheduler import Scheduler, StepBatch, derive_seed
-from messages.gpu import StepResult
-from messages.requests import SamplingParams
-from runtime.config import RuntimePlan
+from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.actor import output_of
+from taipan.actors.engine.request import EngineRequest, Status
+from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
+from taipan.messages.gpu import StepResult
+from taipan.messages.requests import SamplingParams
 
 REASONS = {"stop", "length", "abort"}
 

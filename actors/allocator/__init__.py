@@ -4,6 +4,6 @@ Import the shell from `actors.allocator.actor`; this package only re-exports the
 importing it pulls in neither zmq nor the actor runtime.
 """
 
-from actors.allocator.core import AllocatorError, BlockPool
+from taipan.actors.allocator.core import AllocatorError, BlockPool
 
 __all__ = ["AllocatorError", "BlockPool"]

@@ -20,17 +20,17 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from actors.allocator.core import AllocatorError, BlockPool
-from messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
-from messages.codec import MessageError, decode
-from messages.common import ErrorReply
-from runtime.actor import Actor
-from runtime.channel import Channel, Envelope
+from taipan.actors.allocator.core import AllocatorError, BlockPool
+from taipan.actors.base import Actor
+from taipan.actors.channel import Channel, Envelope
+from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
+from taipan.messages.codec import MessageError, decode
+from taipan.messages.common import ErrorReply
 
 # A pool is a Python heap of ints (~40 bytes per block); 4M blocks is far beyond any GPU's KV
 # cache at useful block sizes, and the cap keeps a garbage AllocatorInit from eating the host.
 MAX_BLOCKS = 1 << 22
-ERROR_TEXT_LIMIT = 2000  # the same cut runtime/actor.py applies to its own ErrorReply texts
+ERROR_TEXT_LIMIT = 2000  # the same cut actors/base.py applies to its own ErrorReply texts
 
 _BLOCK_OPS_DTYPES = (("free_ids", np.int64), ("alloc_ids", np.int64), ("alloc_counts", np.int32))
 
@@ -49,7 +49,7 @@ class AllocatorService:
             return self._init(msg)
         if isinstance(msg, ErrorReply):
             return None  # never answer an error with an error: two actors would ping-pong
-        # Same wording as runtime/actor.py's fallback for unregistered types, so that replaying
+        # Same wording as actors/base.py's fallback for unregistered types, so that replaying
         # a recording through the service reproduces what the live actor sent.
         return ErrorReply(
             "unexpected_message", f"{self.name} does not take {type(msg).__name__}", None
@@ -58,7 +58,7 @@ class AllocatorService:
     def handle_frames(self, frames: Sequence[bytes | memoryview]):
         """What the live actor answers to these raw inbound frames (used by replay --check).
 
-        Mirrors runtime/actor.py's policy for undecodable input: ErrorReply(code, text), no
+        Mirrors actors/base.py's policy for undecodable input: ErrorReply(code, text), no
         request id. tests/test_record_replay.py checks this against a real recording.
         """
         try:

@@ -16,9 +16,11 @@ import itertools
 
 import numpy as np
 
-from messages.common import ErrorReply
-from messages.lifecycle import ControlAck
-from messages.requests import (
+from taipan.actors.base import Actor
+from taipan.actors.channel import Channel, Envelope
+from taipan.messages.common import ErrorReply
+from taipan.messages.lifecycle import ControlAck
+from taipan.messages.requests import (
     AbortRequest,
     GetModelInfo,
     ModelInfo,
@@ -26,9 +28,7 @@ from messages.requests import (
     SamplingParams,
     SubmitRequest,
 )
-from messages.stats import GetStats, Stats
-from runtime.actor import Actor
-from runtime.channel import Channel, Envelope
+from taipan.messages.stats import GetStats, Stats
 
 
 class ControlError(RuntimeError):

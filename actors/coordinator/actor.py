@@ -10,7 +10,7 @@ every engine has acknowledged it — or with an `ErrorReply` ("bad_request", "il
 it waits for engine answers, submissions and outputs keep flowing (the wait is a task of its own).
 
 A bad submission gets a terminal `RequestOutput` with finish_reason "error"; a malformed frame
-gets an `ErrorReply` (runtime/actor.py); the coordinator keeps serving. After STOP it exits.
+gets an `ErrorReply` (actors/base.py); the coordinator keeps serving. After STOP it exits.
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ import dataclasses
 
 import numpy as np
 
-from actors.coordinator.core import ControlRound, CoordinatorCore, NoRankError
-from actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
-from messages.common import ErrorReply, Hello
-from messages.gpu import ModelLoaded
-from messages.lifecycle import (
+from taipan.actors.base import Actor
+from taipan.actors.channel import Channel, Envelope
+from taipan.actors.coordinator.core import ControlRound, CoordinatorCore, NoRankError
+from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
+from taipan.messages.common import ErrorReply, Hello
+from taipan.messages.gpu import ModelLoaded
+from taipan.messages.lifecycle import (
     ControlAck,
     Pause,
     Resume,
@@ -34,7 +36,7 @@ from messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from messages.requests import (
+from taipan.messages.requests import (
     AbortRequest,
     EngineSubmit,
     GetModelInfo,
@@ -42,9 +44,7 @@ from messages.requests import (
     RequestOutput,
     SubmitRequest,
 )
-from messages.stats import GetStats, RankStats, Stats
-from runtime.actor import Actor
-from runtime.channel import Channel, Envelope
+from taipan.messages.stats import GetStats, RankStats, Stats
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
 STOP_TIMEOUT_S = 30.0

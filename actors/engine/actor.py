@@ -19,7 +19,10 @@ import asyncio
 
 import numpy as np
 
-from actors.engine.plan import (
+from taipan.actors.base import Actor
+from taipan.actors.channel import Channel, Envelope
+from taipan.actors.config import InferenceConfig
+from taipan.actors.engine.plan import (
     BootError,
     block_ops,
     new_scheduler,
@@ -27,12 +30,12 @@ from actors.engine.plan import (
     step_plan,
     submission,
 )
-from actors.engine.request import EngineRequest
-from actors.engine.scheduler import Scheduler, StepBatch
-from messages.allocator import AllocatorInit, AllocatorReady, BlockOpsReply
-from messages.common import ErrorReply, Hello
-from messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepResult
-from messages.lifecycle import (
+from taipan.actors.engine.request import EngineRequest
+from taipan.actors.engine.scheduler import Scheduler, StepBatch
+from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOpsReply
+from taipan.messages.common import ErrorReply, Hello
+from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepResult
+from taipan.messages.lifecycle import (
     ControlAck,
     Pause,
     Resume,
@@ -42,11 +45,8 @@ from messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from messages.requests import AbortRequest, EngineSubmit, RequestOutput
-from messages.stats import GetStats, RankStats, Stats
-from runtime.actor import Actor
-from runtime.channel import Channel, Envelope
-from runtime.config import InferenceConfig
+from taipan.messages.requests import AbortRequest, EngineSubmit, RequestOutput
+from taipan.messages.stats import GetStats, RankStats, Stats
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
 

@@ -18,15 +18,16 @@ Pure: decoded messages in, a divergence text out. No sockets, no torch.
 
 from __future__ import annotations
 
-from actors.engine import plan as P
-from actors.engine.scheduler import Scheduler, StepBatch
-from messages.allocator import AllocatorReady, BlockOps, BlockOpsReply
-from messages.codec import encode
-from messages.common import ErrorReply
-from messages.gpu import GpuControlReply, ModelLoaded, StepPlan, StepResult
-from messages.lifecycle import Stop
-from messages.requests import AbortRequest, EngineSubmit
-from runtime.config import InferenceConfig
+from taipan.actors.config import InferenceConfig
+from taipan.actors.engine import plan as P
+from taipan.actors.engine.scheduler import Scheduler, StepBatch
+from taipan.messages.allocator import AllocatorReady, BlockOps, BlockOpsReply
+from taipan.messages.codec import encode
+from taipan.messages.common import ErrorReply
+from taipan.messages.gpu import GpuControlReply, ModelLoaded, StepPlan, StepResult
+from taipan.messages.lifecycle import Stop
+from taipan.messages.requests import AbortRequest, EngineSubmit
+from taipan.messages.summary import summarize
 
 
 class EngineReplay:
@@ -123,7 +124,7 @@ class EngineReplay:
             if isinstance(msg, BlockOps):
                 return self._compare("BlockOps", ops, frames)
             if ops is not None:
-                return f"the engine skipped the allocator, replay plans {_short(ops)}"
+                return f"the engine skipped the allocator, replay plans {summarize(ops)}"
         plan = P.step_plan(self.sched, self.batch)
         self.batch = None
         self.steps_checked += 1
@@ -135,10 +136,4 @@ class EngineReplay:
             return f"the engine sent {kind}, replay plans no {kind}"
         if tuple(bytes(f) for f in encode(replayed)) == tuple(bytes(f) for f in frames):
             return None
-        return f"{kind} differs: replay plans {_short(replayed)}"
-
-
-def _short(msg) -> str:
-    from runtime.replay import summarize  # runtime/ is below actors/; only for messages
-
-    return summarize(msg)
+        return f"{kind} differs: replay plans {summarize(replayed)}"

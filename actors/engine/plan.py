@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from actors.engine.request import EngineRequest
-from actors.engine.scheduler import Scheduler, StepBatch, derive_seed
-from messages.allocator import AllocatorReady, BlockOps
-from messages.gpu import ModelLoaded, StepPlan
-from messages.requests import EngineSubmit
-from runtime.config import InferenceConfig, RuntimePlan, plan_limits
+from taipan.actors.config import InferenceConfig, RuntimePlan, plan_limits
+from taipan.actors.engine.request import EngineRequest
+from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
+from taipan.messages.allocator import AllocatorReady, BlockOps
+from taipan.messages.gpu import ModelLoaded, StepPlan
+from taipan.messages.requests import EngineSubmit
 
 
 class BootError(Exception):

@@ -12,8 +12,8 @@ import enum
 
 import numpy as np
 
-from actors.engine.record import RequestRecord
-from messages.requests import RequestEvent, SamplingParams
+from taipan.actors.engine.record import RequestRecord
+from taipan.messages.requests import RequestEvent, SamplingParams
 
 
 class Status(enum.Enum):

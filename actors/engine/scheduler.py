@@ -30,10 +30,10 @@ from collections import deque
 
 import numpy as np
 
-from actors.engine.request import EngineRequest, Status
-from messages.gpu import StepResult
-from messages.requests import SamplingParams
-from runtime.config import RuntimePlan
+from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.request import EngineRequest, Status
+from taipan.messages.gpu import StepResult
+from taipan.messages.requests import SamplingParams
 
 
 @dataclasses.dataclass

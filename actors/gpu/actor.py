@@ -14,16 +14,16 @@ import concurrent.futures
 
 import numpy as np
 
-from messages.common import ErrorReply
-from messages.gpu import GpuControl, GpuControlReply, LoadModel, StepPlan, StepResult
-from runtime.actor import Actor
-from runtime.channel import Channel, Envelope
+from taipan.actors.base import Actor
+from taipan.actors.channel import Channel, Envelope
+from taipan.messages.common import ErrorReply
+from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel, StepPlan, StepResult
 
 
 class GpuActor(Actor):
     def __init__(self, rank: int, channel: Channel):
         super().__init__(f"gpu-{rank}")
-        from actors.gpu.worker import ModelWorker  # torch loads here, not at import
+        from taipan.actors.gpu.worker import ModelWorker  # torch loads here, not at import
 
         self.worker = ModelWorker()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)

@@ -19,17 +19,24 @@ import time
 import numpy as np
 import torch
 
-from messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepPlan, StepResult
-from ops.loader import (
+from taipan.messages.gpu import (
+    GpuControl,
+    GpuControlReply,
+    LoadModel,
+    ModelLoaded,
+    StepPlan,
+    StepResult,
+)
+from taipan.ops.loader import (
     ModelLoadError,
     WeightUpdateError,
     check_same_architecture,
     load_model,
     state_updates,
 )
-from ops.logprobs import log_probs_and_top_n, prompt_log_probs
-from ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
-from ops.sampling import sample
+from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
+from taipan.ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from taipan.ops.sampling import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUSPEND_MODES = ("persist", "offload", "recompute")

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ops.attention import AttentionMetadata
-from ops.layers import Attention, RMSNorm, SwiGLUMLP, rope_cos_sin
+from taipan.ops.attention import AttentionMetadata
+from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP, rope_cos_sin
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ import time
 import numpy as np
 import torch
 
-from actors.engine.request import EngineRequest
-from actors.engine.scheduler import Scheduler
-from actors.gpu.worker import ModelWorker
-from messages.gpu import LoadModel, StepPlan
-from messages.requests import SamplingParams
-from ops.tokenizer import Tokenizer
-from runtime.bench import mixed_prompts
-from runtime.config import RuntimePlan
+from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.request import EngineRequest
+from taipan.actors.engine.scheduler import Scheduler
+from taipan.actors.gpu.worker import ModelWorker
+from taipan.bench import mixed_prompts
+from taipan.messages.gpu import LoadModel, StepPlan
+from taipan.messages.requests import SamplingParams
+from taipan.ops.tokenizer import Tokenizer
 
 
 def main(model_dir: str, dtype: str = "bfloat16") -> None:

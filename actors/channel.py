@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
-from messages.codec import MAX_FRAME_BYTES, MessageError, decode, encode
+from taipan.messages.codec import MAX_FRAME_BYTES, MessageError, decode, encode
 
 if TYPE_CHECKING:
-    from runtime.record import Recorder
+    from taipan.actors.record import Recorder
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 

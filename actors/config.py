@@ -91,7 +91,7 @@ class InferenceConfig:
                 )
         self._check_ranges()
         if verbose:
-            from runtime.log import get_logger
+            from taipan.actors.log import get_logger
 
             get_logger(component="config").warning("inference config", **self.to_dict())
 

@@ -1,7 +1,7 @@
 """Message recording: one append-only log per actor, and the reader for it.
 
 Owns: the `.tplog` file format. `Recorder` is the only writer of a log and only ever appends;
-channels call `Recorder.write` for every inbound and outbound message (runtime/channel.py), and
+channels call `Recorder.write` for every inbound and outbound message (actors/channel.py), and
 `read_log` is the only reader (`taipan replay`). Must not touch: sockets, actors, message
 decoding (a log stores raw frames, so a message that failed to decode is recorded as it came).
 

@@ -12,9 +12,9 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from messages.common import ErrorReply
-from runtime.channel import Channel, Envelope
-from runtime.log import get_logger
+from taipan.actors.channel import Channel, Envelope
+from taipan.actors.log import get_logger
+from taipan.messages.common import ErrorReply
 
 Handler = Callable[[Envelope, Any], Awaitable[None]]
 
