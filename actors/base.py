@@ -14,9 +14,14 @@ from typing import Any
 
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.log import get_logger
-from taipan.messages.common import ErrorReply
+from taipan.messages.common import ErrorReply, PeerGone
 
 Handler = Callable[[Envelope, Any], Awaitable[None]]
+
+
+class FatalError(Exception):
+    """An actor cannot go on. Raised from one of its tasks, it ends the actor's TaskGroup and,
+    through runtime/procs.py, the process, with a non-zero exit code and this message logged."""
 
 
 class Actor:
@@ -35,10 +40,16 @@ class Actor:
         self._handlers[msg_type] = handler
 
     def serve(self, channel: Channel) -> None:
-        """Dispatch every message arriving on `channel` to the registered handlers."""
+        """Dispatch every message arriving on `channel` to the registered handlers (and, when
+        the channel watches its peers, a `PeerGone` for each peer whose connection closed)."""
         self._served.append(channel)
         if self._tg is not None:
-            self.spawn(self._recv_loop(channel))
+            self._start_loops(channel)
+
+    def _start_loops(self, channel: Channel) -> None:
+        self.spawn(self._recv_loop(channel))
+        if channel.monitor is not None:
+            self.spawn(self._peer_loop(channel))
 
     def spawn(self, coro) -> asyncio.Task:
         """Start a task owned by this actor's TaskGroup (cancelled when the actor stops)."""
@@ -63,7 +74,7 @@ class Actor:
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
             for ch in self._served:
-                self.spawn(self._recv_loop(ch))
+                self._start_loops(ch)
             await self.started()
             await self._stopped.wait()
             await self.stopping()
@@ -77,6 +88,11 @@ class Actor:
             env = await channel.recv()
             await self.dispatch(env)
 
+    async def _peer_loop(self, channel: Channel) -> None:
+        while True:
+            env = await channel.recv_peer_gone()
+            await self.dispatch(env)
+
     async def dispatch(self, env: Envelope) -> None:
         self.log.debug("recv", channel=env.channel.name, msg=type(env.msg).__name__)
         if env.error is not None:
@@ -88,6 +104,8 @@ class Actor:
             if isinstance(env.msg, ErrorReply):
                 self.log.warning("error reply", code=env.msg.code, text=env.msg.text)
                 return
+            if isinstance(env.msg, PeerGone):
+                return  # made up by the channel: there is nobody to answer
             name = type(env.msg).__name__
             await self._reply_error(env, "unexpected_message", f"{self.name} does not take {name}")
             return

@@ -15,6 +15,10 @@ import json
 import types
 import typing
 
+from taipan.messages.lifecycle import KVCacheManagementMode
+
+__all__ = ["ConfigError", "InferenceConfig", "KVCacheManagementMode", "RuntimePlan", "plan_limits"]
+
 
 class ConfigError(ValueError):
     pass
@@ -31,12 +35,6 @@ class PrefixCachingCoordinatorPolicy(enum.StrEnum):
     ROUND_ROBIN = "round_robin"
 
 
-class KVCacheManagementMode(enum.StrEnum):
-    PERSIST = "persist"
-    OFFLOAD = "offload"
-    RECOMPUTE = "recompute"
-
-
 class CudaGraphSizingDistribution(enum.StrEnum):
     EXPONENTIAL = "exponential"
     LINEAR = "linear"
@@ -45,7 +43,9 @@ class CudaGraphSizingDistribution(enum.StrEnum):
 @dataclasses.dataclass(frozen=True)
 class InferenceConfig:
     block_size_tokens: int = 256
-    buffer_size_gb: float = 20
+    # None: the seed's 20 GB on CUDA; on CPU a fifth of the memory available at start-up (at most
+    # 20 GB): the KV cache is host memory there, and most of it must stay free for everything else.
+    buffer_size_gb: float | None = None
     paused_buffer_size_gb: float | None = None
     mamba_inference_state_config: dict | None = None
     mamba_memory_ratio: float | None = None
@@ -104,10 +104,10 @@ class InferenceConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1 when set, got {value}")
-        if not self.buffer_size_gb > 0:
+        if self.buffer_size_gb is not None and not self.buffer_size_gb > 0:
             raise ConfigError(f"buffer_size_gb must be > 0, got {self.buffer_size_gb}")
         paused = self.paused_buffer_size_gb
-        if paused is not None and not 0 <= paused <= self.buffer_size_gb:
+        if paused is not None and not 0 <= paused <= (self.buffer_size_gb or float("inf")):
             raise ConfigError(
                 f"paused_buffer_size_gb ({paused}) must be in [0, buffer_size_gb "
                 f"({self.buffer_size_gb})]: paused requests hold blocks of the same pool"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taipan.messages.codec import message
+from taipan.messages.codec import Array, message
 
 
 @message(80)
@@ -38,9 +38,9 @@ class BlockOps:
     """
 
     step: int
-    free_ids: np.ndarray
-    alloc_ids: np.ndarray
-    alloc_counts: np.ndarray
+    free_ids: Array[np.int64, 1]
+    alloc_ids: Array[np.int64, 1]
+    alloc_counts: Array[np.int32, 1]
 
 
 @message(83)
@@ -49,6 +49,6 @@ class BlockOpsReply:
 
     step: int
     ok: bool
-    block_ids: np.ndarray
+    block_ids: Array[np.int32, 1]
     num_free: int
     error: str | None

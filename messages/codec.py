@@ -10,12 +10,18 @@ frames (ExtType holds the frame index) so the receiver wraps them without a copy
 
 Decoding trusts nothing: an unknown tag, a wrong version or arity, a field of the wrong type, a
 bad array header or an oversized frame raises `MessageError`. Nested plain records (e.g.
-`SamplingParams`) are `@struct` dataclasses, encoded as an array of their fields.
+`SamplingParams`) are `@struct` dataclasses, encoded as an array of their fields. Enum fields
+(`enum.StrEnum` / `enum.IntEnum`) travel as their value and decode to their member; a value that
+is not a member is a `MessageError` naming the choices. Array fields declare their dtype and rank
+with `Array[dtype, ndim]` (ndim None: any rank; dtype a tuple: any of them): decode checks both,
+so consumers neither re-check nor trust; encode checks them too, so a sender's bug surfaces at
+the sender.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -54,15 +60,80 @@ class MessageError(ValueError):
         self.code = code
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class ArraySpec:
+    """What an array field may hold: one of `dtypes` (numpy names), with `ndim` dimensions (None:
+    any)."""
+
+    dtypes: tuple[str, ...]
+    ndim: int | None
+
+    def problem(self, arr: np.ndarray) -> str | None:
+        if arr.dtype.name not in self.dtypes:
+            return f"dtype {arr.dtype.name}, expected {' or '.join(self.dtypes)}"
+        if self.ndim is not None and arr.ndim != self.ndim:
+            return f"{arr.ndim}-D array of shape {list(arr.shape)}, expected {self.ndim}-D"
+        return None
+
+
+class Array:
+    """The annotation of an array field: `Array[np.int32, 1]` is a 1-D int32 array;
+    `Array[(np.float16, np.float32), None]` is a float16 or float32 array of any rank."""
+
+    def __class_getitem__(cls, params):
+        dtype, ndim = params
+        dtypes = dtype if isinstance(dtype, tuple) else (dtype,)
+        names = tuple(np.dtype(d).name for d in dtypes)
+        if not set(names) <= ALLOWED_DTYPES:
+            raise TypeError(f"Array dtypes {names} include one that cannot travel")
+        return typing.Annotated[np.ndarray, ArraySpec(names, ndim)]
+
+
 _REGISTRY: dict[int, type] = {}
 _CHECKERS: dict[type, list[tuple[str, Callable[[Any], Any]]]] = {}
+
+
+_ENUM_FIELDS: dict[type, list[tuple[str, type[enum.Enum]]]] = {}
+
+
+def _enum_fields(cls) -> list[tuple[str, type[enum.Enum]]]:
+    """The (optional) enum fields of a message or struct class."""
+    found = _ENUM_FIELDS.get(cls)
+    if found is None:
+        found = []
+        for name, tp in typing.get_type_hints(cls).items():
+            args = (
+                typing.get_args(tp)
+                if typing.get_origin(tp) in (typing.Union, types.UnionType)
+                else (tp,)
+            )
+            kinds = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
+            if kinds:
+                found.append((name, kinds[0]))
+        _ENUM_FIELDS[cls] = found
+    return found
+
+
+def _enum_members(self) -> None:
+    """__post_init__ of every message and struct: a plain value given for an enum field becomes
+    its member (ValueError if it is none), so a message holds the same types however it was
+    made, decoded or constructed."""
+    for name, kind in _enum_fields(type(self)):
+        value = getattr(self, name)
+        if value is not None and not isinstance(value, kind):
+            object.__setattr__(self, name, kind(value))
+
+
+def _frozen(cls):
+    cls.__post_init__ = _enum_members
+    return dataclasses.dataclass(frozen=True, slots=True)(cls)
 
 
 def message(tag: int, version: int = 1):
     """Register a frozen dataclass as a wire message under `tag`."""
 
     def wrap(cls):
-        cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+        cls = _frozen(cls)
         if not any(tag in r for r in TAG_RANGES.values()):
             raise TypeError(f"{cls.__name__}: tag {tag} is outside every family range")
         if tag in _REGISTRY:
@@ -77,7 +148,7 @@ def message(tag: int, version: int = 1):
 
 def struct(cls):
     """A nested record inside messages: a frozen dataclass encoded as the array of its fields."""
-    cls = dataclasses.dataclass(frozen=True, slots=True)(cls)
+    cls = _frozen(cls)
     cls.IS_STRUCT = True
     return cls
 
@@ -92,6 +163,10 @@ def registry() -> dict[int, type]:
 def _checker(tp) -> Callable[[Any], Any]:
     """Build a function that validates (and lightly normalises) one decoded value of type tp."""
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _array_checker(typing.get_args(tp)[1])
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return _enum_checker(tp)
     if origin in (typing.Union, types.UnionType):
         subs = [_checker(a) for a in typing.get_args(tp)]
         allows_none = type(None) in typing.get_args(tp)
@@ -146,7 +221,6 @@ def _checker(tp) -> Callable[[Any], Any]:
         float: (float, int),
         str: (str,),
         bytes: (bytes,),
-        np.ndarray: (np.ndarray,),
     }
     if tp not in simple:
         raise TypeError(f"unsupported message field type {tp!r}")
@@ -162,10 +236,37 @@ def _checker(tp) -> Callable[[Any], Any]:
     return check_simple
 
 
+def _array_checker(spec: ArraySpec) -> Callable[[Any], Any]:
+    def check_array(v):
+        if not isinstance(v, np.ndarray):
+            raise MessageError(f"expected an array, got {type(v).__name__}", "bad_field")
+        problem = spec.problem(v)
+        if problem is not None:
+            raise MessageError(problem, "bad_array")
+        return v
+
+    return check_array
+
+
+def _enum_checker(tp: type[enum.Enum]) -> Callable[[Any], Any]:
+    choices = ", ".join(str(m.value) for m in tp)
+    base = int if issubclass(tp, int) else str
+
+    def check_enum(v):
+        if isinstance(v, bool) or not isinstance(v, base):
+            raise MessageError(f"expected a {tp.__name__} ({choices})", "bad_field")
+        try:
+            return tp(v)
+        except ValueError:
+            raise MessageError(f"{v!r} is not a {tp.__name__} ({choices})", "bad_field") from None
+
+    return check_enum
+
+
 def _field_checkers(cls) -> list[tuple[str, Callable[[Any], Any]]]:
     checkers = _CHECKERS.get(cls)
     if checkers is None:
-        hints = typing.get_type_hints(cls)
+        hints = typing.get_type_hints(cls, include_extras=True)
         checkers = [(f.name, _checker(hints[f.name])) for f in dataclasses.fields(cls)]
         _CHECKERS[cls] = checkers
     return checkers
@@ -194,8 +295,29 @@ def _decode_struct(cls, v):
 
 # --- encoding --------------------------------------------------------------------------------
 
+_ARRAY_FIELDS: dict[type, list[tuple[str, Callable[[Any], Any]]]] = {}
+
+
+def _holds_array(tp) -> bool:
+    if typing.get_origin(tp) is typing.Annotated:
+        return True
+    return any(_holds_array(a) for a in typing.get_args(tp))
+
+
+def _array_fields(cls) -> list[tuple[str, Callable[[Any], Any]]]:
+    """The fields of a message class that hold arrays, with their decode-time checkers: encode
+    runs them too, so a wrong dtype or rank is the sender's TypeError, not the receiver's."""
+    fields = _ARRAY_FIELDS.get(cls)
+    if fields is None:
+        hints = typing.get_type_hints(cls, include_extras=True)
+        fields = [(name, _checker(tp)) for name, tp in hints.items() if _holds_array(tp)]
+        _ARRAY_FIELDS[cls] = fields
+    return fields
+
 
 def _to_wire(v, extra: list):
+    if isinstance(v, enum.Enum):
+        return v.value
     if isinstance(v, np.ndarray):
         if v.dtype.name not in ALLOWED_DTYPES:
             raise TypeError(f"dtype {v.dtype} cannot travel")
@@ -225,6 +347,11 @@ def encode(msg) -> list:
     cls = type(msg)
     if _REGISTRY.get(getattr(cls, "TAG", None)) is not cls:
         raise TypeError(f"{cls.__name__} is not a registered message")
+    for name, check in _array_fields(cls):
+        try:
+            check(getattr(msg, name))
+        except MessageError as e:
+            raise TypeError(f"{cls.__name__}.{name}: {e}") from None
     extra: list = []
     fields = [_to_wire(getattr(msg, f.name), extra) for f in dataclasses.fields(msg)]
     head = msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)

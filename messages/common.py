@@ -15,6 +15,10 @@ class Hello:
 
 @message(1)
 class Heartbeat:
+    """ "I am alive". Engines send one to the coordinator every second; a client waiting for an
+    answer sends one when the coordinator has been quiet, and the coordinator answers it with one
+    (so a client tells a silent server from a busy one)."""
+
     time: float
 
 
@@ -29,3 +33,13 @@ class ErrorReply:
     code: str
     text: str
     request_id: int | None
+
+
+@message(3)
+class PeerGone:
+    """The connection of the peer named by the envelope's sender has closed: its process exited,
+    or ZMQ's heartbeat found it unreachable. A routed channel that watches its peers makes this
+    up itself from ZMQ's disconnect notification (actors/channel.py) and delivers it like any
+    inbound message (so it is recorded and replayed); no peer sends it."""
+
+    reason: str

@@ -6,23 +6,35 @@ The engine sends one `StepPlan` per step and gets one `StepResult` back. Arrays 
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 
-from taipan.messages.codec import message
+from taipan.messages.codec import Array, message
+from taipan.messages.lifecycle import KVCacheManagementMode, WeightArray
 from taipan.messages.requests import empty_array_field
+
+
+class GpuCommand(enum.StrEnum):
+    """What a GpuControl asks of the gpu actor (between steps)."""
+
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    UPDATE_WEIGHTS = "update_weights"
 
 
 @message(120)
 class LoadModel:
     """Load weights and size the KV cache: as many blocks as `kv_cache_gb` holds, at most
-    `max_blocks` (more than every admissible request can use would only waste memory)."""
+    `max_blocks` (more than every admissible request can use would only waste memory).
+    `kv_cache_gb` None: the device's default (InferenceConfig.buffer_size_gb says which)."""
 
     model: str
     dtype: str
     device: str
     block_size: int
     max_blocks: int
-    kv_cache_gb: float
+    kv_cache_gb: float | None
 
 
 @message(121)
@@ -57,21 +69,21 @@ class StepPlan:
     """
 
     step: int
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    seq_lens: np.ndarray
-    block_tables: np.ndarray
-    sample: np.ndarray
-    temperature: np.ndarray
-    top_k: np.ndarray
-    top_p: np.ndarray
-    seeds: np.ndarray
-    gen_index: np.ndarray
-    logprobs: np.ndarray
-    top_n: np.ndarray
-    prompt_targets: np.ndarray
+    input_ids: Array[np.int32, 1]
+    positions: Array[np.int32, 1]
+    slot_mapping: Array[np.int64, 1]
+    query_start_loc: Array[np.int32, 1]
+    seq_lens: Array[np.int32, 1]
+    block_tables: Array[np.int32, 2]
+    sample: Array[np.int8, 1]
+    temperature: Array[np.float32, 1]
+    top_k: Array[np.int32, 1]
+    top_p: Array[np.float32, 1]
+    seeds: Array[np.int64, 1]
+    gen_index: Array[np.int32, 1]
+    logprobs: Array[np.int8, 1]
+    top_n: Array[np.int32, 1]
+    prompt_targets: Array[np.int32, 1]
 
 
 @message(123)
@@ -89,15 +101,15 @@ class StepResult:
     """
 
     step: int
-    token_ids: np.ndarray
+    token_ids: Array[np.int32, 1]
     error: str | None
     forward_seconds: float
-    log_probs: np.ndarray = empty_array_field(np.float32)
-    top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
-    top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
-    prompt_log_probs: np.ndarray = empty_array_field(np.float32)
-    prompt_top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
-    prompt_top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
+    log_probs: Array[np.float32, 1] = empty_array_field(np.float32)
+    top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
+    top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
+    prompt_log_probs: Array[np.float32, 1] = empty_array_field(np.float32)
+    prompt_top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
+    prompt_top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
 
 
 @message(124)
@@ -116,10 +128,10 @@ class GpuControl:
     cannot travel as a numpy array). Weights are copied in place, in the model's dtype.
     A step while suspended gets a StepResult with `error` "the gpu worker is suspended"."""
 
-    command: str
-    mode: str | None
+    command: GpuCommand
+    mode: KVCacheManagementMode | None
     path: str | None
-    state: dict[str, np.ndarray] | None
+    state: dict[str, WeightArray] | None
 
 
 @message(125)
@@ -131,7 +143,7 @@ class GpuControlReply:
     was (computed with the old weights). `weight_version` counts successful updates since
     LoadModel (0 = as loaded)."""
 
-    command: str
+    command: GpuCommand
     error: str | None
     kv_valid: bool
     weight_version: int

@@ -1,31 +1,69 @@
-"""Lifecycle family (tags 40-59): control messages the coordinator drives.
+"""Lifecycle family (tags 40-59): control messages the coordinator drives, and their vocabulary.
 
-Flow: a client sends a control message to the coordinator; the coordinator checks it against its
-FSM (actors/coordinator/fsm.py), forwards it to every engine, and answers the client with one
-`ControlAck` once every engine has acknowledged (or an `ErrorReply` with code
-"illegal_transition" naming the current state, or "control_failed"). Engines answer the
-coordinator with `ControlAck` (or `ErrorReply`).
+Flow: a client sends a control message to the coordinator; the coordinator checks its `token`
+(the runtime's control token: only clients that present it may change the lifecycle), checks the
+command against its FSM (actors/coordinator/fsm.py), forwards it to every engine (with `token`
+emptied: the engine sockets are private to the runtime), and answers the client with one
+`ControlAck` once every engine has acknowledged (or an `ErrorReply`: "not_authorized",
+"illegal_transition" naming the current state, "busy", "bad_request" or "control_failed").
+Engines answer the coordinator with `ControlAck` (or `ErrorReply`).
 
 States: RUNNING -PAUSE-> PAUSED -SUSPEND-> SUSPENDED -RESUME-> PAUSED -UNPAUSE-> RUNNING;
 STOP from PAUSED or SUSPENDED; UPDATE_WEIGHTS only while SUSPENDED.
 - PAUSED: no steps run; requests keep their KV; new submissions queue.
 - SUSPENDED: the big tensors are released as `mode` says (None: the config's
   `kv_cache_management_mode`, itself defaulting to "persist"): "persist" keeps them, "offload"
-  copies the KV cache to CPU memory and frees the device copy, "recompute" drops it (running
-  requests re-prefill on resume).
+  copies the KV cache to host memory and frees the device copy (on a CPU device the KV already
+  is host memory and stays where it is), "recompute" drops it (running requests re-prefill on
+  resume).
 """
 
 from __future__ import annotations
 
+import enum
+
 import numpy as np
 
-from taipan.messages.codec import message
+from taipan.messages.codec import Array, message
+
+
+class LifecycleState(enum.StrEnum):
+    """The runtime's lifecycle state (the coordinator's FSM; each engine keeps its own copy)."""
+
+    RUNNING = "RUNNING"
+    PAUSED = "PAUSED"
+    SUSPENDED = "SUSPENDED"
+    STOPPED = "STOPPED"
+
+
+class ControlCommand(enum.StrEnum):
+    """A lifecycle command: the `ControlAck.command` of each control message below."""
+
+    PAUSE = "pause"
+    UNPAUSE = "unpause"
+    SUSPEND = "suspend"
+    RESUME = "resume"
+    UPDATE_WEIGHTS = "update_weights"
+    STOP = "stop"
+
+
+class KVCacheManagementMode(enum.StrEnum):
+    """What SUSPEND does with the KV cache (the seed's name; InferenceConfig uses it too)."""
+
+    PERSIST = "persist"
+    OFFLOAD = "offload"
+    RECOMPUTE = "recompute"
+
+
+# A weight travels as float16/32/64 (bfloat16 cannot be a numpy array), any shape.
+WeightArray = Array[(np.float16, np.float32, np.float64), None]
 
 
 @message(40)
 class Stop:
     """Shut down: abort every request (each gets its terminal output), then exit."""
 
+    token: str
     reason: str
 
 
@@ -38,22 +76,27 @@ class StopAck:
 class Pause:
     """Finish the step in flight, then run no more steps until Unpause."""
 
+    token: str
+
 
 @message(43)
 class Unpause:
-    pass
+    token: str
 
 
 @message(44)
 class Suspend:
-    """Release the big tensors; `mode` in ("persist", "offload", "recompute") or None."""
+    """Release the big tensors as `mode` says (None: the config's kv_cache_management_mode)."""
 
-    mode: str | None
+    token: str
+    mode: KVCacheManagementMode | None
 
 
 @message(45)
 class Resume:
     """Re-allocate (or copy back) what Suspend released; the runtime is PAUSED afterwards."""
+
+    token: str
 
 
 @message(46)
@@ -63,15 +106,27 @@ class UpdateWeights:
     checkpoint, e.g. "model.layers.0.mlp.down_proj.weight"; a subset is allowed). Exactly one
     of the two is set. Bumps the weight version."""
 
+    token: str
     path: str | None
-    state: dict[str, np.ndarray] | None
+    state: dict[str, WeightArray] | None
 
 
 @message(47)
 class ControlAck:
-    """`command`: "pause", "unpause", "suspend", "resume", "update_weights" or "stop";
-    `state`: the FSM state after it; `weight_version`: the weights now loaded (0 = as started)."""
+    """`state`: the lifecycle state after `command`; `weight_version`: the weights now loaded
+    (0 = as started)."""
 
-    command: str
-    state: str
+    command: ControlCommand
+    state: LifecycleState
     weight_version: int
+
+
+# Each control message and the command it carries.
+CONTROL_MESSAGES: dict[type, ControlCommand] = {
+    Pause: ControlCommand.PAUSE,
+    Unpause: ControlCommand.UNPAUSE,
+    Suspend: ControlCommand.SUSPEND,
+    Resume: ControlCommand.RESUME,
+    UpdateWeights: ControlCommand.UPDATE_WEIGHTS,
+    Stop: ControlCommand.STOP,
+}

@@ -8,13 +8,37 @@ request ends with exactly one `RequestOutput` whose `finished` is true.
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
-from taipan.messages.codec import message, struct
+from taipan.messages.codec import Array, message, struct
 
-FINISH_REASONS = ("stop", "length", "abort", "error")
 MAX_TOP_N = 20
+
+
+class FinishReason(enum.StrEnum):
+    """How a request ended: "stop" (EOS, a stop token or word), "length" (max_tokens or
+    max_sequence_length), "abort" (the client or a shutdown ended it), "error" (see `error`)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+class EventType(enum.StrEnum):
+    """The lifecycle events of a request (Megatron's DynamicInferenceEventType)."""
+
+    ADD_ENGINE = "ADD_ENGINE"
+    ADD_CONTEXT = "ADD_CONTEXT"
+    GENERATED_TOKEN = "GENERATED_TOKEN"
+    PAUSE = "PAUSE"
+    EVICT = "EVICT"
+    FINISH = "FINISH"
+    FAIL = "FAIL"
+    ERROR_TRANSIENT = "ERROR_TRANSIENT"
+    ERROR_NONTRANSIENT = "ERROR_NONTRANSIENT"
 
 
 def empty_array_field(dtype, ndim: int = 1):
@@ -22,25 +46,12 @@ def empty_array_field(dtype, ndim: int = 1):
     return dataclasses.field(default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
 
 
-EVENT_TYPES = (
-    "ADD_ENGINE",
-    "ADD_CONTEXT",
-    "GENERATED_TOKEN",
-    "PAUSE",
-    "EVICT",
-    "FINISH",
-    "FAIL",
-    "ERROR_TRANSIENT",
-    "ERROR_NONTRANSIENT",
-)
-
-
 @struct
 class RequestEvent:
-    """One lifecycle event of a request (see EVENT_TYPES); `timestamp` is the engine's clock
-    (seconds, from the inbound message that caused it); `payload` e.g. a token id."""
+    """One lifecycle event of a request; `timestamp` is the engine's clock (seconds, from the
+    inbound message that caused it); `payload` e.g. a token id."""
 
-    type: str
+    type: EventType
     timestamp: float
     payload: int | None
 
@@ -116,7 +127,7 @@ class SubmitRequest:
     """Client -> coordinator. `prompt_token_ids` is a 1-D int32 array."""
 
     request_id: int
-    prompt_token_ids: np.ndarray
+    prompt_token_ids: Array[np.int32, 1]
     sampling: SamplingParams
     stream: bool
 
@@ -126,7 +137,7 @@ class EngineSubmit:
     """Coordinator -> engine: a request under its global id."""
 
     request_id: int
-    prompt_token_ids: np.ndarray
+    prompt_token_ids: Array[np.int32, 1]
     sampling: SamplingParams
     stream: bool
     arrival_time: float
@@ -138,7 +149,7 @@ class RequestOutput:
 
     Streaming requests get a delta every `streaming_interval` tokens; others get one output
     with every generated token. The terminal output (`finished`) carries `finish_reason` in
-    FINISH_REASONS and, for "error", the `error` text, and the request's `events`, `ttft`
+    FinishReason and, for "error", the `error` text, and the request's `events`, `ttft`
     (first token time - arrival, seconds) and `tpot` (mean time per later token).
 
     Log-probs travel with the tokens they belong to: `log_probs` float32[new], `top_n_ids`
@@ -150,23 +161,23 @@ class RequestOutput:
     """
 
     request_id: int
-    new_token_ids: np.ndarray
+    new_token_ids: Array[np.int32, 1]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     error: str | None
     num_prompt_tokens: int
     num_generated_tokens: int
-    log_probs: np.ndarray = empty_array_field(np.float32)
-    top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
-    top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
-    prompt_log_probs: np.ndarray = empty_array_field(np.float32)
-    prompt_top_n_ids: np.ndarray = empty_array_field(np.int32, 2)
-    prompt_top_n_log_probs: np.ndarray = empty_array_field(np.float32, 2)
+    log_probs: Array[np.float32, 1] = empty_array_field(np.float32)
+    top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
+    top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
+    prompt_log_probs: Array[np.float32, 1] = empty_array_field(np.float32)
+    prompt_top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
+    prompt_top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
     events: tuple[RequestEvent, ...] = ()
     ttft: float | None = None
     tpot: float | None = None
-    policy_staleness: np.ndarray = empty_array_field(np.int32)
-    kv_cache_staleness: np.ndarray = empty_array_field(np.int32)
+    policy_staleness: Array[np.int32, 1] = empty_array_field(np.int32)
+    kv_cache_staleness: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(23)
@@ -181,9 +192,12 @@ class GetModelInfo:
 
 @message(25)
 class ModelInfo:
-    """What a client needs to tokenize and detokenize: the tokenizer travels with the model."""
+    """What a client needs to tokenize and detokenize: the tokenizer travels with the model.
+    `kv_cache_tokens` / `kv_cache_bytes`: the KV cache of one engine rank (the first loaded)."""
 
     model: str
     tokenizer: str
     max_sequence_length: int
     num_ranks: int
+    kv_cache_tokens: int
+    kv_cache_bytes: int

@@ -8,6 +8,7 @@ client's `GetStats` with one `Stats` holding every rank's latest `RankStats`.
 from __future__ import annotations
 
 from taipan.messages.codec import message, struct
+from taipan.messages.lifecycle import LifecycleState
 
 
 @message(140)
@@ -17,12 +18,12 @@ class GetStats:
 
 @struct
 class RankStats:
-    """One rank's counters. `state`: "RUNNING", "PAUSED" or "SUSPENDED"; blocks_free counts
+    """One rank's counters. `state`: the engine's own lifecycle state; blocks_free counts
     the allocator's free list after the last step (blocks of finished requests come back with
     the next step, which an idle engine runs at once and a paused one at unpause)."""
 
     rank: int
-    state: str
+    state: LifecycleState
     step: int
     running: int
     waiting: int
@@ -40,5 +41,5 @@ class RankStats:
 class Stats:
     """`state`: the coordinator's FSM state (an engine sends its own)."""
 
-    state: str
+    state: LifecycleState
     ranks: tuple[RankStats, ...]

@@ -5,6 +5,7 @@ replay checkers quote when they report a divergence. Pure formatting; imports no
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import numpy as np
 
@@ -21,6 +22,8 @@ def summarize(msg) -> str:
 
 
 def _value(v) -> str:
+    if isinstance(v, enum.Enum):
+        return str(v.value)
     if isinstance(v, np.ndarray):
         head = v.reshape(-1)[:MAX_ITEMS].tolist()
         more = " …" if v.size > MAX_ITEMS else ""

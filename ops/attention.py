@@ -1,20 +1,21 @@
-"""Paged attention over a flat, unpadded batch: the metadata, the KV write and the torch reference.
+"""Paged attention over a flat, unpadded batch: the metadata, the KV write, the production path
+and its torch reference.
 
 Owns `AttentionMetadata` (what one step's attention needs to know about its B sequences), the
-KV-cache layout, `write_kv` (this step's keys and values into their slots) and
-`paged_attention_ref` (each query token against its own sequence's cached keys, causally).
-The Triton kernels in kernels/ implement the same contracts; this file is their reference and
-the CPU path. Must not decide anything about scheduling: block tables and slots come from the
-allocator through the GPU actor, and are only read here.
+KV-cache layout, `write_kv` (this step's keys and values into their slots), `paged_attention`
+(what the model runs: decode rows and prefill rows, each as one padded batch through fused SDPA)
+and `paged_attention_ref` (a per-sequence loop in plain fp32 torch that tests check it against).
+Must not decide anything about scheduling: block tables and slots come from the allocator
+through the GPU actor, and are only read here.
 
 KV cache: one tensor per model, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). Token `p` of a sequence lives in block `block_table[p // block_size]`
-at offset `p % block_size`, i.e. in slot `block_id * block_size + offset`.
+at offset `p % block_size`, i.e. in slot `block_id * block_size + offset`. The cache is not
+zeroed: a slot a sequence did not write holds garbage, so no path may read one.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -35,107 +36,79 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length of each sequence including this step
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of each new token
-    # Host-side layout, filled once per step by `with_layout` so that no layer syncs the device:
-    # Python copies of the loop bounds, and the decode rows (one query token each) that run as
-    # one batched computation instead of a loop.
-    host_query_start: list[int] | None = None
-    host_seq_lens: list[int] | None = None
-    decode_seqs: torch.Tensor | None = None  # [Bd] int64 sequence indices with query_len 1
-    decode_tokens: torch.Tensor | None = None  # [Bd] int64 their token indices
-    decode_max_len: int = 0  # longest context among the decode rows
-    # With the block size known: each decode row's slots for positions [0, decode_max_len),
-    # positions past its end clamped to its last token (written, so finite), and the additive
-    # mask that hides them. The same for every layer, so built once per step.
-    decode_slots: torch.Tensor | None = None  # [Bd, S] int64
-    decode_bias: torch.Tensor | None = None  # [Bd, 1, 1, S] float32, 0 or -inf
-    prefill: PrefillLayout | None = None  # the other sequences, padded into one batch
-
-    @property
-    def num_seqs(self) -> int:
-        return self.seq_lens.shape[0]
-
-    def to(self, device: torch.device | str) -> AttentionMetadata:
-        return AttentionMetadata(
-            query_start_loc=self.query_start_loc.to(device),
-            seq_lens=self.seq_lens.to(device),
-            block_tables=self.block_tables.to(device),
-            slot_mapping=self.slot_mapping.to(device),
-        )
+    # Attached once per step by `with_layout` (the same for every layer, so no layer syncs the
+    # device or rebuilds it): the decode rows and the prefill rows, each one padded batch.
+    batches: tuple[RowBatch, ...] | None = None
 
     def with_layout(
-        self, query_start: list[int], seq_lens: list[int], block_size: int = 0
+        self, query_start: list[int], seq_lens: list[int], block_size: int
     ) -> AttentionMetadata:
-        """Attach the host layout (from the host copies the caller already has): decode rows
-        and prefill rows each become one batched computation, the same for every layer.
-        `block_size` (0 = unknown) lets the decode rows' slots be computed once here."""
-        self.host_query_start, self.host_seq_lens = list(query_start), list(seq_lens)
-        device = self.seq_lens.device
-        lens = [query_start[b + 1] - query_start[b] for b in range(len(seq_lens))]
-        decode = [b for b, n in enumerate(lens) if n == 1]
-        if decode:
-            self.decode_seqs = torch.tensor(decode, dtype=torch.int64, device=device)
-            tokens = [query_start[b] for b in decode]
-            self.decode_tokens = torch.tensor(tokens, dtype=torch.int64, device=device)
-            self.decode_max_len = max(seq_lens[b] for b in decode)
-            if block_size > 0:
-                self._decode_slots(block_size)
-        rows = [b for b, n in enumerate(lens) if n > 1]
-        if rows:
-            self.prefill = PrefillLayout.build(rows, query_start, seq_lens, device)
-            if block_size > 0:
-                self.prefill.attach_slots(self.block_tables, self.seq_lens, block_size)
+        """Attach the layout `paged_attention` needs, from host copies of `query_start_loc` and
+        `seq_lens` the caller already has; returns self."""
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        query_lens = [query_start[b + 1] - query_start[b] for b in range(len(seq_lens))]
+        # Decode rows and prefill rows are padded apart: one long prompt must not pad every
+        # decode row's single query to its length.
+        decode = [b for b, n in enumerate(query_lens) if n == 1]
+        prefill = [b for b, n in enumerate(query_lens) if n > 1]
+        self.batches = tuple(
+            RowBatch.build(rows, query_start, seq_lens, self.block_tables, block_size)
+            for rows in (decode, prefill)
+            if rows
+        )
         return self
-
-    def _decode_slots(self, block_size: int) -> None:
-        lens = self.seq_lens[self.decode_seqs].long()[:, None]  # [Bd, 1]
-        pos = torch.arange(self.decode_max_len, device=lens.device)[None, :]  # [1, S]
-        clamped = torch.minimum(pos, lens - 1)
-        tables = self.block_tables[self.decode_seqs].long()
-        blocks = torch.gather(tables, 1, clamped // block_size)
-        self.decode_slots = blocks * block_size + clamped % block_size
-        bias = torch.zeros(clamped.shape, device=lens.device).masked_fill(pos >= lens, -math.inf)
-        self.decode_bias = bias[:, None, None, :]  # [Bd, 1, 1, S]
 
 
 @dataclass
-class PrefillLayout:
-    """Sequences with several query tokens, padded to the longest: [Bp, Qmax] index tables."""
+class RowBatch:
+    """Some of a step's sequences padded into one batch: R rows of up to Qmax queries each, over
+    key positions [0, S) with S the longest context among them."""
 
-    seqs: torch.Tensor  # [Bp] int64 sequence indices
-    tokens: torch.Tensor  # [Bp, Qmax] int64 token index of each query (0 where padded)
-    valid: torch.Tensor  # [Bp, Qmax] bool, False where padded
-    positions: torch.Tensor  # [Bp, Qmax] int64 position of each query in its sequence
-    max_len: int  # longest context among these rows
-    # With the block size known (attach_slots): each row's slots for key positions [0, max_len),
-    # clamped to its last token (written this step, so finite), and the causal mask over them.
-    slots: torch.Tensor | None = None  # [Bp, S] int64
-    mask: torch.Tensor | None = None  # [Bp, 1, Qmax, S] bool, True = the query sees the key
+    tokens: torch.Tensor  # [R, Qmax] int64 token index of each query (0 where padded)
+    # Each row's slot for every key position, positions past its end clamped to its last token
+    # (written this step, so finite; the mask hides it): no unwritten slot is ever read.
+    slots: torch.Tensor  # [R, S] int64
+    mask: torch.Tensor  # [R, 1, Qmax, S] bool, True = the query sees the key
+    # Where the real (unpadded) queries' outputs go: flat index in [R * Qmax] -> token index.
+    # Index tensors, not a boolean mask, so scattering them back never syncs the device.
+    valid_index: torch.Tensor  # [N] int64 into the flattened [R * Qmax] queries
+    valid_tokens: torch.Tensor  # [N] int64 their token indices
 
     @classmethod
-    def build(cls, rows: list[int], query_start: list[int], seq_lens: list[int], device):
+    def build(
+        cls,
+        rows: list[int],
+        query_start: list[int],
+        seq_lens: list[int],
+        block_tables: torch.Tensor,
+        block_size: int,
+    ) -> RowBatch:
         qmax = max(query_start[b + 1] - query_start[b] for b in rows)
         tokens = torch.zeros(len(rows), qmax, dtype=torch.int64)
-        valid = torch.zeros(len(rows), qmax, dtype=torch.bool)
+        # Padded queries get position 0: they see key 0, so no row is all masked (no NaN).
         positions = torch.zeros(len(rows), qmax, dtype=torch.int64)
+        valid_index: list[int] = []
         for i, b in enumerate(rows):
             n = query_start[b + 1] - query_start[b]
             tokens[i, :n] = torch.arange(query_start[b], query_start[b + 1])
-            valid[i, :n] = True
             positions[i, :n] = torch.arange(seq_lens[b] - n, seq_lens[b])
-        seqs = torch.tensor(rows, dtype=torch.int64)
-        max_len = max(seq_lens[b] for b in rows)
-        return cls(*(x.to(device) for x in (seqs, tokens, valid, positions)), max_len)
-
-    def attach_slots(
-        self, block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int
-    ) -> None:
-        lens = seq_lens[self.seqs].long()[:, None]  # [Bp, 1]
-        pos = torch.arange(self.max_len, device=lens.device)[None, :]  # [1, S]
+            valid_index += range(i * qmax, i * qmax + n)
+        valid_tokens = tokens.view(-1)[valid_index]
+        device = block_tables.device
+        tokens, positions = tokens.to(device), positions.to(device)
+        seqs = torch.tensor(rows, dtype=torch.int64, device=device)
+        lens = torch.tensor([seq_lens[b] for b in rows], device=device)[:, None]  # [R, 1]
+        pos = torch.arange(max(seq_lens[b] for b in rows), device=device)[None, :]  # [1, S]
         clamped = torch.minimum(pos, lens - 1)
-        blocks = torch.gather(block_tables[self.seqs].long(), 1, clamped // block_size)
-        self.slots = blocks * block_size + clamped % block_size
-        # Padded query rows have position 0: they see key 0, so no row is all -inf (no NaN).
-        self.mask = (pos[:, None, :] <= self.positions[:, :, None])[:, None]
+        blocks = torch.gather(block_tables[seqs].long(), 1, clamped // block_size)
+        return cls(
+            tokens=tokens,
+            slots=blocks * block_size + clamped % block_size,
+            mask=(pos[:, None, :] <= positions[:, :, None])[:, None],
+            valid_index=torch.tensor(valid_index, dtype=torch.int64, device=device),
+            valid_tokens=valid_tokens.to(device),
+        )
 
 
 def write_kv(
@@ -152,6 +125,64 @@ def write_kv(
     v_slots = layer_cache[1].view(-1, num_kv_heads, head_dim)
     k_slots.index_copy_(0, slot_mapping, k.to(layer_cache.dtype))
     v_slots.index_copy_(0, slot_mapping, v.to(layer_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Causal GQA attention of each query token over its sequence's paged KV (this step's keys
+    must already be written): each of `attn.batches` through fused SDPA. Needs the layout
+    (`AttentionMetadata.with_layout`).
+
+    q: [T, heads, head_dim] -> out: [T, heads, head_dim] in q's dtype.
+    """
+    if attn.batches is None:
+        raise ValueError(
+            "paged_attention needs the step's layout: build the metadata with "
+            "AttentionMetadata(...).with_layout(query_start, seq_lens, block_size)"
+        )
+    out = torch.empty_like(q)
+    for rows in attn.batches:
+        _attend_rows(q, out, layer_cache, rows, scale)
+    return out
+
+
+def _attend_rows(
+    q: torch.Tensor, out: torch.Tensor, layer_cache: torch.Tensor, rows: RowBatch, scale: float
+) -> None:
+    """One padded batch of rows through fused SDPA; writes their tokens' rows of `out`."""
+    num_rows, qmax = rows.tokens.shape
+    k, v = _gather_slots(layer_cache, rows.slots)  # [R, kv_heads, S, D]
+    qr = q[rows.tokens].transpose(1, 2)  # [R, heads, Qmax, D]
+    o = _sdpa(qr, k.to(q.dtype), v.to(q.dtype), rows.mask, scale)  # [R, heads, Qmax, D]
+    o = o.transpose(1, 2).reshape(num_rows * qmax, *q.shape[1:])  # [R * Qmax, heads, D]
+    out[rows.valid_tokens] = o[rows.valid_index].to(out.dtype)
+
+
+def _gather_slots(layer_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Keys and values at `slots` [R, S]: each [R, kv_heads, S, D] (index_select: on CPU about
+    twice as fast as advanced indexing)."""
+    _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
+    flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    index = slots.reshape(-1)
+    shape = (*slots.shape, num_kv_heads, head_dim)
+    k = flat[0].index_select(0, index).view(shape).transpose(1, 2)
+    v = flat[1].index_select(0, index).view(shape).transpose(1, 2)
+    return k, v
+
+
+def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
+    """Fused attention with grouped K/V. q: [B, heads, Q, D]; k, v: [B, kv_heads, S, D]; mask
+    [B, 1, Q, S] (bool, True = seen) -> [B, heads, Q, D]."""
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    # On CUDA, SDPA with a mask may pick cuDNN, which builds a new graph for every new shape:
+    # 10-25 ms of host time per call, and a decode step's context length changes every step.
+    # The memory-efficient kernel has no such cost; it wants K/V with every head.
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 def gather_kv(
@@ -172,43 +203,20 @@ def gather_kv(
 def paged_attention_ref(
     q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
 ) -> torch.Tensor:
-    """Causal GQA attention of each query token over its sequence's paged KV (this step's keys
-    must already be written). Plain torch, fp32 inside: decode rows batched when the host
-    layout is attached (`with_layout`), one loop iteration per other sequence.
+    """`paged_attention`'s reference: one sequence at a time, plain torch, fp32 inside, reading
+    only `gather_kv` of each sequence. Ignores the layout (syncs the device for the bounds).
 
     q: [T, heads, head_dim] -> out: [T, heads, head_dim] in q's dtype.
     """
-    num_tokens, num_heads, head_dim = q.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = layer_cache.shape[-2]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    starts = attn.host_query_start
-    seq_lens = attn.host_seq_lens
-    if starts is None:  # no host layout attached: one device sync for the loop bounds
-        starts, seq_lens = attn.query_start_loc.tolist(), attn.seq_lens.tolist()
-    if attn.host_query_start is not None:  # batched: no per-sequence loop
-        if attn.decode_slots is not None:
-            out[attn.decode_tokens] = _decode_attention_by_slots(
-                q[attn.decode_tokens], layer_cache, attn.decode_slots, attn.decode_bias, scale
-            )
-        elif attn.decode_seqs is not None:
-            out[attn.decode_tokens] = paged_decode_attention_ref(
-                q[attn.decode_tokens],
-                layer_cache,
-                attn.block_tables[attn.decode_seqs],
-                attn.seq_lens[attn.decode_seqs],
-                scale,
-                attn.decode_max_len,
-            )
-        if attn.prefill is not None and attn.prefill.slots is not None:
-            _prefill_attention_by_slots(q, out, layer_cache, attn.prefill, scale)
-        elif attn.prefill is not None:
-            _batched_prefill_attention(q, out, layer_cache, attn, scale)
-        return out
+    starts, seq_lens = attn.query_start_loc.tolist(), attn.seq_lens.tolist()
     for b, seq_len in enumerate(seq_lens):
         start, end = starts[b], starts[b + 1]
         query_len = end - start
-        if query_len == 0 or (query_len == 1 and attn.decode_seqs is not None):
+        if query_len == 0:
             continue
         k, v = gather_kv(layer_cache, attn.block_tables[b], seq_len)  # [S, kv_heads, D]
         # qg: [kv_heads, group, query_len, D]; each kv head serves `group` query heads
@@ -228,131 +236,6 @@ def paged_attention_ref(
     return out
 
 
-def _gather_padded(
-    layer_cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys and values of positions [0, max_len) of each row, through its block table:
-    [rows, max_len, kv_heads, D] (0 = every position the table covers). Gathers slots, not
-    whole blocks, so large blocks cost only what is used."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
-    if max_len <= 0:
-        max_len = block_tables.shape[1] * block_size
-    pos = torch.arange(max_len, device=block_tables.device)
-    slots = block_tables[:, pos // block_size].long() * block_size + pos % block_size
-    k = layer_cache[0].view(num_blocks * block_size, num_kv_heads, head_dim)[slots]
-    v = layer_cache[1].view(num_blocks * block_size, num_kv_heads, head_dim)[slots]
-    return k, v
-
-
-def _batched_prefill_attention(
-    q: torch.Tensor,
-    out: torch.Tensor,
-    layer_cache: torch.Tensor,
-    attn: AttentionMetadata,
-    scale: float,
-) -> None:
-    """Causal attention of the prefill rows as one padded batch; writes their rows of `out`."""
-    lay = attn.prefill
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = layer_cache.shape[-2]
-    bp, qmax = lay.tokens.shape
-    k, v = _gather_padded(layer_cache, attn.block_tables[lay.seqs], lay.max_len)
-    k, v = k.float(), v.float()  # [Bp, S, kv_heads, D], S = the longest context
-    key_pos = torch.arange(k.shape[1], device=q.device)
-    seen = key_pos[None, None, :] <= lay.positions[:, :, None]  # [Bp, Qmax, S] causal
-    qg = q[lay.tokens].float().view(bp, qmax, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bqkgd,bskd->bkgqs", qg, k) * scale  # [Bp, kv, group, Qmax, S]
-    scores = scores.masked_fill(~seen[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # padded query rows are NaN; never read back
-    # Keys past the longest query position were never written here (garbage may be NaN).
-    used = key_pos[None, :] <= lay.positions.max(dim=1).values[:, None]  # [Bp, S]
-    v = torch.where(used[:, :, None, None], v, 0.0)
-    o = torch.einsum("bkgqs,bskd->bqkgd", probs, v).reshape(bp, qmax, num_heads, head_dim)
-    out[lay.tokens[lay.valid]] = o[lay.valid].to(out.dtype)
-
-
-def _gather_slots(layer_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Keys and values at `slots` [R, S]: each [R, kv_heads, S, D] (index_select: on CPU about
-    twice as fast as advanced indexing)."""
-    _, num_blocks, block_size, num_kv_heads, head_dim = layer_cache.shape
-    flat = layer_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    index = slots.reshape(-1)
-    shape = (*slots.shape, num_kv_heads, head_dim)
-    k = flat[0].index_select(0, index).view(shape).transpose(1, 2)
-    v = flat[1].index_select(0, index).view(shape).transpose(1, 2)
-    return k, v
-
-
-def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
-    """Fused attention with grouped K/V. q: [B, heads, Q, D]; k, v: [B, kv_heads, S, D]; mask
-    [B, 1, Q, S] (bool, True = seen, or additive float) -> [B, heads, Q, D]."""
-    if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    # On CUDA, SDPA with a mask may pick cuDNN, which builds a new graph for every new shape:
-    # 10-25 ms of host time per call, and a decode step's context length changes every step.
-    # The memory-efficient kernel has no such cost; it wants K/V with every head.
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-
-
-def _prefill_attention_by_slots(
-    q: torch.Tensor, out: torch.Tensor, layer_cache: torch.Tensor, lay: PrefillLayout, scale: float
-) -> None:
-    """The prefill rows as one padded batch through fused SDPA (grouped K/V, see `_sdpa`);
-    writes their rows of `out`. Every gathered slot was written, so no NaN can leak in."""
-    bp, qmax = lay.tokens.shape
-    k, v = _gather_slots(layer_cache, lay.slots)  # [Bp, kv_heads, S, D]
-    qp = q[lay.tokens].transpose(1, 2)  # [Bp, heads, Qmax, D]
-    o = _sdpa(qp, k.to(q.dtype), v.to(q.dtype), lay.mask, scale)
-    o = o.transpose(1, 2)  # [Bp, Qmax, heads, D]
-    out[lay.tokens[lay.valid]] = o[lay.valid].to(out.dtype)
-
-
-def _decode_attention_by_slots(
-    q: torch.Tensor,
-    layer_cache: torch.Tensor,
-    slots: torch.Tensor,
-    bias: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """paged_decode_attention_ref with the per-step work hoisted out (slots, mask): two gathers
-    and one fused SDPA per layer. q: [Bd, heads, D] -> [Bd, heads, D]."""
-    k, v = _gather_slots(layer_cache, slots)  # [Bd, kv_heads, S, D]
-    o = _sdpa(q[:, :, None], k.to(q.dtype), v.to(q.dtype), bias.to(q.dtype), scale)
-    return o[:, :, 0]
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    layer_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_len: int = 0,
-) -> torch.Tensor:
-    """Batched attention of Bd sequences that each have one query token (decode), padded to the
-    longest context in the batch (`max_len`, 0 = the whole block table) and masked. fp32 inside.
-
-    q: [Bd, heads, D]; block_tables: [Bd, max_blocks]; seq_lens: [Bd] -> [Bd, heads, D].
-    """
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = layer_cache.shape[-2]
-    k, v = _gather_padded(layer_cache, block_tables, max_len)  # [Bd, S, kv_heads, D]
-    positions = torch.arange(k.shape[1], device=q.device)
-    valid = positions[None, :] < seq_lens[:, None].long()  # [Bd, S]
-    qg = q.float().view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("bkgd,bskd->bkgs", qg, k.float()) * scale  # [Bd, kv, group, S]
-    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    # Slots past a sequence's end were never written (the cache is not zeroed): a zero weight
-    # times garbage can still be NaN, so clear them.
-    v = torch.where(valid[:, :, None, None], v.float(), 0.0)
-    out = torch.einsum("bkgs,bskd->bkgd", probs, v)
-    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
-
-
 def build_attention_metadata(
     query_lens: list[int],
     seq_lens: list[int],
@@ -360,8 +243,8 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """Metadata and positions [T] for sequences given as plain lists (tests and simple callers;
-    the GPU actor fills persistent buffers instead).
+    """Metadata (layout attached) and positions [T] for sequences given as plain lists (tests
+    and simple callers; the GPU actor fills persistent buffers instead).
 
     Sequence b's new tokens are positions `seq_lens[b] - query_lens[b] .. seq_lens[b] - 1`.
     """
@@ -382,5 +265,5 @@ def build_attention_metadata(
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
         block_tables=torch.tensor(padded, dtype=torch.int32, device=device).view(-1, max_blocks),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-    )
+    ).with_layout(cumulative, seq_lens, block_size)
     return meta, torch.tensor(positions, dtype=torch.int64, device=device)

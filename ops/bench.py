@@ -25,26 +25,33 @@ def hf_generate(
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     model = model.to(args.device).eval()
     width = max(len(p) for p in prompt_ids)
+    # One static batch: every prompt is left-padded to the longest one and masked out with the
+    # attention mask (HF derives position ids from the mask, so positions match ours).
     pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=args.device)
     mask = torch.tensor(
         [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=args.device
     )
-    kw = dict(
-        max_new_tokens=args.output_len,
-        min_new_tokens=args.output_len,
-        do_sample=False,
-        pad_token_id=pad,
-    )
+    # EOS as ours treats it (SamplingParams(ignore_eos=True)): never a stop, never masked, so an
+    # EOS argmax is emitted and decoding goes on. `min_new_tokens` would mask the EOS logit
+    # (MinNewTokensLengthLogitsProcessor) and pick another token. `generate` fills unset options
+    # from `model.generation_config` (the checkpoint's eos_token_id lives there); with
+    # eos_token_id None, transformers 5.23's `_get_stopping_criteria` adds no EosTokenCriteria,
+    # `_get_logits_processor` no MinLength/MinNewTokens processor, and `_sample` never swaps in
+    # pad for finished rows: the one stop left is MaxLengthCriteria at width + output_len.
+    gen = model.generation_config
+    gen.eos_token_id = gen.forced_eos_token_id = None
+    gen.min_length = gen.min_new_tokens = None
+    kw = dict(max_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
     with torch.inference_mode():
-        model.generate(
-            input_ids=ids[:2],
-            attention_mask=mask[:2],
-            **dict(kw, max_new_tokens=2, min_new_tokens=2),
-        )
+        model.generate(input_ids=ids[:2], attention_mask=mask[:2], **dict(kw, max_new_tokens=2))
         start = time.perf_counter()
         out = model.generate(input_ids=ids, attention_mask=mask, **kw)
         elapsed = time.perf_counter() - start
+    if out.shape != (len(prompt_ids), width + args.output_len):
+        raise RuntimeError(
+            f"HF returned {tuple(out.shape)}, not {len(prompt_ids)} x {width}+{args.output_len}"
+        )
     return elapsed, out[:, width:].tolist()
 
 

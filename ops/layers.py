@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taipan.ops.attention import AttentionMetadata, paged_attention_ref, write_kv
+from taipan.ops.attention import AttentionMetadata, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):
@@ -79,7 +79,7 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)  # q: [tokens, heads, head_dim]
         k = apply_rope(k, cos, sin)  # k: [tokens, kv_heads, head_dim]
         write_kv(k, v, layer_cache, attn.slot_mapping)
-        out = paged_attention_ref(q, layer_cache, attn, self.scale)  # [tokens, heads, head_dim]
+        out = paged_attention(q, layer_cache, attn, self.scale)  # [tokens, heads, head_dim]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 

@@ -1,8 +1,9 @@
 """Token sampling from logits: greedy, temperature, top-k, top-p, seeded per request.
 
-Owns turning a step's logits [B, V] into one token per row, plus log-probabilities. The
-per-request parameters arrive as device tensors so a step never branches on them on the host
-(no sync, CUDA-graph safe); the Triton sampling kernel implements the same contract.
+Owns turning a step's logits [B, V] into one token per row (log-probabilities are
+ops/logprobs.py's). The per-request parameters arrive as device tensors so a step never branches
+on them on the host (no sync, CUDA-graph safe); a Triton sampling kernel would implement the same
+contract.
 
 Determinism: a seeded row draws its noise from a counter-based hash of (seed, gen_index, token
 id), not from a stateful generator, so the same (seed, gen_index, logits) gives the same token
@@ -98,12 +99,3 @@ def sample(
     race = probs / torch.gather(noise, 1, sorted_ids)
     choice = torch.gather(sorted_ids, 1, race.argmax(dim=-1, keepdim=True)).squeeze(1)
     return torch.where(greedy, logits.argmax(dim=-1), choice)
-
-
-def logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """log p(token) under the raw (untempered, unfiltered) distribution.
-
-    logits: [B, V]; tokens: [B] int64 -> [B] float32.
-    """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return torch.gather(logp, 1, tokens.long()[:, None]).squeeze(1)

@@ -15,6 +15,7 @@ _EXPORTS = {
     "Delta": "taipan.client",
     "RequestError": "taipan.client",
     "ControlError": "taipan.client",
+    "RuntimeUnreachable": "taipan.client",
     "ControlAck": "taipan.messages.lifecycle",
     "SamplingParams": "taipan.messages.requests",
     "InferenceConfig": "taipan.actors.config",

@@ -12,8 +12,10 @@ import signal
 import sys
 import threading
 
+from taipan.actors.client.actor import DEFAULT_TIMEOUT_S, RuntimeUnreachable
 from taipan.actors.config import ConfigError
-from taipan.launcher import add_runtime_arguments, runtime_from_args
+from taipan.actors.log import configure
+from taipan.launcher import add_runtime_arguments, describe_exit, runtime_from_args
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -23,10 +25,17 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run coordinator + engines until SIGINT/SIGTERM")
     add_runtime_arguments(serve)
     serve.add_argument("--address", help="client address, e.g. tcp://127.0.0.1:5555")
+    serve.set_defaults(log_level="info")  # a server logs its controls and start-up
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
     add_runtime_arguments(gen)
     gen.add_argument("--address", help="use a running runtime instead of starting one")
+    gen.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_TIMEOUT_S,
+        help=f"seconds a silent runtime is waited for (default {DEFAULT_TIMEOUT_S:g})",
+    )
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
     gen.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -51,6 +60,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
+    """Serve until SIGINT/SIGTERM (exit 0) or until a child process dies (exit 1, naming it)."""
+    configure(args.log_level)
     rt = runtime_from_args(args, args.address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -58,10 +69,21 @@ def cmd_serve(args) -> int:
     rt.on_child_exit(lambda name, code: stop.set())  # a child died: shut down too
     try:
         rt.start()
-        print(f"taipan: serving {rt.model_name} at {rt.address}", file=sys.stderr, flush=True)
+        info = rt.model_info
+        print(
+            f"taipan: serving {rt.model_name} at {rt.address}; KV cache of "
+            f"{info.kv_cache_tokens} tokens ({info.kv_cache_bytes / 1024**3:.2f} GiB) per rank; "
+            f"control token in {rt.token_path}",
+            file=sys.stderr,
+            flush=True,
+        )
         stop.wait()
     finally:
         rt.shutdown()
+    if rt.unexpected_exits:
+        name, code = rt.unexpected_exits[0]
+        print(f"taipan: error: {name} {describe_exit(code)}; the runtime stopped", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -84,7 +106,7 @@ def cmd_generate(args) -> int:
     if args.address is None:
         rt = runtime_from_args(args).start()
     try:
-        with Client(args.address or rt.address) as client:
+        with Client(args.address or rt.address, timeout=args.timeout) as client:
             done = client.generate(args.prompt, sampling, chat=args.chat, raise_on_error=False)
     finally:
         if rt is not None:
@@ -126,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
             code = bench.run(args)
         else:
             code = handlers[args.command](args)
-    except (ConfigError, ModelNotFoundError, LaunchError, ValueError) as e:
+    except (ConfigError, ModelNotFoundError, LaunchError, RuntimeUnreachable, ValueError) as e:
         print(f"taipan: error: {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:

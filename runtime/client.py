@@ -3,7 +3,11 @@
 The client tokenizes (the tokenizer travels from the engine in ModelInfo, so no model files are
 needed here), turns stop words into token ids, submits token ids, and detokenizes incrementally.
 It also drives the lifecycle (pause, suspend, update_weights, resume, unpause, stop: see
-messages/lifecycle.py). No torch is imported.
+messages/lifecycle.py) with the runtime's control token (runtime/auth.py: found by address for
+the user who started the runtime, or given as `control_token=` / TAIPAN_CONTROL_TOKEN).
+`timeout` is how long the runtime may stay silent before a waiting call fails with
+`RuntimeUnreachable` (a busy runtime still answers; see actors/client/actor.py); `connect_timeout`
+bounds the wait for an engine to load its model. No torch is imported.
 
     async with AsyncClient("ipc:///tmp/taipan.sock") as c:
         [done] = await c.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
@@ -28,10 +32,17 @@ import zmq
 import zmq.asyncio
 
 from taipan.actors.channel import make_socket
-from taipan.actors.client.actor import ClientActor, ControlError
+from taipan.actors.client.actor import (
+    DEFAULT_TIMEOUT_S,
+    ClientActor,
+    ControlError,
+    RuntimeUnreachable,
+)
+from taipan.auth import find_token
 from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
 from taipan.messages.lifecycle import (
     ControlAck,
+    KVCacheManagementMode,
     Pause,
     Resume,
     Stop,
@@ -39,7 +50,7 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from taipan.messages.requests import RequestEvent, RequestOutput, SamplingParams
+from taipan.messages.requests import ModelInfo, RequestEvent, RequestOutput, SamplingParams
 from taipan.messages.stats import Stats
 from taipan.ops.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -54,6 +65,7 @@ __all__ = [
     "ControlError",
     "Delta",
     "RequestError",
+    "RuntimeUnreachable",
 ]
 
 
@@ -148,11 +160,21 @@ def _check_state_fits(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 class AsyncClient:
-    def __init__(self, address: str, *, connect_timeout: float = 600.0):
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        connect_timeout: float = 600.0,
+        control_token: str | None = None,
+    ):
         self.address = address
+        self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self._control_token = control_token
         self.tokenizer: Tokenizer | None = None
         self.model: str | None = None
+        self.info: ModelInfo | None = None
         self._ctx: zmq.asyncio.Context | None = None
         self._actor: ClientActor | None = None
         self._task: asyncio.Task | None = None
@@ -168,14 +190,14 @@ class AsyncClient:
         """Connect and fetch the model info (waits until an engine has loaded its model)."""
         self._ctx = zmq.asyncio.Context()
         channel = make_socket(self._ctx, zmq.DEALER, self.address, bind=False, name="coordinator")
-        self._actor = ClientActor(channel)
+        self._actor = ClientActor(channel, address=self.address, timeout=self.timeout)
         self._task = asyncio.create_task(self._actor.run())  # owned here; awaited in close()
         try:
             info = await asyncio.wait_for(self._actor.model_info(), self.connect_timeout)
         except BaseException:
             await self.close()
             raise
-        self.model = info.model
+        self.info, self.model = info, info.model
         self.tokenizer = Tokenizer.from_wire(json.loads(info.tokenizer))
 
     async def close(self) -> None:
@@ -315,28 +337,41 @@ class AsyncClient:
     # has acknowledged, and raises ControlError when the runtime refuses (e.g. code
     # "illegal_transition": resume while RUNNING) or an engine fails it (the state stays).
 
-    async def _control(self, command: str, msg) -> ControlAck:
+    @property
+    def control_token(self) -> str:
+        """The token controls carry: the one given, else the one the runtime at this address
+        wrote for this user (looked up at each control: the runtime may start after the client
+        is made, or restart), else "" (the runtime then refuses with "not_authorized")."""
+        return self._control_token or find_token(self.address) or ""
+
+    async def _control(self, msg) -> ControlAck:
         if self._actor is None:
             raise RuntimeError("the client is not connected")
-        return await self._actor.control(command, msg)
+        return await self._actor.control(msg)
 
     async def pause(self) -> ControlAck:
         """RUNNING -> PAUSED: the step in flight finishes, no more run; requests keep their KV
         and new submissions queue."""
-        return await self._control("pause", Pause())
+        return await self._control(Pause(self.control_token))
 
     async def unpause(self) -> ControlAck:
         """PAUSED -> RUNNING."""
-        return await self._control("unpause", Unpause())
+        return await self._control(Unpause(self.control_token))
 
     async def suspend(self, mode: str | None = None) -> ControlAck:
         """PAUSED -> SUSPENDED: release the big tensors as `mode` says ("persist", "offload",
         "recompute"; None: the runtime's kv_cache_management_mode)."""
-        return await self._control("suspend", Suspend(mode))
+        if mode is not None:
+            try:
+                mode = KVCacheManagementMode(mode)
+            except ValueError:
+                choices = ", ".join(KVCacheManagementMode)
+                raise ValueError(f"suspend mode {mode!r} is not one of {choices}") from None
+        return await self._control(Suspend(self.control_token, mode))
 
     async def resume(self) -> ControlAck:
         """SUSPENDED -> PAUSED: bring back what suspend released."""
-        return await self._control("resume", Resume())
+        return await self._control(Resume(self.control_token))
 
     async def update_weights(
         self, path: str | os.PathLike | None = None, state: Mapping | None = None
@@ -346,27 +381,38 @@ class AsyncClient:
         is allowed). Exactly one of the two. The ack's `weight_version` is the new version."""
         if (path is None) == (state is None):
             raise ValueError("update_weights takes exactly one of path and state")
+        token = self.control_token
         msg = (
-            UpdateWeights(os.fspath(path), None)
+            UpdateWeights(token, os.fspath(path), None)
             if path is not None
-            else UpdateWeights(None, _check_state_fits(state))
+            else UpdateWeights(token, None, _check_state_fits(state))
         )
-        return await self._control("update_weights", msg)
+        return await self._control(msg)
 
     async def stop(self) -> ControlAck:
         """Stop the whole runtime (legal from PAUSED or SUSPENDED: pause first): every request is
         aborted with its terminal output, every process exits."""
-        return await self._control("stop", Stop("client asked to stop"))
+        return await self._control(Stop(self.control_token, "client asked to stop"))
 
 
 class Client:
-    """The blocking twin of AsyncClient: its own event loop runs in a background thread."""
+    """The blocking twin of AsyncClient (same arguments): its own event loop runs in a background
+    thread."""
 
-    def __init__(self, address: str, *, connect_timeout: float = 600.0):
+    def __init__(
+        self,
+        address: str,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        connect_timeout: float = 600.0,
+        control_token: str | None = None,
+    ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
-        self._async = AsyncClient(address, connect_timeout=connect_timeout)
+        self._async = AsyncClient(
+            address, timeout=timeout, connect_timeout=connect_timeout, control_token=control_token
+        )
         try:
             self._run(self._async.connect())
         except BaseException:

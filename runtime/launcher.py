@@ -3,10 +3,15 @@
     with Runtime("smollm2", InferenceConfig()) as rt:
         client = Client(rt.address)
 
-Owns the child processes and a private temp dir for ipc sockets. Shutdown sends PAUSE then STOP
-through the coordinator (STOP is legal only while paused or suspended; every request gets its
-terminal output), waits for the children, escalates to SIGTERM then SIGKILL, and removes the ipc
-files. Children also die with this process.
+Owns the child processes, a private temp dir for ipc sockets, and the runtime's control token
+(runtime/auth.py: written for the client address, readable by this user only, removed at
+shutdown). Shutdown sends PAUSE then STOP through the coordinator (STOP is legal only while
+paused or suspended; every request gets its terminal output), waits for the children, escalates
+to SIGTERM then SIGKILL, and removes the ipc files. Children also die with this process.
+
+A child that exits while the runtime is not shutting down is logged as an error naming it and
+how it ended (exit code or signal) and listed in `unexpected_exits`; the coordinator fails the
+requests of a dead engine rank by itself, and `taipan serve` shuts down and exits non-zero.
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import tempfile
 import threading
 
 from taipan.actors.config import InferenceConfig, plan_limits
+from taipan.actors.log import get_logger
+from taipan.auth import remove_token, write_token
 from taipan.models import resolve
 
 BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
@@ -29,6 +36,18 @@ BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused
 
 class LaunchError(RuntimeError):
     pass
+
+
+def describe_exit(code: int | None) -> str:
+    """'exited with code 3', 'killed by signal SIGKILL', ... for a Popen returncode."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class Runtime:
@@ -59,6 +78,12 @@ class Runtime:
         self.address = address or f"ipc://{self.tmp}/frontend.sock"
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._exit_callbacks: list = []
+        self.unexpected_exits: list[tuple[str, int]] = []  # (child name, returncode)
+        self.control_token: str | None = None  # made at start()
+        self.token_path = None
+        self.model_info = None  # the ModelInfo seen when the runtime became ready
+        self._stopping = False
+        self.log = get_logger(component="launcher")
 
     # --- start --------------------------------------------------------------------------------
 
@@ -78,6 +103,7 @@ class Runtime:
             "max_blocks": max_requests * blocks_per_request,
             "record_dir": self.record_dir,
             "log_level": self.log_level,
+            "control_token_file": str(self.token_path),
         }
 
     def _spawn(self, name: str, *args: str) -> None:
@@ -89,6 +115,10 @@ class Runtime:
 
     def _watch(self, name: str, proc: subprocess.Popen) -> None:
         proc.wait()  # a blocking wait in its own thread: no polling
+        if not self._stopping:
+            how = describe_exit(proc.returncode)
+            self.log.error("child process died", child=name, pid=proc.pid, how=how)
+            self.unexpected_exits.append((name, proc.returncode))
         for callback in list(self._exit_callbacks):
             try:
                 callback(name, proc.returncode)
@@ -96,6 +126,7 @@ class Runtime:
                 pass
 
     def start(self, timeout: float = 600.0) -> Runtime:
+        self.control_token, self.token_path = write_token(self.address)
         spec = json.dumps(self._spec())
         if self.record_dir:  # `taipan replay --check` re-plans engine steps with this config
             os.makedirs(self.record_dir, exist_ok=True)
@@ -124,7 +155,8 @@ class Runtime:
         for name, proc in self.procs:
             if proc.poll() is not None:
                 on_exit(name, proc.returncode)
-        client = AsyncClient(self.address, connect_timeout=timeout)
+        # The children may take a while to import and bind; their exits are watched above.
+        client = AsyncClient(self.address, connect_timeout=timeout, timeout=timeout)
         connect = asyncio.ensure_future(client.connect())
         try:
             done, _ = await asyncio.wait({connect, died}, return_when=asyncio.FIRST_COMPLETED)
@@ -135,8 +167,9 @@ class Runtime:
                 connect.result()
             except TimeoutError:
                 raise LaunchError(f"the runtime was not ready within {timeout:.0f} s") from None
-            except RuntimeError as e:
+            except (RuntimeError, ConnectionError) as e:
                 raise LaunchError(str(e)) from None
+            self.model_info = client.info
             await client.close()
             return
         connect.cancel()
@@ -153,16 +186,18 @@ class Runtime:
     def alive(self) -> bool:
         return any(p.poll() is None for _, p in self.procs)
 
+    def coordinator_alive(self) -> bool:
+        return any(n == "coordinator" and p.poll() is None for n, p in self.procs)
+
     def shutdown(self, timeout: float = 30.0) -> None:
+        self._stopping = True
         stopped = False
-        if self.alive():
+        if self.coordinator_alive():
             try:
                 asyncio.run(asyncio.wait_for(self._send_stop(), timeout))
                 stopped = True
-            except Exception as e:  # the coordinator is gone, stuck or refused: signals take over
-                from taipan.actors.log import get_logger
-
-                get_logger(component="launcher").warning("clean stop failed", error=repr(e))
+            except Exception as e:  # the coordinator is stuck or refused: signals take over
+                self.log.warning("clean stop failed", error=repr(e))
         steps = [(None, timeout)] if stopped else []  # after a clean stop they exit by themselves
         for sig, wait in [*steps, (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)]:
             for _, proc in self.procs:
@@ -176,6 +211,8 @@ class Runtime:
             if not self.alive():
                 break
         shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.token_path is not None:
+            remove_token(self.token_path, self.control_token)
 
     async def _send_stop(self) -> None:
         """PAUSE (unless already paused or suspended), then STOP. A failure raises, and
@@ -189,15 +226,15 @@ class Runtime:
 
         ctx = zmq.asyncio.Context()
         channel = make_socket(ctx, zmq.DEALER, self.address, bind=False, name="coordinator")
-        actor = ClientActor(channel)
+        actor = ClientActor(channel, address=self.address)
         task = asyncio.create_task(actor.run())
         try:
             try:
-                await self._control_when_free(actor, "pause", Pause())
+                await self._control_when_free(actor, Pause(self.control_token))
             except ControlError as e:
                 if e.code != "illegal_transition":  # already PAUSED or SUSPENDED is fine
                     raise
-            await self._control_when_free(actor, "stop", Stop("launcher shutdown"))
+            await self._control_when_free(actor, Stop(self.control_token, "launcher shutdown"))
         finally:
             actor.stop()
             await task
@@ -205,14 +242,14 @@ class Runtime:
             ctx.term()
 
     @staticmethod
-    async def _control_when_free(actor, command: str, msg) -> None:
+    async def _control_when_free(actor, msg) -> None:
         """Send a control; while another client's command holds the coordinator ("busy"),
         try again shortly (the caller bounds the whole shutdown with a timeout)."""
         from taipan.actors.client.actor import ControlError
 
         while True:
             try:
-                await actor.control(command, msg)
+                await actor.control(msg)
                 return
             except ControlError as e:
                 if e.code != "busy":

@@ -17,11 +17,14 @@ import sys
 import zmq
 import zmq.asyncio
 
+from taipan.actors.base import FatalError
 from taipan.actors.channel import make_socket
 from taipan.actors.config import InferenceConfig
-from taipan.actors.log import configure
+from taipan.actors.log import configure, get_logger
+from taipan.auth import read_token_file
 
 PR_SET_PDEATHSIG = 1
+EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
 
 
 def _die_with_parent() -> None:
@@ -55,13 +58,33 @@ async def coordinator_main(spec: dict) -> None:
 
     ctx = zmq.asyncio.Context()
     rec = _recorder(spec, "coordinator")
+    # Both sides watch their peers: a dead engine or a vanished client is noticed at once.
     frontend = make_socket(
-        ctx, zmq.ROUTER, spec["frontend"], bind=True, name="clients", recorder=rec
+        ctx,
+        zmq.ROUTER,
+        spec["frontend"],
+        bind=True,
+        name="clients",
+        recorder=rec,
+        watch_peers=True,
     )
-    backend = make_socket(ctx, zmq.ROUTER, spec["backend"], bind=True, name="engines", recorder=rec)
+    backend = make_socket(
+        ctx,
+        zmq.ROUTER,
+        spec["backend"],
+        bind=True,
+        name="engines",
+        recorder=rec,
+        watch_peers=True,
+    )
     config = InferenceConfig.from_dict(spec["config"])
     actor = CoordinatorActor(
-        frontend, backend, spec["num_ranks"], spec["model_name"], config.max_sequence_length
+        frontend,
+        backend,
+        spec["num_ranks"],
+        spec["model_name"],
+        config.max_sequence_length,
+        control_token=read_token_file(spec["control_token_file"]),
     )
     try:
         await _run_until_stopped([actor])
@@ -108,7 +131,7 @@ async def engine_main(spec: dict, rank: int) -> None:
         spec["device"],
         config.block_size_tokens,
         max_blocks,
-        float(config.buffer_size_gb),
+        config.buffer_size_gb,
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     try:
@@ -131,11 +154,25 @@ def main(argv: list[str]) -> None:
     import uvloop
 
     if role == "coordinator":
-        uvloop.run(coordinator_main(spec))
+        run = coordinator_main(spec)
     elif role == "engine":
-        uvloop.run(engine_main(spec, int(argv[2])))
+        run = engine_main(spec, int(argv[2]))
     else:
         raise SystemExit(f"unknown role {role!r}")
+    try:
+        uvloop.run(run)
+    except* FatalError as group:
+        for e in _leaves(group):
+            get_logger(process=role).critical("exiting", reason=str(e))
+        sys.exit(EXIT_FATAL)
+
+
+def _leaves(group: BaseExceptionGroup):
+    for e in group.exceptions:
+        if isinstance(e, BaseExceptionGroup):
+            yield from _leaves(e)
+        else:
+            yield e
 
 
 if __name__ == "__main__":

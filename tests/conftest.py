@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if "TAIPAN_RUNTIME_DIR" not in os.environ:  # control-token files of test runtimes stay private
+    import tempfile
+
+    os.environ["TAIPAN_RUNTIME_DIR"] = tempfile.mkdtemp(prefix="taipan-test-runtime-")
 
 import pytest  # noqa: E402
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import msgpack
 import numpy as np
 import pytest
 import zmq
@@ -12,16 +13,16 @@ import zmq.asyncio
 from taipan.actors.allocator.actor import MAX_BLOCKS, AllocatorActor, AllocatorService
 from taipan.actors.channel import make_socket
 from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
-from taipan.messages.codec import decode, encode
+from taipan.messages.codec import EXT_ARRAY_INLINE, decode, encode
 from taipan.messages.common import ErrorReply, Heartbeat
 
 
-def ops(step, free=(), alloc=(), counts=(), *, free_dtype=np.int64, count_dtype=np.int32):
+def ops(step, free=(), alloc=(), counts=()):
     return BlockOps(
         step,
-        np.asarray(free, dtype=free_dtype),
+        np.asarray(free, dtype=np.int64),
         np.asarray(alloc, dtype=np.int64),
-        np.asarray(counts, dtype=count_dtype),
+        np.asarray(counts, dtype=np.int32),
     )
 
 
@@ -82,17 +83,6 @@ def test_bad_init(init):
 
 
 BAD_OPS = {
-    "free_ids must be int64": ops(1, free=[1], free_dtype=np.int32),
-    "alloc_counts must be int32": ops(1, alloc=[1], counts=[1], count_dtype=np.int64),
-    "alloc_ids must be int64": BlockOps(
-        1, np.zeros(0, np.int64), np.array([1.0]), np.array([1], np.int32)
-    ),
-    "free_ids must be 1-D": BlockOps(
-        1, np.zeros((1, 1), np.int64), np.zeros(0, np.int64), np.zeros(0, np.int32)
-    ),
-    "alloc_counts must be 1-D": BlockOps(
-        1, np.zeros(0, np.int64), np.zeros(1, np.int64), np.array(1, np.int32)
-    ),
     "alloc_ids has 2 entries but alloc_counts has 1": ops(1, alloc=[1, 2], counts=[1]),
     "alloc_ids lists request 5 more than once": ops(1, alloc=[5, 6, 5], counts=[1, 1, 1]),
     "free_ids lists request 2 more than once": ops(1, free=[2, 2]),
@@ -108,6 +98,33 @@ def test_bad_block_ops_change_nothing(expected):
     assert isinstance(r, ErrorReply) and r.code == "bad_request"
     assert expected in r.text and "step 1" in r.text
     assert svc.pool.blocks_of(2) == [0, 1, 2] and svc.pool.num_free == 5  # the free of 2 too
+
+
+def _array(dtype: str, values) -> msgpack.ExtType:
+    arr = np.asarray(values, dtype=dtype)
+    body = msgpack.packb([arr.dtype.name, list(arr.shape), arr.tobytes()], use_bin_type=True)
+    return msgpack.ExtType(EXT_ARRAY_INLINE, body)
+
+
+@pytest.mark.parametrize(
+    "free, alloc, counts, expected",
+    [
+        (_array("int32", [1]), _array("int64", []), _array("int32", []), "free_ids: dtype int32"),
+        (_array("int64", []), _array("float64", [1.0]), _array("int32", [1]), "alloc_ids: dtype"),
+        (_array("int64", []), _array("int64", [1]), _array("int64", [1]), "alloc_counts: dtype"),
+        (_array("int64", [[1]]), _array("int64", []), _array("int32", []), "free_ids: 2-D"),
+        (_array("int64", []), _array("int64", [1]), _array("int32", 1), "alloc_counts: 0-D"),
+    ],
+)
+def test_wrong_dtypes_and_ranks_never_reach_the_pool(free, alloc, counts, expected):
+    """The codec checks every array field's dtype and rank (Array[...] in messages/): the
+    allocator does not re-check, and such a message changes nothing."""
+    svc = ready_service(8)
+    svc.handle(ops(0, alloc=[2], counts=[3]))
+    frames = [msgpack.packb([BlockOps.TAG, 1, 1, free, alloc, counts], use_bin_type=True)]
+    r = svc.handle_frames(frames)
+    assert isinstance(r, ErrorReply) and r.code == "bad_array" and expected in r.text, r
+    assert svc.pool.blocks_of(2) == [0, 1, 2] and svc.pool.num_free == 5
 
 
 def test_other_messages():
@@ -160,8 +177,9 @@ async def _drive_actor():
     return replies
 
 
-def test_actor_over_inproc_pair():
-    early, ready, first, garbage, too_many, after = asyncio.run(_drive_actor())
+@pytest.mark.asyncio
+async def test_actor_over_inproc_pair():
+    early, ready, first, garbage, too_many, after = await _drive_actor()
     assert isinstance(early, ErrorReply) and early.code == "illegal_state"
     assert ready == AllocatorReady(4, 4)
     assert first.ok and first.block_ids.tolist() == [0, 1, 2] and first.num_free == 1

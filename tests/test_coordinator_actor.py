@@ -1,29 +1,43 @@
-"""The coordinator actor alone, over real zmq sockets: a raw client DEALER, a scripted engine.
+"""The coordinator actor alone, over real zmq sockets: raw client DEALERs, a scripted engine.
 
-The engine peer says Hello and ModelLoaded, answers submissions (one terminal output, or two
-deltas when streaming), and answers lifecycle controls as each test scripts it (acknowledge,
-refuse, or hold the answer). The last tests put the public AsyncClient/Client in front of it.
+Both ROUTERs watch their peers over ipc, as in production (runtime/procs.py): inproc connections
+have no descriptor, so a closed peer would go unnoticed there. The engine peer says Hello and
+ModelLoaded, sends a Heartbeat every `heartbeat_s`, answers submissions (one terminal output, or
+two deltas when streaming) unless told to hold them, and answers lifecycle controls as each test
+scripts it (acknowledge, refuse, or hold the answer). The last tests put the public
+AsyncClient/Client in front of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import json
+import logging
+import random
+import time
 
+import msgpack
 import numpy as np
 import pytest
+import structlog
 import zmq
 import zmq.asyncio
 
 from taipan.actors.channel import Channel, make_socket
-from taipan.actors.coordinator.actor import CONTROL_COMMANDS, CoordinatorActor
-from taipan.client import AsyncClient, Client, ControlError
-from taipan.messages.common import ErrorReply, Hello
+from taipan.actors.coordinator.actor import CoordinatorActor
+from taipan.auth import remove_token, write_token
+from taipan.client import AsyncClient, Client, ControlError, RuntimeUnreachable
+from taipan.messages.codec import MessageError, decode, encode, registry
+from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import (
+    CONTROL_MESSAGES,
     ControlAck,
+    ControlCommand,
+    LifecycleState,
     Pause,
     Resume,
     Stop,
@@ -33,7 +47,9 @@ from taipan.messages.lifecycle import (
     UpdateWeights,
 )
 from taipan.messages.requests import (
+    AbortRequest,
     EngineSubmit,
+    FinishReason,
     GetModelInfo,
     ModelInfo,
     RequestEvent,
@@ -44,8 +60,8 @@ from taipan.messages.requests import (
 from taipan.messages.stats import GetStats, RankStats, Stats
 from taipan.ops.tokenizer import Tokenizer, bytes_to_unicode
 
-FRONT, BACK = "inproc://coord-test-front", "inproc://coord-test-back"
-WAIT_S = 5.0
+TOKEN = "test-control-token-0123456789"
+WAIT_S = 5.0  # the bound on any answer that should come at once
 ENGINE_STATE = {
     "pause": "PAUSED",
     "unpause": "RUNNING",
@@ -53,63 +69,97 @@ ENGINE_STATE = {
     "resume": "PAUSED",
     "update_weights": "SUSPENDED",
 }
+PROMPT = np.array([1, 2, 3], np.int32)
 
 
 class ScriptedEngine:
-    """An engine peer. Controls in `refuse` get an ErrorReply with that text; controls in `hold`
-    wait, unanswered, until `release()`."""
+    """An engine peer. Controls (and "stats") in `refuse` get an ErrorReply with that text; those
+    in `hold` wait, unanswered, until `release()`. `hold_submits` records submissions without
+    answering them (`finish` answers one later); `silent` sends nothing at all, heartbeats
+    included (a hung process). Every inbound message notifies `changed` (see `until`)."""
 
-    def __init__(self, chan: Channel):
+    def __init__(self, chan: Channel, heartbeat_s: float):
         self.chan = chan
+        self.heartbeat_s = heartbeat_s
         self.weight_version = 0
         self.refuse: dict[str, str] = {}
         self.hold: set[str] = set()
         self.held: list[str] = []
-        self.holding = asyncio.Event()
+        self.hold_submits = False
+        self.silent = False
         self.controls: list = []  # every control message received, in order
         self.submits: list[EngineSubmit] = []
+        self.aborts: list[int] = []  # global ids
+        self.unexpected: list = []  # anything else the coordinator sent
+        self.changed = asyncio.Condition()
+
+    async def until(self, predicate, timeout: float = WAIT_S) -> None:
+        """Wait until `predicate()` holds after some inbound message (or already does)."""
+        async with asyncio.timeout(timeout), self.changed:
+            await self.changed.wait_for(predicate)
+
+    async def send(self, msg) -> None:
+        if not self.silent:
+            await self.chan.send(msg)
 
     async def hello(self) -> None:
-        await self.chan.send(Hello("engine", 0))
+        await self.send(Hello("engine", 0))
         # By field name: the gpu family may grow fields the coordinator does not read.
         known = dict(model="test-model", tokenizer=byte_tokenizer_wire(), eos_token_ids=(2,))
         fields = {f.name: known.get(f.name, 16) for f in dataclasses.fields(ModelLoaded)}
-        await self.chan.send(ModelLoaded(**fields))
+        await self.send(ModelLoaded(**fields))
+
+    async def heartbeats(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            await self.send(Heartbeat(time.time()))
 
     async def run(self) -> None:
         while True:
             msg = (await self.chan.recv()).msg
-            if isinstance(msg, EngineSubmit):
-                self.submits.append(msg)
-                for out in outputs_for(msg):
-                    await self.chan.send(out)
-                continue
-            if isinstance(msg, GetStats):
-                command = "stats"
-            else:
-                command = CONTROL_COMMANDS[type(msg)]
-                self.controls.append(msg)
-            if command in self.hold:
-                self.held.append(command)
-                self.holding.set()
-            else:
-                await self.answer(command)
+            await self.handle(msg)
+            async with self.changed:
+                self.changed.notify_all()
+
+    async def handle(self, msg) -> None:
+        if isinstance(msg, EngineSubmit):
+            self.submits.append(msg)
+            if not self.hold_submits:
+                await self.finish(msg)
+            return
+        if isinstance(msg, AbortRequest):
+            self.aborts.append(msg.request_id)
+            return
+        if isinstance(msg, GetStats):
+            command = "stats"
+        elif type(msg) in CONTROL_MESSAGES:
+            command = CONTROL_MESSAGES[type(msg)]
+            self.controls.append(msg)
+        else:
+            self.unexpected.append(msg)
+            return
+        if command in self.hold:
+            self.held.append(command)
+        else:
+            await self.answer(command)
+
+    async def finish(self, msg: EngineSubmit) -> None:
+        for out in outputs_for(msg):
+            await self.send(out)
 
     async def answer(self, command: str) -> None:
         if command in self.refuse:
-            await self.chan.send(ErrorReply("control_failed", self.refuse[command], None))
+            await self.send(ErrorReply("control_failed", self.refuse[command], None))
         elif command == "stop":
-            await self.chan.send(StopAck("engine-0"))
+            await self.send(StopAck("engine-0"))
         elif command == "stats":
-            await self.chan.send(Stats("RUNNING", (rank_stats(self.weight_version),)))
+            await self.send(Stats("RUNNING", (rank_stats(self.weight_version),)))
         else:
             self.weight_version += command == "update_weights"
-            ack = ControlAck(command, ENGINE_STATE[command], self.weight_version)
-            await self.chan.send(ack)
+            await self.send(ControlAck(command, ENGINE_STATE[command], self.weight_version))
 
     async def release(self) -> None:
         held, self.held = self.held, []
-        self.holding.clear()
         for command in held:
             await self.answer(command)
 
@@ -177,69 +227,115 @@ def finished_output(msg: EngineSubmit) -> RequestOutput:
         events=(RequestEvent("ADD_ENGINE", 1.0, None), RequestEvent("FINISH", 2.0, None)),
         ttft=0.125,
         tpot=0.0625,
+        policy_staleness=np.zeros(5, np.int32),
+        kv_cache_staleness=np.zeros(5, np.int32),
     )
+
+
+async def receive(chan: Channel, timeout: float = WAIT_S):
+    return (await asyncio.wait_for(chan.recv(), timeout)).msg
+
+
+async def assert_silent(chan: Channel, seconds: float) -> None:
+    """Nothing arrives on `chan` for `seconds`."""
+    with pytest.raises(TimeoutError):
+        msg = await receive(chan, seconds)
+        pytest.fail(f"expected nothing, got {msg}")
 
 
 @dataclasses.dataclass
 class Harness:
     actor: CoordinatorActor
     engine: ScriptedEngine
-    client: Channel
-    run: asyncio.Task
+    client: Channel  # identity b"tester"
+    ctx: zmq.asyncio.Context
+    front: str  # the clients' address
+    channels: list[Channel]  # closed at the end
+    run: asyncio.Task | None = None
+    engine_tasks: list[asyncio.Task] = dataclasses.field(default_factory=list)
 
     async def send(self, msg) -> None:
         await self.client.send(msg)
 
-    async def recv(self):
-        return (await asyncio.wait_for(self.client.recv(), WAIT_S)).msg
+    async def recv(self, timeout: float = WAIT_S):
+        return await receive(self.client, timeout)
 
     async def ask(self, msg):
         await self.send(msg)
         return await self.recv()
 
     async def generate(self, request_id: int) -> RequestOutput:
-        prompt = np.array([1, 2, 3], np.int32)
-        out = await self.ask(SubmitRequest(request_id, prompt, SamplingParams(), False))
+        out = await self.ask(SubmitRequest(request_id, PROMPT, SamplingParams(), False))
         assert isinstance(out, RequestOutput) and out.request_id == request_id
         return out
 
+    def connect(self, identity: bytes | None = None) -> Channel:
+        """Another client connection."""
+        chan = make_socket(
+            self.ctx, zmq.DEALER, self.front, bind=False, name="coordinator", identity=identity
+        )
+        self.channels.append(chan)
+        return chan
+
+    def close(self, chan: Channel) -> None:
+        """Close one connection now (Channel.close is not idempotent for a watched channel)."""
+        self.channels.remove(chan)
+        chan.close()
+
+    async def kill_engine(self) -> None:
+        """The engine process exits: its tasks end and its connection closes."""
+        for task in self.engine_tasks:
+            task.cancel()
+        await asyncio.wait(self.engine_tasks)
+        self.close(self.engine.chan)
+
+
+@pytest.fixture
+def addresses(tmp_path) -> tuple[str, str]:
+    """(clients, engines) ipc addresses; pytest keeps tmp_path short enough for a socket path."""
+    return f"ipc://{tmp_path}/front.sock", f"ipc://{tmp_path}/back.sock"
+
 
 @contextlib.asynccontextmanager
-async def running(front_address: str = FRONT, **timeouts):
+async def running(
+    addresses: tuple[str, str], *, control_token: str = TOKEN, heartbeat_s: float = 1.0, **timeouts
+):
+    """A coordinator (both ROUTERs watching their peers), a scripted engine that has loaded its
+    model, and a client connection; checks at the end that the engine got nothing unexpected."""
+    front_address, back_address = addresses
     ctx = zmq.asyncio.Context()
-    front = make_socket(ctx, zmq.ROUTER, front_address, bind=True, name="clients")
-    back = make_socket(ctx, zmq.ROUTER, BACK, bind=True, name="engines")
+    front = make_socket(ctx, zmq.ROUTER, front_address, bind=True, name="clients", watch_peers=True)
+    back = make_socket(ctx, zmq.ROUTER, back_address, bind=True, name="engines", watch_peers=True)
     engine_chan = make_socket(
-        ctx, zmq.DEALER, BACK, bind=False, name="coordinator", identity=b"engine-0"
+        ctx, zmq.DEALER, back_address, bind=False, name="coordinator", identity=b"engine-0"
     )
-    client = make_socket(ctx, zmq.DEALER, front_address, bind=False, name="coordinator")
-    actor = CoordinatorActor(front, back, 1, "test-model", 512, **timeouts)
-    engine = ScriptedEngine(engine_chan)
+    client = make_socket(
+        ctx, zmq.DEALER, front_address, bind=False, name="coordinator", identity=b"tester"
+    )
+    actor = CoordinatorActor(
+        front, back, 1, "test-model", 512, control_token=control_token, **timeouts
+    )
+    engine = ScriptedEngine(engine_chan, heartbeat_s)
+    channels = [front, back, engine_chan, client]
+    h = Harness(actor, engine, client, ctx, front_address, channels)
     try:
         async with asyncio.TaskGroup() as tg:
-            run = tg.create_task(actor.run())
-            engine_task = tg.create_task(engine.run())
+            h.run = tg.create_task(actor.run())
+            h.engine_tasks = [tg.create_task(engine.run()), tg.create_task(engine.heartbeats())]
             try:
                 await engine.hello()
-                h = Harness(actor, engine, client, run)
                 # ModelInfo arrives only once the engine is registered and loaded.
                 assert isinstance(await h.ask(GetModelInfo()), ModelInfo)
                 yield h
+                assert engine.unexpected == []
             finally:
                 actor.stop()
-                engine_task.cancel()
+                for task in h.engine_tasks:
+                    task.cancel()
     finally:
-        for chan in (front, back, engine_chan, client):
+        for chan in h.channels:
             chan.close()
         ctx.term()
-
-
-def drive(body, front_address: str = FRONT, **timeouts) -> None:
-    async def main():
-        async with running(front_address, **timeouts) as h:
-            await body(h)
-
-    asyncio.run(main())
 
 
 def assert_error(reply, code: str, *fragments: str) -> None:
@@ -249,22 +345,33 @@ def assert_error(reply, code: str, *fragments: str) -> None:
         assert fragment in reply.text, reply.text
 
 
-# --- tests ---------------------------------------------------------------------------------------
+def capture_log(actor: CoordinatorActor) -> list[dict]:
+    """Route the actor's log (every level) into the returned list of event dicts."""
+    capture = structlog.testing.LogCapture()
+    actor.log = structlog.wrap_logger(
+        None,
+        processors=[capture],
+        wrapper_class=structlog.make_filtering_bound_logger(logging.DEBUG),
+    ).bind(actor=actor.name)
+    return capture.entries
 
 
-def test_legal_sequence_gets_acks_with_states_and_weight_versions():
+# --- lifecycle ---------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_legal_sequence_gets_acks_with_states_and_weight_versions(addresses):
     state = {"model.norm.weight": np.ones(4, np.float32)}
-
-    async def body(h: Harness):
+    async with running(addresses) as h:
         acks = [
             await h.ask(msg)
             for msg in [
-                Pause(),
-                Suspend("offload"),
-                UpdateWeights("/ckpt/step-1", None),
-                UpdateWeights(None, state),
-                Resume(),
-                Unpause(),
+                Pause(TOKEN),
+                Suspend(TOKEN, "offload"),
+                UpdateWeights(TOKEN, "/ckpt/step-1", None),
+                UpdateWeights(TOKEN, None, state),
+                Resume(TOKEN),
+                Unpause(TOKEN),
             ]
         ]
         assert acks == [
@@ -275,106 +382,197 @@ def test_legal_sequence_gets_acks_with_states_and_weight_versions():
             ControlAck("resume", "PAUSED", 2),
             ControlAck("unpause", "RUNNING", 2),
         ]
-        # The engine got each command as sent: the mode and the weights travel unchanged.
+        assert acks[0].command is ControlCommand.PAUSE and acks[0].state is LifecycleState.PAUSED
+        # The engine got each command as sent, less the token: the mode and the weights travel.
         got = h.engine.controls
-        assert [CONTROL_COMMANDS[type(m)] for m in got] == [a.command for a in acks]
-        assert got[1] == Suspend("offload") and got[2] == UpdateWeights("/ckpt/step-1", None)
+        assert [CONTROL_MESSAGES[type(m)] for m in got] == [a.command for a in acks]
+        assert all(m.token == "" for m in got)
+        assert got[1] == Suspend("", "offload")
+        assert got[2] == UpdateWeights("", "/ckpt/step-1", None)
         assert got[3].state["model.norm.weight"].tolist() == [1.0] * 4
         assert h.actor.weight_version == 2
 
-    drive(body)
+
+def every_control(token: str) -> list:
+    """One of each control message (UpdateWeights both ways, one with a frame of its own)."""
+    big = {"w": np.zeros(20_000, np.float32)}  # over INLINE_ARRAY_BYTES: travels as a frame
+    return [
+        Pause(token),
+        Unpause(token),
+        Suspend(token, "offload"),
+        Suspend(token, None),
+        Resume(token),
+        UpdateWeights(token, "/ckpt", None),
+        UpdateWeights(token, None, big),
+        Stop(token, "test"),
+    ]
 
 
-def test_outputs_relay_every_field_under_the_client_id():
-    async def body(h: Harness):
-        out = await h.generate(41)
-        expected = finished_output(EngineSubmit(41, np.zeros(3, np.int32), None, False, 0.0))
-        for field in dataclasses.fields(RequestOutput):
-            a, b = getattr(out, field.name), getattr(expected, field.name)
-            if isinstance(a, np.ndarray):
-                assert a.dtype == b.dtype and np.array_equal(a, b), field.name
-            else:
-                assert a == b, field.name
-
-    drive(body)
+WRONG_TOKENS = ["", "wrong", TOKEN + "x", TOKEN[:-1], TOKEN.upper(), " " + TOKEN, TOKEN + "\x00"]
 
 
-def test_stats_carry_the_fsm_state_and_each_ranks_latest_report():
-    async def body(h: Harness):
+@pytest.mark.asyncio
+async def test_controls_need_the_token_which_the_engines_never_see(addresses):
+    async with running(addresses) as h:
+        log = capture_log(h.actor)
+        # The token is checked first: an unauthorized peer learns nothing of the state (resume
+        # while RUNNING is not_authorized, not illegal_transition).
+        for token in WRONG_TOKENS:
+            for msg in every_control(token):
+                command = CONTROL_MESSAGES[type(msg)]
+                assert_error(await h.ask(msg), "not_authorized", command, "control_token=")
+        assert h.actor.fsm.state == "RUNNING" and h.engine.controls == []
+        # Each step of the whole lifecycle: refused without the token, taken with it.
+        steps = [
+            (Pause, "PAUSED"),
+            (lambda t: Suspend(t, "recompute"), "SUSPENDED"),
+            (lambda t: UpdateWeights(t, "/ckpt/step-2", None), "SUSPENDED"),
+            (Resume, "PAUSED"),
+            (Unpause, "RUNNING"),
+            (Pause, "PAUSED"),
+            (lambda t: Stop(t, "done"), "STOPPED"),
+        ]
+        for make, after in steps:
+            before, forwarded = h.actor.fsm.state, len(h.engine.controls)
+            for token in ("", "wrong"):
+                assert_error(await h.ask(make(token)), "not_authorized")
+            assert h.actor.fsm.state == before and len(h.engine.controls) == forwarded
+            ack = await h.ask(make(TOKEN))
+            assert isinstance(ack, ControlAck) and ack.state == after, ack
+            assert h.engine.controls[forwarded:] == [make("")]  # the token stays here
+        await asyncio.wait_for(h.run, WAIT_S)
+    # Every control is logged with its sender and outcome; refusals of the token at warning.
+    refused = [e for e in log if e["event"] == "control refused"]
+    assert len(refused) == len(WRONG_TOKENS) * 8 + 2 * len(steps)
+    assert {(e["log_level"], e["outcome"], e["sender"]) for e in refused} == {
+        ("warning", "not_authorized", "tester")
+    }
+    done = [
+        (e["log_level"], e["command"], e["sender"]) for e in log if e["event"] == "control done"
+    ]
+    assert done == [("info", str(CONTROL_MESSAGES[type(make(""))]), "tester") for make, _ in steps]
+
+
+@pytest.mark.asyncio
+async def test_the_client_finds_the_token_and_without_it_is_not_authorized(addresses, monkeypatch):
+    front = addresses[0]
+    monkeypatch.delenv("TAIPAN_CONTROL_TOKEN", raising=False)
+    token, path = write_token(front)  # as the launcher does: this user's file for the address
+    try:
+        async with running(addresses, control_token=token) as h:
+            # Given explicitly, then from the environment: both win over the file.
+            async with AsyncClient(front, connect_timeout=WAIT_S, control_token="not-it") as c:
+                with pytest.raises(ControlError) as info:
+                    await c.pause()
+                assert info.value.code == "not_authorized" and info.value.command == "pause"
+                assert "control_token=" in info.value.text
+                assert "TAIPAN_CONTROL_TOKEN" in info.value.text
+            monkeypatch.setenv("TAIPAN_CONTROL_TOKEN", "not-it")
+            async with AsyncClient(front, connect_timeout=WAIT_S) as c:
+                with pytest.raises(ControlError, match="not_authorized"):
+                    await c.pause()
+            assert h.engine.controls == [] and h.actor.fsm.state == "RUNNING"
+            monkeypatch.delenv("TAIPAN_CONTROL_TOKEN")
+            async with AsyncClient(front, connect_timeout=WAIT_S) as c:
+                assert c.control_token == token
+                assert (await c.pause()).state == "PAUSED"
+            remove_token(path, token)
+            async with AsyncClient(front, connect_timeout=WAIT_S) as c:
+                assert c.control_token == ""  # none given, in the environment or in a file
+                with pytest.raises(ControlError, match="not_authorized"):
+                    await c.unpause()
+            monkeypatch.setenv("TAIPAN_CONTROL_TOKEN", token)
+            async with AsyncClient(front, connect_timeout=WAIT_S) as c:
+                assert (await c.unpause()).state == "RUNNING"
+            assert h.engine.controls == [Pause(""), Unpause("")]
+    finally:
+        remove_token(path, token)
+
+
+def test_the_coordinator_needs_a_control_token():
+    with pytest.raises(ValueError, match="non-empty control token"):
+        CoordinatorActor(None, None, 1, "test-model", 512, control_token="")
+
+
+@pytest.mark.asyncio
+async def test_stats_carry_the_fsm_state_and_each_ranks_latest_report(addresses):
+    async with running(addresses, stats_timeout=0.2) as h:
         assert await h.ask(GetStats()) == Stats("RUNNING", (rank_stats(0),))
-        await h.engine.chan.send(Stats("RUNNING", (rank_stats(7),)))  # a periodic report
-        await h.ask(Pause())
+        await h.engine.send(Stats("RUNNING", (rank_stats(7),)))  # a periodic report
+        await h.ask(Pause(TOKEN))
         # An engine that does not answer in time: the client gets the latest report known.
         h.engine.hold.add("stats")
         assert await h.ask(GetStats()) == Stats("PAUSED", (rank_stats(7),))
 
-    drive(body, stats_timeout=0.2)
 
-
-def test_illegal_transitions_are_refused_and_nothing_is_forwarded():
-    async def body(h: Harness):
-        reply = await h.ask(Resume())
+@pytest.mark.asyncio
+async def test_illegal_transitions_are_refused_and_nothing_is_forwarded(addresses):
+    async with running(addresses) as h:
+        reply = await h.ask(Resume(TOKEN))
         assert_error(reply, "illegal_transition", "resume is illegal while RUNNING; legal: pause")
-        assert_error(await h.ask(Stop("test")), "illegal_transition", "stop", "RUNNING")
-        assert_error(await h.ask(Unpause()), "illegal_transition", "RUNNING")
-        assert_error(await h.ask(UpdateWeights("/x", None)), "illegal_transition", "RUNNING")
+        assert_error(await h.ask(Stop(TOKEN, "test")), "illegal_transition", "stop", "RUNNING")
+        assert_error(await h.ask(Unpause(TOKEN)), "illegal_transition", "RUNNING")
+        reply = await h.ask(UpdateWeights(TOKEN, "/x", None))
+        assert_error(reply, "illegal_transition", "RUNNING")
         assert h.engine.controls == []
         assert (await h.generate(1)).finished  # still serving, still RUNNING
-        assert (await h.ask(Pause())).state == "PAUSED"
-        assert_error(await h.ask(Resume()), "illegal_transition", "while PAUSED")
-
-    drive(body)
+        assert (await h.ask(Pause(TOKEN))).state == "PAUSED"
+        assert_error(await h.ask(Resume(TOKEN)), "illegal_transition", "while PAUSED")
 
 
-def test_bad_control_fields_are_bad_requests():
-    async def body(h: Harness):
-        assert (await h.ask(Pause())).state == "PAUSED"
-        assert_error(await h.ask(Suspend("swap")), "bad_request", "'swap'", "persist")
-        assert (await h.ask(Suspend(None))).state == "SUSPENDED"
-        assert_error(await h.ask(UpdateWeights(None, None)), "bad_request", "exactly one")
-        both = UpdateWeights("/x", {"w": np.zeros(1, np.float32)})
+@pytest.mark.asyncio
+async def test_bad_control_fields_are_refused(addresses):
+    # A mode that is not a KVCacheManagementMode cannot even be built...
+    with pytest.raises(ValueError, match="swap"):
+        Suspend(TOKEN, "swap")
+    async with running(addresses) as h:
+        assert (await h.ask(Pause(TOKEN))).state == "PAUSED"
+        # ...and on the wire it is refused at decode, naming the choices.
+        await h.client.sock.send(msgpack.packb([Suspend.TAG, Suspend.VERSION, TOKEN, "swap"]))
+        assert_error(await h.recv(), "bad_field", "'swap'", "persist")
+        assert (await h.ask(Suspend(TOKEN, None))).state == "SUSPENDED"
+        reply = await h.ask(UpdateWeights(TOKEN, None, None))
+        assert_error(reply, "bad_request", "exactly one")
+        both = UpdateWeights(TOKEN, "/x", {"w": np.zeros(1, np.float32)})
         assert_error(await h.ask(both), "bad_request", "exactly one")
         assert len(h.engine.controls) == 2
 
-    drive(body)
 
-
-def test_engine_error_fails_the_control_and_keeps_the_state():
-    async def body(h: Harness):
-        await h.ask(Pause())
+@pytest.mark.asyncio
+async def test_engine_error_fails_the_control_and_keeps_the_state(addresses):
+    async with running(addresses) as h:
+        await h.ask(Pause(TOKEN))
         h.engine.refuse["suspend"] = "no pinned memory for offload"
-        reply = await h.ask(Suspend("offload"))
+        reply = await h.ask(Suspend(TOKEN, "offload"))
         assert_error(reply, "control_failed", "stays PAUSED", "engine 0", "no pinned memory")
         assert h.actor.fsm.state == "PAUSED"
-        assert_error(await h.ask(Resume()), "illegal_transition", "while PAUSED")
+        assert_error(await h.ask(Resume(TOKEN)), "illegal_transition", "while PAUSED")
         del h.engine.refuse["suspend"]
-        assert await h.ask(Suspend("persist")) == ControlAck("suspend", "SUSPENDED", 0)
+        assert await h.ask(Suspend(TOKEN, "persist")) == ControlAck("suspend", "SUSPENDED", 0)
         assert (await h.generate(2)).finished
 
-    drive(body)
 
-
-def test_a_control_while_one_is_pending_is_busy_and_requests_keep_flowing():
-    async def body(h: Harness):
+@pytest.mark.asyncio
+async def test_a_control_while_one_is_pending_is_busy_and_requests_keep_flowing(addresses):
+    async with running(addresses) as h:
         h.engine.hold.add("pause")
-        await h.send(Pause())
-        await asyncio.wait_for(h.engine.holding.wait(), WAIT_S)
-        assert_error(await h.ask(Pause()), "busy", "pause is still waiting")
+        await h.send(Pause(TOKEN))
+        await h.engine.until(lambda: h.engine.held)
+        assert_error(await h.ask(Pause(TOKEN)), "busy", "pause is still waiting")
         # The pending pause blocks no other handler: a request goes through meanwhile.
         out = await h.generate(3)
         assert out.finished and out.new_token_ids.tolist() == [5, 6]
         await h.engine.release()
         assert await h.recv() == ControlAck("pause", "PAUSED", 0)
-        assert await h.ask(Unpause()) == ControlAck("unpause", "RUNNING", 0)
+        assert await h.ask(Unpause(TOKEN)) == ControlAck("unpause", "RUNNING", 0)
         assert len(h.engine.controls) == 2  # the busy one was not forwarded
 
-    drive(body)
 
-
-def test_an_unanswered_control_times_out_and_a_late_ack_is_ignored():
-    async def body(h: Harness):
+@pytest.mark.asyncio
+async def test_an_unanswered_control_times_out_and_a_late_ack_is_ignored(addresses):
+    async with running(addresses, control_timeout=0.2) as h:
         h.engine.hold.add("pause")
-        reply = await h.ask(Pause())
+        reply = await h.ask(Pause(TOKEN))
         assert_error(reply, "control_failed", "engine 0 did not answer pause within 0.2 s")
         assert "stays RUNNING" in reply.text and h.actor.control is None
         h.engine.hold.clear()
@@ -382,51 +580,322 @@ def test_an_unanswered_control_times_out_and_a_late_ack_is_ignored():
         # The engine answers in order: once this output is back, the late ack was handled.
         await h.generate(4)
         assert h.actor.fsm.state == "RUNNING"
-        assert await h.ask(Pause()) == ControlAck("pause", "PAUSED", 0)
-
-    drive(body, control_timeout=0.2)
+        assert await h.ask(Pause(TOKEN)) == ControlAck("pause", "PAUSED", 0)
 
 
-def test_stop_from_paused_refuses_new_requests_then_exits():
-    async def body(h: Harness):
-        await h.ask(Pause())
+@pytest.mark.asyncio
+async def test_stop_from_paused_refuses_new_requests_then_exits(addresses):
+    async with running(addresses) as h:
+        await h.ask(Pause(TOKEN))
         h.engine.hold.add("stop")
-        await h.send(Stop("test over"))
-        await asyncio.wait_for(h.engine.holding.wait(), WAIT_S)
-        prompt = np.array([1, 2], np.int32)
-        out = await h.ask(SubmitRequest(5, prompt, SamplingParams(), False))
+        await h.send(Stop(TOKEN, "test over"))
+        await h.engine.until(lambda: h.engine.held)
+        out = await h.ask(SubmitRequest(5, np.array([1, 2], np.int32), SamplingParams(), False))
         assert out.finished and out.finish_reason == "error" and "stopping" in out.error
         await h.engine.release()
         assert await h.recv() == ControlAck("stop", "STOPPED", 0)
         await asyncio.wait_for(h.run, WAIT_S)  # the coordinator exits by itself
-        assert h.engine.controls == [Pause(), Stop("test over")]
-
-    drive(body)
+        assert h.engine.controls == [Pause(""), Stop("", "test over")]
 
 
-def test_stop_exits_even_when_an_engine_does_not_answer():
-    async def body(h: Harness):
-        await h.ask(Pause())
+@pytest.mark.asyncio
+async def test_stop_exits_even_when_an_engine_does_not_answer(addresses):
+    async with running(addresses, stop_timeout=0.2) as h:
+        await h.ask(Pause(TOKEN))
         h.engine.hold.add("stop")
-        reply = await h.ask(Stop("test over"))
+        reply = await h.ask(Stop(TOKEN, "test over"))
         assert_error(reply, "control_failed", "did not answer stop", "exits anyway")
         await asyncio.wait_for(h.run, WAIT_S)
 
-    drive(body, stop_timeout=0.2)
+
+# --- requests ----------------------------------------------------------------------------------
 
 
-# --- the public client in front of it -----------------------------------------------------------
+@pytest.mark.asyncio
+async def test_outputs_relay_every_field_under_the_client_id(addresses):
+    async with running(addresses) as h:
+        out = await h.generate(41)
+        expected = finished_output(EngineSubmit(41, np.zeros(3, np.int32), None, False, 0.0))
+        assert out.finish_reason is FinishReason.LENGTH
+        for field in dataclasses.fields(RequestOutput):
+            a, b = getattr(out, field.name), getattr(expected, field.name)
+            if isinstance(a, np.ndarray):
+                assert a.dtype == b.dtype and np.array_equal(a, b), field.name
+            else:
+                assert a == b, field.name
 
 
-@pytest.fixture
-def ipc_front(tmp_path) -> str:
-    # AsyncClient opens its own zmq context, so it reaches the coordinator over ipc, not inproc.
-    return f"ipc://{tmp_path}/front.sock"
+@pytest.mark.asyncio
+async def test_a_client_cannot_forge_the_output_of_another_clients_request(addresses):
+    async with running(addresses) as h:
+        h.engine.hold_submits = True
+        await h.send(SubmitRequest(1, PROMPT, SamplingParams(), False))
+        await h.engine.until(lambda: h.engine.submits)
+        gid = h.engine.submits[0].request_id  # global ids are small consecutive numbers
+        forger = h.connect(identity=b"forger")
+        await forger.send(RequestOutput(gid, np.array([66], np.int32), True, "stop", None, 3, 1))
+        await forger.send(Heartbeat(0.0))
+        # A client's messages are handled in order: the forgery before the heartbeat.
+        replies = [await receive(forger)]
+        while not isinstance(replies[-1], Heartbeat):
+            replies.append(await receive(forger))
+        [refusal, _] = replies
+        assert_error(refusal, "unexpected_message", "RequestOutput")
+        await h.engine.finish(h.engine.submits[0])
+        out = await h.recv()
+        assert out.new_token_ids.tolist() == [5, 6], "the client got the forged output"
 
 
-def test_client_lifecycle_methods_return_acks_and_raise_control_errors(ipc_front):
-    async def body(h: Harness):
-        async with AsyncClient(ipc_front, connect_timeout=WAIT_S) as c:
+@pytest.mark.asyncio
+async def test_heartbeats_a_client_gets_one_back_an_engine_none(addresses):
+    async with running(addresses) as h:
+        before = time.time()
+        reply = await h.ask(Heartbeat(0.0))
+        assert isinstance(reply, Heartbeat) and reply.time >= before
+        # An engine's heartbeat is not answered: the error reply to a garbage frame sent after
+        # one is the first thing the engine gets back.
+        await h.engine.send(Heartbeat(time.time()))
+        await h.engine.chan.sock.send(b"\xc1")  # a byte msgpack never uses
+        await h.engine.until(lambda: h.engine.unexpected)
+        [reply] = h.engine.unexpected
+        assert reply.code == "bad_msgpack"
+        h.engine.unexpected.clear()
+
+
+# --- fuzzing -----------------------------------------------------------------------------------
+
+
+def random_value(rng: random.Random, depth: int = 0):
+    """Any msgpack value, including ones every decoder must refuse (int map keys, odd ExtTypes)."""
+    kind = rng.randrange(14 if depth < 3 else 10)
+    if kind == 0:
+        return rng.randrange(-5, 200)
+    if kind == 1:
+        return rng.choice([-(2**63), 2**63 - 1, 2**64 - 1, -1, 2**32])
+    if kind == 2:
+        return rng.choice([0.0, -1.5, 1e300, float("nan"), float("inf")])
+    if kind == 3:
+        return rng.choice(["", "engine", "pause", "persist", "RUNNING", "é\u2603", TOKEN + "?"])
+    if kind == 4:
+        return rng.randbytes(rng.randrange(12))
+    if kind == 5:
+        return rng.choice([None, True, False])
+    if kind == 6:
+        return "".join(rng.choice("abc/\x00 ") for _ in range(rng.randrange(8)))
+    if kind == 7:  # an array header, now and then a consistent one
+        dtype = rng.choice(["int32", "float32", "int64", "object", "bool"])
+        shape = rng.choice([[3], [1, 2], [], [2**41], [-1]])
+        data = rng.choice([bytes(12), bytes(8), rng.randbytes(5), 1, 7])
+        return msgpack.ExtType(rng.choice([1, 2]), msgpack.packb([dtype, shape, data]))
+    if kind == 8:
+        return msgpack.ExtType(rng.randrange(128), rng.randbytes(rng.randrange(10)))
+    if kind == 9:
+        return rng.choice([0, 1, 20, 24, 42, 140])
+    if kind in (10, 11):
+        return [random_value(rng, depth + 1) for _ in range(rng.randrange(5))]
+    if kind == 12:
+        return {
+            str(rng.randrange(9)): random_value(rng, depth + 1) for _ in range(rng.randrange(3))
+        }
+    return {rng.randrange(9): random_value(rng, depth + 1)}  # int keys: refused by strict_map_key
+
+
+# Hand-made frames msgpack's packer will not make.
+TRICKY = [
+    b"\x91" * 3000 + b"\xc0",  # nested past msgpack's depth limit
+    b"\xd4\xff\x00",  # a timestamp (ExtType -1) of a length no timestamp has
+    b"\x93\x2a\x01\xd6\xff\x00\x00\x00\x01",  # Pause whose token is a valid timestamp
+    b"\x92\x2a",  # an array shorter than it says
+    b"\xdd\xff\xff\xff\xff",  # an array claiming 2**32 - 1 items
+    b"\x93\x2a\x01\xa5tok",  # a string shorter than it says
+    b"",
+]
+TAGS = sorted(registry()) + [19, 59, 99, 255, -1, 2**40]
+WRONG_TOKEN_VALUES = [TOKEN.encode(), [TOKEN], {"token": TOKEN}, None, 0, *WRONG_TOKENS]
+
+
+def fuzz_frames(rng: random.Random) -> list[bytes]:
+    """One inbound message: garbage, a near-miss envelope, or a control with a wrong token. Never
+    a well-formed control with the right token."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        frames = [rng.randbytes(rng.randrange(40))]
+    elif kind == 1:
+        frames = [msgpack.packb(random_value(rng))]
+    elif kind in (2, 3):  # a known (or unknown) tag with random fields, arity nearly right
+        tag = rng.choice(TAGS)
+        arity = len(dataclasses.fields(registry()[tag])) if tag in registry() else 2
+        version = 1 if rng.random() < 0.9 else random_value(rng)
+        fields = [random_value(rng) for _ in range(max(0, arity + rng.choice([-1, 0, 0, 1])))]
+        frames = [msgpack.packb([tag, version, *fields])]
+    elif kind == 4:  # a control whose token is wrong in value or type
+        cls = rng.choice(list(CONTROL_MESSAGES))
+        rest = [random_value(rng) for _ in dataclasses.fields(cls)[1:]]
+        frames = [msgpack.packb([cls.TAG, cls.VERSION, rng.choice(WRONG_TOKEN_VALUES), *rest])]
+    elif kind == 5:  # the right token in a malformed control: wrong version or arity
+        cls = rng.choice(list(CONTROL_MESSAGES))
+        rest = [random_value(rng) for _ in dataclasses.fields(cls)[1:]]
+        if rng.random() < 0.5:
+            frames = [msgpack.packb([cls.TAG, 2, TOKEN, *rest])]
+        else:
+            frames = [msgpack.packb([cls.TAG, cls.VERSION, TOKEN, *rest, random_value(rng)])]
+    else:  # a valid control, well encoded, with a wrong token
+        frames = encode(rng.choice(every_control(rng.choice(WRONG_TOKENS))))
+    if rng.random() < 0.05:
+        frames.append(rng.randbytes(rng.randrange(20)))
+    return frames
+
+
+# What the coordinator takes from a client (and may answer); it drops an ErrorReply unanswered
+# and answers anything else (engine-side messages included) with "unexpected_message".
+FROM_A_CLIENT = (SubmitRequest, AbortRequest, GetModelInfo, GetStats, Heartbeat, PeerGone)
+
+
+def expected_error(frames: list[bytes]) -> str | None:
+    """The ErrorReply code the coordinator owes a client for these frames, or None."""
+    try:
+        msg = decode(frames)
+    except MessageError as e:
+        return e.code
+    if type(msg) in CONTROL_MESSAGES:
+        assert msg.token != TOKEN, "the fuzzer made an authorized control"
+        return "not_authorized"
+    return None if isinstance(msg, (*FROM_A_CLIENT, ErrorReply)) else "unexpected_message"
+
+
+@pytest.mark.asyncio
+async def test_fuzzed_frames_and_wrong_token_controls_change_nothing(addresses):
+    rng = random.Random(20240611)
+    async with running(addresses) as h:
+        log = capture_log(h.actor)  # quiet, and countable
+        fuzzer = h.ctx.socket(zmq.DEALER)
+        h.channels.append(Channel(fuzzer, "fuzzer"))  # closed with the others
+        fuzzer.setsockopt(zmq.LINGER, 0)
+        fuzzer.setsockopt(zmq.RCVHWM, 0)
+        fuzzer.connect(h.front)
+        expected, got = collections.Counter(), collections.Counter()
+        for batch in range(8):
+            for i in range(500):
+                frames = [TRICKY[i]] if batch == 0 and i < len(TRICKY) else fuzz_frames(rng)
+                code = expected_error(frames)
+                if code is not None:
+                    expected[code] += 1
+                await fuzzer.send_multipart(frames)
+            # A client's messages are handled in order: once this one is answered, every error
+            # reply of the batch has been sent (a batch keeps the replies under the high-water
+            # mark, where the coordinator's ROUTER would drop them).
+            marker = 1_000_000 + batch
+            await fuzzer.send_multipart(
+                encode(SubmitRequest(marker, PROMPT, SamplingParams(), False))
+            )
+            while True:
+                reply = decode(await asyncio.wait_for(fuzzer.recv_multipart(), WAIT_S))
+                if isinstance(reply, ErrorReply):
+                    got[reply.code] += 1
+                if isinstance(reply, RequestOutput) and reply.request_id == marker:
+                    break
+        assert got == expected and expected["not_authorized"] > 500, (got, expected)
+        refused = [e for e in log if e["event"] == "control refused"]
+        assert len(refused) == expected["not_authorized"]
+        assert {e["outcome"] for e in refused} == {"not_authorized"}
+        # Nothing changed: still RUNNING, the engine saw no control, a request is served.
+        assert not h.run.done() and h.actor.control is None
+        assert await h.ask(GetStats()) == Stats("RUNNING", (rank_stats(0),))
+        assert h.actor.fsm.state == "RUNNING" and h.engine.controls == []
+        out = await h.generate(7)
+        assert out.finished and out.finish_reason == "length"
+
+
+# --- liveness ----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_dead_engine_fails_its_requests_and_new_ones_are_refused(addresses):
+    async with running(addresses, stats_timeout=60.0) as h:
+        h.engine.hold_submits = True
+        await h.send(SubmitRequest(7, PROMPT, SamplingParams(), True))
+        await h.engine.until(lambda: h.engine.submits)
+        start = time.monotonic()
+        await h.kill_engine()
+        out = await h.recv(timeout=2.0)
+        assert time.monotonic() - start < 2.0
+        assert isinstance(out, RequestOutput) and out.request_id == 7 and out.finished, out
+        assert out.finish_reason is FinishReason.ERROR
+        assert "engine rank 0 died (its connection closed)" in out.error
+        # Nothing is left to route to: refused at once, naming the dead rank.
+        out = await h.ask(SubmitRequest(8, PROMPT, SamplingParams(), False))
+        assert out.finish_reason == "error" and out.request_id == 8
+        assert "no engine rank is alive (rank 0 died: its connection closed)" in out.error
+        assert isinstance(await h.ask(GetModelInfo()), ModelInfo)
+        # Stats wait for no dead engine (stats_timeout is a minute).
+        assert await h.ask(GetStats()) == Stats("RUNNING", ())
+        assert h.actor.engines == {}
+
+
+@pytest.mark.asyncio
+async def test_a_dead_engine_ends_the_control_and_stats_query_waiting_for_it(addresses):
+    async with running(addresses, stats_timeout=60.0, control_timeout=60.0) as h:
+        other = h.connect()
+        h.engine.hold |= {"pause", "stats"}
+        await h.send(Pause(TOKEN))
+        await other.send(GetStats())
+        await h.engine.until(lambda: len(h.engine.held) == 2)
+        await h.kill_engine()
+        reply = await h.recv(timeout=2.0)
+        assert_error(reply, "control_failed", "pause failed; the state stays RUNNING")
+        assert "engine 0: its connection closed" in reply.text
+        assert h.actor.fsm.state == "RUNNING" and h.actor.control is None
+        assert await receive(other, 2.0) == Stats("RUNNING", ())
+
+
+@pytest.mark.asyncio
+async def test_a_silent_engine_is_declared_dead_after_engine_timeout(addresses):
+    async with running(addresses, engine_timeout=0.5, heartbeat_s=0.05) as h:
+        h.engine.hold_submits = True
+        await h.send(SubmitRequest(9, PROMPT, SamplingParams(), False))
+        await h.engine.until(lambda: h.engine.submits)
+        # Heartbeats alone keep a busy engine alive well past the timeout.
+        await assert_silent(h.client, 1.0)
+        assert 0 in h.actor.engines
+        h.engine.silent = True  # hung: its connection stays open
+        start = time.monotonic()
+        out = await h.recv(timeout=3.0)
+        assert time.monotonic() - start < 1.5
+        assert out.request_id == 9 and out.finish_reason == "error"
+        assert "engine rank 0 died (sent nothing for 0.5 s)" in out.error
+        assert h.actor.engines == {}
+
+
+@pytest.mark.asyncio
+async def test_a_vanished_clients_requests_are_aborted(addresses):
+    async with running(addresses) as h:
+        h.engine.hold_submits = True
+        leaver = h.connect(identity=b"leaver")
+        for request_id in (1, 2):
+            await leaver.send(SubmitRequest(request_id, PROMPT, SamplingParams(), False))
+        await h.send(SubmitRequest(1, np.array([9], np.int32), SamplingParams(), False))
+        await h.engine.until(lambda: len(h.engine.submits) == 3)
+        mine = [s for s in h.engine.submits if s.prompt_token_ids.tolist() == [9]]
+        theirs = {s.request_id for s in h.engine.submits} - {mine[0].request_id}
+        h.close(leaver)
+        await h.engine.until(lambda: len(h.engine.aborts) == 2, timeout=2.0)
+        assert sorted(h.engine.aborts) == sorted(theirs)  # by their engine-side global ids
+        # The client still here keeps its request.
+        await h.engine.finish(mine[0])
+        out = await h.recv()
+        assert out.request_id == 1 and out.finish_reason == "length"
+        assert len(h.engine.aborts) == 2
+
+
+# --- the public client in front of it ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_client_lifecycle_methods_return_acks_and_raise_control_errors(addresses):
+    front = addresses[0]
+    async with running(addresses) as h:
+        async with AsyncClient(front, connect_timeout=WAIT_S, control_token=TOKEN) as c:
+            assert c.info.kv_cache_tokens == 16 * 16 and c.info.kv_cache_bytes == 16 * 16
             with pytest.raises(ControlError) as info:
                 await c.resume()
             assert info.value.code == "illegal_transition" and info.value.command == "resume"
@@ -445,20 +914,19 @@ def test_client_lifecycle_methods_return_acks_and_raise_control_errors(ipc_front
             assert info.value.code == "control_failed"
             del h.engine.refuse["resume"]
             assert (await c.resume()).state == "PAUSED"
-            assert h.engine.controls[1] == Suspend("recompute")
+            assert h.engine.controls[1] == Suspend("", "recompute")
             stats = await c.stats()
             assert stats.state == "PAUSED" and stats.ranks == (rank_stats(1),)
         # The blocking twin, in a thread: this loop must keep serving the coordinator.
-        client = await asyncio.to_thread(Client, ipc_front, connect_timeout=WAIT_S)
+        client = await asyncio.to_thread(Client, front, connect_timeout=WAIT_S, control_token=TOKEN)
         try:
             assert await asyncio.to_thread(client.unpause) == ControlAck("unpause", "RUNNING", 1)
         finally:
             await asyncio.to_thread(client.close)
 
-    drive(body, ipc_front)
 
-
-def test_client_sends_stop_words_as_ids_and_collects_log_probs(ipc_front):
+@pytest.mark.asyncio
+async def test_client_sends_stop_words_as_ids_and_collects_log_probs(addresses):
     sampling = SamplingParams(
         stop=("ab", "\n"),
         stop_word_ids=((9, 9),),
@@ -466,38 +934,71 @@ def test_client_sends_stop_words_as_ids_and_collects_log_probs(ipc_front):
         top_n_logprobs=2,
         return_prompt_top_n_logprobs=True,
     )
-
-    async def body(h: Harness):
-        async with AsyncClient(ipc_front, connect_timeout=WAIT_S) as c:
+    async with running(addresses) as h:
+        async with AsyncClient(addresses[0], connect_timeout=WAIT_S) as c:
             [done] = await c.generate("xyz", sampling)
             deltas = [d async for d in c.stream("xyz", sampling)]
             [plain] = await c.generate("xyz", SamplingParams(stop="ab"))
             with pytest.raises(ValueError, match="encodes to no tokens"):
                 await c.generate("xyz", SamplingParams(stop=("",)))
             tok = c.tokenizer
-        ab, nl = (tuple(tok.encode(w, add_special_tokens=False)) for w in ("ab", "\n"))
-        assert len(ab) == 2 and len(nl) == 1
-        assert h.engine.submits[0].sampling.stop_word_ids == ((9, 9), ab, nl)
-        assert h.engine.submits[2].sampling.stop_word_ids == (ab,)  # a bare string: one word
+    ab, nl = (tuple(tok.encode(w, add_special_tokens=False)) for w in ("ab", "\n"))
+    assert len(ab) == 2 and len(nl) == 1
+    assert h.engine.submits[0].sampling.stop_word_ids == ((9, 9), ab, nl)
+    assert h.engine.submits[2].sampling.stop_word_ids == (ab,)  # a bare string: one word
 
-        assert done.token_ids == [5, 6] and done.text == tok.decode([5, 6])
-        assert done.log_probs == [-0.5, -0.25]
-        assert done.top_n_logprobs == [{5: -0.5, 7: -1.5}, {6: -0.25, 5: -3.0}]
-        assert done.prompt_log_probs == [-1.0, -2.0]
-        assert done.prompt_top_n_logprobs == [{2: -1.0}, {3: -2.0}]
-        assert [e.type for e in done.events] == ["ADD_ENGINE", "FINISH"]
-        assert (done.ttft, done.tpot) == (0.125, 0.0625)
+    assert done.token_ids == [5, 6] and done.text == tok.decode([5, 6])
+    assert done.log_probs == [-0.5, -0.25]
+    assert done.top_n_logprobs == [{5: -0.5, 7: -1.5}, {6: -0.25, 5: -3.0}]
+    assert done.prompt_log_probs == [-1.0, -2.0]
+    assert done.prompt_top_n_logprobs == [{2: -1.0}, {3: -2.0}]
+    assert [e.type for e in done.events] == ["ADD_ENGINE", "FINISH"]
+    assert (done.ttft, done.tpot) == (0.125, 0.0625)
 
-        first, last = deltas
-        assert first.token_ids == [5] and first.log_probs == [-0.5] and not first.finished
-        assert first.top_n_logprobs == [{5: -0.5, 7: -1.5}] and first.prompt_log_probs is None
-        assert last.token_ids == [6] and last.log_probs == [-0.25] and last.finished
-        assert last.prompt_log_probs == [-1.0, -2.0] and last.ttft == 0.125
-        assert first.text + last.text == done.text
+    first, last = deltas
+    assert first.token_ids == [5] and first.log_probs == [-0.5] and not first.finished
+    assert first.top_n_logprobs == [{5: -0.5, 7: -1.5}] and first.prompt_log_probs is None
+    assert last.token_ids == [6] and last.log_probs == [-0.25] and last.finished
+    assert last.prompt_log_probs == [-1.0, -2.0] and last.ttft == 0.125
+    assert first.text + last.text == done.text
 
-        # Nothing asked, nothing shown (whatever the engine sent).
-        assert plain.log_probs is None and plain.top_n_logprobs is None
-        assert plain.prompt_log_probs is None and plain.prompt_top_n_logprobs is None
-        assert plain.ttft == 0.125 and len(plain.events) == 2
+    # Nothing asked, nothing shown (whatever the engine sent).
+    assert plain.log_probs is None and plain.top_n_logprobs is None
+    assert plain.prompt_log_probs is None and plain.prompt_top_n_logprobs is None
+    assert plain.ttft == 0.125 and len(plain.events) == 2
 
-    drive(body, ipc_front)
+
+@pytest.mark.asyncio
+async def test_async_client_connect_fails_fast_when_nothing_listens(tmp_path):
+    client = AsyncClient(f"ipc://{tmp_path}/nothing.sock", timeout=0.5, connect_timeout=30)
+    start = time.monotonic()
+    with pytest.raises(RuntimeUnreachable, match="nothing.sock"):
+        await asyncio.wait_for(client.connect(), WAIT_S)
+    assert time.monotonic() - start < 1.5
+
+
+@pytest.mark.asyncio
+async def test_async_client_fails_waiting_calls_when_the_coordinator_stops(addresses):
+    async with running(addresses) as h:
+        async with AsyncClient(addresses[0], timeout=0.5, connect_timeout=WAIT_S) as c:
+            h.engine.hold_submits = True
+            generating = asyncio.create_task(c.generate([[1, 2, 3]], raise_on_error=False))
+            try:
+                await h.engine.until(lambda: h.engine.submits)
+                # A live coordinator answers the client's heartbeats: 3 timeouts, still waiting.
+                done, _ = await asyncio.wait([generating], timeout=1.5)
+                assert not done
+                h.actor.stop()  # the coordinator process exits: its sockets close
+                await asyncio.wait_for(h.run, WAIT_S)
+                h.close(h.actor.frontend)
+                start = time.monotonic()
+                [completion] = await asyncio.wait_for(generating, WAIT_S)
+            finally:
+                generating.cancel()
+            assert time.monotonic() - start < 1.5
+            assert completion.finish_reason == "error"
+            assert "no answer from the runtime" in completion.error
+            start = time.monotonic()
+            with pytest.raises(RuntimeUnreachable, match="it is not running there, or it died"):
+                await asyncio.wait_for(c.stats(), WAIT_S)
+            assert time.monotonic() - start < 1.5

@@ -7,13 +7,15 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from taipan.actors.coordinator.fsm import (
-    COMMANDS,
     TRANSITIONS,
     IllegalTransition,
     LifecycleFSM,
     State,
     legal_commands,
 )
+from taipan.messages.lifecycle import ControlCommand, LifecycleState
+
+COMMANDS = list(ControlCommand)
 
 R, P, S, X = State.RUNNING, State.PAUSED, State.SUSPENDED, State.STOPPED
 
@@ -70,6 +72,10 @@ def test_unknown_command_is_not_an_illegal_transition():
 
 def test_states_are_the_wire_names():
     assert [str(s) for s in State] == ["RUNNING", "PAUSED", "SUSPENDED", "STOPPED"]
+    assert State is LifecycleState  # one enum: the engines and the messages use it too
+    assert [str(c) for c in COMMANDS] == [
+        "pause", "unpause", "suspend", "resume", "update_weights", "stop"
+    ]  # fmt: skip
 
 
 @given(st.lists(st.sampled_from(COMMANDS), max_size=40))

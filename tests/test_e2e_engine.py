@@ -63,7 +63,8 @@ def test_tiny_pool_pauses_and_evicts_with_identical_outputs(model_path, hf, expe
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats
 
 
-def test_staggered_admission_gives_the_same_outputs(client, runtime, expected):
+@pytest.mark.asyncio
+async def test_staggered_admission_gives_the_same_outputs(client, runtime, expected):
     async def staggered():
         async with AsyncClient(runtime.address) as ac:
 
@@ -74,7 +75,7 @@ def test_staggered_admission_gives_the_same_outputs(client, runtime, expected):
 
             return await asyncio.gather(*(one(i) for i in range(len(PROMPTS))))
 
-    assert asyncio.run(staggered()) == expected
+    assert await staggered() == expected
 
 
 def _first_index(seq: list[int], word: list[int]) -> int:

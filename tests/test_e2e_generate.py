@@ -5,8 +5,6 @@ Greedy outputs are checked token for token against Hugging Face transformers on 
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -76,7 +74,8 @@ def test_chat_prompts_match_hf(client, hf):
         assert c.finish_reason in ("stop", "length")
 
 
-def test_concurrent_equals_alone(runtime):
+@pytest.mark.asyncio
+async def test_concurrent_equals_alone(runtime):
     prompts = [f"{PROMPTS[i % 8]} {i}" for i in range(16)]
     sampling = SamplingParams(max_tokens=12, temperature=0.0)
 
@@ -86,11 +85,12 @@ def test_concurrent_equals_alone(runtime):
             alone = [(await c.generate([p], sampling))[0] for p in prompts]
         return together, alone
 
-    together, alone = asyncio.run(main())
+    together, alone = await main()
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
-def test_stream_deltas_add_up(runtime):
+@pytest.mark.asyncio
+async def test_stream_deltas_add_up(runtime):
     sampling = SamplingParams(max_tokens=20, temperature=0.0)
 
     async def main():
@@ -99,7 +99,7 @@ def test_stream_deltas_add_up(runtime):
             [full] = await c.generate([PROMPTS[1]], sampling)
         return deltas, full
 
-    deltas, full = asyncio.run(main())
+    deltas, full = await main()
     assert len(deltas) > 1 and deltas[-1].finished and not any(d.finished for d in deltas[:-1])
     assert sum((d.token_ids for d in deltas), []) == full.token_ids
     assert "".join(d.text for d in deltas) == full.text

@@ -47,10 +47,17 @@ def test_every_actor_is_recorded(recorded):
 
 
 def test_check_passes_on_recorded_session(recorded):
+    # The gpu and coordinator logs have no checker: a plain --check says so and exits 3 ...
     done = replay(recorded, "--check")
-    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "gpu-0: not checked" in done.stdout and "coordinator: not checked" in done.stdout
+    assert "2 actor(s) not checked (coordinator, gpu-0)" in done.stderr
     assert "allocator-0: ok" in done.stdout
     assert "engine-0: ok" in done.stdout and "steps re-planned" in done.stdout
+    # ... --allow-unchecked accepts that, and checking only the deciding actors is a pass.
+    assert replay(recorded, "--check", "--allow-unchecked").returncode == 0
+    done = replay(recorded, "--check", "--actor", "engine-0", "--actor", "allocator-0")
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_timeline_filters_by_actor_and_type(recorded):
@@ -116,4 +123,5 @@ def test_engine_check_needs_the_config(recorded, tmp_path):
     assert not _copy_altering(recorded, tmp_path, "engine-0", lambda r, m: None)
     (tmp_path / "config.json").unlink()
     done = replay(tmp_path, "--check")
-    assert done.returncode == 0 and "engine-0: not checked (no config.json" in done.stdout
+    assert done.returncode == 3 and "engine-0: not checked (no config.json" in done.stdout
+    assert replay(tmp_path, "--check", "--allow-unchecked").returncode == 0

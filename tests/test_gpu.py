@@ -37,6 +37,8 @@ def _hf_greedy(model_dir, dtype, prompt_ids, n):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    # As ours with ignore_eos: EOS neither stops nor is masked (min_new_tokens would mask it).
+    model.generation_config.eos_token_id = None
     out = []
     with torch.inference_mode():
         for ids in prompt_ids:
@@ -45,7 +47,6 @@ def _hf_greedy(model_dir, dtype, prompt_ids, n):
                 x,
                 attention_mask=torch.ones_like(x),
                 max_new_tokens=n,
-                min_new_tokens=n,
                 do_sample=False,
                 pad_token_id=0,
             )
@@ -130,34 +131,76 @@ def test_gpu_log_probs_match_hf(model_dir):
         assert all(len(top) == 2 for top in d.top_n_logprobs)
 
 
-def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir):
-    import asyncio
-
+@pytest.fixture(scope="module")
+def tiny_pool(model_dir):
+    """A runtime on CUDA whose 10-block pool makes every pause evict (paused requests may hold
+    no block)."""
     import torch
 
-    from tests.test_e2e_lifecycle import interrupted
-
     torch.backends.cuda.matmul.allow_tf32 = False
-    config = InferenceConfig(  # paused requests may hold no block: every pause evicts
+    config = InferenceConfig(
         **dict(CONFIG, buffer_size_gb=_blocks_gb(10, 4), max_tokens=64),
         enable_chunked_prefill=True,
         paused_buffer_size_gb=0.0,
     )
+    with Runtime(model_dir, config, device="cuda") as rt:
+        yield rt
+
+
+@pytest.mark.asyncio
+async def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir, tiny_pool):
+    import torch
+
+    from taipan.client import AsyncClient
+    from tests.test_e2e_lifecycle import interrupted
+
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    with Runtime(model_dir, config, device="cuda") as rt, Client(rt.address) as c:
-        done = c.generate(PROMPTS, sampling)
-        [stats] = c.stats().ranks
-        outs = {}
-        for mode in ("offload", "recompute"):
+    async with AsyncClient(tiny_pool.address) as c:
+        done = await c.generate(PROMPTS, sampling)
+        [stats] = (await c.stats()).ranks
+    outs = {}
+    for mode in ("offload", "recompute"):
 
-            async def cycle(ac, mode=mode):
-                await ac.pause()
-                await ac.suspend(mode)
-                await ac.resume()
-                await ac.unpause()
+        async def cycle(ac, mode=mode):
+            await ac.pause()
+            await ac.suspend(mode)
+            await ac.resume()
+            await ac.unpause()
 
-            outs[mode] = asyncio.run(interrupted(rt.address, sampling, cycle, PROMPTS))
+        outs[mode] = await interrupted(tiny_pool.address, sampling, cycle, PROMPTS)
     want = _hf_greedy(model_dir, torch.float32, [d.prompt_token_ids for d in done], 24)
     assert [d.token_ids for d in done] == want
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats
     assert outs["offload"] == want and outs["recompute"] == want
+
+
+def test_gpu_offload_checks_host_memory_then_round_trips_through_pinned_memory(
+    tmp_path, monkeypatch
+):
+    import torch
+
+    from taipan.actors.gpu import worker as worker_module
+    from taipan.messages.gpu import GpuControl, LoadModel
+    from tests.random_llama import make_random_llama
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+    small.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    model = make_random_llama(str(tmp_path), small)
+    w = worker_module.ModelWorker()
+    w.load(LoadModel(model, "bfloat16", "cuda", 16, 64, 0.01))
+    kv = w.kv_cache
+    kv.normal_()  # contents to compare after the round trip
+    before = kv.clone()
+    kv_bytes = kv.numel() * kv.element_size()
+
+    def suspend():
+        return w.control(GpuControl("suspend", "offload", None, None))
+
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: kv_bytes)
+    reply = suspend()
+    assert "offload needs" in reply.error and w.suspend_mode is None and w.kv_cache is kv
+    monkeypatch.undo()
+    assert suspend().error is None and w.kv_cache is None
+    assert w._kv_offloaded.is_pinned() and w._kv_offloaded.device.type == "cpu"
+    assert w.control(GpuControl("resume", None, None, None)).error is None
+    assert w.kv_cache.is_cuda and torch.equal(w.kv_cache, before)

@@ -14,7 +14,6 @@ every control, even a failing one, into a GpuControlReply.
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 
 import numpy as np
@@ -22,6 +21,7 @@ import pytest
 import torch
 
 from taipan.actors.channel import Envelope
+from taipan.actors.gpu import worker as worker_module
 from taipan.actors.gpu.actor import GpuActor
 from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel
@@ -102,20 +102,54 @@ def assert_same_weights(worker, before: dict[str, torch.Tensor]) -> None:
 # ---- suspend / resume ---------------------------------------------------------------------------
 
 
-def test_offload_round_trip_keeps_kv_bytes_and_the_next_step(worker):
+def test_offload_on_cpu_keeps_the_kv_in_place_and_the_next_step(worker):
+    # On a CPU device the KV cache already is host memory: offload must not copy (double) it.
     _, decoded = prefill_and_decode(worker)
-    before = worker.kv_cache.clone()
+    kv, before = worker.kv_cache, worker.kv_cache.clone()
     reply = control(worker, "suspend", "offload")
     assert reply.error is None and reply.kv_valid and reply.weight_version == 0
-    assert worker.kv_cache is None
+    assert worker.kv_cache is kv and worker.suspend_mode == "offload"
+    assert worker._kv_offloaded is None  # no second copy
     reply = control(worker, "resume")
-    assert reply.error is None and reply.kv_valid
+    assert reply.error is None and reply.kv_valid and worker.kv_cache is kv
     # Compare bits: the never-written slots hold garbage, possibly NaN patterns.
     assert torch.equal(worker.kv_cache.view(torch.int32), before.view(torch.int32))
     token = int(decoded.token_ids[0])
     again = worker.step(make_plan(2, [Seq([token], len(PROMPT), [5, 2], logprobs=True)]))
     assert again.token_ids.tolist() == decoded.token_ids.tolist()
     assert again.log_probs.tolist() == decoded.log_probs.tolist()
+
+
+def test_device_offload_refuses_when_the_host_lacks_memory(worker, monkeypatch):
+    """A device KV cache goes to pinned host memory only if the host has room; else the worker
+    refuses and nothing changes. (The copy itself runs on a GPU: tests/test_gpu.py.)"""
+    kv = worker.kv_cache
+    kv_bytes = kv.numel() * kv.element_size()
+    monkeypatch.setattr(worker, "device", torch.device("cuda"))  # never touched: refused first
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: kv_bytes)
+    reply = control(worker, "suspend", "offload")
+    assert reply.error is not None and "offload needs" in reply.error and "GiB" in reply.error
+    assert "persist or recompute" in reply.error
+    assert worker.kv_cache is kv and worker.suspend_mode is None and reply.kv_valid
+
+
+def test_offload_check_counts_the_reserve():
+    gib = worker_module.GIB
+    reserve = worker_module.HOST_RESERVE_BYTES
+    assert worker_module.offload_problem(4 * gib, 4 * gib + reserve) is None
+    assert "but only 6.00 GiB is available" in worker_module.offload_problem(4 * gib, 6 * gib - 1)
+
+
+def test_kv_budget_on_cpu_is_a_bounded_share_of_available_memory(monkeypatch):
+    gib = worker_module.GIB
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: 22 * gib)
+    budget, source = worker_module.kv_budget(None, cpu)
+    assert budget == int(0.2 * 22 * gib) and "20% of 22.0 GiB available" in source
+    monkeypatch.setattr(worker_module, "available_host_memory", lambda: 1000 * gib)
+    assert worker_module.kv_budget(None, cpu)[0] == 20 * gib  # at most the seed's 20 GB
+    assert worker_module.kv_budget(None, torch.device("cuda"))[0] == 20 * gib
+    assert worker_module.kv_budget(0.5, cpu) == (gib // 2, "buffer_size_gb=0.5")
 
 
 def test_recompute_drops_the_kv_and_says_so(worker):
@@ -151,18 +185,20 @@ def test_illegal_orders_and_bad_commands_error_and_change_nothing(worker):
     cases = [
         (("resume",), "running"),
         (("update_weights", None, None, {}), "running"),
-        (("suspend", None), "mode None"),
-        (("suspend", "hibernate"), "'hibernate'"),
-        (("reload",), "unknown gpu control 'reload'"),
+        (("suspend", None), "suspend needs a mode (persist, offload, recompute)"),
     ]
     for args, text in cases:
         reply = control(worker, *args)
         assert reply.error is not None and text in reply.error, (args, reply.error)
         assert worker.suspend_mode is None and worker.kv_cache is not None
-    assert control(worker, "suspend", "offload").error is None
+    # Commands and modes are enums: a value that is none cannot even be made (nor decoded).
+    for args in [("suspend", "hibernate"), ("reload",)]:
+        with pytest.raises(ValueError):
+            control(worker, *args)
+    assert control(worker, "suspend", "recompute").error is None
     reply = control(worker, "suspend", "persist")
-    assert "already suspended (mode offload)" in reply.error
-    assert worker.suspend_mode == "offload" and worker.kv_cache is None
+    assert "already suspended (mode recompute)" in reply.error
+    assert worker.suspend_mode == "recompute" and worker.kv_cache is None
     assert "no model is loaded" in control(ModelWorker(), "resume").error
 
 
@@ -268,20 +304,21 @@ class FakeChannel:
         self.sent.append(msg)
 
 
-def test_actor_answers_every_control_with_a_reply(monkeypatch):
+@pytest.mark.asyncio
+async def test_actor_answers_every_control_with_a_reply(monkeypatch):
     channel = FakeChannel()
     actor = GpuActor(0, channel)
 
     async def send(msg) -> None:
         await actor.dispatch(Envelope(channel, None, msg, None, 0.0))
 
-    asyncio.run(send(GpuControl("resume", None, None, None)))  # no model: a reply, not a raise
+    await send(GpuControl("resume", None, None, None))  # no model: a reply, not a raise
 
     def broken(msg):
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(actor.worker, "control", broken)
-    asyncio.run(send(GpuControl("suspend", "offload", None, None)))
+    await send(GpuControl("suspend", "offload", None, None))
     actor.executor.shutdown()
     first, second = channel.sent
     assert isinstance(first, GpuControlReply) and "no model is loaded" in first.error

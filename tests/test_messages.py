@@ -8,6 +8,7 @@ covered without touching this file (an unsupported field type fails `test_factor
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 import os
 import types
@@ -29,18 +30,27 @@ from taipan.messages.codec import (
     INLINE_ARRAY_BYTES,
     MAX_FRAMES,
     TAG_RANGES,
+    ArraySpec,
     _checker,
     message,
 )
 from taipan.messages.common import ErrorReply, Heartbeat
 from taipan.messages.gpu import StepPlan, StepResult
-from taipan.messages.requests import AbortRequest, RequestOutput, SamplingParams, SubmitRequest
+from taipan.messages.lifecycle import KVCacheManagementMode, Suspend, UpdateWeights
+from taipan.messages.requests import (
+    AbortRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    SubmitRequest,
+)
 
 FAST = settings(
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+DEEP = settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 MESSAGE_TYPES = sorted(messages.registry().items())
 DTYPES = sorted(ALLOWED_DTYPES)
 
@@ -66,8 +76,21 @@ def _union_args(tp) -> tuple | None:
     return None
 
 
+def _array_spec(tp) -> ArraySpec | None:
+    if typing.get_origin(tp) is typing.Annotated:
+        return typing.get_args(tp)[1]
+    return None
+
+
 def sample_value(tp, i: int = 0):
     """A deterministic, non-trivial value of type tp (i varies it between fields)."""
+    if (spec := _array_spec(tp)) is not None:
+        dtype = spec.dtypes[i % len(spec.dtypes)]
+        shape = (12,) if spec.ndim == 1 else (3, 4) if spec.ndim in (2, None) else (2,) * spec.ndim
+        return (np.arange(12) % 7).astype(dtype).reshape(shape)
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        members = list(tp)
+        return members[i % len(members)]
     if (args := _union_args(tp)) is not None:
         return sample_value(next(a for a in args if a is not type(None)), i)
     origin = typing.get_origin(tp)
@@ -87,20 +110,24 @@ def sample_value(tp, i: int = 0):
         return f"field {i} ünïcødé"
     if tp is bytes:
         return bytes(range(i, i + 5))
-    if tp is np.ndarray:
-        dtype = DTYPES[i % len(DTYPES)]
-        return (np.arange(12) % 7).astype(dtype).reshape(3, 4)
     raise TypeError(f"no sample value for {tp!r}: extend sample_value")
 
 
 def build_sample(cls, salt: int = 0):
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     fields = dataclasses.fields(cls)
     return cls(**{f.name: sample_value(hints[f.name], salt + k) for k, f in enumerate(fields)})
 
 
 def strategy_for(tp) -> st.SearchStrategy:
     """A hypothesis strategy for any value the codec must carry for type tp."""
+    if (spec := _array_spec(tp)) is not None:
+        dims = dict(min_dims=1, max_dims=3) if spec.ndim is None else dict(min_dims=spec.ndim)
+        dims.setdefault("max_dims", spec.ndim)
+        shapes = hnp.array_shapes(**dims, min_side=0, max_side=5)
+        return st.sampled_from(spec.dtypes).flatmap(lambda d: hnp.arrays(np.dtype(d), shapes))
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return st.sampled_from(list(tp))
     if (args := _union_args(tp)) is not None:
         return st.one_of([strategy_for(a) for a in args])
     if tp is type(None):
@@ -112,10 +139,6 @@ def strategy_for(tp) -> st.SearchStrategy:
         return st.dictionaries(st.text(max_size=8), strategy_for(typing.get_args(tp)[1]))
     if getattr(tp, "IS_STRUCT", False):
         return message_strategy(tp)
-    if tp is np.ndarray:
-        return st.sampled_from(DTYPES).flatmap(
-            lambda d: hnp.arrays(np.dtype(d), hnp.array_shapes(min_dims=1, max_dims=3, max_side=5))
-        )
     simple = {
         bool: st.booleans(),
         int: st.integers(-(2**63), 2**64 - 1),
@@ -127,7 +150,7 @@ def strategy_for(tp) -> st.SearchStrategy:
 
 
 def message_strategy(cls) -> st.SearchStrategy:
-    hints = typing.get_type_hints(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
     return st.builds(cls, **{f.name: strategy_for(hints[f.name]) for f in dataclasses.fields(cls)})
 
 
@@ -298,6 +321,11 @@ def test_several_large_arrays_keep_their_order():
     assert out.block_tables.shape == (n, 4)
 
 
+def carry(arr: np.ndarray) -> np.ndarray:
+    """`arr` after a trip through the wire, in a field that takes any float array."""
+    return roundtrip(UpdateWeights("", None, {"a": arr})).state["a"]
+
+
 def test_frame_arrays_are_wrapped_without_a_copy():
     big = np.arange(INLINE_ARRAY_BYTES, dtype=np.int32)
     frames = encode(RequestOutput(1, big, False, None, None, 0, 0))
@@ -306,10 +334,10 @@ def test_frame_arrays_are_wrapped_without_a_copy():
 
 
 def test_decoded_arrays_are_usable_with_numpy():
-    small = np.array([[1, 2], [3, 4]], dtype=np.int16)
+    small = np.array([[1, 2], [3, 4]], dtype=np.float16)
     big = np.linspace(0, 1, INLINE_ARRAY_BYTES, dtype=np.float32)
     for arr in (small, big):
-        out = roundtrip(RequestOutput(1, arr, False, None, None, 0, 0)).new_token_ids
+        out = carry(arr)
         assert out.flags.c_contiguous and out.dtype.isnative
         assert np.array_equal(out + 1, arr + 1)
         assert float(out.sum()) == pytest.approx(float(arr.sum()))
@@ -322,13 +350,11 @@ def test_decoded_arrays_are_usable_with_numpy():
 @pytest.mark.parametrize("shape", [(0,), (2, 0, 3), (1, 1, 1, 1), (1,)])
 def test_odd_shapes_roundtrip(shape):
     arr = np.ones(shape, dtype=np.float16)
-    assert_same(arr, roundtrip(RequestOutput(1, arr, False, None, None, 0, 0)).new_token_ids)
+    assert_same(arr, carry(arr))
 
 
 def test_zero_dim_array_keeps_its_shape():
-    arr = np.array(7, dtype=np.int64)
-    out = roundtrip(RequestOutput(1, arr, False, None, None, 3, 0)).new_token_ids
-    assert out.shape == ()
+    assert carry(np.array(7, dtype=np.float64)).shape == ()
 
 
 def test_non_native_byte_order_keeps_values():
@@ -340,10 +366,32 @@ def test_non_native_byte_order_keeps_values():
 def test_encode_refuses_what_cannot_travel():
     with pytest.raises(TypeError, match="not a registered message"):
         encode(SamplingParams())
-    with pytest.raises(TypeError, match="cannot travel"):
-        encode(RequestOutput(1, np.array([1 + 2j]), False, None, None, 0, 0))
-    with pytest.raises(TypeError, match="cannot travel"):
+    with pytest.raises(TypeError, match="UpdateWeights.state: .*dtype complex128"):
+        encode(UpdateWeights("", None, {"w": np.array([1 + 2j])}))
+    with pytest.raises(TypeError, match="RequestOutput.new_token_ids: dtype object"):
         encode(RequestOutput(1, np.array(["a", None], dtype=object), False, None, None, 0, 0))
+
+
+def test_array_fields_check_dtype_and_rank_at_both_ends():
+    # The sender's bug is a TypeError at encode, naming the field ...
+    with pytest.raises(TypeError, match="RequestOutput.new_token_ids: dtype int64, expected int32"):
+        encode(RequestOutput(1, np.arange(3), False, None, None, 0, 0))
+    with pytest.raises(TypeError, match="StepPlan.block_tables: 1-D array .* expected 2-D"):
+        plan = build_sample(StepPlan)
+        encode(dataclasses.replace(plan, block_tables=np.zeros(4, np.int32)))
+    # ... and what arrives from elsewhere is a MessageError at decode.
+    expect_error(frame0(*output_with(array_ext("int64", [2], b"\0" * 16))), "bad_array", "int64")
+    expect_error(frame0(*output_with(array_ext("int32", [1, 1], b"\0" * 4))), "bad_array", "2-D")
+
+
+def test_enum_fields_decode_to_members_and_refuse_other_values():
+    out = roundtrip(RequestOutput(1, np.zeros(0, np.int32), True, "length", None, 1, 0))
+    assert out.finish_reason is FinishReason.LENGTH
+    assert Suspend("", "offload").mode is KVCacheManagementMode.OFFLOAD  # made, not decoded
+    with pytest.raises(ValueError):
+        Suspend("", "sideways")
+    err = expect_error(frame0(44, 1, "", "sideways"), "bad_field")
+    assert "Suspend.mode" in str(err) and "persist, offload, recompute" in str(err)
 
 
 # --- bad inputs: always MessageError ---------------------------------------------------------
@@ -360,7 +408,12 @@ def expect_error(frames, code: str | None = None, match: str | None = None) -> M
 _ARR = array_ext("int32", [1], b"\0\0\0\0")
 _SAMPLING = [16, 1.0, 0, 1.0, None, False, [], [], [], False, False, False, 0, False, 1]
 _STOP_TOKEN_IDS = 6  # its index in _SAMPLING
-_OUTPUT_TAIL = [_ARR] * 6 + [[], None, None, _ARR, _ARR]  # RequestOutput optional fields
+_F1, _I2, _F2 = (
+    array_ext("float32", [0], b""),
+    array_ext("int32", [0, 0], b""),
+    array_ext("float32", [0, 0], b""),
+)
+_OUTPUT_TAIL = [_F1, _I2, _F2] * 2 + [[], None, None, _ARR, _ARR]  # RequestOutput optional fields
 
 
 def _sampling_with(index: int, value) -> list:
@@ -469,9 +522,9 @@ def test_bad_arrays(name):
 def test_frame_index_out_of_range_with_extra_frames():
     ext = array_ext("int8", [4], 2, EXT_ARRAY_FRAME)
     expect_error(frame0(*output_with(ext)) + [b"\0" * 4], "bad_array", "missing frame 2")
-    ext = array_ext("int8", [4], 1, EXT_ARRAY_FRAME)
+    ext = array_ext("int32", [1], 1, EXT_ARRAY_FRAME)
     expect_error(frame0(*output_with(ext)) + [b"\0" * 5], "bad_array", "needs 4 bytes")
-    assert decode(frame0(*output_with(ext)) + [b"\1" * 4]).new_token_ids.tolist() == [1] * 4
+    assert decode(frame0(*output_with(ext)) + [b"\1" * 4]).new_token_ids.tolist() == [0x01010101]
 
 
 def test_too_many_frames_and_oversized_frame():
@@ -561,6 +614,20 @@ def test_truncated_encodings_raise_only_message_error(msg, data):
     cut = data.draw(st.integers(0, max(0, len(frames[k]) - 1)), label="cut")
     frames[k] = frames[k][:cut]
     decode_or_message_error(frames)
+
+
+@pytest.mark.slow
+@DEEP
+@given(any_message)
+def test_random_messages_roundtrip_deep(msg):
+    assert_same(msg, roundtrip(msg))
+
+
+@pytest.mark.slow
+@DEEP
+@given(any_message, st.data())
+def test_flipped_byte_raises_only_message_error_deep(msg, data):
+    test_flipped_byte_raises_only_message_error.hypothesis.inner_test(msg, data)
 
 
 @FAST

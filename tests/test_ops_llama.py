@@ -1,7 +1,9 @@
 """ops.models.llama + ops.loader against Hugging Face transformers on the same weights (fp32, CPU).
 
 The default GGUF is loaded once per module by both sides; a tiny random Llama saved as a
-safetensors directory covers the Hugging Face loader. Paged runs use block size 16 and shuffled,
+safetensors directory covers the Hugging Face loader. Our side runs the production attention
+path, as the gpu worker drives it (metadata with the step's layout attached: decode rows and
+prefill rows through slots and fused SDPA). Paged runs use block size 16 and shuffled,
 non-contiguous block tables, so a wrong slot or gather shows up as a logits mismatch.
 """
 
@@ -58,7 +60,9 @@ def hf_logits(hf_model, ids: list[int]) -> torch.Tensor:
 
 
 class PagedRunner:
-    """A minimal GPU-actor stand-in: shuffled blocks per sequence, steps over chunk dicts."""
+    """A minimal GPU-actor stand-in: shuffled blocks per sequence, steps over chunk dicts.
+    `build_attention_metadata` attaches the layout with the block size, as the worker's
+    `AttentionMetadata(...).with_layout(query_start, seq_lens, block_size)` does."""
 
     def __init__(self, model, config, num_blocks=128, seed=0, dtype=torch.float32):
         self.model = model
@@ -112,35 +116,42 @@ def test_full_prompt_logits_match_hf(ours, hf_model, prompt):
 
 
 def test_chunked_prefill_and_batched_decode_match_hf(ours, hf_model):
-    """Three sequences: chunked prefill (two chunks), a step mixing prefill and decode, then
-    token-by-token decode of all three batched together."""
+    """Four sequences: chunked prefill (two chunks), steps mixing prefill and decode rows, then
+    token-by-token decode of all four batched together. Sequence 2 arrives while the others
+    decode, and its second chunk is a prefill after a cached prefix in a batch of decode rows."""
     model, config, tok = ours
-    texts = PROMPTS[:2] + ["Short one."]
+    texts = PROMPTS + ["Short one."]
     continuation = tok.encode(" and then the story continues with more words")[:7]
     full = [tok.encode(t) + continuation for t in texts]
     prompt_lens = [len(f) - len(continuation) for f in full]
-    # Per sequence, the chunk sizes of each step: two prefill chunks, then one token at a time.
-    # Sequence 2 prefills in one step and starts decoding while the others finish prefill.
+    # Per sequence, the tokens it runs in each step (0 = not in that step's batch): prefill
+    # chunks, then one token at a time.
     plans = [
         [prompt_lens[0] // 2, prompt_lens[0] - prompt_lens[0] // 2] + [1] * 6,
         [5, prompt_lens[1] - 5] + [1] * 6,
-        [prompt_lens[2]] + [1] * 7,
+        [0, 0, 6, prompt_lens[2] - 6, 1, 1, 1, 1],
+        [prompt_lens[3]] + [1] * 7,
     ]
     runner = PagedRunner(model, config, seed=1)
     for seq, ids in enumerate(full):
         runner.add(seq, len(ids))
         assert sum(plans[seq]) <= len(ids)
     expected = [hf_logits(hf_model, ids) for ids in full]
+    mixed = []
     for step in range(len(plans[0])):
         chunks = {}
         for seq, plan in enumerate(plans):
             start = sum(plan[:step])
-            chunks[seq] = full[seq][start : start + plan[step]]
+            if plan[step]:
+                chunks[seq] = full[seq][start : start + plan[step]]
         starts = {seq: runner.computed[seq] for seq in chunks}
         out = runner.step(chunks)
         for seq, logits in out.items():
             ref = expected[seq][starts[seq] : starts[seq] + len(chunks[seq])]
             torch.testing.assert_close(logits, ref, atol=ATOL, rtol=0, msg=f"step {step} seq {seq}")
+        if any(len(c) == 1 for c in chunks.values()):
+            mixed += [len(c) > 1 and starts[seq] > 0 for seq, c in chunks.items()]
+    assert any(mixed), "no step mixed decode rows with a prefill after a cached prefix"
 
 
 def _greedy_generate(model, config, prompts: list[list[int]], max_new: int) -> list[list[int]]:

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from taipan.ops.sampling import exponential_noise, logprobs, sample
+from taipan.ops.sampling import exponential_noise, sample
 
 VOCAB = 64
 
@@ -126,10 +126,3 @@ def test_noise_is_exponential_and_keyed():
     assert abs(noise.mean().item() - 1.0) < 0.02 and abs(noise.var().item() - 1.0) < 0.05
     assert torch.equal(noise[1], exponential_noise(keys[1:2], 50000)[0])
     assert not torch.equal(noise[0], noise[1])
-
-
-def test_logprobs_is_log_softmax_of_the_chosen_token():
-    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
-    tokens = torch.tensor([0, 5, 63, 7])
-    expected = torch.log_softmax(logits, -1)[torch.arange(4), tokens]
-    torch.testing.assert_close(logprobs(logits, tokens), expected)

@@ -375,6 +375,18 @@ def expected_problem(plan: RuntimePlan, chunked: bool, req: EngineRequest) -> st
 )
 @given(workloads())
 def test_random_workloads_keep_every_invariant(workload):
+    check_workload(workload)
+
+
+@pytest.mark.slow
+@settings(max_examples=5000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_keep_every_invariant_deep(workload):
+    check_workload(workload)
+
+
+def check_workload(workload) -> None:
+    """Drive the harness through one random workload; every invariant holds at every step."""
     plan, chunked, requests = workload
     h = Harness(plan, chunked)
     last = max([max(a, b or 0) for a, b, _ in requests], default=0)

@@ -1,9 +1,16 @@
 """The client actor: one DEALER connection to the coordinator, shared by all of a client's requests.
 
-Owns request numbering for this connection, the per-request output queues, and the one
-lifecycle command this connection may have in flight. `AsyncClient` (runtime/client.py) is the
-public face; this shell only moves messages. Every request it submits gets exactly one terminal
-output in its queue: from the runtime, or made up here if the connection closes first.
+Owns request numbering for this connection, the per-request output queues, the one lifecycle
+command this connection may have in flight, and knowing whether the server is there at all.
+`AsyncClient` (runtime/client.py) is the public face; this shell only moves messages. Every
+request it submits gets exactly one terminal output in its queue: from the runtime, or made up
+here if the server goes silent or the connection closes first.
+
+Liveness: while anything waits for an answer, a coordinator that has been quiet for a quarter of
+`timeout` is sent a Heartbeat, which it answers; one that stays silent for `timeout` seconds is
+taken for gone: every waiting request ends with finish_reason "error" and every waiting call
+raises `RuntimeUnreachable`. A busy runtime is never silent (it answers heartbeats between
+steps), so a long prefill or a paused runtime does not time out; an absent or dead one does.
 
 Control replies carry no id, so a connection sends one command at a time (`control` holds a
 lock): the next `ControlAck`, or `ErrorReply` naming no request, answers it.
@@ -13,15 +20,17 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 
 import numpy as np
 
 from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
-from taipan.messages.common import ErrorReply
-from taipan.messages.lifecycle import ControlAck
+from taipan.messages.common import ErrorReply, Heartbeat
+from taipan.messages.lifecycle import CONTROL_MESSAGES, ControlAck, ControlCommand
 from taipan.messages.requests import (
     AbortRequest,
+    FinishReason,
     GetModelInfo,
     ModelInfo,
     RequestOutput,
@@ -30,36 +39,70 @@ from taipan.messages.requests import (
 )
 from taipan.messages.stats import GetStats, Stats
 
+DEFAULT_TIMEOUT_S = 5.0
+
 
 class ControlError(RuntimeError):
     """The runtime refused or failed a lifecycle command. `code` is the ErrorReply code
-    ("illegal_transition", "busy", "control_failed", "bad_request", ...), `text` says why."""
+    ("not_authorized", "illegal_transition", "busy", "control_failed", "bad_request", ...),
+    `text` says why."""
 
-    def __init__(self, command: str, code: str, text: str):
+    def __init__(self, command: ControlCommand, code: str, text: str):
         super().__init__(f"{code}: {text}")
         self.command, self.code, self.text = command, code, text
 
 
+class RuntimeUnreachable(ConnectionError):
+    """The runtime did not answer for the client's `timeout`: it is not running at that
+    address, or it died."""
+
+
 class ClientActor(Actor):
-    def __init__(self, channel: Channel):
+    def __init__(self, channel: Channel, *, address: str = "", timeout: float = DEFAULT_TIMEOUT_S):
         super().__init__("client")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {timeout}")
         self.channel = channel
+        self.address = address
+        self.timeout = timeout
         self.queues: dict[int, asyncio.Queue[RequestOutput]] = {}
         self.ids = itertools.count(1)
         self.info_waiters: list[asyncio.Future] = []
         self.stats_waiters: list[asyncio.Future] = []  # FIFO: one Stats answers each GetStats
         self.control_lock = asyncio.Lock()
-        self.control_waiter: tuple[str, asyncio.Future] | None = None  # (command, answer)
+        self.control_waiter: tuple[ControlCommand, asyncio.Future] | None = None
+        self.heard = time.monotonic()  # the last inbound message, or when waiting began
+        self.waiting = asyncio.Event()  # set while something waits for an answer
         self.serve(channel)
         self.on(RequestOutput, self.on_output)
         self.on(ModelInfo, self.on_info)
         self.on(ErrorReply, self.on_error)
         self.on(ControlAck, self.on_control_ack)
         self.on(Stats, self.on_stats)
+        self.on(Heartbeat, self.on_heartbeat)
+
+    async def started(self) -> None:
+        self.spawn(self._watch_server())
+
+    async def dispatch(self, env: Envelope) -> None:
+        self.heard = time.monotonic()  # any message (a Heartbeat answer too) proves it alive
+        await super().dispatch(env)
+
+    # --- calls --------------------------------------------------------------------------------
+
+    def _expect_answer(self) -> None:
+        """Something now waits for the server: its silence counts from here at the latest."""
+        if not self._busy():
+            self.heard = time.monotonic()
+        self.waiting.set()
+
+    def _busy(self) -> bool:
+        return bool(self.queues or self.info_waiters or self.stats_waiters or self.control_waiter)
 
     async def submit(self, prompt: np.ndarray, sampling: SamplingParams, stream: bool):
         request_id = next(self.ids)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._expect_answer()
         self.queues[request_id] = queue
         await self.channel.send(SubmitRequest(request_id, prompt, sampling, stream))
         return request_id, queue
@@ -70,27 +113,73 @@ class ClientActor(Actor):
 
     async def model_info(self) -> ModelInfo:
         fut = asyncio.get_running_loop().create_future()
+        self._expect_answer()
         self.info_waiters.append(fut)
         await self.channel.send(GetModelInfo())
         return await fut
 
     async def stats(self) -> Stats:
         fut = asyncio.get_running_loop().create_future()
+        self._expect_answer()
         self.stats_waiters.append(fut)
         await self.channel.send(GetStats())
         return await fut
 
-    async def control(self, command: str, msg) -> ControlAck:
-        """Send one lifecycle command (`command` is its ControlAck name) and wait for the
-        answer; raises ControlError when the runtime refuses or fails it."""
+    async def control(self, msg) -> ControlAck:
+        """Send one lifecycle command (a message of messages/lifecycle.py, token set) and wait
+        for the answer; raises ControlError when the runtime refuses or fails it."""
+        command = CONTROL_MESSAGES[type(msg)]
         async with self.control_lock:
             fut = asyncio.get_running_loop().create_future()
+            self._expect_answer()
             self.control_waiter = (command, fut)
             try:
                 await self.channel.send(msg)
                 return await fut
             finally:
                 self.control_waiter = None
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    async def _watch_server(self) -> None:
+        interval = self.timeout / 4
+        pinged = 0.0
+        while True:
+            if not self._busy():
+                self.waiting.clear()
+                await self.waiting.wait()
+                continue
+            now = time.monotonic()
+            silent = now - self.heard
+            if silent >= self.timeout:
+                self._server_gone(silent)
+                self.heard = now  # whatever still waits gets a full timeout of its own
+                continue
+            if silent >= interval and now - pinged >= interval:
+                pinged = now
+                await self.channel.send(Heartbeat(time.time()))
+            await asyncio.sleep(min(interval, self.timeout - silent))
+
+    def _server_gone(self, silent: float) -> None:
+        """Fail everything that waits: the server has not answered for `silent` seconds."""
+        where = f" at {self.address}" if self.address else ""
+        text = (
+            f"no answer from the runtime{where} for {silent:.1f} s (timeout {self.timeout:g} s): "
+            "it is not running there, or it died"
+        )
+        self.log.warning("runtime unreachable", address=self.address, silent=round(silent, 1))
+        self._end_requests(FinishReason.ERROR, text)
+        self._resolve(self.info_waiters, RuntimeUnreachable(text))
+        self._resolve(self.stats_waiters, RuntimeUnreachable(text))
+        if self.control_waiter is not None:
+            self._resolve([self.control_waiter[1]], RuntimeUnreachable(text))
+
+    def _end_requests(self, reason: FinishReason, text: str) -> None:
+        for request_id, queue in self.queues.items():
+            queue.put_nowait(
+                RequestOutput(request_id, np.zeros(0, np.int32), True, reason, text, 0, 0)
+            )
+        self.queues.clear()
 
     # --- inbound ------------------------------------------------------------------------------
 
@@ -102,6 +191,9 @@ class ClientActor(Actor):
             del self.queues[msg.request_id]
         queue.put_nowait(msg)
 
+    async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
+        pass  # the coordinator's answer to our ping: `dispatch` already noted that it is alive
+
     async def on_info(self, env: Envelope, msg: ModelInfo) -> None:
         self._resolve(self.info_waiters, msg)
 
@@ -112,7 +204,7 @@ class ClientActor(Actor):
     async def on_control_ack(self, env: Envelope, msg: ControlAck) -> None:
         waiter = self.control_waiter
         if waiter is None or waiter[0] != msg.command or waiter[1].done():
-            self.log.warning("stray control ack", command=msg.command, state=msg.state)
+            self.log.warning("stray control ack", command=str(msg.command), state=str(msg.state))
             return
         waiter[1].set_result(msg)
 
@@ -138,13 +230,7 @@ class ClientActor(Actor):
 
     async def stopping(self) -> None:
         # The connection is closing: every open request still gets its one terminal output.
-        for request_id, queue in self.queues.items():
-            queue.put_nowait(
-                RequestOutput(
-                    request_id, np.zeros(0, np.int32), True, "abort", "the client closed", 0, 0
-                )
-            )
-        self.queues.clear()
+        self._end_requests(FinishReason.ABORT, "the client closed")
         self._resolve(self.info_waiters, ConnectionError("the client closed"))
         self._resolve(self.stats_waiters, ConnectionError("the client closed"))
         if self.control_waiter is not None:

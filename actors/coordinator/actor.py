@@ -2,12 +2,19 @@
 
 Validates submissions, assigns global ids, routes to a rank, relays outputs back, answers
 model-info queries once a rank has loaded its model, merges the ranks' stats
-(messages/stats.py), and drives the lifecycle
-(messages/lifecycle.py): a control command from a client is checked against the FSM
+(messages/stats.py), and drives the lifecycle (messages/lifecycle.py): a control command from a
+client that presents the runtime's control token is checked against the FSM
 (actors/coordinator/fsm.py), forwarded to every engine, and answered with one `ControlAck` once
-every engine has acknowledged it — or with an `ErrorReply` ("bad_request", "illegal_transition",
-"busy", "control_failed"), leaving the state as it was. One command is in flight at a time; while
-it waits for engine answers, submissions and outputs keep flowing (the wait is a task of its own).
+every engine has acknowledged it — or with an `ErrorReply` ("not_authorized", "bad_request",
+"illegal_transition", "busy", "control_failed"), leaving the state as it was. Every control is
+logged at info with its sender and outcome. One command is in flight at a time; while it waits
+for engine answers, submissions and outputs keep flowing (the wait is a task of its own).
+
+Liveness: both ROUTERs watch their peers (actors/channel.py). An engine whose connection closes,
+or that sends nothing (engines send a Heartbeat every second) for `engine_timeout`, is dead:
+every request on it ends with finish_reason "error" naming the rank, and nothing more is routed
+to it (a request with no live rank is refused at once). A client whose connection closes has all
+its requests aborted, so their blocks come back. A client's Heartbeat is answered with one.
 
 A bad submission gets a terminal `RequestOutput` with finish_reason "error"; a malformed frame
 gets an `ErrorReply` (actors/base.py); the coordinator keeps serving. After STOP it exits.
@@ -17,6 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
+import time
 
 import numpy as np
 
@@ -24,21 +33,19 @@ from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.coordinator.core import ControlRound, CoordinatorCore, NoRankError
 from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
-from taipan.messages.common import ErrorReply, Hello
+from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import (
+    CONTROL_MESSAGES,
     ControlAck,
-    Pause,
-    Resume,
-    Stop,
+    ControlCommand,
     StopAck,
-    Suspend,
-    Unpause,
     UpdateWeights,
 )
 from taipan.messages.requests import (
     AbortRequest,
     EngineSubmit,
+    FinishReason,
     GetModelInfo,
     ModelInfo,
     RequestOutput,
@@ -52,24 +59,22 @@ STOP_TIMEOUT_S = 30.0
 CONTROL_TIMEOUT_S = 300.0
 # An engine busy in a long control answers stats late: the client gets the latest known then.
 STATS_TIMEOUT_S = 5.0
-SUSPEND_MODES = ("persist", "offload", "recompute")
-CONTROL_COMMANDS = {
-    Pause: "pause",
-    Unpause: "unpause",
-    Suspend: "suspend",
-    Resume: "resume",
-    UpdateWeights: "update_weights",
-    Stop: "stop",
-}
-
-
-def control_problem(msg) -> str | None:
-    """What is wrong with a control message's fields (the FSM judges the state, not this)."""
-    if isinstance(msg, Suspend) and msg.mode is not None and msg.mode not in SUSPEND_MODES:
-        return f"suspend mode must be one of {', '.join(SUSPEND_MODES)} or None, got {msg.mode!r}"
-    if isinstance(msg, UpdateWeights) and (msg.path is None) == (msg.state is None):
-        return "update_weights needs exactly one of path and state"
-    return None
+# An engine's event loop stays free while its device works (the forward runs in a thread), so a
+# silence this long means a hung process, not a long step.
+ENGINE_TIMEOUT_S = 10.0
+# What each side may send; anything else is refused before any handler sees it.
+FROM_CLIENTS = frozenset(
+    {SubmitRequest, AbortRequest, GetModelInfo, GetStats, Heartbeat, PeerGone, *CONTROL_MESSAGES}
+)
+FROM_ENGINES = frozenset(
+    {Hello, Heartbeat, PeerGone, ModelLoaded, RequestOutput, ControlAck, StopAck, Stats}
+    | {ErrorReply}
+)
+NOT_AUTHORIZED = (
+    "{command} needs the runtime's control token. A client run by the same user on the same "
+    "machine finds it by the runtime's address; otherwise pass control_token= or set "
+    "TAIPAN_CONTROL_TOKEN"
+)
 
 
 class CoordinatorActor(Actor):
@@ -81,17 +86,24 @@ class CoordinatorActor(Actor):
         model_name: str,
         max_sequence_length: int,
         *,
+        control_token: str,
         control_timeout: float = CONTROL_TIMEOUT_S,
         stop_timeout: float = STOP_TIMEOUT_S,
         stats_timeout: float = STATS_TIMEOUT_S,
+        engine_timeout: float = ENGINE_TIMEOUT_S,
     ):
         super().__init__("coordinator")
+        if not control_token:
+            raise ValueError("the coordinator needs a non-empty control token")
         self.frontend, self.backend = frontend, backend
         self.num_ranks = num_ranks
         self.model_name = model_name
         self.max_sequence_length = max_sequence_length
+        self.control_token = control_token.encode()
         self.core = CoordinatorCore()
-        self.engines: dict[int, bytes] = {}  # rank -> engine identity
+        self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
+        self.engine_heard: dict[bytes, float] = {}  # engine identity -> its last message
+        self.engine_timeout = engine_timeout
         self.info: ModelInfo | None = None
         self.load_error: str | None = None
         self.info_waiters: list[bytes] = []
@@ -114,6 +126,8 @@ class CoordinatorActor(Actor):
             (GetStats, self.on_get_stats),
             (Stats, self.on_stats),
             (Hello, self.on_hello),
+            (Heartbeat, self.on_heartbeat),
+            (PeerGone, self.on_peer_gone),
             (ModelLoaded, self.on_model_loaded),
             (RequestOutput, self.on_output),
             (ControlAck, self.on_control_ack),
@@ -121,24 +135,37 @@ class CoordinatorActor(Actor):
             (ErrorReply, self.on_engine_error),
         ]:
             self.on(msg_type, handler)
-        for msg_type in CONTROL_COMMANDS:
+        for msg_type in CONTROL_MESSAGES:
             self.on(msg_type, self.on_control)
+
+    async def started(self) -> None:
+        self.spawn(self._watch_engines())
+
+    async def dispatch(self, env: Envelope) -> None:
+        if env.channel is self.backend and env.sender in self.engine_heard:
+            self.engine_heard[env.sender] = env.time  # any message proves the engine alive
+        side = FROM_CLIENTS if env.channel is self.frontend else FROM_ENGINES
+        if env.msg is not None and type(env.msg) not in side:
+            # e.g. a client sending RequestOutput or ModelLoaded: never act on it.
+            if not isinstance(env.msg, ErrorReply):  # never answer an error with an error
+                who = "clients" if side is FROM_CLIENTS else "engines"
+                text = f"the coordinator takes no {type(env.msg).__name__} from {who}"
+                await self._reply_error(env, "unexpected_message", text)
+            return
+        await super().dispatch(env)
 
     # --- clients ------------------------------------------------------------------------------
 
     async def _fail(self, env: Envelope, request_id: int, text: str, prompt_len: int = 0) -> None:
-        await env.reply(RequestOutput(request_id, NO_TOKENS, True, "error", text, prompt_len, 0))
+        out = RequestOutput(request_id, NO_TOKENS, True, FinishReason.ERROR, text, prompt_len, 0)
+        await env.reply(out)
 
     async def on_submit(self, env: Envelope, msg: SubmitRequest) -> None:
-        if env.channel is not self.frontend:
-            return
-        prompt = msg.prompt_token_ids
+        prompt = msg.prompt_token_ids  # int32[P]: the codec checked dtype and rank
         problems = msg.sampling.problems()
-        if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-            problems.append("prompt_token_ids must be a 1-D integer array")
-        elif prompt.size == 0:
+        if prompt.size == 0:
             problems.append("the prompt is empty")
-        if self.control is not None and self.control.command == "stop":
+        if self.control is not None and self.control.command == ControlCommand.STOP:
             # The engines are aborting everything and exiting: a request forwarded now could
             # be lost without its terminal output.
             problems.append("the runtime is stopping")
@@ -168,11 +195,26 @@ class CoordinatorActor(Actor):
         else:
             self.info_waiters.append(env.sender)
 
+    async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
+        if env.channel is self.frontend:  # a client checking that we are alive
+            await env.reply(Heartbeat(time.time()))
+
+    async def on_peer_gone(self, env: Envelope, msg: PeerGone) -> None:
+        if env.channel is self.backend:
+            await self._engine_gone(env.sender, msg.reason)
+            return
+        # A client vanished: abort its requests so that their blocks come back. Their terminal
+        # outputs still come through on_output (and are dropped by the socket).
+        routes = self.core.routes_of_client(env.sender)
+        self.stats_waiters = [c for c in self.stats_waiters if c != env.sender]
+        if routes:
+            self.log.info("client gone: aborting its requests", requests=len(routes))
+        for gid, route in routes:
+            await self.backend.send(AbortRequest(gid), to=self.engines[route.rank])
+
     async def on_get_stats(self, env: Envelope, msg: GetStats) -> None:
         """Ask every engine for fresh stats; answer with every rank's latest once they have
         answered (or after `stats_timeout`). A client asking while a query is out shares it."""
-        if env.channel is not self.frontend:
-            return
         self.stats_waiters.append(env.sender)
         if len(self.stats_waiters) > 1:
             return
@@ -192,57 +234,67 @@ class CoordinatorActor(Actor):
         waiters, self.stats_waiters = self.stats_waiters, []
         ranks = tuple(self.rank_stats[r] for r in sorted(self.rank_stats))
         for client in waiters:
-            await self.frontend.send(Stats(str(self.fsm.state), ranks), to=client)
+            await self.frontend.send(Stats(self.fsm.state, ranks), to=client)
 
     async def on_stats(self, env: Envelope, msg: Stats) -> None:
         """An engine's report: periodic (logging_step_interval) or the answer to GetStats."""
-        if env.channel is not self.backend:
-            return
         for rank in msg.ranks:
             self.rank_stats[rank.rank] = rank
-        self.stats_pending.discard(env.sender)
+        self._stats_answered_by(env.sender)
+
+    def _stats_answered_by(self, engine: bytes) -> None:
+        self.stats_pending.discard(engine)
         if not self.stats_pending:
             self.stats_answered.set()
 
     # --- lifecycle control --------------------------------------------------------------------
 
     async def on_control(self, env: Envelope, msg) -> None:
-        """A client's Pause/Unpause/Suspend/Resume/UpdateWeights/Stop: validate, check the FSM,
-        forward to every engine, and leave the answer to `_complete_control`."""
-        if env.channel is not self.frontend:
-            self.log.warning("control from an engine ignored", msg=type(msg).__name__)
+        """A client's Pause/Unpause/Suspend/Resume/UpdateWeights/Stop: check the token, the
+        fields and the FSM, forward to every engine, leave the answer to `_complete_control`."""
+        command = CONTROL_MESSAGES[type(msg)]
+        sender = _peer_name(env.sender)
+        refusal = self._refusal(command, msg)
+        if refusal is not None:
+            code, text = refusal
+            log = self.log.warning if code == "not_authorized" else self.log.info
+            log("control refused", command=str(command), sender=sender, outcome=code, why=text)
+            await env.reply(ErrorReply(code, text, None))
             return
-        command = CONTROL_COMMANDS[type(msg)]
-        problem = control_problem(msg)
-        if problem is None and command == "update_weights" and not self.engines:
-            problem = "no engine is connected to load the weights"
-        if problem is not None:
-            await env.reply(ErrorReply("bad_request", problem, None))
-            return
-        try:
-            self.fsm.check(command)
-        except IllegalTransition as e:
-            await env.reply(ErrorReply("illegal_transition", str(e), None))
-            return
-        if self.control is not None:
-            text = (
-                f"{command} refused: {self.control.command} is still waiting for the engines; "
-                "send it again once that one is answered"
-            )
-            await env.reply(ErrorReply("busy", text, None))
-            return
-        self.log.info("control", command=command, state=str(self.fsm.state))
+        self.log.info("control", command=str(command), sender=sender, state=str(self.fsm.state))
         self.control = ControlRound(command, env.sender, set(self.engines.values()))
         self.control_answered.clear()
         # The round and its timeout exist before the first send: an engine may answer before
         # the last send, and a failed send must not leave the round open (every later one busy).
         self.spawn(self._complete_control(self.control))
+        forwarded = dataclasses.replace(msg, token="")  # engine sockets are private
         for identity in list(self.engines.values()):
-            await self.backend.send(msg, to=identity)
+            await self.backend.send(forwarded, to=identity)
+
+    def _refusal(self, command: ControlCommand, msg) -> tuple[str, str] | None:
+        """(code, text) when the coordinator must refuse this control now, else None."""
+        if not msg.token or not hmac.compare_digest(msg.token.encode(), self.control_token):
+            return "not_authorized", NOT_AUTHORIZED.format(command=command)
+        if isinstance(msg, UpdateWeights):
+            if (msg.path is None) == (msg.state is None):
+                return "bad_request", "update_weights needs exactly one of path and state"
+            if not self.engines:
+                return "bad_request", "no engine is connected to load the weights"
+        try:
+            self.fsm.check(command)
+        except IllegalTransition as e:
+            return "illegal_transition", str(e)
+        if self.control is not None:
+            return "busy", (
+                f"{command} refused: {self.control.command} is still waiting for the engines; "
+                "send it again once that one is answered"
+            )
+        return None
 
     async def _complete_control(self, round_: ControlRound) -> None:
         """Wait for every engine's answer (or the timeout), then move the FSM and reply."""
-        timeout = self.stop_timeout if round_.command == "stop" else self.control_timeout
+        stopping = round_.command == ControlCommand.STOP
+        timeout = self.stop_timeout if stopping else self.control_timeout
         if not round_.done:
             try:
                 await asyncio.wait_for(self.control_answered.wait(), timeout)
@@ -253,32 +305,33 @@ class CoordinatorActor(Actor):
         try:
             await self.frontend.send(self._outcome(round_), to=round_.client)
         except Exception:  # the client is gone or the socket closed: the FSM still moved
-            self.log.exception("could not answer a control", command=round_.command)
-        if round_.command == "stop":
+            self.log.exception("could not answer a control", command=str(round_.command))
+        if round_.command == ControlCommand.STOP:
             self.stop()  # stop means exit, even when an engine did not acknowledge it
 
     def _outcome(self, round_: ControlRound) -> ControlAck | ErrorReply:
+        command, sender = str(round_.command), _peer_name(round_.client)
         if not round_.ok:
-            text = f"{round_.command} failed; the state stays {self.fsm.state}: "
+            text = f"{command} failed; the state stays {self.fsm.state}: "
             text += "; ".join(round_.errors)
-            if round_.command == "stop":
+            if round_.command == ControlCommand.STOP:
                 text += " (the coordinator exits anyway)"
-            self.log.warning("control failed", command=round_.command, errors=round_.errors)
+            self.log.warning("control failed", command=command, sender=sender, errors=round_.errors)
             return ErrorReply("control_failed", text, None)
         versions = set(round_.weight_versions)
         if len(versions) > 1:
             self.log.warning("engines disagree on the weight version", versions=sorted(versions))
         self.weight_version = max(versions, default=self.weight_version)
         state = self.fsm.apply(round_.command)
-        self.log.info("control done", command=round_.command, state=str(state))
-        return ControlAck(round_.command, str(state), self.weight_version)
+        self.log.info("control done", command=command, sender=sender, state=str(state))
+        return ControlAck(round_.command, state, self.weight_version)
 
     def _engine_answered(
-        self, env: Envelope, command: str, *, error=None, weight_version=None
+        self, env: Envelope, command: ControlCommand, *, error=None, weight_version=None
     ) -> bool:
         """Record an engine's answer to the round in flight; False if it answers nothing."""
         round_ = self.control
-        if env.channel is not self.backend or round_ is None or round_.command != command:
+        if round_ is None or round_.command != command:
             return False
         name = self._engine_name(env.sender)
         if not round_.answer(env.sender, name, error=error, weight_version=weight_version):
@@ -288,39 +341,55 @@ class CoordinatorActor(Actor):
         return True
 
     def _engine_name(self, identity: bytes | None) -> str:
-        rank = next((r for r, i in self.engines.items() if i == identity), None)
+        rank = self._rank_of(identity)
         return f"engine {rank}" if rank is not None else f"engine {identity!r}"
+
+    def _rank_of(self, identity: bytes | None) -> int | None:
+        return next((r for r, i in self.engines.items() if i == identity), None)
 
     async def on_control_ack(self, env: Envelope, msg: ControlAck) -> None:
         if not self._engine_answered(env, msg.command, weight_version=msg.weight_version):
-            self.log.warning("stray control ack", command=msg.command, state=msg.state)
+            self.log.warning("stray control ack", command=str(msg.command), state=str(msg.state))
 
     async def on_stop_ack(self, env: Envelope, msg: StopAck) -> None:
-        if not self._engine_answered(env, "stop"):
+        if not self._engine_answered(env, ControlCommand.STOP):
             self.log.warning("stray stop ack", name=msg.name)
 
     # --- engines ------------------------------------------------------------------------------
 
     async def on_hello(self, env: Envelope, msg: Hello) -> None:
-        if env.channel is self.backend and msg.name == "engine":
+        if msg.name == "engine":
             self.engines[msg.rank] = env.sender
+            self.engine_heard[env.sender] = env.time
             if self.fsm.state is not State.RUNNING:
                 # Engines start RUNNING; a late joiner is not brought into the current state.
                 self.log.warning("engine joined while not running", state=str(self.fsm.state))
 
     async def on_model_loaded(self, env: Envelope, msg: ModelLoaded) -> None:
-        rank = next((r for r, i in self.engines.items() if i == env.sender), None)
+        rank = self._rank_of(env.sender)
         if rank is None:
             return
         self.core.add_rank(rank)
+        self.log.info(
+            "engine ready",
+            rank=rank,
+            kv_blocks=msg.num_blocks,
+            kv_tokens=msg.num_blocks * msg.block_size,
+            kv_bytes=msg.num_blocks * msg.block_bytes,
+        )
         if self.info is None:
             self.info = ModelInfo(
-                self.model_name, msg.tokenizer, self.max_sequence_length, self.num_ranks
+                self.model_name,
+                msg.tokenizer,
+                self.max_sequence_length,
+                self.num_ranks,
+                msg.num_blocks * msg.block_size,
+                msg.num_blocks * msg.block_bytes,
             )
         await self._flush_info_waiters(self.info)
 
     async def on_engine_error(self, env: Envelope, msg: ErrorReply) -> None:
-        if env.channel is self.backend and msg.code == "load_failed":
+        if msg.code == "load_failed":
             self.load_error = msg.text
             await self._flush_info_waiters(ErrorReply("load_failed", msg.text, None))
             return
@@ -343,3 +412,52 @@ class CoordinatorActor(Actor):
         # Only the id changes on the way back: every other field (log-probs, events, ...) relays.
         relayed = dataclasses.replace(msg, request_id=route.client_request_id)
         await self.frontend.send(relayed, to=route.client)
+
+    # --- engine liveness ----------------------------------------------------------------------
+
+    async def _watch_engines(self) -> None:
+        """Declare dead an engine that has sent nothing for `engine_timeout` seconds."""
+        while True:
+            await asyncio.sleep(self.engine_timeout / 4)
+            now = time.time()
+            silent = [
+                i for i in self.engines.values() if now - self.engine_heard[i] > self.engine_timeout
+            ]
+            for identity in silent:
+                await self._engine_gone(identity, f"sent nothing for {self.engine_timeout:g} s")
+
+    async def _engine_gone(self, identity: bytes, reason: str) -> None:
+        """Forget a dead engine rank and fail every request that was on it (each gets its one
+        terminal output, naming the rank); a control or stats query stops waiting for it."""
+        rank = self._rank_of(identity)
+        if rank is None:
+            return
+        del self.engines[rank]
+        self.engine_heard.pop(identity, None)
+        self.rank_stats.pop(rank, None)
+        lost = self.core.remove_rank(rank, f"died: {reason}")
+        self.log.error("engine rank died", rank=rank, reason=reason, requests_lost=len(lost))
+        round_ = self.control
+        if round_ is not None and round_.answer(identity, f"engine {rank}", error=reason):
+            if round_.done:
+                self.control_answered.set()
+        if identity in self.stats_pending:
+            self._stats_answered_by(identity)
+        text = f"engine rank {rank} died ({reason}); the request was lost with it"
+        for _, route in lost:
+            out = RequestOutput(
+                route.client_request_id, NO_TOKENS, True, FinishReason.ERROR, text, 0, 0
+            )
+            await self.frontend.send(out, to=route.client)
+        if self.info is None and not self.engines and self.load_error is None:
+            self.load_error = f"engine rank {rank} died before loading its model ({reason})"
+            await self._flush_info_waiters(ErrorReply("load_failed", self.load_error, None))
+
+
+def _peer_name(identity: bytes | None) -> str:
+    """A routing identity as a log field: printable ASCII as is, else hex."""
+    if identity is None:
+        return "-"
+    if identity.isascii() and identity.decode("ascii").isprintable():
+        return identity.decode("ascii")
+    return identity.hex()

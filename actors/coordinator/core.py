@@ -24,18 +24,39 @@ class NoRankError(RuntimeError):
 class CoordinatorCore:
     def __init__(self):
         self.ranks: list[int] = []  # ranks with a loaded model, in registration order
+        self.dead: dict[int, str] = {}  # rank -> why it is gone
         self.routes: dict[int, Route] = {}  # global id -> route, until the terminal output
         self.by_client: dict[tuple[bytes, int], int] = {}
         self.next_id = 1
         self._rr = 0
 
     def add_rank(self, rank: int) -> None:
+        self.dead.pop(rank, None)
         if rank not in self.ranks:
             self.ranks.append(rank)
+
+    def remove_rank(self, rank: int, reason: str) -> list[tuple[int, Route]]:
+        """The rank is gone: route nothing more to it. Returns (and forgets) the requests that
+        were on it, in admission order: they are lost and must be failed."""
+        if rank in self.ranks:
+            self.ranks.remove(rank)
+        self.dead[rank] = reason
+        lost = [(gid, r) for gid, r in self.routes.items() if r.rank == rank]
+        for gid, route in lost:
+            del self.routes[gid]
+            del self.by_client[(route.client, route.client_request_id)]
+        return lost
+
+    def routes_of_client(self, client: bytes) -> list[tuple[int, Route]]:
+        """Every request of `client` still in flight, in admission order."""
+        return [(gid, r) for gid, r in self.routes.items() if r.client == client]
 
     def pick_rank(self) -> int:
         """Round robin over ready ranks (prefix-aware policies arrive with prefix caching)."""
         if not self.ranks:
+            if self.dead:
+                why = "; ".join(f"rank {r} {reason}" for r, reason in sorted(self.dead.items()))
+                raise NoRankError(f"no engine rank is alive ({why})")
             raise NoRankError("no engine has a model loaded yet")
         rank = self.ranks[self._rr % len(self.ranks)]
         self._rr += 1

@@ -9,17 +9,27 @@ Lifecycle (the coordinator's FSM decides what is legal; the engine re-checks its
 PAUSE waits for the step in flight and stops stepping (requests keep their KV, submissions
 queue); SUSPEND / RESUME / UPDATE_WEIGHTS go to the gpu actor (a "recompute" resume makes every
 request recompute its KV); UNPAUSE starts stepping again. Each is answered with a ControlAck.
+A control runs as a task of its own (in arrival order), so the receive loop keeps taking
+submissions, aborts and stats while a step finishes or weights load.
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
 replay of the same messages makes the same decisions.
+
+Failures: a step that fails (a refused allocation, a failed forward, or any exception in the
+step) fails the requests of that step, each with its terminal output, and the engine keeps
+serving; the exception is logged once with its traceback. If even that is impossible (the
+scheduler itself broke), the engine fails every request it holds and ends its process with a
+`FatalError` (runtime/procs.py exits non-zero): the coordinator sees the rank die.
+The engine sends the coordinator a Heartbeat every HEARTBEAT_S seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
-from taipan.actors.base import Actor
+from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine.plan import (
@@ -33,10 +43,20 @@ from taipan.actors.engine.plan import (
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOpsReply
-from taipan.messages.common import ErrorReply, Hello
-from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel, ModelLoaded, StepResult
+from taipan.messages.common import ErrorReply, Heartbeat, Hello
+from taipan.messages.gpu import (
+    GpuCommand,
+    GpuControl,
+    GpuControlReply,
+    LoadModel,
+    ModelLoaded,
+    StepResult,
+)
 from taipan.messages.lifecycle import (
     ControlAck,
+    ControlCommand,
+    KVCacheManagementMode,
+    LifecycleState,
     Pause,
     Resume,
     Stop,
@@ -45,10 +65,11 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from taipan.messages.requests import AbortRequest, EngineSubmit, RequestOutput
+from taipan.messages.requests import AbortRequest, EngineSubmit, FinishReason, RequestOutput
 from taipan.messages.stats import GetStats, RankStats, Stats
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
+HEARTBEAT_S = 1.0  # the coordinator declares an engine dead after ENGINE_TIMEOUT_S of silence
 
 
 class EngineError(RuntimeError):
@@ -74,10 +95,11 @@ class EngineActor(Actor):
         self.vocab_size = 0
         self.work = asyncio.Event()
         self.now = 0.0  # time of the last inbound message (see module docstring)
-        self.state = "RUNNING"
+        self.state = LifecycleState.RUNNING
         self.weight_version = 0
         self.in_flight = False
         self.device_lock = asyncio.Lock()  # one user of the alloc/gpu channels at a time
+        self.control_lock = asyncio.Lock()  # controls run one at a time, in arrival order
         self.tokens_last_step = 0
         self.serve(coord)
         for msg_type, handler in [
@@ -99,7 +121,13 @@ class EngineActor(Actor):
 
     async def started(self) -> None:
         await self.coord.send(Hello("engine", self.rank))
+        self.spawn(self._heartbeat())
         self.spawn(self._boot_then_loop())
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await self.coord.send(Heartbeat(time.time()))
 
     # --- boot ---------------------------------------------------------------------------------
 
@@ -141,7 +169,7 @@ class EngineActor(Actor):
         if req is None:
             n = len(msg.prompt_token_ids)
             await self.coord.send(
-                RequestOutput(msg.request_id, NO_TOKENS, True, "error", problem, n, 0)
+                RequestOutput(msg.request_id, NO_TOKENS, True, FinishReason.ERROR, problem, n, 0)
             )
             return
         self.scheduler.add(req, env.time)
@@ -156,9 +184,12 @@ class EngineActor(Actor):
         self.work.set()
 
     async def on_stop(self, env: Envelope, msg: Stop) -> None:
-        async with self.device_lock:  # let the step in flight finish and report
+        self.spawn(self._stop_after_step())
+
+    async def _stop_after_step(self) -> None:
+        async with self.control_lock, self.device_lock:  # the step in flight ends and reports
             if self.scheduler is not None:
-                await self._emit(self.scheduler.fail_all("abort", env.time))
+                await self._emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
             await self.coord.send(StopAck(self.name))
             self.stop()
 
@@ -188,7 +219,8 @@ class EngineActor(Actor):
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    async def _refuse(self, env: Envelope, command: str, legal_in: str) -> bool:
+    async def _refuse(self, env: Envelope, command: ControlCommand, legal_in: LifecycleState):
+        """Answer an illegal command (True) or let it run (False)."""
         if self.state == legal_in and self.scheduler is not None:
             return False
         text = f"{self.name}: {command} is illegal while {self.state}"
@@ -197,62 +229,84 @@ class EngineActor(Actor):
         await env.reply(ErrorReply("illegal_transition", text, None))
         return True
 
-    async def _ack(self, env: Envelope, command: str) -> None:
+    async def _ack(self, env: Envelope, command: ControlCommand) -> None:
         await env.reply(ControlAck(command, self.state, self.weight_version))
 
+    def _control_task(self, coro) -> None:
+        """Run a control after the ones before it, off the receive loop."""
+
+        async def in_order():
+            async with self.control_lock:
+                await coro
+
+        self.spawn(in_order())
+
     async def on_pause(self, env: Envelope, msg: Pause) -> None:
-        if await self._refuse(env, "pause", "RUNNING"):
+        if await self._refuse(env, ControlCommand.PAUSE, LifecycleState.RUNNING):
             return
-        self.state = "PAUSED"
+        self.state = LifecycleState.PAUSED  # no new step starts from now on
+        self._control_task(self._pause_after_step(env))
+
+    async def _pause_after_step(self, env: Envelope) -> None:
         async with self.device_lock:  # the step in flight ends before the ack
-            await self._ack(env, "pause")
+            await self._ack(env, ControlCommand.PAUSE)
 
     async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
-        if await self._refuse(env, "unpause", "PAUSED"):
+        if await self._refuse(env, ControlCommand.UNPAUSE, LifecycleState.PAUSED):
             return
-        self.state = "RUNNING"
+        self.state = LifecycleState.RUNNING
         self.work.set()
-        await self._ack(env, "unpause")
+        await self._ack(env, ControlCommand.UNPAUSE)
 
-    async def _gpu_control(self, env: Envelope, command: str, msg: GpuControl):
+    async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
         """Run one gpu control call between steps; an error goes back to the coordinator."""
         async with self.device_lock:
             try:
                 reply = await self._call(self.gpu, msg, GpuControlReply)
             except EngineError as e:
-                reply = GpuControlReply(command, str(e), True, self.weight_version)
+                reply = GpuControlReply(msg.command, str(e), True, self.weight_version)
         if reply.error is not None:
             await env.reply(ErrorReply("control_failed", f"{command}: {reply.error}", None))
             return None
         return reply
 
     async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
-        if await self._refuse(env, "suspend", "PAUSED"):
+        if await self._refuse(env, ControlCommand.SUSPEND, LifecycleState.PAUSED):
             return
-        mode = msg.mode or self.config.kv_cache_management_mode or "persist"
-        if await self._gpu_control(env, "suspend", GpuControl("suspend", str(mode), None, None)):
-            self.state = "SUSPENDED"
-            await self._ack(env, "suspend")
+        mode = msg.mode or self.config.kv_cache_management_mode or KVCacheManagementMode.PERSIST
+        self._control_task(self._suspend(env, GpuControl(GpuCommand.SUSPEND, mode, None, None)))
+
+    async def _suspend(self, env: Envelope, control: GpuControl) -> None:
+        if await self._gpu_control(env, ControlCommand.SUSPEND, control):
+            self.state = LifecycleState.SUSPENDED
+            await self._ack(env, ControlCommand.SUSPEND)
 
     async def on_resume(self, env: Envelope, msg: Resume) -> None:
-        if await self._refuse(env, "resume", "SUSPENDED"):
+        if await self._refuse(env, ControlCommand.RESUME, LifecycleState.SUSPENDED):
             return
-        reply = await self._gpu_control(env, "resume", GpuControl("resume", None, None, None))
+        self._control_task(self._resume(env))
+
+    async def _resume(self, env: Envelope) -> None:
+        control = GpuControl(GpuCommand.RESUME, None, None, None)
+        reply = await self._gpu_control(env, ControlCommand.RESUME, control)
         if reply is not None:
             if not reply.kv_valid:
                 self.scheduler.invalidate_kv()
-            self.state = "PAUSED"
-            await self._ack(env, "resume")
+            self.state = LifecycleState.PAUSED
+            await self._ack(env, ControlCommand.RESUME)
 
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
-        if await self._refuse(env, "update_weights", "SUSPENDED"):
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, LifecycleState.SUSPENDED):
             return
-        control = GpuControl("update_weights", None, msg.path, msg.state)
-        reply = await self._gpu_control(env, "update_weights", control)
+        control = GpuControl(GpuCommand.UPDATE_WEIGHTS, None, msg.path, msg.state)
+        self._control_task(self._update_weights(env, control))
+
+    async def _update_weights(self, env: Envelope, control: GpuControl) -> None:
+        reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control)
         if reply is not None:
             self.weight_version = reply.weight_version
             self.scheduler.increment_staleness()
-            await self._ack(env, "update_weights")
+            await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
 
     # --- the step loop ------------------------------------------------------------------------
 
@@ -262,15 +316,18 @@ class EngineActor(Actor):
         interval = self.config.logging_step_interval
         while True:
             await self.work.wait()
-            if self.state != "RUNNING" or not sched.has_work():
+            if self.state != LifecycleState.RUNNING or not sched.has_work():
                 self.work.clear()
                 continue
             async with self.device_lock:
-                if self.state != "RUNNING":  # paused while we waited for the lock
+                if self.state != LifecycleState.RUNNING:  # paused while we waited for the lock
                     continue
-                # From planning to the step's first message nothing may yield: replay relies on
-                # it (actors/engine/check.py).
-                batch = sched.schedule(self.now)
+                try:
+                    # From planning to the step's first message nothing may yield: replay relies
+                    # on it (actors/engine/check.py).
+                    batch = sched.schedule(self.now)
+                except Exception as e:
+                    await self._die(f"planning step {sched.step + 1} failed", e)
                 if not batch.chunks and not batch.free_ids:
                     # Work exists but nothing fits this step; an abort or a finish changes that.
                     await self._emit(batch.ended)
@@ -285,29 +342,60 @@ class EngineActor(Actor):
                 await self.coord.send(stats)
 
     async def _run_step(self, batch: StepBatch) -> None:
-        """Run one planned step; `in_flight` drops as soon as its result is applied."""
-        sched = self.scheduler
+        """Run one planned step; `in_flight` drops as soon as its result is applied. A failure
+        fails the step's requests and the engine goes on."""
         try:
-            ops = block_ops(batch)
-            if ops is not None:  # no block changes: no allocator hop this step
-                reply = await self._call(self.alloc, ops, BlockOpsReply)
-                if not reply.ok:
-                    sched.num_free_blocks = reply.num_free
-                    raise EngineError(f"allocator refused a planned step: {reply.error}")
-                sched.assign_blocks(batch, reply.block_ids, reply.num_free)
-            outputs = []
-            if batch.chunks:
-                result = await self._call(self.gpu, step_plan(sched, batch), StepResult)
-                if result.error is not None:
-                    raise EngineError(f"forward failed: {result.error}")
-                outputs = sched.update(batch, result, self.now)
+            outputs = await self._step(batch)
         except EngineError as e:
-            # The step's requests fail (each gets its terminal output); the engine keeps serving.
             self.log.error("step failed", step=batch.step, error=str(e))
-            outputs = sched.update(batch, None, self.now, error=str(e))
+            outputs = self._fail_step(batch, str(e))
+        except Exception as e:  # a bug, not an expected failure: its traceback, once
+            self.log.exception("step failed", step=batch.step)
+            outputs = self._fail_step(batch, f"internal error: {type(e).__name__}: {e}")
         finally:
             self.in_flight = False
-        await self._emit(batch.ended + outputs)
+        if outputs is None:
+            await self._die(f"step {batch.step} failed and its requests could not be failed")
+        try:
+            await self._emit(batch.ended + outputs)
+        except Exception as e:
+            await self._die(f"step {batch.step}: its outputs could not be sent", e)
+
+    async def _step(self, batch: StepBatch) -> list[EngineRequest]:
+        sched = self.scheduler
+        ops = block_ops(batch)
+        if ops is not None:  # no block changes: no allocator hop this step
+            reply = await self._call(self.alloc, ops, BlockOpsReply)
+            if not reply.ok:
+                sched.num_free_blocks = reply.num_free
+                raise EngineError(f"allocator refused a planned step: {reply.error}")
+            sched.assign_blocks(batch, reply.block_ids, reply.num_free)
+        if not batch.chunks:
+            return []
+        result = await self._call(self.gpu, step_plan(sched, batch), StepResult)
+        if result.error is not None:
+            raise EngineError(f"forward failed: {result.error}")
+        return sched.update(batch, result, self.now)
+
+    def _fail_step(self, batch: StepBatch, error: str) -> list[EngineRequest] | None:
+        """End the step's requests with `error` (each gets its terminal output); None when the
+        scheduler cannot even do that."""
+        try:
+            return self.scheduler.update(batch, None, self.now, error=error)
+        except Exception:
+            self.log.exception("failing the step's requests failed", step=batch.step)
+            return None
+
+    async def _die(self, why: str, cause: Exception | None = None) -> None:
+        """The rank cannot go on: fail every request it holds (if it still can), then end the
+        process loudly. Never returns."""
+        if cause is not None:
+            self.log.error(why, exc_info=cause)
+        try:
+            await self._emit(self.scheduler.fail_all(FinishReason.ERROR, self.now, error=why))
+        except Exception:
+            self.log.exception("could not fail the remaining requests; the coordinator will")
+        raise FatalError(f"{self.name}: {why}")
 
     async def _emit(self, requests: list[EngineRequest]) -> None:
         for r in requests:

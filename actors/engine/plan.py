@@ -57,11 +57,9 @@ def submission(
     sched: Scheduler | None, vocab_size: int, msg: EngineSubmit
 ) -> tuple[EngineRequest | None, str | None]:
     """(the request to add, None) or (None, why it can never run here)."""
-    prompt = msg.prompt_token_ids
+    prompt = msg.prompt_token_ids  # int32[P]: the codec checked dtype and rank
     if sched is None:
         return None, "the engine has no model loaded"
-    if prompt.ndim != 1 or prompt.dtype.kind not in "iu":
-        return None, "prompt_token_ids must be a 1-D integer array"
     if prompt.size and (prompt.min() < 0 or prompt.max() >= vocab_size):
         return None, f"prompt token ids must be in [0, {vocab_size})"
     problem = sched.check(len(prompt), msg.sampling)
@@ -70,8 +68,9 @@ def submission(
     seed = msg.sampling.seed
     if seed is None:
         seed = derive_seed(msg.request_id, msg.arrival_time)
+    # A copy: the decoded array is a read-only view of the message's frame.
     req = EngineRequest(
-        msg.request_id, prompt.astype(np.int32), msg.sampling, msg.stream, msg.arrival_time, seed
+        msg.request_id, prompt.copy(), msg.sampling, msg.stream, msg.arrival_time, seed
     )
     return req, None
 

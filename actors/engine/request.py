@@ -13,7 +13,7 @@ import enum
 import numpy as np
 
 from taipan.actors.engine.record import RequestRecord
-from taipan.messages.requests import RequestEvent, SamplingParams
+from taipan.messages.requests import EventType, FinishReason, RequestEvent, SamplingParams
 
 
 class Status(enum.Enum):
@@ -37,7 +37,7 @@ class EngineRequest:
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_streamed: int = 0  # generated tokens already sent to the client
     aborted: bool = False
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     error: str | None = None
     events: list[RequestEvent] = dataclasses.field(default_factory=list)
     first_token_time: float | None = None
@@ -94,7 +94,7 @@ class EngineRequest:
 
     # --- events -------------------------------------------------------------------------------
 
-    def add_event(self, type_: str, timestamp: float, payload: int | None = None) -> None:
+    def add_event(self, type_: EventType, timestamp: float, payload: int | None = None) -> None:
         self.events.append(RequestEvent(type_, timestamp, payload))
 
     @property

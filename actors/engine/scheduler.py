@@ -33,7 +33,7 @@ import numpy as np
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.messages.gpu import StepResult
-from taipan.messages.requests import SamplingParams
+from taipan.messages.requests import EventType, FinishReason, SamplingParams
 
 
 @dataclasses.dataclass
@@ -118,7 +118,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request {req.request_id} is already known")
         self.requests[req.request_id] = req
-        req.add_event("ADD_ENGINE", now)
+        req.add_event(EventType.ADD_ENGINE, now)
         self.waiting.append(req)
 
     def abort(self, request_id: int, step_in_flight: bool, now: float) -> EngineRequest | None:
@@ -130,7 +130,7 @@ class Scheduler:
         req.aborted = True
         if req.status is Status.RUNNING and step_in_flight:
             return None
-        self._finish(req, "abort", now=now)
+        self._finish(req, FinishReason.ABORT, now=now)
         return req
 
     def has_work(self) -> bool:
@@ -168,7 +168,7 @@ class Scheduler:
         chunks: list[Chunk] = []
         ended = [r for r in self.running + self.paused if r.aborted]
         for r in ended:
-            self._finish(r, "abort", now=now)
+            self._finish(r, FinishReason.ABORT, now=now)
         # 1. running: decode rows first, so decode tokens ride along with prefill chunks.
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
             n, need, blocked = self._fit(req, budget, free)
@@ -199,7 +199,7 @@ class Scheduler:
             self.waiting.popleft()
             budget, free = budget - n, free - need
             req.status = Status.RUNNING
-            req.add_event("ADD_CONTEXT", now)
+            req.add_event(EventType.ADD_CONTEXT, now)
             self.running.append(req)
             chunks.append(Chunk(req, n, need))
         free_ids = list(self.pending_free)
@@ -214,7 +214,7 @@ class Scheduler:
         self.paused.append(req)
         self.num_paused_total += 1
         if self.track_paused_events:
-            req.add_event("PAUSE", now)
+            req.add_event(EventType.PAUSE, now)
 
     def _resume(self, chunks: list[Chunk], budget: int, free: int) -> tuple[int, int]:
         while self.paused and len(self.running) < self.plan.max_requests:
@@ -245,7 +245,7 @@ class Scheduler:
         req.record.checkpoint(req.num_tokens)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
-        req.add_event("EVICT", now)
+        req.add_event(EventType.EVICT, now)
         self.waiting.appendleft(req)
         self.num_evicted_total += 1
 
@@ -323,13 +323,13 @@ class Scheduler:
             if r.status is Status.FINISHED:
                 continue
             if result is None:
-                self._finish(r, "error", error or "the step failed", now)
+                self._finish(r, FinishReason.ERROR, error or "the step failed", now)
                 out.append(r)
                 continue
             samples = c.samples  # before num_computed_tokens moves
             r.num_computed_tokens += c.num_new_tokens
             if r.aborted:
-                self._finish(r, "abort", now=now)
+                self._finish(r, FinishReason.ABORT, now=now)
                 out.append(r)
                 continue
             if not samples:
@@ -361,16 +361,18 @@ class Scheduler:
             n = s.top_n_logprobs
             r.top_n.append((res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy()))
         if self.track_token_events:
-            r.add_event("GENERATED_TOKEN", now, tok)
+            r.add_event(EventType.GENERATED_TOKEN, now, tok)
         reason = self._stop_reason(r, tok)
         if reason is not None:
             self._finish(r, reason, now=now)
 
-    def fail_all(self, reason: str, now: float) -> list[EngineRequest]:
-        """End every request (used at shutdown with reason "abort")."""
+    def fail_all(
+        self, reason: FinishReason, now: float, error: str | None = None
+    ) -> list[EngineRequest]:
+        """End every request: at shutdown ("abort"), or when the rank dies ("error", `error`)."""
         ended = []
         for r in list(self.waiting) + list(self.running) + list(self.paused):
-            self._finish(r, reason, now=now)
+            self._finish(r, reason, error, now=now)
             ended.append(r)
         return ended
 
@@ -388,19 +390,19 @@ class Scheduler:
 
     # --- ending -------------------------------------------------------------------------------
 
-    def _stop_reason(self, r: EngineRequest, tok: int) -> str | None:
+    def _stop_reason(self, r: EngineRequest, tok: int) -> FinishReason | None:
         s = r.sampling
         if not s.ignore_eos and tok in self.plan.eos_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if tok in s.stop_token_ids:
-            return "stop"
+            return FinishReason.STOP
         for word in s.stop_word_ids:
             if tuple(r.generated[-len(word) :]) == tuple(word):
                 if not s.include_stop_word:
                     self._drop_tail(r, len(word))
-                return "stop"
+                return FinishReason.STOP
         if len(r.generated) >= s.max_tokens or r.num_tokens >= self.plan.max_sequence_length:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
     @staticmethod
@@ -412,7 +414,11 @@ class Scheduler:
         del r.top_n[len(r.generated) :]
 
     def _finish(
-        self, r: EngineRequest, reason: str, error: str | None = None, now: float | None = None
+        self,
+        r: EngineRequest,
+        reason: FinishReason,
+        error: str | None = None,
+        now: float | None = None,
     ) -> None:
         if r.status is Status.RUNNING:
             self.running.remove(r)
@@ -424,9 +430,10 @@ class Scheduler:
         r.finish_reason = reason
         r.error = error
         if now is not None:
-            if reason == "error":
-                r.add_event("ERROR_NONTRANSIENT", now)
-            r.add_event("FAIL" if reason in ("error", "abort") else "FINISH", now)
+            if reason == FinishReason.ERROR:
+                r.add_event(EventType.ERROR_NONTRANSIENT, now)
+            failed = reason in (FinishReason.ERROR, FinishReason.ABORT)
+            r.add_event(EventType.FAIL if failed else EventType.FINISH, now)
         if r.blocks:
             self.pending_free[r.request_id] = len(r.blocks)
             r.blocks = []

@@ -41,6 +41,14 @@ class GpuActor(Actor):
         except Exception as e:
             self.log.error("load failed", model=msg.model, error=str(e))
             reply = ErrorReply("load_failed", f"cannot load {msg.model}: {e}", None)
+        else:
+            self.log.info(
+                "kv cache",
+                blocks=reply.num_blocks,
+                tokens=reply.num_blocks * reply.block_size,
+                bytes=reply.num_blocks * reply.block_bytes,
+                sized_by=self.worker.kv_budget_source,
+            )
         await env.reply(reply)
 
     async def on_step(self, env: Envelope, msg: StepPlan) -> None:

@@ -5,21 +5,29 @@ The only place in actors/ that imports torch. It runs in the gpu actor's dedicat
 step and a control never overlap; it never decides what to compute (the engine's plan does) and
 never talks to sockets.
 
-Suspend modes (messages.gpu.GpuControl): "persist" keeps the KV tensor; "offload" copies it to
-CPU memory (pinned on CUDA) and frees the device tensor; "recompute" frees it. Resume allocates a
-fresh device tensor (with the offloaded contents, or uninitialized for "recompute"): its address
-changes, so anything captured against the old one (CUDA graphs) must be captured again.
+Suspend modes (messages.gpu.GpuControl): "persist" keeps the KV tensor; "offload" copies a CUDA
+KV cache to pinned host memory and frees the device tensor, after checking that the host has the
+memory (else it refuses and changes nothing); on a CPU device the KV cache already is host memory,
+so "offload" keeps it where it is (a copy would only double it); "recompute" frees it. Resume
+allocates a fresh device tensor (with the offloaded contents, or uninitialized for "recompute"):
+its address changes, so anything captured against the old one (CUDA graphs) must be captured
+again.
+
+KV cache size: `LoadModel.kv_cache_gb`, or when it is None, DEFAULT_KV_GB on CUDA and on CPU
+CPU_KV_SHARE of the memory available at load (at most DEFAULT_KV_GB), capped by `max_blocks`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import numpy as np
 import torch
 
 from taipan.messages.gpu import (
+    GpuCommand,
     GpuControl,
     GpuControlReply,
     LoadModel,
@@ -27,6 +35,7 @@ from taipan.messages.gpu import (
     StepPlan,
     StepResult,
 )
+from taipan.messages.lifecycle import KVCacheManagementMode as Mode
 from taipan.ops.loader import (
     ModelLoadError,
     WeightUpdateError,
@@ -39,7 +48,10 @@ from taipan.ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cac
 from taipan.ops.sampling import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-SUSPEND_MODES = ("persist", "offload", "recompute")
+GIB = 1024**3
+DEFAULT_KV_GB = 20.0  # the seed's buffer_size_gb
+CPU_KV_SHARE = 0.2  # on CPU the KV cache is host memory: take a bounded share of what is free
+HOST_RESERVE_BYTES = 2 * GIB  # an offload must leave at least this much host memory free
 # Prompt log-probs build fp32 logits at most this many rows, and elements, at a time.
 PROMPT_LOGITS_MAX_ROWS = 1024
 PROMPT_LOGITS_MAX_ELEMENTS = 1 << 26  # 256 MiB
@@ -47,6 +59,41 @@ PROMPT_LOGITS_MAX_ELEMENTS = 1 << 26  # 256 MiB
 
 class ControlError(Exception):
     """A GpuControl that cannot apply in the worker's current state; nothing was changed."""
+
+
+def available_host_memory() -> int:
+    """Bytes of host memory available to new allocations (Linux MemAvailable: free memory plus
+    what the kernel can reclaim), or free physical pages where /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_budget(requested_gb: float | None, device: torch.device) -> tuple[int, str]:
+    """(bytes for the KV cache, where that number comes from) for LoadModel.kv_cache_gb."""
+    if requested_gb is not None:
+        return int(requested_gb * GIB), f"buffer_size_gb={requested_gb:g}"
+    if device.type != "cpu":
+        return int(DEFAULT_KV_GB * GIB), f"default buffer_size_gb={DEFAULT_KV_GB:g}"
+    available = available_host_memory()
+    budget = int(min(DEFAULT_KV_GB * GIB, CPU_KV_SHARE * available))
+    return budget, f"CPU default: {CPU_KV_SHARE:.0%} of {available / GIB:.1f} GiB available"
+
+
+def offload_problem(kv_bytes: int, available: int) -> str | None:
+    """Why copying a KV cache of `kv_bytes` to host memory must be refused, or None."""
+    if kv_bytes + HOST_RESERVE_BYTES <= available:
+        return None
+    return (
+        f"offload needs {kv_bytes / GIB:.2f} GiB of host memory for the KV cache and keeps "
+        f"{HOST_RESERVE_BYTES / GIB:.0f} GiB free, but only {available / GIB:.2f} GiB is "
+        "available; nothing was changed: suspend in persist or recompute mode instead"
+    )
 
 
 class ModelWorker:
@@ -58,7 +105,8 @@ class ModelWorker:
         self.dtype = torch.float32
         self.block_size = 0
         self.weight_version = 0  # successful update_weights since load
-        self.suspend_mode: str | None = None  # None: running
+        self.suspend_mode: Mode | None = None  # None: running
+        self.kv_budget_source = ""  # how the KV cache size was chosen (for the start-up log)
         self._kv_shape: tuple[int, ...] = ()
         self._kv_offloaded: torch.Tensor | None = None  # the KV contents while offloaded
 
@@ -69,12 +117,14 @@ class ModelWorker:
         self.device = torch.device(msg.device)
         model, config, tokenizer = load_model(msg.model, dtype=dtype, device=self.device)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype)
-        num_blocks = int(msg.kv_cache_gb * 1024**3 // per_block)
+        budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device)
+        num_blocks = budget // per_block
         if msg.max_blocks > 0:
             num_blocks = min(num_blocks, msg.max_blocks)
         if num_blocks < 1:
             raise ValueError(
-                f"buffer_size_gb ({msg.kv_cache_gb}) holds no KV block of {per_block} bytes"
+                f"the KV budget ({budget / GIB:.3g} GiB, {self.kv_budget_source}) holds no KV "
+                f"block of {per_block} bytes"
             )
         self.block_size = msg.block_size
         self.kv_cache = allocate_kv_cache(config, num_blocks, msg.block_size, dtype, self.device)
@@ -198,15 +248,15 @@ class ModelWorker:
     @property
     def kv_valid(self) -> bool:
         """False while the KV contents are dropped (suspended in mode "recompute")."""
-        return self.suspend_mode != "recompute"
+        return self.suspend_mode != Mode.RECOMPUTE
 
     def control(self, msg: GpuControl) -> GpuControlReply:
         """Apply one lifecycle command between steps. One that cannot apply (unknown command or
         mode, wrong state, weights that do not fit) comes back as `error`, nothing changed."""
         handlers = {
-            "suspend": self._suspend,
-            "resume": self._resume,
-            "update_weights": self._update_weights,
+            GpuCommand.SUSPEND: self._suspend,
+            GpuCommand.RESUME: self._resume,
+            GpuCommand.UPDATE_WEIGHTS: self._update_weights,
         }
         try:
             if self.model is None:
@@ -225,33 +275,41 @@ class ModelWorker:
             raise ControlError(
                 f"cannot suspend: the gpu worker is already suspended (mode {self.suspend_mode})"
             )
-        if msg.mode not in SUSPEND_MODES:
-            raise ControlError(
-                f"suspend mode {msg.mode!r} is not one of {', '.join(SUSPEND_MODES)}"
-            )
-        if msg.mode == "offload":
-            # Pinned host memory makes the copies DMA transfers instead of staged ones.
-            pinned = self.device.type == "cuda"
-            host = torch.empty(self._kv_shape, dtype=self.dtype, pin_memory=pinned)
-            self._kv_offloaded = host.copy_(self.kv_cache)
-        if msg.mode != "persist":
+        if msg.mode is None:
+            raise ControlError(f"suspend needs a mode ({', '.join(Mode)})")
+        on_device = self.device.type != "cpu"  # on a CPU device the KV already is host memory
+        if msg.mode == Mode.OFFLOAD and on_device:
+            self._kv_offloaded = self._copy_to_host()
+        if msg.mode == Mode.RECOMPUTE or (msg.mode == Mode.OFFLOAD and on_device):
             self.kv_cache = None
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the memory back for others (e.g. training)
         self.suspend_mode = msg.mode
         return self.kv_valid
 
+    def _copy_to_host(self) -> torch.Tensor:
+        """The KV cache in pinned host memory (DMA copies), if the host has room for it."""
+        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        problem = offload_problem(kv_bytes, available_host_memory())
+        if problem is not None:
+            raise ControlError(problem)
+        try:
+            host = torch.empty(self._kv_shape, dtype=self.dtype, pin_memory=True)
+        except RuntimeError as e:  # the pinned allocation itself failed
+            raise ControlError(f"offload could not allocate pinned host memory: {e}") from None
+        return host.copy_(self.kv_cache)
+
     def _resume(self, msg: GpuControl) -> bool:
         if self.suspend_mode is None:
             raise ControlError("cannot resume: the gpu worker is running (not suspended)")
         mode = self.suspend_mode
-        if mode != "persist":
+        if self.kv_cache is None:  # released by offload (on a device) or recompute
             kv = torch.empty(self._kv_shape, dtype=self.dtype, device=self.device)
-            if mode == "offload":
+            if mode == Mode.OFFLOAD:
                 kv.copy_(self._kv_offloaded)
             self.kv_cache, self._kv_offloaded = kv, None
         self.suspend_mode = None
-        return mode != "recompute"
+        return mode != Mode.RECOMPUTE
 
     def _update_weights(self, msg: GpuControl) -> bool:
         if self.suspend_mode is None:
