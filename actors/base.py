@@ -44,12 +44,7 @@ class Actor:
         the channel watches its peers, a `PeerGone` for each peer whose connection closed)."""
         self._served.append(channel)
         if self._tg is not None:
-            self._start_loops(channel)
-
-    def _start_loops(self, channel: Channel) -> None:
-        self.spawn(self._recv_loop(channel))
-        if channel.monitor is not None:
-            self.spawn(self._peer_loop(channel))
+            self.spawn(self._recv_loop(channel))
 
     def spawn(self, coro) -> asyncio.Task:
         """Start a task owned by this actor's TaskGroup (cancelled when the actor stops)."""
@@ -74,7 +69,7 @@ class Actor:
         async with asyncio.TaskGroup() as tg:
             self._tg = tg
             for ch in self._served:
-                self._start_loops(ch)
+                self.spawn(self._recv_loop(ch))
             await self.started()
             await self._stopped.wait()
             await self.stopping()
@@ -86,11 +81,6 @@ class Actor:
     async def _recv_loop(self, channel: Channel) -> None:
         while True:
             env = await channel.recv()
-            await self.dispatch(env)
-
-    async def _peer_loop(self, channel: Channel) -> None:
-        while True:
-            env = await channel.recv_peer_gone()
             await self.dispatch(env)
 
     async def dispatch(self, env: Envelope) -> None:

@@ -7,12 +7,16 @@ call `send(msg, to=...)`.
 Peer watch (`watch_peers=True`, routed sockets only): when a peer's connection closes (its
 process exited: the kernel closes the socket at once; or its host went silent: ZMQ's own
 heartbeat gives up after `PEER_HEARTBEAT_TIMEOUT_MS`), the channel delivers a `PeerGone` from
-that peer like any inbound message. ZMQ reports a closed connection by file descriptor, so the
-channel remembers the descriptor each peer's messages arrive on (ZMQ_SRCFD). The kernel reuses a
-closed descriptor, so disconnect reports must be applied before a newer connection's message on
-that descriptor is: ZMQ queues a connection's report before it closes the descriptor, and the
-channel reads every queued report (without waiting) before it notes the descriptor of each
-message it receives. A report for a descriptor no known peer talks on is dropped.
+that peer like any inbound message, after every message that peer sent before it went. ZMQ
+reports a closed connection by file descriptor, so the channel remembers the descriptor each
+peer's messages arrive on (ZMQ_SRCFD). Order matters both ways, and ZMQ gives it: a connection's
+messages are queued before its disconnect report, and the report before its descriptor is closed
+(and can be reused by a later connection). So the channel reads every queued report before it
+takes a message that puts a peer on a new descriptor, applies the reports on that descriptor
+first (they concern older connections), and applies the others after the messages ready with
+them (which their peers sent before going). A report for a descriptor no known peer talks on is
+dropped; a descriptor that turns up under a new peer while an old one still holds it proves the
+old one gone.
 
 Addresses are `inproc://`, `ipc://` or `tcp://`. Binding tcp beyond loopback is refused until
 CurveZMQ keys are configured (control messages must not be open to whoever reaches a port).
@@ -80,8 +84,8 @@ class Channel:
 
     Routed sockets (ROUTER) carry the peer identity as frame 0: `recv` returns it as
     `Envelope.sender` and `send(msg, to=identity)` routes back. Other sockets ignore `to`.
-    `monitor` is set when the channel watches its peers (see the module docstring); then the
-    owner also awaits `recv_peer_gone`.
+    `monitor` is set when the channel watches its peers (see the module docstring); `recv`
+    then also returns the `PeerGone`s.
     """
 
     def __init__(
@@ -99,10 +103,15 @@ class Channel:
         self._fd_of: dict[bytes, int] = {}  # peer -> descriptor its messages arrive on
         self._peer_on: dict[int, bytes] = {}  # descriptor -> that peer
         self._stale = collections.Counter()  # descriptor -> disconnect reports to skip
+        self._reports: list[int] = []  # descriptors of reports read but not applied, in order
         self._pending: collections.deque[Envelope] = collections.deque()
-        # The monitor read without the event loop (non-blocking, from `recv` too); the asyncio
-        # socket only waits for it to become readable.
-        self._monitor_now = zmq.Socket.shadow(monitor.underlying) if monitor else None
+        if monitor is not None:
+            # Watched: wait until either is ready, then read both without waiting (shadows).
+            self._ready = zmq.asyncio.Poller()
+            self._ready.register(sock, zmq.POLLIN)
+            self._ready.register(monitor, zmq.POLLIN)
+            self._sock_now = zmq.Socket.shadow(sock.underlying)
+            self._monitor_now = zmq.Socket.shadow(monitor.underlying)
 
     async def send(self, msg, to: bytes | None = None) -> None:
         frames = encode(msg)
@@ -115,38 +124,47 @@ class Channel:
         await self.sock.send_multipart(frames, copy=len(frames) < 3)
 
     async def recv(self) -> Envelope:
-        if self._pending:
-            return self._pending.popleft()
-        raw = await self.sock.recv_multipart(copy=False)
+        if self.monitor is None:
+            return self._envelope(await self.sock.recv_multipart(copy=False))
+        while not self._pending:
+            await self._ready.poll()
+            self._take_ready()
+        return self._pending.popleft()
+
+    def _take_ready(self) -> None:
+        """Queue what is ready, in the order the module docstring explains."""
+        self._read_reports()
+        while self._sock_now.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            raw = self._sock_now.recv_multipart(zmq.NOBLOCK, copy=False)
+            env = self._envelope(raw)
+            fd = raw[-1].get(zmq.SRCFD)
+            if fd >= 0 and self._fd_of.get(env.sender) != fd:  # a peer on a new descriptor
+                self._read_reports()
+                self._apply_reports(fd)
+                gone = self._note_descriptor(env.sender, fd)
+                if gone is not None:
+                    reason = "its connection closed (descriptor reused)"
+                    self._pending.append(self._peer_gone(gone, reason, env.time))
+            self._pending.append(env)
+        self._apply_reports()
+
+    def _envelope(self, raw: list) -> Envelope:
         now = time.time()
         frames = [f.buffer for f in raw]
         sender = None
         if self.routed:
             sender, frames = bytes(frames[0]), frames[1:]
-        if self.monitor is not None and sender is not None:
-            # Older connections' departures first: they may have held this descriptor.
-            self._pending.extend(self._drain_reports())
-            gone = self._note_descriptor(sender, raw[-1].get(zmq.SRCFD))
-            if gone is not None:
-                reason = "its connection closed (descriptor reused)"
-                self._pending.append(self._peer_gone(gone, reason, now))
         if self.recorder is not None:
             self.recorder.write("in", self.name, sender, frames, now)
         try:
-            env = Envelope(self, sender, decode(frames), None, now)
+            return Envelope(self, sender, decode(frames), None, now)
         except MessageError as e:
-            env = Envelope(self, sender, None, e, now)
-        if not self._pending:
-            return env
-        self._pending.append(env)
-        return self._pending.popleft()
+            return Envelope(self, sender, None, e, now)
 
     def _note_descriptor(self, peer: bytes, fd: int) -> bytes | None:
-        """Remember that `peer` talks on `fd` (-1: inproc, which has none). Returns the peer
-        this proves gone: one still on `fd` whose report has not come (ZMQ queues it before
-        closing the descriptor, so this is a safety net); that late report is then skipped."""
-        if fd < 0 or self._fd_of.get(peer) == fd:
-            return None
+        """Remember that `peer` talks on `fd`. Returns the peer this proves gone: one still on
+        `fd` whose report has not come (ZMQ queues it before closing the descriptor, so this is
+        a safety net); that late report is then skipped."""
         old_fd = self._fd_of.get(peer)
         if old_fd is not None and self._peer_on.get(old_fd) == peer:
             del self._peer_on[old_fd]  # it reconnected: its old connection's report is moot
@@ -158,33 +176,31 @@ class Channel:
         self._stale[fd] += 1
         return previous
 
-    def _drain_reports(self) -> list[Envelope]:
-        """Apply every disconnect report ZMQ has queued, without waiting: a PeerGone envelope
-        for each known peer whose connection closed."""
-        gone = []
+    def _read_reports(self) -> None:
+        """Take every disconnect report ZMQ has queued, without waiting."""
         while self._monitor_now.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             frames = self._monitor_now.recv_multipart(zmq.NOBLOCK)
             event, fd = struct.unpack("=hi", frames[0][:6])
-            if event != zmq.EVENT_DISCONNECTED:
-                continue
-            if self._stale[fd]:
-                self._stale[fd] -= 1
-                continue
-            peer = self._peer_on.pop(fd, None)
-            if peer is not None and self._fd_of.get(peer) == fd:
-                del self._fd_of[peer]
-                gone.append(self._peer_gone(peer, "its connection closed", time.time()))
-        return gone
+            if event == zmq.EVENT_DISCONNECTED:
+                self._reports.append(fd)
 
-    async def recv_peer_gone(self) -> Envelope:
-        """Wait until a known peer's connection closes; a `PeerGone` envelope from it."""
-        assert self.monitor is not None, f"channel {self.name} does not watch its peers"
-        while True:
-            gone = self._drain_reports()
-            if gone:
-                self._pending.extend(gone[1:])  # delivered by recv(), in order
-                return gone[0]
-            await self.monitor.poll(flags=zmq.POLLIN)
+    def _apply_reports(self, only_fd: int | None = None) -> None:
+        """Queue a PeerGone for each known peer whose connection a report closed (the reports on
+        `only_fd`, or all)."""
+        keep = []
+        for fd in self._reports:
+            if only_fd is not None and fd != only_fd:
+                keep.append(fd)
+            elif self._stale[fd]:
+                self._stale[fd] -= 1
+            else:
+                peer = self._peer_on.pop(fd, None)
+                if peer is not None and self._fd_of.get(peer) == fd:
+                    del self._fd_of[peer]
+                    self._pending.append(
+                        self._peer_gone(peer, "its connection closed", time.time())
+                    )
+        self._reports = keep
 
     def _peer_gone(self, peer: bytes, reason: str, now: float) -> Envelope:
         msg = PeerGone(reason)

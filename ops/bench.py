@@ -86,9 +86,12 @@ def hardware_limit(args, model_path: str, batch: int) -> dict:
     bandwidth = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))
     # One decode step of `batch` sequences: 2*params FLOPs per token, the weights read once.
     step = max(2 * params * batch / flops, weight_bytes / bandwidth)
-    return {
+    out = {
         "hw_matmul_gflop_s": flops / 1e9,
         "hw_copy_gb_s": bandwidth / 1e9,
         "hw_limit_output_tok_s": batch / step,
         "params": params,
     }
+    if args.device.startswith("cuda"):
+        out["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+    return out

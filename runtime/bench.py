@@ -132,7 +132,10 @@ def run(args) -> int:
                 file=sys.stderr,
             )
     row.update(
-        {k: round(v, 1) for k, v in hardware_limit(args, model_path, args.num_prompts).items()}
+        {
+            k: round(v, 1) if isinstance(v, float) else v
+            for k, v in hardware_limit(args, model_path, args.num_prompts).items()
+        }
     )
     row.update(
         date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

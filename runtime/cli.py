@@ -89,7 +89,7 @@ def cmd_serve(args) -> int:
 
 def cmd_generate(args) -> int:
     from taipan.client import Client
-    from taipan.messages.requests import SamplingParams
+    from taipan.messages.requests import FinishReason, SamplingParams
 
     sampling = SamplingParams(
         max_tokens=args.max_tokens,
@@ -113,7 +113,7 @@ def cmd_generate(args) -> int:
             rt.shutdown()
     failed = 0
     for prompt, c in zip(args.prompt, done, strict=True):
-        failed += c.finish_reason == "error"
+        failed += c.finish_reason == FinishReason.ERROR
         if args.json:
             row = {
                 "prompt": prompt,

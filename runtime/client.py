@@ -50,7 +50,13 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from taipan.messages.requests import ModelInfo, RequestEvent, RequestOutput, SamplingParams
+from taipan.messages.requests import (
+    FinishReason,
+    ModelInfo,
+    RequestEvent,
+    RequestOutput,
+    SamplingParams,
+)
 from taipan.messages.stats import Stats
 from taipan.ops.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -101,7 +107,7 @@ class Completion(RequestDetails):
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]
-    finish_reason: str
+    finish_reason: FinishReason
     error: str | None = None
 
 
@@ -113,7 +119,7 @@ class Delta(RequestDetails):
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     error: str | None = None
 
 
@@ -238,7 +244,7 @@ class AsyncClient:
         done = await asyncio.gather(*(self._one(p, sampling, chat) for p in prompts))
         if raise_on_error:
             for c in done:
-                if c.finish_reason == "error":
+                if c.finish_reason == FinishReason.ERROR:
                     raise RequestError(c.error)
         return list(done)
 

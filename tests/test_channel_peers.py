@@ -97,15 +97,16 @@ def dealer(ctx, address: str, identity: bytes):
 
 
 async def gone(router, timeout: float = GONE_S):
-    env = await asyncio.wait_for(router.recv_peer_gone(), timeout)
-    assert env.channel is router and env.error is None
+    """The next thing `recv` delivers, which must be a PeerGone."""
+    env = await asyncio.wait_for(router.recv(), timeout)
+    assert env.channel is router and env.error is None and isinstance(env.msg, PeerGone), env
     return env
 
 
 async def assert_nothing_gone(router) -> None:
     with pytest.raises(TimeoutError):
-        env = await asyncio.wait_for(router.recv_peer_gone(), QUIET_S)
-        pytest.fail(f"{env.sender!r} reported gone")
+        env = await asyncio.wait_for(router.recv(), QUIET_S)
+        pytest.fail(f"{env.sender!r} sent {env.msg!r}")
 
 
 def socket_descriptors() -> set[int]:
@@ -140,6 +141,22 @@ async def test_a_peer_whose_connection_closes_is_reported_gone(tmp_path):
         env = await gone(router)
         assert (env.sender, env.msg) == (b"peer-1", CLOSED)
         await assert_nothing_gone(router)  # once
+
+
+@pytest.mark.asyncio
+async def test_a_peers_last_messages_come_before_its_departure(tmp_path):
+    """An engine's last outputs, or its StopAck, must not be overtaken by its PeerGone."""
+    async with watched_router(tmp_path) as (ctx, router, address):
+        peer = dealer(ctx, address, b"peer-1")
+        await peer.send(Hello("first", -1))
+        assert (await asyncio.wait_for(router.recv(), GONE_S)).sender == b"peer-1"
+        for i in range(200):
+            await peer.send(Hello("last words", i))
+        peer.sock.close(linger=2000)  # flushes them, then the connection closes
+        got = [await asyncio.wait_for(router.recv(), GONE_S) for _ in range(201)]
+        assert [e.msg for e in got[:200]] == [Hello("last words", i) for i in range(200)]
+        assert (got[200].sender, got[200].msg) == (b"peer-1", CLOSED)
+        await assert_nothing_gone(router)
 
 
 @pytest.mark.asyncio
