@@ -14,6 +14,15 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+# A tiny shape for CPU tests of the machinery (workers, engines): 2 layers, GQA 4/2.
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
     intermediate_size=1536,

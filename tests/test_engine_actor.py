@@ -32,18 +32,10 @@ from taipan.messages.gpu import LoadModel, ModelLoaded
 from taipan.messages.lifecycle import ControlAck, Pause, Resume, Suspend, Unpause
 from taipan.messages.requests import EngineSubmit, FinishReason, RequestOutput, SamplingParams
 from taipan.messages.stats import GetStats, Stats
-from tests.random_llama import make_random_llama
+from tests.random_llama import TINY_SHAPE, make_random_llama
 
 pytest.importorskip("transformers")
 
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
 CONFIG = InferenceConfig(block_size_tokens=16, max_sequence_length=256, buffer_size_gb=0.01)
 WAIT_S = 10.0
 _names = itertools.count()
@@ -51,7 +43,7 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_random_llama(str(tmp_path_factory.mktemp("engine-llama")), SHAPE)
+    return make_random_llama(str(tmp_path_factory.mktemp("engine-llama")), TINY_SHAPE)
 
 
 @dataclasses.dataclass

@@ -181,11 +181,9 @@ def test_gpu_offload_checks_host_memory_then_round_trips_through_pinned_memory(
 
     from taipan.actors.gpu import worker as worker_module
     from taipan.messages.gpu import GpuControl, LoadModel
-    from tests.random_llama import make_random_llama
+    from tests.random_llama import TINY_SHAPE, make_random_llama
 
-    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2)
-    small.update(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    model = make_random_llama(str(tmp_path), small)
+    model = make_random_llama(str(tmp_path), TINY_SHAPE)
     w = worker_module.ModelWorker()
     w.load(LoadModel(model, "bfloat16", "cuda", 16, 64, 0.01))
     kv = w.kv_cache

@@ -26,26 +26,18 @@ from taipan.actors.gpu.actor import GpuActor
 from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel
 from taipan.ops.attention import build_attention_metadata
-from tests.random_llama import make_random_llama
+from tests.random_llama import TINY_SHAPE, make_random_llama
 from tests.test_ops_logprobs import Seq, make_plan
 
 transformers = pytest.importorskip("transformers")
 
 BLOCK_SIZE = 16
-SHAPE = dict(
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-)
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100, 33, 32, 84, 104, 101, 32]
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_random_llama(str(tmp_path_factory.mktemp("random-llama")), SHAPE)
+    return make_random_llama(str(tmp_path_factory.mktemp("random-llama")), TINY_SHAPE)
 
 
 @pytest.fixture
@@ -266,7 +258,7 @@ def test_bad_updates_error_and_leave_the_weights(worker, tmp_path):
     control(worker, "suspend", "persist")
     before = weights(worker)
     q = np.zeros((64, 64), dtype=np.float32)  # q_proj is [heads * head_dim, hidden] = [64, 64]
-    other = make_random_llama(str(tmp_path / "other"), {**SHAPE, "intermediate_size": 128})
+    other = make_random_llama(str(tmp_path / "other"), {**TINY_SHAPE, "intermediate_size": 128})
     cases = [
         ({"model.layers.0.self_attn.q_proj.weight": q, "model.layers.9.mlp.up_proj.weight": q},
          "unknown parameter 'model.layers.9.mlp.up_proj.weight'"),

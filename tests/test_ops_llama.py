@@ -23,6 +23,7 @@ from taipan.ops.attention import build_attention_metadata
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
 from taipan.ops.sampling import sample
+from tests.random_llama import TINY_SHAPE
 
 # The default model as `make model` fetches it (runtime/models.py), wherever its cache is.
 MODEL_PATH = Path(resolve("smollm2")[1])
@@ -218,12 +219,7 @@ def test_tiny_hf_directory_matches_hf(ours, tmp_path, tied):
     _, _, tok = ours
     hf_config = transformers.LlamaConfig(
         vocab_size=tok.vocab_size,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        **TINY_SHAPE,
         rms_norm_eps=1e-6,
         rope_theta=50000.0,
         max_position_embeddings=256,
