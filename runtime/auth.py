@@ -6,8 +6,10 @@ writes it to a file only its user can read, named after the runtime's client add
 address it connects to; anyone else passes it explicitly (`Client(..., control_token=...)` or
 the `TAIPAN_CONTROL_TOKEN` environment variable). Requests and stats need no token.
 
-The coordinator reads the token from that file (its path travels in the process spec; a token on
-a command line would be readable by every user through /proc).
+The coordinator reads the token from a private file in the launcher's own temporary directory
+(its path travels in the process spec; a token on a command line would be readable by every user
+through /proc). The file named after the address is published only once the runtime is up, so
+a second runtime that fails to bind a taken address never replaces the first one's token.
 """
 
 from __future__ import annotations
@@ -48,20 +50,26 @@ def token_file(address: str) -> Path:
     return runtime_dir() / f"control-{digest}.json"
 
 
-def write_token(address: str) -> tuple[str, Path]:
-    """Make a fresh token for the runtime at `address` and store it readable by this user only.
-    Returns (token, file)."""
-    token = secrets.token_urlsafe(32)
-    directory = runtime_dir()
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path = token_file(address)
+def new_token() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def write_token(path: str | os.PathLike, address: str, token: str) -> Path:
+    """Store `token` (for the runtime at `address`) in `path`, readable by this user only."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     body = json.dumps({"address": normalize(address), "token": token, "pid": os.getpid()})
-    tmp = directory / f".{path.name}.{secrets.token_hex(4)}"
+    tmp = path.parent / f".{path.name}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(body)
     os.replace(tmp, path)  # atomic: a reader sees the old file or the whole new one
-    return token, path
+    return path
+
+
+def publish_token(address: str, token: str) -> Path:
+    """Where same-user clients of `address` will find `token` (see `find_token`)."""
+    return write_token(token_file(address), address, token)
 
 
 def read_token_file(path: str | os.PathLike) -> str:

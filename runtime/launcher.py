@@ -4,10 +4,11 @@
         client = Client(rt.address)
 
 Owns the child processes, a private temp dir for ipc sockets, and the runtime's control token
-(runtime/auth.py: written for the client address, readable by this user only, removed at
-shutdown). Shutdown sends PAUSE then STOP through the coordinator (STOP is legal only while
-paused or suspended; every request gets its terminal output), waits for the children, escalates
-to SIGTERM then SIGKILL, and removes the ipc files. Children also die with this process.
+(runtime/auth.py: handed to the coordinator in a private file, published for the client address
+once the runtime is up, readable by this user only, removed at shutdown). Shutdown sends PAUSE
+then STOP through the coordinator (STOP is legal only while paused or suspended; every request
+gets its terminal output), waits for the children, escalates to SIGTERM then SIGKILL, and
+removes the ipc files. Children also die with this process.
 
 A child that exits while the runtime is not shutting down is logged as an error naming it and
 how it ended (exit code or signal) and listed in `unexpected_exits`; the coordinator fails the
@@ -28,7 +29,7 @@ import threading
 
 from taipan.actors.config import InferenceConfig, plan_limits
 from taipan.actors.log import get_logger
-from taipan.auth import remove_token, write_token
+from taipan.auth import new_token, publish_token, remove_token, write_token
 from taipan.models import resolve
 
 BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
@@ -79,8 +80,8 @@ class Runtime:
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._exit_callbacks: list = []
         self.unexpected_exits: list[tuple[str, int]] = []  # (child name, returncode)
-        self.control_token: str | None = None  # made at start()
-        self.token_path = None
+        self.control_token = new_token()
+        self.token_path = None  # where same-user clients find it, once the runtime is up
         self.model_info = None  # the ModelInfo seen when the runtime became ready
         self._stopping = False
         self.log = get_logger(component="launcher")
@@ -103,7 +104,7 @@ class Runtime:
             "max_blocks": max_requests * blocks_per_request,
             "record_dir": self.record_dir,
             "log_level": self.log_level,
-            "control_token_file": str(self.token_path),
+            "control_token_file": os.path.join(self.tmp, "control-token.json"),
         }
 
     def _spawn(self, name: str, *args: str) -> None:
@@ -126,8 +127,9 @@ class Runtime:
                 pass
 
     def start(self, timeout: float = 600.0) -> Runtime:
-        self.control_token, self.token_path = write_token(self.address)
-        spec = json.dumps(self._spec())
+        spec = self._spec()
+        write_token(spec["control_token_file"], self.address, self.control_token)
+        spec = json.dumps(spec)
         if self.record_dir:  # `taipan replay --check` re-plans engine steps with this config
             os.makedirs(self.record_dir, exist_ok=True)
             with open(os.path.join(self.record_dir, "config.json"), "w") as f:
@@ -137,6 +139,7 @@ class Runtime:
             for rank in range(self.num_ranks):
                 self._spawn(f"engine-{rank}", "engine", spec, str(rank))
             asyncio.run(self._wait_ready(timeout))
+            self.token_path = publish_token(self.address, self.control_token)
         except BaseException:
             self.shutdown()
             raise

@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from taipan.actors.channel import Channel, make_socket
 from taipan.actors.coordinator.actor import CoordinatorActor
-from taipan.auth import remove_token, write_token
+from taipan.auth import new_token, publish_token, remove_token
 from taipan.client import AsyncClient, Client, ControlError, RuntimeUnreachable
 from taipan.messages.codec import MessageError, decode, encode, registry
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
@@ -457,7 +457,8 @@ async def test_controls_need_the_token_which_the_engines_never_see(addresses):
 async def test_the_client_finds_the_token_and_without_it_is_not_authorized(addresses, monkeypatch):
     front = addresses[0]
     monkeypatch.delenv("TAIPAN_CONTROL_TOKEN", raising=False)
-    token, path = write_token(front)  # as the launcher does: this user's file for the address
+    token = new_token()
+    path = publish_token(front, token)  # as the launcher does: this user's file for the address
     try:
         async with running(addresses, control_token=token) as h:
             # Given explicitly, then from the environment: both win over the file.

@@ -17,6 +17,7 @@ import random
 import re
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import textwrap
@@ -26,6 +27,7 @@ import time
 import msgpack
 import zmq
 
+from taipan import auth
 from taipan.client import Client
 from taipan.messages import encode
 from taipan.messages.lifecycle import Pause, Resume, Stop, Suspend, Unpause, UpdateWeights
@@ -116,7 +118,8 @@ def test_generate_against_nothing_fails_within_the_timeout():
 CLIENT_SCRIPT = textwrap.dedent(
     """
     import sys, threading
-    from taipan.client import Client
+    from taipan import auth
+from taipan.client import Client
     from taipan.messages.requests import SamplingParams
 
     client = Client(sys.argv[1])
@@ -230,6 +233,8 @@ def test_default_config_suspend_cycles_mid_generation_keep_greedy_tokens(tmp_pat
         with Client(address, connect_timeout=120) as c:
             [plain] = c.generate([prompt], GREEDY_96)
             assert len(plain.token_ids) == 96
+            published = auth.token_file(address)  # where this user's clients find the token
+            assert stat.S_IMODE(published.stat().st_mode) == 0o600
             tokens = []
             for n, d in enumerate(c.stream(prompt, GREEDY_96)):
                 tokens += d.token_ids
@@ -247,6 +252,8 @@ def test_default_config_suspend_cycles_mid_generation_keep_greedy_tokens(tmp_pat
             serve.kill()
             serve.wait()
     stderr = serve.stderr.read()
+    assert re.search(r"control token in (\S+)", stderr).group(1) == str(published)
+    assert not published.exists()  # removed at shutdown
     banner = re.search(r"KV cache of (\d+) tokens \(([\d.]+) GiB\) per rank", stderr)
     assert banner, stderr[-2000:]
     with open("/proc/meminfo") as f:
