@@ -118,8 +118,7 @@ def test_generate_against_nothing_fails_within_the_timeout():
 CLIENT_SCRIPT = textwrap.dedent(
     """
     import sys, threading
-    from taipan import auth
-from taipan.client import Client
+    from taipan.client import Client
     from taipan.messages.requests import SamplingParams
 
     client = Client(sys.argv[1])
