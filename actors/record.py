@@ -79,8 +79,10 @@ class Recorder:
                     pass
             except LogError as e:
                 raise LogError(f"{e}; move the old log away before recording again") from None
-        # Unbuffered: each write() below is one system call holding one whole record.
-        self._file = open(self.path, "ab", buffering=0)  # closed by close()
+        # Unbuffered: each write() below is one system call holding one whole record. Readable
+        # by this user only: a log holds prompts, outputs and control tokens.
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self._file = open(fd, "ab", buffering=0)  # closed by close()
         if fresh:
             self._file.write(FILE_HEADER.pack(MAGIC, FORMAT_VERSION))
         self._lock = threading.Lock()

@@ -124,6 +124,8 @@ def test_recorder_appends_and_copies_frames(tmp_path):
         ("in", b"peer", (b"abc",), 1.0),
         ("out", None, (b"d", b"e"), 2.0),
     ]
+    # Only this user may read it: logs hold prompts, outputs and control tokens.
+    assert (tmp_path / "a.tplog").stat().st_mode & 0o777 == 0o600
 
 
 def _three_records(tmp_path: Path) -> tuple[Path, list[int]]:
