@@ -27,7 +27,9 @@ class GpuCommand(enum.StrEnum):
 class LoadModel:
     """Load weights and size the KV cache: as many blocks as `kv_cache_gb` holds, at most
     `max_blocks` (more than every admissible request can use would only waste memory).
-    `kv_cache_gb` None: the device's default (InferenceConfig.buffer_size_gb says which)."""
+    `kv_cache_gb` None: the device's default (InferenceConfig.buffer_size_gb says which).
+    `max_tokens`, `max_requests` and `max_sequence_length` bound every StepPlan: the worker
+    sizes its persistent step buffers from them once."""
 
     model: str
     dtype: str
@@ -35,6 +37,9 @@ class LoadModel:
     block_size: int
     max_blocks: int
     kv_cache_gb: float | None
+    max_tokens: int
+    max_requests: int
+    max_sequence_length: int
 
 
 @message(121)
@@ -53,12 +58,14 @@ class ModelLoaded:
 
 @message(122)
 class StepPlan:
-    """One forward over B sequences and T tokens (varlen, no padding).
+    """One forward over B sequences and T tokens (varlen, no padding). Sequences with one query
+    token (decode rows) come first, then those with more (prefill chunks).
 
     input_ids int32[T], positions int32[T], slot_mapping int64[T];
     query_start_loc int32[B+1], seq_lens int32[B] (context after this step), block_tables
     int32[B, max_blocks]; sample int8[B] (1 = this sequence's last token is sampled);
-    temperature float32[B], top_k int32[B], top_p float32[B], seeds int64[B], gen_index int32[B].
+    temperature float32[B], top_k int32[B], top_p float32[B], min_p float32[B], seeds int64[B],
+    gen_index int32[B].
 
     Log-probs (log-softmax of the raw fp32 logits, before temperature / top-k / top-p):
     logprobs int8[B] (1 = return the log-prob of the token sampled for this sequence);
@@ -79,6 +86,7 @@ class StepPlan:
     temperature: Array[np.float32, 1]
     top_k: Array[np.int32, 1]
     top_p: Array[np.float32, 1]
+    min_p: Array[np.float32, 1]
     seeds: Array[np.int64, 1]
     gen_index: Array[np.int32, 1]
     logprobs: Array[np.int8, 1]

@@ -60,8 +60,10 @@ class RequestEvent:
 class SamplingParams:
     """How to sample one request. `max_tokens` counts generated tokens (OpenAI's meaning).
 
-    temperature 0 is greedy; top_k 0 and top_p 1.0 are off; seed None draws from fresh entropy
-    (the engine picks one), a given seed makes the draws reproducible whatever the batch holds.
+    temperature 0 is greedy; top_k 0, top_p 1.0 and min_p 0 are off (min_p drops a token whose
+    probability is below min_p times the most likely one's, as vLLM's; kernels/sampling.py has
+    the exact order of the filters); seed None draws from fresh entropy (the engine picks one),
+    a given seed makes the draws reproducible whatever the batch holds.
 
     Stopping: EOS (unless `ignore_eos`), any of `stop_token_ids`, or a stop word: a token
     sequence in `stop_word_ids` completed by the generated tokens (it may span any number of
@@ -79,6 +81,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
@@ -102,6 +105,8 @@ class SamplingParams:
             out.append(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0 < self.top_p <= 1:
             out.append(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 <= self.min_p <= 1:
+            out.append(f"min_p must be in [0, 1], got {self.min_p}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             out.append(f"seed must be in [0, 2**63), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):

@@ -1,12 +1,13 @@
-"""Paged attention over a flat, unpadded batch: the metadata, the KV write, the production path
-and its torch reference.
+"""Paged attention over a flat, unpadded batch: the metadata, the one dispatch point, and the
+torch reference.
 
 Owns `AttentionMetadata` (what one step's attention needs to know about its B sequences), the
-KV-cache layout, `write_kv` (this step's keys and values into their slots), `paged_attention`
-(what the model runs: decode rows and prefill rows, each as one padded batch through fused SDPA)
-and `paged_attention_ref` (a per-sequence loop in plain fp32 torch that tests check it against).
-Must not decide anything about scheduling: block tables and slots come from the allocator
-through the GPU actor, and are only read here.
+KV-cache layout and `paged_attention`, what the model runs: on CUDA the Triton kernels (the
+decode rows, a prefix of the step, through kernels/decode_attention.py; the longer chunks through
+kernels/prefill_attention.py); elsewhere decode rows and prefill rows each as one padded batch
+through fused SDPA. `paged_attention_ref` is a per-sequence loop in plain fp32 torch that tests
+check both against. Must not decide anything about scheduling: block tables and slots come
+from the allocator through the GPU actor, and are only read here.
 
 KV cache: one tensor per model, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). Token `p` of a sequence lives in block `block_table[p // block_size]`
@@ -18,9 +19,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from taipan.kernels.decode_attention import paged_decode_attention
+from taipan.kernels.prefill_attention import paged_prefill_attention
 
 
 @dataclass
@@ -36,18 +40,30 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length of each sequence including this step
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset of each new token
-    # Attached once per step by `with_layout` (the same for every layer, so no layer syncs the
-    # device or rebuilds it): the decode rows and the prefill rows, each one padded batch.
+    # From the host copies, once per step (`with_layout`), so no layer syncs the device: the
+    # first `num_decodes` sequences have one query token each (the scheduler puts such rows
+    # first; any later one-token row goes with the others), none more than `max_query_len`.
+    num_decodes: int = 0
+    max_query_len: int = 0
+    # CPU only: the decode rows and the prefill rows, each one padded batch for SDPA.
     batches: tuple[RowBatch, ...] | None = None
 
     def with_layout(
-        self, query_start: list[int], seq_lens: list[int], block_size: int
+        self, query_start: np.ndarray | list[int], seq_lens: np.ndarray | list[int], block_size: int
     ) -> AttentionMetadata:
         """Attach the layout `paged_attention` needs, from host copies of `query_start_loc` and
         `seq_lens` the caller already has; returns self."""
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
-        query_lens = [query_start[b + 1] - query_start[b] for b in range(len(seq_lens))]
+        query_start, seq_lens = np.asarray(query_start), np.asarray(seq_lens)
+        query_lens = np.diff(query_start)
+        longer = np.flatnonzero(query_lens != 1)  # the leading one-token rows are decode rows
+        self.num_decodes = int(longer[0]) if len(longer) else len(query_lens)
+        self.max_query_len = int(query_lens.max(initial=0))
+        if self.query_start_loc.is_cuda:
+            return self  # the kernels need nothing more
+        query_start, seq_lens = query_start.tolist(), seq_lens.tolist()
+        query_lens = query_lens.tolist()
         # Decode rows and prefill rows are padded apart: one long prompt must not pad every
         # decode row's single query to its length.
         decode = [b for b, n in enumerate(query_lens) if n == 1]
@@ -111,39 +127,50 @@ class RowBatch:
         )
 
 
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, layer_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """Store this step's keys and values in their slots (in place).
-
-    k, v: [T, kv_heads, head_dim]; layer_cache: [2, num_blocks, block_size, kv_heads, head_dim].
-    """
-    num_kv_heads, head_dim = k.shape[1], k.shape[2]
-    assert layer_cache.shape[0] == 2 and layer_cache.shape[-2:] == (num_kv_heads, head_dim)
-    assert slot_mapping.shape == (k.shape[0],), (slot_mapping.shape, k.shape)
-    k_slots = layer_cache[0].view(-1, num_kv_heads, head_dim)  # [num_blocks * block_size, ...]
-    v_slots = layer_cache[1].view(-1, num_kv_heads, head_dim)
-    k_slots.index_copy_(0, slot_mapping, k.to(layer_cache.dtype))
-    v_slots.index_copy_(0, slot_mapping, v.to(layer_cache.dtype))
-
-
 def paged_attention(
     q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """Causal GQA attention of each query token over its sequence's paged KV (this step's keys
-    must already be written): each of `attn.batches` through fused SDPA. Needs the layout
-    (`AttentionMetadata.with_layout`).
+    must already be written). Needs the layout (`AttentionMetadata.with_layout`).
 
-    q: [T, heads, head_dim] -> out: [T, heads, head_dim] in q's dtype.
+    q: [T, heads, head_dim] (a strided view is fine) -> out: [T, heads, head_dim] in q's dtype.
     """
+    if q.is_cuda:
+        return _attend_kernels(q, layer_cache, attn, scale)
     if attn.batches is None:
         raise ValueError(
             "paged_attention needs the step's layout: build the metadata with "
             "AttentionMetadata(...).with_layout(query_start, seq_lens, block_size)"
         )
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for rows in attn.batches:
         _attend_rows(q, out, layer_cache, rows, scale)
+    return out
+
+
+def _attend_kernels(
+    q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """The decode rows (a prefix of the step, one token each) through the split-K decode
+    kernel, every other row through the varlen prefill kernel, into one output."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    d = attn.num_decodes
+    if d:
+        paged_decode_attention(
+            q[:d], layer_cache, attn.block_tables[:d], attn.seq_lens[:d], scale, out=out[:d]
+        )
+    if d < attn.seq_lens.shape[0]:
+        # Its query starts are absolute token indices into q, so the rows need no shifting.
+        paged_prefill_attention(
+            q,
+            layer_cache,
+            attn.block_tables[d:],
+            attn.query_start_loc[d:],
+            attn.seq_lens[d:],
+            scale,
+            max_query_len=attn.max_query_len,
+            out=out,
+        )
     return out
 
 
@@ -172,17 +199,9 @@ def _gather_slots(layer_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch
 
 
 def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
-    """Fused attention with grouped K/V. q: [B, heads, Q, D]; k, v: [B, kv_heads, S, D]; mask
-    [B, 1, Q, S] (bool, True = seen) -> [B, heads, Q, D]."""
-    if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    # On CUDA, SDPA with a mask may pick cuDNN, which builds a new graph for every new shape:
-    # 10-25 ms of host time per call, and a decode step's context length changes every step.
-    # The memory-efficient kernel has no such cost; it wants K/V with every head.
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    """Fused attention with grouped K/V (the CPU path). q: [B, heads, Q, D]; k, v: [B, kv_heads,
+    S, D]; mask [B, 1, Q, S] (bool, True = seen) -> [B, heads, Q, D]."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
 
 
 def gather_kv(

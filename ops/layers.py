@@ -1,7 +1,9 @@
-"""Transformer building blocks shared by the models: RMSNorm, rotary embedding, GQA attention
-over the paged KV cache, SwiGLU MLP.
+"""Transformer building blocks shared by the models: RMSNorm (fused with the residual add),
+rotary embedding fused with the KV-cache write, GQA attention over the paged KV cache, SwiGLU MLP.
 
-Numerics follow Hugging Face transformers (the test oracle): norms and RoPE angles in fp32,
+Each op has one dispatch point: on CUDA the Triton kernel of kernels/, elsewhere its torch
+reference (`*_ref`, the same contract) — chosen by the tensor's device, never by optional
+metadata. Numerics follow Hugging Face transformers (the test oracle): norms and RoPE in fp32,
 results cast back to the activation dtype; attention softmax in fp32. Layers never know whether
 they run eagerly or under a CUDA graph, and never read the clock, a host tensor or a global.
 """
@@ -9,10 +11,10 @@ they run eagerly or under a CUDA graph, and never read the clock, a host tensor 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from taipan.ops.attention import AttentionMetadata, paged_attention, write_kv
+from taipan.kernels import activation, rmsnorm, rope
+from taipan.ops.attention import AttentionMetadata, paged_attention
 
 
 class RMSNorm(nn.Module):
@@ -21,35 +23,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, hidden]
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_cos_sin(
-    positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin: [tokens, head_dim] for the given absolute positions [tokens] (rotate-half
-    layout: the two halves of head_dim share frequencies). Angles are computed in fp32."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
-    inv_freq = 1.0 / (theta ** (exponents / head_dim))  # [head_dim / 2]
-    freqs = positions.float()[:, None] * inv_freq[None, :]  # [tokens, head_dim / 2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [tokens, head_dim]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; cos, sin: [tokens, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """x: [tokens, hidden] -> normalized x; with `residual`, `(normalized, residual)` after
+        `residual <- x + residual` in place (the residual stream of the next layer)."""
+        fn = rmsnorm.rms_norm if x.is_cuda else rmsnorm.rms_norm_ref
+        return fn(x, self.weight, self.eps, residual=residual)
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention that appends this step's K/V to the paged cache, then attends
-    over each sequence's whole context (cached prefix + this step's tokens)."""
+    """Grouped-query self-attention: rotates q and k, appends this step's K/V to the paged
+    cache, then attends over each sequence's whole context (cached prefix + this step)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         super().__init__()
@@ -63,8 +46,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
         attn: AttentionMetadata,
         layer_cache: torch.Tensor,
     ) -> torch.Tensor:
@@ -73,14 +56,13 @@ class Attention(nn.Module):
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)  # q: [tokens, heads, head_dim]
-        k = apply_rope(k, cos, sin)  # k: [tokens, kv_heads, head_dim]
-        write_kv(k, v, layer_cache, attn.slot_mapping)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # views of the qkv output
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        write = rope.rope_and_write_kv if x.is_cuda else rope.rope_and_write_kv_ref
+        q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
         out = paged_attention(q, layer_cache, attn, self.scale)  # [tokens, heads, head_dim]
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.view(num_tokens, q_size))
 
 
 class SwiGLUMLP(nn.Module):
@@ -91,6 +73,6 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [tokens, hidden] -> [tokens, 2 * intermediate] -> [tokens, hidden]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # x: [tokens, hidden] -> [tokens, 2 * intermediate] -> [tokens, intermediate] -> hidden
+        act = activation.silu_and_mul if x.is_cuda else activation.silu_and_mul_ref
+        return self.down_proj(act(self.gate_up_proj(x)))

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from taipan.actors.base import FatalError
 from taipan.actors.channel import make_socket
-from taipan.actors.config import InferenceConfig
+from taipan.actors.config import InferenceConfig, plan_limits
 from taipan.actors.log import configure, get_logger
 from taipan.auth import read_token_file
 
@@ -124,14 +124,17 @@ async def engine_main(spec: dict, rank: int) -> None:
         recorder=recs["engine"],
     )
     config = InferenceConfig.from_dict(spec["config"])
-    max_blocks = spec["max_blocks"]
+    max_requests, max_tokens = plan_limits(config)
     load = LoadModel(
         spec["model_path"],
         spec["dtype"],
         spec["device"],
         config.block_size_tokens,
-        max_blocks,
+        spec["max_blocks"],
         config.buffer_size_gb,
+        max_tokens,
+        max_requests,
+        config.max_sequence_length,
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     try:

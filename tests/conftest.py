@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU, Triton kernels run in its CPU interpreter; it reads this before triton loads.
+if not os.path.exists("/dev/nvidiactl"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 if "TAIPAN_RUNTIME_DIR" not in os.environ:  # control-token files of test runtimes stay private
     import tempfile
 

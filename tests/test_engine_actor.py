@@ -93,7 +93,7 @@ async def engine_rank(model_dir):
     to_coord = make_socket(
         ctx, zmq.DEALER, back, bind=False, name="coordinator", identity=b"engine-0"
     )
-    load = LoadModel(model_dir, "float32", "cpu", CONFIG.block_size_tokens, 64, 0.01)
+    load = LoadModel(model_dir, "float32", "cpu", CONFIG.block_size_tokens, 64, 0.01, 256, 16, 256)
     engine = EngineActor(0, CONFIG, load, to_coord, to_alloc, to_gpu)
     gpu_actor = GpuActor(0, gpu_side)
     others = [asyncio.create_task(a.run()) for a in (AllocatorActor(alloc_side), gpu_actor)]

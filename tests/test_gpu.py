@@ -185,7 +185,7 @@ def test_gpu_offload_checks_host_memory_then_round_trips_through_pinned_memory(
 
     model = make_random_llama(str(tmp_path), TINY_SHAPE)
     w = worker_module.ModelWorker()
-    w.load(LoadModel(model, "bfloat16", "cuda", 16, 64, 0.01))
+    w.load(LoadModel(model, "bfloat16", "cuda", 16, 64, 0.01, 256, 8, 256))
     kv = w.kv_cache
     kv.normal_()  # contents to compare after the round trip
     before = kv.clone()

@@ -43,7 +43,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture
 def worker(model_dir):
     w = ModelWorker()
-    w.load(LoadModel(model_dir, "float32", "cpu", BLOCK_SIZE, 8, 1.0))
+    w.load(LoadModel(model_dir, "float32", "cpu", BLOCK_SIZE, 8, 1.0, 256, 8, 128))
     return w
 
 

@@ -307,6 +307,7 @@ def test_several_large_arrays_keep_their_order():
         "temperature": np.ones(1, dtype=np.float32),
         "top_k": np.zeros(1, dtype=np.int32),
         "top_p": np.ones(1, dtype=np.float32),
+        "min_p": np.zeros(1, dtype=np.float32),
         "seeds": np.array([2**62], dtype=np.int64),
         "gen_index": np.zeros(1, dtype=np.int32),
         "logprobs": np.zeros(1, dtype=np.int8),
@@ -406,8 +407,8 @@ def expect_error(frames, code: str | None = None, match: str | None = None) -> M
 
 
 _ARR = array_ext("int32", [1], b"\0\0\0\0")
-_SAMPLING = [16, 1.0, 0, 1.0, None, False, [], [], [], False, False, False, 0, False, 1]
-_STOP_TOKEN_IDS = 6  # its index in _SAMPLING
+_SAMPLING = [16, 1.0, 0, 1.0, 0.0, None, False, [], [], [], False, False, False, 0, False, 1]
+_STOP_TOKEN_IDS = 7  # its index in _SAMPLING
 _F1, _I2, _F2 = (
     array_ext("float32", [0], b""),
     array_ext("int32", [0, 0], b""),

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from taipan.kernels.rope import write_kv_ref as write_kv
 from taipan.ops.attention import (
     AttentionMetadata,
     build_attention_metadata,
     paged_attention,
     paged_attention_ref,
-    write_kv,
 )
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -114,6 +114,7 @@ def make_plan(step: int, seqs: list[Seq], block_size: int = BLOCK_SIZE) -> StepP
         temperature=np.asarray([s.temperature for s in seqs], dtype=np.float32),
         top_k=np.zeros(len(seqs), dtype=np.int32),
         top_p=np.ones(len(seqs), dtype=np.float32),
+        min_p=np.zeros(len(seqs), dtype=np.float32),
         seeds=np.asarray([s.seed for s in seqs], dtype=np.int64),
         gen_index=np.zeros(len(seqs), dtype=np.int32),
         logprobs=np.asarray([s.logprobs for s in seqs], dtype=np.int8),
@@ -125,7 +126,7 @@ def make_plan(step: int, seqs: list[Seq], block_size: int = BLOCK_SIZE) -> StepP
 @pytest.fixture(scope="module")
 def worker(model_path):
     w = ModelWorker()
-    w.load(LoadModel(model_path, "float32", "cpu", BLOCK_SIZE, 32, 1.0))
+    w.load(LoadModel(model_path, "float32", "cpu", BLOCK_SIZE, 32, 1.0, 512, 16, 512))
     return w
 
 

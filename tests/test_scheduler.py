@@ -235,8 +235,11 @@ class Harness:
         assert not set(batch.free_ids) & (set(sched.requests) - evicted)
         assert not set(ids) & {r.request_id for r in sched.paused}
         assert all(r.status is Status.PAUSED and r.blocks for r in sched.paused)
-        for rid in ids:
-            if rid not in self.first_scheduled:
+        longer = [c.num_new_tokens != 1 for c in batch.chunks]
+        assert longer == sorted(longer), "one-token rows must come first"
+        # Admission order is the order requests joined `running` (rows are sorted by length).
+        for rid in [r.request_id for r in sched.running]:
+            if rid in ids and rid not in self.first_scheduled:
                 self.first_scheduled.append(rid)
         self.history.append(
             [(c.request.request_id, c.num_new_tokens, c.samples) for c in batch.chunks]

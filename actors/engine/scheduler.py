@@ -202,6 +202,9 @@ class Scheduler:
             req.add_event(EventType.ADD_CONTEXT, now)
             self.running.append(req)
             chunks.append(Chunk(req, n, need))
+        # Rows of one query token first (a stable sort): attention takes them as one decode
+        # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
+        chunks.sort(key=lambda c: c.num_new_tokens != 1)
         free_ids = list(self.pending_free)
         self.pending_free.clear()
         if chunks or free_ids:  # an empty plan is not a step (and sends nothing)
@@ -303,6 +306,7 @@ class Scheduler:
             "temperature": np.asarray([r.sampling.temperature for r in reqs], dtype=np.float32),
             "top_k": np.asarray([r.sampling.top_k for r in reqs], dtype=np.int32),
             "top_p": np.asarray([r.sampling.top_p for r in reqs], dtype=np.float32),
+            "min_p": np.asarray([r.sampling.min_p for r in reqs], dtype=np.float32),
             "seeds": np.asarray([r.seed for r in reqs], dtype=np.int64),
             "gen_index": np.asarray([len(r.generated) for r in reqs], dtype=np.int32),
             "logprobs": np.asarray([r.sampling.return_log_probs for r in reqs], dtype=np.int8),

@@ -26,6 +26,7 @@ import time
 import numpy as np
 import torch
 
+from taipan.actors.gpu.buffers import StepBuffers
 from taipan.messages.gpu import (
     GpuCommand,
     GpuControl,
@@ -101,6 +102,7 @@ class ModelWorker:
         self.model = None
         self.config = None
         self.kv_cache: torch.Tensor | None = None
+        self.buffers: StepBuffers | None = None  # the step inputs' fixed device addresses
         self.device = torch.device("cpu")
         self.dtype = torch.float32
         self.block_size = 0
@@ -128,6 +130,12 @@ class ModelWorker:
             )
         self.block_size = msg.block_size
         self.kv_cache = allocate_kv_cache(config, num_blocks, msg.block_size, dtype, self.device)
+        self.buffers = StepBuffers(
+            self.device,
+            max_tokens=msg.max_tokens,
+            max_requests=msg.max_requests,
+            max_blocks_per_seq=-(-msg.max_sequence_length // msg.block_size),
+        )
         self.model, self.config, self.dtype = model, config, dtype
         self.weight_version, self.suspend_mode = 0, None
         self._kv_shape, self._kv_offloaded = tuple(self.kv_cache.shape), None
@@ -155,42 +163,36 @@ class ModelWorker:
         token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
         if self.suspend_mode is not None:
             return StepResult(plan.step, token_ids, "the gpu worker is suspended", 0.0)
-        hidden = self._forward(plan)  # [T, H]
-        # Only the last token of each sampled sequence needs logits (and prompt log-probs'
-        # tokens, which get theirs in chunks).
+        inputs = self.buffers.load(_plan_arrays(plan))  # one host-to-device copy
+        hidden = self._forward(plan, inputs)  # [T, H]
+        # Logits for every sequence's last token (rows that do not sample are ignored): their
+        # positions come from the device's query starts, so nothing travels for them.
+        last = inputs["query_start_loc"][1:].long() - 1
+        logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
+        tokens = self._sample(plan, inputs, logits)  # [B]
         rows = np.flatnonzero(plan.sample)
-        last = plan.query_start_loc[1:][rows] - 1
-        logits = self.model.compute_logits(hidden[self._tensor(last, torch.int64)])
-        tokens = self._sample(plan, rows, logits)
-        token_ids[rows] = tokens.cpu().numpy()
+        token_ids[rows] = tokens.cpu().numpy()[rows]
         n = int(plan.top_n.max(initial=0))
         extra = self._log_probs(plan, rows, logits, tokens, n)
         extra.update(self._prompt_log_probs(plan, hidden, n))
         return StepResult(plan.step, token_ids, None, time.perf_counter() - start, **extra)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
-        t = self._tensor
+    def _forward(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         attn = AttentionMetadata(
-            query_start_loc=t(plan.query_start_loc),
-            seq_lens=t(plan.seq_lens),
-            block_tables=t(plan.block_tables),
-            slot_mapping=t(plan.slot_mapping, torch.int64),
-        ).with_layout(plan.query_start_loc.tolist(), plan.seq_lens.tolist(), self.block_size)
-        input_ids, positions = t(plan.input_ids, torch.int64), t(plan.positions, torch.int64)
-        return self.model(input_ids, positions, attn, self.kv_cache)
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            slot_mapping=inputs["slot_mapping"],
+        ).with_layout(plan.query_start_loc, plan.seq_lens, self.block_size)
+        return self.model(inputs["input_ids"], inputs["positions"], attn, self.kv_cache)
 
-    def _sample(self, plan: StepPlan, rows: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
-        if not (plan.temperature[rows] > 0).any():
-            return logits.argmax(dim=-1)  # all greedy: skip the sort and the noise
-        t = self._tensor
-        return sample(
-            logits,
-            t(plan.temperature[rows]),
-            t(plan.top_k[rows]),
-            t(plan.top_p[rows]),
-            t(plan.seeds[rows]),
-            t(plan.gen_index[rows]),
-        )
+    def _sample(
+        self, plan: StepPlan, inputs: dict[str, torch.Tensor], logits: torch.Tensor
+    ) -> torch.Tensor:
+        if not (plan.temperature[plan.sample != 0] > 0).any():
+            return logits.argmax(dim=-1)  # all greedy: skip the filters and the noise
+        names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
+        return sample(logits, **{name: inputs[name] for name in names})
 
     def _log_probs(
         self,
@@ -210,7 +212,10 @@ class ModelWorker:
         }
         wanted, counts = plan.logprobs[rows] != 0, plan.top_n[rows]
         if wanted.any() or counts.any():
-            picked, ids, values = log_probs_and_top_n(logits, tokens, self._tensor(counts), n)
+            index = self._tensor(rows, torch.int64)
+            picked, ids, values = log_probs_and_top_n(
+                logits[index], tokens[index], self._tensor(counts), n
+            )
             out["log_probs"][rows] = np.where(wanted, picked.cpu().numpy(), np.nan)
             out["top_n_ids"][rows] = ids.cpu().numpy()
             out["top_n_log_probs"][rows] = values.cpu().numpy()
@@ -353,3 +358,8 @@ def _as_tensor(values: np.ndarray | torch.Tensor) -> torch.Tensor:
     values = np.ascontiguousarray(values)
     # Arrays decoded off the wire are read-only views; torch.from_numpy wants writable memory.
     return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+
+def _plan_arrays(plan: StepPlan) -> dict[str, np.ndarray]:
+    """The StepPlan's arrays by StepBuffers field name."""
+    return {name: getattr(plan, name) for name in StepBuffers.FIELD_NAMES}

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from taipan.kernels.rope import rope_cos_sin_cache
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP, rope_cos_sin
+from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP
 
 
 @dataclass(frozen=True)
@@ -58,14 +59,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
         attn: AttentionMetadata,
         layer_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        # x: [tokens, hidden]
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, layer_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [tokens, hidden], the previous layer's output (None residual: the embeddings);
+        returns this layer's output and the residual stream before it (fused adds)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)  # residual <- x + residual
+        h = self.self_attn(h, positions, cos_sin, attn, layer_cache)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -79,6 +87,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self._rope_caches: dict[torch.device, torch.Tensor] = {}
         # Tied models reuse the embedding matrix as the output projection.
         self.lm_head = (
             None
@@ -93,13 +102,25 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int64; kv_cache: see `allocate_kv_cache` (written in place).
-        Returns hidden: [T, hidden] after the final norm."""
+        """input_ids, positions: [T] int32 or int64; kv_cache: see `allocate_kv_cache` (written
+        in place). Returns hidden: [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)  # x: [T, hidden]
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        cos_sin = self.rope_cache(x.device)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, kv_cache[i])
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, cos_sin, attn, kv_cache[i])
+        x, _ = self.norm(x, residual)
+        return x
+
+    def rope_cache(self, device: torch.device) -> torch.Tensor:
+        """cos/sin for every position, fp32 [max_position_embeddings, head_dim], built once per
+        device (a plain attribute, not a buffer: `.to(dtype)` must not round it)."""
+        cache = self._rope_caches.get(device)
+        if cache is None:
+            c = self.config
+            cache = rope_cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, device)
+            self._rope_caches[device] = cache
+        return cache
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits: [N, vocab] float32."""

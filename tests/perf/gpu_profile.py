@@ -24,7 +24,7 @@ from taipan.ops.tokenizer import Tokenizer
 
 def main(model_dir: str, dtype: str = "bfloat16") -> None:
     w = ModelWorker()
-    w.load(LoadModel(model_dir, dtype, "cuda", 16, 4096, 4.0))
+    w.load(LoadModel(model_dir, dtype, "cuda", 16, 4096, 4.0, 16384, 128, 2560))
     tok = Tokenizer.from_hf_dir(model_dir)
     prompts = [np.asarray(tok.encode(p), np.int32) for p in mixed_prompts(32)]
     plan = RuntimePlan(4096, 16, 128, 16384, 2560, ())

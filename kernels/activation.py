@@ -1,0 +1,99 @@
+"""SwiGLU's activation on the fused gate/up projection: `silu_and_mul` (kernel + launcher) and
+`silu_and_mul_ref` (the same contract in torch).
+
+A row of x [T, 2I] holds the gate then the up half, as ops/layers.SwiGLUMLP's `gate_up_proj`
+writes them; out [T, I] = silu(gate) * up, computed in fp32 and rounded once (HF rounds silu's
+output to the activation dtype before the multiply: up to one ulp apart). Reads x, writes only
+out.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(
+    # pointers
+    x_ptr,  # [T, 2I]: gate | up
+    out_ptr,  # [T, I]
+    # strides
+    stride_x_token,
+    stride_out_token,
+    # meta-parameters
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTERMEDIATE
+    x_row = x_ptr + token * stride_x_token
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
+    result = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(
+        out_ptr + token * stride_out_token + cols, result.to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, 2I] (gate | up) -> out: [T, I] = silu(gate) * up in x's dtype (new if None).
+
+    Rows need unit stride in their last dim. Each program covers one token row's tile of up to
+    MAX_BLOCK columns: a decode step's single row still spreads over many SMs. No host sync.
+    """
+    _check_args(x, out)
+    num_tokens, intermediate = x.shape[0], x.shape[1] // 2
+    if out is None:
+        out = torch.empty(num_tokens, intermediate, dtype=x.dtype, device=x.device)
+    if num_tokens > 0:
+        block = min(triton.next_power_of_2(intermediate), MAX_BLOCK)
+        grid = (num_tokens, triton.cdiv(intermediate, block))
+        _silu_and_mul_kernel[grid](
+            x,
+            out,
+            x.stride(0),
+            out.stride(0),
+            INTERMEDIATE=intermediate,
+            BLOCK=block,
+        )
+    return out
+
+
+def _check_args(x: torch.Tensor, out: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.shape[1] == 0 or x.shape[1] % 2:
+        raise ValueError(
+            f"x must be [tokens, 2 * intermediate] (gate | up), got shape {tuple(x.shape)}"
+        )
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if x.stride(-1) != 1:
+        raise ValueError(
+            f"x must have unit stride in its last dim, got strides {x.stride()}: "
+            "pass a .contiguous() copy"
+        )
+    if out is None:
+        return
+    shape = (x.shape[0], x.shape[1] // 2)
+    if out.shape != shape or out.dtype != x.dtype or out.device != x.device:
+        raise ValueError(
+            f"out must be {shape} {x.dtype} on {x.device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must have unit stride in its last dim, got strides {out.stride()}")
+
+
+def silu_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`silu_and_mul` in plain torch (fp32 inside)."""
+    gate, up = x.float().chunk(2, dim=-1)
+    result = (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    if out is None:
+        return result
+    out.copy_(result)
+    return out

@@ -1,0 +1,330 @@
+"""Varlen causal prefill attention over the paged KV cache, flash-attention style: each
+sequence's new query tokens attend its cached prefix and their own causal part.
+
+Owns `paged_prefill_attention` (kernel + launcher) and `paged_prefill_attention_ref` (the same
+contract in plain torch). Only reads the cache: this step's keys and values must already be in
+their slots (the KV-append kernel runs first). Block tables come from the allocator; nothing
+here decides or changes them.
+
+Tiling. One program owns BLOCK_Q consecutive queries of one sequence and all GROUP query heads
+that share one KV head: its M tile is BLOCK_Q x GROUP_PAD rows (GROUP rounded up to a power of
+two, surplus head rows masked), so K/V are read once per group, never repeated per head, and a
+decode row (q_len 1) still fills GROUP of its rows. The key loop walks BLOCK_N-key tiles and
+finds each key's slot through the block table (one small, cached int32 load per key): a tile may
+straddle blocks, so BLOCK_N is free of block_size (64-key tiles over 16-slot blocks) and each key
+row is still one contiguous head_dim load. Tiles left of the tile's first query position need
+no mask at all; only the last few (the diagonal) are masked.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
+
+
+@triton.jit
+def _attend_tile(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q_pos,
+    start_n,
+    seq_len,
+    # pointers
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table_ptr,
+    # strides
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    # scalars
+    kv_head,
+    qk_scale,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One key tile [start_n, start_n + BLOCK_N) into the online softmax (base 2)."""
+    key_pos = start_n + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, HEAD_DIM)
+    if MASKED:
+        # Past seq_len the block table is padding and slots were never written (NaN, say):
+        # neither is read, so no 0 * NaN reaches a row.
+        key_ok = key_pos < seq_len
+        block = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
+        slot_off = block.to(tl.int64) * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs
+        kv_off = slot_off[:, None] + kv_head * stride_ch + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
+    else:
+        block = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
+        slot_off = block.to(tl.int64) * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs
+        kv_off = slot_off[:, None] + kv_head * stride_ch + dims[None, :]
+        k = tl.load(k_cache_ptr + kv_off)
+        v = tl.load(v_cache_ptr + kv_off)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        # Causal only: keys past seq_len lie right of every stored row's position.
+        qk = tl.where(key_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    # pointers
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    query_start_loc_ptr,
+    seq_lens_ptr,
+    # strides
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_cb,
+    stride_cs,
+    stride_ch,
+    stride_bt,
+    # scalars
+    qk_scale,  # scale * log2(e): the softmax runs in base 2
+    # meta-parameters
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_Q: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows: row r = query r // GROUP_PAD, head r % ..
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(1)
+    kv_head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    # Last query tiles first: they have the most keys, so the longest programs start earliest.
+    first_q = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_Q
+    if first_q >= q_len:  # the grid is sized by max_query_len, a static bound
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = first_q + rows // GROUP_PAD  # query index within the sequence
+    head = kv_head * GROUP + rows % GROUP_PAD
+    row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
+    token = (q_start + q_idx).to(tl.int64)
+    dims = tl.arange(0, HEAD_DIM)
+    q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
+    # Rows past q_len get positions >= seq_len: they see every key, so no row is all -inf.
+    q_pos = prefix_len + q_idx
+
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    # Keys up to the tile's first query position are seen by all its rows: no mask.
+    diagonal = (prefix_len + first_q + 1) // BLOCK_N * BLOCK_N
+    end = prefix_len + tl.minimum(first_q + BLOCK_Q, q_len)  # one past the last key seen
+    for start_n in range(0, diagonal, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, seq_len,
+            k_cache_ptr, v_cache_ptr, block_table_ptr,
+            stride_cb, stride_cs, stride_ch,
+            kv_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )  # fmt: skip
+    for start_n in range(diagonal, end, BLOCK_N):
+        acc, l_i, m_i = _attend_tile(
+            acc, l_i, m_i, q, q_pos, start_n, seq_len,
+            k_cache_ptr, v_cache_ptr, block_table_ptr,
+            stride_cb, stride_cs, stride_ch,
+            kv_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )  # fmt: skip
+
+    o = acc / l_i[:, None]
+    o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal GQA attention of each new query token over its sequence's paged KV (cached prefix
+    + this step's tokens, already written). Never syncs the device: CUDA-graph safe.
+
+    q: [T, H, D] (sequence after sequence); kv_cache: one layer's [2, num_blocks, block_size,
+    KVH, D]; block_tables: [B, max_blocks] int32; query_start_loc: [B + 1] int32; seq_lens: [B]
+    int32, context lengths including this step. Query i of sequence b sits at position
+    `seq_lens[b] - q_len_b + i`. max_query_len: a host bound on every q_len_b (queries past it
+    are silently not computed). Returns out: [T, H, D] in q's dtype (`out` if given).
+    """
+    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, out)
+    out = torch.empty_like(q) if out is None else out
+    num_seqs = seq_lens.shape[0]
+    _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    group = q.shape[1] // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m, block_n, num_warps, num_stages = _tile_config(q, group_pad, max_query_len)
+    block_q = max(1, block_m // group_pad)
+    if q.shape[0] == 0 or max_query_len == 0 or num_seqs == 0:
+        return out
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
+    _prefill_attention_kernel[grid](
+        q, kv_cache[0], kv_cache[1], out, block_tables, query_start_loc, seq_lens,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        scale * math.log2(math.e),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+        BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n,
+        # fp32 storage (tests, debugging) means fp32 products, not TF32's 10-bit mantissa.
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return out
+
+
+def _tile_config(q: torch.Tensor, group_pad: int, max_query_len: int) -> tuple[int, ...]:
+    """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for this launch."""
+    if not q.is_cuda:  # the CPU interpreter: the smallest tiles tl.dot allows run fastest
+        return 16, 16, 4, 1
+    wide = q.element_size() == 2  # fp32 tiles take twice the shared memory
+    block_m, block_n = (128, 64) if wide else (64, 32)
+    # Short queries (decode rows, small chunks) would leave most of a 128-row tile empty.
+    block_m = min(block_m, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
+    num_warps = 8 if block_m >= 128 else 4
+    return block_m, block_n, num_warps, 3 if wide else 2
+
+
+def _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, out):
+    """Raise ValueError / TypeError with what to fix; reads shapes only (no device sync)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must be one layer's [2, num_blocks, block_size, kv_heads, head_dim], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    if q.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise TypeError(f"q must be bf16, fp16 or fp32, got {q.dtype}")
+    if kv_cache.dtype != q.dtype:
+        raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q's {q.dtype}")
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    if cache_head_dim != head_dim:
+        raise ValueError(f"kv_cache head_dim {cache_head_dim} != q's head_dim {head_dim}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
+    if not (MIN_BLOCK_SIZE <= block_size <= MAX_BLOCK_SIZE) or block_size & (block_size - 1):
+        raise ValueError(
+            f"block_size must be a power of two in [{MIN_BLOCK_SIZE}, {MAX_BLOCK_SIZE}], "
+            f"got {block_size}"
+        )
+    if q.stride(2) != 1:
+        raise ValueError("q's head_dim must be contiguous (stride 1)")
+    if not kv_cache.is_contiguous():
+        raise ValueError("kv_cache must be contiguous")
+    _check_metadata(block_tables, query_start_loc, seq_lens, q.device)
+    if not isinstance(max_query_len, int) or max_query_len < 0:
+        raise ValueError(f"max_query_len must be a host int >= 0, got {max_query_len!r}")
+    if out is not None:
+        if out.shape != q.shape or out.dtype != q.dtype or out.stride(2) != 1:
+            raise ValueError(
+                f"out must be {tuple(q.shape)} {q.dtype} with a contiguous head_dim, got "
+                f"{tuple(out.shape)} {out.dtype} strides {out.stride()}"
+            )
+    for name, t in (("kv_cache", kv_cache), ("out", out)):
+        if t is not None and t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def _check_metadata(block_tables, query_start_loc, seq_lens, device) -> None:
+    """The step's metadata: int32, on q's device, consistent batch size."""
+    for name, t, ndim in (
+        ("block_tables", block_tables, 2),
+        ("query_start_loc", query_start_loc, 1),
+        ("seq_lens", seq_lens, 1),
+    ):
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must be int32, got {t.dtype}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must be contiguous in its last dim")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, q on {device}")
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1:
+        raise ValueError(
+            f"query_start_loc needs B + 1 = {num_seqs + 1} entries, got {query_start_loc.shape[0]}"
+        )
+    if block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
+
+
+def paged_prefill_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_query_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_prefill_attention` in plain torch, one sequence at a time, fp32 inside, reading
+    only slots 0..seq_len-1 of each sequence. Syncs the device (reads the metadata)."""
+    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, out)
+    out = torch.empty_like(q) if out is None else out
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group = q.shape[1] // num_kv_heads
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for b, seq_len in enumerate(lens):
+        start, end = starts[b], starts[b + 1]
+        q_len = end - start
+        if not 0 <= q_len <= min(seq_len, max_query_len):
+            raise ValueError(
+                f"sequence {b}: need 0 <= q_len ({q_len}) <= seq_len ({seq_len}) "
+                f"and q_len <= max_query_len ({max_query_len})"
+            )
+        if q_len == 0:
+            continue
+        blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()
+        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float()  # [S, KVH, D]
+        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float()
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [S, H, D]
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # [q_len, S]
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
+    return out

@@ -1,0 +1,151 @@
+"""RMSNorm over token rows, optionally fused with the residual add that precedes it in a Llama
+decoder layer: `rms_norm` (kernel + launcher) and `rms_norm_ref` (the same contract in torch).
+
+Numerics are HF Llama's (ops/layers.RMSNorm): the row is normalized in fp32, cast to the input
+dtype, and only then multiplied by the weight, in that dtype.
+
+In-place contract: with `residual`, the sum `x + residual` (added in fp32, stored in x's dtype)
+is written back INTO `residual`, as vLLM's fused_add_rms_norm does, so the residual stream lives
+in one persistent buffer; the norm of that stored sum goes to `out`. `x` is only read, except
+that `out=x` is allowed (each program loads its whole row before it stores anything). Touches no
+other memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HIDDEN = 32768  # one program holds a whole row in registers
+
+
+@triton.jit
+def _rms_norm_kernel(
+    # pointers
+    x_ptr,  # [T, N]
+    residual_ptr,  # [T, N], overwritten with x + residual (only if HAS_RESIDUAL)
+    weight_ptr,  # [N]
+    out_ptr,  # [T, N]
+    # strides
+    stride_x_token,
+    stride_residual_token,
+    stride_out_token,
+    # meta-parameters
+    eps: tl.constexpr,
+    N: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + token * stride_x_token + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual_row = residual_ptr + token * stride_residual_token + cols
+        summed = x + tl.load(residual_row, mask=mask, other=0.0).to(tl.float32)
+        stored = summed.to(residual_ptr.dtype.element_ty)
+        tl.store(residual_row, stored, mask=mask)
+        # Normalize the sum as stored, as HF normalizes its (rounded) residual stream.
+        x = stored.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    # HF order: cast the normalized row to the storage dtype, then multiply by the weight. A
+    # product of two 16-bit floats is exact in fp32, so one rounding equals torch's bf16 multiply.
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    result = (normed * weight).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_out_token + cols, result, mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x: [T, N] -> out: [T, N] = rmsnorm(x) * weight; with `residual` [T, N], returns
+    `(out, residual)` after `residual <- x + residual` in place and `out = rmsnorm(residual)`.
+
+    `out` (new if None) may be `x`, never `residual`. Rows need unit stride in their last dim;
+    x, weight, residual and out share one dtype (fp16, bf16 or fp32). No host synchronisation.
+    """
+    _check_args(x, weight, residual, out)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    num_tokens, hidden = x.shape
+    if num_tokens > 0:
+        block = triton.next_power_of_2(hidden)
+        has_residual = residual is not None
+        _rms_norm_kernel[(num_tokens,)](
+            x,
+            residual if has_residual else x,
+            weight,
+            out,
+            x.stride(0),
+            residual.stride(0) if has_residual else 0,
+            out.stride(0),
+            eps=float(eps),
+            N=hidden,
+            HAS_RESIDUAL=has_residual,
+            BLOCK=block,
+            num_warps=max(1, min(16, block // 256)),
+        )
+    return out if residual is None else (out, residual)
+
+
+def _check_args(x, weight, residual, out) -> None:
+    if x.dim() != 2:
+        raise ValueError(f"x must be [tokens, hidden], got shape {tuple(x.shape)}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    hidden = x.shape[1]
+    if not 0 < hidden <= MAX_HIDDEN:
+        raise ValueError(f"hidden size must be in 1..{MAX_HIDDEN}, got {hidden}")
+    if weight.shape != (hidden,) or weight.dtype != x.dtype or weight.stride(0) != 1:
+        raise ValueError(
+            f"weight must be a contiguous [{hidden}] {x.dtype} tensor, got shape "
+            f"{tuple(weight.shape)}, {weight.dtype}, stride {weight.stride()}"
+        )
+    named = {"x": x, "weight": weight, "residual": residual, "out": out}
+    for name, t in named.items():
+        if t is None:
+            continue
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device}, x on {x.device}: use one device")
+        if name in ("residual", "out") and (t.shape != x.shape or t.dtype != x.dtype):
+            raise ValueError(
+                f"{name} must match x ({tuple(x.shape)}, {x.dtype}), "
+                f"got {tuple(t.shape)}, {t.dtype}"
+            )
+        if t.stride(-1) != 1:
+            raise ValueError(
+                f"{name} must have unit stride in its last dim, got strides {t.stride()}: "
+                "pass a .contiguous() copy"
+            )
+    if residual is not None and out is not None and out.data_ptr() == residual.data_ptr():
+        raise ValueError("out must not be residual: residual receives x + residual in place")
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`rms_norm` in plain torch (fp32 inside), with the same in-place contract."""
+    if residual is not None:
+        residual.copy_((x.float() + residual.float()).to(residual.dtype))
+        x = residual
+    x32 = x.float()
+    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    result = (normed.float() * weight.float()).to(x.dtype)
+    if out is None:
+        out = result
+    else:
+        out.copy_(result)
+    return out if residual is None else (out, residual)
