@@ -17,7 +17,14 @@ import typing
 
 from taipan.messages.lifecycle import KVCacheManagementMode
 
-__all__ = ["ConfigError", "InferenceConfig", "KVCacheManagementMode", "RuntimePlan", "plan_limits"]
+__all__ = [
+    "ConfigError",
+    "InferenceConfig",
+    "KVCacheManagementMode",
+    "RuntimePlan",
+    "cuda_graph_sizes",
+    "plan_limits",
+]
 
 
 class ConfigError(ValueError):
@@ -112,6 +119,17 @@ class InferenceConfig:
                 f"paused_buffer_size_gb ({paused}) must be in [0, buffer_size_gb "
                 f"({self.buffer_size_gb})]: paused requests hold blocks of the same pool"
             )
+        for name in ("num_cuda_graphs", "cuda_graph_mixed_prefill_count"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"{name} must be >= 0 when set (0 = none), got {value}")
+        mode = self.kv_cache_management_mode
+        if self.static_kv_memory_pointers and mode not in (None, KVCacheManagementMode.PERSIST):
+            raise ConfigError(
+                f"static_kv_memory_pointers=True needs kv_cache_management_mode persist, got "
+                f"{mode}: keeping the KV address while its memory is released needs "
+                "virtual-memory remapping (UVM or torch_memory_saver), which taipan does not have"
+            )
         if self.logging_step_interval < 0:
             raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
         if not 0 <= self.prefix_caching_routing_alpha <= 1:
@@ -199,12 +217,6 @@ NOT_IMPLEMENTED = {
     "mamba_inference_state_config": "hybrid Mamba models are not supported yet",
     "mamba_memory_ratio": "hybrid Mamba models are not supported yet",
     "unified_memory_level": "unified memory is not supported",
-    "num_cuda_graphs": "CUDA graphs are not captured yet",
-    "cuda_graph_mixed_prefill_count": "CUDA graphs are not captured yet",
-    "cuda_graph_sizing_distribution": "CUDA graphs are not captured yet",
-    "use_cuda_graphs_for_non_decode_steps": "CUDA graphs are not captured yet",
-    "cuda_graph_all_prefills": "CUDA graphs are not captured yet",
-    "static_kv_memory_pointers": "suspend/resume is not built yet",
     "pg_collection": "taipan wires its own process groups; a torch ProcessGroupCollection "
     "cannot be passed",
     "use_flashinfer_fused_rope": "flashinfer is not used",
@@ -250,3 +262,76 @@ def plan_limits(config: InferenceConfig) -> tuple[int, int]:
     max_tokens = config.max_tokens or DEFAULT_MAX_TOKENS
     max_requests = config.max_requests or min(DEFAULT_MAX_REQUESTS, max_tokens)
     return max_requests, max_tokens
+
+
+GRAPH_FIELDS = (
+    "num_cuda_graphs",
+    "cuda_graph_mixed_prefill_count",
+    "cuda_graph_sizing_distribution",
+    "use_cuda_graphs_for_non_decode_steps",
+    "cuda_graph_all_prefills",
+)
+
+
+def cuda_graph_sizes(
+    config: InferenceConfig, device: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(decode-only sizes, mixed prefill sizes): the token counts to capture CUDA graphs for,
+    ascending. A step runs the smallest graph that holds it, eagerly above the largest.
+
+    Decode-only graphs hold up to max_requests one-token rows. Mixed graphs (any step, prefill
+    chunks included; `use_cuda_graphs_for_non_decode_steps`) hold up to max_requests tokens, or
+    max_tokens with `cuda_graph_all_prefills`. Sizes are spaced by
+    `cuda_graph_sizing_distribution` (default exponential: halving from the bound down to 1;
+    linear: 1, 2, 4, then steps of 8 to 256 and of 16 above). `num_cuda_graphs` caps the decode
+    sizes and `cuda_graph_mixed_prefill_count` the mixed ones, keeping the largest and spreading
+    the rest evenly; None keeps every size of the distribution, 0 captures none of that kind.
+    `num_cuda_graphs=0` turns CUDA graphs off altogether (eager steps, as vLLM's enforce_eager).
+
+    On a device other than CUDA there are no graphs: every field left at its default gives
+    ((), ()); any field set otherwise (but num_cuda_graphs=0) is a ConfigError naming it.
+    """
+    defaults = {f.name: f.default for f in dataclasses.fields(InferenceConfig)}
+    if not device.startswith("cuda"):
+        for name in GRAPH_FIELDS:
+            value = getattr(config, name)
+            if value != defaults[name] and not (name == "num_cuda_graphs" and value == 0):
+                raise ConfigError(
+                    f"{name}={value!r}: CUDA graphs need a CUDA device, and this runtime runs "
+                    f"on {device!r}; leave it at its default {defaults[name]!r}"
+                )
+        return (), ()
+    if config.num_cuda_graphs == 0:
+        return (), ()
+    max_requests, max_tokens = plan_limits(config)
+    spacing = config.cuda_graph_sizing_distribution or CudaGraphSizingDistribution.EXPONENTIAL
+    decode = _cap(_spaced(max_requests, spacing), config.num_cuda_graphs)
+    mixed: tuple[int, ...] = ()
+    if config.use_cuda_graphs_for_non_decode_steps:
+        bound = max_tokens if config.cuda_graph_all_prefills else max_requests
+        mixed = _cap(_spaced(bound, spacing), config.cuda_graph_mixed_prefill_count)
+    return decode, mixed
+
+
+def _spaced(bound: int, spacing: CudaGraphSizingDistribution) -> list[int]:
+    """Sizes from 1 to `bound` (both included), ascending."""
+    if spacing == CudaGraphSizingDistribution.LINEAR:
+        sizes = {1, 2, 4, *range(8, 256, 8), *range(256, bound + 1, 16), bound}
+        return sorted(x for x in sizes if x <= bound)
+    sizes, n = {bound}, bound
+    while n > 1:
+        n = -(-n // 2)
+        sizes.add(n)
+    return sorted(sizes)
+
+
+def _cap(sizes: list[int], count: int | None) -> tuple[int, ...]:
+    """At most `count` of `sizes` (None: all): the largest, and the rest spread evenly."""
+    if count is None or count >= len(sizes):
+        return tuple(sizes)
+    if count == 0:
+        return ()
+    if count == 1:
+        return (sizes[-1],)
+    step = (len(sizes) - 1) / (count - 1)
+    return tuple(sorted({sizes[round(i * step)] for i in range(count)}))

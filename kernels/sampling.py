@@ -354,7 +354,9 @@ def _sample_kernel(
         scale = _LOG2E / temperature
         min_p = tl.minimum(tl.load(min_p_ptr + row), 1.0)
         top_k = tl.load(top_k_ptr + row)
-        top_p = tl.load(top_p_ptr + row)
+        # top_p = 0 keeps the top token, as any top_p below its probability does; the cut's
+        # invariant M(lo) >= top_p > M(hi) needs top_p > 0 (an empty mass is never >= it).
+        top_p = tl.maximum(tl.load(top_p_ptr + row), 1e-30)
         # Tokens below the floor have probability 0 (the clamp keeps hi - lo finite; rows need a
         # finite max logit).
         floor = tl.maximum(x_max - _SPAN * temperature, -1e38)

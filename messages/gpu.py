@@ -29,7 +29,7 @@ class LoadModel:
     `max_blocks` (more than every admissible request can use would only waste memory).
     `kv_cache_gb` None: the device's default (InferenceConfig.buffer_size_gb says which).
     `max_tokens`, `max_requests` and `max_sequence_length` bound every StepPlan: the worker
-    sizes its persistent step buffers from them once."""
+    sizes its persistent step buffers from them once, and captures its CUDA graphs at load."""
 
     model: str
     dtype: str
@@ -40,6 +40,11 @@ class LoadModel:
     max_tokens: int
     max_requests: int
     max_sequence_length: int
+    # Token counts to capture CUDA graphs for (actors/config.cuda_graph_sizes); () = none.
+    cuda_graph_decode_sizes: tuple[int, ...] = ()
+    cuda_graph_mixed_sizes: tuple[int, ...] = ()
+    # Keep the KV cache at its address for good: suspend then only in persist mode.
+    static_kv_memory_pointers: bool = False
 
 
 @message(121)
@@ -112,6 +117,10 @@ class StepResult:
     token_ids: Array[np.int32, 1]
     error: str | None
     forward_seconds: float
+    # Device time of the step's work (CUDA events around it; on CPU its compute wall time), and
+    # whether it ran from a captured CUDA graph.
+    device_seconds: float = 0.0
+    graphed: bool = False
     log_probs: Array[np.float32, 1] = empty_array_field(np.float32)
     top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
     top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)

@@ -35,6 +35,11 @@ class RankStats:
     evicted_total: int
     tokens_last_step: int
     weight_version: int
+    # Sums over every step since start: device time of the steps' work (GPU idle share between
+    # steps = 1 - its growth / wall time), and how many steps ran from a CUDA graph.
+    device_seconds_total: float = 0.0
+    steps_total: int = 0
+    steps_graphed: int = 0
 
 
 @message(141)

@@ -27,7 +27,7 @@ import sys
 import tempfile
 import threading
 
-from taipan.actors.config import InferenceConfig, plan_limits
+from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits
 from taipan.actors.log import get_logger
 from taipan.auth import new_token, publish_token, remove_token, write_token
 from taipan.models import resolve
@@ -73,6 +73,7 @@ class Runtime:
         self.config = config or InferenceConfig()
         self.num_ranks = num_ranks
         self.dtype, self.device = dtype, device
+        cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse
         self.record_dir = os.path.abspath(record_dir) if record_dir else None
         self.log_level = log_level
         self.tmp = tempfile.mkdtemp(prefix="taipan-")

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from taipan.actors.base import FatalError
 from taipan.actors.channel import make_socket
-from taipan.actors.config import InferenceConfig, plan_limits
+from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits
 from taipan.actors.log import configure, get_logger
 from taipan.auth import read_token_file
 
@@ -125,6 +125,7 @@ async def engine_main(spec: dict, rank: int) -> None:
     )
     config = InferenceConfig.from_dict(spec["config"])
     max_requests, max_tokens = plan_limits(config)
+    decode_graphs, mixed_graphs = cuda_graph_sizes(config, spec["device"])
     load = LoadModel(
         spec["model_path"],
         spec["dtype"],
@@ -135,6 +136,9 @@ async def engine_main(spec: dict, rank: int) -> None:
         max_tokens,
         max_requests,
         config.max_sequence_length,
+        decode_graphs,
+        mixed_graphs,
+        config.static_kv_memory_pointers,
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     try:

@@ -214,8 +214,8 @@ def test_enum_value_not_in_choices_lists_them():
 
 
 def test_enum_option_goes_through_the_not_implemented_check():
-    with pytest.raises(ConfigError, match="cuda_graph_sizing_distribution.*not implemented"):
-        InferenceConfig.from_cli(None, ["cuda_graph_sizing_distribution=linear"])
+    with pytest.raises(ConfigError, match="prefix_caching_eviction_policy.*not implemented"):
+        InferenceConfig.from_cli(None, ["prefix_caching_eviction_policy=lru"])
 
 
 def test_enum_option_parses_to_its_member():

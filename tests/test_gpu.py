@@ -131,10 +131,11 @@ def test_gpu_log_probs_match_hf(model_dir):
         assert all(len(top) == 2 for top in d.top_n_logprobs)
 
 
-@pytest.fixture(scope="module")
-def tiny_pool(model_dir):
+@pytest.fixture(scope="module", params=[None, 0], ids=["graphs", "eager"])
+def tiny_pool(model_dir, request):
     """A runtime on CUDA whose 10-block pool makes every pause evict (paused requests may hold
-    no block)."""
+    no block); with CUDA graphs (the default: decode and mixed graphs up to 32 tokens, so the
+    chunked prefills of up to 64 tokens run both ways) and without (num_cuda_graphs=0)."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -142,6 +143,7 @@ def tiny_pool(model_dir):
         **dict(CONFIG, buffer_size_gb=_blocks_gb(10, 4), max_tokens=64),
         enable_chunked_prefill=True,
         paused_buffer_size_gb=0.0,
+        num_cuda_graphs=request.param,
     )
     with Runtime(model_dir, config, device="cuda") as rt:
         yield rt
@@ -171,6 +173,9 @@ async def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir, ti
     want = _hf_greedy(model_dir, torch.float32, [d.prompt_token_ids for d in done], 24)
     assert [d.token_ids for d in done] == want
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats
+    graphed = tiny_pool.config.num_cuda_graphs != 0
+    assert (stats.steps_graphed > 0) == graphed and stats.steps_graphed < stats.steps_total
+    assert 0 < stats.device_seconds_total
     assert outs["offload"] == want and outs["recompute"] == want
 
 
@@ -202,3 +207,94 @@ def test_gpu_offload_checks_host_memory_then_round_trips_through_pinned_memory(
     assert w._kv_offloaded.is_pinned() and w._kv_offloaded.device.type == "cpu"
     assert w.control(GpuControl("resume", None, None, None)).error is None
     assert w.kv_cache.is_cuda and torch.equal(w.kv_cache, before)
+
+
+def _graph_workers(model_dir, dtype):
+    """The same model loaded twice: eager, and with decode graphs (1, 2, 4, 8) and mixed graphs
+    (8, 32)."""
+    from taipan.actors.gpu.worker import ModelWorker
+    from taipan.messages.gpu import LoadModel
+
+    workers = []
+    for sizes in [((), ()), ((1, 2, 4, 8), (8, 32))]:
+        w = ModelWorker()
+        w.load(LoadModel(model_dir, dtype, "cuda", 16, 64, 0.05, 256, 8, 256, *sizes))
+        workers.append(w)
+    return workers
+
+
+def test_gpu_graph_steps_equal_eager_steps(model_dir):
+    """Prefills (eager: above the largest mixed graph, or in a mixed graph), decode steps at
+    batch 1 to 5 (padded decode graphs), a mixed step (decode rows + a prefill chunk in a mixed
+    graph): tokens equal and log-probs within 1e-4 in fp32."""
+    import numpy as np
+    import torch
+
+    from tests.test_ops_logprobs import Seq, make_plan
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eager, graphed = _graph_workers(model_dir, "float32")
+    assert graphed.graphs.captured and eager.graphs is None
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 250, n).tolist() for n in (40, 7, 19, 3, 12)]
+    blocks = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
+    ctx = [0] * len(prompts)
+    last = [0] * len(prompts)
+    step = 0
+
+    def run(seqs, want_graphed):
+        nonlocal step
+        step += 1
+        plan = make_plan(step, seqs)
+        a, b = eager.step(plan), graphed.step(plan)
+        assert a.error is None and b.error is None
+        assert b.graphed == want_graphed and not a.graphed
+        assert np.array_equal(a.token_ids, b.token_ids), (step, a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-4)
+        return a.token_ids
+
+    # Prompt 0 alone (40 tokens: eager), then prompts 1-2 (26 tokens: the 32-token mixed graph).
+    for group, want in [([0], False), ([1, 2], True)]:
+        seqs = [Seq(prompts[i], 0, blocks[i], logprobs=True) for i in group]
+        for i, t in zip(group, run(seqs, want), strict=True):
+            ctx[i], last[i] = len(prompts[i]), int(t)
+    active = [0, 1, 2]
+    for _ in range(4):  # decode at batch 3: the 4-row decode graph
+        seqs = [Seq([last[i]], ctx[i], blocks[i], logprobs=True) for i in active]
+        for i, t in zip(active, run(seqs, True), strict=True):
+            ctx[i], last[i] = ctx[i] + 1, int(t)
+    # Mixed: three decode rows and prompts 3-4 (3 + 15 = 18 tokens: the 32-token mixed graph).
+    seqs = [Seq([last[i]], ctx[i], blocks[i], logprobs=True) for i in active]
+    seqs += [Seq(prompts[i], 0, blocks[i], logprobs=True) for i in (3, 4)]
+    for i, t in zip(active + [3, 4], run(seqs, True), strict=True):
+        ctx[i] += 1 if i in active else len(prompts[i])
+        last[i] = int(t)
+    active = [0, 1, 2, 3, 4]
+    for _ in range(4):  # batch 5: the 8-row decode graph
+        seqs = [Seq([last[i]], ctx[i], blocks[i], logprobs=True) for i in active]
+        for i, t in zip(active, run(seqs, True), strict=True):
+            ctx[i], last[i] = ctx[i] + 1, int(t)
+    # Prompt log-probs read every hidden state: eager even where a graph would hold the step.
+    run([Seq([last[0]], ctx[0], blocks[0], targets=[5])], False)
+
+
+def test_gpu_graphs_survive_persist_and_are_captured_again_when_the_kv_moves(model_dir):
+    from taipan.messages.gpu import GpuControl
+
+    _, w = _graph_workers(model_dir, "bfloat16")
+
+    def control(command, mode=None):
+        reply = w.control(GpuControl(command, mode, None, None))
+        assert reply.error is None, reply.error
+
+    kv, graphs = w.kv_cache, dict(w.graphs._graphs)
+    control("suspend", "persist")
+    control("resume")
+    assert w.kv_cache is kv and w.graphs._graphs == graphs  # the very graphs, not recaptured
+    for mode in ("offload", "recompute"):
+        control("suspend", mode)
+        assert not w.graphs.captured  # released with the KV cache
+        control("resume")
+        assert w.graphs.captured and all(
+            w.graphs._graphs[b] is not graphs[b] for b in graphs
+        )  # captured again, against the new KV address

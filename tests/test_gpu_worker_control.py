@@ -14,6 +14,7 @@ every control, even a failing one, into a GpuControlReply.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import numpy as np
@@ -316,3 +317,21 @@ async def test_actor_answers_every_control_with_a_reply(monkeypatch):
     assert isinstance(first, GpuControlReply) and "no model is loaded" in first.error
     assert isinstance(second, GpuControlReply) and second.command == "suspend"
     assert second.error == "RuntimeError: device lost" and second.weight_version == 0
+
+
+def test_static_kv_pointers_refuse_every_suspend_but_persist(model_dir):
+    w = ModelWorker()
+    load = LoadModel(model_dir, "float32", "cpu", BLOCK_SIZE, 8, 1.0, 256, 8, 128)
+    w.load(dataclasses.replace(load, static_kv_memory_pointers=True))
+    for mode in ("offload", "recompute"):
+        reply = control(w, "suspend", mode)
+        assert "static_kv_memory_pointers" in reply.error and w.suspend_mode is None
+    kv = w.kv_cache
+    assert control(w, "suspend", "persist").error is None
+    assert control(w, "resume").error is None and w.kv_cache is kv
+
+
+def test_cuda_graph_sizes_on_cpu_fail_the_load(model_dir):
+    load = LoadModel(model_dir, "float32", "cpu", BLOCK_SIZE, 8, 1.0, 256, 8, 128, (1, 2))
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
+        ModelWorker().load(load)

@@ -70,6 +70,54 @@ def _assert_kernel_matches_ref(logits, params, keys, **kw):
     assert torch.equal(got, want), (got.tolist(), want.tolist(), params)
 
 
+def _rounding_explains(row, p, key, got: int, want: int) -> str:
+    """Why `got` may stand for `want` under rounding, or "" if nothing explains it: both in the
+    ref's float64 kept set with race values within 1e-4, or `got` on the top-p edge (the mass
+    ranked above it within 1e-4 of top_p)."""
+    temp = float(p["temperature"])
+    if temp < 1e-5:
+        return ""
+    s = row.double() / temp
+    order = s.argsort(descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    e = torch.exp(s - s.max())
+    k = int(p["top_k"])
+    kept = (rank < (k if 0 < k < len(s) else len(s))) & (e >= float(p["min_p"]))
+    mass = torch.where(kept, e, 0.0)
+    above = (mass[order].cumsum(0) - mass[order])[rank] / mass.sum()  # mass ranked above each
+    noise = exponential_noise(key[None], len(s))[0].double()
+    race = e / noise
+    top_p = float(p["top_p"])
+    if top_p < 1.0 and abs(float(above[got]) - top_p) < 1e-4:
+        return f"top-p edge (mass above {float(above[got]):.6f} vs top_p {top_p:.6f})"
+    if kept[got] and abs(float(race[got] / race[want]) - 1) < 1e-4:
+        return f"race near-tie ({float(race[got]):.8g} vs {float(race[want]):.8g})"
+    return ""
+
+
+def _diagnose(row, p, key, tokens: dict[str, int]) -> dict:
+    """What the ref's float64 view says of each token: rank, e, noise, race value, mass above."""
+    temp = float(p["temperature"])
+    s = row.double() / max(temp, 1e-5)
+    order = s.argsort(descending=True, stable=True)
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(len(order), device=order.device)
+    e = torch.exp(s - s.max())
+    above = (e[order].cumsum(0) - e[order])[rank] / e.sum()
+    noise = exponential_noise(key[None], len(s))[0].double()
+    return {
+        name: dict(
+            rank=int(rank[t]),
+            e=float(e[t]),
+            noise=float(noise[t]),
+            race=float(e[t] / noise[t]),
+            above=float(above[t]),
+        )  # fmt: skip
+        for name, t in tokens.items()
+    }
+
+
 # ---- the pre-kernel ops.sampling, frozen (commit 81761fd) -----------------------------------
 
 _M32 = 0xFFFFFFFF
@@ -235,6 +283,17 @@ def test_kernel_equals_ref_at_extreme_temperatures():
         logits = torch.randn(4, 300, generator=g) * 4
         params = _params(4, temperature, [0, 20, 0, 20], [0.9, 0.5, 0.8, 0.3], [0.0, 0.1, 0.0, 0.5])
         _assert_kernel_matches_ref(logits, params, _keys(4, g))
+
+
+def test_top_p_zero_keeps_only_the_top_token():
+    """top_p = 0: every token but the top one has mass ranked above it >= 0, so it goes."""
+    batch, vocab = 4, 300
+    logits = torch.randn(batch, vocab, generator=_gen(5)) * 4
+    params = _params(batch, [0.5, 1.0, 1.5, 3.0], 0, 0.0)
+    keys = row_keys(torch.arange(batch), torch.zeros(batch, dtype=torch.int32))
+    got = sample(logits, **params, keys=keys, block=BLOCK)
+    assert torch.equal(got, logits.argmax(dim=-1))
+    _assert_kernel_matches_ref(logits, params, keys)
 
 
 def test_searches_end_in_a_few_passes(monkeypatch):
@@ -421,7 +480,16 @@ def test_gpu_large_vocab_matches_ref_and_times():
         got = sample(logits, **params, keys=keys)
         want = sample_ref(logits, **params, keys=keys)
         bad = (got != want).nonzero().flatten().tolist()
-        assert not bad, [(r, {k: v[r].item() for k, v in params.items()}) for r in bad]
+        # GPU exp2/log round differently from torch's exp/log (the module docstring): a row may
+        # differ only where the ref itself is within rounding of a decision.
+        assert len(bad) <= batch // 50, bad
+        for r in bad:
+            why = _rounding_explains(logits[r], {k: v[r] for k, v in params.items()}, keys[r],
+                                     int(got[r]), int(want[r]))  # fmt: skip
+            p = {k: v[r] for k, v in params.items()}
+            seen = _diagnose(logits[r], p, keys[r], {"got": int(got[r]), "want": int(want[r])})
+            assert why, (r, {k: v.item() for k, v in p.items()}, seen)
+            print(f"row {r}: kernel {int(got[r])} vs ref {int(want[r])}: {why}")
         tokens = got.flip(0)
         err = (log_prob_gather(logits, tokens) - log_prob_gather_ref(logits, tokens)).abs().max()
         assert err < 1e-4, err

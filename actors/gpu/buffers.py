@@ -138,6 +138,12 @@ class StepBuffers:
             self._copied[k] = event
         else:
             self.device_bytes.copy_(self._staging[k])
+        return self.views(num_tokens=num_tokens, num_seqs=num_seqs)
+
+    def views(self, *, num_tokens: int, num_seqs: int) -> dict[str, torch.Tensor]:
+        """Device views of every field at these sizes, without copying anything: what a CUDA
+        graph records, and what the step that replays it reads back."""
+        rows = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1}
         return {name: self._views[name][: rows[f.axis]] for name, f in self.fields.items()}
 
 

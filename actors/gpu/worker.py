@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from taipan.actors.gpu.buffers import StepBuffers
+from taipan.actors.gpu.graphs import Bucket, StepGraphs
 from taipan.messages.gpu import (
     GpuCommand,
     GpuControl,
@@ -111,6 +112,10 @@ class ModelWorker:
         self.kv_budget_source = ""  # how the KV cache size was chosen (for the start-up log)
         self._kv_shape: tuple[int, ...] = ()
         self._kv_offloaded: torch.Tensor | None = None  # the KV contents while offloaded
+        self.graphs: StepGraphs | None = None  # None: every step eager
+        self.static_kv = False  # static_kv_memory_pointers: only persist mode may suspend
+        self._logits: torch.Tensor | None = None  # [max_requests, V] fp32, the graphs' output
+        self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
 
     def load(self, msg: LoadModel) -> ModelLoaded:
         if msg.dtype not in DTYPES:
@@ -139,6 +144,17 @@ class ModelWorker:
         self.model, self.config, self.dtype = model, config, dtype
         self.weight_version, self.suspend_mode = 0, None
         self._kv_shape, self._kv_offloaded = tuple(self.kv_cache.shape), None
+        self.static_kv = msg.static_kv_memory_pointers
+        self.graphs = None
+        sizes = msg.cuda_graph_decode_sizes, msg.cuda_graph_mixed_sizes
+        if any(sizes):
+            if self.device.type != "cuda":
+                raise ValueError(f"CUDA graphs need a CUDA device, not {self.device}")
+            self.graphs = StepGraphs(*sizes, max_requests=msg.max_requests)
+            self._logits = torch.empty(
+                msg.max_requests, config.vocab_size, dtype=torch.float32, device=self.device
+            )
+            self._capture()
         return ModelLoaded(
             model=msg.model,
             num_blocks=num_blocks,
@@ -163,19 +179,51 @@ class ModelWorker:
         token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
         if self.suspend_mode is not None:
             return StepResult(plan.step, token_ids, "the gpu worker is suspended", 0.0)
-        inputs = self.buffers.load(_plan_arrays(plan))  # one host-to-device copy
-        hidden = self._forward(plan, inputs)  # [T, H]
-        # Logits for every sequence's last token (rows that do not sample are ignored): their
-        # positions come from the device's query starts, so nothing travels for them.
-        last = inputs["query_start_loc"][1:].long() - 1
-        logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
+        on_cuda = self.device.type == "cuda"
+        if on_cuda:
+            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            began.record()
+        num_seqs = len(plan.seq_lens)
+        query_lens = np.diff(plan.query_start_loc)
+        bucket = None
+        if self.graphs is not None and not (plan.prompt_targets >= 0).any():
+            all_decode = bool((query_lens == 1).all())
+            bucket = self.graphs.pick(len(plan.input_ids), num_seqs, all_decode)
+        arrays = _plan_arrays(plan)
+        if bucket is not None:
+            self.buffers.load(arrays, num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+            self.graphs.replay(bucket)
+            inputs = self.buffers.views(num_tokens=len(plan.input_ids), num_seqs=num_seqs)
+            logits, hidden = self._logits[:num_seqs], None
+        else:
+            inputs = self.buffers.load(arrays)  # one host-to-device copy
+            hidden = self._forward(plan, inputs)  # [T, H]
+            # Logits for every sequence's last token (rows that do not sample are ignored):
+            # their positions come from the device's query starts, so nothing travels for them.
+            last = inputs["query_start_loc"][1:].long() - 1
+            logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
         tokens = self._sample(plan, inputs, logits)  # [B]
         rows = np.flatnonzero(plan.sample)
         token_ids[rows] = tokens.cpu().numpy()[rows]
         n = int(plan.top_n.max(initial=0))
         extra = self._log_probs(plan, rows, logits, tokens, n)
-        extra.update(self._prompt_log_probs(plan, hidden, n))
-        return StepResult(plan.step, token_ids, None, time.perf_counter() - start, **extra)
+        if hidden is not None:
+            extra.update(self._prompt_log_probs(plan, hidden, n))
+        elapsed = time.perf_counter() - start
+        device_seconds = elapsed
+        if on_cuda:
+            ended.record()
+            ended.synchronize()
+            device_seconds = began.elapsed_time(ended) / 1e3
+        return StepResult(
+            plan.step,
+            token_ids,
+            None,
+            elapsed,
+            device_seconds=device_seconds,
+            graphed=bucket is not None,
+            **extra,
+        )
 
     def _forward(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         attn = AttentionMetadata(
@@ -193,6 +241,40 @@ class ModelWorker:
             return logits.argmax(dim=-1)  # all greedy: skip the filters and the noise
         names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
         return sample(logits, **{name: inputs[name] for name in names})
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+
+    def _graph_body(self, bucket: Bucket) -> None:
+        """What a graph records: the forward over the buffers at the bucket's size, and the
+        logits of each sequence's last token into the static logits buffer."""
+        inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+        attn = AttentionMetadata(
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            slot_mapping=inputs["slot_mapping"],
+            num_decodes=bucket.seqs if bucket.decode else 0,
+            max_query_len=1 if bucket.decode else bucket.tokens,
+        )
+        hidden = self.model(inputs["input_ids"], inputs["positions"], attn, self.kv_cache)
+        # Padding rows repeat the last query start: they read a real row (or row 0).
+        last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
+        self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
+
+    def _neutral_step(self, bucket: Bucket) -> None:
+        """Fill the step buffers with an empty step padded to the bucket: no sequence attends
+        anything or writes a slot (what the captures run on)."""
+        empty = {
+            name: np.zeros((0, f.width) if f.width else 0, dtype=f.dtype)
+            for name, f in self.buffers.fields.items()
+        }
+        self.buffers.load(empty, num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        start = time.perf_counter()
+        self.graphs.capture(self._graph_body, self._neutral_step)
+        self.graph_capture_seconds = time.perf_counter() - start
 
     def _log_probs(
         self,
@@ -282,11 +364,18 @@ class ModelWorker:
             )
         if msg.mode is None:
             raise ControlError(f"suspend needs a mode ({', '.join(Mode)})")
+        if self.static_kv and msg.mode != Mode.PERSIST:
+            raise ControlError(
+                f"cannot suspend in mode {msg.mode}: static_kv_memory_pointers keeps the KV "
+                "cache at its address, which only persist mode can do here"
+            )
         on_device = self.device.type != "cpu"  # on a CPU device the KV already is host memory
         if msg.mode == Mode.OFFLOAD and on_device:
             self._kv_offloaded = self._copy_to_host()
         if msg.mode == Mode.RECOMPUTE or (msg.mode == Mode.OFFLOAD and on_device):
             self.kv_cache = None
+            if self.graphs is not None:
+                self.graphs.release()  # they hold the old KV address and their own memory
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the memory back for others (e.g. training)
         self.suspend_mode = msg.mode
@@ -314,6 +403,8 @@ class ModelWorker:
                 kv.copy_(self._kv_offloaded)
             self.kv_cache, self._kv_offloaded = kv, None
         self.suspend_mode = None
+        if self.graphs is not None and not self.graphs.captured:
+            self._capture()  # the KV cache moved: capture against its new address
         return mode != Mode.RECOMPUTE
 
     def _update_weights(self, msg: GpuControl) -> bool:

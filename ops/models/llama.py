@@ -122,10 +122,13 @@ class LlamaForCausalLM(nn.Module):
             self._rope_caches[device] = cache
         return cache
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits: [N, vocab] float32."""
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """hidden: [N, hidden] -> logits: [N, vocab] float32 (written into `out` when given:
+        the product in the weights' dtype, converted as it is copied)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if out is None:
+            return F.linear(hidden, weight).float()
+        return out.copy_(F.linear(hidden, weight))
 
 
 def allocate_kv_cache(
