@@ -2,7 +2,7 @@
 
 Owns: socket creation (bind/connect, options), framing of routed sockets, recording of every
 inbound and outbound message, and noticing peers that are gone. Actors only see `Envelope`s and
-call `send(msg, to=...)`.
+call `send(msg, to=...)` (or `send_frames` to relay a message encoded elsewhere).
 
 Peer watch (`watch_peers=True`, routed sockets only): when a peer's connection closes (its
 process exited: the kernel closes the socket at once; or its host went silent: ZMQ's own
@@ -114,7 +114,11 @@ class Channel:
             self._monitor_now = zmq.Socket.shadow(monitor.underlying)
 
     async def send(self, msg, to: bytes | None = None) -> None:
-        frames = encode(msg)
+        await self.send_frames(encode(msg), to)
+
+    async def send_frames(self, frames: list, to: bytes | None = None) -> None:
+        """Send a message already encoded: `encode(msg)`, or a frame relayed unread (see
+        `replace_first_field` in messages/codec.py). Recorded like any other send."""
         if self.recorder is not None:
             self.recorder.write("out", self.name, to, frames, time.time())
         if self.routed:

@@ -5,7 +5,8 @@ host sync and no data-dependent grid (CUDA-graph safe).
 
 Owns the kernel, its launcher `sample`, the plain-torch `sample_ref` (ops/sampling.py's original
 sort-based algorithm plus min-p), and the noise both draw: `row_keys` and `exponential_noise`,
-ops/sampling.py's original formulas bit for bit (seeded draws did not change). Imports nothing
+ops/sampling.py's original formulas bit for bit but for the uniform's width (23 bits, not 24:
+see `exponential_noise`), which changed seeded draws once (2026-11-23). Imports nothing
 from ops. Does not own log-probs (kernels/logprobs.py) or how parameters reach the device.
 
 Semantics, per row (`sample_ref` is the definition; the kernel reproduces it):
@@ -81,7 +82,9 @@ def exponential_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:
     token = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     h = _mix32((keys[:, None] + token[None, :] * 0x9E3779B1) & _MASK32)
     h = _mix32(h ^ keys[:, None])
-    u = ((h >> 8).float() + 0.5) * (1.0 / 2**24)  # 24 random bits -> (0, 1), exact in fp32
+    # 23 random bits -> u in [2^-24, 1 - 2^-24], exact in fp32 (24 bits would round the top
+    # value, 1 - 2^-25, to 1.0: a noise of 0 that wins any race it enters, 1 token in 2^24).
+    u = ((h >> 9).float() + 0.5) * (1.0 / 2**23)
     return -torch.log(u)
 
 
@@ -101,7 +104,7 @@ def _noise_tl(key, offs):
         h = h ^ (h >> 16)
         if r == 0:
             h = h ^ key
-    u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
     return -tl.log(u)
 
 

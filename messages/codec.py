@@ -16,6 +16,10 @@ is not a member is a `MessageError` naming the choices. Array fields declare the
 with `Array[dtype, ndim]` (ndim None: any rank; dtype a tuple: any of them): decode checks both,
 so consumers neither re-check nor trust; encode checks them too, so a sender's bug surfaces at
 the sender.
+
+Relaying without decoding: `encode_frame` encodes a message as one frame (arrays inline), so it
+can travel as a `bytes` field of another message; `replace_first_field` gives such a frame a new
+first field (an id) after checking its tag, version and field count, copying the rest unread.
 """
 
 from __future__ import annotations
@@ -315,7 +319,8 @@ def _array_fields(cls) -> list[tuple[str, Callable[[Any], Any]]]:
     return fields
 
 
-def _to_wire(v, extra: list):
+def _to_wire(v, extra: list | None):
+    """`v` as msgpack values; large arrays go to `extra` frames (None: every array inline)."""
     if isinstance(v, enum.Enum):
         return v.value
     if isinstance(v, np.ndarray):
@@ -323,7 +328,7 @@ def _to_wire(v, extra: list):
             raise TypeError(f"dtype {v.dtype} cannot travel")
         # The wire is little-endian and keeps 0-d shapes (ascontiguousarray makes them 1-d).
         arr = np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("<")).reshape(v.shape)
-        if arr.nbytes > INLINE_ARRAY_BYTES:
+        if extra is not None and arr.nbytes > INLINE_ARRAY_BYTES:
             extra.append(memoryview(arr).cast("B"))
             body = msgpack.packb([arr.dtype.name, list(arr.shape), len(extra)])
             return msgpack.ExtType(EXT_ARRAY_FRAME, body)
@@ -344,6 +349,19 @@ def _to_wire(v, extra: list):
 
 def encode(msg) -> list:
     """Message -> frames (bytes or memoryviews). Raises TypeError for an unregistered object."""
+    extra: list = []
+    head = _encode_head(msg, extra)
+    return [head, *extra]
+
+
+def encode_frame(msg) -> bytes:
+    """Message -> exactly one frame, every array inline however large: a message that travels
+    inside another one's `bytes` field (e.g. StepOutputs) and is relayed as is. `decode([frame])`
+    reads it back."""
+    return _encode_head(msg, None)
+
+
+def _encode_head(msg, extra: list | None) -> bytes:
     cls = type(msg)
     if _REGISTRY.get(getattr(cls, "TAG", None)) is not cls:
         raise TypeError(f"{cls.__name__} is not a registered message")
@@ -352,10 +370,39 @@ def encode(msg) -> list:
             check(getattr(msg, name))
         except MessageError as e:
             raise TypeError(f"{cls.__name__}.{name}: {e}") from None
-    extra: list = []
     fields = [_to_wire(getattr(msg, f.name), extra) for f in dataclasses.fields(msg)]
-    head = msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
-    return [head, *extra]
+    return msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
+
+
+def replace_first_field(frame: bytes, cls: type, value: int, peek: int = 1) -> tuple[bytes, list]:
+    """Relay a one-frame `cls` message with its first field replaced by the int `value`, without
+    decoding it: returns (the new frame, its first `peek` fields as they were). The peeked
+    values are plain msgpack (an array stays an unread ExtType: the caller checks their types);
+    every byte after them is copied unread, so only the final receiver validates those fields.
+    MessageError if `frame` is not msgpack or not a `cls` message (tag, version, field count)."""
+    name = cls.__name__
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=True, max_buffer_size=MAX_FRAME_BYTES)
+    try:
+        unpacker.feed(frame)
+        count = unpacker.read_array_header()
+        tag, version = unpacker.unpack(), unpacker.unpack()
+        start = unpacker.tell()
+        peeked = [unpacker.unpack()]
+        end = unpacker.tell()
+        peeked += [unpacker.unpack() for _ in range(peek - 1)]
+    except Exception as e:  # as in decode: whatever msgpack raises means "not this message"
+        raise MessageError(
+            f"not a one-frame {name}: {type(e).__name__}: {e}", "bad_msgpack"
+        ) from None
+    arity = 2 + len(dataclasses.fields(cls))
+    if tag != cls.TAG or type(version) is not int or version != cls.VERSION or count != arity:
+        raise MessageError(
+            f"not a one-frame {name}: tag {tag!r}, version {version!r}, {count} items "
+            f"(expected {cls.TAG}, {cls.VERSION}, {arity})",
+            "bad_envelope",
+        )
+    relabelled = b"".join((frame[:start], msgpack.packb(value), frame[end:]))
+    return relabelled, peeked
 
 
 # --- decoding --------------------------------------------------------------------------------

@@ -3,16 +3,29 @@
 Ids: a client numbers its own requests (`SubmitRequest.request_id`, unique per client
 connection); the coordinator maps (client, id) to a global id that engines see. Every accepted
 request ends with exactly one `RequestOutput` whose `finished` is true.
+
+Outputs travel engine -> coordinator in one `StepOutputs` per step, each RequestOutput already
+encoded; the coordinator relays each to its client as that client's RequestOutput, changing only
+the id and decoding nothing else.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Sequence
 
 import numpy as np
 
-from taipan.messages.codec import Array, message, struct
+from taipan.messages.codec import (
+    Array,
+    MessageError,
+    decode,
+    encode_frame,
+    message,
+    replace_first_field,
+    struct,
+)
 
 MAX_TOP_N = 20
 
@@ -206,3 +219,61 @@ class ModelInfo:
     num_ranks: int
     kv_cache_tokens: int
     kv_cache_bytes: int
+
+
+@message(26)
+class StepOutputs:
+    """Engine -> coordinator: every RequestOutput of one step in one message (also those of
+    requests that ended without running in it), or of one event that ended requests between
+    steps (an abort, a refused submission, a shutdown).
+
+    Entry i: `request_ids[i]` (global id) and `finished[i]` are all the coordinator reads, to
+    route and to forget a finished route; `outputs[i]` is that request's RequestOutput, encoded
+    by the engine as one frame (`encode_frame`), which the coordinator relays to the owning
+    client under the client's id (`relayed`) without decoding it. Build one with `of`.
+    """
+
+    request_ids: Array[np.int64, 1]
+    finished: Array[np.bool_, 1]
+    outputs: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, outputs: Sequence[RequestOutput]) -> StepOutputs:
+        return cls(
+            np.array([o.request_id for o in outputs], dtype=np.int64),
+            np.array([o.finished for o in outputs], dtype=np.bool_),
+            tuple(encode_frame(o) for o in outputs),
+        )
+
+    def problem(self) -> str | None:
+        """What makes the entries unusable as a whole, or None."""
+        n, f, o = len(self.request_ids), len(self.finished), len(self.outputs)
+        if not n == f == o:
+            return f"StepOutputs: {n} request_ids, {f} finished flags and {o} outputs differ"
+        return None
+
+    def relayed(self, i: int, client_request_id: int) -> bytes:
+        """Entry i as its client gets it: the engine's RequestOutput frame, renumbered. Raises
+        MessageError if that frame is not a RequestOutput for request_ids[i] and finished[i]."""
+        frame, (rid, _, finished) = replace_first_field(
+            self.outputs[i], RequestOutput, client_request_id, peek=3
+        )
+        want_id, want_finished = int(self.request_ids[i]), bool(self.finished[i])
+        if type(rid) is not int or rid != want_id or finished is not want_finished:
+            raise MessageError(
+                f"StepOutputs entry {i}: a RequestOutput of request {rid!r} (finished "
+                f"{finished!r}) filed under request {want_id} (finished {want_finished})",
+                "bad_field",
+            )
+        return frame
+
+    def decoded(self) -> list[RequestOutput]:
+        """Every output, decoded (replay and tests; the coordinator never needs it). Raises
+        MessageError for a frame that is not a RequestOutput."""
+        out = []
+        for i, frame in enumerate(self.outputs):
+            msg = decode([frame])
+            if not isinstance(msg, RequestOutput):
+                raise MessageError(f"StepOutputs entry {i} is a {type(msg).__name__}", "bad_field")
+            out.append(msg)
+        return out

@@ -1,5 +1,12 @@
-"""The torch side of `taipan bench` (runtime/bench.py): Hugging Face transformers' `generate`
-on the same token ids, and the measured hardware limit. Test/bench code, never the serving path.
+"""The torch side of `taipan bench` (runtime/bench.py): Hugging Face transformers on the same
+model, token ids and precision, in each of its timed modes, and the measured hardware the floors
+come from. Test/bench code, never the serving path.
+
+HF modes: `generate` with its default (dynamic) cache, `generate` with a static cache, which
+transformers compiles by itself on CUDA (`torch.compile`, mode "reduce-overhead": its fastest
+decode), `generate` on static left-padded batches (offline), and continuous batching (the
+manager `generate_batch` runs, driven directly so each request gets its own output length).
+On both sides EOS neither stops a request nor is masked (`never_stop_at_eos`).
 """
 
 from __future__ import annotations
@@ -9,56 +16,321 @@ import time
 
 import torch
 
+from taipan.ops.loader import (
+    RANDOM_PREFIX,
+    hf_name_to_ours,
+    load_model,
+    random_config,
+    random_state,
+)
+from taipan.ops.models.llama import LlamaForCausalLM, kv_cache_bytes_per_block
+
+GIB = 1 << 30
+
+
+def _sync(device) -> None:
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize(torch.device(device))
+
+
+def gpu_name(device: str) -> str | None:
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None
+
+
+# ---- the Hugging Face model ------------------------------------------------------------------
+
+
+def _import_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise RuntimeError("the HF side needs transformers: pip install -e '.[dev]'") from None
+    return transformers
+
+
+def load_hf(model_path: str, dtype: torch.dtype, device: str):
+    """transformers' LlamaForCausalLM for a GGUF file, an HF directory or `random:<shape>`
+    (`hf_random_llama`: our random weights), in eval mode, never stopping at EOS."""
+    transformers = _import_transformers()
+    if model_path.startswith(RANDOM_PREFIX):
+        model = hf_random_llama(model_path, dtype, device)
+    elif model_path.endswith(".gguf"):
+        d, f = os.path.split(model_path)
+        model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
+    else:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    model = model.to(device).eval()
+    never_stop_at_eos(model)
+    return model
+
+
+def hf_random_llama(spec: str, dtype: torch.dtype, device: str):
+    """transformers' LlamaForCausalLM holding exactly the weights `load_model(spec)` gives ours
+    (ops/loader.py `random_state`, same seed and device), un-fused into q/k/v and gate/up views.
+    Built on the meta device, then the tensors are adopted; the rotary buffers are rebuilt in
+    fp32 (a meta-built model has none, and `.to(bf16)` would round them)."""
+    transformers = _import_transformers()
+    config = random_config(spec)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_layers,
+        num_attention_heads=config.num_heads,
+        num_key_value_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
+        max_position_embeddings=config.max_position_embeddings,
+        tie_word_embeddings=config.tie_word_embeddings,
+        bos_token_id=None,
+        eos_token_id=config.eos_token_ids[0],
+        pad_token_id=None,
+        dtype=dtype,  # as from_pretrained(dtype=...) records it
+    )
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(hf_config)
+    ours = random_state(config, dtype, device)
+    state = {}
+    for name in model.state_dict():
+        ours_name, rows = hf_name_to_ours(name, config)
+        state[name] = ours[ours_name][rows]  # a view: no copy of the weights
+    model.load_state_dict(state, strict=True, assign=True)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"HF model still has meta tensors after loading: {left[:5]}")
+    return model.eval()
+
+
+def never_stop_at_eos(model) -> None:
+    """EOS as ours treats it (SamplingParams(ignore_eos=True)): never a stop, never masked, so an
+    EOS argmax is emitted and decoding goes on. `min_new_tokens` would mask the EOS logit
+    (MinNewTokensLengthLogitsProcessor) and pick another token. `generate` fills unset options
+    from `model.generation_config` (the checkpoint's eos_token_id lives there); with
+    eos_token_id None, transformers 5.23's `_get_stopping_criteria` adds no EosTokenCriteria,
+    `_get_logits_processor` no MinLength/MinNewTokens processor, and `_sample` never swaps in
+    pad for finished rows: the one stop left is MaxLengthCriteria at width + max_new_tokens."""
+    gen = model.generation_config
+    gen.eos_token_id = gen.forced_eos_token_id = None
+    gen.min_length = gen.min_new_tokens = None
+
+
+def _pad_id(model) -> int:
+    eos = model.config.eos_token_id
+    return eos if isinstance(eos, int) else 0
+
+
+def _left_padded(model, prompt_ids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask), every prompt left-padded to the longest and masked out (HF
+    derives position ids from the mask, so positions match ours)."""
+    width = max(len(p) for p in prompt_ids)
+    pad = _pad_id(model)
+    ids = [[pad] * (width - len(p)) + list(p) for p in prompt_ids]
+    mask = [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids]
+    return (
+        torch.tensor(ids, device=model.device),
+        torch.tensor(mask, device=model.device),
+    )
+
+
+def _generate(model, prompt_ids: list[list[int]], max_new_tokens: int, **kw) -> torch.Tensor:
+    ids, mask = _left_padded(model, prompt_ids)
+    out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=_pad_id(model),
+        **kw,
+    )
+    if out.shape != (len(prompt_ids), ids.shape[1] + max_new_tokens):
+        raise RuntimeError(
+            f"HF returned {tuple(out.shape)}, not {len(prompt_ids)} x "
+            f"{ids.shape[1]}+{max_new_tokens}"
+        )
+    return out[:, ids.shape[1] :]
+
 
 def hf_generate(
     args, model_path: str, prompt_ids: list[list[int]]
 ) -> tuple[float, list[list[int]]]:
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError:
-        raise RuntimeError("the HF side needs transformers: pip install -e '.[dev]'") from None
-    dtype = getattr(torch, args.dtype)
-    if model_path.endswith(".gguf"):
-        d, f = os.path.split(model_path)
-        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    model = model.to(args.device).eval()
-    width = max(len(p) for p in prompt_ids)
-    # One static batch: every prompt is left-padded to the longest one and masked out with the
-    # attention mask (HF derives position ids from the mask, so positions match ours).
-    pad = model.config.eos_token_id if isinstance(model.config.eos_token_id, int) else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids], device=args.device)
-    mask = torch.tensor(
-        [[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=args.device
-    )
-    # EOS as ours treats it (SamplingParams(ignore_eos=True)): never a stop, never masked, so an
-    # EOS argmax is emitted and decoding goes on. `min_new_tokens` would mask the EOS logit
-    # (MinNewTokensLengthLogitsProcessor) and pick another token. `generate` fills unset options
-    # from `model.generation_config` (the checkpoint's eos_token_id lives there); with
-    # eos_token_id None, transformers 5.23's `_get_stopping_criteria` adds no EosTokenCriteria,
-    # `_get_logits_processor` no MinLength/MinNewTokens processor, and `_sample` never swaps in
-    # pad for finished rows: the one stop left is MaxLengthCriteria at width + output_len.
-    gen = model.generation_config
-    gen.eos_token_id = gen.forced_eos_token_id = None
-    gen.min_length = gen.min_new_tokens = None
-    kw = dict(max_new_tokens=args.output_len, do_sample=False, pad_token_id=pad)
+    """The `generate-NxM` workload: one static batch, left-padded, `args.output_len` tokens."""
+    model = load_hf(model_path, getattr(torch, args.dtype), args.device)
     with torch.inference_mode():
-        model.generate(input_ids=ids[:2], attention_mask=mask[:2], **dict(kw, max_new_tokens=2))
+        _generate(model, prompt_ids[:2], 2)  # warm-up
+        _sync(args.device)
         start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, **kw)
+        out = _generate(model, prompt_ids, args.output_len)
+        _sync(args.device)
         elapsed = time.perf_counter() - start
-    if out.shape != (len(prompt_ids), width + args.output_len):
-        raise RuntimeError(
-            f"HF returned {tuple(out.shape)}, not {len(prompt_ids)} x {width}+{args.output_len}"
-        )
-    return elapsed, out[:, width:].tolist()
+    return elapsed, out.tolist()
+
+
+# ---- decode: step time at a fixed batch -----------------------------------------------------
+
+
+def _allow_recompiles() -> None:
+    """Each batch size is one more compiled graph of HF's static-cache decode; dynamo's default
+    limit (8) would silently fall back to eager after that."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
+
+
+def hf_decode_seconds(
+    model, runs: dict[str, list[list[int]]], output_len: int, static: bool
+) -> dict[str, float]:
+    """Seconds of `generate` for run "t1" (1 new token: prefill only) and run "tn" (1 + output_len
+    tokens), after a warm-up on the "warmup" prompts with the tn shape (for `static` that
+    warm-up compiles the decode graph, and sizes the static cache that later calls reuse)."""
+    kw = {"cache_implementation": "static"} if static else {}
+    if static:
+        _allow_recompiles()
+    _generate(model, runs["warmup"], 1 + output_len, **kw)
+    out = {}
+    for name, new_tokens in (("t1", 1), ("tn", 1 + output_len)):
+        _sync(model.device)
+        start = time.perf_counter()
+        _generate(model, runs[name], new_tokens, **kw)
+        _sync(model.device)
+        out[name] = time.perf_counter() - start
+    return out
+
+
+# ---- offline: many requests of their own lengths ---------------------------------------------
+
+
+def hf_static_batches_seconds(
+    model, prompts: list[list[int]], output_lens: list[int], batch: int
+) -> float:
+    """`generate` on consecutive batches of up to `batch` requests in submission order, each
+    left-padded and run to its longest requested output (the extra tokens of shorter requests
+    are HF's padding cost, not counted as output)."""
+    _generate(model, prompts[: min(2, len(prompts))], 2)  # warm-up
+    _sync(model.device)
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        _generate(model, prompts[i : i + batch], max(output_lens[i : i + batch]))
+    _sync(model.device)
+    return time.perf_counter() - start
+
+
+def hf_continuous_seconds(model, prompts: list[list[int]], output_lens: list[int]) -> float:
+    """transformers' continuous batching (the manager behind `generate_batch`), every request
+    with its own max_new_tokens and no EOS; timed from the first submission to the last result,
+    after the manager's own warm-up (CUDA graph capture) in the context manager's entry."""
+    transformers = _import_transformers()
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    gen = transformers.GenerationConfig(
+        max_new_tokens=max(output_lens), do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    hints = WorkloadHints(
+        max_prompt_length=max(map(len, prompts)),
+        max_generated_length=max(output_lens),
+        num_requests=len(prompts),
+    )
+    cb_config = None
+    if model.device.type != "cuda":  # its memory-sized cache would fill the host's RAM
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        cb_config = ContinuousBatchingConfig(num_blocks=64, max_batch_tokens=1024)
+    cm = model.continuous_batching_context_manager(
+        generation_config=gen,
+        continuous_batching_config=cb_config,
+        block=True,
+        timeout=30,
+        workload_hints=hints,
+    )
+    with cm as manager:
+        _sync(model.device)
+        start = time.perf_counter()
+        wanted = {
+            manager.add_request(list(p), max_new_tokens=n, eos_token_id=-1): n
+            for p, n in zip(prompts, output_lens, strict=True)
+        }
+        results = {}
+        while len(results) < len(wanted):
+            result = manager.get_result(timeout=1)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("HF continuous batching stopped before every result")
+                continue
+            if result.is_finished():
+                results[result.request_id] = result
+        _sync(model.device)
+        elapsed = time.perf_counter() - start
+    for rid, n in wanted.items():
+        got = results[rid]
+        if got.error is not None or len(got.generated_tokens) != n:
+            raise RuntimeError(
+                f"HF continuous batching request {rid}: {len(got.generated_tokens)} of {n} "
+                f"tokens, error {got.error!r}"
+            )
+    return elapsed
+
+
+# ---- the hardware ----------------------------------------------------------------------------
+
+
+def copy_bandwidth(device: str, gib: float, reps: int = 10) -> float:
+    """Bytes/s of `dst.copy_(src)` on `gib` GiB buffers (read + write bytes), best of `reps`."""
+    n = int(gib * GIB) // 4
+    src = torch.randn(n, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)  # preallocated: time the copy, not page faults
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() * 4 / best
+
+
+def matmul_rate(device: str, dtype: torch.dtype, reps: int = 5) -> float:
+    """FLOP/s of an n x n matmul in `dtype` (n = 8192 on CUDA, 1024 elsewhere), best of `reps`."""
+    n = 8192 if device.startswith("cuda") else 1024
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    a @ b  # warm-up (cuBLAS handle, heuristics)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        a @ b
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def model_bytes(model_path: str, dtype: torch.dtype) -> dict:
+    """What one decode step must read: `weight_bytes` (every parameter, except an untied input
+    embedding, of which a step reads only its batch's rows) and `kv_bytes_per_token` (keys and
+    values of every layer); `params` counts every parameter, `read_params` those read."""
+    if model_path.startswith(RANDOM_PREFIX):
+        config = random_config(model_path)
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config).to(dtype)
+    else:
+        model, config, _ = load_model(model_path, dtype=dtype, device="cpu")
+    size = torch.empty((), dtype=dtype).element_size()
+    read = [
+        p for name, p in model.named_parameters() if model.lm_head is None or "embed" not in name
+    ]
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "read_params": sum(p.numel() for p in read),
+        "weight_bytes": sum(p.numel() for p in read) * size,
+        "kv_bytes_per_token": kv_cache_bytes_per_block(config, 1, dtype),
+    }
 
 
 def hardware_limit(args, model_path: str, batch: int) -> dict:
     """Measured peak matmul rate and copy bandwidth, and the decode floor they imply."""
-    from taipan.ops.loader import load_model
-
     dtype = getattr(torch, args.dtype)
     model, _, _ = load_model(model_path, dtype=dtype, device=args.device)
     params = sum(p.numel() for p in model.parameters())
@@ -73,12 +345,10 @@ def hardware_limit(args, model_path: str, batch: int) -> dict:
     def best(fn, reps=5):
         times = []
         for _ in range(reps):
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
+            _sync(args.device)
             t = time.perf_counter()
             fn()
-            if args.device.startswith("cuda"):
-                torch.cuda.synchronize()
+            _sync(args.device)
             times.append(time.perf_counter() - t)
         return min(times)
 
@@ -93,5 +363,5 @@ def hardware_limit(args, model_path: str, batch: int) -> dict:
         "params": params,
     }
     if args.device.startswith("cuda"):
-        out["gpu"] = torch.cuda.get_device_name(torch.device(args.device))
+        out["gpu"] = gpu_name(args.device)
     return out

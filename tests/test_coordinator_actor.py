@@ -3,9 +3,9 @@
 Both ROUTERs watch their peers over ipc, as in production (runtime/procs.py): inproc connections
 have no descriptor, so a closed peer would go unnoticed there. The engine peer says Hello and
 ModelLoaded, sends a Heartbeat every `heartbeat_s`, answers submissions (one terminal output, or
-two deltas when streaming) unless told to hold them, and answers lifecycle controls as each test
-scripts it (acknowledge, refuse, or hold the answer). The last tests put the public
-AsyncClient/Client in front of it.
+two deltas when streaming, each in a StepOutputs of its own) unless told to hold them, and
+answers lifecycle controls as each test scripts it (acknowledge, refuse, or hold the answer).
+The last tests put the public AsyncClient/Client in front of it.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from taipan.actors.channel import Channel, make_socket
 from taipan.actors.coordinator.actor import CoordinatorActor
 from taipan.auth import new_token, publish_token, remove_token
 from taipan.client import AsyncClient, Client, ControlError, RuntimeUnreachable
-from taipan.messages.codec import MessageError, decode, encode, registry
+from taipan.messages.codec import MessageError, decode, encode, encode_frame, registry
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import (
@@ -55,6 +55,7 @@ from taipan.messages.requests import (
     RequestEvent,
     RequestOutput,
     SamplingParams,
+    StepOutputs,
     SubmitRequest,
 )
 from taipan.messages.stats import GetStats, RankStats, Stats
@@ -144,8 +145,8 @@ class ScriptedEngine:
             await self.answer(command)
 
     async def finish(self, msg: EngineSubmit) -> None:
-        for out in outputs_for(msg):
-            await self.send(out)
+        for out in outputs_for(msg):  # one step each
+            await self.send(StepOutputs.of([out]))
 
     async def answer(self, command: str) -> None:
         if command in self.refuse:
@@ -645,6 +646,94 @@ async def test_a_client_cannot_forge_the_output_of_another_clients_request(addre
         await h.engine.finish(h.engine.submits[0])
         out = await h.recv()
         assert out.new_token_ids.tolist() == [5, 6], "the client got the forged output"
+
+
+async def held_requests(h: Harness, clients: list[Channel], stream: bool = False) -> list:
+    """Each client submits request 1 (held by the engine); their EngineSubmits, in the order of
+    `clients` (told apart by prompt: the coordinator may take the clients in any order)."""
+    h.engine.hold_submits = True
+    for k, chan in enumerate(clients):
+        await chan.send(SubmitRequest(1, np.array([100 + k], np.int32), SamplingParams(), stream))
+    await h.engine.until(lambda: len(h.engine.submits) == len(clients))
+    return sorted(h.engine.submits, key=lambda m: int(m.prompt_token_ids[0]))
+
+
+@pytest.mark.asyncio
+async def test_one_step_of_outputs_is_relayed_to_each_requests_own_client(addresses):
+    async with running(addresses) as h:
+        other = h.connect(identity=b"other")
+        mine, theirs = await held_requests(h, [h.client, other], stream=True)
+        first, last = outputs_for(mine)
+        # One step: a delta for my request, the terminal output of theirs; then mine ends.
+        await h.engine.send(StepOutputs.of([first, finished_output(theirs)]))
+        await h.engine.send(StepOutputs.of([last]))
+        got_mine = [await h.recv(), await h.recv()]
+        [got_theirs] = [await receive(other)]
+        assert [o.request_id for o in got_mine] == [1, 1]  # each under its client's own id
+        assert [o.new_token_ids.tolist() for o in got_mine] == [[5], [6]]
+        assert [o.finished for o in got_mine] == [False, True]
+        assert got_theirs.request_id == 1 and got_theirs.finished
+        assert got_theirs.new_token_ids.tolist() == [5, 6] and got_theirs.ttft == 0.125
+        assert h.actor.core.routes == {}  # both finished: nothing left to route
+        await assert_silent(other, 0.2)
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_step_outputs_fails_its_requests_and_the_coordinator_goes_on(addresses):
+    async with running(addresses) as h:
+        log = capture_log(h.actor)
+        other = h.connect(identity=b"other")
+        mine, theirs = await held_requests(h, [h.client, other])
+        good = StepOutputs.of([finished_output(mine), finished_output(theirs)])
+        # The arrays disagree: no entry can be trusted, every request named ends with an error.
+        await h.engine.send(dataclasses.replace(good, finished=good.finished[:1]))
+        for chan in (h.client, other):
+            out = await receive(chan)
+            assert out.request_id == 1 and out.finished and out.finish_reason == "error"
+            assert "engine 0 sent a malformed output" in out.error and "differ" in out.error
+        await h.engine.until(lambda: len(h.engine.aborts) == 2)
+        assert sorted(h.engine.aborts) == sorted([mine.request_id, theirs.request_id])
+        [refusal] = h.engine.unexpected
+        assert refusal.code == "bad_message" and "differ" in refusal.text
+        h.engine.unexpected.clear()
+        # Late outputs for those requests are dropped: each client had its one terminal output.
+        await h.engine.send(good)
+        await assert_silent(h.client, 0.2)
+        assert h.actor.core.routes == {} and not h.run.done()
+        errors = [e for e in log if e["event"] == "malformed outputs"]
+        assert [(e["log_level"], e["requests_failed"]) for e in errors] == [("error", 2)]
+        h.engine.hold_submits = False
+        assert (await h.generate(2)).finished
+
+
+@pytest.mark.asyncio
+async def test_a_bad_entry_fails_only_its_request(addresses):
+    async with running(addresses) as h:
+        other = h.connect(identity=b"other")
+        mine, theirs = await held_requests(h, [h.client, other])
+        good = StepOutputs.of([finished_output(mine), finished_output(theirs)])
+        cases = [
+            encode_frame(Heartbeat(1.0)),  # not a RequestOutput
+            encode_frame(dataclasses.replace(finished_output(mine), request_id=999)),
+            encode_frame(dataclasses.replace(finished_output(mine), finished=False)),
+            b"\xc1",  # not msgpack
+        ]
+        for i, frame in enumerate(cases):
+            bad = dataclasses.replace(good, outputs=(frame, good.outputs[1]))
+            await h.engine.send(bad)
+            out = await h.recv()
+            assert out.request_id == 1 and out.finish_reason == "error", (i, out)
+            assert "malformed output" in out.error, (i, out.error)
+            relayed = await receive(other)
+            assert relayed.request_id == 1 and relayed.finish_reason == "length", i
+            assert relayed.new_token_ids.tolist() == [5, 6]
+            await h.engine.until(lambda: h.engine.unexpected)
+            assert h.engine.unexpected.pop().code == "bad_message"
+            if i + 1 < len(cases):
+                h.engine.submits.clear()
+                mine, theirs = await held_requests(h, [h.client, other])
+                good = StepOutputs.of([finished_output(mine), finished_output(theirs)])
+        assert h.actor.core.routes == {} and not h.run.done()
 
 
 @pytest.mark.asyncio

@@ -63,6 +63,19 @@ def test_route_is_kept_for_deltas_and_forgotten_at_the_terminal_output():
     core.admit(b"client", 42)  # the client may reuse its id once the request ended
 
 
+def test_one_steps_outputs_route_to_two_clients_under_their_own_ids():
+    """A StepOutputs names global ids only: requests of two clients that both call theirs 1
+    route apart; the finished one is forgotten, the other keeps its route for later deltas."""
+    core = core_with(0)
+    ga, _ = core.admit(b"a", 1)
+    gb, _ = core.admit(b"b", 1)
+    step = [(gb, True), (ga, False)]  # (request_ids[i], finished[i]) of one StepOutputs
+    assert [core.route_of(g, f) for g, f in step] == [Route(b"b", 1, 0), Route(b"a", 1, 0)]
+    assert core.lookup(b"b", 1) is None and core.lookup(b"a", 1) == (ga, Route(b"a", 1, 0))
+    assert [core.route_of(g, True) for g in (gb, ga)] == [None, Route(b"a", 1, 0)]
+    assert core.routes == {} and core.by_client == {}
+
+
 def test_unknown_gid_has_no_route():
     core = core_with(0)
     assert core.route_of(999, finished=True) is None

@@ -16,7 +16,7 @@ from taipan.launcher import Runtime
 from taipan.messages import decode, encode
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import StepResult
-from taipan.messages.requests import SamplingParams
+from taipan.messages.requests import SamplingParams, StepOutputs
 from tests.conftest import TEST_CONFIG
 
 
@@ -65,6 +65,33 @@ def test_timeline_filters_by_actor_and_type(recorded):
     assert done.returncode == 0
     lines = [x for x in done.stdout.splitlines() if x.strip()]
     assert len(lines) == 7 and all("SubmitRequest" in x for x in lines)
+
+
+def test_timeline_finds_a_requests_output_inside_its_step_batch(recorded):
+    done = replay(recorded, "--actor", "engine-0", "--request", "3", "--type", "RequestOutput")
+    assert done.returncode == 0, done.stderr
+    lines = [x for x in done.stdout.splitlines() if x.strip()]
+    # Not streamed: one terminal output, in one StepOutputs, shown under it and alone.
+    assert len(lines) == 2 and "StepOutputs request_ids=int64[" in lines[0]
+    assert "↳ RequestOutput request_id=3 " in lines[1] and "finished=True" in lines[1]
+
+
+def test_each_step_sends_the_coordinator_at_most_one_message(recorded):
+    """Between two steps' plans the engine sends the coordinator one StepOutputs at most,
+    however many requests the step served (no abort or refusal in this session)."""
+    sent, per_step, outputs = [], 0, 0
+    for r in read_log(recorded / "engine-0.tplog"):
+        if r.direction != "out":
+            continue
+        msg = decode([bytes(f) for f in r.frames])
+        if type(msg).__name__ == "StepPlan":
+            sent.append(per_step)
+            per_step = 0
+        elif isinstance(msg, StepOutputs):
+            per_step += 1
+            outputs += len(msg.request_ids)
+    sent.append(per_step)
+    assert max(sent) == 1 and outputs == 7  # seven requests, not streamed: one output each
 
 
 def test_check_fails_on_altered_allocator_log(recorded, tmp_path):

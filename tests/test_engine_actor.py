@@ -4,7 +4,8 @@ driven through its coordinator socket by a test ROUTER, on a small random Llama.
 Checks what must never be silent: a step that raises fails its requests and the rank goes on;
 a scheduler that cannot even do that fails every request and ends the rank with FatalError;
 controls run off the receive loop (stats and submissions are answered while a control waits
-for the device); the engine sends heartbeats.
+for the device); the engine sends heartbeats; and the messaging contract: a step's outputs
+reach the coordinator as one StepOutputs, however many requests it serves.
 """
 
 from __future__ import annotations
@@ -28,9 +29,15 @@ from taipan.actors.engine.actor import HEARTBEAT_S, EngineActor
 from taipan.actors.engine.scheduler import Scheduler
 from taipan.actors.gpu.actor import GpuActor
 from taipan.messages.common import Heartbeat, Hello
-from taipan.messages.gpu import LoadModel, ModelLoaded
+from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan
 from taipan.messages.lifecycle import ControlAck, Pause, Resume, Suspend, Unpause
-from taipan.messages.requests import EngineSubmit, FinishReason, RequestOutput, SamplingParams
+from taipan.messages.requests import (
+    EngineSubmit,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+)
 from taipan.messages.stats import GetStats, Stats
 from tests.random_llama import TINY_SHAPE, make_random_llama
 
@@ -66,17 +73,18 @@ class Rank:
     async def send(self, msg) -> None:
         await self.coord.send(msg, to=b"engine-0")
 
-    async def submit(self, request_id: int, max_tokens: int = 4) -> None:
+    async def submit(self, request_id: int, max_tokens: int = 4, stream: bool = False) -> None:
         prompt = np.arange(3, 3 + 8, dtype=np.int32)
         sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        await self.send(EngineSubmit(request_id, prompt, sampling, False, time.time()))
+        await self.send(EngineSubmit(request_id, prompt, sampling, stream, time.time()))
 
     async def terminal(self, ids: set[int]) -> dict[int, RequestOutput]:
         done: dict[int, RequestOutput] = {}
         while set(done) != ids:
-            out = await self.recv(RequestOutput)
-            if out.finished:
-                done[out.request_id] = out
+            batch = await self.recv(StepOutputs)
+            for out in batch.decoded():
+                if out.finished:
+                    done[out.request_id] = out
         return done
 
 
@@ -194,3 +202,41 @@ async def test_the_engine_sends_heartbeats(model_dir):
         first = await rank.recv(Heartbeat, timeout=3 * HEARTBEAT_S)
         second = await rank.recv(Heartbeat, timeout=3 * HEARTBEAT_S)
         assert second.time > first.time and time.monotonic() - start < 4 * HEARTBEAT_S
+
+
+@pytest.mark.asyncio
+async def test_each_step_sends_one_message_with_every_output(model_dir):
+    """N streaming requests decoding together: every step's N outputs travel in one StepOutputs
+    (and the coordinator socket gets nothing else per step but heartbeats and stats)."""
+    n, max_tokens = 5, 4
+    async with engine_rank(model_dir) as rank:
+        plans = []
+        real = rank.engine.gpu.send
+
+        async def counting_send(msg, to=None):
+            if isinstance(msg, StepPlan):
+                plans.append(msg.step)
+            await real(msg, to)
+
+        rank.engine.gpu.send = counting_send
+        await rank.send(Pause(""))  # queue all five, then let them run together
+        assert (await rank.recv(ControlAck)).state == "PAUSED"
+        for request_id in range(1, n + 1):
+            await rank.submit(request_id, max_tokens=max_tokens, stream=True)
+        await rank.send(Unpause(""))
+        batches, done = [], set()
+        while len(done) < n:
+            msg = await rank.recv()
+            if isinstance(msg, StepOutputs):
+                batches.append(msg)
+                done |= {int(r) for r, f in zip(msg.request_ids, msg.finished, strict=True) if f}
+            elif not isinstance(msg, Heartbeat | Stats | ControlAck):
+                pytest.fail(f"unexpected message from the engine: {msg}")
+    # One prefill step for all five (each samples its first token), then decode steps: every
+    # step streams one token of each request, all in one message.
+    assert len(batches) == len(plans) == max_tokens
+    for batch in batches:
+        outputs = batch.decoded()
+        assert [o.request_id for o in outputs] == list(range(1, n + 1))
+        assert all(len(o.new_token_ids) == 1 for o in outputs)
+    assert all(batches[-1].finished) and not any(batches[0].finished)

@@ -1,7 +1,8 @@
 """The engine replay checker (actors/engine/check.py) on message sequences made the way the live
 engine makes them (tests/test_scheduler.py's harness stands in for the allocator and the gpu):
 it re-plans every step without divergence, including aborts in flight, pauses, evictions and
-steps that only free blocks; and it names the first step a changed message would alter."""
+steps that only free blocks; it names the first step a changed message would alter; and it
+holds the engine's StepOutputs to their contract (whole entries, one terminal output each)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from taipan.actors.engine.check import EngineReplay
 from taipan.messages.allocator import AllocatorReady, BlockOpsReply
 from taipan.messages.codec import encode
 from taipan.messages.gpu import ModelLoaded, StepResult
-from taipan.messages.requests import AbortRequest, EngineSubmit
+from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
 from tests.test_scheduler import Harness, make_request
 
 CONFIG = InferenceConfig(
@@ -43,6 +44,9 @@ class RecordingHarness(Harness):
     def abort(self, rid: int, in_flight: bool = True) -> None:
         self.records.append(("in", "coordinator", AbortRequest(rid), self.now))
         super().abort(rid, in_flight)
+
+    def sent(self, outputs) -> None:
+        self.records.append(("out", "coordinator", StepOutputs.of(outputs), self.now))
 
     def step(self, in_flight=lambda: None) -> bool:
         self.now += 1.0
@@ -133,3 +137,25 @@ def _one_step():
     ids, free = h.pool.apply([], [(1, batch.chunks[0].new_blocks)])
     h.sched.assign_blocks(batch, np.asarray(ids), free)
     return h.sched, batch
+
+
+def _outputs(records) -> list[int]:
+    return [i for i, r in enumerate(records) if isinstance(r[2], StepOutputs)]
+
+
+def test_outputs_that_break_their_contract_are_reported():
+    records = workload().records
+    assert len(_outputs(records)) >= 3
+    last = _outputs(records)[-1]
+    d, ch, msg, t = records[last]
+    assert msg.finished.any()
+    # A terminal output sent twice.
+    twice = [*records, records[last]]
+    rid = int(msg.request_ids[msg.finished][0])
+    assert replay(twice)[0] == f"request {rid} got a second terminal output"
+    # An entry filed under another request, and arrays that disagree.
+    swapped = dataclasses.replace(msg, request_ids=msg.request_ids + 100)
+    records[last] = (d, ch, swapped, t)
+    assert "is filed as request" in replay(records)[0]
+    records[last] = (d, ch, dataclasses.replace(msg, finished=msg.finished[:0]), t)
+    assert "differ" in replay(records)[0]

@@ -118,7 +118,7 @@ def _diagnose(row, p, key, tokens: dict[str, int]) -> dict:
     }
 
 
-# ---- the pre-kernel ops.sampling, frozen (commit 81761fd) -----------------------------------
+# ---- the pre-kernel ops.sampling, frozen (commit 81761fd) but for the 23-bit noise ----------
 
 _M32 = 0xFFFFFFFF
 
@@ -142,7 +142,8 @@ def _legacy_noise(keys, vocab):
     token = torch.arange(vocab, dtype=torch.int64)
     h = _legacy_mix32((keys[:, None] + token[None, :] * 0x9E3779B1) & _M32)
     h = _legacy_mix32(h ^ keys[:, None])
-    return -torch.log(((h >> 8).float() + 0.5) * (1.0 / 2**24))
+    # The one change since: 23 random bits, not 24, so u never rounds to 1 (a zero noise).
+    return -torch.log(((h >> 9).float() + 0.5) * (1.0 / 2**23))
 
 
 def _legacy_sample(logits, temperature, top_k, top_p, seeds, gen_index):
@@ -187,9 +188,19 @@ def test_exponential_noise_is_ops_noise():
     assert torch.equal(exponential_noise(keys, 1000), _legacy_noise(keys, 1000))
 
 
+def test_noise_is_positive_and_finite_for_every_hash():
+    """The extreme hashes give u strictly inside (0, 1) in fp32: no zero (an always-winning
+    token) and no infinite noise."""
+    h = torch.tensor([0, 511, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = ((h >> 9).float() + 0.5) * (1.0 / 2**23)
+    assert bool(((u > 0) & (u < 1)).all())
+    noise = exponential_noise(torch.arange(64), 128256)
+    assert bool(((noise > 0) & noise.isfinite()).all())
+
+
 def test_kernel_draws_the_noise_of_ops():
     """Uniform logits, no filter: the race picks the token with the smallest E, so the kernel's
-    in-register hash must be the ops noise bit for bit (24-bit u, exact)."""
+    in-register hash must be the ops noise bit for bit (23-bit u, exact)."""
     vocab, g = 300, _gen(2)
     for _ in range(4):
         keys = _keys(4, g)

@@ -32,7 +32,9 @@ from taipan.messages.codec import (
     TAG_RANGES,
     ArraySpec,
     _checker,
+    encode_frame,
     message,
+    replace_first_field,
 )
 from taipan.messages.common import ErrorReply, Heartbeat
 from taipan.messages.gpu import StepPlan, StepResult
@@ -42,6 +44,7 @@ from taipan.messages.requests import (
     FinishReason,
     RequestOutput,
     SamplingParams,
+    StepOutputs,
     SubmitRequest,
 )
 
@@ -292,6 +295,61 @@ def test_large_arrays_travel_as_extra_frames():
     assert len(frames[0]) < 1024  # the array is not copied into the header
     assert_same(msg, roundtrip(msg))
     assert len(encode(RequestOutput(1, edge, True, "length", None, 3, 0))) == 1
+
+
+def test_encode_frame_keeps_every_array_inline():
+    big = np.arange(INLINE_ARRAY_BYTES // 4 + 1, dtype=np.int32)
+    msg = RequestOutput(
+        1, big, True, "length", None, 3, len(big), log_probs=(big * 0.5).astype(np.float32)
+    )
+    frame = encode_frame(msg)
+    assert isinstance(frame, bytes) and len(frame) > 2 * big.nbytes
+    assert_same(msg, decode([frame]))
+    assert encode_frame(Heartbeat(2.0)) == encode(Heartbeat(2.0))[0]
+
+
+def test_replace_first_field_renumbers_without_touching_the_rest():
+    msg = RequestOutput(7, np.array([5, 6], np.int32), True, "stop", None, 3, 2, ttft=0.5)
+    for new_id in (0, 1, 127, 128, 2**16, 2**40, 2**64 - 1):
+        frame, (old, _, finished) = replace_first_field(encode_frame(msg), RequestOutput, new_id, 3)
+        assert (old, finished) == (7, True)
+        assert_same(dataclasses.replace(msg, request_id=new_id), decode([frame]))
+    with pytest.raises(MessageError, match="not a one-frame RequestOutput") as info:
+        replace_first_field(encode_frame(Heartbeat(1.0)), RequestOutput, 1)
+    assert info.value.code == "bad_envelope"
+    for bad in (b"", b"\xc1", encode_frame(msg)[:3], msgpack.packb([22, 2, 7])):
+        with pytest.raises(MessageError):
+            replace_first_field(bad, RequestOutput, 1)
+
+
+@FAST
+@given(st.binary(max_size=64))
+def test_replace_first_field_of_random_bytes_raises_only_message_error(data):
+    try:
+        replace_first_field(data, RequestOutput, 1, peek=3)
+    except MessageError:
+        pass
+
+
+def test_step_outputs_relay_each_entry_under_a_new_id_and_check_it():
+    outs = [
+        RequestOutput(11, np.array([1], np.int32), False, None, None, 4, 1),
+        RequestOutput(12, np.array([2, 3], np.int32), True, "length", None, 4, 2),
+    ]
+    msg = roundtrip(StepOutputs.of(outs))
+    assert msg.request_ids.tolist() == [11, 12] and msg.finished.tolist() == [False, True]
+    assert msg.problem() is None and [o.request_id for o in msg.decoded()] == [11, 12]
+    relayed = [decode([msg.relayed(i, 1)]) for i in range(2)]
+    assert [o.request_id for o in relayed] == [1, 1]
+    assert [o.new_token_ids.tolist() for o in relayed] == [[1], [2, 3]]
+    lying = dataclasses.replace(msg, finished=np.array([True, True]))
+    with pytest.raises(MessageError, match="entry 0: a RequestOutput of request 11 \\(finished"):
+        lying.relayed(0, 1)
+    with pytest.raises(MessageError, match="filed under request 12"):
+        dataclasses.replace(msg, outputs=msg.outputs[::-1]).relayed(1, 1)
+    assert "differ" in dataclasses.replace(msg, outputs=msg.outputs[:1]).problem()
+    with pytest.raises(MessageError, match="entry 0 is a Heartbeat"):
+        dataclasses.replace(msg, outputs=(encode_frame(Heartbeat(1.0)),)).decoded()
 
 
 def test_several_large_arrays_keep_their_order():

@@ -136,9 +136,12 @@ class Harness:
             self.emit([ended])
 
     def emit(self, requests: list[EngineRequest]) -> None:
-        """EngineActor._emit: one RequestOutput per reported request."""
-        for r in requests:
-            out = output_of(r)
+        """EngineActor._emit: the next RequestOutput of each reported request (one StepOutputs,
+        see `sent`)."""
+        outputs = [output_of(r) for r in requests]
+        if outputs:
+            self.sent(outputs)
+        for r, out in zip(requests, outputs, strict=True):
             new, finished = out.new_token_ids.tolist(), out.finished
             assert finished == (r.finish_reason is not None)
             assert len(new) or finished, "an output with nothing in it"
@@ -147,6 +150,9 @@ class Harness:
                 assert r.request_id not in self.ended, f"request {r.request_id} ended twice"
                 assert r.status is Status.FINISHED and r.blocks == []
                 self.ended[r.request_id] = r
+
+    def sent(self, outputs: list) -> None:
+        """Hook: the outputs `emit` sends in one message."""
 
     # --- one step -----------------------------------------------------------------------------
 

@@ -1,7 +1,9 @@
 """The coordinator actor: clients on one ROUTER, engines on another.
 
-Validates submissions, assigns global ids, routes to a rank, relays outputs back, answers
-model-info queries once a rank has loaded its model, merges the ranks' stats
+Validates submissions, assigns global ids, routes to a rank, relays outputs back (an engine
+sends one `StepOutputs` per step; each output in it goes on to its client as the engine encoded
+it, only the request id rewritten: the coordinator decodes none of them), answers model-info
+queries once a rank has loaded its model, merges the ranks' stats
 (messages/stats.py), and drives the lifecycle (messages/lifecycle.py): a control command from a
 client that presents the runtime's control token is checked against the FSM
 (actors/coordinator/fsm.py), forwarded to every engine, and answered with one `ControlAck` once
@@ -17,7 +19,9 @@ to it (a request with no live rank is refused at once). A client whose connectio
 its requests aborted, so their blocks come back. A client's Heartbeat is answered with one.
 
 A bad submission gets a terminal `RequestOutput` with finish_reason "error"; a malformed frame
-gets an `ErrorReply` (actors/base.py); the coordinator keeps serving. After STOP it exits.
+gets an `ErrorReply` (actors/base.py); a malformed entry of a StepOutputs fails its request (the
+client gets its terminal output, the engine an abort); the coordinator keeps serving. After STOP
+it exits.
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ import numpy as np
 
 from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
-from taipan.actors.coordinator.core import ControlRound, CoordinatorCore, NoRankError
+from taipan.actors.coordinator.core import ControlRound, CoordinatorCore, NoRankError, Route
 from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
+from taipan.messages.codec import MessageError
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import (
@@ -49,6 +54,7 @@ from taipan.messages.requests import (
     GetModelInfo,
     ModelInfo,
     RequestOutput,
+    StepOutputs,
     SubmitRequest,
 )
 from taipan.messages.stats import GetStats, RankStats, Stats
@@ -67,7 +73,7 @@ FROM_CLIENTS = frozenset(
     {SubmitRequest, AbortRequest, GetModelInfo, GetStats, Heartbeat, PeerGone, *CONTROL_MESSAGES}
 )
 FROM_ENGINES = frozenset(
-    {Hello, Heartbeat, PeerGone, ModelLoaded, RequestOutput, ControlAck, StopAck, Stats}
+    {Hello, Heartbeat, PeerGone, ModelLoaded, StepOutputs, ControlAck, StopAck, Stats}
     | {ErrorReply}
 )
 NOT_AUTHORIZED = (
@@ -129,7 +135,7 @@ class CoordinatorActor(Actor):
             (Heartbeat, self.on_heartbeat),
             (PeerGone, self.on_peer_gone),
             (ModelLoaded, self.on_model_loaded),
-            (RequestOutput, self.on_output),
+            (StepOutputs, self.on_step_outputs),
             (ControlAck, self.on_control_ack),
             (StopAck, self.on_stop_ack),
             (ErrorReply, self.on_engine_error),
@@ -204,7 +210,7 @@ class CoordinatorActor(Actor):
             await self._engine_gone(env.sender, msg.reason)
             return
         # A client vanished: abort its requests so that their blocks come back. Their terminal
-        # outputs still come through on_output (and are dropped by the socket).
+        # outputs still come through on_step_outputs (and are dropped by the socket).
         routes = self.core.routes_of_client(env.sender)
         self.stats_waiters = [c for c in self.stats_waiters if c != env.sender]
         if routes:
@@ -405,13 +411,49 @@ class CoordinatorActor(Actor):
         for client in waiters:
             await self.frontend.send(reply, to=client)
 
-    async def on_output(self, env: Envelope, msg: RequestOutput) -> None:
-        route = self.core.route_of(msg.request_id, msg.finished)
-        if route is None:
+    async def on_step_outputs(self, env: Envelope, msg: StepOutputs) -> None:
+        """Relay each output of an engine step to the client that owns its request, in order, as
+        the engine encoded it: only the id changes, so every field (log-probs, events, ...)
+        relays unread. A terminal output forgets its route; an output whose route is gone (its
+        client left, or it was already failed) is dropped."""
+        problem = msg.problem()
+        if problem is not None:
+            lost = [(gid, self.core.route_of(gid, True)) for gid in msg.request_ids.tolist()]
+            await self._bad_outputs(env, [(g, r) for g, r in lost if r is not None], problem)
             return
-        # Only the id changes on the way back: every other field (log-probs, events, ...) relays.
-        relayed = dataclasses.replace(msg, request_id=route.client_request_id)
-        await self.frontend.send(relayed, to=route.client)
+        bad: list[tuple[int, Route]] = []
+        errors: list[str] = []
+        entries = zip(msg.request_ids.tolist(), msg.finished.tolist(), strict=True)
+        for i, (gid, finished) in enumerate(entries):
+            route = self.core.route_of(gid, finished)
+            if route is None:
+                continue
+            try:
+                frame = msg.relayed(i, route.client_request_id)
+            except MessageError as e:
+                self.core.route_of(gid, True)  # it ends here, with the error below
+                bad.append((gid, route))
+                errors.append(str(e))
+                continue
+            await self.frontend.send_frames([frame], to=route.client)
+        if bad:
+            await self._bad_outputs(env, bad, "; ".join(errors[:3]))
+
+    async def _bad_outputs(self, env: Envelope, lost: list[tuple[int, Route]], why: str) -> None:
+        """An engine sent outputs that cannot be relayed: log it, tell the engine, end each
+        request it concerns with an error (its one terminal output; its route is already gone)
+        and ask the engine to abort it, so that its blocks come back."""
+        engine = self._engine_name(env.sender)
+        self.log.error("malformed outputs", engine=engine, requests_failed=len(lost), error=why)
+        await self._reply_error(env, "bad_message", f"malformed StepOutputs: {why}")
+        text = f"{engine} sent a malformed output for this request: {why}"
+        for gid, route in lost:
+            out = RequestOutput(
+                route.client_request_id, NO_TOKENS, True, FinishReason.ERROR, text[:2000], 0, 0
+            )
+            await self.frontend.send(out, to=route.client)
+            if route.rank in self.engines:
+                await self.backend.send(AbortRequest(gid), to=self.engines[route.rank])
 
     # --- engine liveness ----------------------------------------------------------------------
 

@@ -3,7 +3,9 @@
 Channels: `coord` (DEALER to the coordinator; served: EngineSubmit, AbortRequest, GetStats and
 the lifecycle controls), `alloc` and `gpu` (PAIR over inproc; one message each way per step,
 and the gpu control calls between steps). The engine never touches tensors or the block pool
-itself: it plans, the allocator hands out blocks, the gpu actor computes.
+itself: it plans, the allocator hands out blocks, the gpu actor computes. Outputs go to the
+coordinator in one `StepOutputs` per step (and one per abort, refused submission or shutdown
+that ends requests between steps), never one message per request.
 
 Lifecycle (the coordinator's FSM decides what is legal; the engine re-checks its own state):
 PAUSE waits for the step in flight and stops stepping (requests keep their KV, submissions
@@ -65,7 +67,13 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from taipan.messages.requests import AbortRequest, EngineSubmit, FinishReason, RequestOutput
+from taipan.messages.requests import (
+    AbortRequest,
+    EngineSubmit,
+    FinishReason,
+    RequestOutput,
+    StepOutputs,
+)
 from taipan.messages.stats import GetStats, RankStats, Stats
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
@@ -101,6 +109,9 @@ class EngineActor(Actor):
         self.device_lock = asyncio.Lock()  # one user of the alloc/gpu channels at a time
         self.control_lock = asyncio.Lock()  # controls run one at a time, in arrival order
         self.tokens_last_step = 0
+        self.device_seconds_total = 0.0  # the gpu actor's device time of every step so far
+        self.steps_total = 0
+        self.steps_graphed = 0
         self.serve(coord)
         for msg_type, handler in [
             (EngineSubmit, self.on_submit),
@@ -168,9 +179,8 @@ class EngineActor(Actor):
         req, problem = submission(self.scheduler, self.vocab_size, msg)
         if req is None:
             n = len(msg.prompt_token_ids)
-            await self.coord.send(
-                RequestOutput(msg.request_id, NO_TOKENS, True, FinishReason.ERROR, problem, n, 0)
-            )
+            out = RequestOutput(msg.request_id, NO_TOKENS, True, FinishReason.ERROR, problem, n, 0)
+            await self.coord.send(StepOutputs.of([out]))
             return
         self.scheduler.add(req, env.time)
         self.work.set()
@@ -214,6 +224,9 @@ class EngineActor(Actor):
             s["evicted_total"],
             self.tokens_last_step,
             self.weight_version,
+            self.device_seconds_total,
+            self.steps_total,
+            self.steps_graphed,
         )
         return Stats(self.state, (rank,))
 
@@ -375,6 +388,9 @@ class EngineActor(Actor):
         result = await self._call(self.gpu, step_plan(sched, batch), StepResult)
         if result.error is not None:
             raise EngineError(f"forward failed: {result.error}")
+        self.device_seconds_total += result.device_seconds
+        self.steps_total += 1
+        self.steps_graphed += int(result.graphed)
         return sched.update(batch, result, self.now)
 
     def _fail_step(self, batch: StepBatch, error: str) -> list[EngineRequest] | None:
@@ -398,8 +414,9 @@ class EngineActor(Actor):
         raise FatalError(f"{self.name}: {why}")
 
     async def _emit(self, requests: list[EngineRequest]) -> None:
-        for r in requests:
-            await self.coord.send(output_of(r))
+        """Report `requests` (their next outputs) to the coordinator in one message."""
+        if requests:
+            await self.coord.send(StepOutputs.of([output_of(r) for r in requests]))
 
 
 def output_of(r: EngineRequest) -> RequestOutput:

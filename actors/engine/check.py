@@ -3,7 +3,9 @@
 Re-drives a fresh Scheduler from an engine's recorded log and compares the two messages that
 carry its decisions — `BlockOps` to the allocator and `StepPlan` to the gpu actor — byte for
 byte with the recorded ones. Everything else the engine sends (outputs, acks, stats) follows
-from those decisions and is not compared.
+from those decisions and is not compared; its `StepOutputs` are checked against the contract
+the coordinator relies on instead: every entry is the RequestOutput it is filed as, and no
+request gets a second terminal output.
 
 Why the log is enough: the engine sets its clock from every inbound message (`self.now`), plans
 a step synchronously and sends its first message (BlockOps, or StepPlan when no block changes)
@@ -22,11 +24,11 @@ from taipan.actors.config import InferenceConfig
 from taipan.actors.engine import plan as P
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.messages.allocator import AllocatorReady, BlockOps, BlockOpsReply
-from taipan.messages.codec import encode
+from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply
 from taipan.messages.gpu import GpuControlReply, ModelLoaded, StepPlan, StepResult
 from taipan.messages.lifecycle import Stop
-from taipan.messages.requests import AbortRequest, EngineSubmit
+from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
 from taipan.messages.summary import summarize
 
 
@@ -43,6 +45,7 @@ class EngineReplay:
         self.now = 0.0
         self.stopped = False
         self.steps_checked = 0
+        self.finished: set[int] = set()  # requests whose terminal output the engine sent
 
     # --- inbound ------------------------------------------------------------------------------
 
@@ -110,6 +113,8 @@ class EngineReplay:
     # --- outbound -----------------------------------------------------------------------------
 
     def outbound(self, msg, frames: tuple[bytes, ...]) -> str | None:
+        if isinstance(msg, StepOutputs):
+            return self._check_outputs(msg)
         if self.stopped or not isinstance(msg, BlockOps | StepPlan):
             return None
         if self.sched is None:
@@ -129,6 +134,27 @@ class EngineReplay:
         self.batch = None
         self.steps_checked += 1
         return self._compare("StepPlan", plan, frames)
+
+    def _check_outputs(self, msg: StepOutputs) -> str | None:
+        problem = msg.problem()
+        if problem is not None:
+            return problem
+        try:
+            outputs = msg.decoded()
+        except MessageError as e:
+            return str(e)
+        for i, out in enumerate(outputs):
+            rid, finished = int(msg.request_ids[i]), bool(msg.finished[i])
+            if (out.request_id, out.finished) != (rid, finished):
+                return (
+                    f"StepOutputs entry {i} is filed as request {rid} (finished {finished}) "
+                    f"but holds request {out.request_id} (finished {out.finished})"
+                )
+            if finished and rid in self.finished:
+                return f"request {rid} got a second terminal output"
+            if finished:
+                self.finished.add(rid)
+        return None
 
     @staticmethod
     def _compare(kind: str, replayed, frames) -> str | None:

@@ -49,6 +49,14 @@ class GpuActor(Actor):
                 bytes=reply.num_blocks * reply.block_bytes,
                 sized_by=self.worker.kv_budget_source,
             )
+            graphs = self.worker.graphs
+            if graphs is not None:
+                self.log.info(
+                    "cuda graphs",
+                    decode=[b.tokens for b in graphs.decode],
+                    mixed=[b.tokens for b in graphs.mixed],
+                    capture_seconds=round(self.worker.graph_capture_seconds, 2),
+                )
         await env.reply(reply)
 
     async def on_step(self, env: Envelope, msg: StepPlan) -> None:
