@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import math
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -73,11 +75,29 @@ class ArraySpec:
     ndim: int | None
 
     def problem(self, arr: np.ndarray) -> str | None:
-        if arr.dtype.name not in self.dtypes:
-            return f"dtype {arr.dtype.name}, expected {' or '.join(self.dtypes)}"
+        name = dtype_name(arr.dtype)
+        if name not in self.dtypes:
+            return f"dtype {name}, expected {' or '.join(self.dtypes)}"
         if self.ndim is not None and arr.ndim != self.ndim:
             return f"{arr.ndim}-D array of shape {list(arr.shape)}, expected {self.ndim}-D"
         return None
+
+
+@functools.cache
+def dtype_name(dt: np.dtype) -> str:
+    """`dt.name`, cached: numpy computes the name in Python on every access (5 us), and every
+    array of every message asks for it."""
+    return dt.name
+
+
+@functools.cache
+def _little_endian(dt: np.dtype) -> np.dtype:
+    return dt.newbyteorder("<")
+
+
+@functools.cache
+def _wire_dtype(name: str) -> np.dtype:
+    return np.dtype(name).newbyteorder("<")
 
 
 class Array:
@@ -324,15 +344,19 @@ def _to_wire(v, extra: list | None):
     if isinstance(v, enum.Enum):
         return v.value
     if isinstance(v, np.ndarray):
-        if v.dtype.name not in ALLOWED_DTYPES:
+        name = dtype_name(v.dtype)
+        if name not in ALLOWED_DTYPES:
             raise TypeError(f"dtype {v.dtype} cannot travel")
         # The wire is little-endian and keeps 0-d shapes (ascontiguousarray makes them 1-d).
-        arr = np.ascontiguousarray(v, dtype=v.dtype.newbyteorder("<")).reshape(v.shape)
+        little = _little_endian(v.dtype)
+        arr = v
+        if v.dtype != little or not v.flags.c_contiguous:
+            arr = np.ascontiguousarray(v, dtype=little).reshape(v.shape)
         if extra is not None and arr.nbytes > INLINE_ARRAY_BYTES:
             extra.append(memoryview(arr).cast("B"))
-            body = msgpack.packb([arr.dtype.name, list(arr.shape), len(extra)])
+            body = msgpack.packb([name, list(arr.shape), len(extra)])
             return msgpack.ExtType(EXT_ARRAY_FRAME, body)
-        body = msgpack.packb([arr.dtype.name, list(arr.shape), arr.tobytes()])
+        body = msgpack.packb([name, list(arr.shape), arr.tobytes()])
         return msgpack.ExtType(EXT_ARRAY_INLINE, body)
     if getattr(type(v), "IS_STRUCT", False):
         return [_to_wire(getattr(v, f.name), extra) for f in dataclasses.fields(v)]
@@ -425,8 +449,8 @@ def _array_from(body: bytes, frames: Sequence[memoryview]) -> np.ndarray:
         data = frames[data]
     elif not isinstance(data, bytes):
         raise MessageError("array data must be bytes or a frame index", "bad_array")
-    dt = np.dtype(dtype).newbyteorder("<")
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    dt = _wire_dtype(dtype)
+    count = math.prod(shape)  # Python ints: no overflow, and 30x faster than np.prod here
     if count * dt.itemsize != len(data):
         raise MessageError(
             f"array of {dtype}{shape} needs {count * dt.itemsize} bytes, got {len(data)}",

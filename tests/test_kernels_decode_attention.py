@@ -232,3 +232,13 @@ def test_gpu_half_precision_and_bandwidth():
         us = ms * 1e3
         print(f"\ndecode B={batch} ctx=2048 H=32 KVH=8 D=128 bf16: {us:.1f} us, ", end="")
         print(f"K/V bytes floor {floor_us:.1f} us ({floor_us / us:.0%} of 3 TB/s)")
+
+
+def test_default_splits_follow_the_context_until_the_batch_fills_the_gpu():
+    from taipan.kernels.decode_attention import default_num_splits
+
+    assert default_num_splits(2560, programs=8, num_sms=132) == 10  # batch 1, 8 kv heads
+    assert default_num_splits(2560, programs=512, num_sms=132) == 1  # batch 64: no splits
+    assert default_num_splits(2560, programs=64, num_sms=132) == 5  # 2 programs per SM
+    assert default_num_splits(100_000, programs=1, num_sms=132) == 64  # capped
+    assert default_num_splits(16, programs=1) == 1

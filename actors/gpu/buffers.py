@@ -110,6 +110,13 @@ class StepBuffers:
         """Copy one step's arrays to the device; returns device views of every field, sized to
         `num_tokens` / `num_seqs` when given (a padded bucket, at least the real sizes), else to
         the real sizes. Raises ValueError for a step larger than the buffers."""
+        return self.upload(self.stage(arrays, num_tokens=num_tokens, num_seqs=num_seqs))
+
+    def stage(
+        self, arrays: dict[str, np.ndarray], *, num_tokens: int = 0, num_seqs: int = 0
+    ) -> tuple[int, int, int]:
+        """`load`'s host half: pack the arrays into the next pinned staging buffer. Returns
+        what `upload` takes: (staging buffer, tokens, sequences)."""
         tokens = len(arrays["input_ids"])
         seqs = len(arrays["seq_lens"])
         num_tokens, num_seqs = max(num_tokens, tokens), max(num_seqs, seqs)
@@ -129,6 +136,11 @@ class StepBuffers:
             dst = host[self.offsets[name] :][: n * max(f.width, 1) * f.dtype.itemsize]
             dst = dst.view(f.dtype).reshape((n, f.width) if f.width else (n,))
             _pack(dst, arrays[name], f)
+        return k, num_tokens, num_seqs
+
+    def upload(self, staged: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+        """`load`'s device half: one copy of the staged buffer; returns the device views."""
+        k, num_tokens, num_seqs = staged
         # The whole buffer in one transfer (a few hundred KiB at most): the unused tails of
         # the fields travel too, but no view ever reaches them.
         if self.device.type == "cuda":

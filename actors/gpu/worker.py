@@ -179,40 +179,45 @@ class ModelWorker:
         token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
         if self.suspend_mode is not None:
             return StepResult(plan.step, token_ids, "the gpu worker is suspended", 0.0)
+        num_seqs = len(plan.seq_lens)
+        bucket = None
+        if self.graphs is not None and not (plan.prompt_targets >= 0).any():
+            all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
+            bucket = self.graphs.pick(len(plan.input_ids), num_seqs, all_decode)
+        sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
+        staged = self.buffers.stage(_plan_arrays(plan), **sizes)
+        # Device time: from the step's one host-to-device copy to its last kernel (the host
+        # packing above is time the device waits between steps).
         on_cuda = self.device.type == "cuda"
         if on_cuda:
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
             began.record()
-        num_seqs = len(plan.seq_lens)
-        query_lens = np.diff(plan.query_start_loc)
-        bucket = None
-        if self.graphs is not None and not (plan.prompt_targets >= 0).any():
-            all_decode = bool((query_lens == 1).all())
-            bucket = self.graphs.pick(len(plan.input_ids), num_seqs, all_decode)
-        arrays = _plan_arrays(plan)
+        device_start = time.perf_counter()
+        inputs = self.buffers.upload(staged)
         if bucket is not None:
-            self.buffers.load(arrays, num_tokens=bucket.tokens, num_seqs=bucket.seqs)
             self.graphs.replay(bucket)
             inputs = self.buffers.views(num_tokens=len(plan.input_ids), num_seqs=num_seqs)
             logits, hidden = self._logits[:num_seqs], None
         else:
-            inputs = self.buffers.load(arrays)  # one host-to-device copy
             hidden = self._forward(plan, inputs)  # [T, H]
             # Logits for every sequence's last token (rows that do not sample are ignored):
             # their positions come from the device's query starts, so nothing travels for them.
             last = inputs["query_start_loc"][1:].long() - 1
             logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
         tokens = self._sample(plan, inputs, logits)  # [B]
+        if on_cuda:
+            ended.record()  # the step's device work, unless log-probs add more below
         rows = np.flatnonzero(plan.sample)
         token_ids[rows] = tokens.cpu().numpy()[rows]
         n = int(plan.top_n.max(initial=0))
         extra = self._log_probs(plan, rows, logits, tokens, n)
         if hidden is not None:
             extra.update(self._prompt_log_probs(plan, hidden, n))
+        if on_cuda and (n or plan.logprobs.any() or (plan.prompt_targets >= 0).any()):
+            ended.record()  # after the log-probs' device work (their copies have synced it)
         elapsed = time.perf_counter() - start
-        device_seconds = elapsed
+        device_seconds = time.perf_counter() - device_start
         if on_cuda:
-            ended.record()
             ended.synchronize()
             device_seconds = began.elapsed_time(ended) / 1e3
         return StepResult(
