@@ -274,31 +274,46 @@ class Scheduler:
         self.num_free_blocks = num_free
 
     def plan_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        """The StepPlan arrays (see messages/gpu.py) for this batch."""
+        """The StepPlan arrays (see messages/gpu.py) for this batch. A one-token chunk (every
+        decode row) is read as Python scalars: at batch 256 per-row numpy calls were most of
+        the engine's time per step."""
         bs = self.plan.block_size
-        ids, positions, slots, seq_lens, sample, targets = [], [], [], [], [], []
+        ids, positions, slots, targets = _Concat(), _Concat(), _Concat(), _Concat()
+        seq_lens, sample = [], []
         query_start = [0]
         width = max(len(c.request.blocks) for c in batch.chunks)
-        tables = np.zeros((len(batch.chunks), width), dtype=np.int32)
-        for i, c in enumerate(batch.chunks):
+        padded: list[int] = []  # the block tables, row after row, padded with 0
+        for c in batch.chunks:
             r = c.request
             start, stop = r.num_computed_tokens, r.num_computed_tokens + c.num_new_tokens
-            pos = np.arange(start, stop, dtype=np.int64)
-            blocks = np.asarray(r.blocks, dtype=np.int64)
-            ids.append(r.token_slice(start, stop))
-            positions.append(pos)
-            slots.append(blocks[pos // bs] * bs + pos % bs)
+            if c.num_new_tokens == 1:
+                p = len(r.prompt)
+                ids.add(int(r.prompt[start]) if start < p else r.generated[start - p])
+                positions.add(start)
+                slots.add(r.blocks[start // bs] * bs + start % bs)
+                target = int(r.prompt_targets(start, stop)[0]) if r.wants_prompt_log_probs else -1
+                targets.add(target)
+                c.num_prompt_targets = int(target >= 0)
+            else:
+                pos = np.arange(start, stop, dtype=np.int64)
+                blocks = np.asarray(r.blocks, dtype=np.int64)
+                ids.add(r.token_slice(start, stop))
+                positions.add(pos)
+                slots.add(blocks[pos // bs] * bs + pos % bs)
+                chunk_targets = r.prompt_targets(start, stop)
+                targets.add(chunk_targets)
+                c.num_prompt_targets = int((chunk_targets >= 0).sum())
             query_start.append(query_start[-1] + c.num_new_tokens)
             seq_lens.append(stop)
             sample.append(c.samples)
-            targets.append(r.prompt_targets(start, stop))
-            c.num_prompt_targets = int((targets[-1] >= 0).sum())
-            tables[i, : len(r.blocks)] = r.blocks
+            padded += r.blocks
+            padded += [0] * (width - len(r.blocks))
+        tables = np.asarray(padded, dtype=np.int32).reshape(len(batch.chunks), width)
         reqs = [c.request for c in batch.chunks]
         return {
-            "input_ids": np.concatenate(ids).astype(np.int32),
-            "positions": np.concatenate(positions).astype(np.int32),
-            "slot_mapping": np.concatenate(slots),
+            "input_ids": ids.array(np.int32),
+            "positions": positions.array(np.int32),
+            "slot_mapping": slots.array(np.int64),
             "query_start_loc": np.asarray(query_start, dtype=np.int32),
             "seq_lens": np.asarray(seq_lens, dtype=np.int32),
             "block_tables": tables,
@@ -311,7 +326,7 @@ class Scheduler:
             "gen_index": np.asarray([len(r.generated) for r in reqs], dtype=np.int32),
             "logprobs": np.asarray([r.sampling.return_log_probs for r in reqs], dtype=np.int8),
             "top_n": np.asarray([r.sampling.top_n_logprobs for r in reqs], dtype=np.int32),
-            "prompt_targets": np.concatenate(targets),
+            "prompt_targets": targets.array(np.int32),
         }
 
     def update(self, batch: StepBatch, result: StepResult | None, now: float, error: str = ""):
@@ -442,3 +457,30 @@ class Scheduler:
             self.pending_free[r.request_id] = len(r.blocks)
             r.blocks = []
         del self.requests[r.request_id]
+
+
+class _Concat:
+    """Values in order, some Python scalars and some arrays, joined once into one array: runs of
+    scalars become one array each, so a step of decode rows costs one conversion, not one per
+    row."""
+
+    def __init__(self):
+        self._pieces: list[np.ndarray] = []
+        self._run: list[int] = []
+
+    def add(self, value) -> None:
+        if isinstance(value, np.ndarray):
+            if self._run:
+                self._pieces.append(np.asarray(self._run, dtype=np.int64))
+                self._run = []
+            self._pieces.append(value)
+        else:
+            self._run.append(value)
+
+    def array(self, dtype) -> np.ndarray:
+        if self._run:
+            self._pieces.append(np.asarray(self._run, dtype=np.int64))
+            self._run = []
+        if len(self._pieces) == 1:
+            return self._pieces[0].astype(dtype, copy=False)
+        return np.concatenate(self._pieces).astype(dtype, copy=False)
