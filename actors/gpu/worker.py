@@ -10,8 +10,14 @@ KV cache to pinned host memory and frees the device tensor, after checking that 
 memory (else it refuses and changes nothing); on a CPU device the KV cache already is host memory,
 so "offload" keeps it where it is (a copy would only double it); "recompute" frees it. Resume
 allocates a fresh device tensor (with the offloaded contents, or uninitialized for "recompute"):
-its address changes, so anything captured against the old one (CUDA graphs) must be captured
-again.
+its address changes, so the CUDA graphs (actors/gpu/graphs.py), captured at load against the
+old one, are dropped at such a suspend and captured again at resume; "persist" keeps both.
+
+A step (`step`): pack the plan into the persistent buffers (actors/gpu/buffers.py), one
+host-to-device copy, then either replay the CUDA graph of the smallest bucket that holds the step
+(forward + last-token logits into a static buffer) or run the forward eagerly, then sample and
+copy the tokens back (the step's one device-to-host sync), plus log-probs when asked. Its
+StepResult carries the device time of that work (CUDA events) and whether a graph ran.
 
 KV cache size: `LoadModel.kv_cache_gb`, or when it is None, DEFAULT_KV_GB on CUDA and on CPU
 CPU_KV_SHARE of the memory available at load (at most DEFAULT_KV_GB), capped by `max_blocks`.
