@@ -97,6 +97,12 @@ class StepPlan:
     logprobs: Array[np.int8, 1]
     top_n: Array[np.int32, 1]
     prompt_targets: Array[np.int32, 1]
+    # For each input token, the row of the previous step whose sampled token is its id (its
+    # input_ids entry is then ignored), -1 = take input_ids; empty = all -1. What lets a step be
+    # planned before the previous one's tokens reach the host: the token goes from the device's
+    # sampled-token buffer straight into this step's ids. A row the previous step did not
+    # sample, or that it did not have, is an error.
+    prev_rows: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123)

@@ -225,8 +225,11 @@ def _graph_workers(model_dir, dtype):
 
 def test_gpu_graph_steps_equal_eager_steps(model_dir):
     """Prefills (eager: above the largest mixed graph, or in a mixed graph), decode steps at
-    batch 1 to 5 (padded decode graphs), a mixed step (decode rows + a prefill chunk in a mixed
-    graph): tokens equal and log-probs within 1e-4 in fp32."""
+    batch 3 and 5 (padded decode graphs, some fed their input tokens by prev_rows on the
+    device), a mixed step (decode rows + prefill chunks in a mixed graph): tokens equal and
+    log-probs within 1e-4 in fp32."""
+    import dataclasses
+
     import numpy as np
     import torch
 
@@ -242,11 +245,21 @@ def test_gpu_graph_steps_equal_eager_steps(model_dir):
     last = [0] * len(prompts)
     step = 0
 
-    def run(seqs, want_graphed):
+    def run(seqs, want_graphed, prev_rows=None):
+        """Both workers run the step; with `prev_rows`, the graphed one gets no input ids, only
+        where in the previous step's sampled tokens they are (read on the device, in the
+        graph)."""
         nonlocal step
         step += 1
         plan = make_plan(step, seqs)
-        a, b = eager.step(plan), graphed.step(plan)
+        blind = plan
+        if prev_rows is not None:
+            blind = dataclasses.replace(
+                plan,
+                input_ids=np.zeros_like(plan.input_ids),
+                prev_rows=np.asarray(prev_rows, dtype=np.int32),
+            )
+        a, b = eager.step(plan), graphed.step(blind)
         assert a.error is None and b.error is None
         assert b.graphed == want_graphed and not a.graphed
         assert np.array_equal(a.token_ids, b.token_ids), (step, a.token_ids, b.token_ids)
@@ -259,9 +272,10 @@ def test_gpu_graph_steps_equal_eager_steps(model_dir):
         for i, t in zip(group, run(seqs, want), strict=True):
             ctx[i], last[i] = len(prompts[i]), int(t)
     active = [0, 1, 2]
-    for _ in range(4):  # decode at batch 3: the 4-row decode graph
+    for k in range(4):  # decode at batch 3: the 4-row decode graph
         seqs = [Seq([last[i]], ctx[i], blocks[i], logprobs=True) for i in active]
-        for i, t in zip(active, run(seqs, True), strict=True):
+        prev = [0, 1, 2] if k else None  # after the first, the same rows as the step before
+        for i, t in zip(active, run(seqs, True, prev), strict=True):
             ctx[i], last[i] = ctx[i] + 1, int(t)
     # Mixed: three decode rows and prompts 3-4 (3 + 15 = 18 tokens: the 32-token mixed graph).
     seqs = [Seq([last[i]], ctx[i], blocks[i], logprobs=True) for i in active]

@@ -16,6 +16,7 @@ def plan_arrays(tokens: int, seqs: int, width: int, rng: np.random.Generator) ->
         "positions": rng.integers(0, 500, tokens).astype(np.int32),
         "slot_mapping": rng.integers(0, 4096, tokens).astype(np.int64),
         "prompt_targets": rng.integers(-1, 1000, tokens).astype(np.int32),
+        "prev_rows": rng.integers(-1, seqs, tokens).astype(np.int32),
         "query_start_loc": np.array([0, *q, tokens], np.int32),
         "seq_lens": rng.integers(1, 500, seqs).astype(np.int32),
         "block_tables": rng.integers(1, 64, (seqs, width)).astype(np.int32),
@@ -55,6 +56,7 @@ def test_padded_rows_are_neutral_never_stale():
     assert views["input_ids"].shape == (16,) and views["seq_lens"].shape == (4,)
     assert views["slot_mapping"][10:].eq(-1).all()  # padding tokens write no KV
     assert views["prompt_targets"][10:].eq(-1).all()
+    assert views["prev_rows"][10:].eq(-1).all()
     assert views["seq_lens"][2:].eq(0).all()  # padding rows attend nothing
     assert views["query_start_loc"].tolist() == [*small["query_start_loc"].tolist(), 10, 10]
     assert views["block_tables"].shape == (4, 6)

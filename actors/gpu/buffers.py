@@ -48,6 +48,7 @@ def step_fields(max_blocks_per_seq: int) -> dict[str, Field]:
         "positions": Field(i32, "tokens"),
         "slot_mapping": Field(i64, "tokens", pad=-1),
         "prompt_targets": Field(i32, "tokens", pad=-1),
+        "prev_rows": Field(i32, "tokens", pad=-1),
         "query_start_loc": Field(i32, "seqs+1"),  # padded with its last value: empty rows
         "seq_lens": Field(i32, "seqs"),
         "block_tables": Field(i32, "seqs", width=max_blocks_per_seq),

@@ -121,6 +121,10 @@ class ModelWorker:
         self.graphs: StepGraphs | None = None  # None: every step eager
         self.static_kv = False  # static_kv_memory_pointers: only persist mode may suspend
         self._logits: torch.Tensor | None = None  # [max_requests, V] fp32, the graphs' output
+        # The last step's sampled tokens, on the device at a fixed address: a plan's prev_rows
+        # read them. _prev_sampled: that step's rows that sampled (host copy), for the checks.
+        self._sampled: torch.Tensor | None = None  # [max_requests] int64
+        self._prev_sampled = np.zeros(0, dtype=bool)
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
 
     def load(self, msg: LoadModel) -> ModelLoaded:
@@ -152,6 +156,8 @@ class ModelWorker:
         self._kv_shape, self._kv_offloaded = tuple(self.kv_cache.shape), None
         self.static_kv = msg.static_kv_memory_pointers
         self.graphs = None
+        self._sampled = torch.zeros(msg.max_requests, dtype=torch.int64, device=self.device)
+        self._prev_sampled = np.zeros(0, dtype=bool)
         sizes = msg.cuda_graph_decode_sizes, msg.cuda_graph_mixed_sizes
         if any(sizes):
             if self.device.type != "cuda":
@@ -186,6 +192,7 @@ class ModelWorker:
         if self.suspend_mode is not None:
             return StepResult(plan.step, token_ids, "the gpu worker is suspended", 0.0)
         num_seqs = len(plan.seq_lens)
+        self._check_prev_rows(plan)
         bucket = None
         if self.graphs is not None and not (plan.prompt_targets >= 0).any():
             all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
@@ -211,8 +218,10 @@ class ModelWorker:
             last = inputs["query_start_loc"][1:].long() - 1
             logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
         tokens = self._sample(plan, inputs, logits)  # [B]
+        self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         if on_cuda:
             ended.record()  # the step's device work, unless log-probs add more below
+        self._prev_sampled = plan.sample != 0
         rows = np.flatnonzero(plan.sample)
         token_ids[rows] = tokens.cpu().numpy()[rows]
         n = int(plan.top_n.max(initial=0))
@@ -243,7 +252,38 @@ class ModelWorker:
             block_tables=inputs["block_tables"],
             slot_mapping=inputs["slot_mapping"],
         ).with_layout(plan.query_start_loc, plan.seq_lens, self.block_size)
-        return self.model(inputs["input_ids"], inputs["positions"], attn, self.kv_cache)
+        ids = inputs["input_ids"]
+        if len(plan.prev_rows):  # only then: the gather costs launches
+            ids = self._ids_with_previous_tokens(inputs)
+        return self.model(ids, inputs["positions"], attn, self.kv_cache)
+
+    def _ids_with_previous_tokens(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """input_ids, where prev_rows says so replaced by the last step's sampled tokens (on
+        the device: no host round trip). [T] int64."""
+        prev = inputs["prev_rows"]
+        previous = self._sampled[prev.clamp(min=0).long()]
+        return torch.where(prev >= 0, previous, inputs["input_ids"].long())
+
+    def _check_prev_rows(self, plan: StepPlan) -> None:
+        """prev_rows must name rows the previous step had and sampled (ValueError)."""
+        prev = plan.prev_rows
+        if not len(prev):
+            return
+        if len(prev) != len(plan.input_ids):
+            raise ValueError(
+                f"prev_rows has {len(prev)} entries for {len(plan.input_ids)} input tokens"
+            )
+        if prev.min() < -1:
+            raise ValueError(f"prev_rows must be -1 or a row index, got {int(prev.min())}")
+        wanted = prev[prev >= 0]
+        if len(wanted) and (
+            wanted.max() >= len(self._prev_sampled) or not self._prev_sampled[wanted].all()
+        ):
+            sampled = np.flatnonzero(self._prev_sampled)[:8].tolist()
+            raise ValueError(
+                f"prev_rows {sorted(set(wanted.tolist()))[:8]} name rows the previous step "
+                f"did not sample (it sampled rows {sampled})"
+            )
 
     def _sample(
         self, plan: StepPlan, inputs: dict[str, torch.Tensor], logits: torch.Tensor
@@ -267,7 +307,8 @@ class ModelWorker:
             num_decodes=bucket.seqs if bucket.decode else 0,
             max_query_len=1 if bucket.decode else bucket.tokens,
         )
-        hidden = self.model(inputs["input_ids"], inputs["positions"], attn, self.kv_cache)
+        ids = self._ids_with_previous_tokens(inputs)  # 3 tiny kernels, so always recorded
+        hidden = self.model(ids, inputs["positions"], attn, self.kv_cache)
         # Padding rows repeat the last query start: they read a real row (or row 0).
         last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
         self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
@@ -390,6 +431,7 @@ class ModelWorker:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the memory back for others (e.g. training)
         self.suspend_mode = msg.mode
+        self._prev_sampled = np.zeros(0, dtype=bool)  # no step after this one reads them
         return self.kv_valid
 
     def _copy_to_host(self) -> torch.Tensor:
@@ -463,5 +505,8 @@ def _as_tensor(values: np.ndarray | torch.Tensor) -> torch.Tensor:
 
 
 def _plan_arrays(plan: StepPlan) -> dict[str, np.ndarray]:
-    """The StepPlan's arrays by StepBuffers field name."""
-    return {name: getattr(plan, name) for name in StepBuffers.FIELD_NAMES}
+    """The StepPlan's arrays by StepBuffers field name (an empty prev_rows: all -1)."""
+    arrays = {name: getattr(plan, name) for name in StepBuffers.FIELD_NAMES}
+    if not len(plan.prev_rows):
+        arrays["prev_rows"] = np.full(len(plan.input_ids), -1, dtype=np.int32)
+    return arrays
