@@ -152,7 +152,7 @@ def test_decode_workload_rows_on_cpu(tmp_path):
 def test_offline_workload_row_on_cpu(tmp_path):
     """ShareGPT-like lengths, every request exactly its own output length on both sides; HF
     timed on the first 4 of 6 requests, and ours again on those for the ratio."""
-    from taipan.bench import sharegpt_like
+    from taipan.workloads import sharegpt_like
 
     rows = _bench_rows(
         tmp_path,
@@ -174,7 +174,7 @@ def test_offline_workload_row_on_cpu(tmp_path):
 
 
 def test_sharegpt_like_lengths_are_seeded_and_clipped():
-    from taipan.bench import sharegpt_like
+    from taipan.workloads import sharegpt_like
 
     prompts, outputs = sharegpt_like(1000, 0, 1024)
     assert (prompts, outputs) == sharegpt_like(1000, 0, 1024)

@@ -1,0 +1,392 @@
+"""The `decode` and `offline` workloads of `taipan bench` (runtime/bench.py owns the CLI, the
+`generate` workload and the results file; tests/perf/NOTES.md defines every figure).
+
+`decode`: per batch B of `--batches`, the decode step time from two timed runs of B prompts of
+`--prompt-len` ids: T1 (1 token: prefill) and TN (1 + `--output-len` tokens), step = (TN - T1) /
+output_len; for ours with CUDA graphs (the default config) and without (`num_cuda_graphs=0`),
+for HF `generate` with its dynamic cache and with a static cache that transformers compiles
+(CUDA only), against the floor: (weight bytes + the batch's KV bytes at mid-generation) / copy
+bandwidth measured on `--copy-gib` GiB. One row per batch.
+
+`offline`: `--num-requests` requests of seeded ShareGPT-like prompt and output lengths
+(`sharegpt_like`), all submitted at once; HF in static batches of `--hf-batch` and with
+continuous batching, on the first `--hf-requests` requests (ours is timed again on those for
+`ours_vs_hf`). One row.
+
+Torch (HF, bandwidth, matmul rate) lives in ops/bench.py; this module imports it lazily.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import sys
+import time
+
+import numpy as np
+
+# Prompt token ids are drawn from [0, 256): valid in every vocabulary we load (byte-level BPE),
+# and a step costs the same whichever ids it runs.
+PROMPT_ID_RANGE = 256
+
+
+def random_prompt(rng, length: int) -> list[int]:
+    return rng.integers(0, PROMPT_ID_RANGE, size=length).tolist()
+
+
+def _with_sets(args, *sets: str):
+    """A copy of `args` whose InferenceConfig gets `sets` (FIELD=VALUE) after the user's own."""
+    out = copy.copy(args)
+    out.set = [*args.set, *sets]
+    return out
+
+
+def _sampling(max_tokens: int):
+    from taipan.messages.requests import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> float:
+    """Seconds from submitting every prompt to the last completion; each must have exactly
+    `max_tokens` tokens (greedy, EOS ignored)."""
+    start = time.perf_counter()
+    done = client.generate(prompts, _sampling(max_tokens))
+    elapsed = time.perf_counter() - start
+    lengths = sorted({len(c.token_ids) for c in done})
+    if lengths != [max_tokens]:
+        raise RuntimeError(f"ours generated {lengths} tokens, not all {max_tokens}")
+    return elapsed
+
+
+def _rank_counters(client) -> tuple[float, int, int]:
+    """(device_seconds_total, steps_total, steps_graphed) of rank 0 (messages/stats.py)."""
+    rank = client.stats().ranks[0]
+    return (
+        getattr(rank, "device_seconds_total", 0.0),
+        getattr(rank, "steps_total", 0),
+        getattr(rank, "steps_graphed", 0),
+    )
+
+
+def _optional(name: str, fn, errors: dict):
+    """Run one optional mode (an HF mode, ours without CUDA graphs); a failure is recorded as
+    `<name>_error` (and printed), not fatal: the rows keep every other figure."""
+    try:
+        return fn()
+    except Exception as exc:  # transformers raises many kinds; the row says which
+        errors[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+        print(f"taipan bench: {name} failed: {exc!r}", file=sys.stderr)
+        return None
+
+
+def _rounded(row: dict) -> dict:
+    """Floats to 5 significant digits (a floor of 0.013 ms and a rate of 3000 GB/s alike)."""
+    return {k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()}
+
+
+# ---- decode: step time at batch B vs the floor -----------------------------------------------
+
+
+def _decode_prompts(args, batches: list[int]) -> dict[int, dict[str, list[list[int]]]]:
+    """Per batch: "warmup", "t1" and "tn" runs of B prompts of --prompt-len ids each, every run
+    its own prompts (so no run can reuse another's KV, whatever the config says)."""
+    runs = {}
+    for b in batches:
+        runs[b] = {}
+        for i, name in enumerate(("warmup", "t1", "tn")):
+            rng = np.random.default_rng([args.seed, b, i])
+            runs[b][name] = [random_prompt(rng, args.prompt_len) for _ in range(b)]
+    return runs
+
+
+def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
+    """Per batch: T1 (max_tokens=1: prefill and one token) and TN (1 + output_len tokens) through
+    the real runtime; step = (TN - T1) / output_len. Over TN: the GPU's idle share (1 - the
+    device time of the steps / wall time) and the share of steps run from a CUDA graph."""
+    from taipan.client import Client
+    from taipan.launcher import runtime_from_args
+
+    out = {}
+    with runtime_from_args(args) as rt, Client(rt.address) as client:
+        for b, prompts in runs.items():
+            client.generate(prompts["warmup"], _sampling(4))  # this batch's shapes, once
+            t1 = _timed_generate(client, prompts["t1"], 1)
+            dev0, steps0, graphed0 = _rank_counters(client)
+            tn = _timed_generate(client, prompts["tn"], 1 + output_len)
+            dev1, steps1, graphed1 = _rank_counters(client)
+            out[b] = {
+                "t1_s": t1,
+                "tn_s": tn,
+                "step_ms": 1e3 * (tn - t1) / output_len,
+                "gpu_idle_share": 1 - (dev1 - dev0) / tn,
+                "steps_graphed_share": (graphed1 - graphed0) / max(1, steps1 - steps0),
+            }
+    return out
+
+
+def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict) -> dict:
+    """{mode: {batch: {"t1_s", "tn_s", "step_ms"}}} for HF's `hf` (dynamic cache) and
+    `hf_static` (static cache, compiled by transformers: CUDA only) modes."""
+    import torch
+
+    from taipan.ops import bench as torch_side
+
+    model = torch_side.load_hf(model_path, getattr(torch, args.dtype), args.device)
+    modes = {"hf": False}
+    if args.device.startswith("cuda"):
+        modes["hf_static"] = True
+    return {
+        mode: _optional(mode, lambda s=static: _hf_decode(model, runs, output_len, s), errors)
+        for mode, static in modes.items()
+    }
+
+
+def _hf_decode(model, runs: dict, output_len: int, static: bool) -> dict[int, dict]:
+    from taipan.ops.bench import hf_decode_seconds
+
+    per_batch = {}
+    for b, prompts in runs.items():
+        t = hf_decode_seconds(model, prompts, output_len, static)
+        step_ms = 1e3 * (t["tn"] - t["t1"]) / output_len
+        per_batch[b] = {"t1_s": t["t1"], "tn_s": t["tn"], "step_ms": step_ms}
+    return per_batch
+
+
+def _decode_batches(args) -> list[int]:
+    try:
+        batches = sorted({int(b) for b in args.batches.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(
+            f"--batches must be comma-separated integers, got {args.batches!r}"
+        ) from None
+    if not batches or batches[0] < 1:
+        raise ValueError(f"--batches must be >= 1, got {args.batches!r}")
+    return batches
+
+
+def _decode_config_sets(args, batches: list[int]) -> list[str]:
+    """Every decode batch must fit in one step: max_requests >= the largest batch."""
+    from taipan.actors.config import InferenceConfig
+
+    config = InferenceConfig.from_cli(args.config, args.set)
+    if config.max_requests is None:
+        return [f"max_requests={batches[-1]}"]
+    if config.max_requests < batches[-1]:
+        raise ValueError(
+            f"max_requests ({config.max_requests}) is below the largest batch ({batches[-1]})"
+        )
+    return []
+
+
+def decode_workload(args) -> list[dict]:
+    import torch
+
+    from taipan.models import resolve
+    from taipan.ops import bench as torch_side
+
+    args.output_len = args.output_len or 128
+    if args.prompt_len < 1 or args.output_len < 1:
+        raise ValueError("--prompt-len and --output-len must be >= 1")
+    batches = _decode_batches(args)
+    name, model_path = resolve(args.model)
+    runs = _decode_prompts(args, batches)
+    cuda = args.device.startswith("cuda")
+    sets = _decode_config_sets(args, batches)
+    errors: dict = {}
+    # Ours first: its engine process must have the GPU to itself.
+    ours = {
+        "graphs" if cuda else "eager": _ours_decode(_with_sets(args, *sets), runs, args.output_len)
+    }
+    if cuda:  # the same runtime with CUDA graphs off (0 = eager steps)
+        eager = _with_sets(args, *sets, "num_cuda_graphs=0")
+        ours["eager"] = _optional(
+            "ours_eager", lambda: _ours_decode(eager, runs, args.output_len), errors
+        )
+    dtype = getattr(torch, args.dtype)
+    hw = torch_side.model_bytes(model_path, dtype)
+    hw["copy_gb_s"] = torch_side.copy_bandwidth(args.device, args.copy_gib) / 1e9
+    hw["matmul_tflop_s"] = torch_side.matmul_rate(args.device, dtype) / 1e12
+    hf = {} if args.no_hf else _decode_hf(args, model_path, runs, args.output_len, errors)
+    common = {
+        "workload": "decode",
+        "model": name,
+        "gpu": torch_side.gpu_name(args.device),
+        "dtype": args.dtype,
+        "device": args.device,
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        **errors,
+    }
+    return [_rounded(_decode_row(args, dict(common, batch=b), b, ours, hf, hw)) for b in batches]
+
+
+def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict:
+    """Every figure of batch b, the floor, and the ratios."""
+    for mode, per_batch in [*ours.items(), *hf.items()]:
+        if per_batch is None:
+            continue
+        prefix = f"ours_{mode}" if mode in ("graphs", "eager") else mode
+        r = per_batch[b]
+        row.update({f"{prefix}_ms": r["step_ms"], f"{prefix}_t1_s": r["t1_s"]})
+        row[f"{prefix}_tn_s"] = r["tn_s"]
+        if "gpu_idle_share" in r:
+            row[f"{prefix}_gpu_idle_share"] = r["gpu_idle_share"]
+            row[f"{prefix}_steps_graphed_share"] = r["steps_graphed_share"]
+    main = "graphs" if "graphs" in ours else "eager"
+    row["ours_step_ms"] = step = row[f"ours_{main}_ms"]
+    row["ours_output_tok_s"] = 1e3 * b / step if step > 0 else None
+    row["gpu_idle_share"] = row[f"ours_{main}_gpu_idle_share"]
+    row["steps_graphed_share"] = row[f"ours_{main}_steps_graphed_share"]
+    if main == "eager":
+        row["graphs_skipped"] = "needs CUDA: one eager run (CUDA graphs exist only on CUDA)"
+    elif row.get("ours_eager_ms"):
+        row["graphs_speedup"] = row["ours_eager_ms"] / step
+    # The floor: one step reads the weights once and the batch's KV at mid-generation.
+    context = args.prompt_len + args.output_len / 2
+    kv_bytes = b * context * hw["kv_bytes_per_token"]
+    row.update(
+        params=hw["params"],
+        weight_bytes=hw["weight_bytes"],
+        kv_bytes=int(kv_bytes),
+        copy_gib=args.copy_gib,
+        copy_gb_s=hw["copy_gb_s"],
+        floor_ms=1e3 * (hw["weight_bytes"] + kv_bytes) / (hw["copy_gb_s"] * 1e9),
+        matmul_tflop_s=hw["matmul_tflop_s"],
+        # 2 FLOPs per weight read and token (attention's own FLOPs left out: small here).
+        compute_floor_ms=1e3 * 2 * hw["read_params"] * b / (hw["matmul_tflop_s"] * 1e12),
+    )
+    row["step_vs_floor"] = step / row["floor_ms"]
+    if not args.device.startswith("cuda"):
+        row["hf_static_skipped"] = "needs CUDA (transformers compiles static-cache decode there)"
+    hf_steps = {m: row[f"{m}_ms"] for m in ("hf", "hf_static") if f"{m}_ms" in row}
+    if hf_steps:
+        best = min(hf_steps, key=hf_steps.get)
+        row.update(hf_best=best, hf_best_ms=hf_steps[best], ours_vs_hf=hf_steps[best] / step)
+    return row
+
+
+# ---- offline: many requests of their own lengths ---------------------------------------------
+
+# ShareGPT-like lengths (tokens), seeded: lognormal with median 200 and sigma 1.0 (mean ~330,
+# a long right tail) for prompts and for outputs, rounded and clipped to [4, --max-len].
+SHAREGPT_MEDIAN, SHAREGPT_SIGMA, MIN_LEN = 200, 1.0, 4
+
+
+def sharegpt_like(n: int, seed: int, max_len: int) -> tuple[list[list[int]], list[int]]:
+    """n (prompt token ids, output length) pairs, the same for the same (n, seed, max_len)."""
+    rng = np.random.default_rng([seed, 0])
+
+    def lengths() -> list[int]:
+        raw = rng.lognormal(math.log(SHAREGPT_MEDIAN), SHAREGPT_SIGMA, n)
+        return np.clip(np.rint(raw), MIN_LEN, max_len).astype(int).tolist()
+
+    prompt_lens, output_lens = lengths(), lengths()
+    ids = np.random.default_rng([seed, 1])
+    return [random_prompt(ids, p) for p in prompt_lens], output_lens
+
+
+async def _submit_all(address: str, prompts: list[list[int]], output_lens: list[int]) -> float:
+    """Every request submitted at once, each with its own max_tokens; seconds to the last."""
+    from taipan.client import AsyncClient
+
+    async with AsyncClient(address) as client:
+        await client.generate([prompts[0][:8]], _sampling(2))  # warm-up
+        start = time.perf_counter()
+        done = await asyncio.gather(
+            *(client.generate(p, _sampling(n)) for p, n in zip(prompts, output_lens, strict=True))
+        )
+        elapsed = time.perf_counter() - start
+    got = [len(c.token_ids) for [c] in done]
+    if got != output_lens:
+        raise RuntimeError("ours generated other token counts than each request asked for")
+    return elapsed
+
+
+def _offline_hf(args, model_path: str, prompts, output_lens, errors: dict) -> dict:
+    """Seconds of HF's `hf_generate` (static batches of --hf-batch) and `hf_continuous`
+    (continuous batching) modes on the given requests."""
+    import torch
+
+    from taipan.ops import bench as torch_side
+
+    model = torch_side.load_hf(model_path, getattr(torch, args.dtype), args.device)
+    out = {
+        "hf_generate": _optional(
+            "hf_generate",
+            lambda: torch_side.hf_static_batches_seconds(
+                model, prompts, output_lens, args.hf_batch
+            ),
+            errors,
+        ),
+        "hf_continuous": _optional(
+            "hf_continuous",
+            lambda: torch_side.hf_continuous_seconds(model, prompts, output_lens),
+            errors,
+        ),
+    }
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def offline_workload(args) -> list[dict]:
+    from taipan.actors.config import InferenceConfig
+    from taipan.launcher import runtime_from_args
+    from taipan.models import resolve
+    from taipan.ops.bench import gpu_name
+
+    n, max_len = args.num_requests, args.max_len
+    if n < 1 or max_len < MIN_LEN or args.hf_batch < 1:
+        raise ValueError(f"--num-requests and --hf-batch must be >= 1, --max-len >= {MIN_LEN}")
+    config = InferenceConfig.from_cli(args.config, args.set)
+    if 2 * max_len > config.max_sequence_length:
+        raise ValueError(
+            f"--max-len {max_len}: a request may need {2 * max_len} tokens, above "
+            f"max_sequence_length ({config.max_sequence_length}); --set max_sequence_length=..."
+        )
+    k = min(n, args.hf_requests or n)
+    name, model_path = resolve(args.model)
+    prompts, output_lens = sharegpt_like(n, args.seed, max_len)
+    with runtime_from_args(args) as rt:
+        ours = {"all": asyncio.run(_submit_all(rt.address, prompts, output_lens))}
+        if k < n:  # the ratio compares the same requests
+            ours["k"] = asyncio.run(_submit_all(rt.address, prompts[:k], output_lens[:k]))
+    errors: dict = {}
+    hf = {}
+    if not args.no_hf:
+        hf = _offline_hf(args, model_path, prompts[:k], output_lens[:k], errors)
+    row = {
+        "workload": "offline",
+        "model": name,
+        "gpu": gpu_name(args.device),
+        "batch": None,  # no fixed batch: the scheduler's (ours) and HF's own choices
+        "dtype": args.dtype,
+        "device": args.device,
+        "num_requests": n,
+        "lengths": f"lognormal median {SHAREGPT_MEDIAN} sigma {SHAREGPT_SIGMA}, "
+        f"[{MIN_LEN}, {max_len}], seed {args.seed}",
+        "prompt_tokens": sum(map(len, prompts)),
+        "output_tokens": sum(output_lens),
+        "ours_seconds": ours["all"],
+        "ours_output_tok_s": sum(output_lens) / ours["all"],
+        "ours_total_tok_s": (sum(output_lens) + sum(map(len, prompts))) / ours["all"],
+        "hf_requests": k,
+        "hf_batch": args.hf_batch,
+        **errors,
+    }
+    return [_rounded(_offline_ratios(row, ours, hf, output_lens[:k]))]
+
+
+def _offline_ratios(row: dict, ours: dict, hf: dict, hf_output_lens: list[int]) -> dict:
+    out_tokens = sum(hf_output_lens)
+    ours_k = ours.get("k", ours["all"])
+    if "k" in ours:
+        row["note"] = f"HF timed on the first {row['hf_requests']} requests; ours_vs_hf on those"
+        row.update(ours_k_seconds=ours_k, ours_k_output_tok_s=out_tokens / ours_k)
+    for mode, seconds in hf.items():
+        row.update({f"{mode}_seconds": seconds, f"{mode}_output_tok_s": out_tokens / seconds})
+    if hf:
+        best = min(hf, key=hf.get)
+        row.update(hf_best=best, hf_best_output_tok_s=out_tokens / hf[best])
+        row["ours_vs_hf"] = hf[best] / ours_k  # (ours tok/s) / (HF's faster tok/s)
+    return row
