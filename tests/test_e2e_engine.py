@@ -57,7 +57,12 @@ def test_tiny_pool_pauses_and_evicts_with_identical_outputs(model_path, hf, expe
         extra["paused_buffer_size_gb"] = blocks_gb(hf, 1)
     with Runtime(model_path, tiny_pool(hf, **extra)) as rt, Client(rt.address) as c:
         done = c.generate(PROMPTS, GREEDY)
-        [stats] = c.stats().ranks
+        # The last request's blocks come back with the step after its end, which the idle
+        # engine runs at once, but a stats query may arrive first: wait for it (stats() is a
+        # round trip to the engine, so no sleep).
+        finished = time.monotonic()
+        while (stats := c.stats().ranks[0]).blocks_free != 8:
+            assert time.monotonic() - finished < 5.0, stats
     assert [d.token_ids for d in done] == expected
     assert stats.num_blocks == 8 and stats.blocks_free == 8
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats
