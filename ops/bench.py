@@ -48,10 +48,11 @@ def _import_transformers():
     return transformers
 
 
-def load_hf(model_path: str, dtype: torch.dtype, device: str):
+def load_hf(model_path: str, dtype: str | torch.dtype, device: str):
     """transformers' LlamaForCausalLM for a GGUF file, an HF directory or `random:<shape>`
     (`hf_random_llama`: our random weights), in eval mode, never stopping at EOS."""
     transformers = _import_transformers()
+    dtype = as_dtype(dtype)
     if model_path.startswith(RANDOM_PREFIX):
         model = hf_random_llama(model_path, dtype, device)
     elif model_path.endswith(".gguf"):
@@ -156,7 +157,7 @@ def hf_generate(
     args, model_path: str, prompt_ids: list[list[int]]
 ) -> tuple[float, list[list[int]]]:
     """The `generate-NxM` workload: one static batch, left-padded, `args.output_len` tokens."""
-    model = load_hf(model_path, getattr(torch, args.dtype), args.device)
+    model = load_hf(model_path, args.dtype, args.device)
     with torch.inference_mode():
         _generate(model, prompt_ids[:2], 2)  # warm-up
         _sync(args.device)
@@ -276,41 +277,48 @@ def hf_continuous_seconds(model, prompts: list[list[int]], output_lens: list[int
 # ---- the hardware ----------------------------------------------------------------------------
 
 
+def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """A torch dtype from its name ("bfloat16"), so runtime/ callers need not import torch."""
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def _best_seconds(device: str, fn, reps: int) -> float:
+    """The shortest of `reps` timed calls of `fn`, the device synchronised around each."""
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def copy_bandwidth(device: str, gib: float, reps: int = 10) -> float:
     """Bytes/s of `dst.copy_(src)` on `gib` GiB buffers (read + write bytes), best of `reps`."""
     n = int(gib * GIB) // 4
     src = torch.randn(n, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)  # preallocated: time the copy, not page faults
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * src.numel() * 4 / best
+    return 2 * src.numel() * 4 / _best_seconds(device, lambda: dst.copy_(src), reps)
 
 
-def matmul_rate(device: str, dtype: torch.dtype, reps: int = 5) -> float:
-    """FLOP/s of an n x n matmul in `dtype` (n = 8192 on CUDA, 1024 elsewhere), best of `reps`."""
-    n = 8192 if device.startswith("cuda") else 1024
-    a = torch.randn(n, n, dtype=dtype, device=device)
-    b = torch.randn(n, n, dtype=dtype, device=device)
+def matmul_rate(
+    device: str, dtype: str | torch.dtype, reps: int = 5, n: int | None = None
+) -> float:
+    """FLOP/s of an n x n matmul in `dtype` (default n = 8192 on CUDA, 1024 elsewhere), best of
+    `reps` after a warm-up."""
+    n = n or (8192 if device.startswith("cuda") else 1024)
+    a = torch.randn(n, n, dtype=as_dtype(dtype), device=device)
+    b = torch.randn(n, n, dtype=as_dtype(dtype), device=device)
     a @ b  # warm-up (cuBLAS handle, heuristics)
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        a @ b
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    return 2 * n**3 / _best_seconds(device, lambda: a @ b, reps)
 
 
-def model_bytes(model_path: str, dtype: torch.dtype) -> dict:
+def model_bytes(model_path: str, dtype: str | torch.dtype) -> dict:
     """What one decode step must read: `weight_bytes` (every parameter, except an untied input
     embedding, of which a step reads only its batch's rows) and `kv_bytes_per_token` (keys and
     values of every layer); `params` counts every parameter, `read_params` those read."""
+    dtype = as_dtype(dtype)
     if model_path.startswith(RANDOM_PREFIX):
         config = random_config(model_path)
         with torch.device("meta"):
@@ -331,29 +339,13 @@ def model_bytes(model_path: str, dtype: torch.dtype) -> dict:
 
 def hardware_limit(args, model_path: str, batch: int) -> dict:
     """Measured peak matmul rate and copy bandwidth, and the decode floor they imply."""
-    dtype = getattr(torch, args.dtype)
+    dtype = as_dtype(args.dtype)
     model, _, _ = load_model(model_path, dtype=dtype, device=args.device)
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     del model
-    n = 2048
-    a = torch.randn(n, n, dtype=dtype, device=args.device)
-    b = torch.randn(n, n, dtype=dtype, device=args.device)
-    src = torch.randn(64 * 1024 * 1024 // 4, dtype=torch.float32, device=args.device)
-    dst = torch.empty_like(src)  # preallocated: time the copy, not page faults
-
-    def best(fn, reps=5):
-        times = []
-        for _ in range(reps):
-            _sync(args.device)
-            t = time.perf_counter()
-            fn()
-            _sync(args.device)
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    flops = 2 * n**3 / best(lambda: a @ b)
-    bandwidth = 2 * src.numel() * 4 / best(lambda: dst.copy_(src))
+    flops = matmul_rate(args.device, dtype, n=2048)
+    bandwidth = copy_bandwidth(args.device, 1 / 16, reps=5)  # 64 MiB buffers
     # One decode step of `batch` sequences: 2*params FLOPs per token, the weights read once.
     step = max(2 * params * batch / flops, weight_bytes / bandwidth)
     out = {

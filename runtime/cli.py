@@ -40,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
@@ -96,6 +97,7 @@ def cmd_generate(args) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )

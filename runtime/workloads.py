@@ -13,7 +13,8 @@ bandwidth measured on `--copy-gib` GiB. One row per batch.
 continuous batching, on the first `--hf-requests` requests (ours is timed again on those for
 `ours_vs_hf`). One row.
 
-Torch (HF, bandwidth, matmul rate) lives in ops/bench.py; this module imports it lazily.
+Torch (HF, bandwidth, matmul rate) lives in ops/bench.py, imported lazily; this module never
+imports torch itself (dtypes travel as their names).
 """
 
 from __future__ import annotations
@@ -129,11 +130,9 @@ def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
 def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict) -> dict:
     """{mode: {batch: {"t1_s", "tn_s", "step_ms"}}} for HF's `hf` (dynamic cache) and
     `hf_static` (static cache, compiled by transformers: CUDA only) modes."""
-    import torch
-
     from taipan.ops import bench as torch_side
 
-    model = torch_side.load_hf(model_path, getattr(torch, args.dtype), args.device)
+    model = torch_side.load_hf(model_path, args.dtype, args.device)
     modes = {"hf": False}
     if args.device.startswith("cuda"):
         modes["hf_static"] = True
@@ -181,8 +180,6 @@ def _decode_config_sets(args, batches: list[int]) -> list[str]:
 
 
 def decode_workload(args) -> list[dict]:
-    import torch
-
     from taipan.models import resolve
     from taipan.ops import bench as torch_side
 
@@ -204,10 +201,9 @@ def decode_workload(args) -> list[dict]:
         ours["eager"] = _optional(
             "ours_eager", lambda: _ours_decode(eager, runs, args.output_len), errors
         )
-    dtype = getattr(torch, args.dtype)
-    hw = torch_side.model_bytes(model_path, dtype)
+    hw = torch_side.model_bytes(model_path, args.dtype)
     hw["copy_gb_s"] = torch_side.copy_bandwidth(args.device, args.copy_gib) / 1e9
-    hw["matmul_tflop_s"] = torch_side.matmul_rate(args.device, dtype) / 1e12
+    hw["matmul_tflop_s"] = torch_side.matmul_rate(args.device, args.dtype) / 1e12
     hf = {} if args.no_hf else _decode_hf(args, model_path, runs, args.output_len, errors)
     common = {
         "workload": "decode",
@@ -307,11 +303,9 @@ async def _submit_all(address: str, prompts: list[list[int]], output_lens: list[
 def _offline_hf(args, model_path: str, prompts, output_lens, errors: dict) -> dict:
     """Seconds of HF's `hf_generate` (static batches of --hf-batch) and `hf_continuous`
     (continuous batching) modes on the given requests."""
-    import torch
-
     from taipan.ops import bench as torch_side
 
-    model = torch_side.load_hf(model_path, getattr(torch, args.dtype), args.device)
+    model = torch_side.load_hf(model_path, args.dtype, args.device)
     out = {
         "hf_generate": _optional(
             "hf_generate",

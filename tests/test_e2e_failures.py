@@ -260,3 +260,10 @@ def test_default_config_suspend_cycles_mid_generation_keep_greedy_tokens(tmp_pat
     # The CPU default takes a fifth of the available memory at most, never most of RAM.
     assert float(banner.group(2)) * 1024**2 <= 0.2 * total_kib
     assert "sized_by='CPU default: 20% of" in stderr  # the start-up log says where it came from
+
+
+def test_generate_min_p_reaches_the_sampling_check():
+    """--min-p is passed on, not dropped: out of range, it is refused before anything starts."""
+    cmd = [sys.executable, "-m", "taipan.cli", "generate", "--prompt", "hi", "--min-p", "1.5"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "min_p must be in [0, 1], got 1.5" in done.stderr
