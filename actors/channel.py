@@ -127,6 +127,12 @@ class Channel:
             frames = [to, *frames]
         await self.sock.send_multipart(frames, copy=len(frames) < 3)
 
+    def record_only(self, msg) -> None:
+        """Record `msg` as sent on this channel without sending it: a decision the log must
+        show though no peer needs it (the engine's empty plans, messages.gpu.NoStep)."""
+        if self.recorder is not None:
+            self.recorder.write("out", self.name, None, encode(msg), time.time())
+
     async def recv(self) -> Envelope:
         if self.monitor is None:
             return self._envelope(await self.sock.recv_multipart(copy=False))

@@ -86,6 +86,9 @@ class InferenceConfig:
     use_synchronous_zmq_collectives: bool = False
     disable_ep_consensus: bool = False
     ep_consensus_interval: int = 20
+    # taipan's own (not in Megatron's InferenceConfig): plan step N+1 while step N runs, as
+    # vLLM's async scheduling and SGLang's overlap scheduler; False: plan, run, apply, repeat.
+    overlap_steps: bool = True
     verbose: dataclasses.InitVar[bool] = False
 
     def __post_init__(self, verbose: bool):

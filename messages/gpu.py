@@ -170,3 +170,13 @@ class GpuControlReply:
     error: str | None
     kv_valid: bool
     weight_version: int
+
+
+@message(126)
+class NoStep:
+    """Never sent: the engine records it in its log, on its gpu channel, when it planned and
+    found nothing to run (no chunk, no block to free). Such a plan can still change the
+    scheduler (an abort ends, a request pauses), so `taipan replay --check` must replay it at
+    the same point; `step` is the number of the last step planned before it."""
+
+    step: int

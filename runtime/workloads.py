@@ -3,8 +3,8 @@
 
 `decode`: per batch B of `--batches`, the decode step time from two timed runs of B prompts of
 `--prompt-len` ids: T1 (1 token: prefill) and TN (1 + `--output-len` tokens), step = (TN - T1) /
-output_len; for ours with CUDA graphs (the default config) and without (`num_cuda_graphs=0`),
-for HF `generate` with its dynamic cache and with a static cache that transformers compiles
+output_len; for ours with CUDA graphs and overlapping steps (the default config), without graphs
+(`num_cuda_graphs=0`) and without overlap (`overlap_steps=false`), for HF `generate` with its dynamic cache and with a static cache that transformers compiles
 (CUDA only), against the floor: (weight bytes + the batch's KV bytes at mid-generation) / copy
 bandwidth measured on `--copy-gib` GiB. One row per batch.
 
@@ -196,10 +196,14 @@ def decode_workload(args) -> list[dict]:
     ours = {
         "graphs" if cuda else "eager": _ours_decode(_with_sets(args, *sets), runs, args.output_len)
     }
-    if cuda:  # the same runtime with CUDA graphs off (0 = eager steps)
+    if cuda:  # the same runtime with CUDA graphs off (0 = eager steps), and not overlapping
         eager = _with_sets(args, *sets, "num_cuda_graphs=0")
         ours["eager"] = _optional(
             "ours_eager", lambda: _ours_decode(eager, runs, args.output_len), errors
+        )
+        serial = _with_sets(args, *sets, "overlap_steps=false")
+        ours["serial"] = _optional(
+            "ours_serial", lambda: _ours_decode(serial, runs, args.output_len), errors
         )
     hw = torch_side.model_bytes(model_path, args.dtype)
     hw["copy_gb_s"] = torch_side.copy_bandwidth(args.device, args.copy_gib) / 1e9
@@ -223,7 +227,7 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
     for mode, per_batch in [*ours.items(), *hf.items()]:
         if per_batch is None:
             continue
-        prefix = f"ours_{mode}" if mode in ("graphs", "eager") else mode
+        prefix = f"ours_{mode}" if mode in ("graphs", "eager", "serial") else mode
         r = per_batch[b]
         row.update({f"{prefix}_ms": r["step_ms"], f"{prefix}_t1_s": r["t1_s"]})
         row[f"{prefix}_tn_s"] = r["tn_s"]
@@ -237,8 +241,11 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
     row["steps_graphed_share"] = row[f"ours_{main}_steps_graphed_share"]
     if main == "eager":
         row["graphs_skipped"] = "needs CUDA: one eager run (CUDA graphs exist only on CUDA)"
-    elif row.get("ours_eager_ms"):
-        row["graphs_speedup"] = row["ours_eager_ms"] / step
+    else:
+        if row.get("ours_eager_ms"):
+            row["graphs_speedup"] = row["ours_eager_ms"] / step
+        if row.get("ours_serial_ms"):
+            row["overlap_speedup"] = row["ours_serial_ms"] / step
     # The floor: one step reads the weights once and the batch's KV at mid-generation.
     context = args.prompt_len + args.output_len / 2
     kv_bytes = b * context * hw["kv_bytes_per_token"]

@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import pytest
 
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine import plan as P
 from taipan.actors.engine.check import EngineReplay
-from taipan.messages.allocator import AllocatorReady, BlockOpsReply
+from taipan.messages.allocator import AllocatorReady
 from taipan.messages.codec import encode
 from taipan.messages.gpu import ModelLoaded, StepResult
 from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
@@ -28,49 +29,28 @@ LOADED = ModelLoaded("m", 6, 2, 2000, 64, "{}", (), 1)
 class RecordingHarness(Harness):
     """Writes the engine's side of every exchange as (direction, channel, msg, time)."""
 
-    def __init__(self):
+    def __init__(self, overlap: bool = False):
         plan = P.runtime_plan(CONFIG, LOADED, AllocatorReady(6, 6))
-        super().__init__(plan, chunked=False)
+        super().__init__(plan, chunked=False, overlap=overlap)
         self.sched = P.new_scheduler(CONFIG, plan)
         self.records = [("in", "gpu", LOADED, 0.0), ("in", "allocator", AllocatorReady(6, 6), 0.0)]
 
+    def record(self, direction: str, channel: str, msg) -> None:
+        self.records.append((direction, channel, msg, self.now))
+
     def submit(self, req):
         msg = EngineSubmit(req.request_id, req.prompt, req.sampling, False, req.arrival_time)
-        self.records.append(("in", "coordinator", msg, self.now))
+        self.record("in", "coordinator", msg)
         new, _ = P.submission(self.sched, LOADED.vocab_size, msg)
         self.sched.add(new, self.now)
         self.added[new.request_id] = new
 
-    def abort(self, rid: int, in_flight: bool = True) -> None:
-        self.records.append(("in", "coordinator", AbortRequest(rid), self.now))
-        super().abort(rid, in_flight)
+    def abort(self, rid: int) -> None:
+        self.record("in", "coordinator", AbortRequest(rid))
+        super().abort(rid)
 
     def sent(self, outputs) -> None:
-        self.records.append(("out", "coordinator", StepOutputs.of(outputs), self.now))
-
-    def step(self, in_flight=lambda: None) -> bool:
-        self.now += 1.0
-        batch = self.sched.schedule(self.now)
-        if not batch.chunks and not batch.free_ids:
-            return False
-        ops = P.block_ops(batch)
-        if ops is not None:
-            self.records.append(("out", "allocator", ops, self.now))
-            allocs = [(c.request.request_id, c.new_blocks) for c in batch.chunks if c.new_blocks]
-            ids, num_free = self.pool.apply(batch.free_ids, allocs)
-            self.now += 0.1
-            reply = BlockOpsReply(batch.step, True, ids, num_free, None)
-            self.records.append(("in", "allocator", reply, self.now))
-            self.sched.assign_blocks(batch, ids, num_free)
-        if batch.chunks:
-            plan = P.step_plan(self.sched, batch)
-            self.records.append(("out", "gpu", plan, self.now))
-            result = self.gpu(batch, self.sched.plan_arrays(batch))
-            in_flight()
-            self.now += 0.5
-            self.records.append(("in", "gpu", result, self.now))
-            self.emit(self.sched.update(batch, result, self.now))
-        return True
+        self.record("out", "coordinator", StepOutputs.of(outputs))
 
 
 def replay(records) -> tuple[str | None, int]:
@@ -85,9 +65,9 @@ def replay(records) -> tuple[str | None, int]:
     return None, checker.steps_checked
 
 
-def workload() -> RecordingHarness:
+def workload(overlap: bool = False) -> RecordingHarness:
     """6 blocks of 2 tokens for 3 requests: pauses and an eviction; one abort in flight."""
-    h = RecordingHarness()
+    h = RecordingHarness(overlap)
     for rid in (1, 2, 3):
         h.submit(make_request(rid, 2, max_tokens=6, return_log_probs=True))
     h.step()
@@ -97,8 +77,9 @@ def workload() -> RecordingHarness:
     return h
 
 
-def test_replay_of_a_faithful_log_has_no_divergence():
-    h = workload()
+@pytest.mark.parametrize("overlap", [False, True])
+def test_replay_of_a_faithful_log_has_no_divergence(overlap):
+    h = workload(overlap)
     what, steps = replay(h.records)
     assert what is None and steps == sum(1 for r in h.records if type(r[2]).__name__ == "StepPlan")
     assert any(r[2].__class__.__name__ == "BlockOps" and not len(r[2].alloc_ids) for r in h.records)
@@ -113,6 +94,17 @@ def test_an_altered_sampled_token_diverges_at_the_next_plan():
     records[i] = (d, ch, dataclasses.replace(msg, token_ids=tokens), t)
     what, _ = replay(records)
     assert what is not None and "StepPlan differs" in what
+
+
+def test_an_altered_sampled_token_diverges_at_the_requests_outputs_with_overlap():
+    records = workload(overlap=True).records
+    i = next(i for i, r in enumerate(records) if isinstance(r[2], StepResult))
+    d, ch, msg, t = records[i]
+    tokens = msg.token_ids.copy()
+    tokens[tokens >= 0] += 1
+    records[i] = (d, ch, dataclasses.replace(msg, token_ids=tokens), t)
+    what, _ = replay(records)
+    assert what is not None and "the engine sent" in what and "replay generates" in what
 
 
 def test_an_abort_moved_out_of_flight_diverges():

@@ -131,11 +131,16 @@ def test_gpu_log_probs_match_hf(model_dir):
         assert all(len(top) == 2 for top in d.top_n_logprobs)
 
 
-@pytest.fixture(scope="module", params=[None, 0], ids=["graphs", "eager"])
+@pytest.fixture(
+    scope="module",
+    params=[(None, True), (None, False), (0, False)],
+    ids=["graphs-overlap", "graphs-serial", "eager-serial"],
+)
 def tiny_pool(model_dir, request):
     """A runtime on CUDA whose 10-block pool makes every pause evict (paused requests may hold
     no block); with CUDA graphs (the default: decode and mixed graphs up to 32 tokens, so the
-    chunked prefills of up to 64 tokens run both ways) and without (num_cuda_graphs=0)."""
+    chunked prefills of up to 64 tokens run both ways) and without (num_cuda_graphs=0); with
+    steps overlapping (the default) and not."""
     import torch
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -143,7 +148,8 @@ def tiny_pool(model_dir, request):
         **dict(CONFIG, buffer_size_gb=_blocks_gb(10, 4), max_tokens=64),
         enable_chunked_prefill=True,
         paused_buffer_size_gb=0.0,
-        num_cuda_graphs=request.param,
+        num_cuda_graphs=request.param[0],
+        overlap_steps=request.param[1],
     )
     with Runtime(model_dir, config, device="cuda") as rt:
         yield rt
@@ -161,7 +167,7 @@ async def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir, ti
         done = await c.generate(PROMPTS, sampling)
         [stats] = (await c.stats()).ranks
     outs = {}
-    for mode in ("offload", "recompute"):
+    for mode in ("persist", "offload", "recompute"):
 
         async def cycle(ac, mode=mode):
             await ac.pause()
@@ -176,7 +182,7 @@ async def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir, ti
     graphed = tiny_pool.config.num_cuda_graphs != 0
     assert (stats.steps_graphed > 0) == graphed and stats.steps_graphed < stats.steps_total
     assert 0 < stats.device_seconds_total
-    assert outs["offload"] == want and outs["recompute"] == want
+    assert outs == {"persist": want, "offload": want, "recompute": want}
 
 
 def test_gpu_offload_checks_host_memory_then_round_trips_through_pinned_memory(

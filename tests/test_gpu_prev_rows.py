@@ -1,16 +1,29 @@
 """StepPlan.prev_rows: a step whose input tokens are the previous step's sampled tokens, taken on
 the device (what lets the engine plan a step before the previous one's tokens reach the host).
-The worker alone on CPU; the CUDA graph path is in tests/test_gpu.py."""
+The worker alone on CPU, then the gpu actor taking the next step before it answers this one;
+the CUDA graph path is in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 
 import numpy as np
 import pytest
+import zmq
+import zmq.asyncio
 
+from taipan.actors.channel import make_socket
+from taipan.actors.gpu.actor import GpuActor
 from taipan.actors.gpu.worker import ModelWorker
-from taipan.messages.gpu import GpuControl, LoadModel
+from taipan.messages.gpu import (
+    GpuControl,
+    GpuControlReply,
+    LoadModel,
+    ModelLoaded,
+    StepResult,
+)
 from tests.random_llama import TINY_SHAPE, make_random_llama
 from tests.test_ops_logprobs import Seq, make_plan
 
@@ -106,3 +119,64 @@ def test_rows_that_did_not_sample_or_a_suspend_leave_nothing_to_read(model_dir):
     seqs = [Seq([0], len(PROMPTS[0]), [1])]
     with pytest.raises(ValueError, match="did not sample"):
         w.step(dataclasses.replace(make_plan(3, seqs), prev_rows=np.asarray([0], np.int32)))
+
+
+# --- the gpu actor: the next step launched before this one is answered ----------------------
+
+
+@contextlib.asynccontextmanager
+async def gpu_actor(model_dir):
+    ctx = zmq.asyncio.Context()
+    addr = f"inproc://gpu-pipeline-{id(ctx)}"
+    served = make_socket(ctx, zmq.PAIR, addr, bind=True, name="engine")
+    engine = make_socket(ctx, zmq.PAIR, addr, bind=False, name="gpu")
+    actor = GpuActor(0, served)
+    task = asyncio.create_task(actor.run())
+    try:
+        await engine.send(LoadModel(model_dir, "float32", "cpu", 16, 8, 1.0, 256, 8, 128))
+        assert isinstance((await engine.recv()).msg, ModelLoaded)
+        yield engine
+    finally:
+        actor.stop()
+        await asyncio.gather(task, return_exceptions=True)
+        served.close()
+        engine.close()
+        ctx.term()
+
+
+@pytest.mark.asyncio
+async def test_the_gpu_actor_takes_the_next_step_before_answering_and_answers_in_order(
+    model_dir,
+):
+    """As an overlapping engine: plan 2 (its ids from plan 1's tokens, on the device) and a
+    control are sent before plan 1's answer is read. Answers come in order, with the tokens a
+    serial worker computes; a step after a failed one cannot read its tokens."""
+    told = _worker(model_dir)
+    first = _prefill(told)
+    seqs = [Seq([first[i]], len(PROMPTS[i]), [i + 1], logprobs=True) for i in (0, 1)]
+    second = told.step(make_plan(2, seqs))
+    blind = dataclasses.replace(
+        make_plan(2, seqs),
+        input_ids=np.zeros(2, np.int32),
+        prev_rows=np.asarray([0, 1], np.int32),
+    )
+    prefill = make_plan(1, [Seq(p, 0, [i + 1], logprobs=True) for i, p in enumerate(PROMPTS)])
+    async with gpu_actor(model_dir) as engine:
+        await engine.send(prefill)
+        await engine.send(blind)
+        await engine.send(GpuControl("suspend", "persist", None, None))
+        replies = [(await asyncio.wait_for(engine.recv(), 30)).msg for _ in range(3)]
+        assert [type(m) for m in replies] == [StepResult, StepResult, GpuControlReply]
+        assert [m.step for m in replies[:2]] == [1, 2] and replies[2].error is None
+        assert replies[0].token_ids.tolist() == first
+        assert replies[1].token_ids.tolist() == second.token_ids.tolist()
+        np.testing.assert_allclose(replies[1].log_probs, second.log_probs, rtol=0, atol=0)
+        await engine.send(GpuControl("resume", None, None, None))
+        assert (await engine.recv()).msg.error is None
+        # A step that fails at launch (a bad prev_rows here) leaves nothing for the next.
+        bad = dataclasses.replace(blind, step=3, prev_rows=np.asarray([5, 5], np.int32))
+        await engine.send(bad)
+        await engine.send(dataclasses.replace(blind, step=4))
+        failed = [(await asyncio.wait_for(engine.recv(), 30)).msg for _ in range(2)]
+        assert [m.step for m in failed] == [3, 4]
+        assert all("did not sample" in m.error for m in failed)

@@ -4,10 +4,14 @@ reads back exactly its own tokens.
 
 The fake gpu samples token (position * 7) % 50 + 10 for the token at `position`, so each request's
 output is known in advance (`expected_output`) whatever the batching, chunking or block layout.
+With `overlap` the harness plans step N+1 before it applies step N's result, as the engine does
+with `overlap_steps`: the fake gpu runs each step when it is sent (in order, as a device stream)
+and takes the input ids `prev_rows` points at from the tokens it sampled in the step before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -17,10 +21,12 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from taipan.actors.config import RuntimePlan
+from taipan.actors.engine import plan as P
 from taipan.actors.engine.actor import output_of
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
-from taipan.messages.gpu import StepResult
+from taipan.messages.allocator import BlockOpsReply
+from taipan.messages.gpu import NoStep, StepResult
 from taipan.messages.requests import SamplingParams
 
 REASONS = {"stop", "length", "abort"}
@@ -62,6 +68,14 @@ def make_request(rid: int, prompt_len: int, max_tokens: int = 4, stream=False, *
     return EngineRequest(rid, prompt, params, stream, arrival_time=float(rid), seed=1000 + rid)
 
 
+def true_tokens(req: EngineRequest, n: int) -> np.ndarray:
+    """The first `n` tokens of the request as the fake gpu makes them: prompt, then the tokens
+    it samples (known before the host sees them)."""
+    p = len(req.prompt)
+    tail = [fake_token(q) for q in range(p, n)]
+    return np.concatenate([req.prompt[:n], np.asarray(tail, dtype=np.int64)]).astype(np.int64)
+
+
 def expected_output(req: EngineRequest, plan: RuntimePlan) -> tuple[list[int], str]:
     """What the request generates with the fake gpu, and why it stops."""
     s, p, out = req.sampling, len(req.prompt), []
@@ -98,10 +112,14 @@ class FakePool:
 
 
 class Harness:
-    """One rank's step loop (EngineActor._step_loop / _run_step) around a real Scheduler."""
+    """One rank's step loop (EngineActor._run_steps) around a real Scheduler."""
 
-    def __init__(self, plan: RuntimePlan, chunked: bool):
+    def __init__(self, plan: RuntimePlan, chunked: bool, overlap: bool = False):
         self.plan = plan
+        self.overlap = overlap
+        self.running: tuple[StepBatch, StepResult] | None = None  # sent, result not applied
+        self.device_sampled = np.zeros(0, dtype=np.int64)  # the fake gpu's last sampled tokens
+        self.device_rows = np.zeros(0, dtype=bool)  # which rows of its last step sampled
         self.sched = Scheduler(plan, chunked, track_paused_events=True)
         self.now = 0.0
         self.pool = FakePool(plan.num_blocks)
@@ -126,10 +144,10 @@ class Harness:
             self.add_order.append(req.request_id)
         return problem
 
-    def abort(self, rid: int, in_flight: bool = True) -> None:
+    def abort(self, rid: int) -> None:
         if rid in self.sched.requests:
             self.abort_called.add(rid)
-        ended = self.sched.abort(rid, in_flight, self.now)
+        ended = self.sched.abort(rid, self.now)
         if ended is not None:
             assert ended.request_id == rid and ended.finish_reason == "abort"
             assert ended.status is Status.FINISHED and ended not in self.sched.waiting
@@ -156,29 +174,61 @@ class Harness:
 
     # --- one step -----------------------------------------------------------------------------
 
+    def record(self, direction: str, channel: str, msg) -> None:
+        """Hook: a message the engine sends or reads, as it would be logged (see
+        tests/test_engine_check.py)."""
+
     def step(self, in_flight: Callable[[], None] = lambda: None) -> bool:
-        """One step loop iteration; False when the engine would go idle."""
+        """One step loop iteration: plan a step and send it, then apply the result of the one
+        sent before it (with `overlap`; else of this one). False when the engine would go idle.
+        The messages are the live engine's, in its order."""
         sched = self.sched
         self.now += 1.0
-        batch = sched.schedule(self.now)
-        self.check_batch(batch)
-        self.emit(batch.ended)
-        if not batch.chunks and not batch.free_ids:
-            return False
-        allocs = [(c.request.request_id, c.new_blocks) for c in batch.chunks if c.new_blocks]
-        block_ids, num_free = self.pool.apply(batch.free_ids, allocs)
-        sched.assign_blocks(batch, block_ids, num_free)
-        self.check_blocks(batch)
-        if not batch.chunks:
-            return True
-        arrays = sched.plan_arrays(batch)
-        self.check_plan(batch, arrays)
-        result = self.gpu(batch, arrays)
+        planned = None
+        if sched.has_work():
+            planned = sched.schedule(self.now)
+            self.check_batch(planned)
+            if not planned.chunks and not planned.free_ids:
+                self.record("out", "gpu", NoStep(planned.step))
+                self.emit(planned.ended)
+                planned = None
+        sent = None
+        if planned is not None:
+            ops = P.block_ops(planned)
+            if ops is not None:
+                self.record("out", "allocator", ops)
+                allocs = [
+                    (c.request.request_id, c.new_blocks) for c in planned.chunks if c.new_blocks
+                ]
+                block_ids, num_free = self.pool.apply(planned.free_ids, allocs)
+                self.now += 0.1
+                reply = BlockOpsReply(planned.step, True, block_ids, num_free, None)
+                self.record("in", "allocator", reply)
+                sched.assign_blocks(planned, block_ids, num_free)
+            self.check_blocks(planned)
+            if planned.chunks:
+                plan = P.step_plan(sched, planned)
+                self.record("out", "gpu", plan)
+                arrays = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
+                self.check_plan(planned, arrays)
+                sent = (planned, self.gpu(planned, arrays))
+            self.emit(planned.ended)
         in_flight()  # messages the actor handles while the forward runs
         self.now += 0.5
-        self.emit(sched.update(batch, result, self.now))
+        collected = self.running is not None
+        if collected:
+            self.collect(*self.running)
+        if sent is not None:
+            self.running = sent
+            if not self.overlap:
+                self.collect(*sent)
+        return planned is not None or collected
+
+    def collect(self, batch: StepBatch, result: StepResult) -> None:
+        self.record("in", "gpu", result)
+        self.emit(self.sched.update(batch, result, self.now))
+        self.running = None
         self.check_after_update()
-        return True
 
     def run(self, max_steps: int = 10_000) -> int:
         for n in range(max_steps):
@@ -194,14 +244,24 @@ class Harness:
         owners = np.repeat(
             [c.request.request_id for c in batch.chunks], np.diff(a["query_start_loc"])
         )
-        self.kv_token[a["slot_mapping"]] = a["input_ids"]
+        ids = a["input_ids"].astype(np.int64)
+        prev = a["prev_rows"]
+        if len(prev):  # as the worker: only rows the previous step sampled
+            assert len(prev) == len(ids) and prev.min() >= -1
+            wanted = prev[prev >= 0]
+            assert len(wanted) and wanted.max() < len(self.device_rows)
+            assert self.device_rows[wanted].all(), "prev_rows names a row that did not sample"
+            ids = np.where(prev >= 0, self.device_sampled[np.maximum(prev, 0)], ids)
+        self.kv_token[a["slot_mapping"]] = ids
         self.kv_owner[a["slot_mapping"]] = owners
         for i, c in enumerate(batch.chunks):
             pos = np.arange(a["seq_lens"][i])
             slots = a["block_tables"][i][pos // bs].astype(np.int64) * bs + pos % bs
             assert (self.kv_owner[slots] == c.request.request_id).all(), "reads another's KV"
-            assert np.array_equal(self.kv_token[slots], c.request.token_slice(0, len(pos)))
+            assert np.array_equal(self.kv_token[slots], true_tokens(c.request, len(pos)))
         toks = [fake_token(int(a["seq_lens"][i])) for i in range(len(batch.chunks))]
+        self.device_sampled = np.asarray(toks, dtype=np.int64)
+        self.device_rows = a["sample"] == 1
         wanted = a["prompt_targets"] >= 0
         for i, c in enumerate(batch.chunks):  # targets are the prompt's next tokens
             lo, hi = a["query_start_loc"][i], a["query_start_loc"][i + 1]
@@ -256,7 +316,7 @@ class Harness:
         assert sched.num_free_blocks == len(self.pool.free)
         for c in batch.chunks:
             r = c.request
-            assert len(r.blocks) * bs >= r.num_computed_tokens + c.num_new_tokens
+            assert len(r.blocks) * bs >= c.start + c.num_new_tokens
         live = [r for r in sched.requests.values() if r.blocks]
         owned = [b for r in live for b in r.blocks]
         assert len(owned) == len(set(owned)), "a block has two owners"
@@ -278,17 +338,28 @@ class Harness:
         for i, c in enumerate(batch.chunks):
             r = c.request
             lo, hi = qsl[i], qsl[i + 1]
-            start, stop = r.num_computed_tokens, r.num_computed_tokens + c.num_new_tokens
+            start, stop = c.start, c.start + c.num_new_tokens
             assert hi - lo == c.num_new_tokens
             pos = a["positions"][lo:hi]
             assert np.array_equal(pos, np.arange(start, stop))
             table = a["block_tables"][i]
             assert np.array_equal(table[: len(r.blocks)], r.blocks)
             assert np.array_equal(a["slot_mapping"][lo:hi], table[pos // bs] * bs + pos % bs)
-            assert np.array_equal(a["input_ids"][lo:hi], r.token_slice(start, stop))
+            known = min(stop, r.num_tokens)  # tokens past it are sampled by the step in flight
+            assert np.array_equal(
+                a["input_ids"][lo : lo + known - start], r.token_slice(start, known)
+            )
+            if known < stop:
+                assert self.overlap and c.num_new_tokens == 1 and a["input_ids"][lo] == 0
+                assert a["prev_rows"][lo] >= 0
+            elif len(a["prev_rows"]):
+                assert (a["prev_rows"][lo:hi] == -1).all()
             assert a["seq_lens"][i] == stop
-            assert a["sample"][i] == (stop == r.num_tokens)
-            assert a["gen_index"][i] == len(r.generated)
+            if a["sample"][i]:  # (planning added the token it samples to num_planned_tokens)
+                assert stop == r.num_planned_tokens - 1
+            else:
+                assert stop < r.num_planned_tokens
+            assert a["gen_index"][i] == len(r.generated) + r.num_pending - a["sample"][i]
             assert a["seeds"][i] == r.seed and a["top_k"][i] == r.sampling.top_k
             assert a["temperature"][i] == np.float32(r.sampling.temperature)
             assert a["top_p"][i] == np.float32(r.sampling.top_p)
@@ -296,7 +367,10 @@ class Harness:
     def check_after_update(self) -> None:
         bs = self.plan.block_size
         for r in self.sched.running:
-            assert r.num_computed_tokens < r.num_tokens
+            if self.overlap:
+                assert r.num_computed_tokens <= r.num_planned_tokens
+            else:
+                assert r.num_computed_tokens < r.num_tokens and not r.num_pending
             assert len(r.blocks) == -(-r.num_computed_tokens // bs), "blocks beyond need"
             assert len(r.generated) < r.sampling.max_tokens
 
@@ -365,7 +439,7 @@ def workloads(draw):
             return_log_probs=draw(st.booleans()),
         )
         requests.append((arrival, abort_at, req))
-    return plan, draw(st.booleans()), requests
+    return plan, draw(st.booleans()), requests, draw(st.booleans())
 
 
 def expected_problem(plan: RuntimePlan, chunked: bool, req: EngineRequest) -> str | None:
@@ -396,8 +470,8 @@ def test_random_workloads_keep_every_invariant_deep(workload):
 
 def check_workload(workload) -> None:
     """Drive the harness through one random workload; every invariant holds at every step."""
-    plan, chunked, requests = workload
-    h = Harness(plan, chunked)
+    plan, chunked, requests, overlap = workload
+    h = Harness(plan, chunked, overlap)
     last = max([max(a, b or 0) for a, b, _ in requests], default=0)
     tick = 0
     while tick <= last or h.sched.has_work():
@@ -417,7 +491,7 @@ def check_workload(workload) -> None:
         if not h.step(in_flight):
             assert not h.sched.has_work(), "the scheduler has work but plans nothing"
             for rid in aborts:  # idle: the aborts still arrive
-                h.abort(rid, in_flight=False)
+                h.abort(rid)
         tick += 1
     h.check_end()
     reasons = {r.finish_reason for r in h.ended.values()}
@@ -426,6 +500,7 @@ def check_workload(workload) -> None:
     event(f"split prompt: {any(not s for step in h.history for _, _, s in step)}")
     event(f"steps > 20: {len(h.history) > 20}")
     event(f"paused: {h.sched.num_paused_total > 0}, evicted: {h.sched.num_evicted_total > 0}")
+    event(f"overlap: {overlap}")
 
 
 # --- examples --------------------------------------------------------------------------------
@@ -517,7 +592,7 @@ def test_abort_of_a_waiting_request_ends_it_at_once():
     h.abort(2)
     r = h.ended[2]
     assert r.finish_reason == "abort" and r.generated == [] and 2 not in h.sched.requests
-    assert h.sched.abort(2, False, 0.0) is None and h.sched.abort(12345, False, 0.0) is None
+    assert h.sched.abort(2, 0.0) is None and h.sched.abort(12345, 0.0) is None
     h.run()
     h.check_end()
 
@@ -539,7 +614,7 @@ def test_abort_between_steps_ends_a_running_request_at_once():
     h.add(make_request(1, 4, max_tokens=50))
     h.add(make_request(2, 4, max_tokens=50))
     h.step()
-    h.abort(1, in_flight=False)  # between steps (or while the engine is paused)
+    h.abort(1)  # between steps (or while the engine is paused)
     assert h.ended[1].finish_reason == "abort" and len(h.ended[1].generated) == 1
     assert h.sched.pending_free == {1: 1}
     h.step(in_flight=lambda: h.abort(2))
@@ -551,7 +626,7 @@ def test_abort_between_steps_of_the_only_running_request_ends_it():
     h = Harness(make_plan(), chunked=False)
     h.add(make_request(1, 4, max_tokens=50))
     h.step()
-    h.abort(1, in_flight=False)  # e.g. handled while the engine awaits coord.send in _emit
+    h.abort(1)  # e.g. handled while the engine awaits coord.send in _emit
     for _ in range(3):
         h.step()
     assert 1 in h.ended and h.ended[1].finish_reason == "abort"
@@ -681,7 +756,9 @@ def test_events_and_timings():
     h.run()
     r = h.ended[1]
     assert [e.type for e in r.events] == ["ADD_ENGINE", "ADD_CONTEXT", "FINISH"]
-    assert r.ttft == r.first_token_time - r.arrival_time and r.tpot == 1.5
+    # The harness's clock: 1.5 per step, and 0.1 more for each allocator round trip (steps 1
+    # and 2 need a block; step 3 does not).
+    assert r.ttft == r.first_token_time - r.arrival_time and r.tpot == pytest.approx(1.55)
     out = output_of(r)  # the terminal output carries them (again: outputs are idempotent)
     assert out.ttft == r.ttft and [e.type for e in out.events][-1] == "FINISH"
 
@@ -727,3 +804,69 @@ def test_derive_seed_is_fixed_by_the_message_and_in_range():
     seeds = {derive_seed(rid, t) for rid in range(50) for t in (0.0, 1.5)}
     assert len(seeds) == 100 and all(0 <= s < 2**63 for s in seeds)
     assert derive_seed(7, 1.25) == derive_seed(7, 1.25)
+
+
+# --- overlap: step N+1 planned before step N's result ----------------------------------------
+
+
+def test_overlap_plans_the_next_decode_row_from_the_token_in_flight():
+    h = Harness(make_plan(block_size=4), chunked=False, overlap=True)
+    h.add(make_request(1, 3, max_tokens=3))
+    sent = []
+    original = h.gpu
+    h.gpu = lambda batch, a: (sent.append(a), original(batch, a))[1]
+    h.step()  # plans and sends the prefill; nothing to collect yet
+    assert h.ended == {} and h.sched.requests[1].generated == []
+    h.step()  # plans the first decode before the prefill's token is known, then collects it
+    first, second = sent
+    assert first["prev_rows"].tolist() == []  # nothing read from the device
+    assert second["input_ids"].tolist() == [0] and second["prev_rows"].tolist() == [0]
+    assert second["positions"].tolist() == [3] and second["gen_index"].tolist() == [1]
+    h.run()
+    h.check_end()
+    # max_tokens is known when planning: no row past the third token (no surplus here)
+    assert [s for s in h.history if s] == [[(1, 3, True)], [(1, 1, True)], [(1, 1, True)]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_overlap_drops_the_token_planned_after_an_eos(stream):
+    eos = fake_token(5 + 2)  # the third generated token of a 5-token prompt
+    h = Harness(make_plan(eos=(eos,), block_size=2), chunked=False, overlap=True)
+    h.add(make_request(1, 5, max_tokens=10, stream=stream))
+    h.run()
+    h.check_end()  # outputs as without overlap, every block back in the pool
+    r = h.ended[1]
+    assert r.finish_reason == "stop" and r.generated == [fake_token(p) for p in (5, 6, 7)]
+    # The step after the EOS was planned before the EOS was seen: one surplus row (position
+    # 8, which needed a fourth block), its token dropped, its block freed by the step after.
+    assert [s for s in h.history if s] == [[(1, 5, True)]] + [[(1, 1, True)]] * 3
+    assert [t for new, _ in h.reports[1] for t in new] == r.generated
+
+
+def test_overlap_abort_while_two_steps_hold_the_request():
+    h = Harness(make_plan(), chunked=False, overlap=True)
+    h.add(make_request(1, 4, max_tokens=50))
+    h.add(make_request(2, 4, max_tokens=50))
+    h.step()
+    h.step()  # step 2 is at the gpu, step 1 collected
+    h.step(in_flight=lambda: h.abort(1))  # step 3 sent, step 2 still holds request 1
+    assert h.ended[1].finish_reason == "abort" and 1 not in h.sched.requests
+    held = h.sched.steps_in_flight
+    assert held == 1 and h.sched.pending_free == {1: 2}
+    h.run()
+    h.check_end()
+    # Its end came with step 2's result: the tokens of steps 2 and 3 are dropped.
+    assert len(h.ended[1].generated) == 1
+
+
+def test_overlap_outputs_equal_the_serial_loop_under_pressure():
+    # A pool so small that requests pause and get evicted: overlap plans with one step's
+    # frees not yet known, yet every request produces the same tokens and every block returns.
+    plan = make_plan(num_blocks=6, block_size=2, max_tokens=16, max_requests=4)
+    for overlap in (False, True):
+        h = Harness(plan, chunked=True, overlap=overlap)
+        for rid in range(1, 5):
+            h.add(make_request(rid, 3, max_tokens=6, return_log_probs=True))
+        h.run()
+        h.check_end()
+        assert h.sched.num_paused_total > 0

@@ -8,13 +8,18 @@ coordinator in one `StepOutputs` per step (and one per abort, refused submission
 that ends requests between steps), never one message per request.
 
 Lifecycle (the coordinator's FSM decides what is legal; the engine re-checks its own state):
-PAUSE waits for the step in flight and stops stepping (requests keep their KV, submissions
-queue); SUSPEND / RESUME / UPDATE_WEIGHTS go to the gpu actor (a "recompute" resume makes every
-request recompute its KV); UNPAUSE starts stepping again. Each is answered with a ControlAck.
-A control runs as a task of its own (in arrival order), so the receive loop keeps taking
-submissions, aborts and stats while a step finishes or weights load.
+PAUSE stops planning, waits for the steps in flight and then acks (requests keep their KV,
+submissions queue); SUSPEND / RESUME / UPDATE_WEIGHTS go to the gpu actor (a "recompute"
+resume makes every request recompute its KV); UNPAUSE starts stepping again. Each is answered
+with a ControlAck. A control runs as a task of its own (in arrival order), so the receive loop
+keeps taking submissions, aborts and stats while a step finishes or weights load.
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
 replay of the same messages makes the same decisions.
+
+Steps overlap (`overlap_steps`, the default): step N+1 is planned and sent while the gpu runs
+step N, whose result is applied after (`_run_steps`; the scheduler's docstring has the contract).
+A control that needs the channels (pause, stop, the gpu controls) makes the loop stop planning
+and finish what is in flight before it runs.
 
 Failures: a step that fails (a refused allocation, a failed forward, or any exception in the
 step) fails the requests of that step, each with its terminal output, and the engine keeps
@@ -27,6 +32,7 @@ The engine sends the coordinator a Heartbeat every HEARTBEAT_S seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -52,6 +58,7 @@ from taipan.messages.gpu import (
     GpuControlReply,
     LoadModel,
     ModelLoaded,
+    NoStep,
     StepResult,
 )
 from taipan.messages.lifecycle import (
@@ -105,8 +112,8 @@ class EngineActor(Actor):
         self.now = 0.0  # time of the last inbound message (see module docstring)
         self.state = LifecycleState.RUNNING
         self.weight_version = 0
-        self.in_flight = False
         self.device_lock = asyncio.Lock()  # one user of the alloc/gpu channels at a time
+        self.waiting_for_device = 0  # controls waiting for the step loop to hand over
         self.control_lock = asyncio.Lock()  # controls run one at a time, in arrival order
         self.tokens_last_step = 0
         self.device_seconds_total = 0.0  # the gpu actor's device time of every step so far
@@ -188,7 +195,7 @@ class EngineActor(Actor):
     async def on_abort(self, env: Envelope, msg: AbortRequest) -> None:
         if self.scheduler is None:
             return
-        ended = self.scheduler.abort(msg.request_id, self.in_flight, env.time)
+        ended = self.scheduler.abort(msg.request_id, env.time)
         if ended is not None:
             await self._emit([ended])
         self.work.set()
@@ -197,7 +204,7 @@ class EngineActor(Actor):
         self.spawn(self._stop_after_step())
 
     async def _stop_after_step(self) -> None:
-        async with self.control_lock, self.device_lock:  # the step in flight ends and reports
+        async with self.control_lock, self._between_steps():  # steps in flight end and report
             if self.scheduler is not None:
                 await self._emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
             await self.coord.send(StopAck(self.name))
@@ -261,7 +268,7 @@ class EngineActor(Actor):
         self._control_task(self._pause_after_step(env))
 
     async def _pause_after_step(self, env: Envelope) -> None:
-        async with self.device_lock:  # the step in flight ends before the ack
+        async with self._between_steps():  # the steps in flight end before the ack
             await self._ack(env, ControlCommand.PAUSE)
 
     async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
@@ -273,7 +280,7 @@ class EngineActor(Actor):
 
     async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
         """Run one gpu control call between steps; an error goes back to the coordinator."""
-        async with self.device_lock:
+        async with self._between_steps():
             try:
                 reply = await self._call(self.gpu, msg, GpuControlReply)
             except EngineError as e:
@@ -324,74 +331,142 @@ class EngineActor(Actor):
     # --- the step loop ------------------------------------------------------------------------
 
     async def _step_loop(self) -> None:
-        sched = self.scheduler
-        assert sched is not None
-        interval = self.config.logging_step_interval
         while True:
             await self.work.wait()
-            if self.state != LifecycleState.RUNNING or not sched.has_work():
+            if not self._may_plan():
                 self.work.clear()
                 continue
             async with self.device_lock:
-                if self.state != LifecycleState.RUNNING:  # paused while we waited for the lock
-                    continue
+                await self._run_steps()
+
+    def _may_plan(self) -> bool:
+        return (
+            self.state == LifecycleState.RUNNING
+            and not self.waiting_for_device
+            and self.scheduler.has_work()
+        )
+
+    @contextlib.asynccontextmanager
+    async def _between_steps(self):
+        """Hold the alloc/gpu channels with no step in flight: the step loop stops planning,
+        finishes the steps it has in flight, and hands over."""
+        self.waiting_for_device += 1
+        try:
+            await self.device_lock.acquire()
+        finally:
+            self.waiting_for_device -= 1
+        try:
+            yield
+        finally:
+            self.device_lock.release()
+
+    async def _run_steps(self) -> None:
+        """Steps back to back while there is work and no control waits. With `overlap_steps`,
+        step N+1 is planned, given its blocks and sent to the gpu while step N runs, and N's
+        result is applied after that: the gpu starts N+1 as soon as N ends, and the engine's
+        host work for N+1 hides behind N (scheduler.py explains the contract). Returns with no
+        step in flight."""
+        sched = self.scheduler
+        running: StepBatch | None = None  # sent to the gpu, its result not applied
+        while True:
+            planned: StepBatch | None = None
+            if self._may_plan():
                 try:
                     # From planning to the step's first message nothing may yield: replay relies
                     # on it (actors/engine/check.py).
-                    batch = sched.schedule(self.now)
+                    planned = sched.schedule(self.now)
                 except Exception as e:
                     await self._die(f"planning step {sched.step + 1} failed", e)
-                if not batch.chunks and not batch.free_ids:
-                    # Work exists but nothing fits this step; an abort or a finish changes that.
-                    await self._emit(batch.ended)
-                    self.work.clear()
-                    continue
-                self.in_flight = True
-                await self._run_step(batch)
-            self.tokens_last_step = batch.num_tokens
-            if interval and sched.step % interval == 0:
-                stats = self._stats()
-                self.log.info("stats", **sched.stats(), tokens=batch.num_tokens)
-                await self.coord.send(stats)
+                if not planned.chunks and not planned.free_ids:
+                    self.gpu.record_only(NoStep(planned.step))  # for replay (check.py)
+                    await self._emit(planned.ended)
+                    planned = None
+                    if running is None:
+                        # Work exists but nothing fits; an abort, a finish or a submission
+                        # changes that.
+                        self.work.clear()
+                        return
+            sent = planned is not None and await self._dispatch(planned)
+            if running is not None:
+                await self._collect(running)
+                running = None
+            if sent:
+                running = planned
+                if not self.config.overlap_steps:
+                    await self._collect(running)
+                    running = None
+            if planned is None and running is None:
+                return
 
-    async def _run_step(self, batch: StepBatch) -> None:
-        """Run one planned step; `in_flight` drops as soon as its result is applied. A failure
-        fails the step's requests and the engine goes on."""
+    async def _dispatch(self, batch: StepBatch) -> bool:
+        """Get the step's blocks and send its StepPlan to the gpu, without waiting for the
+        result. True when a result will come (`_collect` it); False for a step that only freed
+        blocks, or one that failed here (its requests got their terminal outputs)."""
+        sched = self.scheduler
         try:
-            outputs = await self._step(batch)
-        except EngineError as e:
+            ops = block_ops(batch)
+            if ops is not None:  # no block changes: no allocator hop this step
+                reply = await self._call(self.alloc, ops, BlockOpsReply)
+                if not reply.ok:
+                    sched.num_free_blocks = reply.num_free
+                    raise EngineError(f"allocator refused a planned step: {reply.error}")
+                sched.assign_blocks(batch, reply.block_ids, reply.num_free)
+            if batch.chunks:
+                await self.gpu.send(step_plan(sched, batch))
+        except Exception as e:
+            await self._emit_or_die(batch, batch.ended + await self._failed(batch, e))
+            return False
+        await self._emit_or_die(batch, batch.ended)
+        return bool(batch.chunks)
+
+    async def _collect(self, batch: StepBatch) -> None:
+        """Wait for the step's result, apply it and report: a failed step fails its requests
+        (each gets its terminal output) and the engine goes on."""
+        sched = self.scheduler
+        try:
+            env = await self.gpu.recv()
+            self.now = env.time
+            result = env.msg
+            if not isinstance(result, StepResult):
+                if isinstance(result, ErrorReply):
+                    raise EngineError(f"gpu: {result.text}")
+                raise EngineError(f"gpu: expected StepResult, got {result or env.error}")
+            if result.step != batch.step:
+                raise EngineError(f"gpu answered step {result.step}, expected {batch.step}")
+            if result.error is not None:
+                raise EngineError(f"forward failed: {result.error}")
+            self.device_seconds_total += result.device_seconds
+            self.steps_total += 1
+            self.steps_graphed += int(result.graphed)
+            outputs = sched.update(batch, result, self.now)
+        except Exception as e:
+            outputs = await self._failed(batch, e)
+        await self._emit_or_die(batch, outputs)
+        self.tokens_last_step = batch.num_tokens
+        interval = self.config.logging_step_interval
+        if interval and batch.step % interval == 0:
+            self.log.info("stats", **sched.stats(), tokens=batch.num_tokens)
+            await self.coord.send(self._stats())
+
+    async def _failed(self, batch: StepBatch, e: Exception) -> list[EngineRequest]:
+        """The step's requests, ended with the error `e` (an EngineError is an expected
+        failure, logged in a line; anything else is a bug, logged once with its traceback)."""
+        if isinstance(e, EngineError):
             self.log.error("step failed", step=batch.step, error=str(e))
-            outputs = self._fail_step(batch, str(e))
-        except Exception as e:  # a bug, not an expected failure: its traceback, once
-            self.log.exception("step failed", step=batch.step)
-            outputs = self._fail_step(batch, f"internal error: {type(e).__name__}: {e}")
-        finally:
-            self.in_flight = False
+            error = str(e)
+        else:
+            self.log.error("step failed", step=batch.step, exc_info=e)
+            error = f"internal error: {type(e).__name__}: {e}"
+        outputs = self._fail_step(batch, error)
         if outputs is None:
             await self._die(f"step {batch.step} failed and its requests could not be failed")
+        return outputs
+
+    async def _emit_or_die(self, batch: StepBatch, requests: list[EngineRequest]) -> None:
         try:
-            await self._emit(batch.ended + outputs)
+            await self._emit(requests)
         except Exception as e:
             await self._die(f"step {batch.step}: its outputs could not be sent", e)
-
-    async def _step(self, batch: StepBatch) -> list[EngineRequest]:
-        sched = self.scheduler
-        ops = block_ops(batch)
-        if ops is not None:  # no block changes: no allocator hop this step
-            reply = await self._call(self.alloc, ops, BlockOpsReply)
-            if not reply.ok:
-                sched.num_free_blocks = reply.num_free
-                raise EngineError(f"allocator refused a planned step: {reply.error}")
-            sched.assign_blocks(batch, reply.block_ids, reply.num_free)
-        if not batch.chunks:
-            return []
-        result = await self._call(self.gpu, step_plan(sched, batch), StepResult)
-        if result.error is not None:
-            raise EngineError(f"forward failed: {result.error}")
-        self.device_seconds_total += result.device_seconds
-        self.steps_total += 1
-        self.steps_graphed += int(result.graphed)
-        return sched.update(batch, result, self.now)
 
     def _fail_step(self, batch: StepBatch, error: str) -> list[EngineRequest] | None:
         """End the step's requests with `error` (each gets its terminal output); None when the

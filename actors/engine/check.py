@@ -2,18 +2,22 @@
 
 Re-drives a fresh Scheduler from an engine's recorded log and compares the two messages that
 carry its decisions — `BlockOps` to the allocator and `StepPlan` to the gpu actor — byte for
-byte with the recorded ones. Everything else the engine sends (outputs, acks, stats) follows
-from those decisions and is not compared; its `StepOutputs` are checked against the contract
-the coordinator relies on instead: every entry is the RequestOutput it is filed as, and no
-request gets a second terminal output.
+byte with the recorded ones. Its `StepOutputs` are checked against the contract the coordinator
+relies on: every entry is the RequestOutput it is filed as, and no request gets a second
+terminal output; and each request's tokens as sent, with its finish reason, must be those the
+replay generates (with overlapping steps a sampled token reaches the next plan on the device,
+not through the StepPlan, so this is where a changed token shows). Acks and stats follow from
+the decisions and are not compared.
 
 Why the log is enough: the engine sets its clock from every inbound message (`self.now`), plans
 a step synchronously and sends its first message (BlockOps, or StepPlan when no block changes)
-before yielding, and marks the step done right after applying its result. So, walking the log in
-order, every inbound message recorded before a step's first outbound message was applied before
-that step was planned, and an abort recorded between a step's first message and its result
-arrived while the step was in flight. The config is not in the log: the launcher writes it to
-`config.json` in the record directory.
+before yielding, records a `NoStep` when a plan comes out empty, and applies a step's result
+right when it reads it. So, walking the log in order, every inbound message recorded before a
+step's first outbound message was applied before that step was planned, and a result is applied
+where it is recorded. With overlapping steps the engine plans and sends step N+1 before it reads
+step N's result: at most one step is being given its blocks (`dispatching`) and at most two
+have their StepPlan at the gpu (`at_gpu`, answered in order). The config is not in the log: the
+launcher writes it to `config.json` in the record directory.
 
 Pure: decoded messages in, a divergence text out. No sockets, no torch.
 """
@@ -22,11 +26,12 @@ from __future__ import annotations
 
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine import plan as P
+from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.messages.allocator import AllocatorReady, BlockOps, BlockOpsReply
 from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply
-from taipan.messages.gpu import GpuControlReply, ModelLoaded, StepPlan, StepResult
+from taipan.messages.gpu import GpuControlReply, ModelLoaded, NoStep, StepPlan, StepResult
 from taipan.messages.lifecycle import Stop
 from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
 from taipan.messages.summary import summarize
@@ -40,12 +45,14 @@ class EngineReplay:
         self.config = config
         self.sched: Scheduler | None = None
         self.loaded: ModelLoaded | None = None
-        self.batch: StepBatch | None = None  # planned, its StepPlan not yet sent
-        self.in_flight: StepBatch | None = None  # planned, its result not yet applied
+        self.dispatching: StepBatch | None = None  # planned, its StepPlan not yet sent
+        self.at_gpu: list[StepBatch] = []  # StepPlan sent, result not yet applied (oldest first)
         self.now = 0.0
         self.stopped = False
         self.steps_checked = 0
         self.finished: set[int] = set()  # requests whose terminal output the engine sent
+        self.requests: dict[int, EngineRequest] = {}  # the replay's, until their terminal output
+        self.sent: dict[int, list[int]] = {}  # tokens the engine sent each of them so far
 
     # --- inbound ------------------------------------------------------------------------------
 
@@ -69,8 +76,9 @@ class EngineReplay:
             req, _ = P.submission(sched, vocab, msg)
             if req is not None:
                 sched.add(req, time)
+                self.requests[req.request_id] = req
         elif isinstance(msg, AbortRequest) and sched is not None:
-            sched.abort(msg.request_id, self.in_flight is not None, time)
+            sched.abort(msg.request_id, time)
         elif isinstance(msg, Stop):
             self.stopped = True  # the engine fails everything and exits: nothing left to plan
         elif isinstance(msg, BlockOpsReply | StepResult | ErrorReply) and channel != "coordinator":
@@ -83,31 +91,44 @@ class EngineReplay:
         return None
 
     def _step_reply(self, channel: str, msg) -> str | None:
-        batch, sched = self.in_flight, self.sched
-        if batch is None:
+        sched = self.sched
+        if isinstance(msg, BlockOpsReply) or (isinstance(msg, ErrorReply) and channel != "gpu"):
+            batch = self.dispatching
+            if batch is None:
+                if isinstance(msg, ErrorReply):
+                    return None  # an error answering something else
+                return "BlockOpsReply arrived with no step waiting for blocks"
             if isinstance(msg, ErrorReply):
-                return None  # an error answering a control call, not a step
-            return f"{type(msg).__name__} arrived with no step in flight"
-        if isinstance(msg, BlockOpsReply):
+                return self._fail(batch, f"{channel}: {msg.text}")
             if not msg.ok:
                 sched.num_free_blocks = msg.num_free
-                return self._fail(f"allocator refused a planned step: {msg.error}")
+                return self._fail(batch, f"allocator refused a planned step: {msg.error}")
             sched.assign_blocks(batch, msg.block_ids, msg.num_free)
             if not batch.chunks:  # a step that only freed blocks: no StepPlan follows
-                self.in_flight = self.batch = None
+                self.dispatching = None
             return None
+        if not self.at_gpu:
+            if isinstance(msg, ErrorReply):
+                return None  # an error answering a control call, not a step
+            return f"{type(msg).__name__} arrived with no step at the gpu"
+        batch = self.at_gpu[0]
         if isinstance(msg, ErrorReply):
-            return self._fail(f"{channel}: {msg.text}")
+            return self._fail(batch, f"gpu: {msg.text}")
+        if msg.step != batch.step:
+            return self._fail(batch, f"gpu answered step {msg.step}, expected {batch.step}")
         if msg.error is not None:
-            return self._fail(f"forward failed: {msg.error}")
+            return self._fail(batch, f"forward failed: {msg.error}")
+        self.at_gpu.pop(0)
         sched.update(batch, msg, self.now)
-        self.in_flight = None
         return None
 
-    def _fail(self, error: str) -> None:
-        """The step failed (as the live engine's EngineError path): its requests end."""
-        self.sched.update(self.in_flight, None, self.now, error=error)
-        self.in_flight = self.batch = None
+    def _fail(self, batch: StepBatch, error: str) -> None:
+        """The step failed (as the live engine's failure path): its requests end."""
+        self.sched.update(batch, None, self.now, error=error)
+        if batch is self.dispatching:
+            self.dispatching = None
+        else:
+            self.at_gpu.remove(batch)
         return None
 
     # --- outbound -----------------------------------------------------------------------------
@@ -115,25 +136,36 @@ class EngineReplay:
     def outbound(self, msg, frames: tuple[bytes, ...]) -> str | None:
         if isinstance(msg, StepOutputs):
             return self._check_outputs(msg)
-        if self.stopped or not isinstance(msg, BlockOps | StepPlan):
+        if self.stopped or not isinstance(msg, BlockOps | StepPlan | NoStep):
             return None
         if self.sched is None:
             return f"the engine sent {type(msg).__name__} before it could have a scheduler"
-        if isinstance(msg, BlockOps) or self.batch is None:
-            if self.in_flight is not None:
-                step = self.in_flight.step
-                return f"{type(msg).__name__} for step {msg.step} while step {step} is in flight"
-            batch = self.sched.schedule(self.now)
-            self.batch = self.in_flight = batch
-            ops = P.block_ops(batch)
-            if isinstance(msg, BlockOps):
-                return self._compare("BlockOps", ops, frames)
-            if ops is not None:
-                return f"the engine skipped the allocator, replay plans {summarize(ops)}"
-        plan = P.step_plan(self.sched, self.batch)
-        self.batch = None
+        if isinstance(msg, StepPlan) and self.dispatching is not None:
+            return self._send_plan(frames)
+        # A new plan: BlockOps, a StepPlan with no block change, or an empty plan (NoStep).
+        if self.dispatching is not None or len(self.at_gpu) > 1:
+            busy = self.dispatching or self.at_gpu[0]
+            return f"{type(msg).__name__} planned while step {busy.step} is still in flight"
+        batch = self.sched.schedule(self.now)
+        ops = P.block_ops(batch)
+        if isinstance(msg, NoStep):
+            if batch.chunks or batch.free_ids:
+                return f"the engine planned no step, replay plans step {batch.step}"
+            return self._compare("NoStep", NoStep(batch.step), frames)
+        if not batch.chunks and not batch.free_ids:
+            return f"the engine sent {type(msg).__name__}, replay plans no step"
+        self.dispatching = batch
+        if isinstance(msg, BlockOps):
+            return self._compare("BlockOps", ops, frames)
+        if ops is not None:
+            return f"the engine skipped the allocator, replay plans {summarize(ops)}"
+        return self._send_plan(frames)
+
+    def _send_plan(self, frames: tuple[bytes, ...]) -> str | None:
+        batch, self.dispatching = self.dispatching, None
+        self.at_gpu.append(batch)
         self.steps_checked += 1
-        return self._compare("StepPlan", plan, frames)
+        return self._compare("StepPlan", P.step_plan(self.sched, batch), frames)
 
     def _check_outputs(self, msg: StepOutputs) -> str | None:
         problem = msg.problem()
@@ -152,9 +184,28 @@ class EngineReplay:
                 )
             if finished and rid in self.finished:
                 return f"request {rid} got a second terminal output"
+            self.sent.setdefault(rid, []).extend(out.new_token_ids.tolist())
             if finished:
                 self.finished.add(rid)
+                problem = self._compare_ending(rid, out.finish_reason)
+                if problem is not None:
+                    return problem
         return None
+
+    def _compare_ending(self, rid: int, reason) -> str | None:
+        """The engine ended request `rid`: what it sent must be what the replay generated. Not
+        compared where the replay cannot follow (a request it never admitted, or one ended by
+        a stop or by the rank's death, which the log does not drive)."""
+        mine, sent = self.requests.pop(rid, None), self.sent.pop(rid, [])
+        if mine is None or mine.finish_reason is None:
+            return None
+        if sent == mine.generated and str(reason) == str(mine.finish_reason):
+            return None
+        return (
+            f"request {rid}: the engine sent {len(sent)} tokens ({reason}) {sent[:8]}..., "
+            f"replay generates {len(mine.generated)} ({mine.finish_reason}) "
+            f"{mine.generated[:8]}..."
+        )
 
     @staticmethod
     def _compare(kind: str, replayed, frames) -> str | None:

@@ -33,7 +33,14 @@ class EngineRequest:
     seed: int  # resolved: the request's own seed, or one the engine drew for it
     status: Status = Status.WAITING
     generated: list[int] = dataclasses.field(default_factory=list)
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Tokens whose K/V are in the cache or being written by a planned step (the scheduler
+    # advances it when it plans a chunk, so the next step can be planned before this one ends).
+    num_computed_tokens: int = 0
+    # Tokens sampled by planned steps whose results have not come back yet (0 to 2 with one step
+    # in flight while the next is planned); `row`: this request's row in the last planned step.
+    num_pending: int = 0
+    row: int = -1
+    steps_in_flight: int = 0  # planned steps holding this request whose results are not applied
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_streamed: int = 0  # generated tokens already sent to the client
     aborted: bool = False
@@ -52,6 +59,11 @@ class EngineRequest:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt) + len(self.generated)
+
+    @property
+    def num_planned_tokens(self) -> int:
+        """Known tokens plus those being sampled: what the next chunk may compute up to."""
+        return len(self.prompt) + len(self.generated) + self.num_pending
 
     @property
     def max_total_tokens(self) -> int:

@@ -9,6 +9,17 @@ engine actor calls, once per step:
     plan = scheduler.plan_arrays(batch)   # numpy arrays for the StepPlan
     done = scheduler.update(batch, result, now)  # append sampled tokens, stop checks
 
+Overlap: the next step may be planned while one step is still in flight (its update() not yet
+applied). Planning a chunk advances the request at once (`num_computed_tokens`, and
+`num_pending` for the token it will sample), so a running request's next decode row is planned
+before its token is known: the plan marks that row in `prev_rows`, and the gpu reads the token
+the previous step sampled on the device. Stop conditions are checked one step late, in update():
+a request that ends there (EOS, a stop word, an abort) may already hold a row in the next step,
+whose token is dropped when that step's result comes (the request is finished by then); its
+blocks are freed by the step after, which the device runs after both (one stream). A request
+certain to end (max_tokens or max_sequence_length reached by its pending tokens) is not
+planned again. With nothing in flight this is the plain plan -> run -> update loop.
+
 Budgets: at most `max_tokens` tokens and `max_requests` running requests per step. Order of
 service (Megatron's DynamicInferenceEngine):
 1. running requests, decode rows first (one token each), then prefill chunks (with chunked
@@ -41,13 +52,11 @@ class Chunk:
     request: EngineRequest
     num_new_tokens: int
     new_blocks: int
+    # Set when the step is planned (schedule() advances the request right after):
+    start: int = 0  # the first position this chunk computes
+    samples: bool = False  # it reaches the end of the tokens, so its last logit samples a token
+    gen_index: int = 0  # the index in `generated` of the token it samples (seeded sampling)
     num_prompt_targets: int = 0  # prompt log-probs this chunk computes (set by plan_arrays)
-
-    @property
-    def samples(self) -> bool:
-        """Whether this chunk reaches the end of the known tokens (so its last logit is used)."""
-        r = self.request
-        return r.num_computed_tokens + self.num_new_tokens == r.num_tokens
 
 
 @dataclasses.dataclass
@@ -89,6 +98,7 @@ class Scheduler:
         self.num_free_blocks = plan.num_blocks  # the allocator's count after the last reply
         self.pending_free: dict[int, int] = {}  # request id -> blocks to free next step
         self.step = 0
+        self.steps_in_flight = 0  # planned steps with chunks whose update() has not run
         self.num_paused_total = 0
         self.num_evicted_total = 0
 
@@ -121,14 +131,14 @@ class Scheduler:
         req.add_event(EventType.ADD_ENGINE, now)
         self.waiting.append(req)
 
-    def abort(self, request_id: int, step_in_flight: bool, now: float) -> EngineRequest | None:
-        """Mark a request aborted. It ends now (returned) unless it is in the step in flight;
-        then it ends at the end of that step (update()) or at the next schedule()."""
+    def abort(self, request_id: int, now: float) -> EngineRequest | None:
+        """Mark a request aborted. It ends now (returned) unless a running step holds it; then
+        it ends when that step's result is applied (update()) or at the next schedule()."""
         req = self.requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return None
         req.aborted = True
-        if req.status is Status.RUNNING and step_in_flight:
+        if req.status is Status.RUNNING and req.steps_in_flight:
             return None
         self._finish(req, FinishReason.ABORT, now=now)
         return req
@@ -146,7 +156,9 @@ class Scheduler:
         and `free` blocks. Only a chunked prefill may be cut short; `blocked` says that the
         request could not run for want of a free block (not of budget)."""
         bs = self.plan.block_size
-        remaining = req.num_tokens - req.num_computed_tokens
+        if req.num_pending and self._ends_when_known(req):
+            return 0, 0, False
+        remaining = req.num_planned_tokens - req.num_computed_tokens
         n = min(remaining, budget)
         if n <= 0 or (n < remaining and not (self.chunked_prefill or req.generated)):
             return 0, 0, False
@@ -161,8 +173,16 @@ class Scheduler:
                 return n, free, False
         return 0, 0, True
 
+    def _ends_when_known(self, req: EngineRequest) -> bool:
+        """Whether the tokens being sampled for `req` certainly end it (by length)."""
+        limit = self.plan.max_sequence_length
+        return (
+            len(req.generated) + req.num_pending >= req.sampling.max_tokens
+            or req.num_planned_tokens >= limit
+        )
+
     def schedule(self, now: float) -> StepBatch:
-        """Plan the next step. Nothing may be in flight: the previous step's update() ran."""
+        """Plan the next step. At most one step may be in flight (planned, update() not run)."""
         budget = self.plan.max_tokens
         free = self._free_view()
         chunks: list[Chunk] = []
@@ -181,7 +201,8 @@ class Scheduler:
         # 2. paused: LIFO; 3. eviction (over the paused budget, or nothing else can run).
         budget, free = self._resume(chunks, budget, free)
         evicted = self._evict_over_budget(now)
-        while not chunks and self.paused:
+        while not chunks and self.paused and not self.steps_in_flight:
+            # (With a step in flight, its result may end requests and free blocks: wait for it.)
             self._evict(self.paused[0], now)
             evicted = True
             budget, free = self._resume(chunks, budget, self._free_view())
@@ -189,8 +210,8 @@ class Scheduler:
         # pool is short: re-admitting the evicted request at once would only churn).
         while self.waiting and not (self.paused or evicted):
             req = self.waiting[0]
-            if len(self.running) >= self.plan.max_requests:
-                break
+            if len(self.running) >= self.plan.max_requests or req.steps_in_flight:
+                break  # (an evicted request comes back once its last token is known)
             if req.generated and req.blocks_needed(req.num_tokens + 1, self.plan.block_size) > free:
                 break  # an evicted request comes back when all it had (and one more) fits
             n, need, _ = self._fit(req, budget, free)
@@ -205,6 +226,15 @@ class Scheduler:
         # Rows of one query token first (a stable sort): attention takes them as one decode
         # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
         chunks.sort(key=lambda c: c.num_new_tokens != 1)
+        for c in chunks:  # the step is planned: advance each request past its chunk
+            r = c.request
+            c.start = r.num_computed_tokens
+            c.samples = c.start + c.num_new_tokens == r.num_planned_tokens
+            c.gen_index = len(r.generated) + r.num_pending
+            r.num_computed_tokens += c.num_new_tokens
+            r.num_pending += c.samples
+            r.steps_in_flight += 1
+        self.steps_in_flight += bool(chunks)
         free_ids = list(self.pending_free)
         self.pending_free.clear()
         if chunks or free_ids:  # an empty plan is not a step (and sends nothing)
@@ -255,6 +285,8 @@ class Scheduler:
     def invalidate_kv(self) -> None:
         """Every cached K/V is gone (a resume after suspend in "recompute" mode): requests keep
         their blocks and recompute prompt + generated tokens into them."""
+        if self.steps_in_flight:
+            raise RuntimeError("invalidate_kv with a step in flight")
         for req in self.running + self.paused:
             req.num_computed_tokens = 0
             req.record.checkpoint(req.num_tokens)
@@ -276,19 +308,25 @@ class Scheduler:
     def plan_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The StepPlan arrays (see messages/gpu.py) for this batch. A one-token chunk (every
         decode row) is read as Python scalars: at batch 256 per-row numpy calls were most of
-        the engine's time per step."""
+        the engine's time per step. A decode row whose token the step in flight is sampling
+        gets input id 0 and, in `prev_rows`, the row that samples it."""
         bs = self.plan.block_size
         ids, positions, slots, targets = _Concat(), _Concat(), _Concat(), _Concat()
-        seq_lens, sample = [], []
+        seq_lens, sample, prev_rows = [], [], []
         query_start = [0]
         width = max(len(c.request.blocks) for c in batch.chunks)
         padded: list[int] = []  # the block tables, row after row, padded with 0
-        for c in batch.chunks:
+        for i, c in enumerate(batch.chunks):
             r = c.request
-            start, stop = r.num_computed_tokens, r.num_computed_tokens + c.num_new_tokens
+            start, stop = c.start, c.start + c.num_new_tokens
             if c.num_new_tokens == 1:
-                p = len(r.prompt)
-                ids.add(int(r.prompt[start]) if start < p else r.generated[start - p])
+                p, g = len(r.prompt), len(r.generated)
+                if start < p + g:
+                    ids.add(int(r.prompt[start]) if start < p else r.generated[start - p])
+                    prev_rows.append(-1)
+                else:  # sampled by the step in flight, where this request was row `r.row`
+                    ids.add(0)
+                    prev_rows.append(r.row)
                 positions.add(start)
                 slots.add(r.blocks[start // bs] * bs + start % bs)
                 target = int(r.prompt_targets(start, stop)[0]) if r.wants_prompt_log_probs else -1
@@ -303,6 +341,8 @@ class Scheduler:
                 chunk_targets = r.prompt_targets(start, stop)
                 targets.add(chunk_targets)
                 c.num_prompt_targets = int((chunk_targets >= 0).sum())
+                prev_rows.extend([-1] * c.num_new_tokens)
+            r.row = i
             query_start.append(query_start[-1] + c.num_new_tokens)
             seq_lens.append(stop)
             sample.append(c.samples)
@@ -310,6 +350,7 @@ class Scheduler:
             padded += [0] * (width - len(r.blocks))
         tables = np.asarray(padded, dtype=np.int32).reshape(len(batch.chunks), width)
         reqs = [c.request for c in batch.chunks]
+        from_previous = max(prev_rows) >= 0
         return {
             "input_ids": ids.array(np.int32),
             "positions": positions.array(np.int32),
@@ -323,19 +364,25 @@ class Scheduler:
             "top_p": np.asarray([r.sampling.top_p for r in reqs], dtype=np.float32),
             "min_p": np.asarray([r.sampling.min_p for r in reqs], dtype=np.float32),
             "seeds": np.asarray([r.seed for r in reqs], dtype=np.int64),
-            "gen_index": np.asarray([len(r.generated) for r in reqs], dtype=np.int32),
+            "gen_index": np.asarray([c.gen_index for c in batch.chunks], dtype=np.int32),
             "logprobs": np.asarray([r.sampling.return_log_probs for r in reqs], dtype=np.int8),
             "top_n": np.asarray([r.sampling.top_n_logprobs for r in reqs], dtype=np.int32),
             "prompt_targets": targets.array(np.int32),
+            # Empty when no row reads the step in flight (the gpu then takes input_ids as is).
+            "prev_rows": np.asarray(prev_rows if from_previous else [], dtype=np.int32),
         }
 
     def update(self, batch: StepBatch, result: StepResult | None, now: float, error: str = ""):
         """Apply a step's result (None: the step failed with `error`). Returns the requests
-        with something to report: streamable tokens, or an ending."""
+        with something to report: streamable tokens, or an ending. A request that ended while
+        the step ran (in update() of the step before, or by an abort) drops its token here."""
         out = []
         k = 0  # offset into the compacted prompt log-probs
+        if batch.chunks:
+            self.steps_in_flight -= 1
         for i, c in enumerate(batch.chunks):
             r = c.request
+            r.steps_in_flight -= 1
             if result is not None and c.num_prompt_targets:
                 self._take_prompt_log_probs(r, result, k, c.num_prompt_targets)
                 k += c.num_prompt_targets
@@ -345,14 +392,13 @@ class Scheduler:
                 self._finish(r, FinishReason.ERROR, error or "the step failed", now)
                 out.append(r)
                 continue
-            samples = c.samples  # before num_computed_tokens moves
-            r.num_computed_tokens += c.num_new_tokens
             if r.aborted:
                 self._finish(r, FinishReason.ABORT, now=now)
                 out.append(r)
                 continue
-            if not samples:
+            if not c.samples:
                 continue
+            r.num_pending -= 1
             self._append_token(r, result, i, now)
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):
                 out.append(r)
@@ -446,6 +492,7 @@ class Scheduler:
         elif r.status is Status.WAITING and r in self.waiting:
             self.waiting.remove(r)
         r.status = Status.FINISHED
+        r.num_pending = 0  # tokens still being sampled for it are dropped when they come
         r.finish_reason = reason
         r.error = error
         if now is not None:

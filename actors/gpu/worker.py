@@ -13,11 +13,14 @@ allocates a fresh device tensor (with the offloaded contents, or uninitialized f
 its address changes, so the CUDA graphs (actors/gpu/graphs.py), captured at load against the
 old one, are dropped at such a suspend and captured again at resume; "persist" keeps both.
 
-A step (`step`): pack the plan into the persistent buffers (actors/gpu/buffers.py), one
-host-to-device copy, then either replay the CUDA graph of the smallest bucket that holds the step
-(forward + last-token logits into a static buffer) or run the forward eagerly, then sample and
-copy the tokens back (the step's one device-to-host sync), plus log-probs when asked. Its
-StepResult carries the device time of that work (CUDA events) and whether a graph ran.
+A step comes in two halves. `launch`: pack the plan into the persistent buffers
+(actors/gpu/buffers.py), one host-to-device copy, then either replay the CUDA graph of the
+smallest bucket that holds the step (forward + last-token logits into a static buffer) or run the
+forward eagerly, then sample and queue the copy of the tokens to pinned host memory, without
+waiting (a step that asks for log-probs waits for them here). `collect`: wait for that copy (the
+step's one device-to-host sync) and build the StepResult, with the device time of the step's
+work (CUDA events) and whether a graph ran. The gpu actor launches the next step before it
+collects this one, so the device runs them back to back (`step` does both halves at once).
 
 KV cache size: `LoadModel.kv_cache_gb`, or when it is None, DEFAULT_KV_GB on CUDA and on CPU
 CPU_KV_SHARE of the memory available at load (at most DEFAULT_KV_GB), capped by `max_blocks`.
@@ -25,6 +28,7 @@ CPU_KV_SHARE of the memory available at load (at most DEFAULT_KV_GB), capped by 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -63,6 +67,23 @@ HOST_RESERVE_BYTES = 2 * GIB  # an offload must leave at least this much host me
 # Prompt log-probs build fp32 logits at most this many rows, and elements, at a time.
 PROMPT_LOGITS_MAX_ROWS = 1024
 PROMPT_LOGITS_MAX_ELEMENTS = 1 << 26  # 256 MiB
+MAX_LAUNCHED = 2  # steps launched and not yet collected, at most (the gpu actor keeps to it)
+HOST_TOKEN_BUFFERS = MAX_LAUNCHED + 1
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step whose device work is queued (ModelWorker.launch); `collect` waits for it."""
+
+    plan: StepPlan
+    rows: np.ndarray  # the rows that sample
+    tokens: torch.Tensor  # [B] int64 on the host (pinned, filled once `ended` has passed)
+    extra: dict  # the log-prob arrays, when the step asked for them (already on the host)
+    graphed: bool
+    start: float  # perf_counter when launch began
+    device_start: float
+    began: torch.cuda.Event | None  # CUDA only
+    ended: torch.cuda.Event | None
 
 
 class ControlError(Exception):
@@ -125,6 +146,10 @@ class ModelWorker:
         # read them. _prev_sampled: that step's rows that sampled (host copy), for the checks.
         self._sampled: torch.Tensor | None = None  # [max_requests] int64
         self._prev_sampled = np.zeros(0, dtype=bool)
+        # Pinned host buffers the sampled tokens are copied into, one per launched step (the gpu
+        # actor keeps fewer steps than this launched and uncollected); CUDA only.
+        self._host_tokens: torch.Tensor | None = None
+        self._launches = 0
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
 
     def load(self, msg: LoadModel) -> ModelLoaded:
@@ -158,6 +183,9 @@ class ModelWorker:
         self.graphs = None
         self._sampled = torch.zeros(msg.max_requests, dtype=torch.int64, device=self.device)
         self._prev_sampled = np.zeros(0, dtype=bool)
+        if self.device.type == "cuda":
+            shape = (HOST_TOKEN_BUFFERS, msg.max_requests)
+            self._host_tokens = torch.empty(shape, dtype=torch.int64, pin_memory=True)
         sizes = msg.cuda_graph_decode_sizes, msg.cuda_graph_mixed_sizes
         if any(sizes):
             if self.device.type != "cuda":
@@ -185,14 +213,23 @@ class ModelWorker:
 
     # ---- steps ---------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self, plan: StepPlan) -> StepResult:
+        """Launch and collect one step (what the gpu actor does in two halves)."""
+        return self.collect(self.launch(plan))
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> Launched | StepResult:
+        """Queue the step's device work and the copy of its sampled tokens to the host, without
+        waiting for them (a StepResult only when the step cannot run). Steps with log-probs
+        wait for theirs here. `collect` turns the returned handle into the StepResult; the
+        next step may be launched before that (the device runs it after this one)."""
         start = time.perf_counter()
-        token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
+        previous, self._prev_sampled = self._prev_sampled, np.zeros(0, dtype=bool)
         if self.suspend_mode is not None:
-            return StepResult(plan.step, token_ids, "the gpu worker is suspended", 0.0)
+            no_tokens = np.full(len(plan.sample), -1, dtype=np.int32)
+            return StepResult(plan.step, no_tokens, "the gpu worker is suspended", 0.0)
         num_seqs = len(plan.seq_lens)
-        self._check_prev_rows(plan)
+        self._check_prev_rows(plan, previous)
         bucket = None
         if self.graphs is not None and not (plan.prompt_targets >= 0).any():
             all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
@@ -200,9 +237,9 @@ class ModelWorker:
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
         staged = self.buffers.stage(_plan_arrays(plan), **sizes)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
-        # packing above is time the device waits between steps).
-        on_cuda = self.device.type == "cuda"
-        if on_cuda:
+        # packing above is time the device waits between steps, unless a step is in flight).
+        began = ended = None
+        if self.device.type == "cuda":
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
             began.record()
         device_start = time.perf_counter()
@@ -219,29 +256,54 @@ class ModelWorker:
             logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
         tokens = self._sample(plan, inputs, logits)  # [B]
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
-        if on_cuda:
-            ended.record()  # the step's device work, unless log-probs add more below
-        self._prev_sampled = plan.sample != 0
+        host = tokens
+        if ended is not None:  # to pinned memory, asynchronously: collect() waits for it
+            self._launches += 1
+            host = self._host_tokens[self._launches % len(self._host_tokens)][:num_seqs]
+            host.copy_(tokens, non_blocking=True)
         rows = np.flatnonzero(plan.sample)
-        token_ids[rows] = tokens.cpu().numpy()[rows]
         n = int(plan.top_n.max(initial=0))
-        extra = self._log_probs(plan, rows, logits, tokens, n)
-        if hidden is not None:
-            extra.update(self._prompt_log_probs(plan, hidden, n))
-        if on_cuda and (n or plan.logprobs.any() or (plan.prompt_targets >= 0).any()):
-            ended.record()  # after the log-probs' device work (their copies have synced it)
-        elapsed = time.perf_counter() - start
-        device_seconds = time.perf_counter() - device_start
-        if on_cuda:
-            ended.synchronize()
-            device_seconds = began.elapsed_time(ended) / 1e3
+        extra = {}
+        if _wants_log_probs(plan):  # these wait for the device here
+            extra = self._log_probs(plan, rows, logits, tokens, n)
+            if hidden is not None:
+                extra.update(self._prompt_log_probs(plan, hidden, n))
+        if ended is not None:
+            ended.record()  # after the step's device work and the copy of its tokens
+        self._prev_sampled = plan.sample != 0
+        return Launched(
+            plan, rows, host, extra, bucket is not None, start, device_start, began, ended
+        )
+
+    def launches_inline(self, plan: StepPlan) -> bool:
+        """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
+        step without log-probs), so the caller may run it on its own thread."""
+        return self.device.type == "cuda" and not _wants_log_probs(plan)
+
+    def collect(self, launched: Launched | StepResult) -> StepResult:
+        """Wait for a launched step's device work and build its StepResult. Thread-safe with
+        `launch` (it only waits on the step's event and reads its host buffers)."""
+        if isinstance(launched, StepResult):
+            return launched
+        plan = launched.plan
+        if launched.ended is not None:
+            launched.ended.synchronize()
+            device_seconds = launched.began.elapsed_time(launched.ended) / 1e3
+        else:
+            device_seconds = time.perf_counter() - launched.device_start
+        token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
+        rows = launched.rows
+        token_ids[rows] = launched.tokens.numpy()[rows]
+        extra = launched.extra
+        if not extra:
+            extra = self._no_log_probs(len(plan.sample), 0)
         return StepResult(
             plan.step,
             token_ids,
             None,
-            elapsed,
+            time.perf_counter() - launched.start,
             device_seconds=device_seconds,
-            graphed=bucket is not None,
+            graphed=launched.graphed,
             **extra,
         )
 
@@ -264,8 +326,9 @@ class ModelWorker:
         previous = self._sampled[prev.clamp(min=0).long()]
         return torch.where(prev >= 0, previous, inputs["input_ids"].long())
 
-    def _check_prev_rows(self, plan: StepPlan) -> None:
-        """prev_rows must name rows the previous step had and sampled (ValueError)."""
+    def _check_prev_rows(self, plan: StepPlan, previous: np.ndarray) -> None:
+        """prev_rows must name rows the previous step (`previous`: which of its rows sampled)
+        had and sampled (ValueError)."""
         prev = plan.prev_rows
         if not len(prev):
             return
@@ -276,10 +339,8 @@ class ModelWorker:
         if prev.min() < -1:
             raise ValueError(f"prev_rows must be -1 or a row index, got {int(prev.min())}")
         wanted = prev[prev >= 0]
-        if len(wanted) and (
-            wanted.max() >= len(self._prev_sampled) or not self._prev_sampled[wanted].all()
-        ):
-            sampled = np.flatnonzero(self._prev_sampled)[:8].tolist()
+        if len(wanted) and (wanted.max() >= len(previous) or not previous[wanted].all()):
+            sampled = np.flatnonzero(previous)[:8].tolist()
             raise ValueError(
                 f"prev_rows {sorted(set(wanted.tolist()))[:8]} name rows the previous step "
                 f"did not sample (it sampled rows {sampled})"
@@ -338,12 +399,7 @@ class ModelWorker:
     ) -> dict[str, np.ndarray]:
         """StepResult's log_probs / top_n arrays (n columns) for the sampled rows; device work
         only where a sampled row asks for it."""
-        batch = len(plan.sample)
-        out = {
-            "log_probs": np.full(batch, np.nan, dtype=np.float32),
-            "top_n_ids": np.full((batch, n), -1, dtype=np.int32),
-            "top_n_log_probs": np.full((batch, n), np.nan, dtype=np.float32),
-        }
+        out = self._no_log_probs(len(plan.sample), n)
         wanted, counts = plan.logprobs[rows] != 0, plan.top_n[rows]
         if wanted.any() or counts.any():
             index = self._tensor(rows, torch.int64)
@@ -354,6 +410,14 @@ class ModelWorker:
             out["top_n_ids"][rows] = ids.cpu().numpy()
             out["top_n_log_probs"][rows] = values.cpu().numpy()
         return out
+
+    @staticmethod
+    def _no_log_probs(batch: int, n: int) -> dict[str, np.ndarray]:
+        return {
+            "log_probs": np.full(batch, np.nan, dtype=np.float32),
+            "top_n_ids": np.full((batch, n), -1, dtype=np.int32),
+            "top_n_log_probs": np.full((batch, n), np.nan, dtype=np.float32),
+        }
 
     def _prompt_log_probs(
         self, plan: StepPlan, hidden: torch.Tensor, n: int
@@ -502,6 +566,10 @@ def _as_tensor(values: np.ndarray | torch.Tensor) -> torch.Tensor:
     values = np.ascontiguousarray(values)
     # Arrays decoded off the wire are read-only views; torch.from_numpy wants writable memory.
     return torch.from_numpy(values if values.flags.writeable else values.copy())
+
+
+def _wants_log_probs(plan: StepPlan) -> bool:
+    return bool(plan.top_n.any() or plan.logprobs.any() or (plan.prompt_targets >= 0).any())
 
 
 def _plan_arrays(plan: StepPlan) -> dict[str, np.ndarray]:
