@@ -88,7 +88,9 @@ class InferenceConfig:
     ep_consensus_interval: int = 20
     # taipan's own (not in Megatron's InferenceConfig): plan step N+1 while step N runs, as
     # vLLM's async scheduling and SGLang's overlap scheduler; False: plan, run, apply, repeat.
-    overlap_steps: bool = True
+    # None: on with a CUDA device, off elsewhere (on a CPU the forward needs the very cores the
+    # planning would run on, and the two then contend for the GIL: the CPU bench lost 20 %).
+    overlap_steps: bool | None = None
     verbose: dataclasses.InitVar[bool] = False
 
     def __post_init__(self, verbose: bool):

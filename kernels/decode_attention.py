@@ -24,8 +24,10 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 # Default split-K: one chunk per this many context tokens (of the static maximum), at most
 # _MAX_SPLITS chunks. Small batches need the extra programs to fill the GPU; large batches pay
 # only the partials (fp32, one D-row per query head and chunk, written once and read once):
-# group/128 of a chunk's bf16 K/V bytes, 3% at GQA group 4.
-_TOKENS_PER_SPLIT = 256
+# group/128 of a chunk's bf16 K/V bytes, 3% at GQA group 4. Chunks need not be whole cache
+# blocks (each token finds its own block): with 256-token blocks, whole-block chunks left one
+# program looping over a short context while the others sat empty (8B shape, batch 1).
+_TOKENS_PER_SPLIT = 64
 _MAX_SPLITS = 64
 # Enough programs per SM to hide memory latency; SM count when no CUDA device says (an H100/H200).
 _PROGRAMS_PER_SM = 2
@@ -65,7 +67,7 @@ def _decode_split_kernel(
     # scalars
     scale,
     max_context,  # max_blocks * block_size: lengths are clamped to it (never read past the table)
-    split_tokens,  # context tokens per split, a multiple of BLOCK_SIZE
+    split_tokens,  # context tokens per split, a multiple of BLOCK_N
     # meta-parameters
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot rows)
@@ -230,10 +232,13 @@ def paged_decode_attention(
         num_splits = default_num_splits(max_blocks * block_size, programs, _num_sms(q.device))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-    # Whole blocks per chunk; recount so no chunk lies wholly past the table.
-    blocks_per_split = triton.cdiv(max(max_blocks, 1), num_splits)
-    num_splits = max(1, triton.cdiv(max_blocks, blocks_per_split))
-    split_tokens = blocks_per_split * block_size
+    # Whole tiles per chunk (rounded down, so a short context spreads over more programs);
+    # recount so no chunk lies wholly past the table.
+    max_context = max(max_blocks * block_size, 1)
+    per_split = triton.cdiv(max_context, num_splits)
+    tile = min(_MAX_TILE_TOKENS, max(16, triton.next_power_of_2(per_split)))
+    split_tokens = max(tile, per_split // tile * tile)
+    num_splits = triton.cdiv(max_context, split_tokens)
     if batch == 0:
         return out
 
@@ -256,7 +261,7 @@ def paged_decode_attention(
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
-        BLOCK_N=min(_MAX_TILE_TOKENS, triton.next_power_of_2(split_tokens)),
+        BLOCK_N=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     _decode_merge_kernel[(batch, num_heads)](

@@ -50,9 +50,17 @@ def expected(client):
     return [c.token_ids for c in client.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("chunked", [True, False])
-def test_tiny_pool_pauses_and_evicts_with_identical_outputs(model_path, hf, expected, chunked):
-    extra = dict(enable_chunked_prefill=chunked)
+@pytest.mark.parametrize(
+    "chunked, overlap",
+    [(True, False), (False, False), (True, True)],
+    ids=["chunked", "whole", "overlap"],
+)
+def test_tiny_pool_pauses_and_evicts_with_identical_outputs(
+    model_path, hf, expected, chunked, overlap
+):
+    """Also with steps overlapping (off by default on CPU): pauses, evictions and ends decided
+    one step late give the same tokens, and every block comes back."""
+    extra = dict(enable_chunked_prefill=chunked, overlap_steps=overlap)
     if chunked:  # and at most one block's worth of paused requests before eviction
         extra["paused_buffer_size_gb"] = blocks_gb(hf, 1)
     with Runtime(model_path, tiny_pool(hf, **extra)) as rt, Client(rt.address) as c:

@@ -20,16 +20,31 @@ from taipan.messages.requests import SamplingParams, StepOutputs
 from tests.conftest import TEST_CONFIG
 
 
-@pytest.fixture(scope="module")
-def recorded(tmp_path_factory, model_path):
+def _record(tmp_path_factory, model_path, **config):
     rec = tmp_path_factory.mktemp("rec")
-    with Runtime(model_path, InferenceConfig(**TEST_CONFIG), record_dir=str(rec)) as rt:
+    with Runtime(model_path, InferenceConfig(**TEST_CONFIG, **config), record_dir=str(rec)) as rt:
         with Client(rt.address) as c:
             c.generate(
                 [f"Count to {i}:" for i in range(6)], SamplingParams(max_tokens=20, temperature=0)
             )
             c.generate(["One more"], SamplingParams(max_tokens=5, temperature=0.7, seed=3))
     return rec
+
+
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, model_path):
+    return _record(tmp_path_factory, model_path)  # steps do not overlap by default on CPU
+
+
+@pytest.fixture(scope="module")
+def recorded_overlap(tmp_path_factory, model_path):
+    return _record(tmp_path_factory, model_path, overlap_steps=True)
+
+
+def test_check_passes_with_overlapping_steps(recorded_overlap):
+    done = replay(recorded_overlap, "--check", "--actor", "engine-0", "--actor", "allocator-0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "engine-0: ok" in done.stdout
 
 
 def replay(*args) -> subprocess.CompletedProcess:
@@ -131,7 +146,10 @@ def _copy_altering(src, dst, name: str, alter) -> bool:
     return changed
 
 
-def test_engine_check_fails_when_a_sampled_token_is_altered(recorded, tmp_path):
+@pytest.mark.parametrize("log", ["recorded", "recorded_overlap"])
+def test_engine_check_fails_when_a_sampled_token_is_altered(log, request, tmp_path):
+    recorded = request.getfixturevalue(log)
+
     def alter(r, msg):
         if r.direction == "in" and isinstance(msg, StepResult) and (msg.token_ids >= 0).any():
             tokens = msg.token_ids.copy()
@@ -142,9 +160,11 @@ def test_engine_check_fails_when_a_sampled_token_is_altered(recorded, tmp_path):
     assert _copy_altering(recorded, tmp_path, "engine-0", alter)
     done = replay(tmp_path, "--check")
     assert done.returncode == 1, done.stdout
-    # With overlapping steps (the default) the next plan takes the token on the device, so the
-    # change shows in what the engine sent that request.
-    assert "engine-0: DIVERGES" in done.stdout and "the engine sent" in done.stdout
+    assert "engine-0: DIVERGES" in done.stdout
+    # Without overlap the next plan carries the token; with it the next plan takes the token on
+    # the device, so the change shows in what the engine sent that request.
+    want = "the engine sent" if log == "recorded_overlap" else "StepPlan differs"
+    assert want in done.stdout, done.stdout
     assert "Traceback" not in done.stderr
 
 

@@ -237,8 +237,9 @@ def test_gpu_half_precision_and_bandwidth():
 def test_default_splits_follow_the_context_until_the_batch_fills_the_gpu():
     from taipan.kernels.decode_attention import default_num_splits
 
-    assert default_num_splits(2560, programs=8, num_sms=132) == 10  # batch 1, 8 kv heads
+    assert default_num_splits(2560, programs=8, num_sms=132) == 33  # batch 1, 8 kv heads
     assert default_num_splits(2560, programs=512, num_sms=132) == 1  # batch 64: no splits
     assert default_num_splits(2560, programs=64, num_sms=132) == 5  # 2 programs per SM
+    assert default_num_splits(512, programs=8, num_sms=132) == 8  # 64 tokens per chunk
     assert default_num_splits(100_000, programs=1, num_sms=132) == 64  # capped
     assert default_num_splits(16, programs=1) == 1

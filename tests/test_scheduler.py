@@ -359,7 +359,7 @@ class Harness:
                 assert stop == r.num_planned_tokens - 1
             else:
                 assert stop < r.num_planned_tokens
-            assert a["gen_index"][i] == len(r.generated) + r.num_pending - a["sample"][i]
+            assert a["gen_index"][i] == len(r.generated) + r.num_pending - int(a["sample"][i])
             assert a["seeds"][i] == r.seed and a["top_k"][i] == r.sampling.top_k
             assert a["temperature"][i] == np.float32(r.sampling.temperature)
             assert a["top_p"][i] == np.float32(r.sampling.top_p)

@@ -16,8 +16,9 @@ keeps taking submissions, aborts and stats while a step finishes or weights load
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
 replay of the same messages makes the same decisions.
 
-Steps overlap (`overlap_steps`, the default): step N+1 is planned and sent while the gpu runs
-step N, whose result is applied after (`_run_steps`; the scheduler's docstring has the contract).
+Steps overlap (`overlap_steps`; by default on a CUDA device): step N+1 is planned and sent
+while the gpu runs step N, whose result is applied after (`_run_steps`; the scheduler's docstring
+has the contract).
 A control that needs the channels (pause, stop, the gpu controls) makes the loop stop planning
 and finish what is in flight before it runs.
 
@@ -119,6 +120,8 @@ class EngineActor(Actor):
         self.device_seconds_total = 0.0  # the gpu actor's device time of every step so far
         self.steps_total = 0
         self.steps_graphed = 0
+        overlap = config.overlap_steps
+        self.overlap = load.device.startswith("cuda") if overlap is None else overlap
         self.serve(coord)
         for msg_type, handler in [
             (EngineSubmit, self.on_submit),
@@ -361,7 +364,7 @@ class EngineActor(Actor):
             self.device_lock.release()
 
     async def _run_steps(self) -> None:
-        """Steps back to back while there is work and no control waits. With `overlap_steps`,
+        """Steps back to back while there is work and no control waits. With overlap,
         step N+1 is planned, given its blocks and sent to the gpu while step N runs, and N's
         result is applied after that: the gpu starts N+1 as soon as N ends, and the engine's
         host work for N+1 hides behind N (scheduler.py explains the contract). Returns with no
@@ -388,11 +391,13 @@ class EngineActor(Actor):
                         return
             sent = planned is not None and await self._dispatch(planned)
             if running is not None:
+                if sent:
+                    await _let_the_gpu_launch()
                 await self._collect(running)
                 running = None
             if sent:
                 running = planned
-                if not self.config.overlap_steps:
+                if not self.overlap:
                     await self._collect(running)
                     running = None
             if planned is None and running is None:
@@ -492,6 +497,17 @@ class EngineActor(Actor):
         """Report `requests` (their next outputs) to the coordinator in one message."""
         if requests:
             await self.coord.send(StepOutputs.of([output_of(r) for r in requests]))
+
+
+async def _let_the_gpu_launch() -> None:
+    """Give the gpu actor (same event loop) the turns it needs to read and launch the plan just
+    sent before the engine applies the previous step's result. When the host is the bottleneck
+    that result is already waiting, and a receive that finds a message returns without
+    yielding: the engine would apply it (and plan the next step) while the plan it just sent
+    sits unread and the device idles. Three turns: the socket's readiness callback, the actor's
+    receive, and its inline launch."""
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 def output_of(r: EngineRequest) -> RequestOutput:
