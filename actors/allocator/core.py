@@ -112,26 +112,37 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (tests and debugging only)."""
         free = self._free
-        free_set = set(free)
-        if len(free_set) != len(free):
-            raise AssertionError("a block is on the free list twice")
-        if any(not 0 <= b < self.num_blocks for b in free):
-            raise AssertionError("the free list holds an id outside the pool")
-        counted = np.zeros(self.num_blocks, dtype=np.int64)
-        for rid, blocks in self._owned.items():
-            if not blocks:
-                raise AssertionError(f"request {rid} is an owner with no blocks")
-            np.add.at(counted, blocks, 1)
-        if not np.array_equal(counted, self._refs):
-            bad = int(np.flatnonzero(counted != self._refs)[0])
-            raise AssertionError(
-                f"block {bad}: ref count {self._refs[bad]} but {counted[bad]} owners hold it"
-            )
+        free_set = check_free_and_refs(free, self._refs, self._owned)
         held = np.flatnonzero(self._refs > 0)
         both = free_set.intersection(held.tolist())
         if both:
             raise AssertionError(f"blocks {sorted(both)[:8]} are both free and held")
         if len(free) + len(held) != self.num_blocks:
             raise AssertionError(f"{len(free)} free + {len(held)} held != {self.num_blocks} blocks")
-        if any(free[(i - 1) // 2] > free[i] for i in range(1, len(free))):
-            raise AssertionError("the free list is not a min-heap (lowest id first is broken)")
+
+
+def check_free_and_refs(free: list[int], refs: np.ndarray, owned: dict[int, list[int]]) -> set:
+    """The checks every block pool shares (AssertionError naming the first broken one): the free
+    list is a min-heap of distinct ids in range, no owner holds a block twice or holds nothing,
+    and each ref count equals the number of owners holding the block. Returns the free set."""
+    n = len(refs)
+    free_set = set(free)
+    if len(free_set) != len(free):
+        raise AssertionError("a block is on the free list twice")
+    if any(not 0 <= b < n for b in free):
+        raise AssertionError("the free list holds an id outside the pool")
+    if any(free[(i - 1) // 2] > free[i] for i in range(1, len(free))):
+        raise AssertionError("the free list is not a min-heap (lowest id first is broken)")
+    counted = np.zeros(n, dtype=np.int64)
+    for rid, blocks in owned.items():
+        if not blocks:
+            raise AssertionError(f"request {rid} is an owner with no blocks")
+        if len(set(blocks)) != len(blocks):
+            raise AssertionError(f"request {rid} holds a block twice")
+        np.add.at(counted, blocks, 1)
+    if not np.array_equal(counted, refs):
+        bad = int(np.flatnonzero(counted != refs)[0])
+        raise AssertionError(
+            f"block {bad}: ref count {refs[bad]} but {counted[bad]} owners hold it"
+        )
+    return free_set
