@@ -154,6 +154,10 @@ class EngineActor(Actor):
 
     async def _call(self, channel: Channel, msg, expect: type):
         await channel.send(msg)
+        return await self._reply(channel, expect)
+
+    async def _reply(self, channel: Channel, expect: type):
+        """The next message on `channel`, which must be an `expect` (EngineError otherwise)."""
         env = await channel.recv()
         self.now = env.time
         if isinstance(env.msg, expect):
@@ -391,8 +395,6 @@ class EngineActor(Actor):
                         return
             sent = planned is not None and await self._dispatch(planned)
             if running is not None:
-                if sent:
-                    await _let_the_gpu_launch()
                 await self._collect(running)
                 running = None
             if sent:
@@ -429,13 +431,7 @@ class EngineActor(Actor):
         (each gets its terminal output) and the engine goes on."""
         sched = self.scheduler
         try:
-            env = await self.gpu.recv()
-            self.now = env.time
-            result = env.msg
-            if not isinstance(result, StepResult):
-                if isinstance(result, ErrorReply):
-                    raise EngineError(f"gpu: {result.text}")
-                raise EngineError(f"gpu: expected StepResult, got {result or env.error}")
+            result = await self._reply(self.gpu, StepResult)
             if result.step != batch.step:
                 raise EngineError(f"gpu answered step {result.step}, expected {batch.step}")
             if result.error is not None:
@@ -497,17 +493,6 @@ class EngineActor(Actor):
         """Report `requests` (their next outputs) to the coordinator in one message."""
         if requests:
             await self.coord.send(StepOutputs.of([output_of(r) for r in requests]))
-
-
-async def _let_the_gpu_launch() -> None:
-    """Give the gpu actor (same event loop) the turns it needs to read and launch the plan just
-    sent before the engine applies the previous step's result. When the host is the bottleneck
-    that result is already waiting, and a receive that finds a message returns without
-    yielding: the engine would apply it (and plan the next step) while the plan it just sent
-    sits unread and the device idles. Three turns: the socket's readiness callback, the actor's
-    receive, and its inline launch."""
-    for _ in range(3):
-        await asyncio.sleep(0)
 
 
 def output_of(r: EngineRequest) -> RequestOutput:

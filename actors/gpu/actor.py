@@ -8,10 +8,11 @@ that overlaps steps, is launched while this one still runs. A CUDA step without 
 launched on the event loop's own thread instead: its host work is short and never waits for the
 device, while a thread of its own would have to win the GIL from the engine's Python (CPython
 hands it over only every 5 ms), which made overlapped steps wait for the engine's planning.
-At most MAX_LAUNCHED steps are launched and not yet answered, and the replies go out in the
-order the plans came. Load and controls wait until every launched step is answered, and run in
-the forward's thread, so they never overlap a step. A failed load, step or control becomes an
-error reply, a StepResult or a GpuControlReply with `error` set; the actor keeps serving.
+At most MAX_LAUNCHED (actors/gpu/worker.py) steps are launched and not yet answered, and the
+replies go out in the order the plans came. Load and controls wait until every launched step is
+answered, and run in the forward's thread, so they never overlap a step. A failed load, step
+or control becomes an error reply, a StepResult or a GpuControlReply with `error` set; the actor
+keeps serving.
 """
 
 from __future__ import annotations
@@ -26,13 +27,11 @@ from taipan.actors.channel import Channel, Envelope
 from taipan.messages.common import ErrorReply
 from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel, StepPlan, StepResult
 
-MAX_LAUNCHED = 2  # as actors/gpu/worker.py (not imported here: that module imports torch)
-
 
 class GpuActor(Actor):
     def __init__(self, rank: int, channel: Channel):
         super().__init__(f"gpu-{rank}")
-        from taipan.actors.gpu.worker import ModelWorker  # torch loads here, not at import
+        from taipan.actors.gpu.worker import MAX_LAUNCHED, ModelWorker  # torch loads here
 
         self.worker = ModelWorker()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)
