@@ -40,6 +40,7 @@ class PrefixCachingCoordinatorPolicy(enum.StrEnum):
     LONGEST_PREFIX = "longest_prefix"
     FIRST_PREFIX_BLOCK = "first_prefix_block"
     ROUND_ROBIN = "round_robin"
+    LOAD_BALANCED = "load_balanced"  # taipan's: the rank with the most free capacity
 
 
 class CudaGraphSizingDistribution(enum.StrEnum):
@@ -139,6 +140,13 @@ class InferenceConfig:
             raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
         if not 0 <= self.prefix_caching_routing_alpha <= 1:
             raise ConfigError("prefix_caching_routing_alpha must be in [0, 1]")
+        routing = self.prefix_caching_coordinator_policy
+        needs_cache = routing in ("longest_prefix", "first_prefix_block")
+        if not self.enable_prefix_caching and (self.prefix_caching_eviction_policy or needs_cache):
+            which = "prefix_caching_eviction_policy"
+            if needs_cache:
+                which = f"prefix_caching_coordinator_policy={routing}"
+            raise ConfigError(f"{which} needs enable_prefix_caching=true")
         max_tokens = self.max_tokens or DEFAULT_MAX_TOKENS
         if self.max_requests is not None and max_tokens < self.max_requests:
             raise ConfigError(
@@ -228,10 +236,6 @@ NOT_IMPLEMENTED = {
     "materialize_only_last_token_logits": "taipan materializes only the logits a request "
     "asks for (return_log_probs includes the prompt's), so there is nothing to switch",
     "num_speculative_tokens": "speculative decoding is not built",
-    "enable_prefix_caching": "prefix caching is not built yet",
-    "prefix_caching_eviction_policy": "prefix caching is not built yet",
-    "prefix_caching_coordinator_policy": "prefix-aware routing is not built yet",
-    "prefix_caching_routing_alpha": "prefix-aware routing is not built yet",
     "prefix_caching_mamba_gb": "hybrid Mamba models are not supported yet",
     "metrics_writer": "no metrics writer (wandb) integration",
     "sampling_backend": "only the torch sampling backend exists",

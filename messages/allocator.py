@@ -1,8 +1,10 @@
 """Allocator family (tags 80-99): engine <-> allocator, one message each way per step.
 
 Contract: the allocator owns the block pool (free list, ref counts, which request holds which
-blocks). Only the engine of the same rank sends it operations; it batches every request's
-operations of one step into one `BlockOps`, and the allocator answers with one `BlockOpsReply`.
+blocks, and with prefix caching the block hashes). Only the engine of the same rank sends it
+operations; it batches every request's operations of one step into one `BlockOps`, and the
+allocator answers with one `BlockOpsReply`, which also carries the step's hash events (the engine
+keeps its index of cached hashes from them and relays them to the coordinator's routing table).
 """
 
 from __future__ import annotations
@@ -10,14 +12,17 @@ from __future__ import annotations
 import numpy as np
 
 from taipan.messages.codec import Array, message
+from taipan.messages.requests import empty_array_field
 
 
 @message(80)
 class AllocatorInit:
-    """Size the pool. Sent once, after the gpu actor has sized the KV cache."""
+    """Size the pool. Sent once, after the gpu actor has sized the KV cache. `prefix_policy`:
+    "" (no prefix caching), "ref_zero" or "lru" (actors/allocator/prefix.py)."""
 
     num_blocks: int
     block_size: int
+    prefix_policy: str = ""
 
 
 @message(81)
@@ -28,27 +33,57 @@ class AllocatorReady:
 
 @message(82)
 class BlockOps:
-    """One step's block operations, applied in order: frees first, then allocations.
+    """One step's block operations, applied in this order: frees, the cache drop, pins,
+    allocations, registrations.
 
-    free_ids: int64[F] requests whose blocks all go back to the pool.
-    alloc_ids: int64[A] requests that need more blocks; alloc_counts: int32[A] how many each.
-    Allocation is all-or-nothing per step: if the pool cannot serve every request, nothing is
-    allocated and the reply says so (the engine plans with the free count, so this is a bug
-    guard, not a scheduling mechanism).
+    free_ids: int64[F] requests whose blocks all go back to the pool (with prefix caching a
+    block returns only when no request holds it, and under "lru" a hashed one stays cached).
+    drop_cache: forget every block hash (the KV they name is gone or stale: a "recompute"
+    resume, a weight update, a failed step); idle cached blocks become free.
+    pin_ids: int64[M] newly admitted requests that share a cached prefix; pin_counts: int32[M]
+    how many blocks each; pin_hashes: int64[sum(pin_counts)] those blocks' hashes, request
+    after request. Every pin must match in full (the engine matched it on the same state).
+    alloc_ids: int64[A] requests that need more blocks; alloc_counts: int32[A] how many each
+    (after its pinned blocks, in its block table).
+    reg_ids / reg_index / reg_hashes / reg_parents: [R] block `reg_index` of request `reg_ids`
+    is a complete prompt block written by this step, with that hash and parent hash (0 for
+    block 0): register it. A registration the pool declines (the hash is cached elsewhere, the
+    previous block is private) leaves the block private.
+    Pins and allocations are all-or-nothing per step: if the pool cannot serve every request,
+    nothing is pinned or allocated and the reply says so (the engine plans with the count of
+    available blocks, so this is a bug guard, not a scheduling mechanism).
     """
 
     step: int
     free_ids: Array[np.int64, 1]
     alloc_ids: Array[np.int64, 1]
     alloc_counts: Array[np.int32, 1]
+    pin_ids: Array[np.int64, 1] = empty_array_field(np.int64)
+    pin_counts: Array[np.int32, 1] = empty_array_field(np.int32)
+    pin_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
+    reg_ids: Array[np.int64, 1] = empty_array_field(np.int64)
+    reg_index: Array[np.int32, 1] = empty_array_field(np.int32)
+    reg_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
+    reg_parents: Array[np.int64, 1] = empty_array_field(np.int64)
+    drop_cache: bool = False
 
 
 @message(83)
 class BlockOpsReply:
-    """block_ids: int32[sum(alloc_counts)], the new blocks in request order."""
+    """block_ids: int32[sum(alloc_counts)], the new blocks in request order (pinned blocks are
+    not repeated: the engine knows them). `num_free`: blocks a later step may take, free or
+    cached and idle (evictable). The step's hash events, in the order they happened (every
+    eviction comes before every registration within a step): `evicted_hashes` int64, and
+    `added_hashes` int64 with the block of each in `added_blocks` int32. `num_hashed`: blocks
+    with a hash; `num_idle`: those no request holds (cached, evictable)."""
 
     step: int
     ok: bool
     block_ids: Array[np.int32, 1]
     num_free: int
     error: str | None
+    evicted_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
+    added_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
+    added_blocks: Array[np.int32, 1] = empty_array_field(np.int32)
+    num_hashed: int = 0
+    num_idle: int = 0

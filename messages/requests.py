@@ -142,12 +142,18 @@ class SamplingParams:
 
 @message(20)
 class SubmitRequest:
-    """Client -> coordinator. `prompt_token_ids` is a 1-D int32 array."""
+    """Client -> coordinator. `prompt_token_ids` is a 1-D int32 array. `block_hashes`: the
+    prompt's block hashes (messages/block_hash.py) with salt `hash_salt`, the weight version the
+    client last saw (ModelInfo, ControlAck); empty when the client did not compute them. The
+    coordinator routes by them and recomputes them when the salt is not the current version;
+    the engine checks them against the tokens before it caches anything under them."""
 
     request_id: int
     prompt_token_ids: Array[np.int32, 1]
     sampling: SamplingParams
     stream: bool
+    block_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
+    hash_salt: int = 0
 
 
 @message(21)
@@ -159,6 +165,8 @@ class EngineSubmit:
     sampling: SamplingParams
     stream: bool
     arrival_time: float
+    block_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
+    hash_salt: int = 0
 
 
 @message(22)
@@ -174,6 +182,7 @@ class RequestOutput:
     int32[new, n] and `top_n_log_probs` float32[new, n] (empty when not asked). Prompt log-probs
     (float32[P-1], and [P-1, n] top-n) travel once, in the terminal output, as do the RL
     staleness counters (int32 per token of prompt + generated; actors/engine/record.py):
+    `num_cached_tokens` (every output): prompt tokens whose K/V came from the prefix cache.
     `policy_staleness` (weight updates since the token was produced) and `kv_cache_staleness`
     (weight updates since its K/V were computed).
     """
@@ -185,6 +194,7 @@ class RequestOutput:
     error: str | None
     num_prompt_tokens: int
     num_generated_tokens: int
+    num_cached_tokens: int = 0
     log_probs: Array[np.float32, 1] = empty_array_field(np.float32)
     top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
     top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)

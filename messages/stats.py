@@ -40,6 +40,23 @@ class RankStats:
     device_seconds_total: float = 0.0
     steps_total: int = 0
     steps_graphed: int = 0
+    # Prefix caching (zeros when off): prompt tokens of admitted requests, of which taken from
+    # the cache (skipped); prefill tokens computed; blocks with a hash, and of those the ones no
+    # request holds (cached and evictable). Blocks hashed and held = hashed - evictable.
+    prefix_prompt_tokens: int = 0
+    prefix_cached_tokens: int = 0
+    prefill_tokens_computed: int = 0
+    blocks_hashed: int = 0
+    blocks_evictable: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Share of admitted prompt tokens served from the prefix cache (0 when none)."""
+        return (
+            self.prefix_cached_tokens / self.prefix_prompt_tokens
+            if self.prefix_prompt_tokens
+            else 0.0
+        )
 
 
 @message(141)

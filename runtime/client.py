@@ -86,7 +86,9 @@ class RequestDetails:
     `top_n_logprobs` (with `top_n_logprobs` > 0), `prompt_log_probs` (one per prompt token after
     the first) and `prompt_top_n_logprobs`. `events`, `ttft` and `tpot` come from the engine
     (seconds); `policy_staleness` / `kv_cache_staleness` count, per token of prompt + generated,
-    the weight updates since it was produced / since its K/V were computed (RL loops)."""
+    the weight updates since it was produced / since its K/V were computed (RL loops).
+    `num_cached_tokens`: prompt tokens whose K/V came from the prefix cache (0 without
+    prefix caching)."""
 
     log_probs: list[float] | None = None
     top_n_logprobs: TopN | None = None
@@ -97,6 +99,7 @@ class RequestDetails:
     tpot: float | None = None
     policy_staleness: list[int] | None = None
     kv_cache_staleness: list[int] | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclasses.dataclass
@@ -145,6 +148,7 @@ def _final_fields(out: RequestOutput, sampling: SamplingParams) -> dict:
         "tpot": out.tpot,
         "policy_staleness": out.policy_staleness.tolist(),
         "kv_cache_staleness": out.kv_cache_staleness.tolist(),
+        "num_cached_tokens": out.num_cached_tokens,
     }
     if sampling.return_log_probs and not sampling.skip_prompt_log_probs:
         fields["prompt_log_probs"] = out.prompt_log_probs.tolist()

@@ -121,7 +121,10 @@ def test_wrong_dtypes_and_ranks_never_reach_the_pool(free, alloc, counts, expect
     allocator does not re-check, and such a message changes nothing."""
     svc = ready_service(8)
     svc.handle(ops(0, alloc=[2], counts=[3]))
-    frames = [msgpack.packb([BlockOps.TAG, 1, 1, free, alloc, counts], use_bin_type=True)]
+    rest = [_array("int64", []), _array("int32", []), _array("int64", [])]  # pins
+    rest += [_array("int64", []), _array("int32", []), _array("int64", []), _array("int64", [])]
+    fields = [BlockOps.TAG, 1, 1, free, alloc, counts, *rest, False]  # (regs, drop_cache)
+    frames = [msgpack.packb(fields, use_bin_type=True)]
     r = svc.handle_frames(frames)
     assert isinstance(r, ErrorReply) and r.code == "bad_array" and expected in r.text, r
     assert svc.pool.blocks_of(2) == [0, 1, 2] and svc.pool.num_free == 5

@@ -215,9 +215,16 @@ def test_enum_value_not_in_choices_lists_them():
         InferenceConfig.from_cli(None, ["kv_cache_management_mode=bogus"])
 
 
-def test_enum_option_goes_through_the_not_implemented_check():
-    with pytest.raises(ConfigError, match="prefix_caching_eviction_policy.*not implemented"):
+def test_prefix_caching_options_need_prefix_caching_on():
+    with pytest.raises(ConfigError, match="prefix_caching_eviction_policy needs enable_prefix"):
         InferenceConfig.from_cli(None, ["prefix_caching_eviction_policy=lru"])
+    with pytest.raises(ConfigError, match="longest_prefix needs enable_prefix_caching"):
+        InferenceConfig.from_cli(None, ["prefix_caching_coordinator_policy=longest_prefix"])
+    on = ["enable_prefix_caching=true", "prefix_caching_eviction_policy=ref_zero"]
+    config = InferenceConfig.from_cli(None, on)
+    assert config.prefix_caching_eviction_policy == "ref_zero"
+    config = InferenceConfig.from_cli(None, ["prefix_caching_coordinator_policy=load_balanced"])
+    assert config.prefix_caching_coordinator_policy == "load_balanced"
 
 
 def test_enum_option_parses_to_its_member():

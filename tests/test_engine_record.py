@@ -42,7 +42,7 @@ def test_terminal_output_carries_staleness_of_a_request_that_lived_through_updat
     h = Harness(make_plan(block_size=4), chunked=False)
     h.add(make_request(1, 5, max_tokens=6))
     h.step()  # prefill: 1 token generated
-    h.sched.increment_staleness()  # a weight update while the request runs
+    h.sched.new_weights(1)  # a weight update while the request runs
     h.run()
     out = output_of(h.ended[1])
     assert out.finished and len(out.policy_staleness) == 5 + 6

@@ -188,7 +188,7 @@ class Harness:
         if sched.has_work():
             planned = sched.schedule(self.now)
             self.check_batch(planned)
-            if not planned.chunks and not planned.free_ids:
+            if not planned.is_step:
                 self.record("out", "gpu", NoStep(planned.step))
                 self.emit(planned.ended)
                 planned = None
@@ -197,14 +197,10 @@ class Harness:
             ops = P.block_ops(planned)
             if ops is not None:
                 self.record("out", "allocator", ops)
-                allocs = [
-                    (c.request.request_id, c.new_blocks) for c in planned.chunks if c.new_blocks
-                ]
-                block_ids, num_free = self.pool.apply(planned.free_ids, allocs)
+                reply = self.allocate(planned, ops)
                 self.now += 0.1
-                reply = BlockOpsReply(planned.step, True, block_ids, num_free, None)
                 self.record("in", "allocator", reply)
-                sched.assign_blocks(planned, block_ids, num_free)
+                sched.assign_blocks(planned, reply)
             self.check_blocks(planned)
             if planned.chunks:
                 plan = P.step_plan(sched, planned)
@@ -223,6 +219,12 @@ class Harness:
             if not self.overlap:
                 self.collect(*sent)
         return planned is not None or collected
+
+    def allocate(self, batch: StepBatch, ops) -> BlockOpsReply:
+        """The allocator's answer to the step's BlockOps."""
+        allocs = [(c.request.request_id, c.new_blocks) for c in batch.chunks if c.new_blocks]
+        block_ids, num_free = self.pool.apply(batch.free_ids, allocs)
+        return BlockOpsReply(batch.step, True, block_ids, num_free, None)
 
     def collect(self, batch: StepBatch, result: StepResult) -> None:
         self.record("in", "gpu", result)
@@ -252,12 +254,14 @@ class Harness:
             assert len(wanted) and wanted.max() < len(self.device_rows)
             assert self.device_rows[wanted].all(), "prev_rows names a row that did not sample"
             ids = np.where(prev >= 0, self.device_sampled[np.maximum(prev, 0)], ids)
-        self.kv_token[a["slot_mapping"]] = ids
-        self.kv_owner[a["slot_mapping"]] = owners
+        write = a["slot_mapping"] >= 0  # -1: a token whose K/V is already cached
+        self.kv_token[a["slot_mapping"][write]] = ids[write]
+        self.kv_owner[a["slot_mapping"][write]] = owners[write]
         for i, c in enumerate(batch.chunks):
             pos = np.arange(a["seq_lens"][i])
             slots = a["block_tables"][i][pos // bs].astype(np.int64) * bs + pos % bs
-            assert (self.kv_owner[slots] == c.request.request_id).all(), "reads another's KV"
+            if self.sched.prefix is None:  # (with prefix caching, blocks are shared)
+                assert (self.kv_owner[slots] == c.request.request_id).all(), "reads another's KV"
             assert np.array_equal(self.kv_token[slots], true_tokens(c.request, len(pos)))
         toks = [fake_token(int(a["seq_lens"][i])) for i in range(len(batch.chunks))]
         self.device_sampled = np.asarray(toks, dtype=np.int64)
@@ -298,7 +302,8 @@ class Harness:
         assert all(c.request.status is Status.RUNNING for c in batch.chunks)
         assert len(batch.free_ids) == len(set(batch.free_ids))
         evicted = {r.request_id for r in sched.waiting if r.record.checkpoints}
-        assert not set(batch.free_ids) & (set(sched.requests) - evicted)
+        if sched.prefix is None:  # (a "recompute" resume frees and re-admits at once)
+            assert not set(batch.free_ids) & (set(sched.requests) - evicted)
         assert not set(ids) & {r.request_id for r in sched.paused}
         assert all(r.status is Status.PAUSED and r.blocks for r in sched.paused)
         longer = [c.num_new_tokens != 1 for c in batch.chunks]
@@ -334,7 +339,8 @@ class Harness:
             assert a[key].dtype == dtype and a[key].shape == (batch.num_tokens,)
         assert a["slot_mapping"].dtype == np.int64
         assert a["block_tables"].shape[0] == n and a["block_tables"].dtype == np.int32
-        assert len(set(a["slot_mapping"].tolist())) == batch.num_tokens
+        written = a["slot_mapping"][a["slot_mapping"] >= 0].tolist()
+        assert len(set(written)) == len(written)
         for i, c in enumerate(batch.chunks):
             r = c.request
             lo, hi = qsl[i], qsl[i + 1]
@@ -344,7 +350,8 @@ class Harness:
             assert np.array_equal(pos, np.arange(start, stop))
             table = a["block_tables"][i]
             assert np.array_equal(table[: len(r.blocks)], r.blocks)
-            assert np.array_equal(a["slot_mapping"][lo:hi], table[pos // bs] * bs + pos % bs)
+            slots = np.where(pos < r.shared_until, -1, table[pos // bs] * bs + pos % bs)
+            assert np.array_equal(a["slot_mapping"][lo:hi], slots)
             known = min(stop, r.num_tokens)  # tokens past it are sampled by the step in flight
             assert np.array_equal(
                 a["input_ids"][lo : lo + known - start], r.token_slice(start, known)
@@ -638,7 +645,9 @@ def test_failed_step_ends_its_requests_with_error():
         h.add(make_request(rid, 4, max_tokens=5))
     batch = h.sched.schedule(0.0)
     ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
-    h.sched.assign_blocks(batch, ids, free)
+    h.sched.assign_blocks(
+        batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
+    )
     ended = h.sched.update(batch, None, 1.0, error="boom")
     assert [(r.request_id, r.finish_reason, r.error) for r in ended] == [
         (1, "error", "boom"),
@@ -771,7 +780,9 @@ def test_plan_arrays_for_a_mixed_step():
     h.add(make_request(2, 2, max_tokens=5))
     batch = h.sched.schedule(h.now)
     ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
-    h.sched.assign_blocks(batch, ids, free)
+    h.sched.assign_blocks(
+        batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
+    )
     got = h.sched.plan_arrays(batch)
     want = {
         "input_ids": [fake_token(3), 114, 145],  # prompt of 2: (31 i + 14) % 1000 + 100
@@ -797,7 +808,7 @@ def test_add_twice_and_bad_allocator_reply_are_refused():
         sched.add(make_request(1, 4), 0.0)
     batch = sched.schedule(0.0)
     with pytest.raises(ValueError, match="expected 1"):
-        sched.assign_blocks(batch, np.array([0, 1], dtype=np.int32), 62)
+        sched.assign_blocks(batch, BlockOpsReply(1, True, np.array([0, 1], np.int32), 62, None))
 
 
 def test_derive_seed_is_fixed_by_the_message_and_in_range():

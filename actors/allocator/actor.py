@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from taipan.actors.allocator.core import AllocatorError, BlockPool
+from taipan.actors.allocator.prefix import POLICIES, PrefixBlockPool
 from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
 from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
@@ -38,7 +39,7 @@ class AllocatorService:
 
     def __init__(self, name: str = "allocator"):
         self.name = name
-        self.pool: BlockPool | None = None
+        self.pool: BlockPool | PrefixBlockPool | None = None
 
     def handle(self, msg) -> AllocatorReady | BlockOpsReply | ErrorReply | None:
         if isinstance(msg, BlockOps):
@@ -72,6 +73,11 @@ class AllocatorService:
             return _bad(f"AllocatorInit.num_blocks ({msg.num_blocks}) must be in 1..{MAX_BLOCKS}")
         if msg.block_size < 1:
             return _bad(f"AllocatorInit.block_size ({msg.block_size}) must be >= 1")
+        if msg.prefix_policy and msg.prefix_policy not in POLICIES:
+            return _bad(
+                f"AllocatorInit.prefix_policy {msg.prefix_policy!r} is not one of "
+                f"{POLICIES} (or empty: no prefix caching)"
+            )
         # Re-sizing an idle pool is harmless (e.g. after the KV cache was re-created); re-sizing
         # one that holds blocks would orphan them, so the engine must free everything first.
         if self.pool is not None and self.pool.num_held:
@@ -81,7 +87,10 @@ class AllocatorService:
                 "free every request first",
                 None,
             )
-        self.pool = BlockPool(msg.num_blocks)
+        if msg.prefix_policy:
+            self.pool = PrefixBlockPool(msg.num_blocks, msg.prefix_policy)
+        else:
+            self.pool = BlockPool(msg.num_blocks)
         return AllocatorReady(msg.num_blocks, self.pool.num_free)
 
     def _block_ops(self, msg: BlockOps) -> BlockOpsReply | ErrorReply:
@@ -91,27 +100,76 @@ class AllocatorService:
                 f"{self.name}: BlockOps (step {msg.step}) before AllocatorInit",
                 None,
             )
-        problem = _check_block_ops(msg)
+        pool = self.pool
+        prefix = isinstance(pool, PrefixBlockPool)
+        problem = _check_block_ops(msg, prefix)
         if problem is not None:
             return _bad(f"BlockOps step {msg.step}: {problem}")
-        pool = self.pool
         for rid in msg.free_ids.tolist():
             pool.free_request(rid)
+        if not prefix:
+            try:
+                ids = pool.allocate_batch(msg.alloc_ids.tolist(), msg.alloc_counts.tolist())
+            except AllocatorError as e:
+                # Frees stay applied (those requests are gone either way); allocation is all
+                # or nothing, and the engine learns the true free count to plan the next step.
+                return self._refused(msg, e, np.zeros(0, dtype=np.int32))
+            return BlockOpsReply(
+                msg.step, True, np.asarray(ids, dtype=np.int32), pool.num_free, None
+            )
+        if msg.drop_cache:
+            pool.drop_hashes()
+        ids: list[int] = []
         try:
-            ids = pool.allocate_batch(msg.alloc_ids.tolist(), msg.alloc_counts.tolist())
+            pins, offset = [], 0
+            for rid, n in zip(msg.pin_ids.tolist(), msg.pin_counts.tolist(), strict=True):
+                pins.append((rid, msg.pin_hashes[offset : offset + n].tolist()))
+                offset += n
+            allocs = list(zip(msg.alloc_ids.tolist(), msg.alloc_counts.tolist(), strict=True))
+            ids = pool.pin_and_allocate(pins, allocs)
+            for rid, index, h, parent in zip(
+                msg.reg_ids.tolist(),
+                msg.reg_index.tolist(),
+                msg.reg_hashes.tolist(),
+                msg.reg_parents.tolist(),
+                strict=True,
+            ):
+                pool.register(rid, index, h, parent)
         except AllocatorError as e:
-            # Frees stay applied (those requests are gone either way); allocation is all or
-            # nothing, and the engine learns the true free count to plan the next step with.
-            empty = np.zeros(0, dtype=np.int32)
-            return BlockOpsReply(msg.step, False, empty, pool.num_free, f"step {msg.step}: {e}")
-        return BlockOpsReply(msg.step, True, np.asarray(ids, dtype=np.int32), pool.num_free, None)
+            # Pins and allocations are all or nothing (nothing was pinned or taken); a refused
+            # registration is an engine bug, reported after the blocks were handed out.
+            return self._refused(msg, e, np.asarray(ids, dtype=np.int32))
+        return self._prefix_reply(msg, True, np.asarray(ids, dtype=np.int32), None)
+
+    def _refused(self, msg: BlockOps, e: AllocatorError, ids: np.ndarray) -> BlockOpsReply:
+        error = f"step {msg.step}: {e}"
+        if isinstance(self.pool, PrefixBlockPool):
+            return self._prefix_reply(msg, False, ids, error)
+        return BlockOpsReply(msg.step, False, ids, self.pool.num_free, error)
+
+    def _prefix_reply(self, msg: BlockOps, ok: bool, ids: np.ndarray, error: str | None):
+        pool = self.pool
+        added, evicted = pool.take_events()
+        blocks = [pool.block_of_hash(h) for h in added]  # registration comes last: all present
+        return BlockOpsReply(
+            msg.step,
+            ok,
+            ids,
+            pool.num_available,
+            error,
+            np.asarray(evicted, dtype=np.int64),
+            np.asarray(added, dtype=np.int64),
+            np.asarray(blocks, dtype=np.int32),
+            pool.num_hashed,
+            pool.num_cached_idle,
+        )
 
 
 def _bad(text: str) -> ErrorReply:
     return ErrorReply("bad_request", text, None)
 
 
-def _check_block_ops(msg: BlockOps) -> str | None:
+def _check_block_ops(msg: BlockOps, prefix: bool) -> str | None:
     """The first thing wrong with `msg`, or None (the codec already checked dtypes and ranks).
     Pure: looks, never changes anything."""
     if len(msg.alloc_ids) != len(msg.alloc_counts):
@@ -119,7 +177,22 @@ def _check_block_ops(msg: BlockOps) -> str | None:
             f"alloc_ids has {len(msg.alloc_ids)} entries but alloc_counts has "
             f"{len(msg.alloc_counts)}"
         )
-    for field in ("free_ids", "alloc_ids"):
+    uses_prefix = len(msg.pin_ids) or len(msg.reg_ids) or msg.drop_cache
+    if uses_prefix and not prefix:
+        return "pins, registrations or drop_cache, but prefix caching is off in this allocator"
+    if len(msg.pin_ids) != len(msg.pin_counts):
+        return f"pin_ids has {len(msg.pin_ids)} entries but pin_counts has {len(msg.pin_counts)}"
+    if (msg.pin_counts < 0).any() or int(msg.pin_counts.sum()) != len(msg.pin_hashes):
+        return (
+            f"pin_counts (sum {int(msg.pin_counts.sum())}) must be >= 0 and add up to the "
+            f"{len(msg.pin_hashes)} pin_hashes"
+        )
+    n = len(msg.reg_ids)
+    if not n == len(msg.reg_index) == len(msg.reg_hashes) == len(msg.reg_parents):
+        return "reg_ids, reg_index, reg_hashes and reg_parents must have one entry each"
+    if (msg.reg_index < 0).any() or (msg.reg_hashes < 1).any() or (msg.reg_parents < 0).any():
+        return "reg_index must be >= 0, reg_hashes >= 1 and reg_parents >= 0"
+    for field in ("free_ids", "alloc_ids", "pin_ids"):
         dup = _first_duplicate(getattr(msg, field))
         if dup is not None:
             return f"{field} lists request {dup} more than once"

@@ -4,8 +4,8 @@ Owns: the free list, per-block ref counts, the owner map (request id -> block id
 order), the hash map (block hash <-> block id, a bijection on registered blocks), each registered
 block's parent hash and child count, the cached-idle set with its logical recency, and the
 "added"/"evicted" hash events not yet taken. Must not touch: sockets, messages, torch, clocks.
-Plain ints, lists, dicts and numpy only. Not wired in yet: `AllocatorService` still uses
-`core.BlockPool`; a later step moves the allocator actor onto this class.
+Plain ints, lists, dicts and numpy only. The allocator actor (`AllocatorService`) uses this
+class when prefix caching is on and `core.BlockPool` when it is off.
 
 States: every block is in exactly one of
   free         on the free min-heap, ref 0, no hash;
@@ -96,6 +96,16 @@ class PrefixBlockPool:
     def num_held(self) -> int:
         return self.num_blocks - len(self._free) - len(self._idle)
 
+    @property
+    def num_hashed(self) -> int:
+        return len(self._block_of)
+
+    @property
+    def num_available(self) -> int:
+        """Blocks an allocation may take: free, or cached and idle (every idle block is
+        evictable, see `pin_and_allocate`)."""
+        return len(self._free) + len(self._idle)
+
     def blocks_of(self, request_id: int) -> list[int]:
         """A copy of the request's blocks in block-table order ([] for an unknown request)."""
         return list(self._owned.get(int(request_id), ()))
@@ -168,6 +178,68 @@ class PrefixBlockPool:
         if matched or new:
             self._owned.setdefault(rid, []).extend(matched + new)
         return matched, new
+
+    def pin_and_allocate(
+        self, pins: Sequence[tuple[int, Sequence[int]]], allocs: Sequence[tuple[int, int]]
+    ) -> list[int]:
+        """One step's pins and allocations, all or nothing: every pin first (each request's
+        hashes must match in full, and the request must hold nothing yet), then the fresh
+        blocks, request after request. Returns the fresh ids in order. AllocatorError, with
+        nothing changed, when a pin does not match or the blocks are not there.
+
+        Pinning every prefix of the step before taking any fresh block means a fresh block is
+        never found by evicting a block that a later request of the same step shares. Every
+        idle block is evictable (a holder of a block holds its ancestors, so an idle block has
+        no held child), so the capacity check below is exact.
+        """
+        seen: set[int] = set()
+        pinned: set[int] = set()
+        for rid, hashes in pins:
+            rid = _as_int("request_id", rid)
+            if rid in seen or rid in self._owned:
+                raise AllocatorError(f"request {rid} pins a prefix twice or already holds blocks")
+            seen.add(rid)
+            matched = self.match(hashes)
+            if len(matched) != len(hashes):
+                raise AllocatorError(
+                    f"request {rid}: {len(hashes)} prefix blocks to pin but only "
+                    f"{len(matched)} are cached"
+                )
+            pinned.update(matched)
+        need = 0
+        for rid, n in allocs:
+            n = _as_int("num_new", n)
+            if n < 0:
+                raise AllocatorError(f"request {rid}: block count {n} is negative")
+            need += n
+        available = len(self._free) + len(self._idle) - len(pinned.intersection(self._idle))
+        if need > available:
+            raise AllocatorError(
+                f"asked for {need} blocks but only {available} of {self.num_blocks} are free "
+                f"or evictable (policy {self.policy})"
+            )
+        for rid, hashes in pins:
+            self.allocate(rid, hashes, 0)
+        out: list[int] = []
+        for rid, n in allocs:
+            out.extend(self.allocate(rid, (), n)[1])
+        return out
+
+    def drop_hashes(self) -> int:
+        """Forget every block hash (the KV they name is gone or stale). Held blocks stay held
+        (now private); idle ones become free. Returns how many hashes were dropped; each is
+        recorded as an "evicted" event, in registration order."""
+        dropped = list(self._block_of)
+        for b in self._block_of.values():
+            self._hash[b] = self._parent[b] = NO_HASH
+            self._kids[b] = 0
+        for b in self._idle:
+            heapq.heappush(self._free, b)
+        self._block_of.clear()
+        self._idle.clear()
+        self._lru.clear()
+        self._evicted.extend(dropped)
+        return len(dropped)
 
     def register(self, request_id: int, index: int, block_hash: int, parent_hash: int) -> bool:
         """Block `index` of the request is complete and has `block_hash`; True if now registered.

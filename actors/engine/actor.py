@@ -45,6 +45,7 @@ from taipan.actors.engine.plan import (
     BootError,
     block_ops,
     new_scheduler,
+    prefix_policy,
     runtime_plan,
     step_plan,
     submission,
@@ -169,9 +170,9 @@ class EngineActor(Actor):
     async def _boot_then_loop(self) -> None:
         try:
             loaded = await self._call(self.gpu, self.load, ModelLoaded)
-            ready = await self._call(
-                self.alloc, AllocatorInit(loaded.num_blocks, loaded.block_size), AllocatorReady
-            )
+            policy = prefix_policy(self.config) or ""
+            init = AllocatorInit(loaded.num_blocks, loaded.block_size, policy)
+            ready = await self._call(self.alloc, init, AllocatorReady)
         except EngineError as e:
             self.log.error("model load failed", error=str(e))
             await self.coord.send(ErrorReply("load_failed", str(e), None))
@@ -241,6 +242,11 @@ class EngineActor(Actor):
             self.device_seconds_total,
             self.steps_total,
             self.steps_graphed,
+            s.get("prefix_prompt_tokens", 0),
+            s.get("prefix_cached_tokens", 0),
+            s.get("prefill_tokens_computed", 0),
+            s.get("blocks_hashed", 0),
+            s.get("blocks_evictable", 0),
         )
         return Stats(self.state, (rank,))
 
@@ -332,7 +338,7 @@ class EngineActor(Actor):
         reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control)
         if reply is not None:
             self.weight_version = reply.weight_version
-            self.scheduler.increment_staleness()
+            self.scheduler.new_weights(reply.weight_version)
             await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
 
     # --- the step loop ------------------------------------------------------------------------
@@ -384,7 +390,7 @@ class EngineActor(Actor):
                     planned = sched.schedule(self.now)
                 except Exception as e:
                     await self._die(f"planning step {sched.step + 1} failed", e)
-                if not planned.chunks and not planned.free_ids:
+                if not planned.is_step:
                     self.gpu.record_only(NoStep(planned.step))  # for replay (check.py)
                     await self._emit(planned.ended)
                     planned = None
@@ -415,9 +421,9 @@ class EngineActor(Actor):
             if ops is not None:  # no block changes: no allocator hop this step
                 reply = await self._call(self.alloc, ops, BlockOpsReply)
                 if not reply.ok:
-                    sched.num_free_blocks = reply.num_free
+                    sched.refused(batch, reply)
                     raise EngineError(f"allocator refused a planned step: {reply.error}")
-                sched.assign_blocks(batch, reply.block_ids, reply.num_free)
+                sched.assign_blocks(batch, reply)
             if batch.chunks:
                 await self.gpu.send(step_plan(sched, batch))
         except Exception as e:
@@ -532,6 +538,7 @@ def output_of(r: EngineRequest) -> RequestOutput:
         r.error,
         len(r.prompt),
         len(r.generated),
+        r.num_cached_tokens,
         **kw,
     )
 

@@ -87,7 +87,7 @@ class EngineReplay:
             if msg.command == "resume" and not msg.kv_valid:
                 sched.invalidate_kv()
             elif msg.command == "update_weights":
-                sched.increment_staleness()
+                sched.new_weights(msg.weight_version)
         return None
 
     def _step_reply(self, channel: str, msg) -> str | None:
@@ -101,9 +101,9 @@ class EngineReplay:
             if isinstance(msg, ErrorReply):
                 return self._fail(batch, f"{channel}: {msg.text}")
             if not msg.ok:
-                sched.num_free_blocks = msg.num_free
+                sched.refused(batch, msg)
                 return self._fail(batch, f"allocator refused a planned step: {msg.error}")
-            sched.assign_blocks(batch, msg.block_ids, msg.num_free)
+            sched.assign_blocks(batch, msg)
             if not batch.chunks:  # a step that only freed blocks: no StepPlan follows
                 self.dispatching = None
             return None
@@ -149,10 +149,10 @@ class EngineReplay:
         batch = self.sched.schedule(self.now)
         ops = P.block_ops(batch)
         if isinstance(msg, NoStep):
-            if batch.chunks or batch.free_ids:
+            if batch.is_step:
                 return f"the engine planned no step, replay plans step {batch.step}"
             return self._compare("NoStep", NoStep(batch.step), frames)
-        if not batch.chunks and not batch.free_ids:
+        if not batch.is_step:
             return f"the engine sent {type(msg).__name__}, replay plans no step"
         self.dispatching = batch
         if isinstance(msg, BlockOps):

@@ -50,7 +50,16 @@ def new_scheduler(config: InferenceConfig, plan: RuntimePlan) -> Scheduler:
         config.enable_chunked_prefill,
         track_paused_events=config.track_paused_request_events,
         track_token_events=config.track_generated_token_events,
+        prefix_policy=prefix_policy(config),
     )
+
+
+def prefix_policy(config: InferenceConfig) -> str | None:
+    """The allocator's eviction policy with prefix caching on (None: off). Unset means "lru",
+    which keeps released blocks cached as vLLM and SGLang do."""
+    if not config.enable_prefix_caching:
+        return None
+    return str(config.prefix_caching_eviction_policy or "lru")
 
 
 def submission(
@@ -68,10 +77,21 @@ def submission(
     seed = msg.sampling.seed
     if seed is None:
         seed = derive_seed(msg.request_id, msg.arrival_time)
+    hashes = sched.hash_prompt(prompt)
+    sent = msg.block_hashes
+    if len(sent) and msg.hash_salt == sched.salt and not np.array_equal(sent, hashes):
+        # Caching KV under hashes that do not name its tokens would poison other requests.
+        bad = len(hashes) if len(sent) != len(hashes) else int(np.flatnonzero(sent != hashes)[0])
+        return None, (
+            f"block_hashes do not match the prompt tokens (first difference at block {bad}; "
+            f"{len(sent)} hashes sent, {len(hashes)} complete blocks of "
+            f"{sched.plan.block_size} tokens)"
+        )
     # A copy: the decoded array is a read-only view of the message's frame.
     req = EngineRequest(
         msg.request_id, prompt.copy(), msg.sampling, msg.stream, msg.arrival_time, seed
     )
+    req.hashes = hashes
     return req, None
 
 
@@ -79,9 +99,25 @@ def block_ops(batch: StepBatch) -> BlockOps | None:
     """The allocator message of a step, or None when the step changes no block."""
     counts = np.asarray([c.new_blocks for c in batch.chunks if c.new_blocks], np.int32)
     ids = np.asarray([c.request.request_id for c in batch.chunks if c.new_blocks], np.int64)
-    if not len(ids) and not batch.free_ids:
+    if not (len(ids) or batch.free_ids or batch.pins or batch.regs or batch.drop_cache):
         return None
-    return BlockOps(batch.step, np.asarray(batch.free_ids, np.int64), ids, counts)
+    regs = batch.regs
+    return BlockOps(
+        batch.step,
+        np.asarray(batch.free_ids, np.int64),
+        ids,
+        counts,
+        np.asarray([rid for rid, _ in batch.pins], np.int64),
+        np.asarray([len(h) for _, h in batch.pins], np.int32),
+        np.concatenate([h for _, h in batch.pins]).astype(np.int64)
+        if batch.pins
+        else np.zeros(0, np.int64),
+        np.asarray([r[0] for r in regs], np.int64),
+        np.asarray([r[1] for r in regs], np.int32),
+        np.asarray([r[2] for r in regs], np.int64),
+        np.asarray([r[3] for r in regs], np.int64),
+        batch.drop_cache,
+    )
 
 
 def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:

@@ -42,6 +42,16 @@ class EngineRequest:
     row: int = -1
     steps_in_flight: int = 0  # planned steps holding this request whose results are not applied
     blocks: list[int] = dataclasses.field(default_factory=list)
+    # Prefix caching: the prompt's block hashes (int64, one per complete prompt block, salted
+    # with the current weight version); positions below `shared_until` lie in blocks pinned
+    # from the cache (never written by this request); `num_registered`: leading prompt blocks
+    # of its table that are cached (matched, or registered by it); `num_cached_tokens`: prompt
+    # tokens its first admission skipped.
+    hashes: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    shared_until: int = 0
+    num_registered: int = 0
+    num_cached_tokens: int = 0
+    admissions: int = 0  # times admitted (an evicted request is admitted again)
     num_streamed: int = 0  # generated tokens already sent to the client
     aborted: bool = False
     finish_reason: FinishReason | None = None

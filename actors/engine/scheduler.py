@@ -32,6 +32,15 @@ service (Megatron's DynamicInferenceEngine):
 4. waiting requests are admitted FIFO while budgets and free blocks allow (none while any
    request is paused: those come first).
 A request that can never fit (see `check`) fails at submission.
+
+Prefix caching (`prefix_policy`; DESIGN.md §5, actors/engine/prefix.py): an admitted request
+first shares the longest run of cached blocks of its prompt (pinned before any block is
+allocated) and skips `min(matched * block_size, tokens - 1)` tokens, so that at least one
+token yields logits: a block-aligned full match computes only the last prompt token, whose K/V
+is already cached and is not written again (slot -1). A request that wants prompt log-probs
+shares nothing (it needs every prompt logit). Each complete prompt block a planned chunk writes
+is registered with the allocator in that step's BlockOps; it becomes shareable when that step's
+result is applied, and a request whose next block is still being written waits (FIFO).
 """
 
 from __future__ import annotations
@@ -42,7 +51,10 @@ from collections import deque
 import numpy as np
 
 from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status
+from taipan.messages.allocator import BlockOpsReply
+from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
 from taipan.messages.requests import EventType, FinishReason, SamplingParams
 
@@ -65,10 +77,20 @@ class StepBatch:
     chunks: list[Chunk]
     free_ids: list[int]
     ended: list[EngineRequest]  # aborted before this step: report them now
+    # Prefix caching: (request id, hashes of the cached blocks it pins), registrations
+    # (request id, block index, hash, parent hash), and whether the allocator drops every hash.
+    pins: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
+    regs: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
+    drop_cache: bool = False
 
     @property
     def num_tokens(self) -> int:
         return sum(c.num_new_tokens for c in self.chunks)
+
+    @property
+    def is_step(self) -> bool:
+        """Whether it does anything (an empty plan is not a step and sends nothing)."""
+        return bool(self.chunks or self.free_ids or self.drop_cache)
 
 
 def derive_seed(request_id: int, arrival_time: float) -> int:
@@ -86,6 +108,7 @@ class Scheduler:
         enable_chunked_prefill: bool,
         track_paused_events: bool = False,
         track_token_events: bool = False,
+        prefix_policy: str | None = None,
     ):
         self.plan = plan
         self.chunked_prefill = enable_chunked_prefill
@@ -101,6 +124,14 @@ class Scheduler:
         self.steps_in_flight = 0  # planned steps with chunks whose update() has not run
         self.num_paused_total = 0
         self.num_evicted_total = 0
+        self.prefix = None if prefix_policy is None else PrefixIndex(plan.num_blocks, prefix_policy)
+        self.salt = 0  # the weight version: block hashes are salted with it
+
+    def hash_prompt(self, prompt: np.ndarray) -> np.ndarray:
+        """The prompt's block hashes under the current weights (empty without prefix caching)."""
+        if self.prefix is None:
+            return np.zeros(0, dtype=np.int64)
+        return block_hashes(prompt, self.plan.block_size, self.salt)
 
     # --- admission ----------------------------------------------------------------------------
 
@@ -186,6 +217,7 @@ class Scheduler:
         budget = self.plan.max_tokens
         free = self._free_view()
         chunks: list[Chunk] = []
+        pins: list[tuple[int, np.ndarray]] = []
         ended = [r for r in self.running + self.paused if r.aborted]
         for r in ended:
             self._finish(r, FinishReason.ABORT, now=now)
@@ -208,23 +240,43 @@ class Scheduler:
             budget, free = self._resume(chunks, budget, self._free_view())
         # 4. admission, FIFO, only while nobody waits paused and nobody was just evicted (the
         # pool is short: re-admitting the evicted request at once would only churn).
+        regs: list[tuple[int, int, int, int]] = []
+        claimed = 0  # chunks whose prompt blocks are registered (so later admissions wait)
         while self.waiting and not (self.paused or evicted):
             req = self.waiting[0]
             if len(self.running) >= self.plan.max_requests or req.steps_in_flight:
                 break  # (an evicted request comes back once its last token is known)
-            if req.generated and req.blocks_needed(req.num_tokens + 1, self.plan.block_size) > free:
-                break  # an evicted request comes back when all it had (and one more) fits
-            n, need, _ = self._fit(req, budget, free)
+            if self.prefix is not None:
+                for c in chunks[claimed:]:
+                    self._register(c, regs)
+                claimed = len(chunks)
+            shared = self._shared_prefix(req)
+            if shared is None:
+                break  # its next prompt block is being written by a step in flight
+            blocks, cost = shared
+            bs = self.plan.block_size
+            req.blocks = blocks
+            req.num_computed_tokens = min(len(blocks) * bs, req.num_planned_tokens - 1)
+            n, need = 0, 0
+            if not (req.generated and req.blocks_needed(req.num_tokens + 1, bs) > free - cost):
+                # (an evicted request comes back when all it had, and one more, fits)
+                n, need, _ = self._fit(req, budget, free - cost)
             if n == 0:
+                req.blocks, req.num_computed_tokens = [], 0
                 break
             self.waiting.popleft()
-            budget, free = budget - n, free - need
+            budget, free = budget - n, free - need - cost
+            if self.prefix is not None:
+                self._pin(req, blocks, pins)
             req.status = Status.RUNNING
             req.add_event(EventType.ADD_CONTEXT, now)
             self.running.append(req)
             chunks.append(Chunk(req, n, need))
         # Rows of one query token first (a stable sort): attention takes them as one decode
         # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
+        if self.prefix is not None:
+            for c in chunks[claimed:]:
+                self._register(c, regs)
         chunks.sort(key=lambda c: c.num_new_tokens != 1)
         for c in chunks:  # the step is planned: advance each request past its chunk
             r = c.request
@@ -237,9 +289,62 @@ class Scheduler:
         self.steps_in_flight += bool(chunks)
         free_ids = list(self.pending_free)
         self.pending_free.clear()
-        if chunks or free_ids:  # an empty plan is not a step (and sends nothing)
+        px = self.prefix
+        drop = px is not None and px.drop_pending
+        if chunks or free_ids or drop:  # an empty plan is not a step (and sends nothing)
             self.step += 1
-        return StepBatch(self.step, chunks, free_ids, ended)
+        if px is not None:
+            px.drop_pending = False
+        return StepBatch(self.step, chunks, free_ids, ended, pins, regs, drop)
+
+    def _shared_prefix(self, req: EngineRequest) -> tuple[list[int], int] | None:
+        """(the cached blocks `req` shares, the available blocks pinning them takes), or None
+        when it must wait for a block another request's step in flight is writing."""
+        px = self.prefix
+        if px is None or not len(req.hashes):
+            return [], 0
+        if req.wants_prompt_log_probs and len(req.prompt_log_probs) < len(req.prompt) - 1:
+            return [], 0  # it needs every prompt position's logits
+        blocks, wait = px.match(req.hashes)
+        if wait:
+            return None
+        return blocks, px.cost(blocks)
+
+    def _pin(self, req: EngineRequest, blocks: list[int], pins: list) -> None:
+        px = self.prefix
+        m = len(blocks)
+        req.shared_until = m * self.plan.block_size
+        req.num_registered = m
+        if m:
+            px.hold(blocks)
+            pins.append((req.request_id, req.hashes[:m]))
+        if req.admissions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+            px.prompt_tokens += len(req.prompt)
+            px.cached_tokens += req.num_computed_tokens
+        req.admissions += 1
+
+    def _register(self, c: Chunk, regs: list) -> None:
+        """Register the complete prompt blocks the chunk (not yet advanced) writes, as written
+        by the step being planned; count its prefill tokens."""
+        px, r = self.prefix, c.request
+        stop = r.num_computed_tokens + c.num_new_tokens
+        if c.num_new_tokens > 1 or stop <= len(r.prompt):
+            px.prefill_tokens += c.num_new_tokens
+        end = min(stop // self.plan.block_size, len(r.hashes))
+        i = r.num_registered
+        while i < end:
+            h = int(r.hashes[i])
+            if h in px.block_of or h in px.writing:
+                # Cached from another request (this one could not share it): its copy and
+                # every block after it stay private.
+                i = len(r.hashes)
+                break
+            parent = int(r.hashes[i - 1]) if i else 0
+            regs.append((r.request_id, i, h, parent))
+            px.writing[h] = self.step + 1
+            i += 1
+        r.num_registered = max(r.num_registered, i)
 
     def _pause(self, req: EngineRequest, now: float) -> None:
         self.running.remove(req)
@@ -273,7 +378,7 @@ class Scheduler:
     def _evict(self, req: EngineRequest, now: float) -> None:
         """Free a paused request's blocks; it recomputes prompt + generated when re-admitted."""
         self.paused.remove(req)
-        self.pending_free[req.request_id] = len(req.blocks)
+        self.pending_free[req.request_id] = self._release(req.blocks)
         req.blocks = []
         req.record.checkpoint(req.num_tokens)
         req.num_computed_tokens = 0
@@ -287,23 +392,55 @@ class Scheduler:
         their blocks and recompute prompt + generated tokens into them."""
         if self.steps_in_flight:
             raise RuntimeError("invalidate_kv with a step in flight")
-        for req in self.running + self.paused:
-            req.num_computed_tokens = 0
-            req.record.checkpoint(req.num_tokens)
+        if self.prefix is not None:
+            # Shared blocks would be recomputed by each holder: instead every request lets go
+            # of its blocks and queues first, in order, and re-admission shares what the first
+            # one recomputes.
+            for req in reversed(self.running + self.paused):
+                self.pending_free[req.request_id] = self._release(req.blocks)
+                req.blocks, req.shared_until, req.num_registered = [], 0, 0
+                req.status = Status.WAITING
+                self.waiting.appendleft(req)
+            self.running, self.paused = [], []
+            self.prefix.drop()
+        for req in self.running + self.paused + list(self.waiting):
+            if req.num_computed_tokens:
+                req.num_computed_tokens = 0
+                req.record.checkpoint(req.num_tokens)
 
-    def increment_staleness(self) -> None:
-        """One weight update happened (RL): age every live request's tokens."""
+    def new_weights(self, weight_version: int) -> None:
+        """A weight update happened (RL): age every live request's tokens; with prefix caching,
+        nothing cached before matches any more (the salt changes) and the KV requests still
+        hold was computed with the old weights, so it is never registered."""
         for req in self.requests.values():
             req.record.increment_staleness(req.num_tokens, policy_only=not req.blocks)
+        self.salt = weight_version
+        if self.prefix is None:
+            return
+        self.prefix.drop()
+        for req in self.requests.values():
+            req.hashes = self.hash_prompt(req.prompt)
+            req.num_registered = len(req.hashes) if req.blocks else 0
 
-    def assign_blocks(self, batch: StepBatch, block_ids: np.ndarray, num_free: int) -> None:
+    def assign_blocks(self, batch: StepBatch, reply: BlockOpsReply) -> None:
+        """The allocator served the step: its new blocks go to their requests."""
+        block_ids = reply.block_ids
         offset = 0
         for c in batch.chunks:
-            c.request.blocks.extend(int(b) for b in block_ids[offset : offset + c.new_blocks])
+            new = block_ids[offset : offset + c.new_blocks].tolist()
+            c.request.blocks.extend(new)
+            if self.prefix is not None and new:
+                self.prefix.hold(new)
             offset += c.new_blocks
         if offset != len(block_ids):
             raise ValueError(f"allocator returned {len(block_ids)} blocks, expected {offset}")
-        self.num_free_blocks = num_free
+        self.refused(batch, reply)
+
+    def refused(self, batch: StepBatch, reply: BlockOpsReply) -> None:
+        """What every reply tells, served or not: the available count and the hash events."""
+        self.num_free_blocks = reply.num_free
+        if self.prefix is not None:
+            self.prefix.apply(reply, batch.drop_cache)
 
     def plan_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The StepPlan arrays (see messages/gpu.py) for this batch. A one-token chunk (every
@@ -328,7 +465,9 @@ class Scheduler:
                     ids.add(0)
                     prev_rows.append(r.row)
                 positions.add(start)
-                slots.add(r.blocks[start // bs] * bs + start % bs)
+                # A position in a block shared from the cache is never written again.
+                slot = r.blocks[start // bs] * bs + start % bs if start >= r.shared_until else -1
+                slots.add(slot)
                 target = int(r.prompt_targets(start, stop)[0]) if r.wants_prompt_log_probs else -1
                 targets.add(target)
                 c.num_prompt_targets = int(target >= 0)
@@ -337,7 +476,10 @@ class Scheduler:
                 blocks = np.asarray(r.blocks, dtype=np.int64)
                 ids.add(r.token_slice(start, stop))
                 positions.add(pos)
-                slots.add(blocks[pos // bs] * bs + pos % bs)
+                chunk_slots = blocks[pos // bs] * bs + pos % bs
+                if start < r.shared_until:
+                    chunk_slots[pos < r.shared_until] = -1
+                slots.add(chunk_slots)
                 chunk_targets = r.prompt_targets(start, stop)
                 targets.add(chunk_targets)
                 c.num_prompt_targets = int((chunk_targets >= 0).sum())
@@ -380,6 +522,10 @@ class Scheduler:
         k = 0  # offset into the compacted prompt log-probs
         if batch.chunks:
             self.steps_in_flight -= 1
+        if self.prefix is not None:
+            self.prefix.done_writing(batch.step, [reg[2] for reg in batch.regs])
+            if result is None:
+                self.prefix.drop()  # the step's blocks may hold no valid KV
         for i, c in enumerate(batch.chunks):
             r = c.request
             r.steps_in_flight -= 1
@@ -451,6 +597,7 @@ class Scheduler:
             "blocks_used": self.plan.num_blocks - self.num_free_blocks,
             "paused_total": self.num_paused_total,
             "evicted_total": self.num_evicted_total,
+            **(self.prefix.stats() if self.prefix is not None else {}),
         }
 
     # --- ending -------------------------------------------------------------------------------
@@ -501,9 +648,13 @@ class Scheduler:
             failed = reason in (FinishReason.ERROR, FinishReason.ABORT)
             r.add_event(EventType.FAIL if failed else EventType.FINISH, now)
         if r.blocks:
-            self.pending_free[r.request_id] = len(r.blocks)
+            self.pending_free[r.request_id] = self._release(r.blocks)
             r.blocks = []
         del self.requests[r.request_id]
+
+    def _release(self, blocks: list[int]) -> int:
+        """Blocks that come back (free, or cached and idle) when a request lets go of these."""
+        return len(blocks) if self.prefix is None else self.prefix.release(blocks)
 
 
 class _Concat:
