@@ -225,6 +225,15 @@ def _coerce(name: str, tp, value):
     raise ConfigError(f"{name}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
+def routing_policy(config: InferenceConfig) -> str:
+    """The coordinator's routing policy: the configured one, else "longest_prefix" with prefix
+    caching on (Megatron's default) and "round_robin" with it off."""
+    policy = config.prefix_caching_coordinator_policy
+    if policy is None:
+        return "longest_prefix" if config.enable_prefix_caching else "round_robin"
+    return str(policy)
+
+
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {
     "mamba_inference_state_config": "hybrid Mamba models are not supported yet",

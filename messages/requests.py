@@ -221,7 +221,9 @@ class GetModelInfo:
 @message(25)
 class ModelInfo:
     """What a client needs to tokenize and detokenize: the tokenizer travels with the model.
-    `kv_cache_tokens` / `kv_cache_bytes`: the KV cache of one engine rank (the first loaded)."""
+    `kv_cache_tokens` / `kv_cache_bytes`: the KV cache of one engine rank (the first loaded).
+    With prefix caching the client hashes prompts itself (messages/block_hash.py, `block_size`
+    tokens per block, salt `weight_version`) and sends the hashes with each request."""
 
     model: str
     tokenizer: str
@@ -229,6 +231,9 @@ class ModelInfo:
     num_ranks: int
     kv_cache_tokens: int
     kv_cache_bytes: int
+    block_size: int = 0
+    prefix_caching: bool = False  # whether SubmitRequest.block_hashes are of any use
+    weight_version: int = 0  # the hash salt, as of this answer
 
 
 @message(26)

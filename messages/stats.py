@@ -7,7 +7,9 @@ client's `GetStats` with one `Stats` holding every rank's latest `RankStats`.
 
 from __future__ import annotations
 
-from taipan.messages.codec import message, struct
+import numpy as np
+
+from taipan.messages.codec import Array, message, struct
 from taipan.messages.lifecycle import LifecycleState
 
 
@@ -65,3 +67,15 @@ class Stats:
 
     state: LifecycleState
     ranks: tuple[RankStats, ...]
+
+
+@message(142)
+class PrefixEvents:
+    """Engine -> coordinator: the block hashes its allocator registered (`added`) and
+    unregistered (`evicted`) in one step, as the allocator reported them (every eviction of a
+    step happened before every registration). Sent only by a rank with prefix caching on, only
+    for a step that changed a hash, in step order: the coordinator's routing table is the
+    allocators' hash maps, not a guess."""
+
+    added: Array[np.int64, 1]
+    evicted: Array[np.int64, 1]

@@ -39,6 +39,7 @@ from taipan.actors.client.actor import (
     RuntimeUnreachable,
 )
 from taipan.auth import find_token
+from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
 from taipan.messages.lifecycle import (
     ControlAck,
@@ -185,6 +186,7 @@ class AsyncClient:
         self.tokenizer: Tokenizer | None = None
         self.model: str | None = None
         self.info: ModelInfo | None = None
+        self._salt = 0  # the weight version block hashes are salted with
         self._ctx: zmq.asyncio.Context | None = None
         self._actor: ClientActor | None = None
         self._task: asyncio.Task | None = None
@@ -208,6 +210,7 @@ class AsyncClient:
             await self.close()
             raise
         self.info, self.model = info, info.model
+        self._salt = info.weight_version
         self.tokenizer = Tokenizer.from_wire(json.loads(info.tokenizer))
 
     async def close(self) -> None:
@@ -325,7 +328,13 @@ class AsyncClient:
             raise RuntimeError("the client is not connected")
         if sampling.stop:
             sampling = self._with_stop_word_ids(sampling)
-        request_id, queue = await self._actor.submit(ids, sampling, stream)
+        hashes = None
+        info = self.info
+        if info is not None and info.prefix_caching and info.block_size:
+            # Hashed here, where the tokens are (the coordinator routes by them); a stale salt
+            # (weights updated by another client) only makes the coordinator hash again.
+            hashes = block_hashes(ids, info.block_size, self._salt)
+        request_id, queue = await self._actor.submit(ids, sampling, stream, hashes, self._salt)
         finished = False
         try:
             while not finished:
@@ -357,7 +366,9 @@ class AsyncClient:
     async def _control(self, msg) -> ControlAck:
         if self._actor is None:
             raise RuntimeError("the client is not connected")
-        return await self._actor.control(msg)
+        ack = await self._actor.control(msg)
+        self._salt = ack.weight_version
+        return ack
 
     async def pause(self) -> ControlAck:
         """RUNNING -> PAUSED: the step in flight finishes, no more run; requests keep their KV

@@ -19,7 +19,7 @@ import zmq.asyncio
 
 from taipan.actors.base import FatalError
 from taipan.actors.channel import make_socket
-from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits
+from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits, routing_policy
 from taipan.actors.log import configure, get_logger
 from taipan.auth import read_token_file
 
@@ -85,6 +85,10 @@ async def coordinator_main(spec: dict) -> None:
         spec["model_name"],
         config.max_sequence_length,
         control_token=read_token_file(spec["control_token_file"]),
+        prefix_caching=config.enable_prefix_caching,
+        routing_policy=routing_policy(config),
+        routing_alpha=config.prefix_caching_routing_alpha,
+        rank_capacity=plan_limits(config)[0],
     )
     try:
         await _run_until_stopped([actor])

@@ -200,7 +200,7 @@ def array_ext(dtype, shape, data, code=EXT_ARRAY_INLINE):
 
 def output_with(array) -> list:
     """RequestOutput fields (tag first) with `array` as new_token_ids."""
-    return [22, 1, 7, array, False, None, None, 3, 0, *_OUTPUT_TAIL]
+    return [22, 1, 7, array, False, None, None, 3, 0, 0, *_OUTPUT_TAIL]  # (0 cached tokens)
 
 
 # --- the registry ----------------------------------------------------------------------------
@@ -472,6 +472,7 @@ _F1, _I2, _F2 = (
     array_ext("int32", [0, 0], b""),
     array_ext("float32", [0, 0], b""),
 )
+_SUBMIT_TAIL = [array_ext("int64", [0], b""), 0]  # no block hashes, salt 0
 _OUTPUT_TAIL = [_F1, _I2, _F2] * 2 + [[], None, None, _ARR, _ARR]  # RequestOutput optional fields
 
 
@@ -497,19 +498,22 @@ BAD_ENVELOPES = {
     "bool_where_int": (frame0(23, 1, True), "bad_field"),
     "float_where_int": (frame0(23, 1, 5.0), "bad_field"),
     "none_where_int": (frame0(23, 1, None), "bad_field"),
-    "int_where_bool": (frame0(22, 1, 7, _ARR, 1, None, None, 3, 0, *_OUTPUT_TAIL), "bad_field"),
+    "int_where_bool": (frame0(22, 1, 7, _ARR, 1, None, None, 3, 0, 0, *_OUTPUT_TAIL), "bad_field"),
     "int_where_str": (frame0(2, 1, 5, "text", None), "bad_field"),
     "bytes_where_str": (frame0(2, 1, b"code", "text", None), "bad_field"),
     "str_where_array": (frame0(*output_with("abc")), "bad_field"),
     "list_where_array": (frame0(*output_with([1, 2])), "bad_field"),
-    "map_where_struct": (frame0(20, 1, 1, _ARR, {"max_tokens": 3}, False), "bad_field"),
-    "struct_wrong_arity": (frame0(20, 1, 1, _ARR, [1, 1.0], False), "bad_arity"),
+    "map_where_struct": (
+        frame0(20, 1, 1, _ARR, {"max_tokens": 3}, False, *_SUBMIT_TAIL),
+        "bad_field",
+    ),
+    "struct_wrong_arity": (frame0(20, 1, 1, _ARR, [1, 1.0], False, *_SUBMIT_TAIL), "bad_arity"),
     "struct_bad_item": (
-        frame0(20, 1, 1, _ARR, _sampling_with(_STOP_TOKEN_IDS, ["x"]), False),
+        frame0(20, 1, 1, _ARR, _sampling_with(_STOP_TOKEN_IDS, ["x"]), False, *_SUBMIT_TAIL),
         "bad_field",
     ),
     "struct_str_tuple": (
-        frame0(20, 1, 1, _ARR, _sampling_with(_STOP_TOKEN_IDS, "ab"), False),
+        frame0(20, 1, 1, _ARR, _sampling_with(_STOP_TOKEN_IDS, "ab"), False, *_SUBMIT_TAIL),
         "bad_field",
     ),
     "int_map_key": ([msgpack.packb([2, 1, {1: "x"}, "t", None])], "bad_msgpack"),
@@ -519,8 +523,12 @@ BAD_ENVELOPES = {
 
 
 def test_the_bad_envelope_fixtures_are_one_change_from_valid():
-    assert decode(frame0(20, 1, 1, _ARR, _SAMPLING, False)).sampling == SamplingParams()
-    assert decode(frame0(22, 1, 7, _ARR, False, None, None, 3, 0, *_OUTPUT_TAIL)).finished is False
+    assert (
+        decode(frame0(20, 1, 1, _ARR, _SAMPLING, False, *_SUBMIT_TAIL)).sampling == SamplingParams()
+    )
+    assert (
+        decode(frame0(22, 1, 7, _ARR, False, None, None, 3, 0, 0, *_OUTPUT_TAIL)).finished is False
+    )
     assert decode(frame0(2, 1, "code", "text", None)) == ErrorReply("code", "text", None)
 
 

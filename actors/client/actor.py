@@ -99,12 +99,23 @@ class ClientActor(Actor):
     def _busy(self) -> bool:
         return bool(self.queues or self.info_waiters or self.stats_waiters or self.control_waiter)
 
-    async def submit(self, prompt: np.ndarray, sampling: SamplingParams, stream: bool):
+    async def submit(
+        self,
+        prompt: np.ndarray,
+        sampling: SamplingParams,
+        stream: bool,
+        hashes: np.ndarray | None = None,
+        salt: int = 0,
+    ):
+        """Send one request (`hashes`: its prompt's block hashes with `salt`, or None)."""
         request_id = next(self.ids)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._expect_answer()
         self.queues[request_id] = queue
-        await self.channel.send(SubmitRequest(request_id, prompt, sampling, stream))
+        msg = SubmitRequest(request_id, prompt, sampling, stream)
+        if hashes is not None:
+            msg = SubmitRequest(request_id, prompt, sampling, stream, hashes, salt)
+        await self.channel.send(msg)
         return request_id, queue
 
     async def abort(self, request_id: int) -> None:

@@ -37,6 +37,8 @@ from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.coordinator.core import ControlRound, CoordinatorCore, NoRankError, Route
 from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
+from taipan.actors.coordinator.routing import RoutingError
+from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import MessageError
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.gpu import ModelLoaded
@@ -57,7 +59,7 @@ from taipan.messages.requests import (
     StepOutputs,
     SubmitRequest,
 )
-from taipan.messages.stats import GetStats, RankStats, Stats
+from taipan.messages.stats import GetStats, PrefixEvents, RankStats, Stats
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
 STOP_TIMEOUT_S = 30.0
@@ -74,7 +76,7 @@ FROM_CLIENTS = frozenset(
 )
 FROM_ENGINES = frozenset(
     {Hello, Heartbeat, PeerGone, ModelLoaded, StepOutputs, ControlAck, StopAck, Stats}
-    | {ErrorReply}
+    | {ErrorReply, PrefixEvents}
 )
 NOT_AUTHORIZED = (
     "{command} needs the runtime's control token. A client run by the same user on the same "
@@ -97,6 +99,10 @@ class CoordinatorActor(Actor):
         stop_timeout: float = STOP_TIMEOUT_S,
         stats_timeout: float = STATS_TIMEOUT_S,
         engine_timeout: float = ENGINE_TIMEOUT_S,
+        prefix_caching: bool = False,
+        routing_policy: str = "round_robin",
+        routing_alpha: float = 0.5,
+        rank_capacity: int = 1,
     ):
         super().__init__("coordinator")
         if not control_token:
@@ -106,7 +112,11 @@ class CoordinatorActor(Actor):
         self.model_name = model_name
         self.max_sequence_length = max_sequence_length
         self.control_token = control_token.encode()
-        self.core = CoordinatorCore()
+        self.core = CoordinatorCore(routing_policy, routing_alpha, rank_capacity)
+        self.prefix_caching = prefix_caching
+        # Hash prompts here only when the policy reads them or the engines cache by them.
+        self.hashing = prefix_caching or routing_policy in ("first_prefix_block", "longest_prefix")
+        self.block_size = 0  # from the first ModelLoaded
         self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
         self.engine_heard: dict[bytes, float] = {}  # engine identity -> its last message
         self.engine_timeout = engine_timeout
@@ -135,6 +145,7 @@ class CoordinatorActor(Actor):
             (Heartbeat, self.on_heartbeat),
             (PeerGone, self.on_peer_gone),
             (ModelLoaded, self.on_model_loaded),
+            (PrefixEvents, self.on_prefix_events),
             (StepOutputs, self.on_step_outputs),
             (ControlAck, self.on_control_ack),
             (StopAck, self.on_stop_ack),
@@ -178,13 +189,20 @@ class CoordinatorActor(Actor):
         if problems:
             await self._fail(env, msg.request_id, "; ".join(problems), int(prompt.size))
             return
+        hashes = msg.block_hashes
+        if self.hashing and self.block_size and msg.hash_salt != self.weight_version:
+            hashes = block_hashes(prompt, self.block_size, self.weight_version)  # stale salt
+        elif self.hashing and self.block_size and len(hashes) != len(prompt) // self.block_size:
+            hashes = block_hashes(prompt, self.block_size, self.weight_version)  # none sent
         try:
-            gid, rank = self.core.admit(env.sender, msg.request_id)
+            gid, rank = self.core.admit(env.sender, msg.request_id, hashes.tolist())
         except (ValueError, NoRankError) as e:
             await self._fail(env, msg.request_id, str(e), len(prompt))
             return
-        # While PAUSED or SUSPENDED the engine queues it until UNPAUSE.
-        out = EngineSubmit(gid, prompt, msg.sampling, msg.stream, env.time)
+        # While PAUSED or SUSPENDED the engine queues it until UNPAUSE. The engine checks the
+        # hashes against the tokens before it caches anything under them.
+        salt = self.weight_version if hashes is not msg.block_hashes else msg.hash_salt
+        out = EngineSubmit(gid, prompt, msg.sampling, msg.stream, env.time, hashes, salt)
         await self.backend.send(out, to=self.engines[rank])
 
     async def on_abort(self, env: Envelope, msg: AbortRequest) -> None:
@@ -328,6 +346,8 @@ class CoordinatorActor(Actor):
         if len(versions) > 1:
             self.log.warning("engines disagree on the weight version", versions=sorted(versions))
         self.weight_version = max(versions, default=self.weight_version)
+        if self.info is not None and self.info.weight_version != self.weight_version:
+            self.info = dataclasses.replace(self.info, weight_version=self.weight_version)
         state = self.fsm.apply(round_.command)
         self.log.info("control done", command=command, sender=sender, state=str(state))
         return ControlAck(round_.command, state, self.weight_version)
@@ -384,6 +404,7 @@ class CoordinatorActor(Actor):
             kv_bytes=msg.num_blocks * msg.block_bytes,
         )
         if self.info is None:
+            self.block_size = msg.block_size
             self.info = ModelInfo(
                 self.model_name,
                 msg.tokenizer,
@@ -391,8 +412,23 @@ class CoordinatorActor(Actor):
                 self.num_ranks,
                 msg.num_blocks * msg.block_size,
                 msg.num_blocks * msg.block_bytes,
+                msg.block_size,
+                self.prefix_caching,
+                self.weight_version,
             )
         await self._flush_info_waiters(self.info)
+
+    async def on_prefix_events(self, env: Envelope, msg: PrefixEvents) -> None:
+        rank = self._rank_of(env.sender)
+        if rank is None or rank not in self.engines:
+            return
+        try:
+            self.core.table.apply(rank, msg.added.tolist(), msg.evicted.tolist())
+        except RoutingError as e:
+            # The table can no longer be trusted for this rank: forget it rather than route by
+            # hashes the rank may not hold (the next events rebuild it from what they add).
+            self.log.error("prefix events contradict the routing table", rank=rank, error=str(e))
+            self.core.table.drop_rank(rank)
 
     async def on_engine_error(self, env: Envelope, msg: ErrorReply) -> None:
         if msg.code == "load_failed":

@@ -1,6 +1,8 @@
 """The coordinator's pure core: request ids, routes, rank choice. No zmq, no clock.
 
-Owns the mapping client (identity, client request id) <-> global request id <-> rank. Only the
+Owns the mapping client (identity, client request id) <-> global request id <-> rank, the
+requests in flight per rank, and the prefix routing (routing.py: the table of each rank's
+cached block hashes, fed by its allocator's events, and the routing policy). Only the
 coordinator actor calls it, once per inbound message, so its decisions are a function of the
 inbound sequence (replay re-drives it).
 """
@@ -8,6 +10,9 @@ inbound sequence (replay re-drives it).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+
+from taipan.actors.coordinator.routing import Router, RoutingTable
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -22,13 +27,16 @@ class NoRankError(RuntimeError):
 
 
 class CoordinatorCore:
-    def __init__(self):
+    def __init__(self, policy: str = "round_robin", alpha: float = 0.5, capacity: int = 1):
         self.ranks: list[int] = []  # ranks with a loaded model, in registration order
         self.dead: dict[int, str] = {}  # rank -> why it is gone
         self.routes: dict[int, Route] = {}  # global id -> route, until the terminal output
         self.by_client: dict[tuple[bytes, int], int] = {}
         self.next_id = 1
-        self._rr = 0
+        self.router = Router(policy, alpha)
+        self.table = RoutingTable()
+        self.in_flight: dict[int, int] = {}  # rank -> requests routed there, not yet ended
+        self.capacity = capacity  # requests a rank runs at once (its max_requests)
 
     def add_rank(self, rank: int) -> None:
         self.dead.pop(rank, None)
@@ -41,6 +49,8 @@ class CoordinatorCore:
         if rank in self.ranks:
             self.ranks.remove(rank)
         self.dead[rank] = reason
+        self.table.drop_rank(rank)
+        self.in_flight.pop(rank, None)
         lost = [(gid, r) for gid, r in self.routes.items() if r.rank == rank]
         for gid, route in lost:
             del self.routes[gid]
@@ -51,27 +61,29 @@ class CoordinatorCore:
         """Every request of `client` still in flight, in admission order."""
         return [(gid, r) for gid, r in self.routes.items() if r.client == client]
 
-    def pick_rank(self) -> int:
-        """Round robin over ready ranks (prefix-aware policies arrive with prefix caching)."""
+    def pick_rank(self, hashes: Sequence[int] = ()) -> int:
+        """The rank for a request with these prompt block hashes, by the routing policy."""
         if not self.ranks:
             if self.dead:
                 why = "; ".join(f"rank {r} {reason}" for r, reason in sorted(self.dead.items()))
                 raise NoRankError(f"no engine rank is alive ({why})")
             raise NoRankError("no engine has a model loaded yet")
-        rank = self.ranks[self._rr % len(self.ranks)]
-        self._rr += 1
-        return rank
+        capacity = dict.fromkeys(self.ranks, self.capacity)
+        return self.router.pick(self.ranks, hashes, self.in_flight, capacity, self.table)
 
-    def admit(self, client: bytes, client_request_id: int) -> tuple[int, int]:
+    def admit(
+        self, client: bytes, client_request_id: int, hashes: Sequence[int] = ()
+    ) -> tuple[int, int]:
         """Give a new request a global id and a rank. Raises ValueError for a duplicate id."""
         key = (client, client_request_id)
         if key in self.by_client:
             raise ValueError(f"request id {client_request_id} is already in flight")
-        rank = self.pick_rank()
+        rank = self.pick_rank(hashes)
         gid = self.next_id
         self.next_id += 1
         self.routes[gid] = Route(client, client_request_id, rank)
         self.by_client[key] = gid
+        self.in_flight[rank] = self.in_flight.get(rank, 0) + 1
         return gid, rank
 
     def lookup(self, client: bytes, client_request_id: int) -> tuple[int, Route] | None:
@@ -84,6 +96,8 @@ class CoordinatorCore:
         if route is not None and finished:
             del self.routes[gid]
             del self.by_client[(route.client, route.client_request_id)]
+            if route.rank in self.in_flight:
+                self.in_flight[route.rank] -= 1
         return route
 
 

@@ -83,7 +83,7 @@ from taipan.messages.requests import (
     RequestOutput,
     StepOutputs,
 )
-from taipan.messages.stats import GetStats, RankStats, Stats
+from taipan.messages.stats import GetStats, PrefixEvents, RankStats, Stats
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
 HEARTBEAT_S = 1.0  # the coordinator declares an engine dead after ENGINE_TIMEOUT_S of silence
@@ -416,6 +416,7 @@ class EngineActor(Actor):
         result. True when a result will come (`_collect` it); False for a step that only freed
         blocks, or one that failed here (its requests got their terminal outputs)."""
         sched = self.scheduler
+        reply, published = None, False
         try:
             ops = block_ops(batch)
             if ops is not None:  # no block changes: no allocator hop this step
@@ -426,11 +427,21 @@ class EngineActor(Actor):
                 sched.assign_blocks(batch, reply)
             if batch.chunks:
                 await self.gpu.send(step_plan(sched, batch))
+            if reply is not None:  # after the plan: the gpu starts first
+                published = True
+                await self._publish(reply)
         except Exception as e:
+            if reply is not None and not published:  # the table must see every event
+                await self._publish(reply)
             await self._emit_or_die(batch, batch.ended + await self._failed(batch, e))
             return False
         await self._emit_or_die(batch, batch.ended)
         return bool(batch.chunks)
+
+    async def _publish(self, reply: BlockOpsReply) -> None:
+        """Relay the step's hash events to the coordinator's routing table (DESIGN.md §5)."""
+        if len(reply.added_hashes) or len(reply.evicted_hashes):
+            await self.coord.send(PrefixEvents(reply.added_hashes, reply.evicted_hashes))
 
     async def _collect(self, batch: StepBatch) -> None:
         """Wait for the step's result, apply it and report: a failed step fails its requests
