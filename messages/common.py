@@ -43,3 +43,15 @@ class PeerGone:
     inbound message (so it is recorded and replayed); no peer sends it."""
 
     reason: str
+
+
+@message(4)
+class RankGone:
+    """Never sent: the coordinator records it in its log, on its engines channel, at the moment
+    it declares engine rank `rank` dead (its connection closed, or it sent nothing for the engine
+    timeout) and stops routing to it. That timeout runs on the coordinator's clock, which no log
+    holds, so `taipan replay --check` removes the rank where this is recorded
+    (actors/coordinator/check.py). `reason`: as the coordinator logged it."""
+
+    rank: int
+    reason: str

@@ -11,7 +11,9 @@ on one left-padded batch. `identical_outputs` counts the continuations equal to 
 token, against a floor per dtype (EXPECTED_IDENTICAL_SHARE); the hardware limit is a floor on
 step time from measured matmul throughput and memory bandwidth.
 
-`--workload decode` and `--workload offline`: runtime/workloads.py.
+`--workload decode` and `--workload offline`: runtime/workloads.py; `--workload shared-prefix`
+(prefix caching off vs on): runtime/prefix_bench.py. A shared-prefix run whose greedy outputs
+change with caching on exits 1 (after writing its rows).
 """
 
 from __future__ import annotations
@@ -59,13 +61,29 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--workload",
         default="generate",
-        choices=["generate", "decode", "offline"],
+        choices=["generate", "decode", "offline", "shared-prefix"],
         help="generate: N prompts x M tokens vs HF (default); decode: step time per batch vs "
-        "the floor; offline: many requests of ShareGPT-like lengths",
+        "the floor; offline: many requests of ShareGPT-like lengths; shared-prefix: prefix "
+        "caching off vs on, on a shared system prompt and on n samples of one prompt",
     )
-    p.add_argument("--num-prompts", type=int, default=32, help="generate: prompts")
+    p.add_argument("--num-prompts", type=int, default=32, help="generate, shared-prefix: prompts")
     p.add_argument(
-        "--output-len", type=int, default=None, help="generate: tokens (64); decode: steps (128)"
+        "--output-len",
+        type=int,
+        default=None,
+        help="generate, shared-prefix: tokens (64); decode: steps (128)",
+    )
+    p.add_argument(
+        "--prefix-len",
+        type=int,
+        default=None,
+        help="shared-prefix: shared prompt tokens (1024 on CUDA, 512 on CPU)",
+    )
+    p.add_argument(
+        "--eviction",
+        default="lru",
+        choices=["lru", "ref_zero"],
+        help="shared-prefix: prefix_caching_eviction_policy of the caching-on runs",
     )
     p.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
     p.add_argument("--batches", default="1,8,64,256", help="decode: comma-separated batch sizes")
@@ -78,7 +96,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--hf-batch", type=int, default=64, help="offline: HF generate's batch size")
     p.add_argument("--max-len", type=int, default=1024, help="offline: longest prompt / output")
-    p.add_argument("--seed", type=int, default=0, help="decode/offline: prompts and lengths")
+    p.add_argument(
+        "--seed", type=int, default=0, help="decode/offline/shared-prefix: prompts and lengths"
+    )
     p.add_argument(
         "--copy-gib", type=float, default=1.0, help="decode: copy-bandwidth buffer size (GiB)"
     )
@@ -113,10 +133,15 @@ def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[i
 
 
 def run(args) -> int:
+    from taipan.prefix_bench import shared_prefix_workload
     from taipan.workloads import decode_workload, offline_workload
 
-    workloads = {"generate": _generate_workload, "decode": decode_workload}
-    workloads["offline"] = offline_workload
+    workloads = {
+        "generate": _generate_workload,
+        "decode": decode_workload,
+        "offline": offline_workload,
+        "shared-prefix": shared_prefix_workload,
+    }
     rows = workloads[args.workload](args)
     stamp = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -129,7 +154,7 @@ def run(args) -> int:
         with open(args.results, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row) if args.json else _summary(row), flush=True)
-    return 0
+    return 1 if any(row.get("outputs_equal") is False for row in rows) else 0
 
 
 def _summary(row: dict) -> str:
@@ -147,6 +172,8 @@ def _summary(row: dict) -> str:
             f"tok/s; HF best {row.get('hf_best_output_tok_s')} tok/s on "
             f"{row.get('hf_requests')} requests, ours_vs_hf {row.get('ours_vs_hf')}"
         )
+    if row["workload"] == "shared-prefix":
+        return _shared_prefix_summary(row)
     line = f"workload {row['workload']}: ours {row['ours_output_tok_s']} output tok/s"
     if "hf_output_tok_s" in row:
         line += (
@@ -154,6 +181,18 @@ def _summary(row: dict) -> str:
             f"identical {row['identical_outputs']}"
         )
     return line + f", hardware limit {row['hw_limit_output_tok_s']} tok/s"
+
+
+def _shared_prefix_summary(row: dict) -> str:
+    return (
+        f"shared-prefix {row['scenario']} ({row['num_prompts']} prompts, {row['prefix_len']}-token "
+        f"prefix, {row['output_len']} out): TTFT mean {row['off_ttft_mean_s']} -> "
+        f"{row['on_ttft_mean_s']} s ({row['ttft_speedup']}x), output tok/s "
+        f"{row['off_output_tok_s']} -> {row['on_output_tok_s']} ({row['throughput_speedup']}x), "
+        f"prompt tokens computed {row['off_prompt_tokens_computed']} -> "
+        f"{row['on_prompt_tokens_computed']} (hit rate {row['on_hit_rate']}), "
+        f"outputs equal {row['outputs_equal']} ({row['outputs_identical']})"
+    )
 
 
 def _generate_workload(args) -> list[dict]:

@@ -4,14 +4,15 @@ Owns: turning `.tplog` files (actors/record.py) into a merged, filtered, readabl
 re-driving deterministic actors from their recorded inbound messages. Reads logs, never writes
 them; builds fresh actor cores and never touches live actors or sockets.
 
-The engine has its own checker (`check_engine`: it re-plans every step and compares BlockOps and
-StepPlan, see actors/engine/check.py). Other checkers: `CHECKERS` maps an actor-name prefix
-("allocator" covers "allocator" and "allocator-0") to a factory `make(actor_name) -> respond`;
-`respond(record)` takes one recorded inbound record and returns the outbound messages the
-actor's deterministic core produces for it, as `(channel, peer, frames)`. Register more (e.g.
-the coordinator's routing core) by adding to
-the dict. Exit codes: 0 ok, 1 a divergence, 2 unreadable input, 3 some actor not checked
-(unless --allow-unchecked).
+Two actors have checkers that read their whole log and the config the launcher saved beside
+it (`LOG_CHECKERS`): the engine (`check_engine`: it re-plans every step and compares BlockOps
+and StepPlan, see actors/engine/check.py) and the coordinator (`check_coordinator`: it
+re-routes every submission and compares each EngineSubmit, see actors/coordinator/check.py).
+Other checkers: `CHECKERS` maps an actor-name prefix ("allocator" covers "allocator" and
+"allocator-0") to a factory `make(actor_name) -> respond`; `respond(record)` takes one recorded
+inbound record and returns the outbound messages the actor's deterministic core produces for
+it, as `(channel, peer, frames)`. Exit codes: 0 ok, 1 a divergence, 2 unreadable input, 3 some
+actor not checked (unless --allow-unchecked).
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from taipan.actors.allocator.actor import AllocatorService
-from taipan.actors.config import ConfigError, InferenceConfig
+from taipan.actors.config import ConfigError, InferenceConfig, plan_limits, routing_policy
+from taipan.actors.coordinator.check import CoordinatorReplay
 from taipan.actors.engine.check import EngineReplay
 from taipan.actors.record import SUFFIX, LogError, Record, read_log
 from taipan.messages.codec import MessageError, decode, encode, registry
@@ -268,9 +270,7 @@ class Divergence:
 # Actors without a checker, and why. A check that could not run is reported, never a pass.
 UNCHECKED = {
     "gpu": "it computes; its outputs depend on the weights, so replay checks the actors that "
-    "decide (engine, allocator), not the one that computes",
-    "coordinator": "no checker yet: its routing core is deterministic, but timeouts and "
-    "liveness use its own clock",
+    "decide (engine, allocator, coordinator), not the one that computes",
     "client": "no checker: clients are user code",
 }
 
@@ -288,9 +288,10 @@ def check(
     for name, records in loaded.items():
         n_in = sum(r.direction == "in" for r in records)
         counts = f"{len(records)} records checked ({n_in} in, {len(records) - n_in} out)"
-        if name.startswith("engine"):
+        log_checker = _prefixed(LOG_CHECKERS, name)
+        if log_checker is not None:
             directory = paths[name].parent if paths else None
-            div, note = check_engine(records, directory)
+            div, note = log_checker(records, directory)
             if div is None and note.startswith("not"):
                 print(f"{name}: {note}")
                 unchecked.append(name)
@@ -299,7 +300,7 @@ def check(
                 print(f"{name}: ok, {note}")
                 continue
         else:
-            make = _checker_for(name)
+            make = _prefixed(CHECKERS, name)
             if make is None:
                 why = next((w for p, w in UNCHECKED.items() if name.startswith(p)), "no checker")
                 print(f"{name}: not checked ({why})")
@@ -329,32 +330,86 @@ def check(
 def check_engine(records: list[Record], directory: Path | None) -> tuple[Divergence | None, str]:
     """Re-plan every step of an engine log (actors/engine/check.py) with the config the launcher
     saved beside it; (divergence, "") or (None, a note on what was checked)."""
+    config, note = _saved_config(directory)
+    if config is None:
+        return None, note
+    replay = EngineReplay(config)
+
+    def feed(rec: Record, msg) -> str | None:
+        if rec.direction == "in":
+            return replay.inbound(rec.channel, msg, rec.time)
+        return replay.outbound(msg, rec.frames) if msg is not None else None
+
+    div = _drive(records, feed)
+    return div, "" if div else f"{replay.steps_checked} steps re-planned ({len(records)} records)"
+
+
+def check_coordinator(
+    records: list[Record], directory: Path | None
+) -> tuple[Divergence | None, str]:
+    """Re-route every submission of the coordinator's log (actors/coordinator/check.py) with
+    the routing settings of the config the launcher saved beside it, as runtime/procs.py builds
+    the live coordinator; (divergence, "") or (None, a note on what was checked)."""
+    config, note = _saved_config(directory)
+    if config is None:
+        return None, note
+    replay = CoordinatorReplay(
+        policy=routing_policy(config),
+        alpha=config.prefix_caching_routing_alpha,
+        capacity=plan_limits(config)[0],
+        prefix_caching=config.enable_prefix_caching,
+    )
+
+    def feed(rec: Record, msg) -> str | None:
+        if rec.direction == "in":
+            return replay.inbound(rec.channel, rec.peer, msg, rec.time)
+        return replay.outbound(rec.channel, rec.peer, msg, rec.frames)
+
+    div = _drive(records, feed, lambda: replay.replayed)
+    return div, "" if div else f"{replay.summary()} ({len(records)} records)"
+
+
+def _saved_config(directory: Path | None) -> tuple[InferenceConfig | None, str]:
+    """The InferenceConfig the launcher wrote beside the logs, or (None, why not checked)."""
     config_path = directory / CONFIG_FILE if directory is not None else None
     if config_path is None or not config_path.exists():
         return None, f"not checked (no {CONFIG_FILE} beside the log)"
     try:
-        config = InferenceConfig.from_dict(json.loads(config_path.read_text()))
+        return InferenceConfig.from_dict(json.loads(config_path.read_text())), ""
     except (ValueError, ConfigError) as e:
         return None, f"not checked ({config_path} is unusable: {e})"
-    replay = EngineReplay(config)
+
+
+def _drive(
+    records: list[Record],
+    feed: Callable[[Record, object], str | None],
+    replayed: Callable[[], str | None] = lambda: None,
+) -> Divergence | None:
+    """Feed every record, decoded, to a log checker; the first text it returns diverges.
+    `replayed()` then describes what the checker produces instead (None: that text does)."""
     for index, rec in enumerate(records):
         msg, _ = _decode(rec.frames)
         try:
-            if rec.direction == "in":
-                what = replay.inbound(rec.channel, msg, rec.time)
-            else:
-                what = replay.outbound(msg, rec.frames) if msg is not None else None
+            what = feed(rec, msg)
         except Exception as e:  # a crashing core is a divergence to report, not to raise
-            return Divergence(index, rec.offset, "the checker raised", "-", repr(e)), ""
+            return Divergence(index, rec.offset, "the checker raised", "-", repr(e))
         if what is not None:
             recorded = _describe(rec.channel, rec.peer, rec.frames)
-            return Divergence(index, rec.offset, what, recorded, what), ""
-    return None, f"{replay.steps_checked} steps re-planned ({len(records)} records)"
+            return Divergence(index, rec.offset, what, recorded, replayed() or what)
+    return None
 
 
-def _checker_for(name: str) -> Callable[[str], Responder] | None:
-    prefixes = [p for p in CHECKERS if name.startswith(p)]
-    return CHECKERS[max(prefixes, key=len)] if prefixes else None
+# Checkers that read a whole log and the config beside it: (divergence, note).
+LOG_CHECKERS: dict[str, Callable[[list[Record], Path | None], tuple[Divergence | None, str]]] = {
+    "engine": check_engine,
+    "coordinator": check_coordinator,
+}
+
+
+def _prefixed(checkers: dict, name: str):
+    """The checker registered under the longest prefix of `name`, or None."""
+    prefixes = [p for p in checkers if name.startswith(p)]
+    return checkers[max(prefixes, key=len)] if prefixes else None
 
 
 def check_actor(records: Iterable[Record], respond: Responder) -> Divergence | None:

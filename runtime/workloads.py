@@ -15,6 +15,8 @@ decode rows and prefills (`_warm_mixed`). One row per batch.
 continuous batching, on the first `--hf-requests` requests (ours is timed again on those for
 `ours_vs_hf`). One row.
 
+`shared-prefix`: runtime/prefix_bench.py.
+
 Torch (HF, bandwidth, matmul rate) lives in ops/bench.py, imported lazily; this module never
 imports torch itself (dtypes travel as their names).
 """

@@ -127,3 +127,29 @@ def test_after_update_weights_a_repeated_prompt_gets_no_hits(model_path, client)
         [fourth] = c.generate([prompt], GREEDY)
     assert third.num_cached_tokens == 0
     assert fourth.num_cached_tokens == 2 * BS  # cached again under the new weights
+
+
+@pytest.fixture(scope="module")
+def caching_runtime(model_path):
+    with Runtime(model_path, config(enable_chunked_prefill=True, max_tokens=64)) as rt:
+        yield rt
+
+
+@pytest.mark.asyncio
+async def test_suspend_in_each_mode_keeps_outputs_with_prefix_caching(caching_runtime, expected):
+    """Requests sharing a prefix are suspended mid-generation in each mode ("recompute" drops
+    every K/V and the cache with it) and finish with the tokens they would have had."""
+    from tests.test_e2e_lifecycle import interrupted
+
+    prompts, want = expected
+    outs = {}
+    for mode in ("persist", "offload", "recompute"):
+
+        async def cycle(ac, mode=mode):
+            await ac.pause()
+            await ac.suspend(mode)
+            await ac.resume()
+            await ac.unpause()
+
+        outs[mode] = await interrupted(caching_runtime.address, GREEDY, cycle, prompts[:4])
+    assert outs == dict.fromkeys(("persist", "offload", "recompute"), want[:4])

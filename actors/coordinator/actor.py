@@ -40,7 +40,7 @@ from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
 from taipan.actors.coordinator.routing import RoutingError
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import MessageError
-from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
+from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone, RankGone
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import (
     CONTROL_MESSAGES,
@@ -510,6 +510,7 @@ class CoordinatorActor(Actor):
         rank = self._rank_of(identity)
         if rank is None:
             return
+        self.backend.record_only(RankGone(rank, reason))  # for replay: timeouts are in no log
         del self.engines[rank]
         self.engine_heard.pop(identity, None)
         self.rank_stats.pop(rank, None)
