@@ -52,6 +52,11 @@ class RankStats:
     blocks_evictable: int = 0
 
     @property
+    def blocks_active(self) -> int:
+        """Blocks with a hash that some request holds (hashed - evictable)."""
+        return self.blocks_hashed - self.blocks_evictable
+
+    @property
     def prefix_hit_rate(self) -> float:
         """Share of admitted prompt tokens served from the prefix cache (0 when none)."""
         return (

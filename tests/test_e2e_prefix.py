@@ -110,6 +110,7 @@ def test_a_shared_prefix_computes_exactly_the_rest(model_path, client):
     computed = after.prefill_tokens_computed - before.prefill_tokens_computed
     assert computed == len(tail)  # len - k * bs prompt tokens
     assert after.blocks_hashed >= 3 and after.prefix_hit_rate > 0
+    assert after.blocks_active == after.blocks_hashed - after.blocks_evictable >= 0
 
 
 def test_after_update_weights_a_repeated_prompt_gets_no_hits(model_path, client):
