@@ -62,6 +62,25 @@ async def interrupted(
         return await asyncio.gather(*tasks)
 
 
+SUSPEND_MODES = ("persist", "offload", "recompute")
+
+
+async def suspended_in_each_mode(address: str, sampling: SamplingParams, prompts) -> dict:
+    """{mode: the tokens of `prompts`} when a pause, a suspend in that mode, a resume and an
+    unpause interrupt their generation (`interrupted`), for every suspend mode."""
+    outs = {}
+    for mode in SUSPEND_MODES:
+
+        async def cycle(ac, mode=mode):
+            await ac.pause()
+            await ac.suspend(mode)
+            await ac.resume()
+            await ac.unpause()
+
+        outs[mode] = await interrupted(address, sampling, cycle, prompts)
+    return outs
+
+
 @pytest.mark.asyncio
 async def test_pause_mid_generation_then_unpause_gives_the_same_tokens(session, uninterrupted):
     rt, c, _ = session

@@ -140,17 +140,8 @@ def caching_runtime(model_path):
 async def test_suspend_in_each_mode_keeps_outputs_with_prefix_caching(caching_runtime, expected):
     """Requests sharing a prefix are suspended mid-generation in each mode ("recompute" drops
     every K/V and the cache with it) and finish with the tokens they would have had."""
-    from tests.test_e2e_lifecycle import interrupted
+    from tests.test_e2e_lifecycle import suspended_in_each_mode
 
     prompts, want = expected
-    outs = {}
-    for mode in ("persist", "offload", "recompute"):
-
-        async def cycle(ac, mode=mode):
-            await ac.pause()
-            await ac.suspend(mode)
-            await ac.resume()
-            await ac.unpause()
-
-        outs[mode] = await interrupted(caching_runtime.address, GREEDY, cycle, prompts[:4])
+    outs = await suspended_in_each_mode(caching_runtime.address, GREEDY, prompts[:4])
     assert outs == dict.fromkeys(("persist", "offload", "recompute"), want[:4])

@@ -160,22 +160,13 @@ async def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir, ti
     import torch
 
     from taipan.client import AsyncClient
-    from tests.test_e2e_lifecycle import interrupted
+    from tests.test_e2e_lifecycle import suspended_in_each_mode
 
     sampling = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     async with AsyncClient(tiny_pool.address) as c:
         done = await c.generate(PROMPTS, sampling)
         [stats] = (await c.stats()).ranks
-    outs = {}
-    for mode in ("persist", "offload", "recompute"):
-
-        async def cycle(ac, mode=mode):
-            await ac.pause()
-            await ac.suspend(mode)
-            await ac.resume()
-            await ac.unpause()
-
-        outs[mode] = await interrupted(tiny_pool.address, sampling, cycle, PROMPTS)
+    outs = await suspended_in_each_mode(tiny_pool.address, sampling, PROMPTS)
     want = _hf_greedy(model_dir, torch.float32, [d.prompt_token_ids for d in done], 24)
     assert [d.token_ids for d in done] == want
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats

@@ -85,20 +85,11 @@ def prefix_runtime(model_dir):  # noqa: F811
 async def test_gpu_prefix_caching_across_suspend_modes(model_dir, prefix_runtime):  # noqa: F811
     import torch
 
-    from tests.test_e2e_lifecycle import interrupted
+    from tests.test_e2e_lifecycle import suspended_in_each_mode
 
     ps = prompts()
     want = _hf_greedy(model_dir, torch.float32, ps, SAMPLING.max_tokens)
-    outs = {}
-    for mode in ("persist", "offload", "recompute"):
-
-        async def cycle(ac, mode=mode):
-            await ac.pause()
-            await ac.suspend(mode)
-            await ac.resume()
-            await ac.unpause()
-
-        outs[mode] = await interrupted(prefix_runtime.address, SAMPLING, cycle, ps)
+    outs = await suspended_in_each_mode(prefix_runtime.address, SAMPLING, ps)
     async with AsyncClient(prefix_runtime.address) as c:
         [stats] = (await c.stats()).ranks
     assert outs == {"persist": want, "offload": want, "recompute": want}

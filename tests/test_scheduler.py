@@ -479,16 +479,34 @@ def check_workload(workload) -> None:
     """Drive the harness through one random workload; every invariant holds at every step."""
     plan, chunked, requests, overlap = workload
     h = Harness(plan, chunked, overlap)
+
+    def added(req, problem):
+        want = expected_problem(plan, chunked, req)
+        assert (problem is None) == (want is None), (problem, want)
+        assert problem is None or want in problem
+
+    drive(h, requests, added)
+    h.check_end()
+    reasons = {r.finish_reason for r in h.ended.values()}
+    event(f"reasons: {sorted(reasons)}")
+    event(f"rejected: {len(requests) > len(h.added)}")
+    event(f"split prompt: {any(not s for step in h.history for _, _, s in step)}")
+    event(f"steps > 20: {len(h.history) > 20}")
+    event(f"paused: {h.sched.num_paused_total > 0}, evicted: {h.sched.num_evicted_total > 0}")
+    event(f"overlap: {overlap}")
+
+
+def drive(h: Harness, requests, added=lambda req, problem: None) -> None:
+    """Run `requests` ((arrival tick, abort tick or None, request)) through the harness, one
+    step loop iteration per tick, until nothing is left; `added(req, problem)` after each
+    submission. Aborts arrive while the tick's step is in flight (or at once when idle)."""
     last = max([max(a, b or 0) for a, b, _ in requests], default=0)
     tick = 0
     while tick <= last or h.sched.has_work():
         assert tick < 5000, "no progress"
         for arrival, _, req in requests:
             if arrival == tick:
-                problem = h.add(req)
-                want = expected_problem(plan, chunked, req)
-                assert (problem is None) == (want is None), (problem, want)
-                assert problem is None or want in problem
+                added(req, h.add(req))
         aborts = [req.request_id for _, at, req in requests if at == tick]
 
         def in_flight(aborts=aborts):
@@ -500,14 +518,6 @@ def check_workload(workload) -> None:
             for rid in aborts:  # idle: the aborts still arrive
                 h.abort(rid)
         tick += 1
-    h.check_end()
-    reasons = {r.finish_reason for r in h.ended.values()}
-    event(f"reasons: {sorted(reasons)}")
-    event(f"rejected: {len(requests) > len(h.added)}")
-    event(f"split prompt: {any(not s for step in h.history for _, _, s in step)}")
-    event(f"steps > 20: {len(h.history) > 20}")
-    event(f"paused: {h.sched.num_paused_total > 0}, evicted: {h.sched.num_evicted_total > 0}")
-    event(f"overlap: {overlap}")
 
 
 # --- examples --------------------------------------------------------------------------------

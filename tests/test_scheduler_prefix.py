@@ -23,7 +23,7 @@ from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import StepBatch
 from taipan.messages.allocator import AllocatorInit, BlockOpsReply
 from taipan.messages.requests import SamplingParams
-from tests.test_scheduler import Harness, make_plan
+from tests.test_scheduler import Harness, drive, make_plan
 
 
 class PrefixHarness(Harness):
@@ -227,23 +227,7 @@ def prefix_workloads(draw):
 def test_random_shared_prefix_workloads_keep_every_invariant(workload):
     plan, chunked, requests, overlap, policy = workload
     h = PrefixHarness(plan, chunked, overlap, policy)
-    last = max([max(a, b or 0) for a, b, _ in requests], default=0)
-    tick = 0
-    while tick <= last or h.sched.has_work():
-        assert tick < 3000, "no progress"
-        for arrival, _, req in requests:
-            if arrival == tick:
-                h.add(req)
-        aborts = [req.request_id for _, at, req in requests if at == tick]
-
-        def in_flight(aborts=aborts):
-            for rid in aborts:
-                h.abort(rid)
-
-        if not h.step(in_flight):
-            for rid in aborts:
-                h.abort(rid)
-        tick += 1
+    drive(h, requests)
     h.check_end()
     event(f"cached tokens: {h.sched.prefix.cached_tokens > 0}")
     event(f"evicted: {h.sched.num_evicted_total > 0}")

@@ -112,10 +112,9 @@ class ClientActor(Actor):
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._expect_answer()
         self.queues[request_id] = queue
-        msg = SubmitRequest(request_id, prompt, sampling, stream)
-        if hashes is not None:
-            msg = SubmitRequest(request_id, prompt, sampling, stream, hashes, salt)
-        await self.channel.send(msg)
+        if hashes is None:
+            hashes = np.zeros(0, dtype=np.int64)
+        await self.channel.send(SubmitRequest(request_id, prompt, sampling, stream, hashes, salt))
         return request_id, queue
 
     async def abort(self, request_id: int) -> None:

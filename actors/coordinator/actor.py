@@ -35,10 +35,15 @@ import numpy as np
 
 from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
-from taipan.actors.coordinator.core import ControlRound, CoordinatorCore, NoRankError, Route
+from taipan.actors.coordinator.core import (
+    ControlRound,
+    CoordinatorCore,
+    NoRankError,
+    Route,
+    routing_hashes,
+)
 from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
 from taipan.actors.coordinator.routing import RoutingError
-from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import MessageError
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone, RankGone
 from taipan.messages.gpu import ModelLoaded
@@ -189,11 +194,10 @@ class CoordinatorActor(Actor):
         if problems:
             await self._fail(env, msg.request_id, "; ".join(problems), int(prompt.size))
             return
-        hashes = msg.block_hashes
-        if self.hashing and self.block_size and msg.hash_salt != self.weight_version:
-            hashes = block_hashes(prompt, self.block_size, self.weight_version)  # stale salt
-        elif self.hashing and self.block_size and len(hashes) != len(prompt) // self.block_size:
-            hashes = block_hashes(prompt, self.block_size, self.weight_version)  # none sent
+        block_size = self.block_size if self.hashing else 0
+        hashes, salt = routing_hashes(
+            prompt, msg.block_hashes, msg.hash_salt, block_size, self.weight_version
+        )
         try:
             gid, rank = self.core.admit(env.sender, msg.request_id, hashes.tolist())
         except (ValueError, NoRankError) as e:
@@ -201,7 +205,6 @@ class CoordinatorActor(Actor):
             return
         # While PAUSED or SUSPENDED the engine queues it until UNPAUSE. The engine checks the
         # hashes against the tokens before it caches anything under them.
-        salt = self.weight_version if hashes is not msg.block_hashes else msg.hash_salt
         out = EngineSubmit(gid, prompt, msg.sampling, msg.stream, env.time, hashes, salt)
         await self.backend.send(out, to=self.engines[rank])
 

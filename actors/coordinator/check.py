@@ -29,9 +29,8 @@ from collections import deque
 
 import numpy as np
 
-from taipan.actors.coordinator.core import CoordinatorCore, NoRankError
+from taipan.actors.coordinator.core import CoordinatorCore, NoRankError, routing_hashes
 from taipan.actors.coordinator.routing import RoutingError
-from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply, Hello, RankGone
 from taipan.messages.gpu import ModelLoaded
@@ -218,14 +217,10 @@ class CoordinatorReplay:
             problems.append("the prompt is empty")
         if problems:
             return "; ".join(problems)
-        hashes, salt, bs = msg.block_hashes, msg.hash_salt, self.block_size
-        if (
-            self.hashing
-            and bs
-            and (salt != self.weight_version or len(hashes) != len(prompt) // bs)
-        ):
-            return block_hashes(prompt, bs, self.weight_version), self.weight_version
-        return hashes, salt
+        block_size = self.block_size if self.hashing else 0
+        return routing_hashes(
+            prompt, msg.block_hashes, msg.hash_salt, block_size, self.weight_version
+        )
 
     def _rank_gone(self, msg: RankGone) -> str | None:
         if msg.rank not in self.engines:

@@ -12,7 +12,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
+
 from taipan.actors.coordinator.routing import Router, RoutingTable
+from taipan.messages.block_hash import block_hashes
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -24,6 +27,18 @@ class Route:
 
 class NoRankError(RuntimeError):
     pass
+
+
+def routing_hashes(
+    prompt: np.ndarray, sent: np.ndarray, sent_salt: int, block_size: int, weight_version: int
+) -> tuple[np.ndarray, int]:
+    """(block hashes, salt) a request is routed by and forwarded with: the client's when they
+    are salted with the current weight version and cover every complete block, else computed
+    here (a client that hashed before a weight update, or did not hash). `block_size` 0: the
+    coordinator does not hash (prefix caching and prefix routing off) and passes them on."""
+    if block_size and (sent_salt != weight_version or len(sent) != len(prompt) // block_size):
+        return block_hashes(prompt, block_size, weight_version), weight_version
+    return sent, sent_salt
 
 
 class CoordinatorCore:

@@ -2,7 +2,9 @@
 
 Owns: the hash -> block map of every block the allocator has registered, as of its last reply
 (`block_of`), how many of this engine's requests hold each block (`refs`), the hashes being
-written by steps whose results have not come back (`writing`), and the prefix counters.
+written by steps whose results have not come back (`writing`), and the prefix counters. It
+turns an admission into pins (`pin`) and a planned chunk into registrations (`register`); the
+scheduler decides who runs.
 Must not touch: sockets, torch, the block pool (the allocator owns it and decides).
 
 Why the engine keeps an index at all: to plan a step it must know, before the allocator hop,
@@ -29,12 +31,14 @@ from __future__ import annotations
 
 import numpy as np
 
+from taipan.actors.engine.request import EngineRequest
 from taipan.messages.allocator import BlockOpsReply
 
 
 class PrefixIndex:
-    def __init__(self, num_blocks: int, policy: str):
+    def __init__(self, num_blocks: int, block_size: int, policy: str):
         self.policy = policy
+        self.block_size = block_size
         self.block_of: dict[int, int] = {}
         self.refs = np.zeros(num_blocks, dtype=np.int32)
         self.writing: dict[int, int] = {}  # hash -> step that writes it
@@ -59,6 +63,43 @@ class PrefixIndex:
                 return out, True
             out.append(b)
         return out, False
+
+    def pin(self, req: EngineRequest, blocks: list[int], pins: list) -> None:
+        """`req` is admitted sharing `blocks` (its leading cached blocks): hold them, add the
+        pin to the step's `pins`, and count its prompt and cached tokens at first admission."""
+        m = len(blocks)
+        req.shared_until = m * self.block_size
+        req.num_registered = m
+        if m:
+            self.hold(blocks)
+            pins.append((req.request_id, req.hashes[:m]))
+        if req.admissions == 0:
+            req.num_cached_tokens = req.num_computed_tokens
+            self.prompt_tokens += len(req.prompt)
+            self.cached_tokens += req.num_computed_tokens
+        req.admissions += 1
+
+    def register(self, r: EngineRequest, num_new_tokens: int, step: int, regs: list) -> None:
+        """`r` runs a chunk of `num_new_tokens` from its computed tokens (not yet advanced) in
+        step `step`: add the complete prompt blocks it writes to `regs` (as being written by
+        that step) and count its prefill tokens."""
+        stop = r.num_computed_tokens + num_new_tokens
+        if num_new_tokens > 1 or stop <= len(r.prompt):
+            self.prefill_tokens += num_new_tokens
+        end = min(stop // self.block_size, len(r.hashes))
+        i = r.num_registered
+        while i < end:
+            h = int(r.hashes[i])
+            if h in self.block_of or h in self.writing:
+                # Cached from another request (this one could not share it): its copy and
+                # every block after it stay private.
+                i = len(r.hashes)
+                break
+            parent = int(r.hashes[i - 1]) if i else 0
+            regs.append((r.request_id, i, h, parent))
+            self.writing[h] = step
+            i += 1
+        r.num_registered = max(r.num_registered, i)
 
     def cost(self, blocks: list[int]) -> int:
         """Available blocks that pinning `blocks` takes: the idle ones."""

@@ -124,7 +124,9 @@ class Scheduler:
         self.steps_in_flight = 0  # planned steps with chunks whose update() has not run
         self.num_paused_total = 0
         self.num_evicted_total = 0
-        self.prefix = None if prefix_policy is None else PrefixIndex(plan.num_blocks, prefix_policy)
+        self.prefix = None
+        if prefix_policy is not None:
+            self.prefix = PrefixIndex(plan.num_blocks, plan.block_size, prefix_policy)
         self.salt = 0  # the weight version: block hashes are salted with it
 
     def hash_prompt(self, prompt: np.ndarray) -> np.ndarray:
@@ -248,7 +250,7 @@ class Scheduler:
                 break  # (an evicted request comes back once its last token is known)
             if self.prefix is not None:
                 for c in chunks[claimed:]:
-                    self._register(c, regs)
+                    self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
                 claimed = len(chunks)
             shared = self._shared_prefix(req)
             if shared is None:
@@ -267,7 +269,7 @@ class Scheduler:
             self.waiting.popleft()
             budget, free = budget - n, free - need - cost
             if self.prefix is not None:
-                self._pin(req, blocks, pins)
+                self.prefix.pin(req, blocks, pins)
             req.status = Status.RUNNING
             req.add_event(EventType.ADD_CONTEXT, now)
             self.running.append(req)
@@ -276,7 +278,7 @@ class Scheduler:
         # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
         if self.prefix is not None:
             for c in chunks[claimed:]:
-                self._register(c, regs)
+                self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
         chunks.sort(key=lambda c: c.num_new_tokens != 1)
         for c in chunks:  # the step is planned: advance each request past its chunk
             r = c.request
@@ -309,42 +311,6 @@ class Scheduler:
         if wait:
             return None
         return blocks, px.cost(blocks)
-
-    def _pin(self, req: EngineRequest, blocks: list[int], pins: list) -> None:
-        px = self.prefix
-        m = len(blocks)
-        req.shared_until = m * self.plan.block_size
-        req.num_registered = m
-        if m:
-            px.hold(blocks)
-            pins.append((req.request_id, req.hashes[:m]))
-        if req.admissions == 0:
-            req.num_cached_tokens = req.num_computed_tokens
-            px.prompt_tokens += len(req.prompt)
-            px.cached_tokens += req.num_computed_tokens
-        req.admissions += 1
-
-    def _register(self, c: Chunk, regs: list) -> None:
-        """Register the complete prompt blocks the chunk (not yet advanced) writes, as written
-        by the step being planned; count its prefill tokens."""
-        px, r = self.prefix, c.request
-        stop = r.num_computed_tokens + c.num_new_tokens
-        if c.num_new_tokens > 1 or stop <= len(r.prompt):
-            px.prefill_tokens += c.num_new_tokens
-        end = min(stop // self.plan.block_size, len(r.hashes))
-        i = r.num_registered
-        while i < end:
-            h = int(r.hashes[i])
-            if h in px.block_of or h in px.writing:
-                # Cached from another request (this one could not share it): its copy and
-                # every block after it stay private.
-                i = len(r.hashes)
-                break
-            parent = int(r.hashes[i - 1]) if i else 0
-            regs.append((r.request_id, i, h, parent))
-            px.writing[h] = self.step + 1
-            i += 1
-        r.num_registered = max(r.num_registered, i)
 
     def _pause(self, req: EngineRequest, now: float) -> None:
         self.running.remove(req)
