@@ -269,6 +269,9 @@ class RuntimePlan:
     # paused_buffer_size_gb); None: no cap, paused requests are evicted only when nothing else
     # can run.
     max_paused_blocks: int | None = None
+    # Hybrid models: Mamba state slots (one per request holding state: running or paused);
+    # 0 = the model has no Mamba layers.
+    mamba_slots: int = 0
 
 
 DEFAULT_MAX_TOKENS = 16384

@@ -59,6 +59,10 @@ class ModelLoaded:
     tokenizer: str
     eos_token_ids: tuple[int, ...]
     block_bytes: int  # one KV block over all layers (sizes paused_buffer_size_gb in blocks)
+    # Hybrid (Mamba) models: the Mamba state slots allocated (one per request the rank may
+    # hold, numbered 0..mamba_slots-1) and one slot's bytes over all Mamba layers; 0: no Mamba.
+    mamba_slots: int = 0
+    mamba_slot_bytes: int = 0
 
 
 @message(122)
@@ -103,6 +107,12 @@ class StepPlan:
     # sampled-token buffer straight into this step's ids. A row the previous step did not
     # sample, or that it did not have, is an error.
     prev_rows: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Hybrid models (ModelLoaded.mamba_slots > 0), per sequence: the Mamba state slot its
+    # initial state is read from (-1 = zeros: it starts at position 0) and the slot its final
+    # state is written to; empty = the model has no Mamba layers. A sequence that continues
+    # reads and writes its own slot.
+    mamba_init: Array[np.int32, 1] = empty_array_field(np.int32)
+    mamba_out: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123)

@@ -46,12 +46,13 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
+        positions: torch.Tensor | None,
+        cos_sin: torch.Tensor | None,
         attn: AttentionMetadata,
         layer_cache: torch.Tensor,
     ) -> torch.Tensor:
-        # x: [tokens, hidden]; layer_cache: [2, num_blocks, block_size, kv_heads, head_dim]
+        """x: [tokens, hidden]; layer_cache: [2, num_blocks, block_size, kv_heads, head_dim].
+        `cos_sin` None: no positional encoding (NemotronH), k and v are stored as they are."""
         num_tokens = x.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
@@ -59,8 +60,12 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # views of the qkv output
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        write = rope.rope_and_write_kv if x.is_cuda else rope.rope_and_write_kv_ref
-        q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
+        if cos_sin is None:
+            store = rope.write_kv if x.is_cuda else rope.write_kv_ref
+            store(k, v, layer_cache, attn.slot_mapping)
+        else:
+            write = rope.rope_and_write_kv if x.is_cuda else rope.rope_and_write_kv_ref
+            q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
         out = paged_attention(q, layer_cache, attn, self.scale)  # [tokens, heads, head_dim]
         return self.o_proj(out.view(num_tokens, q_size))
 

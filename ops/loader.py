@@ -21,6 +21,7 @@ both sides hold the same weights) and a byte-level tokenizer.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import numpy as np
 import torch
 
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
+from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from taipan.ops.tokenizer import Tokenizer, TokenizerError
 
 # GGUF tensor name -> our parameter name (`{n}` is the layer index).
@@ -173,9 +175,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device) -> tuple:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}/config.json: cannot read ({exc})") from exc
-    _check_hf_architecture(path, hf)
+    family = _check_hf_architecture(path, hf)
     tokenizer = Tokenizer.from_hf_dir(path)
-    config = _hf_llama_config(path, hf, tokenizer)
+    if family == "nemotron_h":
+        config = _hf_nemotron_h_config(path, hf, tokenizer)
+    else:
+        config = _hf_llama_config(path, hf, tokenizer)
 
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -189,20 +194,120 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device) -> tuple:
         for name, tensor in tensors.items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # a buffer older checkpoints saved; recomputed from rope_theta
-            ours = name.removeprefix("model.")
+            ours = name.removeprefix("model.").removeprefix("backbone.")
             state[ours] = tensor.to(dtype)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return _build(path, config, state, dtype, device), config, tokenizer
 
 
-def _check_hf_architecture(path: Path, hf: dict) -> None:
+def _check_hf_architecture(path: Path, hf: dict) -> str:
+    """The model family of a Hugging Face config: "llama" or "nemotron_h"."""
     archs = hf.get("architectures") or []
+    if "NemotronHForCausalLM" in archs or hf.get("model_type") == "nemotron_h":
+        return "nemotron_h"
     if "LlamaForCausalLM" not in archs and hf.get("model_type") != "llama":
         raise ModelLoadError(
             f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
-            "(supported: LlamaForCausalLM)"
+            "(supported: LlamaForCausalLM, NemotronHForCausalLM)"
         )
+    return "llama"
+
+
+def _eos_ids(hf: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    eos_ids = list(tokenizer.eos_token_ids)
+    for token_id in eos if isinstance(eos, list) else [eos]:
+        if isinstance(token_id, int) and token_id not in eos_ids:
+            eos_ids.append(token_id)
+    return tuple(eos_ids)
+
+
+# Hugging Face's layer type names (and their legacy spellings) -> our pattern characters.
+_HF_LAYER_TYPES = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+
+
+def _nemotron_h_pattern(path: Path, hf: dict) -> str:
+    pattern = hf.get("hybrid_override_pattern")
+    if pattern is None:
+        types = hf.get("layers_block_type") or hf.get("layer_types")
+        if not isinstance(types, list):
+            raise ModelLoadError(
+                f"{path}/config.json: no hybrid_override_pattern or layers_block_type"
+            )
+        unknown = sorted({t for t in types if t not in _HF_LAYER_TYPES})
+        if unknown:
+            raise ModelLoadError(f"{path}/config.json: unknown layer types {unknown}")
+        pattern = "".join(_HF_LAYER_TYPES[t] for t in types)
+    if "E" in pattern:
+        raise ModelLoadError(f"{path}: mixture-of-experts layers ('E') are not supported yet")
+    return pattern
+
+
+def _json_float(value) -> float:
+    """A float from config.json, where transformers writes infinity as {"__float__": ...}."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def _hf_nemotron_h_config(path: Path, hf: dict, tokenizer: Tokenizer) -> NemotronHConfig:
+    def pick(name: str, *aliases: str, default=None):
+        for key in (name, *aliases):
+            if key in hf:
+                return hf[key]
+        if default is None:
+            raise KeyError(name)
+        return default
+
+    unsupported = {
+        "residual_in_fp32": hf.get("residual_in_fp32", False),
+        "attention_bias": hf.get("attention_bias", False),
+        "mlp_bias": hf.get("mlp_bias", False),
+        "sliding_window": hf.get("sliding_window") is not None,
+    }
+    for flag, on in unsupported.items():
+        if on:
+            raise ModelLoadError(f"{path}: {flag} is not supported for NemotronH")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if hf.get(key, want) != want:
+            raise ModelLoadError(f"{path}: {key} {hf[key]!r} is not supported (only {want!r})")
+    try:
+        num_heads = hf["num_attention_heads"]
+        limit = pick("time_step_limit", "mamba_dt_limit", default=[0.0, math.inf])
+        return NemotronHConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            pattern=_nemotron_h_pattern(path, hf),
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            intermediate_size=hf["intermediate_size"],
+            mamba_num_heads=hf["mamba_num_heads"],
+            mamba_head_dim=hf["mamba_head_dim"],
+            n_groups=pick("n_groups", "mamba_n_groups"),
+            ssm_state_size=hf["ssm_state_size"],
+            conv_kernel=pick("conv_kernel", "mamba_d_conv"),
+            chunk_size=pick("chunk_size", "mamba_chunk_size"),
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
+            eos_token_ids=_eos_ids(hf, tokenizer),
+            dt_limit=(_json_float(limit[0]), _json_float(limit[1])),
+            use_conv_bias=bool(pick("use_conv_bias", "mamba_conv_bias", default=True)),
+            mamba_proj_bias=bool(hf.get("use_bias", False)),
+            ssm_state_dtype=hf.get("mamba_ssm_cache_dtype", "float32"),
+        )
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
 
 
 def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
@@ -216,11 +321,6 @@ def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
             raise ModelLoadError(f"{path}: {flag}=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
-    eos = hf.get("eos_token_id")
-    eos_ids = list(tokenizer.eos_token_ids)
-    for token_id in eos if isinstance(eos, list) else [eos]:
-        if isinstance(token_id, int) and token_id not in eos_ids:
-            eos_ids.append(token_id)
     try:
         num_heads = hf["num_attention_heads"]
         return LlamaConfig(
@@ -236,7 +336,7 @@ def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
-            eos_token_ids=tuple(eos_ids),
+            eos_token_ids=_eos_ids(hf, tokenizer),
         )
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
@@ -245,16 +345,18 @@ def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
 # ---- shared ------------------------------------------------------------------------------------
 
 
-def _build(path: Path, config: LlamaConfig, state: dict, dtype, device) -> LlamaForCausalLM:
+def _build(path: Path, config, state: dict, dtype, device):
     """Instantiate without initializing (meta device), then adopt the loaded tensors."""
+    hybrid = isinstance(config, NemotronHConfig)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = NemotronHForCausalLM(config) if hybrid else LlamaForCausalLM(config)
     state = _fuse_projections(state, config.num_layers)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
+        layout = "NemotronH" if hybrid else "llama"
         raise ModelLoadError(
-            f"{path}: checkpoint does not match the llama layout "
+            f"{path}: checkpoint does not match the {layout} layout "
             f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
     state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
@@ -269,6 +371,8 @@ def _build(path: Path, config: LlamaConfig, state: dict, dtype, device) -> Llama
 _FUSED = {
     "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    # NemotronH attention layers (their mixer is the attention)
+    "mixer.qkv_proj": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
 }
 
 

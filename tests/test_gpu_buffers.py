@@ -29,6 +29,8 @@ def plan_arrays(tokens: int, seqs: int, width: int, rng: np.random.Generator) ->
         "gen_index": rng.integers(0, 100, seqs).astype(np.int32),
         "logprobs": rng.integers(0, 2, seqs).astype(np.int8),
         "top_n": rng.integers(0, 5, seqs).astype(np.int32),
+        "mamba_init": rng.integers(-1, 8, seqs).astype(np.int32),
+        "mamba_out": rng.integers(0, 8, seqs).astype(np.int32),
     }
 
 
@@ -63,6 +65,7 @@ def test_padded_rows_are_neutral_never_stale():
     assert views["block_tables"][:2, :3].numpy().tolist() == small["block_tables"].tolist()
     assert views["block_tables"][:2, 3:].eq(0).all() and views["block_tables"][2:].eq(0).all()
     assert views["top_p"][2:].eq(1.0).all() and views["sample"][2:].eq(0).all()
+    assert views["mamba_init"][2:].eq(-1).all() and views["mamba_out"][2:].eq(-1).all()
 
 
 def test_a_step_larger_than_the_buffers_is_refused():

@@ -41,6 +41,7 @@ def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorR
         max_sequence_length=config.max_sequence_length,
         eos_token_ids=tuple(loaded.eos_token_ids),
         max_paused_blocks=paused,
+        mamba_slots=loaded.mamba_slots,
     )
 
 

@@ -51,6 +51,8 @@ class EngineRequest:
     shared_until: int = 0
     num_registered: int = 0
     num_cached_tokens: int = 0
+    # Hybrid models: the Mamba state slot it holds while running or paused (-1: none).
+    mamba_slot: int = -1
     admissions: int = 0  # times admitted (an evicted request is admitted again)
     num_streamed: int = 0  # generated tokens already sent to the client
     aborted: bool = False

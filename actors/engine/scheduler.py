@@ -128,6 +128,11 @@ class Scheduler:
         if prefix_policy is not None:
             self.prefix = PrefixIndex(plan.num_blocks, plan.block_size, prefix_policy)
         self.salt = 0  # the weight version: block hashes are salted with it
+        # Hybrid models: free Mamba state slots (a stack; slot 0 handed out first). A request
+        # takes one when admitted and gives it back when it finishes or is evicted; a paused
+        # one keeps it. A slot given back may be handed out at once: its new owner starts at
+        # position 0 (reads zeros) and its first write comes after every step in flight.
+        self.mamba_free = list(range(plan.mamba_slots))[::-1]
 
     def hash_prompt(self, prompt: np.ndarray) -> np.ndarray:
         """The prompt's block hashes under the current weights (empty without prefix caching)."""
@@ -248,6 +253,8 @@ class Scheduler:
             req = self.waiting[0]
             if len(self.running) >= self.plan.max_requests or req.steps_in_flight:
                 break  # (an evicted request comes back once its last token is known)
+            if self.plan.mamba_slots and not self.mamba_free:
+                break  # every Mamba slot is held (paused requests keep theirs)
             if self.prefix is not None:
                 for c in chunks[claimed:]:
                     self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
@@ -258,7 +265,10 @@ class Scheduler:
             blocks, cost = shared
             bs = self.plan.block_size
             req.blocks = blocks
-            req.num_computed_tokens = min(len(blocks) * bs, req.num_planned_tokens - 1)
+            # A hybrid's Mamba state is recurrent: without a saved state at the match it shares
+            # the KV blocks but computes every token (the shared ones' K/V are not rewritten).
+            skip = 0 if self.plan.mamba_slots else len(blocks) * bs
+            req.num_computed_tokens = min(skip, req.num_planned_tokens - 1)
             n, need = 0, 0
             if not (req.generated and req.blocks_needed(req.num_tokens + 1, bs) > free - cost):
                 # (an evicted request comes back when all it had, and one more, fits)
@@ -272,6 +282,8 @@ class Scheduler:
                 self.prefix.pin(req, blocks, pins)
             req.status = Status.RUNNING
             req.add_event(EventType.ADD_CONTEXT, now)
+            if self.plan.mamba_slots:
+                req.mamba_slot = self.mamba_free.pop()
             self.running.append(req)
             chunks.append(Chunk(req, n, need))
         # Rows of one query token first (a stable sort): attention takes them as one decode
@@ -346,6 +358,7 @@ class Scheduler:
         self.paused.remove(req)
         self.pending_free[req.request_id] = self._release(req.blocks)
         req.blocks = []
+        self._release_mamba(req)
         req.record.checkpoint(req.num_tokens)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
@@ -365,6 +378,7 @@ class Scheduler:
             for req in reversed(self.running + self.paused):
                 self.pending_free[req.request_id] = self._release(req.blocks)
                 req.blocks, req.shared_until, req.num_registered = [], 0, 0
+                self._release_mamba(req)
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
             self.running, self.paused = [], []
@@ -459,7 +473,16 @@ class Scheduler:
         tables = np.asarray(padded, dtype=np.int32).reshape(len(batch.chunks), width)
         reqs = [c.request for c in batch.chunks]
         from_previous = max(prev_rows) >= 0
-        return {
+        mamba = {}
+        if self.plan.mamba_slots:
+            # A chunk from position 0 starts from zeros; a later one from its own slot.
+            out = [r.mamba_slot for r in reqs]
+            init = [s if c.start else -1 for s, c in zip(out, batch.chunks, strict=True)]
+            mamba = {
+                "mamba_init": np.asarray(init, dtype=np.int32),
+                "mamba_out": np.asarray(out, dtype=np.int32),
+            }
+        return mamba | {
             "input_ids": ids.array(np.int32),
             "positions": positions.array(np.int32),
             "slot_mapping": slots.array(np.int64),
@@ -616,7 +639,13 @@ class Scheduler:
         if r.blocks:
             self.pending_free[r.request_id] = self._release(r.blocks)
             r.blocks = []
+        self._release_mamba(r)
         del self.requests[r.request_id]
+
+    def _release_mamba(self, r: EngineRequest) -> None:
+        if r.mamba_slot >= 0:
+            self.mamba_free.append(r.mamba_slot)
+            r.mamba_slot = -1
 
     def _release(self, blocks: list[int]) -> int:
         """Blocks that come back (free, or cached and idle) when a request lets go of these."""

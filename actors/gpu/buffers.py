@@ -61,6 +61,8 @@ def step_fields(max_blocks_per_seq: int) -> dict[str, Field]:
         "gen_index": Field(i32, "seqs"),
         "logprobs": Field(i8, "seqs"),
         "top_n": Field(i32, "seqs"),
+        "mamba_init": Field(i32, "seqs", pad=-1),  # padding rows read and write no slot
+        "mamba_out": Field(i32, "seqs", pad=-1),
     }
 
 

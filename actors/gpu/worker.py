@@ -56,7 +56,9 @@ from taipan.ops.loader import (
     state_updates,
 )
 from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
+from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
 from taipan.ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
+from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.sampling import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -130,6 +132,12 @@ class ModelWorker:
         self.model = None
         self.config = None
         self.kv_cache: torch.Tensor | None = None
+        # Hybrid models: every Mamba layer's (conv, ssm) state slots; None without Mamba layers
+        # (and while suspended in offload or recompute mode: _mamba_offloaded holds offloaded
+        # contents).
+        self.mamba_state: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mamba_offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._mamba_slots = 0
         self.buffers: StepBuffers | None = None  # the step inputs' fixed device addresses
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -170,6 +178,14 @@ class ModelWorker:
             )
         self.block_size = msg.block_size
         self.kv_cache = allocate_kv_cache(config, num_blocks, msg.block_size, dtype, self.device)
+        self.mamba_state, self._mamba_offloaded, self._mamba_slots = None, None, 0
+        slot_bytes = 0
+        if isinstance(config, NemotronHConfig):
+            # One live slot per request the rank may hold (running or paused).
+            self._mamba_slots = msg.max_requests
+            ssm_dtype = DTYPES[config.ssm_state_dtype]
+            slot_bytes = config.mamba_state.bytes_per_slot(dtype, ssm_dtype)
+            self.mamba_state = self._new_mamba_state(config)
         self.buffers = StepBuffers(
             self.device,
             max_tokens=msg.max_tokens,
@@ -204,6 +220,28 @@ class ModelWorker:
             tokenizer=json.dumps(tokenizer.to_wire()),
             eos_token_ids=tuple(config.eos_token_ids),
             block_bytes=per_block,
+            mamba_slots=self._mamba_slots,
+            mamba_slot_bytes=slot_bytes,
+        )
+
+    def _new_mamba_state(self, config: NemotronHConfig) -> tuple[torch.Tensor, torch.Tensor]:
+        ssm_dtype = DTYPES[config.ssm_state_dtype]
+        return allocate_mamba_state(
+            config.mamba_state, self._mamba_slots, self.dtype, ssm_dtype, self.device
+        )
+
+    def _mamba(self, inputs: dict[str, torch.Tensor], attn: AttentionMetadata):
+        """The step's MambaMetadata (None for a model without Mamba layers)."""
+        if self.mamba_state is None:
+            return None
+        conv, ssm = self.mamba_state
+        return MambaMetadata(
+            conv,
+            ssm,
+            inputs["mamba_init"],
+            inputs["mamba_out"],
+            attn.query_start_loc,
+            attn.num_decodes,
         )
 
     def _tensor(self, a: np.ndarray, dtype=None) -> torch.Tensor:
@@ -317,7 +355,10 @@ class ModelWorker:
         ids = inputs["input_ids"]
         if len(plan.prev_rows):  # only then: the gather costs launches
             ids = self._ids_with_previous_tokens(inputs)
-        return self.model(ids, inputs["positions"], attn, self.kv_cache)
+        mamba = self._mamba(inputs, attn)
+        if mamba is None:
+            return self.model(ids, inputs["positions"], attn, self.kv_cache)
+        return self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
 
     def _ids_with_previous_tokens(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """input_ids, where prev_rows says so replaced by the last step's sampled tokens (on
@@ -369,7 +410,11 @@ class ModelWorker:
             max_query_len=1 if bucket.decode else bucket.tokens,
         )
         ids = self._ids_with_previous_tokens(inputs)  # 3 tiny kernels, so always recorded
-        hidden = self.model(ids, inputs["positions"], attn, self.kv_cache)
+        mamba = self._mamba(inputs, attn)
+        if mamba is None:
+            hidden = self.model(ids, inputs["positions"], attn, self.kv_cache)
+        else:
+            hidden = self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
         # Padding rows repeat the last query start: they read a real row (or row 0).
         last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
         self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
@@ -488,8 +533,15 @@ class ModelWorker:
         on_device = self.device.type != "cpu"  # on a CPU device the KV already is host memory
         if msg.mode == Mode.OFFLOAD and on_device:
             self._kv_offloaded = self._copy_to_host()
+            if self.mamba_state is not None:  # small next to the KV: no separate check
+                self._mamba_offloaded = tuple(
+                    torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+                    for t in self.mamba_state
+                )
         if msg.mode == Mode.RECOMPUTE or (msg.mode == Mode.OFFLOAD and on_device):
             self.kv_cache = None
+            if self.mamba_state is not None:
+                self.mamba_state = None
             if self.graphs is not None:
                 self.graphs.release()  # they hold the old KV address and their own memory
             if self.device.type == "cuda":
@@ -519,6 +571,13 @@ class ModelWorker:
             if mode == Mode.OFFLOAD:
                 kv.copy_(self._kv_offloaded)
             self.kv_cache, self._kv_offloaded = kv, None
+            if self._mamba_slots:
+                # Recompute: every request restarts from position 0 (its state from zeros).
+                state = self._new_mamba_state(self.config)
+                if self._mamba_offloaded is not None:
+                    for t, saved in zip(state, self._mamba_offloaded, strict=True):
+                        t.copy_(saved)
+                self.mamba_state, self._mamba_offloaded = state, None
         self.suspend_mode = None
         if self.graphs is not None and not self.graphs.captured:
             self._capture()  # the KV cache moved: capture against its new address
@@ -573,8 +632,11 @@ def _wants_log_probs(plan: StepPlan) -> bool:
 
 
 def _plan_arrays(plan: StepPlan) -> dict[str, np.ndarray]:
-    """The StepPlan's arrays by StepBuffers field name (an empty prev_rows: all -1)."""
+    """The StepPlan's arrays by StepBuffers field name (empty prev_rows, mamba_*: all -1)."""
     arrays = {name: getattr(plan, name) for name in StepBuffers.FIELD_NAMES}
     if not len(plan.prev_rows):
         arrays["prev_rows"] = np.full(len(plan.input_ids), -1, dtype=np.int32)
+    for name in ("mamba_init", "mamba_out"):  # empty: no Mamba layers
+        if not len(arrays[name]):
+            arrays[name] = np.full(len(plan.seq_lens), -1, dtype=np.int32)
     return arrays

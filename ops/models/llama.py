@@ -36,6 +36,11 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
 
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a KV cache (all of them)."""
+        return self.num_layers
+
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
@@ -132,24 +137,25 @@ class LlamaForCausalLM(nn.Module):
 
 
 def allocate_kv_cache(
-    config: LlamaConfig,
+    config,
     num_blocks: int,
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
 ) -> torch.Tensor:
-    """An uninitialised cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    (index 0 of dim 1 holds keys, 1 holds values).
+    """An uninitialised cache: [num_kv_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    (index 0 of dim 1 holds keys, 1 holds values). `config`: any model config with
+    `num_kv_layers`, `num_kv_heads` and `head_dim` (Llama, NemotronH).
 
     Not zeroed: attention reads only slots this request wrote, and on the CPU untouched pages of
     a large pool then cost no memory. A read of an unwritten slot shows up as garbage, not as a
     plausible zero."""
-    shape = (config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    shape = (config.num_kv_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def kv_cache_bytes_per_block(config: LlamaConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values (for sizing the block pool)."""
+def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all KV layers, keys and values (for sizing the pool)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_token = config.num_layers * 2 * config.num_kv_heads * config.head_dim * element_size
+    per_token = config.num_kv_layers * 2 * config.num_kv_heads * config.head_dim * element_size
     return block_size * per_token
