@@ -64,7 +64,7 @@ def _tap(weight_ptr, cols, col_ok, k: tl.constexpr, WIDTH: tl.constexpr, BLOCK_D
     return w
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])  # == 1 would arrive as a plain int
 def _causal_conv1d_varlen_kernel(
     # pointers
     x_ptr,  # [T, D]

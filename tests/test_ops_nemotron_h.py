@@ -21,7 +21,7 @@ from taipan.ops.attention import build_attention_metadata
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache
-from tests.random_nemotron_h import PATTERNS, make_random_nemotron_h
+from tests.random_nemotron_h import PATTERNS, TINY_HYBRID, make_random_nemotron_h
 
 transformers = pytest.importorskip("transformers")
 BLOCK_SIZE = 16
@@ -51,11 +51,12 @@ class HybridRunner:
     """A minimal gpu-worker stand-in: shuffled KV blocks and one live Mamba slot per sequence,
     plus spare slots for snapshots. A step's decode rows (one token, continuing) come first."""
 
-    def __init__(self, model, config, num_blocks=64, num_slots=12, seed=0):
-        self.model, self.config = model, config
-        self.cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, torch.float32, "cpu")
+    def __init__(self, model, config, num_blocks=64, num_slots=12, seed=0, device="cpu"):
+        self.model, self.config, self.device = model, config, device
+        dtype = next(model.parameters()).dtype
+        self.cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, dtype, device)
         self.conv, self.ssm = allocate_mamba_state(
-            config.mamba_state, num_slots, torch.float32, torch.float32, "cpu"
+            config.mamba_state, num_slots, dtype, torch.float32, device
         )
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.free = order.tolist()
@@ -87,20 +88,20 @@ class HybridRunner:
         query_lens = [len(chunks[s]) for s in seqs]
         seq_lens = [self.computed[s] + len(chunks[s]) for s in seqs]
         attn, positions = build_attention_metadata(
-            query_lens, seq_lens, [self.tables[s] for s in seqs], BLOCK_SIZE
+            query_lens, seq_lens, [self.tables[s] for s in seqs], BLOCK_SIZE, self.device
         )
         init = [restore.get(s, self.slot[s] if self.computed[s] else -1) for s in seqs]
         mamba = MambaMetadata(
             self.conv,
             self.ssm,
-            torch.tensor(init, dtype=torch.int32),
-            torch.tensor([self.slot[s] for s in seqs], dtype=torch.int32),
+            torch.tensor(init, dtype=torch.int32, device=self.device),
+            torch.tensor([self.slot[s] for s in seqs], dtype=torch.int32, device=self.device),
             attn.query_start_loc,
             attn.num_decodes,
         )
-        ids = torch.tensor([t for s in seqs for t in chunks[s]], dtype=torch.int64)
+        ids = torch.tensor([t for s in seqs for t in chunks[s]], device=self.device)
         hidden = self.model(ids, positions, attn, self.cache, mamba)
-        logits = self.model.compute_logits(hidden)
+        logits = self.model.compute_logits(hidden).cpu()
         for s, n in zip(seqs, query_lens, strict=True):
             self.computed[s] += n
         return dict(zip(seqs, logits.split(query_lens), strict=True))
@@ -228,3 +229,37 @@ def test_pattern_string_configs_load(tmp_path):
     )
     _, config, _ = load_model(path)
     assert config.pattern == "M-*-" and config.dt_limit == (0.0, math.inf)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-3), (torch.bfloat16, 0.1)])
+def test_gpu_kernels_path_matches_cpu_reference(tmp_path, dtype, tol):
+    """The Triton path (CUDA) of a mixed step — chunked prefill, decode rows, a prefill
+    restored from a snapshot slot — against the torch references on the CPU, then 8 greedy
+    tokens. fp32 tolerance covers TF32 dots inside the scan; bf16 is compared loosely."""
+    shape = TINY_HYBRID | {"head_dim": 64}  # the attention kernels take head_dim 64 or 128
+    path = make_random_nemotron_h(str(tmp_path / "m"), pattern="M-M-*-M-M-*-", shape=shape)
+    runs = {}
+    for device, dt in (("cpu", torch.float32), ("cuda", dtype)):
+        model, config, _ = load_model(path, dtype=dt, device=device)
+        runner = HybridRunner(model, config, seed=2, device=device)
+        base = _prompt(70, 9)
+        for seq, n in enumerate((70, 40, 9)):
+            runner.add(seq, n + 40, slot=seq)
+        out = [runner.step({0: base[:32], 1: _prompt(40, 8)})]
+        runner.snapshot(0, slot=7)
+        out.append(runner.step({0: base[32:], 1: [5]}))
+        runner.share(2, source=0, tokens=32)
+        out.append(runner.step({1: [6], 2: base[32:41]}, restore={2: 7}))
+        tokens = []
+        for _ in range(8):
+            step = runner.step({s: [int(out[-1][s][-1].argmax())] for s in out[-1]})
+            out.append(step)
+            tokens.append([int(step[s][-1].argmax()) for s in sorted(step)])
+        runs[device] = (out, tokens)
+    for step_cpu, step_gpu in zip(runs["cpu"][0], runs["cuda"][0], strict=True):
+        for s in step_cpu:
+            err = (step_gpu[s] - step_cpu[s]).abs().max().item()
+            assert err < tol * step_cpu[s].abs().max().item(), (s, err)
+    if dtype == torch.float32:
+        assert runs["cpu"][1] == runs["cuda"][1]
