@@ -236,8 +236,8 @@ def routing_policy(config: InferenceConfig) -> str:
 
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {
-    "mamba_inference_state_config": "hybrid Mamba models are not supported yet",
-    "mamba_memory_ratio": "hybrid Mamba models are not supported yet",
+    "mamba_inference_state_config": "not built yet (hybrids run with the model's own state shapes)",
+    "mamba_memory_ratio": "not built yet (it comes with the mamba_cache actor)",
     "unified_memory_level": "unified memory is not supported",
     "pg_collection": "taipan wires its own process groups; a torch ProcessGroupCollection "
     "cannot be passed",
@@ -245,7 +245,7 @@ NOT_IMPLEMENTED = {
     "materialize_only_last_token_logits": "taipan materializes only the logits a request "
     "asks for (return_log_probs includes the prompt's), so there is nothing to switch",
     "num_speculative_tokens": "speculative decoding is not built",
-    "prefix_caching_mamba_gb": "hybrid Mamba models are not supported yet",
+    "prefix_caching_mamba_gb": "not built yet (Mamba snapshots come with the mamba_cache actor)",
     "metrics_writer": "no metrics writer (wandb) integration",
     "sampling_backend": "only the torch sampling backend exists",
     "request_metadata_types": "per-request metadata tracking is not built",
