@@ -11,10 +11,19 @@ they run eagerly or under a CUDA graph, and never read the clock, a host tensor 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from taipan.kernels import activation, rmsnorm, rope
 from taipan.ops.attention import AttentionMetadata, paged_attention
+
+
+def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None):
+    """hidden: [N, hidden] -> logits [N, vocab] float32 through the LM head `weight`; written into
+    `out` when given (the product in the weights' dtype, converted as it is copied)."""
+    if out is None:
+        return F.linear(hidden, weight).float()
+    return out.copy_(F.linear(hidden, weight))
 
 
 class RMSNorm(nn.Module):

@@ -4,7 +4,7 @@ transformers (test-only).
 
 dt_bias is drawn so that softplus(dt + dt_bias) stays above time_step_min for these weights:
 Hugging Face clamps prefill dt there and decode dt not at all, so only then is its own output the
-same whichever way a token is computed (ops/mamba.py says why ours does not clamp either way).
+same whichever way a token is computed (ours clamps both ways alike: ops/mamba.py).
 """
 
 from __future__ import annotations

@@ -335,3 +335,38 @@ def test_cuda_graph_sizes_on_cpu_fail_the_load(model_dir):
     load = LoadModel(model_dir, "float32", "cpu", BLOCK_SIZE, 8, 1.0, 256, 8, 128, (1, 2))
     with pytest.raises(ValueError, match="CUDA graphs need a CUDA device"):
         ModelWorker().load(load)
+
+
+# ---- hybrid (NemotronH) models: Mamba state slots ----------------------------------------------
+
+
+def test_hybrid_state_follows_every_suspend_mode_and_weight_updates_refuse(tmp_path):
+    """A hybrid's Mamba state slots: persist and (CPU) offload keep them, recompute drops them
+    and resume brings them back zeroed; update_weights is refused, naming why, and changes
+    nothing (not built for hybrids yet)."""
+    from tests.random_nemotron_h import make_random_nemotron_h
+
+    path = make_random_nemotron_h(str(tmp_path / "nh"), pattern="M-*-")
+    w = ModelWorker()
+    loaded = w.load(LoadModel(path, "float32", "cpu", BLOCK_SIZE, 8, 1.0, 256, 4, 128))
+    assert loaded.mamba_slots == 4 and loaded.mamba_slot_bytes > 0
+    plan = dataclasses.replace(
+        make_plan(1, [Seq(PROMPT, 0, [5, 2])]),
+        mamba_init=np.array([-1], np.int32),
+        mamba_out=np.array([2], np.int32),
+    )
+    assert w.step(plan).error is None
+    conv, ssm = w.mamba_state
+    assert ssm[:, 2].abs().sum() > 0 and ssm[:, [0, 1, 3]].abs().sum() == 0
+    saved = [t.clone() for t in w.mamba_state]
+    for mode in ("persist", "offload"):
+        assert control(w, "suspend", mode).error is None
+        assert control(w, "resume").error is None
+        assert all(torch.equal(t, s) for t, s in zip(w.mamba_state, saved, strict=True)), mode
+    assert control(w, "suspend", "recompute").error is None and w.mamba_state is None
+    before = weights(w)
+    reply = control(w, "update_weights", state={"lm_head.weight": np.zeros((1, 1), np.float32)})
+    assert "not built for hybrid" in reply.error
+    assert_same_weights(w, before)
+    assert control(w, "resume").error is None
+    assert all(t.abs().sum() == 0 for t in w.mamba_state)

@@ -5,6 +5,10 @@ The only place in actors/ that imports torch. It runs in the gpu actor's dedicat
 step and a control never overlap; it never decides what to compute (the engine's plan does) and
 never talks to sockets.
 
+Hybrid models also hold Mamba state slots (ops/mamba.py; `mamba_state`, one slot per request
+the rank may hold); every suspend mode treats them as the KV cache: kept, offloaded with it, or
+dropped (resume then zeroes them: recomputed requests start from position 0).
+
 Suspend modes (messages.gpu.GpuControl): "persist" keeps the KV tensor; "offload" copies a CUDA
 KV cache to pinned host memory and frees the device tensor, after checking that the host has the
 memory (else it refuses and changes nothing); on a CPU device the KV cache already is host memory,
@@ -230,19 +234,18 @@ class ModelWorker:
             config.mamba_state, self._mamba_slots, self.dtype, ssm_dtype, self.device
         )
 
-    def _mamba(self, inputs: dict[str, torch.Tensor], attn: AttentionMetadata):
-        """The step's MambaMetadata (None for a model without Mamba layers)."""
+    def _run_model(
+        self, ids: torch.Tensor, inputs: dict[str, torch.Tensor], attn: AttentionMetadata
+    ) -> torch.Tensor:
+        """The model's forward over the step's buffers (a hybrid also gets its Mamba slots)."""
         if self.mamba_state is None:
-            return None
+            return self.model(ids, inputs["positions"], attn, self.kv_cache)
         conv, ssm = self.mamba_state
-        return MambaMetadata(
-            conv,
-            ssm,
-            inputs["mamba_init"],
-            inputs["mamba_out"],
-            attn.query_start_loc,
+        mamba = MambaMetadata(
+            conv, ssm, inputs["mamba_init"], inputs["mamba_out"], attn.query_start_loc,
             attn.num_decodes,
-        )
+        )  # fmt: skip
+        return self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
 
     def _tensor(self, a: np.ndarray, dtype=None) -> torch.Tensor:
         # np.frombuffer views are read-only; torch wants writable memory.
@@ -355,10 +358,7 @@ class ModelWorker:
         ids = inputs["input_ids"]
         if len(plan.prev_rows):  # only then: the gather costs launches
             ids = self._ids_with_previous_tokens(inputs)
-        mamba = self._mamba(inputs, attn)
-        if mamba is None:
-            return self.model(ids, inputs["positions"], attn, self.kv_cache)
-        return self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
+        return self._run_model(ids, inputs, attn)
 
     def _ids_with_previous_tokens(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """input_ids, where prev_rows says so replaced by the last step's sampled tokens (on
@@ -410,11 +410,7 @@ class ModelWorker:
             max_query_len=1 if bucket.decode else bucket.tokens,
         )
         ids = self._ids_with_previous_tokens(inputs)  # 3 tiny kernels, so always recorded
-        mamba = self._mamba(inputs, attn)
-        if mamba is None:
-            hidden = self.model(ids, inputs["positions"], attn, self.kv_cache)
-        else:
-            hidden = self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
+        hidden = self._run_model(ids, inputs, attn)
         # Padding rows repeat the last query start: they read a real row (or row 0).
         last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
         self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
@@ -539,9 +535,7 @@ class ModelWorker:
                     for t in self.mamba_state
                 )
         if msg.mode == Mode.RECOMPUTE or (msg.mode == Mode.OFFLOAD and on_device):
-            self.kv_cache = None
-            if self.mamba_state is not None:
-                self.mamba_state = None
+            self.kv_cache = self.mamba_state = None
             if self.graphs is not None:
                 self.graphs.release()  # they hold the old KV address and their own memory
             if self.device.type == "cuda":
@@ -588,6 +582,11 @@ class ModelWorker:
             raise ControlError("update_weights needs a suspended gpu worker; it is running")
         if (msg.path is None) == (msg.state is None):
             raise ControlError("update_weights needs exactly one of path and state")
+        if self._mamba_slots:
+            raise ControlError(
+                "update_weights is not built for hybrid (NemotronH) models yet: their parameter "
+                "names and architecture checks are Llama's so far; nothing was changed"
+            )
         if msg.path is not None:
             updates = self._updates_from_path(msg.path)
         else:

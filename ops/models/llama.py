@@ -12,12 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from taipan.kernels.rope import rope_cos_sin_cache
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP
+from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP, lm_logits
 
 
 @dataclass(frozen=True)
@@ -131,9 +130,7 @@ class LlamaForCausalLM(nn.Module):
         """hidden: [N, hidden] -> logits: [N, vocab] float32 (written into `out` when given:
         the product in the weights' dtype, converted as it is copied)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if out is None:
-            return F.linear(hidden, weight).float()
-        return out.copy_(F.linear(hidden, weight))
+        return lm_logits(hidden, weight, out)
 
 
 def allocate_kv_cache(

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.layers import Attention, RMSNorm
+from taipan.ops.layers import Attention, RMSNorm, lm_logits
 from taipan.ops.mamba import Mamba2Mixer, MambaMetadata, MambaStateShape
 
 LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
@@ -200,6 +200,4 @@ class NemotronHForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        if out is None:
-            return F.linear(hidden, weight).float()
-        return out.copy_(F.linear(hidden, weight))
+        return lm_logits(hidden, weight, out)
