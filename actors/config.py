@@ -138,6 +138,18 @@ class InferenceConfig:
             )
         if self.logging_step_interval < 0:
             raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
+        ratio = self.mamba_memory_ratio
+        if ratio is not None and not 0 < ratio < 1:
+            raise ConfigError(
+                f"mamba_memory_ratio must be in (0, 1) when set (the share of buffer_size_gb "
+                f"for live Mamba states, the rest for KV blocks), got {ratio}"
+            )
+        mamba_gb = self.prefix_caching_mamba_gb
+        if mamba_gb is not None and mamba_gb > 0 and not self.enable_prefix_caching:
+            raise ConfigError(
+                f"prefix_caching_mamba_gb={mamba_gb} needs enable_prefix_caching=true (Mamba "
+                "snapshots extend cached KV prefixes)"
+            )
         if not 0 <= self.prefix_caching_routing_alpha <= 1:
             raise ConfigError("prefix_caching_routing_alpha must be in [0, 1]")
         routing = self.prefix_caching_coordinator_policy
@@ -237,7 +249,6 @@ def routing_policy(config: InferenceConfig) -> str:
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {
     "mamba_inference_state_config": "not built yet (hybrids run with the model's own state shapes)",
-    "mamba_memory_ratio": "not built yet (it comes with the mamba_cache actor)",
     "unified_memory_level": "unified memory is not supported",
     "pg_collection": "taipan wires its own process groups; a torch ProcessGroupCollection "
     "cannot be passed",
@@ -245,7 +256,6 @@ NOT_IMPLEMENTED = {
     "materialize_only_last_token_logits": "taipan materializes only the logits a request "
     "asks for (return_log_probs includes the prompt's), so there is nothing to switch",
     "num_speculative_tokens": "speculative decoding is not built",
-    "prefix_caching_mamba_gb": "not built yet (Mamba snapshots come with the mamba_cache actor)",
     "metrics_writer": "no metrics writer (wandb) integration",
     "sampling_backend": "only the torch sampling backend exists",
     "request_metadata_types": "per-request metadata tracking is not built",
@@ -269,9 +279,32 @@ class RuntimePlan:
     # paused_buffer_size_gb); None: no cap, paused requests are evicted only when nothing else
     # can run.
     max_paused_blocks: int | None = None
-    # Hybrid models: Mamba state slots (one per request holding state: running or paused);
-    # 0 = the model has no Mamba layers.
+    # Hybrid models: live Mamba state slots (one per request holding state: running or
+    # paused); 0 = the model has no Mamba layers. Snapshot slots (prefix_caching_mamba_gb): 0 =
+    # hybrids share KV prefixes but never skip prefill (DESIGN.md §6).
     mamba_slots: int = 0
+    mamba_snapshot_slots: int = 0
+
+
+def mamba_snapshot_slots(budget_bytes: int, slot_bytes: int) -> int:
+    """How many Mamba snapshot slots `prefix_caching_mamba_gb` (as bytes) holds (DESIGN.md §6).
+
+    A snapshot is copied from the live slot of the request whose chunk ends on its block
+    boundary, so no scratch is reserved (Megatron keeps extraction buffers for states inside a
+    chunk): every byte goes to snapshots, budget // one slot's bytes. A budget <= 0 disables
+    snapshots (0 slots; negative is Megatron's "disabled"); a positive one too small for a
+    single slot is a ConfigError."""
+    if slot_bytes < 1:
+        raise ConfigError(f"a Mamba state slot must take >= 1 byte, not {slot_bytes}")
+    if budget_bytes <= 0:
+        return 0
+    n = budget_bytes // slot_bytes
+    if n < 1:
+        raise ConfigError(
+            f"prefix_caching_mamba_gb ({budget_bytes} bytes) holds no Mamba snapshot slot: one "
+            f"(the conv and SSM state of every Mamba layer) takes {slot_bytes} bytes"
+        )
+    return n
 
 
 DEFAULT_MAX_TOKENS = 16384

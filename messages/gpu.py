@@ -45,6 +45,12 @@ class LoadModel:
     cuda_graph_mixed_sizes: tuple[int, ...] = ()
     # Keep the KV cache at its address for good: suspend then only in persist mode.
     static_kv_memory_pointers: bool = False
+    # Hybrid models only (an error for a model without Mamba layers). mamba_memory_ratio: the
+    # share of the KV budget that holds live Mamba states instead (live slots = that share //
+    # one slot's bytes, at most max_requests; None: max_requests live slots besides the KV).
+    # mamba_snapshot_gb: prefix_caching_mamba_gb, the snapshot slots' budget besides the KV.
+    mamba_memory_ratio: float | None = None
+    mamba_snapshot_gb: float | None = None
 
 
 @message(121)
@@ -59,10 +65,12 @@ class ModelLoaded:
     tokenizer: str
     eos_token_ids: tuple[int, ...]
     block_bytes: int  # one KV block over all layers (sizes paused_buffer_size_gb in blocks)
-    # Hybrid (Mamba) models: the Mamba state slots allocated (one per request the rank may
-    # hold, numbered 0..mamba_slots-1) and one slot's bytes over all Mamba layers; 0: no Mamba.
+    # Hybrid (Mamba) models: the live Mamba state slots (one per request the rank may hold,
+    # numbered 0..mamba_slots-1), the snapshot slots after them, and one slot's bytes over all
+    # Mamba layers; 0: no Mamba.
     mamba_slots: int = 0
     mamba_slot_bytes: int = 0
+    mamba_snapshot_slots: int = 0
 
 
 @message(122)
@@ -113,6 +121,10 @@ class StepPlan:
     # reads and writes its own slot.
     mamba_init: Array[np.int32, 1] = empty_array_field(np.int32)
     mamba_out: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Mamba snapshots (prefix caching): after the forward, the state in live slot
+    # mamba_snap_src[i] is copied to snapshot slot mamba_snap_dst[i] (every Mamba layer).
+    mamba_snap_src: Array[np.int32, 1] = empty_array_field(np.int32)
+    mamba_snap_dst: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123)

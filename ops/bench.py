@@ -168,6 +168,41 @@ def hf_generate(
     return elapsed, out.tolist()
 
 
+_HF_MODELS: dict[tuple[str, str, str], object] = {}  # one load per process and model
+
+
+def hf_one_at_a_time(
+    model_path: str, dtype: str, device: str, prompts: list[list[int]], output_len: int
+) -> dict:
+    """HF transformers on `prompts` one at a time (it has no prefix cache and no continuous
+    batching): the mean TTFT (the prompt's forward, to its first token's logits) and the output
+    tokens per second of greedy `generate` at batch 1 over all of them."""
+    key = (model_path, str(dtype), device)
+    if key not in _HF_MODELS:
+        _HF_MODELS.clear()
+        _HF_MODELS[key] = load_hf(model_path, dtype, device)
+    model = _HF_MODELS[key]
+    ttfts, seconds = [], 0.0
+    with torch.inference_mode():
+        _generate(model, [prompts[0][:8]], 2)  # warm-up
+        for p in prompts:
+            ids = torch.tensor([p], device=model.device)
+            _sync(device)
+            start = time.perf_counter()
+            model(ids, logits_to_keep=1)
+            _sync(device)
+            ttfts.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            _generate(model, [p], output_len)
+            _sync(device)
+            seconds += time.perf_counter() - start
+    return {
+        "prompts": len(prompts),
+        "ttft_mean_s": sum(ttfts) / len(ttfts),
+        "output_tok_s": len(prompts) * output_len / seconds,
+    }
+
+
 # ---- decode: step time at a fixed batch -----------------------------------------------------
 
 

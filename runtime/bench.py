@@ -85,6 +85,19 @@ def add_arguments(p) -> None:
         choices=["lru", "ref_zero"],
         help="shared-prefix: prefix_caching_eviction_policy of the caching-on runs",
     )
+    p.add_argument(
+        "--mamba-gb",
+        type=float,
+        default=None,
+        help="shared-prefix, hybrid models: prefix_caching_mamba_gb of the caching-on runs "
+        "(2 on CUDA, 0.01 on CPU)",
+    )
+    p.add_argument(
+        "--hf-prompts",
+        type=int,
+        default=4,
+        help="shared-prefix: HF runs the first K prompts of each scenario one at a time",
+    )
     p.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
     p.add_argument("--batches", default="1,8,64,256", help="decode: comma-separated batch sizes")
     p.add_argument("--num-requests", type=int, default=1000, help="offline: requests")
@@ -192,6 +205,12 @@ def _shared_prefix_summary(row: dict) -> str:
         f"prompt tokens computed {row['off_prompt_tokens_computed']} -> "
         f"{row['on_prompt_tokens_computed']} (hit rate {row['on_hit_rate']}), "
         f"outputs equal {row['outputs_equal']} ({row['outputs_identical']})"
+        + (
+            f"; HF transformers (batch 1, {row['hf_prompts']} prompts) TTFT mean "
+            f"{row['hf_ttft_mean_s']} s, {row['hf_output_tok_s']} tok/s"
+            if "hf_ttft_mean_s" in row
+            else ""
+        )
     )
 
 

@@ -4,18 +4,24 @@ file; tests/perf/NOTES.md defines every figure).
 Prefix caching off, then on (a fresh runtime each), on two scenarios of `--num-prompts`
 requests submitted at once: `system` (one `--prefix-len` system prompt + a distinct short
 question each) and `samples` (one prompt n times, as RL rollouts sample it). Greedy, so the
-outputs must not change with caching on; one row per scenario. No HF side (HF has no prefix
-cache to compare with). Never imports torch.
+outputs must not change with caching on; one row per scenario. A hybrid (NemotronH) model's
+"on" also sets `prefix_caching_mamba_gb` (`--mamba-gb`): Mamba snapshots, without which a
+hybrid shares KV blocks but skips no prompt token. The HF side (transformers has no prefix
+cache): `--hf-prompts` of each scenario's prompts one at a time, the TTFT of each (its prompt's
+forward) and the output tokens per second of `generate` at batch 1. Never imports torch here
+(the HF side lives in ops/bench.py).
 """
 
 from __future__ import annotations
 
+import json
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
-from taipan.workloads import _rounded, _sampling, _with_sets, random_prompt
+from taipan.workloads import _optional, _rounded, _sampling, _with_sets, random_prompt
 
 QUESTION_LENS = (16, 64)  # each question's length (tokens), seeded uniform in this range
 SCENARIOS = ("system", "samples")
@@ -33,9 +39,27 @@ def shared_prefix_prompts(n: int, prefix_len: int, seed: int, tag: int) -> dict[
     return {"system": [system + q for q in questions], "samples": [sample] * n}
 
 
-def _prefix_sets(args, on: bool) -> list[str]:
+def is_hybrid(model_path: str) -> bool:
+    """Whether `model_path` is a Hugging Face directory of a NemotronH hybrid."""
+    config = Path(model_path) / "config.json"
+    if not config.is_file():
+        return False
+    architectures = json.loads(config.read_text()).get("architectures") or []
+    return "NemotronHForCausalLM" in architectures
+
+
+def _mamba_gb(args) -> float:
+    if args.mamba_gb is not None:
+        return args.mamba_gb
+    return 2.0 if args.device.startswith("cuda") else 0.01
+
+
+def _prefix_sets(args, on: bool, hybrid: bool = False) -> list[str]:
     if on:
-        return ["enable_prefix_caching=true", f"prefix_caching_eviction_policy={args.eviction}"]
+        sets = ["enable_prefix_caching=true", f"prefix_caching_eviction_policy={args.eviction}"]
+        if hybrid:
+            sets.append(f"prefix_caching_mamba_gb={_mamba_gb(args)}")
+        return sets
     # (the user's own eviction/routing settings would fail validation with caching off)
     off = ("enable_prefix_caching=false", "prefix_caching_eviction_policy=none")
     return [*off, "prefix_caching_coordinator_policy=none"]
@@ -76,7 +100,9 @@ def _timed_scenario(client, prompts: list[list[int]], output_len: int) -> tuple[
     return figures, [c.token_ids for c in done]
 
 
-def _ours_shared_prefix(args, on: bool) -> dict[str, tuple[dict, list, list | None]]:
+def _ours_shared_prefix(
+    args, on: bool, hybrid: bool = False
+) -> dict[str, tuple[dict, list, list | None]]:
     """{scenario: (figures, token ids, token ids of a repeat)} from one fresh runtime, caching
     `on` or off. Each scenario runs once untimed with other ids of the same lengths first (the
     same step shapes; with caching on it also caches blocks no timed prompt shares). With
@@ -89,7 +115,7 @@ def _ours_shared_prefix(args, on: bool) -> dict[str, tuple[dict, list, list | No
     n, out = args.num_prompts, {}
     warm = shared_prefix_prompts(n, args.prefix_len, args.seed, tag=1)
     timed = shared_prefix_prompts(n, args.prefix_len, args.seed, tag=0)
-    with runtime_from_args(_with_sets(args, *_prefix_sets(args, on))) as rt:
+    with runtime_from_args(_with_sets(args, *_prefix_sets(args, on, hybrid))) as rt:
         with Client(rt.address) as client:
             for name in SCENARIOS:
                 client.generate(warm[name], _sampling(args.output_len))
@@ -132,10 +158,14 @@ def shared_prefix_workload(args) -> list[dict]:
     from taipan.ops.bench import gpu_name
 
     block_size = _check_shared_prefix_args(args)
-    name, _ = resolve(args.model)
-    off = _ours_shared_prefix(args, on=False)
-    on = _ours_shared_prefix(args, on=True)
+    name, model_path = resolve(args.model)
+    hybrid = is_hybrid(model_path)
+    off = _ours_shared_prefix(args, on=False, hybrid=hybrid)
+    on = _ours_shared_prefix(args, on=True, hybrid=hybrid)
     prompts = shared_prefix_prompts(args.num_prompts, args.prefix_len, args.seed, tag=0)
+    hf, errors = {}, {}
+    if not args.no_hf:
+        hf = _optional("hf", lambda: _hf_shared_prefix(args, model_path, prompts), errors) or {}
     rows = []
     for scenario in SCENARIOS:
         lengths = list(map(len, prompts[scenario]))
@@ -154,9 +184,27 @@ def shared_prefix_workload(args) -> list[dict]:
             "block_size": block_size,
             "eviction_policy": args.eviction,
             "sampling": "greedy",
+            "hybrid": hybrid,
+            "mamba_gb": _mamba_gb(args) if hybrid else None,
         }
-        rows.append(_rounded(_shared_prefix_row(row, off[scenario], on[scenario])))
+        row = _shared_prefix_row(row, off[scenario], on[scenario])
+        if hf:
+            row |= {f"hf_{k}": v for k, v in hf[scenario].items()}
+        else:
+            row["hf_error"] = errors.get("hf_error", "skipped (--no-hf)")
+        rows.append(_rounded(row))
     return rows
+
+
+def _hf_shared_prefix(args, model_path: str, prompts: dict[str, list]) -> dict[str, dict]:
+    """{scenario: HF figures} on the first `--hf-prompts` prompts of each scenario."""
+    from taipan.ops.bench import hf_one_at_a_time
+
+    k = min(args.hf_prompts, args.num_prompts)
+    return {
+        name: hf_one_at_a_time(model_path, args.dtype, args.device, ps[:k], args.output_len)
+        for name, ps in prompts.items()
+    }
 
 
 def _shared_prefix_row(row: dict, off: tuple, on: tuple) -> dict:

@@ -104,11 +104,14 @@ async def engine_main(spec: dict, rank: int) -> None:
     from taipan.actors.allocator.actor import AllocatorActor
     from taipan.actors.engine.actor import EngineActor
     from taipan.actors.gpu.actor import GpuActor
+    from taipan.actors.mamba_cache.actor import MambaCacheActor
     from taipan.messages.gpu import LoadModel
 
     ctx = zmq.asyncio.Context()
-    recs = {name: _recorder(spec, f"{name}-{rank}") for name in ("engine", "allocator", "gpu")}
+    names = ("engine", "allocator", "mamba_cache", "gpu")
+    recs = {name: _recorder(spec, f"{name}-{rank}") for name in names}
     alloc_addr, gpu_addr = f"inproc://allocator-{rank}", f"inproc://gpu-{rank}"
+    mamba_addr = f"inproc://mamba_cache-{rank}"
     # Each inproc pair: the served side binds, the engine connects.
     alloc_side = make_socket(
         ctx, zmq.PAIR, alloc_addr, bind=True, name="engine", recorder=recs["allocator"]
@@ -118,6 +121,13 @@ async def engine_main(spec: dict, rank: int) -> None:
         ctx, zmq.PAIR, alloc_addr, bind=False, name="allocator", recorder=recs["engine"]
     )
     to_gpu = make_socket(ctx, zmq.PAIR, gpu_addr, bind=False, name="gpu", recorder=recs["engine"])
+    # The mamba_cache actor runs for every model; only a hybrid's engine sends it anything.
+    mamba_side = make_socket(
+        ctx, zmq.PAIR, mamba_addr, bind=True, name="engine", recorder=recs["mamba_cache"]
+    )
+    to_mamba = make_socket(
+        ctx, zmq.PAIR, mamba_addr, bind=False, name="mamba_cache", recorder=recs["engine"]
+    )
     to_coord = make_socket(
         ctx,
         zmq.DEALER,
@@ -143,11 +153,14 @@ async def engine_main(spec: dict, rank: int) -> None:
         decode_graphs,
         mixed_graphs,
         config.static_kv_memory_pointers,
+        config.mamba_memory_ratio,
+        config.prefix_caching_mamba_gb,
     )
-    channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
+    channels = [alloc_side, gpu_side, mamba_side, to_alloc, to_gpu, to_mamba, to_coord]
     try:
-        engine = EngineActor(rank, config, load, to_coord, to_alloc, to_gpu)
-        await _run_until_stopped([engine, AllocatorActor(alloc_side), GpuActor(rank, gpu_side)])
+        engine = EngineActor(rank, config, load, to_coord, to_alloc, to_gpu, to_mamba)
+        actors = [AllocatorActor(alloc_side), MambaCacheActor(mamba_side), GpuActor(rank, gpu_side)]
+        await _run_until_stopped([engine, *actors])
     finally:
         for ch in channels:
             ch.close()

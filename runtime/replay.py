@@ -9,10 +9,10 @@ it (`LOG_CHECKERS`): the engine (`check_engine`: it re-plans every step and comp
 and StepPlan, see actors/engine/check.py) and the coordinator (`check_coordinator`: it
 re-routes every submission and compares each EngineSubmit, see actors/coordinator/check.py).
 Other checkers: `CHECKERS` maps an actor-name prefix ("allocator" covers "allocator" and
-"allocator-0") to a factory `make(actor_name) -> respond`; `respond(record)` takes one recorded
-inbound record and returns the outbound messages the actor's deterministic core produces for
-it, as `(channel, peer, frames)`. Exit codes: 0 ok, 1 a divergence, 2 unreadable input, 3 some
-actor not checked (unless --allow-unchecked).
+"allocator-0"; "mamba_cache" likewise) to a factory `make(actor_name) -> respond`;
+`respond(record)` takes one recorded inbound record and returns the outbound messages the
+actor's deterministic core produces for it, as `(channel, peer, frames)`. Exit codes: 0 ok,
+1 a divergence, 2 unreadable input, 3 some actor not checked (unless --allow-unchecked).
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from taipan.actors.allocator.actor import AllocatorService
 from taipan.actors.config import ConfigError, InferenceConfig, plan_limits, routing_policy
 from taipan.actors.coordinator.check import CoordinatorReplay
 from taipan.actors.engine.check import EngineReplay
+from taipan.actors.mamba_cache.actor import MambaCacheService
 from taipan.actors.record import SUFFIX, LogError, Record, read_log
 from taipan.messages.codec import MessageError, decode, encode, registry
 from taipan.messages.requests import RequestOutput, StepOutputs
@@ -47,8 +48,9 @@ ARROWS = {"in": "←", "out": "→"}
 CONFIG_FILE = "config.json"  # the InferenceConfig, written by the launcher when recording
 
 
-def _allocator_checker(actor_name: str) -> Responder:
-    service = AllocatorService(actor_name)
+def _service_checker(service) -> Responder:
+    """Re-drive a pure service (allocator, mamba_cache): its replies to the recorded inbound
+    frames must be the recorded outbound ones."""
 
     def respond(rec: Record) -> list[Outbound]:
         reply = service.handle_frames(rec.frames)
@@ -59,7 +61,10 @@ def _allocator_checker(actor_name: str) -> Responder:
     return respond
 
 
-CHECKERS: dict[str, Callable[[str], Responder]] = {"allocator": _allocator_checker}
+CHECKERS: dict[str, Callable[[str], Responder]] = {
+    "allocator": lambda name: _service_checker(AllocatorService(name)),
+    "mamba_cache": lambda name: _service_checker(MambaCacheService(name)),
+}
 
 
 class ReplayError(Exception):

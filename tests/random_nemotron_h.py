@@ -29,12 +29,35 @@ TINY_HYBRID = dict(
     chunk_size=16,
 )
 PATTERNS = ("M-*-M-", "M-M-*-M-M-*-", "*-M-M-")
+# The shape of NVIDIA's Nemotron-H-8B (52 layers: 24 Mamba2, 4 attention, 24 MLP) with the
+# byte-level tokenizer's small vocabulary: about 7B parameters. For `taipan bench` on the GPU.
+NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+NEMOTRON_H_8B = dict(
+    hidden_size=4096,
+    intermediate_size=21504,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    mamba_num_heads=128,
+    mamba_head_dim=64,
+    n_groups=8,
+    ssm_state_size=128,
+    conv_kernel=4,
+    chunk_size=128,
+)
 
 
 def make_random_nemotron_h(
-    path: str, pattern: str = "M-*-M-", shape: dict | None = None, seed: int = 0, std=0.06
+    path: str,
+    pattern: str = "M-*-M-",
+    shape: dict | None = None,
+    seed: int = 0,
+    std=0.06,
+    device: str = "cpu",
+    dtype=None,
 ) -> str:
-    """Write config.json, model.safetensors and tokenizer files into `path`; return it."""
+    """Write config.json, model.safetensors and tokenizer files into `path`; return it. The
+    weights are drawn on `device` (a large shape: "cuda") and saved in `dtype` (default fp32)."""
     import torch
     from transformers import NemotronHConfig, NemotronHForCausalLM
 
@@ -55,7 +78,8 @@ def make_random_nemotron_h(
         **(shape or TINY_HYBRID),
     )
     torch.manual_seed(seed)
-    model = NemotronHForCausalLM(config)
+    with torch.device(device):
+        model = NemotronHForCausalLM(config)
     with torch.no_grad():  # larger than the default init: peaked, seed-stable distributions
         for name, p in model.named_parameters():
             if p.dim() == 2:
@@ -68,5 +92,7 @@ def make_random_nemotron_h(
                 p.normal_(0.0, 0.5)
             elif name.endswith("conv1d.weight"):
                 p.normal_(0.0, 0.3)
+    if dtype is not None:
+        model = model.to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path

@@ -82,3 +82,30 @@ def test_shared_prefix_outputs_are_not_compared_where_they_do_not_reproduce(caps
     assert row["outputs_equal"] is None and row["off_repeat_identical"] == "1/2"
     err = capsys.readouterr().err
     assert "not compared" in err and "FAILED" not in err
+
+
+def test_shared_prefix_on_a_hybrid_uses_mamba_snapshots(tmp_path):
+    """A tiny NemotronH: with caching on (KV + Mamba snapshots) later requests skip prompt
+    tokens, outputs equal caching off, and HF's batch-1 figures ride along in the row."""
+    from tests.random_nemotron_h import make_random_nemotron_h
+
+    model = make_random_nemotron_h(str(tmp_path / "nh"), pattern="M-*-M-")
+    assert prefix_bench.is_hybrid(model)
+    results = tmp_path / "results.jsonl"
+    cmd = [sys.executable, "-m", "taipan.cli", "bench", "--workload", "shared-prefix"]
+    cmd += ["--model", model, "--num-prompts", str(N), "--prefix-len", str(PREFIX)]
+    cmd += ["--output-len", "4", "--set", f"block_size_tokens={BLOCK}", "--hf-prompts", "2"]
+    done = subprocess.run(
+        [*cmd, "--json", "--results", str(results)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    for row in rows:
+        assert row["hybrid"] is True and row["mamba_gb"] == 0.01
+        assert row["outputs_equal"] is True
+        assert row["off_prompt_tokens_cached"] == 0 and row["on_prompt_tokens_cached"] > 0
+        assert row["hf_prompts"] == 2 and row["hf_ttft_mean_s"] > 0 and row["hf_output_tok_s"] > 0
+    # The first request snapshots only its own last boundary (inside its question); the second
+    # shares the 2 prefix blocks but finds no state there, computes them and snapshots its
+    # divergence point, 32, while the third waits for that snapshot and restores it.
+    assert rows[0]["on_prompt_tokens_cached"] == (N - 2) * PREFIX

@@ -194,13 +194,21 @@ class Harness:
                 planned = None
         sent = None
         if planned is not None:
-            ops = P.block_ops(planned)
+            ops, mops = P.block_ops(planned), P.mamba_ops(planned)
             if ops is not None:
                 self.record("out", "allocator", ops)
+            if mops is not None:  # sent before either reply is read, as the engine does
+                self.record("out", "mamba_cache", mops)
+            if ops is not None:
                 reply = self.allocate(planned, ops)
                 self.now += 0.1
                 self.record("in", "allocator", reply)
                 sched.assign_blocks(planned, reply)
+            if mops is not None:
+                mreply = self.mamba_slots(planned, mops)
+                self.now += 0.1
+                self.record("in", "mamba_cache", mreply)
+                sched.assign_mamba(planned, mreply)
             self.check_blocks(planned)
             if planned.chunks:
                 plan = P.step_plan(sched, planned)
@@ -225,6 +233,10 @@ class Harness:
         allocs = [(c.request.request_id, c.new_blocks) for c in batch.chunks if c.new_blocks]
         block_ids, num_free = self.pool.apply(batch.free_ids, allocs)
         return BlockOpsReply(batch.step, True, block_ids, num_free, None)
+
+    def mamba_slots(self, batch: StepBatch, ops):
+        """The mamba_cache actor's answer to the step's MambaOps (hybrid harnesses only)."""
+        raise AssertionError(f"a MambaOps without a Mamba model: {ops}")
 
     def collect(self, batch: StepBatch, result: StepResult) -> None:
         self.record("in", "gpu", result)

@@ -1,8 +1,10 @@
 """The engine actor: one rank's step loop, a thin shell around the Scheduler.
 
 Channels: `coord` (DEALER to the coordinator; served: EngineSubmit, AbortRequest, GetStats and
-the lifecycle controls), `alloc` and `gpu` (PAIR over inproc; one message each way per step,
-and the gpu control calls between steps). The engine never touches tensors or the block pool
+the lifecycle controls), `alloc`, `mamba` and `gpu` (PAIR over inproc; at most one message each
+way per step, and the gpu control calls between steps; `mamba`, the mamba_cache actor, only for
+hybrid models: its MambaOps goes out right after the step's BlockOps, before either reply is
+awaited, so the two hops overlap). The engine never touches tensors or the block pool
 itself: it plans, the allocator hands out blocks, the gpu actor computes. Outputs go to the
 coordinator in one `StepOutputs` per step (and one per abort, refused submission or shutdown
 that ends requests between steps), never one message per request.
@@ -44,6 +46,8 @@ from taipan.actors.config import InferenceConfig
 from taipan.actors.engine.plan import (
     BootError,
     block_ops,
+    mamba_init,
+    mamba_ops,
     new_scheduler,
     prefix_policy,
     runtime_plan,
@@ -76,6 +80,7 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
+from taipan.messages.mamba_cache import MambaOpsReply, MambaReady
 from taipan.messages.requests import (
     AbortRequest,
     EngineSubmit,
@@ -102,12 +107,13 @@ class EngineActor(Actor):
         coord: Channel,
         alloc: Channel,
         gpu: Channel,
+        mamba: Channel | None = None,
     ):
         super().__init__(f"engine-{rank}")
         self.rank = rank
         self.config = config
         self.load = load
-        self.coord, self.alloc, self.gpu = coord, alloc, gpu
+        self.coord, self.alloc, self.gpu, self.mamba = coord, alloc, gpu, mamba
         self.scheduler: Scheduler | None = None
         self.vocab_size = 0
         self.work = asyncio.Event()
@@ -173,6 +179,11 @@ class EngineActor(Actor):
             policy = prefix_policy(self.config) or ""
             init = AllocatorInit(loaded.num_blocks, loaded.block_size, policy)
             ready = await self._call(self.alloc, init, AllocatorReady)
+            minit = mamba_init(loaded)
+            if minit is not None:
+                if self.mamba is None:
+                    raise EngineError("a hybrid model needs the mamba_cache actor")
+                await self._call(self.mamba, minit, MambaReady)
         except EngineError as e:
             self.log.error("model load failed", error=str(e))
             await self.coord.send(ErrorReply("load_failed", str(e), None))
@@ -418,13 +429,30 @@ class EngineActor(Actor):
         sched = self.scheduler
         reply, published = None, False
         try:
-            ops = block_ops(batch)
+            ops, mops = block_ops(batch), mamba_ops(batch)
+            # Both requests go out before either reply is read: the two actors work at once.
             if ops is not None:  # no block changes: no allocator hop this step
-                reply = await self._call(self.alloc, ops, BlockOpsReply)
-                if not reply.ok:
+                await self.alloc.send(ops)
+            if mops is not None:
+                await self.mamba.send(mops)
+            refusal = None
+            if ops is not None:
+                try:
+                    reply = await self._reply(self.alloc, BlockOpsReply)
+                finally:
+                    if mops is not None:
+                        await self._mamba_reply(batch)
+                if reply.ok:
+                    sched.assign_blocks(batch, reply)
+                else:
                     sched.refused(batch, reply)
-                    raise EngineError(f"allocator refused a planned step: {reply.error}")
-                sched.assign_blocks(batch, reply)
+                    refusal = f"allocator refused a planned step: {reply.error}"
+            elif mops is not None:
+                await self._mamba_reply(batch)
+            if refusal is None and batch.mamba_refusal:
+                refusal = f"mamba_cache refused a planned step: {batch.mamba_refusal}"
+            if refusal is not None:
+                raise EngineError(refusal)
             if batch.chunks:
                 await self.gpu.send(step_plan(sched, batch))
             if reply is not None:  # after the plan: the gpu starts first
@@ -437,6 +465,19 @@ class EngineActor(Actor):
             return False
         await self._emit_or_die(batch, batch.ended)
         return bool(batch.chunks)
+
+    async def _mamba_reply(self, batch: StepBatch) -> None:
+        """Read and apply the step's MambaOpsReply; a refusal is left in `batch.mamba_refusal`
+        (the step then fails), an error answer gives the step's operations back to the mirror
+        and raises."""
+        try:
+            reply = await self._reply(self.mamba, MambaOpsReply)
+        except Exception:
+            self.scheduler.mamba_unserved(batch)
+            raise
+        self.scheduler.assign_mamba(batch, reply)
+        if not reply.ok:
+            batch.mamba_refusal = reply.error or "refused"
 
     async def _publish(self, reply: BlockOpsReply) -> None:
         """Relay the step's hash events to the coordinator's routing table (DESIGN.md §5)."""

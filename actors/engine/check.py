@@ -33,6 +33,7 @@ from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply
 from taipan.messages.gpu import GpuControlReply, ModelLoaded, NoStep, StepPlan, StepResult
 from taipan.messages.lifecycle import Stop
+from taipan.messages.mamba_cache import MambaOps, MambaOpsReply
 from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
 from taipan.messages.summary import summarize
 
@@ -46,6 +47,10 @@ class EngineReplay:
         self.sched: Scheduler | None = None
         self.loaded: ModelLoaded | None = None
         self.dispatching: StepBatch | None = None  # planned, its StepPlan not yet sent
+        # Of the dispatching step: the replies not read yet ("allocator", "mamba_cache"), and
+        # why it fails once they are (the engine reads both before it acts on either).
+        self.replies_due: set[str] = set()
+        self.failure: str | None = None
         self.at_gpu: list[StepBatch] = []  # StepPlan sent, result not yet applied (oldest first)
         self.now = 0.0
         self.stopped = False
@@ -81,6 +86,10 @@ class EngineReplay:
             sched.abort(msg.request_id, time)
         elif isinstance(msg, Stop):
             self.stopped = True  # the engine fails everything and exits: nothing left to plan
+        elif isinstance(msg, MambaOpsReply) or (
+            isinstance(msg, ErrorReply) and channel == "mamba_cache"
+        ):
+            return self._mamba_reply(msg)
         elif isinstance(msg, BlockOpsReply | StepResult | ErrorReply) and channel != "coordinator":
             return self._step_reply(channel, msg)
         elif isinstance(msg, GpuControlReply) and msg.error is None and sched is not None:
@@ -98,15 +107,15 @@ class EngineReplay:
                 if isinstance(msg, ErrorReply):
                     return None  # an error answering something else
                 return "BlockOpsReply arrived with no step waiting for blocks"
+            self.replies_due.discard("allocator")
             if isinstance(msg, ErrorReply):
-                return self._fail(batch, f"{channel}: {msg.text}")
-            if not msg.ok:
+                self.failure = f"{channel}: {msg.text}"
+            elif not msg.ok:
                 sched.refused(batch, msg)
-                return self._fail(batch, f"allocator refused a planned step: {msg.error}")
-            sched.assign_blocks(batch, msg)
-            if not batch.chunks:  # a step that only freed blocks: no StepPlan follows
-                self.dispatching = None
-            return None
+                self.failure = f"allocator refused a planned step: {msg.error}"
+            else:
+                sched.assign_blocks(batch, msg)
+            return self._settle(batch)
         if not self.at_gpu:
             if isinstance(msg, ErrorReply):
                 return None  # an error answering a control call, not a step
@@ -120,6 +129,34 @@ class EngineReplay:
             return self._fail(batch, f"forward failed: {msg.error}")
         self.at_gpu.pop(0)
         sched.update(batch, msg, self.now)
+        return None
+
+    def _mamba_reply(self, msg) -> str | None:
+        batch = self.dispatching
+        if batch is None or "mamba_cache" not in self.replies_due:
+            if isinstance(msg, ErrorReply):
+                return None  # an error answering something else
+            return "MambaOpsReply arrived with no step waiting for Mamba slots"
+        self.replies_due.discard("mamba_cache")
+        if isinstance(msg, ErrorReply):
+            self.sched.mamba_unserved(batch)
+            self.failure = self.failure or f"mamba_cache: {msg.text}"
+        else:
+            self.sched.assign_mamba(batch, msg)
+            if not msg.ok:
+                self.failure = self.failure or f"mamba_cache refused: {msg.error}"
+        return self._settle(batch)
+
+    def _settle(self, batch: StepBatch) -> None:
+        """Once every reply of the dispatching step is in: fail it, or let its StepPlan come
+        (a step that only freed blocks has none)."""
+        if self.replies_due:
+            return None
+        if self.failure is not None:
+            failure, self.failure = self.failure, None
+            return self._fail(batch, failure)
+        if not batch.chunks:
+            self.dispatching = None
         return None
 
     def _fail(self, batch: StepBatch, error: str) -> None:
@@ -136,18 +173,20 @@ class EngineReplay:
     def outbound(self, msg, frames: tuple[bytes, ...]) -> str | None:
         if isinstance(msg, StepOutputs):
             return self._check_outputs(msg)
-        if self.stopped or not isinstance(msg, BlockOps | StepPlan | NoStep):
+        if self.stopped or not isinstance(msg, BlockOps | MambaOps | StepPlan | NoStep):
             return None
         if self.sched is None:
             return f"the engine sent {type(msg).__name__} before it could have a scheduler"
         if isinstance(msg, StepPlan) and self.dispatching is not None:
             return self._send_plan(frames)
+        if isinstance(msg, MambaOps) and self.dispatching is not None:
+            return self._compare("MambaOps", P.mamba_ops(self.dispatching), frames)
         # A new plan: BlockOps, a StepPlan with no block change, or an empty plan (NoStep).
         if self.dispatching is not None or len(self.at_gpu) > 1:
             busy = self.dispatching or self.at_gpu[0]
             return f"{type(msg).__name__} planned while step {busy.step} is still in flight"
         batch = self.sched.schedule(self.now)
-        ops = P.block_ops(batch)
+        ops, mops = P.block_ops(batch), P.mamba_ops(batch)
         if isinstance(msg, NoStep):
             if batch.is_step:
                 return f"the engine planned no step, replay plans step {batch.step}"
@@ -155,10 +194,15 @@ class EngineReplay:
         if not batch.is_step:
             return f"the engine sent {type(msg).__name__}, replay plans no step"
         self.dispatching = batch
+        self.replies_due = {n for n, m in (("allocator", ops), ("mamba_cache", mops)) if m}
         if isinstance(msg, BlockOps):
             return self._compare("BlockOps", ops, frames)
         if ops is not None:
             return f"the engine skipped the allocator, replay plans {summarize(ops)}"
+        if isinstance(msg, MambaOps):
+            return self._compare("MambaOps", mops, frames)
+        if mops is not None:
+            return f"the engine skipped the mamba_cache actor, replay plans {summarize(mops)}"
         return self._send_plan(frames)
 
     def _send_plan(self, frames: tuple[bytes, ...]) -> str | None:

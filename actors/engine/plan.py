@@ -14,6 +14,7 @@ from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
 from taipan.messages.allocator import AllocatorReady, BlockOps
 from taipan.messages.gpu import ModelLoaded, StepPlan
+from taipan.messages.mamba_cache import MambaInit, MambaOps
 from taipan.messages.requests import EngineSubmit
 
 
@@ -42,6 +43,7 @@ def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorR
         eos_token_ids=tuple(loaded.eos_token_ids),
         max_paused_blocks=paused,
         mamba_slots=loaded.mamba_slots,
+        mamba_snapshot_slots=loaded.mamba_snapshot_slots,
     )
 
 
@@ -119,6 +121,29 @@ def block_ops(batch: StepBatch) -> BlockOps | None:
         np.asarray([r[3] for r in regs], np.int64),
         batch.drop_cache,
     )
+
+
+def mamba_ops(batch: StepBatch) -> MambaOps | None:
+    """The mamba_cache message of a step, or None when it takes no live slot and reads or
+    writes no snapshot (frees and invalidations then wait in the mirror for the next one)."""
+    if not batch.has_mamba_ops:
+        return None
+    return MambaOps(
+        batch.step,
+        np.asarray(batch.mamba_free, np.int64),
+        np.asarray([r.request_id for r in batch.mamba_live], np.int64),
+        np.asarray(batch.mamba_invalidate, np.int64),
+        np.asarray(batch.mamba_restore, np.int64),
+        np.asarray([h for _, h in batch.mamba_snaps], np.int64),
+        batch.mamba_drop,
+    )
+
+
+def mamba_init(loaded: ModelLoaded) -> MambaInit | None:
+    """The mamba_cache actor's sizing (None: the model has no Mamba layers)."""
+    if not loaded.mamba_slots:
+        return None
+    return MambaInit(loaded.mamba_slots, loaded.mamba_snapshot_slots)
 
 
 def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:

@@ -51,8 +51,12 @@ class EngineRequest:
     shared_until: int = 0
     num_registered: int = 0
     num_cached_tokens: int = 0
-    # Hybrid models: the Mamba state slot it holds while running or paused (-1: none).
+    # Hybrid models: the live Mamba state slot it holds while running or paused (-1: none;
+    # handed out by the mamba_cache actor when it is admitted). With Mamba snapshots: the
+    # prompt positions (block boundaries, ascending) whose state its chunks still have to stop
+    # at so that the state there is snapshotted (DESIGN.md §6).
     mamba_slot: int = -1
+    snap_bounds: list[int] = dataclasses.field(default_factory=list)
     admissions: int = 0  # times admitted (an evicted request is admitted again)
     num_streamed: int = 0  # generated tokens already sent to the client
     aborted: bool = False

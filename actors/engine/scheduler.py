@@ -51,11 +51,13 @@ from collections import deque
 import numpy as np
 
 from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
+from taipan.messages.mamba_cache import MambaOpsReply
 from taipan.messages.requests import EventType, FinishReason, SamplingParams
 
 
@@ -69,6 +71,9 @@ class Chunk:
     samples: bool = False  # it reaches the end of the tokens, so its last logit samples a token
     gen_index: int = 0  # the index in `generated` of the token it samples (seeded sampling)
     num_prompt_targets: int = 0  # prompt log-probs this chunk computes (set by plan_arrays)
+    # Hybrids: the snapshot slot its initial Mamba state is read from (a restored prefix);
+    # None: its own live slot, or zeros from position 0.
+    mamba_init: int | None = None
 
 
 @dataclasses.dataclass
@@ -82,6 +87,21 @@ class StepBatch:
     pins: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
     regs: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
     drop_cache: bool = False
+    # Hybrids (the step's MambaOps, messages/mamba_cache.py): requests that take a live slot,
+    # snapshots read (hashes) and written ((request, hash); their slots come with the reply),
+    # and the frees, invalidations and drop waiting in the mirror when the step was planned.
+    mamba_live: list[EngineRequest] = dataclasses.field(default_factory=list)
+    mamba_restore: list[int] = dataclasses.field(default_factory=list)
+    mamba_snaps: list[tuple[EngineRequest, int]] = dataclasses.field(default_factory=list)
+    mamba_snap_slots: list[int] = dataclasses.field(default_factory=list)
+    mamba_free: list[int] = dataclasses.field(default_factory=list)
+    mamba_invalidate: list[int] = dataclasses.field(default_factory=list)
+    mamba_drop: bool = False
+    mamba_refusal: str = ""  # why the mamba_cache actor refused the step ("": it did not)
+
+    @property
+    def has_mamba_ops(self) -> bool:
+        return bool(self.mamba_live or self.mamba_restore or self.mamba_snaps)
 
     @property
     def num_tokens(self) -> int:
@@ -128,11 +148,19 @@ class Scheduler:
         if prefix_policy is not None:
             self.prefix = PrefixIndex(plan.num_blocks, plan.block_size, prefix_policy)
         self.salt = 0  # the weight version: block hashes are salted with it
-        # Hybrid models: free Mamba state slots (a stack; slot 0 handed out first). A request
-        # takes one when admitted and gives it back when it finishes or is evicted; a paused
-        # one keeps it. A slot given back may be handed out at once: its new owner starts at
-        # position 0 (reads zeros) and its first write comes after every step in flight.
-        self.mamba_free = list(range(plan.mamba_slots))[::-1]
+        self._cut_at_bound = False  # (see _fit)
+        # Hybrid models: the mirror of the mamba_cache actor's slots. A request takes a live
+        # slot when admitted and gives it back when it finishes or is evicted; a paused one
+        # keeps it. A slot given back may be handed out at once: its new owner reads zeros or a
+        # snapshot, and its first write comes after every step in flight (one device stream).
+        self.mamba = None
+        if plan.mamba_slots:
+            self.mamba = MambaMirror(plan.mamba_slots, plan.mamba_snapshot_slots)
+        # Mamba prefix caching (snapshots): chunked prefill is on, as chunks end on snapshot
+        # boundaries.
+        self.mamba_snapshots = bool(self.mamba and self.prefix and plan.mamba_snapshot_slots)
+        if self.mamba_snapshots:
+            self.chunked_prefill = True
 
     def hash_prompt(self, prompt: np.ndarray) -> np.ndarray:
         """The prompt's block hashes under the current weights (empty without prefix caching)."""
@@ -198,6 +226,13 @@ class Scheduler:
             return 0, 0, False
         remaining = req.num_planned_tokens - req.num_computed_tokens
         n = min(remaining, budget)
+        if req.snap_bounds and req.snap_bounds[0] - req.num_computed_tokens < n:
+            # A chunk ends on the next snapshot boundary it reaches; the step then admits no
+            # one else (as a chunk cut by the budget would), so a prefill is never joined by
+            # admissions it did not leave room for (they could pause and evict each other
+            # forever under a tight paused budget).
+            n = req.snap_bounds[0] - req.num_computed_tokens
+            self._cut_at_bound = True
         if n <= 0 or (n < remaining and not (self.chunked_prefill or req.generated)):
             return 0, 0, False
         need = req.blocks_needed(req.num_computed_tokens + n, bs)
@@ -205,10 +240,11 @@ class Scheduler:
             return n, need, False
         # An evicted request recomputes prompt + generated in chunks even without chunked
         # prefill: its admission promised only prompt + max_tokens <= max_sequence_length.
-        if (self.chunked_prefill or req.generated) and remaining > 1:
-            n = (len(req.blocks) + free) * bs - req.num_computed_tokens
+        # (`free` < 0: the admission's pinned prefix already costs more than is available.)
+        if (self.chunked_prefill or req.generated) and remaining > 1 and free >= 0:
+            n = min(n, (len(req.blocks) + free) * bs - req.num_computed_tokens)
             if n > 0:
-                return n, free, False
+                return n, req.blocks_needed(req.num_computed_tokens + n, bs), False
         return 0, 0, True
 
     def _ends_when_known(self, req: EngineRequest) -> bool:
@@ -223,6 +259,7 @@ class Scheduler:
         """Plan the next step. At most one step may be in flight (planned, update() not run)."""
         budget = self.plan.max_tokens
         free = self._free_view()
+        self._cut_at_bound = False  # set by _fit: a chunk stops at a snapshot boundary
         chunks: list[Chunk] = []
         pins: list[tuple[int, np.ndarray]] = []
         ended = [r for r in self.running + self.paused if r.aborted]
@@ -249,12 +286,14 @@ class Scheduler:
         # pool is short: re-admitting the evicted request at once would only churn).
         regs: list[tuple[int, int, int, int]] = []
         claimed = 0  # chunks whose prompt blocks are registered (so later admissions wait)
-        while self.waiting and not (self.paused or evicted):
+        mamba_live: list[EngineRequest] = []
+        mamba_restore: list[int] = []
+        while self.waiting and not (self.paused or evicted or self._cut_at_bound):
             req = self.waiting[0]
             if len(self.running) >= self.plan.max_requests or req.steps_in_flight:
                 break  # (an evicted request comes back once its last token is known)
-            if self.plan.mamba_slots and not self.mamba_free:
-                break  # every Mamba slot is held (paused requests keep theirs)
+            if self.mamba is not None and not self.mamba.live_free:
+                break  # every live Mamba slot is held (paused requests keep theirs)
             if self.prefix is not None:
                 for c in chunks[claimed:]:
                     self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
@@ -265,16 +304,20 @@ class Scheduler:
             blocks, cost = shared
             bs = self.plan.block_size
             req.blocks = blocks
-            # A hybrid's Mamba state is recurrent: without a saved state at the match it shares
-            # the KV blocks but computes every token (the shared ones' K/V are not rewritten).
-            skip = 0 if self.plan.mamba_slots else len(blocks) * bs
+            skip, restore = len(blocks) * bs, (0, 0, -1)
+            if self.mamba is not None:
+                restore = self._mamba_match(req, len(blocks))
+                if restore is None:
+                    req.blocks = []
+                    break  # a deeper snapshot of its prefix is coming: wait for it (FIFO)
+                skip = restore[0] * bs
             req.num_computed_tokens = min(skip, req.num_planned_tokens - 1)
             n, need = 0, 0
             if not (req.generated and req.blocks_needed(req.num_tokens + 1, bs) > free - cost):
                 # (an evicted request comes back when all it had, and one more, fits)
                 n, need, _ = self._fit(req, budget, free - cost)
             if n == 0:
-                req.blocks, req.num_computed_tokens = [], 0
+                req.blocks, req.num_computed_tokens, req.snap_bounds = [], 0, []
                 break
             self.waiting.popleft()
             budget, free = budget - n, free - need - cost
@@ -282,16 +325,23 @@ class Scheduler:
                 self.prefix.pin(req, blocks, pins)
             req.status = Status.RUNNING
             req.add_event(EventType.ADD_CONTEXT, now)
-            if self.plan.mamba_slots:
-                req.mamba_slot = self.mamba_free.pop()
             self.running.append(req)
             chunks.append(Chunk(req, n, need))
+            if self.mamba is not None:
+                self.mamba.live_free -= 1
+                mamba_live.append(req)
+                if restore[0]:  # its first chunk starts from the snapshot at the match
+                    chunks[-1].mamba_init = restore[2]
+                    if restore[1] not in mamba_restore:
+                        mamba_restore.append(restore[1])
+                    self.mamba.num_restored += 1
         # Rows of one query token first (a stable sort): attention takes them as one decode
         # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
         if self.prefix is not None:
             for c in chunks[claimed:]:
                 self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
         chunks.sort(key=lambda c: c.num_new_tokens != 1)
+        snaps: list[tuple[EngineRequest, int]] = []
         for c in chunks:  # the step is planned: advance each request past its chunk
             r = c.request
             c.start = r.num_computed_tokens
@@ -300,6 +350,8 @@ class Scheduler:
             r.num_computed_tokens += c.num_new_tokens
             r.num_pending += c.samples
             r.steps_in_flight += 1
+            if r.snap_bounds:
+                self._take_snapshot(r, len(mamba_restore), snaps)
         self.steps_in_flight += bool(chunks)
         free_ids = list(self.pending_free)
         self.pending_free.clear()
@@ -309,7 +361,67 @@ class Scheduler:
             self.step += 1
         if px is not None:
             px.drop_pending = False
-        return StepBatch(self.step, chunks, free_ids, ended, pins, regs, drop)
+        batch = StepBatch(self.step, chunks, free_ids, ended, pins, regs, drop)
+        batch.mamba_live, batch.mamba_restore, batch.mamba_snaps = mamba_live, mamba_restore, snaps
+        if batch.has_mamba_ops:
+            batch.mamba_free, batch.mamba_invalidate, batch.mamba_drop = self.mamba.take_pending()
+        return batch
+
+    def _mamba_match(self, req: EngineRequest, matched: int) -> tuple[int, int, int] | None:
+        """A hybrid's prefix skip (DESIGN.md §6): Mamba state is recurrent, so `req` skips
+        only the k <= `matched` cached blocks up to the deepest one with a snapshot (and keeps
+        one prompt token to compute): (k, that block's hash, its snapshot slot), k = 0 without
+        snapshots. It still shares all `matched` blocks (their K/V is not written again).
+        None: a running request's chunks are about to snapshot a deeper matched block (or a
+        step in flight is writing one): `req` waits for it, as it waits for a KV block being
+        written, instead of computing the same state again (the second of several requests
+        sharing a prefix snapshots its divergence point, and the others restore it).
+        Also sets the boundaries its chunks stop at so that their states are snapshotted: the
+        KV divergence point (the end of the match), the last block boundary before its last
+        token, and the end of a block-aligned prompt; those beyond k with no snapshot yet."""
+        req.snap_bounds = []
+        if not self.mamba_snapshots or not len(req.hashes):
+            return 0, 0, -1
+        bs = self.plan.block_size
+        k, h, slot = 0, 0, -1
+        limit = min(matched, (req.num_tokens - 1) // bs)
+        if matched:
+            k, h, slot = self.mamba.deepest(req.hashes, limit)
+        if k < limit:
+            coming = set(self.mamba.writing)
+            for r in self.running:
+                coming.update(int(r.hashes[b // bs - 1]) for b in r.snap_bounds)
+            if any(int(x) in coming for x in req.hashes[k:limit]):
+                return None
+        n = len(req.hashes)  # complete prompt blocks
+        wanted = {matched, (len(req.prompt) - 1) // bs, n if len(req.prompt) == n * bs else 0}
+        req.snap_bounds = [
+            b * bs
+            for b in sorted(wanted)
+            if k < b <= n and int(req.hashes[b - 1]) not in self.mamba.snap_of
+        ]
+        return k, h, slot
+
+    def _take_snapshot(
+        self, r: EngineRequest, num_restored: int, snaps: list[tuple[EngineRequest, int]]
+    ) -> None:
+        """`r`'s chunk was planned: if it ends on its next snapshot boundary, snapshot the
+        state there (unless one exists, the hash is not cached KV, or every snapshot slot is
+        taken by this step's restores and snapshots: then that boundary is skipped)."""
+        end = r.num_computed_tokens
+        while r.snap_bounds and r.snap_bounds[0] < end:
+            r.snap_bounds.pop(0)  # (not reached by a chunk end: never planned that way)
+        if not r.snap_bounds or r.snap_bounds[0] != end:
+            return
+        r.snap_bounds.pop(0)
+        h = int(r.hashes[end // self.plan.block_size - 1])
+        px, m = self.prefix, self.mamba
+        if h in m.snap_of or any(h == x for _, x in snaps):
+            return
+        if h not in px.block_of and h not in px.writing:
+            return  # a private block: its hash never matches, so its state would never be read
+        if num_restored + len(snaps) < m.snapshot_slots:
+            snaps.append((r, h))
 
     def _shared_prefix(self, req: EngineRequest) -> tuple[list[int], int] | None:
         """(the cached blocks `req` shares, the available blocks pinning them takes), or None
@@ -382,7 +494,7 @@ class Scheduler:
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
             self.running, self.paused = [], []
-            self.prefix.drop()
+            self._drop_cached()
         for req in self.running + self.paused + list(self.waiting):
             if req.num_computed_tokens:
                 req.num_computed_tokens = 0
@@ -397,7 +509,7 @@ class Scheduler:
         self.salt = weight_version
         if self.prefix is None:
             return
-        self.prefix.drop()
+        self._drop_cached()
         for req in self.requests.values():
             req.hashes = self.hash_prompt(req.prompt)
             req.num_registered = len(req.hashes) if req.blocks else 0
@@ -421,6 +533,41 @@ class Scheduler:
         self.num_free_blocks = reply.num_free
         if self.prefix is not None:
             self.prefix.apply(reply, batch.drop_cache)
+            # (A step that dropped the cache evicts only hashes from before the drop, whose
+            # snapshots the mirror dropped with them: a snapshot it takes itself stays.)
+            if self.mamba_snapshots and not batch.drop_cache:
+                self.mamba.kv_evicted(reply.evicted_hashes.tolist())
+
+    def assign_mamba(self, batch: StepBatch, reply: MambaOpsReply) -> None:
+        """The mamba_cache actor answered the step's MambaOps: live slots go to the admitted
+        requests and the new snapshots into the mirror (a refused step changes neither: its
+        requests fail). Either way the reply's free count is the truth."""
+        m = self.mamba
+        if reply.ok:
+            if len(reply.live_slots) != len(batch.mamba_live):
+                raise ValueError(
+                    f"mamba_cache returned {len(reply.live_slots)} live slots, expected "
+                    f"{len(batch.mamba_live)}"
+                )
+            for r, slot in zip(batch.mamba_live, reply.live_slots.tolist(), strict=True):
+                r.mamba_slot = slot
+            m.apply(reply, [h for _, h in batch.mamba_snaps], batch.step)
+            batch.mamba_snap_slots = reply.snap_slots.tolist()
+        m.live_free = reply.num_live_free + len(m.pending_free)
+
+    def mamba_unserved(self, batch: StepBatch) -> None:
+        """The step's MambaOps got no reply the pool acted on (an error answer, or none): its
+        taken operations go back to the mirror, so the next MambaOps carries them."""
+        m = self.mamba
+        m.live_free += len(batch.mamba_live)
+        m.live_free -= len(batch.mamba_free)  # (release() counted them; they are pending again)
+        for rid in batch.mamba_free:
+            m.release(rid)
+        m.pending_invalidate[:0] = batch.mamba_invalidate
+        m.drop_pending |= batch.mamba_drop
+        if m.drop_pending:
+            m.pending_invalidate.clear()
+        batch.mamba_live, batch.mamba_restore, batch.mamba_snaps = [], [], []
 
     def plan_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
         """The StepPlan arrays (see messages/gpu.py) for this batch. A one-token chunk (every
@@ -474,14 +621,22 @@ class Scheduler:
         reqs = [c.request for c in batch.chunks]
         from_previous = max(prev_rows) >= 0
         mamba = {}
-        if self.plan.mamba_slots:
-            # A chunk from position 0 starts from zeros; a later one from its own slot.
+        if self.mamba is not None:
+            # A chunk from position 0 starts from zeros, a restored one from its snapshot, any
+            # other from its own slot.
             out = [r.mamba_slot for r in reqs]
-            init = [s if c.start else -1 for s, c in zip(out, batch.chunks, strict=True)]
+            init = [
+                (s if c.start else -1) if c.mamba_init is None else c.mamba_init
+                for s, c in zip(out, batch.chunks, strict=True)
+            ]
             mamba = {
                 "mamba_init": np.asarray(init, dtype=np.int32),
                 "mamba_out": np.asarray(out, dtype=np.int32),
             }
+            if batch.mamba_snap_slots:
+                src = [r.mamba_slot for r, _ in batch.mamba_snaps]
+                mamba["mamba_snap_src"] = np.asarray(src, dtype=np.int32)
+                mamba["mamba_snap_dst"] = np.asarray(batch.mamba_snap_slots, dtype=np.int32)
         return mamba | {
             "input_ids": ids.array(np.int32),
             "positions": positions.array(np.int32),
@@ -513,8 +668,10 @@ class Scheduler:
             self.steps_in_flight -= 1
         if self.prefix is not None:
             self.prefix.done_writing(batch.step, [reg[2] for reg in batch.regs])
+            if self.mamba_snapshots:
+                self.mamba.done_writing(batch.step, [h for _, h in batch.mamba_snaps])
             if result is None:
-                self.prefix.drop()  # the step's blocks may hold no valid KV
+                self._drop_cached()  # the step's blocks (and snapshots) may hold no valid state
         for i, c in enumerate(batch.chunks):
             r = c.request
             r.steps_in_flight -= 1
@@ -587,6 +744,7 @@ class Scheduler:
             "paused_total": self.num_paused_total,
             "evicted_total": self.num_evicted_total,
             **(self.prefix.stats() if self.prefix is not None else {}),
+            **(self.mamba.stats() if self.mamba is not None else {}),
         }
 
     # --- ending -------------------------------------------------------------------------------
@@ -643,9 +801,16 @@ class Scheduler:
         del self.requests[r.request_id]
 
     def _release_mamba(self, r: EngineRequest) -> None:
+        r.snap_bounds = []
         if r.mamba_slot >= 0:
-            self.mamba_free.append(r.mamba_slot)
+            self.mamba.release(r.request_id)
             r.mamba_slot = -1
+
+    def _drop_cached(self) -> None:
+        """Every cached K/V hash is void, and so is every Mamba snapshot extending one."""
+        self.prefix.drop()
+        if self.mamba_snapshots:
+            self.mamba.drop()
 
     def _release(self, blocks: list[int]) -> int:
         """Blocks that come back (free, or cached and idle) when a request lets go of these."""

@@ -40,6 +40,7 @@ import time
 import numpy as np
 import torch
 
+from taipan.actors.config import ConfigError, mamba_snapshot_slots
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.graphs import Bucket, StepGraphs
 from taipan.messages.gpu import (
@@ -120,6 +121,24 @@ def kv_budget(requested_gb: float | None, device: torch.device) -> tuple[int, st
     return budget, f"CPU default: {CPU_KV_SHARE:.0%} of {available / GIB:.1f} GiB available"
 
 
+def mamba_live_slots(msg: LoadModel, budget: int, slot_bytes: int) -> tuple[int, int]:
+    """(live Mamba slots, what is left of the KV budget). With mamba_memory_ratio r the live
+    states take the share r of the budget (as many slots as fit, at most max_requests) and the
+    KV blocks the rest, as Megatron's `mamba_memory_ratio`; without it every request the rank
+    may hold gets a slot besides the KV budget."""
+    ratio = msg.mamba_memory_ratio
+    if ratio is None:
+        return msg.max_requests, budget
+    share = int(budget * ratio)
+    live = min(msg.max_requests, share // slot_bytes)
+    if live < 1:
+        raise ConfigError(
+            f"mamba_memory_ratio={ratio:g} of the KV budget ({budget / GIB:.3g} GiB) is "
+            f"{share} bytes, less than one live Mamba slot ({slot_bytes} bytes)"
+        )
+    return live, budget - share
+
+
 def offload_problem(kv_bytes: int, available: int) -> str | None:
     """Why copying a KV cache of `kv_bytes` to host memory must be refused, or None."""
     if kv_bytes + HOST_RESERVE_BYTES <= available:
@@ -141,7 +160,8 @@ class ModelWorker:
         # contents).
         self.mamba_state: tuple[torch.Tensor, torch.Tensor] | None = None
         self._mamba_offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mamba_slots = 0
+        self._mamba_slots = 0  # live + snapshot slots
+        self._snapshot_slots = 0
         self.buffers: StepBuffers | None = None  # the step inputs' fixed device addresses
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -172,6 +192,17 @@ class ModelWorker:
         model, config, tokenizer = load_model(msg.model, dtype=dtype, device=self.device)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype)
         budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device)
+        live, snapshots, slot_bytes = 0, 0, 0
+        if isinstance(config, NemotronHConfig):
+            slot_bytes = config.mamba_state.bytes_per_slot(dtype, DTYPES[config.ssm_state_dtype])
+            live, budget = mamba_live_slots(msg, budget, slot_bytes)
+            snapshot_bytes = int((msg.mamba_snapshot_gb or 0) * GIB)
+            snapshots = mamba_snapshot_slots(snapshot_bytes, slot_bytes)
+        elif msg.mamba_memory_ratio is not None or msg.mamba_snapshot_gb is not None:
+            raise ConfigError(
+                "mamba_memory_ratio and prefix_caching_mamba_gb are for hybrid models; "
+                f"{msg.model} has no Mamba layers"
+            )
         num_blocks = budget // per_block
         if msg.max_blocks > 0:
             num_blocks = min(num_blocks, msg.max_blocks)
@@ -182,13 +213,11 @@ class ModelWorker:
             )
         self.block_size = msg.block_size
         self.kv_cache = allocate_kv_cache(config, num_blocks, msg.block_size, dtype, self.device)
-        self.mamba_state, self._mamba_offloaded, self._mamba_slots = None, None, 0
-        slot_bytes = 0
-        if isinstance(config, NemotronHConfig):
-            # One live slot per request the rank may hold (running or paused).
-            self._mamba_slots = msg.max_requests
-            ssm_dtype = DTYPES[config.ssm_state_dtype]
-            slot_bytes = config.mamba_state.bytes_per_slot(dtype, ssm_dtype)
+        # Hybrids: live slots 0..live-1 (one per request holding state), snapshots after them.
+        self.mamba_state, self._mamba_offloaded = None, None
+        self._mamba_slots, self._snapshot_slots = live + snapshots, snapshots
+        self.dtype = dtype  # (the conv state is kept in the model's dtype)
+        if live:
             self.mamba_state = self._new_mamba_state(config)
         self.buffers = StepBuffers(
             self.device,
@@ -224,8 +253,9 @@ class ModelWorker:
             tokenizer=json.dumps(tokenizer.to_wire()),
             eos_token_ids=tuple(config.eos_token_ids),
             block_bytes=per_block,
-            mamba_slots=self._mamba_slots,
+            mamba_slots=live,
             mamba_slot_bytes=slot_bytes,
+            mamba_snapshot_slots=snapshots,
         )
 
     def _new_mamba_state(self, config: NemotronHConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +301,7 @@ class ModelWorker:
             return StepResult(plan.step, no_tokens, "the gpu worker is suspended", 0.0)
         num_seqs = len(plan.seq_lens)
         self._check_prev_rows(plan, previous)
+        self._check_mamba_slots(plan)
         bucket = None
         if self.graphs is not None and not (plan.prompt_targets >= 0).any():
             all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
@@ -295,6 +326,8 @@ class ModelWorker:
             # their positions come from the device's query starts, so nothing travels for them.
             last = inputs["query_start_loc"][1:].long() - 1
             logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
+        if len(plan.mamba_snap_src):  # after the forward that reached the boundaries
+            self._snapshot(plan.mamba_snap_src, plan.mamba_snap_dst)
         tokens = self._sample(plan, inputs, logits)  # [B]
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = tokens
@@ -366,6 +399,37 @@ class ModelWorker:
         prev = inputs["prev_rows"]
         previous = self._sampled[prev.clamp(min=0).long()]
         return torch.where(prev >= 0, previous, inputs["input_ids"].long())
+
+    def _check_mamba_slots(self, plan: StepPlan) -> None:
+        """Every Mamba slot the plan names must exist (the kernels index them unchecked):
+        init and out slots are -1 or any slot, snapshot copies go from a live slot to a
+        snapshot slot (ValueError)."""
+        n, live = self._mamba_slots, self._mamba_slots - self._snapshot_slots
+        init, out = plan.mamba_init, plan.mamba_out
+        src, dst = plan.mamba_snap_src, plan.mamba_snap_dst
+        if not n:
+            if len(init) or len(out) or len(src) or len(dst):
+                raise ValueError("the plan names Mamba slots, but the model has no Mamba layers")
+            return
+        if len(init) != len(plan.seq_lens) or len(out) != len(plan.seq_lens):
+            raise ValueError("mamba_init and mamba_out need one slot per sequence")
+        for name, a in (("mamba_init", init), ("mamba_out", out)):
+            if len(a) and (a.min() < -1 or a.max() >= n):
+                raise ValueError(f"{name} names slots outside -1..{n - 1}: {a.tolist()[:8]}")
+        if len(src) != len(dst):
+            raise ValueError("mamba_snap_src and mamba_snap_dst must have one entry each")
+        if len(src) and (src.min() < 0 or src.max() >= live):
+            raise ValueError(f"mamba_snap_src must name live slots 0..{live - 1}")
+        if len(dst) and (dst.min() < live or dst.max() >= n or len(set(dst.tolist())) < len(dst)):
+            raise ValueError(f"mamba_snap_dst must name distinct snapshot slots {live}..{n - 1}")
+
+    def _snapshot(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy live Mamba states into snapshot slots (every layer; queued after the forward,
+        so the next step's forward reads them)."""
+        s = self._tensor(src, torch.long)
+        d = self._tensor(dst, torch.long)
+        for t in self.mamba_state:
+            t.index_copy_(1, d, t.index_select(1, s))
 
     def _check_prev_rows(self, plan: StepPlan, previous: np.ndarray) -> None:
         """prev_rows must name rows the previous step (`previous`: which of its rows sampled)
