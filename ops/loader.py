@@ -20,6 +20,7 @@ both sides hold the same weights) and a byte-level tokenizer.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -519,35 +520,52 @@ _ARCHITECTURE_FIELDS = (
     "rope_theta",
     "tie_word_embeddings",
 )
-_PART = re.compile(r"^(layers\.\d+)\.(self_attn\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight$")
+# A hybrid's are every field but these (its layer pattern and all its Mamba shapes included).
+_NOT_ARCHITECTURE = ("max_position_embeddings", "bos_token_id", "eos_token_ids")
+_PART = re.compile(
+    r"^(layers\.\d+)\.(self_attn\.[qkv]_proj|mixer\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight$"
+)
 
 
 class WeightUpdateError(ValueError):
     """New weights do not fit the loaded model; the message names the parameter or field."""
 
 
-def check_same_architecture(loaded: LlamaConfig, new: LlamaConfig, path: str | Path) -> None:
+def check_same_architecture(
+    loaded: LlamaConfig | NemotronHConfig, new: LlamaConfig | NemotronHConfig, path: str | Path
+) -> None:
     """Raise WeightUpdateError naming every hyper-parameter of `new` that differs."""
+    if type(new) is not type(loaded):
+        raise WeightUpdateError(
+            f"{path}: not the loaded architecture: a {type(new).__name__.removesuffix('Config')} "
+            f"model, the loaded one is {type(loaded).__name__.removesuffix('Config')}"
+        )
+    fields = _ARCHITECTURE_FIELDS
+    if isinstance(loaded, NemotronHConfig):
+        names = (f.name for f in dataclasses.fields(loaded))
+        fields = tuple(n for n in names if n not in _NOT_ARCHITECTURE)
     diffs = [
         f"{f} {getattr(new, f)!r} (loaded: {getattr(loaded, f)!r})"
-        for f in _ARCHITECTURE_FIELDS
+        for f in fields
         if getattr(new, f) != getattr(loaded, f)
     ]
     if diffs:
         raise WeightUpdateError(f"{path}: not the loaded architecture: {', '.join(diffs)}")
 
 
-def hf_name_to_ours(name: str, config: LlamaConfig) -> tuple[str, slice]:
+def hf_name_to_ours(name: str, config: LlamaConfig | NemotronHConfig) -> tuple[str, slice]:
     """A Hugging Face parameter name -> (our parameter name, the rows of it that hold it).
 
-    The "model." prefix is optional; q/k/v_proj and gate/up_proj are row ranges of our fused
-    qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting); with tied embeddings
-    "lm_head.weight" is the embedding matrix. A name that matches none of these comes back
-    unchanged with all rows (the caller reports it if we have no such parameter).
+    The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj and gate/up_proj are
+    row ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting);
+    with tied embeddings "lm_head.weight" is the embedding matrix. A name that matches none of
+    these comes back unchanged with all rows (the caller reports it if we have no such
+    parameter).
     """
-    ours = name.removeprefix("model.")
+    ours = name.removeprefix("model.").removeprefix("backbone.")
     if ours == "lm_head.weight" and config.tie_word_embeddings:
-        return "embed_tokens.weight", slice(None)
+        embed = "embeddings" if isinstance(config, NemotronHConfig) else "embed_tokens"
+        return f"{embed}.weight", slice(None)
     part = _PART.match(ours)
     if part is None:
         return ours, slice(None)
@@ -558,6 +576,9 @@ def hf_name_to_ours(name: str, config: LlamaConfig) -> tuple[str, slice]:
         "self_attn.q_proj": slice(0, q),
         "self_attn.k_proj": slice(q, q + kv),
         "self_attn.v_proj": slice(q + kv, q + 2 * kv),
+        "mixer.q_proj": slice(0, q),
+        "mixer.k_proj": slice(q, q + kv),
+        "mixer.v_proj": slice(q + kv, q + 2 * kv),
         "mlp.gate_proj": slice(0, inter),
         "mlp.up_proj": slice(inter, 2 * inter),
     }
@@ -566,7 +587,7 @@ def hf_name_to_ours(name: str, config: LlamaConfig) -> tuple[str, slice]:
 
 
 def state_updates(
-    state: dict[str, np.ndarray], model: LlamaForCausalLM
+    state: dict[str, np.ndarray], model: LlamaForCausalLM | NemotronHForCausalLM
 ) -> list[tuple[str, slice, np.ndarray]]:
     """Check a (partial) state dict in Hugging Face names against `model`; changes nothing.
 

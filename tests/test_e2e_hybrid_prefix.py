@@ -197,3 +197,28 @@ def test_replay_check_re_drives_the_mamba_cache_actor(model, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     for actor in ("engine-0", "allocator-0", "mamba_cache-0"):
         assert f"{actor}: ok" in done.stdout, done.stdout
+
+
+def test_weight_update_between_rollouts_drops_the_snapshots(model, tmp_path):
+    """An RL loop on a hybrid: pause, suspend, update_weights from another checkpoint of the
+    same shape, resume, unpause. The repeated prompts then get the new model's tokens (HF on
+    the new weights) and no cached prefix (the hash salt moved; the snapshots were dropped),
+    and a later wave restores again, from snapshots taken under the new weights."""
+    path, c, want = model
+    other = make_random_nemotron_h(str(tmp_path / "other"), pattern="M-*-M-", seed=1)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    names = ["aligned", "identical"]
+    want_new = hf_generate(hf, [PROMPTS[n] for n in names])
+    cfg = config(c, snapshots=4, max_tokens=64, pressure=False)
+    with Runtime(path, cfg) as rt, Client(rt.address) as client:
+        first = client.generate([PROMPTS["aligned"]], GREEDY)[0]
+        assert first.token_ids == want["aligned"]
+        client.pause()
+        client.suspend("persist")
+        assert client.update_weights(path=other).weight_version == 1
+        client.resume()
+        client.unpause()
+        again = client.generate([PROMPTS["aligned"]], GREEDY)[0]
+        assert again.token_ids == want_new[0] and again.num_cached_tokens == 0
+        later = client.generate([PROMPTS["identical"]], GREEDY)[0]
+        assert later.token_ids == want_new[1] and later.num_cached_tokens == 32

@@ -340,10 +340,9 @@ def test_cuda_graph_sizes_on_cpu_fail_the_load(model_dir):
 # ---- hybrid (NemotronH) models: Mamba state slots ----------------------------------------------
 
 
-def test_hybrid_state_follows_every_suspend_mode_and_weight_updates_refuse(tmp_path):
+def test_hybrid_state_follows_every_suspend_mode(tmp_path):
     """A hybrid's Mamba state slots: persist and (CPU) offload keep them, recompute drops them
-    and resume brings them back zeroed; update_weights is refused, naming why, and changes
-    nothing (not built for hybrids yet)."""
+    and resume brings them back zeroed."""
     from tests.random_nemotron_h import make_random_nemotron_h
 
     path = make_random_nemotron_h(str(tmp_path / "nh"), pattern="M-*-")
@@ -364,9 +363,41 @@ def test_hybrid_state_follows_every_suspend_mode_and_weight_updates_refuse(tmp_p
         assert control(w, "resume").error is None
         assert all(torch.equal(t, s) for t, s in zip(w.mamba_state, saved, strict=True)), mode
     assert control(w, "suspend", "recompute").error is None and w.mamba_state is None
-    before = weights(w)
-    reply = control(w, "update_weights", state={"lm_head.weight": np.zeros((1, 1), np.float32)})
-    assert "not built for hybrid" in reply.error
-    assert_same_weights(w, before)
     assert control(w, "resume").error is None
     assert all(t.abs().sum() == 0 for t in w.mamba_state)
+
+
+def test_hybrid_weight_updates_from_a_checkpoint_and_a_state_dict(tmp_path):
+    """update_weights on a hybrid: a checkpoint of another seed (same shape) gives exactly the
+    weights a fresh load of it has; a state dict in Hugging Face names (backbone.*, the
+    attention mixer's q/k/v parts of our fused qkv_proj) lands in the right rows; another
+    pattern, or a name we lack, is refused naming it, and changes nothing."""
+    import transformers
+
+    from tests.random_nemotron_h import make_random_nemotron_h
+
+    path = make_random_nemotron_h(str(tmp_path / "a"), pattern="M-*-")
+    other = make_random_nemotron_h(str(tmp_path / "b"), pattern="M-*-", seed=1)
+    wrong = make_random_nemotron_h(str(tmp_path / "c"), pattern="*-M-")
+    load = LoadModel(path, "float32", "cpu", BLOCK_SIZE, 8, 1.0, 256, 4, 128)
+    w, fresh = ModelWorker(), ModelWorker()
+    w.load(load)
+    fresh.load(dataclasses.replace(load, model=other))
+    assert control(w, "suspend", "persist").error is None
+    before = weights(w)
+    reply = control(w, "update_weights", path=wrong)
+    assert "pattern" in reply.error and "not the loaded architecture" in reply.error
+    reply = control(w, "update_weights", state={"backbone.nope.weight": np.zeros(1, np.float32)})
+    assert "unknown parameter 'backbone.nope.weight'" in reply.error
+    assert_same_weights(w, before)
+    assert control(w, "update_weights", path=other).error is None and w.weight_version == 1
+    assert_same_weights(w, weights(fresh))
+    # Back to the first model's weights, from its HF state dict with the names of a saved
+    # checkpoint (backbone.*; transformers' in-memory model says model.*), q/k/v split.
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    state = {
+        name.replace("model.", "backbone.", 1): t.numpy() for name, t in hf.state_dict().items()
+    }
+    assert any(".mixer.k_proj." in n for n in state)
+    assert control(w, "update_weights", state=state).error is None and w.weight_version == 2
+    assert_same_weights(w, before)

@@ -646,11 +646,6 @@ class ModelWorker:
             raise ControlError("update_weights needs a suspended gpu worker; it is running")
         if (msg.path is None) == (msg.state is None):
             raise ControlError("update_weights needs exactly one of path and state")
-        if self._mamba_slots:
-            raise ControlError(
-                "update_weights is not built for hybrid (NemotronH) models yet: their parameter "
-                "names and architecture checks are Llama's so far; nothing was changed"
-            )
         if msg.path is not None:
             updates = self._updates_from_path(msg.path)
         else:
