@@ -418,8 +418,11 @@ class Scheduler:
         px, m = self.prefix, self.mamba
         if h in m.snap_of or any(h == x for _, x in snaps):
             return
-        if h not in px.block_of and h not in px.writing:
-            return  # a private block: its hash never matches, so its state would never be read
+        block = px.block_of.get(h)
+        if h not in px.writing and (block is None or not px.refs[block]):
+            # A private block (its hash never matches, so its state would never be read), or a
+            # cached copy no request holds, which this very step's allocations may evict.
+            return
         if num_restored + len(snaps) < m.snapshot_slots:
             snaps.append((r, h))
 
