@@ -1,7 +1,7 @@
 """Child-process entry points: `python -m taipan.procs coordinator|engine SPEC_JSON [RANK]`.
 
 One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
-actors on one event loop, wired over inproc. The launcher (runtime/launcher.py) writes SPEC.
+actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc. The launcher (runtime/launcher.py) writes SPEC.
 Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
 clean stop through STOP messages) and treat SIGTERM as "stop now".
 """
@@ -108,7 +108,11 @@ async def engine_main(spec: dict, rank: int) -> None:
     from taipan.messages.gpu import LoadModel
 
     ctx = zmq.asyncio.Context()
-    names = ("engine", "allocator", "mamba_cache", "gpu")
+    from taipan.ops.loader import has_mamba_layers
+
+    # The mamba_cache actor runs only for a hybrid model (DESIGN.md §2).
+    hybrid = has_mamba_layers(spec["model_path"])
+    names = ("engine", "allocator", "gpu") + (("mamba_cache",) if hybrid else ())
     recs = {name: _recorder(spec, f"{name}-{rank}") for name in names}
     alloc_addr, gpu_addr = f"inproc://allocator-{rank}", f"inproc://gpu-{rank}"
     mamba_addr = f"inproc://mamba_cache-{rank}"
@@ -121,13 +125,14 @@ async def engine_main(spec: dict, rank: int) -> None:
         ctx, zmq.PAIR, alloc_addr, bind=False, name="allocator", recorder=recs["engine"]
     )
     to_gpu = make_socket(ctx, zmq.PAIR, gpu_addr, bind=False, name="gpu", recorder=recs["engine"])
-    # The mamba_cache actor runs for every model; only a hybrid's engine sends it anything.
-    mamba_side = make_socket(
-        ctx, zmq.PAIR, mamba_addr, bind=True, name="engine", recorder=recs["mamba_cache"]
-    )
-    to_mamba = make_socket(
-        ctx, zmq.PAIR, mamba_addr, bind=False, name="mamba_cache", recorder=recs["engine"]
-    )
+    mamba_side = to_mamba = None
+    if hybrid:
+        mamba_side = make_socket(
+            ctx, zmq.PAIR, mamba_addr, bind=True, name="engine", recorder=recs["mamba_cache"]
+        )
+        to_mamba = make_socket(
+            ctx, zmq.PAIR, mamba_addr, bind=False, name="mamba_cache", recorder=recs["engine"]
+        )
     to_coord = make_socket(
         ctx,
         zmq.DEALER,
@@ -156,10 +161,12 @@ async def engine_main(spec: dict, rank: int) -> None:
         config.mamba_memory_ratio,
         config.prefix_caching_mamba_gb,
     )
-    channels = [alloc_side, gpu_side, mamba_side, to_alloc, to_gpu, to_mamba, to_coord]
+    channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
+    channels += [mamba_side, to_mamba] if hybrid else []
     try:
         engine = EngineActor(rank, config, load, to_coord, to_alloc, to_gpu, to_mamba)
-        actors = [AllocatorActor(alloc_side), MambaCacheActor(mamba_side), GpuActor(rank, gpu_side)]
+        actors = [AllocatorActor(alloc_side), GpuActor(rank, gpu_side)]
+        actors += [MambaCacheActor(mamba_side)] if hybrid else []
         await _run_until_stopped([engine, *actors])
     finally:
         for ch in channels:
