@@ -41,6 +41,13 @@ is already cached and is not written again (slot -1). A request that wants promp
 shares nothing (it needs every prompt logit). Each complete prompt block a planned chunk writes
 is registered with the allocator in that step's BlockOps; it becomes shareable when that step's
 result is applied, and a request whose next block is still being written waits (FIFO).
+
+Hybrid models (DESIGN.md §6, actors/engine/mamba.py): each admitted request takes a live Mamba
+slot from the mamba_cache actor (one MambaOps per step, beside the BlockOps). Mamba state is
+recurrent, so a hybrid skips only up to the deepest matched block with a Mamba snapshot
+(`_mamba_match`), and its chunks stop on the boundaries whose state it snapshots
+(`_take_snapshot`); a chunk cut there admits no one beside it, and a request waits for a
+snapshot of its prefix that a running chunk is about to take.
 """
 
 from __future__ import annotations
