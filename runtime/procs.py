@@ -1,7 +1,8 @@
 """Child-process entry points: `python -m taipan.procs coordinator|engine SPEC_JSON [RANK]`.
 
 One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
-actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc. The launcher (runtime/launcher.py) writes SPEC.
+actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc. The launcher
+(runtime/launcher.py) writes SPEC.
 Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
 clean stop through STOP messages) and treat SIGTERM as "stop now".
 """
