@@ -50,6 +50,13 @@ class RankStats:
     prefill_tokens_computed: int = 0
     blocks_hashed: int = 0
     blocks_evictable: int = 0
+    # Hybrid models (zeros otherwise): live Mamba slots free, Mamba snapshots held (the engine's
+    # mirror of the mamba_cache actor), prefills started from a snapshot and snapshots taken
+    # since start.
+    mamba_live_free: int = 0
+    mamba_snapshots: int = 0
+    mamba_restored: int = 0
+    mamba_snapshots_taken: int = 0
 
     @property
     def blocks_active(self) -> int:

@@ -130,6 +130,12 @@ def test_snapshots_restore_at_every_boundary_with_exact_counters(model):
     check(got, want)
     assert {n: cached for n, (_, cached) in got.items()} == CACHED
     assert stats.prefix_cached_tokens == sum(CACHED.values())
+    # Four prefills restored; snapshots: "aligned" at 32 and 48, "shares_40" at 48 (its own
+    # third block), "shares_20" at 16 and 48, "after_divergence" at 32 (its own second block);
+    # all still held (8 slots), and every live slot is free again.
+    assert stats.mamba_restored == 4
+    assert stats.mamba_snapshots_taken == stats.mamba_snapshots == 6
+    assert stats.mamba_live_free == 4
     total = sum(len(p) for p in PROMPTS.values())
     assert stats.prefix_prompt_tokens == total
 

@@ -258,6 +258,10 @@ class EngineActor(Actor):
             s.get("prefill_tokens_computed", 0),
             s.get("blocks_hashed", 0),
             s.get("blocks_evictable", 0),
+            s.get("mamba_live_free", 0),
+            s.get("mamba_snapshots", 0),
+            s.get("mamba_restored", 0),
+            s.get("mamba_snapshots_taken", 0),
         )
         return Stats(self.state, (rank,))
 
