@@ -138,6 +138,7 @@ class InferenceConfig:
             )
         if self.logging_step_interval < 0:
             raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
+        _check_mamba_state_config(self.mamba_inference_state_config)
         ratio = self.mamba_memory_ratio
         if ratio is not None and not 0 < ratio < 1:
             raise ConfigError(
@@ -237,6 +238,45 @@ def _coerce(name: str, tp, value):
     raise ConfigError(f"{name}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
+# mamba_inference_state_config (Megatron's MambaInferenceStateConfig as a dict): the state
+# dtypes, and shapes that must agree with the model (taipan reads them from the model itself).
+MAMBA_STATE_KEYS = (
+    "layer_type_list",
+    "conv_states_shape",
+    "ssm_states_shape",
+    "conv_states_dtype",
+    "ssm_states_dtype",
+    "mamba_chunk_size",
+)
+MAMBA_STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _check_mamba_state_config(state: dict | None) -> None:
+    if state is None:
+        return
+    unknown = sorted(set(state) - set(MAMBA_STATE_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"mamba_inference_state_config: unknown key(s) {unknown} (known: "
+            f"{', '.join(MAMBA_STATE_KEYS)})"
+        )
+    for key in ("conv_states_dtype", "ssm_states_dtype"):
+        value = state.get(key)
+        if value is not None and str(value).removeprefix("torch.") not in MAMBA_STATE_DTYPES:
+            raise ConfigError(
+                f"mamba_inference_state_config.{key}: {value!r} is not one of "
+                f"{', '.join(MAMBA_STATE_DTYPES)}"
+            )
+    for key in ("conv_states_shape", "ssm_states_shape"):
+        value = state.get(key)
+        if value is not None and not (
+            isinstance(value, list | tuple) and all(isinstance(d, int) and d > 0 for d in value)
+        ):
+            raise ConfigError(
+                f"mamba_inference_state_config.{key}: {value!r} is not a list of positive ints"
+            )
+
+
 def routing_policy(config: InferenceConfig) -> str:
     """The coordinator's routing policy: the configured one, else "longest_prefix" with prefix
     caching on (Megatron's default) and "round_robin" with it off."""
@@ -248,7 +288,6 @@ def routing_policy(config: InferenceConfig) -> str:
 
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {
-    "mamba_inference_state_config": "not built yet (hybrids run with the model's own state shapes)",
     "unified_memory_level": "unified memory is not supported",
     "pg_collection": "taipan wires its own process groups; a torch ProcessGroupCollection "
     "cannot be passed",

@@ -51,6 +51,9 @@ class LoadModel:
     # mamba_snapshot_gb: prefix_caching_mamba_gb, the snapshot slots' budget besides the KV.
     mamba_memory_ratio: float | None = None
     mamba_snapshot_gb: float | None = None
+    # InferenceConfig.mamba_inference_state_config as JSON ("": unset): state dtypes, and
+    # shapes / layer pattern / chunk size the model must have.
+    mamba_state_config: str = ""
 
 
 @message(121)

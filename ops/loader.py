@@ -532,8 +532,9 @@ _ARCHITECTURE_FIELDS = (
     "rope_theta",
     "tie_word_embeddings",
 )
-# A hybrid's are every field but these (its layer pattern and all its Mamba shapes included).
-_NOT_ARCHITECTURE = ("max_position_embeddings", "bos_token_id", "eos_token_ids")
+# A hybrid's are every field but these (its layer pattern and all its Mamba shapes included;
+# the SSM state dtype is a runtime choice, mamba_inference_state_config).
+_NOT_ARCHITECTURE = ("max_position_embeddings", "bos_token_id", "eos_token_ids", "ssm_state_dtype")
 _PART = re.compile(
     r"^(layers\.\d+)\.(self_attn\.[qkv]_proj|mixer\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight$"
 )

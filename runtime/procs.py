@@ -161,6 +161,9 @@ async def engine_main(spec: dict, rank: int) -> None:
         config.static_kv_memory_pointers,
         config.mamba_memory_ratio,
         config.prefix_caching_mamba_gb,
+        ""
+        if config.mamba_inference_state_config is None
+        else json.dumps(config.mamba_inference_state_config),
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [mamba_side, to_mamba] if hybrid else []

@@ -377,3 +377,15 @@ def test_plan_limits_fill_in_the_defaults():
 def test_max_requests_above_default_max_tokens_is_refused():
     with pytest.raises(ConfigError, match="max_requests"):
         InferenceConfig(max_requests=DEFAULT_MAX_TOKENS + 1)
+
+
+def test_mamba_inference_state_config_keys_and_values_are_checked():
+    ok = {"ssm_states_dtype": "bfloat16", "conv_states_shape": [3, 128], "mamba_chunk_size": 16}
+    assert InferenceConfig(mamba_inference_state_config=ok).mamba_inference_state_config == ok
+    for bad, words in [
+        ({"ssm_state_dtype": "float32"}, "unknown key"),
+        ({"ssm_states_dtype": "int8"}, "is not one of"),
+        ({"ssm_states_shape": [8, -1, 16]}, "positive ints"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            InferenceConfig(mamba_inference_state_config=bad)

@@ -182,6 +182,17 @@ def test_snapshot_budget_too_small_for_one_slot_is_a_clear_error(model):
             pass
 
 
+def test_a_state_config_that_is_not_the_models_fails_the_start(model):
+    """mamba_inference_state_config reaches the gpu worker: a chunk size the model does not
+    have stops the start, naming the key."""
+    path, c, _ = model
+    cfg = config(c, snapshots=0, max_tokens=24, pressure=False)
+    cfg = dataclasses.replace(cfg, mamba_inference_state_config={"mamba_chunk_size": 128})
+    with pytest.raises(Exception, match="mamba_inference_state_config.mamba_chunk_size"):
+        with Runtime(path, cfg):
+            pass
+
+
 def test_replay_check_re_drives_the_mamba_cache_actor(model, tmp_path):
     path, c, _ = model
     cfg = config(c, snapshots=2, max_tokens=24, pressure=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -390,3 +391,41 @@ def test_bfloat16_conv_state_is_in_the_model_dtype(hybrid_dir):
     w.load(msg)
     conv, ssm = w.mamba_state
     assert conv.dtype == torch.bfloat16 and ssm.dtype == torch.float32
+
+
+# ---- mamba_inference_state_config ------------------------------------------------------------
+
+
+def test_state_config_chooses_the_ssm_dtype_and_checks_the_shapes(hybrid_dir):
+    """The SSM state dtype may be chosen (bf16 halves it); the conv state stays in the model
+    dtype; the layer pattern, shapes (ours or Megatron's conv layout) and chunk size must be the
+    model's own, else a ConfigError names the key."""
+    conv_dim = 8 * 8 + 2 * 2 * 16
+    good = {
+        "layer_type_list": list("M-*-M-"),
+        "conv_states_shape": [conv_dim, 3],  # Megatron's [conv_dim, K-1]
+        "ssm_states_shape": [8, 8, 16],
+        "mamba_chunk_size": 16,
+        "conv_states_dtype": "float32",
+        "ssm_states_dtype": "bfloat16",
+    }
+    w, loaded = load(hybrid_dir, mamba_state_config=json.dumps(good))
+    conv, ssm = w.mamba_state
+    assert conv.dtype == torch.float32 and ssm.dtype == torch.bfloat16
+    assert loaded.mamba_slot_bytes == 2 * (3 * conv_dim * 4 + 8 * 8 * 16 * 2)
+    w, _ = load(hybrid_dir, mamba_state_config=json.dumps({"conv_states_shape": [3, conv_dim]}))
+    assert w.mamba_state[1].dtype == torch.float32  # unset: the model's mamba_ssm_cache_dtype
+    for key, value in [
+        ("layer_type_list", "M-M-*-"),
+        ("conv_states_shape", [4, conv_dim]),
+        ("ssm_states_shape", [8, 16, 8]),
+        ("mamba_chunk_size", 128),
+        ("conv_states_dtype", "bfloat16"),
+    ]:
+        with pytest.raises(ConfigError, match=f"mamba_inference_state_config.{key}"):
+            load(hybrid_dir, mamba_state_config=json.dumps({key: value}))
+
+
+def test_state_config_on_a_model_without_mamba_layers_is_refused(llama_dir):
+    with pytest.raises(ConfigError, match="mamba_inference_state_config is for hybrid models"):
+        load(llama_dir, mamba_state_config=json.dumps({"ssm_states_dtype": "float32"}))

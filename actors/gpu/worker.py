@@ -121,6 +121,48 @@ def kv_budget(requested_gb: float | None, device: torch.device) -> tuple[int, st
     return budget, f"CPU default: {CPU_KV_SHARE:.0%} of {available / GIB:.1f} GiB available"
 
 
+def mamba_state_config(config: NemotronHConfig, msg: LoadModel, dtype) -> NemotronHConfig:
+    """The model's config with `mamba_inference_state_config` applied (LoadModel's JSON): the
+    SSM state dtype may be chosen; the conv state stays in the model's dtype (the conv kernels
+    read and write it in place); layer_type_list, the shapes (per layer and slot: conv [K-1,
+    conv_dim] or Megatron's [conv_dim, K-1], SSM [heads, head_dim, state]) and mamba_chunk_size
+    must be the model's own. Anything else is a ConfigError naming the key."""
+    if not msg.mamba_state_config:
+        return config
+    state = json.loads(msg.mamba_state_config)
+    shape = config.mamba_state
+    conv = [shape.conv_kernel - 1, shape.conv_dim]
+    expected = {
+        "layer_type_list": config.pattern,
+        "conv_states_shape": (conv, conv[::-1]),
+        "ssm_states_shape": ([shape.num_heads, shape.head_dim, shape.state_size],),
+        "mamba_chunk_size": config.chunk_size,
+    }
+    for key, want in expected.items():
+        got = state.get(key)
+        if got is None:
+            continue
+        if key == "layer_type_list":
+            got = "".join(got)
+        ok = list(got) in want if isinstance(want, tuple) else got == want
+        if not ok:
+            model = want[0] if isinstance(want, tuple) else want
+            raise ConfigError(
+                f"mamba_inference_state_config.{key} {got!r} is not the model's ({model!r})"
+            )
+    name = str(dtype).removeprefix("torch.")
+    conv_dtype = str(state.get("conv_states_dtype") or name).removeprefix("torch.")
+    if conv_dtype != name:
+        raise ConfigError(
+            f"mamba_inference_state_config.conv_states_dtype {conv_dtype} differs from the model "
+            f"dtype {name}: taipan keeps the conv state in the model dtype"
+        )
+    ssm = state.get("ssm_states_dtype")
+    if ssm is None:
+        return config
+    return dataclasses.replace(config, ssm_state_dtype=str(ssm).removeprefix("torch."))
+
+
 def mamba_live_slots(msg: LoadModel, budget: int, slot_bytes: int) -> tuple[int, int]:
     """(live Mamba slots, what is left of the KV budget). With mamba_memory_ratio r the live
     states take the share r of the budget (as many slots as fit, at most max_requests) and the
@@ -194,6 +236,7 @@ class ModelWorker:
         budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device)
         live, snapshots, slot_bytes = 0, 0, 0
         if isinstance(config, NemotronHConfig):
+            config = mamba_state_config(config, msg, dtype)
             slot_bytes = config.mamba_state.bytes_per_slot(dtype, DTYPES[config.ssm_state_dtype])
             live, budget = mamba_live_slots(msg, budget, slot_bytes)
             snapshot_bytes = int((msg.mamba_snapshot_gb or 0) * GIB)
@@ -202,6 +245,11 @@ class ModelWorker:
             raise ConfigError(
                 "mamba_memory_ratio and prefix_caching_mamba_gb are for hybrid models; "
                 f"{msg.model} has no Mamba layers"
+            )
+        elif msg.mamba_state_config:
+            raise ConfigError(
+                f"mamba_inference_state_config is for hybrid models; {msg.model} has no Mamba "
+                "layers"
             )
         num_blocks = budget // per_block
         if msg.max_blocks > 0:
