@@ -413,6 +413,8 @@ def test_state_config_chooses_the_ssm_dtype_and_checks_the_shapes(hybrid_dir):
     conv, ssm = w.mamba_state
     assert conv.dtype == torch.float32 and ssm.dtype == torch.bfloat16
     assert loaded.mamba_slot_bytes == 2 * (3 * conv_dim * 4 + 8 * 8 * 16 * 2)
+    r = w.step(hybrid_plan(1, [Seq(PROMPT[:PREFIX], 0, [1])], init=[-1], out=[0]))
+    assert r.error is None and r.token_ids[0] >= 0 and ssm[:, 0].abs().sum() > 0
     w, _ = load(hybrid_dir, mamba_state_config=json.dumps({"conv_states_shape": [3, conv_dim]}))
     assert w.mamba_state[1].dtype == torch.float32  # unset: the model's mamba_ssm_cache_dtype
     for key, value in [
