@@ -439,24 +439,33 @@ class EngineActor(Actor):
                 await self.alloc.send(ops)
             if mops is not None:
                 await self.mamba.send(mops)
-            refusal = None
+            # Both replies are read, and whatever came applied, before the step may fail: the
+            # requests then hold every block and slot handed out, and their ends free them.
+            errors: list[Exception] = []
             if ops is not None:
                 try:
                     reply = await self._reply(self.alloc, BlockOpsReply)
-                finally:
-                    if mops is not None:
-                        await self._mamba_reply(batch)
+                except Exception as e:
+                    errors.append(e)
+            if mops is not None:
+                try:
+                    await self._mamba_reply(batch)
+                except Exception as e:
+                    errors.append(e)
+            if reply is not None:
                 if reply.ok:
                     sched.assign_blocks(batch, reply)
                 else:
                     sched.refused(batch, reply)
-                    refusal = f"allocator refused a planned step: {reply.error}"
-            elif mops is not None:
-                await self._mamba_reply(batch)
-            if refusal is None and batch.mamba_refusal:
-                refusal = f"mamba_cache refused a planned step: {batch.mamba_refusal}"
-            if refusal is not None:
-                raise EngineError(refusal)
+                    errors.insert(
+                        0, EngineError(f"allocator refused a planned step: {reply.error}")
+                    )
+            if batch.mamba_refusal:
+                errors.append(
+                    EngineError(f"mamba_cache refused a planned step: {batch.mamba_refusal}")
+                )
+            if errors:
+                raise errors[0]
             if batch.chunks:
                 await self.gpu.send(step_plan(sched, batch))
             if reply is not None:  # after the plan: the gpu starts first
