@@ -14,9 +14,11 @@ from typing import Any
 
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.log import get_logger
+from taipan.messages.codec import MessageError, decode
 from taipan.messages.common import ErrorReply, PeerGone
 
 Handler = Callable[[Envelope, Any], Awaitable[None]]
+ERROR_TEXT_LIMIT = 2000  # an ErrorReply's text is cut here
 
 
 class FatalError(Exception):
@@ -111,6 +113,56 @@ class Actor:
         if env.channel.routed and env.sender is None:
             return
         try:
-            await env.reply(ErrorReply(code, text[:2000], None))
+            await env.reply(ErrorReply(code, text[:ERROR_TEXT_LIMIT], None))
         except Exception:  # the peer may be gone; the error is already logged
             self.log.warning("could not send error reply", code=code)
+
+
+class Service:
+    """A deterministic message -> reply core (the allocator, the mamba_cache): one handler per
+    message type in `handlers`, set by the subclass. Pure, so `taipan replay --check` re-drives
+    it from a recording (`handle_frames`) and expects the live actor's replies byte for byte;
+    its answers to what it does not take use the wording of `Actor.dispatch`."""
+
+    name: str
+    handlers: dict[type, Callable[[Any], Any]]
+
+    def handle(self, msg):
+        handler = self.handlers.get(type(msg))
+        if handler is not None:
+            return handler(msg)
+        if isinstance(msg, ErrorReply):
+            return None  # never answer an error with an error: two actors would ping-pong
+        return ErrorReply(
+            "unexpected_message", f"{self.name} does not take {type(msg).__name__}", None
+        )
+
+    def handle_frames(self, frames):
+        """What the live actor answers to these raw inbound frames (as `Actor.dispatch` does
+        for undecodable input: ErrorReply(code, text), no request id)."""
+        try:
+            msg = decode(frames)
+        except MessageError as e:
+            return ErrorReply(e.code, str(e)[:ERROR_TEXT_LIMIT], None)
+        return self.handle(msg)
+
+
+class ServiceActor(Actor):
+    """The thin shell around a `Service`: it serves one channel, every message the service
+    takes goes through `service.handle` and its reply goes back (a rejection is logged). It
+    holds no state of its own, so the replay checker and the live actor agree."""
+
+    def __init__(self, name: str, channel: Channel, service: Service):
+        super().__init__(name)
+        self.channel = channel
+        self.service = service
+        for msg_type in service.handlers:
+            self.on(msg_type, self._handle)
+        self.serve(channel)
+
+    async def _handle(self, env: Envelope, msg) -> None:
+        reply = self.service.handle(msg)
+        if isinstance(reply, ErrorReply):
+            self.log.warning("rejected", msg=type(msg).__name__, code=reply.code, text=reply.text)
+        if reply is not None:
+            await env.reply(reply)

@@ -16,55 +16,27 @@ one gets `ErrorReply("bad_request")` and the pool is untouched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 from taipan.actors.allocator.core import AllocatorError, BlockPool
 from taipan.actors.allocator.prefix import POLICIES, PrefixBlockPool
-from taipan.actors.base import Actor
-from taipan.actors.channel import Channel, Envelope
+from taipan.actors.base import Service, ServiceActor
+from taipan.actors.channel import Channel
 from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
-from taipan.messages.codec import MessageError, decode
 from taipan.messages.common import ErrorReply
 
 # A pool is a Python heap of ints (~40 bytes per block); 4M blocks is far beyond any GPU's KV
 # cache at useful block sizes, and the cap keeps a garbage AllocatorInit from eating the host.
 MAX_BLOCKS = 1 << 22
-ERROR_TEXT_LIMIT = 2000  # the same cut actors/base.py applies to its own ErrorReply texts
 
 
-class AllocatorService:
+class AllocatorService(Service):
     """Message in, reply out. `pool` is None until the first valid AllocatorInit."""
 
     def __init__(self, name: str = "allocator"):
         self.name = name
         self.pool: BlockPool | PrefixBlockPool | None = None
-
-    def handle(self, msg) -> AllocatorReady | BlockOpsReply | ErrorReply | None:
-        if isinstance(msg, BlockOps):
-            return self._block_ops(msg)
-        if isinstance(msg, AllocatorInit):
-            return self._init(msg)
-        if isinstance(msg, ErrorReply):
-            return None  # never answer an error with an error: two actors would ping-pong
-        # Same wording as actors/base.py's fallback for unregistered types, so that replaying
-        # a recording through the service reproduces what the live actor sent.
-        return ErrorReply(
-            "unexpected_message", f"{self.name} does not take {type(msg).__name__}", None
-        )
-
-    def handle_frames(self, frames: Sequence[bytes | memoryview]):
-        """What the live actor answers to these raw inbound frames (used by replay --check).
-
-        Mirrors actors/base.py's policy for undecodable input: ErrorReply(code, text), no
-        request id. tests/test_record_replay.py checks this against a real recording.
-        """
-        try:
-            msg = decode(frames)
-        except MessageError as e:
-            return ErrorReply(e.code, str(e)[:ERROR_TEXT_LIMIT], None)
-        return self.handle(msg)
+        self.handlers = {AllocatorInit: self._init, BlockOps: self._block_ops}
 
     # --- handlers -------------------------------------------------------------------------------
 
@@ -211,20 +183,8 @@ def _first_duplicate(ids: np.ndarray) -> int | None:
     return int(ordered[same[0]]) if same.size else None
 
 
-class AllocatorActor(Actor):
-    """Serves one channel; every message goes through `self.service` and its reply goes back."""
+class AllocatorActor(ServiceActor):
+    """Serves one channel through `self.service` (actors/base.py ServiceActor)."""
 
     def __init__(self, channel: Channel, name: str = "allocator"):
-        super().__init__(name)
-        self.channel = channel
-        self.service = AllocatorService(name)
-        self.on(AllocatorInit, self._handle)
-        self.on(BlockOps, self._handle)
-        self.serve(channel)
-
-    async def _handle(self, env: Envelope, msg) -> None:
-        reply = self.service.handle(msg)
-        if isinstance(reply, ErrorReply):
-            self.log.warning("rejected", msg=type(msg).__name__, code=reply.code, text=reply.text)
-        if reply is not None:
-            await env.reply(reply)
+        super().__init__(name, channel, AllocatorService(name))

@@ -12,48 +12,26 @@ gets `ErrorReply("bad_request")` and the pool is untouched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
-from taipan.actors.base import Actor
-from taipan.actors.channel import Channel, Envelope
+from taipan.actors.base import Service, ServiceActor
+from taipan.actors.channel import Channel
 from taipan.actors.mamba_cache.core import MambaCacheError, MambaSlotPool
-from taipan.messages.codec import MessageError, decode
 from taipan.messages.common import ErrorReply
 from taipan.messages.mamba_cache import MambaInit, MambaOps, MambaOpsReply, MambaReady
 
 # One slot is every Mamba layer's state (megabytes for a real model): a million is far beyond
 # any device, and the cap keeps a garbage MambaInit from eating the host.
 MAX_SLOTS = 1 << 20
-ERROR_TEXT_LIMIT = 2000
 
 
-class MambaCacheService:
+class MambaCacheService(Service):
     """Message in, reply out. `pool` is None until the first valid MambaInit."""
 
     def __init__(self, name: str = "mamba_cache"):
         self.name = name
         self.pool: MambaSlotPool | None = None
-
-    def handle(self, msg) -> MambaReady | MambaOpsReply | ErrorReply | None:
-        if isinstance(msg, MambaOps):
-            return self._ops(msg)
-        if isinstance(msg, MambaInit):
-            return self._init(msg)
-        if isinstance(msg, ErrorReply):
-            return None  # never answer an error with an error
-        return ErrorReply(
-            "unexpected_message", f"{self.name} does not take {type(msg).__name__}", None
-        )
-
-    def handle_frames(self, frames: Sequence[bytes | memoryview]):
-        """What the live actor answers to these raw inbound frames (replay --check)."""
-        try:
-            msg = decode(frames)
-        except MessageError as e:
-            return ErrorReply(e.code, str(e)[:ERROR_TEXT_LIMIT], None)
-        return self.handle(msg)
+        self.handlers = {MambaInit: self._init, MambaOps: self._ops}
 
     def _init(self, msg: MambaInit) -> MambaReady | ErrorReply:
         if not 1 <= msg.live_slots <= MAX_SLOTS or not 0 <= msg.snapshot_slots <= MAX_SLOTS:
@@ -152,20 +130,8 @@ def _check_ops(msg: MambaOps, pool: MambaSlotPool) -> str | None:
     return None
 
 
-class MambaCacheActor(Actor):
-    """Serves one channel; every message goes through `self.service` and its reply goes back."""
+class MambaCacheActor(ServiceActor):
+    """Serves one channel through `self.service` (actors/base.py ServiceActor)."""
 
     def __init__(self, channel: Channel, name: str = "mamba_cache"):
-        super().__init__(name)
-        self.channel = channel
-        self.service = MambaCacheService(name)
-        self.on(MambaInit, self._handle)
-        self.on(MambaOps, self._handle)
-        self.serve(channel)
-
-    async def _handle(self, env: Envelope, msg) -> None:
-        reply = self.service.handle(msg)
-        if isinstance(reply, ErrorReply):
-            self.log.warning("rejected", msg=type(msg).__name__, code=reply.code, text=reply.text)
-        if reply is not None:
-            await env.reply(reply)
+        super().__init__(name, channel, MambaCacheService(name))
