@@ -202,20 +202,9 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device) -> tuple:
     return _build(path, config, state, dtype, device), config, tokenizer
 
 
-def has_mamba_layers(path: str | Path) -> bool:
-    """Whether the model at `path` is a hybrid with Mamba layers (a NemotronH directory), from
-    its config.json alone; False for anything else, unreadable included (the load then says
-    what is wrong)."""
-    config = Path(path) / "config.json"
-    try:
-        hf = json.loads(config.read_text(encoding="utf-8"))
-        return _check_hf_architecture(Path(path), hf) == "nemotron_h"
-    except (OSError, ValueError, ModelLoadError):
-        return False
-
-
 def _check_hf_architecture(path: Path, hf: dict) -> str:
-    """The model family of a Hugging Face config: "llama" or "nemotron_h"."""
+    """The model family of a Hugging Face config: "llama" or "nemotron_h" (the launcher's
+    torch-free runtime/models.has_mamba_layers tells a hybrid the same way)."""
     archs = hf.get("architectures") or []
     if "NemotronHForCausalLM" in archs or hf.get("model_type") == "nemotron_h":
         return "nemotron_h"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -126,3 +127,19 @@ def resolve(spec: str) -> tuple[str, str]:
 
 if __name__ == "__main__":  # python -m taipan.models smollm2  -> prints the cached path
     print(resolve(sys.argv[1] if len(sys.argv) > 1 else "smollm2")[1])
+
+
+def has_mamba_layers(path: str) -> bool:
+    """Whether the model at `path` (as `resolve` gives it) is a hybrid with Mamba layers: a
+    Hugging Face directory whose config.json names NemotronH (as ops/loader.py decides), read
+    without torch. False for anything else, unreadable included (the load says what is
+    wrong)."""
+    try:
+        with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, ValueError):
+        return False
+    if not isinstance(hf, dict):
+        return False
+    architectures = hf.get("architectures") or []
+    return "NemotronHForCausalLM" in architectures or hf.get("model_type") == "nemotron_h"

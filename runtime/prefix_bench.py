@@ -14,13 +14,12 @@ forward) and the output tokens per second of `generate` at batch 1. Never import
 
 from __future__ import annotations
 
-import json
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
+from taipan.models import has_mamba_layers
 from taipan.workloads import _optional, _rounded, _sampling, _with_sets, random_prompt
 
 QUESTION_LENS = (16, 64)  # each question's length (tokens), seeded uniform in this range
@@ -37,15 +36,6 @@ def shared_prefix_prompts(n: int, prefix_len: int, seed: int, tag: int) -> dict[
     questions = [random_prompt(rng, int(k)) for k in lengths]
     sample = random_prompt(rng, prefix_len) + questions[0]
     return {"system": [system + q for q in questions], "samples": [sample] * n}
-
-
-def is_hybrid(model_path: str) -> bool:
-    """Whether `model_path` is a Hugging Face directory of a NemotronH hybrid."""
-    config = Path(model_path) / "config.json"
-    if not config.is_file():
-        return False
-    architectures = json.loads(config.read_text()).get("architectures") or []
-    return "NemotronHForCausalLM" in architectures
 
 
 def _mamba_gb(args) -> float:
@@ -159,7 +149,7 @@ def shared_prefix_workload(args) -> list[dict]:
 
     block_size = _check_shared_prefix_args(args)
     name, model_path = resolve(args.model)
-    hybrid = is_hybrid(model_path)
+    hybrid = has_mamba_layers(model_path)
     off = _ours_shared_prefix(args, on=False, hybrid=hybrid)
     on = _ours_shared_prefix(args, on=True, hybrid=hybrid)
     prompts = shared_prefix_prompts(args.num_prompts, args.prefix_len, args.seed, tag=0)

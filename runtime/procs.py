@@ -109,7 +109,7 @@ async def engine_main(spec: dict, rank: int) -> None:
     from taipan.messages.gpu import LoadModel
 
     ctx = zmq.asyncio.Context()
-    from taipan.ops.loader import has_mamba_layers
+    from taipan.models import has_mamba_layers
 
     # The mamba_cache actor runs only for a hybrid model (DESIGN.md §2).
     hybrid = has_mamba_layers(spec["model_path"])

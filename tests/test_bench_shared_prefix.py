@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 from taipan import bench, prefix_bench
+from taipan.models import has_mamba_layers
 
 N, PREFIX, BLOCK = 3, 32, 16
 
@@ -90,7 +91,7 @@ def test_shared_prefix_on_a_hybrid_uses_mamba_snapshots(tmp_path):
     from tests.random_nemotron_h import make_random_nemotron_h
 
     model = make_random_nemotron_h(str(tmp_path / "nh"), pattern="M-*-M-")
-    assert prefix_bench.is_hybrid(model)
+    assert has_mamba_layers(model) and not has_mamba_layers(str(tmp_path))
     results = tmp_path / "results.jsonl"
     cmd = [sys.executable, "-m", "taipan.cli", "bench", "--workload", "shared-prefix"]
     cmd += ["--model", model, "--num-prompts", str(N), "--prefix-len", str(PREFIX)]
