@@ -3,7 +3,9 @@
 Owns: how many live slots are free (`live_free`, counting the frees not yet sent), the snapshot
 map as of the last reply (`snap_of`: block hash -> snapshot slot), the snapshots being written
 by steps whose results have not come back (`writing`), and the operations waiting for the next
-`MambaOps` (frees, invalidations, the drop).
+`MambaOps` (frees, invalidations, the drop). It turns an admission into a skip and the
+boundaries to snapshot (`match`) and a planned chunk into a snapshot (`snapshot_at_chunk_end`),
+as PrefixIndex turns them into pins and registrations; the scheduler decides who runs.
 Must not touch: sockets, torch, the pool itself (the mamba_cache actor owns it and decides).
 
 Why a mirror: to plan a step the scheduler must know which prompt blocks have a snapshot (a
@@ -23,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from taipan.actors.engine.prefix import PrefixIndex
+from taipan.actors.engine.request import EngineRequest
 from taipan.messages.mamba_cache import MambaOpsReply
 
 
@@ -79,6 +83,72 @@ class MambaMirror:
         out = self.pending_free, self.pending_invalidate, self.drop_pending
         self.pending_free, self.pending_invalidate, self.drop_pending = [], [], False
         return out
+
+    # --- planning (the scheduler decides who runs; these say what a hybrid skips and saves) --
+
+    def match(
+        self, req: EngineRequest, matched: int, running: list[EngineRequest], bs: int
+    ) -> tuple[int, int, int] | None:
+        """A hybrid's prefix skip (DESIGN.md §6): Mamba state is recurrent, so `req` skips
+        only the k <= `matched` cached blocks up to the deepest one with a snapshot (and keeps
+        one prompt token to compute): (k, that block's hash, its snapshot slot), k = 0 without
+        one. It still shares all `matched` blocks (their K/V is not written again).
+        None: a `running` request's chunks are about to snapshot a deeper matched block (or a
+        step in flight is writing one): `req` waits for it, as it waits for a KV block being
+        written, instead of computing the same state again (the second of several requests
+        sharing a prefix snapshots its divergence point, and the others restore it).
+        Also sets the boundaries its chunks stop at so that their states are snapshotted: the
+        KV divergence point (the end of the match), the last block boundary before its last
+        token, and the end of a block-aligned prompt; those beyond k with no snapshot yet."""
+        k, h, slot = 0, 0, -1
+        limit = min(matched, (req.num_tokens - 1) // bs)
+        if matched:
+            k, h, slot = self.deepest(req.hashes, limit)
+        if k < limit:
+            coming = set(self.writing)
+            for r in running:
+                coming.update(int(r.hashes[b // bs - 1]) for b in r.snap_bounds)
+            if any(int(x) in coming for x in req.hashes[k:limit]):
+                return None
+        n = len(req.hashes)  # complete prompt blocks
+        wanted = {matched, (len(req.prompt) - 1) // bs, n if len(req.prompt) == n * bs else 0}
+        req.snap_bounds = [
+            b * bs
+            for b in sorted(wanted)
+            if k < b <= n and int(req.hashes[b - 1]) not in self.snap_of
+        ]
+        return k, h, slot
+
+    def snapshot_at_chunk_end(
+        self,
+        r: EngineRequest,
+        prefix: PrefixIndex,
+        num_restored: int,
+        snaps: list[tuple[EngineRequest, int]],
+        bs: int,
+    ) -> None:
+        """`r`'s chunk was planned: if it ends on its next snapshot boundary, add (r, hash) to
+        the step's `snaps`, unless a snapshot exists, the hash is not cached KV a request holds
+        or is writing, or every snapshot slot is taken by the step's `num_restored` restores
+        and its snapshots (then that boundary is skipped)."""
+        end = r.num_computed_tokens
+        while r.snap_bounds and r.snap_bounds[0] < end:
+            r.snap_bounds.pop(0)  # (not reached by a chunk end: never planned that way)
+        if not r.snap_bounds or r.snap_bounds[0] != end:
+            return
+        r.snap_bounds.pop(0)
+        h = int(r.hashes[end // bs - 1])
+        if h in self.snap_of or any(h == x for _, x in snaps):
+            return
+        block = prefix.block_of.get(h)
+        if h not in prefix.writing and (block is None or not prefix.refs[block]):
+            # A private block (its hash never matches, so its state would never be read), or a
+            # cached copy no request holds, which this very step's allocations may evict.
+            return
+        if num_restored + len(snaps) < self.snapshot_slots:
+            snaps.append((r, h))
+
+    # --- replies --------------------------------------------------------------------------------
 
     def apply(self, reply: MambaOpsReply, snap_hashes: list[int], step: int) -> None:
         """A served step: its evictions, then its new snapshots (written by `step`). Whether

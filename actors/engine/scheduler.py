@@ -45,8 +45,9 @@ result is applied, and a request whose next block is still being written waits (
 Hybrid models (DESIGN.md §6, actors/engine/mamba.py): each admitted request takes a live Mamba
 slot from the mamba_cache actor (one MambaOps per step, beside the BlockOps). Mamba state is
 recurrent, so a hybrid skips only up to the deepest matched block with a Mamba snapshot
-(`_mamba_match`), and its chunks stop on the boundaries whose state it snapshots
-(`_take_snapshot`); a chunk cut there admits no one beside it, and a request waits for a
+(`MambaMirror.match`), and its chunks stop on the boundaries whose state it snapshots
+(`MambaMirror.snapshot_at_chunk_end`); a chunk cut there admits no one beside it, and a
+request waits for a
 snapshot of its prefix that a running chunk is about to take.
 """
 
@@ -313,7 +314,10 @@ class Scheduler:
             req.blocks = blocks
             skip, restore = len(blocks) * bs, (0, 0, -1)
             if self.mamba is not None:
-                restore = self._mamba_match(req, len(blocks))
+                restore = (0, 0, -1)
+                req.snap_bounds = []
+                if self.mamba_snapshots and len(req.hashes):
+                    restore = self.mamba.match(req, len(blocks), self.running, bs)
                 if restore is None:
                     req.blocks = []
                     break  # a deeper snapshot of its prefix is coming: wait for it (FIFO)
@@ -358,7 +362,9 @@ class Scheduler:
             r.num_pending += c.samples
             r.steps_in_flight += 1
             if r.snap_bounds:
-                self._take_snapshot(r, len(mamba_restore), snaps)
+                self.mamba.snapshot_at_chunk_end(
+                    r, self.prefix, len(mamba_restore), snaps, self.plan.block_size
+                )
         self.steps_in_flight += bool(chunks)
         free_ids = list(self.pending_free)
         self.pending_free.clear()
@@ -373,65 +379,6 @@ class Scheduler:
         if batch.has_mamba_ops:
             batch.mamba_free, batch.mamba_invalidate, batch.mamba_drop = self.mamba.take_pending()
         return batch
-
-    def _mamba_match(self, req: EngineRequest, matched: int) -> tuple[int, int, int] | None:
-        """A hybrid's prefix skip (DESIGN.md §6): Mamba state is recurrent, so `req` skips
-        only the k <= `matched` cached blocks up to the deepest one with a snapshot (and keeps
-        one prompt token to compute): (k, that block's hash, its snapshot slot), k = 0 without
-        snapshots. It still shares all `matched` blocks (their K/V is not written again).
-        None: a running request's chunks are about to snapshot a deeper matched block (or a
-        step in flight is writing one): `req` waits for it, as it waits for a KV block being
-        written, instead of computing the same state again (the second of several requests
-        sharing a prefix snapshots its divergence point, and the others restore it).
-        Also sets the boundaries its chunks stop at so that their states are snapshotted: the
-        KV divergence point (the end of the match), the last block boundary before its last
-        token, and the end of a block-aligned prompt; those beyond k with no snapshot yet."""
-        req.snap_bounds = []
-        if not self.mamba_snapshots or not len(req.hashes):
-            return 0, 0, -1
-        bs = self.plan.block_size
-        k, h, slot = 0, 0, -1
-        limit = min(matched, (req.num_tokens - 1) // bs)
-        if matched:
-            k, h, slot = self.mamba.deepest(req.hashes, limit)
-        if k < limit:
-            coming = set(self.mamba.writing)
-            for r in self.running:
-                coming.update(int(r.hashes[b // bs - 1]) for b in r.snap_bounds)
-            if any(int(x) in coming for x in req.hashes[k:limit]):
-                return None
-        n = len(req.hashes)  # complete prompt blocks
-        wanted = {matched, (len(req.prompt) - 1) // bs, n if len(req.prompt) == n * bs else 0}
-        req.snap_bounds = [
-            b * bs
-            for b in sorted(wanted)
-            if k < b <= n and int(req.hashes[b - 1]) not in self.mamba.snap_of
-        ]
-        return k, h, slot
-
-    def _take_snapshot(
-        self, r: EngineRequest, num_restored: int, snaps: list[tuple[EngineRequest, int]]
-    ) -> None:
-        """`r`'s chunk was planned: if it ends on its next snapshot boundary, snapshot the
-        state there (unless one exists, the hash is not cached KV, or every snapshot slot is
-        taken by this step's restores and snapshots: then that boundary is skipped)."""
-        end = r.num_computed_tokens
-        while r.snap_bounds and r.snap_bounds[0] < end:
-            r.snap_bounds.pop(0)  # (not reached by a chunk end: never planned that way)
-        if not r.snap_bounds or r.snap_bounds[0] != end:
-            return
-        r.snap_bounds.pop(0)
-        h = int(r.hashes[end // self.plan.block_size - 1])
-        px, m = self.prefix, self.mamba
-        if h in m.snap_of or any(h == x for _, x in snaps):
-            return
-        block = px.block_of.get(h)
-        if h not in px.writing and (block is None or not px.refs[block]):
-            # A private block (its hash never matches, so its state would never be read), or a
-            # cached copy no request holds, which this very step's allocations may evict.
-            return
-        if num_restored + len(snaps) < m.snapshot_slots:
-            snaps.append((r, h))
 
     def _shared_prefix(self, req: EngineRequest) -> tuple[list[int], int] | None:
         """(the cached blocks `req` shares, the available blocks pinning them takes), or None
