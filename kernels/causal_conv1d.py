@@ -14,6 +14,10 @@ Contract shared by both (the Triton kernels and their launchers keep it):
   prefix snapshot restored into a live slot without a copy). Every read of a slot happens before
   any write to it within a call (the Triton kernels: within a sequence, see below).
 - A sequence whose slots are both -1 and whose query length is 0 is padding (CUDA graphs).
+- Snapshots (varlen only, optional; prefix caching): snap_pos, snap_slots [num_seqs, K]; entry
+  (b, k) with a slot >= 0 stores the state after the first snap_pos[b, k] tokens of sequence b
+  (its inputs pos - (K - 1) .. pos - 1) into that slot, as the SSD scan stores the SSM state
+  there; a snapshot slot is only written by the call.
 
 The Triton kernels keep "every read before any write" for a sequence's own slots (init == out
 is safe, also with fewer than K - 1 tokens), but cannot order one sequence's write after another
@@ -42,6 +46,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from taipan.kernels.ssd_scan import check_snapshots, snapshot_entries
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 SLOT_DTYPES = (torch.int32, torch.int64)
@@ -74,6 +80,8 @@ def _causal_conv1d_varlen_kernel(
     states_ptr,  # [num_slots, K - 1, D]
     init_ptr,  # [num_seqs]
     dest_ptr,  # [num_seqs]
+    snap_pos_ptr,  # [num_seqs, NUM_SNAPS] (unused without snapshots)
+    snap_slots_ptr,  # [num_seqs, NUM_SNAPS]
     out_ptr,  # [T, D]
     # sizes and strides
     dim,
@@ -84,6 +92,7 @@ def _causal_conv1d_varlen_kernel(
     # meta-parameters
     WIDTH: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    NUM_SNAPS: tl.constexpr,  # snapshot entries per sequence (0: none)
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next_power_of_2(WIDTH - 1)
@@ -140,9 +149,26 @@ def _causal_conv1d_varlen_kernel(
         out_ptrs += rows[:, None] * stride_out_token + cols[None, :]
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
+    j = tl.arange(0, BLOCK_S).to(tl.int64)
+    row_ok = (j < WIDTH - 1)[:, None] & col_ok[None, :]
+    # Snapshots first: they may read the initial state, which the final state may overwrite.
+    # The state after `pos` tokens: positions pos - (K - 1) .. pos - 1 of (initial state, tokens).
+    for k in tl.static_range(NUM_SNAPS):
+        pos = tl.load(snap_pos_ptr + seq * NUM_SNAPS + k).to(tl.int64)
+        slot = tl.load(snap_slots_ptr + seq * NUM_SNAPS + k).to(tl.int64)
+        if (split == 0) & (slot >= 0):
+            src = pos - (WIDTH - 1) + j
+            from_x = src >= 0
+            ptrs = tl.where(
+                from_x[:, None],
+                x_seq + src[:, None] * stride_x_token + cols[None, :],
+                init_base + (src + (WIDTH - 1))[:, None] * dim + cols[None, :],
+            )
+            snap = tl.load(ptrs, mask=row_ok & (from_x | has_init)[:, None], other=0.0)
+            snap_ptrs = states_ptr + slot * stride_state_slot + j[:, None] * dim + cols[None, :]
+            tl.store(snap_ptrs, snap.to(states_ptr.dtype.element_ty), mask=row_ok)
     if (split == 0) & (dest >= 0):
         # Final state: positions length - (K - 1) .. length - 1 of (initial state, tokens).
-        j = tl.arange(0, BLOCK_S).to(tl.int64)
         src = length - (WIDTH - 1) + j
         from_x = src >= 0
         ptrs = tl.where(
@@ -150,7 +176,6 @@ def _causal_conv1d_varlen_kernel(
             x_seq + src[:, None] * stride_x_token + cols[None, :],
             init_base + (src + (WIDTH - 1))[:, None] * dim + cols[None, :],
         )
-        row_ok = (j < WIDTH - 1)[:, None] & col_ok[None, :]
         state = tl.load(ptrs, mask=row_ok & (from_x | has_init)[:, None], other=0.0)
         tl.debug_barrier()  # every thread's reads of the slots land before any write
         dest_ptrs = states_ptr + dest * stride_state_slot + j[:, None] * dim + cols[None, :]
@@ -225,6 +250,8 @@ def causal_conv1d_varlen(
     *,
     max_query_len: int | None = None,
     out: torch.Tensor | None = None,
+    snap_pos: torch.Tensor | None = None,
+    snap_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen prefill: sequence b owns tokens `query_start_loc[b]:query_start_loc[b + 1]` of x
     [T, D]. Returns silu(conv + bias) [T, D] in x's dtype (into `out`, new if None; rows no
@@ -238,9 +265,15 @@ def causal_conv1d_varlen(
 
     `max_query_len`: an optional host-side bound on the query lengths (T when None). It only
     sizes the work (tokens per tile, and how many programs share one sequence); any value gives
-    the same result, a wrong one only costs speed."""
+    the same result, a wrong one only costs speed.
+
+    snap_pos, snap_slots: [num_seqs, K], both or neither (ssd_scan.check_snapshots): the conv
+    state after the first snap_pos[b, k] tokens of sequence b goes to slot snap_slots[b, k]
+    (-1: no entry), 1 <= snap_pos <= query length. Snapshot slots are only written: none may
+    be read by the call or written twice."""
     num_seqs = _check_args(x, weight, bias, conv_states, init_slots, out_slots, out)
     _check_slots("query_start_loc", query_start_loc, x, num_seqs + 1)
+    num_snaps = check_snapshots(snap_pos, snap_slots, num_seqs, x.device)
     if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
         raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
     if out is None:
@@ -263,6 +296,8 @@ def causal_conv1d_varlen(
         conv_states,
         init_slots,
         out_slots,
+        snap_pos if num_snaps else init_slots,
+        snap_slots if num_snaps else init_slots,
         out,
         dim,
         num_splits,
@@ -271,6 +306,7 @@ def causal_conv1d_varlen(
         conv_states.stride(0),
         WIDTH=width,
         HAS_BIAS=bias is not None,
+        NUM_SNAPS=num_snaps,
         BLOCK_T=block_t,
         BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(width - 1),
@@ -424,9 +460,12 @@ def causal_conv1d_varlen_ref(
     conv_states: torch.Tensor,
     init_slots: torch.Tensor,
     out_slots: torch.Tensor,
+    *,
+    snap_pos: torch.Tensor | None = None,
+    snap_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Varlen prefill: sequence b owns tokens `query_start_loc[b]:query_start_loc[b + 1]` of x.
-    Returns silu(conv + bias) [T, D]; writes conv_states[out_slots[b]]."""
+    Returns silu(conv + bias) [T, D]; writes conv_states[out_slots[b]] (and the snapshots)."""
     width = weight.shape[1]
     starts = query_start_loc.tolist()
     init, dest = init_slots.tolist(), out_slots.tolist()
@@ -444,6 +483,8 @@ def causal_conv1d_varlen_ref(
         if hi > lo:
             y = F.conv1d(seq.t().unsqueeze(0), w, b32, groups=x.shape[1])[0].t()  # [L, D]
             out[lo:hi] = F.silu(y).to(x.dtype)
+        for pos, slot in snapshot_entries(snap_pos, snap_slots, b, hi - lo):
+            finals.append((slot, seq[pos : pos + width - 1]))  # inputs pos-(K-1)..pos-1
         finals.append((dest[b], seq[seq.shape[0] - (width - 1) :]))
     for slot, state in finals:  # every read above happened before any write
         if slot >= 0:

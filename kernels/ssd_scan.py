@@ -15,6 +15,10 @@ Contract (the Triton kernel and its launcher keep it):
 - ssm_states: [num_slots, H, P, N] fp32. Sequence b (tokens query_start_loc[b]:[b + 1]) starts
   from slot init_slots[b] (-1: zeros) and stores its final state into out_slots[b] (-1: not
   stored); all reads of a call happen before its writes, so the two may be the same slot.
+- Snapshots (optional; prefix caching): snap_pos, snap_slots: [S, K]. Entry (b, k) with
+  snap_slots[b, k] >= 0 stores sequence b's state after its first snap_pos[b, k] tokens of this
+  call (1 <= snap_pos <= its query length) into that slot, besides the final state; -1: none.
+  A snapshot slot is written only: no sequence of the call reads it, and no two entries share it.
 - Returns y: [T, H, P] in x's dtype (before the gated norm; the z gate is not applied here).
 
 The Triton kernel (`ssd_scan_varlen`): one program per (sequence, head, block of P) walks its
@@ -25,6 +29,8 @@ times dt'·x), the carried-in term exp(cum)·C·stateᵀ, the D skip, y stored; 
 advanced to the step's end. The program owns its state tile from the first read to the last
 write, so a sequence's init and out slot may be one slot; but programs of different sequences
 are not ordered, so no sequence may read a slot that another one writes in the same call.
+A snapshot inside a step costs one more [BLOCK_P, STEP] x [STEP, N] dot in that step only, so
+the chunks need not end at snapshot positions.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ PARAM_DTYPES = (*DTYPES, torch.float64)  # D and dt_bias
 INDEX_DTYPES = (torch.int32, torch.int64)
 MAX_STATE = 256  # N: one program holds a [BLOCK_P, N] fp32 state tile in registers
 MAX_STEP = 32  # tokens per kernel step (16 for N > 128): longer chunks are cut into steps
+MAX_SNAPS = 8  # snapshot entries per sequence and call
 
 
 @triton.jit
@@ -68,6 +75,8 @@ def _ssd_scan_kernel(
     states_ptr,  # [num_slots, H, P, N] fp32
     init_slots_ptr,  # [S]
     out_slots_ptr,  # [S]
+    snap_pos_ptr,  # [S, NUM_SNAPS] (unused without snapshots)
+    snap_slots_ptr,  # [S, NUM_SNAPS]
     y_ptr,  # [T, H, P]
     # strides (every last dim has unit stride)
     stride_x_t,
@@ -89,6 +98,7 @@ def _ssd_scan_kernel(
     dt_max,
     # meta-parameters
     HEADS_PER_GROUP: tl.constexpr,
+    NUM_SNAPS: tl.constexpr,  # snapshot entries per sequence (0: none)
     STEP: tl.constexpr,  # tokens per step (<= BLOCK_T)
     BLOCK_T: tl.constexpr,
     BLOCK_P: tl.constexpr,
@@ -99,7 +109,7 @@ def _ssd_scan_kernel(
     """One program: sequence program_id(0), head program_id(1), head_dim rows
     [program_id(2) * BLOCK_P, +BLOCK_P) of its state, all N columns. It walks the sequence STEP
     tokens at a time with the running state in registers (fp32), so it alone reads the initial
-    state and writes the final one."""
+    state and writes the final one (and the snapshots)."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(query_start_loc_ptr + seq).to(tl.int32)
@@ -166,9 +176,29 @@ def _ssd_scan_kernel(
             mask=t_ok[:, None] & p_ok[None, :],
         )
 
+        b32 = b.to(tl.float32)
+        # Snapshots inside this step: the state after its token j (0 <= j < STEP), which is
+        # exp(cum_j) state + sum_{s<=j} exp(cum_j - cum_s) dt'_s x_s ⊗ B_s. One more dot, only
+        # in the (rare) steps that hold a snapshot position.
+        for k in tl.static_range(NUM_SNAPS):
+            sp = tl.load(snap_pos_ptr + seq * NUM_SNAPS + k).to(tl.int32)
+            slot = tl.load(snap_slots_ptr + seq * NUM_SNAPS + k).to(tl.int64)
+            j = start + sp - 1 - c0
+            if (slot >= 0) & (j >= 0) & (j < STEP):
+                cum_j = tl.sum(tl.where(t == j, cum, 0.0), axis=0)
+                w = tl.where(t <= j, tl.exp(cum_j - cum) * dtp, 0.0)
+                snap = tl.dot(
+                    tl.trans(x * w[:, None]),
+                    b32,
+                    acc=state * tl.exp(cum_j),
+                    input_precision=DOT_PRECISION,
+                )
+                snap_ptr = states_ptr + slot * stride_s_slot + head * stride_s_h
+                snap_ptr += p[:, None] * stride_s_p
+                tl.store(snap_ptr + n[None, :], snap, mask=p_ok[:, None] & n_ok[None, :])
+
         # state <- exp(total) state + sum_s exp(total - cum_s) dt'_s x_s ⊗ B_s
         xw = x * (tl.exp(total - cum) * dtp)[:, None]
-        b32 = b.to(tl.float32)
         state = tl.dot(tl.trans(xw), b32, acc=state * tl.exp(total), input_precision=DOT_PRECISION)
 
     # Spelled unlike the initial load, so that the compiler does not keep one [BLOCK_P, BLOCK_N]
@@ -195,6 +225,8 @@ def ssd_scan_varlen(
     dt_min: float = 0.0,
     dt_max: float = math.inf,
     out: torch.Tensor | None = None,
+    snap_pos: torch.Tensor | None = None,
+    snap_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The chunked SSD scan of the module contract, in Triton. Never syncs the device: the grid
     is (S, H, cdiv(P, BLOCK_P)) for S = len(init_slots) sequences, and each program reads its
@@ -215,11 +247,16 @@ def ssd_scan_varlen(
 
     chunk_size only groups tokens (the result does not depend on it, up to rounding): the
     kernel steps at most MAX_STEP tokens at a time.
+
+    snap_pos, snap_slots: [S, K] (K <= MAX_SNAPS), int32/int64, contiguous, both or neither:
+    the states after the first snap_pos[b, k] tokens of sequence b go to slots snap_slots[b, k]
+    (-1: no entry; module docstring). Trusted like the slots: 1 <= snap_pos <= query length.
     """
     num_seqs = _check_scan_args(
         x, dt, A, B, C, D, dt_bias, query_start_loc, ssm_states, init_slots, out_slots,
         chunk_size, out,
     )  # fmt: skip
+    num_snaps = check_snapshots(snap_pos, snap_slots, num_seqs, x.device)
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     num_heads, head_dim = x.shape[1], x.shape[2]
@@ -235,12 +272,14 @@ def ssd_scan_varlen(
     grid = (num_seqs, num_heads, triton.cdiv(head_dim, block_p))
     _ssd_scan_kernel[grid](
         x_, dt_, A, B_, C_, D, dt_bias,
-        query_start_loc, _nonempty(ssm_states), init_slots, out_slots, y_,
+        query_start_loc, _nonempty(ssm_states), init_slots, out_slots,
+        snap_pos if num_snaps else init_slots, snap_slots if num_snaps else init_slots, y_,
         x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
         C.stride(0), C.stride(1), out.stride(0), out.stride(1),
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
         head_dim, state_size, float(dt_min), float(dt_max),
         HEADS_PER_GROUP=num_heads // groups,
+        NUM_SNAPS=num_snaps,
         STEP=step, BLOCK_T=block_t, BLOCK_P=block_p, BLOCK_N=block_n,
         CB_NATIVE=B.dtype == C.dtype and B.dtype != torch.float32,
         # fp32 storage (tests, debugging) means fp32 products, not TF32's 10-bit mantissa.
@@ -369,6 +408,43 @@ def _check_scan_args(
     return num_seqs
 
 
+def check_snapshots(snap_pos, snap_slots, num_seqs: int, device) -> int:
+    """Snapshot entries per sequence (0 without): both tensors [num_seqs, K], 1 <= K <=
+    MAX_SNAPS, int32/int64, contiguous, on `device` (ValueError). Shared with causal_conv1d."""
+    if snap_pos is None and snap_slots is None:
+        return 0
+    if snap_pos is None or snap_slots is None:
+        raise ValueError("snap_pos and snap_slots go together: pass both or neither")
+    for name, t in (("snap_pos", snap_pos), ("snap_slots", snap_slots)):
+        if (
+            t.dim() != 2
+            or t.shape[0] != num_seqs
+            or not 1 <= t.shape[1] <= MAX_SNAPS
+            or t.dtype not in INDEX_DTYPES
+            or not t.is_contiguous()
+        ):
+            raise ValueError(
+                f"{name} must be a contiguous [{num_seqs}, K] int32/int64 tensor with 1 <= K <= "
+                f"{MAX_SNAPS}, got shape {tuple(t.shape)}, {t.dtype}"
+            )
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, x on {device}: use one device")
+    if snap_pos.shape != snap_slots.shape:
+        raise ValueError(
+            f"snap_pos {tuple(snap_pos.shape)} and snap_slots {tuple(snap_slots.shape)} differ"
+        )
+    return snap_pos.shape[1]
+
+
+def snapshot_entries(snap_pos, snap_slots, b: int, length: int) -> list[tuple[int, int]]:
+    """The refs' view of sequence b's snapshot entries: (position, slot) with slot >= 0 and
+    1 <= position <= length (others are not stored)."""
+    if snap_pos is None:
+        return []
+    pairs = zip(snap_pos[b].tolist(), snap_slots[b].tolist(), strict=True)
+    return [(p, s) for p, s in pairs if s >= 0 and 1 <= p <= length]
+
+
 def _names(dtypes) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
 
@@ -396,6 +472,8 @@ def ssd_scan_varlen_ref(
     chunk_size: int,
     dt_min: float = 0.0,
     dt_max: float = math.inf,
+    snap_pos: torch.Tensor | None = None,
+    snap_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
@@ -413,6 +491,7 @@ def ssd_scan_varlen_ref(
             state = ssm_states[init[b]].float().clone()  # [H, P, N]
         else:
             state = x.new_zeros(ssm_states.shape[1:], dtype=torch.float32)
+        wanted = snapshot_entries(snap_pos, snap_slots, b, hi - lo)
         for c0 in range(lo, hi, chunk_size):
             c1 = min(c0 + chunk_size, hi)
             xs = x[c0:c1].float()  # [l, H, P]
@@ -428,6 +507,14 @@ def ssd_scan_varlen_ref(
             y_diag = torch.einsum("lsh,sh,shp->lhp", scores, dts, xs)
             y_off = torch.einsum("lhn,hpn->lhp", Cs, state) * torch.exp(cum)[:, :, None]
             y[c0:c1] = (y_diag + y_off + D32[None, :, None] * xs).to(x.dtype)
+            for pos, slot in wanted:  # the state after token j of this chunk
+                j = lo + pos - 1 - c0
+                if 0 <= j < c1 - c0:
+                    w = torch.exp(cum[j][None, :] - cum[: j + 1]) * dts[: j + 1]  # [j+1, H]
+                    snap = state * torch.exp(cum[j])[:, None, None] + torch.einsum(
+                        "sh,shp,shn->hpn", w, xs[: j + 1], Bs[: j + 1]
+                    )
+                    finals.append((slot, snap))
             to_end = torch.exp(cum[-1][None, :] - cum)  # [l, H]
             state = state * torch.exp(cum[-1])[:, None, None] + torch.einsum(
                 "sh,shp,shn->hpn", to_end * dts, xs, Bs

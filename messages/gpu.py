@@ -124,9 +124,12 @@ class StepPlan:
     # reads and writes its own slot.
     mamba_init: Array[np.int32, 1] = empty_array_field(np.int32)
     mamba_out: Array[np.int32, 1] = empty_array_field(np.int32)
-    # Mamba snapshots (prefix caching): after the forward, the state in live slot
-    # mamba_snap_src[i] is copied to snapshot slot mamba_snap_dst[i] (every Mamba layer).
-    mamba_snap_src: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Mamba snapshots (prefix caching): the state of sequence mamba_snap_row[i] after the first
+    # mamba_snap_pos[i] tokens of its chunk (1..its query length) goes to snapshot slot
+    # mamba_snap_dst[i] (every Mamba layer). At the chunk's end it is a copy of the out slot
+    # after the forward; inside the chunk the conv and scan kernels store it.
+    mamba_snap_row: Array[np.int32, 1] = empty_array_field(np.int32)
+    mamba_snap_pos: Array[np.int32, 1] = empty_array_field(np.int32)
     mamba_snap_dst: Array[np.int32, 1] = empty_array_field(np.int32)
 
 

@@ -12,7 +12,10 @@ inputs, model dtype) and an SSM state `[H, P, N]` (fp32 by default). Slots are n
 pool (live slots of running requests and prefix snapshots alike); which slot a sequence reads and
 which it writes comes from the plan (`init_slots`, `out_slots`): a sequence that starts at
 position 0 reads zeros (-1), a continuing one reads and writes its live slot, a restored one reads
-a snapshot and writes its live slot (no copy before the forward). Never decides which slot.
+a snapshot and writes its live slot (no copy before the forward). A prefill row may also store
+its states at positions inside its chunk into snapshot slots (`snap_pos`, `snap_slots`: the
+conv and scan kernels emit them), so chunks need not end where prefix snapshots are taken.
+Never decides which slot.
 
 dt clamp: [time_step_limit] of the config in both prefill and decode (mamba_ssm's meaning). Hugging
 Face's NemotronH clamps prefill dt below at time_step_min and decode dt not at all; the two agree
@@ -84,6 +87,11 @@ class MambaMetadata:
     out_slots: torch.Tensor  # [B] int32, -1 = not stored (padding)
     query_start_loc: torch.Tensor  # [B + 1] int32
     num_decodes: int  # the leading one-token rows (host value, as AttentionMetadata's)
+    # Snapshots inside prefill chunks (prefix caching), for the B - num_decodes prefill rows:
+    # the state after the first snap_pos[i, k] tokens of row num_decodes + i goes to slot
+    # snap_slots[i, k] (-1: no entry); None: no snapshot this step.
+    snap_pos: torch.Tensor | None = None  # [B - num_decodes, K] int32
+    snap_slots: torch.Tensor | None = None  # [B - num_decodes, K] int32
 
     def __post_init__(self) -> None:
         nd = self.num_decodes
@@ -138,6 +146,9 @@ class Mamba2Mixer(nn.Module):
         weight, bias = self.conv1d.weight.squeeze(1), self.conv1d.bias  # [conv_dim, K]
         cuda = x.is_cuda
         init, dest = meta.init_slots, meta.out_slots
+        snaps = {}
+        if meta.snap_slots is not None:
+            snaps = {"snap_pos": meta.snap_pos, "snap_slots": meta.snap_slots}
 
         conv_out = torch.empty((num_tokens, self.conv_dim), dtype=x.dtype, device=x.device)
         if nd:
@@ -146,7 +157,7 @@ class Mamba2Mixer(nn.Module):
         if num_tokens > nd:
             fn = _op(causal_conv1d, "causal_conv1d_varlen", cuda)
             conv_out[nd:] = fn(xbc[nd:], weight, bias, meta.prefill_query_start, conv_states,
-                               init[nd:], dest[nd:])  # fmt: skip
+                               init[nd:], dest[nd:], **snaps)  # fmt: skip
 
         xs = conv_out[:, : self.inner].view(num_tokens, H, P)
         B = conv_out[:, self.inner : self.inner + G * N].view(num_tokens, G, N)
@@ -162,7 +173,7 @@ class Mamba2Mixer(nn.Module):
             fn = _op(ssd_scan, "ssd_scan_varlen", cuda)
             y[nd:] = fn(xs[nd:], dt[nd:], A, B[nd:], C[nd:], self.D, self.dt_bias,
                         meta.prefill_query_start, ssm_states, init[nd:], dest[nd:],
-                        chunk_size=self.chunk_size, **limits)  # fmt: skip
+                        chunk_size=self.chunk_size, **limits, **snaps)  # fmt: skip
 
         norm = _op(gated_rmsnorm, "gated_rms_norm", cuda)
         gated = norm(y.view(num_tokens, self.inner), z, self.norm.weight, self.eps,

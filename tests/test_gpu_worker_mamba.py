@@ -8,10 +8,13 @@ the share of the KV budget, at most max_requests, the KV blocks getting the rest
 snapshot slots (mamba_snapshot_gb // one slot's bytes), at their exact boundaries, and the
 ConfigErrors for a budget too small for one slot or for a model without Mamba layers; one slot's
 bytes from the model's shape; the state tensors' slot count (live, then snapshots). A step's
-snapshot copies (mamba_snap_src -> mamba_snap_dst, after the forward) duplicate every layer's
-conv and SSM state, and a continuation that starts from the snapshot computes exactly what the
-one continuing its live slot does (tokens, log-probs, final states; and close to one prefill of
-the whole prompt). Every malformed slot in a plan is a ValueError naming what is wrong, raised
+snapshots at a chunk's end (mamba_snap_row, mamba_snap_pos = its query length ->
+mamba_snap_dst: copies of the out slot after the forward) duplicate every layer's conv and SSM
+state, and a continuation that starts from the snapshot computes exactly what the one continuing
+its live slot does (tokens, log-probs, final states; and close to one prefill of the whole
+prompt). Snapshots inside a chunk (the kernels store them) equal the state of a prefill that
+stops there, beside decode rows and a chunk-end snapshot, and restore to the same tokens.
+Every malformed slot in a plan is a ValueError naming what is wrong, raised
 before the step touches anything (the worker runs the next valid step as if nothing happened),
 and the gpu actor answers it as a StepResult with `error`.
 """
@@ -94,12 +97,15 @@ def slots_in_state(w: ModelWorker) -> int:
     return conv.shape[1]
 
 
-def hybrid_plan(step: int, seqs: list[Seq], init, out, src=(), dst=()) -> StepPlan:
+def hybrid_plan(step: int, seqs: list[Seq], init, out, snaps=()) -> StepPlan:
+    """`snaps`: (row, tokens into its chunk, snapshot slot) triples."""
+    rows, pos, dst = (list(x) for x in zip(*snaps, strict=True)) if snaps else ([], [], [])
     return dataclasses.replace(
         make_plan(step, seqs, BLOCK_SIZE),
         mamba_init=np.asarray(init, np.int32),
         mamba_out=np.asarray(out, np.int32),
-        mamba_snap_src=np.asarray(src, np.int32),
+        mamba_snap_row=np.asarray(rows, np.int32),
+        mamba_snap_pos=np.asarray(pos, np.int32),
         mamba_snap_dst=np.asarray(dst, np.int32),
     )
 
@@ -239,7 +245,7 @@ def test_snapshot_copy_and_restore_match_the_live_continuation(hybrid_dir):
     first = hybrid_plan(
         1,
         [Seq(PROMPT[:PREFIX], 0, [1]), Seq(OTHER[:PREFIX], 0, [5])],
-        init=[-1, -1], out=[0, 1], src=[1, 0], dst=[snap_b, snap_a],
+        init=[-1, -1], out=[0, 1], snaps=[(1, PREFIX, snap_b), (0, PREFIX, snap_a)],
     )  # fmt: skip
     assert w.step(first).error is None
     prompt_state, other_state = state_of(w, 0), state_of(w, 1)
@@ -278,11 +284,36 @@ def test_snapshot_of_a_decode_step(hybrid_dir):
     snap = loaded.mamba_slots
     r = w.step(hybrid_plan(1, [Seq(PROMPT[:PREFIX], 0, [1])], init=[-1], out=[3]))
     before = state_of(w, 3)
-    plan = hybrid_plan(2, [Seq([int(r.token_ids[0])], PREFIX, [1, 2])], [3], [3], [3], [snap])
+    plan = hybrid_plan(2, [Seq([int(r.token_ids[0])], PREFIX, [1, 2])], [3], [3], [(0, 1, snap)])
     assert w.step(plan).error is None
     after = state_of(w, 3)
     assert not torch.equal(after[1], before[1])
     assert_same_state(state_of(w, snap), after, "snapshot after a decode")
+
+
+def test_snapshots_inside_a_chunk(hybrid_dir):
+    """One step: a decode row (snapshotted at its end), PROMPT whole from zeros with its states
+    after 8 and 16 tokens stored by the kernels, and OTHER. The inner snapshots equal the
+    states of prefills that stop there; restoring the one at 16 continues exactly as the live
+    continuation of a 16-token prefill does. The step ran eagerly (no CUDA graph on CPU anyway),
+    and the slots nobody named are untouched."""
+    w, loaded = load(hybrid_dir, mamba_snapshot_gb=3 * SLOT / GIB)
+    live = loaded.mamba_slots  # snapshot slots 4, 5, 6
+    r = w.step(hybrid_plan(1, [Seq(OTHER[:5], 0, [1])], init=[-1], out=[3]))
+    seqs = [Seq([int(r.token_ids[0])], 5, [1]), Seq(PROMPT, 0, [2, 3]), Seq(OTHER, 0, [4, 5])]
+    snaps = [(1, 8, live + 1), (0, 1, live), (1, PREFIX, live + 2)]
+    assert w.step(hybrid_plan(2, seqs, init=[3, -1, -1], out=[3, 0, 1], snaps=snaps)).error is None
+    assert_same_state(state_of(w, live), state_of(w, 3), "the decode row's chunk-end snapshot")
+    for n, slot, scratch in ((8, live + 1, 2), (PREFIX, live + 2, 2)):
+        plan = hybrid_plan(3, [Seq(PROMPT[:n], 0, [6])], init=[-1], out=[scratch])
+        assert w.step(plan).error is None
+        for x, y in zip(state_of(w, slot), state_of(w, scratch), strict=True):
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=f"state after {n}")
+    rest = PROMPT[PREFIX:]
+    from_live = w.step(hybrid_plan(4, [Seq(rest, PREFIX, [6, 7], logprobs=True)], [2], [2]))
+    from_snap = w.step(hybrid_plan(5, [Seq(rest, PREFIX, [6, 7], logprobs=True)], [live + 2], [1]))
+    assert from_snap.token_ids.tolist() == from_live.token_ids.tolist()
+    np.testing.assert_allclose(from_snap.log_probs, from_live.log_probs, atol=1e-5)
 
 
 # ---- slot checks --------------------------------------------------------------------------------
@@ -297,21 +328,24 @@ def checked(hybrid_dir):
 
 
 BAD_PLANS = [
-    # (init, out, src, dst, message)
-    ([-2], [0], [], [], r"mamba_init names slots outside -1\.\.5: \[-2\]"),
-    ([6], [0], [], [], r"mamba_init names slots outside -1\.\.5: \[6\]"),
-    ([-1], [6], [], [], r"mamba_out names slots outside -1\.\.5: \[6\]"),
-    ([-1], [-2], [], [], r"mamba_out names slots outside -1\.\.5"),
-    ([-1], [0], [4], [5], r"mamba_snap_src must name live slots 0\.\.3"),
-    ([-1], [0], [-1], [5], r"mamba_snap_src must name live slots 0\.\.3"),
-    ([-1], [0], [0], [3], r"mamba_snap_dst must name distinct snapshot slots 4\.\.5"),
-    ([-1], [0], [0], [6], r"mamba_snap_dst must name distinct snapshot slots 4\.\.5"),
-    ([-1], [0], [0, 1], [4, 4], r"mamba_snap_dst must name distinct snapshot slots 4\.\.5"),
-    ([-1], [0], [0], [], "mamba_snap_src and mamba_snap_dst must have one entry each"),
-    ([-1], [0], [0, 1], [4], "mamba_snap_src and mamba_snap_dst must have one entry each"),
-    ([], [], [], [], "mamba_init and mamba_out need one slot per sequence"),
-    ([-1, -1], [0, 1], [], [], "mamba_init and mamba_out need one slot per sequence"),
-    ([-1], [], [], [], "mamba_init and mamba_out need one slot per sequence"),
+    # (init, out, snapshots (row, position, slot), message); the one sequence has 16 tokens
+    ([-2], [0], [], r"mamba_init names slots outside -1\.\.5: \[-2\]"),
+    ([6], [0], [], r"mamba_init names slots outside -1\.\.5: \[6\]"),
+    ([-1], [6], [], r"mamba_out names slots outside -1\.\.5: \[6\]"),
+    ([-1], [-2], [], r"mamba_out names slots outside -1\.\.5"),
+    ([-1], [0], [(1, 16, 4)], r"mamba_snap_row must name sequences 0\.\.0"),
+    ([-1], [0], [(-1, 16, 4)], r"mamba_snap_row must name sequences 0\.\.0"),
+    ([-1], [0], [(0, 0, 4)], r"mamba_snap_pos must lie in 1\.\.the query length"),
+    ([-1], [0], [(0, 17, 4)], r"mamba_snap_pos must lie in 1\.\.the query length"),
+    ([-1], [-1], [(0, 16, 4)], "a snapshot at a chunk's end copies its out slot: a live slot"),
+    ([-1], [5], [(0, 16, 4)], "a snapshot at a chunk's end copies its out slot: a live slot"),
+    ([-1], [0], [(0, 16, 3)], r"mamba_snap_dst must name distinct snapshot slots 4\.\.5"),
+    ([-1], [0], [(0, 8, 6)], r"mamba_snap_dst must name distinct snapshot slots 4\.\.5"),
+    ([-1], [0], [(0, 8, 4), (0, 16, 4)], r"mamba_snap_dst must name distinct snapshot slots"),
+    ([4], [0], [(0, 8, 4)], "a snapshot slot the step writes cannot be one it reads"),
+    ([], [], [], "mamba_init and mamba_out need one slot per sequence"),
+    ([-1, -1], [0, 1], [], "mamba_init and mamba_out need one slot per sequence"),
+    ([-1], [], [], "mamba_init and mamba_out need one slot per sequence"),
 ]
 
 
@@ -319,8 +353,8 @@ def test_bad_slots_raise_before_anything_runs(checked):
     w = checked
     kv = w.kv_cache.clone()
     state = tuple(t.clone() for t in w.mamba_state)
-    for init, out, src, dst, message in BAD_PLANS:
-        plan = hybrid_plan(1, [Seq(PROMPT[:PREFIX], 0, [1])], init, out, src, dst)
+    for init, out, snaps, message in BAD_PLANS:
+        plan = hybrid_plan(1, [Seq(PROMPT[:PREFIX], 0, [1])], init, out, snaps)
         with pytest.raises(ValueError, match=message):
             w.launch(plan)
         with pytest.raises(ValueError, match=message):
@@ -329,7 +363,7 @@ def test_bad_slots_raise_before_anything_runs(checked):
     assert all(torch.equal(t, s) for t, s in zip(w.mamba_state, state, strict=True))
     assert torch.equal(w.kv_cache.view(torch.int32), kv.view(torch.int32))
     # And the worker runs a valid step (with a snapshot) afterwards.
-    good = hybrid_plan(2, [Seq(PROMPT[:PREFIX], 0, [1])], [-1], [0], [0], [5])
+    good = hybrid_plan(2, [Seq(PROMPT[:PREFIX], 0, [1])], [-1], [0], [(0, PREFIX, 5)])
     r = w.step(good)
     assert r.error is None and r.token_ids[0] >= 0
     assert_same_state(state_of(w, 5), state_of(w, 0), "snapshot after the refused plans")
@@ -338,10 +372,10 @@ def test_bad_slots_raise_before_anything_runs(checked):
 def test_mamba_slots_for_a_model_without_mamba_layers(llama_dir):
     w, _ = load(llama_dir)
     seqs = [Seq(PROMPT[:PREFIX], 0, [1])]
-    cases = [([-1], [0], [], []), ([], [], [0], [1]), ([0], [], [], []), ([], [], [], [2])]
-    for init, out, src, dst in cases:
+    cases = [([-1], [0], []), ([], [], [(0, 1, 1)]), ([0], [], []), ([], [0], [])]
+    for init, out, snaps in cases:
         with pytest.raises(ValueError, match="the plan names Mamba slots, but the model has no"):
-            w.launch(hybrid_plan(1, seqs, init, out, src, dst))
+            w.launch(hybrid_plan(1, seqs, init, out, snaps))
     r = w.step(make_plan(2, seqs, BLOCK_SIZE))
     assert r.error is None and r.token_ids[0] >= 0
 
@@ -367,7 +401,7 @@ async def test_actor_answers_a_bad_slot_plan_with_an_error_then_keeps_stepping(c
     try:
         seqs = [Seq(PROMPT[:PREFIX], 0, [1])]
         for step, plan in enumerate(
-            [hybrid_plan(1, seqs, [6], [0]), hybrid_plan(2, seqs, [-1], [0], [0], [4])], 1
+            [hybrid_plan(1, seqs, [6], [0]), hybrid_plan(2, seqs, [-1], [0], [(0, PREFIX, 4)])], 1
         ):
             await actor.dispatch(Envelope(channel, None, dataclasses.replace(plan, step=step),
                                           None, 0.0))  # fmt: skip

@@ -153,6 +153,48 @@ def test_chunks_and_decode_steps_continue_one_sequence():
     assert torch.equal(states[slot], x[-(width - 1) :])
 
 
+@pytest.mark.parametrize("width", [2, 4])
+def test_varlen_snapshots_match_prefix_states(width):
+    """Snapshot entries (after 1 token: partly the initial state; after K - 1 and more; at the
+    end, besides the final state; a sequence from zeros; one continuing in its own slot whose
+    snapshot reads the initial state the final store overwrites) equal the final state of a
+    call over just that many tokens, in kernel and ref; the final states are unchanged."""
+    gen = torch.Generator().manual_seed(width)
+    dim, num_slots = 24, 12
+    lens = [20, 2, 0, 9]
+    init, dest = _slots([0, -1, -1, 1]), _slots([2, 3, -1, 1])
+    pos = _slots([[1, width - 1, 13, 20], [1, 2, 1, 1], [1, 1, 1, 1], [1, 5, 9, 1]])
+    snap = _slots([[4, 5, 6, 7], [8, 9, -1, -1], [-1, -1, -1, -1], [10, 11, -1, -1]])
+    x = _strided(sum(lens), dim, gen)
+    weight, bias = _params(dim, width, gen)
+    states = torch.randn(num_slots, width - 1, dim, generator=gen)
+    before = states.clone()
+    plain, want = states.clone(), states.clone()
+    qsl = _qsl(lens)
+    y_plain = causal_conv1d_varlen_ref(x, weight, bias, qsl, plain, init, dest)
+    y_want = causal_conv1d_varlen_ref(
+        x, weight, bias, qsl, want, init, dest, snap_pos=pos, snap_slots=snap
+    )
+    got = causal_conv1d_varlen(
+        x, weight, bias, qsl, states, init, dest, snap_pos=pos, snap_slots=snap
+    )
+    assert torch.equal(y_want, y_plain)
+    assert _rel_err(got, y_want) < 1e-5
+    assert torch.equal(states, want)  # copies of inputs: exact
+    assert torch.equal(want[:4], plain[:4])
+    starts = qsl.tolist()
+    for b in range(len(lens)):
+        for p, slot in zip(pos[b].tolist(), snap[b].tolist(), strict=True):
+            if slot < 0:
+                continue
+            prefix = before.clone()
+            lo = starts[b]
+            causal_conv1d_varlen_ref(
+                x[lo : lo + p], weight, bias, _qsl([p]), prefix, init[b : b + 1], _slots([0])
+            )
+            assert torch.equal(want[slot], prefix[0]), (b, p)
+
+
 def test_empty_calls():
     gen = torch.Generator().manual_seed(5)
     weight, bias = _params(8, 4, gen)
@@ -423,3 +465,29 @@ def test_gpu_causal_conv1d_nemotron_h_shapes_and_cuda_graphs():
         _check_against_fp32_ref("cuda", dtype, dim, width, lens, 37, tol)
         _check_against_fp32_ref("cuda", dtype, dim, width, [4096], 1, tol, seed=1)  # one long
     _check_cuda_graph(dim, width)
+
+
+@pytest.mark.gpu
+def test_gpu_causal_conv1d_snapshots_nemotron_h_shape():
+    """Snapshot entries at NemotronH-8B's conv_dim on CUDA (bf16): exact copies of the ref's
+    (the state is stored inputs), several per sequence, beside a continuing slot."""
+    gen = torch.Generator().manual_seed(3)
+    dim, width = 8192 + 2 * 8 * 128, 4
+    lens = [300, 2, 700]
+    x = _strided(sum(lens), dim, gen, dtype=torch.bfloat16, device="cuda")
+    weight, bias = _params(dim, width, gen, dtype=torch.bfloat16, device="cuda")
+    init = _slots([0, -1, 1], device="cuda")
+    dest = _slots([2, 3, 1], device="cuda")
+    pos = _slots([[1, 16, 300], [1, 2, 1], [2, 512, 700]], device="cuda")
+    snap = _slots([[4, 5, 6], [7, 8, -1], [9, 10, 11]], device="cuda")
+    states = torch.randn(12, width - 1, dim, generator=gen).to("cuda", torch.bfloat16)
+    want = states.clone()
+    qsl = _qsl(lens, device="cuda")
+    got = causal_conv1d_varlen(
+        x, weight, bias, qsl, states, init, dest, snap_pos=pos, snap_slots=snap
+    )
+    ref = causal_conv1d_varlen_ref(
+        x, weight, bias, qsl, want, init, dest, snap_pos=pos, snap_slots=snap
+    )
+    assert _rel_err(got, ref) < 1e-2
+    assert torch.equal(states, want)

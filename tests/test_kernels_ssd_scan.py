@@ -95,6 +95,79 @@ def test_ssd_scan_matches_ref(chunk, G, P, N, dt_min, dt_max, index_dtype, param
         assert _rel_err(got, unclamped) > 1e-2
 
 
+# Snapshot entries: sequence 0 (40 tokens, from slot 0) snapshots after 1 token, after 16 and 20
+# (two in one kernel step), after 32 (a step's last token) and 40 (its last token, besides its
+# final state); sequence 1 (5 tokens, from zeros) after 3; sequence 2 (padding) has an entry
+# with slot -1; sequence 3 (33 tokens) after 33 (the first token of a step, and its end).
+SNAP_LENS = [40, 5, 0, 33]
+SNAP_INIT = [0, -1, -1, 1]
+SNAP_DEST = [2, 3, -1, 1]
+SNAP_POS = [[1, 16, 20, 32, 40], [3, 1, 1, 1, 1], [1, 1, 1, 1, 1], [33, 1, 1, 1, 1]]
+SNAP_SLOTS = [[4, 5, 6, 7, 8], [9, -1, -1, -1, -1], [-1] * 5, [10, -1, -1, -1, -1]]
+
+
+@pytest.mark.parametrize("chunk", [7, 16, 64])
+def test_ssd_scan_snapshots_match_prefix_states(chunk):
+    """Each snapshot equals the ref's final state over just that many tokens (an independent
+    oracle: no snapshot code), and the kernel's snapshots and outputs equal the ref's; the
+    final states are what they are without snapshots; slots nobody names stay NaN."""
+    H, P, G, N = 2, 16, 1, 16
+    gen = torch.Generator().manual_seed(chunk)
+    x, dt, A, B, C, D, dt_bias = _inputs(sum(SNAP_LENS), H, P, G, N, gen=gen)
+    states = torch.full((12, H, P, N), NAN)
+    states[0], states[1] = torch.randn(2, H, P, N, generator=gen)
+    qsl = _qsl(SNAP_LENS)
+    init, dest = torch.tensor(SNAP_INIT), torch.tensor(SNAP_DEST)
+    pos, slots = torch.tensor(SNAP_POS), torch.tensor(SNAP_SLOTS)
+    args = (x, dt, A, B, C, D, dt_bias, qsl)
+    plain, want, got = states.clone(), states.clone(), states.clone()
+    y_plain = ssd_scan_varlen_ref(*args, plain, init, dest, chunk_size=chunk)
+    y_want = ssd_scan_varlen_ref(
+        *args, want, init, dest, chunk_size=chunk, snap_pos=pos, snap_slots=slots
+    )
+    y_got = ssd_scan_varlen(
+        *args, got, init, dest, chunk_size=chunk, snap_pos=pos, snap_slots=slots
+    )
+    assert torch.equal(y_want, y_plain)
+    assert _rel_err(y_got, y_want) < 2e-5
+    for slot in range(12):
+        if slot in (0, 11):  # read only / never named
+            _assert_slots(got, want, [slot])
+        else:
+            assert _rel_err(got[slot], want[slot]) < 2e-5, slot
+    torch.testing.assert_close(want[:4], plain[:4], rtol=0, atol=0, equal_nan=True)
+    starts = qsl.tolist()
+    for b, (row_pos, row_slots) in enumerate(zip(SNAP_POS, SNAP_SLOTS, strict=True)):
+        for p, slot in zip(row_pos, row_slots, strict=True):
+            if slot < 0:
+                continue
+            lo = starts[b]
+            prefix = states.clone()
+            ssd_scan_varlen_ref(
+                x[lo : lo + p], dt[lo : lo + p], A, B[lo : lo + p], C[lo : lo + p], D, dt_bias,
+                _qsl([p]), prefix, init[b : b + 1], torch.tensor([11]), chunk_size=chunk,
+            )  # fmt: skip
+            assert _rel_err(want[slot], prefix[11]) < 2e-5, (b, p)
+
+
+def test_ssd_scan_refuses_bad_snapshot_arguments():
+    H, P, G, N = 2, 16, 1, 16
+    gen = torch.Generator().manual_seed(0)
+    x, dt, A, B, C, D, dt_bias = _inputs(4, H, P, G, N, gen=gen)
+    states = torch.zeros(3, H, P, N)
+    args = (x, dt, A, B, C, D, dt_bias, _qsl([4]), states, torch.tensor([-1]), torch.tensor([0]))
+    pos = torch.tensor([[2]])
+    for kw, match in (
+        ({"snap_pos": pos}, "both or neither"),
+        ({"snap_pos": pos, "snap_slots": torch.tensor([1])}, "snap_slots must be"),
+        ({"snap_pos": pos.float(), "snap_slots": pos}, "snap_pos must be"),
+        ({"snap_pos": torch.ones(1, 9, dtype=torch.int64), "snap_slots": pos}, "K <= 8"),
+        ({"snap_pos": pos, "snap_slots": torch.tensor([[1, 2]])}, "differ"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            ssd_scan_varlen(*args, chunk_size=4, **kw)
+
+
 def test_ssd_scan_result_does_not_depend_on_chunk_size():
     gen = torch.Generator().manual_seed(5)
     H, P, G, N = 2, 16, 1, 16
@@ -282,3 +355,34 @@ def test_gpu_ssd_scan_nemotron_shape():
     for slot in (4, 8, 0, 6):
         assert _rel_err(states[slot], want_states[slot]) < 1e-2, slot
     assert torch.equal(states[[1, 2, 3, 5, 7]], want_states[[1, 2, 3, 5, 7]])
+
+
+@pytest.mark.gpu
+def test_gpu_ssd_scan_snapshots_nemotron_shape():
+    """Snapshot entries at NemotronH-8B's shape on CUDA (bf16 storage): inside a 32-token step,
+    on step edges, at a sequence's end, several per sequence, against the ref on fp32 copies."""
+    H, P, G, N, chunk = 128, 64, 8, 128, 128
+    lens = [300, 64, 700]
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x, dt, A, B, C, D, dt_bias = _inputs(
+        sum(lens), H, P, G, N, gen=gen, dtype=torch.bfloat16, device="cuda"
+    )
+    init = torch.tensor([0, -1, 1], dtype=torch.int32, device="cuda")
+    dest = torch.tensor([2, 3, 1], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([[16, 32, 33, 300], [64, 1, 1, 1], [256, 512, 700, 1]], device="cuda")
+    slots = torch.tensor([[4, 5, 6, 7], [8, -1, -1, -1], [9, 10, 11, -1]], device="cuda")
+    states = torch.randn(12, H, P, N, generator=gen, device="cuda")
+    want_states = states.clone()
+    qsl = _qsl(lens, device="cuda")
+    snaps = {"snap_pos": pos, "snap_slots": slots}
+    got = ssd_scan_varlen(
+        x, dt, A, B, C, D, dt_bias, qsl, states, init, dest, chunk_size=chunk, **snaps
+    )
+    want = ssd_scan_varlen_ref(
+        x.float(), dt.float(), A, B.float(), C.float(), D.float(), dt_bias.float(),
+        qsl, want_states, init, dest, chunk_size=chunk, **snaps,
+    )  # fmt: skip
+    assert _rel_err(got, want) < 1e-2
+    for slot in range(2, 12):
+        assert _rel_err(states[slot], want_states[slot]) < 1e-2, slot
+    assert torch.equal(states[0], want_states[0])

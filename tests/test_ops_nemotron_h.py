@@ -80,10 +80,12 @@ class HybridRunner:
         self.computed[seq] = tokens
 
     @torch.no_grad()
-    def step(self, chunks: dict[int, list[int]], restore: dict[int, int] | None = None):
+    def step(self, chunks: dict[int, list[int]], restore: dict[int, int] | None = None, snaps=None):
         """One forward over every sequence's chunk (decode rows first, as the engine orders
-        them); `restore`: seq -> the slot its initial state is read from. Logits per seq."""
-        restore = restore or {}
+        them); `restore`: seq -> the slot its initial state is read from; `snaps`: seq ->
+        [(tokens into its chunk, snapshot slot)], states the kernels store inside the chunk.
+        Logits per seq."""
+        restore, snaps = restore or {}, snaps or {}
         seqs = sorted(chunks, key=lambda s: len(chunks[s]) != 1 or self.computed[s] == 0)
         query_lens = [len(chunks[s]) for s in seqs]
         seq_lens = [self.computed[s] + len(chunks[s]) for s in seqs]
@@ -99,6 +101,13 @@ class HybridRunner:
             attn.query_start_loc,
             attn.num_decodes,
         )
+        if snaps:
+            rows = seqs[attn.num_decodes :]
+            width = max(len(v) for v in snaps.values())
+            pad = [(1, -1)] * width
+            table = [(snaps.get(s, []) + pad)[:width] for s in rows]
+            mamba.snap_pos = torch.tensor([[p for p, _ in r] for r in table], device=self.device)
+            mamba.snap_slots = torch.tensor([[t for _, t in r] for r in table], device=self.device)
         ids = torch.tensor([t for s in seqs for t in chunks[s]], device=self.device)
         hidden = self.model(ids, positions, attn, self.cache, mamba)
         logits = self.model.compute_logits(hidden).cpu()
@@ -161,6 +170,32 @@ def test_chunked_mixed_and_restored_match_hf(pair):
         skipped = 32 if seq == 2 else 0
         want = expected[seq][skipped : skipped + len(logits)]
         torch.testing.assert_close(logits, want, atol=ATOL, rtol=0, msg=f"sequence {seq}")
+
+
+def test_snapshots_inside_chunks_restore_to_hf(pair):
+    """Snapshots the kernels take inside prefill chunks (seq 0: one 40-token chunk, states
+    after 16 and 32 tokens; seq 1: after 16 of its 23, in a step with a decode row), restored
+    by three sequences sharing those prefixes in one step: Hugging Face's logits."""
+    (model, config, _), hf = pair
+    base, other = _prompt(40, 21), _prompt(23, 22)
+    prompts = [base, other, _prompt(3, 23), base[:32] + _prompt(5, 24)]
+    prompts += [base[:16] + _prompt(4, 25), other[:16] + _prompt(17, 26)]
+    runner = HybridRunner(model, config, seed=7)
+    for seq, p in enumerate(prompts):
+        runner.add(seq, len(p) + 1, slot=seq)
+    got = runner.step({2: prompts[2]})
+    torch.testing.assert_close(got[2], hf_logits(hf, prompts[2]), atol=ATOL, rtol=0)
+    got = runner.step({0: base, 1: other, 2: [7]}, snaps={0: [(16, 8), (32, 9)], 1: [(16, 10)]})
+    for seq in (0, 1):
+        torch.testing.assert_close(got[seq], hf_logits(hf, prompts[seq]), atol=ATOL, rtol=0)
+    torch.testing.assert_close(got[2][-1], hf_logits(hf, prompts[2] + [7])[-1], atol=ATOL, rtol=0)
+    restore, skipped = {3: 9, 4: 8, 5: 10}, {3: 32, 4: 16, 5: 16}
+    for seq, source in ((3, 0), (4, 0), (5, 1)):
+        runner.share(seq, source=source, tokens=skipped[seq])
+    got = runner.step({s: prompts[s][skipped[s] :] for s in restore}, restore=restore)
+    for seq, n in skipped.items():
+        want = hf_logits(hf, prompts[seq])[n:]
+        torch.testing.assert_close(got[seq], want, atol=ATOL, rtol=0, msg=f"sequence {seq}")
 
 
 def test_greedy_generation_matches_hf_generate(pair):

@@ -6,9 +6,10 @@ real mamba_cache service (`MambaCacheService`, answering MambaOps) and a fake Ma
 slot: the tuple of the token ids the sequence has consumed so far. For each sequence of a step
 the fake device reads its initial state (zeros: the empty tuple; else the slot `mamba_init`
 names), checks that it stands for exactly the request's tokens before the chunk, and writes it
-plus the chunk's tokens to `mamba_out`; after the forward it copies the snapshots
-(`mamba_snap_src` -> `mamba_snap_dst`), each of which must be the state after a whole number of
-prompt blocks whose chained hash is the one the scheduler attached. So a restore from a stale,
+plus the chunk's tokens to `mamba_out`; it stores the snapshots (`mamba_snap_row`,
+`mamba_snap_pos` -> `mamba_snap_dst`: the row's state after that many tokens of its chunk,
+inside it or at its end), each of which must be the state after a whole number of prompt blocks
+whose chained hash is the one the scheduler attached. So a restore from a stale,
 evicted or wrong snapshot, or a skip deeper than a snapshot, fails at the step where it happens.
 
 The harness applies the two replies of a step in the live engine's order (the MambaOpsReply
@@ -93,6 +94,7 @@ class MambaHarness(PrefixHarness):
         self.mamba_ops: list[MambaOps] = []
         self.restores_per_step: list[int] = []  # chunks that started from a snapshot, per step
         self.snapshots: list[tuple[int, int, int]] = []  # (request, tokens, hash) copied
+        self.inner_snapshots = 0  # snapshots stored inside a chunk (not at its end)
         self.snap_evicted: list[int] = []  # hashes the pool evicted (LRU), from its replies
         self.kv_voided: list[tuple[int, int]] = []  # (step, hash): snapshots a KV eviction voided
         self.stale: list[tuple[int, int]] = []  # (step, hash): snapshots their own step evicts
@@ -120,7 +122,7 @@ class MambaHarness(PrefixHarness):
     def _apply_blocks(self, batch: StepBatch, reply: BlockOpsReply) -> None:
         m = self.sched.mamba
         evicted = set(reply.evicted_hashes.tolist())
-        stale = [(batch.step, h) for _, h in batch.mamba_snaps if h in evicted]
+        stale = [(batch.step, h) for _, h, _ in batch.mamba_snaps if h in evicted]
         if stale and not batch.drop_cache:
             self.stale += stale
             if self.raise_on_stale:
@@ -168,6 +170,7 @@ class MambaHarness(PrefixHarness):
         qsl = a["query_start_loc"].tolist()
         written: dict[int, tuple[int, ...]] = {}
         restored = 0
+        chunk_states = []  # per row: (initial state, the chunk's tokens)
         for i, c in enumerate(batch.chunks):
             r, lo, hi = c.request, qsl[i], qsl[i + 1]
             start, stop = int(a["positions"][lo]), int(a["seq_lens"][i])
@@ -184,25 +187,31 @@ class MambaHarness(PrefixHarness):
                 f"step {batch.step}: request {r.request_id} starts at {start} from a state of "
                 f"{len(state)} tokens that is not its prefix (slot {init[i]})"
             )
+            chunk_states.append((state, tuple(ids[lo:hi].tolist())))
             written[out[i]] = state + tuple(ids[lo:hi].tolist())
             assert written[out[i]] == _tokens(r, stop)
         self.states.update(written)
         self.restores_per_step.append(restored)
-        src, dst = a["mamba_snap_src"].tolist(), a["mamba_snap_dst"].tolist()
-        assert len(src) == len(dst) == len(batch.mamba_snaps) <= S
+        rows, pos = a["mamba_snap_row"].tolist(), a["mamba_snap_pos"].tolist()
+        dst = a["mamba_snap_dst"].tolist()
+        assert len(rows) == len(pos) == len(dst) == len(batch.mamba_snaps) <= S
         assert len(set(dst)) == len(dst)
-        in_step = {c.request.request_id for c in batch.chunks}
-        for (r, h), s, d in zip(batch.mamba_snaps, src, dst, strict=True):
-            assert r.request_id in in_step and s == r.mamba_slot and L <= d < L + S
-            state = self.states[s]
+        snapped = {}
+        for (r, h, p), row, n, d in zip(batch.mamba_snaps, rows, pos, dst, strict=True):
+            assert batch.chunks[row].request is r and p == n and L <= d < L + S
+            assert d not in init, "a snapshot slot the step reads is written"
+            initial, tokens = chunk_states[row]
+            assert 1 <= n <= len(tokens)
+            self.inner_snapshots += n < len(tokens)
+            state = initial + tokens[:n]
             k = len(state)
             assert k and k % bs == 0 and k <= len(r.prompt), k
             assert int(r.hashes[k // bs - 1]) == h, "the snapshot is not of the state's block"
             assert int(block_hashes(np.asarray(state, np.int32), bs, self.sched.salt)[-1]) == h
             assert state == _tokens(r, k)
             self.snapshots.append((r.request_id, k, h))
-        for s, d in zip(src, dst, strict=True):
-            self.states[d] = self.states[s]
+            snapped[d] = state
+        self.states.update(snapped)
 
     # --- invariants -----------------------------------------------------------------------------
 
@@ -400,15 +409,14 @@ def test_one_snapshot_slot_evicts_lru_and_never_serves_a_wrong_state(overlap):
         assert h.computed[10 * f + 2] == 1 and h.ended[10 * f + 2].num_cached_tokens == 8
     assert h.snap_evicted == [hashes(fam)[1] for fam in families[:-1]]  # each by the next
     assert h.sched.mamba.num_restored == 6
-    # All at once: only the last family's snapshot is left, but a chunk that stops at a
-    # snapshot boundary admits no one beside it, so the families come in one after another,
-    # each snapshot evicting the one before: the last family's is gone when its turn comes.
+    # All at once, in one step: the last family restores the one snapshot left (computing its
+    # 2 new tokens), which pins the only slot, so the other families take no snapshot.
     restored = h.sched.mamba.num_restored
     for f, fam in enumerate(families):
         h.add(request(100 + f, fam + [7, 7], max_tokens=2))
     run_all(h)
-    assert h.sched.mamba.num_restored == restored
-    assert [h.computed[100 + f] for f in range(6)] == [10] * 6
+    assert h.sched.mamba.num_restored == restored + 1
+    assert [h.computed[100 + f] for f in range(6)] == [10] * 5 + [2]
     assert max(len(o.snap_hashes) + len(o.restore_hashes) for o in h.mamba_ops) == 1
 
 
@@ -433,12 +441,19 @@ def test_a_kv_eviction_voids_the_snapshot_in_the_mirror_then_in_the_pool():
     run_all(h)  # request 2 ends with no MambaOps: still pending
     assert m.pending_invalidate == [ha[2]] and pool.snapshot_slot(ha[2]) is not None
     # Request 3 (prompt a again) matches only a[0] of KV (a[1] went with request 2's last
-    # block): no snapshot up to there, so it computes everything; its MambaOps carries the
-    # invalidation, and the pool lets the snapshot go.
+    # block): no snapshot up to there, so it computes everything in one chunk, snapshotting
+    # inside it; its MambaOps carries the invalidation, which the pool applies before it takes
+    # a[2]'s new snapshot (the harness checks that slot's state).
     h.add(request(3, a, max_tokens=1))
+    inner = h.inner_snapshots
     h.step()
-    assert h.mamba_ops[-1].invalidate_hashes.tolist() == [ha[2]]
-    assert pool.snapshot_slot(ha[2]) is None and not m.pending_invalidate
+    ops = h.mamba_ops[-1]
+    assert ops.invalidate_hashes.tolist() == [ha[2]] and ha[2] not in m.pending_invalidate
+    # (Its 4 new blocks evict request 2's idle ones: the snapshot at 24 of that prompt is
+    # voided in turn, and waits for the next MambaOps.)
+    assert m.pending_invalidate == [h.kv_voided[-1][1]] and h.kv_voided[-1][0] == ops.step
+    assert ops.snap_hashes.tolist() == [ha[0], ha[2]]
+    assert h.inner_snapshots == inner + 2  # at 4 and 12 of its 13-token chunk
     run_all(h)
     assert h.computed[3] == 13 and h.ended[3].num_cached_tokens == 0
     assert snapped(h, 3) == [4, 12]  # the divergence point (a[0]), then a[2] again

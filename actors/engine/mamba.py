@@ -4,7 +4,7 @@ Owns: how many live slots are free (`live_free`, counting the frees not yet sent
 map as of the last reply (`snap_of`: block hash -> snapshot slot), the snapshots being written
 by steps whose results have not come back (`writing`), and the operations waiting for the next
 `MambaOps` (frees, invalidations, the drop). It turns an admission into a skip and the
-boundaries to snapshot (`match`) and a planned chunk into a snapshot (`snapshot_at_chunk_end`),
+boundaries to snapshot (`match`) and a planned chunk into its snapshots (`snapshots_in_chunk`),
 as PrefixIndex turns them into pins and registrations; the scheduler decides who runs.
 Must not touch: sockets, torch, the pool itself (the mamba_cache actor owns it and decides).
 
@@ -97,9 +97,9 @@ class MambaMirror:
         step in flight is writing one): `req` waits for it, as it waits for a KV block being
         written, instead of computing the same state again (the second of several requests
         sharing a prefix snapshots its divergence point, and the others restore it).
-        Also sets the boundaries its chunks stop at so that their states are snapshotted: the
-        KV divergence point (the end of the match), the last block boundary before its last
-        token, and the end of a block-aligned prompt; those beyond k with no snapshot yet."""
+        Also sets the boundaries whose states its chunks snapshot: the KV divergence point
+        (the end of the match), the last block boundary before its last token, and the end of
+        a block-aligned prompt; those beyond k with no snapshot yet."""
         k, h, slot = 0, 0, -1
         limit = min(matched, (req.num_tokens - 1) // bs)
         if matched:
@@ -119,34 +119,37 @@ class MambaMirror:
         ]
         return k, h, slot
 
-    def snapshot_at_chunk_end(
+    def snapshots_in_chunk(
         self,
         r: EngineRequest,
+        start: int,
         prefix: PrefixIndex,
         num_restored: int,
-        snaps: list[tuple[EngineRequest, int]],
+        snaps: list[tuple[EngineRequest, int, int]],
         bs: int,
     ) -> None:
-        """`r`'s chunk was planned: if it ends on its next snapshot boundary, add (r, hash) to
-        the step's `snaps`, unless a snapshot exists, the hash is not cached KV a request holds
-        or is writing, or every snapshot slot is taken by the step's `num_restored` restores
-        and its snapshots (then that boundary is skipped)."""
+        """`r`'s chunk of tokens [start, r.num_computed_tokens) was planned: for each of its
+        snapshot boundaries inside the chunk or at its end, add (r, hash, tokens into the
+        chunk) to the step's `snaps` (the kernels store a state inside a chunk, so chunks need
+        not end there), unless a snapshot of that hash exists or is planned, the hash is not
+        cached KV a request holds or is writing, or every snapshot slot is taken by the step's
+        `num_restored` restores and its snapshots (then that boundary is skipped)."""
         end = r.num_computed_tokens
-        while r.snap_bounds and r.snap_bounds[0] < end:
-            r.snap_bounds.pop(0)  # (not reached by a chunk end: never planned that way)
-        if not r.snap_bounds or r.snap_bounds[0] != end:
-            return
-        r.snap_bounds.pop(0)
-        h = int(r.hashes[end // bs - 1])
-        if h in self.snap_of or any(h == x for _, x in snaps):
-            return
-        block = prefix.block_of.get(h)
-        if h not in prefix.writing and (block is None or not prefix.refs[block]):
-            # A private block (its hash never matches, so its state would never be read), or a
-            # cached copy no request holds, which this very step's allocations may evict.
-            return
-        if num_restored + len(snaps) < self.snapshot_slots:
-            snaps.append((r, h))
+        while r.snap_bounds and r.snap_bounds[0] <= end:
+            b = r.snap_bounds.pop(0)
+            if b <= start:
+                continue  # (behind the chunk: never planned that way)
+            h = int(r.hashes[b // bs - 1])
+            if h in self.snap_of or any(h == x for _, x, _ in snaps):
+                continue
+            block = prefix.block_of.get(h)
+            if h not in prefix.writing and (block is None or not prefix.refs[block]):
+                # A private block (its hash never matches, so its state would never be read),
+                # or a cached copy no request holds, which this very step's allocations may
+                # evict.
+                continue
+            if num_restored + len(snaps) < self.snapshot_slots:
+                snaps.append((r, h, b - start))
 
     # --- replies --------------------------------------------------------------------------------
 

@@ -134,7 +134,7 @@ def mamba_ops(batch: StepBatch) -> MambaOps | None:
         np.asarray([r.request_id for r in batch.mamba_live], np.int64),
         np.asarray(batch.mamba_invalidate, np.int64),
         np.asarray(batch.mamba_restore, np.int64),
-        np.asarray([h for _, h in batch.mamba_snaps], np.int64),
+        np.asarray([h for _, h, _ in batch.mamba_snaps], np.int64),
         batch.mamba_drop,
     )
 

@@ -45,10 +45,10 @@ result is applied, and a request whose next block is still being written waits (
 Hybrid models (DESIGN.md §6, actors/engine/mamba.py): each admitted request takes a live Mamba
 slot from the mamba_cache actor (one MambaOps per step, beside the BlockOps). Mamba state is
 recurrent, so a hybrid skips only up to the deepest matched block with a Mamba snapshot
-(`MambaMirror.match`), and its chunks stop on the boundaries whose state it snapshots
-(`MambaMirror.snapshot_at_chunk_end`); a chunk cut there admits no one beside it, and a
-request waits for a
-snapshot of its prefix that a running chunk is about to take.
+(`MambaMirror.match`); the chunks that reach the boundaries whose state it snapshots say
+where, inside the chunk or at its end (`MambaMirror.snapshots_in_chunk`), and the kernels store
+those states, so chunks are cut by the token budget only. A request waits for a snapshot of its
+prefix that a running chunk is about to take.
 """
 
 from __future__ import annotations
@@ -96,11 +96,12 @@ class StepBatch:
     regs: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
     drop_cache: bool = False
     # Hybrids (the step's MambaOps, messages/mamba_cache.py): requests that take a live slot,
-    # snapshots read (hashes) and written ((request, hash); their slots come with the reply),
+    # snapshots read (hashes) and written ((request, hash, tokens into its chunk); their slots
+    # come with the reply),
     # and the frees, invalidations and drop waiting in the mirror when the step was planned.
     mamba_live: list[EngineRequest] = dataclasses.field(default_factory=list)
     mamba_restore: list[int] = dataclasses.field(default_factory=list)
-    mamba_snaps: list[tuple[EngineRequest, int]] = dataclasses.field(default_factory=list)
+    mamba_snaps: list[tuple[EngineRequest, int, int]] = dataclasses.field(default_factory=list)
     mamba_snap_slots: list[int] = dataclasses.field(default_factory=list)
     mamba_free: list[int] = dataclasses.field(default_factory=list)
     mamba_invalidate: list[int] = dataclasses.field(default_factory=list)
@@ -156,7 +157,6 @@ class Scheduler:
         if prefix_policy is not None:
             self.prefix = PrefixIndex(plan.num_blocks, plan.block_size, prefix_policy)
         self.salt = 0  # the weight version: block hashes are salted with it
-        self._cut_at_bound = False  # (see _fit)
         # Hybrid models: the mirror of the mamba_cache actor's slots. A request takes a live
         # slot when admitted and gives it back when it finishes or is evicted; a paused one
         # keeps it. A slot given back may be handed out at once: its new owner reads zeros or a
@@ -164,8 +164,8 @@ class Scheduler:
         self.mamba = None
         if plan.mamba_slots:
             self.mamba = MambaMirror(plan.mamba_slots, plan.mamba_snapshot_slots)
-        # Mamba prefix caching (snapshots): chunked prefill is on, as chunks end on snapshot
-        # boundaries.
+        # Mamba prefix caching (snapshots): chunked prefill is on (a long prompt's chunks may
+        # hold snapshot boundaries: the kernels store those states inside the chunk).
         self.mamba_snapshots = bool(self.mamba and self.prefix and plan.mamba_snapshot_slots)
         if self.mamba_snapshots:
             self.chunked_prefill = True
@@ -234,13 +234,6 @@ class Scheduler:
             return 0, 0, False
         remaining = req.num_planned_tokens - req.num_computed_tokens
         n = min(remaining, budget)
-        if req.snap_bounds and req.snap_bounds[0] - req.num_computed_tokens < n:
-            # A chunk ends on the next snapshot boundary it reaches; the step then admits no
-            # one else (as a chunk cut by the budget would), so a prefill is never joined by
-            # admissions it did not leave room for (they could pause and evict each other
-            # forever under a tight paused budget).
-            n = req.snap_bounds[0] - req.num_computed_tokens
-            self._cut_at_bound = True
         if n <= 0 or (n < remaining and not (self.chunked_prefill or req.generated)):
             return 0, 0, False
         need = req.blocks_needed(req.num_computed_tokens + n, bs)
@@ -267,7 +260,6 @@ class Scheduler:
         """Plan the next step. At most one step may be in flight (planned, update() not run)."""
         budget = self.plan.max_tokens
         free = self._free_view()
-        self._cut_at_bound = False  # set by _fit: a chunk stops at a snapshot boundary
         chunks: list[Chunk] = []
         pins: list[tuple[int, np.ndarray]] = []
         ended = [r for r in self.running + self.paused if r.aborted]
@@ -296,7 +288,7 @@ class Scheduler:
         claimed = 0  # chunks whose prompt blocks are registered (so later admissions wait)
         mamba_live: list[EngineRequest] = []
         mamba_restore: list[int] = []
-        while self.waiting and not (self.paused or evicted or self._cut_at_bound):
+        while self.waiting and not (self.paused or evicted):
             req = self.waiting[0]
             if len(self.running) >= self.plan.max_requests or req.steps_in_flight:
                 break  # (an evicted request comes back once its last token is known)
@@ -352,7 +344,7 @@ class Scheduler:
             for c in chunks[claimed:]:
                 self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
         chunks.sort(key=lambda c: c.num_new_tokens != 1)
-        snaps: list[tuple[EngineRequest, int]] = []
+        snaps: list[tuple[EngineRequest, int, int]] = []
         for c in chunks:  # the step is planned: advance each request past its chunk
             r = c.request
             c.start = r.num_computed_tokens
@@ -362,8 +354,8 @@ class Scheduler:
             r.num_pending += c.samples
             r.steps_in_flight += 1
             if r.snap_bounds:
-                self.mamba.snapshot_at_chunk_end(
-                    r, self.prefix, len(mamba_restore), snaps, self.plan.block_size
+                self.mamba.snapshots_in_chunk(
+                    r, c.start, self.prefix, len(mamba_restore), snaps, self.plan.block_size
                 )
         self.steps_in_flight += bool(chunks)
         free_ids = list(self.pending_free)
@@ -508,7 +500,7 @@ class Scheduler:
                 )
             for r, slot in zip(batch.mamba_live, reply.live_slots.tolist(), strict=True):
                 r.mamba_slot = slot
-            m.apply(reply, [h for _, h in batch.mamba_snaps], batch.step)
+            m.apply(reply, [h for _, h, _ in batch.mamba_snaps], batch.step)
             batch.mamba_snap_slots = reply.snap_slots.tolist()
         m.live_free = reply.num_live_free + len(m.pending_free)
 
@@ -591,8 +583,11 @@ class Scheduler:
                 "mamba_out": np.asarray(out, dtype=np.int32),
             }
             if batch.mamba_snap_slots:
-                src = [r.mamba_slot for r, _ in batch.mamba_snaps]
-                mamba["mamba_snap_src"] = np.asarray(src, dtype=np.int32)
+                row = {id(c.request): i for i, c in enumerate(batch.chunks)}
+                rows = [row[id(r)] for r, _, _ in batch.mamba_snaps]
+                mamba["mamba_snap_row"] = np.asarray(rows, dtype=np.int32)
+                pos = [p for _, _, p in batch.mamba_snaps]
+                mamba["mamba_snap_pos"] = np.asarray(pos, dtype=np.int32)
                 mamba["mamba_snap_dst"] = np.asarray(batch.mamba_snap_slots, dtype=np.int32)
         return mamba | {
             "input_ids": ids.array(np.int32),
@@ -626,7 +621,7 @@ class Scheduler:
         if self.prefix is not None:
             self.prefix.done_writing(batch.step, [reg[2] for reg in batch.regs])
             if self.mamba_snapshots:
-                self.mamba.done_writing(batch.step, [h for _, h in batch.mamba_snaps])
+                self.mamba.done_writing(batch.step, [h for _, h, _ in batch.mamba_snaps])
             if result is None:
                 self._drop_cached()  # the step's blocks (and snapshots) may hold no valid state
         for i, c in enumerate(batch.chunks):

@@ -313,9 +313,14 @@ class ModelWorker:
         )
 
     def _run_model(
-        self, ids: torch.Tensor, inputs: dict[str, torch.Tensor], attn: AttentionMetadata
+        self,
+        ids: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        attn: AttentionMetadata,
+        inner_snaps: dict[int, list[tuple[int, int]]] | None = None,
     ) -> torch.Tensor:
-        """The model's forward over the step's buffers (a hybrid also gets its Mamba slots)."""
+        """The model's forward over the step's buffers (a hybrid also gets its Mamba slots, and
+        the snapshots its kernels store inside chunks: row -> [(position, slot)])."""
         if self.mamba_state is None:
             return self.model(ids, inputs["positions"], attn, self.kv_cache)
         conv, ssm = self.mamba_state
@@ -323,7 +328,28 @@ class ModelWorker:
             conv, ssm, inputs["mamba_init"], inputs["mamba_out"], attn.query_start_loc,
             attn.num_decodes,
         )  # fmt: skip
+        if inner_snaps:
+            rows = range(attn.num_decodes, len(attn.query_start_loc) - 1)
+            width = max(len(v) for v in inner_snaps.values())
+            table = [(inner_snaps.get(r, []) + [(1, -1)] * width)[:width] for r in rows]
+            mamba.snap_pos = self._tensor(np.asarray([[p for p, _ in t] for t in table]))
+            mamba.snap_slots = self._tensor(np.asarray([[s for _, s in t] for t in table]))
         return self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
+
+    @staticmethod
+    def _inner_snapshots(plan: StepPlan) -> dict[int, list[tuple[int, int]]]:
+        """The plan's snapshots inside chunks (before the chunk's last token), which the
+        kernels store: row -> [(position, slot)]. Such a row has at least two tokens, so it is
+        a prefill row. The step runs eagerly (they are rare: a few per shared prefix)."""
+        out: dict[int, list[tuple[int, int]]] = {}
+        lens = np.diff(plan.query_start_loc)
+        for row, pos, dst in zip(
+            plan.mamba_snap_row.tolist(), plan.mamba_snap_pos.tolist(),
+            plan.mamba_snap_dst.tolist(), strict=True,
+        ):  # fmt: skip
+            if pos < lens[row]:
+                out.setdefault(row, []).append((int(pos), int(dst)))
+        return out
 
     def _tensor(self, a: np.ndarray, dtype=None) -> torch.Tensor:
         # np.frombuffer views are read-only; torch wants writable memory.
@@ -351,7 +377,8 @@ class ModelWorker:
         self._check_prev_rows(plan, previous)
         self._check_mamba_slots(plan)
         bucket = None
-        if self.graphs is not None and not (plan.prompt_targets >= 0).any():
+        inner_snaps = self._inner_snapshots(plan)
+        if self.graphs is not None and not (plan.prompt_targets >= 0).any() and not inner_snaps:
             all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
             bucket = self.graphs.pick(len(plan.input_ids), num_seqs, all_decode)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
@@ -369,13 +396,13 @@ class ModelWorker:
             inputs = self.buffers.views(num_tokens=len(plan.input_ids), num_seqs=num_seqs)
             logits, hidden = self._logits[:num_seqs], None
         else:
-            hidden = self._forward(plan, inputs)  # [T, H]
+            hidden = self._forward(plan, inputs, inner_snaps)  # [T, H]
             # Logits for every sequence's last token (rows that do not sample are ignored):
             # their positions come from the device's query starts, so nothing travels for them.
             last = inputs["query_start_loc"][1:].long() - 1
             logits = self.model.compute_logits(hidden[last])  # [B, V] fp32
-        if len(plan.mamba_snap_src):  # after the forward that reached the boundaries
-            self._snapshot(plan.mamba_snap_src, plan.mamba_snap_dst)
+        if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
+            self._snapshot_chunk_ends(plan)
         tokens = self._sample(plan, inputs, logits)  # [B]
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = tokens
@@ -429,7 +456,9 @@ class ModelWorker:
             **extra,
         )
 
-    def _forward(self, plan: StepPlan, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _forward(
+        self, plan: StepPlan, inputs: dict[str, torch.Tensor], inner_snaps=None
+    ) -> torch.Tensor:
         attn = AttentionMetadata(
             query_start_loc=inputs["query_start_loc"],
             seq_lens=inputs["seq_lens"],
@@ -439,7 +468,7 @@ class ModelWorker:
         ids = inputs["input_ids"]
         if len(plan.prev_rows):  # only then: the gather costs launches
             ids = self._ids_with_previous_tokens(inputs)
-        return self._run_model(ids, inputs, attn)
+        return self._run_model(ids, inputs, attn, inner_snaps)
 
     def _ids_with_previous_tokens(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """input_ids, where prev_rows says so replaced by the last step's sampled tokens (on
@@ -454,9 +483,9 @@ class ModelWorker:
         snapshot slot (ValueError)."""
         n, live = self._mamba_slots, self._mamba_slots - self._snapshot_slots
         init, out = plan.mamba_init, plan.mamba_out
-        src, dst = plan.mamba_snap_src, plan.mamba_snap_dst
+        row, pos, dst = plan.mamba_snap_row, plan.mamba_snap_pos, plan.mamba_snap_dst
         if not n:
-            if len(init) or len(out) or len(src) or len(dst):
+            if len(init) or len(out) or len(dst) or len(row) or len(pos):
                 raise ValueError("the plan names Mamba slots, but the model has no Mamba layers")
             return
         if len(init) != len(plan.seq_lens) or len(out) != len(plan.seq_lens):
@@ -464,18 +493,31 @@ class ModelWorker:
         for name, a in (("mamba_init", init), ("mamba_out", out)):
             if len(a) and (a.min() < -1 or a.max() >= n):
                 raise ValueError(f"{name} names slots outside -1..{n - 1}: {a.tolist()[:8]}")
-        if len(src) != len(dst):
-            raise ValueError("mamba_snap_src and mamba_snap_dst must have one entry each")
-        if len(src) and (src.min() < 0 or src.max() >= live):
-            raise ValueError(f"mamba_snap_src must name live slots 0..{live - 1}")
-        if len(dst) and (dst.min() < live or dst.max() >= n or len(set(dst.tolist())) < len(dst)):
+        if not len(row) == len(pos) == len(dst):
+            raise ValueError("mamba_snap_row, mamba_snap_pos and mamba_snap_dst must match")
+        if not len(dst):
+            return
+        num_seqs = len(plan.seq_lens)
+        if row.min() < 0 or row.max() >= num_seqs:
+            raise ValueError(f"mamba_snap_row must name sequences 0..{num_seqs - 1}")
+        lens = np.diff(plan.query_start_loc)[row]
+        if (pos < 1).any() or (pos > lens).any():
+            raise ValueError("mamba_snap_pos must lie in 1..the query length of its sequence")
+        if ((pos == lens) & ((out[row] < 0) | (out[row] >= live))).any():
+            raise ValueError("a snapshot at a chunk's end copies its out slot: a live slot")
+        if dst.min() < live or dst.max() >= n or len(set(dst.tolist())) < len(dst):
             raise ValueError(f"mamba_snap_dst must name distinct snapshot slots {live}..{n - 1}")
+        if set(dst.tolist()) & set(init.tolist()):
+            raise ValueError("a snapshot slot the step writes cannot be one it reads")
 
-    def _snapshot(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Copy live Mamba states into snapshot slots (every layer; queued after the forward,
-        so the next step's forward reads them)."""
-        s = self._tensor(src, torch.long)
-        d = self._tensor(dst, torch.long)
+    def _snapshot_chunk_ends(self, plan: StepPlan) -> None:
+        """The snapshots at a chunk's end: copies of its out slot into snapshot slots (every
+        layer; queued after the forward, so the next step's forward reads them)."""
+        ends = plan.mamba_snap_pos == np.diff(plan.query_start_loc)[plan.mamba_snap_row]
+        if not ends.any():
+            return
+        s = self._tensor(plan.mamba_out[plan.mamba_snap_row[ends]], torch.long)
+        d = self._tensor(plan.mamba_snap_dst[ends], torch.long)
         for t in self.mamba_state:
             t.index_copy_(1, d, t.index_select(1, s))
 
