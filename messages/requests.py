@@ -78,11 +78,13 @@ class SamplingParams:
     the exact order of the filters); seed None draws from fresh entropy (the engine picks one),
     a given seed makes the draws reproducible whatever the batch holds.
 
-    Stopping: EOS (unless `ignore_eos`), any of `stop_token_ids`, or a stop word: a token
-    sequence in `stop_word_ids` completed by the generated tokens (it may span any number of
-    steps). `stop` holds stop words as text; the client tokenizes them into `stop_word_ids`
-    before sending (the engine matches ids only). `include_stop_word` keeps the stop word's
-    tokens in the output (default: dropped).
+    Stopping: EOS (unless `ignore_eos`), any of `stop_token_ids`, a stop word: a token sequence
+    in `stop_word_ids` completed by the generated tokens (it may span any number of steps), or a
+    stop string of `stop` (a str or a sequence of str) in the output text. The engine matches
+    ids only; stop strings are matched by the client (runtime/client.py) on the detokenized
+    text, where one may span tokens or sit inside one, and the client then aborts the request
+    in the engine. `include_stop_word` keeps the stop word's tokens, or the stop string, in the
+    output (default: dropped; the token that completed a stop string is always kept).
     Log-probs are log-softmax of the raw logits: `return_log_probs` returns one per generated
     token and, unless `skip_prompt_log_probs`, one per prompt token after the first;
     `top_n_logprobs` > 0 adds the top-n (id, log-prob) pairs per generated token (and per prompt
@@ -98,7 +100,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()
-    stop: tuple[str, ...] = ()
+    stop: tuple[str, ...] = ()  # or one str: see stop_strings()
     stop_word_ids: tuple[tuple[int, ...], ...] = ()
     include_stop_word: bool = False
     return_log_probs: bool = False
@@ -124,6 +126,10 @@ class SamplingParams:
             out.append(f"seed must be in [0, 2**63), got {self.seed}")
         if any(t < 0 for t in self.stop_token_ids):
             out.append("stop_token_ids must be non-negative")
+        try:
+            self.stop_strings()
+        except ValueError as e:
+            out.append(str(e))
         if any(not w or min(w) < 0 for w in self.stop_word_ids):
             out.append("each of stop_word_ids must be a non-empty list of non-negative ids")
         if not 0 <= self.top_n_logprobs <= MAX_TOP_N:
@@ -138,6 +144,17 @@ class SamplingParams:
         if self.streaming_interval < 1:
             out.append(f"streaming_interval must be >= 1, got {self.streaming_interval}")
         return out
+
+    def stop_strings(self) -> tuple[str, ...]:
+        """`stop` as a tuple (a bare string is one stop string); ValueError if it is not a
+        string or a sequence of non-empty strings (an empty one would match everywhere)."""
+        stop = self.stop
+        stops = (stop,) if isinstance(stop, str) else stop
+        if not isinstance(stops, Sequence) or not all(isinstance(s, str) for s in stops):
+            raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+        if not all(stops):
+            raise ValueError(f"stop strings must be non-empty, got {stop!r}")
+        return tuple(stops)
 
 
 @message(20)

@@ -1,7 +1,8 @@
 """Client and AsyncClient: talk to a running taipan runtime (coordinator address).
 
 The client tokenizes (the tokenizer travels from the engine in ModelInfo, so no model files are
-needed here), turns stop words into token ids, submits token ids, and detokenizes incrementally.
+needed here), submits token ids, detokenizes incrementally and matches stop strings on the text
+(ops/stop_strings.py: the engine matches token ids only; on a match it aborts the request).
 It also drives the lifecycle (pause, suspend, update_weights, resume, unpause, stop: see
 messages/lifecycle.py) with the runtime's control token (runtime/auth.py: found by address for
 the user who started the runtime, or given as `control_token=` / TAIPAN_CONTROL_TOKEN).
@@ -59,7 +60,8 @@ from taipan.messages.requests import (
     SamplingParams,
 )
 from taipan.messages.stats import Stats
-from taipan.ops.tokenizer import IncrementalDetokenizer, Tokenizer
+from taipan.ops.stop_strings import StoppingDetokenizer
+from taipan.ops.tokenizer import Tokenizer
 
 Prompt = str | Sequence[int] | Sequence[dict]
 TopN = list[dict[int, float]]  # per token: {token id: log-prob} of its top-n candidates
@@ -105,7 +107,9 @@ class RequestDetails:
 
 @dataclasses.dataclass
 class Completion(RequestDetails):
-    """One finished request (see RequestDetails for the optional fields)."""
+    """One finished request (see RequestDetails for the optional fields). `stop_reason` (as
+    vLLM's): the stop string that ended it, or the stop token id (one of `stop_token_ids`) that
+    did; None otherwise (EOS, a stop word given as ids, any other finish reason)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
@@ -113,18 +117,21 @@ class Completion(RequestDetails):
     token_ids: list[int]
     finish_reason: FinishReason
     error: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclasses.dataclass
 class Delta(RequestDetails):
     """New text of a streamed request, with the log-probs of its tokens (None unless asked).
-    The last delta (`finished`) also carries the prompt log-probs, events, timings, staleness."""
+    The last delta (`finished`) also carries the prompt log-probs, events, timings, staleness
+    and `stop_reason` (as Completion's)."""
 
     text: str
     token_ids: list[int]
     finished: bool
     finish_reason: FinishReason | None
     error: str | None = None
+    stop_reason: str | int | None = None
 
 
 def _top_n(ids: np.ndarray, log_probs: np.ndarray) -> TopN:
@@ -141,14 +148,16 @@ def _token_log_probs(out: RequestOutput, sampling: SamplingParams):
     return log_probs, top
 
 
-def _final_fields(out: RequestOutput, sampling: SamplingParams) -> dict:
-    """What only the terminal output carries, as Completion/Delta keyword arguments."""
+def _final_fields(out: RequestOutput, sampling: SamplingParams, num_tokens: int) -> dict:
+    """What only the terminal output carries, as Completion/Delta keyword arguments; per-token
+    staleness cut to the `num_tokens` of prompt + output (the engine may have generated past a
+    stop string before its abort arrived)."""
     fields: dict = {
         "events": list(out.events),
         "ttft": out.ttft,
         "tpot": out.tpot,
-        "policy_staleness": out.policy_staleness.tolist(),
-        "kv_cache_staleness": out.kv_cache_staleness.tolist(),
+        "policy_staleness": out.policy_staleness[:num_tokens].tolist(),
+        "kv_cache_staleness": out.kv_cache_staleness[:num_tokens].tolist(),
         "num_cached_tokens": out.num_cached_tokens,
     }
     if sampling.return_log_probs and not sampling.skip_prompt_log_probs:
@@ -156,6 +165,37 @@ def _final_fields(out: RequestOutput, sampling: SamplingParams) -> dict:
     if sampling.return_prompt_top_n_logprobs:
         fields["prompt_top_n_logprobs"] = _top_n(out.prompt_top_n_ids, out.prompt_top_n_log_probs)
     return fields
+
+
+def _delta(
+    out: RequestOutput,
+    end: RequestOutput | None,
+    sampling: SamplingParams,
+    token_ids: list[int],
+    text: str,
+    reader: StoppingDetokenizer,
+    num_tokens: int,
+) -> Delta:
+    """The Delta of `out` (its first `len(token_ids)` tokens); `end`, the request's terminal
+    output, when this is the last."""
+    log_probs, top_n = _token_log_probs(out, sampling)
+    n = len(token_ids)
+    reason, error, stop_reason = out.finish_reason, out.error, reader.stop_reason
+    if stop_reason is not None:
+        reason, error = FinishReason.STOP, None
+    elif reason == FinishReason.STOP and token_ids and token_ids[-1] in sampling.stop_token_ids:
+        stop_reason = token_ids[-1]
+    return Delta(
+        text,
+        token_ids,
+        end is not None,
+        reason if end is not None else None,
+        error,
+        stop_reason,
+        log_probs=None if log_probs is None else log_probs[:n],
+        top_n_logprobs=None if top_n is None else top_n[:n],
+        **({} if end is None else _final_fields(end, sampling, num_tokens)),
+    )
 
 
 def _check_state_fits(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -258,92 +298,92 @@ class AsyncClient:
     async def _one(self, prompt: Prompt, sampling: SamplingParams | None, chat: bool):
         text, ids = self._encode(prompt, chat)
         sampling = sampling or SamplingParams()
+        texts: list[str] = []
         tokens: list[int] = []
         log_probs: list[float] | None = [] if sampling.return_log_probs else None
         top_n: TopN | None = [] if sampling.top_n_logprobs else None
-        last = None
-        async for out in self._outputs(ids, sampling, stream=False):
-            tokens.extend(out.new_token_ids.tolist())
-            new_log_probs, new_top_n = _token_log_probs(out, sampling)
+        async for last in self._deltas(ids, sampling, stream=False):
+            texts.append(last.text)
+            tokens.extend(last.token_ids)
             if log_probs is not None:
-                log_probs.extend(new_log_probs)
+                log_probs.extend(last.log_probs)
             if top_n is not None:
-                top_n.extend(new_top_n)
-            last = out
+                top_n.extend(last.top_n_logprobs)
+        details = {f.name: getattr(last, f.name) for f in dataclasses.fields(RequestDetails)}
+        details.update(log_probs=log_probs, top_n_logprobs=top_n)
         return Completion(
             prompt=text,
             prompt_token_ids=ids.tolist(),
-            # A stop word the request did not want kept was already dropped by the engine.
-            text=self.tokenizer.decode(tokens),
+            text="".join(texts),
             token_ids=tokens,
             finish_reason=last.finish_reason,
             error=last.error,
-            log_probs=log_probs,
-            top_n_logprobs=top_n,
-            **_final_fields(last, sampling),
+            stop_reason=last.stop_reason,
+            **details,
         )
 
     async def stream(
         self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False
     ) -> AsyncIterator[Delta]:
-        """Yield text deltas as tokens arrive; the last delta has `finished` set."""
+        """Yield text deltas as tokens arrive; the last delta has `finished` set. Text that may
+        still become a stop string is held back until it is known not to."""
         _, ids = self._encode(prompt, chat)
-        sampling = sampling or SamplingParams()
-        detok = IncrementalDetokenizer(self.tokenizer, ids.tolist())
-        async for out in self._outputs(ids, sampling, stream=True):
-            new = out.new_token_ids.tolist()
-            text = detok.feed(new)
-            log_probs, top_n = _token_log_probs(out, sampling)
-            final = {}
-            if out.finished:
-                text += detok.flush()
-                final = _final_fields(out, sampling)
-            yield Delta(
-                text,
-                new,
-                out.finished,
-                out.finish_reason,
-                out.error,
-                log_probs=log_probs,
-                top_n_logprobs=top_n,
-                **final,
-            )
+        async for delta in self._deltas(ids, sampling or SamplingParams(), stream=True):
+            yield delta
 
-    def _with_stop_word_ids(self, sampling: SamplingParams) -> SamplingParams:
-        """Tokenize `sampling.stop` into `stop_word_ids` (after any ids given): the engine
-        matches ids only. Words are encoded alone, without special tokens, so a word whose
-        tokens merge with the text before it in the output is not matched there."""
-        stop = (sampling.stop,) if isinstance(sampling.stop, str) else tuple(sampling.stop)
-        words = [tuple(w) for w in sampling.stop_word_ids]
-        for word in stop:
-            ids = tuple(self.tokenizer.encode(word, add_special_tokens=False))
-            if not ids:
-                raise ValueError(f"stop word {word!r} encodes to no tokens")
-            if ids not in words:
-                words.append(ids)
-        return dataclasses.replace(sampling, stop=stop, stop_word_ids=tuple(words))
+    async def _deltas(
+        self, ids: np.ndarray, sampling: SamplingParams, stream: bool
+    ) -> AsyncIterator[Delta]:
+        """The request's output as one Delta per RequestOutput, the last one `finished`.
 
-    async def _outputs(self, ids: np.ndarray, sampling: SamplingParams, stream: bool):
+        Stop strings are matched here, on the detokenized text, so a request with any is
+        streamed from the engine even when the caller does not stream (`streaming_interval`
+        still applies). On a match the text ends at the stop string, the engine is told to
+        abort the request at once, and its terminal output (awaited: the abort may race a few
+        more tokens) gives the final fields; tokens past the one that completed the stop string
+        are dropped.
+        """
         if self._actor is None:
             raise RuntimeError("the client is not connected")
-        if sampling.stop:
-            sampling = self._with_stop_word_ids(sampling)
+        stops = sampling.stop_strings()
+        sampling = dataclasses.replace(sampling, stop=stops)
+        reader = StoppingDetokenizer(
+            self.tokenizer, ids.tolist(), stops, sampling.include_stop_word
+        )
+        num_tokens = len(ids)  # prompt + output tokens so far
+        request_id, queue = await self._submit(ids, sampling, stream or bool(stops))
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                finished = out.finished
+                new = out.new_token_ids.tolist()
+                text, keep = reader.feed(new)
+                if finished and reader.stop_reason is None:
+                    text += reader.flush()
+                end = out if finished else None
+                if reader.stop_reason is not None and not finished:
+                    await self._actor.abort(request_id)  # the engine need not go on
+                    while not finished:
+                        end = await queue.get()
+                        finished = end.finished
+                num_tokens += keep
+                yield _delta(out, end, sampling, new[:keep], text, reader, num_tokens)
+                if reader.stop_reason is not None:
+                    return
+        finally:
+            if not finished and self._actor is not None:
+                await self._actor.abort(request_id)  # the caller stopped listening
+
+    async def _submit(self, ids: np.ndarray, sampling: SamplingParams, stream: bool):
+        """Send one request; (its id, the queue its outputs arrive in)."""
         hashes = None
         info = self.info
         if info is not None and info.prefix_caching and info.block_size:
             # Hashed here, where the tokens are (the coordinator routes by them); a stale salt
             # (weights updated by another client) only makes the coordinator hash again.
             hashes = block_hashes(ids, info.block_size, self._salt)
-        request_id, queue = await self._actor.submit(ids, sampling, stream, hashes, self._salt)
-        finished = False
-        try:
-            while not finished:
-                out = await queue.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished and self._actor is not None:
-                await self._actor.abort(request_id)  # the caller stopped listening
+        return await self._actor.submit(ids, sampling, stream, hashes, self._salt)
 
     async def stats(self) -> Stats:
         """The lifecycle state and every rank's latest counters (messages/stats.py)."""

@@ -1016,7 +1016,7 @@ async def test_client_lifecycle_methods_return_acks_and_raise_control_errors(add
 
 
 @pytest.mark.asyncio
-async def test_client_sends_stop_words_as_ids_and_collects_log_probs(addresses):
+async def test_client_matches_stop_strings_itself_and_collects_log_probs(addresses):
     sampling = SamplingParams(
         stop=("ab", "\n"),
         stop_word_ids=((9, 9),),
@@ -1029,21 +1029,28 @@ async def test_client_sends_stop_words_as_ids_and_collects_log_probs(addresses):
             [done] = await c.generate("xyz", sampling)
             deltas = [d async for d in c.stream("xyz", sampling)]
             [plain] = await c.generate("xyz", SamplingParams(stop="ab"))
-            with pytest.raises(ValueError, match="encodes to no tokens"):
+            [unstopped] = await c.generate("xyz", SamplingParams())
+            with pytest.raises(ValueError, match="stop strings must be non-empty"):
                 await c.generate("xyz", SamplingParams(stop=("",)))
             tok = c.tokenizer
-    ab, nl = (tuple(tok.encode(w, add_special_tokens=False)) for w in ("ab", "\n"))
-    assert len(ab) == 2 and len(nl) == 1
-    assert h.engine.submits[0].sampling.stop_word_ids == ((9, 9), ab, nl)
-    assert h.engine.submits[2].sampling.stop_word_ids == (ab,)  # a bare string: one word
+    # Stop strings travel as given (a bare string as one), for the record: the engine matches
+    # only the ids it was given, and streams every request with stop strings to the client,
+    # which matches them on the text. The refused one was never sent.
+    first, _, bare, last = h.engine.submits
+    assert first.sampling.stop == ("ab", "\n") and first.sampling.stop_word_ids == ((9, 9),)
+    assert bare.sampling.stop == ("ab",) and bare.sampling.stop_word_ids == ()
+    assert [s.stream for s in h.engine.submits] == [True, True, True, False]
+    assert last.sampling.stop == ()
 
     assert done.token_ids == [5, 6] and done.text == tok.decode([5, 6])
+    assert done.finish_reason == "length" and done.stop_reason is None
     assert done.log_probs == [-0.5, -0.25]
     assert done.top_n_logprobs == [{5: -0.5, 7: -1.5}, {6: -0.25, 5: -3.0}]
     assert done.prompt_log_probs == [-1.0, -2.0]
     assert done.prompt_top_n_logprobs == [{2: -1.0}, {3: -2.0}]
     assert [e.type for e in done.events] == ["ADD_ENGINE", "FINISH"]
     assert (done.ttft, done.tpot) == (0.125, 0.0625)
+    assert done.policy_staleness == [0] * 5 and unstopped.text == done.text
 
     first, last = deltas
     assert first.token_ids == [5] and first.log_probs == [-0.5] and not first.finished
@@ -1056,6 +1063,51 @@ async def test_client_sends_stop_words_as_ids_and_collects_log_probs(addresses):
     assert plain.log_probs is None and plain.top_n_logprobs is None
     assert plain.prompt_log_probs is None and plain.prompt_top_n_logprobs is None
     assert plain.ttft == 0.125 and len(plain.events) == 2
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("include", [False, True])
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_stop_string_ends_the_text_and_aborts_the_request_at_once(
+    addresses, include, stream
+):
+    """Token 5 is the text "\x05": the client aborts on seeing it, before the engine's next
+    output, and drops what the engine generated meanwhile."""
+    sampling = SamplingParams(stop="\x05", include_stop_word=include, return_log_probs=True)
+    async with running(addresses) as h:
+        h.engine.hold_submits = True
+        async with AsyncClient(addresses[0], connect_timeout=WAIT_S) as c:
+
+            async def ask():
+                if stream:
+                    return [d async for d in c.stream("xyz", sampling)]
+                return await c.generate("xyz", sampling)
+
+            task = asyncio.create_task(ask())
+            await h.engine.until(lambda: h.engine.submits)
+            [submit] = h.engine.submits
+            first, last = outputs_for(submit)
+            await h.engine.send(StepOutputs.of([first]))
+            await h.engine.until(lambda: h.engine.aborts == [submit.request_id])
+            aborted = dataclasses.replace(last, finish_reason=FinishReason.ABORT, error=None)
+            await h.engine.send(StepOutputs.of([aborted]))
+            [done] = await asyncio.wait_for(task, WAIT_S)
+    assert done.finish_reason == "stop" and done.stop_reason == "\x05" and done.error is None
+    assert done.token_ids == [5] and done.log_probs == [-0.5]
+    assert done.text == ("\x05" if include else "")
+    assert done.ttft == 0.125 and done.policy_staleness == [0] * 4  # prompt + the kept token
+    if stream:
+        assert done.finished
+
+
+@pytest.mark.asyncio
+async def test_a_stop_string_in_the_terminal_output_changes_its_reason_only(addresses):
+    async with running(addresses) as h:
+        async with AsyncClient(addresses[0], connect_timeout=WAIT_S) as c:
+            [done] = await c.generate("xyz", SamplingParams(stop=("\x06", "\x07")))
+    assert (done.text, done.token_ids) == ("\x05", [5, 6])
+    assert (done.finish_reason, done.stop_reason) == ("stop", "\x06")
+    assert h.engine.aborts == []  # it had ended already
 
 
 @pytest.mark.asyncio

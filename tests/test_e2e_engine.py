@@ -1,6 +1,7 @@
 """The engine's request features through the real runtime and the real SmolLM2 model: a KV pool
-so small that requests pause and are evicted, staggered admission, stop words across steps,
-log-probs against Hugging Face, streaming abort returning every block, events and timings."""
+so small that requests pause and are evicted, staggered admission, stop words across steps, stop
+strings on the text (the client aborting the engine), log-probs against Hugging Face, streaming
+abort returning every block, events and timings."""
 
 from __future__ import annotations
 
@@ -117,14 +118,66 @@ def test_stop_word_spanning_steps(client, expected, include, stream):
     assert text == client.tokenizer.decode(want)
 
 
-def test_stop_word_given_as_text(client, expected):
-    full = expected[0]
-    word = client.tokenizer.decode(full[3:5])
-    [done] = client.generate(
-        [PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0, stop=(word,))
+def _stops_in(tok, ids: list[int]) -> dict[str, str]:
+    """Stop strings from the middle of the greedy text of `ids` that start and end inside
+    tokens: one over three tokens, one within a single token."""
+    text = tok.decode(ids)
+    offsets = [len(tok.decode(ids[:k])) for k in range(len(ids) + 1)]
+    assert text.isascii() and offsets[-1] == len(text)  # so offsets are token boundaries
+    sizes = [offsets[k + 1] - offsets[k] for k in range(len(ids))]
+    spanning = next(
+        text[offsets[j] + 1 : offsets[j + 2] + 1]
+        for j in range(1, len(ids) - 2)
+        if sizes[j] >= 2 and sizes[j + 2] >= 2
     )
-    assert done.finish_reason == "stop" and word not in done.text
-    assert full[: len(done.token_ids)] == done.token_ids and len(done.token_ids) < len(full)
+    inside = next(
+        word
+        for j in range(1, len(ids))
+        if len(word := text[offsets[j] + 1 : offsets[j + 1] - 1]) >= 2
+        and text.find(word) > offsets[j]
+    )
+    return {"spanning": spanning, "inside": inside}
+
+
+@pytest.mark.parametrize("kind", ["spanning", "inside", "\n\n"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_cuts_the_text_and_stops_the_engine(client, expected, kind, stream):
+    tok = client.tokenizer
+    full = expected[0]
+    text = tok.decode(full)
+    stop = _stops_in(tok, full).get(kind, kind)  # "\n\n": here two "\n" tokens (issue 11)
+    want = text[: text.find(stop)]
+    kept = next(k for k in range(len(full) + 1) if stop in tok.decode(full[:k]))
+    assert kept + 4 < len(full), "the stop should come early enough to show the engine stop"
+    sampling = SamplingParams(max_tokens=24, temperature=0.0, stop=stop)
+    step = client.stats().ranks[0].step
+    if stream:
+        deltas = list(client.stream(PROMPTS[0], sampling))
+        assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
+        assert len(deltas) > 1  # concatenated below: no delta showed any of the stop string
+        done = deltas[-1]
+        out_text = "".join(d.text for d in deltas)
+        tokens = [t for d in deltas for t in d.token_ids]
+    else:
+        [done] = client.generate([PROMPTS[0]], sampling)
+        out_text, tokens = done.text, done.token_ids
+    assert (out_text, done.finish_reason, done.stop_reason) == (want, "stop", stop)
+    assert tokens == full[:kept]  # up to the token that completed the stop string
+    # The client aborted at once: the engine ran a step or two more (and one to free the
+    # blocks), not the len(full) steps of the whole greedy text.
+    stats = client.stats().ranks[0]
+    assert kept <= stats.step - step <= kept + 4, (kept, stats.step - step)
+    assert stats.running == stats.waiting == 0
+
+
+def test_stop_token_id_is_the_stop_reason(client, expected):
+    full = expected[2]
+    token = full[6]
+    [done] = client.generate(
+        [PROMPTS[2]], SamplingParams(max_tokens=24, temperature=0, stop_token_ids=(token,))
+    )
+    assert done.token_ids == full[: full.index(token) + 1]
+    assert (done.finish_reason, done.stop_reason) == ("stop", token)
 
 
 def test_log_probs_match_hf(client, hf):

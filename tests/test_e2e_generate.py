@@ -161,3 +161,19 @@ def test_cli_generate_json_against_running_runtime(runtime, client):
     for row, c in zip(rows, expected, strict=True):
         assert row["token_ids"] == c.token_ids and row["text"] == c.text
         assert row["finish_reason"] in ("stop", "length")
+
+
+def test_cli_generate_stops_at_a_stop_string(runtime, client):
+    import json
+    import subprocess
+    import sys
+
+    [full] = client.generate([PROMPTS[0]], SamplingParams(max_tokens=24, temperature=0))
+    stop = full.text[len(full.text) // 2 :][:3]
+    cmd = [sys.executable, "-m", "taipan.cli", "generate", "--address", runtime.address]
+    cmd += ["--prompt", PROMPTS[0], "--max-tokens", "24", "--temperature", "0", "--json"]
+    done = subprocess.run([*cmd, "--stop", stop], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    [row] = [json.loads(line) for line in done.stdout.splitlines()]
+    assert row["text"] == full.text[: full.text.find(stop)]
+    assert (row["finish_reason"], row["stop_reason"]) == ("stop", stop)
