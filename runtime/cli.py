@@ -15,7 +15,12 @@ import threading
 from taipan.actors.client.actor import DEFAULT_TIMEOUT_S, RuntimeUnreachable
 from taipan.actors.config import ConfigError
 from taipan.actors.log import configure
-from taipan.launcher import add_runtime_arguments, describe_exit, runtime_from_args
+from taipan.launcher import (
+    add_http_arguments,
+    add_runtime_arguments,
+    describe_exit,
+    runtime_from_args,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -24,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="run coordinator + engines until SIGINT/SIGTERM")
     add_runtime_arguments(serve)
+    add_http_arguments(serve)
     serve.add_argument("--address", help="client address, e.g. tcp://127.0.0.1:5555")
     serve.set_defaults(log_level="info")  # a server logs its controls and start-up
 
@@ -44,6 +50,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="end the text before this string (repeatable; matched on the generated text)",
+    )
     gen.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
 
@@ -78,6 +90,8 @@ def cmd_serve(args) -> int:
             file=sys.stderr,
             flush=True,
         )
+        if rt.http_url:
+            print(f"taipan: OpenAI API at {rt.http_url}", file=sys.stderr, flush=True)
         stop.wait()
     finally:
         rt.shutdown()
@@ -100,6 +114,7 @@ def cmd_generate(args) -> int:
         min_p=args.min_p,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        stop=tuple(args.stop),
     )
     problems = sampling.problems()
     if problems:
@@ -122,6 +137,7 @@ def cmd_generate(args) -> int:
                 "text": c.text,
                 "token_ids": c.token_ids,
                 "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
             }
             if c.error:
                 row["error"] = c.error

@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 
 from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits
 from taipan.actors.log import get_logger
@@ -63,6 +64,10 @@ class Runtime:
         dtype: str = "float32",
         device: str = "cpu",
         log_level: str | None = None,
+        http_port: int | None = None,
+        http_host: str = "127.0.0.1",
+        api_key: str | None = None,
+        served_model_name: str | None = None,
     ):
         if num_ranks != 1:
             raise LaunchError(
@@ -76,6 +81,19 @@ class Runtime:
         cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse
         self.record_dir = os.path.abspath(record_dir) if record_dir else None
         self.log_level = log_level
+        # The OpenAI-compatible HTTP server (runtime/http_server.py), in its own process.
+        if http_port is not None and not 0 <= http_port < 65536:
+            raise LaunchError(f"http_port must be in 0..65535, got {http_port}")
+        if api_key is not None and not api_key:
+            raise LaunchError("api_key must not be empty")
+        self.http = None
+        if http_port is not None:
+            self.http = {
+                "host": http_host,
+                "port": http_port,
+                "api_key": api_key,
+                "served_model_name": served_model_name or self.model_name,
+            }
         self.tmp = tempfile.mkdtemp(prefix="taipan-")
         self.address = address or f"ipc://{self.tmp}/frontend.sock"
         self.procs: list[tuple[str, subprocess.Popen]] = []
@@ -106,6 +124,7 @@ class Runtime:
             "record_dir": self.record_dir,
             "log_level": self.log_level,
             "control_token_file": os.path.join(self.tmp, "control-token.json"),
+            "http": self.http,
         }
 
     def _spawn(self, name: str, *args: str) -> None:
@@ -140,6 +159,9 @@ class Runtime:
             for rank in range(self.num_ranks):
                 self._spawn(f"engine-{rank}", "engine", spec, str(rank))
             asyncio.run(self._wait_ready(timeout))
+            if self.http is not None:
+                self._spawn("http", "http", spec)
+                self._wait_http(timeout)
             self.token_path = publish_token(self.address, self.control_token)
         except BaseException:
             self.shutdown()
@@ -181,6 +203,38 @@ class Runtime:
         name, code = died.result()
         raise LaunchError(f"{name} exited with code {code} during start-up (see its log above)")
 
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI server's base URL (…/v1), once started with an http_port."""
+        if self.http is None:
+            return None
+        return f"http://{self.http['host']}:{self.http['port']}/v1"
+
+    def _wait_http(self, timeout: float) -> None:
+        """Until the http child answers GET /health with 200 (LaunchError if it exits or
+        does not within `timeout`)."""
+        import urllib.error
+        import urllib.request
+
+        name, proc = self.procs[-1]
+        url = f"http://{self.http['host']}:{self.http['port']}/health"
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise LaunchError(
+                    f"{name} exited with code {proc.returncode} during start-up (is port "
+                    f"{self.http['port']} taken? see its log above)"
+                )
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                raise LaunchError(f"the HTTP server was not ready within {timeout:.0f} s")
+            time.sleep(0.1)
+
     # --- stop ---------------------------------------------------------------------------------
 
     def on_child_exit(self, callback) -> None:
@@ -196,6 +250,14 @@ class Runtime:
     def shutdown(self, timeout: float = 30.0) -> None:
         self._stopping = True
         stopped = False
+        # The HTTP server first: it is a client, and would keep serving errors after the stop.
+        for name, proc in self.procs:
+            if name == "http" and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(10.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
         if self.coordinator_alive():
             try:
                 asyncio.run(asyncio.wait_for(self._send_stop(), timeout))
@@ -289,6 +351,14 @@ def add_runtime_arguments(p) -> None:
     p.add_argument("--log-level", default=None, help="debug, info, warning (default), error")
 
 
+def add_http_arguments(p) -> None:
+    """`taipan serve`'s OpenAI-compatible HTTP server options."""
+    p.add_argument("--http-port", type=int, help="serve the OpenAI API on this port")
+    p.add_argument("--http-host", default="127.0.0.1", help="its address (default 127.0.0.1)")
+    p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1/*")
+    p.add_argument("--served-model-name", help="the model id of the API (default: the model's)")
+
+
 def runtime_from_args(args, address: str | None = None) -> Runtime:
     """A Runtime (not started) from the options of `add_runtime_arguments`."""
     config = InferenceConfig.from_cli(args.config, args.set)
@@ -300,4 +370,8 @@ def runtime_from_args(args, address: str | None = None) -> Runtime:
         dtype=args.dtype,
         device=args.device,
         log_level=args.log_level,
+        http_port=getattr(args, "http_port", None),
+        http_host=getattr(args, "http_host", "127.0.0.1"),
+        api_key=getattr(args, "api_key", None),
+        served_model_name=getattr(args, "served_model_name", None),
     )

@@ -1,8 +1,9 @@
-"""Child-process entry points: `python -m taipan.procs coordinator|engine SPEC_JSON [RANK]`.
+"""Child-process entry points: `python -m taipan.procs coordinator|engine|http SPEC_JSON [RANK]`.
 
 One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
-actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc. The launcher
-(runtime/launcher.py) writes SPEC.
+actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc; with an HTTP
+port, one more runs the OpenAI server (runtime/http_server.py) over a client of the frontend.
+The launcher (runtime/launcher.py) writes SPEC.
 Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
 clean stop through STOP messages) and treat SIGTERM as "stop now".
 """
@@ -192,6 +193,10 @@ def main(argv: list[str]) -> None:
         run = coordinator_main(spec)
     elif role == "engine":
         run = engine_main(spec, int(argv[2]))
+    elif role == "http":
+        from taipan.http_server import http_main
+
+        run = http_main(spec)
     else:
         raise SystemExit(f"unknown role {role!r}")
     try:

@@ -1,0 +1,269 @@
+"""The OpenAI-compatible HTTP server (issue 11) through a real `taipan serve --http-port` process
+and the official `openai` package: completions and chat, streaming and not, n=2, log-probs
+(generated and, with echo and max_tokens 0, the prompt's), stop strings, usage; greedy text
+equal to `Client.generate` on the same runtime; /v1/models, /health, /metrics; errors in
+OpenAI's shape with 4xx for bad input (unknown model and field, bad values, a prompt too long,
+malformed JSON, a missing API key); a client that disconnects mid-stream gets its request
+aborted and every KV block back. The http process never imports torch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import httpx
+import openai
+import pytest
+
+from taipan.client import Client
+from taipan.messages.requests import SamplingParams
+
+PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
+KEY = "sk-test-key"
+MODEL = "smol"  # --served-model-name
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(model_path, tmp_path_factory):
+    """`taipan serve --http-port P --api-key KEY` with a known frontend address; yields
+    (base_url, frontend address, process)."""
+    port = _free_port()
+    address = f"ipc://{tmp_path_factory.mktemp('http')}/frontend.sock"
+    cmd = [
+        sys.executable, "-m", "taipan.cli", "serve", "--model", model_path,
+        "--address", address, "--http-port", str(port), "--api-key", KEY,
+        "--served-model-name", MODEL, "--set", "max_requests=8",
+        "--set", "max_sequence_length=256",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert proc.poll() is None, "taipan serve exited during start-up"
+        try:
+            with urllib.request.urlopen(f"{base}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (urllib.error.URLError, OSError):
+            pass
+        assert time.monotonic() < deadline, "the HTTP server did not come up"
+        time.sleep(0.2)
+    yield base, address, proc
+    proc.terminate()
+    assert proc.wait(60) == 0
+
+
+@pytest.fixture(scope="module")
+def oai(server):
+    return openai.OpenAI(base_url=f"{server[0]}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def direct(server):
+    with Client(server[1]) as c:
+        yield c
+
+
+def _post(server, path, body, key=KEY, raw=None):
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    content = raw if raw is not None else json.dumps(body)
+    return httpx.post(f"{server[0]}{path}", content=content, headers=headers, timeout=120)
+
+
+def test_models_health_and_metrics(server, oai):
+    assert [m.id for m in oai.models.list().data] == [MODEL]
+    assert httpx.get(f"{server[0]}/health").json() == {"status": "ok"}
+    text = httpx.get(f"{server[0]}/metrics").text
+    for name in (
+        "taipan_requests_total",
+        "taipan_time_to_first_token_seconds_bucket",
+        "taipan_requests_running",
+        "taipan_kv_blocks_used",
+        "taipan_prefix_cache_hit_rate",
+    ):
+        assert name in text, name
+
+
+def test_completions_greedy_equal_the_client(oai, direct):
+    want = direct.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0))
+    got = oai.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=12, temperature=0)
+    assert [c.index for c in got.choices] == [0, 1]
+    assert [c.text for c in got.choices] == [w.text for w in want]
+    assert [c.finish_reason for c in got.choices] == ["length", "length"]
+    prompt_tokens = sum(len(w.prompt_token_ids) for w in want)
+    assert got.usage.prompt_tokens == prompt_tokens and got.usage.completion_tokens == 24
+    # Token ids as the prompt give the same text.
+    ids = want[0].prompt_token_ids
+    again = oai.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert again.choices[0].text == want[0].text
+
+
+def test_completions_stream_n2_and_usage(oai):
+    whole = oai.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, n=2
+    )
+    assert [c.text for c in whole.choices] == [whole.choices[0].text] * 2  # greedy: equal
+    assert whole.usage.completion_tokens == 20
+    stream = oai.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=10, temperature=0, n=2, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    texts, reasons, usage = {0: "", 1: ""}, {}, None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert not chunk.choices
+        for c in chunk.choices:
+            texts[c.index] += c.text
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert texts == {0: whole.choices[0].text, 1: whole.choices[0].text}
+    assert reasons == {0: "length", 1: "length"}
+    assert usage.completion_tokens == 20 and usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_sampled_choices_are_seeded(oai):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=6, temperature=1.0, seed=7, n=2)
+    a = oai.completions.create(**kw)
+    b = oai.completions.create(**kw)
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert a.choices[0].text != a.choices[1].text  # choice j draws with seed + j
+
+
+def test_completion_logprobs_and_prompt_logprobs(oai, direct):
+    want = direct.generate(
+        PROMPTS[0],
+        SamplingParams(max_tokens=6, temperature=0.0, return_log_probs=True, top_n_logprobs=2),
+    )[0]
+    got = oai.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=2
+    ).choices[0]
+    assert got.logprobs.token_logprobs == pytest.approx(want.log_probs, abs=1e-5)
+    assert all(len(t) == 2 for t in got.logprobs.top_logprobs)
+    assert "".join(got.logprobs.tokens) == got.text
+    # lm-eval's log-likelihood request: echo, max_tokens 0, logprobs: the prompt's log-probs.
+    prompt = direct.generate(
+        PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.0, return_log_probs=True)
+    )[0]
+    echo = oai.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=0, temperature=0
+    ).choices[0]
+    assert echo.text == PROMPTS[0]
+    assert echo.logprobs.token_logprobs[0] is None
+    assert echo.logprobs.token_logprobs[1:] == pytest.approx(prompt.prompt_log_probs, abs=1e-5)
+    assert len(echo.logprobs.tokens) == len(prompt.prompt_token_ids)
+
+
+def test_stop_strings_cut_the_text(oai):
+    full = oai.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    text = full.choices[0].text
+    stop = text[3:6]  # inside the text, not at a token boundary in general
+    got = oai.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0, stop=[stop]
+    ).choices[0]
+    assert got.text == text[: text.index(stop)]
+    assert got.finish_reason == "stop"
+
+
+def test_chat_equals_the_client_streamed_or_not(oai, direct):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    want = direct.generate(messages, SamplingParams(max_tokens=12, temperature=0.0), chat=True)[0]
+    got = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_completion_tokens=12, temperature=0,
+        logprobs=True, top_logprobs=3,
+    )  # fmt: skip
+    choice = got.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == want.text
+    assert len(choice.logprobs.content) == len(want.token_ids)
+    assert all(len(e.top_logprobs) == 3 for e in choice.logprobs.content)
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    stream = oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=12, temperature=0, stream=True, n=2
+    )
+    texts = {0: "", 1: ""}
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    assert texts == {0: want.text, 1: want.text}
+
+
+@pytest.mark.parametrize(
+    "body, status, param",
+    [
+        ({"model": "nope", "prompt": "x"}, 404, "model"),
+        ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+        ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None),
+        ({"model": MODEL, "prompt": "x " * 300}, 400, "prompt"),
+        ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+        ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
+        ({"model": MODEL, "prompt": []}, 400, "prompt"),
+        ({"prompt": "x"}, 400, "model"),
+    ],
+)
+def test_bad_completion_requests_are_4xx_in_openai_shape(server, body, status, param):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if param is not None:
+        assert err["param"] == param, err
+
+
+def test_bad_chat_requests_malformed_json_and_auth(server, oai):
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x"}]})
+    assert r.status_code == 400
+    r = _post(server, "/v1/completions", None, raw="{not json")
+    assert r.status_code == 400 and "error" in r.json()
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x"}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "x"}, key=None)
+    assert r.status_code == 401
+    with pytest.raises(openai.NotFoundError):
+        oai.completions.create(model="other", prompt="x", max_tokens=1)
+    assert httpx.get(f"{server[0]}/health").status_code == 200  # still serving
+
+
+def test_a_client_that_disconnects_mid_stream_gives_its_blocks_back(server, direct):
+    before = direct.stats().ranks[0]
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    headers = {"authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", f"{server[0]}/v1/completions", json=body, headers=headers, timeout=60
+    ) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: ") for line in got)
+        assert direct.stats().ranks[0].running == 1
+    deadline = time.monotonic() + 10
+    while (now := direct.stats().ranks[0]).running or now.blocks_free != before.blocks_free:
+        assert time.monotonic() < deadline, now
+        time.sleep(0.05)
+
+
+def test_the_http_process_never_imports_torch():
+    code = (
+        "import sys, taipan.http_server, taipan.procs, taipan.launcher; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
