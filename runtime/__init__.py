@@ -1,7 +1,7 @@
 """taipan, the top layer (the repository's runtime/ folder): launcher, process entry points, CLI,
 client library, replay tooling, bench, and the public Python API.
 
-    from taipan import Client, AsyncClient, SamplingParams
+    from taipan import LLM, AsyncLLM, Client, AsyncClient, SamplingParams
 
 Names are imported lazily so that `taipan.procs` and friends start fast.
 """
@@ -21,6 +21,8 @@ _EXPORTS = {
     "InferenceConfig": "taipan.actors.config",
     "ConfigError": "taipan.actors.config",
     "Runtime": "taipan.launcher",
+    "LLM": "taipan.llm",
+    "AsyncLLM": "taipan.llm",
 }
 
 __all__ = list(_EXPORTS)

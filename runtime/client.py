@@ -483,6 +483,16 @@ class Client:
     def _run(self, coro):
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
 
+    def run(self, coro):
+        """Run a coroutine that uses `aio` on this client's loop and return its result (what
+        LLM builds its batch calls on)."""
+        return self._run(coro)
+
+    @property
+    def aio(self) -> AsyncClient:
+        """The AsyncClient underneath: use it only through `run` (it lives on that loop)."""
+        return self._async
+
     @property
     def tokenizer(self) -> Tokenizer:
         return self._async.tokenizer

@@ -1,0 +1,304 @@
+"""`LLM` and `AsyncLLM`: the two objects most users need (DESIGN.md §11, the seed's "simple and
+stable inference APIs", in the shape of vLLM's `LLM` / `AsyncLLM`).
+
+Each either starts an embedded runtime (coordinator + engine processes, `Runtime`) from a model
+and InferenceConfig fields, or connects to a running one (`address=`), and talks to it through a
+client. Coordinator mode (`use_coordinator=True`, the default) is the only one built: the
+coordinator routes requests and owns the lifecycle. Direct mode (talking to one engine rank
+without a coordinator) is refused with NotImplementedError naming it.
+
+    with LLM("smollm2", max_requests=16) as llm:
+        outs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=16))
+
+    async with AsyncLLM("smollm2") as llm:
+        async for delta in llm.generate("Hello", SamplingParams(max_tokens=16)):
+            print(delta.text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any
+
+from taipan.actors.config import InferenceConfig
+from taipan.client import AsyncClient, Client, Completion, Delta, Prompt
+from taipan.launcher import Runtime
+from taipan.messages.lifecycle import ControlAck
+from taipan.messages.requests import SamplingParams
+from taipan.messages.stats import Stats
+
+__all__ = ["LLM", "AsyncLLM"]
+
+
+def _check_mode(use_coordinator: bool) -> None:
+    if not use_coordinator:
+        raise NotImplementedError(
+            "direct mode (use_coordinator=False: talking to one engine rank without a "
+            "coordinator) is not built yet; use the default coordinator mode"
+        )
+
+
+def _runtime(model, config, config_fields, address, **kw) -> Runtime | None:
+    """A Runtime to start (None when connecting to `address`)."""
+    if address is not None:
+        if config is not None or config_fields:
+            raise ValueError(
+                "address= connects to a running runtime, whose config is its own: pass no "
+                "config or InferenceConfig fields with it"
+            )
+        return None
+    if config is not None and config_fields:
+        raise ValueError("pass either config= or InferenceConfig fields, not both")
+    return Runtime(model, config or InferenceConfig(**config_fields), **kw)
+
+
+def _samplings(prompts: list, sampling) -> list[SamplingParams]:
+    if sampling is None or isinstance(sampling, SamplingParams):
+        return [sampling or SamplingParams()] * len(prompts)
+    sampling = list(sampling)
+    if len(sampling) != len(prompts):
+        raise ValueError(
+            f"one SamplingParams per prompt: got {len(sampling)} for {len(prompts)} prompts"
+        )
+    return sampling
+
+
+def _prompt_list(prompts) -> list:
+    """One prompt (text, token ids, or a chat conversation) or a list of them -> a list."""
+    if isinstance(prompts, str) or (
+        isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int | dict)
+    ):
+        return [prompts]
+    return list(prompts)
+
+
+class _Base:
+    """What LLM and AsyncLLM share: the constructor's arguments and the runtime they start (or
+    the address they connect to). `model`: "smollm2", a .gguf file or an HF directory;
+    `config` or InferenceConfig fields (not with `address`); `dtype`, `device`, `record_dir` as
+    for `taipan serve`; `control_token` for a running runtime started by another user."""
+
+    def __init__(
+        self,
+        model: str = "smollm2",
+        *,
+        config: InferenceConfig | None = None,
+        address: str | None = None,
+        use_coordinator: bool = True,
+        dtype: str = "float32",
+        device: str = "cpu",
+        record_dir: str | None = None,
+        control_token: str | None = None,
+        **config_fields: Any,
+    ) -> None:
+        _check_mode(use_coordinator)
+        self._runtime = _runtime(
+            model, config, config_fields, address, dtype=dtype, device=device,
+            record_dir=record_dir,
+        )  # fmt: skip
+        self._address = address
+        self._control_token = control_token
+
+    is_primary_rank = True  # coordinator mode: this process sees every request's output
+
+
+class AsyncLLM(_Base):
+    """An asyncio LLM: `async with AsyncLLM(model, **config_fields) as llm` (or `await
+    llm.start()` ... `await llm.shutdown()`). `generate` streams one request's deltas; run many
+    concurrently. Lifecycle methods go through the coordinator (they need the control token,
+    which an embedded runtime's owner has)."""
+
+    client: AsyncClient | None = None
+
+    async def start(self) -> AsyncLLM:
+        if self.client is not None:
+            return self
+        address, token = self._address, self._control_token
+        if self._runtime is not None:
+            await asyncio.to_thread(self._runtime.start)  # it runs its own event loop
+            address, token = self._runtime.address, self._runtime.control_token
+        client = AsyncClient(address, control_token=token)
+        try:
+            await client.connect()
+        except BaseException:
+            await self._stop_runtime()
+            raise
+        self.client = client
+        return self
+
+    def _connected(self) -> AsyncClient:
+        if self.client is None:
+            raise RuntimeError("the AsyncLLM is not started: use `async with` or `await start()`")
+        return self.client
+
+    async def generate(
+        self, prompt: Prompt, sampling: SamplingParams | None = None, *, chat: bool = False
+    ) -> AsyncIterator[Delta]:
+        """One request's deltas as they come; the last has `finished` set."""
+        async for delta in self._connected().stream(prompt, sampling, chat=chat):
+            yield delta
+
+    async def generate_all(self, prompts, sampling=None, *, chat: bool = False) -> list[Completion]:
+        """Every prompt at once (one SamplingParams, or one per prompt); completions in order."""
+        client = self._connected()
+        prompts = _prompt_list(prompts)
+        samplings = _samplings(prompts, sampling)
+        done = await asyncio.gather(
+            *(client.generate([p], s, chat=chat) for p, s in zip(prompts, samplings, strict=True))
+        )
+        return [d[0] for d in done]
+
+    async def chat(self, messages, sampling=None) -> list[Completion]:
+        """A conversation (list of {"role", "content"}) or a list of them, through the model's
+        chat template."""
+        return await self.generate_all(messages, sampling, chat=True)
+
+    async def stats(self) -> Stats:
+        return await self._connected().stats()
+
+    async def pause(self) -> ControlAck:
+        return await self._connected().pause()
+
+    async def unpause(self) -> ControlAck:
+        return await self._connected().unpause()
+
+    async def suspend(self, mode: str | None = None) -> ControlAck:
+        return await self._connected().suspend(mode)
+
+    async def resume(self) -> ControlAck:
+        return await self._connected().resume()
+
+    async def update_weights(
+        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+    ) -> ControlAck:
+        return await self._connected().update_weights(path, state)
+
+    async def serve(self, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
+        """The OpenAI-compatible server on host:port in this event loop, until cancelled
+        (runtime/http_server.py `serve`: served_model_name, api_key, log_level)."""
+        from taipan.http_server import serve
+
+        await serve(self._connected(), host, port, **kw)
+
+    async def shutdown(self) -> None:
+        """Close the client and stop an embedded runtime (idempotent)."""
+        if self.client is not None:
+            client, self.client = self.client, None
+            await client.close()
+        await self._stop_runtime()
+
+    async def _stop_runtime(self) -> None:
+        if self._runtime is not None:
+            runtime, self._runtime = self._runtime, None
+            await asyncio.to_thread(runtime.shutdown)
+
+    async def __aenter__(self) -> AsyncLLM:
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+
+class LLM(_Base):
+    """The blocking LLM: starts (or connects to) a runtime at construction; `generate` and
+    `chat` return completions in input order, with a progress bar (tqdm; `use_tqdm` defaults to
+    whether stderr is a terminal)."""
+
+    client: Client | None = None
+
+    def __init__(self, model: str = "smollm2", **kw: Any) -> None:
+        super().__init__(model, **kw)
+        address, token = self._address, self._control_token
+        if self._runtime is not None:
+            self._runtime.start()
+            address, token = self._runtime.address, self._runtime.control_token
+        try:
+            self.client = Client(address, control_token=token)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def tokenizer(self):
+        return self._connected().tokenizer
+
+    def _connected(self) -> Client:
+        if self.client is None:
+            raise RuntimeError("the LLM was shut down")
+        return self.client
+
+    def generate(
+        self, prompts, sampling=None, *, use_tqdm: bool | None = None, chat: bool = False
+    ) -> list[Completion]:
+        """prompts: text, token ids, or a list of them (with `chat`, conversations); sampling:
+        one SamplingParams or one per prompt."""
+        client = self._connected()
+        prompts = _prompt_list(prompts)
+        samplings = _samplings(prompts, sampling)
+        show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        return client.run(_gather_with_progress(client.aio, prompts, samplings, chat, show))
+
+    def chat(self, messages, sampling=None, *, use_tqdm: bool | None = None) -> list[Completion]:
+        return self.generate(messages, sampling, use_tqdm=use_tqdm, chat=True)
+
+    def stats(self) -> Stats:
+        return self._connected().stats()
+
+    def pause(self) -> ControlAck:
+        return self._connected().pause()
+
+    def unpause(self) -> ControlAck:
+        return self._connected().unpause()
+
+    def suspend(self, mode: str | None = None) -> ControlAck:
+        return self._connected().suspend(mode)
+
+    def resume(self) -> ControlAck:
+        return self._connected().resume()
+
+    def update_weights(
+        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+    ) -> ControlAck:
+        return self._connected().update_weights(path, state)
+
+    def shutdown(self) -> None:
+        """Close the client and stop an embedded runtime (idempotent)."""
+        if self.client is not None:
+            client, self.client = self.client, None
+            client.close()
+        if self._runtime is not None:
+            runtime, self._runtime = self._runtime, None
+            runtime.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+
+async def _gather_with_progress(
+    client: AsyncClient, prompts: list, samplings: list, chat: bool, show: bool
+) -> list[Completion]:
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(prompts), desc="generate", unit="req")
+
+    async def one(p, s) -> Completion:
+        [c] = await client.generate([p], s, chat=chat)
+        if bar is not None:
+            bar.update(1)
+        return c
+
+    try:
+        return list(
+            await asyncio.gather(*(one(p, s) for p, s in zip(prompts, samplings, strict=True)))
+        )
+    finally:
+        if bar is not None:
+            bar.close()
