@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev,eval]'
 	touch $(STAMP)
 
 install: $(STAMP)

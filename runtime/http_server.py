@@ -2,9 +2,11 @@
 
 `build_app(client, ...)` is a FastAPI app over one connected `AsyncClient` (the process's
 client actor): `POST /v1/completions`, `POST /v1/chat/completions` (JSON or server-sent events),
-`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus). `http_main(spec)` runs it under
-uvicorn in its own process (`taipan serve --http-port`); `serve(...)` runs it in the caller's
-event loop (`AsyncLLM.serve`). Never imports torch: a tokenizer, msgpack and sockets only.
+`GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus), and vLLM's `POST /tokenize`,
+`POST /detokenize`, `GET /tokenizer_info` (lm-eval's remote tokenizer). `http_main(spec)`
+runs it under uvicorn in its own process (`taipan serve --http-port`); `serve(...)` runs it in
+the caller's event loop (`AsyncLLM.serve`). Never imports torch: a tokenizer, msgpack and
+sockets only.
 
 Requests map onto SamplingParams one choice at a time: `n` choices of a prompt are n requests
 (choice j of a seeded request draws with seed + j), and a list of prompts is one request per
@@ -41,6 +43,7 @@ from taipan.client import AsyncClient, Completion, Delta
 from taipan.messages.requests import FinishReason, SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's bound on `logprobs` / `top_logprobs`
+GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # behind --api-key
 
 
 class APIError(Exception):
@@ -112,6 +115,25 @@ class ChatBody(_Body):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+
+
+class TokenizeBody(BaseModel):
+    """POST /tokenize (vLLM's): text, or chat messages through the template."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def _unsupported(body: _Body) -> None:
@@ -711,7 +733,7 @@ def build_app(
 
     @app.middleware("http")
     async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith("/v1/"):
+        if api_key is not None and request.url.path.startswith(GUARDED):
             if request.headers.get("authorization") != f"Bearer {api_key}":
                 metrics.http_errors.labels(status="401").inc()
                 return APIError(
@@ -742,6 +764,44 @@ def build_app(
                 }
             ],
         }
+
+    # vLLM's tokenizer endpoints (lm-eval's "remote" tokenizer backend uses them, so that it
+    # needs no tokenizer files of its own).
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        tok = client.tokenizer
+        eos = tok.eos_token_ids[0] if tok.eos_token_ids else None
+        return {
+            "tokenizer_class": "taipan",
+            "eos_token": None if eos is None else tok.id_to_token(eos),
+            "bos_token": None if tok.bos_token_id is None else tok.id_to_token(tok.bos_token_id),
+            "pad_token": None,
+            "chat_template": tok.chat_template,
+            "model_max_length": client.info.max_sequence_length,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        tok = client.tokenizer
+        if body.prompt is not None:
+            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            messages = [_message_dict(m) for m in body.messages]
+            try:
+                ids = tok.apply_chat_template(messages, body.add_generation_prompt)
+            except Exception as e:  # a template that refuses these messages
+                raise APIError(400, f"the chat template refused the messages: {e}") from e
+        limit = client.info.max_sequence_length
+        return {"tokens": ids, "count": len(ids), "max_model_len": limit}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        vocab = client.tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise APIError(400, f"token ids must lie in [0, {vocab})", "tokens")
+        return {"prompt": client.tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.get("/metrics")
     async def metrics_():

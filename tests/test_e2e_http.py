@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP server (issue 11) through a real `taipan serve --http-port` process
-and the official `openai` package: completions and chat, streaming and not, n=2, log-probs
+and the official `openai` package (and lm-eval's local-completions model on tasks from local JSONL
+files): completions and chat, streaming and not, n=2, log-probs
 (generated and, with echo and max_tokens 0, the prompt's), stop strings, usage; greedy text
 equal to `Client.generate` on the same runtime; /v1/models, /health, /metrics; errors in
 OpenAI's shape with 4xx for bad input (unknown model and field, bad values, a prompt too long,
@@ -242,6 +243,22 @@ def test_bad_chat_requests_malformed_json_and_auth(server, oai):
     assert httpx.get(f"{server[0]}/health").status_code == 200  # still serving
 
 
+def test_tokenizer_endpoints(server, direct):
+    tok = direct.tokenizer
+    r = _post(server, "/tokenize", {"prompt": PROMPTS[0], "add_special_tokens": False})
+    assert r.json()["tokens"] == tok.encode(PROMPTS[0], add_special_tokens=False)
+    ids = r.json()["tokens"]
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {"prompt": PROMPTS[0]}
+    messages = [{"role": "user", "content": "Hi"}]
+    r = _post(server, "/tokenize", {"messages": messages})
+    assert r.json()["tokens"] == tok.apply_chat_template(messages)
+    info = httpx.get(f"{server[0]}/tokenizer_info", headers={"authorization": f"Bearer {KEY}"})
+    assert info.json()["eos_token"] and info.json()["chat_template"] == tok.chat_template
+    assert _post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
+    assert _post(server, "/tokenize", {}).status_code == 400
+    assert _post(server, "/detokenize", {"tokens": [-1]}).status_code == 400
+
+
 def test_a_client_that_disconnects_mid_stream_gives_its_blocks_back(server, direct):
     before = direct.stats().ranks[0]
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 200, "temperature": 0,
@@ -267,3 +284,98 @@ def test_the_http_process_never_imports_torch():
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# --- lm-eval's local-completions model, unmodified, on tasks from local JSONL files ----------
+
+LM_EVAL_DATA = os.path.join(os.path.dirname(__file__), "data", "lm_eval")
+GEN_TASK = """task: taipan_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: @DATA@/gen.jsonl
+output_type: generate_until
+test_split: test
+doc_to_text: "{{question}}"
+doc_to_target: "{{answer}}"
+target_delimiter: ""
+generation_kwargs:
+  until: ["\\n", "."]
+  max_gen_toks: 12
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+MC_TASK = """task: taipan_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: @DATA@/mc.jsonl
+output_type: multiple_choice
+test_split: test
+doc_to_text: "{{question}}"
+doc_to_choice: "{{choices}}"
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - metric: acc
+"""
+
+
+def _encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """lm-eval's split of a (context, continuation) request into tokens (its _encode_pair)."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    whole = tok.encode(context + continuation, add_special_tokens=False)
+    ctx = tok.encode(context, add_special_tokens=False)
+    return ctx, whole[len(ctx) :]
+
+
+def test_lm_eval_generate_until_and_loglikelihood(server, direct, tmp_path, monkeypatch):
+    """A generate-until task and a log-likelihood (multiple-choice) task: the generations equal
+    greedy Client outputs with the same stops, and every log-likelihood equals the sum of our
+    own prompt log-probs over the continuation's tokens."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.setenv("OPENAI_API_KEY", KEY)
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    for name, text in (("taipan_gen.yaml", GEN_TASK), ("taipan_mc.yaml", MC_TASK)):
+        (tmp_path / name).write_text(text.replace("@DATA@", LM_EVAL_DATA))
+    out = lm_eval.simple_evaluate(
+        model="local-completions",
+        model_args={
+            "base_url": f"{server[0]}/v1/completions",
+            "model": MODEL,
+            "tokenizer_backend": "remote",
+            "auth_token": KEY,
+            "num_concurrent": 2,
+            "max_retries": 1,
+        },
+        tasks=["taipan_gen", "taipan_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path)),
+        log_samples=True,
+    )
+    assert "exact_match,none" in out["results"]["taipan_gen"]
+    assert "acc,none" in out["results"]["taipan_mc"]
+    gen = out["samples"]["taipan_gen"]
+    assert len(gen) == 4
+    for s in gen:
+        want = direct.generate(
+            s["doc"]["question"], SamplingParams(max_tokens=12, temperature=0.0, stop=("\n", "."))
+        )[0]
+        assert s["resps"][0][0] == want.text, s["doc"]
+    tok = direct.tokenizer
+    mc = out["samples"]["taipan_mc"]
+    assert sum(len(s["arguments"]) for s in mc) == 10  # one request per choice
+    for s in mc:
+        for (context, continuation), [(ll, _greedy)] in zip(
+            s["arguments"], s["resps"], strict=True
+        ):
+            ctx, cont = _encode_pair(tok, context, continuation)
+            [c] = direct.generate(
+                ctx + cont,
+                SamplingParams(max_tokens=1, temperature=0.0, return_log_probs=True),
+            )
+            assert ll == pytest.approx(sum(c.prompt_log_probs[len(ctx) - 1 :]), abs=1e-4)
