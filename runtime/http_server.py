@@ -694,6 +694,24 @@ async def _until_disconnected(request: Request, coros: list) -> list:
             work.cancel()
 
 
+class _KeyCheck:
+    """`--api-key`: a 401 for a GUARDED path without `Authorization: Bearer KEY`, before the
+    body is read. Plain ASGI (not BaseHTTPMiddleware, which hides a client's disconnect from
+    `request.is_disconnected()`, and so from the aborts)."""
+
+    def __init__(self, app, key: str, metrics: Metrics) -> None:
+        self.app, self.expected, self.metrics = app, f"Bearer {key}".encode(), metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(GUARDED):
+            if dict(scope["headers"]).get(b"authorization") != self.expected:
+                self.metrics.http_errors.labels(status="401").inc()
+                error = APIError(401, "a valid API key is required (Authorization: Bearer)")
+                await error.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 # --- the app ---------------------------------------------------------------------------------
 
 
@@ -731,15 +749,8 @@ def build_app(
         metrics.http_errors.labels(status="400").inc()
         return APIError(400, "; ".join(parts) or "invalid request body", param).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path.startswith(GUARDED):
-            if request.headers.get("authorization") != f"Bearer {api_key}":
-                metrics.http_errors.labels(status="401").inc()
-                return APIError(
-                    401, "a valid API key is required (Authorization: Bearer)"
-                ).response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_KeyCheck, key=api_key, metrics=metrics)
 
     @app.get("/health")
     async def health():

@@ -278,6 +278,22 @@ def test_a_client_that_disconnects_mid_stream_gives_its_blocks_back(server, dire
         time.sleep(0.05)
 
 
+def test_a_client_that_disconnects_before_a_plain_answer_gives_its_blocks_back(server, direct):
+    before = direct.stats().ranks[0]
+    body = {"model": MODEL, "prompt": PROMPTS[1], "max_tokens": 200, "temperature": 0,
+            "ignore_eos": True, "n": 2}  # fmt: skip
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up after 1 s and hangs up
+        _post_timeout = httpx.Timeout(60, read=1.0)
+        httpx.post(
+            f"{server[0]}/v1/completions", json=body, timeout=_post_timeout,
+            headers={"authorization": f"Bearer {KEY}"},
+        )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while (now := direct.stats().ranks[0]).running or now.blocks_free != before.blocks_free:
+        assert time.monotonic() < deadline, now  # both choices aborted within seconds
+        time.sleep(0.05)
+
+
 def test_the_http_process_never_imports_torch():
     code = (
         "import sys, taipan.http_server, taipan.procs, taipan.launcher; "
