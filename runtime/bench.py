@@ -12,8 +12,11 @@ token, against a floor per dtype (EXPECTED_IDENTICAL_SHARE); the hardware limit 
 step time from measured matmul throughput and memory bandwidth.
 
 `--workload decode` and `--workload offline`: runtime/workloads.py; `--workload shared-prefix`
-(prefix caching off vs on): runtime/prefix_bench.py. A shared-prefix run whose greedy outputs
-change with caching on exits 1 (after writing its rows).
+(prefix caching off vs on): runtime/prefix_bench.py; `--workload http-load` (concurrent streams,
+some dropped mid-way, through the OpenAI server and through `AsyncClient`):
+runtime/http_bench.py. A shared-prefix run whose greedy outputs change with caching on, and an
+http-load run that breaks an invariant (a 5xx, a failed request, KV blocks not back), exit 1
+(after writing their rows).
 """
 
 from __future__ import annotations
@@ -25,17 +28,6 @@ import os
 import platform
 import sys
 import time
-
-SEED_PROMPTS = [
-    "The history of the printing press begins",
-    "Write a short poem about the sea.",
-    "Explain why the sky is blue in simple terms:",
-    "def fibonacci(n):",
-    "Three facts about octopuses:",
-    "Once upon a time, in a village at the edge of a great forest, there lived",
-    "The main difference between a list and a tuple in Python is",
-    "Translate to French: The cat sleeps on the warm windowsill.",
-]
 
 RESULTS = os.path.join("tests", "perf", "results.jsonl")
 
@@ -61,17 +53,35 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--workload",
         default="generate",
-        choices=["generate", "decode", "offline", "shared-prefix"],
+        choices=["generate", "decode", "offline", "shared-prefix", "http-load"],
         help="generate: N prompts x M tokens vs HF (default); decode: step time per batch vs "
         "the floor; offline: many requests of ShareGPT-like lengths; shared-prefix: prefix "
-        "caching off vs on, on a shared system prompt and on n samples of one prompt",
+        "caching off vs on, on a shared system prompt and on n samples of one prompt; "
+        "http-load: N concurrent streams, some dropped mid-way, over HTTP vs AsyncClient",
     )
-    p.add_argument("--num-prompts", type=int, default=32, help="generate, shared-prefix: prompts")
+    p.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        help="generate, shared-prefix: prompts (32); http-load: requests (200)",
+    )
     p.add_argument(
         "--output-len",
         type=int,
         default=None,
-        help="generate, shared-prefix: tokens (64); decode: steps (128)",
+        help="generate, shared-prefix, http-load: tokens (64); decode: steps (128)",
+    )
+    p.add_argument(
+        "--drop-share",
+        type=float,
+        default=0.2,
+        help="http-load: share of the requests (seeded) whose client hangs up mid-stream",
+    )
+    p.add_argument(
+        "--drop-after",
+        type=int,
+        default=2,
+        help="http-load: text chunks a dropped request reads before its client hangs up",
     )
     p.add_argument(
         "--prefix-len",
@@ -110,7 +120,10 @@ def add_arguments(p) -> None:
     p.add_argument("--hf-batch", type=int, default=64, help="offline: HF generate's batch size")
     p.add_argument("--max-len", type=int, default=1024, help="offline: longest prompt / output")
     p.add_argument(
-        "--seed", type=int, default=0, help="decode/offline/shared-prefix: prompts and lengths"
+        "--seed",
+        type=int,
+        default=0,
+        help="decode/offline/shared-prefix: prompts and lengths; http-load: the dropped requests",
     )
     p.add_argument(
         "--copy-gib", type=float, default=1.0, help="decode: copy-bandwidth buffer size (GiB)"
@@ -118,17 +131,6 @@ def add_arguments(p) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object per workload")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
-
-
-def mixed_prompts(n: int) -> list[str]:
-    """n prompts of mixed lengths (about 10 to 150 tokens), as a serving mix has them: prompt i
-    repeats its seed sentence 1 + (5 * i) % 11 times. Equal lengths would hide the padding
-    that a static batch pays."""
-    out = []
-    for i in range(n):
-        seed = SEED_PROMPTS[i % len(SEED_PROMPTS)]
-        out.append(" ".join([seed] * (1 + (5 * i) % 11)) + f" ({i})")
-    return out
 
 
 def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[int]]]:
@@ -146,6 +148,7 @@ def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[i
 
 
 def run(args) -> int:
+    from taipan.http_bench import http_load_workload
     from taipan.prefix_bench import shared_prefix_workload
     from taipan.workloads import decode_workload, offline_workload
 
@@ -154,6 +157,7 @@ def run(args) -> int:
         "decode": decode_workload,
         "offline": offline_workload,
         "shared-prefix": shared_prefix_workload,
+        "http-load": http_load_workload,
     }
     rows = workloads[args.workload](args)
     stamp = {
@@ -167,7 +171,10 @@ def run(args) -> int:
         with open(args.results, "a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row) if args.json else _summary(row), flush=True)
-    return 1 if any(row.get("outputs_equal") is False for row in rows) else 0
+    failed = any(
+        row.get("outputs_equal") is False or row.get("invariants_hold") is False for row in rows
+    )
+    return 1 if failed else 0
 
 
 def _summary(row: dict) -> str:
@@ -187,6 +194,10 @@ def _summary(row: dict) -> str:
         )
     if row["workload"] == "shared-prefix":
         return _shared_prefix_summary(row)
+    if row["workload"] == "http-load":
+        from taipan.http_bench import http_load_summary
+
+        return http_load_summary(row)
     line = f"workload {row['workload']}: ours {row['ours_output_tok_s']} output tok/s"
     if "hf_output_tok_s" in row:
         line += (
@@ -217,8 +228,10 @@ def _shared_prefix_summary(row: dict) -> str:
 def _generate_workload(args) -> list[dict]:
     from taipan.models import resolve
     from taipan.ops.bench import hardware_limit, hf_generate  # torch lives in ops/, not runtime/
+    from taipan.workloads import mixed_prompts
 
     args.output_len = args.output_len or 64
+    args.num_prompts = 32 if args.num_prompts is None else args.num_prompts
     if args.num_prompts < 1 or args.output_len < 1:
         raise ValueError("--num-prompts and --output-len must be >= 1")
     prompts = mixed_prompts(args.num_prompts)

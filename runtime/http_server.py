@@ -20,16 +20,23 @@ range, an unknown model, a prompt that does not fit `max_sequence_length`) is a 
 shape, `{"error": {"message", "type", "param", "code"}}`, before anything is submitted; a
 request the runtime fails is a 500 of the same shape (a streamed one ends with an error event).
 A client that disconnects aborts its requests (their KV blocks come back).
+
+A bounded queue (`Admission`): at most `max_queued` choices are in flight through the server (a
+request holds one per prompt and choice from admission until its response ends, however it
+ends). One that finds no room waits up to `queue_timeout` seconds, first come first served,
+then gets a 503 with `Retry-After`; one that could never fit is a 400 at once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any, Literal
 
 import prometheus_client as prom
@@ -44,23 +51,34 @@ from taipan.messages.requests import FinishReason, SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's bound on `logprobs` / `top_logprobs`
 GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # behind --api-key
+DEFAULT_MAX_QUEUED = 1024  # choices in flight through the server (`--max-queued`)
+DEFAULT_QUEUE_TIMEOUT_S = 10.0  # how long a request waits for room (`--queue-timeout`)
+RETRY_AFTER_S = 1  # a refused request's Retry-After: room comes back as requests end
 
 
 class APIError(Exception):
     """A request the server refuses or fails, in OpenAI's error shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str = ""):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str = "",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         codes = {400: "invalid_request_error", 401: "invalid_api_key", 404: "not_found"}
         self.code = code or codes.get(status, "")
+        self.headers = headers
 
     def response(self) -> JSONResponse:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         if self.status == 404:
             kind = "not_found_error"
         body = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        return JSONResponse({"error": body}, status_code=self.status)
+        return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
 # --- request bodies ------------------------------------------------------------------------
@@ -216,13 +234,101 @@ def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
+# --- the bounded queue ------------------------------------------------------------------------
+
+
+class Admission:
+    """At most `max_queued` choices in flight through the server. `acquire(k)` takes k slots,
+    waiting first come first served (a large request at the head is not overtaken) up to
+    `timeout` seconds (0: not at all), else raises a 503 with Retry-After; k above the bound is
+    a 400 at once. The caller owns `release(k)` once the response has ended, however it ended.
+    One event loop's state: no locks."""
+
+    def __init__(self, max_queued: int, timeout: float) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued}")
+        if not 0 <= timeout < math.inf:
+            raise ValueError(f"queue_timeout must be finite seconds >= 0, got {timeout}")
+        self.limit, self.timeout = max_queued, timeout
+        self.in_flight = 0  # slots held by admitted requests
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
+
+    @property
+    def waiting(self) -> int:
+        """Choices of the requests waiting for room."""
+        return sum(k for k, _ in self._waiters)
+
+    async def acquire(self, k: int) -> None:
+        if k > self.limit:
+            raise APIError(
+                400,
+                f"this request has {k} choices (prompts x n), more than the server holds in "
+                f"flight ({self.limit}, --max-queued); send fewer prompts or a smaller n",
+                "n",
+            )
+        if not self._waiters and self.in_flight + k <= self.limit:
+            self.in_flight += k
+            return
+        if self.timeout == 0:
+            raise self._busy()
+        entry = (k, asyncio.get_running_loop().create_future())
+        self._waiters.append(entry)
+        try:
+            await asyncio.wait_for(asyncio.shield(entry[1]), self.timeout)
+        except BaseException as e:  # timed out, or the caller was cancelled (client gone)
+            if entry[1].done():  # room came as the wait ended: the slots are held
+                if isinstance(e, TimeoutError):
+                    return
+                self.release(k)
+                raise
+            entry[1].cancel()
+            self._waiters.remove(entry)
+            self._admit_waiters()  # a large request that leaves may make room for the next
+            if isinstance(e, TimeoutError):
+                raise self._busy() from None
+            raise
+
+    def release(self, k: int) -> None:
+        self.in_flight -= k
+        self._admit_waiters()
+
+    def _admit_waiters(self) -> None:
+        while self._waiters and self.in_flight + self._waiters[0][0] <= self.limit:
+            k, future = self._waiters.popleft()
+            self.in_flight += k
+            future.set_result(None)
+
+    def _busy(self) -> APIError:
+        return APIError(
+            503,
+            f"the server is at capacity ({self.limit} choices in flight, --max-queued) and "
+            f"no room came within {self.timeout:g} s (--queue-timeout); retry later",
+            code="server_overloaded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+
+
 class Metrics:
     """The server's Prometheus metrics (one registry per app): requests by finish reason,
-    TTFT and TPOT histograms, and at scrape time the runtime's gauges from `client.stats()`."""
+    TTFT and TPOT histograms, the bounded queue (choices in flight and waiting, requests
+    refused), and at scrape time the runtime's gauges from `client.stats()`."""
 
-    def __init__(self) -> None:
+    def __init__(self, admission: Admission) -> None:
         self.registry = prom.CollectorRegistry()
         r = self.registry
+        queue = (
+            ("http_in_flight", "Choices admitted by the HTTP server, not yet ended", "in_flight"),
+            ("http_waiting", "Choices of HTTP requests waiting for room", "waiting"),
+            ("http_max_queued", "The bound on choices in flight (--max-queued)", "limit"),
+        )
+        for name, help_, attr in queue:
+            gauge = prom.Gauge(f"taipan_{name}", help_, registry=r)
+            gauge.set_function(lambda attr=attr: getattr(admission, attr))
+        self.refused = prom.Counter(
+            "taipan_http_refused",
+            "HTTP requests refused for want of room within --queue-timeout (503)",
+            registry=r,
+        )
         self.requests = prom.Counter(
             "taipan_requests", "Finished requests by finish reason", ["finish_reason"], registry=r
         )
@@ -280,10 +386,13 @@ class Metrics:
 class OpenAIServer:
     """The endpoints' logic over one AsyncClient (FastAPI routes call these)."""
 
-    def __init__(self, client: AsyncClient, served_model_name: str, metrics: Metrics):
+    def __init__(
+        self, client: AsyncClient, served_model_name: str, metrics: Metrics, admission: Admission
+    ):
         self.client = client
         self.model = served_model_name
         self.metrics = metrics
+        self.admission = admission
         self.created = int(time.time())
 
     # --- shared -----------------------------------------------------------------------------
@@ -331,6 +440,28 @@ class OpenAIServer:
     async def _observe(self, c: Completion | Delta) -> None:
         self.metrics.observe(c.finish_reason, c.ttft, c.tpot)
 
+    async def _admit(self, request: Request, k: int) -> None:
+        """Take k slots of the bounded queue (a client that hangs up while it waits leaves)."""
+        try:
+            await _until_disconnected(request, [self.admission.acquire(k)])
+        except APIError as e:
+            if e.status == 503:
+                self.metrics.refused.inc()
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _held(self, request: Request, k: int):
+        await self._admit(request, k)
+        try:
+            yield
+        finally:
+            self.admission.release(k)
+
+    async def _held_stream(self, request: Request, k: int, events) -> StreamingResponse:
+        """The SSE response of `events`, holding k slots until it ends."""
+        await self._admit(request, k)
+        return _HeldStream(_guard(events), release=lambda: self.admission.release(k))
+
     # --- /v1/completions ---------------------------------------------------------------------
 
     async def completions(self, body: CompletionBody, request: Request):
@@ -348,12 +479,14 @@ class OpenAIServer:
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = [(i, j, ids) for i, (_, ids) in enumerate(prompts) for j in range(body.n)]
         if body.stream:
-            return self._stream_completions(body, rid, prompts, jobs, params, max_tokens)
-        coros = [
-            self.client.generate(ids, _choice_params(params, j), raise_on_error=False)
-            for _, j, ids in jobs
-        ]
-        results = await _until_disconnected(request, coros)
+            events = self._stream_completions(body, rid, prompts, jobs, params, max_tokens)
+            return await self._held_stream(request, len(jobs), events)
+        async with self._held(request, len(jobs)):
+            coros = [
+                self.client.generate(ids, _choice_params(params, j), raise_on_error=False)
+                for _, j, ids in jobs
+            ]
+            results = await _until_disconnected(request, coros)
         choices = []
         completion_tokens = 0
         for k, ((i, _, ids), res) in enumerate(zip(jobs, results, strict=True)):
@@ -466,11 +599,13 @@ class OpenAIServer:
 
         async def events() -> AsyncIterator[str]:
             counts = None
-            async for item in _merge([(k, i, j, ids) for k, (i, j, ids) in enumerate(jobs)], one):
-                if isinstance(item, _Done):
-                    counts = item.results
-                    break
-                yield _sse(envelope(item))
+            args = [(k, i, j, ids) for k, (i, j, ids) in enumerate(jobs)]
+            async with contextlib.aclosing(_merge(args, one)) as items:
+                async for item in items:
+                    if isinstance(item, _Done):
+                        counts = item.results
+                        break
+                    yield _sse(envelope(item))
             if include_usage and counts is not None:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
                 usage = {"id": rid, "object": "text_completion", "created": created,
@@ -479,7 +614,7 @@ class OpenAIServer:
                 yield _sse(usage)
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+        return events()
 
     def _stream_logprobs(self, body: CompletionBody, d: Delta) -> dict:
         strs = [self._token_str(t) for t in d.token_ids]
@@ -513,12 +648,15 @@ class OpenAIServer:
         params = _sampling(body, max_tokens, top_n, False)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
-            return self._stream_chat(body, rid, ids, params)
-        coros = [
-            self.client.generate(ids, _choice_params(params, j), raise_on_error=False)
-            for j in range(body.n)
-        ]
-        results = await _until_disconnected(request, coros)
+            return await self._held_stream(
+                request, body.n, self._stream_chat(body, rid, ids, params)
+            )
+        async with self._held(request, body.n):
+            coros = [
+                self.client.generate(ids, _choice_params(params, j), raise_on_error=False)
+                for j in range(body.n)
+            ]
+            results = await _until_disconnected(request, coros)
         choices, completion_tokens = [], 0
         for j, res in enumerate(results):
             c = res[0]
@@ -593,16 +731,17 @@ class OpenAIServer:
 
         async def events() -> AsyncIterator[str]:
             counts = None
-            async for item in _merge([(j,) for j in range(body.n)], one):
-                if isinstance(item, _Done):
-                    counts = item.results
-                    break
-                yield _sse(envelope([item]))
+            async with contextlib.aclosing(_merge([(j,) for j in range(body.n)], one)) as items:
+                async for item in items:
+                    if isinstance(item, _Done):
+                        counts = item.results
+                        break
+                    yield _sse(envelope([item]))
             if include_usage and counts is not None:
                 yield _sse(envelope([], _usage(len(ids), sum(counts))))
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(_guard(events()), media_type="text/event-stream")
+        return events()
 
 
 def _message_dict(m: ChatMessage) -> dict:
@@ -631,7 +770,7 @@ class _Done:
         self.results = results
 
 
-async def _merge(args: list[tuple], producer) -> AsyncIterator[Any]:
+async def _merge(args: list[tuple], producer) -> AsyncGenerator[Any, None]:
     """Run `producer(*a, put)` for each a concurrently and yield what they put, as it comes;
     then a _Done with their results. A producer's exception is raised here; leaving early
     (the HTTP client went away) cancels them all, which aborts their requests."""
@@ -642,6 +781,7 @@ async def _merge(args: list[tuple], producer) -> AsyncIterator[Any]:
 
     tasks = [asyncio.ensure_future(producer(*a, put)) for a in args]
     finished = asyncio.ensure_future(asyncio.gather(*tasks))
+    getter = None
     try:
         while True:
             getter = asyncio.ensure_future(queue.get())
@@ -655,24 +795,47 @@ async def _merge(args: list[tuple], producer) -> AsyncIterator[Any]:
             yield _Done(finished.result())  # raises a producer's exception
             return
     finally:
-        for t in tasks:
+        # Cancel and await everything (a gather or queue read left behind would be logged as
+        # an exception never retrieved or a task destroyed while pending).
+        pending = [*tasks, finished, *([getter] if getter is not None else [])]
+        for t in pending:
             t.cancel()
-        finished.cancel()
         with contextlib.suppress(BaseException):
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*pending, return_exceptions=True)
 
 
-async def _guard(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream that fails after its 200 went out ends with an OpenAI error event."""
+async def _guard(events: AsyncGenerator[str, None]) -> AsyncIterator[str]:
+    """A stream that fails after its 200 went out ends with an OpenAI error event. Closing
+    this closes `events` at once (so its requests are aborted then, not when collected)."""
     try:
-        async for e in events:
-            yield e
+        async with contextlib.aclosing(events):
+            async for e in events:
+                yield e
     except APIError as e:
         yield _sse({"error": {"message": e.message, "type": "server_error", "code": e.code}})
         yield "data: [DONE]\n\n"
     except Exception as e:  # the runtime went away mid-stream: say so, then end the stream
         yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
         yield "data: [DONE]\n\n"
+
+
+class _HeldStream(StreamingResponse):
+    """A streamed answer that gives its slots of the bounded queue back when it ends, however
+    it ends: finished, failed, cancelled, or the client gone (then starlette leaves the body
+    iterator open, so it is closed here first: its requests are aborted before the release)."""
+
+    def __init__(self, content: AsyncGenerator[str, None], release) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                self._release()
 
 
 async def _until_disconnected(request: Request, coros: list) -> list:
@@ -720,10 +883,14 @@ def build_app(
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    max_queued: int = DEFAULT_MAX_QUEUED,
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S,
 ) -> FastAPI:
-    """The OpenAI-compatible app over a connected client."""
-    metrics = Metrics()
-    server = OpenAIServer(client, served_model_name or client.model, metrics)
+    """The OpenAI-compatible app over a connected client; at most `max_queued` choices in
+    flight, a request waiting up to `queue_timeout` seconds for room (module docstring)."""
+    admission = Admission(max_queued, queue_timeout)
+    metrics = Metrics(admission)
+    server = OpenAIServer(client, served_model_name or client.model, metrics, admission)
     app = FastAPI(title="taipan", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
@@ -836,13 +1003,21 @@ async def serve(
     *,
     served_model_name: str | None = None,
     api_key: str | None = None,
+    max_queued: int = DEFAULT_MAX_QUEUED,
+    queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S,
     log_level: str = "warning",
     started: asyncio.Event | None = None,
 ) -> None:
     """Serve the app on host:port in the running event loop until cancelled."""
     import uvicorn
 
-    app = build_app(client, served_model_name=served_model_name, api_key=api_key)
+    app = build_app(
+        client,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        max_queued=max_queued,
+        queue_timeout=queue_timeout,
+    )
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # the process owner decides about signals
@@ -866,6 +1041,7 @@ async def http_main(spec: dict) -> None:
     """The `http` process: connect to the runtime's frontend and serve until the runtime (or
     SIGTERM) ends it."""
     http = spec["http"]
+    queue = {k: http[k] for k in ("max_queued", "queue_timeout") if http.get(k) is not None}
     client = AsyncClient(spec["frontend"])
     await client.connect()
     try:
@@ -876,6 +1052,7 @@ async def http_main(spec: dict) -> None:
             served_model_name=http.get("served_model_name"),
             api_key=http.get("api_key"),
             log_level=http.get("log_level") or "warning",
+            **queue,
         )
     finally:
         await client.close()

@@ -68,6 +68,8 @@ class Runtime:
         http_host: str = "127.0.0.1",
         api_key: str | None = None,
         served_model_name: str | None = None,
+        max_queued: int | None = None,
+        queue_timeout: float | None = None,
     ):
         if num_ranks != 1:
             raise LaunchError(
@@ -86,6 +88,11 @@ class Runtime:
             raise LaunchError(f"http_port must be in 0..65535, got {http_port}")
         if api_key is not None and not api_key:
             raise LaunchError("api_key must not be empty")
+        # None: the server's defaults (runtime/http_server.py DEFAULT_MAX_QUEUED, ...).
+        if max_queued is not None and max_queued < 1:
+            raise LaunchError(f"max_queued must be >= 1, got {max_queued}")
+        if queue_timeout is not None and not 0 <= queue_timeout < float("inf"):
+            raise LaunchError(f"queue_timeout must be finite seconds >= 0, got {queue_timeout}")
         self.http = None
         if http_port is not None:
             self.http = {
@@ -93,6 +100,8 @@ class Runtime:
                 "port": http_port,
                 "api_key": api_key,
                 "served_model_name": served_model_name or self.model_name,
+                "max_queued": max_queued,
+                "queue_timeout": queue_timeout,
             }
         self.tmp = tempfile.mkdtemp(prefix="taipan-")
         self.address = address or f"ipc://{self.tmp}/frontend.sock"
@@ -357,6 +366,20 @@ def add_http_arguments(p) -> None:
     p.add_argument("--http-host", default="127.0.0.1", help="its address (default 127.0.0.1)")
     p.add_argument("--api-key", help="require Authorization: Bearer KEY on /v1/*")
     p.add_argument("--served-model-name", help="the model id of the API (default: the model's)")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        metavar="N",
+        help="at most N requests in flight through the HTTP server, each choice counted (n x "
+        "prompts); more wait (default 1024)",
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        metavar="SECONDS",
+        help="how long a request waits for room before a 503 with Retry-After (0: refuse at "
+        "once; default 10)",
+    )
 
 
 def runtime_from_args(args, address: str | None = None) -> Runtime:
@@ -374,4 +397,6 @@ def runtime_from_args(args, address: str | None = None) -> Runtime:
         http_host=getattr(args, "http_host", "127.0.0.1"),
         api_key=getattr(args, "api_key", None),
         served_model_name=getattr(args, "served_model_name", None),
+        max_queued=getattr(args, "max_queued", None),
+        queue_timeout=getattr(args, "queue_timeout", None),
     )

@@ -123,6 +123,7 @@ def _check_shared_prefix_args(args) -> int:
     from taipan.actors.config import InferenceConfig
 
     args.output_len = args.output_len or 64
+    args.num_prompts = 32 if args.num_prompts is None else args.num_prompts
     if args.prefix_len is None:
         args.prefix_len = 1024 if args.device.startswith("cuda") else 512
     if args.num_prompts < 1 or args.output_len < 1:

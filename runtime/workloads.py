@@ -15,7 +15,8 @@ decode rows and prefills (`_warm_mixed`). One row per batch.
 continuous batching, on the first `--hf-requests` requests (ours is timed again on those for
 `ours_vs_hf`). One row.
 
-`shared-prefix`: runtime/prefix_bench.py.
+`shared-prefix`: runtime/prefix_bench.py; `http-load`: runtime/http_bench.py. The prompt makers
+the workloads share live here (`random_prompt`, `mixed_prompts`, `sharegpt_like`).
 
 Torch (HF, bandwidth, matmul rate) lives in ops/bench.py, imported lazily; this module never
 imports torch itself (dtypes travel as their names).
@@ -38,6 +39,29 @@ PROMPT_ID_RANGE = 256
 
 def random_prompt(rng, length: int) -> list[int]:
     return rng.integers(0, PROMPT_ID_RANGE, size=length).tolist()
+
+
+SEED_PROMPTS = [
+    "The history of the printing press begins",
+    "Write a short poem about the sea.",
+    "Explain why the sky is blue in simple terms:",
+    "def fibonacci(n):",
+    "Three facts about octopuses:",
+    "Once upon a time, in a village at the edge of a great forest, there lived",
+    "The main difference between a list and a tuple in Python is",
+    "Translate to French: The cat sleeps on the warm windowsill.",
+]
+
+
+def mixed_prompts(n: int) -> list[str]:
+    """n prompts of mixed lengths (about 10 to 150 tokens), as a serving mix has them: prompt i
+    repeats its seed sentence 1 + (5 * i) % 11 times. Equal lengths would hide the padding
+    that a static batch pays."""
+    out = []
+    for i in range(n):
+        seed = SEED_PROMPTS[i % len(SEED_PROMPTS)]
+        out.append(" ".join([seed] * (1 + (5 * i) % 11)) + f" ({i})")
+    return out
 
 
 def _with_sets(args, *sets: str):

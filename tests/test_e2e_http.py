@@ -45,7 +45,8 @@ def server(model_path, tmp_path_factory):
     cmd = [
         sys.executable, "-m", "taipan.cli", "serve", "--model", model_path,
         "--address", address, "--http-port", str(port), "--api-key", KEY,
-        "--served-model-name", MODEL, "--set", "max_requests=8",
+        "--served-model-name", MODEL, "--max-queued", "64", "--queue-timeout", "5",
+        "--set", "max_requests=8",
         "--set", "max_sequence_length=256",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -95,8 +96,11 @@ def test_models_health_and_metrics(server, oai):
         "taipan_requests_running",
         "taipan_kv_blocks_used",
         "taipan_prefix_cache_hit_rate",
+        "taipan_http_in_flight",
+        "taipan_http_refused_total",
     ):
         assert name in text, name
+    assert "taipan_http_max_queued 64.0" in text  # --max-queued reached the http process
 
 
 def test_completions_greedy_equal_the_client(oai, direct):
