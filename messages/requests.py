@@ -172,6 +172,14 @@ class SubmitRequest:
     block_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
     hash_salt: int = 0
 
+    def problems(self) -> list[str]:
+        """Why no engine may take this request (the coordinator's check, and the direct
+        client's in its place), as sentences a user can act on."""
+        out = self.sampling.problems()
+        if self.prompt_token_ids.size == 0:
+            out.append("the prompt is empty")
+        return out
+
 
 @message(21)
 class EngineSubmit:

@@ -10,6 +10,11 @@ the user who started the runtime, or given as `control_token=` / TAIPAN_CONTROL_
 `RuntimeUnreachable` (a busy runtime still answers; see actors/client/actor.py); `connect_timeout`
 bounds the wait for an engine to load its model. No torch is imported.
 
+With `direct=DirectEndpoint(...)` the client binds `address` and is the coordinator of the one
+engine rank that connects to it (direct mode, actors/client/direct.py: what `LLM(...,
+use_coordinator=False)` uses); the lifecycle methods then raise RuntimeError, and
+`stop_engine` ends the engine.
+
     async with AsyncClient("ipc:///tmp/taipan.sock") as c:
         [done] = await c.generate(["Hello"], SamplingParams(max_tokens=8, temperature=0))
         async for delta in c.stream("Hello", SamplingParams(max_tokens=8)):
@@ -39,6 +44,7 @@ from taipan.actors.client.actor import (
     ControlError,
     RuntimeUnreachable,
 )
+from taipan.actors.client.direct import ENGINE_TIMEOUT_S, DirectActor, DirectEndpoint
 from taipan.auth import find_token
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
@@ -73,6 +79,7 @@ __all__ = [
     "ControlAck",
     "ControlError",
     "Delta",
+    "DirectEndpoint",
     "RequestError",
     "RuntimeUnreachable",
 ]
@@ -215,11 +222,15 @@ class AsyncClient:
         self,
         address: str,
         *,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
         connect_timeout: float = 600.0,
         control_token: str | None = None,
+        direct: DirectEndpoint | None = None,
     ):
         self.address = address
+        self.direct = direct
+        if timeout is None:
+            timeout = DEFAULT_TIMEOUT_S if direct is None else ENGINE_TIMEOUT_S
         self.timeout = timeout
         self.connect_timeout = connect_timeout
         self._control_token = control_token
@@ -241,8 +252,16 @@ class AsyncClient:
     async def connect(self) -> None:
         """Connect and fetch the model info (waits until an engine has loaded its model)."""
         self._ctx = zmq.asyncio.Context()
-        channel = make_socket(self._ctx, zmq.DEALER, self.address, bind=False, name="coordinator")
-        self._actor = ClientActor(channel, address=self.address, timeout=self.timeout)
+        if self.direct is None:
+            channel = make_socket(
+                self._ctx, zmq.DEALER, self.address, bind=False, name="coordinator"
+            )
+            self._actor = ClientActor(channel, address=self.address, timeout=self.timeout)
+        else:
+            channel = make_socket(
+                self._ctx, zmq.ROUTER, self.address, bind=True, name="engine", watch_peers=True
+            )
+            self._actor = DirectActor(channel, self.direct, timeout=self.timeout)
         self._task = asyncio.create_task(self._actor.run())  # owned here; awaited in close()
         try:
             info = await asyncio.wait_for(self._actor.model_info(), self.connect_timeout)
@@ -252,6 +271,13 @@ class AsyncClient:
         self.info, self.model = info, info.model
         self._salt = info.weight_version
         self.tokenizer = Tokenizer.from_wire(json.loads(info.tokenizer))
+
+    async def stop_engine(self, timeout: float = 30.0) -> bool:
+        """Direct mode only: tell the engine to abort every request (each gets its terminal
+        output) and exit; True once it acknowledged within `timeout` seconds."""
+        if not isinstance(self._actor, DirectActor):
+            raise RuntimeError("stop_engine is for a direct-mode client; use stop() otherwise")
+        return await self._actor.stop_engine("its direct client asked to stop", timeout)
 
     async def close(self) -> None:
         if self._actor is not None:
@@ -464,15 +490,20 @@ class Client:
         self,
         address: str,
         *,
-        timeout: float = DEFAULT_TIMEOUT_S,
+        timeout: float | None = None,
         connect_timeout: float = 600.0,
         control_token: str | None = None,
+        direct: DirectEndpoint | None = None,
     ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._async = AsyncClient(
-            address, timeout=timeout, connect_timeout=connect_timeout, control_token=control_token
+            address,
+            timeout=timeout,
+            connect_timeout=connect_timeout,
+            control_token=control_token,
+            direct=direct,
         )
         try:
             self._run(self._async.connect())
@@ -537,6 +568,9 @@ class Client:
 
     def stop(self) -> ControlAck:
         return self._run(self._async.stop())
+
+    def stop_engine(self, timeout: float = 30.0) -> bool:
+        return self._run(self._async.stop_engine(timeout))
 
     def close(self) -> None:
         if self._loop.is_running():

@@ -983,7 +983,14 @@ def build_app(
 
     @app.get("/metrics")
     async def metrics_():
-        return Response(await metrics.render(client), media_type=prom.CONTENT_TYPE_LATEST)
+        """The metrics, with the runtime's gauges read fresh (a stats round trip within 5 s);
+        503 while the runtime does not answer, so that a scrape marks it down."""
+        try:
+            body = await asyncio.wait_for(metrics.render(client), 5.0)
+        except Exception as e:  # unreachable, closed, timed out: no fresh gauges to give
+            text = f"the runtime does not answer: {e}\n"
+            return Response(text, status_code=503, media_type="text/plain")
+        return Response(body, media_type=prom.CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):

@@ -10,6 +10,11 @@ then STOP through the coordinator (STOP is legal only while paused or suspended;
 gets its terminal output), waits for the children, escalates to SIGTERM then SIGKILL, and
 removes the ipc files. Children also die with this process.
 
+Direct mode (`direct=True`, for `LLM(use_coordinator=False)`): only the engine rank starts; its
+coordinator endpoint (`engine_address`) is bound by the caller's direct client
+(actors/client/direct.py), which waits for the model and stops the engine; `start` returns once
+the process is spawned, and `shutdown(stopped=True)` first lets a stopped engine exit by itself.
+
 A child that exits while the runtime is not shutting down is logged as an error naming it and
 how it ended (exit code or signal) and listed in `unexpected_exits`; the coordinator fails the
 requests of a dead engine rank by itself, and `taipan serve` shuts down and exits non-zero.
@@ -70,7 +75,13 @@ class Runtime:
         served_model_name: str | None = None,
         max_queued: int | None = None,
         queue_timeout: float | None = None,
+        direct: bool = False,
     ):
+        if direct and http_port is not None:
+            raise LaunchError(
+                "the HTTP server is a client of the coordinator, and direct mode starts none: "
+                "use AsyncLLM.serve in direct mode, or coordinator mode"
+            )
         if num_ranks != 1:
             raise LaunchError(
                 "more than one engine rank needs the data-parallel coordinator; "
@@ -79,6 +90,7 @@ class Runtime:
         self.model_name, self.model_path = resolve(model)
         self.config = config or InferenceConfig()
         self.num_ranks = num_ranks
+        self.direct = direct
         self.dtype, self.device = dtype, device
         cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse
         self.record_dir = os.path.abspath(record_dir) if record_dir else None
@@ -105,6 +117,7 @@ class Runtime:
             }
         self.tmp = tempfile.mkdtemp(prefix="taipan-")
         self.address = address or f"ipc://{self.tmp}/frontend.sock"
+        self.engine_address = f"ipc://{self.tmp}/backend.sock"  # engines connect to it
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._exit_callbacks: list = []
         self.unexpected_exits: list[tuple[str, int]] = []  # (child name, returncode)
@@ -121,7 +134,7 @@ class Runtime:
         blocks_per_request = -(-self.config.max_sequence_length // self.config.block_size_tokens)
         return {
             "frontend": self.address,
-            "backend": f"ipc://{self.tmp}/backend.sock",
+            "backend": self.engine_address,
             "num_ranks": self.num_ranks,
             "model_name": self.model_name,
             "model_path": self.model_path,
@@ -156,6 +169,8 @@ class Runtime:
                 pass
 
     def start(self, timeout: float = 600.0) -> Runtime:
+        if self.direct:
+            return self._start_direct()
         spec = self._spec()
         write_token(spec["control_token_file"], self.address, self.control_token)
         spec = json.dumps(spec)
@@ -176,6 +191,19 @@ class Runtime:
             self.shutdown()
             raise
         return self
+
+    def _start_direct(self) -> Runtime:
+        """Spawn the engine rank only; the caller's direct client binds `engine_address`."""
+        try:
+            self._spawn("engine-0", "engine", json.dumps(self._spec()), "0")
+        except BaseException:
+            self.shutdown()
+            raise
+        return self
+
+    @property
+    def engine_pid(self) -> int | None:
+        return next((p.pid for n, p in self.procs if n == "engine-0"), None)
 
     async def _wait_ready(self, timeout: float) -> None:
         from taipan.client import AsyncClient
@@ -256,9 +284,10 @@ class Runtime:
     def coordinator_alive(self) -> bool:
         return any(n == "coordinator" and p.poll() is None for n, p in self.procs)
 
-    def shutdown(self, timeout: float = 30.0) -> None:
+    def shutdown(self, timeout: float = 30.0, *, stopped: bool = False) -> None:
+        """Stop every child. `stopped`: the engines were already told to stop (direct mode), so
+        give them `timeout` to exit by themselves before any signal."""
         self._stopping = True
-        stopped = False
         # The HTTP server first: it is a client, and would keep serving errors after the stop.
         for name, proc in self.procs:
             if name == "http" and proc.poll() is None:

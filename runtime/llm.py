@@ -1,11 +1,16 @@
 """`LLM` and `AsyncLLM`: the two objects most users need (DESIGN.md §11, the seed's "simple and
 stable inference APIs", in the shape of vLLM's `LLM` / `AsyncLLM`).
 
-Each either starts an embedded runtime (coordinator + engine processes, `Runtime`) from a model
-and InferenceConfig fields, or connects to a running one (`address=`), and talks to it through a
-client. Coordinator mode (`use_coordinator=True`, the default) is the only one built: the
-coordinator routes requests and owns the lifecycle. Direct mode (talking to one engine rank
-without a coordinator) is refused with NotImplementedError naming it.
+Each either starts an embedded runtime from a model and InferenceConfig fields, or connects to a
+running one (`address=`), and talks to it through a client. Two modes (`use_coordinator`):
+
+- coordinator mode (the default): coordinator + engine processes (`Runtime`); the coordinator
+  routes requests and owns the lifecycle (pause, unpause, suspend, resume, update_weights).
+- direct mode (`use_coordinator=False`): one engine rank process and no coordinator; this
+  object's client binds the engine's coordinator endpoint and speaks that protocol for its own
+  rank (actors/client/direct.py): one hop less per message. The lifecycle methods raise
+  RuntimeError naming the mode. With several ranks, each process owns one rank and shards its
+  prompts itself (the seed's "user-managed ranks"), so `is_primary_rank` is True everywhere.
 
     with LLM("smollm2", max_requests=16) as llm:
         outs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=16))
@@ -23,6 +28,7 @@ import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from taipan.actors.client.direct import DirectEndpoint
 from taipan.actors.config import InferenceConfig
 from taipan.client import AsyncClient, Client, Completion, Delta, Prompt
 from taipan.launcher import Runtime
@@ -33,17 +39,14 @@ from taipan.messages.stats import Stats
 __all__ = ["LLM", "AsyncLLM"]
 
 
-def _check_mode(use_coordinator: bool) -> None:
-    if not use_coordinator:
-        raise NotImplementedError(
-            "direct mode (use_coordinator=False: talking to one engine rank without a "
-            "coordinator) is not built yet; use the default coordinator mode"
-        )
-
-
-def _runtime(model, config, config_fields, address, **kw) -> Runtime | None:
+def _runtime(model, config, config_fields, address, direct: bool, **kw) -> Runtime | None:
     """A Runtime to start (None when connecting to `address`)."""
     if address is not None:
+        if direct:
+            raise ValueError(
+                "address= connects to a running runtime's coordinator; direct mode "
+                "(use_coordinator=False) starts its own engine rank: pass one or the other"
+            )
         if config is not None or config_fields:
             raise ValueError(
                 "address= connects to a running runtime, whose config is its own: pass no "
@@ -52,7 +55,7 @@ def _runtime(model, config, config_fields, address, **kw) -> Runtime | None:
         return None
     if config is not None and config_fields:
         raise ValueError("pass either config= or InferenceConfig fields, not both")
-    return Runtime(model, config or InferenceConfig(**config_fields), **kw)
+    return Runtime(model, config or InferenceConfig(**config_fields), direct=direct, **kw)
 
 
 def _samplings(prompts: list, sampling) -> list[SamplingParams]:
@@ -94,15 +97,43 @@ class _Base:
         control_token: str | None = None,
         **config_fields: Any,
     ) -> None:
-        _check_mode(use_coordinator)
+        self.use_coordinator = use_coordinator
         self._runtime = _runtime(
-            model, config, config_fields, address, dtype=dtype, device=device,
-            record_dir=record_dir,
+            model, config, config_fields, address, not use_coordinator, dtype=dtype,
+            device=device, record_dir=record_dir,
         )  # fmt: skip
         self._address = address
         self._control_token = control_token
 
-    is_primary_rank = True  # coordinator mode: this process sees every request's output
+    @property
+    def is_primary_rank(self) -> bool:
+        """Whether this process feeds prompts and collects outputs: in coordinator mode the one
+        process that holds the LLM (every output comes back through the coordinator to it); in
+        direct mode every rank's, each for its own share of the prompts."""
+        return True
+
+    def _client_kwargs(self) -> dict:
+        """How this object's client reaches the runtime: its address and control token, or in
+        direct mode the engine endpoint it binds."""
+        rt = self._runtime
+        if rt is None:
+            return {"address": self._address, "control_token": self._control_token}
+        if not self.use_coordinator:
+            endpoint = DirectEndpoint(
+                rt.model_name,
+                rt.config.max_sequence_length,
+                rt.config.enable_prefix_caching,
+                rt.engine_pid,
+            )
+            return {"address": rt.engine_address, "direct": endpoint}
+        return {"address": rt.address, "control_token": rt.control_token}
+
+    def _lifecycle(self, name: str) -> None:
+        if not self.use_coordinator:
+            raise RuntimeError(
+                f"{name} needs coordinator mode: in direct mode (use_coordinator=False) no "
+                "coordinator owns the lifecycle"
+            )
 
 
 class AsyncLLM(_Base):
@@ -116,11 +147,9 @@ class AsyncLLM(_Base):
     async def start(self) -> AsyncLLM:
         if self.client is not None:
             return self
-        address, token = self._address, self._control_token
         if self._runtime is not None:
             await asyncio.to_thread(self._runtime.start)  # it runs its own event loop
-            address, token = self._runtime.address, self._runtime.control_token
-        client = AsyncClient(address, control_token=token)
+        client = AsyncClient(**self._client_kwargs())
         try:
             await client.connect()
         except BaseException:
@@ -160,20 +189,25 @@ class AsyncLLM(_Base):
         return await self._connected().stats()
 
     async def pause(self) -> ControlAck:
+        self._lifecycle("pause")
         return await self._connected().pause()
 
     async def unpause(self) -> ControlAck:
+        self._lifecycle("unpause")
         return await self._connected().unpause()
 
     async def suspend(self, mode: str | None = None) -> ControlAck:
+        self._lifecycle("suspend")
         return await self._connected().suspend(mode)
 
     async def resume(self) -> ControlAck:
+        self._lifecycle("resume")
         return await self._connected().resume()
 
     async def update_weights(
         self, path: str | os.PathLike | None = None, state: Mapping | None = None
     ) -> ControlAck:
+        self._lifecycle("update_weights")
         return await self._connected().update_weights(path, state)
 
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
@@ -185,16 +219,20 @@ class AsyncLLM(_Base):
         await serve(self._connected(), host, port, **kw)
 
     async def shutdown(self) -> None:
-        """Close the client and stop an embedded runtime (idempotent)."""
+        """Close the client and stop an embedded runtime (idempotent). In direct mode the
+        client stops the engine first (every request gets its terminal output)."""
+        stopped = False
         if self.client is not None:
             client, self.client = self.client, None
+            if client.direct is not None:
+                stopped = await client.stop_engine()
             await client.close()
-        await self._stop_runtime()
+        await self._stop_runtime(stopped)
 
-    async def _stop_runtime(self) -> None:
+    async def _stop_runtime(self, stopped: bool = False) -> None:
         if self._runtime is not None:
             runtime, self._runtime = self._runtime, None
-            await asyncio.to_thread(runtime.shutdown)
+            await asyncio.to_thread(runtime.shutdown, stopped=stopped)
 
     async def __aenter__(self) -> AsyncLLM:
         return await self.start()
@@ -212,12 +250,10 @@ class LLM(_Base):
 
     def __init__(self, model: str = "smollm2", **kw: Any) -> None:
         super().__init__(model, **kw)
-        address, token = self._address, self._control_token
-        if self._runtime is not None:
-            self._runtime.start()
-            address, token = self._runtime.address, self._runtime.control_token
         try:
-            self.client = Client(address, control_token=token)
+            if self._runtime is not None:
+                self._runtime.start()
+            self.client = Client(**self._client_kwargs())
         except BaseException:
             self.shutdown()
             raise
@@ -249,30 +285,39 @@ class LLM(_Base):
         return self._connected().stats()
 
     def pause(self) -> ControlAck:
+        self._lifecycle("pause")
         return self._connected().pause()
 
     def unpause(self) -> ControlAck:
+        self._lifecycle("unpause")
         return self._connected().unpause()
 
     def suspend(self, mode: str | None = None) -> ControlAck:
+        self._lifecycle("suspend")
         return self._connected().suspend(mode)
 
     def resume(self) -> ControlAck:
+        self._lifecycle("resume")
         return self._connected().resume()
 
     def update_weights(
         self, path: str | os.PathLike | None = None, state: Mapping | None = None
     ) -> ControlAck:
+        self._lifecycle("update_weights")
         return self._connected().update_weights(path, state)
 
     def shutdown(self) -> None:
-        """Close the client and stop an embedded runtime (idempotent)."""
+        """Close the client and stop an embedded runtime (idempotent). In direct mode the
+        client stops the engine first (every request gets its terminal output)."""
+        stopped = False
         if self.client is not None:
             client, self.client = self.client, None
+            if self._runtime is not None and not self.use_coordinator:
+                stopped = client.stop_engine()
             client.close()
         if self._runtime is not None:
             runtime, self._runtime = self._runtime, None
-            runtime.shutdown()
+            runtime.shutdown(stopped=stopped)
 
     def __enter__(self) -> LLM:
         return self

@@ -1,8 +1,14 @@
 """`LLM` and `AsyncLLM` (issue 11) with real embedded runtimes and the real SmolLM2 model:
 completions in input order equal to a plain Client's, one SamplingParams per prompt, chat, the
 progress bar, lifecycle methods, shutdown stopping the processes; AsyncLLM's streamed deltas,
-many requests at once, and `serve` answering the openai client; the refusals (direct mode not
-built, address= with a config, a wrong number of SamplingParams)."""
+many requests at once, and `serve` answering the openai client; the refusals (address= with a
+config or with direct mode, a wrong number of SamplingParams).
+
+Direct mode (`use_coordinator=False`): no coordinator process; greedy outputs, log-probs, stop
+strings and streamed deltas equal coordinator mode's; stats work and every lifecycle method
+raises RuntimeError naming the mode; shutdown aborts what runs (each request gets its terminal
+output) and the engine exits by itself with code 0; a killed engine fails its requests and
+every later call within seconds."""
 
 from __future__ import annotations
 
@@ -13,8 +19,10 @@ import openai
 import pytest
 
 from taipan import LLM, AsyncLLM, SamplingParams
-from taipan.client import Client
+from taipan.client import Client, RuntimeUnreachable
+from taipan.launcher import LaunchError, Runtime
 from taipan.messages.lifecycle import LifecycleState
+from taipan.messages.requests import FinishReason
 
 PROMPTS = ["The capital of France is", [504, 3458, 314], "Water boils at"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -55,8 +63,10 @@ def test_chat_and_lifecycle(llm):
 
 
 def test_refusals(model_path, runtime):
-    with pytest.raises(NotImplementedError, match="direct mode"):
-        LLM(model_path, use_coordinator=False)
+    with pytest.raises(ValueError, match="direct mode .* starts its own engine rank"):
+        LLM(address=runtime.address, use_coordinator=False)
+    with pytest.raises(LaunchError, match="use AsyncLLM.serve in direct mode"):
+        Runtime(model_path, direct=True, http_port=8000)
     with pytest.raises(ValueError, match="address= connects to a running runtime"):
         LLM(address=runtime.address, max_requests=4)
     with pytest.raises(ValueError, match="either config= or InferenceConfig fields"):
@@ -118,3 +128,102 @@ async def test_async_llm_streams_runs_many_and_serves(model_path):
         server.cancel()
         await asyncio.gather(server, return_exceptions=True)
         await oai.close()
+
+
+# --- direct mode ------------------------------------------------------------------------------
+
+LOGPROBS = SamplingParams(max_tokens=6, temperature=0.0, return_log_probs=True, top_n_logprobs=2)
+STOPPED = SamplingParams(max_tokens=24, temperature=0.0, stop=["\n"])
+
+
+@pytest.fixture(scope="module")
+def direct(model_path):
+    with LLM(model_path, use_coordinator=False, **CONFIG) as llm:
+        yield llm
+
+
+def test_direct_mode_equals_coordinator_mode(llm, direct):
+    assert [name for name, _ in direct._runtime.procs] == ["engine-0"]  # no coordinator
+    assert direct.is_primary_rank and not direct.use_coordinator
+    for sampling in (GREEDY, LOGPROBS, STOPPED):
+        want = llm.generate(PROMPTS, sampling, use_tqdm=False)
+        got = direct.generate(PROMPTS, sampling, use_tqdm=False)
+        for w, g in zip(want, got, strict=True):
+            assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
+            assert g.stop_reason == w.stop_reason
+            if sampling is LOGPROBS:
+                assert g.log_probs == pytest.approx(w.log_probs, abs=1e-5)
+                assert g.prompt_log_probs == pytest.approx(w.prompt_log_probs, abs=1e-5)
+                assert [list(t) for t in g.top_n_logprobs] == [list(t) for t in w.top_n_logprobs]
+    assert any(o.stop_reason == "\n" for o in got)  # the stop string was matched on text
+    [a] = llm.chat([{"role": "user", "content": "Say hi."}], GREEDY, use_tqdm=False)
+    [b] = direct.chat([{"role": "user", "content": "Say hi."}], GREEDY, use_tqdm=False)
+    assert a.token_ids == b.token_ids
+
+
+def test_direct_mode_stats_and_lifecycle_refused(direct, tmp_path):
+    stats = direct.stats()
+    assert stats.state == LifecycleState.RUNNING
+    assert [r.rank for r in stats.ranks] == [0] and stats.ranks[0].running == 0
+    calls = {
+        "pause": direct.pause,
+        "unpause": direct.unpause,
+        "suspend": lambda: direct.suspend("offload"),
+        "resume": direct.resume,
+        "update_weights": lambda: direct.update_weights(path=str(tmp_path)),
+    }
+    for name, call in calls.items():
+        with pytest.raises(RuntimeError, match=f"{name} needs coordinator mode: in direct mode"):
+            call()
+    # The client under it refuses too (no coordinator to send a control to).
+    with pytest.raises(RuntimeError, match="direct mode"):
+        direct.client.pause()
+    [out] = direct.generate(PROMPTS[0], GREEDY, use_tqdm=False)  # still serving
+    assert out.token_ids
+
+
+@pytest.mark.asyncio
+async def test_async_direct_streams_and_shutdown_aborts(model_path, llm):
+    want = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm_direct = AsyncLLM(model_path, use_coordinator=False, **CONFIG)
+    async with llm_direct:
+        runtime = llm_direct._runtime
+
+        async def streamed(p):
+            tokens, last = [], None
+            async for d in llm_direct.generate(p, GREEDY):
+                tokens, last = tokens + d.token_ids, d
+            assert last.finished
+            return tokens
+
+        got = await asyncio.gather(*(streamed(p) for p in PROMPTS))
+        assert got == [w.token_ids for w in want]
+        # Requests still running at shutdown each get their one terminal output.
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        running = asyncio.ensure_future(llm_direct.generate_all(PROMPTS, long))
+        while (await llm_direct.stats()).ranks[0].running < len(PROMPTS):
+            await asyncio.sleep(0.05)
+    assert {o.finish_reason for o in await running} == {FinishReason.ABORT}
+    assert [p.returncode for _, p in runtime.procs] == [0]  # it exited as told, no signal
+
+
+def test_direct_mode_engine_death_is_seen_within_seconds(model_path):
+    import signal
+    import time
+
+    with LLM(model_path, use_coordinator=False, **CONFIG) as direct:
+        long = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
+        [proc] = [p for _, p in direct._runtime.procs]
+        stream = direct.client.stream(PROMPTS[0], long)
+        first = next(stream)  # it runs
+        assert not first.finished
+        start = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        *_, last = list(stream)
+        assert last.finished and last.finish_reason == FinishReason.ERROR
+        assert "engine rank 0 died" in last.error
+        assert time.monotonic() - start < 5
+        [late] = direct.client.generate(PROMPTS[0], GREEDY, raise_on_error=False)
+        assert "engine rank 0 died" in late.error
+        with pytest.raises(RuntimeUnreachable, match="engine rank 0 died"):
+            direct.stats()

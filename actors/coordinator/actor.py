@@ -184,9 +184,7 @@ class CoordinatorActor(Actor):
 
     async def on_submit(self, env: Envelope, msg: SubmitRequest) -> None:
         prompt = msg.prompt_token_ids  # int32[P]: the codec checked dtype and rank
-        problems = msg.sampling.problems()
-        if prompt.size == 0:
-            problems.append("the prompt is empty")
+        problems = msg.problems()
         if self.control is not None and self.control.command == ControlCommand.STOP:
             # The engines are aborting everything and exiting: a request forwarded now could
             # be lost without its terminal output.

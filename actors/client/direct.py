@@ -1,0 +1,287 @@
+"""The direct client actor: a client that is its engine rank's coordinator (direct mode,
+`use_coordinator=False` in runtime/llm.py; the seed's "direct mode").
+
+It binds the endpoint one engine rank connects to (a ROUTER that watches its peer) and speaks the
+coordinator's side of the engine protocol for that rank alone: it takes the engine's Hello,
+Heartbeats and ModelLoaded (and builds the ModelInfo a coordinator would answer), sends
+`EngineSubmit` and `AbortRequest` under this client's own request ids, splits each
+`StepOutputs` into its requests' queues, and asks for stats. One hop less per message than
+through a coordinator process. What the coordinator would own is absent: routing (there is one
+rank) and the lifecycle (`control` raises RuntimeError naming the mode); `stop_engine` only ends
+the engine when its owner shuts down.
+
+Liveness, as the coordinator watches an engine: the engine heartbeats every second, so once it
+has said Hello, `timeout` seconds of silence (or its connection closing, or its process exiting:
+`pid`) end every request with finish_reason "error" and fail every waiting call with
+`RuntimeUnreachable`; nothing more is sent to it. Before its Hello the engine is importing and
+loading, and only the caller's `connect_timeout` and the process watch bound the wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import time
+
+import numpy as np
+
+from taipan.actors.channel import Channel, Envelope
+from taipan.actors.client.actor import ClientActor, RuntimeUnreachable
+from taipan.messages.codec import MessageError, decode
+from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
+from taipan.messages.gpu import ModelLoaded
+from taipan.messages.lifecycle import CONTROL_MESSAGES, ControlAck, Stop, StopAck
+from taipan.messages.requests import (
+    AbortRequest,
+    EngineSubmit,
+    FinishReason,
+    ModelInfo,
+    RequestOutput,
+    SamplingParams,
+    StepOutputs,
+    SubmitRequest,
+)
+from taipan.messages.stats import GetStats, PrefixEvents, Stats
+
+# The engine heartbeats every second; its event loop stays free while the device works.
+ENGINE_TIMEOUT_S = 10.0
+NO_TOKENS = np.zeros(0, dtype=np.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class DirectEndpoint:
+    """What a direct client needs beyond the address it binds: what a coordinator would tell
+    its clients (`model_name`, `max_sequence_length`, `prefix_caching`) and the engine process
+    to watch (`pid`, None: watch only its connection and heartbeats)."""
+
+    model_name: str
+    max_sequence_length: int
+    prefix_caching: bool = False
+    pid: int | None = None
+    rank: int = 0
+
+
+class DirectActor(ClientActor):
+    def __init__(
+        self, channel: Channel, endpoint: DirectEndpoint, *, timeout: float = ENGINE_TIMEOUT_S
+    ):
+        super().__init__(channel, address=f"engine rank {endpoint.rank}", timeout=timeout)
+        self.endpoint = endpoint
+        self.engine: bytes | None = None  # its identity, from its first message
+        self.info: ModelInfo | None = None
+        self.gone: str | None = None  # why the engine is gone, once it is
+        self.stop_acked = asyncio.Event()
+        for msg_type, handler in [
+            (Hello, self.on_hello),
+            (ModelLoaded, self.on_model_loaded),
+            (StepOutputs, self.on_step_outputs),
+            (PeerGone, self.on_peer_gone),
+            (PrefixEvents, self.on_ignored),  # routing tables are a coordinator's business
+            (StopAck, self.on_stop_ack),
+        ]:
+            self.on(msg_type, handler)
+
+    async def started(self) -> None:
+        await super().started()
+        if self.endpoint.pid is not None:
+            self.spawn(self._watch_process(self.endpoint.pid))
+
+    async def dispatch(self, env: Envelope) -> None:
+        if self.engine is None and env.sender is not None and env.msg is not None:
+            self.engine = env.sender
+        elif env.sender != self.engine and env.sender is not None:
+            self.log.warning("a second peer on a direct endpoint: ignored", peer=env.sender.hex())
+            return
+        await super().dispatch(env)
+
+    async def _to_engine(self, msg) -> None:
+        if self.engine is not None and self.gone is None:
+            await self.channel.send(msg, to=self.engine)
+
+    # --- calls (the coordinator's side of the protocol) ---------------------------------------
+
+    async def submit(
+        self,
+        prompt: np.ndarray,
+        sampling: SamplingParams,
+        stream: bool,
+        hashes: np.ndarray | None = None,
+        salt: int = 0,
+    ):
+        request_id = next(self.ids)
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        if hashes is None:
+            hashes = np.zeros(0, dtype=np.int64)
+        problems = SubmitRequest(request_id, prompt, sampling, stream, hashes, salt).problems()
+        if self.gone is not None:
+            problems = [self.gone]
+        elif self.engine is None:
+            problems.append("the engine has not connected yet")
+        if problems:
+            text = "; ".join(problems)
+            queue.put_nowait(
+                RequestOutput(request_id, NO_TOKENS, True, FinishReason.ERROR, text, len(prompt), 0)
+            )
+            return request_id, queue
+        self._expect_answer()
+        self.queues[request_id] = queue
+        await self._to_engine(
+            EngineSubmit(request_id, prompt, sampling, stream, time.time(), hashes, salt)
+        )
+        return request_id, queue
+
+    async def abort(self, request_id: int) -> None:
+        if request_id in self.queues:
+            await self._to_engine(AbortRequest(request_id))
+
+    async def model_info(self) -> ModelInfo:
+        if self.info is not None:
+            return self.info
+        if self.gone is not None:
+            raise RuntimeUnreachable(self.gone)
+        fut = asyncio.get_running_loop().create_future()
+        self.info_waiters.append(fut)  # answered by the engine's ModelLoaded
+        return await fut
+
+    async def stats(self) -> Stats:
+        if self.gone is not None:
+            raise RuntimeUnreachable(self.gone)
+        fut = asyncio.get_running_loop().create_future()
+        self._expect_answer()
+        self.stats_waiters.append(fut)
+        await self._to_engine(GetStats())
+        return await fut
+
+    async def control(self, msg) -> ControlAck:
+        command = CONTROL_MESSAGES[type(msg)]
+        raise RuntimeError(
+            f"{command} is a lifecycle command, and in direct mode (use_coordinator=False) no "
+            "coordinator owns the lifecycle; use coordinator mode for pause, unpause, suspend, "
+            "resume and update_weights"
+        )
+
+    async def stop_engine(self, reason: str, timeout: float) -> bool:
+        """Tell the engine to abort everything and exit (its owner is shutting down); True once
+        it acknowledged within `timeout` seconds."""
+        if self.engine is None or self.gone is not None:
+            return False
+        await self._to_engine(Stop("", reason))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.stop_acked.wait(), timeout)
+        return self.stop_acked.is_set()
+
+    # --- liveness -----------------------------------------------------------------------------
+
+    async def _watch_server(self) -> None:
+        """Heartbeats come from the engine unasked: only watch for their absence (once the
+        engine has said Hello: before it, it imports and loads)."""
+        while True:
+            if self.engine is None or self.gone is not None or not self._busy():
+                self.waiting.clear()
+                await self.waiting.wait()
+                continue
+            silent = time.monotonic() - self.heard
+            if silent >= self.timeout:
+                self.engine_gone(f"sent nothing for {silent:.1f} s (timeout {self.timeout:g} s)")
+                continue
+            await asyncio.sleep(self.timeout - silent)
+
+    async def _watch_process(self, pid: int) -> None:
+        """Wait, without polling, for the engine process to exit (a pidfd turns readable)."""
+        if not hasattr(os, "pidfd_open"):
+            return  # not Linux: the connection and heartbeat watches remain
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError as e:  # already reaped: the process is gone
+            self.engine_gone(f"its process {pid} is not running ({e.strerror})")
+            return
+        exited = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_reader(fd, exited.set)
+        try:
+            await exited.wait()
+        finally:
+            loop.remove_reader(fd)
+            os.close(fd)
+        self.engine_gone(f"its process {pid} exited (see its log above)")
+
+    def engine_gone(self, reason: str) -> None:
+        """The engine is gone: every request ends with an error naming it, every waiting call
+        raises, and nothing is sent to it any more."""
+        if self.gone is not None:
+            return
+        if self.stop_acked.is_set():  # it exited as told
+            self.gone = f"engine rank {self.endpoint.rank} was stopped"
+            return
+        self.gone = f"engine rank {self.endpoint.rank} died: {reason}"
+        self.log.error("engine rank died", rank=self.endpoint.rank, reason=reason)
+        self._end_requests(FinishReason.ERROR, self.gone)
+        self._resolve(self.info_waiters, RuntimeUnreachable(self.gone))
+        self._resolve(self.stats_waiters, RuntimeUnreachable(self.gone))
+
+    # --- inbound (the engine's side) ----------------------------------------------------------
+
+    async def on_hello(self, env: Envelope, msg: Hello) -> None:
+        if msg.name != "engine":
+            self.log.warning("a Hello from a non-engine peer", name=msg.name)
+        self.waiting.set()  # its silence counts from now on
+
+    async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
+        pass  # `dispatch` noted that it is alive
+
+    async def on_ignored(self, env: Envelope, msg) -> None:
+        pass
+
+    async def on_peer_gone(self, env: Envelope, msg: PeerGone) -> None:
+        self.engine_gone(msg.reason)
+
+    async def on_model_loaded(self, env: Envelope, msg: ModelLoaded) -> None:
+        ep = self.endpoint
+        self.info = ModelInfo(
+            ep.model_name,
+            msg.tokenizer,
+            ep.max_sequence_length,
+            1,
+            msg.num_blocks * msg.block_size,
+            msg.num_blocks * msg.block_bytes,
+            msg.block_size,
+            ep.prefix_caching,
+            0,  # no weight updates in direct mode
+        )
+        self._resolve(self.info_waiters, self.info)
+
+    async def on_error(self, env: Envelope, msg: ErrorReply) -> None:
+        if msg.code == "load_failed":
+            self._resolve(self.info_waiters, RuntimeError(f"model load failed: {msg.text}"))
+            return
+        self.log.warning("engine error reply", code=msg.code, text=msg.text)
+
+    async def on_stop_ack(self, env: Envelope, msg: StopAck) -> None:
+        self.stop_acked.set()
+
+    async def on_step_outputs(self, env: Envelope, msg: StepOutputs) -> None:
+        """Each output to its request's queue. Entries that do not decode end their requests
+        with an error, and the engine is told to abort them (their blocks come back)."""
+        problem = msg.problem()
+        ids = msg.request_ids.tolist()
+        for i, request_id in enumerate(ids if problem is None else []):
+            try:
+                out = decode([msg.relayed(i, request_id)])
+            except MessageError as e:
+                await self._bad_output(request_id, str(e))
+                continue
+            await self.on_output(env, out)
+        if problem is not None:
+            for request_id in ids:
+                await self._bad_output(request_id, problem)
+
+    async def _bad_output(self, request_id: int, why: str) -> None:
+        queue = self.queues.pop(request_id, None)
+        if queue is None:
+            return
+        self.log.error("malformed engine output", request_id=request_id, error=why)
+        text = f"engine rank {self.endpoint.rank} sent a malformed output: {why}"[:2000]
+        queue.put_nowait(RequestOutput(request_id, NO_TOKENS, True, FinishReason.ERROR, text, 0, 0))
+        await self._to_engine(AbortRequest(request_id))
