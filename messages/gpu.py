@@ -54,6 +54,9 @@ class LoadModel:
     # InferenceConfig.mamba_inference_state_config as JSON ("": unset): state dtypes, and
     # shapes / layer pattern / chunk size the model must have.
     mamba_state_config: str = ""
+    # Engine ranks that share this host's memory (data parallel on one machine): the CPU
+    # default KV budget (kv_cache_gb None) is split between them.
+    ranks_on_host: int = 1
 
 
 @message(121)

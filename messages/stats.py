@@ -2,10 +2,14 @@
 
 An engine sends `Stats` (with its one `RankStats`) to the coordinator every
 `logging_step_interval` steps (when set) and in answer to `GetStats`. The coordinator answers a
-client's `GetStats` with one `Stats` holding every rank's latest `RankStats`.
+client's `GetStats` with one `Stats` holding every rank's latest `RankStats`, dead ranks
+included (`alive` False, with the reason and their last counters, nothing running); `merged()`
+adds them up into one view of the whole runtime.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -57,6 +61,10 @@ class RankStats:
     mamba_snapshots: int = 0
     mamba_restored: int = 0
     mamba_snapshots_taken: int = 0
+    # Set by the coordinator: False once the rank died (its last report, nothing running), with
+    # why in `dead_reason`.
+    alive: bool = True
+    dead_reason: str = ""
 
     @property
     def blocks_active(self) -> int:
@@ -79,6 +87,24 @@ class Stats:
 
     state: LifecycleState
     ranks: tuple[RankStats, ...]
+
+    def merged(self) -> RankStats:
+        """Every rank's counters summed (rank -1, the coordinator's state; `step` is the
+        furthest rank's, `weight_version` the newest; `alive`: any rank alive)."""
+        fields = {
+            f.name: 0
+            for f in dataclasses.fields(RankStats)
+            if f.type in ("int", "float") and f.name != "rank"
+        }
+        for r in self.ranks:
+            for name in fields:
+                fields[name] += getattr(r, name)
+        fields["device_seconds_total"] = float(fields["device_seconds_total"])
+        fields["step"] = max((r.step for r in self.ranks), default=0)
+        fields["weight_version"] = max((r.weight_version for r in self.ranks), default=0)
+        return RankStats(
+            **fields, rank=-1, state=self.state, alive=any(r.alive for r in self.ranks)
+        )
 
 
 @message(142)

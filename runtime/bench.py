@@ -164,6 +164,9 @@ def run(args) -> int:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus",
         "command": "taipan " + " ".join(sys.argv[1:]),
+        "data_parallel_size": getattr(args, "data_parallel_size", 1),
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+        "expert_parallel_size": getattr(args, "expert_parallel_size", 1),
     }
     os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
     for row in rows:

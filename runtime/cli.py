@@ -73,18 +73,27 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def cmd_serve(args) -> int:
-    """Serve until SIGINT/SIGTERM (exit 0) or until a child process dies (exit 1, naming it)."""
+    """Serve until SIGINT/SIGTERM (exit 0), or until the coordinator, the HTTP server or the last
+    engine rank dies (exit 1, naming it). While other ranks live, a dead rank is logged (its
+    requests failed, the coordinator routes around it) and serving goes on; the exit code is
+    then 1 too."""
     configure(args.log_level)
     rt = runtime_from_args(args, args.address)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    rt.on_child_exit(lambda name, code: stop.set())  # a child died: shut down too
+
+    def on_exit(name: str, code: int) -> None:
+        if not name.startswith("engine-") or rt.engines_alive() == 0:
+            stop.set()  # nothing left to serve with: shut down too
+
+    rt.on_child_exit(on_exit)
     try:
         rt.start()
         info = rt.model_info
         print(
-            f"taipan: serving {rt.model_name} at {rt.address}; KV cache of "
+            f"taipan: serving {rt.model_name} at {rt.address} on {rt.num_ranks} engine "
+            f"rank(s); KV cache of "
             f"{info.kv_cache_tokens} tokens ({info.kv_cache_bytes / 1024**3:.2f} GiB) per rank; "
             f"control token in {rt.token_path}",
             file=sys.stderr,
@@ -96,8 +105,9 @@ def cmd_serve(args) -> int:
     finally:
         rt.shutdown()
     if rt.unexpected_exits:
-        name, code = rt.unexpected_exits[0]
-        print(f"taipan: error: {name} {describe_exit(code)}; the runtime stopped", file=sys.stderr)
+        for name, code in rt.unexpected_exits:
+            print(f"taipan: error: {name} {describe_exit(code)}", file=sys.stderr)
+        print("taipan: error: the runtime stopped", file=sys.stderr)
         return 1
     return 0
 

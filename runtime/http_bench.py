@@ -203,7 +203,7 @@ async def _client_one(client, job: Job, drop_after: int) -> Outcome:
 
 
 async def _engine(client) -> dict:
-    rank = (await client.stats()).ranks[0]
+    rank = (await client.stats()).merged()  # every rank's counters summed
     return {
         "busy": rank.running + rank.waiting,
         "blocks_free": rank.blocks_free + rank.blocks_evictable,

@@ -354,6 +354,7 @@ class Metrics:
                 ("kv_blocks_used", "KV cache blocks in use"),
                 ("kv_blocks_total", "KV cache blocks"),
                 ("prefix_cache_hit_rate", "Prompt tokens taken from the prefix cache, share"),
+                ("engine_ranks_alive", "Engine ranks serving (a dead one is routed around)"),
             )
         }
 
@@ -366,17 +367,15 @@ class Metrics:
 
     async def render(self, client: AsyncClient) -> bytes:
         stats = await client.stats()
-        ranks = stats.ranks
-        prompt = sum(r.prefix_prompt_tokens for r in ranks)
+        merged = stats.merged()  # every rank's counters summed
         values = {
-            "requests_running": sum(r.running for r in ranks),
-            "requests_waiting": sum(r.waiting for r in ranks),
-            "requests_paused": sum(r.paused for r in ranks),
-            "kv_blocks_used": sum(r.blocks_used for r in ranks),
-            "kv_blocks_total": sum(r.num_blocks for r in ranks),
-            "prefix_cache_hit_rate": sum(r.prefix_cached_tokens for r in ranks) / prompt
-            if prompt
-            else 0.0,
+            "requests_running": merged.running,
+            "requests_waiting": merged.waiting,
+            "requests_paused": merged.paused,
+            "kv_blocks_used": merged.blocks_used,
+            "kv_blocks_total": merged.num_blocks,
+            "prefix_cache_hit_rate": merged.prefix_hit_rate,
+            "engine_ranks_alive": sum(r.alive for r in stats.ranks),
         }
         for name, value in values.items():
             self.gauges[name].set(value)

@@ -57,6 +57,44 @@ def describe_exit(code: int | None) -> str:
     return f"exited with code {code}"
 
 
+def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
+    """LaunchError for a parallel size that is not >= 1 or not built yet."""
+    for name, size in (("data", data), ("tensor", tensor), ("expert", expert)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise LaunchError(f"{name}_parallel_size must be an int >= 1, got {size!r}")
+    if tensor != 1:
+        raise LaunchError(f"tensor_parallel_size={tensor}: tensor parallelism is not built yet")
+    if expert != 1:
+        raise LaunchError(f"expert_parallel_size={expert}: expert parallelism is not built yet")
+
+
+def rank_device(device: str, rank: int, num_ranks: int) -> str:
+    """The device of data-parallel rank `rank`: on CUDA each rank its own GPU, counted from the
+    one named ("cuda" or "cuda:0": rank r on cuda:r; "cuda:2": rank r on cuda:2+r); elsewhere
+    every rank shares `device`."""
+    if num_ranks == 1 or not device.startswith("cuda"):
+        return device
+    _, _, index = device.partition(":")
+    return f"cuda:{int(index or 0) + rank}"
+
+
+def rank_cpu_sets(num_ranks: int, cpus: list[int]) -> list[list[int] | None]:
+    """Each rank's CPU cores: with one rank, None (all of them, as torch chooses); with several,
+    contiguous, disjoint and as equal as they can be (so the ranks' matmul threads do not fight
+    over the same cores), and round-robin single cores when there are more ranks than cores."""
+    if num_ranks == 1 or not cpus:
+        return [None] * num_ranks
+    if num_ranks > len(cpus):
+        return [[cpus[r % len(cpus)]] for r in range(num_ranks)]
+    base, extra = divmod(len(cpus), num_ranks)
+    sets, start = [], 0
+    for r in range(num_ranks):
+        n = base + (r < extra)
+        sets.append(cpus[start : start + n])
+        start += n
+    return sets
+
+
 class Runtime:
     def __init__(
         self,
@@ -65,7 +103,9 @@ class Runtime:
         *,
         address: str | None = None,
         record_dir: str | None = None,
-        num_ranks: int = 1,
+        data_parallel_size: int = 1,
+        tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         dtype: str = "float32",
         device: str = "cpu",
         log_level: str | None = None,
@@ -82,14 +122,15 @@ class Runtime:
                 "the HTTP server is a client of the coordinator, and direct mode starts none: "
                 "use AsyncLLM.serve in direct mode, or coordinator mode"
             )
-        if num_ranks != 1:
+        check_parallel_sizes(data_parallel_size, tensor_parallel_size, expert_parallel_size)
+        if direct and data_parallel_size != 1:
             raise LaunchError(
-                "more than one engine rank needs the data-parallel coordinator; "
-                "only num_ranks=1 is built so far"
+                "direct mode drives one engine rank from this process; with several ranks use "
+                "coordinator mode (it routes and owns the lifecycle)"
             )
         self.model_name, self.model_path = resolve(model)
         self.config = config or InferenceConfig()
-        self.num_ranks = num_ranks
+        self.num_ranks = data_parallel_size
         self.direct = direct
         self.dtype, self.device = dtype, device
         cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse
@@ -140,6 +181,10 @@ class Runtime:
             "model_path": self.model_path,
             "dtype": self.dtype,
             "device": self.device,
+            # Per rank: its device (rank r of a CUDA runtime uses its own GPU) and, with several
+            # ranks, its own share of this machine's cores (None: all of them).
+            "devices": [rank_device(self.device, r, self.num_ranks) for r in range(self.num_ranks)],
+            "cpu_sets": rank_cpu_sets(self.num_ranks, sorted(os.sched_getaffinity(0))),
             "config": self.config.to_dict(),
             # More blocks than every admissible request can hold would only waste memory.
             "max_blocks": max_requests * blocks_per_request,
@@ -204,6 +249,14 @@ class Runtime:
     @property
     def engine_pid(self) -> int | None:
         return next((p.pid for n, p in self.procs if n == "engine-0"), None)
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """The engine processes' pids, by rank."""
+        return [p.pid for n, p in self.procs if n.startswith("engine-")]
+
+    def engines_alive(self) -> int:
+        return sum(n.startswith("engine-") and p.poll() is None for n, p in self.procs)
 
     async def _wait_ready(self, timeout: float) -> None:
         from taipan.client import AsyncClient
@@ -386,6 +439,20 @@ def add_runtime_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     p.add_argument("--record", metavar="DIR", help="record every actor's messages into DIR")
+    p.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engine ranks behind the coordinator, each with its own model replica (CUDA: rank r "
+        "on the r-th GPU; CPU: each rank its share of the cores)",
+    )
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1, metavar="T", help="not built yet: 1"
+    )
+    p.add_argument(
+        "--expert-parallel-size", type=int, default=1, metavar="E", help="not built yet: 1"
+    )
     p.add_argument("--log-level", default=None, help="debug, info, warning (default), error")
 
 
@@ -419,6 +486,9 @@ def runtime_from_args(args, address: str | None = None) -> Runtime:
         config,
         address=address,
         record_dir=args.record,
+        data_parallel_size=args.data_parallel_size,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel_size=args.expert_parallel_size,
         dtype=args.dtype,
         device=args.device,
         log_level=args.log_level,

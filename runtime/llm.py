@@ -9,7 +9,8 @@ running one (`address=`), and talks to it through a client. Two modes (`use_coor
 - direct mode (`use_coordinator=False`): one engine rank process and no coordinator; this
   object's client binds the engine's coordinator endpoint and speaks that protocol for its own
   rank (actors/client/direct.py): one hop less per message. The lifecycle methods raise
-  RuntimeError naming the mode. With several ranks, each process owns one rank and shards its
+  RuntimeError naming the mode. One LLM drives one rank in direct mode (`data_parallel_size`
+  > 1 needs coordinator mode); with several ranks each process would own one rank and shard its
   prompts itself (the seed's "user-managed ranks"), so `is_primary_rank` is True everywhere.
 
     with LLM("smollm2", max_requests=16) as llm:
@@ -47,10 +48,10 @@ def _runtime(model, config, config_fields, address, direct: bool, **kw) -> Runti
                 "address= connects to a running runtime's coordinator; direct mode "
                 "(use_coordinator=False) starts its own engine rank: pass one or the other"
             )
-        if config is not None or config_fields:
+        if config is not None or config_fields or kw.get("data_parallel_size", 1) != 1:
             raise ValueError(
-                "address= connects to a running runtime, whose config is its own: pass no "
-                "config or InferenceConfig fields with it"
+                "address= connects to a running runtime, whose config and ranks are its own: "
+                "pass no config, InferenceConfig fields or data_parallel_size with it"
             )
         return None
     if config is not None and config_fields:
@@ -81,8 +82,9 @@ def _prompt_list(prompts) -> list:
 class _Base:
     """What LLM and AsyncLLM share: the constructor's arguments and the runtime they start (or
     the address they connect to). `model`: "smollm2", a .gguf file or an HF directory;
-    `config` or InferenceConfig fields (not with `address`); `dtype`, `device`, `record_dir` as
-    for `taipan serve`; `control_token` for a running runtime started by another user."""
+    `config` or InferenceConfig fields (not with `address`); `dtype`, `device`, `record_dir` and
+    `data_parallel_size` (engine ranks behind the coordinator; coordinator mode only) as for
+    `taipan serve`; `control_token` for a running runtime started by another user."""
 
     def __init__(
         self,
@@ -95,12 +97,13 @@ class _Base:
         device: str = "cpu",
         record_dir: str | None = None,
         control_token: str | None = None,
+        data_parallel_size: int = 1,
         **config_fields: Any,
     ) -> None:
         self.use_coordinator = use_coordinator
         self._runtime = _runtime(
             model, config, config_fields, address, not use_coordinator, dtype=dtype,
-            device=device, record_dir=record_dir,
+            device=device, record_dir=record_dir, data_parallel_size=data_parallel_size,
         )  # fmt: skip
         self._address = address
         self._control_token = control_token

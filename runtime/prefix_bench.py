@@ -58,8 +58,8 @@ def _prefix_sets(args, on: bool, hybrid: bool = False) -> list[str]:
 def _prefix_counters(client) -> dict[str, int]:
     """The prefix counters of messages/stats.py RankStats, summed over ranks (zeros when off)."""
     keys = ("prefix_prompt_tokens", "prefix_cached_tokens", "prefill_tokens_computed")
-    ranks = client.stats().ranks
-    return {k: sum(getattr(r, k) for r in ranks) for k in (*keys, "blocks_hashed")}
+    merged = client.stats().merged()
+    return {k: getattr(merged, k) for k in (*keys, "blocks_hashed")}
 
 
 def _timed_scenario(client, prompts: list[list[int]], output_len: int) -> tuple[dict, list]:

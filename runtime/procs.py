@@ -1,8 +1,10 @@
 """Child-process entry points: `python -m taipan.procs coordinator|engine|http SPEC_JSON [RANK]`.
 
 One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
-actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc; with an HTTP
-port, one more runs the OpenAI server (runtime/http_server.py) over a client of the frontend.
+actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc, on its own
+device and, with several ranks, its own share of the cores (SPEC's `devices`, `cpu_sets`); with
+an HTTP port, one more runs the OpenAI server (runtime/http_server.py) over a client of the
+frontend.
 The launcher (runtime/launcher.py) writes SPEC.
 Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
 clean stop through STOP messages) and treat SIGTERM as "stop now".
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import json
+import os
 import signal
 import sys
 
@@ -102,7 +105,18 @@ async def coordinator_main(spec: dict) -> None:
             rec.close()
 
 
+def _pin_cpus(cpus: list[int] | None) -> None:
+    """Keep this engine rank (and the matmul threads torch starts later) on its own cores."""
+    if cpus is None:
+        return
+    os.sched_setaffinity(0, cpus)
+    threads = str(len(cpus))
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when torch loads, below
+        os.environ[var] = threads
+
+
 async def engine_main(spec: dict, rank: int) -> None:
+    _pin_cpus(spec["cpu_sets"][rank])
     from taipan.actors.allocator.actor import AllocatorActor
     from taipan.actors.engine.actor import EngineActor
     from taipan.actors.gpu.actor import GpuActor
@@ -146,11 +160,12 @@ async def engine_main(spec: dict, rank: int) -> None:
     )
     config = InferenceConfig.from_dict(spec["config"])
     max_requests, max_tokens = plan_limits(config)
-    decode_graphs, mixed_graphs = cuda_graph_sizes(config, spec["device"])
+    device = spec["devices"][rank]
+    decode_graphs, mixed_graphs = cuda_graph_sizes(config, device)
     load = LoadModel(
         spec["model_path"],
         spec["dtype"],
-        spec["device"],
+        device,
         config.block_size_tokens,
         spec["max_blocks"],
         config.buffer_size_gb,
@@ -165,6 +180,7 @@ async def engine_main(spec: dict, rank: int) -> None:
         ""
         if config.mamba_inference_state_config is None
         else json.dumps(config.mamba_inference_state_config),
+        spec["num_ranks"],  # every rank of this launcher shares the host's memory
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [mamba_side, to_mamba] if hybrid else []

@@ -90,13 +90,12 @@ def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> float:
 
 
 def _rank_counters(client) -> tuple[float, int, int]:
-    """(device_seconds_total, steps_total, steps_graphed) of rank 0 (messages/stats.py)."""
-    rank = client.stats().ranks[0]
-    return (
-        getattr(rank, "device_seconds_total", 0.0),
-        getattr(rank, "steps_total", 0),
-        getattr(rank, "steps_graphed", 0),
-    )
+    """(device_seconds_total per rank, steps_total, steps_graphed) summed over the ranks
+    (messages/stats.py; the device time averaged, so that 1 - its growth / wall time is each
+    device's idle share)."""
+    stats = client.stats()
+    merged = stats.merged()
+    return merged.device_seconds_total / len(stats.ranks), merged.steps_total, merged.steps_graphed
 
 
 def _optional(name: str, fn, errors: dict):

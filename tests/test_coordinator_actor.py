@@ -917,8 +917,12 @@ async def test_a_dead_engine_fails_its_requests_and_new_ones_are_refused(address
         assert out.finish_reason == "error" and out.request_id == 8
         assert "no engine rank is alive (rank 0 died: its connection closed)" in out.error
         assert isinstance(await h.ask(GetModelInfo()), ModelInfo)
-        # Stats wait for no dead engine (stats_timeout is a minute).
-        assert await h.ask(GetStats()) == Stats("RUNNING", ())
+        # Stats wait for no dead engine (stats_timeout is a minute) and show it dead.
+        stats = await h.ask(GetStats())
+        [dead] = stats.ranks
+        assert (dead.rank, dead.alive, dead.running) == (0, False, 0)
+        assert dead.dead_reason == "its connection closed"
+        assert stats.merged().alive is False
         assert h.actor.engines == {}
 
 
@@ -935,7 +939,8 @@ async def test_a_dead_engine_ends_the_control_and_stats_query_waiting_for_it(add
         assert_error(reply, "control_failed", "pause failed; the state stays RUNNING")
         assert "engine 0: its connection closed" in reply.text
         assert h.actor.fsm.state == "RUNNING" and h.actor.control is None
-        assert await receive(other, 2.0) == Stats("RUNNING", ())
+        stats = await receive(other, 2.0)
+        assert [(r.rank, r.alive) for r in stats.ranks] == [(0, False)]
 
 
 @pytest.mark.asyncio

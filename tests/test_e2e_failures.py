@@ -37,18 +37,20 @@ from tests.test_e2e_robust import _alive, _children
 GREEDY_96 = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
 
 
-def _serve(model_path: str, address: str, *settings: str) -> subprocess.Popen:
+def _serve(model_path: str, address: str, *settings: str, ranks: int = 1) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "taipan.cli", "serve", "--model", model_path, "--address"]
-    cmd += [address, *(x for s in settings for x in ("--set", s))]
+    cmd += [address, "--data-parallel-size", str(ranks)]
+    cmd += [x for s in settings for x in ("--set", s)]
     return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
 
 
-def _engine_pid(serve: subprocess.Popen) -> int:
+def _engine_pid(serve: subprocess.Popen, rank: int = 0) -> int:
     for pid in _children(serve.pid):
         with open(f"/proc/{pid}/cmdline") as f:
-            if "\0engine\0" in f.read():
-                return pid
-    raise AssertionError("no engine child")
+            args = f.read().split("\0")
+        if "engine" in args and args[-2] == str(rank):  # ... engine SPEC RANK ''
+            return pid
+    raise AssertionError(f"no engine child of rank {rank}")
 
 
 def test_sigkilled_engine_fails_every_stream_and_serve_exits_nonzero(tmp_path, model_path):
@@ -93,6 +95,61 @@ def test_sigkilled_engine_fails_every_stream_and_serve_exits_nonzero(tmp_path, m
     assert "engine-0 killed by signal SIGKILL" in stderr, stderr[-3000:]
     assert "child process died" in stderr and "Traceback" not in stderr
     assert not [p for p in children if _alive(p)]
+
+
+def test_sigkilled_rank_fails_its_requests_and_the_other_rank_serves_on(tmp_path, model_path):
+    """Two data-parallel ranks under six streams (round robin: three each); rank 1 SIGKILLed:
+    its streams end with an error naming it within 5 s, rank 0's complete, `stats()` shows
+    rank 1 dead, new requests are served by rank 0, and serve runs on until told to stop."""
+    address = f"ipc://{tmp_path}/front.sock"
+    settings = ("block_size_tokens=16", "max_sequence_length=512", "max_requests=8")
+    serve = _serve(model_path, address, *settings, ranks=2)
+    try:
+        client = Client(address, connect_timeout=120)
+        assert len(_children(serve.pid)) == 3
+        started = threading.Barrier(7)
+        ended: dict[int, tuple[float, object]] = {}
+
+        def consume(i: int) -> None:
+            sampling = SamplingParams(max_tokens=48, ignore_eos=True, temperature=0.0)
+            for n, d in enumerate(client.stream(f"Story {i}: once upon a time", sampling)):
+                if n == 1:
+                    started.wait(60)
+                if d.finished:
+                    ended[i] = (time.monotonic(), d)
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        started.wait(60)  # every stream has tokens flowing
+        killed = time.monotonic()
+        os.kill(_engine_pid(serve, rank=1), signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert sorted(ended) == list(range(6))
+        failed = [(at, d) for at, d in ended.values() if d.finish_reason == FinishReason.ERROR]
+        for at, d in failed:
+            assert at - killed < 5.0
+            assert "engine rank 1 died" in d.error, d.error
+        assert len(failed) == 3
+        assert sum(d.finish_reason == FinishReason.LENGTH for _, d in ended.values()) == 3
+        stats = client.stats()
+        assert [(r.rank, r.alive) for r in stats.ranks] == [(0, True), (1, False)]
+        assert "connection closed" in stats.ranks[1].dead_reason
+        # New requests go to the rank that lives.
+        done = client.generate(["After the fall"] * 3, SamplingParams(max_tokens=4))
+        assert all(c.finish_reason == FinishReason.LENGTH for c in done)
+        assert serve.poll() is None
+        client.close()
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(60) == 1
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    stderr = serve.stderr.read()
+    assert "engine-1 killed by signal SIGKILL" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr
 
 
 def _free_port() -> int:

@@ -96,6 +96,7 @@ def test_models_health_and_metrics(server, oai):
         "taipan_requests_running",
         "taipan_kv_blocks_used",
         "taipan_prefix_cache_hit_rate",
+        "taipan_engine_ranks_alive 1.0",
         "taipan_http_in_flight",
         "taipan_http_refused_total",
     ):

@@ -14,9 +14,12 @@ for engine answers, submissions and outputs keep flowing (the wait is a task of 
 
 Liveness: both ROUTERs watch their peers (actors/channel.py). An engine whose connection closes,
 or that sends nothing (engines send a Heartbeat every second) for `engine_timeout`, is dead:
-every request on it ends with finish_reason "error" naming the rank, and nothing more is routed
-to it (a request with no live rank is refused at once). A client whose connection closes has all
-its requests aborted, so their blocks come back. A client's Heartbeat is answered with one.
+every request on it ends with finish_reason "error" naming the rank, nothing more is routed to
+it (the other ranks keep serving; a request with no live rank is refused at once), and `Stats`
+shows it dead. The runtime is ready (model info answered) once all `num_ranks` ranks have loaded
+their model; a rank that dies or fails to load before that fails the start. A client whose
+connection closes has all its requests aborted, so their blocks come back. A client's Heartbeat
+is answered with one.
 
 A bad submission gets a terminal `RequestOutput` with finish_reason "error"; a malformed frame
 gets an `ErrorReply` (actors/base.py); a malformed entry of a StepOutputs fails its request (the
@@ -83,6 +86,20 @@ FROM_ENGINES = frozenset(
     {Hello, Heartbeat, PeerGone, ModelLoaded, StepOutputs, ControlAck, StopAck, Stats}
     | {ErrorReply, PrefixEvents}
 )
+# A dead rank's gauges (what it held at the time) drop to zero; its running totals stay.
+DEAD_RANK_ZEROS = (
+    "running",
+    "waiting",
+    "paused",
+    "num_blocks",
+    "blocks_free",
+    "blocks_used",
+    "tokens_last_step",
+    "blocks_hashed",
+    "blocks_evictable",
+    "mamba_live_free",
+    "mamba_snapshots",
+)
 NOT_AUTHORIZED = (
     "{command} needs the runtime's control token. A client run by the same user on the same "
     "machine finds it by the runtime's address; otherwise pass control_token= or set "
@@ -123,6 +140,7 @@ class CoordinatorActor(Actor):
         self.hashing = prefix_caching or routing_policy in ("first_prefix_block", "longest_prefix")
         self.block_size = 0  # from the first ModelLoaded
         self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
+        self.loaded: set[int] = set()  # ranks that have loaded their model (ever)
         self.engine_heard: dict[bytes, float] = {}  # engine identity -> its last message
         self.engine_timeout = engine_timeout
         self.info: ModelInfo | None = None
@@ -213,7 +231,7 @@ class CoordinatorActor(Actor):
             await self.backend.send(AbortRequest(gid), to=self.engines[route.rank])
 
     async def on_get_info(self, env: Envelope, msg: GetModelInfo) -> None:
-        if self.info is not None:
+        if self._ready():
             await env.reply(self.info)
         elif self.load_error is not None:
             await env.reply(ErrorReply("load_failed", self.load_error, None))
@@ -263,8 +281,10 @@ class CoordinatorActor(Actor):
 
     async def on_stats(self, env: Envelope, msg: Stats) -> None:
         """An engine's report: periodic (logging_step_interval) or the answer to GetStats."""
+        sender = self._rank_of(env.sender)
         for rank in msg.ranks:
-            self.rank_stats[rank.rank] = rank
+            if rank.rank == sender:  # an engine reports itself only (never a dead rank)
+                self.rank_stats[rank.rank] = rank
         self._stats_answered_by(env.sender)
 
     def _stats_answered_by(self, engine: bytes) -> None:
@@ -404,6 +424,7 @@ class CoordinatorActor(Actor):
             kv_tokens=msg.num_blocks * msg.block_size,
             kv_bytes=msg.num_blocks * msg.block_bytes,
         )
+        self.loaded.add(rank)
         if self.info is None:
             self.block_size = msg.block_size
             self.info = ModelInfo(
@@ -417,7 +438,13 @@ class CoordinatorActor(Actor):
                 self.prefix_caching,
                 self.weight_version,
             )
-        await self._flush_info_waiters(self.info)
+        if self._ready():
+            await self._flush_info_waiters(self.info)
+
+    def _ready(self) -> bool:
+        """Whether the runtime serves: every one of `num_ranks` ranks has loaded its model (as
+        vLLM, a data-parallel runtime starts whole or not at all) and none failed to."""
+        return self.load_error is None and len(self.loaded) >= self.num_ranks
 
     async def on_prefix_events(self, env: Envelope, msg: PrefixEvents) -> None:
         rank = self._rank_of(env.sender)
@@ -514,9 +541,13 @@ class CoordinatorActor(Actor):
         self.backend.record_only(RankGone(rank, reason))  # for replay: timeouts are in no log
         del self.engines[rank]
         self.engine_heard.pop(identity, None)
-        self.rank_stats.pop(rank, None)
+        self.rank_stats[rank] = self._dead_stats(rank, reason)
         lost = self.core.remove_rank(rank, f"died: {reason}")
-        self.log.error("engine rank died", rank=rank, reason=reason, requests_lost=len(lost))
+        stopping = self.control is not None and self.control.command == ControlCommand.STOP
+        if stopping and not lost:  # it acknowledged STOP (or is about to) and exited
+            self.log.info("engine rank exited", rank=rank, reason=reason)
+        else:
+            self.log.error("engine rank died", rank=rank, reason=reason, requests_lost=len(lost))
         round_ = self.control
         if round_ is not None and round_.answer(identity, f"engine {rank}", error=reason):
             if round_.done:
@@ -529,9 +560,20 @@ class CoordinatorActor(Actor):
                 route.client_request_id, NO_TOKENS, True, FinishReason.ERROR, text, 0, 0
             )
             await self.frontend.send(out, to=route.client)
-        if self.info is None and not self.engines and self.load_error is None:
-            self.load_error = f"engine rank {rank} died before loading its model ({reason})"
+        if not self._ready() and self.load_error is None:
+            # A runtime starts whole or not at all: one rank dead before every rank is up fails
+            # the start (the launcher reports it).
+            self.load_error = f"engine rank {rank} died before the runtime was ready ({reason})"
             await self._flush_info_waiters(ErrorReply("load_failed", self.load_error, None))
+
+    def _dead_stats(self, rank: int, reason: str) -> RankStats:
+        """A dead rank as `Stats` shows it: its last cumulative counters, nothing running or
+        held (its memory is gone), `alive` False with the reason."""
+        last = self.rank_stats.get(rank) or RankStats(
+            rank, self.fsm.state, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, self.weight_version
+        )
+        gone = dict.fromkeys(DEAD_RANK_ZEROS, 0)
+        return dataclasses.replace(last, **gone, alive=False, dead_reason=reason[:500])
 
 
 def _peer_name(identity: bytes | None) -> str:

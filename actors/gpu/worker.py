@@ -110,15 +110,36 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def kv_budget(requested_gb: float | None, device: torch.device) -> tuple[int, str]:
-    """(bytes for the KV cache, where that number comes from) for LoadModel.kv_cache_gb."""
+def _check_device(device: torch.device) -> None:
+    """A clear error for a CUDA device this process cannot see (a data-parallel rank r runs on
+    cuda:r, so N ranks need N GPUs)."""
+    if device.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device} asked for, but CUDA is not available here")
+    count = torch.cuda.device_count()
+    if device.index is not None and device.index >= count:
+        raise ValueError(
+            f"device {device} does not exist: {count} CUDA device(s) visible (data-parallel "
+            "rank r runs on the r-th GPU from the one named)"
+        )
+
+
+def kv_budget(
+    requested_gb: float | None, device: torch.device, ranks_on_host: int = 1
+) -> tuple[int, str]:
+    """(bytes for the KV cache, where that number comes from) for LoadModel.kv_cache_gb; the
+    CPU default is split between the `ranks_on_host` engine ranks that share this memory."""
     if requested_gb is not None:
         return int(requested_gb * GIB), f"buffer_size_gb={requested_gb:g}"
     if device.type != "cpu":
         return int(DEFAULT_KV_GB * GIB), f"default buffer_size_gb={DEFAULT_KV_GB:g}"
     available = available_host_memory()
-    budget = int(min(DEFAULT_KV_GB * GIB, CPU_KV_SHARE * available))
-    return budget, f"CPU default: {CPU_KV_SHARE:.0%} of {available / GIB:.1f} GiB available"
+    budget = int(min(DEFAULT_KV_GB * GIB, CPU_KV_SHARE * available) / ranks_on_host)
+    source = f"CPU default: {CPU_KV_SHARE:.0%} of {available / GIB:.1f} GiB available"
+    if ranks_on_host > 1:
+        source += f", split between {ranks_on_host} ranks"
+    return budget, source
 
 
 def mamba_state_config(config: NemotronHConfig, msg: LoadModel, dtype) -> NemotronHConfig:
@@ -231,9 +252,10 @@ class ModelWorker:
             raise ValueError(f"dtype {msg.dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[msg.dtype]
         self.device = torch.device(msg.device)
+        _check_device(self.device)
         model, config, tokenizer = load_model(msg.model, dtype=dtype, device=self.device)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype)
-        budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device)
+        budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device, msg.ranks_on_host)
         live, snapshots, slot_bytes = 0, 0, 0
         if isinstance(config, NemotronHConfig):
             config = mamba_state_config(config, msg, dtype)
