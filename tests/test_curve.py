@@ -3,8 +3,8 @@ sockets, a Curve server answers authorized clients only and keeps serving them w
 are refused; tcp beyond loopback is never bound without server keys; key files are private and
 checked when loaded.
 
-The server is a tiny echo actor on our Actor base; clients are DEALER channels. A socket monitor
-shows why a refused client got nothing.
+The server is a tiny echo actor on our Actor base, then the real coordinator; clients are DEALER
+channels (and the public AsyncClient). A socket monitor shows why a refused client got nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from zmq.utils.monitor import parse_monitor_message
 from taipan import cli
 from taipan.actors.base import Actor
 from taipan.actors.channel import AddressError, check_bind, make_socket
+from taipan.actors.coordinator.actor import CoordinatorActor
 from taipan.actors.curve import (
     CurveClient,
     CurveError,
@@ -30,7 +31,11 @@ from taipan.actors.curve import (
     load_server_keys,
     write_keys,
 )
+from taipan.client import AsyncClient
 from taipan.messages.common import Hello
+from taipan.messages.lifecycle import Pause, Stop, Unpause
+from taipan.messages.requests import SamplingParams
+from tests.test_coordinator_actor import TOKEN, ScriptedEngine
 
 REPLY_S = 5.0  # an authorized client is answered within this
 SILENCE_S = 1.0  # how long a refused client is watched for a reply that must not come
@@ -165,6 +170,72 @@ async def test_two_servers_of_one_context_admit_each_its_own_clients(keys):
         async with echo_server(ctx, "tcp://127.0.0.1:*", first) as a:
             assert await ask(ctx, a, to_first, "again") == Hello("again", -1)
     finally:
+        ctx.term()
+
+
+@pytest.mark.asyncio
+async def test_the_coordinator_serves_authorized_clients_over_curve_tcp(keys):
+    """The real coordinator, both ROUTERs Curve servers on 0.0.0.0, a scripted engine and the
+    public AsyncClient as Curve clients; a stranger's controls never reach it."""
+    mine, other = keys
+    server = load_server_keys(mine)
+    stranger = load_client_keys(other)
+    unknown_pair = CurveClient(stranger.public, stranger.secret, server.public)
+    ctx = zmq.asyncio.Context()
+    channels = []
+
+    def socket(kind, address, **options):
+        channels.append(make_socket(ctx, kind, address, **options))
+        return channels[-1]
+
+    def tcp(chan) -> str:
+        port = chan.sock.getsockopt(zmq.LAST_ENDPOINT).decode().rpartition(":")[2]
+        return f"tcp://127.0.0.1:{port}"
+
+    try:
+        # As runtime/procs.py makes them: both ROUTERs watch their peers.
+        watched = dict(bind=True, watch_peers=True, curve=server)
+        front = socket(zmq.ROUTER, "tcp://0.0.0.0:*", name="clients", **watched)
+        back = socket(zmq.ROUTER, "tcp://0.0.0.0:*", name="engines", **watched)
+        engine = ScriptedEngine(
+            socket(
+                zmq.DEALER,
+                tcp(back),
+                bind=False,
+                name="coordinator",
+                identity=b"engine-0",
+                curve=load_client_keys(mine, "engine"),
+            ),
+            heartbeat_s=1.0,
+        )
+        actor = CoordinatorActor(front, back, 1, "test-model", 512, control_token=TOKEN)
+        async with asyncio.TaskGroup() as tg:
+            tasks = [tg.create_task(t) for t in (actor.run(), engine.run(), engine.heartbeats())]
+            try:
+                await engine.hello()
+                # A stranger holding the control token but no authorized key: never heard.
+                intruder = socket(zmq.DEALER, tcp(front), bind=False, name="c", curve=unknown_pair)
+                for control in (Pause(TOKEN), Stop(TOKEN, "intruder")):
+                    await intruder.send(control)
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(intruder.recv(), SILENCE_S)
+                assert actor.fsm.state == "RUNNING" and engine.controls == []
+                client = load_client_keys(mine)
+                async with AsyncClient(
+                    tcp(front), connect_timeout=REPLY_S, control_token=TOKEN, curve=client
+                ) as c:
+                    [done] = await c.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+                    assert done.token_ids == [5, 6]
+                    assert (await c.pause()).state == "PAUSED"
+                    assert (await c.unpause()).state == "RUNNING"
+                assert [type(m) for m in engine.controls] == [Pause, Unpause]
+            finally:
+                actor.stop()
+                for task in tasks[1:]:
+                    task.cancel()
+    finally:
+        for chan in channels:
+            chan.close()
         ctx.term()
 
 
