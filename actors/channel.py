@@ -18,14 +18,17 @@ them (which their peers sent before going). A report for a descriptor no known p
 dropped; a descriptor that turns up under a new peer while an old one still holds it proves the
 old one gone.
 
-Addresses are `inproc://`, `ipc://` or `tcp://`. Binding tcp beyond loopback is refused until
-CurveZMQ keys are configured (control messages must not be open to whoever reaches a port).
+Addresses are `inproc://`, `ipc://` or `tcp://`. The bind rule (`check_bind`): binding tcp beyond
+loopback needs a Curve server's keys (actors/curve.py), since control messages must not be open to
+whoever reaches a port. `make_socket(..., curve=...)` makes a Curve server (it admits only the
+authorized client keys) or a Curve client (it knows the server's public key) of any socket.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import ipaddress
 import os
 import struct
 import time
@@ -34,13 +37,13 @@ from typing import TYPE_CHECKING, Any
 import zmq
 import zmq.asyncio
 
+from taipan.actors.curve import CurveClient, CurveServer, ZapGuard, apply_curve
 from taipan.messages.codec import MAX_FRAME_BYTES, MessageError, decode, encode
 from taipan.messages.common import PeerGone
 
 if TYPE_CHECKING:
     from taipan.actors.record import Recorder
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "[::1]", "::1")
 # ZMTP heartbeats on watched sockets: a peer whose host stops answering is dropped after this.
 PEER_HEARTBEAT_IVL_MS = 1000
 PEER_HEARTBEAT_TIMEOUT_MS = 5000
@@ -64,19 +67,39 @@ class Envelope:
         await self.channel.send(msg, to=self.sender)
 
 
-def check_address(address: str) -> None:
+def is_loopback(host: str) -> bool:
+    """True for localhost, 127.0.0.0/8 and ::1 (bracketed or not); False for `*`, 0.0.0.0, an
+    interface name or any other address."""
+    if host == "localhost":
+        return True
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(address: str, curve: CurveServer | CurveClient | None = None) -> None:
+    """The bind rule, checked before every bind: `inproc://`, `ipc://` and loopback tcp need no
+    keys; tcp on any other host (0.0.0.0, `*`, a host's address or interface) needs `curve` to
+    be a Curve server's keys, so that only authorized clients get through."""
     scheme, sep, rest = address.partition("://")
     if not sep or scheme not in ("inproc", "ipc", "tcp"):
         raise AddressError(f"address {address!r} must start with inproc://, ipc:// or tcp://")
-    if scheme == "tcp":
-        host, _, port = rest.rpartition(":")
-        if not host or not port:
-            raise AddressError(f"tcp address {address!r} needs host:port")
-        if host not in LOOPBACK_HOSTS:
-            raise AddressError(
-                f"binding {address!r} beyond loopback needs CurveZMQ keys, which taipan does "
-                "not configure yet; use tcp://127.0.0.1:PORT or ipc://"
-            )
+    if scheme != "tcp":
+        return
+    host, _, port = rest.rpartition(":")
+    if not host or not port:
+        raise AddressError(f"tcp address {address!r} needs host:port")
+    if is_loopback(host) or isinstance(curve, CurveServer):
+        return
+    got = "client keys, not the server's" if curve is not None else "no keys"
+    raise AddressError(
+        f"binding {address!r} opens it beyond this host, which needs CurveZMQ server keys "
+        f"(got {got}): write a key set with `taipan keys DIR` and pass DIR to the server; "
+        "or bind tcp://127.0.0.1:PORT or ipc://PATH"
+    )
 
 
 class Channel:
@@ -94,12 +117,14 @@ class Channel:
         name: str,
         recorder: Recorder | None = None,
         monitor: zmq.asyncio.Socket | None = None,
+        zap: ZapGuard | None = None,
     ):
         self.sock = sock
         self.name = name
         self.routed = sock.type == zmq.ROUTER
         self.recorder = recorder
         self.monitor = monitor
+        self._zap = zap  # a Curve server's hold on the ZAP handler: released after the socket
         self._fd_of: dict[bytes, int] = {}  # peer -> descriptor its messages arrive on
         self._peer_on: dict[int, bytes] = {}  # descriptor -> that peer
         self._stale = collections.Counter()  # descriptor -> disconnect reports to skip
@@ -225,6 +250,8 @@ class Channel:
             self.sock.disable_monitor()
             self.monitor.close(linger=0)
         self.sock.close(linger=0)
+        if self._zap is not None:
+            self._zap.release()
 
 
 def make_socket(
@@ -237,11 +264,16 @@ def make_socket(
     identity: bytes | None = None,
     recorder: Recorder | None = None,
     watch_peers: bool = False,
+    curve: CurveServer | CurveClient | None = None,
 ) -> Channel:
     """Create a socket of `kind` (zmq.ROUTER, DEALER, PAIR, ...), bind or connect it, wrap it.
-    `watch_peers` (ROUTER only): deliver a `PeerGone` when a peer's connection closes."""
+    `watch_peers` (ROUTER only): deliver a `PeerGone` when a peer's connection closes.
+    `curve`: a Curve server (admits only its authorized client keys; must be made on the event
+    loop that runs the actor, which answers the ZAP checks) or client (actors/curve.py)."""
     if watch_peers and kind != zmq.ROUTER:
         raise ValueError("only a ROUTER channel can watch its peers")
+    if bind:
+        check_bind(address, curve)
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
@@ -250,23 +282,26 @@ def make_socket(
     if kind == zmq.ROUTER:
         # Replies to a vanished peer are dropped rather than blocking the actor.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-    monitor = None
-    if watch_peers:
-        sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_IVL_MS)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_HEARTBEAT_TIMEOUT_MS)
-        monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    monitor = zap = None
     try:
+        if curve is not None:
+            zap = apply_curve(sock, curve, name)
+        if watch_peers:
+            sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_HEARTBEAT_IVL_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_HEARTBEAT_TIMEOUT_MS)
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         if bind:
-            check_address(address)
             if address.startswith("ipc://"):
                 os.makedirs(os.path.dirname(address[len("ipc://") :]) or ".", exist_ok=True)
             sock.bind(address)
         else:
             sock.connect(address)
-    except Exception:
+    except BaseException:
         if monitor is not None:
             sock.disable_monitor()
             monitor.close(linger=0)
         sock.close(linger=0)
+        if zap is not None:
+            zap.release()
         raise
-    return Channel(sock, name, recorder, monitor)
+    return Channel(sock, name, recorder, monitor, zap)

@@ -1,4 +1,4 @@
-"""The `taipan` command: serve, generate, replay, bench.
+"""The `taipan` command: serve, generate, replay, bench, keys.
 
 Errors a user can fix (bad config, unknown model, a request the runtime refused, a corrupt log)
 print one line `taipan: error: ...` and exit non-zero; no traceback.
@@ -14,6 +14,7 @@ import threading
 
 from taipan.actors.client.actor import DEFAULT_TIMEOUT_S, RuntimeUnreachable
 from taipan.actors.config import ConfigError
+from taipan.actors.curve import CurveError
 from taipan.actors.log import configure
 from taipan.launcher import (
     add_http_arguments,
@@ -69,7 +70,43 @@ def _parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="throughput: ours vs Hugging Face transformers")
     add_runtime_arguments(b)
     bench.add_arguments(b)
+
+    keys = sub.add_parser(
+        "keys",
+        help="write CurveZMQ keys for serving over tcp beyond loopback",
+        description="Write a CurveZMQ key set into DIR: the server's pair (server.key, "
+        "server.secret) and client pairs (NAME.key, NAME.secret), each client's public key also "
+        "in DIR/authorized/, the keys the server admits. Secrets are mode 0600, DIR 0700. Copy "
+        "DIR to the server's host; a client needs server.key and its own pair.",
+    )
+    keys.add_argument("dir", metavar="DIR")
+    who = keys.add_mutually_exclusive_group()
+    who.add_argument(
+        "--client",
+        action="append",
+        metavar="NAME",
+        help="name a client pair of the new set (repeatable; default: one named 'client')",
+    )
+    who.add_argument(
+        "--add-client",
+        action="append",
+        metavar="NAME",
+        help="add a client pair to the set in DIR, keeping its server pair (repeatable)",
+    )
+    keys.add_argument("--force", action="store_true", help="replace keys that exist")
     return parser
+
+
+def cmd_keys(args) -> int:
+    from taipan.actors.curve import write_keys
+
+    if args.add_client:
+        written = write_keys(args.dir, args.add_client, server=False, force=args.force)
+    else:
+        written = write_keys(args.dir, args.client, force=args.force)
+    for path in written:
+        print(path)
+    return 0
 
 
 def cmd_serve(args) -> int:
@@ -164,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     from taipan.models import ModelNotFoundError
 
     args = _parser().parse_args(argv)
-    handlers = {"serve": cmd_serve, "generate": cmd_generate}
+    handlers = {"serve": cmd_serve, "generate": cmd_generate, "keys": cmd_keys}
     try:
         if args.command == "replay":
             from taipan import replay
@@ -176,7 +213,14 @@ def main(argv: list[str] | None = None) -> None:
             code = bench.run(args)
         else:
             code = handlers[args.command](args)
-    except (ConfigError, ModelNotFoundError, LaunchError, RuntimeUnreachable, ValueError) as e:
+    except (
+        ConfigError,
+        CurveError,
+        ModelNotFoundError,
+        LaunchError,
+        RuntimeUnreachable,
+        ValueError,
+    ) as e:
         print(f"taipan: error: {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:

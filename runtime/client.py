@@ -8,7 +8,9 @@ messages/lifecycle.py) with the runtime's control token (runtime/auth.py: found 
 the user who started the runtime, or given as `control_token=` / TAIPAN_CONTROL_TOKEN).
 `timeout` is how long the runtime may stay silent before a waiting call fails with
 `RuntimeUnreachable` (a busy runtime still answers; see actors/client/actor.py); `connect_timeout`
-bounds the wait for an engine to load its model. No torch is imported.
+bounds the wait for an engine to load its model. `curve`: the client's Curve keys for a
+runtime served over tcp beyond loopback (`load_client_keys(DIR)`, actors/curve.py; in direct
+mode, where the client binds, the server's: `load_server_keys(DIR)`). No torch is imported.
 
 With `direct=DirectEndpoint(...)` the client binds `address` and is the coordinator of the one
 engine rank that connects to it (direct mode, actors/client/direct.py: what `LLM(...,
@@ -45,6 +47,7 @@ from taipan.actors.client.actor import (
     RuntimeUnreachable,
 )
 from taipan.actors.client.direct import ENGINE_TIMEOUT_S, DirectActor, DirectEndpoint
+from taipan.actors.curve import CurveClient, CurveServer
 from taipan.auth import find_token
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
@@ -226,9 +229,11 @@ class AsyncClient:
         connect_timeout: float = 600.0,
         control_token: str | None = None,
         direct: DirectEndpoint | None = None,
+        curve: CurveClient | CurveServer | None = None,
     ):
         self.address = address
         self.direct = direct
+        self.curve = curve
         if timeout is None:
             timeout = DEFAULT_TIMEOUT_S if direct is None else ENGINE_TIMEOUT_S
         self.timeout = timeout
@@ -254,12 +259,23 @@ class AsyncClient:
         self._ctx = zmq.asyncio.Context()
         if self.direct is None:
             channel = make_socket(
-                self._ctx, zmq.DEALER, self.address, bind=False, name="coordinator"
+                self._ctx,
+                zmq.DEALER,
+                self.address,
+                bind=False,
+                name="coordinator",
+                curve=self.curve,
             )
             self._actor = ClientActor(channel, address=self.address, timeout=self.timeout)
         else:
             channel = make_socket(
-                self._ctx, zmq.ROUTER, self.address, bind=True, name="engine", watch_peers=True
+                self._ctx,
+                zmq.ROUTER,
+                self.address,
+                bind=True,
+                name="engine",
+                watch_peers=True,
+                curve=self.curve,
             )
             self._actor = DirectActor(channel, self.direct, timeout=self.timeout)
         self._task = asyncio.create_task(self._actor.run())  # owned here; awaited in close()
@@ -494,6 +510,7 @@ class Client:
         connect_timeout: float = 600.0,
         control_token: str | None = None,
         direct: DirectEndpoint | None = None,
+        curve: CurveClient | CurveServer | None = None,
     ):
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -504,6 +521,7 @@ class Client:
             connect_timeout=connect_timeout,
             control_token=control_token,
             direct=direct,
+            curve=curve,
         )
         try:
             self._run(self._async.connect())
