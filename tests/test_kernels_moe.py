@@ -182,12 +182,14 @@ TOLERANCE = {torch.bfloat16: 1e-2, torch.float32: 1e-5}
 @pytest.mark.parametrize("layer", [QWEN3_MOE, NEMOTRON_MOE], ids=["qwen3-30b-a3b", "nemotron-h"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 def test_gpu_fused_moe_realistic_sizes(layer, dtype):
-    """All experts local at T = 1, 64, 1024, then half of them (an expert-parallel rank), into
-    a NaN-filled out, against the ref on the same inputs (fp32 inside)."""
+    """All experts local at T = 1, 64, 512, 1024 (each tile regime), then half of them (an
+    expert-parallel rank), into a NaN-filled out, against the ref on the same inputs (fp32
+    inside)."""
     H, inter, E, k, activation = layer
     for seed, (T, E_local, start) in enumerate(
-        [(1, E, 0), (64, E, 0), (1024, E, 0), (1024, E // 2, E // 4), (1, E // 2, E // 2)]
-    ):
+        [(1, E, 0), (64, E, 0), (512, E, 0), (1024, E, 0), (1024, E // 2, E // 4),
+         (1, E // 2, E // 2)]
+    ):  # fmt: skip
         x, w1, w2, ids, weights = _problem(
             T, H, inter, k, E_local, E, activation, seed=seed, dtype=dtype, device="cuda"
         )

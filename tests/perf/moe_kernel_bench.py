@@ -3,11 +3,12 @@
 Usage: python3 tests/perf/moe_kernel_bench.py (no arguments; under a minute on an H100).
 For Qwen3-30B-A3B's MoE layer (H=2048, I=768, E=128, k=8, swiglu) and a NemotronH-style relu2
 layer (H=2688, I=1856, E=128, k=6), bf16, T in {1, 64, 1024}, random softmax top-k routing:
-median times (`triton.testing.do_bench`) of `fused_moe`, of `fused_moe_ref` (a loop over the
-experts hit, a host sync) and of a dense-equivalent bf16 bound (the same FLOPs as two cuBLAS
-matmuls over all T·k rows through one expert's weights), next to the floors of this GPU:
-the weights of the experts actually hit read once at the measured copy bandwidth, and the
-FLOPs at the measured bf16 matmul rate.
+median times (`triton.testing.do_bench`) of `fused_moe` replayed from a CUDA graph (as the
+engine runs it) and eagerly (small T pays five kernel launches from Python there), of
+`fused_moe_ref` (a loop over the experts hit, a host sync) and of a dense-equivalent bf16
+bound (the same FLOPs as two cuBLAS matmuls over all T·k rows through one expert's weights),
+next to the floors of this GPU: the weights of the experts actually hit read once at the
+measured copy bandwidth, and the FLOPs at the measured bf16 matmul rate.
 """
 
 from __future__ import annotations
@@ -65,6 +66,19 @@ def dense_bound(x, w1, w2, k, activation):
     return run
 
 
+def graph_replay(fn):
+    """fn captured once in a CUDA graph (compiled and warmed up outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def bench_row(name, layer, tokens, bandwidth, flops) -> tuple:
     hidden, inter, experts, k, activation = layer
     x, w1, w2, ids, weights = problem(tokens, hidden, inter, experts, k, activation)
@@ -73,8 +87,13 @@ def bench_row(name, layer, tokens, bandwidth, flops) -> tuple:
     hit = torch.unique(ids).numel()
     mem_floor = (hit * (n * hidden + hidden * inter) * x.element_size() + 2 * x.nbytes) / bandwidth
     flop_floor = 2 * tokens * k * (n * hidden + hidden * inter) / flops
+
+    def fused():
+        fused_moe(x, w1, w2, ids, weights, activation=activation, out=out)
+
     runs = (
-        lambda: fused_moe(x, w1, w2, ids, weights, activation=activation, out=out),
+        graph_replay(fused),
+        fused,
         lambda: fused_moe_ref(x, w1, w2, ids, weights, activation=activation),
         dense_bound(x, w1, w2, k, activation),
     )
@@ -88,8 +107,8 @@ def main() -> None:
     bandwidth, flops = measured_floors()
     print(f"{torch.cuda.get_device_name()}: copy {bandwidth / 1e12:.2f} TB/s, "
           f"bf16 matmul {flops / 1e12:.0f} TFLOP/s; times in us (median)")  # fmt: skip
-    header = ("layer", "T", "experts hit", "fused", "ref", "dense bf16", "memory floor",
-              "compute floor", "floor/fused")  # fmt: skip
+    header = ("layer", "T", "experts hit", "fused graph", "fused eager", "ref", "dense bf16",
+              "memory floor", "compute floor", "floor/graph")  # fmt: skip
     print(" | ".join(f"{h:>13}" for h in header))
     for name, layer in LAYERS.items():
         for tokens in TOKENS:
