@@ -103,3 +103,17 @@ def remove_token(path: Path, token: str) -> None:
             path.unlink()
     except (OSError, ValueError, KeyError):
         pass
+
+
+def curve_keys(address: str, keys_dir: str | None, *, server: bool, key_name: str = "client"):
+    """The Curve keys of a socket on `address` (actors/curve.py): with a key directory
+    (`taipan keys DIR`), a tcp socket is a Curve server on the binding side (it admits only the
+    authorized client keys) and a Curve client on the connecting side (the `key_name` pair);
+    ipc and inproc sockets, which never leave this machine and sit in the user's private
+    directories, use none. None without a key directory (loopback tcp only: actors/channel.py
+    check_bind refuses anything wider)."""
+    if keys_dir is None or not address.startswith("tcp://"):
+        return None
+    from taipan.actors.curve import load_client_keys, load_server_keys
+
+    return load_server_keys(keys_dir) if server else load_client_keys(keys_dir, key_name)

@@ -16,6 +16,7 @@ from taipan.actors.client.actor import DEFAULT_TIMEOUT_S, RuntimeUnreachable
 from taipan.actors.config import ConfigError
 from taipan.actors.curve import CurveError
 from taipan.actors.log import configure
+from taipan.auth import curve_keys
 from taipan.launcher import (
     add_http_arguments,
     add_runtime_arguments,
@@ -32,6 +33,35 @@ def _parser() -> argparse.ArgumentParser:
     add_runtime_arguments(serve)
     add_http_arguments(serve)
     serve.add_argument("--address", help="client address, e.g. tcp://127.0.0.1:5555")
+    serve.add_argument(
+        "--role",
+        default="all",
+        choices=["all", "coordinator", "engine"],
+        help="all (default): coordinator and every engine rank here; coordinator: only the "
+        "coordinator (engines join from other hosts); engine: one engine rank, joining "
+        "--coordinator",
+    )
+    serve.add_argument(
+        "--engine-address",
+        help="where the coordinator listens for engines (role coordinator; default: the port "
+        "after --address's)",
+    )
+    serve.add_argument(
+        "--coordinator",
+        metavar="ADDRESS",
+        help="role engine: the coordinator's engine address, e.g. tcp://HOST:5556",
+    )
+    serve.add_argument(
+        "--data-parallel-rank", type=int, metavar="R", help="role engine: this engine's rank"
+    )
+    serve.add_argument(
+        "--start-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="how long to wait for every engine rank to load its model (default 600)",
+    )
+    add_key_arguments(serve)
     serve.set_defaults(log_level="info")  # a server logs its controls and start-up
 
     gen = sub.add_parser("generate", help="generate completions for prompts")
@@ -43,6 +73,7 @@ def _parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIMEOUT_S,
         help=f"seconds a silent runtime is waited for (default {DEFAULT_TIMEOUT_S:g})",
     )
+    add_key_arguments(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeatable")
     gen.add_argument("--max-tokens", type=int, default=16, help="tokens to generate")
     gen.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -109,6 +140,18 @@ def cmd_keys(args) -> int:
     return 0
 
 
+def add_key_arguments(p) -> None:
+    p.add_argument(
+        "--keys",
+        metavar="DIR",
+        help="CurveZMQ keys (`taipan keys DIR`): tcp sockets authenticate with them; binding "
+        "tcp beyond loopback needs them",
+    )
+    p.add_argument(
+        "--key-name", default="client", help="which client key pair of DIR to use (default client)"
+    )
+
+
 def cmd_serve(args) -> int:
     """Serve until SIGINT/SIGTERM (exit 0), or until the coordinator, the HTTP server or the last
     engine rank dies (exit 1, naming it). While other ranks live, a dead rank is logged (its
@@ -117,36 +160,55 @@ def cmd_serve(args) -> int:
     configure(args.log_level)
     rt = runtime_from_args(args, args.address)
     stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
 
     def on_exit(name: str, code: int) -> None:
-        if not name.startswith("engine-") or rt.engines_alive() == 0:
+        if rt.role == "engine" or not name.startswith("engine-") or rt.engines_alive() == 0:
             stop.set()  # nothing left to serve with: shut down too
 
     rt.on_child_exit(on_exit)
     try:
-        rt.start()
-        info = rt.model_info
-        print(
-            f"taipan: serving {rt.model_name} at {rt.address} on {rt.num_ranks} engine "
-            f"rank(s); KV cache of "
-            f"{info.kv_cache_tokens} tokens ({info.kv_cache_bytes / 1024**3:.2f} GiB) per rank; "
-            f"control token in {rt.token_path}",
-            file=sys.stderr,
-            flush=True,
-        )
-        if rt.http_url:
-            print(f"taipan: OpenAI API at {rt.http_url}", file=sys.stderr, flush=True)
+        if rt.role == "coordinator":
+            print(
+                f"taipan: coordinator at {rt.address}; waiting for {rt.num_ranks} engine "
+                f"rank(s) at {rt.engine_address}",
+                file=sys.stderr,
+                flush=True,
+            )
+        rt.start(timeout=args.start_timeout)  # SIGINT here: KeyboardInterrupt, shutdown
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        _print_serving(rt)
         stop.wait()
     finally:
         rt.shutdown()
+    if rt.role == "engine" and all(code == 0 for _, code in rt.unexpected_exits):
+        return 0  # the coordinator stopped it
     if rt.unexpected_exits:
         for name, code in rt.unexpected_exits:
             print(f"taipan: error: {name} {describe_exit(code)}", file=sys.stderr)
         print("taipan: error: the runtime stopped", file=sys.stderr)
         return 1
     return 0
+
+
+def _print_serving(rt) -> None:
+    if rt.role == "engine":
+        print(
+            f"taipan: engine rank {rt.rank} of {rt.num_ranks} joining {rt.engine_address}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    info = rt.model_info
+    print(
+        f"taipan: serving {rt.model_name} at {rt.address} on {rt.num_ranks} engine rank(s); KV "
+        f"cache of {info.kv_cache_tokens} tokens ({info.kv_cache_bytes / 1024**3:.2f} GiB) per "
+        f"rank; control token in {rt.token_path}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if rt.http_url:
+        print(f"taipan: OpenAI API at {rt.http_url}", file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:
@@ -170,7 +232,9 @@ def cmd_generate(args) -> int:
     if args.address is None:
         rt = runtime_from_args(args).start()
     try:
-        with Client(args.address or rt.address, timeout=args.timeout) as client:
+        address = args.address or rt.address
+        keys = curve_keys(address, args.keys, server=False, key_name=args.key_name)
+        with Client(address, timeout=args.timeout, curve=keys) as client:
             done = client.generate(args.prompt, sampling, chat=args.chat, raise_on_error=False)
     finally:
         if rt is not None:

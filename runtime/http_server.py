@@ -46,6 +46,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from taipan.auth import curve_keys
 from taipan.client import AsyncClient, Completion, Delta
 from taipan.messages.requests import FinishReason, SamplingParams
 
@@ -1048,7 +1049,8 @@ async def http_main(spec: dict) -> None:
     SIGTERM) ends it."""
     http = spec["http"]
     queue = {k: http[k] for k in ("max_queued", "queue_timeout") if http.get(k) is not None}
-    client = AsyncClient(spec["frontend"])
+    keys = curve_keys(spec["frontend"], spec.get("keys_dir"), server=False)
+    client = AsyncClient(spec["frontend"], curve=keys)
     await client.connect()
     try:
         await serve(

@@ -33,12 +33,17 @@ import tempfile
 import threading
 import time
 
+from taipan.actors.channel import check_bind
 from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits
+from taipan.actors.curve import CurveError
 from taipan.actors.log import get_logger
-from taipan.auth import new_token, publish_token, remove_token, write_token
+from taipan.auth import curve_keys, new_token, publish_token, remove_token, write_token
 from taipan.models import resolve
 
 BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
+ROLES = ("all", "coordinator", "engine")
+# An engine started alone (role engine) exits once its coordinator answers nothing for this long.
+COORDINATOR_TIMEOUT_S = 10.0
 
 
 class LaunchError(RuntimeError):
@@ -55,6 +60,18 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
+
+
+def next_port_address(address: str) -> str:
+    """The coordinator's default engine address beside its client address `tcp://HOST:PORT`:
+    tcp://HOST:PORT+1 (LaunchError for any other address: name it with --engine-address)."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not sep or not port.isdigit():
+        raise LaunchError(
+            f"role coordinator with --address {address}: give the address engines connect to "
+            "with --engine-address (the default, PORT+1, needs a tcp://HOST:PORT address)"
+        )
+    return f"tcp://{host}:{int(port) + 1}"
 
 
 def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
@@ -116,7 +133,14 @@ class Runtime:
         max_queued: int | None = None,
         queue_timeout: float | None = None,
         direct: bool = False,
+        role: str = "all",
+        engine_address: str | None = None,
+        data_parallel_rank: int | None = None,
+        keys_dir: str | None = None,
+        key_name: str = "client",
     ):
+        if role not in ROLES:
+            raise LaunchError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         if direct and http_port is not None:
             raise LaunchError(
                 "the HTTP server is a client of the coordinator, and direct mode starts none: "
@@ -158,7 +182,16 @@ class Runtime:
             }
         self.tmp = tempfile.mkdtemp(prefix="taipan-")
         self.address = address or f"ipc://{self.tmp}/frontend.sock"
-        self.engine_address = f"ipc://{self.tmp}/backend.sock"  # engines connect to it
+        # Where engines connect: the coordinator binds it (roles all, coordinator); an engine
+        # started alone (role engine) is given it.
+        self.engine_address = engine_address or f"ipc://{self.tmp}/backend.sock"
+        self.role, self.rank = role, data_parallel_rank
+        self.keys_dir, self.key_name = keys_dir, key_name
+        try:
+            self._check_role(role, address, engine_address, data_parallel_rank, http_port)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
         self.procs: list[tuple[str, subprocess.Popen]] = []
         self._exit_callbacks: list = []
         self.unexpected_exits: list[tuple[str, int]] = []  # (child name, returncode)
@@ -167,6 +200,36 @@ class Runtime:
         self.model_info = None  # the ModelInfo seen when the runtime became ready
         self._stopping = False
         self.log = get_logger(component="launcher")
+
+    def _check_role(self, role, address, engine_address, rank, http_port) -> None:
+        """Each role's addresses, and the Curve keys any tcp binding beyond loopback needs
+        (checked here, before any process starts: a clear error rather than a dead child)."""
+        if role == "engine":
+            if engine_address is None or rank is None:
+                raise LaunchError(
+                    "role engine needs the coordinator's engine address (--coordinator) and this "
+                    "engine's --data-parallel-rank"
+                )
+            if not 0 <= rank < self.num_ranks:
+                raise LaunchError(
+                    f"--data-parallel-rank {rank} is outside 0..{self.num_ranks - 1} "
+                    f"(--data-parallel-size {self.num_ranks})"
+                )
+            if address is not None or http_port is not None:
+                raise LaunchError("role engine serves no clients: no --address or --http-port")
+        elif rank is not None:
+            raise LaunchError("--data-parallel-rank is for role engine")
+        if role == "coordinator" and engine_address is None:
+            self.engine_address = next_port_address(self.address)
+        if role != "engine":
+            check_bind(self.address, self._keys(self.address, server=True))
+            check_bind(self.engine_address, self._keys(self.engine_address, server=True))
+
+    def _keys(self, address: str, *, server: bool):
+        try:
+            return curve_keys(address, self.keys_dir, server=server, key_name=self.key_name)
+        except CurveError as e:
+            raise LaunchError(str(e)) from None
 
     # --- start --------------------------------------------------------------------------------
 
@@ -183,8 +246,8 @@ class Runtime:
             "device": self.device,
             # Per rank: its device (rank r of a CUDA runtime uses its own GPU) and, with several
             # ranks, its own share of this machine's cores (None: all of them).
-            "devices": [rank_device(self.device, r, self.num_ranks) for r in range(self.num_ranks)],
-            "cpu_sets": rank_cpu_sets(self.num_ranks, sorted(os.sched_getaffinity(0))),
+            "devices": self._devices(),
+            "cpu_sets": self._cpu_sets(),
             "config": self.config.to_dict(),
             # More blocks than every admissible request can hold would only waste memory.
             "max_blocks": max_requests * blocks_per_request,
@@ -192,7 +255,23 @@ class Runtime:
             "log_level": self.log_level,
             "control_token_file": os.path.join(self.tmp, "control-token.json"),
             "http": self.http,
+            # An engine on its own (role engine) shares its host with no other rank, and exits
+            # once its coordinator (on another host) falls silent; local engines die with us.
+            "ranks_on_host": 1 if self.role == "engine" else self.num_ranks,
+            "coordinator_timeout": COORDINATOR_TIMEOUT_S if self.role == "engine" else None,
+            "keys_dir": self.keys_dir,  # the directory only: secrets never go on a command line
+            "key_name": self.key_name,
         }
+
+    def _devices(self) -> list[str]:
+        if self.role == "engine":  # one rank on this host: the device as named
+            return [self.device] * self.num_ranks
+        return [rank_device(self.device, r, self.num_ranks) for r in range(self.num_ranks)]
+
+    def _cpu_sets(self) -> list[list[int] | None]:
+        if self.role == "engine":
+            return [None] * self.num_ranks
+        return rank_cpu_sets(self.num_ranks, sorted(os.sched_getaffinity(0)))
 
     def _spawn(self, name: str, *args: str) -> None:
         cmd = [sys.executable, "-m", "taipan.procs", *args]
@@ -214,6 +293,8 @@ class Runtime:
                 pass
 
     def start(self, timeout: float = 600.0) -> Runtime:
+        """Start this role's processes. Roles all and coordinator return once every rank has
+        loaded its model (within `timeout`); role engine once its process is spawned."""
         if self.direct:
             return self._start_direct()
         spec = self._spec()
@@ -223,10 +304,16 @@ class Runtime:
             os.makedirs(self.record_dir, exist_ok=True)
             with open(os.path.join(self.record_dir, "config.json"), "w") as f:
                 json.dump(self.config.to_dict(), f, indent=1)
+            with open(os.path.join(self.record_dir, "runtime.json"), "w") as f:
+                json.dump({"num_ranks": self.num_ranks}, f)
         try:
+            if self.role == "engine":
+                self._spawn(f"engine-{self.rank}", "engine", spec, str(self.rank))
+                return self
             self._spawn("coordinator", "coordinator", spec)
-            for rank in range(self.num_ranks):
-                self._spawn(f"engine-{rank}", "engine", spec, str(rank))
+            if self.role == "all":
+                for rank in range(self.num_ranks):
+                    self._spawn(f"engine-{rank}", "engine", spec, str(rank))
             asyncio.run(self._wait_ready(timeout))
             if self.http is not None:
                 self._spawn("http", "http", spec)
@@ -272,7 +359,12 @@ class Runtime:
             if proc.poll() is not None:
                 on_exit(name, proc.returncode)
         # The children may take a while to import and bind; their exits are watched above.
-        client = AsyncClient(self.address, connect_timeout=timeout, timeout=timeout)
+        client = AsyncClient(
+            self.address,
+            connect_timeout=timeout,
+            timeout=timeout,
+            curve=self._keys(self.address, server=False),
+        )
         connect = asyncio.ensure_future(client.connect())
         try:
             done, _ = await asyncio.wait({connect, died}, return_when=asyncio.FIRST_COMPLETED)
@@ -382,7 +474,10 @@ class Runtime:
         from taipan.messages.lifecycle import Pause, Stop
 
         ctx = zmq.asyncio.Context()
-        channel = make_socket(ctx, zmq.DEALER, self.address, bind=False, name="coordinator")
+        keys = self._keys(self.address, server=False)
+        channel = make_socket(
+            ctx, zmq.DEALER, self.address, bind=False, name="coordinator", curve=keys
+        )
         actor = ClientActor(channel, address=self.address)
         task = asyncio.create_task(actor.run())
         try:
@@ -498,4 +593,9 @@ def runtime_from_args(args, address: str | None = None) -> Runtime:
         served_model_name=getattr(args, "served_model_name", None),
         max_queued=getattr(args, "max_queued", None),
         queue_timeout=getattr(args, "queue_timeout", None),
+        role=getattr(args, "role", "all"),
+        engine_address=getattr(args, "engine_address", None) or getattr(args, "coordinator", None),
+        data_parallel_rank=getattr(args, "data_parallel_rank", None),
+        keys_dir=getattr(args, "keys", None),
+        key_name=getattr(args, "key_name", "client"),
     )

@@ -26,7 +26,7 @@ from taipan.actors.base import FatalError
 from taipan.actors.channel import make_socket
 from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits, routing_policy
 from taipan.actors.log import configure, get_logger
-from taipan.auth import read_token_file
+from taipan.auth import curve_keys, read_token_file
 
 PR_SET_PDEATHSIG = 1
 EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
@@ -64,6 +64,7 @@ async def coordinator_main(spec: dict) -> None:
     ctx = zmq.asyncio.Context()
     rec = _recorder(spec, "coordinator")
     # Both sides watch their peers: a dead engine or a vanished client is noticed at once.
+    keys = spec.get("keys_dir")
     frontend = make_socket(
         ctx,
         zmq.ROUTER,
@@ -72,6 +73,7 @@ async def coordinator_main(spec: dict) -> None:
         name="clients",
         recorder=rec,
         watch_peers=True,
+        curve=curve_keys(spec["frontend"], keys, server=True),
     )
     backend = make_socket(
         ctx,
@@ -81,6 +83,7 @@ async def coordinator_main(spec: dict) -> None:
         name="engines",
         recorder=rec,
         watch_peers=True,
+        curve=curve_keys(spec["backend"], keys, server=True),
     )
     config = InferenceConfig.from_dict(spec["config"])
     actor = CoordinatorActor(
@@ -155,9 +158,11 @@ async def engine_main(spec: dict, rank: int) -> None:
         spec["backend"],
         bind=False,
         name="coordinator",
-        identity=f"engine-{rank}".encode(),
+        identity=f"engine-{rank}-{os.getpid()}".encode(),  # unique: a duplicate rank is refused
         recorder=recs["engine"],
-    )
+        curve=curve_keys(spec["backend"], spec.get("keys_dir"), server=False,
+                         key_name=spec.get("key_name", "client")),
+    )  # fmt: skip
     config = InferenceConfig.from_dict(spec["config"])
     max_requests, max_tokens = plan_limits(config)
     device = spec["devices"][rank]
@@ -185,7 +190,16 @@ async def engine_main(spec: dict, rank: int) -> None:
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [mamba_side, to_mamba] if hybrid else []
     try:
-        engine = EngineActor(rank, config, load, to_coord, to_alloc, to_gpu, to_mamba)
+        engine = EngineActor(
+            rank,
+            config,
+            load,
+            to_coord,
+            to_alloc,
+            to_gpu,
+            to_mamba,
+            coordinator_timeout=spec.get("coordinator_timeout"),
+        )
         actors = [AllocatorActor(alloc_side), GpuActor(rank, gpu_side)]
         actors += [MambaCacheActor(mamba_side)] if hybrid else []
         await _run_until_stopped([engine, *actors])

@@ -46,6 +46,7 @@ REQUEST_ID_FIELDS = ("request_id",)
 REQUEST_ID_ARRAYS = ("request_ids", "alloc_ids", "free_ids")
 ARROWS = {"in": "←", "out": "→"}
 CONFIG_FILE = "config.json"  # the InferenceConfig, written by the launcher when recording
+RUNTIME_FILE = "runtime.json"  # {"num_ranks": N}, written beside it
 
 
 def _service_checker(service) -> Responder:
@@ -121,7 +122,11 @@ def run(args: argparse.Namespace) -> int:
                 for err in errors:
                     print(f"taipan replay: {err}", file=sys.stderr)
                 return 2
-            return check(loaded, logs, allow_unchecked=args.allow_unchecked)
+            try:
+                return check(loaded, logs, allow_unchecked=args.allow_unchecked)
+            except ReplayError as e:  # a file beside the logs is unusable
+                print(f"taipan replay: {e}", file=sys.stderr)
+                return 2
         # A crash leaves a torn tail: show everything before it, then say where it broke.
         print_timeline(loaded, request=args.request, types=set(args.types))
         for err in errors:
@@ -363,6 +368,7 @@ def check_coordinator(
         alpha=config.prefix_caching_routing_alpha,
         capacity=plan_limits(config)[0],
         prefix_caching=config.enable_prefix_caching,
+        num_ranks=_saved_num_ranks(directory),
     )
 
     def feed(rec: Record, msg) -> str | None:
@@ -372,6 +378,20 @@ def check_coordinator(
 
     div = _drive(records, feed, lambda: replay.replayed)
     return div, "" if div else f"{replay.summary()} ({len(records)} records)"
+
+
+def _saved_num_ranks(directory: Path | None) -> int | None:
+    """The engine ranks the runtime was started with (RUNTIME_FILE), None when not saved."""
+    path = directory / RUNTIME_FILE if directory is not None else None
+    if path is None or not path.exists():
+        return None
+    try:
+        num_ranks = json.loads(path.read_text())["num_ranks"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ReplayError(f"cannot read {path}: {e!r}") from None
+    if isinstance(num_ranks, bool) or not isinstance(num_ranks, int) or num_ranks < 1:
+        raise ReplayError(f"{path}: num_ranks must be an int >= 1, got {num_ranks!r}")
+    return num_ranks
 
 
 def _saved_config(directory: Path | None) -> tuple[InferenceConfig | None, str]:

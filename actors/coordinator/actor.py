@@ -239,7 +239,9 @@ class CoordinatorActor(Actor):
             self.info_waiters.append(env.sender)
 
     async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
-        if env.channel is self.frontend:  # a client checking that we are alive
+        # A client checking that we are alive, or a live engine (an engine on another host
+        # watches the coordinator by these answers: actors/engine/actor.py).
+        if env.channel is self.frontend or env.sender in self.engine_heard:
             await env.reply(Heartbeat(time.time()))
 
     async def on_peer_gone(self, env: Envelope, msg: PeerGone) -> None:
@@ -406,6 +408,11 @@ class CoordinatorActor(Actor):
 
     async def on_hello(self, env: Envelope, msg: Hello) -> None:
         if msg.name == "engine":
+            refusal = self.core.rank_refusal(msg.rank, env.sender, self.engines, self.num_ranks)
+            if refusal is not None:
+                self.log.error("engine refused", rank=msg.rank, why=refusal)
+                await env.reply(ErrorReply("rank_refused", refusal, None))
+                return
             self.engines[msg.rank] = env.sender
             self.engine_heard[env.sender] = env.time
             if self.fsm.state is not State.RUNNING:
@@ -415,6 +422,14 @@ class CoordinatorActor(Actor):
     async def on_model_loaded(self, env: Envelope, msg: ModelLoaded) -> None:
         rank = self._rank_of(env.sender)
         if rank is None:
+            return
+        if self.info is not None and msg.block_size != self.block_size:
+            why = (
+                f"its block size {msg.block_size} differs from the runtime's {self.block_size} "
+                "(every rank must run the same config)"
+            )
+            await env.reply(ErrorReply("rank_refused", why, None))
+            await self._engine_gone(env.sender, why)
             return
         self.core.add_rank(rank)
         self.log.info(

@@ -64,12 +64,21 @@ class CoordinatorReplay:
     then says what the replay sends instead (None: the text says it). Built with the
     coordinator's own settings."""
 
-    def __init__(self, *, policy: str, alpha: float, capacity: int, prefix_caching: bool):
+    def __init__(
+        self,
+        *,
+        policy: str,
+        alpha: float,
+        capacity: int,
+        prefix_caching: bool,
+        num_ranks: int | None = None,
+    ):
         self.core = CoordinatorCore(policy, alpha, capacity)
         self.hashing = prefix_caching or policy in HASHING_POLICIES  # as the actor decides
         self.block_size = 0  # from the first ModelLoaded of a known engine
         self.loaded = False
         self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
+        self.num_ranks = num_ranks  # None: unknown (no runtime.json), ranks not range-checked
         self.weight_version = 0
         self.stop_asked = False
         self.waiting: deque[Submission] = deque()  # arrived, outcome not recorded yet
@@ -88,7 +97,8 @@ class CoordinatorReplay:
         if channel != ENGINES:
             return None
         if isinstance(msg, Hello) and msg.name == "engine":
-            self.engines[msg.rank] = peer
+            if self.core.rank_refusal(msg.rank, peer, self.engines, self.num_ranks) is None:
+                self.engines[msg.rank] = peer
         elif isinstance(msg, ModelLoaded):
             rank = self._rank_of(peer)
             if rank is not None:

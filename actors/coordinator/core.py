@@ -72,6 +72,20 @@ class CoordinatorCore:
             del self.by_client[(route.client, route.client_request_id)]
         return lost
 
+    def rank_refusal(
+        self, rank: int, identity: bytes, engines: dict[int, bytes], num_ranks: int | None
+    ) -> str | None:
+        """Why an engine announcing itself as `rank` from `identity` cannot join (engines started
+        by hand on other hosts can be misconfigured), or None. `engines`: the live ranks'
+        identities; `num_ranks` None: the range is not known (a replay of an older log)."""
+        if num_ranks is not None and not 0 <= rank < num_ranks:
+            return f"rank {rank} is outside this runtime's {num_ranks} rank(s) (0..N-1)"
+        if engines.get(rank, identity) != identity:
+            return f"rank {rank} is already served by a live engine"
+        if rank in self.dead:
+            return f"rank {rank} {self.dead[rank]}; a dead rank does not rejoin"
+        return None
+
     def routes_of_client(self, client: bytes) -> list[tuple[int, Route]]:
         """Every request of `client` still in flight, in admission order."""
         return [(gid, r) for gid, r in self.routes.items() if r.client == client]

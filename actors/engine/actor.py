@@ -29,7 +29,11 @@ step) fails the requests of that step, each with its terminal output, and the en
 serving; the exception is logged once with its traceback. If even that is impossible (the
 scheduler itself broke), the engine fails every request it holds and ends its process with a
 `FatalError` (runtime/procs.py exits non-zero): the coordinator sees the rank die.
-The engine sends the coordinator a Heartbeat every HEARTBEAT_S seconds.
+The engine sends the coordinator a Heartbeat every HEARTBEAT_S seconds, which the coordinator
+answers. An engine started on its own (`taipan serve --role engine`, on another host than its
+coordinator) watches those answers: a coordinator silent for `coordinator_timeout` seconds, or
+one that refuses the rank (`rank_refused`: a rank out of range or already served), ends the
+process with a FatalError naming it. A local engine dies with its launcher instead.
 """
 
 from __future__ import annotations
@@ -108,8 +112,12 @@ class EngineActor(Actor):
         alloc: Channel,
         gpu: Channel,
         mamba: Channel | None = None,
+        *,
+        coordinator_timeout: float | None = None,
     ):
         super().__init__(f"engine-{rank}")
+        self.coordinator_timeout = coordinator_timeout  # None: the coordinator is not watched
+        self.coord_heard = time.monotonic()
         self.rank = rank
         self.config = config
         self.load = load
@@ -140,12 +148,28 @@ class EngineActor(Actor):
             (Suspend, self.on_suspend),
             (Resume, self.on_resume),
             (UpdateWeights, self.on_update_weights),
+            (Heartbeat, self.on_heartbeat),
+            (ErrorReply, self.on_error_reply),
         ]:
             self.on(msg_type, handler)
 
     async def dispatch(self, env: Envelope) -> None:
         self.now = env.time  # every inbound message sets the clock (see actors/engine/check.py)
+        if env.channel is self.coord:
+            self.coord_heard = time.monotonic()
         await super().dispatch(env)
+
+    async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
+        pass  # the coordinator's answer: dispatch noted that it is alive
+
+    async def on_error_reply(self, env: Envelope, msg: ErrorReply) -> None:
+        if msg.code == "rank_refused":
+            self.spawn(self._exit(f"the coordinator refused this rank: {msg.text}"))
+        else:
+            self.log.warning("error reply", code=msg.code, text=msg.text)
+
+    async def _exit(self, why: str) -> None:
+        raise FatalError(f"{self.name}: {why}")
 
     async def started(self) -> None:
         await self.coord.send(Hello("engine", self.rank))
@@ -156,6 +180,10 @@ class EngineActor(Actor):
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             await self.coord.send(Heartbeat(time.time()))
+            silent = time.monotonic() - self.coord_heard
+            if self.coordinator_timeout is not None and silent > self.coordinator_timeout:
+                # Its requests have no one to report to: end the process (and free the device).
+                raise FatalError(f"{self.name}: the coordinator sent nothing for {silent:.0f} s")
 
     # --- boot ---------------------------------------------------------------------------------
 
