@@ -186,6 +186,11 @@ def fused_experts(
     """The routed experts' weighted sum over the local experts (kernels/moe.py's contract):
     the one dispatch point of the experts. Only the torch reference exists today; the Triton
     kernel goes here, chosen by `x.is_cuda` as every op of ops/layers.py."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "MoE experts have no CUDA kernel yet and their torch reference syncs the host, "
+            "which a CUDA graph cannot capture: serve MoE models with num_cuda_graphs=0"
+        )
     return fused_moe_ref(
         x, w1, w2, topk_ids, topk_weights, activation=activation, expert_start=expert_start
     )

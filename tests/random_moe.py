@@ -100,14 +100,19 @@ def make_random_qwen3_moe(path: str, seed: int = 0, **overrides) -> str:
 
 
 def make_random_nemotron_h_moe(
-    path: str, pattern: str = "M-*E-ME", latent_size: int | None = None, seed: int = 0
+    path: str,
+    pattern: str = "M-*E-ME",
+    latent_size: int | None = None,
+    seed: int = 0,
+    **overrides,
 ) -> str:
     """A NemotronH hybrid with `E` layers (tests/random_nemotron_h.py's weights for the rest),
-    its routers, correction biases and experts redrawn; returns `path`."""
+    its routers, correction biases and experts redrawn; returns `path`. `overrides`: config
+    fields over TINY_HYBRID and TINY_NEMOTRON_MOE."""
     import torch
     from transformers import NemotronHForCausalLM
 
-    shape = TINY_HYBRID | TINY_NEMOTRON_MOE | {"moe_latent_size": latent_size}
+    shape = TINY_HYBRID | TINY_NEMOTRON_MOE | {"moe_latent_size": latent_size} | overrides
     make_random_nemotron_h(path, pattern=pattern, shape=shape, seed=seed)
     model = NemotronHForCausalLM.from_pretrained(path, dtype=torch.float32)
     generator = torch.Generator().manual_seed(seed + 1)
