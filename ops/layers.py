@@ -43,7 +43,14 @@ class Attention(nn.Module):
     """Grouped-query self-attention: rotates q and k, appends this step's K/V to the paged
     cache, then attends over each sequence's whole context (cached prefix + this step)."""
 
-    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qk_norm_eps: float | None = None,
+    ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -51,6 +58,12 @@ class Attention(nn.Module):
         # q, k and v projections fused into one matrix (rows: q, then k, then v): one GEMM.
         self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, False)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        # Qwen3: an RMSNorm over each head of q and of k (weights shared by the heads), before
+        # RoPE; None: no such norm (Llama, NemotronH).
+        self.q_norm = self.k_norm = None
+        if qk_norm_eps is not None:
+            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
 
     def forward(
         self,
@@ -69,6 +82,9 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # views of the qkv output
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # rows of one head each: [tokens * heads, head_dim]
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         if cos_sin is None:
             store = rope.write_kv if x.is_cuda else rope.write_kv_ref
             store(k, v, layer_cache, attn.slot_mapping)

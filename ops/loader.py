@@ -1,5 +1,6 @@
 """Model loading: a GGUF file, a Hugging Face directory or a random-weight shape -> (model,
-config, tokenizer).
+config, tokenizer). Hugging Face directories: Llama, NemotronH (with or without MoE layers) and
+Qwen3-MoE.
 
 Owns reading hyper-parameters, mapping checkpoint tensor names onto our modules, undoing
 llama.cpp's layout changes, and turning every failure into a `ModelLoadError` that names the path
@@ -12,6 +13,11 @@ adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging
 For weight updates in place (the gpu worker's update_weights) it also checks that new weights
 fit: `check_same_architecture` for a checkpoint, `state_updates` for a state dict in Hugging Face
 names (mapped onto row ranges of our fused parameters).
+
+Mixture-of-experts checkpoints name each expert's matrices (`mlp.experts.3.up_proj.weight`, what
+transformers' `save_pretrained` writes) or stack them (`mlp.experts.gate_up_proj` [E, 2I, H], what
+its modules hold); both are stacked at load into our `w1` / `w2` (ops/moe.py). `expert_range`
+loads only some experts (an expert-parallel rank): the others' tensors are never read.
 
 `random:<shape>` (RANDOM_SHAPES) builds a model from a config alone, no disk: seeded random
 weights made on the device (`random_state`, which the benchmark's Hugging Face copy reuses, so
@@ -31,6 +37,8 @@ import torch
 
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+from taipan.ops.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from taipan.ops.moe import ExpertRange, MoEConfig
 from taipan.ops.tokenizer import Tokenizer, TokenizerError
 
 # GGUF tensor name -> our parameter name (`{n}` is the layer index).
@@ -56,14 +64,22 @@ class ModelLoadError(Exception):
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
-    """Load a `.gguf` file or a Hugging Face Llama directory, weights in `dtype` on `device`.
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    expert_range: tuple[int, int] | ExpertRange | None = None,
+) -> tuple:
+    """Load a `.gguf` file or a Hugging Face directory, weights in `dtype` on `device`:
+    (model, config, tokenizer).
 
     A directory without config.json but with exactly one .gguf file loads that file;
     `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
+    `expert_range` (start, count): only those experts of every MoE layer (default: all); a
+    model without experts refuses one.
     """
     if str(path).startswith(RANDOM_PREFIX):
+        _no_experts(path, expert_range)
         return load_random_model(str(path), dtype=dtype, device=device)
     path = Path(path)
     if not path.exists():
@@ -78,10 +94,16 @@ def load_model(
         path = ggufs[0]
     try:
         if path.is_dir():
-            return _load_hf_dir(path, dtype, device)
+            return _load_hf_dir(path, dtype, device, expert_range)
+        _no_experts(path, expert_range)
         return _load_gguf(path, dtype, device)
     except TokenizerError as exc:  # its message already names the file
         raise ModelLoadError(str(exc)) from exc
+
+
+def _no_experts(path, expert_range) -> None:
+    if expert_range is not None:
+        raise ModelLoadError(f"{path}: expert_range {expert_range!r}: the model has no experts")
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------
@@ -169,51 +191,178 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---- Hugging Face directory ---------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device) -> tuple:
-    from safetensors.torch import load_file
-
+def _load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range) -> tuple:
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}/config.json: cannot read ({exc})") from exc
     family = _check_hf_architecture(path, hf)
     tokenizer = Tokenizer.from_hf_dir(path)
-    if family == "nemotron_h":
-        config = _hf_nemotron_h_config(path, hf, tokenizer)
+    config = _HF_CONFIGS[family](path, hf, tokenizer)
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        _no_experts(path, expert_range)
+        experts = None
     else:
-        config = _hf_llama_config(path, hf, tokenizer)
-
+        try:
+            experts = ExpertRange.of(expert_range, moe.num_experts)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
-    state = {}
+    state, parts = {}, {}
     for file in files:
-        try:
-            tensors = load_file(str(file), device="cpu")
-        except Exception as exc:  # safetensors raises its own untyped errors
-            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
-        for name, tensor in tensors.items():
-            if name.endswith("rotary_emb.inv_freq"):
-                continue  # a buffer older checkpoints saved; recomputed from rope_theta
-            ours = name.removeprefix("model.").removeprefix("backbone.")
-            state[ours] = tensor.to(dtype)
+        _read_safetensors(file, dtype, experts, moe.num_experts if moe else 0, state, parts)
+    if moe is not None:
+        state.update(_stack_experts(path, config, experts, parts))
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    return _build(path, config, state, dtype, device), config, tokenizer
+    model = _build(path, config, state, dtype, device, experts)
+    return model, config, tokenizer
+
+
+# A MoE layer's experts in a checkpoint (names without "model." / "backbone."): one tensor per
+# expert and matrix, as save_pretrained writes them, or one stacked [E, ...] tensor per matrix.
+_EXPERT = re.compile(r"^(layers\.\d+\.(?:mlp|mixer))\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+_STACKED = re.compile(r"^(layers\.\d+\.(?:mlp|mixer))\.experts\.(gate_up|up|down)_proj$")
+# Kept in fp32 whatever the model dtype (as Hugging Face keeps them): a bf16 correction bias
+# would change which experts are chosen.
+_FP32_TENSORS = ("e_score_correction_bias",)
+
+
+def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return tensor.to(torch.float32 if name.endswith(_FP32_TENSORS) else dtype)
+
+
+def _read_safetensors(
+    file: Path,
+    dtype: torch.dtype,
+    experts: ExpertRange | None,
+    num_experts: int,
+    state: dict,
+    parts: dict,
+) -> None:
+    """Read one file's tensors into `state` (our names, unfused), except expert matrices, which
+    go to `parts[(layer prefix, matrix, local expert or None for a stacked tensor)]`; an
+    expert outside `experts` is never read. Without experts, expert tensors land in `state`
+    (the layout check then names them)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                ours = name.removeprefix("model.").removeprefix("backbone.")
+                if ours.endswith("rotary_emb.inv_freq") or ours.startswith("mtp."):
+                    # A buffer older checkpoints saved (recomputed from rope_theta); NemotronH's
+                    # multi-token-prediction head (Hugging Face ignores it too).
+                    continue
+                one, stacked = _EXPERT.match(ours), _STACKED.match(ours)
+                if experts is not None and one is not None:
+                    expert = int(one.group(2))
+                    if expert >= num_experts:
+                        raise ModelLoadError(
+                            f"{file}: {name}: expert {expert}, but the config has {num_experts}"
+                        )
+                    if expert in experts:
+                        key = (one.group(1), one.group(3), expert - experts.start)
+                        parts[key] = f.get_tensor(name).to(dtype)
+                elif experts is not None and stacked is not None:
+                    rows = _read_expert_rows(file, f, name, experts, num_experts)
+                    parts[(stacked.group(1), stacked.group(2), None)] = rows.to(dtype)
+                else:
+                    state[ours] = _cast(ours, f.get_tensor(name), dtype)
+    except ModelLoadError:
+        raise
+    except Exception as exc:  # safetensors raises its own untyped errors
+        raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
+
+
+def _read_expert_rows(
+    file: Path, f, name: str, experts: ExpertRange, num_experts: int
+) -> torch.Tensor:
+    """The local experts' rows of a stacked [E, ...] tensor, read without the others."""
+    tensor = f.get_slice(name)
+    total = tensor.get_shape()[0]
+    if total != num_experts:
+        raise ModelLoadError(f"{file}: {name} stacks {total} experts, the config has {num_experts}")
+    return tensor[experts.start : experts.start + experts.count]
+
+
+def _moe_prefixes(config) -> list[str]:
+    """The module prefix of every MoE block of the model (`layers.3.mlp`, `layers.1.mixer`)."""
+    if isinstance(config, Qwen3MoeConfig):
+        return [f"layers.{i}.mlp" for i in range(config.num_layers) if config.is_moe_layer(i)]
+    return [f"layers.{i}.mixer" for i, kind in enumerate(config.pattern) if kind == "E"]
+
+
+def _stack_experts(path: Path, config, experts: ExpertRange, parts: dict) -> dict:
+    """Every MoE block's local experts as our `w1` [E_local, N, H] (SwiGLU: gate rows, then up
+    rows; ReLU²: up) and `w2` [E_local, H, I], from per-expert or stacked checkpoint tensors."""
+    swiglu = config.moe.activation == "swiglu"
+    w1_parts = ("gate", "up") if swiglu else ("up",)
+    w1_stacked = "gate_up" if swiglu else "up"
+    prefixes = _moe_prefixes(config)
+    stray = sorted({key[0] for key in parts} - set(prefixes))
+    if stray:
+        raise ModelLoadError(
+            f"{path}: expert tensors for {stray[:3]}, which the config does not make MoE layers"
+        )
+    state = {}
+    for prefix in prefixes:
+        mine = {key[1:]: t for key, t in parts.items() if key[0] == prefix}
+        stacked = {matrix for matrix, expert in mine if expert is None}
+        if stacked:
+            want = {w1_stacked, "down"}
+            if stacked != want or len(mine) != len(want):
+                raise ModelLoadError(
+                    f"{path}: {prefix}.experts: expected stacked {sorted(want)} and nothing "
+                    f"per expert, found {sorted(f'{m}:{e}' for m, e in mine)[:6]}"
+                )
+            state[f"{prefix}.w1"], state[f"{prefix}.w2"] = (
+                mine[w1_stacked, None],
+                mine["down", None],
+            )
+            continue
+        w1, w2 = [], []
+        for local in range(experts.count):
+            for matrix in (*w1_parts, "down"):
+                if (matrix, local) not in mine:
+                    raise ModelLoadError(
+                        f"{path}: no expert tensors for {prefix}.experts.{experts.start + local}."
+                        f"{matrix}_proj.weight (a {config.moe.activation} expert)"
+                    )
+            w1.append(torch.cat([mine.pop((m, local)) for m in w1_parts]))
+            w2.append(mine.pop(("down", local)))
+        if mine:
+            raise ModelLoadError(
+                f"{path}: unexpected expert tensors in {prefix}.experts: "
+                f"{sorted(f'{m}_proj' for m, _ in mine)[:4]} ({config.moe.activation} experts)"
+            )
+        state[f"{prefix}.w1"], state[f"{prefix}.w2"] = torch.stack(w1), torch.stack(w2)
+    return state
+
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "NemotronHForCausalLM": "nemotron_h",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
 
 
 def _check_hf_architecture(path: Path, hf: dict) -> str:
-    """The model family of a Hugging Face config: "llama" or "nemotron_h" (the launcher's
-    torch-free runtime/models.has_mamba_layers tells a hybrid the same way)."""
+    """The model family of a Hugging Face config: "llama", "nemotron_h" or "qwen3_moe" (the
+    launcher's torch-free runtime/models.has_mamba_layers tells a hybrid the same way)."""
     archs = hf.get("architectures") or []
-    if "NemotronHForCausalLM" in archs or hf.get("model_type") == "nemotron_h":
-        return "nemotron_h"
-    if "LlamaForCausalLM" not in archs and hf.get("model_type") != "llama":
-        raise ModelLoadError(
-            f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
-            "(supported: LlamaForCausalLM, NemotronHForCausalLM)"
-        )
-    return "llama"
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    if hf.get("model_type") in _ARCHITECTURES.values():
+        return hf["model_type"]
+    raise ModelLoadError(
+        f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
+        f"(supported: {', '.join(_ARCHITECTURES)})"
+    )
 
 
 def _eos_ids(hf: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -248,8 +397,6 @@ def _nemotron_h_pattern(path: Path, hf: dict) -> str:
         if unknown:
             raise ModelLoadError(f"{path}/config.json: unknown layer types {unknown}")
         pattern = "".join(_HF_LAYER_TYPES[t] for t in types)
-    if "E" in pattern:
-        raise ModelLoadError(f"{path}: mixture-of-experts layers ('E') are not supported yet")
     return pattern
 
 
@@ -269,6 +416,7 @@ def _hf_nemotron_h_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Nemotro
             raise KeyError(name)
         return default
 
+    pattern = _nemotron_h_pattern(path, hf)
     unsupported = {
         "residual_in_fp32": hf.get("residual_in_fp32", False),
         "attention_bias": hf.get("attention_bias", False),
@@ -287,7 +435,7 @@ def _hf_nemotron_h_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Nemotro
         return NemotronHConfig(
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
-            pattern=_nemotron_h_pattern(path, hf),
+            pattern=pattern,
             num_heads=num_heads,
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
@@ -307,17 +455,44 @@ def _hf_nemotron_h_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Nemotro
             use_conv_bias=bool(pick("use_conv_bias", "mamba_conv_bias", default=True)),
             mamba_proj_bias=bool(hf.get("use_bias", False)),
             ssm_state_dtype=hf.get("mamba_ssm_cache_dtype", "float32"),
+            moe=_nemotron_h_moe(hf, pick) if "E" in pattern else None,
         )
     except (KeyError, ValueError, TypeError, IndexError) as exc:
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
 
 
-def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
+def _nemotron_h_moe(hf: dict, pick) -> MoEConfig:
+    """The `E` layers' settings, as transformers 5.23's NemotronHMoE reads them: one shared
+    ReLU² expert of moe_shared_expert_intermediate_size (whatever n_shared_experts says);
+    moe_shared_expert_overlap only schedules, it changes no result."""
+    latent = hf.get("moe_latent_size")
+    return MoEConfig(
+        num_experts=pick("n_routed_experts", "num_local_experts"),
+        top_k=hf["num_experts_per_tok"],
+        intermediate_size=hf["moe_intermediate_size"],
+        activation="relu2",
+        scoring="sigmoid",
+        renormalize=bool(hf.get("norm_topk_prob", True)),
+        num_groups=hf.get("n_group", 1),
+        topk_groups=hf.get("topk_group", 1),
+        scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        latent_size=int(latent) if latent is not None else None,
+        shared_intermediate_size=hf["moe_shared_expert_intermediate_size"],
+    )
+
+
+def _rope_theta(path: Path, hf: dict) -> float:
+    """Plain RoPE's base; any other RoPE type is refused."""
     rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
     scaling = hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
     if rope_type not in (None, "default"):
         raise ModelLoadError(f"{path}: RoPE type {rope_type!r} is not supported yet")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
+    rope_theta = _rope_theta(path, hf)
     for flag in ("attention_bias", "mlp_bias"):
         if hf.get(flag):
             raise ModelLoadError(f"{path}: {flag}=true is not supported")
@@ -334,7 +509,7 @@ def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            rope_theta=rope_theta,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
@@ -344,24 +519,86 @@ def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
 
 
+def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3MoeConfig:
+    rope_theta = _rope_theta(path, hf)
+    unsupported = {
+        "attention_bias": hf.get("attention_bias", False),
+        "use_sliding_window": hf.get("use_sliding_window", False),
+    }
+    for flag, on in unsupported.items():
+        if on:
+            raise ModelLoadError(f"{path}: {flag}=true is not supported for Qwen3-MoE")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not num_experts:
+        raise ModelLoadError(
+            f"{path}: num_experts {num_experts!r}: a Qwen3-MoE config without experts (a dense "
+            "Qwen3) is not supported"
+        )
+    try:
+        num_heads = hf["num_attention_heads"]
+        moe = MoEConfig(
+            num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf["moe_intermediate_size"],
+            activation="swiglu",
+            scoring="softmax",
+            renormalize=bool(hf.get("norm_topk_prob", False)),
+        )
+        return Qwen3MoeConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_layers=hf["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 32768),
+            bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
+            eos_token_ids=_eos_ids(hf, tokenizer),
+            moe=moe,
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
+_HF_CONFIGS = {
+    "llama": _hf_llama_config,
+    "nemotron_h": _hf_nemotron_h_config,
+    "qwen3_moe": _hf_qwen3_moe_config,
+}
+
+
 # ---- shared ------------------------------------------------------------------------------------
 
 
-def _build(path: Path, config, state: dict, dtype, device):
+_MODELS = {
+    LlamaConfig: LlamaForCausalLM,
+    NemotronHConfig: NemotronHForCausalLM,
+    Qwen3MoeConfig: Qwen3MoeForCausalLM,
+}
+
+
+def _build(path: Path, config, state: dict, dtype, device, experts: ExpertRange | None = None):
     """Instantiate without initializing (meta device), then adopt the loaded tensors."""
-    hybrid = isinstance(config, NemotronHConfig)
+    cls = _MODELS[type(config)]
     with torch.device("meta"):
-        model = NemotronHForCausalLM(config) if hybrid else LlamaForCausalLM(config)
+        model = cls(config) if experts is None else cls(config, expert_range=experts)
     state = _fuse_projections(state, config.num_layers)
     expected = set(model.state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        layout = "NemotronH" if hybrid else "llama"
         raise ModelLoadError(
-            f"{path}: checkpoint does not match the {layout} layout "
+            f"{path}: checkpoint does not match the {cls.__name__} layout "
             f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
+    state = {name: _cast(name, t, dtype).to(device) for name, t in state.items()}
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as exc:  # shape mismatches
@@ -521,8 +758,8 @@ _ARCHITECTURE_FIELDS = (
     "rope_theta",
     "tie_word_embeddings",
 )
-# A hybrid's are every field but these (its layer pattern and all its Mamba shapes included;
-# the SSM state dtype is a runtime choice, mamba_inference_state_config).
+# A hybrid's or a Qwen3-MoE's are every field but these (its layer pattern, Mamba shapes and
+# MoE settings included; the SSM state dtype is a runtime choice, mamba_inference_state_config).
 _NOT_ARCHITECTURE = ("max_position_embeddings", "bos_token_id", "eos_token_ids", "ssm_state_dtype")
 _PART = re.compile(
     r"^(layers\.\d+)\.(self_attn\.[qkv]_proj|mixer\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight$"
@@ -533,17 +770,16 @@ class WeightUpdateError(ValueError):
     """New weights do not fit the loaded model; the message names the parameter or field."""
 
 
-def check_same_architecture(
-    loaded: LlamaConfig | NemotronHConfig, new: LlamaConfig | NemotronHConfig, path: str | Path
-) -> None:
-    """Raise WeightUpdateError naming every hyper-parameter of `new` that differs."""
+def check_same_architecture(loaded, new, path: str | Path) -> None:
+    """Raise WeightUpdateError naming every hyper-parameter of `new` (a model config) that
+    differs from `loaded`."""
     if type(new) is not type(loaded):
         raise WeightUpdateError(
             f"{path}: not the loaded architecture: a {type(new).__name__.removesuffix('Config')} "
             f"model, the loaded one is {type(loaded).__name__.removesuffix('Config')}"
         )
     fields = _ARCHITECTURE_FIELDS
-    if isinstance(loaded, NemotronHConfig):
+    if not isinstance(loaded, LlamaConfig):
         names = (f.name for f in dataclasses.fields(loaded))
         fields = tuple(n for n in names if n not in _NOT_ARCHITECTURE)
     diffs = [
@@ -555,19 +791,33 @@ def check_same_architecture(
         raise WeightUpdateError(f"{path}: not the loaded architecture: {', '.join(diffs)}")
 
 
-def hf_name_to_ours(name: str, config: LlamaConfig | NemotronHConfig) -> tuple[str, slice]:
-    """A Hugging Face parameter name -> (our parameter name, the rows of it that hold it).
+def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
+    """A Hugging Face parameter name -> (our parameter name, the part of it that holds it).
 
     The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj and gate/up_proj are
     row ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting);
-    with tied embeddings "lm_head.weight" is the embedding matrix. A name that matches none of
-    these comes back unchanged with all rows (the caller reports it if we have no such
-    parameter).
+    with tied embeddings "lm_head.weight" is the embedding matrix. One expert's matrix
+    (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 / w2, with
+    the GLOBAL expert id (`state_updates` maps it onto a rank's range). A name that matches none
+    of these (stacked expert tensors included: all of w1 or w2) comes back unchanged or renamed
+    with all rows (the caller reports it if we have no such parameter).
     """
     ours = name.removeprefix("model.").removeprefix("backbone.")
     if ours == "lm_head.weight" and config.tie_word_embeddings:
         embed = "embeddings" if isinstance(config, NemotronHConfig) else "embed_tokens"
         return f"{embed}.weight", slice(None)
+    expert, stacked = _EXPERT.match(ours), _STACKED.match(ours)
+    moe = getattr(config, "moe", None)
+    if moe is not None and expert is not None:
+        inter, matrix = moe.intermediate_size, expert.group(3)
+        rows = slice(None)
+        if moe.activation == "swiglu" and matrix != "down":
+            rows = slice(0, inter) if matrix == "gate" else slice(inter, 2 * inter)
+        param = "w2" if matrix == "down" else "w1"
+        return f"{expert.group(1)}.{param}", (int(expert.group(2)), rows)
+    if moe is not None and stacked is not None:
+        param = "w2" if stacked.group(2) == "down" else "w1"
+        return f"{stacked.group(1)}.{param}", slice(None)
     part = _PART.match(ours)
     if part is None:
         return ours, slice(None)
@@ -588,36 +838,68 @@ def hf_name_to_ours(name: str, config: LlamaConfig | NemotronHConfig) -> tuple[s
     return f"{part.group(1)}.{target}.weight", rows[part.group(2)]
 
 
-def state_updates(
-    state: dict[str, np.ndarray], model: LlamaForCausalLM | NemotronHForCausalLM
-) -> list[tuple[str, slice, np.ndarray]]:
+def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object, np.ndarray]]:
     """Check a (partial) state dict in Hugging Face names against `model`; changes nothing.
 
-    Returns (our parameter name, its rows, array) per entry. Raises WeightUpdateError naming
-    the parameter for an unknown name, a wrong shape, an array that is not floating point, or
-    two names for the same rows with different values (lm_head.weight and
-    model.embed_tokens.weight of a tied model may both come, equal, as `state_dict()` gives them).
+    Returns (our parameter name, the index of its part, array) per entry. Raises
+    WeightUpdateError naming the parameter for an unknown name, a wrong shape, an array that is
+    not floating point, or two names for the same rows with different values (lm_head.weight
+    and model.embed_tokens.weight of a tied model may both come, equal, as `state_dict()` gives
+    them). Experts another expert-parallel rank holds are skipped: each rank takes its own
+    (`model.expert_range`) from the same state dict.
     """
     params = model.state_dict()
+    experts = getattr(model, "expert_range", None)
     seen: dict[tuple, str] = {}
     out = []
     for name, array in state.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some checkpoints carry; recomputed from rope_theta
-        ours, rows = hf_name_to_ours(name, model.config)
+        ours, index = hf_name_to_ours(name, model.config)
         if ours not in params:
             raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
         if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
             kind = getattr(array, "dtype", type(array).__name__)
             raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
-        expected = tuple(params[ours][rows].shape)
+        if experts is not None and (ours.endswith((".w1", ".w2"))):
+            local = _local_experts(name, index, array, experts, model.config.moe.num_experts)
+            if local is None:
+                continue  # another rank's expert
+            index, array = local
+        expected = tuple(params[ours][index].shape)
         if array.shape != expected:
             raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
-        key = (ours, rows.start, rows.stop)
+        key = (ours, _index_key(index))
         if key in seen:
             if not np.array_equal(state[seen[key]], array):
                 raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
             continue
         seen[key] = name
-        out.append((ours, rows, array))
+        out.append((ours, index, array))
     return out
+
+
+def _local_experts(name: str, index, array: np.ndarray, experts: ExpertRange, total: int):
+    """An expert tensor's (index, array) in this rank's stacked w1 / w2, or None when it
+    belongs to another rank. One expert: (global id, rows) -> (local id, rows); a stacked
+    [E, ...] array: this rank's slice of it."""
+    if isinstance(index, tuple):
+        expert, rows = index
+        if not 0 <= expert < total:
+            raise WeightUpdateError(f"{name}: expert {expert}, the model has {total} experts")
+        if expert not in experts:
+            return None
+        return (expert - experts.start, rows), array
+    if array.ndim != 3 or array.shape[0] != total:
+        raise WeightUpdateError(
+            f"{name}: shape {array.shape}, expected {total} stacked experts [E, rows, columns]"
+        )
+    return index, array[experts.start : experts.start + experts.count]
+
+
+def _index_key(index) -> tuple:
+    """A hashable form of a parameter part (a slice, or (expert, slice))."""
+    if isinstance(index, slice):
+        return (index.start, index.stop)
+    expert, rows = index
+    return (expert, rows.start, rows.stop)

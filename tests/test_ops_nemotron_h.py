@@ -238,7 +238,7 @@ def _edit_config(path, **changes):
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"layers_block_type": ["linear_attention", "moe", "full_attention"]}, "experts"),
+        ({"layers_block_type": ["linear_attention", "moe", "full_attention"]}, "no expert tensors"),
         ({"layers_block_type": ["linear_attention", "conv"]}, "unknown layer types"),
         ({"layers_block_type": ["linear_attention", "mlp"]}, "no attention layer"),
         ({"residual_in_fp32": True}, "residual_in_fp32"),

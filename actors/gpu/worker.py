@@ -771,8 +771,9 @@ class ModelWorker:
 
     def _updates_from_path(self, path: str) -> list[tuple[str, slice, torch.Tensor]]:
         """Every parameter of the checkpoint at `path`, loaded on the CPU and checked to have the
-        loaded model's architecture and shapes."""
-        model, config, _ = load_model(path, dtype=self.dtype, device="cpu")
+        loaded model's architecture and shapes (a MoE model: only the experts it holds)."""
+        experts = getattr(self.model, "expert_range", None)
+        model, config, _ = load_model(path, dtype=self.dtype, device="cpu", expert_range=experts)
         check_same_architecture(self.config, config, path)
         ours, new = self.model.state_dict(), model.state_dict()
         if set(ours) != set(new):

@@ -9,6 +9,7 @@ here but owned and kept by the GPU actor. Parameter names are Hugging Face's wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,14 +52,21 @@ class LlamaConfig:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: LlamaConfig) -> None:
+    """Pre-norm attention and MLP. `mlp`: another MLP in place of the dense SwiGLU (Qwen3-MoE's
+    sparse layers); `qk_norm`: RMSNorm each head of q and k before RoPE (Qwen3)."""
+
+    def __init__(self, config, mlp: nn.Module | None = None, qk_norm: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(
-            config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            qk_norm_eps=config.rms_norm_eps if qk_norm else None,
         )
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size) if mlp is None else mlp
 
     def forward(
         self,
@@ -83,13 +91,17 @@ class DecoderLayer(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """`forward` runs one step over T tokens from B sequences (no padding) and returns hidden
     states; `compute_logits` turns the rows the caller wants (usually each sequence's last
-    token) into fp32 logits, so the [T, vocab] matrix of a long prefill is never built."""
+    token) into fp32 logits, so the [T, vocab] matrix of a long prefill is never built.
 
-    def __init__(self, config: LlamaConfig) -> None:
+    `make_layer(index)` builds each decoder layer (default: Llama's); models of the same
+    skeleton (Qwen3-MoE) pass their own."""
+
+    def __init__(self, config, make_layer: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        make_layer = make_layer or (lambda index: DecoderLayer(config))
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._rope_caches: dict[torch.device, torch.Tensor] = {}
         # Tied models reuse the embedding matrix as the output projection.

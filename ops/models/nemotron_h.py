@@ -1,12 +1,16 @@
 """NemotronH hybrids (NVIDIA Nemotron-H): a stack of pre-norm residual blocks whose mixers follow a
-pattern string — `M` a Mamba2 mixer, `*` attention without positional encoding, `-` a ReLU² MLP —
-over a flat varlen batch, a paged KV cache (attention layers only) and Mamba state slots.
+pattern string — `M` a Mamba2 mixer, `*` attention without positional encoding, `-` a ReLU² MLP,
+`E` a mixture of ReLU² experts (ops/moe.py: sigmoid grouped top-k routing, a shared expert,
+optional latent projections) — over a flat varlen batch, a paged KV cache (attention layers
+only) and Mamba state slots.
 
 Owns the model's structure and its forward pass. Weights come from ops/loader.py; block tables,
 slots and positions from the GPU actor (`AttentionMetadata`), Mamba slots likewise
 (`MambaMetadata`, ops/mamba.py). Parameter names are Hugging Face's without the leading
 `backbone.` / `model.` (`layers.0.mixer.in_proj.weight`), except that an attention layer's
-q/k/v are fused at load into `mixer.qkv_proj`.
+q/k/v are fused at load into `mixer.qkv_proj` and an `E` layer's experts are stacked into
+`mixer.w1` [E_local, I, H_in] (up_proj) and `mixer.w2` [E_local, H_in, I] (down_proj). With
+`expert_range` the model holds only those experts (expert parallelism).
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from torch import nn
 from taipan.ops.attention import AttentionMetadata
 from taipan.ops.layers import Attention, RMSNorm, lm_logits
 from taipan.ops.mamba import Mamba2Mixer, MambaMetadata, MambaStateShape
+from taipan.ops.moe import ExpertRange, MoE, MoEConfig
 
-LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp"}
+LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
 
 @dataclass(frozen=True)
@@ -49,14 +54,24 @@ class NemotronHConfig:
     use_conv_bias: bool = True
     mamba_proj_bias: bool = False
     ssm_state_dtype: str = "float32"  # mamba_ssm_cache_dtype
+    moe: MoEConfig | None = None  # the `E` layers' (None: the pattern has none)
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.pattern) - set(LAYER_KINDS))
         if bad or not self.pattern:
             raise ValueError(
                 f"layer pattern {self.pattern!r}: every character must be one of "
-                f"{''.join(LAYER_KINDS)} (M Mamba2, * attention, - MLP); got {bad or 'nothing'}"
+                f"{''.join(LAYER_KINDS)} (M Mamba2, * attention, - MLP, E MoE); "
+                f"got {bad or 'nothing'}"
             )
+        if ("E" in self.pattern) != (self.moe is not None):
+            raise ValueError(
+                f"layer pattern {self.pattern!r}: MoE settings are needed exactly when it has "
+                "MoE layers ('E')"
+            )
+        moe = self.moe
+        if moe is not None and (moe.activation, moe.scoring) != ("relu2", "sigmoid"):
+            raise ValueError("NemotronH experts are ReLU² with sigmoid routing")
         if "*" not in self.pattern:
             raise ValueError(
                 f"layer pattern {self.pattern!r} has no attention layer ('*'): pure Mamba "
@@ -111,7 +126,9 @@ class HybridBlock(nn.Module):
     """norm -> mixer -> residual add (the add fused into the next norm). `cache_index` is the
     layer's index among the layers of its kind (its KV cache layer, or its Mamba state layer)."""
 
-    def __init__(self, config: NemotronHConfig, kind: str, cache_index: int) -> None:
+    def __init__(
+        self, config: NemotronHConfig, kind: str, cache_index: int, experts: ExpertRange | None
+    ) -> None:
         super().__init__()
         self.kind, self.cache_index = kind, cache_index
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
@@ -132,6 +149,9 @@ class HybridBlock(nn.Module):
             )
         elif kind == "attention":
             self.mixer = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+        elif kind == "moe":
+            shared = ReLU2MLP(c.hidden_size, c.moe.shared_intermediate_size)
+            self.mixer = MoE(c.hidden_size, c.moe, experts, shared_experts=shared)
         else:
             self.mixer = ReLU2MLP(c.hidden_size, c.intermediate_size)
 
@@ -153,22 +173,31 @@ class HybridBlock(nn.Module):
             # No positional encoding: positions and the RoPE table are not used.
             h = self.mixer(h, None, None, attn, kv_cache[self.cache_index])
             return h, residual
-        return self.mixer(h), residual
+        return self.mixer(h), residual  # MLP or MoE
 
 
 class NemotronHForCausalLM(nn.Module):
     """`forward` runs one step over T tokens from B sequences (no padding) and returns hidden
-    states; `compute_logits` turns chosen rows into fp32 logits (as LlamaForCausalLM)."""
+    states; `compute_logits` turns chosen rows into fp32 logits (as LlamaForCausalLM).
+    `expert_range` (start, count): the experts this rank holds in every `E` layer (default
+    all); see ops/moe.py for the combine across ranks."""
 
-    def __init__(self, config: NemotronHConfig) -> None:
+    def __init__(
+        self, config: NemotronHConfig, expert_range: ExpertRange | tuple[int, int] | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.expert_range = None
+        if config.moe is not None:
+            self.expert_range = ExpertRange.of(expert_range, config.moe.num_experts)
+        elif expert_range is not None:
+            raise ValueError(f"expert_range {expert_range!r}: the model has no MoE layers")
         self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
         counts = {kind: 0 for kind in LAYER_KINDS.values()}
         layers = []
         for ch in config.pattern:
             kind = LAYER_KINDS[ch]
-            layers.append(HybridBlock(config, kind, counts[kind]))
+            layers.append(HybridBlock(config, kind, counts[kind], self.expert_range))
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)

@@ -1,0 +1,269 @@
+"""Mixture-of-experts blocks over a flat batch of tokens: the routers (Qwen3-MoE's softmax top-k,
+NemotronH's sigmoid grouped top-k) as plain torch functions, and `MoE`, the sparse MLP a model
+puts where a dense MLP would go. Numerics follow Hugging Face transformers 5.23 (the oracle).
+
+Expert parallelism. Every rank of an expert-parallel group holds the router (all experts' rows),
+the shared experts and the latent projections, and only its local experts
+`[expert_start, expert_start + num_local_experts)` (`ExpertRange`; the loader reads no other
+expert's tensors). Its routed output is then a partial sum (kernels/moe.py): the choices of
+experts it does not hold contribute nothing. `MoE.combine` turns the partial into the whole: the
+identity at size 1; with several ranks seeing the same tokens, an all-reduce (sum) over the group.
+The shared experts are added after the combine, to its result, on every rank: each rank computes
+them (replicated), but they enter the sum exactly once because they never take part in it.
+
+Owns no scheduling and no communication: `combine` is a hook the runtime fills.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from taipan.kernels.moe import ACTIVATIONS, fused_moe_ref
+
+SCORING = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One MoE block's hyper-parameters (every MoE layer of a model shares them)."""
+
+    num_experts: int
+    top_k: int  # num_experts_per_tok
+    intermediate_size: int  # of each routed expert
+    activation: str  # "swiglu" (Qwen3-MoE) or "relu2" (NemotronH): kernels/moe.py
+    scoring: str  # "softmax" (Qwen3-MoE) or "sigmoid" (NemotronH)
+    renormalize: bool  # norm_topk_prob: the k weights of a token sum to 1
+    num_groups: int = 1  # n_group (sigmoid scoring only)
+    topk_groups: int = 1  # topk_group: the groups a token may choose its experts from
+    scaling_factor: float = 1.0  # routed_scaling_factor, after renormalization
+    latent_size: int | None = None  # moe_latent_size: experts work in this smaller space
+    shared_intermediate_size: int = 0  # one shared expert of this size (0: none)
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"MoE activation {self.activation!r} is not one of {ACTIVATIONS}")
+        if self.scoring not in SCORING:
+            raise ValueError(f"MoE scoring {self.scoring!r} is not one of {SCORING}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({self.top_k}) must be in 1..num_experts ({self.num_experts})"
+            )
+        groups, chosen = self.num_groups, self.topk_groups
+        if groups < 1 or self.num_experts % groups or not 1 <= chosen <= groups:
+            raise ValueError(
+                f"n_group ({groups}) must divide num_experts ({self.num_experts}) and "
+                f"topk_group ({chosen}) must be in 1..n_group"
+            )
+        if chosen < groups:
+            if self.scoring != "sigmoid":
+                raise ValueError("expert groups (topk_group < n_group) need sigmoid scoring")
+            if self.num_experts // groups < 2:
+                raise ValueError("grouped routing scores a group by its top 2: >= 2 experts each")
+            if chosen * (self.num_experts // groups) < self.top_k:
+                raise ValueError(
+                    f"topk_group ({chosen}) groups of {self.num_experts // groups} experts "
+                    f"cannot supply num_experts_per_tok ({self.top_k}) experts"
+                )
+
+
+@dataclass(frozen=True)
+class ExpertRange:
+    """The experts one rank holds: global ids `start .. start + count - 1`."""
+
+    start: int
+    count: int
+
+    @classmethod
+    def of(cls, value: tuple[int, int] | ExpertRange | None, num_experts: int) -> ExpertRange:
+        """`(start, count)`, an ExpertRange, or None (all experts), checked against the model."""
+        if value is None:
+            return cls(0, num_experts)
+        start, count = (value.start, value.count) if isinstance(value, cls) else value
+        if not (isinstance(start, int) and isinstance(count, int)):
+            raise ValueError(f"expert_range must be two ints (start, count), got {value!r}")
+        if start < 0 or count < 1 or start + count > num_experts:
+            raise ValueError(
+                f"expert_range (start {start}, count {count}) must lie in the model's "
+                f"{num_experts} experts, with count >= 1"
+            )
+        return cls(start, count)
+
+    def __contains__(self, expert: int) -> bool:
+        return self.start <= expert < self.start + self.count
+
+
+# ---- routers -------------------------------------------------------------------------------------
+
+
+def softmax_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE's routing. logits: [T, E] -> (weights [T, k] in logits' dtype, ids [T, k]):
+    softmax over all experts in fp32, the k largest, optionally rescaled to sum to 1."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def sigmoid_grouped_topk(
+    logits: torch.Tensor,
+    correction_bias: torch.Tensor,
+    top_k: int,
+    *,
+    num_groups: int = 1,
+    topk_groups: int = 1,
+    renormalize: bool = True,
+    scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """NemotronH's (DeepSeek-V3-style) routing. logits: [T, E] -> (weights [T, k] fp32, ids).
+
+    Scores are sigmoid(logits) in fp32. The bias only steers the choice: experts are picked by
+    score + bias, within the `topk_groups` groups whose two best biased scores sum highest;
+    their weights are the unbiased scores, renormalized, then scaled."""
+    scores = logits.float().sigmoid()  # [T, E]
+    choice = scores + correction_bias.float()
+    if topk_groups < num_groups:
+        grouped = choice.view(choice.shape[0], num_groups, -1)  # [T, G, E / G]
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        groups = group_scores.topk(topk_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        choice = grouped.masked_fill(~keep[:, :, None], float("-inf")).view_as(choice)
+    ids = choice.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling_factor, ids
+
+
+class Router(nn.Module):
+    """The gate: a linear map to every expert's logit (all E rows on every rank) and the
+    routing rule. Parameter names are Hugging Face's (`gate.weight`, and for sigmoid scoring
+    the buffer `gate.e_score_correction_bias`, kept in fp32 by the loader)."""
+
+    def __init__(self, hidden_size: int, config: MoEConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, hidden_size))
+        if config.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(config.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [T, hidden] -> (topk_weights [T, k], topk_ids [T, k] int64, global ids)."""
+        c = self.config
+        if c.scoring == "softmax":
+            return softmax_topk(F.linear(x, self.weight), c.top_k, c.renormalize)
+        return sigmoid_grouped_topk(
+            F.linear(x.float(), self.weight.float()),  # fp32 logits, as Hugging Face
+            self.e_score_correction_bias,
+            c.top_k,
+            num_groups=c.num_groups,
+            topk_groups=c.topk_groups,
+            renormalize=c.renormalize,
+            scaling_factor=c.scaling_factor,
+        )
+
+
+# ---- experts -------------------------------------------------------------------------------------
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    *,
+    activation: str,
+    expert_start: int,
+) -> torch.Tensor:
+    """The routed experts' weighted sum over the local experts (kernels/moe.py's contract):
+    the one dispatch point of the experts. Only the torch reference exists today; the Triton
+    kernel goes here, chosen by `x.is_cuda` as every op of ops/layers.py."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "MoE experts have no CUDA kernel yet and their torch reference syncs the host, "
+            "which a CUDA graph cannot capture: serve MoE models with num_cuda_graphs=0"
+        )
+    return fused_moe_ref(
+        x, w1, w2, topk_ids, topk_weights, activation=activation, expert_start=expert_start
+    )
+
+
+def _identity(partial: torch.Tensor) -> torch.Tensor:
+    return partial
+
+
+class MoE(nn.Module):
+    """router -> [latent down-projection] -> local experts -> combine -> [latent up-projection]
+    -> + shared experts. x: [T, hidden] -> [T, hidden].
+
+    Parameters: `gate` (Router), `w1` [E_local, N, H_in] and `w2` [E_local, H_in, I] (kernels/moe.py
+    layout, H_in = latent_size or hidden), optional `fc1_latent_proj` / `fc2_latent_proj`
+    (hidden <-> latent) and `shared_experts` (the model builds it: its MLP class and names).
+
+    `combine`: partial routed output [T, H_in] -> the group's sum (module docstring). It runs in
+    the latent space when there is one (smaller; fc2_latent_proj has no bias, so it commutes with
+    the sum). Set it on every MoE of a model with `set_expert_combine`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        config: MoEConfig,
+        expert_range: ExpertRange | tuple[int, int] | None = None,
+        shared_experts: nn.Module | None = None,
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.expert_range = ExpertRange.of(expert_range, config.num_experts)
+        self.gate = Router(hidden_size, config)
+        inner = config.latent_size or hidden_size
+        rows = config.intermediate_size * (2 if config.activation == "swiglu" else 1)
+        count = self.expert_range.count
+        self.w1 = nn.Parameter(torch.empty(count, rows, inner))
+        self.w2 = nn.Parameter(torch.empty(count, inner, config.intermediate_size))
+        self.fc1_latent_proj = self.fc2_latent_proj = None
+        if config.latent_size is not None:
+            self.fc1_latent_proj = nn.Linear(hidden_size, config.latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(config.latent_size, hidden_size, bias=False)
+        if (shared_experts is None) != (config.shared_intermediate_size == 0):
+            raise ValueError(
+                f"shared_intermediate_size {config.shared_intermediate_size} needs a shared "
+                "experts module exactly when it is > 0"
+            )
+        self.shared_experts = shared_experts
+        self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)  # [T, k] each, global expert ids
+        h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
+        routed = fused_experts(
+            h,
+            self.w1,
+            self.w2,
+            topk_ids,
+            topk_weights,
+            activation=self.config.activation,
+            expert_start=self.expert_range.start,
+        )
+        routed = self.combine(routed)  # the partial sum of this rank's experts -> the whole
+        if self.fc2_latent_proj is not None:
+            routed = self.fc2_latent_proj(routed)
+        if self.shared_experts is not None:  # after the combine: counted once
+            routed = routed + self.shared_experts(x)
+        return routed
+
+
+def set_expert_combine(model: nn.Module, combine: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """Install `combine` (e.g. an all-reduce over the expert-parallel group) in every MoE block
+    of `model`; returns how many there are."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for block in blocks:
+        block.combine = combine
+    return len(blocks)
