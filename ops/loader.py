@@ -9,9 +9,15 @@ GGUF tensors are dequantized to `dtype` at load time (no quantized matmuls). lla
 the rows of Q and K interleaved per head (pairs `(i, i + head_dim/2)` of rotate-half RoPE made
 adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging Face order.
 
+Tensor parallelism (`tp`, ops/parallel.py): every rank builds the model's module tree with its
+shards and reads only its slices of each checkpoint tensor (ops/sharding.py `placement`): row
+ranges of a safetensors tensor, whole rows of a GGUF tensor before they are dequantized (a
+row-parallel matrix, split by columns, is dequantized whole, then sliced). Hybrid (NemotronH)
+models load at size 1 only.
+
 For weight updates in place (the gpu worker's update_weights) it also checks that new weights
 fit: `check_same_architecture` for a checkpoint, `state_updates` for a state dict in Hugging Face
-names (mapped onto row ranges of our fused parameters).
+names (mapped onto row ranges of our fused parameters, sliced to the rank's shard).
 
 `random:<shape>` (RANDOM_SHAPES) builds a model from a config alone, no disk: seeded random
 weights made on the device (`random_state`, which the benchmark's Hugging Face copy reuses, so
@@ -20,10 +26,13 @@ both sides hold the same weights) and a byte-level tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -31,7 +40,13 @@ import torch
 
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+from taipan.ops.parallel import SINGLE, TPError, TPGroup
+from taipan.ops.sharding import Placement, checkpoint_names, placement, split_fused
 from taipan.ops.tokenizer import Tokenizer, TokenizerError
+
+# One checkpoint tensor, not read yet: (name without `model.`, its whole shape, a reader of the
+# slice a Placement names).
+Piece = tuple[str, tuple[int, ...], Callable[[Placement], torch.Tensor]]
 
 # GGUF tensor name -> our parameter name (`{n}` is the layer index).
 _GGUF_NAMES = {
@@ -56,15 +71,20 @@ class ModelLoadError(Exception):
 
 
 def load_model(
-    path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tp: TPGroup = SINGLE,
 ) -> tuple[LlamaForCausalLM, LlamaConfig, Tokenizer]:
-    """Load a `.gguf` file or a Hugging Face Llama directory, weights in `dtype` on `device`.
+    """Load a `.gguf` file or a Hugging Face Llama directory, weights in `dtype` on `device`;
+    with `tp`, this rank's shards only (the config is the whole model's).
 
     A directory without config.json but with exactly one .gguf file loads that file;
     `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
     """
     if str(path).startswith(RANDOM_PREFIX):
-        return load_random_model(str(path), dtype=dtype, device=device)
+        return load_random_model(str(path), dtype=dtype, device=device, tp=tp)
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -78,8 +98,8 @@ def load_model(
         path = ggufs[0]
     try:
         if path.is_dir():
-            return _load_hf_dir(path, dtype, device)
-        return _load_gguf(path, dtype, device)
+            return _load_hf_dir(path, dtype, device, tp)
+        return _load_gguf(path, dtype, device, tp)
     except TokenizerError as exc:  # its message already names the file
         raise ModelLoadError(str(exc)) from exc
 
@@ -87,7 +107,7 @@ def load_model(
 # ---- GGUF ---------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device) -> tuple:
+def _load_gguf(path: Path, dtype: torch.dtype, device, tp: TPGroup) -> tuple:
     import gguf
 
     with path.open("rb") as f:
@@ -130,21 +150,33 @@ def _load_gguf(path: Path, dtype: torch.dtype, device) -> tuple:
     if field("llama.rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{path}: RoPE scaling (e.g. Llama 3.1's) is not supported yet")
 
-    state = {}
+    pieces = []
     for name, tensor in tensors.items():
         ours = _gguf_to_ours(name)
         if ours is None:
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a llama model")
-        # dequantize gives numpy float32 (float16 for F16 tensors) in row-major [out, in] order
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(values.copy()).float()
-        weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
-        if name.endswith("attn_q.weight"):
-            weight = _unpermute_rows(weight, config.num_heads)
-        elif name.endswith("attn_k.weight"):
-            weight = _unpermute_rows(weight, config.num_kv_heads)
-        state[ours] = weight.to(dtype)
-    return _build(path, config, state, dtype, device), config, tokenizer
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # [out, in]
+        read = functools.partial(_read_gguf, tensor, shape, config.head_dim)
+        pieces.append((ours, shape, read))
+    return _build(path, config, pieces, dtype, device, tp), config, tokenizer
+
+
+def _read_gguf(tensor, shape: tuple[int, ...], head_dim: int, p: Placement) -> torch.Tensor:
+    """Dequantize this rank's slice of a GGUF tensor: only its rows (quantization blocks run
+    along a row), or whole rows then the columns; Q and K rows back in Hugging Face order."""
+    import gguf
+
+    data, shape = tensor.data, list(shape)
+    if p.dim == 0:  # whole heads / rows: llama.cpp's permutation stays within each head
+        data, shape[0] = data[p.start : p.start + p.length], p.length
+    # dequantize gives numpy float32 (float16 for F16 tensors) in row-major [out, in] order
+    values = gguf.quants.dequantize(data, tensor.tensor_type)
+    weight = torch.from_numpy(values.copy()).float().reshape(shape)
+    if p.dim == 1:
+        weight = p.take(weight)
+    if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        weight = _unpermute_rows(weight, weight.shape[0] // head_dim)
+    return weight
 
 
 def _gguf_to_ours(name: str) -> str | None:
@@ -169,9 +201,7 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---- Hugging Face directory ---------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device) -> tuple:
-    from safetensors.torch import load_file
-
+def _load_hf_dir(path: Path, dtype: torch.dtype, device, tp: TPGroup) -> tuple:
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -186,20 +216,37 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device) -> tuple:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
-    state = {}
+    with contextlib.ExitStack() as files_open:
+        pieces = _safetensors_pieces(files, files_open, config.tie_word_embeddings)
+        model = _build(path, config, pieces, dtype, device, tp)
+    return model, config, tokenizer
+
+
+def _safetensors_pieces(files: list[Path], files_open, tied: bool) -> Iterator[Piece]:
+    """Every tensor of the files, not read yet (a piece reads its slice through the file's
+    memory map)."""
+    from safetensors import safe_open
+
     for file in files:
         try:
-            tensors = load_file(str(file), device="cpu")
+            f = files_open.enter_context(safe_open(str(file), framework="pt", device="cpu"))
         except Exception as exc:  # safetensors raises its own untyped errors
             raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
-        for name, tensor in tensors.items():
+        for name in f.keys():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # a buffer older checkpoints saved; recomputed from rope_theta
             ours = name.removeprefix("model.").removeprefix("backbone.")
-            state[ours] = tensor.to(dtype)
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    return _build(path, config, state, dtype, device), config, tokenizer
+            if tied and ours == "lm_head.weight":
+                continue  # the embedding is the LM head
+            tensor = f.get_slice(name)
+            yield ours, tuple(tensor.get_shape()), functools.partial(_read_slice, file, tensor)
+
+
+def _read_slice(file: Path, tensor, p: Placement) -> torch.Tensor:
+    try:
+        return p.take(tensor)
+    except Exception as exc:  # safetensors raises its own untyped errors
+        raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
 
 
 def _check_hf_architecture(path: Path, hf: dict) -> str:
@@ -347,47 +394,49 @@ def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
 # ---- shared ------------------------------------------------------------------------------------
 
 
-def _build(path: Path, config, state: dict, dtype, device):
-    """Instantiate without initializing (meta device), then adopt the loaded tensors."""
+def _build(path: Path, config, pieces, dtype, device, tp: TPGroup = SINGLE):
+    """Instantiate without initializing (meta device), allocate this rank's parameters (zeros:
+    the vocabulary padding stays zero), then fill them piece by piece, each checkpoint tensor
+    read only as far as this rank's slice of it."""
     hybrid = isinstance(config, NemotronHConfig)
-    with torch.device("meta"):
-        model = NemotronHForCausalLM(config) if hybrid else LlamaForCausalLM(config)
-    state = _fuse_projections(state, config.num_layers)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if hybrid and tp.size > 1:
+        raise ModelLoadError(
+            f"{path}: tensor parallelism for hybrid (Mamba) models is not built; load this "
+            f"NemotronH model with tensor-parallel size 1, not {tp.size}"
+        )
+    try:
+        with torch.device("meta"):
+            model = NemotronHForCausalLM(config) if hybrid else LlamaForCausalLM(config, tp)
+    except TPError as exc:
+        raise ModelLoadError(f"{path}: cannot split over {tp.size} ranks: {exc}") from exc
+    params = {
+        name: torch.zeros(t.shape, dtype=dtype, device=device)
+        for name, t in model.state_dict().items()
+    }
+    expected = {name for param in params for name in checkpoint_names(param)}
+    seen, unexpected, misfits = set(), [], []
+    for name, shape, read in pieces:
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        seen.add(name)
+        p = placement(name, config, tp)
+        want = p.checkpoint_shape(tuple(params[p.param].shape))
+        if tuple(shape) != want:
+            misfits.append(f"{name} has shape {tuple(shape)}, the config wants {want}")
+        elif p.dim is None or p.length:  # (a rank past the vocabulary's end reads nothing)
+            params[p.param][p.rows].copy_(read(p))
+    missing = sorted(expected - seen)
     if missing or unexpected:
         layout = "NemotronH" if hybrid else "llama"
         raise ModelLoadError(
             f"{path}: checkpoint does not match the {layout} layout "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"(missing {missing[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    state = {name: t.to(device=device, dtype=dtype) for name, t in state.items()}
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:  # shape mismatches
-        raise ModelLoadError(f"{path}: weights do not fit the config: {exc}") from exc
+    if misfits:
+        raise ModelLoadError(f"{path}: weights do not fit the config: {'; '.join(misfits[:5])}")
+    model.load_state_dict(params, strict=True, assign=True)
     return model.requires_grad_(False).eval()
-
-
-# Our fused parameter -> the checkpoint parameters stacked into it, in row order.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    # NemotronH attention layers (their mixer is the attention)
-    "mixer.qkv_proj": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
-}
-
-
-def _fuse_projections(state: dict, num_layers: int) -> dict:
-    """Checkpoint names (q/k/v_proj, gate/up_proj) -> our fused qkv_proj and gate_up_proj.
-    A layer that lacks any part is left alone (the layout check names what is missing)."""
-    state = dict(state)
-    for n in range(num_layers):
-        for target, parts in _FUSED.items():
-            names = [f"layers.{n}.{p}.weight" for p in parts]
-            if all(name in state for name in names):
-                state[f"layers.{n}.{target}.weight"] = torch.cat([state.pop(x) for x in names])
-    return state
 
 
 # ---- random weights (a model's real shape without its checkpoint: benchmarks, tests) ------------
@@ -463,18 +512,23 @@ def random_state(
     """Seeded random weights in our parameter names (fused qkv_proj / gate_up_proj), made on
     `device` in `dtype`: the same (config, dtype, device type, seed) gives the same tensors, in
     any process. Matrices are normal(0, RANDOM_STD), norm weights 1."""
+    return dict(_random_tensors(config, dtype, device, seed))
+
+
+def _random_tensors(
+    config: LlamaConfig, dtype: torch.dtype, device, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`random_state`'s tensors one at a time (a sharded load keeps one whole tensor alive)."""
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    state = {}
     for name, shape in shapes.items():  # state_dict order: the same on every call
         t = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
-            state[name] = t.fill_(1.0)
+            yield name, t.fill_(1.0)
         else:
-            state[name] = t.normal_(0.0, RANDOM_STD, generator=generator)
-    return state
+            yield name, t.normal_(0.0, RANDOM_STD, generator=generator)
 
 
 def random_tokenizer() -> Tokenizer:
@@ -499,10 +553,17 @@ def random_tokenizer() -> Tokenizer:
     )
 
 
-def load_random_model(spec: str, *, dtype: torch.dtype, device) -> tuple:
-    """`random:<shape>` -> (model, config, tokenizer), weights from `random_state`."""
+def load_random_model(spec: str, *, dtype: torch.dtype, device, tp: TPGroup = SINGLE) -> tuple:
+    """`random:<shape>` -> (model, config, tokenizer), weights from `random_state` (each
+    tensor made whole, as the seed's stream gives it, then this rank's slice kept)."""
     config = random_config(spec)
-    model = _build(Path(spec), config, random_state(config, dtype, device), dtype, device)
+
+    def pieces() -> Iterator[Piece]:
+        for param, tensor in _random_tensors(config, dtype, device, RANDOM_SEED):
+            for name, part in split_fused(param, tensor, config):
+                yield name, tuple(part.shape), lambda p, part=part: p.take(part)
+
+    model = _build(Path(spec), config, pieces(), dtype, device, tp)
     return model, config, random_tokenizer()
 
 
@@ -524,9 +585,6 @@ _ARCHITECTURE_FIELDS = (
 # A hybrid's are every field but these (its layer pattern and all its Mamba shapes included;
 # the SSM state dtype is a runtime choice, mamba_inference_state_config).
 _NOT_ARCHITECTURE = ("max_position_embeddings", "bos_token_id", "eos_token_ids", "ssm_state_dtype")
-_PART = re.compile(
-    r"^(layers\.\d+)\.(self_attn\.[qkv]_proj|mixer\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight$"
-)
 
 
 class WeightUpdateError(ValueError):
@@ -556,7 +614,8 @@ def check_same_architecture(
 
 
 def hf_name_to_ours(name: str, config: LlamaConfig | NemotronHConfig) -> tuple[str, slice]:
-    """A Hugging Face parameter name -> (our parameter name, the rows of it that hold it).
+    """A Hugging Face parameter name -> (our parameter name, the rows of it that hold it), for
+    the whole (unsharded) model.
 
     The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj and gate/up_proj are
     row ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting);
@@ -564,60 +623,47 @@ def hf_name_to_ours(name: str, config: LlamaConfig | NemotronHConfig) -> tuple[s
     these comes back unchanged with all rows (the caller reports it if we have no such
     parameter).
     """
-    ours = name.removeprefix("model.").removeprefix("backbone.")
-    if ours == "lm_head.weight" and config.tie_word_embeddings:
-        embed = "embeddings" if isinstance(config, NemotronHConfig) else "embed_tokens"
-        return f"{embed}.weight", slice(None)
-    part = _PART.match(ours)
-    if part is None:
-        return ours, slice(None)
-    q = config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
-    rows = {
-        "self_attn.q_proj": slice(0, q),
-        "self_attn.k_proj": slice(q, q + kv),
-        "self_attn.v_proj": slice(q + kv, q + 2 * kv),
-        "mixer.q_proj": slice(0, q),
-        "mixer.k_proj": slice(q, q + kv),
-        "mixer.v_proj": slice(q + kv, q + 2 * kv),
-        "mlp.gate_proj": slice(0, inter),
-        "mlp.up_proj": slice(inter, 2 * inter),
-    }
-    target = next(t for t, parts in _FUSED.items() if part.group(2) in parts)
-    return f"{part.group(1)}.{target}.weight", rows[part.group(2)]
+    p = placement(name.removeprefix("model.").removeprefix("backbone."), config)
+    return p.param, p.rows
 
 
 def state_updates(
     state: dict[str, np.ndarray], model: LlamaForCausalLM | NemotronHForCausalLM
 ) -> list[tuple[str, slice, np.ndarray]]:
-    """Check a (partial) state dict in Hugging Face names against `model`; changes nothing.
+    """Check a (partial) state dict in Hugging Face names, whole tensors, against `model`;
+    changes nothing.
 
-    Returns (our parameter name, its rows, array) per entry. Raises WeightUpdateError naming
-    the parameter for an unknown name, a wrong shape, an array that is not floating point, or
-    two names for the same rows with different values (lm_head.weight and
-    model.embed_tokens.weight of a tied model may both come, equal, as `state_dict()` gives them).
+    Returns (our parameter name, its rows, array) per entry, the array sliced to the model's
+    tensor-parallel shard (`model.tp`; the rows are the shard's). Raises WeightUpdateError
+    naming the parameter for an unknown name, a wrong shape, an array that is not floating
+    point, or two names for the same rows with different values (lm_head.weight and
+    model.embed_tokens.weight of a tied model may both come, equal, as `state_dict()` gives
+    them).
     """
     params = model.state_dict()
+    tp = getattr(model, "tp", SINGLE)
     seen: dict[tuple, str] = {}
     out = []
     for name, array in state.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some checkpoints carry; recomputed from rope_theta
-        ours, rows = hf_name_to_ours(name, model.config)
-        if ours not in params:
+        try:
+            p = placement(name.removeprefix("model.").removeprefix("backbone."), model.config, tp)
+        except TPError as exc:  # (the loaded model already split these, so never in practice)
+            raise WeightUpdateError(f"{name}: {exc}") from exc
+        if p.param not in params:
             raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
         if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
             kind = getattr(array, "dtype", type(array).__name__)
             raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
-        expected = tuple(params[ours][rows].shape)
+        expected = p.checkpoint_shape(tuple(params[p.param].shape))
         if array.shape != expected:
             raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
-        key = (ours, rows.start, rows.stop)
+        key = (p.param, p.rows.start, p.rows.stop)
         if key in seen:
             if not np.array_equal(state[seen[key]], array):
                 raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
             continue
         seen[key] = name
-        out.append((ours, rows, array))
+        out.append((p.param, p.rows, p.take(array)))
     return out
