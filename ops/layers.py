@@ -1,5 +1,12 @@
 """Transformer building blocks shared by the models: RMSNorm (fused with the residual add),
-rotary embedding fused with the KV-cache write, GQA attention over the paged KV cache, SwiGLU MLP.
+rotary embedding fused with the KV-cache write, GQA attention over the paged KV cache, SwiGLU MLP,
+the vocabulary-parallel embedding and LM head.
+
+Tensor parallelism (ops/parallel.py `TPGroup`, SINGLE by default): attention and the MLP hold
+this rank's output rows of their fused input projections (column-parallel: its query and kv
+heads, its share of the intermediate size) and the matching input columns of their output
+projections (row-parallel), whose partial sums one all-reduce adds up; the embedding and the LM
+head hold a contiguous shard of the vocabulary.
 
 Each op has one dispatch point: on CUDA the Triton kernel of kernels/, elsewhere its torch
 reference (`*_ref`, the same contract) — chosen by the tensor's device, never by optional
@@ -16,14 +23,44 @@ from torch import nn
 
 from taipan.kernels import activation, rmsnorm, rope
 from taipan.ops.attention import AttentionMetadata, paged_attention
+from taipan.ops.parallel import SINGLE, TPGroup
 
 
-def lm_logits(hidden: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None):
-    """hidden: [N, hidden] -> logits [N, vocab] float32 through the LM head `weight`; written into
-    `out` when given (the product in the weights' dtype, converted as it is copied)."""
+def lm_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None = None,
+    tp: TPGroup = SINGLE,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """hidden: [N, hidden] -> logits [N, vocab_size] float32 through the LM head `weight` (this
+    rank's vocabulary shard: its logits are gathered from every rank, the padding cut off, so
+    every rank holds the same full logits); written into `out` when given (the product in the
+    weights' dtype, converted as it is copied)."""
+    logits = tp.all_gather(F.linear(hidden, weight), dim=-1)[:, :vocab_size]
     if out is None:
-        return F.linear(hidden, weight).float()
-    return out.copy_(F.linear(hidden, weight))
+        return logits.float()
+    return out.copy_(logits)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding over this rank's vocabulary shard (`ops.parallel.vocab_shard`): an id
+    outside it embeds to zeros, and the all-reduce sums the one rank's row into every rank."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        self.tp = tp
+        shard = tp.vocab(vocab_size)
+        self.vocab_start = shard.start
+        self.weight = nn.Parameter(torch.empty(shard.padded, hidden_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.weight.shape[0])  # [T] no host branch on it
+        x = F.embedding(torch.where(inside, local, 0), self.weight)
+        return self.tp.all_reduce(x.masked_fill_(~inside[:, None], 0.0))
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +78,9 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention: rotates q and k, appends this step's K/V to the paged
-    cache, then attends over each sequence's whole context (cached prefix + this step)."""
+    cache, then attends over each sequence's whole context (cached prefix + this step).
+    `num_heads` and `num_kv_heads` are the model's; this rank holds its share (`TPGroup.heads`)
+    and its cache layer only those kv heads."""
 
     def __init__(
         self,
@@ -50,14 +89,18 @@ class Attention(nn.Module):
         num_kv_heads: int,
         head_dim: int,
         qk_norm_eps: float | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
-        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        heads = tp.heads(num_heads, num_kv_heads)
+        self.tp = tp
+        self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, head_dim
         self.scale = head_dim**-0.5
         # q, k and v projections fused into one matrix (rows: q, then k, then v): one GEMM.
-        self.qkv_proj = nn.Linear(hidden_size, (num_heads + 2 * num_kv_heads) * head_dim, False)
-        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=False)
+        qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.qkv_proj = nn.Linear(hidden_size, qkv_rows, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden_size, bias=False)
         # Qwen3: an RMSNorm over each head of q and of k (weights shared by the heads), before
         # RoPE; None: no such norm (Llama, NemotronH).
         self.q_norm = self.k_norm = None
@@ -92,17 +135,21 @@ class Attention(nn.Module):
             write = rope.rope_and_write_kv if x.is_cuda else rope.rope_and_write_kv_ref
             q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
         out = paged_attention(q, layer_cache, attn, self.scale)  # [tokens, heads, head_dim]
-        return self.o_proj(out.view(num_tokens, q_size))
+        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, q_size)))
 
 
 class SwiGLUMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """down(silu(gate(x)) * up(x)) over this rank's share of the intermediate size."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE) -> None:
         super().__init__()
+        _, inter = tp.even(intermediate_size, "intermediate_size")
+        self.tp = tp
         # gate and up projections fused (rows: gate, then up): one GEMM.
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden] -> [tokens, 2 * intermediate] -> [tokens, intermediate] -> hidden
         act = activation.silu_and_mul if x.is_cuda else activation.silu_and_mul_ref
-        return self.down_proj(act(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(act(self.gate_up_proj(x))))

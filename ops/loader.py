@@ -10,14 +10,20 @@ GGUF tensors are dequantized to `dtype` at load time (no quantized matmuls). lla
 the rows of Q and K interleaved per head (pairs `(i, i + head_dim/2)` of rotate-half RoPE made
 adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging Face order.
 
-For weight updates in place (the gpu worker's update_weights) it also checks that new weights
-fit: `check_same_architecture` for a checkpoint, `state_updates` for a state dict in Hugging Face
-names (mapped onto row ranges of our fused parameters).
+Tensor parallelism (`tp`, ops/parallel.py): every rank builds the model's module tree with its
+shards and reads only its slices of each checkpoint tensor (ops/sharding.py `placement`): row
+ranges of a safetensors tensor, whole rows of a GGUF tensor before they are dequantized (a
+row-parallel matrix, split by columns, is dequantized whole, then sliced). Hybrid (NemotronH)
+models load at size 1 only.
 
 Mixture-of-experts checkpoints name each expert's matrices (`mlp.experts.3.up_proj.weight`, what
 transformers' `save_pretrained` writes) or stack them (`mlp.experts.gate_up_proj` [E, 2I, H], what
 its modules hold); both are stacked at load into our `w1` / `w2` (ops/moe.py). `expert_range`
 loads only some experts (an expert-parallel rank): the others' tensors are never read.
+
+For weight updates in place (the gpu worker's update_weights) it also checks that new weights
+fit: `check_same_architecture` for a checkpoint, `state_updates` for a state dict in Hugging Face
+names (mapped onto row ranges of our fused parameters, sliced to the rank's shard).
 
 `random:<shape>` (RANDOM_SHAPES) builds a model from a config alone, no disk: seeded random
 weights made on the device (`random_state`, which the benchmark's Hugging Face copy reuses, so
@@ -26,10 +32,13 @@ both sides hold the same weights) and a byte-level tokenizer.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import json
 import math
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +48,13 @@ from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from taipan.ops.moe import ExpertRange, MoEConfig
+from taipan.ops.parallel import SINGLE, TPError, TPGroup
+from taipan.ops.sharding import Placement, checkpoint_names, placement, split_fused
 from taipan.ops.tokenizer import Tokenizer, TokenizerError
+
+# One checkpoint tensor, not read yet: (name without `model.`, its whole shape, a reader of the
+# slice a Placement names).
+Piece = tuple[str, tuple[int, ...], Callable[[Placement], torch.Tensor]]
 
 # GGUF tensor name -> our parameter name (`{n}` is the layer index).
 _GGUF_NAMES = {
@@ -69,9 +84,11 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     expert_range: tuple[int, int] | ExpertRange | None = None,
+    tp: TPGroup = SINGLE,
 ) -> tuple:
     """Load a `.gguf` file or a Hugging Face directory, weights in `dtype` on `device`:
-    (model, config, tokenizer).
+    (model, config, tokenizer); with `tp`, this rank's shards only (the config is the whole
+    model's).
 
     A directory without config.json but with exactly one .gguf file loads that file;
     `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
@@ -80,7 +97,7 @@ def load_model(
     """
     if str(path).startswith(RANDOM_PREFIX):
         _no_experts(path, expert_range)
-        return load_random_model(str(path), dtype=dtype, device=device)
+        return load_random_model(str(path), dtype=dtype, device=device, tp=tp)
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
@@ -94,9 +111,9 @@ def load_model(
         path = ggufs[0]
     try:
         if path.is_dir():
-            return _load_hf_dir(path, dtype, device, expert_range)
+            return _load_hf_dir(path, dtype, device, expert_range, tp)
         _no_experts(path, expert_range)
-        return _load_gguf(path, dtype, device)
+        return _load_gguf(path, dtype, device, tp)
     except TokenizerError as exc:  # its message already names the file
         raise ModelLoadError(str(exc)) from exc
 
@@ -109,7 +126,7 @@ def _no_experts(path, expert_range) -> None:
 # ---- GGUF ---------------------------------------------------------------------------------------
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device) -> tuple:
+def _load_gguf(path: Path, dtype: torch.dtype, device, tp: TPGroup) -> tuple:
     import gguf
 
     with path.open("rb") as f:
@@ -152,21 +169,33 @@ def _load_gguf(path: Path, dtype: torch.dtype, device) -> tuple:
     if field("llama.rope.scaling.type") not in (None, "none") or "rope_freqs.weight" in tensors:
         raise ModelLoadError(f"{path}: RoPE scaling (e.g. Llama 3.1's) is not supported yet")
 
-    state = {}
+    pieces = []
     for name, tensor in tensors.items():
         ours = _gguf_to_ours(name)
         if ours is None:
             raise ModelLoadError(f"{path}: unexpected tensor {name!r} for a llama model")
-        # dequantize gives numpy float32 (float16 for F16 tensors) in row-major [out, in] order
-        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = torch.from_numpy(values.copy()).float()
-        weight = weight.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
-        if name.endswith("attn_q.weight"):
-            weight = _unpermute_rows(weight, config.num_heads)
-        elif name.endswith("attn_k.weight"):
-            weight = _unpermute_rows(weight, config.num_kv_heads)
-        state[ours] = weight.to(dtype)
-    return _build(path, config, state, dtype, device), config, tokenizer
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # [out, in]
+        read = functools.partial(_read_gguf, tensor, shape, config.head_dim)
+        pieces.append((ours, shape, read))
+    return _build(path, config, pieces, dtype, device, tp), config, tokenizer
+
+
+def _read_gguf(tensor, shape: tuple[int, ...], head_dim: int, p: Placement) -> torch.Tensor:
+    """Dequantize this rank's slice of a GGUF tensor: only its rows (quantization blocks run
+    along a row), or whole rows then the columns; Q and K rows back in Hugging Face order."""
+    import gguf
+
+    data, shape = tensor.data, list(shape)
+    if p.dim == 0:  # whole heads / rows: llama.cpp's permutation stays within each head
+        data, shape[0] = data[p.start : p.start + p.length], p.length
+    # dequantize gives numpy float32 (float16 for F16 tensors) in row-major [out, in] order
+    values = gguf.quants.dequantize(data, tensor.tensor_type)
+    weight = torch.from_numpy(values.copy()).float().reshape(shape)
+    if p.dim == 1:
+        weight = p.take(weight)
+    if tensor.name.endswith(("attn_q.weight", "attn_k.weight")):
+        weight = _unpermute_rows(weight, weight.shape[0] // head_dim)
+    return weight
 
 
 def _gguf_to_ours(name: str) -> str | None:
@@ -191,7 +220,7 @@ def _unpermute_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 # ---- Hugging Face directory ---------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range) -> tuple:
+def _load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGroup) -> tuple:
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -211,15 +240,41 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range) -> tuple:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
-    state, parts = {}, {}
-    for file in files:
-        _read_safetensors(file, dtype, experts, moe.num_experts if moe else 0, state, parts)
-    if moe is not None:
-        state.update(_stack_experts(path, config, experts, parts))
-    if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    model = _build(path, config, state, dtype, device, experts)
+    with contextlib.ExitStack() as files_open:
+        pieces = _safetensors_pieces(files, files_open, config.tie_word_embeddings)
+        if experts is not None:
+            pieces = _expert_pieces(path, config, experts, pieces)
+        model = _build(path, config, pieces, dtype, device, tp, experts)
     return model, config, tokenizer
+
+
+def _safetensors_pieces(files: list[Path], files_open, tied: bool) -> Iterator[Piece]:
+    """Every tensor of the files, not read yet (a piece reads its slice through the file's
+    memory map)."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            f = files_open.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        except Exception as exc:  # safetensors raises its own untyped errors
+            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
+        for name in f.keys():
+            ours = name.removeprefix("model.").removeprefix("backbone.")
+            if ours.endswith("rotary_emb.inv_freq") or ours.startswith("mtp."):
+                # A buffer older checkpoints saved (recomputed from rope_theta); NemotronH's
+                # multi-token-prediction head (Hugging Face ignores it too).
+                continue
+            if tied and ours == "lm_head.weight":
+                continue  # the embedding is the LM head
+            tensor = f.get_slice(name)
+            yield ours, tuple(tensor.get_shape()), functools.partial(_read_slice, file, tensor)
+
+
+def _read_slice(file: Path, tensor, p: Placement) -> torch.Tensor:
+    try:
+        return p.take(tensor)
+    except Exception as exc:  # safetensors raises its own untyped errors
+        raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
 
 
 # A MoE layer's experts in a checkpoint (names without "model." / "backbone."): one tensor per
@@ -231,62 +286,37 @@ _STACKED = re.compile(r"^(layers\.\d+\.(?:mlp|mixer))\.experts\.(gate_up|up|down
 _FP32_TENSORS = ("e_score_correction_bias",)
 
 
-def _cast(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return tensor.to(torch.float32 if name.endswith(_FP32_TENSORS) else dtype)
+def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if name.endswith(_FP32_TENSORS) else dtype
 
 
-def _read_safetensors(
-    file: Path,
-    dtype: torch.dtype,
-    experts: ExpertRange | None,
-    num_experts: int,
-    state: dict,
-    parts: dict,
-) -> None:
-    """Read one file's tensors into `state` (our names, unfused), except expert matrices, which
-    go to `parts[(layer prefix, matrix, local expert or None for a stacked tensor)]`; an
-    expert outside `experts` is never read. Without experts, expert tensors land in `state`
-    (the layout check then names them)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                ours = name.removeprefix("model.").removeprefix("backbone.")
-                if ours.endswith("rotary_emb.inv_freq") or ours.startswith("mtp."):
-                    # A buffer older checkpoints saved (recomputed from rope_theta); NemotronH's
-                    # multi-token-prediction head (Hugging Face ignores it too).
-                    continue
-                one, stacked = _EXPERT.match(ours), _STACKED.match(ours)
-                if experts is not None and one is not None:
-                    expert = int(one.group(2))
-                    if expert >= num_experts:
-                        raise ModelLoadError(
-                            f"{file}: {name}: expert {expert}, but the config has {num_experts}"
-                        )
-                    if expert in experts:
-                        key = (one.group(1), one.group(3), expert - experts.start)
-                        parts[key] = f.get_tensor(name).to(dtype)
-                elif experts is not None and stacked is not None:
-                    rows = _read_expert_rows(file, f, name, experts, num_experts)
-                    parts[(stacked.group(1), stacked.group(2), None)] = rows.to(dtype)
-                else:
-                    state[ours] = _cast(ours, f.get_tensor(name), dtype)
-    except ModelLoadError:
-        raise
-    except Exception as exc:  # safetensors raises its own untyped errors
-        raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
-
-
-def _read_expert_rows(
-    file: Path, f, name: str, experts: ExpertRange, num_experts: int
-) -> torch.Tensor:
-    """The local experts' rows of a stacked [E, ...] tensor, read without the others."""
-    tensor = f.get_slice(name)
-    total = tensor.get_shape()[0]
-    if total != num_experts:
-        raise ModelLoadError(f"{file}: {name} stacks {total} experts, the config has {num_experts}")
-    return tensor[experts.start : experts.start + experts.count]
+def _expert_pieces(
+    path: Path, config, experts: ExpertRange, pieces: Iterator[Piece]
+) -> Iterator[Piece]:
+    """The pieces with each MoE block's expert tensors replaced by two pieces, our stacked
+    `w1` [E_local, N, H] (SwiGLU: gate rows, then up rows; ReLU²: up) and `w2` [E_local, H, I]
+    of the local experts, from per-expert or stacked checkpoint tensors; an expert outside
+    `experts` is never read. Checked in full before the first piece is handed on."""
+    total = config.moe.num_experts
+    others, parts = [], {}  # parts[(prefix, matrix, local expert or None: stacked)] = piece
+    for piece in pieces:
+        name, shape, _ = piece
+        one, stacked = _EXPERT.match(name), _STACKED.match(name)
+        if one is not None:
+            expert = int(one.group(2))
+            if expert >= total:
+                raise ModelLoadError(f"{path}: {name}: expert {expert}, but the config has {total}")
+            if expert in experts:
+                parts[(one.group(1), one.group(3), expert - experts.start)] = piece
+        elif stacked is not None:
+            if shape[0] != total:
+                raise ModelLoadError(
+                    f"{path}: {name} stacks {shape[0]} experts, the config has {total}"
+                )
+            parts[(stacked.group(1), stacked.group(2), None)] = piece
+        else:
+            others.append(piece)
+    return iter(others + _stacked_expert_pieces(path, config, experts, parts))
 
 
 def _moe_prefixes(config) -> list[str]:
@@ -296,9 +326,13 @@ def _moe_prefixes(config) -> list[str]:
     return [f"layers.{i}.mixer" for i, kind in enumerate(config.pattern) if kind == "E"]
 
 
-def _stack_experts(path: Path, config, experts: ExpertRange, parts: dict) -> dict:
-    """Every MoE block's local experts as our `w1` [E_local, N, H] (SwiGLU: gate rows, then up
-    rows; ReLU²: up) and `w2` [E_local, H, I], from per-expert or stacked checkpoint tensors."""
+def _whole(piece: Piece) -> torch.Tensor:
+    return piece[2](Placement(piece[0], slice(None)))
+
+
+def _stacked_expert_pieces(path: Path, config, experts: ExpertRange, parts: dict) -> list[Piece]:
+    """Per MoE block, the `w1` and `w2` pieces of `_expert_pieces` (their readers stack the
+    local experts' tensors when `_build` reads them)."""
     swiglu = config.moe.activation == "swiglu"
     w1_parts = ("gate", "up") if swiglu else ("up",)
     w1_stacked = "gate_up" if swiglu else "up"
@@ -308,9 +342,10 @@ def _stack_experts(path: Path, config, experts: ExpertRange, parts: dict) -> dic
         raise ModelLoadError(
             f"{path}: expert tensors for {stray[:3]}, which the config does not make MoE layers"
         )
-    state = {}
+    local = Placement("", slice(None), 0, experts.start, experts.count, config.moe.num_experts)
+    out: list[Piece] = []
     for prefix in prefixes:
-        mine = {key[1:]: t for key, t in parts.items() if key[0] == prefix}
+        mine = {key[1:]: piece for key, piece in parts.items() if key[0] == prefix}
         stacked = {matrix for matrix, expert in mine if expert is None}
         if stacked:
             want = {w1_stacked, "down"}
@@ -319,28 +354,40 @@ def _stack_experts(path: Path, config, experts: ExpertRange, parts: dict) -> dic
                     f"{path}: {prefix}.experts: expected stacked {sorted(want)} and nothing "
                     f"per expert, found {sorted(f'{m}:{e}' for m, e in mine)[:6]}"
                 )
-            state[f"{prefix}.w1"], state[f"{prefix}.w2"] = (
-                mine[w1_stacked, None],
-                mine["down", None],
-            )
+            for param, piece in (("w1", mine[w1_stacked, None]), ("w2", mine["down", None])):
+                shape = (experts.count, *piece[1][1:])
+                out.append((f"{prefix}.{param}", shape, lambda p, r=piece[2]: r(local)))
             continue
-        w1, w2 = [], []
-        for local in range(experts.count):
+        for e in range(experts.count):
             for matrix in (*w1_parts, "down"):
-                if (matrix, local) not in mine:
+                if (matrix, e) not in mine:
                     raise ModelLoadError(
-                        f"{path}: no expert tensors for {prefix}.experts.{experts.start + local}."
+                        f"{path}: no expert tensors for {prefix}.experts.{experts.start + e}."
                         f"{matrix}_proj.weight (a {config.moe.activation} expert)"
                     )
-            w1.append(torch.cat([mine.pop((m, local)) for m in w1_parts]))
-            w2.append(mine.pop(("down", local)))
+        w1 = [[mine.pop((m, e)) for m in w1_parts] for e in range(experts.count)]
+        w2 = [mine.pop(("down", e)) for e in range(experts.count)]
         if mine:
             raise ModelLoadError(
                 f"{path}: unexpected expert tensors in {prefix}.experts: "
                 f"{sorted(f'{m}_proj' for m, _ in mine)[:4]} ({config.moe.activation} experts)"
             )
-        state[f"{prefix}.w1"], state[f"{prefix}.w2"] = torch.stack(w1), torch.stack(w2)
-    return state
+        rows = sum(p[1][0] for p in w1[0])
+        out.append(
+            (
+                f"{prefix}.w1",
+                (experts.count, rows, *w1[0][0][1][1:]),
+                lambda p, w1=w1: torch.stack([torch.cat([_whole(x) for x in e]) for e in w1]),
+            )
+        )
+        out.append(
+            (
+                f"{prefix}.w2",
+                (experts.count, *w2[0][1]),
+                lambda p, w2=w2: torch.stack([_whole(x) for x in w2]),
+            )
+        )
+    return out
 
 
 _ARCHITECTURES = {
@@ -585,46 +632,61 @@ _MODELS = {
 }
 
 
-def _build(path: Path, config, state: dict, dtype, device, experts: ExpertRange | None = None):
-    """Instantiate without initializing (meta device), then adopt the loaded tensors."""
+def _build(
+    path: Path,
+    config,
+    pieces,
+    dtype,
+    device,
+    tp: TPGroup = SINGLE,
+    experts: ExpertRange | None = None,
+):
+    """Instantiate without initializing (meta device), allocate this rank's parameters (zeros:
+    the vocabulary padding stays zero), then fill them piece by piece, each checkpoint tensor
+    read only as far as this rank's slice of it. `experts`: the MoE experts this rank holds."""
     cls = _MODELS[type(config)]
-    with torch.device("meta"):
-        model = cls(config) if experts is None else cls(config, expert_range=experts)
-    state = _fuse_projections(state, config.num_layers)
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+    if tp.size > 1 and cls is not LlamaForCausalLM:
+        kind = "hybrid (Mamba)" if isinstance(config, NemotronHConfig) else "mixture-of-experts"
+        raise ModelLoadError(
+            f"{path}: tensor parallelism for {kind} models is not built; load this "
+            f"{cls.__name__.removesuffix('ForCausalLM')} model with tensor-parallel size 1, "
+            f"not {tp.size}"
+        )
+    try:
+        with torch.device("meta"):
+            if cls is LlamaForCausalLM:
+                model = cls(config, tp=tp)
+            else:
+                model = cls(config) if experts is None else cls(config, expert_range=experts)
+    except TPError as exc:
+        raise ModelLoadError(f"{path}: cannot split over {tp.size} ranks: {exc}") from exc
+    params = {
+        name: torch.zeros(t.shape, dtype=_param_dtype(name, dtype), device=device)
+        for name, t in model.state_dict().items()
+    }
+    expected = {name for param in params for name in checkpoint_names(param)}
+    seen, unexpected, misfits = set(), [], []
+    for name, shape, read in pieces:
+        if name not in expected:
+            unexpected.append(name)
+            continue
+        seen.add(name)
+        p = placement(name, config, tp)
+        want = p.checkpoint_shape(tuple(params[p.param].shape))
+        if tuple(shape) != want:
+            misfits.append(f"{name} has shape {tuple(shape)}, the config wants {want}")
+        elif p.dim is None or p.length:  # (a rank past the vocabulary's end reads nothing)
+            params[p.param][p.rows].copy_(read(p))
+    missing = sorted(expected - seen)
     if missing or unexpected:
         raise ModelLoadError(
             f"{path}: checkpoint does not match the {cls.__name__} layout "
-            f"(missing {missing[:5]}, unexpected {unexpected[:5]})"
+            f"(missing {missing[:5]}, unexpected {sorted(unexpected)[:5]})"
         )
-    state = {name: _cast(name, t, dtype).to(device) for name, t in state.items()}
-    try:
-        model.load_state_dict(state, strict=True, assign=True)
-    except RuntimeError as exc:  # shape mismatches
-        raise ModelLoadError(f"{path}: weights do not fit the config: {exc}") from exc
+    if misfits:
+        raise ModelLoadError(f"{path}: weights do not fit the config: {'; '.join(misfits[:5])}")
+    model.load_state_dict(params, strict=True, assign=True)
     return model.requires_grad_(False).eval()
-
-
-# Our fused parameter -> the checkpoint parameters stacked into it, in row order.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    # NemotronH attention layers (their mixer is the attention)
-    "mixer.qkv_proj": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
-}
-
-
-def _fuse_projections(state: dict, num_layers: int) -> dict:
-    """Checkpoint names (q/k/v_proj, gate/up_proj) -> our fused qkv_proj and gate_up_proj.
-    A layer that lacks any part is left alone (the layout check names what is missing)."""
-    state = dict(state)
-    for n in range(num_layers):
-        for target, parts in _FUSED.items():
-            names = [f"layers.{n}.{p}.weight" for p in parts]
-            if all(name in state for name in names):
-                state[f"layers.{n}.{target}.weight"] = torch.cat([state.pop(x) for x in names])
-    return state
 
 
 # ---- random weights (a model's real shape without its checkpoint: benchmarks, tests) ------------
@@ -700,18 +762,23 @@ def random_state(
     """Seeded random weights in our parameter names (fused qkv_proj / gate_up_proj), made on
     `device` in `dtype`: the same (config, dtype, device type, seed) gives the same tensors, in
     any process. Matrices are normal(0, RANDOM_STD), norm weights 1."""
+    return dict(_random_tensors(config, dtype, device, seed))
+
+
+def _random_tensors(
+    config: LlamaConfig, dtype: torch.dtype, device, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`random_state`'s tensors one at a time (a sharded load keeps one whole tensor alive)."""
     with torch.device("meta"):
         shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
-    state = {}
     for name, shape in shapes.items():  # state_dict order: the same on every call
         t = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
-            state[name] = t.fill_(1.0)
+            yield name, t.fill_(1.0)
         else:
-            state[name] = t.normal_(0.0, RANDOM_STD, generator=generator)
-    return state
+            yield name, t.normal_(0.0, RANDOM_STD, generator=generator)
 
 
 def random_tokenizer() -> Tokenizer:
@@ -736,10 +803,17 @@ def random_tokenizer() -> Tokenizer:
     )
 
 
-def load_random_model(spec: str, *, dtype: torch.dtype, device) -> tuple:
-    """`random:<shape>` -> (model, config, tokenizer), weights from `random_state`."""
+def load_random_model(spec: str, *, dtype: torch.dtype, device, tp: TPGroup = SINGLE) -> tuple:
+    """`random:<shape>` -> (model, config, tokenizer), weights from `random_state` (each
+    tensor made whole, as the seed's stream gives it, then this rank's slice kept)."""
     config = random_config(spec)
-    model = _build(Path(spec), config, random_state(config, dtype, device), dtype, device)
+
+    def pieces() -> Iterator[Piece]:
+        for param, tensor in _random_tensors(config, dtype, device, RANDOM_SEED):
+            for name, part in split_fused(param, tensor, config):
+                yield name, tuple(part.shape), lambda p, part=part: p.take(part)
+
+    model = _build(Path(spec), config, pieces(), dtype, device, tp)
     return model, config, random_tokenizer()
 
 
@@ -758,12 +832,9 @@ _ARCHITECTURE_FIELDS = (
     "rope_theta",
     "tie_word_embeddings",
 )
-# A hybrid's or a Qwen3-MoE's are every field but these (its layer pattern, Mamba shapes and
-# MoE settings included; the SSM state dtype is a runtime choice, mamba_inference_state_config).
+# A hybrid's are every field but these (its layer pattern and all its Mamba shapes included;
+# the SSM state dtype is a runtime choice, mamba_inference_state_config).
 _NOT_ARCHITECTURE = ("max_position_embeddings", "bos_token_id", "eos_token_ids", "ssm_state_dtype")
-_PART = re.compile(
-    r"^(layers\.\d+)\.(self_attn\.[qkv]_proj|mixer\.[qkv]_proj|mlp\.(?:gate|up)_proj)\.weight$"
-)
 
 
 class WeightUpdateError(ValueError):
@@ -791,23 +862,11 @@ def check_same_architecture(loaded, new, path: str | Path) -> None:
         raise WeightUpdateError(f"{path}: not the loaded architecture: {', '.join(diffs)}")
 
 
-def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
-    """A Hugging Face parameter name -> (our parameter name, the part of it that holds it).
-
-    The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj and gate/up_proj are
-    row ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting);
-    with tied embeddings "lm_head.weight" is the embedding matrix. One expert's matrix
-    (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 / w2, with
-    the GLOBAL expert id (`state_updates` maps it onto a rank's range). A name that matches none
-    of these (stacked expert tensors included: all of w1 or w2) comes back unchanged or renamed
-    with all rows (the caller reports it if we have no such parameter).
-    """
-    ours = name.removeprefix("model.").removeprefix("backbone.")
-    if ours == "lm_head.weight" and config.tie_word_embeddings:
-        embed = "embeddings" if isinstance(config, NemotronHConfig) else "embed_tokens"
-        return f"{embed}.weight", slice(None)
-    expert, stacked = _EXPERT.match(ours), _STACKED.match(ours)
+def _expert_name(name: str, config) -> tuple[str, tuple[int, slice] | slice] | None:
+    """An expert tensor's (our stacked w1 / w2, the part of it: (GLOBAL expert id, rows) for
+    one expert's matrix, all of it for a stacked [E, ...] tensor); None for any other name."""
     moe = getattr(config, "moe", None)
+    expert, stacked = _EXPERT.match(name), _STACKED.match(name)
     if moe is not None and expert is not None:
         inter, matrix = moe.intermediate_size, expert.group(3)
         rows = slice(None)
@@ -818,64 +877,82 @@ def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
     if moe is not None and stacked is not None:
         param = "w2" if stacked.group(2) == "down" else "w1"
         return f"{stacked.group(1)}.{param}", slice(None)
-    part = _PART.match(ours)
-    if part is None:
-        return ours, slice(None)
-    q = config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
-    rows = {
-        "self_attn.q_proj": slice(0, q),
-        "self_attn.k_proj": slice(q, q + kv),
-        "self_attn.v_proj": slice(q + kv, q + 2 * kv),
-        "mixer.q_proj": slice(0, q),
-        "mixer.k_proj": slice(q, q + kv),
-        "mixer.v_proj": slice(q + kv, q + 2 * kv),
-        "mlp.gate_proj": slice(0, inter),
-        "mlp.up_proj": slice(inter, 2 * inter),
-    }
-    target = next(t for t, parts in _FUSED.items() if part.group(2) in parts)
-    return f"{part.group(1)}.{target}.weight", rows[part.group(2)]
+    return None
+
+
+def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
+    """A Hugging Face parameter name -> (our parameter name, the part of it that holds it), for
+    the whole (unsharded) model.
+
+    The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj and gate/up_proj are
+    row ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting);
+    with tied embeddings "lm_head.weight" is the embedding matrix. One expert's matrix
+    (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 / w2, with
+    the GLOBAL expert id (`state_updates` maps it onto a rank's range). A name that matches none
+    of these (stacked expert tensors included: all of w1 or w2) comes back unchanged with all
+    rows (the caller reports it if we have no such parameter).
+    """
+    ours = name.removeprefix("model.").removeprefix("backbone.")
+    found = _expert_name(ours, config)
+    if found is not None:
+        return found
+    p = placement(ours, config)
+    return p.param, p.rows
 
 
 def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object, np.ndarray]]:
-    """Check a (partial) state dict in Hugging Face names against `model`; changes nothing.
+    """Check a (partial) state dict in Hugging Face names, whole tensors, against `model`;
+    changes nothing.
 
-    Returns (our parameter name, the index of its part, array) per entry. Raises
-    WeightUpdateError naming the parameter for an unknown name, a wrong shape, an array that is
-    not floating point, or two names for the same rows with different values (lm_head.weight
-    and model.embed_tokens.weight of a tied model may both come, equal, as `state_dict()` gives
-    them). Experts another expert-parallel rank holds are skipped: each rank takes its own
-    (`model.expert_range`) from the same state dict.
+    Returns (our parameter name, the index of its part, array) per entry, the array sliced to
+    the model's tensor-parallel shard (`model.tp`; the rows are the shard's) and its experts
+    (`model.expert_range`: experts another expert-parallel rank holds are skipped, each rank
+    takes its own from the same state dict). Raises WeightUpdateError naming the parameter for
+    an unknown name, a wrong shape, an array that is not floating point, or two names for the
+    same rows with different values (lm_head.weight and model.embed_tokens.weight of a tied
+    model may both come, equal, as `state_dict()` gives them).
     """
     params = model.state_dict()
+    tp = getattr(model, "tp", SINGLE)
     experts = getattr(model, "expert_range", None)
     seen: dict[tuple, str] = {}
     out = []
     for name, array in state.items():
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some checkpoints carry; recomputed from rope_theta
-        ours, index = hf_name_to_ours(name, model.config)
-        if ours not in params:
+        ours = name.removeprefix("model.").removeprefix("backbone.")
+        found = _expert_name(ours, model.config)
+        if found is None:
+            try:
+                p = placement(ours, model.config, tp)
+            except TPError as exc:  # (the loaded model already split these, so never in practice)
+                raise WeightUpdateError(f"{name}: {exc}") from exc
+            param, index = p.param, p.rows
+        else:
+            (param, index), p = found, None
+        if param not in params:
             raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
         if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
             kind = getattr(array, "dtype", type(array).__name__)
             raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
-        if experts is not None and (ours.endswith((".w1", ".w2"))):
+        if p is None and experts is not None:
             local = _local_experts(name, index, array, experts, model.config.moe.num_experts)
             if local is None:
                 continue  # another rank's expert
             index, array = local
-        expected = tuple(params[ours][index].shape)
+        if p is None:
+            expected = tuple(params[param][index].shape)
+        else:
+            expected = p.checkpoint_shape(tuple(params[param].shape))
         if array.shape != expected:
             raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
-        key = (ours, _index_key(index))
+        key = (param, _index_key(index))
         if key in seen:
             if not np.array_equal(state[seen[key]], array):
                 raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
             continue
         seen[key] = name
-        out.append((ours, index, array))
+        out.append((param, index, array if p is None else p.take(array)))
     return out
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taipan.kernels.moe import ACTIVATIONS, fused_moe_ref
+from taipan.kernels.moe import ACTIVATIONS, fused_moe, fused_moe_ref
 
 SCORING = ("softmax", "sigmoid")
 
@@ -184,16 +184,10 @@ def fused_experts(
     expert_start: int,
 ) -> torch.Tensor:
     """The routed experts' weighted sum over the local experts (kernels/moe.py's contract):
-    the one dispatch point of the experts. Only the torch reference exists today; the Triton
-    kernel goes here, chosen by `x.is_cuda` as every op of ops/layers.py."""
-    if x.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(
-            "MoE experts have no CUDA kernel yet and their torch reference syncs the host, "
-            "which a CUDA graph cannot capture: serve MoE models with num_cuda_graphs=0"
-        )
-    return fused_moe_ref(
-        x, w1, w2, topk_ids, topk_weights, activation=activation, expert_start=expert_start
-    )
+    the one dispatch point of the experts. On CUDA the Triton kernel (sync-free, so CUDA graphs
+    capture it); elsewhere its torch reference."""
+    fn = fused_moe if x.is_cuda else fused_moe_ref
+    return fn(x, w1, w2, topk_ids, topk_weights, activation=activation, expert_start=expert_start)
 
 
 def _identity(partial: torch.Tensor) -> torch.Tensor:

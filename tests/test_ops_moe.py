@@ -553,12 +553,14 @@ def test_worker_update_weights_of_a_moe_model(nh_dir, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", MODELS)
 def test_gpu_path_matches_cpu_reference(tmp_path, name):
-    """The CUDA path (Triton attention, RoPE, RMSNorm, q/k norms, Mamba kernels; the experts'
-    torch reference) of chunked prefill, varlen prefill and decode rows against the CPU
-    references in fp32 (a TF32 tolerance), then greedy tokens; a CUDA graph capture of a MoE
-    model is refused naming the way out."""
-    from taipan.actors.gpu.worker import ModelWorker
-    from taipan.messages.gpu import LoadModel
+    """The CUDA path (Triton attention, RoPE, RMSNorm, q/k norms, Mamba kernels, the fused MoE
+    kernel) of chunked prefill, varlen prefill and decode rows against the CPU references in
+    fp32 (a TF32 tolerance), then greedy tokens; then the whole runtime on the GPU with CUDA
+    graphs (the default there, capturing the MoE kernel) gives the same greedy tokens."""
+    from taipan.actors.config import InferenceConfig
+    from taipan.client import Client
+    from taipan.launcher import Runtime
+    from taipan.messages.requests import SamplingParams
 
     path = make_model(str(tmp_path / "m"), name, head_dim=64)  # the attention kernels' size
     prompts = [_prompt(40, 31), _prompt(23, 32), _prompt(5, 33)]
@@ -581,6 +583,20 @@ def test_gpu_path_matches_cpu_reference(tmp_path, name):
             err = (gpu[s] - cpu[s]).abs().max().item()
             assert err < 2e-3 * cpu[s].abs().max().item(), (s, err)
     assert runs["cpu"][1] == runs["cuda"][1]
-    load = LoadModel(path, "float32", "cuda", BLOCK_SIZE, 64, 1.0, 64, 4, 256, (1, 2, 4))
-    with pytest.raises(RuntimeError, match="num_cuda_graphs=0"):
-        ModelWorker().load(load)
+    config = InferenceConfig(
+        block_size_tokens=BLOCK_SIZE,
+        max_tokens=64,
+        max_requests=4,
+        buffer_size_gb=0.05,
+        max_sequence_length=256,
+        enable_chunked_prefill=True,
+    )
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    got = {}
+    for device in ("cpu", "cuda"):
+        with Runtime(path, config, device=device) as rt, Client(rt.address) as client:
+            got[device] = [d.token_ids for d in client.generate(prompts, greedy)]
+            steps = client.stats().merged()
+        if device == "cuda":
+            assert steps.steps_graphed > 0  # decode steps ran as CUDA graphs
+    assert got["cuda"] == got["cpu"]

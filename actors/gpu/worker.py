@@ -28,6 +28,12 @@ collects this one, so the device runs them back to back (`step` does both halves
 
 KV cache size: `LoadModel.kv_cache_gb`, or when it is None, DEFAULT_KV_GB on CUDA and on CPU
 CPU_KV_SHARE of the memory available at load (at most DEFAULT_KV_GB), capped by `max_blocks`.
+
+Tensor parallel (`load(..., tp=...)`, ops/parallel.py): the worker holds this rank's shards, and
+its KV cache this rank's kv heads: the budget is per rank, and the ranks agree on the smallest
+block count. Every rank of the group must run the same calls in the same order (load, every
+step's `launch`/`collect` with the same plan, every control): each forward and each logits
+computation holds collectives.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
 from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
 from taipan.ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from taipan.ops.models.nemotron_h import NemotronHConfig
+from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.sampling import sample
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -246,15 +253,19 @@ class ModelWorker:
         self._host_tokens: torch.Tensor | None = None
         self._launches = 0
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
+        self.tp = SINGLE  # this worker's tensor-parallel group (set at load)
 
-    def load(self, msg: LoadModel) -> ModelLoaded:
+    def load(self, msg: LoadModel, *, tp: TPGroup = SINGLE) -> ModelLoaded:
+        """Load the model (this rank's shards under `tp`) and size the KV cache; every rank of
+        `tp` calls this with the same message (block_bytes is one rank's)."""
         if msg.dtype not in DTYPES:
             raise ValueError(f"dtype {msg.dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[msg.dtype]
         self.device = torch.device(msg.device)
         _check_device(self.device)
-        model, config, tokenizer = load_model(msg.model, dtype=dtype, device=self.device)
-        per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype)
+        model, config, tokenizer = load_model(msg.model, dtype=dtype, device=self.device, tp=tp)
+        self.tp = tp
+        per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, tp)
         budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device, msg.ranks_on_host)
         live, snapshots, slot_bytes = 0, 0, 0
         if isinstance(config, NemotronHConfig):
@@ -276,13 +287,16 @@ class ModelWorker:
         num_blocks = budget // per_block
         if msg.max_blocks > 0:
             num_blocks = min(num_blocks, msg.max_blocks)
+        num_blocks = tp.agree_min(num_blocks)  # the engine's block ids must exist on every rank
         if num_blocks < 1:
             raise ValueError(
                 f"the KV budget ({budget / GIB:.3g} GiB, {self.kv_budget_source}) holds no KV "
                 f"block of {per_block} bytes"
             )
         self.block_size = msg.block_size
-        self.kv_cache = allocate_kv_cache(config, num_blocks, msg.block_size, dtype, self.device)
+        self.kv_cache = allocate_kv_cache(
+            config, num_blocks, msg.block_size, dtype, self.device, tp
+        )
         # Hybrids: live slots 0..live-1 (one per request holding state), snapshots after them.
         self.mamba_state, self._mamba_offloaded = None, None
         self._mamba_slots, self._snapshot_slots = live + snapshots, snapshots
@@ -773,7 +787,9 @@ class ModelWorker:
         """Every parameter of the checkpoint at `path`, loaded on the CPU and checked to have the
         loaded model's architecture and shapes (a MoE model: only the experts it holds)."""
         experts = getattr(self.model, "expert_range", None)
-        model, config, _ = load_model(path, dtype=self.dtype, device="cpu", expert_range=experts)
+        model, config, _ = load_model(
+            path, dtype=self.dtype, device="cpu", expert_range=experts, tp=self.tp
+        )
         check_same_architecture(self.config, config, path)
         ours, new = self.model.state_dict(), model.state_dict()
         if set(ours) != set(new):

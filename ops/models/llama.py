@@ -4,7 +4,14 @@ Owns the model's structure and its forward pass. Weights come from ops/loader.py
 slots and positions from the GPU actor (via `AttentionMetadata`); the cache tensor is allocated
 here but owned and kept by the GPU actor. Parameter names are Hugging Face's without the leading
 `model.` (`layers.0.self_attn.o_proj.weight`), except that q/k/v and gate/up are fused at load
-(ops/loader.py `_fuse_projections`: `qkv_proj`, `gate_up_proj`).
+(`qkv_proj`, `gate_up_proj`).
+
+Tensor parallel (a `TPGroup` of size T, ops/parallel.py): every rank builds the same module tree
+with its shards (ops/loader.py shards the checkpoint as it reads it): column-parallel qkv_proj
+and gate_up_proj, row-parallel o_proj and down_proj (each followed by an all-reduce), and the
+embedding / LM head over a vocabulary shard, the logits gathered so every rank holds them all.
+The config stays the whole model's; the KV cache of a rank holds only its kv heads
+(`allocate_kv_cache(..., tp=...)`).
 """
 
 from __future__ import annotations
@@ -17,7 +24,8 @@ from torch import nn
 
 from taipan.kernels.rope import rope_cos_sin_cache
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP, lm_logits
+from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP, VocabParallelEmbedding, lm_logits
+from taipan.ops.parallel import SINGLE, TPGroup
 
 
 @dataclass(frozen=True)
@@ -53,20 +61,25 @@ class LlamaConfig:
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP. `mlp`: another MLP in place of the dense SwiGLU (Qwen3-MoE's
-    sparse layers); `qk_norm`: RMSNorm each head of q and k before RoPE (Qwen3)."""
+    sparse layers); `qk_norm`: RMSNorm each head of q and k before RoPE (Qwen3); `tp`: this
+    rank's share of the heads and of the MLP (tensor parallel)."""
 
-    def __init__(self, config, mlp: nn.Module | None = None, qk_norm: bool = False) -> None:
+    def __init__(
+        self, config, mlp: nn.Module | None = None, qk_norm: bool = False, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        c = config
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            qk_norm_eps=config.rms_norm_eps if qk_norm else None,
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            qk_norm_eps=c.rms_norm_eps if qk_norm else None,
+            tp=tp,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size) if mlp is None else mlp
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, tp) if mlp is None else mlp
 
     def forward(
         self,
@@ -94,21 +107,25 @@ class LlamaForCausalLM(nn.Module):
     token) into fp32 logits, so the [T, vocab] matrix of a long prefill is never built.
 
     `make_layer(index)` builds each decoder layer (default: Llama's); models of the same
-    skeleton (Qwen3-MoE) pass their own."""
+    skeleton (Qwen3-MoE) pass their own. `tp`: this rank's place in its tensor-parallel group
+    (every rank runs every step)."""
 
-    def __init__(self, config, make_layer: Callable[[int], nn.Module] | None = None) -> None:
+    def __init__(
+        self, config, make_layer: Callable[[int], nn.Module] | None = None, tp: TPGroup = SINGLE
+    ) -> None:
         super().__init__()
-        self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        make_layer = make_layer or (lambda index: DecoderLayer(config))
+        self.config, self.tp = config, tp
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        make_layer = make_layer or (lambda index: DecoderLayer(config, tp=tp))
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._rope_caches: dict[torch.device, torch.Tensor] = {}
-        # Tied models reuse the embedding matrix as the output projection.
+        # Tied models reuse the embedding matrix (its vocabulary shard) as the output projection.
+        rows = self.embed_tokens.weight.shape[0]
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, rows, bias=False)
         )
 
     def forward(
@@ -139,10 +156,16 @@ class LlamaForCausalLM(nn.Module):
         return cache
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """hidden: [N, hidden] -> logits: [N, vocab] float32 (written into `out` when given:
-        the product in the weights' dtype, converted as it is copied)."""
+        """hidden: [N, hidden] -> logits: [N, vocab] float32, the whole vocabulary on every rank
+        (written into `out` when given: the product in the weights' dtype, converted as it is
+        copied)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return lm_logits(hidden, weight, out)
+        return lm_logits(hidden, weight, out, self.tp, self.config.vocab_size)
+
+
+def kv_heads_per_rank(config, tp: TPGroup = SINGLE) -> int:
+    """The kv heads one rank's cache holds (all of them at size 1)."""
+    return tp.heads(config.num_heads, config.num_kv_heads).kv_count
 
 
 def allocate_kv_cache(
@@ -151,20 +174,27 @@ def allocate_kv_cache(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device | str,
+    tp: TPGroup = SINGLE,
 ) -> torch.Tensor:
-    """An uninitialised cache: [num_kv_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-    (index 0 of dim 1 holds keys, 1 holds values). `config`: any model config with
-    `num_kv_layers`, `num_kv_heads` and `head_dim` (Llama, NemotronH).
+    """An uninitialised cache: [num_kv_layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    (index 0 of dim 1 holds keys, 1 holds values; kv_heads: this rank's, `kv_heads_per_rank`).
+    `config`: any model config with `num_kv_layers`, `num_heads`, `num_kv_heads` and `head_dim`
+    (Llama, NemotronH).
 
     Not zeroed: attention reads only slots this request wrote, and on the CPU untouched pages of
     a large pool then cost no memory. A read of an unwritten slot shows up as garbage, not as a
     plausible zero."""
-    shape = (config.num_kv_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+    heads = kv_heads_per_rank(config, tp)
+    shape = (config.num_kv_layers, 2, num_blocks, block_size, heads, config.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
-def kv_cache_bytes_per_block(config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all KV layers, keys and values (for sizing the pool)."""
+def kv_cache_bytes_per_block(
+    config, block_size: int, dtype: torch.dtype, tp: TPGroup = SINGLE
+) -> int:
+    """Bytes one block takes on one rank across all KV layers, keys and values (for sizing the
+    pool)."""
     element_size = torch.empty((), dtype=dtype).element_size()
-    per_token = config.num_kv_layers * 2 * config.num_kv_heads * config.head_dim * element_size
+    heads = kv_heads_per_rank(config, tp)
+    per_token = config.num_kv_layers * 2 * heads * config.head_dim * element_size
     return block_size * per_token
