@@ -546,24 +546,30 @@ def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
     try:
-        num_heads = hf["num_attention_heads"]
-        return LlamaConfig(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
-            eos_token_ids=_eos_ids(hf, tokenizer),
-        )
+        return LlamaConfig(**_decoder_fields(hf, tokenizer, rope_theta, max_positions=2048))
     except (KeyError, ValueError) as exc:
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
+def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope_theta: float, max_positions: int):
+    """The fields a Llama-skeleton config (Llama, Qwen3-MoE) takes from Hugging Face's config
+    (KeyError for a missing one)."""
+    num_heads = hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", max_positions),
+        bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
+        eos_token_ids=_eos_ids(hf, tokenizer),
+    )
 
 
 def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3MoeConfig:
@@ -584,7 +590,6 @@ def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3Moe
             "Qwen3) is not supported"
         )
     try:
-        num_heads = hf["num_attention_heads"]
         moe = MoEConfig(
             num_experts=num_experts,
             top_k=hf["num_experts_per_tok"],
@@ -594,19 +599,7 @@ def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3Moe
             renormalize=bool(hf.get("norm_topk_prob", False)),
         )
         return Qwen3MoeConfig(
-            vocab_size=hf["vocab_size"],
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_layers=hf["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            max_position_embeddings=hf.get("max_position_embeddings", 32768),
-            bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
-            eos_token_ids=_eos_ids(hf, tokenizer),
+            **_decoder_fields(hf, tokenizer, rope_theta, max_positions=32768),
             moe=moe,
             decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
