@@ -1150,3 +1150,54 @@ async def test_async_client_fails_waiting_calls_when_the_coordinator_stops(addre
             with pytest.raises(RuntimeUnreachable, match="it is not running there, or it died"):
                 await asyncio.wait_for(c.stats(), WAIT_S)
             assert time.monotonic() - start < 1.5
+
+
+# --- several ranks (issue 12): readiness, refusals ----------------------------------------------
+
+
+def _loaded(block_size: int = 16) -> ModelLoaded:
+    known = dict(model="test-model", tokenizer=byte_tokenizer_wire(), eos_token_ids=(2,))
+    fields = {f.name: known.get(f.name, 16) for f in dataclasses.fields(ModelLoaded)}
+    return ModelLoaded(**(fields | {"block_size": block_size}))
+
+
+@pytest.mark.asyncio
+async def test_ranks_join_ready_only_when_all_loaded_and_bad_ones_are_refused(addresses):
+    """Two ranks: model info waits for both; an engine claiming a rank out of range, a rank
+    already served or one of another block size is refused with `rank_refused` (and the last
+    one, before the runtime is ready, fails the start)."""
+    front_address, back_address = addresses
+    ctx = zmq.asyncio.Context()
+    front = make_socket(ctx, zmq.ROUTER, front_address, bind=True, name="clients", watch_peers=True)
+    back = make_socket(ctx, zmq.ROUTER, back_address, bind=True, name="engines", watch_peers=True)
+
+    def dealer(address: str, identity: bytes) -> Channel:
+        return make_socket(ctx, zmq.DEALER, address, bind=False, name="c", identity=identity)
+
+    engines = [dealer(back_address, f"engine-{i}".encode()) for i in range(4)]
+    client = dealer(front_address, b"tester")
+    actor = CoordinatorActor(front, back, 2, "test-model", 512, control_token=TOKEN)
+    try:
+        async with asyncio.TaskGroup() as tg:
+            run = tg.create_task(actor.run())
+            await engines[0].send(Hello("engine", 0))
+            await engines[0].send(_loaded())
+            await client.send(GetModelInfo())
+            await assert_silent(client, 0.3)  # one rank of two: not ready
+            for chan, rank, why in [
+                (engines[2], 2, "rank 2 is outside this runtime's 2 rank(s)"),
+                (engines[3], 0, "rank 0 is already served by a live engine"),
+            ]:
+                await chan.send(Hello("engine", rank))
+                assert_error(await receive(chan), "rank_refused", why)
+            await engines[1].send(Hello("engine", 1))
+            await engines[1].send(_loaded(block_size=32))  # not the runtime's block size
+            assert_error(await receive(engines[1]), "rank_refused", "block size 32 differs")
+            reply = await receive(client)
+            assert_error(reply, "load_failed", "engine rank 1 died before the runtime was ready")
+            actor.stop()
+            await run
+    finally:
+        for chan in (front, back, client, *engines):
+            chan.close()
+        ctx.term()
