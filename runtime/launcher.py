@@ -18,6 +18,11 @@ the process is spawned, and `shutdown(stopped=True)` first lets a stopped engine
 A child that exits while the runtime is not shutting down is logged as an error naming it and
 how it ended (exit code or signal) and listed in `unexpected_exits`; the coordinator fails the
 requests of a dead engine rank by itself, and `taipan serve` shuts down and exits non-zero.
+
+Tensor parallel (`tensor_parallel_size` T > 1): each engine rank's process starts the rank's
+T-1 follower processes itself (runtime/procs.py), so they are not among `procs`; SPEC gives each
+peer its device (`peer_devices`) and cores (`peer_cpu_sets`), and each rank its sockets and
+rendezvous in the private temp dir. An engine process whose follower died exits with code 4.
 """
 
 from __future__ import annotations
