@@ -108,7 +108,8 @@ class Channel:
     Routed sockets (ROUTER) carry the peer identity as frame 0: `recv` returns it as
     `Envelope.sender` and `send(msg, to=identity)` routes back. Other sockets ignore `to`.
     `monitor` is set when the channel watches its peers (see the module docstring); `recv`
-    then also returns the `PeerGone`s.
+    then also returns the `PeerGone`s. PUB/XPUB channels only send; SUB channels take every
+    message (no topics).
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class Channel:
         self._stale = collections.Counter()  # descriptor -> disconnect reports to skip
         self._reports: list[int] = []  # descriptors of reports read but not applied, in order
         self._pending: collections.deque[Envelope] = collections.deque()
+        self._subscribed = 0  # XPUB: subscriptions seen (wait_subscribers)
         if monitor is not None:
             # Watched: wait until either is ready, then read both without waiting (shadows).
             self._ready = zmq.asyncio.Poller()
@@ -243,6 +245,19 @@ class Channel:
             self.recorder.write("in", self.name, peer, encode(msg), now)
         return Envelope(self, peer, msg, None, now)
 
+    async def wait_subscribers(self, count: int) -> None:
+        """An XPUB channel (make_socket sets XPUB_VERBOSE): return once `count` subscriptions
+        have come (one per subscriber that connected), so that nothing published after is lost
+        to a slow joiner. The caller bounds the wait; nothing else may read this socket."""
+        if self.sock.type != zmq.XPUB:
+            raise ValueError(f"channel {self.name}: only an XPUB channel counts subscribers")
+        while self._subscribed < count:
+            frame = await self.sock.recv()
+            if frame[:1] == b"\x01":
+                self._subscribed += 1
+            elif frame[:1] == b"\x00":  # a subscriber went away
+                self._subscribed -= 1
+
     def close(self) -> None:
         if self.sock.closed:
             return
@@ -282,6 +297,14 @@ def make_socket(
     if kind == zmq.ROUTER:
         # Replies to a vanished peer are dropped rather than blocking the actor.
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+    if kind in (zmq.PUB, zmq.XPUB, zmq.SUB):
+        # A publisher drops what a full subscriber queue cannot take: no limit, never a loss
+        # (its subscribers keep pace some other way: tensor-parallel peers by their collectives).
+        sock.setsockopt(zmq.SNDHWM if kind != zmq.SUB else zmq.RCVHWM, 0)
+    if kind == zmq.XPUB:
+        sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription, for wait_subscribers
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")  # every message
     monitor = zap = None
     try:
         if curve is not None:

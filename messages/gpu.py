@@ -211,3 +211,29 @@ class NoStep:
     the same point; `step` is the number of the last step planned before it."""
 
     step: int
+
+
+# ---- tensor-parallel peers of one rank (actors/gpu/peers.py) ----------------------------------
+# The leader gpu actor publishes every LoadModel, StepPlan and GpuControl it gets to its
+# followers unchanged; the followers answer over one PUSH with these (never a step's result).
+
+
+@message(130)
+class PeerHello:
+    """A follower's first message: its SUB socket is connected and it takes the leader's
+    messages from now on. `tp_rank` 1..T-1; `pid` for the logs."""
+
+    tp_rank: int
+    pid: int
+
+
+@message(131)
+class PeerOutcome:
+    """How a follower's LoadModel ("load") or GpuControl (its command) ended: `error` None when
+    it succeeded, else why. `index` counts the loads and controls the follower took (1, 2, ...),
+    as the leader counts those it published, so an answer cannot be taken for another's."""
+
+    tp_rank: int
+    index: int
+    command: str
+    error: str | None

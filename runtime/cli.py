@@ -200,10 +200,13 @@ def _print_serving(rt) -> None:
         )
         return
     info = rt.model_info
+    # Under tensor parallelism each peer holds its kv heads of every block: the bytes are one's.
+    peers = f" of {rt.tp_size} tensor-parallel processes" if rt.tp_size > 1 else ""
+    per = " per process" if rt.tp_size > 1 else ""
     print(
-        f"taipan: serving {rt.model_name} at {rt.address} on {rt.num_ranks} engine rank(s); KV "
-        f"cache of {info.kv_cache_tokens} tokens ({info.kv_cache_bytes / 1024**3:.2f} GiB) per "
-        f"rank; control token in {rt.token_path}",
+        f"taipan: serving {rt.model_name} at {rt.address} on {rt.num_ranks} engine rank(s)"
+        f"{peers}; KV cache of {info.kv_cache_tokens} tokens ({info.kv_cache_bytes / 1024**3:.2f}"
+        f" GiB{per}) per rank; control token in {rt.token_path}",
         file=sys.stderr,
         flush=True,
     )

@@ -18,6 +18,11 @@ the process is spawned, and `shutdown(stopped=True)` first lets a stopped engine
 A child that exits while the runtime is not shutting down is logged as an error naming it and
 how it ended (exit code or signal) and listed in `unexpected_exits`; the coordinator fails the
 requests of a dead engine rank by itself, and `taipan serve` shuts down and exits non-zero.
+
+Tensor parallel (`tensor_parallel_size` T > 1): each engine rank's process starts the rank's
+T-1 follower processes itself (runtime/procs.py), so they are not among `procs`; SPEC gives each
+peer its device (`peer_devices`) and cores (`peer_cpu_sets`), and each rank its sockets and
+rendezvous in the private temp dir. An engine process whose follower died exits with code 4.
 """
 
 from __future__ import annotations
@@ -75,12 +80,11 @@ def next_port_address(address: str) -> str:
 
 
 def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
-    """LaunchError for a parallel size that is not >= 1 or not built yet."""
+    """LaunchError for a parallel size that is not >= 1 or not built yet. (Whether the model
+    splits over `tensor` ranks is the loader's to say: ops/parallel.py, a load_failed.)"""
     for name, size in (("data", data), ("tensor", tensor), ("expert", expert)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise LaunchError(f"{name}_parallel_size must be an int >= 1, got {size!r}")
-    if tensor != 1:
-        raise LaunchError(f"tensor_parallel_size={tensor}: tensor parallelism is not built yet")
     if expert != 1:
         raise LaunchError(f"expert_parallel_size={expert}: expert parallelism is not built yet")
 
@@ -93,6 +97,20 @@ def rank_device(device: str, rank: int, num_ranks: int) -> str:
         return device
     _, _, index = device.partition(":")
     return f"cuda:{int(index or 0) + rank}"
+
+
+def peer_devices(device: str, rank: int, num_ranks: int, tp: int) -> list[str]:
+    """The devices of rank `rank`'s `tp` tensor-parallel peers (the leader first): on CUDA
+    peer k of rank r on the (r*tp + k)-th GPU from the one named; elsewhere `device`."""
+    return [rank_device(device, rank * tp + k, num_ranks * tp) for k in range(tp)]
+
+
+def peer_cpu_sets(rank_cpus: list[int] | None, tp: int, cpus: list[int]) -> list[list[int] | None]:
+    """The cores of a rank's `tp` peers: the rank's share (`rank_cpus`, None: all of `cpus`)
+    split between them as `rank_cpu_sets` splits a machine between ranks."""
+    if tp == 1:
+        return [rank_cpus]
+    return rank_cpu_sets(tp, rank_cpus if rank_cpus is not None else cpus)
 
 
 def rank_cpu_sets(num_ranks: int, cpus: list[int]) -> list[list[int] | None]:
@@ -155,6 +173,7 @@ class Runtime:
         self.model_name, self.model_path = resolve(model)
         self.config = config or InferenceConfig()
         self.num_ranks = data_parallel_size
+        self.tp_size = tensor_parallel_size
         self.direct = direct
         self.dtype, self.device = dtype, device
         cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse
@@ -246,8 +265,24 @@ class Runtime:
             "device": self.device,
             # Per rank: its device (rank r of a CUDA runtime uses its own GPU) and, with several
             # ranks, its own share of this machine's cores (None: all of them).
-            "devices": self._devices(),
+            "devices": [peers[0] for peers in self._peer_devices()],
             "cpu_sets": self._cpu_sets(),
+            # Tensor parallel: per rank, each peer's device and cores (the leader first), and
+            # the rank's sockets and rendezvous in our private directory (actors/gpu/peers.py).
+            "tensor_parallel_size": self.tp_size,
+            "tp_devices": self._peer_devices(),
+            "tp_cpu_sets": [
+                peer_cpu_sets(rank_cpus, self.tp_size, sorted(os.sched_getaffinity(0)))
+                for rank_cpus in self._cpu_sets()
+            ],
+            "tp_addresses": [
+                {
+                    "plans": f"ipc://{self.tmp}/tp-{r}-plans.sock",
+                    "reports": f"ipc://{self.tmp}/tp-{r}-reports.sock",
+                    "init": f"file://{self.tmp}/tp-{r}.init",
+                }
+                for r in range(self.num_ranks)
+            ],
             "config": self.config.to_dict(),
             # More blocks than every admissible request can hold would only waste memory.
             "max_blocks": max_requests * blocks_per_request,
@@ -263,10 +298,14 @@ class Runtime:
             "key_name": self.key_name,
         }
 
-    def _devices(self) -> list[str]:
-        if self.role == "engine":  # one rank on this host: the device as named
-            return [self.device] * self.num_ranks
-        return [rank_device(self.device, r, self.num_ranks) for r in range(self.num_ranks)]
+    def _peer_devices(self) -> list[list[str]]:
+        """Per rank, its tensor-parallel peers' devices (one peer without tensor parallelism)."""
+        if self.role == "engine":  # one rank on this host: its peers from the device as named
+            return [peer_devices(self.device, 0, 1, self.tp_size)] * self.num_ranks
+        return [
+            peer_devices(self.device, r, self.num_ranks, self.tp_size)
+            for r in range(self.num_ranks)
+        ]
 
     def _cpu_sets(self) -> list[list[int] | None]:
         if self.role == "engine":
@@ -305,7 +344,7 @@ class Runtime:
             with open(os.path.join(self.record_dir, "config.json"), "w") as f:
                 json.dump(self.config.to_dict(), f, indent=1)
             with open(os.path.join(self.record_dir, "runtime.json"), "w") as f:
-                json.dump({"num_ranks": self.num_ranks}, f)
+                json.dump({"num_ranks": self.num_ranks, "tensor_parallel_size": self.tp_size}, f)
         try:
             if self.role == "engine":
                 self._spawn(f"engine-{self.rank}", "engine", spec, str(self.rank))
@@ -543,7 +582,12 @@ def add_runtime_arguments(p) -> None:
         "on the r-th GPU; CPU: each rank its share of the cores)",
     )
     p.add_argument(
-        "--tensor-parallel-size", type=int, default=1, metavar="T", help="not built yet: 1"
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="T",
+        help="each engine rank's weights split over T processes (CUDA: rank r's peers on GPUs "
+        "r*T .. r*T+T-1; CPU: the rank's cores split between them); dense Llama models only",
     )
     p.add_argument(
         "--expert-parallel-size", type=int, default=1, metavar="E", help="not built yet: 1"

@@ -1,13 +1,21 @@
-"""Child-process entry points: `python -m taipan.procs coordinator|engine|http SPEC_JSON [RANK]`.
+"""Child-process entry points: `python -m taipan.procs coordinator|engine|http SPEC_JSON [RANK]`
+and `python -m taipan.procs tp-follower SPEC_JSON RANK TP_RANK`.
 
 One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
 actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc, on its own
 device and, with several ranks, its own share of the cores (SPEC's `devices`, `cpu_sets`); with
 an HTTP port, one more runs the OpenAI server (runtime/http_server.py) over a client of the
 frontend.
+Tensor parallel (SPEC's `tensor_parallel_size` T > 1): the engine process's gpu actor is its
+rank's leader, and the engine process starts the rank's T-1 followers (`tp-follower`) as its own
+children, each on its device and cores (`tp_devices`, `tp_cpu_sets`), talking to the leader over
+the rank's `tp_addresses` (actors/gpu/peers.py). A follower that exits while its rank runs ends
+the rank at once: the engine process logs which one and how, and exits with EXIT_PEER_DIED (the
+coordinator then fails the rank's requests). Processes of a tensor-parallel rank leave with
+os._exit: a thread blocked in a collective on a dead peer must not hold the exit.
 The launcher (runtime/launcher.py) writes SPEC.
 Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
-clean stop through STOP messages) and treat SIGTERM as "stop now".
+clean stop through STOP messages) and treat SIGTERM as "stop now" (a follower dies of it).
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ import ctypes
 import json
 import os
 import signal
+import subprocess
 import sys
+import threading
 
 import zmq
 import zmq.asyncio
@@ -30,6 +40,8 @@ from taipan.auth import curve_keys, read_token_file
 
 PR_SET_PDEATHSIG = 1
 EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
+EXIT_PEER_DIED = 4  # a tensor-parallel follower of this rank exited
+FOLLOWER_STOP_S = 5.0  # a follower told to stop (SIGTERM) is killed after this
 
 
 def _die_with_parent() -> None:
@@ -118,8 +130,88 @@ def _pin_cpus(cpus: list[int] | None) -> None:
         os.environ[var] = threads
 
 
+class FollowerProcesses:
+    """The T-1 tensor-parallel followers of rank `rank`, children of this engine process. Each
+    is watched by a thread: one that exits before `stop` ends this process at once, naming it
+    (os._exit: the leader may be blocked in a collective waiting for it)."""
+
+    def __init__(self, spec: dict, rank: int):
+        self.rank, self.stopping = rank, False
+        self.log = get_logger(process="engine", rank=rank)
+        self.procs: list[tuple[int, subprocess.Popen]] = []
+        cmd = [sys.executable, "-m", "taipan.procs", "tp-follower", json.dumps(spec), str(rank)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for tp_rank in range(1, spec["tensor_parallel_size"]):
+            # From the main thread: PR_SET_PDEATHSIG fires when the spawning thread ends.
+            proc = subprocess.Popen([*cmd, str(tp_rank)], env=env, stdin=subprocess.DEVNULL)
+            self.procs.append((tp_rank, proc))
+            threading.Thread(target=self._watch, args=(tp_rank, proc), daemon=True).start()
+
+    def _watch(self, tp_rank: int, proc: subprocess.Popen) -> None:
+        proc.wait()  # a blocking wait in its own thread: no polling
+        if self.stopping:  # `stop` reports it
+            return
+        self._report(tp_rank, proc)
+        _exit_now(EXIT_PEER_DIED)
+
+    def _report(self, tp_rank: int, proc: subprocess.Popen) -> None:
+        from taipan.launcher import describe_exit
+
+        self.log.critical(
+            "a tensor-parallel follower died: this engine rank ends",
+            follower=f"gpu-{self.rank}-tp{tp_rank}",
+            pid=proc.pid,
+            how=describe_exit(proc.returncode),
+        )
+
+    def stop(self) -> bool:
+        """Stop every follower (SIGTERM, SIGKILL after FOLLOWER_STOP_S). True when one had
+        ended by itself first (reported here: this process may be ending because of it, e.g.
+        a collective failed when the peer's socket closed, before its watcher saw it exit)."""
+        self.stopping = True
+        for _, proc in self.procs:
+            proc.terminate()  # a follower that already exited keeps its own exit status
+        died, killed = False, set()
+        for tp_rank, proc in self.procs:
+            try:
+                proc.wait(FOLLOWER_STOP_S)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                killed.add(tp_rank)
+            if proc.returncode != -signal.SIGTERM and tp_rank not in killed:
+                self._report(tp_rank, proc)
+                died = True
+        return died
+
+
+def _exit_now(code: int) -> None:
+    """Leave at once (no interpreter shutdown, which would join a thread stuck in a collective)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def _tensor_parallel(spec: dict) -> int:
+    return spec.get("tensor_parallel_size", 1)
+
+
 async def engine_main(spec: dict, rank: int) -> None:
-    _pin_cpus(spec["cpu_sets"][rank])
+    tp = _tensor_parallel(spec)
+    _pin_cpus(spec["tp_cpu_sets"][rank][0] if tp > 1 else spec["cpu_sets"][rank])
+    # The followers start now: they import torch and load while this process does.
+    followers = FollowerProcesses(spec, rank) if tp > 1 else None
+    try:
+        await _engine_rank(spec, rank, tp)
+    finally:
+        if followers is not None and followers.stop():
+            _exit_now(EXIT_PEER_DIED)
+
+
+async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
     from taipan.actors.allocator.actor import AllocatorActor
     from taipan.actors.engine.actor import EngineActor
     from taipan.actors.gpu.actor import GpuActor
@@ -185,10 +277,25 @@ async def engine_main(spec: dict, rank: int) -> None:
         ""
         if config.mamba_inference_state_config is None
         else json.dumps(config.mamba_inference_state_config),
-        spec["num_ranks"],  # every rank of this launcher shares the host's memory
+        spec["num_ranks"] * tp,  # every process of this launcher's ranks shares the host's memory
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [mamba_side, to_mamba] if hybrid else []
+    gpu_tp = {}
+    if tp > 1:
+        from taipan.actors.gpu.peers import Followers, TPSetup
+
+        addresses = spec["tp_addresses"][rank]
+        plans = make_socket(ctx, zmq.XPUB, addresses["plans"], bind=True, name="followers")
+        reports = make_socket(
+            ctx, zmq.PULL, addresses["reports"], bind=True, name="followers",
+            recorder=recs["gpu"],
+        )  # fmt: skip
+        channels += [plans, reports]
+        gpu_tp = {
+            "tp": TPSetup(0, tp, addresses["init"]),
+            "followers": Followers(plans, reports, tp, rank),
+        }
     try:
         engine = EngineActor(
             rank,
@@ -200,7 +307,7 @@ async def engine_main(spec: dict, rank: int) -> None:
             to_mamba,
             coordinator_timeout=spec.get("coordinator_timeout"),
         )
-        actors = [AllocatorActor(alloc_side), GpuActor(rank, gpu_side)]
+        actors = [AllocatorActor(alloc_side), GpuActor(rank, gpu_side, **gpu_tp)]
         actors += [MambaCacheActor(mamba_side)] if hybrid else []
         await _run_until_stopped([engine, *actors])
     finally:
@@ -210,6 +317,32 @@ async def engine_main(spec: dict, rank: int) -> None:
         for rec in recs.values():
             if rec is not None:
                 rec.close()
+
+
+async def tp_follower_main(spec: dict, rank: int, tp_rank: int) -> None:
+    """Tensor-parallel peer `tp_rank` of engine rank `rank` (actors/gpu/follower.py). Its
+    parent, the rank's engine process, watches it; SIGTERM (or the parent's death) ends it."""
+    _pin_cpus(spec["tp_cpu_sets"][rank][tp_rank])
+    from taipan.actors.gpu.follower import FollowerActor
+    from taipan.actors.gpu.peers import TPSetup
+
+    ctx = zmq.asyncio.Context()
+    rec = _recorder(spec, f"gpu-{rank}-tp{tp_rank}")
+    addresses = spec["tp_addresses"][rank]
+    plans = make_socket(ctx, zmq.SUB, addresses["plans"], bind=False, name="plans", recorder=rec)
+    reports = make_socket(
+        ctx, zmq.PUSH, addresses["reports"], bind=False, name="reports", recorder=rec
+    )
+    setup = TPSetup(tp_rank, _tensor_parallel(spec), addresses["init"])
+    try:
+        actor = FollowerActor(rank, plans, reports, setup, spec["tp_devices"][rank][tp_rank])
+        await actor.run()
+    finally:
+        plans.close()
+        reports.close()
+        ctx.term()
+        if rec is not None:
+            rec.close()
 
 
 def main(argv: list[str]) -> None:
@@ -223,18 +356,24 @@ def main(argv: list[str]) -> None:
         run = coordinator_main(spec)
     elif role == "engine":
         run = engine_main(spec, int(argv[2]))
+    elif role == "tp-follower":
+        run = tp_follower_main(spec, int(argv[2]), int(argv[3]))
     elif role == "http":
         from taipan.http_server import http_main
 
         run = http_main(spec)
     else:
         raise SystemExit(f"unknown role {role!r}")
+    code = 0
     try:
         uvloop.run(run)
     except* FatalError as group:
         for e in _leaves(group):
             get_logger(process=role).critical("exiting", reason=str(e))
-        sys.exit(EXIT_FATAL)
+        code = EXIT_FATAL
+    if role in ("engine", "tp-follower") and _tensor_parallel(spec) > 1:
+        _exit_now(code)
+    sys.exit(code)
 
 
 def _leaves(group: BaseExceptionGroup):

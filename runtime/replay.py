@@ -22,6 +22,7 @@ import dataclasses
 import heapq
 import json
 import os
+import re
 import sys
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -277,11 +278,14 @@ class Divergence:
     replayed: str
 
 
-# Actors without a checker, and why. A check that could not run is reported, never a pass.
+# Actors without a checker, and why (the first whose pattern matches the whole name). A check
+# that could not run is reported, never a pass.
 UNCHECKED = {
-    "gpu": "it computes; its outputs depend on the weights, so replay checks the actors that "
+    r"gpu-\d+-tp\d+": "a tensor-parallel follower: it runs its leader's messages (the engine's "
+    "plans) and computes; its outputs depend on the weights",
+    r"gpu.*": "it computes; its outputs depend on the weights, so replay checks the actors that "
     "decide (engine, allocator, coordinator), not the one that computes",
-    "client": "no checker: clients are user code",
+    r"client.*": "no checker: clients are user code",
 }
 
 
@@ -312,7 +316,7 @@ def check(
         else:
             make = _prefixed(CHECKERS, name)
             if make is None:
-                why = next((w for p, w in UNCHECKED.items() if name.startswith(p)), "no checker")
+                why = next((w for p, w in UNCHECKED.items() if re.fullmatch(p, name)), "no checker")
                 print(f"{name}: not checked ({why})")
                 unchecked.append(name)
                 continue

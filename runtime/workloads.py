@@ -297,19 +297,21 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
             row["graphs_speedup"] = row["ours_eager_ms"] / step
         if row.get("ours_serial_ms"):
             row["overlap_speedup"] = row["ours_serial_ms"] / step
-    # The floor: one step reads the weights once and the batch's KV at mid-generation.
+    # The floor: one step reads the weights once and the batch's KV at mid-generation; under
+    # tensor parallelism each of the T devices reads its 1/T of both, at once.
     context = args.prompt_len + args.output_len / 2
     kv_bytes = b * context * hw["kv_bytes_per_token"]
+    tp = getattr(args, "tensor_parallel_size", 1)
     row.update(
         params=hw["params"],
         weight_bytes=hw["weight_bytes"],
         kv_bytes=int(kv_bytes),
         copy_gib=args.copy_gib,
         copy_gb_s=hw["copy_gb_s"],
-        floor_ms=1e3 * (hw["weight_bytes"] + kv_bytes) / (hw["copy_gb_s"] * 1e9),
+        floor_ms=1e3 * (hw["weight_bytes"] + kv_bytes) / tp / (hw["copy_gb_s"] * 1e9),
         matmul_tflop_s=hw["matmul_tflop_s"],
         # 2 FLOPs per weight read and token (attention's own FLOPs left out: small here).
-        compute_floor_ms=1e3 * 2 * hw["read_params"] * b / (hw["matmul_tflop_s"] * 1e12),
+        compute_floor_ms=1e3 * 2 * hw["read_params"] * b / tp / (hw["matmul_tflop_s"] * 1e12),
     )
     row["step_vs_floor"] = step / row["floor_ms"]
     if not args.device.startswith("cuda"):

@@ -138,7 +138,6 @@ def test_ranks_get_their_own_cores_and_devices():
 def test_refusals(model_path):
     for kw, text in [
         (dict(data_parallel_size=0), "data_parallel_size must be an int >= 1"),
-        (dict(tensor_parallel_size=2), "tensor parallelism is not built yet"),
         (dict(expert_parallel_size=2), "expert parallelism is not built yet"),
         (dict(data_parallel_size=2, direct=True), "direct mode drives one engine rank"),
     ]:

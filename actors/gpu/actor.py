@@ -13,6 +13,12 @@ replies go out in the order the plans came. Load and controls wait until every l
 answered, and run in the forward's thread, so they never overlap a step. A failed load, step
 or control becomes an error reply, a StepResult or a GpuControlReply with `error` set; the actor
 keeps serving.
+
+Tensor parallel (`tp` and `followers`; actors/gpu/peers.py): this actor is its rank's leader. It
+joins the rank's group at load, publishes every LoadModel, StepPlan and GpuControl to its
+followers before running it, and answers a load or control only once every follower has (a
+failure anywhere is the rank's). A step that raises ends the process (FatalError), as does a
+control the peers disagree on: they could no longer be known to run the same collectives.
 """
 
 from __future__ import annotations
@@ -22,26 +28,58 @@ import concurrent.futures
 
 import numpy as np
 
-from taipan.actors.base import Actor
+from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
+from taipan.actors.gpu.peers import (
+    OWN_FAILURE_GRACE_S,
+    Followers,
+    PeerError,
+    TPSetup,
+    first_failure,
+)
 from taipan.messages.common import ErrorReply
-from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel, StepPlan, StepResult
+from taipan.messages.gpu import (
+    GpuControl,
+    GpuControlReply,
+    LoadModel,
+    PeerHello,
+    PeerOutcome,
+    StepPlan,
+    StepResult,
+)
 
 
 class GpuActor(Actor):
-    def __init__(self, rank: int, channel: Channel):
-        super().__init__(f"gpu-{rank}")
+    def __init__(
+        self,
+        rank: int,
+        channel: Channel,
+        *,
+        tp: TPSetup | None = None,
+        followers: Followers | None = None,
+        name: str | None = None,
+    ):
+        super().__init__(name or f"gpu-{rank}")
         from taipan.actors.gpu.worker import MAX_LAUNCHED, ModelWorker  # torch loads here
 
         self.worker = ModelWorker()
         self.executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=self.name)
         self.collector = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="collect")
-        self.launched: asyncio.Queue = asyncio.Queue()  # (envelope, handle), in plan order
+        # (envelope, plan, handle, raised), in plan order; raised: the launch threw
+        self.launched: asyncio.Queue = asyncio.Queue()
         self.room = asyncio.Semaphore(MAX_LAUNCHED)
+        self.tp_setup = tp  # None: no tensor parallelism
+        self.tp_size = tp.size if tp is not None else 1
+        self.tp_group = None  # joined at the first load
+        self.followers = followers
         self.serve(channel)
         self.on(LoadModel, self.on_load)
         self.on(StepPlan, self.on_step)
         self.on(GpuControl, self.on_control)
+        if followers is not None:
+            self.serve(followers.reports)
+            self.on(PeerHello, followers.on_hello)
+            self.on(PeerOutcome, followers.on_outcome)
 
     async def started(self) -> None:
         self.spawn(self._answer_steps())
@@ -49,20 +87,74 @@ class GpuActor(Actor):
     async def _in_thread(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
 
+    async def _answer(self, env: Envelope, reply) -> None:
+        """Send a reply to the engine (a follower sends its outcomes to its leader instead)."""
+        await env.reply(reply)
+
+    def _fatal(self, why: str) -> None:
+        """End this actor, and with it the process (runtime/procs.py exits non-zero)."""
+
+        async def fail():
+            raise FatalError(f"{self.name}: {why}")
+
+        self.spawn(fail())
+
+    # --- load ---------------------------------------------------------------------------------
+
+    def _load(self, msg: LoadModel):
+        """In the forward's thread: join the rank's group (the first time), then load."""
+        from taipan.actors.gpu.worker import check_device
+        from taipan.ops.parallel import SINGLE
+
+        tp = SINGLE
+        if self.tp_setup is not None:
+            if self.tp_group is None:
+                import torch
+
+                check_device(torch.device(msg.device))  # before NCCL picks the device
+                self.tp_group = self.tp_setup.join(msg.device)
+            tp = self.tp_group
+        return self.worker.load(msg, tp=tp)
+
+    async def _load_everywhere(self, msg: LoadModel):
+        """Load here and on every follower; raises what failed (a follower's as soon as it
+        does: this peer may then wait in a collective for it)."""
+        if self.followers is None:
+            return await self._in_thread(self._load, msg)
+        answers = await self.followers.publish_expecting(msg, "load", early=True)
+        own = asyncio.get_running_loop().run_in_executor(self.executor, self._load, msg)
+        # Marked retrieved: its outcome may no longer matter (a peer failed, or we stop).
+        own.add_done_callback(lambda f: f.cancelled() or f.exception())
+        await asyncio.wait({own, answers}, return_when=asyncio.FIRST_COMPLETED)
+        if answers.done() and (failure := first_failure(answers.result())):
+            # A failure every peer meets (a model that does not split) is best told as ours;
+            # a peer's own (its device) as its. Ours may instead be blocked in a collective.
+            await asyncio.wait({own}, timeout=OWN_FAILURE_GRACE_S)
+            if own.done() and own.exception() is not None:
+                raise own.exception()
+            raise PeerError(failure)
+        loaded = await own
+        failure = first_failure(await self.followers.gather(answers, "load"))
+        if failure:
+            raise PeerError(failure)
+        return loaded
+
     async def on_load(self, env: Envelope, msg: LoadModel) -> None:
         await self.launched.join()
         try:
-            reply = await self._in_thread(self.worker.load, msg)
+            reply = await self._load_everywhere(msg)
         except Exception as e:
             self.log.error("load failed", model=msg.model, error=str(e))
             reply = ErrorReply("load_failed", f"cannot load {msg.model}: {e}", None)
         else:
+            await self._bind_threads()
             self.log.info(
                 "kv cache",
                 blocks=reply.num_blocks,
                 tokens=reply.num_blocks * reply.block_size,
                 bytes=reply.num_blocks * reply.block_bytes,
                 sized_by=self.worker.kv_budget_source,
+                tp_size=self.tp_size,
             )
             graphs = self.worker.graphs
             if graphs is not None:
@@ -72,13 +164,27 @@ class GpuActor(Actor):
                     mixed=[b.tokens for b in graphs.mixed],
                     capture_seconds=round(self.worker.graph_capture_seconds, 2),
                 )
-        await env.reply(reply)
+        await self._answer(env, reply)
+
+    async def _bind_threads(self) -> None:
+        """Make the loaded device current in the threads that launch (this one, for inline
+        launches) and collect; the forward's thread made it current at load."""
+        from taipan.actors.gpu.worker import use_device
+
+        device = self.worker.device
+        use_device(device)
+        await asyncio.get_running_loop().run_in_executor(self.collector, use_device, device)
+
+    # --- steps --------------------------------------------------------------------------------
 
     async def on_step(self, env: Envelope, msg: StepPlan) -> None:
         """Launch the step and queue it for `_answer_steps`; returns without waiting for the
         device (unless MAX_LAUNCHED steps are already launched)."""
         await self.room.acquire()
+        if self.followers is not None:
+            await self.followers.publish(msg)
         no_tokens = np.full(len(msg.sample), -1, dtype=np.int32)
+        raised = False
         if self.worker.model is None:
             handle = StepResult(msg.step, no_tokens, "no model is loaded", 0.0)
         else:
@@ -90,39 +196,76 @@ class GpuActor(Actor):
             except Exception as e:
                 self.log.exception("step failed", step=msg.step)
                 handle = StepResult(msg.step, no_tokens, f"{type(e).__name__}: {e}", 0.0)
-        self.launched.put_nowait((env, msg, handle))
+                raised = True
+        self.launched.put_nowait((env, msg, handle, raised))
 
     async def _answer_steps(self) -> None:
         """Collect the launched steps in order and answer each."""
         loop = asyncio.get_running_loop()
         while True:
-            env, plan, handle = await self.launched.get()
+            env, plan, handle, raised = await self.launched.get()
             try:
                 reply = await loop.run_in_executor(self.collector, self.worker.collect, handle)
             except Exception as e:
                 self.log.exception("step failed", step=plan.step)
                 no_tokens = np.full(len(plan.sample), -1, dtype=np.int32)
                 reply = StepResult(plan.step, no_tokens, f"{type(e).__name__}: {e}", 0.0)
+                raised = True
             finally:
                 self.room.release()
+            if raised and self.tp_size > 1:
+                # Unanswered: the rank ends, and the coordinator fails its requests as a dead
+                # rank's (a peer that died mid-collective also lands here, or its watcher ends
+                # the process first: either way the requests see the same error).
+                raise FatalError(
+                    f"{self.name}: step {plan.step} failed under tensor parallelism "
+                    f"({reply.error}); the rank's peers can no longer be known to run the same "
+                    "collectives"
+                )
             try:
-                await env.reply(reply)
+                await self._answer(env, reply)
             except Exception:  # the engine shares this process: only a broken socket gets here
                 self.log.exception("could not answer a step", step=plan.step)
             finally:
                 self.launched.task_done()
 
-    async def on_control(self, env: Envelope, msg: GpuControl) -> None:
-        await self.launched.join()  # every launched step is answered first
+    # --- controls -----------------------------------------------------------------------------
+
+    def _control(self, msg: GpuControl) -> GpuControlReply:
+        """In the forward's thread: apply the control; any failure is the reply's `error`."""
         try:
-            reply = await self._in_thread(self.worker.control, msg)
+            return self.worker.control(msg)
         except Exception as e:  # the worker answers expected failures itself; this is the rest
             self.log.exception("control failed", command=msg.command)
             error = f"{type(e).__name__}: {e}"
-            reply = GpuControlReply(
+            return GpuControlReply(
                 msg.command, error, self.worker.kv_valid, self.worker.weight_version
             )
-        await env.reply(reply)
+
+    async def _control_everywhere(self, msg: GpuControl) -> GpuControlReply:
+        if self.followers is None:
+            return await self._in_thread(self._control, msg)
+        command = str(msg.command)
+        answers = await self.followers.publish_expecting(msg, command, early=False)
+        reply = await self._in_thread(self._control, msg)
+        try:
+            errors = await self.followers.gather(answers, command)
+        except PeerError as e:
+            self._fatal(f"{command}: {e}")
+            return GpuControlReply(msg.command, str(e), reply.kv_valid, reply.weight_version)
+        failure = first_failure(errors)
+        if (reply.error is None) != (failure is None):
+            # One peer applied it and another did not: their next steps would differ.
+            why = f"leader: {reply.error or 'ok'}; {failure or 'followers: ok'}"
+            self._fatal(f"the tensor-parallel peers disagree on {command} ({why})")
+            return GpuControlReply(
+                msg.command, f"peers disagree: {why}", reply.kv_valid, reply.weight_version
+            )
+        return reply
+
+    async def on_control(self, env: Envelope, msg: GpuControl) -> None:
+        await self.launched.join()  # every launched step is answered first
+        await self._answer(env, await self._control_everywhere(msg))
 
     async def stopping(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)

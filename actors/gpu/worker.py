@@ -117,9 +117,9 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def _check_device(device: torch.device) -> None:
-    """A clear error for a CUDA device this process cannot see (a data-parallel rank r runs on
-    cuda:r, so N ranks need N GPUs)."""
+def check_device(device: torch.device) -> None:
+    """A clear error for a CUDA device this process cannot see (data-parallel rank r with
+    tensor-parallel size T runs its peers on GPUs r*T .. r*T+T-1, so N ranks need N*T GPUs)."""
     if device.type != "cuda":
         return
     if not torch.cuda.is_available():
@@ -128,8 +128,15 @@ def _check_device(device: torch.device) -> None:
     if device.index is not None and device.index >= count:
         raise ValueError(
             f"device {device} does not exist: {count} CUDA device(s) visible (data-parallel "
-            "rank r runs on the r-th GPU from the one named)"
+            "rank r with tensor-parallel size T runs on GPUs r*T .. r*T+T-1 from the one named)"
         )
+
+
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device (nothing elsewhere): streams,
+    events and graph launches go to the current device, and every thread starts on cuda:0."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
 
 
 def kv_budget(
@@ -262,7 +269,8 @@ class ModelWorker:
             raise ValueError(f"dtype {msg.dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[msg.dtype]
         self.device = torch.device(msg.device)
-        _check_device(self.device)
+        check_device(self.device)
+        use_device(self.device)
         model, config, tokenizer = load_model(msg.model, dtype=dtype, device=self.device, tp=tp)
         self.tp = tp
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, tp)
