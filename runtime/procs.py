@@ -277,7 +277,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         ""
         if config.mamba_inference_state_config is None
         else json.dumps(config.mamba_inference_state_config),
-        spec["num_ranks"] * tp,  # every process of this launcher's ranks shares the host's memory
+        spec["ranks_on_host"] * tp,  # every process of the ranks on this host shares its memory
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [mamba_side, to_mamba] if hybrid else []
