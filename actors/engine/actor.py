@@ -29,6 +29,13 @@ step) fails the requests of that step, each with its terminal output, and the en
 serving; the exception is logged once with its traceback. If even that is impossible (the
 scheduler itself broke), the engine fails every request it holds and ends its process with a
 `FatalError` (runtime/procs.py exits non-zero): the coordinator sees the rank die.
+Expert parallelism (`ep`, an EpGroup of more than one rank): the engines of the group must step
+together (their gpu actors exchange tokens inside every MoE layer), so the step loop is
+actors/engine/ep.py's EpDriver, which agrees with the peers over ZMQ before stepping (idle ranks
+run dummy steps), and PAUSE completes only once the whole group stopped in the same step and met
+at a barrier. A peer that dies, breaks the protocol or stays silent past a bound ends this rank
+too (its requests fail naming the peer), and a step whose forward fails ends it (the group's
+collectives can no longer be trusted); STOP tells the peers first (EpBye).
 The engine sends the coordinator a Heartbeat every HEARTBEAT_S seconds, which the coordinator
 answers. An engine started on its own (`taipan serve --role engine`, on another host than its
 coordinator) watches those answers: a coordinator silent for `coordinator_timeout` seconds, or
@@ -47,6 +54,7 @@ import numpy as np
 from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.config import InferenceConfig
+from taipan.actors.engine.ep import EpDriver, EpGroup, GroupError
 from taipan.actors.engine.plan import (
     BootError,
     block_ops,
@@ -61,7 +69,8 @@ from taipan.actors.engine.plan import (
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOpsReply
-from taipan.messages.common import ErrorReply, Heartbeat, Hello
+from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
+from taipan.messages.consensus import EpBarrier, EpBye, EpHello, EpOutcome, EpVote
 from taipan.messages.gpu import (
     GpuCommand,
     GpuControl,
@@ -114,6 +123,7 @@ class EngineActor(Actor):
         mamba: Channel | None = None,
         *,
         coordinator_timeout: float | None = None,
+        ep: EpGroup | None = None,
     ):
         super().__init__(f"engine-{rank}")
         self.coordinator_timeout = coordinator_timeout  # None: the coordinator is not watched
@@ -136,7 +146,19 @@ class EngineActor(Actor):
         self.steps_total = 0
         self.steps_graphed = 0
         overlap = config.overlap_steps
-        self.overlap = load.device.startswith("cuda") if overlap is None else overlap
+        if overlap is None:  # synchronous rounds need steps that do not overlap (ep.py)
+            overlap = load.device.startswith("cuda") and not config.use_synchronous_zmq_collectives
+        self.overlap = overlap
+        self.pause_waiters: list[Envelope] = []  # expert parallel: pauses the group owes
+        self.ep, self.ep_driver = ep, None
+        if ep is not None:
+            interval, disabled = config.ep_consensus_interval, config.disable_ep_consensus
+            self.ep_driver = EpDriver(self, ep, interval, disabled)
+            ep.synchronous = config.use_synchronous_zmq_collectives
+            ep.take_now = self._take_ep_now
+            self.serve(ep.inbox)
+            for msg_type in (EpHello, EpVote, EpBarrier, EpOutcome, EpBye, PeerGone):
+                self.on(msg_type, self.on_ep_message)
         self.serve(coord)
         for msg_type, handler in [
             (EngineSubmit, self.on_submit),
@@ -158,6 +180,29 @@ class EngineActor(Actor):
         if env.channel is self.coord:
             self.coord_heard = time.monotonic()
         await super().dispatch(env)
+
+    async def on_ep_message(self, env: Envelope, msg) -> None:
+        """A peer's round message, its EpBye, or its closed connection (PeerGone)."""
+        try:
+            if isinstance(msg, PeerGone):
+                self.ep.peer_gone(env.sender, msg.reason)
+            else:
+                self.ep.deliver(msg)
+        except GroupError as e:
+            self.spawn(self._die(str(e)))
+
+    def _take_ep_now(self, env: Envelope) -> None:
+        """A synchronous round read `env` off the consensus inbox itself (actors/engine/ep.py);
+        as `dispatch` then `on_ep_message` would, without yielding. GroupError propagates."""
+        self.now = env.time
+        if env.error is not None:
+            self.ep.deliver_bad(str(env.error))
+        elif isinstance(env.msg, PeerGone):
+            self.ep.peer_gone(env.sender, env.msg.reason)
+        elif isinstance(env.msg, EpHello | EpVote | EpBarrier | EpOutcome | EpBye):
+            self.ep.deliver(env.msg)
+        else:
+            self.log.warning("unexpected message on the consensus inbox", msg=type(env.msg))
 
     async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
         pass  # the coordinator's answer: dispatch noted that it is alive
@@ -225,7 +270,13 @@ class EngineActor(Actor):
         self.scheduler = new_scheduler(self.config, plan)
         self.log.info("engine ready", num_blocks=plan.num_blocks, max_tokens=plan.max_tokens)
         await self.coord.send(loaded)
-        await self._step_loop()
+        if self.ep_driver is None:
+            await self._step_loop()
+            return
+        try:
+            await self.ep_driver.run()
+        except GroupError as e:
+            await self._die(str(e))
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -254,6 +305,8 @@ class EngineActor(Actor):
         async with self.control_lock, self._between_steps():  # steps in flight end and report
             if self.scheduler is not None:
                 await self._emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
+            if self.ep is not None:
+                await self.ep.bye("stopped")  # its closed connection is no crash to the peers
             await self.coord.send(StopAck(self.name))
             self.stop()
 
@@ -319,6 +372,16 @@ class EngineActor(Actor):
 
     async def on_pause(self, env: Envelope, msg: Pause) -> None:
         if await self._refuse(env, ControlCommand.PAUSE, LifecycleState.RUNNING):
+            return
+        if self.ep_driver is not None:
+            # The group pauses together: the step loop votes this flag and acks once every
+            # rank has (actors/engine/ep.py).
+            if self.pause_waiters:
+                text = f"{self.name}: pause is already waiting for the expert-parallel group"
+                await env.reply(ErrorReply("illegal_transition", text, None))
+                return
+            self.pause_waiters.append(env)
+            self.work.set()
             return
         self.state = LifecycleState.PAUSED  # no new step starts from now on
         self._control_task(self._pause_after_step(env))
@@ -541,6 +604,9 @@ class EngineActor(Actor):
             outputs = sched.update(batch, result, self.now)
         except Exception as e:
             outputs = await self._failed(batch, e)
+            if self.ep is not None:  # the group's collectives may be out of step now
+                await self._emit_or_die(batch, outputs)
+                await self._die(f"step {batch.step} failed under expert parallelism: {e}")
         await self._emit_or_die(batch, outputs)
         self.tokens_last_step = batch.num_tokens
         interval = self.config.logging_step_interval

@@ -1,0 +1,196 @@
+"""Engines of one expert-parallel group in one process (tests/ep_harness.py: real engine and
+allocator actors, real consensus sockets, fake gpu actors whose forwards must meet like the MoE
+exchange's collectives): they step in lockstep, an idle rank runs dummy steps while its peer
+works and consults every step, busy ranks consult every `ep_consensus_interval` steps, pausing
+mid-generation completes on both ranks, and nothing deadlocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from taipan.actors.config import InferenceConfig
+from taipan.messages.common import ErrorReply
+from taipan.messages.lifecycle import ControlAck, Pause, Unpause
+from taipan.messages.requests import FinishReason
+from taipan.messages.stats import GetStats, Stats
+from tests.ep_harness import ep_group, expected_tokens
+
+CONFIG = dict(block_size_tokens=16, max_sequence_length=256, buffer_size_gb=0.01)
+
+
+def _config(**kw) -> InferenceConfig:
+    return InferenceConfig(**(CONFIG | kw))
+
+
+def _votes(group) -> list[int]:
+    return [e.ep.rounds for e in group.engines]
+
+
+@pytest.mark.asyncio
+async def test_a_busy_rank_and_an_idle_one_step_in_lockstep_for_200_steps():
+    """Rank 0 decodes 200 tokens, rank 1 has nothing: rank 1 runs one dummy forward per step
+    of rank 0, both consult every step (a rank is idle), and both go idle after. (Synchronous
+    rounds block their event loop, which these ranks share: tests/test_e2e_ep.py runs them.)"""
+    async with ep_group(_config(ep_consensus_interval=20)) as g:
+        rounds_before = _votes(g)
+        await g.submit(0, 1, max_tokens=200)
+        [out] = (await g.terminal({1}, timeout=60)).values()
+        assert out.finish_reason is FinishReason.LENGTH
+        assert out.new_token_ids.tolist() == expected_tokens(6, 200)
+        await g.idle()
+        assert not g.lockstep.stalls
+        assert g.lockstep.kinds(0) == ["real"] * 200
+        assert g.lockstep.kinds(1) == ["dummy"] * 200
+        # One round before each step (rank 1 idle: every step), one to find the group idle.
+        rounds = [after - before for after, before in zip(_votes(g), rounds_before, strict=True)]
+        assert rounds[0] == rounds[1] and 200 <= rounds[0] <= 202
+        assert g.engines[1].ep_driver.dummy_steps == 200
+
+
+@pytest.mark.asyncio
+async def test_busy_ranks_consult_every_interval_steps():
+    interval = 7
+    async with ep_group(_config(ep_consensus_interval=interval)) as g:
+        await g.send(0, Pause(""))
+        await g.send(1, Pause(""))
+        await g.recv(ControlAck, rank=0)
+        await g.recv(ControlAck, rank=1)
+        before = _votes(g)
+        await g.submit(0, 1, max_tokens=70)
+        await g.submit(1, 2, max_tokens=70)
+        await g.send(0, Unpause(""))
+        await g.send(1, Unpause(""))
+        done = await g.terminal({1, 2}, timeout=60)
+        assert all(o.new_token_ids.tolist() == expected_tokens(6, 70) for o in done.values())
+        await g.idle()
+        assert g.lockstep.kinds(0) == g.lockstep.kinds(1) == ["real"] * 70
+        rounds = [after - before for after, before in zip(_votes(g), before, strict=True)]
+        # 70 busy steps: a round every 7 (10), plus the rounds that find work and then idleness.
+        assert rounds[0] == rounds[1] and 70 // interval <= rounds[0] <= 70 // interval + 3
+        assert not g.lockstep.stalls
+
+
+@pytest.mark.asyncio
+async def test_pause_mid_generation_completes_on_both_ranks_and_unpause_finishes():
+    async with ep_group(_config(ep_consensus_interval=5), step_delay=0.004) as g:
+        await g.submit(0, 1, max_tokens=120)
+        await g.submit(1, 2, max_tokens=40)
+        await asyncio.sleep(0.2)  # mid-generation
+        await g.send(0, Pause(""))
+        await asyncio.sleep(0.1)  # rank 1 hears of it later: the group waits for it
+        await g.send(1, Pause(""))
+        acks = [await g.recv(ControlAck, rank=r) for r in (0, 1)]
+        assert [a.state for _, a in acks] == ["PAUSED", "PAUSED"]
+        steps = list(g.lockstep.count.values())
+        await asyncio.sleep(0.3)
+        assert list(g.lockstep.count.values()) == steps  # nothing steps while paused
+        assert steps[0] == steps[1] and 0 < steps[0] < 120  # stopped together, mid-way
+        await g.send(0, GetStats())
+        _, stats = await g.recv(Stats, rank=0)
+        assert stats.state == "PAUSED" and stats.ranks[0].running == 1
+        await g.send(0, Unpause(""))
+        await g.send(1, Unpause(""))
+        done = await g.terminal({1, 2}, timeout=60)
+        assert done[1].new_token_ids.tolist() == expected_tokens(6, 120)
+        assert done[2].new_token_ids.tolist() == expected_tokens(6, 40)
+        assert not g.lockstep.stalls
+
+
+@pytest.mark.asyncio
+async def test_an_idle_group_pauses_at_once_and_a_second_pause_is_refused():
+    async with ep_group(_config()) as g:
+        await g.send(0, Pause(""))
+        await g.send(0, Pause(""))
+        _, refused = await g.recv(ErrorReply, rank=0)
+        assert refused.code == "illegal_transition"
+        await g.send(1, Pause(""))
+        for r in (0, 1):
+            _, ack = await g.recv(ControlAck, rank=r)
+            assert ack.state == "PAUSED"
+        assert g.lockstep.log == []  # an idle group never forwards
+
+
+@pytest.mark.asyncio
+async def test_work_arriving_at_either_rank_wakes_the_group():
+    async with ep_group(_config()) as g:
+        for rank, rid in ((1, 5), (0, 6), (1, 7)):
+            await g.submit(rank, rid, max_tokens=3)
+            [out] = (await g.terminal({rid})).values()
+            assert out.new_token_ids.tolist() == expected_tokens(6, 3)
+        kinds = list(zip(g.lockstep.kinds(0), g.lockstep.kinds(1), strict=True))
+        assert kinds == [("dummy", "real")] * 3 + [("real", "dummy")] * 3 + [("dummy", "real")] * 3
+
+
+@pytest.mark.asyncio
+async def test_with_consensus_disabled_idle_ranks_run_dummy_steps_and_pause_still_agrees():
+    async with ep_group(_config(disable_ep_consensus=True, ep_consensus_interval=4)) as g:
+        await g.submit(0, 1, max_tokens=10)
+        [out] = (await g.terminal({1})).values()
+        assert out.new_token_ids.tolist() == expected_tokens(6, 10)
+        await asyncio.sleep(0.1)
+        assert g.lockstep.count[0] > 10  # kept stepping (dummy) after its work ran out
+        await g.send(0, Pause(""))
+        await g.send(1, Pause(""))
+        for r in (0, 1):
+            _, ack = await g.recv(ControlAck, rank=r)
+            assert ack.state == "PAUSED"
+        counts = dict(g.lockstep.count)
+        await asyncio.sleep(0.2)
+        assert g.lockstep.count == counts and counts[0] == counts[1]
+        assert not g.lockstep.stalls
+
+
+def test_synchronous_rounds_refuse_overlapping_steps():
+    from taipan.actors.config import ConfigError
+
+    with pytest.raises(ConfigError, match="overlap_steps"):
+        _config(use_synchronous_zmq_collectives=True, overlap_steps=True)
+
+
+@pytest.mark.asyncio
+async def test_replay_check_follows_the_consensus_rounds(tmp_path):
+    """Both ranks' engine logs, with their rounds, dummy steps and a pause mid-generation,
+    replay without divergence; a log missing one peer vote diverges at the step after it."""
+    import json
+
+    from taipan.actors.record import Recorder, read_log
+    from taipan.replay import check_engine
+
+    config = _config(ep_consensus_interval=3)
+    (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
+    recorders = {r: Recorder(str(tmp_path), f"engine-{r}") for r in (0, 1)}
+    try:
+        async with ep_group(config, record=recorders, step_delay=0.003) as g:
+            await g.submit(0, 1, max_tokens=60)
+            await g.submit(1, 2, max_tokens=8)
+            await asyncio.sleep(0.05)
+            for r in (0, 1):
+                await g.send(r, Pause(""))
+            for r in (0, 1):
+                await g.recv(ControlAck, rank=r)
+            await g.submit(1, 3, max_tokens=5)  # queued while paused
+            for r in (0, 1):
+                await g.send(r, Unpause(""))
+            await g.terminal({1, 2, 3}, timeout=60)
+            await g.idle()
+    finally:
+        for rec in recorders.values():
+            rec.close()
+    for r in (0, 1):
+        records = list(read_log(tmp_path / f"engine-{r}.tplog"))
+        div, note = check_engine(records, tmp_path)
+        assert div is None, div
+        assert "steps re-planned" in note
+        assert any(rec.channel == "ep" for rec in records)
+    records = list(read_log(tmp_path / "engine-1.tplog"))
+    from taipan.messages import decode
+    from taipan.messages.consensus import EpVote
+
+    votes = [i for i, rec in enumerate(records) if rec.channel == "ep" and rec.direction == "in"
+             and isinstance(decode(rec.frames), EpVote)]  # fmt: skip
+    del records[votes[3]]
+    div, _ = check_engine(records, tmp_path)
+    assert div is not None and "consensus round" in div.what
