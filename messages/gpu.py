@@ -57,6 +57,13 @@ class LoadModel:
     # Engine ranks that share this host's memory (data parallel on one machine): the CPU
     # default KV budget (kv_cache_gb None) is split between them.
     ranks_on_host: int = 1
+    # Expert parallelism: this gpu actor's rank in its group of `expert_parallel_size` ranks
+    # (1: none), which meet at `expert_parallel_init` (a torch.distributed init_method). Each
+    # holds its share of the experts and exchanges tokens with the others in every MoE layer
+    # (ops/expert_parallel.py); a StepPlan with no sequence is then a dummy step.
+    expert_parallel_rank: int = 0
+    expert_parallel_size: int = 1
+    expert_parallel_init: str = ""
 
 
 @message(121)
@@ -82,7 +89,9 @@ class ModelLoaded:
 @message(122)
 class StepPlan:
     """One forward over B sequences and T tokens (varlen, no padding). Sequences with one query
-    token (decode rows) come first, then those with more (prefill chunks).
+    token (decode rows) come first, then those with more (prefill chunks). B = 0 (and T = 0):
+    a dummy step, only under expert parallelism (the rank has no work in a step its group
+    takes; the forward runs padding rows through every MoE exchange).
 
     input_ids int32[T], positions int32[T], slot_mapping int64[T];
     query_start_loc int32[B+1], seq_lens int32[B] (context after this step), block_tables
