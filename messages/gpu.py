@@ -16,11 +16,17 @@ from taipan.messages.requests import empty_array_field
 
 
 class GpuCommand(enum.StrEnum):
-    """What a GpuControl asks of the gpu actor (between steps)."""
+    """What a GpuControl asks of the gpu actor (between steps). An update in two phases (an
+    expert-parallel group commits only once every rank has staged): STAGE_WEIGHTS checks and
+    holds the new weights as UPDATE_WEIGHTS would, changing nothing; COMMIT_WEIGHTS copies them
+    in; DISCARD_WEIGHTS drops them."""
 
     SUSPEND = "suspend"
     RESUME = "resume"
     UPDATE_WEIGHTS = "update_weights"
+    STAGE_WEIGHTS = "stage_weights"
+    COMMIT_WEIGHTS = "commit_weights"
+    DISCARD_WEIGHTS = "discard_weights"
 
 
 @message(120)

@@ -88,6 +88,7 @@ class FakeGpu(Actor):
         self.rank, self.lockstep = rank, lockstep
         self.controls: list[GpuControl] = []
         self.fail_control: str | None = None  # the next control's error (tests)
+        self.weight_version = 0
         self.serve(channel)
         self.on(LoadModel, self.on_load)
         self.on(StepPlan, self.on_step)
@@ -110,7 +111,9 @@ class FakeGpu(Actor):
     async def on_control(self, env: Envelope, msg: GpuControl) -> None:
         self.controls.append(msg)
         error, self.fail_control = self.fail_control, None
-        await env.reply(GpuControlReply(msg.command, error, True, 0))
+        if error is None and msg.command in ("update_weights", "commit_weights"):
+            self.weight_version += 1
+        await env.reply(GpuControlReply(msg.command, error, True, self.weight_version))
 
 
 @dataclasses.dataclass

@@ -194,3 +194,46 @@ async def test_replay_check_follows_the_consensus_rounds(tmp_path):
     del records[votes[3]]
     div, _ = check_engine(records, tmp_path)
     assert div is not None and "consensus round" in div.what
+
+
+async def _control_all(g, msg) -> list:
+    for r in (0, 1):
+        await g.send(r, msg)
+    return [(await g.recv(ControlAck | ErrorReply, rank=r))[1] for r in (0, 1)]
+
+
+@pytest.mark.asyncio
+async def test_suspend_resume_and_update_weights_apply_to_every_rank_or_to_none():
+    from taipan.messages.lifecycle import Resume, Suspend, UpdateWeights
+
+    async with ep_group(_config()) as g:
+        assert all(isinstance(a, ControlAck) for a in await _control_all(g, Pause("")))
+        g.gpus[1].fail_control = "offload needs more host memory"
+        first, second = await _control_all(g, Suspend("", "offload"))
+        assert first.code == second.code == "control_failed"
+        assert "engine 1: offload needs more host memory" in first.text  # rank 0: undone
+        assert "undone here" in first.text and "offload needs more host memory" in second.text
+        assert [c.command for c in g.gpus[0].controls] == ["suspend", "resume"]
+        assert [c.command for c in g.gpus[1].controls] == ["suspend"]
+        # The group is PAUSED on both ranks: a suspend that works now works everywhere.
+        acks = await _control_all(g, Suspend("", "persist"))
+        assert [a.state for a in acks] == ["SUSPENDED", "SUSPENDED"]
+        # A weight update: staged on every rank, committed only if every rank staged it.
+        g.gpus[0].fail_control = "model.norm.weight: shape (3,), expected (64,)"
+        first, second = await _control_all(g, UpdateWeights("", "/nowhere", None))
+        assert "shape (3,)" in first.text and "engine 0: model.norm.weight" in second.text
+        assert [c.command for c in g.gpus[1].controls[-2:]] == ["stage_weights", "discard_weights"]
+        acks = await _control_all(g, UpdateWeights("", "/new", None))
+        assert [a.weight_version for a in acks] == [1, 1]
+        assert [c.command for c in g.gpus[0].controls[-2:]] == ["stage_weights", "commit_weights"]
+        g.gpus[0].fail_control = "cannot allocate the KV cache"
+        first, second = await _control_all(g, Resume(""))
+        assert "engine 0: cannot allocate" in second.text
+        assert [c.command for c in g.gpus[1].controls[-2:]] == ["resume", "suspend"]
+        assert g.gpus[1].controls[-1].mode == "persist"  # suspended again as it was
+        acks = await _control_all(g, Resume(""))
+        assert [a.state for a in acks] == ["PAUSED", "PAUSED"]
+        assert all(isinstance(a, ControlAck) for a in await _control_all(g, Unpause("")))
+        await g.submit(1, 9, max_tokens=4)
+        [out] = (await g.terminal({9})).values()
+        assert out.new_token_ids.tolist() == expected_tokens(6, 4)

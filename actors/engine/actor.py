@@ -12,7 +12,10 @@ that ends requests between steps), never one message per request.
 Lifecycle (the coordinator's FSM decides what is legal; the engine re-checks its own state):
 PAUSE stops planning, waits for the steps in flight and then acks (requests keep their KV,
 submissions queue); SUSPEND / RESUME / UPDATE_WEIGHTS go to the gpu actor (a "recompute"
-resume makes every request recompute its KV); UNPAUSE starts stepping again. Each is answered
+resume makes every request recompute its KV), under expert parallelism on every rank of the
+group or on none (`_group_control`: a rank that fails makes the others undo theirs; weights are
+staged everywhere and committed only once every rank staged them); UNPAUSE starts stepping
+again. Each is answered
 with a ControlAck. A control runs as a task of its own (in arrival order), so the receive loop
 keeps taking submissions, aborts and stats while a step finishes or weights load.
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
@@ -47,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
@@ -150,6 +154,7 @@ class EngineActor(Actor):
             overlap = load.device.startswith("cuda") and not config.use_synchronous_zmq_collectives
         self.overlap = overlap
         self.pause_waiters: list[Envelope] = []  # expert parallel: pauses the group owes
+        self.suspended_mode: KVCacheManagementMode | None = None  # of the last suspend
         self.ep, self.ep_driver = ep, None
         if ep is not None:
             interval, disabled = config.ep_consensus_interval, config.disable_ep_consensus
@@ -398,16 +403,67 @@ class EngineActor(Actor):
         await self._ack(env, ControlCommand.UNPAUSE)
 
     async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
-        """Run one gpu control call between steps; an error goes back to the coordinator."""
+        """Run one gpu control call between steps (under expert parallelism, on every rank of
+        the group or on none: `_group_control`); an error goes back to the coordinator."""
         async with self._between_steps():
-            try:
-                reply = await self._call(self.gpu, msg, GpuControlReply)
-            except EngineError as e:
-                reply = GpuControlReply(msg.command, str(e), True, self.weight_version)
+            if self.ep is None:
+                reply = await self._gpu_call(msg)
+            else:
+                reply = await self._group_control(command, msg)
         if reply.error is not None:
             await env.reply(ErrorReply("control_failed", f"{command}: {reply.error}", None))
             return None
         return reply
+
+    async def _gpu_call(self, msg: GpuControl) -> GpuControlReply:
+        """One call to the gpu actor (a failure comes back as the reply's error). A resume that
+        reports the KV contents gone makes every request recompute, whatever follows."""
+        try:
+            reply = await self._call(self.gpu, msg, GpuControlReply)
+        except EngineError as e:
+            return GpuControlReply(msg.command, str(e), True, self.weight_version)
+        if reply.error is None and reply.command == GpuCommand.RESUME and not reply.kv_valid:
+            self.scheduler.invalidate_kv()
+        return reply
+
+    async def _group_control(self, command: ControlCommand, msg: GpuControl) -> GpuControlReply:
+        """All or none over the expert-parallel group: apply the control here (a weight update
+        only staged), tell the peers how it went (an EpOutcome round), then keep it (commit
+        the weights) if every rank succeeded, else undo it here. The error of a failed round
+        names the ranks that failed."""
+        first = msg
+        if command is ControlCommand.UPDATE_WEIGHTS:
+            first = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
+        reply = await self._gpu_call(first)
+        try:
+            failed = await self.ep.outcome(command, reply.error)
+        except GroupError as e:
+            await self._die(str(e))
+        if not failed:
+            if command is ControlCommand.UPDATE_WEIGHTS:
+                commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
+                reply = await self._gpu_call(commit)
+                if reply.error is not None:  # the peers have committed: no way back
+                    await self._die(f"committing staged weights failed: {reply.error}")
+            return reply
+        undo = self._undo(command) if reply.error is None else None
+        if undo is not None:
+            undone = await self._gpu_call(undo)
+            if undone.error is not None:
+                await self._die(f"{command} failed on a peer and could not be undone here: "
+                                f"{undone.error}")  # fmt: skip
+        if self.rank in failed:
+            return reply
+        peers = "; ".join(f"engine {r}: {why}" for r, why in sorted(failed.items()))
+        text = f"undone here, expert-parallel peers failed ({peers})"
+        return GpuControlReply(msg.command, text, reply.kv_valid, self.weight_version)
+
+    def _undo(self, command: ControlCommand) -> GpuControl | None:
+        if command is ControlCommand.SUSPEND:
+            return GpuControl(GpuCommand.RESUME, None, None, None)
+        if command is ControlCommand.RESUME:
+            return GpuControl(GpuCommand.SUSPEND, self.suspended_mode, None, None)
+        return GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
 
     async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
         if await self._refuse(env, ControlCommand.SUSPEND, LifecycleState.PAUSED):
@@ -418,6 +474,7 @@ class EngineActor(Actor):
     async def _suspend(self, env: Envelope, control: GpuControl) -> None:
         if await self._gpu_control(env, ControlCommand.SUSPEND, control):
             self.state = LifecycleState.SUSPENDED
+            self.suspended_mode = control.mode
             await self._ack(env, ControlCommand.SUSPEND)
 
     async def on_resume(self, env: Envelope, msg: Resume) -> None:
@@ -428,9 +485,7 @@ class EngineActor(Actor):
     async def _resume(self, env: Envelope) -> None:
         control = GpuControl(GpuCommand.RESUME, None, None, None)
         reply = await self._gpu_control(env, ControlCommand.RESUME, control)
-        if reply is not None:
-            if not reply.kv_valid:
-                self.scheduler.invalidate_kv()
+        if reply is not None:  # (a resume that dropped the KV invalidated it: _gpu_call)
             self.state = LifecycleState.PAUSED
             await self._ack(env, ControlCommand.RESUME)
 

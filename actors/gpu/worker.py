@@ -273,6 +273,7 @@ class ModelWorker:
         self.tp = SINGLE  # this worker's tensor-parallel group (set at load)
         self.ep: EPGroup | None = None  # its expert-parallel group (set at load), None: none
         self.exchange = None  # the MoE layers' token exchange under expert parallelism
+        self._staged: list | None = None  # weights checked by STAGE_WEIGHTS, not yet copied in
 
     def load(self, msg: LoadModel, *, tp: TPGroup = SINGLE) -> ModelLoaded:
         """Load the model (this rank's shards under `tp`) and size the KV cache; every rank of
@@ -752,6 +753,9 @@ class ModelWorker:
             GpuCommand.SUSPEND: self._suspend,
             GpuCommand.RESUME: self._resume,
             GpuCommand.UPDATE_WEIGHTS: self._update_weights,
+            GpuCommand.STAGE_WEIGHTS: self._stage_weights,
+            GpuCommand.COMMIT_WEIGHTS: self._commit_weights,
+            GpuCommand.DISCARD_WEIGHTS: self._discard_weights,
         }
         try:
             if self.model is None:
@@ -829,19 +833,35 @@ class ModelWorker:
         return mode != Mode.RECOMPUTE
 
     def _update_weights(self, msg: GpuControl) -> bool:
+        self._stage_weights(msg)
+        return self._commit_weights(msg)
+
+    def _stage_weights(self, msg: GpuControl) -> bool:
+        """Check the new weights (every failure is here) and hold them; nothing changes."""
         if self.suspend_mode is None:
             raise ControlError("update_weights needs a suspended gpu worker; it is running")
         if (msg.path is None) == (msg.state is None):
             raise ControlError("update_weights needs exactly one of path and state")
+        self._staged = None
         if msg.path is not None:
-            updates = self._updates_from_path(msg.path)
+            self._staged = self._updates_from_path(msg.path)
         else:
-            updates = state_updates(msg.state, self.model)
+            self._staged = state_updates(msg.state, self.model)
+        return self.kv_valid
+
+    def _commit_weights(self, msg: GpuControl) -> bool:
+        if self._staged is None:
+            raise ControlError("commit_weights: no weights are staged")
+        updates, self._staged = self._staged, None
         params = self.model.state_dict()  # views of the live parameters: copy in place
         with torch.no_grad():
             for name, rows, values in updates:
                 params[name][rows].copy_(_as_tensor(values))
         self.weight_version += 1
+        return self.kv_valid
+
+    def _discard_weights(self, msg: GpuControl) -> bool:
+        self._staged = None
         return self.kv_valid
 
     def _updates_from_path(self, path: str) -> list[tuple[str, slice, torch.Tensor]]:
