@@ -48,10 +48,11 @@ def _runtime(model, config, config_fields, address, direct: bool, **kw) -> Runti
                 "address= connects to a running runtime's coordinator; direct mode "
                 "(use_coordinator=False) starts its own engine rank: pass one or the other"
             )
-        if config is not None or config_fields or kw.get("data_parallel_size", 1) != 1:
+        sizes = (kw.get("data_parallel_size", 1), kw.get("expert_parallel_size", 1))
+        if config is not None or config_fields or sizes != (1, 1):
             raise ValueError(
                 "address= connects to a running runtime, whose config and ranks are its own: "
-                "pass no config, InferenceConfig fields or data_parallel_size with it"
+                "pass no config, InferenceConfig fields or parallel sizes with it"
             )
         return None
     if config is not None and config_fields:
@@ -82,9 +83,11 @@ def _prompt_list(prompts) -> list:
 class _Base:
     """What LLM and AsyncLLM share: the constructor's arguments and the runtime they start (or
     the address they connect to). `model`: "smollm2", a .gguf file or an HF directory;
-    `config` or InferenceConfig fields (not with `address`); `dtype`, `device`, `record_dir` and
-    `data_parallel_size` (engine ranks behind the coordinator; coordinator mode only) as for
-    `taipan serve`; `control_token` for a running runtime started by another user."""
+    `config` or InferenceConfig fields (not with `address`); `dtype`, `device`, `record_dir`,
+    `data_parallel_size` (engine ranks behind the coordinator; coordinator mode only) and
+    `expert_parallel_size` (a mixture-of-experts model's experts split over groups of that many
+    of those ranks) as for `taipan serve`; `control_token` for a running runtime started by
+    another user."""
 
     def __init__(
         self,
@@ -98,12 +101,14 @@ class _Base:
         record_dir: str | None = None,
         control_token: str | None = None,
         data_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         **config_fields: Any,
     ) -> None:
         self.use_coordinator = use_coordinator
         self._runtime = _runtime(
             model, config, config_fields, address, not use_coordinator, dtype=dtype,
             device=device, record_dir=record_dir, data_parallel_size=data_parallel_size,
+            expert_parallel_size=expert_parallel_size,
         )  # fmt: skip
         self._address = address
         self._control_token = control_token

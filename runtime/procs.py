@@ -108,6 +108,31 @@ async def coordinator_main(spec: dict) -> None:
             rec.close()
 
 
+def _ep_group(ctx, spec: dict | None, rank: int, recorder):
+    """This rank's expert-parallel group (actors/engine/ep.py: its inbox ROUTER, watching the
+    peers, and a DEALER to each peer's inbox), and the LoadModel fields of its gpu actor; None
+    and {} without expert parallelism."""
+    if not spec:
+        return None, {}
+    from taipan.actors.engine.ep import EpGroup, ep_identity
+
+    index, group = next((i, g) for i, g in enumerate(spec["groups"]) if rank in g)
+    inboxes = spec["inboxes"]
+    inbox = make_socket(ctx, zmq.ROUTER, inboxes[rank], bind=True, name="ep",
+                        recorder=recorder, watch_peers=True)  # fmt: skip
+    peers = {
+        p: make_socket(ctx, zmq.DEALER, inboxes[p], bind=False, name=f"ep-{p}",
+                       identity=ep_identity(rank), recorder=recorder)
+        for p in group if p != rank
+    }  # fmt: skip
+    load = {
+        "expert_parallel_rank": group.index(rank),
+        "expert_parallel_size": len(group),
+        "expert_parallel_init": spec["inits"][index],
+    }
+    return EpGroup(rank, tuple(group), inbox, peers), load
+
+
 def _pin_cpus(cpus: list[int] | None) -> None:
     """Keep this engine rank (and the matmul threads torch starts later) on its own cores."""
     if cpus is None:
@@ -163,6 +188,7 @@ async def engine_main(spec: dict, rank: int) -> None:
         curve=curve_keys(spec["backend"], spec.get("keys_dir"), server=False,
                          key_name=spec.get("key_name", "client")),
     )  # fmt: skip
+    ep, ep_load = _ep_group(ctx, spec.get("expert_parallel"), rank, recs["engine"])
     config = InferenceConfig.from_dict(spec["config"])
     max_requests, max_tokens = plan_limits(config)
     device = spec["devices"][rank]
@@ -186,8 +212,10 @@ async def engine_main(spec: dict, rank: int) -> None:
         if config.mamba_inference_state_config is None
         else json.dumps(config.mamba_inference_state_config),
         spec["num_ranks"],  # every rank of this launcher shares the host's memory
+        **ep_load,
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
+    channels += [ep.inbox, *ep.peers.values()] if ep else []
     channels += [mamba_side, to_mamba] if hybrid else []
     try:
         engine = EngineActor(
@@ -199,6 +227,7 @@ async def engine_main(spec: dict, rank: int) -> None:
             to_gpu,
             to_mamba,
             coordinator_timeout=spec.get("coordinator_timeout"),
+            ep=ep,
         )
         actors = [AllocatorActor(alloc_side), GpuActor(rank, gpu_side)]
         actors += [MambaCacheActor(mamba_side)] if hybrid else []
@@ -234,7 +263,11 @@ def main(argv: list[str]) -> None:
     except* FatalError as group:
         for e in _leaves(group):
             get_logger(process=role).critical("exiting", reason=str(e))
-        sys.exit(EXIT_FATAL)
+        # Not sys.exit: a gpu thread may still wait in a collective of a dead expert-parallel
+        # peer, and interpreter shutdown would join it.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_FATAL)
 
 
 def _leaves(group: BaseExceptionGroup):
