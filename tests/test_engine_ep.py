@@ -30,11 +30,13 @@ def _votes(group) -> list[int]:
 
 
 @pytest.mark.asyncio
-async def test_a_busy_rank_and_an_idle_one_step_in_lockstep_for_200_steps():
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_a_busy_rank_and_an_idle_one_step_in_lockstep_for_200_steps(overlap):
     """Rank 0 decodes 200 tokens, rank 1 has nothing: rank 1 runs one dummy forward per step
-    of rank 0, both consult every step (a rank is idle), and both go idle after. (Synchronous
-    rounds block their event loop, which these ranks share: tests/test_e2e_ep.py runs them.)"""
-    async with ep_group(_config(ep_consensus_interval=20)) as g:
+    of rank 0, both consult every step (a rank is idle), and both go idle after; also with
+    overlapping steps (a dummy step is in flight like any other). (Synchronous rounds block
+    their event loop, which these ranks share: tests/test_e2e_ep.py runs them.)"""
+    async with ep_group(_config(ep_consensus_interval=20, overlap_steps=overlap)) as g:
         rounds_before = _votes(g)
         await g.submit(0, 1, max_tokens=200)
         [out] = (await g.terminal({1}, timeout=60)).values()
@@ -42,12 +44,15 @@ async def test_a_busy_rank_and_an_idle_one_step_in_lockstep_for_200_steps():
         assert out.new_token_ids.tolist() == expected_tokens(6, 200)
         await g.idle()
         assert not g.lockstep.stalls
-        assert g.lockstep.kinds(0) == ["real"] * 200
-        assert g.lockstep.kinds(1) == ["dummy"] * 200
+        # With overlap, the step after the last is planned before the last one's result shows
+        # the request done: one more forward (a dummy) on both ranks.
+        steps = 201 if overlap else 200
+        assert g.lockstep.kinds(0) == ["real"] * 200 + ["dummy"] * (steps - 200)
+        assert g.lockstep.kinds(1) == ["dummy"] * steps
         # One round before each step (rank 1 idle: every step), one to find the group idle.
         rounds = [after - before for after, before in zip(_votes(g), rounds_before, strict=True)]
-        assert rounds[0] == rounds[1] and 200 <= rounds[0] <= 202
-        assert g.engines[1].ep_driver.dummy_steps == 200
+        assert rounds[0] == rounds[1] and steps <= rounds[0] <= steps + 2
+        assert g.engines[1].ep_driver.dummy_steps == steps
 
 
 @pytest.mark.asyncio
@@ -74,8 +79,10 @@ async def test_busy_ranks_consult_every_interval_steps():
 
 
 @pytest.mark.asyncio
-async def test_pause_mid_generation_completes_on_both_ranks_and_unpause_finishes():
-    async with ep_group(_config(ep_consensus_interval=5), step_delay=0.004) as g:
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_pause_mid_generation_completes_on_both_ranks_and_unpause_finishes(overlap):
+    config = _config(ep_consensus_interval=5, overlap_steps=overlap)
+    async with ep_group(config, step_delay=0.004) as g:
         await g.submit(0, 1, max_tokens=120)
         await g.submit(1, 2, max_tokens=40)
         await asyncio.sleep(0.2)  # mid-generation
@@ -151,15 +158,17 @@ def test_synchronous_rounds_refuse_overlapping_steps():
 
 
 @pytest.mark.asyncio
-async def test_replay_check_follows_the_consensus_rounds(tmp_path):
+@pytest.mark.parametrize("overlap", [False, True])
+async def test_replay_check_follows_the_consensus_rounds(tmp_path, overlap):
     """Both ranks' engine logs, with their rounds, dummy steps and a pause mid-generation,
-    replay without divergence; a log missing one peer vote diverges at the step after it."""
+    replay without divergence (steps overlapping or not); a log missing one peer vote diverges
+    at the step after it."""
     import json
 
     from taipan.actors.record import Recorder, read_log
     from taipan.replay import check_engine
 
-    config = _config(ep_consensus_interval=3)
+    config = _config(ep_consensus_interval=3, overlap_steps=overlap)
     (tmp_path / "config.json").write_text(json.dumps(config.to_dict()))
     recorders = {r: Recorder(str(tmp_path), f"engine-{r}") for r in (0, 1)}
     try:

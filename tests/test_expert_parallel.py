@@ -153,3 +153,24 @@ def test_gpu_workers_with_nccl_and_cuda_graphs(tmp_path):
     path = MODELS["qwen3_moe"](str(tmp_path / "qwen"))
     args = (path, f"file://{tmp_path}/init", "cuda")
     mp.spawn(_worker_rank, args=args, nprocs=2, join=True)
+
+
+def test_a_worker_refuses_expert_parallelism_for_a_dense_model(tmp_path):
+    """Both ranks of a group over a dense model fail their load, saying why."""
+    from taipan.messages.gpu import LoadModel
+    from tests.random_llama import TINY_SHAPE, make_random_llama
+
+    path = make_random_llama(str(tmp_path / "llama"), TINY_SHAPE)
+    load = LoadModel(path, "float32", "cpu", 16, 16, 0.01, 64, 4, 128)
+    mp.spawn(_dense_rank, args=(load, f"file://{tmp_path}/init"), nprocs=2, join=True)
+
+
+def _dense_rank(rank: int, load, init: str) -> None:
+    from taipan.actors.gpu.worker import ModelWorker
+
+    w = ModelWorker()
+    msg = dataclasses.replace(load, expert_parallel_rank=rank, expert_parallel_size=2,
+                              expert_parallel_init=init)  # fmt: skip
+    with pytest.raises(ModelLoadError, match="expert_parallel_size=2 needs a mixture-of-experts"):
+        w.load(msg)
+    torch.distributed.destroy_process_group()

@@ -291,9 +291,16 @@ class ModelWorker:
                 rank, size = msg.expert_parallel_rank, msg.expert_parallel_size
                 self.ep = init_ep(rank, size, msg.expert_parallel_init, self.device)
             experts = ExpertShare(self.ep.rank, self.ep.size)
-        model, config, tokenizer = load_model(
-            msg.model, dtype=dtype, device=self.device, tp=tp, expert_range=experts
-        )
+        try:
+            model, config, tokenizer = load_model(
+                msg.model, dtype=dtype, device=self.device, tp=tp, expert_range=experts
+            )
+        except ModelLoadError as e:
+            if experts is not None and "has no experts" in str(e):
+                raise ModelLoadError(
+                    f"expert_parallel_size={experts.size} needs a mixture-of-experts model: {e}"
+                ) from e
+            raise
         if self.ep is not None:
             self.exchange = install_exchange(model, self.ep)
         self.tp = tp
