@@ -198,3 +198,12 @@ def test_consensus_messages_round_trip(msg):
 def test_malformed_consensus_messages_are_refused_at_decode(fields, why):
     with pytest.raises(MessageError, match=why):
         decode([msgpack.packb(fields)])
+
+
+def test_expert_parallel_groups_are_consecutive_ranks():
+    from taipan.actors.engine.ep import ep_groups
+
+    assert ep_groups(4, 2) == [(0, 1), (2, 3)]
+    assert ep_groups(3, 3) == [(0, 1, 2)] and ep_groups(2, 1) == [(0,), (1,)]
+    with pytest.raises(ValueError, match="must divide data_parallel_size"):
+        ep_groups(4, 3)

@@ -256,3 +256,23 @@ def test_cli_generate_with_expert_parallelism_and_consensus_disabled(made):
     hf, tokenizer = _hf(path), Tokenizer.from_hf_dir(path)
     for r in rows:
         assert r["token_ids"] == hf_greedy(hf, tokenizer.encode(r["prompt"]), 6), r["prompt"]
+
+
+def test_the_launcher_wires_each_group_apart(made):
+    """Four ranks in groups of two (nothing started): each rank its own inbox, each group its
+    own meeting point; --role engine is refused."""
+    from taipan.launcher import LaunchError
+
+    rt = Runtime(made("qwen3_moe"), data_parallel_size=4, expert_parallel_size=2)
+    dense = Runtime(made("qwen3_moe"), data_parallel_size=2)
+    try:
+        spec = rt._spec()["expert_parallel"]
+        assert spec["groups"] == [[0, 1], [2, 3]]
+        assert len(set(spec["inboxes"])) == 4 and len(set(spec["inits"])) == 2
+        assert dense._spec()["expert_parallel"] is None
+    finally:
+        rt.shutdown()
+        dense.shutdown()
+    with pytest.raises(LaunchError, match="role all"):
+        Runtime(made("qwen3_moe"), data_parallel_size=2, expert_parallel_size=2, role="engine",
+                engine_address="ipc:///nowhere", data_parallel_rank=0)  # fmt: skip
