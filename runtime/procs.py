@@ -30,6 +30,7 @@ from taipan.auth import curve_keys, read_token_file
 
 PR_SET_PDEATHSIG = 1
 EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
+EP_LINGER_MS = 2000  # how long closing a consensus socket may wait to deliver what it holds
 
 
 def _die_with_parent() -> None:
@@ -233,6 +234,8 @@ async def engine_main(spec: dict, rank: int) -> None:
         actors += [MambaCacheActor(mamba_side)] if hybrid else []
         await _run_until_stopped([engine, *actors])
     finally:
+        for peer in ep.peers.values() if ep else ():  # an EpBye sent just before must go out
+            peer.sock.close(linger=EP_LINGER_MS)
         for ch in channels:
             ch.close()
         ctx.term()
