@@ -88,6 +88,7 @@ class FakeGpu(Actor):
         self.rank, self.lockstep = rank, lockstep
         self.controls: list[GpuControl] = []
         self.fail_control: str | None = None  # the next control's error (tests)
+        self.fail_step: str | None = None  # the next real step's error (tests)
         self.weight_version = 0
         self.serve(channel)
         self.on(LoadModel, self.on_load)
@@ -106,7 +107,10 @@ class FakeGpu(Actor):
             await env.reply(StepResult(msg.step, no, "lockstep broken", 0.0))
             return
         tokens = np.where(msg.sample != 0, [token_for(n) for n in msg.seq_lens], -1)
-        await env.reply(StepResult(msg.step, tokens.astype(np.int32), None, 0.0))
+        error = None
+        if kind == "real":
+            error, self.fail_step = self.fail_step, None
+        await env.reply(StepResult(msg.step, tokens.astype(np.int32), error, 0.0))
 
     async def on_control(self, env: Envelope, msg: GpuControl) -> None:
         self.controls.append(msg)

@@ -227,14 +227,15 @@ def test_sigkill_of_one_rank_fails_the_others_requests_naming_the_group(made):
         assert sorted(ended) == [0, 1]
         errors = sorted(d.error for _, d in ended.values())
         for at, d in ended.values():
-            assert d.finish_reason == FinishReason.ERROR and at - killed < 5.0, d.error
+            assert d.finish_reason == FinishReason.ERROR, d.error
+            assert at - killed < 5.0, (at - killed, errors)
         assert "engine rank 1 died" in errors[0], errors
         assert "expert-parallel group [0, 1]: peer engine 1 is gone" in errors[1], errors
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 15
         while rt.engines_alive() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert rt.engines_alive() == 0  # rank 0 ended too, loudly
-        assert ("engine-0", 3) in rt.unexpected_exits
+        assert rt.engines_alive() == 0, rt.unexpected_exits  # rank 0 ended too, loudly
+        assert ("engine-0", 3) in rt.unexpected_exits, rt.unexpected_exits
 
 
 def test_cli_generate_with_expert_parallelism_and_consensus_disabled(made):

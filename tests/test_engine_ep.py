@@ -246,3 +246,25 @@ async def test_suspend_resume_and_update_weights_apply_to_every_rank_or_to_none(
         await g.submit(1, 9, max_tokens=4)
         [out] = (await g.terminal({9})).values()
         assert out.new_token_ids.tolist() == expected_tokens(6, 4)
+
+
+@pytest.mark.asyncio
+async def test_a_failed_forward_ends_the_rank_and_its_requests_name_the_group(monkeypatch):
+    """The group's collectives cannot be trusted after a failed forward: the rank fails every
+    request it holds, naming its group, and ends (FatalError); with no peer found gone within
+    the grace period, the error is the forward's own."""
+    from taipan.actors.engine import ep
+
+    monkeypatch.setattr(ep, "PEER_GONE_GRACE_S", 0.2)
+    async with ep_group(_config()) as g:
+        g.gpus[0].fail_step = "Read error: connection reset by peer"
+        await g.submit(0, 1, max_tokens=5)
+        await g.submit(0, 2, max_tokens=5)
+        done = await g.terminal({1, 2})
+        for out in done.values():
+            assert out.finish_reason is FinishReason.ERROR
+            assert out.error.startswith("expert-parallel group [0, 1]: step 1 failed: ")
+            assert "connection reset by peer" in out.error
+        with pytest.raises(ExceptionGroup) as info:
+            await asyncio.wait_for(g.tasks[0], 5)
+        assert "expert-parallel group [0, 1]" in str(info.value.exceptions[0])

@@ -658,10 +658,9 @@ class EngineActor(Actor):
             self.steps_graphed += int(result.graphed)
             outputs = sched.update(batch, result, self.now)
         except Exception as e:
-            outputs = await self._failed(batch, e)
             if self.ep is not None:  # the group's collectives may be out of step now
-                await self._emit_or_die(batch, outputs)
-                await self._die(f"step {batch.step} failed under expert parallelism: {e}")
+                await self._die(await self.ep.why_failed(f"step {batch.step} failed: {e}"))
+            outputs = await self._failed(batch, e)
         await self._emit_or_die(batch, outputs)
         self.tokens_last_step = batch.num_tokens
         interval = self.config.logging_step_interval

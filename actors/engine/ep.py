@@ -66,6 +66,9 @@ ROUND_TIMEOUT_S = 60.0  # peers reach a step's round within a step of each other
 SYNC_WAIT_S = 1.0
 CONTROL_ROUND_TIMEOUT_S = 300.0  # a peer's control may move or load every weight
 HELLO_TIMEOUT_S = 600.0  # the peers load their model first
+# A failed forward under expert parallelism is most often a peer's death seen first by the
+# collectives: wait this long for its closed connection to name it.
+PEER_GONE_GRACE_S = 1.0
 
 
 class GroupError(RuntimeError):
@@ -111,6 +114,7 @@ class EpGroup:
         self.arrived = asyncio.Event()  # a peer's message (or its departure) came in
         self.left: dict[int, str] = {}  # peers that said EpBye, with their reason
         self.broken: str | None = None  # why the group cannot go on
+        self.broken_event = asyncio.Event()  # set with `broken`
         self.round_timeout, self.control_timeout = round_timeout, control_timeout
         self.hello_timeout = hello_timeout
         self.rounds = 0  # rounds completed (stats)
@@ -154,6 +158,7 @@ class EpGroup:
     def _break(self, why: str) -> None:
         self.broken = self.broken or f"expert-parallel group {list(self.group)}: {why}"
         self.arrived.set()
+        self.broken_event.set()
         raise GroupError(self.broken)
 
     # --- rounds -------------------------------------------------------------------------------
@@ -201,6 +206,16 @@ class EpGroup:
         if gone:
             why = "; ".join(f"engine {r}: {self.left[r]}" for r in gone)
             self._break(f"peers left the group ({why})")
+
+    async def why_failed(self, error: str) -> str:
+        """Why a step failed, given its error: the peer that died, when its closed connection
+        arrives within PEER_GONE_GRACE_S (the collectives often notice first), else `error`
+        put in the group's name."""
+        try:
+            await asyncio.wait_for(self.broken_event.wait(), PEER_GONE_GRACE_S)
+        except TimeoutError:
+            return f"expert-parallel group {list(self.group)}: {error}"
+        return self.broken
 
     async def hello(self) -> None:
         msg = EpHello(self.book.next_round, self.rank, self.group)
@@ -335,13 +350,10 @@ class EpDriver:
             return
         try:
             result = await e._reply(e.gpu, StepResult)
+            if result.error is not None or result.step != running:
+                raise RuntimeError(result.error or f"the gpu answered step {result.step}")
         except Exception as err:
-            await e._die(f"dummy step after step {running} failed", err)
-        if result.error is not None or result.step != running:
-            await e._die(
-                f"dummy step after step {running} failed: "
-                f"{result.error or f'the gpu answered step {result.step}'}"
-            )
+            await e._die(await self.group.why_failed(f"dummy step after {running} failed: {err}"))
 
     async def _pause(self) -> None:
         """Every rank asked to pause: stop after this step, meet at the barrier, acknowledge,
