@@ -87,6 +87,7 @@ class EpMirror:
             self.voted = True
         elif msgs and isinstance(msgs[0], EpBarrier) and msgs[0].point is BarrierPoint.PAUSED:
             self.schedule.reset()
+            self.voted = False
         return None
 
     def step(self) -> str | None:
