@@ -168,6 +168,24 @@ class Channel:
             self._take_ready()
         return self._pending.popleft()
 
+    def recv_now(self, timeout: float) -> Envelope | None:
+        """The next message without the event loop: a blocking wait of at most `timeout`
+        seconds (None: nothing came). For a caller that must not yield (a synchronous
+        collective); the actor's own receive loop may be waiting on the same channel, which
+        is fine: whichever reads a message takes it, in order."""
+        if self.monitor is None:
+            now = zmq.Socket.shadow(self.sock.underlying)  # blocking calls, same socket
+            if now.poll(int(timeout * 1000)) & zmq.POLLIN:
+                return self._envelope(now.recv_multipart(zmq.NOBLOCK, copy=False))
+            return None
+        if not self._pending:
+            poller = zmq.Poller()
+            poller.register(self._sock_now, zmq.POLLIN)
+            poller.register(self._monitor_now, zmq.POLLIN)
+            if poller.poll(int(timeout * 1000)):
+                self._take_ready()
+        return self._pending.popleft() if self._pending else None
+
     def _take_ready(self) -> None:
         """Queue what is ready, in the order the module docstring explains."""
         self._read_reports()

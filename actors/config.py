@@ -136,6 +136,12 @@ class InferenceConfig:
                 f"{mode}: keeping the KV address while its memory is released needs "
                 "virtual-memory remapping (UVM or torch_memory_saver), which taipan does not have"
             )
+        if self.use_synchronous_zmq_collectives and self.overlap_steps:
+            raise ConfigError(
+                "use_synchronous_zmq_collectives=true needs overlap_steps off: a consensus round "
+                "that blocks the engine's event loop while a step is in flight could block the "
+                "very gpu actor its peers wait for (leave overlap_steps unset or false)"
+            )
         if self.logging_step_interval < 0:
             raise ConfigError("logging_step_interval must be >= 0 (0 = off)")
         _check_mamba_state_config(self.mamba_inference_state_config)
@@ -298,9 +304,6 @@ NOT_IMPLEMENTED = {
     "metrics_writer": "no metrics writer (wandb) integration",
     "sampling_backend": "only the torch sampling backend exists",
     "request_metadata_types": "per-request metadata tracking is not built",
-    "use_synchronous_zmq_collectives": "expert-parallel consensus is not built yet",
-    "disable_ep_consensus": "expert-parallel consensus is not built yet",
-    "ep_consensus_interval": "expert-parallel consensus is not built yet",
 }
 
 

@@ -3,7 +3,16 @@
 Importing this package registers every message family, so `decode` knows every tag.
 """
 
-from taipan.messages import allocator, common, gpu, lifecycle, mamba_cache, requests, stats  # noqa: F401
+from taipan.messages import (  # noqa: F401
+    allocator,
+    common,
+    consensus,
+    gpu,
+    lifecycle,
+    mamba_cache,
+    requests,
+    stats,
+)
 from taipan.messages.codec import MessageError, decode, encode, registry
 
 __all__ = ["MessageError", "decode", "encode", "registry"]

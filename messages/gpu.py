@@ -16,11 +16,17 @@ from taipan.messages.requests import empty_array_field
 
 
 class GpuCommand(enum.StrEnum):
-    """What a GpuControl asks of the gpu actor (between steps)."""
+    """What a GpuControl asks of the gpu actor (between steps). An update in two phases (an
+    expert-parallel group commits only once every rank has staged): STAGE_WEIGHTS checks and
+    holds the new weights as UPDATE_WEIGHTS would, changing nothing; COMMIT_WEIGHTS copies them
+    in; DISCARD_WEIGHTS drops them."""
 
     SUSPEND = "suspend"
     RESUME = "resume"
     UPDATE_WEIGHTS = "update_weights"
+    STAGE_WEIGHTS = "stage_weights"
+    COMMIT_WEIGHTS = "commit_weights"
+    DISCARD_WEIGHTS = "discard_weights"
 
 
 @message(120)
@@ -57,6 +63,13 @@ class LoadModel:
     # Engine ranks that share this host's memory (data parallel on one machine): the CPU
     # default KV budget (kv_cache_gb None) is split between them.
     ranks_on_host: int = 1
+    # Expert parallelism: this gpu actor's rank in its group of `expert_parallel_size` ranks
+    # (1: none), which meet at `expert_parallel_init` (a torch.distributed init_method). Each
+    # holds its share of the experts and exchanges tokens with the others in every MoE layer
+    # (ops/expert_parallel.py); a StepPlan with no sequence is then a dummy step.
+    expert_parallel_rank: int = 0
+    expert_parallel_size: int = 1
+    expert_parallel_init: str = ""
 
 
 @message(121)
@@ -82,7 +95,9 @@ class ModelLoaded:
 @message(122)
 class StepPlan:
     """One forward over B sequences and T tokens (varlen, no padding). Sequences with one query
-    token (decode rows) come first, then those with more (prefill chunks).
+    token (decode rows) come first, then those with more (prefill chunks). B = 0 (and T = 0):
+    a dummy step, only under expert parallelism (the rank has no work in a step its group
+    takes; the forward runs padding rows through every MoE exchange).
 
     input_ids int32[T], positions int32[T], slot_mapping int64[T];
     query_start_loc int32[B+1], seq_lens int32[B] (context after this step), block_tables

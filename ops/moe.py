@@ -6,12 +6,15 @@ Expert parallelism. Every rank of an expert-parallel group holds the router (all
 the shared experts and the latent projections, and only its local experts
 `[expert_start, expert_start + num_local_experts)` (`ExpertRange`; the loader reads no other
 expert's tensors). Its routed output is then a partial sum (kernels/moe.py): the choices of
-experts it does not hold contribute nothing. `MoE.combine` turns the partial into the whole: the
-identity at size 1; with several ranks seeing the same tokens, an all-reduce (sum) over the group.
-The shared experts are added after the combine, to its result, on every rank: each rank computes
-them (replicated), but they enter the sum exactly once because they never take part in it.
+experts it does not hold contribute nothing. Two hooks the runtime fills turn the partial into
+the whole: `MoE.dispatch` runs the experts (by default on this rank's tokens alone; with
+data-parallel attention, ops/expert_parallel.py's exchange brings every rank's tokens to every
+rank's experts and their sums back), and `MoE.combine` (the identity at size 1; with several
+ranks seeing the same tokens, an all-reduce (sum) over the group). The shared experts are added
+after both, on every rank: each rank computes them (replicated), but they enter the sum exactly
+once because they never take part in it.
 
-Owns no scheduling and no communication: `combine` is a hook the runtime fills.
+Owns no scheduling and no communication: `dispatch` and `combine` are hooks.
 """
 
 from __future__ import annotations
@@ -79,8 +82,12 @@ class ExpertRange:
     count: int
 
     @classmethod
-    def of(cls, value: tuple[int, int] | ExpertRange | None, num_experts: int) -> ExpertRange:
-        """`(start, count)`, an ExpertRange, or None (all experts), checked against the model."""
+    def of(cls, value, num_experts: int) -> ExpertRange:
+        """`(start, count)`, an ExpertRange, None (all experts), or a function of the model's
+        expert count giving one of those (a rank's share, known once the config is read),
+        checked against the model."""
+        if callable(value):
+            value = value(num_experts)
         if value is None:
             return cls(0, num_experts)
         start, count = (value.start, value.count) if isinstance(value, cls) else value
@@ -194,6 +201,10 @@ def _identity(partial: torch.Tensor) -> torch.Tensor:
     return partial
 
 
+def _local(x, ids, weights, experts):
+    return experts(x, ids, weights)
+
+
 class MoE(nn.Module):
     """router -> [latent down-projection] -> local experts -> combine -> [latent up-projection]
     -> + shared experts. x: [T, hidden] -> [T, hidden].
@@ -202,9 +213,12 @@ class MoE(nn.Module):
     layout, H_in = latent_size or hidden), optional `fc1_latent_proj` / `fc2_latent_proj`
     (hidden <-> latent) and `shared_experts` (the model builds it: its MLP class and names).
 
-    `combine`: partial routed output [T, H_in] -> the group's sum (module docstring). It runs in
-    the latent space when there is one (smaller; fc2_latent_proj has no bias, so it commutes with
-    the sum). Set it on every MoE of a model with `set_expert_combine`."""
+    `dispatch(x, topk_ids, topk_weights, experts)`: runs `experts` (this rank's, on the rows
+    given) for the tokens x [T, H_in] and returns their routed output [T, H_in]; by default on
+    x alone, under expert parallelism through the group's exchange (`set_expert_dispatch`).
+    `combine`: partial routed output [T, H_in] -> the group's sum (module docstring). Both run
+    in the latent space when there is one (smaller; fc2_latent_proj has no bias, so it commutes
+    with the sum). Set it on every MoE of a model with `set_expert_combine`."""
 
     def __init__(
         self,
@@ -233,25 +247,48 @@ class MoE(nn.Module):
             )
         self.shared_experts = shared_experts
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
+        self.dispatch = _local
+
+    def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """This rank's experts over rows h [N, H_in] with their choices [N, k]."""
+        return fused_experts(
+            h,
+            self.w1,
+            self.w2,
+            ids,
+            weights,
+            activation=self.config.activation,
+            expert_start=self.expert_range.start,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, k] each, global expert ids
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
-        routed = fused_experts(
-            h,
-            self.w1,
-            self.w2,
-            topk_ids,
-            topk_weights,
-            activation=self.config.activation,
-            expert_start=self.expert_range.start,
-        )
+        routed = self.dispatch(h, topk_ids, topk_weights, self.experts)
         routed = self.combine(routed)  # the partial sum of this rank's experts -> the whole
         if self.fc2_latent_proj is not None:
             routed = self.fc2_latent_proj(routed)
         if self.shared_experts is not None:  # after the combine: counted once
             routed = routed + self.shared_experts(x)
         return routed
+
+
+def exchange_rows(block: MoE, dtype: torch.dtype, device) -> None:
+    """A dispatch with no token of this rank (a dummy forward under expert parallelism: the
+    exchange still serves the other ranks' rows)."""
+    inner, k = block.config.latent_size or block.gate.weight.shape[1], block.config.top_k
+    empty = torch.empty(0, inner, dtype=dtype, device=device)
+    ids = torch.empty(0, k, dtype=torch.int64, device=device)
+    block.dispatch(empty, ids, torch.empty(0, k, device=device), block.experts)
+
+
+def set_expert_dispatch(model: nn.Module, dispatch) -> int:
+    """Install `dispatch` (e.g. the exchange of an expert-parallel group) in every MoE block of
+    `model`; returns how many there are."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    for block in blocks:
+        block.dispatch = dispatch
+    return len(blocks)
 
 
 def set_expert_combine(model: nn.Module, combine: Callable[[torch.Tensor], torch.Tensor]) -> int:

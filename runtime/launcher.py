@@ -85,8 +85,18 @@ def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
     for name, size in (("data", data), ("tensor", tensor), ("expert", expert)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise LaunchError(f"{name}_parallel_size must be an int >= 1, got {size!r}")
-    if expert != 1:
-        raise LaunchError(f"expert_parallel_size={expert}: expert parallelism is not built yet")
+    if tensor > 1 and expert > 1:
+        raise LaunchError(
+            f"tensor_parallel_size={tensor} with expert_parallel_size={expert}: expert "
+            "parallelism together with tensor parallelism is not built yet"
+        )
+    if data % expert:
+        # An expert-parallel group is E consecutive data-parallel ranks (attention stays data
+        # parallel; the experts are split over the group).
+        raise LaunchError(
+            f"expert_parallel_size={expert} must divide data_parallel_size={data}: each group "
+            "of E consecutive engine ranks splits the experts between them"
+        )
 
 
 def rank_device(device: str, rank: int, num_ranks: int) -> str:
@@ -170,10 +180,16 @@ class Runtime:
                 "direct mode drives one engine rank from this process; with several ranks use "
                 "coordinator mode (it routes and owns the lifecycle)"
             )
+        if expert_parallel_size > 1 and role != "all":
+            raise LaunchError(
+                f"expert_parallel_size={expert_parallel_size} needs every engine of a group "
+                "started by one launcher (role all); engines on other hosts are not built for it"
+            )
         self.model_name, self.model_path = resolve(model)
         self.config = config or InferenceConfig()
         self.num_ranks = data_parallel_size
         self.tp_size = tensor_parallel_size
+        self.expert_parallel_size = expert_parallel_size
         self.direct = direct
         self.dtype, self.device = dtype, device
         cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse
@@ -296,6 +312,21 @@ class Runtime:
             "coordinator_timeout": COORDINATOR_TIMEOUT_S if self.role == "engine" else None,
             "keys_dir": self.keys_dir,  # the directory only: secrets never go on a command line
             "key_name": self.key_name,
+            "expert_parallel": self._ep_spec(),
+        }
+
+    def _ep_spec(self) -> dict | None:
+        """Expert parallelism: the groups of engine ranks, each rank's consensus inbox and each
+        group's torch.distributed meeting point (private files in this runtime's temp dir)."""
+        if self.expert_parallel_size == 1:
+            return None
+        from taipan.actors.engine.ep import ep_groups
+
+        groups = ep_groups(self.num_ranks, self.expert_parallel_size)
+        return {
+            "groups": [list(g) for g in groups],
+            "inboxes": [f"ipc://{self.tmp}/ep-{r}.sock" for r in range(self.num_ranks)],
+            "inits": [f"file://{self.tmp}/ep-init-{i}" for i in range(len(groups))],
         }
 
     def _peer_devices(self) -> list[list[str]]:
@@ -590,7 +621,12 @@ def add_runtime_arguments(p) -> None:
         "r*T .. r*T+T-1; CPU: the rank's cores split between them); dense Llama models only",
     )
     p.add_argument(
-        "--expert-parallel-size", type=int, default=1, metavar="E", help="not built yet: 1"
+        "--expert-parallel-size",
+        type=int,
+        default=1,
+        metavar="E",
+        help="split each mixture-of-experts model's experts over groups of E consecutive "
+        "engine ranks (E divides --data-parallel-size); attention stays data parallel",
     )
     p.add_argument("--log-level", default=None, help="debug, info, warning (default), error")
 

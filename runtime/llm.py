@@ -48,12 +48,11 @@ def _runtime(model, config, config_fields, address, direct: bool, **kw) -> Runti
                 "address= connects to a running runtime's coordinator; direct mode "
                 "(use_coordinator=False) starts its own engine rank: pass one or the other"
             )
-        sizes = (kw.get("data_parallel_size", 1), kw.get("tensor_parallel_size", 1))
-        if config is not None or config_fields or sizes != (1, 1):
+        sizes = tuple(kw.get(f"{kind}_parallel_size", 1) for kind in ("data", "tensor", "expert"))
+        if config is not None or config_fields or sizes != (1, 1, 1):
             raise ValueError(
                 "address= connects to a running runtime, whose config and ranks are its own: "
-                "pass no config, InferenceConfig fields, data_parallel_size or "
-                "tensor_parallel_size with it"
+                "pass no config, InferenceConfig fields or parallel sizes with it"
             )
         return None
     if config is not None and config_fields:
@@ -86,8 +85,10 @@ class _Base:
     the address they connect to). `model`: "smollm2", a .gguf file or an HF directory;
     `config` or InferenceConfig fields (not with `address`); `dtype`, `device`, `record_dir`,
     `data_parallel_size` (engine ranks behind the coordinator; coordinator mode only) and
-    `tensor_parallel_size` (processes each rank's weights are split over) as for `taipan serve`;
-    `control_token` for a running runtime started by another user."""
+    `tensor_parallel_size` (processes each rank's weights are split over) and
+    `expert_parallel_size` (a mixture-of-experts model's experts split over groups of that many
+    ranks) as for `taipan serve`; `control_token` for a running runtime started by another
+    user."""
 
     def __init__(
         self,
@@ -102,6 +103,7 @@ class _Base:
         control_token: str | None = None,
         data_parallel_size: int = 1,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         **config_fields: Any,
     ) -> None:
         self.use_coordinator = use_coordinator
@@ -109,6 +111,7 @@ class _Base:
             model, config, config_fields, address, not use_coordinator, dtype=dtype,
             device=device, record_dir=record_dir, data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
+            expert_parallel_size=expert_parallel_size,
         )  # fmt: skip
         self._address = address
         self._control_token = control_token

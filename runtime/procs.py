@@ -42,6 +42,7 @@ PR_SET_PDEATHSIG = 1
 EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
 EXIT_PEER_DIED = 4  # a tensor-parallel follower of this rank exited
 FOLLOWER_STOP_S = 5.0  # a follower told to stop (SIGTERM) is killed after this
+EP_LINGER_MS = 2000  # how long closing a consensus socket may wait to deliver what it holds
 
 
 def _die_with_parent() -> None:
@@ -118,6 +119,31 @@ async def coordinator_main(spec: dict) -> None:
         ctx.term()
         if rec is not None:
             rec.close()
+
+
+def _ep_group(ctx, spec: dict | None, rank: int, recorder):
+    """This rank's expert-parallel group (actors/engine/ep.py: its inbox ROUTER, watching the
+    peers, and a DEALER to each peer's inbox), and the LoadModel fields of its gpu actor; None
+    and {} without expert parallelism."""
+    if not spec:
+        return None, {}
+    from taipan.actors.engine.ep import EpGroup, ep_identity
+
+    index, group = next((i, g) for i, g in enumerate(spec["groups"]) if rank in g)
+    inboxes = spec["inboxes"]
+    inbox = make_socket(ctx, zmq.ROUTER, inboxes[rank], bind=True, name="ep",
+                        recorder=recorder, watch_peers=True)  # fmt: skip
+    peers = {
+        p: make_socket(ctx, zmq.DEALER, inboxes[p], bind=False, name=f"ep-{p}",
+                       identity=ep_identity(rank), recorder=recorder)
+        for p in group if p != rank
+    }  # fmt: skip
+    load = {
+        "expert_parallel_rank": group.index(rank),
+        "expert_parallel_size": len(group),
+        "expert_parallel_init": spec["inits"][index],
+    }
+    return EpGroup(rank, tuple(group), inbox, peers), load
 
 
 def _pin_cpus(cpus: list[int] | None) -> None:
@@ -255,6 +281,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         curve=curve_keys(spec["backend"], spec.get("keys_dir"), server=False,
                          key_name=spec.get("key_name", "client")),
     )  # fmt: skip
+    ep, ep_load = _ep_group(ctx, spec.get("expert_parallel"), rank, recs["engine"])
     config = InferenceConfig.from_dict(spec["config"])
     max_requests, max_tokens = plan_limits(config)
     device = spec["devices"][rank]
@@ -278,8 +305,10 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         if config.mamba_inference_state_config is None
         else json.dumps(config.mamba_inference_state_config),
         spec["ranks_on_host"] * tp,  # every process of the ranks on this host shares its memory
+        **ep_load,
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
+    channels += [ep.inbox, *ep.peers.values()] if ep else []
     channels += [mamba_side, to_mamba] if hybrid else []
     gpu_tp = {}
     if tp > 1:
@@ -306,11 +335,14 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
             to_gpu,
             to_mamba,
             coordinator_timeout=spec.get("coordinator_timeout"),
+            ep=ep,
         )
         actors = [AllocatorActor(alloc_side), GpuActor(rank, gpu_side, **gpu_tp)]
         actors += [MambaCacheActor(mamba_side)] if hybrid else []
         await _run_until_stopped([engine, *actors])
     finally:
+        for peer in ep.peers.values() if ep else ():  # an EpBye sent just before must go out
+            peer.sock.close(linger=EP_LINGER_MS)
         for ch in channels:
             ch.close()
         ctx.term()
@@ -371,7 +403,9 @@ def main(argv: list[str]) -> None:
         for e in _leaves(group):
             get_logger(process=role).critical("exiting", reason=str(e))
         code = EXIT_FATAL
-    if role in ("engine", "tp-follower") and _tensor_parallel(spec) > 1:
+    # Not sys.exit where a gpu thread may still wait in a collective of a dead tensor- or
+    # expert-parallel peer: interpreter shutdown would join it.
+    if role in ("engine", "tp-follower") and (code or _tensor_parallel(spec) > 1):
         _exit_now(code)
     sys.exit(code)
 

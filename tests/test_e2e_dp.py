@@ -138,10 +138,11 @@ def test_ranks_get_their_own_cores_and_devices():
 def test_refusals(model_path):
     for kw, text in [
         (dict(data_parallel_size=0), "data_parallel_size must be an int >= 1"),
-        (dict(expert_parallel_size=2), "expert parallelism is not built yet"),
+        (dict(expert_parallel_size=2), "must divide data_parallel_size=1"),
+        (dict(data_parallel_size=4, expert_parallel_size=3), "must divide data_parallel_size=4"),
         (dict(data_parallel_size=2, direct=True), "direct mode drives one engine rank"),
     ]:
         with pytest.raises(LaunchError, match=text):
             Runtime(model_path, **kw)
-    with pytest.raises(ValueError, match="data_parallel_size"):
+    with pytest.raises(ValueError, match="parallel sizes"):
         LLM(address="ipc:///nowhere", data_parallel_size=2)

@@ -227,6 +227,28 @@ def test_update_from_a_state_dict_matches_hf(worker, hf_model):
     assert_matches_hf(worker, hf_model)
 
 
+def test_a_staged_update_changes_nothing_until_committed(worker, hf_model):
+    """The two phases an expert-parallel group uses: stage (every check, nothing copied),
+    then commit or discard."""
+    state = perturb(hf_model, ["model.layers.0.mlp.up_proj.weight"], seed=4)
+    before = weights(worker)
+    assert control(worker, "suspend", "persist").error is None
+    assert "no weights are staged" in control(worker, "commit_weights").error
+    bad = dict(state, **{"model.norm.weight": np.zeros(3, np.float32)})
+    assert "model.norm.weight" in control(worker, "stage_weights", state=bad).error
+    assert "no weights are staged" in control(worker, "commit_weights").error  # none held
+    assert control(worker, "stage_weights", state=state).error is None
+    assert_same_weights(worker, before)
+    assert control(worker, "discard_weights").error is None
+    assert control(worker, "commit_weights").error  # dropped
+    assert_same_weights(worker, before)
+    assert control(worker, "stage_weights", state=state).error is None
+    reply = control(worker, "commit_weights")
+    assert reply.error is None and reply.weight_version == 1
+    assert control(worker, "resume").error is None
+    assert_matches_hf(worker, hf_model)
+
+
 def test_tied_lm_head_and_a_whole_state_dict(worker, hf_model):
     control(worker, "suspend", "persist")
     (lm_head,) = perturb(hf_model, ["lm_head.weight"], seed=2).values()  # tied: the embedding

@@ -12,7 +12,10 @@ that ends requests between steps), never one message per request.
 Lifecycle (the coordinator's FSM decides what is legal; the engine re-checks its own state):
 PAUSE stops planning, waits for the steps in flight and then acks (requests keep their KV,
 submissions queue); SUSPEND / RESUME / UPDATE_WEIGHTS go to the gpu actor (a "recompute"
-resume makes every request recompute its KV); UNPAUSE starts stepping again. Each is answered
+resume makes every request recompute its KV), under expert parallelism on every rank of the
+group or on none (`_group_control`: a rank that fails makes the others undo theirs; weights are
+staged everywhere and committed only once every rank staged them); UNPAUSE starts stepping
+again. Each is answered
 with a ControlAck. A control runs as a task of its own (in arrival order), so the receive loop
 keeps taking submissions, aborts and stats while a step finishes or weights load.
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
@@ -29,6 +32,13 @@ step) fails the requests of that step, each with its terminal output, and the en
 serving; the exception is logged once with its traceback. If even that is impossible (the
 scheduler itself broke), the engine fails every request it holds and ends its process with a
 `FatalError` (runtime/procs.py exits non-zero): the coordinator sees the rank die.
+Expert parallelism (`ep`, an EpGroup of more than one rank): the engines of the group must step
+together (their gpu actors exchange tokens inside every MoE layer), so the step loop is
+actors/engine/ep.py's EpDriver, which agrees with the peers over ZMQ before stepping (idle ranks
+run dummy steps), and PAUSE completes only once the whole group stopped in the same step and met
+at a barrier. A peer that dies, breaks the protocol or stays silent past a bound ends this rank
+too (its requests fail naming the peer), and a step whose forward fails ends it (the group's
+collectives can no longer be trusted); STOP tells the peers first (EpBye).
 The engine sends the coordinator a Heartbeat every HEARTBEAT_S seconds, which the coordinator
 answers. An engine started on its own (`taipan serve --role engine`, on another host than its
 coordinator) watches those answers: a coordinator silent for `coordinator_timeout` seconds, or
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 
 import numpy as np
@@ -47,6 +58,7 @@ import numpy as np
 from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.config import InferenceConfig
+from taipan.actors.engine.ep import EpDriver, EpGroup, GroupError
 from taipan.actors.engine.plan import (
     BootError,
     block_ops,
@@ -61,7 +73,8 @@ from taipan.actors.engine.plan import (
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOpsReply
-from taipan.messages.common import ErrorReply, Heartbeat, Hello
+from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
+from taipan.messages.consensus import EpBarrier, EpBye, EpHello, EpOutcome, EpVote
 from taipan.messages.gpu import (
     GpuCommand,
     GpuControl,
@@ -114,6 +127,7 @@ class EngineActor(Actor):
         mamba: Channel | None = None,
         *,
         coordinator_timeout: float | None = None,
+        ep: EpGroup | None = None,
     ):
         super().__init__(f"engine-{rank}")
         self.coordinator_timeout = coordinator_timeout  # None: the coordinator is not watched
@@ -136,7 +150,20 @@ class EngineActor(Actor):
         self.steps_total = 0
         self.steps_graphed = 0
         overlap = config.overlap_steps
-        self.overlap = load.device.startswith("cuda") if overlap is None else overlap
+        if overlap is None:  # synchronous rounds need steps that do not overlap (ep.py)
+            overlap = load.device.startswith("cuda") and not config.use_synchronous_zmq_collectives
+        self.overlap = overlap
+        self.pause_waiters: list[Envelope] = []  # expert parallel: pauses the group owes
+        self.suspended_mode: KVCacheManagementMode | None = None  # of the last suspend
+        self.ep, self.ep_driver = ep, None
+        if ep is not None:
+            interval, disabled = config.ep_consensus_interval, config.disable_ep_consensus
+            self.ep_driver = EpDriver(self, ep, interval, disabled)
+            ep.synchronous = config.use_synchronous_zmq_collectives
+            ep.take_now = self._take_ep_now
+            self.serve(ep.inbox)
+            for msg_type in (EpHello, EpVote, EpBarrier, EpOutcome, EpBye, PeerGone):
+                self.on(msg_type, self.on_ep_message)
         self.serve(coord)
         for msg_type, handler in [
             (EngineSubmit, self.on_submit),
@@ -158,6 +185,29 @@ class EngineActor(Actor):
         if env.channel is self.coord:
             self.coord_heard = time.monotonic()
         await super().dispatch(env)
+
+    async def on_ep_message(self, env: Envelope, msg) -> None:
+        """A peer's round message, its EpBye, or its closed connection (PeerGone)."""
+        try:
+            if isinstance(msg, PeerGone):
+                self.ep.peer_gone(env.sender, msg.reason)
+            else:
+                self.ep.deliver(msg)
+        except GroupError as e:
+            self.spawn(self._die(str(e)))
+
+    def _take_ep_now(self, env: Envelope) -> None:
+        """A synchronous round read `env` off the consensus inbox itself (actors/engine/ep.py);
+        as `dispatch` then `on_ep_message` would, without yielding. GroupError propagates."""
+        self.now = env.time
+        if env.error is not None:
+            self.ep.deliver_bad(str(env.error))
+        elif isinstance(env.msg, PeerGone):
+            self.ep.peer_gone(env.sender, env.msg.reason)
+        elif isinstance(env.msg, EpHello | EpVote | EpBarrier | EpOutcome | EpBye):
+            self.ep.deliver(env.msg)
+        else:
+            self.log.warning("unexpected message on the consensus inbox", msg=type(env.msg))
 
     async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
         pass  # the coordinator's answer: dispatch noted that it is alive
@@ -225,7 +275,13 @@ class EngineActor(Actor):
         self.scheduler = new_scheduler(self.config, plan)
         self.log.info("engine ready", num_blocks=plan.num_blocks, max_tokens=plan.max_tokens)
         await self.coord.send(loaded)
-        await self._step_loop()
+        if self.ep_driver is None:
+            await self._step_loop()
+            return
+        try:
+            await self.ep_driver.run()
+        except GroupError as e:
+            await self._die(str(e))
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -254,6 +310,8 @@ class EngineActor(Actor):
         async with self.control_lock, self._between_steps():  # steps in flight end and report
             if self.scheduler is not None:
                 await self._emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
+            if self.ep is not None:
+                await self.ep.bye("stopped")  # its closed connection is no crash to the peers
             await self.coord.send(StopAck(self.name))
             self.stop()
 
@@ -320,6 +378,16 @@ class EngineActor(Actor):
     async def on_pause(self, env: Envelope, msg: Pause) -> None:
         if await self._refuse(env, ControlCommand.PAUSE, LifecycleState.RUNNING):
             return
+        if self.ep_driver is not None:
+            # The group pauses together: the step loop votes this flag and acks once every
+            # rank has (actors/engine/ep.py).
+            if self.pause_waiters:
+                text = f"{self.name}: pause is already waiting for the expert-parallel group"
+                await env.reply(ErrorReply("illegal_transition", text, None))
+                return
+            self.pause_waiters.append(env)
+            self.work.set()
+            return
         self.state = LifecycleState.PAUSED  # no new step starts from now on
         self._control_task(self._pause_after_step(env))
 
@@ -335,16 +403,67 @@ class EngineActor(Actor):
         await self._ack(env, ControlCommand.UNPAUSE)
 
     async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
-        """Run one gpu control call between steps; an error goes back to the coordinator."""
+        """Run one gpu control call between steps (under expert parallelism, on every rank of
+        the group or on none: `_group_control`); an error goes back to the coordinator."""
         async with self._between_steps():
-            try:
-                reply = await self._call(self.gpu, msg, GpuControlReply)
-            except EngineError as e:
-                reply = GpuControlReply(msg.command, str(e), True, self.weight_version)
+            if self.ep is None:
+                reply = await self._gpu_call(msg)
+            else:
+                reply = await self._group_control(command, msg)
         if reply.error is not None:
             await env.reply(ErrorReply("control_failed", f"{command}: {reply.error}", None))
             return None
         return reply
+
+    async def _gpu_call(self, msg: GpuControl) -> GpuControlReply:
+        """One call to the gpu actor (a failure comes back as the reply's error). A resume that
+        reports the KV contents gone makes every request recompute, whatever follows."""
+        try:
+            reply = await self._call(self.gpu, msg, GpuControlReply)
+        except EngineError as e:
+            return GpuControlReply(msg.command, str(e), True, self.weight_version)
+        if reply.error is None and reply.command == GpuCommand.RESUME and not reply.kv_valid:
+            self.scheduler.invalidate_kv()
+        return reply
+
+    async def _group_control(self, command: ControlCommand, msg: GpuControl) -> GpuControlReply:
+        """All or none over the expert-parallel group: apply the control here (a weight update
+        only staged), tell the peers how it went (an EpOutcome round), then keep it (commit
+        the weights) if every rank succeeded, else undo it here. The error of a failed round
+        names the ranks that failed."""
+        first = msg
+        if command is ControlCommand.UPDATE_WEIGHTS:
+            first = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
+        reply = await self._gpu_call(first)
+        try:
+            failed = await self.ep.outcome(command, reply.error)
+        except GroupError as e:
+            await self._die(str(e))
+        if not failed:
+            if command is ControlCommand.UPDATE_WEIGHTS:
+                commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
+                reply = await self._gpu_call(commit)
+                if reply.error is not None:  # the peers have committed: no way back
+                    await self._die(f"committing staged weights failed: {reply.error}")
+            return reply
+        undo = self._undo(command) if reply.error is None else None
+        if undo is not None:
+            undone = await self._gpu_call(undo)
+            if undone.error is not None:
+                await self._die(f"{command} failed on a peer and could not be undone here: "
+                                f"{undone.error}")  # fmt: skip
+        if self.rank in failed:
+            return reply
+        peers = "; ".join(f"engine {r}: {why}" for r, why in sorted(failed.items()))
+        text = f"undone here, expert-parallel peers failed ({peers})"
+        return GpuControlReply(msg.command, text, reply.kv_valid, self.weight_version)
+
+    def _undo(self, command: ControlCommand) -> GpuControl | None:
+        if command is ControlCommand.SUSPEND:
+            return GpuControl(GpuCommand.RESUME, None, None, None)
+        if command is ControlCommand.RESUME:
+            return GpuControl(GpuCommand.SUSPEND, self.suspended_mode, None, None)
+        return GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
 
     async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
         if await self._refuse(env, ControlCommand.SUSPEND, LifecycleState.PAUSED):
@@ -355,6 +474,7 @@ class EngineActor(Actor):
     async def _suspend(self, env: Envelope, control: GpuControl) -> None:
         if await self._gpu_control(env, ControlCommand.SUSPEND, control):
             self.state = LifecycleState.SUSPENDED
+            self.suspended_mode = control.mode
             await self._ack(env, ControlCommand.SUSPEND)
 
     async def on_resume(self, env: Envelope, msg: Resume) -> None:
@@ -365,9 +485,7 @@ class EngineActor(Actor):
     async def _resume(self, env: Envelope) -> None:
         control = GpuControl(GpuCommand.RESUME, None, None, None)
         reply = await self._gpu_control(env, ControlCommand.RESUME, control)
-        if reply is not None:
-            if not reply.kv_valid:
-                self.scheduler.invalidate_kv()
+        if reply is not None:  # (a resume that dropped the KV invalidated it: _gpu_call)
             self.state = LifecycleState.PAUSED
             await self._ack(env, ControlCommand.RESUME)
 
@@ -540,6 +658,8 @@ class EngineActor(Actor):
             self.steps_graphed += int(result.graphed)
             outputs = sched.update(batch, result, self.now)
         except Exception as e:
+            if self.ep is not None:  # the group's collectives may be out of step now
+                await self._die(await self.ep.why_failed(f"step {batch.step} failed: {e}"))
             outputs = await self._failed(batch, e)
         await self._emit_or_die(batch, outputs)
         self.tokens_last_step = batch.num_tokens

@@ -19,6 +19,12 @@ step N's result: at most one step is being given its blocks (`dispatching`) and 
 have their StepPlan at the gpu (`at_gpu`, answered in order). The config is not in the log: the
 launcher writes it to `config.json` in the record directory.
 
+Expert parallelism (actors/engine/ep.py): the log holds every consensus round (this rank's
+messages out, the peers' in), which the replay feeds to the same pure core (`EpMirror`): it
+checks that the engine stepped only as the agreements allow (a round first whenever the
+schedule says so; no step after an agreement to idle or to pause) and knows a dummy step (an
+empty StepPlan, `plan.dummy_plan`) from the scheduler's own.
+
 Pure: decoded messages in, a divergence text out. No sockets, no torch.
 """
 
@@ -26,16 +32,83 @@ from __future__ import annotations
 
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine import plan as P
+from taipan.actors.engine.consensus import (
+    Action,
+    ConsensusSchedule,
+    ProtocolError,
+    RoundBook,
+    agree,
+)
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.messages.allocator import AllocatorReady, BlockOps, BlockOpsReply
 from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply
+from taipan.messages.consensus import ROUND_MESSAGES, BarrierPoint, EpBarrier, EpHello, EpVote
 from taipan.messages.gpu import GpuControlReply, ModelLoaded, NoStep, StepPlan, StepResult
 from taipan.messages.lifecycle import Stop
 from taipan.messages.mamba_cache import MambaOps, MambaOpsReply
 from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
 from taipan.messages.summary import summarize
+
+
+class EpMirror:
+    """The consensus as the engine saw it: the rounds of its log, and the steps they allow."""
+
+    def __init__(self, config: InferenceConfig):
+        self.schedule = ConsensusSchedule(config.ep_consensus_interval, config.disable_ep_consensus)
+        self.book: RoundBook | None = None
+        self.early: list = []  # peers' messages before this rank's hello named its group
+        self.voted = False  # a round came since the last step
+
+    def own(self, msg) -> str | None:
+        if self.book is None:
+            if not isinstance(msg, EpHello):
+                return f"{type(msg).__name__} sent before the group's hello"
+            self.book = RoundBook(msg.rank, msg.group)
+            for early in self.early:
+                self.book.add(early)
+        if msg.round < self.book.next_round:
+            return None  # the same message, to the next peer
+        self.book.own(msg)
+        return self._settle()
+
+    def peer(self, msg) -> str | None:
+        if self.book is None:
+            self.early.append(msg)
+            return None
+        self.book.add(msg)
+        return self._settle()
+
+    def _settle(self) -> str | None:
+        msgs = self.book.complete(self.book.next_round - 1)
+        if msgs and isinstance(msgs[0], EpVote):
+            self.schedule.agreed(agree(msgs))
+            self.voted = True
+        elif msgs and isinstance(msgs[0], EpBarrier) and msgs[0].point is BarrierPoint.PAUSED:
+            self.schedule.reset()
+            self.voted = False
+        return None
+
+    def step(self) -> str | None:
+        """The engine sent a StepPlan (its own or a dummy): the group steps."""
+        if self.book is None:
+            return "a step before the expert-parallel group's hello"
+        if not self.voted and self.schedule.due():
+            return "a step without the consensus round the schedule requires first"
+        action = self.schedule.action(1)
+        if action in (Action.IDLE, Action.PAUSE):
+            return f"a step after the group agreed to {action} (round {self.book.next_round - 1})"
+        self.schedule.stepped()
+        self.voted = False
+        return None
+
+
+class _Dummy:
+    """A dummy step at the gpu (answered like a step, changes no request)."""
+
+    def __init__(self, step: int):
+        self.step = step
 
 
 class EngineReplay:
@@ -58,6 +131,7 @@ class EngineReplay:
         self.finished: set[int] = set()  # requests whose terminal output the engine sent
         self.requests: dict[int, EngineRequest] = {}  # the replay's, until their terminal output
         self.sent: dict[int, list[int]] = {}  # tokens the engine sent each of them so far
+        self.ep = EpMirror(config)  # used once the log shows consensus rounds
 
     # --- inbound ------------------------------------------------------------------------------
 
@@ -67,6 +141,11 @@ class EngineReplay:
             return None
         self.now = time
         sched = self.sched
+        if isinstance(msg, ROUND_MESSAGES):
+            try:
+                return self.ep.peer(msg)
+            except ProtocolError as e:
+                return f"consensus: {e}"
         if isinstance(msg, ModelLoaded):
             self.loaded = msg
         elif isinstance(msg, AllocatorReady) and self.loaded is not None:
@@ -95,7 +174,7 @@ class EngineReplay:
         elif isinstance(msg, GpuControlReply) and msg.error is None and sched is not None:
             if msg.command == "resume" and not msg.kv_valid:
                 sched.invalidate_kv()
-            elif msg.command == "update_weights":
+            elif msg.command in ("update_weights", "commit_weights"):
                 sched.new_weights(msg.weight_version)
         return None
 
@@ -121,6 +200,9 @@ class EngineReplay:
                 return None  # an error answering a control call, not a step
             return f"{type(msg).__name__} arrived with no step at the gpu"
         batch = self.at_gpu[0]
+        if isinstance(batch, _Dummy):  # (a failed one ends the engine: nothing to follow)
+            self.at_gpu.pop(0)
+            return None
         if isinstance(msg, ErrorReply):
             return self._fail(batch, f"gpu: {msg.text}")
         if msg.step != batch.step:
@@ -173,10 +255,21 @@ class EngineReplay:
     def outbound(self, msg, frames: tuple[bytes, ...]) -> str | None:
         if isinstance(msg, StepOutputs):
             return self._check_outputs(msg)
+        if isinstance(msg, ROUND_MESSAGES) and not self.stopped:
+            try:
+                return self.ep.own(msg)
+            except (ProtocolError, ValueError) as e:
+                return f"consensus: {e}"
         if self.stopped or not isinstance(msg, BlockOps | MambaOps | StepPlan | NoStep):
             return None
         if self.sched is None:
             return f"the engine sent {type(msg).__name__} before it could have a scheduler"
+        if isinstance(msg, StepPlan) and self.ep.book is not None:
+            problem = self.ep.step()
+            if problem is not None:
+                return problem
+            if not len(msg.seq_lens):
+                return self._send_dummy(frames)
         if isinstance(msg, StepPlan) and self.dispatching is not None:
             return self._send_plan(frames)
         if isinstance(msg, MambaOps) and self.dispatching is not None:
@@ -204,6 +297,12 @@ class EngineReplay:
         if mops is not None:
             return f"the engine skipped the mamba_cache actor, replay plans {summarize(mops)}"
         return self._send_plan(frames)
+
+    def _send_dummy(self, frames: tuple[bytes, ...]) -> str | None:
+        if self.dispatching is not None:
+            return f"a dummy step while step {self.dispatching.step} waits for its blocks"
+        self.at_gpu.append(_Dummy(self.sched.step))
+        return self._compare("StepPlan", P.dummy_plan(self.sched.step), frames)
 
     def _send_plan(self, frames: tuple[bytes, ...]) -> str | None:
         batch, self.dispatching = self.dispatching, None

@@ -148,3 +148,28 @@ def mamba_init(loaded: ModelLoaded) -> MambaInit | None:
 
 def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
     return StepPlan(step=batch.step, **sched.plan_arrays(batch))
+
+
+def dummy_plan(step: int) -> StepPlan:
+    """The StepPlan of a dummy step (expert parallelism: this rank has no work in a step its
+    group takes): no sequence, no token; `step` is the last step the scheduler planned."""
+    i8, i32, i64, f32 = (np.zeros(0, t) for t in (np.int8, np.int32, np.int64, np.float32))
+    return StepPlan(
+        step=step,
+        input_ids=i32,
+        positions=i32,
+        slot_mapping=i64,
+        query_start_loc=np.zeros(1, np.int32),
+        seq_lens=i32,
+        block_tables=np.zeros((0, 1), np.int32),
+        sample=i8,
+        temperature=f32,
+        top_k=i32,
+        top_p=f32,
+        min_p=f32,
+        seeds=i64,
+        gen_index=i32,
+        logprobs=i8,
+        top_n=i32,
+        prompt_targets=i32,
+    )

@@ -220,6 +220,11 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.paused or self.pending_free)
 
+    def pending(self) -> int:
+        """The requests held (waiting, running, paused): the expert-parallel vote's work count.
+        Blocks still to free need no forward (they ride along with the next plan)."""
+        return len(self.waiting) + len(self.running) + len(self.paused)
+
     # --- one step -----------------------------------------------------------------------------
 
     def _free_view(self) -> int:

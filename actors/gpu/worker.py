@@ -29,6 +29,16 @@ collects this one, so the device runs them back to back (`step` does both halves
 KV cache size: `LoadModel.kv_cache_gb`, or when it is None, DEFAULT_KV_GB on CUDA and on CPU
 CPU_KV_SHARE of the memory available at load (at most DEFAULT_KV_GB), capped by `max_blocks`.
 
+Expert parallel (LoadModel.expert_parallel_size > 1, ops/expert_parallel.py): the worker joins
+its group at load, holds its share of the routed experts, and every MoE layer exchanges tokens
+with the peers, so every rank of the group must forward in the same steps (the engines' consensus
+sees to it) with the same padded rows per rank. Before each forward the ranks agree on (tokens,
+any prefill, any eager step) with a host all-reduce (`_ep_shape`); from the same agreed values
+each picks the same CUDA graph bucket (or all run eagerly) and pads its exchange to its size. A
+StepPlan with no sequence is a dummy step: the MoE exchanges only, none of this rank's rows
+(`exchange_only`), no KV block or Mamba slot touched. An EP step never launches on the event
+loop's thread (the agreement blocks until the peers arrive).
+
 Tensor parallel (`load(..., tp=...)`, ops/parallel.py): the worker holds this rank's shards, and
 its KV cache this rank's kv heads: the budget is per rank, and the ranks agree on the smallest
 block count. Every rank of the group must run the same calls in the same order (load, every
@@ -59,6 +69,13 @@ from taipan.messages.gpu import (
     StepResult,
 )
 from taipan.messages.lifecycle import KVCacheManagementMode as Mode
+from taipan.ops.expert_parallel import (
+    EPGroup,
+    ExpertShare,
+    exchange_only,
+    init_ep,
+    install_exchange,
+)
 from taipan.ops.loader import (
     ModelLoadError,
     WeightUpdateError,
@@ -261,6 +278,9 @@ class ModelWorker:
         self._launches = 0
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
         self.tp = SINGLE  # this worker's tensor-parallel group (set at load)
+        self.ep: EPGroup | None = None  # its expert-parallel group (set at load), None: none
+        self.exchange = None  # the MoE layers' token exchange under expert parallelism
+        self._staged: list | None = None  # weights checked by STAGE_WEIGHTS, not yet copied in
 
     def load(self, msg: LoadModel, *, tp: TPGroup = SINGLE) -> ModelLoaded:
         """Load the model (this rank's shards under `tp`) and size the KV cache; every rank of
@@ -271,7 +291,26 @@ class ModelWorker:
         self.device = torch.device(msg.device)
         check_device(self.device)
         use_device(self.device)
-        model, config, tokenizer = load_model(msg.model, dtype=dtype, device=self.device, tp=tp)
+        experts = None
+        if msg.expert_parallel_size > 1:
+            if tp.size > 1:
+                raise ValueError("expert parallelism with tensor parallelism is not built")
+            if self.ep is None:  # (joined once per process: a reload keeps the group)
+                rank, size = msg.expert_parallel_rank, msg.expert_parallel_size
+                self.ep = init_ep(rank, size, msg.expert_parallel_init, self.device)
+            experts = ExpertShare(self.ep.rank, self.ep.size)
+        try:
+            model, config, tokenizer = load_model(
+                msg.model, dtype=dtype, device=self.device, tp=tp, expert_range=experts
+            )
+        except ModelLoadError as e:
+            if experts is not None and "has no experts" in str(e):
+                raise ModelLoadError(
+                    f"expert_parallel_size={experts.size} needs a mixture-of-experts model: {e}"
+                ) from e
+            raise
+        if self.ep is not None:
+            self.exchange = install_exchange(model, self.ep)
         self.tp = tp
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, tp)
         budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device, msg.ranks_on_host)
@@ -418,12 +457,17 @@ class ModelWorker:
             no_tokens = np.full(len(plan.sample), -1, dtype=np.int32)
             return StepResult(plan.step, no_tokens, "the gpu worker is suspended", 0.0)
         num_seqs = len(plan.seq_lens)
+        if num_seqs == 0 and self.ep is not None:
+            return self._dummy(plan, start)
         self._check_prev_rows(plan, previous)
         self._check_mamba_slots(plan)
         bucket = None
         inner_snaps = self._inner_snapshots(plan)
-        if self.graphs is not None and not (plan.prompt_targets >= 0).any() and not inner_snaps:
-            all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
+        eager = self.graphs is None or (plan.prompt_targets >= 0).any() or bool(inner_snaps)
+        all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
+        if self.ep is not None:
+            bucket = self._ep_shape(len(plan.input_ids), all_decode, eager)
+        elif not eager:
             bucket = self.graphs.pick(len(plan.input_ids), num_seqs, all_decode)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
         staged = self.buffers.stage(_plan_arrays(plan), **sizes)
@@ -470,8 +514,31 @@ class ModelWorker:
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
-        step without log-probs), so the caller may run it on its own thread."""
-        return self.device.type == "cuda" and not _wants_log_probs(plan)
+        step without log-probs, not expert parallel), so the caller may run it on its own
+        thread."""
+        return self.device.type == "cuda" and not _wants_log_probs(plan) and self.ep is None
+
+    def _ep_shape(self, num_tokens: int, all_decode: bool, eager: bool):
+        """Agree with the group on this step's shape; returns the graph bucket every rank runs
+        (None: all eager) and sets the exchange's rows per rank to its size (eager: the
+        largest token count of the group). A dummy step takes part with 0 tokens."""
+        tokens, mixed, any_eager = self.ep.agree([num_tokens, int(not all_decode), int(eager)])
+        bucket = None
+        if not any_eager and self.graphs is not None:
+            # A function of the agreed values alone (a mixed bucket that holds `tokens` holds
+            # any rank's sequences), so every rank picks the same one.
+            bucket = self.graphs.pick(tokens, 1, all_decode=not mixed)
+        self.exchange.tokens = bucket.tokens if bucket is not None else tokens
+        return bucket
+
+    def _dummy(self, plan: StepPlan, start: float) -> StepResult:
+        """A dummy step (module docstring): this rank's experts serve the peers' rows."""
+        self._ep_shape(0, True, False)
+        with torch.inference_mode():
+            exchange_only(self.model, self.dtype, self.device)
+        elapsed = time.perf_counter() - start
+        no_tokens = np.zeros(0, dtype=np.int32)
+        return StepResult(plan.step, no_tokens, None, elapsed, device_seconds=elapsed)
 
     def collect(self, launched: Launched | StepResult) -> StepResult:
         """Wait for a launched step's device work and build its StepResult. Thread-safe with
@@ -599,6 +666,8 @@ class ModelWorker:
         """What a graph records: the forward over the buffers at the bucket's size, and the
         logits of each sequence's last token into the static logits buffer."""
         inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+        if self.exchange is not None:  # every rank captures this bucket at this size
+            self.exchange.tokens = bucket.tokens
         attn = AttentionMetadata(
             query_start_loc=inputs["query_start_loc"],
             seq_lens=inputs["seq_lens"],
@@ -699,6 +768,9 @@ class ModelWorker:
             GpuCommand.SUSPEND: self._suspend,
             GpuCommand.RESUME: self._resume,
             GpuCommand.UPDATE_WEIGHTS: self._update_weights,
+            GpuCommand.STAGE_WEIGHTS: self._stage_weights,
+            GpuCommand.COMMIT_WEIGHTS: self._commit_weights,
+            GpuCommand.DISCARD_WEIGHTS: self._discard_weights,
         }
         try:
             if self.model is None:
@@ -776,19 +848,35 @@ class ModelWorker:
         return mode != Mode.RECOMPUTE
 
     def _update_weights(self, msg: GpuControl) -> bool:
+        self._stage_weights(msg)
+        return self._commit_weights(msg)
+
+    def _stage_weights(self, msg: GpuControl) -> bool:
+        """Check the new weights (every failure is here) and hold them; nothing changes."""
         if self.suspend_mode is None:
             raise ControlError("update_weights needs a suspended gpu worker; it is running")
         if (msg.path is None) == (msg.state is None):
             raise ControlError("update_weights needs exactly one of path and state")
+        self._staged = None
         if msg.path is not None:
-            updates = self._updates_from_path(msg.path)
+            self._staged = self._updates_from_path(msg.path)
         else:
-            updates = state_updates(msg.state, self.model)
+            self._staged = state_updates(msg.state, self.model)
+        return self.kv_valid
+
+    def _commit_weights(self, msg: GpuControl) -> bool:
+        if self._staged is None:
+            raise ControlError("commit_weights: no weights are staged")
+        updates, self._staged = self._staged, None
         params = self.model.state_dict()  # views of the live parameters: copy in place
         with torch.no_grad():
             for name, rows, values in updates:
                 params[name][rows].copy_(_as_tensor(values))
         self.weight_version += 1
+        return self.kv_valid
+
+    def _discard_weights(self, msg: GpuControl) -> bool:
+        self._staged = None
         return self.kv_valid
 
     def _updates_from_path(self, path: str) -> list[tuple[str, slice, torch.Tensor]]:
