@@ -152,8 +152,8 @@ def check_device(device: torch.device) -> None:
 def use_device(device: torch.device) -> None:
     """Make `device` the calling thread's current CUDA device (nothing elsewhere): streams,
     events and graph launches go to the current device, and every thread starts on cuda:0."""
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    if device.type == "cuda":  # "cuda" without an index: the first visible GPU, as torch's
+        torch.cuda.set_device(0 if device.index is None else device.index)
 
 
 def kv_budget(
