@@ -18,12 +18,14 @@ import torch
 
 from taipan.ops.loader import (
     RANDOM_PREFIX,
-    hf_name_to_ours,
     load_model,
     random_config,
     random_state,
 )
 from taipan.ops.models.llama import LlamaForCausalLM, kv_cache_bytes_per_block
+from taipan.ops.weight_updates import (
+    hf_name_to_ours,
+)
 
 GIB = 1 << 30
 

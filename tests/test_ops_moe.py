@@ -27,14 +27,16 @@ import torch
 from taipan.ops.attention import build_attention_metadata
 from taipan.ops.loader import (
     ModelLoadError,
-    WeightUpdateError,
-    check_same_architecture,
     load_model,
-    state_updates,
 )
 from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache
 from taipan.ops.moe import MoE, MoEConfig, Router, set_expert_combine
+from taipan.ops.weight_updates import (
+    WeightUpdateError,
+    check_same_architecture,
+    state_updates,
+)
 from tests.random_moe import (
     NEMOTRON_MOE_PATTERNS,
     QWEN3_MOE_VARIANTS,

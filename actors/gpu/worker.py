@@ -78,10 +78,7 @@ from taipan.ops.expert_parallel import (
 )
 from taipan.ops.loader import (
     ModelLoadError,
-    WeightUpdateError,
-    check_same_architecture,
     load_model,
-    state_updates,
 )
 from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
 from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
@@ -89,6 +86,11 @@ from taipan.ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cac
 from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.sampling import sample
+from taipan.ops.weight_updates import (
+    WeightUpdateError,
+    check_same_architecture,
+    state_updates,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 GIB = 1024**3
