@@ -52,7 +52,8 @@ def _runtime(model, config, config_fields, address, direct: bool, **kw) -> Runti
         if config is not None or config_fields or sizes != (1, 1, 1):
             raise ValueError(
                 "address= connects to a running runtime, whose config and ranks are its own: "
-                "pass no config, InferenceConfig fields or parallel sizes with it"
+                "pass no config, InferenceConfig fields or parallel sizes (data_parallel_size, "
+                "tensor_parallel_size, expert_parallel_size) with it"
             )
         return None
     if config is not None and config_fields:
