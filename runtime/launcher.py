@@ -99,6 +99,23 @@ def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
         )
 
 
+EP_FIELDS = ("ep_consensus_interval", "disable_ep_consensus", "use_synchronous_zmq_collectives")
+
+
+def check_ep_fields(config: InferenceConfig, expert: int) -> None:
+    """LaunchError for an EP consensus field set without expert parallelism, where it would
+    change nothing (an option is never silently ignored)."""
+    if expert > 1:
+        return
+    default = InferenceConfig()
+    for name in EP_FIELDS:
+        if getattr(config, name) != getattr(default, name):
+            raise LaunchError(
+                f"{name}={getattr(config, name)!r} applies to expert-parallel groups only: "
+                "set --expert-parallel-size above 1, or leave it at its default"
+            )
+
+
 def rank_device(device: str, rank: int, num_ranks: int) -> str:
     """The device of data-parallel rank `rank`: on CUDA each rank its own GPU, counted from the
     one named ("cuda" or "cuda:0": rank r on cuda:r; "cuda:2": rank r on cuda:2+r); elsewhere
@@ -190,6 +207,7 @@ class Runtime:
         self.num_ranks = data_parallel_size
         self.tp_size = tensor_parallel_size
         self.expert_parallel_size = expert_parallel_size
+        check_ep_fields(self.config, expert_parallel_size)
         self.direct = direct
         self.dtype, self.device = dtype, device
         cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse

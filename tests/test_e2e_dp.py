@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from taipan import LLM, SamplingParams
+from taipan.actors.config import InferenceConfig
 from taipan.launcher import LaunchError, Runtime, rank_cpu_sets, rank_device
 from taipan.messages.lifecycle import LifecycleState
 from tests.conftest import TEST_CONFIG
@@ -140,6 +141,10 @@ def test_refusals(model_path):
         (dict(data_parallel_size=0), "data_parallel_size must be an int >= 1"),
         (dict(expert_parallel_size=2), "must divide data_parallel_size=1"),
         (dict(data_parallel_size=4, expert_parallel_size=3), "must divide data_parallel_size=4"),
+        (
+            dict(config=InferenceConfig(ep_consensus_interval=5)),
+            "ep_consensus_interval=5 applies to expert-parallel groups only",
+        ),
         (dict(data_parallel_size=2, direct=True), "direct mode drives one engine rank"),
     ]:
         with pytest.raises(LaunchError, match=text):
