@@ -61,6 +61,11 @@ class RankStats:
     mamba_snapshots: int = 0
     mamba_restored: int = 0
     mamba_snapshots_taken: int = 0
+    # Expert parallelism (zeros otherwise): dummy forwards this rank ran so its group's
+    # collectives stay in step while it had no work (not in steps_total), and their device time
+    # (not in device_seconds_total).
+    dummy_steps_total: int = 0
+    dummy_device_seconds_total: float = 0.0
     # Set by the coordinator: False once the rank died (its last report, nothing running), with
     # why in `dead_reason`.
     alive: bool = True
@@ -99,7 +104,8 @@ class Stats:
         for r in self.ranks:
             for name in fields:
                 fields[name] += getattr(r, name)
-        fields["device_seconds_total"] = float(fields["device_seconds_total"])
+        for name in ("device_seconds_total", "dummy_device_seconds_total"):
+            fields[name] = float(fields[name])
         fields["step"] = max((r.step for r in self.ranks), default=0)
         fields["weight_version"] = max((r.weight_version for r in self.ranks), default=0)
         return RankStats(

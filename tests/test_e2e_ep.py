@@ -108,15 +108,19 @@ def session(made, tmp_path_factory):
 
 def test_one_rank_busy_for_150_steps_while_the_other_idles(session):
     _, c, _, hf = session
-    before = [r.steps_total for r in c.stats().ranks]
+    before = [(r.steps_total, r.dummy_steps_total) for r in c.stats().ranks]
     prompt = _prompts(5, (12,))[0]
     sampling = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
     start = time.monotonic()
     [done] = c.generate([prompt], sampling)
     assert done.finish_reason == FinishReason.LENGTH
     assert done.token_ids == hf_greedy(hf, prompt, 150)
-    steps = [r.steps_total - b for r, b in zip(c.stats().ranks, before, strict=True)]
-    assert sorted(steps) == [0, 150]  # the idle rank ran dummy steps only (not counted)
+    ranks = c.stats().ranks
+    steps = [r.steps_total - b for r, (b, _) in zip(ranks, before, strict=True)]
+    assert sorted(steps) == [0, 150]  # the idle rank ran dummy steps only (counted apart)
+    idle = ranks[steps.index(0)]
+    dummies = idle.dummy_steps_total - before[steps.index(0)][1]
+    assert 150 <= dummies <= 152 and idle.dummy_device_seconds_total > 0
     assert time.monotonic() - start < 120
 
 

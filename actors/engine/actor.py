@@ -348,6 +348,8 @@ class EngineActor(Actor):
             s.get("mamba_snapshots", 0),
             s.get("mamba_restored", 0),
             s.get("mamba_snapshots_taken", 0),
+            self.ep_driver.dummy_steps if self.ep_driver is not None else 0,
+            self.ep_driver.dummy_device_seconds if self.ep_driver is not None else 0.0,
         )
         return Stats(self.state, (rank,))
 

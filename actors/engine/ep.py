@@ -270,7 +270,8 @@ class EpDriver:
         self.schedule = ConsensusSchedule(interval, disabled)
         self.in_flight: StepBatch | int | None = None  # a batch, or a dummy step's number
         self.stuck = False  # work that cannot run until something changes (votes 0)
-        self.dummy_steps = 0
+        self.dummy_steps = 0  # dummy forwards run, and their device time (RankStats)
+        self.dummy_device_seconds = 0.0
 
     def local_work(self) -> int:
         e = self.engine
@@ -308,7 +309,6 @@ class EpDriver:
         if sent is None:  # the group steps: a forward of padding rows keeps this rank in it
             sent = sched.step
             await e.gpu.send(dummy_plan(sent))
-            self.dummy_steps += 1
         if self.in_flight is not None:
             await self._collect(self.in_flight)
         self.in_flight = sent
@@ -352,6 +352,8 @@ class EpDriver:
             result = await e._reply(e.gpu, StepResult)
             if result.error is not None or result.step != running:
                 raise RuntimeError(result.error or f"the gpu answered step {result.step}")
+            self.dummy_steps += 1
+            self.dummy_device_seconds += result.device_seconds
         except Exception as err:
             await e._die(await self.group.why_failed(f"dummy step after {running} failed: {err}"))
 
