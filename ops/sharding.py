@@ -9,7 +9,8 @@ this rank's shard of the projections, of every expert's intermediate size (w1 ro
 columns; the shared expert's likewise) and of the vocabulary. Routers, norms and NemotronH's
 latent projections are replicated. `placement` maps one checkpoint tensor onto that layout; the
 loader (reading files, random weights) and weight updates (state dicts) both use it, so every
-path shards the same way and a rank reads only its slices. Builds no tensors.
+path shards the same way and a rank reads only its slices. Builds no tensors (`take` only
+joins the two slices it reads of a stacked gate_up tensor).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.parallel import SINGLE, TPGroup
@@ -109,12 +113,8 @@ def _indexed_shape(shape: tuple[int, ...], index) -> list[int]:
 
 
 def _concatenate(parts: list, dim: int):
-    import numpy as np
-
     if isinstance(parts[0], np.ndarray):
         return np.concatenate(parts, axis=dim)
-    import torch
-
     return torch.cat(parts, dim=dim)
 
 
