@@ -13,8 +13,9 @@ adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging
 Tensor parallelism (`tp`, ops/parallel.py): every rank builds the model's module tree with its
 shards and reads only its slices of each checkpoint tensor (ops/sharding.py `placement`): row
 ranges of a safetensors tensor, whole rows of a GGUF tensor before they are dequantized (a
-row-parallel matrix, split by columns, is dequantized whole, then sliced). Hybrid (NemotronH)
-models load at size 1 only.
+row-parallel matrix, split by columns, is dequantized whole, then sliced); a MoE layer's
+experts split along their intermediate size (ops/moe.py). Hybrid (NemotronH) models load at
+size 1 only.
 
 Mixture-of-experts checkpoints name each expert's matrices (`mlp.experts.3.up_proj.weight`, what
 transformers' `save_pretrained` writes) or stack them (`mlp.experts.gate_up_proj` [E, 2I, H], what
@@ -45,7 +46,15 @@ from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from taipan.ops.moe import ExpertRange, MoEConfig
 from taipan.ops.parallel import SINGLE, TPError, TPGroup
-from taipan.ops.sharding import Placement, checkpoint_names, placement, split_fused
+from taipan.ops.sharding import (
+    EXPERT_NAME,
+    STACKED_EXPERTS_NAME,
+    Placement,
+    checkpoint_names,
+    placement,
+    split_fused,
+    with_experts,
+)
 from taipan.ops.tokenizer import Tokenizer, TokenizerError
 
 # One checkpoint tensor, not read yet: (name without `model.`, its whole shape, a reader of the
@@ -239,7 +248,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGro
     with contextlib.ExitStack() as files_open:
         pieces = _safetensors_pieces(files, files_open, config.tie_word_embeddings)
         if experts is not None:
-            pieces = _expert_pieces(path, config, experts, pieces)
+            pieces = _expert_pieces(path, config, experts, pieces, tp)
         model = _build(path, config, pieces, dtype, device, tp, experts)
     return model, config, tokenizer
 
@@ -273,11 +282,6 @@ def _read_slice(file: Path, tensor, p: Placement) -> torch.Tensor:
         raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
 
 
-# A MoE layer's experts in a checkpoint (names without "model." / "backbone."): one tensor per
-# expert and matrix, as save_pretrained writes them, or one stacked [E, ...] tensor per matrix.
-_MOE_BLOCK = r"^(layers\.\d+\.(?:mlp|mixer))\.experts"
-EXPERT_NAME = re.compile(_MOE_BLOCK + r"\.(\d+)\.(gate|up|down)_proj\.weight$")
-STACKED_EXPERTS_NAME = re.compile(_MOE_BLOCK + r"\.(gate_up|up|down)_proj$")
 # Kept in fp32 whatever the model dtype (as Hugging Face keeps them): a bf16 correction bias
 # would change which experts are chosen.
 _FP32_TENSORS = ("e_score_correction_bias",)
@@ -288,12 +292,13 @@ def _param_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def _expert_pieces(
-    path: Path, config, experts: ExpertRange, pieces: Iterator[Piece]
+    path: Path, config, experts: ExpertRange, pieces: Iterator[Piece], tp: TPGroup
 ) -> Iterator[Piece]:
     """The pieces with each MoE block's expert tensors replaced by two pieces, our stacked
     `w1` [E_local, N, H] (SwiGLU: gate rows, then up rows; ReLU²: up) and `w2` [E_local, H, I]
     of the local experts, from per-expert or stacked checkpoint tensors; an expert outside
-    `experts` is never read. Checked in full before the first piece is handed on."""
+    `experts` is never read, nor (under `tp`) another rank's share of an expert's intermediate
+    size. Checked in full before the first piece is handed on."""
     total = config.moe.num_experts
     others, parts = [], {}  # parts[(prefix, matrix, local expert or None: stacked)] = piece
     for piece in pieces:
@@ -313,7 +318,7 @@ def _expert_pieces(
             parts[(stacked.group(1), stacked.group(2), None)] = piece
         else:
             others.append(piece)
-    return iter(others + _stacked_expert_pieces(path, config, experts, parts))
+    return iter(others + _stacked_expert_pieces(path, config, experts, parts, tp))
 
 
 def _moe_prefixes(config) -> list[str]:
@@ -323,13 +328,17 @@ def _moe_prefixes(config) -> list[str]:
     return [f"layers.{i}.mixer" for i, kind in enumerate(config.pattern) if kind == "E"]
 
 
-def _whole(piece: Piece) -> torch.Tensor:
-    return piece[2](Placement(piece[0], slice(None)))
+def _stacked_expert_pieces(
+    path: Path, config, experts: ExpertRange, parts: dict, tp: TPGroup
+) -> list[Piece]:
+    """Per MoE block, the `w1` and `w2` pieces of `_expert_pieces`, whole shapes in the layout of
+    a stacked checkpoint tensor (so `placement` splits them alike). Their readers, when `_build`
+    reads them, take the local experts' slices of a stacked tensor, or stack this rank's slices
+    (`placement` of each per-expert tensor) of the local experts' tensors."""
 
+    def part(piece: Piece) -> torch.Tensor:
+        return piece[2](placement(piece[0], config, tp))
 
-def _stacked_expert_pieces(path: Path, config, experts: ExpertRange, parts: dict) -> list[Piece]:
-    """Per MoE block, the `w1` and `w2` pieces of `_expert_pieces` (their readers stack the
-    local experts' tensors when `_build` reads them)."""
     swiglu = config.moe.activation == "swiglu"
     w1_parts = ("gate", "up") if swiglu else ("up",)
     w1_stacked = "gate_up" if swiglu else "up"
@@ -339,7 +348,6 @@ def _stacked_expert_pieces(path: Path, config, experts: ExpertRange, parts: dict
         raise ModelLoadError(
             f"{path}: expert tensors for {stray[:3]}, which the config does not make MoE layers"
         )
-    local = Placement("", slice(None), 0, experts.start, experts.count, config.moe.num_experts)
     out: list[Piece] = []
     for prefix in prefixes:
         mine = {key[1:]: piece for key, piece in parts.items() if key[0] == prefix}
@@ -353,7 +361,8 @@ def _stacked_expert_pieces(path: Path, config, experts: ExpertRange, parts: dict
                 )
             for param, piece in (("w1", mine[w1_stacked, None]), ("w2", mine["down", None])):
                 shape = (experts.count, *piece[1][1:])
-                out.append((f"{prefix}.{param}", shape, lambda p, r=piece[2]: r(local)))
+                read = functools.partial(_read_experts, piece[2], experts)
+                out.append((f"{prefix}.{param}", shape, read))
             continue
         for e in range(experts.count):
             for matrix in (*w1_parts, "down"):
@@ -374,17 +383,22 @@ def _stacked_expert_pieces(path: Path, config, experts: ExpertRange, parts: dict
             (
                 f"{prefix}.w1",
                 (experts.count, rows, *w1[0][0][1][1:]),
-                lambda p, w1=w1: torch.stack([torch.cat([_whole(x) for x in e]) for e in w1]),
+                lambda p, w1=w1: torch.stack([torch.cat([part(x) for x in e]) for e in w1]),
             )
         )
         out.append(
             (
                 f"{prefix}.w2",
                 (experts.count, *w2[0][1]),
-                lambda p, w2=w2: torch.stack([_whole(x) for x in w2]),
+                lambda p, w2=w2: torch.stack([part(x) for x in w2]),
             )
         )
     return out
+
+
+def _read_experts(read, experts: ExpertRange, p: Placement) -> torch.Tensor:
+    """A stacked [E, ...] checkpoint tensor's slice `p` of the experts in `experts` only."""
+    return read(with_experts(p, experts.start, experts.count))
 
 
 _ARCHITECTURES = {
@@ -635,19 +649,17 @@ def _build(
     the vocabulary padding stays zero), then fill them piece by piece, each checkpoint tensor
     read only as far as this rank's slice of it. `experts`: the MoE experts this rank holds."""
     cls = _MODELS[type(config)]
-    if tp.size > 1 and cls is not LlamaForCausalLM:
-        kind = "hybrid (Mamba)" if isinstance(config, NemotronHConfig) else "mixture-of-experts"
+    if tp.size > 1 and cls is NemotronHForCausalLM:
         raise ModelLoadError(
-            f"{path}: tensor parallelism for {kind} models is not built; load this "
-            f"{cls.__name__.removesuffix('ForCausalLM')} model with tensor-parallel size 1, "
-            f"not {tp.size}"
+            f"{path}: tensor parallelism for hybrid (Mamba) models is not built; load this "
+            f"NemotronH model with tensor-parallel size 1, not {tp.size}"
         )
+    kwargs = {} if experts is None else {"expert_range": experts}
+    if cls is not NemotronHForCausalLM:
+        kwargs["tp"] = tp
     try:
         with torch.device("meta"):
-            if cls is LlamaForCausalLM:
-                model = cls(config, tp=tp)
-            else:
-                model = cls(config) if experts is None else cls(config, expert_range=experts)
+            model = cls(config, **kwargs)
     except TPError as exc:
         raise ModelLoadError(f"{path}: cannot split over {tp.size} ranks: {exc}") from exc
     params = {

@@ -14,7 +14,19 @@ ranks seeing the same tokens, an all-reduce (sum) over the group). The shared ex
 after both, on every rank: each rank computes them (replicated), but they enter the sum exactly
 once because they never take part in it.
 
-Owns no scheduling and no communication: `dispatch` and `combine` are hooks.
+Tensor parallelism (`tp`, ops/parallel.py). Every rank of a tensor-parallel group holds every
+expert, but only its share of each one's intermediate size: w1's gate and up rows and w2's
+columns of those intermediate channels (column- then row-parallel, as a dense MLP), and the
+shared expert split the same way; the router (replicated, on the same hidden states, so every
+rank picks the same experts) and the latent projections stay whole on every rank (replicated:
+the simplest correct choice; fc2_latent_proj is linear without bias, so it maps a partial sum to
+a partial sum). Each rank's output is then a partial sum over its intermediate channels, of the
+routed experts and the shared one together, and ONE all-reduce per layer adds them up. Expert
+parallelism together with tensor parallelism is not built (`set_expert_dispatch` /
+`set_expert_combine` refuse a sharded model; the launcher and the gpu worker refuse the sizes).
+
+Owns no scheduling and no communication of its own: `dispatch` and `combine` are hooks, and
+the tensor-parallel all-reduce is `TPGroup`'s.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taipan.kernels.moe import ACTIVATIONS, fused_moe, fused_moe_ref
+from taipan.ops.parallel import SINGLE, TPGroup
 
 SCORING = ("softmax", "sigmoid")
 
@@ -210,8 +223,11 @@ class MoE(nn.Module):
     -> + shared experts. x: [T, hidden] -> [T, hidden].
 
     Parameters: `gate` (Router), `w1` [E_local, N, H_in] and `w2` [E_local, H_in, I] (kernels/moe.py
-    layout, H_in = latent_size or hidden), optional `fc1_latent_proj` / `fc2_latent_proj`
-    (hidden <-> latent) and `shared_experts` (the model builds it: its MLP class and names).
+    layout, H_in = latent_size or hidden; I = this rank's share of moe_intermediate_size under
+    `tp`), optional `fc1_latent_proj` / `fc2_latent_proj` (hidden <-> latent, replicated) and
+    `shared_experts` (the model builds it: its MLP class and names; under `tp` built with the
+    same group and returning its partial sum, `reduce_results=False`: this block's one
+    all-reduce adds it with the routed experts').
 
     `dispatch(x, topk_ids, topk_weights, experts)`: runs `experts` (this rank's, on the rows
     given) for the tokens x [T, H_in] and returns their routed output [T, H_in]; by default on
@@ -226,16 +242,23 @@ class MoE(nn.Module):
         config: MoEConfig,
         expert_range: ExpertRange | tuple[int, int] | None = None,
         shared_experts: nn.Module | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         self.expert_range = ExpertRange.of(expert_range, config.num_experts)
+        if tp.size > 1 and self.expert_range.count != config.num_experts:
+            raise ValueError(
+                f"expert_range {self.expert_range} with tensor-parallel size {tp.size}: expert "
+                "parallelism together with tensor parallelism is not built"
+            )
         self.gate = Router(hidden_size, config)
         inner = config.latent_size or hidden_size
-        rows = config.intermediate_size * (2 if config.activation == "swiglu" else 1)
+        _, inter = tp.even(config.intermediate_size, "moe_intermediate_size")
+        rows = inter * (2 if config.activation == "swiglu" else 1)
         count = self.expert_range.count
         self.w1 = nn.Parameter(torch.empty(count, rows, inner))
-        self.w2 = nn.Parameter(torch.empty(count, inner, config.intermediate_size))
+        self.w2 = nn.Parameter(torch.empty(count, inner, inter))
         self.fc1_latent_proj = self.fc2_latent_proj = None
         if config.latent_size is not None:
             self.fc1_latent_proj = nn.Linear(hidden_size, config.latent_size, bias=False)
@@ -245,6 +268,14 @@ class MoE(nn.Module):
                 f"shared_intermediate_size {config.shared_intermediate_size} needs a shared "
                 "experts module exactly when it is > 0"
             )
+        if tp.size > 1 and shared_experts is not None:
+            split = getattr(shared_experts, "tp", SINGLE) is tp
+            if not split or getattr(shared_experts, "reduce_results", True):
+                raise ValueError(
+                    "under tensor parallelism the shared experts must be split over the same "
+                    "group (tp) and return their partial sum (reduce_results=False): the MoE "
+                    "block's one all-reduce adds it to the routed experts'"
+                )
         self.shared_experts = shared_experts
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.dispatch = _local
@@ -270,7 +301,9 @@ class MoE(nn.Module):
             routed = self.fc2_latent_proj(routed)
         if self.shared_experts is not None:  # after the combine: counted once
             routed = routed + self.shared_experts(x)
-        return routed
+        # Under tensor parallelism both terms are partial sums over this rank's intermediate
+        # channels: one all-reduce for the two (a no-op at size 1).
+        return self.tp.all_reduce(routed)
 
 
 def exchange_rows(block: MoE, dtype: torch.dtype, device) -> None:
@@ -282,10 +315,22 @@ def exchange_rows(block: MoE, dtype: torch.dtype, device) -> None:
     block.dispatch(empty, ids, torch.empty(0, k, device=device), block.experts)
 
 
+def _unsharded_blocks(model: nn.Module) -> list[MoE]:
+    """Every MoE block of `model`; ValueError if it is split by tensor parallelism (expert
+    parallelism over it is not built)."""
+    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    if any(block.tp.size > 1 for block in blocks):
+        raise ValueError(
+            "expert parallelism together with tensor parallelism is not built: this model's "
+            "MoE blocks are split over a tensor-parallel group"
+        )
+    return blocks
+
+
 def set_expert_dispatch(model: nn.Module, dispatch) -> int:
     """Install `dispatch` (e.g. the exchange of an expert-parallel group) in every MoE block of
     `model`; returns how many there are."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    blocks = _unsharded_blocks(model)
     for block in blocks:
         block.dispatch = dispatch
     return len(blocks)
@@ -294,7 +339,7 @@ def set_expert_dispatch(model: nn.Module, dispatch) -> int:
 def set_expert_combine(model: nn.Module, combine: Callable[[torch.Tensor], torch.Tensor]) -> int:
     """Install `combine` (e.g. an all-reduce over the expert-parallel group) in every MoE block
     of `model`; returns how many there are."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    blocks = _unsharded_blocks(model)
     for block in blocks:
         block.combine = combine
     return len(blocks)

@@ -3,16 +3,24 @@ reads.
 
 A checkpoint names its tensors as Hugging Face does, without the leading `model.` / `backbone.`
 (q/k/v_proj and gate/up_proj apart). Our models fuse q, k and v into `qkv_proj` and gate and up
-into `gate_up_proj`, and under tensor parallelism (ops/parallel.py) hold only this rank's shard
-of the projections and of the vocabulary. `placement` maps one checkpoint tensor onto that
-layout; the loader (reading files, random weights) and weight updates (state dicts) both use
-it, so every path shards the same way and a rank reads only its slices. Builds no tensors.
+into `gate_up_proj`, stack a MoE layer's experts into `w1` [E, N, H] (N: gate rows then up rows,
+or ReLU²'s up rows) and `w2` [E, H, I], and under tensor parallelism (ops/parallel.py) hold only
+this rank's shard of the projections, of every expert's intermediate size (w1 rows, w2
+columns; the shared expert's likewise) and of the vocabulary. Routers, norms and NemotronH's
+latent projections are replicated. `placement` maps one checkpoint tensor onto that layout; the
+loader (reading files, random weights) and weight updates (state dicts) both use it, so every
+path shards the same way and a rank reads only its slices. Builds no tensors (`take` only
+joins the two slices it reads of a stacked gate_up tensor).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
+
+import numpy as np
+import torch
 
 from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.parallel import SINGLE, TPGroup
@@ -29,36 +37,85 @@ _GATE_UP = re.compile(r"^(layers\.\d+\.mlp)\.(gate|up)_proj\.weight$")
 _O_PROJ = re.compile(r"^layers\.\d+\.(?:self_attn|mixer)\.o_proj\.weight$")
 _DOWN_PROJ = re.compile(r"^layers\.\d+\.mlp\.down_proj\.weight$")
 _VOCAB = ("embed_tokens.weight", "embeddings.weight", "lm_head.weight")
+# A MoE layer's experts (Qwen3-MoE's `mlp`, NemotronH's `mixer`): one tensor per expert and
+# matrix, as save_pretrained writes them, or one stacked [E, ...] tensor per matrix (what
+# transformers' modules hold; the loader's `w1` / `w2` pieces have the same layout).
+_MOE_BLOCK = r"^(layers\.\d+\.(?:mlp|mixer))"
+EXPERT_NAME = re.compile(_MOE_BLOCK + r"\.experts\.(\d+)\.(gate|up|down)_proj\.weight$")
+STACKED_EXPERTS_NAME = re.compile(_MOE_BLOCK + r"\.experts\.(gate_up|up|down)_proj$")
+_OUR_EXPERTS = re.compile(_MOE_BLOCK + r"\.(w1|w2)$")
+_SHARED_EXPERT = re.compile(_MOE_BLOCK + r"\.shared_experts\.(up|down)_proj\.weight$")
 
 
 @dataclass(frozen=True)
 class Placement:
     """One checkpoint tensor on one rank: it fills `rows` of our parameter `param` with its
     slice [start, start + length) along `dim` (`dim` None: the whole tensor, replicated).
-    `full` is the checkpoint's size along `dim`."""
+    `full` is the checkpoint's size along `dim`. `rows` indexes our parameter: a slice of its
+    first dim, or (GLOBAL expert id, slice) for one expert's matrix in a stacked w1 / w2 (a
+    caller holding a range of experts maps the id onto it).
+
+    `blocks` > 1: `dim` stacks that many equal parts (a stacked gate_up_proj: gate, then up),
+    each sliced alike; the rank reads their slices concatenated. `experts`: a slice of dim 0
+    read too (the experts an expert-parallel rank holds of a stacked [E, ...] tensor; None:
+    all); `placement` never sets it, the loader does for its lazy reads."""
 
     param: str
-    rows: slice
+    rows: slice | tuple[int, slice]
     dim: int | None = None
     start: int = 0
     length: int = 0
     full: int = 0
+    blocks: int = 1
+    experts: slice | None = None
 
     def take(self, tensor):
         """This rank's slice of the whole checkpoint tensor (a torch tensor, a numpy array or a
         safetensors slice: anything indexed by a tuple of slices)."""
-        if self.dim is None:
+        if self.dim is None and self.experts is None:
             return tensor[:]
-        return tensor[(slice(None),) * self.dim + (slice(self.start, self.start + self.length),)]
+        lead = [slice(None)] * (1 if self.dim is None else self.dim + 1)
+        if self.experts is not None:
+            if self.dim == 0:
+                raise ValueError(f"{self.param}: experts and the split both on dim 0")
+            lead[0] = self.experts
+        if self.dim is None:
+            return tensor[tuple(lead)]
+        block = self.full // self.blocks
+        if self.blocks > 1 and self.length == block:  # every part whole: one read, no copy
+            return tensor[tuple(lead)]
+        parts = []
+        for b in range(self.blocks):
+            lead[self.dim] = slice(b * block + self.start, b * block + self.start + self.length)
+            parts.append(tensor[tuple(lead)])
+        return parts[0] if len(parts) == 1 else _concatenate(parts, self.dim)
 
     def checkpoint_shape(self, param_shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The whole checkpoint tensor's shape, given our (this rank's) parameter's shape."""
+        """The whole checkpoint tensor's shape, given our (this rank's) parameter's shape (the
+        experts dim as `rows` gives it)."""
         if not param_shape:
             return ()
-        shape = [len(range(*self.rows.indices(param_shape[0]))), *param_shape[1:]]
+        shape = _indexed_shape(param_shape, self.rows)
         if self.dim is not None:
             shape[self.dim] = self.full
         return tuple(shape)
+
+
+def _indexed_shape(shape: tuple[int, ...], index) -> list[int]:
+    """The shape of `tensor[index]` for a tensor of `shape` (index: slices and ints)."""
+    index = index if isinstance(index, tuple) else (index,)
+    out = []
+    for i, n in enumerate(shape):
+        ix = index[i] if i < len(index) else slice(None)
+        if not isinstance(ix, int):
+            out.append(len(range(*ix.indices(n))))
+    return out
+
+
+def _concatenate(parts: list, dim: int):
+    if isinstance(parts[0], np.ndarray):
+        return np.concatenate(parts, axis=dim)
+    return torch.cat(parts, dim=dim)
 
 
 def embedding_name(config) -> str:
@@ -67,10 +124,10 @@ def embedding_name(config) -> str:
 
 def placement(name: str, config, tp: TPGroup = SINGLE) -> Placement:
     """Where checkpoint tensor `name` (no `model.` prefix) lands on rank `tp.rank` of a model
-    of `config` (Llama or NemotronH: fields num_heads, num_kv_heads, head_dim,
-    intermediate_size, vocab_size, tie_word_embeddings). A name that is none of the split or
-    fused ones is replicated whole onto the parameter of that name (the caller reports a name
-    the model lacks)."""
+    of `config` (Llama, Qwen3-MoE or NemotronH: fields num_heads, num_kv_heads, head_dim,
+    intermediate_size, vocab_size, tie_word_embeddings, and `moe` for experts). A name that is
+    none of the split or fused ones is replicated whole onto the parameter of that name (the
+    caller reports a name the model lacks)."""
     if name in _VOCAB:
         param = name
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -100,7 +157,43 @@ def placement(name: str, config, tp: TPGroup = SINGLE) -> Placement:
     if _DOWN_PROJ.match(name):
         start, count = tp.even(inter, "intermediate_size")
         return Placement(name, slice(None), 1, start, count, inter)
-    return Placement(name, slice(None))
+    moe = getattr(config, "moe", None)
+    found = None if moe is None else _expert_placement(name, moe, tp)
+    return Placement(name, slice(None)) if found is None else found
+
+
+def _expert_placement(name: str, moe, tp: TPGroup) -> Placement | None:
+    """A MoE tensor's placement: each expert's intermediate size split over the ranks (w1 rows,
+    w2 columns; the shared expert's the same way); None for a name that is not one."""
+    swiglu = moe.activation == "swiglu"
+    inter = moe.intermediate_size
+    if match := _SHARED_EXPERT.match(name):
+        if swiglu:  # (no SwiGLU model of ours has a shared expert: its names would be fused)
+            return None
+        shared = moe.shared_intermediate_size
+        start, count = tp.even(shared, "moe_shared_expert_intermediate_size")
+        dim = 0 if match.group(2) == "up" else 1
+        return Placement(name, slice(None), dim, start, count, shared)
+    if match := EXPERT_NAME.match(name):
+        start, count = tp.even(inter, "moe_intermediate_size")
+        prefix, expert, matrix = match.group(1), int(match.group(2)), match.group(3)
+        if matrix == "down":
+            return Placement(f"{prefix}.w2", (expert, slice(None)), 1, start, count, inter)
+        if matrix == "gate" and not swiglu:
+            return None  # not a ReLU² expert's: the caller reports it
+        rows = slice(count, 2 * count) if swiglu and matrix == "up" else slice(0, count)
+        return Placement(f"{prefix}.w1", (expert, rows), 0, start, count, inter)
+    match = STACKED_EXPERTS_NAME.match(name) or _OUR_EXPERTS.match(name)
+    if match is None:
+        return None
+    start, count = tp.even(inter, "moe_intermediate_size")
+    prefix, matrix = match.group(1), match.group(2)
+    if matrix in ("down", "w2"):
+        return Placement(f"{prefix}.w2", slice(None), 2, start, count, inter)
+    if matrix != "w1" and matrix != ("gate_up" if swiglu else "up"):
+        return None  # a stacked matrix these experts lack: the caller reports it
+    blocks = 2 if swiglu else 1  # gate rows, then up rows: each split alike
+    return Placement(f"{prefix}.w1", slice(None), 1, start, count, blocks * inter, blocks)
 
 
 def checkpoint_names(param: str) -> tuple[str, ...]:
@@ -117,3 +210,8 @@ def split_fused(param: str, tensor, config) -> list[tuple[str, object]]:
     """A whole (unsharded) fused parameter -> its checkpoint tensors as row views of it, in
     checkpoint names (itself, for a parameter that is not fused)."""
     return [(name, tensor[placement(name, config).rows]) for name in checkpoint_names(param)]
+
+
+def with_experts(p: Placement, start: int, count: int) -> Placement:
+    """`p` reading only experts [start, start + count) of a stacked [E, ...] tensor."""
+    return dataclasses.replace(p, experts=slice(start, start + count))

@@ -1,7 +1,8 @@
 """Weight updates in place (the gpu worker's update_weights): whether a checkpoint has the loaded
 model's architecture (`check_same_architecture`), and a state dict in Hugging Face names mapped
 onto our parameters (`state_updates`: row ranges of the fused qkv_proj / gate_up_proj, one
-expert of a stacked w1 / w2, a tensor-parallel rank's shard, an expert-parallel rank's experts).
+expert of a stacked w1 / w2, a tensor-parallel rank's shard (ops/sharding.py `placement`, as the
+loader splits: experts along their intermediate size), an expert-parallel rank's experts).
 Changes nothing itself: the worker copies what these return.
 """
 
@@ -12,11 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from taipan.ops.loader import EXPERT_NAME, STACKED_EXPERTS_NAME
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import SINGLE, TPError
-from taipan.ops.sharding import placement
+from taipan.ops.sharding import EXPERT_NAME, STACKED_EXPERTS_NAME, Placement, placement
 
 # Hyper-parameters that must agree for new weights to replace the loaded ones in place.
 _ARCHITECTURE_FIELDS = (
@@ -61,24 +61,6 @@ def check_same_architecture(loaded, new, path: str | Path) -> None:
         raise WeightUpdateError(f"{path}: not the loaded architecture: {', '.join(diffs)}")
 
 
-def _expert_name(name: str, config) -> tuple[str, tuple[int, slice] | slice] | None:
-    """An expert tensor's (our stacked w1 / w2, the part of it: (GLOBAL expert id, rows) for
-    one expert's matrix, all of it for a stacked [E, ...] tensor); None for any other name."""
-    moe = getattr(config, "moe", None)
-    expert, stacked = EXPERT_NAME.match(name), STACKED_EXPERTS_NAME.match(name)
-    if moe is not None and expert is not None:
-        inter, matrix = moe.intermediate_size, expert.group(3)
-        rows = slice(None)
-        if moe.activation == "swiglu" and matrix != "down":
-            rows = slice(0, inter) if matrix == "gate" else slice(inter, 2 * inter)
-        param = "w2" if matrix == "down" else "w1"
-        return f"{expert.group(1)}.{param}", (int(expert.group(2)), rows)
-    if moe is not None and stacked is not None:
-        param = "w2" if stacked.group(2) == "down" else "w1"
-        return f"{stacked.group(1)}.{param}", slice(None)
-    return None
-
-
 def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
     """A Hugging Face parameter name -> (our parameter name, the part of it that holds it), for
     the whole (unsharded) model.
@@ -87,15 +69,11 @@ def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
     row ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting);
     with tied embeddings "lm_head.weight" is the embedding matrix. One expert's matrix
     (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 / w2, with
-    the GLOBAL expert id (`state_updates` maps it onto a rank's range). A name that matches none
-    of these (stacked expert tensors included: all of w1 or w2) comes back unchanged with all
-    rows (the caller reports it if we have no such parameter).
+    the GLOBAL expert id (`state_updates` maps it onto a rank's range); a stacked one
+    (`layers.1.mlp.experts.gate_up_proj`) is all of w1 or w2. A name that matches none of these
+    comes back unchanged with all rows (the caller reports it if we have no such parameter).
     """
-    ours = name.removeprefix("model.").removeprefix("backbone.")
-    found = _expert_name(ours, config)
-    if found is not None:
-        return found
-    p = placement(ours, config)
+    p = placement(name.removeprefix("model.").removeprefix("backbone."), config)
     return p.param, p.rows
 
 
@@ -120,57 +98,49 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
         if name.endswith("rotary_emb.inv_freq"):
             continue  # a buffer some checkpoints carry; recomputed from rope_theta
         ours = name.removeprefix("model.").removeprefix("backbone.")
-        found = _expert_name(ours, model.config)
-        if found is None:
-            try:
-                p = placement(ours, model.config, tp)
-            except TPError as exc:  # (the loaded model already split these, so never in practice)
-                raise WeightUpdateError(f"{name}: {exc}") from exc
-            param, index = p.param, p.rows
-        else:
-            (param, index), p = found, None
-        if param not in params:
+        try:
+            p = placement(ours, model.config, tp)
+        except TPError as exc:  # (the loaded model already split these, so never in practice)
+            raise WeightUpdateError(f"{name}: {exc}") from exc
+        if p.param not in params:
             raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
         if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
             kind = getattr(array, "dtype", type(array).__name__)
             raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
-        if p is None and experts is not None:
-            local = _local_experts(name, index, array, experts, model.config.moe.num_experts)
+        if experts is not None and (EXPERT_NAME.match(ours) or STACKED_EXPERTS_NAME.match(ours)):
+            local = _local_experts(name, p, array, experts, model.config.moe.num_experts)
             if local is None:
                 continue  # another rank's expert
-            index, array = local
-        if p is None:
-            expected = tuple(params[param][index].shape)
-        else:
-            expected = p.checkpoint_shape(tuple(params[param].shape))
+            p, array = local
+        expected = p.checkpoint_shape(tuple(params[p.param].shape))
         if array.shape != expected:
             raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
-        key = (param, _index_key(index))
+        key = (p.param, _index_key(p.rows))
         if key in seen:
             if not np.array_equal(state[seen[key]], array):
                 raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
             continue
         seen[key] = name
-        out.append((param, index, array if p is None else p.take(array)))
+        out.append((p.param, p.rows, p.take(array)))
     return out
 
 
-def _local_experts(name: str, index, array: np.ndarray, experts: ExpertRange, total: int):
-    """An expert tensor's (index, array) in this rank's stacked w1 / w2, or None when it
-    belongs to another rank. One expert: (global id, rows) -> (local id, rows); a stacked
-    [E, ...] array: this rank's slice of it."""
-    if isinstance(index, tuple):
-        expert, rows = index
+def _local_experts(name: str, p: Placement, array: np.ndarray, experts: ExpertRange, total: int):
+    """An expert tensor's (placement, array) in this rank's stacked w1 / w2, or None when it
+    belongs to another rank. One expert: rows (global id, rows) -> (local id, rows); a stacked
+    [E, ...] array: this rank's experts of it (a view)."""
+    if isinstance(p.rows, tuple):
+        expert, rows = p.rows
         if not 0 <= expert < total:
             raise WeightUpdateError(f"{name}: expert {expert}, the model has {total} experts")
         if expert not in experts:
             return None
-        return (expert - experts.start, rows), array
+        return dataclasses.replace(p, rows=(expert - experts.start, rows)), array
     if array.ndim != 3 or array.shape[0] != total:
         raise WeightUpdateError(
             f"{name}: shape {array.shape}, expected {total} stacked experts [E, rows, columns]"
         )
-    return index, array[experts.start : experts.start + experts.count]
+    return p, array[experts.start : experts.start + experts.count]
 
 
 def _index_key(index) -> tuple:

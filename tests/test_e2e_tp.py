@@ -13,8 +13,11 @@ against the same model at T = 1:
   follower's log (gpu-0-tp1) is reported as not checked, as gpu-0 is;
 - a follower SIGKILLed under load takes its rank down: every stream ends with an error naming
   the rank within 5 s, `taipan serve` exits non-zero naming the follower, no process is left;
-- a model whose heads do not split over T, a hybrid and a MoE model fail the start with a
-  clear LaunchError, and leave no process;
+- a model whose heads do not split over T, a hybrid, and a MoE model whose experts'
+  intermediate size does not split fail the start with a clear LaunchError, and leave no
+  process;
+- a tiny Qwen3-MoE (experts split along their intermediate size) at T = 2 gives T = 1's
+  greedy tokens and log-probs;
 - `taipan bench --tensor-parallel-size 2` rows carry the size, with per-device floors;
 - DP=2 x TP=2, four model processes, equal T = 1; with a follower of rank 1 killed, rank 1's
   requests fail naming it and rank 0 serves on.
@@ -259,9 +262,9 @@ def test_a_model_that_does_not_split_fails_the_start(model_path, tiny, tmp_path)
             "tensor parallelism for hybrid (Mamba) models is not built",
         ),
         (
-            make_random_qwen3_moe(str(tmp_path / "moe")),
+            make_random_qwen3_moe(str(tmp_path / "moe"), moe_intermediate_size=33),
             2,
-            "tensor parallelism for mixture-of-experts models is not built",
+            "moe_intermediate_size (33) is not divisible by the tensor-parallel size (2)",
         ),
     ]
     for model, size, text in cases:
@@ -359,6 +362,24 @@ def test_dp2_by_tp2_equals_tp1_and_a_dead_follower_leaves_the_other_rank_serving
     # (The leader may log its collective's failure, with a traceback, before the watcher.)
     assert "a tensor-parallel follower died: this engine rank ends" in stderr, stderr[-3000:]
     assert "follower=gpu-1-tp1" in stderr and "engine-1 exited with code 4" in stderr
+
+
+def test_qwen3_moe_at_tp2_equals_tp1(tmp_path):
+    """A tiny Qwen3-MoE (8 experts, top 2, a dense layer) served at T = 1 and at T = 2: the
+    same greedy tokens, log-probs within 1e-5, chunked prompts included."""
+    from tests.random_moe import make_random_qwen3_moe
+
+    moe = make_random_qwen3_moe(str(tmp_path / "moe"))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, return_log_probs=True)
+    outs = []
+    for size in (1, 2):
+        with LLM(moe, tensor_parallel_size=size, **TP_CONFIG) as llm:
+            outs.append(llm.generate(PROMPTS[:6], greedy, use_tqdm=False))
+    for i, (a, b) in enumerate(zip(outs[1], outs[0], strict=True)):
+        assert a.finish_reason == b.finish_reason == FinishReason.LENGTH, (i, a.error)
+        assert a.token_ids == b.token_ids, f"prompt {i}"
+        np.testing.assert_allclose(a.log_probs, b.log_probs, atol=ATOL, rtol=0)
+    assert len({tuple(c.token_ids) for c in outs[0]}) > 3  # the prompts lead somewhere different
 
 
 @pytest.mark.gpu

@@ -1,9 +1,11 @@
 """kernels.moe (issue 12: the fused MoE experts): `fused_moe` against `fused_moe_ref` (CPU
 interpreter, fp32, tiny shapes): both activations, one to four local experts, expert ranges that
 exclude some or all choices, strided inputs, masked K and N tails, the `out=` path; the
-alignment step against `moe_align_ref`; no host sync in the launcher; every refusal. GPU tests
-(bf16 and fp32 at Qwen3-30B-A3B's and a NemotronH-style layer's sizes, a CUDA graph replayed
-with new inputs) carry the `gpu` marker."""
+alignment step against `moe_align_ref`; no host sync in the launcher; every refusal; a tensor-
+parallel rank's share of each expert's intermediate size (smaller I: the ranks' partial sums add
+up to the whole). GPU tests (bf16 and fp32 at Qwen3-30B-A3B's and a NemotronH-style layer's
+sizes, also split over 4 and 8 ranks; a CUDA graph replayed with new inputs) carry the `gpu`
+marker."""
 
 from __future__ import annotations
 
@@ -59,6 +61,35 @@ def test_fused_moe_matches_ref(activation, case):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     local = (ids >= start) & (ids < start + E_local)
     assert torch.equal(got[~local.any(1)], torch.zeros_like(got[~local.any(1)]))
+
+
+def _tp_shard(w1, w2, activation: str, rank: int, size: int):
+    """A tensor-parallel rank's experts (ops/sharding.py's split): intermediate channels
+    [rank * I / size, ...) of w1's gate and up rows and of w2's columns."""
+    inter = w2.shape[2]
+    count = inter // size
+    own = torch.arange(rank * count, (rank + 1) * count, device=w1.device)
+    rows = torch.cat([own, inter + own]) if activation == "swiglu" else own
+    return w1[:, rows].contiguous(), w2[:, :, own].contiguous()
+
+
+def _tp_sum(x, w1, w2, ids, weights, activation: str, size: int) -> torch.Tensor:
+    """The fused kernel on each rank's share, summed (the all-reduce) in fp32."""
+    parts = [
+        fused_moe(x, *_tp_shard(w1, w2, activation, r, size), ids, weights, activation=activation)
+        for r in range(size)
+    ]
+    return torch.stack(parts).float().sum(0)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu2"])
+@pytest.mark.parametrize("size", [2, 3])
+def test_fused_moe_tensor_parallel_shares_sum_to_the_whole(activation, size):
+    """I = 48 over 2 ranks (24 each: masked K tails in the down GEMM) and 3 (16 each)."""
+    x, w1, w2, ids, weights = _problem(9, 32, 48, 2, 4, 4, activation, seed=size)
+    want = fused_moe_ref(x, w1, w2, ids, weights, activation=activation)
+    got = _tp_sum(x, w1, w2, ids, weights, activation, size)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_fused_moe_all_choices_elsewhere_give_zeros():
@@ -199,6 +230,26 @@ def test_gpu_fused_moe_realistic_sizes(layer, dtype):
         assert torch.isfinite(out).all(), (T, E_local, start)
         err = _rel_err(out, want)
         assert err < TOLERANCE[dtype], (T, E_local, start, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layer", [QWEN3_MOE, NEMOTRON_MOE], ids=["qwen3-30b-a3b", "nemotron-h"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("size", [4, 8])
+def test_gpu_fused_moe_tensor_parallel_shares(layer, dtype, size):
+    """Each expert's intermediate size split over `size` ranks (Qwen3-30B-A3B: I = 192, 96;
+    NemotronH-style: 464, 232): the ranks' outputs summed against the ref of the whole, at
+    decode and prefill sizes."""
+    H, inter, E, k, activation = layer
+    for seed, T in enumerate((1, 64, 512)):
+        x, w1, w2, ids, weights = _problem(
+            T, H, inter, k, E, E, activation, seed=seed, dtype=dtype, device="cuda"
+        )
+        got = _tp_sum(x, w1, w2, ids, weights, activation, size)
+        want = fused_moe_ref(x, w1, w2, ids, weights, activation=activation)
+        assert torch.isfinite(got).all(), T
+        err = _rel_err(got, want)
+        assert err < TOLERANCE[dtype], (T, size, err)
 
 
 @pytest.mark.gpu

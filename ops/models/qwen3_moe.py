@@ -8,6 +8,11 @@ Owns the model's structure. Parameter names are Hugging Face's without the leadi
 with q/k/v and a dense layer's gate/up fused at load (as Llama) and each MoE layer's experts
 stacked into `mlp.w1` [E_local, 2 * I, H] (rows: gate, then up) and `mlp.w2` [E_local, H, I]
 (ops/loader.py). With `expert_range` the model holds only those experts (expert parallelism).
+
+Tensor parallel (`tp`): attention as Llama's (its q/k norms act on each of this rank's heads
+with the one shared weight, so they need no split), the dense layers' MLP column- then
+row-parallel, and each MoE layer's experts split along their intermediate size (ops/moe.py),
+one all-reduce after attention and one after each MLP or MoE block.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from dataclasses import dataclass
 from taipan.ops.layers import SwiGLUMLP
 from taipan.ops.models.llama import DecoderLayer, LlamaForCausalLM
 from taipan.ops.moe import ExpertRange, MoE, MoEConfig
+from taipan.ops.parallel import SINGLE, TPGroup
 
 
 @dataclass(frozen=True)
@@ -64,19 +70,23 @@ class Qwen3MoeConfig:
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     """`forward` and `compute_logits` as LlamaForCausalLM. `expert_range` (start, count): the
-    experts this rank holds (default all); see ops/moe.py for the combine across ranks."""
+    experts this rank holds (default all); see ops/moe.py for the combine across ranks. `tp`:
+    this rank's place in its tensor-parallel group (not together with an expert range)."""
 
     def __init__(
-        self, config: Qwen3MoeConfig, expert_range: ExpertRange | tuple[int, int] | None = None
+        self,
+        config: Qwen3MoeConfig,
+        expert_range: ExpertRange | tuple[int, int] | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         experts = ExpertRange.of(expert_range, config.moe.num_experts)
 
         def make_layer(index: int) -> DecoderLayer:
             if config.is_moe_layer(index):
-                mlp = MoE(config.hidden_size, config.moe, experts)
+                mlp = MoE(config.hidden_size, config.moe, experts, tp=tp)
             else:
-                mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
-            return DecoderLayer(config, mlp=mlp, qk_norm=True)
+                mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, tp)
+            return DecoderLayer(config, mlp=mlp, qk_norm=True, tp=tp)
 
-        super().__init__(config, make_layer)
+        super().__init__(config, make_layer, tp=tp)
         self.expert_range = experts
