@@ -13,8 +13,8 @@ adjacent, for its interleaved RoPE); `_unpermute_rows` puts them back in Hugging
 Tensor parallelism (`tp`, ops/parallel.py): every rank builds the model's module tree with its
 shards and reads only its slices of each checkpoint tensor (ops/sharding.py `placement`): row
 ranges of a safetensors tensor, whole rows of a GGUF tensor before they are dequantized (a
-row-parallel matrix, split by columns, is dequantized whole, then sliced). Hybrid (NemotronH)
-models load at size 1 only.
+row-parallel matrix, split by columns, is dequantized whole, then sliced). Llama and NemotronH
+(its `E` layers excepted: refused at T > 1) split; Qwen3-MoE loads at size 1 only.
 
 Mixture-of-experts checkpoints name each expert's matrices (`mlp.experts.3.up_proj.weight`, what
 transformers' `save_pretrained` writes) or stack them (`mlp.experts.gate_up_proj` [E, 2I, H], what
@@ -45,7 +45,7 @@ from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from taipan.ops.moe import ExpertRange, MoEConfig
 from taipan.ops.parallel import SINGLE, TPError, TPGroup
-from taipan.ops.sharding import Placement, checkpoint_names, placement, split_fused
+from taipan.ops.sharding import Placement, checkpoint_names, placements, split_fused
 from taipan.ops.tokenizer import Tokenizer, TokenizerError
 
 # One checkpoint tensor, not read yet: (name without `model.`, its whole shape, a reader of the
@@ -620,6 +620,7 @@ _MODELS = {
     NemotronHConfig: NemotronHForCausalLM,
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
 }
+_TENSOR_PARALLEL = (LlamaForCausalLM, NemotronHForCausalLM)  # the models that take `tp`
 
 
 def _build(
@@ -635,19 +636,18 @@ def _build(
     the vocabulary padding stays zero), then fill them piece by piece, each checkpoint tensor
     read only as far as this rank's slice of it. `experts`: the MoE experts this rank holds."""
     cls = _MODELS[type(config)]
-    if tp.size > 1 and cls is not LlamaForCausalLM:
-        kind = "hybrid (Mamba)" if isinstance(config, NemotronHConfig) else "mixture-of-experts"
+    if tp.size > 1 and cls not in _TENSOR_PARALLEL:
         raise ModelLoadError(
-            f"{path}: tensor parallelism for {kind} models is not built; load this "
+            f"{path}: tensor parallelism for mixture-of-experts models is not built; load this "
             f"{cls.__name__.removesuffix('ForCausalLM')} model with tensor-parallel size 1, "
             f"not {tp.size}"
         )
+    kwargs = {} if experts is None else {"expert_range": experts}
+    if cls in _TENSOR_PARALLEL:
+        kwargs["tp"] = tp
     try:
         with torch.device("meta"):
-            if cls is LlamaForCausalLM:
-                model = cls(config, tp=tp)
-            else:
-                model = cls(config) if experts is None else cls(config, expert_range=experts)
+            model = cls(config, **kwargs)
     except TPError as exc:
         raise ModelLoadError(f"{path}: cannot split over {tp.size} ranks: {exc}") from exc
     params = {
@@ -661,12 +661,13 @@ def _build(
             unexpected.append(name)
             continue
         seen.add(name)
-        p = placement(name, config, tp)
-        want = p.checkpoint_shape(tuple(params[p.param].shape))
-        if tuple(shape) != want:
-            misfits.append(f"{name} has shape {tuple(shape)}, the config wants {want}")
-        elif p.dim is None or p.length:  # (a rank past the vocabulary's end reads nothing)
-            params[p.param][p.rows].copy_(read(p))
+        for p in placements(name, config, tp):  # (several: a Mamba in_proj's segments)
+            want = p.checkpoint_shape(tuple(params[p.param].shape))
+            if tuple(shape) != want:
+                misfits.append(f"{name} has shape {tuple(shape)}, the config wants {want}")
+                break
+            if p.dim is None or p.length:  # (a rank past the vocabulary's end reads nothing)
+                params[p.param][p.rows].copy_(read(p))
     missing = sorted(expected - seen)
     if missing or unexpected:
         raise ModelLoadError(

@@ -1,7 +1,8 @@
 """Weight updates in place (the gpu worker's update_weights): whether a checkpoint has the loaded
 model's architecture (`check_same_architecture`), and a state dict in Hugging Face names mapped
 onto our parameters (`state_updates`: row ranges of the fused qkv_proj / gate_up_proj, one
-expert of a stacked w1 / w2, a tensor-parallel rank's shard, an expert-parallel rank's experts).
+expert of a stacked w1 / w2, a tensor-parallel rank's shard (a Mamba in_proj's: one entry per
+segment), an expert-parallel rank's experts).
 Changes nothing itself: the worker copies what these return.
 """
 
@@ -16,7 +17,7 @@ from taipan.ops.loader import EXPERT_NAME, STACKED_EXPERTS_NAME
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import SINGLE, TPError
-from taipan.ops.sharding import placement
+from taipan.ops.sharding import placement, placements
 
 # Hyper-parameters that must agree for new weights to replace the loaded ones in place.
 _ARCHITECTURE_FIELDS = (
@@ -104,7 +105,8 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
     changes nothing.
 
     Returns (our parameter name, the index of its part, array) per entry, the array sliced to
-    the model's tensor-parallel shard (`model.tp`; the rows are the shard's) and its experts
+    the model's tensor-parallel shard (`model.tp`; the rows are the shard's; a tensor split in
+    segments gives one entry per segment) and its experts
     (`model.expert_range`: experts another expert-parallel rank holds are skipped, each rank
     takes its own from the same state dict). Raises WeightUpdateError naming the parameter for
     an unknown name, a wrong shape, an array that is not floating point, or two names for the
@@ -121,28 +123,29 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
             continue  # a buffer some checkpoints carry; recomputed from rope_theta
         ours = name.removeprefix("model.").removeprefix("backbone.")
         found = _expert_name(ours, model.config)
+        pieces = ()
         if found is None:
             try:
-                p = placement(ours, model.config, tp)
+                pieces = placements(ours, model.config, tp)
             except TPError as exc:  # (the loaded model already split these, so never in practice)
                 raise WeightUpdateError(f"{name}: {exc}") from exc
-            param, index = p.param, p.rows
+            param, index = pieces[0].param, pieces[0].rows
         else:
-            (param, index), p = found, None
+            param, index = found
         if param not in params:
             raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
         if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
             kind = getattr(array, "dtype", type(array).__name__)
             raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
-        if p is None and experts is not None:
+        if not pieces and experts is not None:
             local = _local_experts(name, index, array, experts, model.config.moe.num_experts)
             if local is None:
                 continue  # another rank's expert
             index, array = local
-        if p is None:
+        if not pieces:
             expected = tuple(params[param][index].shape)
         else:
-            expected = p.checkpoint_shape(tuple(params[param].shape))
+            expected = pieces[0].checkpoint_shape(tuple(params[param].shape))
         if array.shape != expected:
             raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
         key = (param, _index_key(index))
@@ -151,7 +154,9 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
                 raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
             continue
         seen[key] = name
-        out.append((param, index, array if p is None else p.take(array)))
+        if not pieces:
+            out.append((param, index, array))
+        out += [(p.param, p.rows, p.take(array)) for p in pieces]
     return out
 
 
