@@ -86,7 +86,8 @@ class ModelLoaded:
     block_bytes: int  # one KV block over all layers (sizes paused_buffer_size_gb in blocks)
     # Hybrid (Mamba) models: the live Mamba state slots (one per request the rank may hold,
     # numbered 0..mamba_slots-1), the snapshot slots after them, and one slot's bytes over all
-    # Mamba layers; 0: no Mamba.
+    # Mamba layers; 0: no Mamba. Under tensor parallelism the bytes (block_bytes too) are one
+    # process's share; every process of the rank holds the same counts.
     mamba_slots: int = 0
     mamba_slot_bytes: int = 0
     mamba_snapshot_slots: int = 0

@@ -14,8 +14,8 @@ Tensor parallelism (`tp`, ops/parallel.py): every rank builds the model's module
 shards and reads only its slices of each checkpoint tensor (ops/sharding.py `placement`): row
 ranges of a safetensors tensor, whole rows of a GGUF tensor before they are dequantized (a
 row-parallel matrix, split by columns, is dequantized whole, then sliced); a MoE layer's
-experts split along their intermediate size (ops/moe.py). Hybrid (NemotronH) models load at
-size 1 only.
+experts split along their intermediate size (ops/moe.py), a Mamba mixer by heads and groups
+(ops/mamba.py). Every model family splits.
 
 Mixture-of-experts checkpoints name each expert's matrices (`mlp.experts.3.up_proj.weight`, what
 transformers' `save_pretrained` writes) or stack them (`mlp.experts.gate_up_proj` [E, 2I, H], what
@@ -52,6 +52,7 @@ from taipan.ops.sharding import (
     Placement,
     checkpoint_names,
     placement,
+    placements,
     split_fused,
     with_experts,
 )
@@ -649,14 +650,7 @@ def _build(
     the vocabulary padding stays zero), then fill them piece by piece, each checkpoint tensor
     read only as far as this rank's slice of it. `experts`: the MoE experts this rank holds."""
     cls = _MODELS[type(config)]
-    if tp.size > 1 and cls is NemotronHForCausalLM:
-        raise ModelLoadError(
-            f"{path}: tensor parallelism for hybrid (Mamba) models is not built; load this "
-            f"NemotronH model with tensor-parallel size 1, not {tp.size}"
-        )
-    kwargs = {} if experts is None else {"expert_range": experts}
-    if cls is not NemotronHForCausalLM:
-        kwargs["tp"] = tp
+    kwargs = {"tp": tp} if experts is None else {"tp": tp, "expert_range": experts}
     try:
         with torch.device("meta"):
             model = cls(config, **kwargs)
@@ -673,12 +667,13 @@ def _build(
             unexpected.append(name)
             continue
         seen.add(name)
-        p = placement(name, config, tp)
-        want = p.checkpoint_shape(tuple(params[p.param].shape))
-        if tuple(shape) != want:
-            misfits.append(f"{name} has shape {tuple(shape)}, the config wants {want}")
-        elif p.dim is None or p.length:  # (a rank past the vocabulary's end reads nothing)
-            params[p.param][p.rows].copy_(read(p))
+        for p in placements(name, config, tp):  # (several: a Mamba in_proj's segments)
+            want = p.checkpoint_shape(tuple(params[p.param].shape))
+            if tuple(shape) != want:
+                misfits.append(f"{name} has shape {tuple(shape)}, the config wants {want}")
+                break
+            if p.dim is None or p.length:  # (a rank past the vocabulary's end reads nothing)
+                params[p.param][p.rows].copy_(read(p))
     missing = sorted(expected - seen)
     if missing or unexpected:
         raise ModelLoadError(

@@ -17,6 +17,14 @@ its states at positions inside its chunk into snapshot slots (`snap_pos`, `snap_
 conv and scan kernels emit them), so chunks need not end where prefix snapshots are taken.
 Never decides which slot.
 
+Tensor parallel (`tp`, ops/parallel.py), Megatron style: a rank holds H/T consecutive heads and
+the G/T groups they read (TPError naming mamba_num_heads or n_groups unless T divides both):
+its rows of each in_proj segment (z and x by heads, B and C by groups, dt by heads), the
+matching conv1d channels, A_log, D and dt_bias of its heads, the norm weight of its groups (the
+gated norm is per group, so it needs no collective), and its columns of out_proj, whose partial
+sums one all-reduce adds up. Its state slots hold only its shard (`MambaStateShape` of the
+rank: conv_dim/T channels, H/T heads); the kernels never know.
+
 dt clamp: [time_step_limit] of the config in both prefill and decode (mamba_ssm's meaning). Hugging
 Face's NemotronH clamps prefill dt below at time_step_min and decode dt not at all; the two agree
 with us whenever softplus(dt + dt_bias) >= time_step_min, which the tests' models ensure.
@@ -28,14 +36,17 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from taipan.kernels import causal_conv1d, gated_rmsnorm, selective_state, ssd_scan
+from taipan.ops.parallel import SINGLE, TPGroup
 
 
 @dataclass(frozen=True)
 class MambaStateShape:
-    """Per-slot state sizes of one model (all its Mamba layers)."""
+    """Per-slot state sizes of one model (all its Mamba layers) on one rank: under tensor
+    parallelism conv_dim and num_heads are the rank's share."""
 
     num_layers: int  # Mamba layers
     conv_dim: int
@@ -100,6 +111,9 @@ class MambaMetadata:
 
 
 class Mamba2Mixer(nn.Module):
+    """`num_heads` and `n_groups` are the model's; the module holds this rank's share of them
+    (`tp`), and its attributes (num_heads, n_groups, inner, conv_dim) are the rank's."""
+
     def __init__(
         self,
         hidden_size: int,
@@ -113,10 +127,14 @@ class Mamba2Mixer(nn.Module):
         dt_limit: tuple[float, float] = (0.0, math.inf),
         conv_bias: bool = True,
         proj_bias: bool = False,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         if num_heads % n_groups:
             raise ValueError(f"mamba_num_heads ({num_heads}) must be a multiple of n_groups")
+        _, num_heads = tp.even(num_heads, "mamba_num_heads")
+        _, n_groups = tp.even(n_groups, "n_groups")  # the groups this rank's heads read
+        self.tp = tp
         self.num_heads, self.head_dim = num_heads, head_dim
         self.n_groups, self.state_size = n_groups, state_size
         self.chunk_size, self.eps = chunk_size, eps
@@ -178,7 +196,9 @@ class Mamba2Mixer(nn.Module):
         norm = _op(gated_rmsnorm, "gated_rms_norm", cuda)
         gated = norm(y.view(num_tokens, self.inner), z, self.norm.weight, self.eps,
                      self.inner // G)  # fmt: skip
-        return self.out_proj(gated)
+        out = self.tp.all_reduce(F.linear(gated, self.out_proj.weight))
+        # The bias after the sum: added on every rank before it, it would count T times.
+        return out if self.out_proj.bias is None else out + self.out_proj.bias
 
 
 def _op(module, name: str, cuda: bool):

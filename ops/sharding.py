@@ -6,11 +6,16 @@ A checkpoint names its tensors as Hugging Face does, without the leading `model.
 into `gate_up_proj`, stack a MoE layer's experts into `w1` [E, N, H] (N: gate rows then up rows,
 or ReLU²'s up rows) and `w2` [E, H, I], and under tensor parallelism (ops/parallel.py) hold only
 this rank's shard of the projections, of every expert's intermediate size (w1 rows, w2
-columns; the shared expert's likewise) and of the vocabulary. Routers, norms and NemotronH's
+columns; the shared expert's likewise) and of the vocabulary. Routers, layer norms and NemotronH's
 latent projections are replicated. `placement` maps one checkpoint tensor onto that layout; the
 loader (reading files, random weights) and weight updates (state dicts) both use it, so every
 path shards the same way and a rank reads only its slices. Builds no tensors (`take` only
 joins the two slices it reads of a stacked gate_up tensor).
+
+A NemotronH Mamba layer's in_proj ([z | x | B | C | dt] rows) and conv1d ([x | B | C]
+channels) split segment by segment (ops/mamba.py), so on a rank of T > 1 one such checkpoint
+tensor fills several row ranges: `placements` gives them all (the loader and weight updates ask
+it); `placement` serves every tensor that lands in one piece.
 """
 
 from __future__ import annotations
@@ -122,12 +127,29 @@ def embedding_name(config) -> str:
     return "embeddings.weight" if isinstance(config, NemotronHConfig) else "embed_tokens.weight"
 
 
+def placements(name: str, config, tp: TPGroup = SINGLE) -> tuple[Placement, ...]:
+    """Every piece of this rank's parameters that checkpoint tensor `name` fills: one
+    `placement`, or a Mamba in_proj's or conv1d's segments (T > 1)."""
+    if isinstance(config, NemotronHConfig):
+        pieces = _nemotron_h_placements(name, config, tp)
+        if pieces is not None:
+            return pieces
+    return (placement(name, config, tp),)
+
+
 def placement(name: str, config, tp: TPGroup = SINGLE) -> Placement:
     """Where checkpoint tensor `name` (no `model.` prefix) lands on rank `tp.rank` of a model
     of `config` (Llama, Qwen3-MoE or NemotronH: fields num_heads, num_kv_heads, head_dim,
     intermediate_size, vocab_size, tie_word_embeddings, and `moe` for experts). A name that is
     none of the split or fused ones is replicated whole onto the parameter of that name (the
-    caller reports a name the model lacks)."""
+    caller reports a name the model lacks). A tensor that fills several pieces (`placements`)
+    is a ValueError."""
+    if isinstance(config, NemotronHConfig):
+        pieces = _nemotron_h_placements(name, config, tp)
+        if pieces is not None:
+            if len(pieces) > 1:
+                raise ValueError(f"{name} fills {len(pieces)} pieces on this rank: see placements")
+            return pieces[0]
     if name in _VOCAB:
         param = name
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -194,6 +216,54 @@ def _expert_placement(name: str, moe, tp: TPGroup) -> Placement | None:
         return None  # a stacked matrix these experts lack: the caller reports it
     blocks = 2 if swiglu else 1  # gate rows, then up rows: each split alike
     return Placement(f"{prefix}.w1", slice(None), 1, start, count, blocks * inter, blocks)
+
+
+# ---- NemotronH mixers (attention's q/k/v/o names are `placement`'s, shared with Llama) -------
+
+_MIXER = re.compile(r"^layers\.(\d+)\.mixer\.(.+)$")
+_MAMBA_HEADS = ("A_log", "D", "dt_bias")
+
+
+def _nemotron_h_placements(name: str, config, tp: TPGroup) -> tuple[Placement, ...] | None:
+    """The pieces of a Mamba (`M`) or MLP (`-`) layer's mixer tensor; None for any other name.
+    A Mamba in_proj / conv1d splits by segment (z, x by heads; B, C by groups; dt by heads)."""
+    match = _MIXER.match(name)
+    if match is None or int(match.group(1)) >= len(config.pattern):
+        return None
+    kind, part = config.pattern[int(match.group(1))], match.group(2)
+    if kind == "-" and part in ("up_proj.weight", "down_proj.weight"):
+        inter = config.intermediate_size
+        start, count = tp.even(inter, "intermediate_size")
+        dim = 0 if part == "up_proj.weight" else 1  # column-parallel up, row-parallel down
+        return (Placement(name, slice(None), dim, start, count, inter),)
+    if kind != "M":
+        return None
+    P, N = config.mamba_head_dim, config.ssm_state_size
+    H, G = config.mamba_num_heads, config.n_groups
+    h0, h = tp.even(H, "mamba_num_heads")
+    g0, g = tp.even(G, "n_groups")
+    x, bc, dt = (h0 * P, h * P, H * P), (g0 * N, g * N, G * N), (h0, h, H)  # (start, count, full)
+    segments = {
+        "in_proj.weight": (x, x, bc, bc, dt),
+        "in_proj.bias": (x, x, bc, bc, dt),
+        "conv1d.weight": (x, bc, bc),
+        "conv1d.bias": (x, bc, bc),
+        "norm.weight": (x,),  # the rank's groups: whole groups of its heads' channels
+        **dict.fromkeys(_MAMBA_HEADS, (dt,)),
+    }.get(part)
+    if part == "out_proj.weight":  # row-parallel: the columns of the rank's x channels
+        return (Placement(name, slice(None), 1, *x),)
+    if segments is None:
+        return None  # out_proj.bias among them: whole (added once, after the all-reduce)
+    if tp.size == 1:
+        return (Placement(name, slice(None)),)
+    total = sum(full for _, _, full in segments)
+    pieces, ours, theirs = [], 0, 0
+    for start, count, full in segments:
+        rows = slice(ours, ours + count)
+        pieces.append(Placement(name, rows, 0, theirs + start, count, total))
+        ours, theirs = ours + count, theirs + full
+    return tuple(pieces)
 
 
 def checkpoint_names(param: str) -> tuple[str, ...]:

@@ -1,8 +1,9 @@
 """Weight updates in place (the gpu worker's update_weights): whether a checkpoint has the loaded
 model's architecture (`check_same_architecture`), and a state dict in Hugging Face names mapped
 onto our parameters (`state_updates`: row ranges of the fused qkv_proj / gate_up_proj, one
-expert of a stacked w1 / w2, a tensor-parallel rank's shard (ops/sharding.py `placement`, as the
-loader splits: experts along their intermediate size), an expert-parallel rank's experts).
+expert of a stacked w1 / w2, a tensor-parallel rank's shard (ops/sharding.py `placements`, as
+the loader splits: experts along their intermediate size, a Mamba in_proj / conv1d one entry per
+segment), an expert-parallel rank's experts).
 Changes nothing itself: the worker copies what these return.
 """
 
@@ -16,7 +17,13 @@ import numpy as np
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import SINGLE, TPError
-from taipan.ops.sharding import EXPERT_NAME, STACKED_EXPERTS_NAME, Placement, placement
+from taipan.ops.sharding import (
+    EXPERT_NAME,
+    STACKED_EXPERTS_NAME,
+    Placement,
+    placement,
+    placements,
+)
 
 # Hyper-parameters that must agree for new weights to replace the loaded ones in place.
 _ARCHITECTURE_FIELDS = (
@@ -99,19 +106,20 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
             continue  # a buffer some checkpoints carry; recomputed from rope_theta
         ours = name.removeprefix("model.").removeprefix("backbone.")
         try:
-            p = placement(ours, model.config, tp)
+            pieces = placements(ours, model.config, tp)
         except TPError as exc:  # (the loaded model already split these, so never in practice)
             raise WeightUpdateError(f"{name}: {exc}") from exc
-        if p.param not in params:
+        if pieces[0].param not in params:
             raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
         if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
             kind = getattr(array, "dtype", type(array).__name__)
             raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
         if experts is not None and (EXPERT_NAME.match(ours) or STACKED_EXPERTS_NAME.match(ours)):
-            local = _local_experts(name, p, array, experts, model.config.moe.num_experts)
+            local = _local_experts(name, pieces[0], array, experts, model.config.moe.num_experts)
             if local is None:
                 continue  # another rank's expert
-            p, array = local
+            pieces, array = (local[0],), local[1]
+        p = pieces[0]  # (several pieces: segments of one tensor, each the whole checkpoint shape)
         expected = p.checkpoint_shape(tuple(params[p.param].shape))
         if array.shape != expected:
             raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
@@ -121,7 +129,7 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
                 raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
             continue
         seen[key] = name
-        out.append((p.param, p.rows, p.take(array)))
+        out += [(piece.param, piece.rows, piece.take(array)) for piece in pieces]
     return out
 
 

@@ -13,9 +13,9 @@ against the same model at T = 1:
   follower's log (gpu-0-tp1) is reported as not checked, as gpu-0 is;
 - a follower SIGKILLed under load takes its rank down: every stream ends with an error naming
   the rank within 5 s, `taipan serve` exits non-zero naming the follower, no process is left;
-- a model whose heads do not split over T, a hybrid, and a MoE model whose experts'
-  intermediate size does not split fail the start with a clear LaunchError, and leave no
-  process;
+- a model whose heads do not split over T, a hybrid whose Mamba groups do not, and a MoE model
+  whose experts' intermediate size does not split fail the start with a clear LaunchError, and
+  leave no process;
 - a tiny Qwen3-MoE (experts split along their intermediate size) at T = 2 gives T = 1's
   greedy tokens and log-probs;
 - `taipan bench --tensor-parallel-size 2` rows carry the size, with per-device floors;
@@ -250,16 +250,16 @@ def test_sigkilled_follower_takes_its_rank_down_loudly(tmp_path, tiny):
 def test_a_model_that_does_not_split_fails_the_start(model_path, tiny, tmp_path):
     from taipan.actors.config import InferenceConfig
     from tests.random_moe import make_random_qwen3_moe
-    from tests.random_nemotron_h import make_random_nemotron_h
+    from tests.random_nemotron_h import TINY_HYBRID, make_random_nemotron_h
 
     before = set(_children(os.getpid()))
     cases = [
         (model_path, 2, "num_heads (9) is not divisible by the tensor-parallel size (2)"),
         (tiny, 3, "num_heads (4) is not divisible by the tensor-parallel size (3)"),
         (
-            make_random_nemotron_h(str(tmp_path / "hybrid")),
+            make_random_nemotron_h(str(tmp_path / "hybrid"), shape=TINY_HYBRID | {"n_groups": 1}),
             2,
-            "tensor parallelism for hybrid (Mamba) models is not built",
+            "n_groups (1) is not divisible by the tensor-parallel size (2)",
         ),
         (
             make_random_qwen3_moe(str(tmp_path / "moe"), moe_intermediate_size=33),

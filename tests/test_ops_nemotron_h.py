@@ -21,6 +21,7 @@ from taipan.ops.attention import build_attention_metadata
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache
+from taipan.ops.parallel import SINGLE
 from tests.random_nemotron_h import PATTERNS, TINY_HYBRID, make_random_nemotron_h
 
 transformers = pytest.importorskip("transformers")
@@ -49,14 +50,15 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 
 class HybridRunner:
     """A minimal gpu-worker stand-in: shuffled KV blocks and one live Mamba slot per sequence,
-    plus spare slots for snapshots. A step's decode rows (one token, continuing) come first."""
+    plus spare slots for snapshots. A step's decode rows (one token, continuing) come first.
+    `tp`: the model's tensor-parallel group (the caches hold the rank's share)."""
 
-    def __init__(self, model, config, num_blocks=64, num_slots=12, seed=0, device="cpu"):
+    def __init__(self, model, config, num_blocks=64, num_slots=12, seed=0, device="cpu", tp=SINGLE):
         self.model, self.config, self.device = model, config, device
         dtype = next(model.parameters()).dtype
-        self.cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, dtype, device)
+        self.cache = allocate_kv_cache(config, num_blocks, BLOCK_SIZE, dtype, device, tp)
         self.conv, self.ssm = allocate_mamba_state(
-            config.mamba_state, num_slots, dtype, torch.float32, device
+            config.mamba_state_for(tp), num_slots, dtype, torch.float32, device
         )
         order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
         self.free = order.tolist()

@@ -39,11 +39,13 @@ StepPlan with no sequence is a dummy step: the MoE exchanges only, none of this 
 (`exchange_only`), no KV block or Mamba slot touched. An EP step never launches on the event
 loop's thread (the agreement blocks until the peers arrive).
 
-Tensor parallel (`load(..., tp=...)`, ops/parallel.py): the worker holds this rank's shards, and
-its KV cache this rank's kv heads: the budget is per rank, and the ranks agree on the smallest
-block count. Every rank of the group must run the same calls in the same order (load, every
-step's `launch`/`collect` with the same plan, every control): each forward and each logits
-computation holds collectives.
+Tensor parallel (`load(..., tp=...)`, ops/parallel.py): the worker holds this rank's shards, its
+KV cache this rank's kv heads and its Mamba state slots (a hybrid) this rank's share of every
+slot (`NemotronHConfig.mamba_state_for`; a snapshot copy copies each rank's own shard): the
+budget is per rank, the ranks agree on the smallest one, and on the block and slot counts, so
+every slot and block id the engine names exists on every rank. Every rank of the group must run
+the same calls in the same order (load, every step's `launch`/`collect` with the same plan,
+every control): each forward and each logits computation holds collectives.
 """
 
 from __future__ import annotations
@@ -175,16 +177,19 @@ def kv_budget(
     return budget, source
 
 
-def mamba_state_config(config: NemotronHConfig, msg: LoadModel, dtype) -> NemotronHConfig:
+def mamba_state_config(
+    config: NemotronHConfig, msg: LoadModel, dtype, tp: TPGroup = SINGLE
+) -> NemotronHConfig:
     """The model's config with `mamba_inference_state_config` applied (LoadModel's JSON): the
     SSM state dtype may be chosen; the conv state stays in the model's dtype (the conv kernels
     read and write it in place); layer_type_list, the shapes (per layer and slot: conv [K-1,
-    conv_dim] or Megatron's [conv_dim, K-1], SSM [heads, head_dim, state]) and mamba_chunk_size
-    must be the model's own. Anything else is a ConfigError naming the key."""
+    conv_dim] or Megatron's [conv_dim, K-1], SSM [heads, head_dim, state]; a tensor-parallel
+    rank's own, as Megatron's) and mamba_chunk_size must be the model's own. Anything else is a
+    ConfigError naming the key."""
     if not msg.mamba_state_config:
         return config
     state = json.loads(msg.mamba_state_config)
-    shape = config.mamba_state
+    shape = config.mamba_state_for(tp)
     conv = [shape.conv_kernel - 1, shape.conv_dim]
     expected = {
         "layer_type_list": config.pattern,
@@ -316,13 +321,19 @@ class ModelWorker:
         self.tp = tp
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, tp)
         budget, self.kv_budget_source = kv_budget(msg.kv_cache_gb, self.device, msg.ranks_on_host)
+        # One budget for every peer: what is derived from it (slots, blocks) agrees, and a
+        # budget too small fails on every peer alike (none waits for the others at a collective).
+        budget = tp.agree_min(budget)
         live, snapshots, slot_bytes = 0, 0, 0
         if isinstance(config, NemotronHConfig):
-            config = mamba_state_config(config, msg, dtype)
-            slot_bytes = config.mamba_state.bytes_per_slot(dtype, DTYPES[config.ssm_state_dtype])
+            config = mamba_state_config(config, msg, dtype, tp)
+            state = config.mamba_state_for(tp)  # this rank's share of a slot
+            slot_bytes = state.bytes_per_slot(dtype, DTYPES[config.ssm_state_dtype])
             live, budget = mamba_live_slots(msg, budget, slot_bytes)
             snapshot_bytes = int((msg.mamba_snapshot_gb or 0) * GIB)
             snapshots = mamba_snapshot_slots(snapshot_bytes, slot_bytes)
+            # The engine's slot ids must exist on every rank.
+            live, snapshots = tp.agree_min(live), tp.agree_min(snapshots)
         elif msg.mamba_memory_ratio is not None or msg.mamba_snapshot_gb is not None:
             raise ConfigError(
                 "mamba_memory_ratio and prefix_caching_mamba_gb are for hybrid models; "
@@ -394,7 +405,7 @@ class ModelWorker:
     def _new_mamba_state(self, config: NemotronHConfig) -> tuple[torch.Tensor, torch.Tensor]:
         ssm_dtype = DTYPES[config.ssm_state_dtype]
         return allocate_mamba_state(
-            config.mamba_state, self._mamba_slots, self.dtype, ssm_dtype, self.device
+            config.mamba_state_for(self.tp), self._mamba_slots, self.dtype, ssm_dtype, self.device
         )
 
     def _run_model(

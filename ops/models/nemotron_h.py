@@ -11,6 +11,14 @@ slots and positions from the GPU actor (`AttentionMetadata`), Mamba slots likewi
 q/k/v are fused at load into `mixer.qkv_proj` and an `E` layer's experts are stacked into
 `mixer.w1` [E_local, I, H_in] (up_proj) and `mixer.w2` [E_local, H_in, I] (down_proj). With
 `expert_range` the model holds only those experts (expert parallelism).
+
+Tensor parallel (a `TPGroup` of size T, ops/parallel.py), as LlamaForCausalLM: every rank builds
+the same module tree with its shards (ops/sharding.py says which slices it reads): Mamba2
+mixers split by heads and groups (ops/mamba.py), attention by heads and the ReLU² MLP by its
+intermediate size (column-parallel in, row-parallel out, one all-reduce each), the embedding
+and LM head by vocabulary. The config stays the whole model's; a rank's KV cache holds its kv
+heads and its Mamba state slots its share (`NemotronHConfig.mamba_state_for`). `E` (MoE) layers
+are not split yet: a pattern with one refuses T > 1.
 """
 
 from __future__ import annotations
@@ -23,9 +31,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.layers import Attention, RMSNorm, lm_logits
+from taipan.ops.layers import Attention, RMSNorm, VocabParallelEmbedding, lm_logits
 from taipan.ops.mamba import Mamba2Mixer, MambaMetadata, MambaStateShape
 from taipan.ops.moe import ExpertRange, MoE, MoEConfig
+from taipan.ops.parallel import SINGLE, TPGroup
 
 LAYER_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
 
@@ -101,33 +110,61 @@ class NemotronHConfig:
 
     @property
     def mamba_state(self) -> MambaStateShape:
-        inner = self.mamba_num_heads * self.mamba_head_dim
+        """One slot's state of the whole model (a tensor-parallel rank's: `mamba_state_for`)."""
+        return self.mamba_state_for(SINGLE)
+
+    def mamba_state_for(self, tp: TPGroup) -> MambaStateShape:
+        """One slot's state on a rank of `tp`: its heads' SSM state and the conv state of its
+        x, B and C channels (TPError naming mamba_num_heads or n_groups if T divides not)."""
+        _, heads = tp.even(self.mamba_num_heads, "mamba_num_heads")
+        _, groups = tp.even(self.n_groups, "n_groups")
+        inner = heads * self.mamba_head_dim
         return MambaStateShape(
             num_layers=self.pattern.count("M"),
-            conv_dim=inner + 2 * self.n_groups * self.ssm_state_size,
+            conv_dim=inner + 2 * groups * self.ssm_state_size,
             conv_kernel=self.conv_kernel,
-            num_heads=self.mamba_num_heads,
+            num_heads=heads,
             head_dim=self.mamba_head_dim,
             state_size=self.ssm_state_size,
         )
 
 
 class ReLU2MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    """down(relu(up(x))²) over this rank's share of the intermediate size (`tp`), summed over
+    the ranks unless `reduce_results` is False (a MoE's shared expert: the MoE block sums it
+    with the routed experts' partial output in one all-reduce)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPGroup = SINGLE,
+        reduce_results: bool = True,
+        what: str = "intermediate_size",
+    ) -> None:
         super().__init__()
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        _, inter = tp.even(intermediate_size, what)
+        self.tp, self.reduce_results = tp, reduce_results
+        self.up_proj = nn.Linear(hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        out = self.down_proj(torch.square(F.relu(self.up_proj(x))))
+        return self.tp.all_reduce(out) if self.reduce_results else out
 
 
 class HybridBlock(nn.Module):
     """norm -> mixer -> residual add (the add fused into the next norm). `cache_index` is the
-    layer's index among the layers of its kind (its KV cache layer, or its Mamba state layer)."""
+    layer's index among the layers of its kind (its KV cache layer, or its Mamba state layer);
+    `tp`: this rank's share of the mixer."""
 
     def __init__(
-        self, config: NemotronHConfig, kind: str, cache_index: int, experts: ExpertRange | None
+        self,
+        config: NemotronHConfig,
+        kind: str,
+        cache_index: int,
+        experts: ExpertRange | None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
         self.kind, self.cache_index = kind, cache_index
@@ -146,14 +183,18 @@ class HybridBlock(nn.Module):
                 dt_limit=c.dt_limit,
                 conv_bias=c.use_conv_bias,
                 proj_bias=c.mamba_proj_bias,
+                tp=tp,
             )
         elif kind == "attention":
-            self.mixer = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim)
+            self.mixer = Attention(c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, tp=tp)
         elif kind == "moe":
-            shared = ReLU2MLP(c.hidden_size, c.moe.shared_intermediate_size)
-            self.mixer = MoE(c.hidden_size, c.moe, experts, shared_experts=shared)
+            shared = ReLU2MLP(
+                c.hidden_size, c.moe.shared_intermediate_size, tp, reduce_results=False,
+                what="moe_shared_expert_intermediate_size",
+            )  # fmt: skip
+            self.mixer = MoE(c.hidden_size, c.moe, experts, shared_experts=shared, tp=tp)
         else:
-            self.mixer = ReLU2MLP(c.hidden_size, c.intermediate_size)
+            self.mixer = ReLU2MLP(c.hidden_size, c.intermediate_size, tp)
 
     def forward(
         self,
@@ -180,31 +221,36 @@ class NemotronHForCausalLM(nn.Module):
     """`forward` runs one step over T tokens from B sequences (no padding) and returns hidden
     states; `compute_logits` turns chosen rows into fp32 logits (as LlamaForCausalLM).
     `expert_range` (start, count): the experts this rank holds in every `E` layer (default
-    all); see ops/moe.py for the combine across ranks."""
+    all); see ops/moe.py for the combine across ranks. `tp`: this rank's place in its
+    tensor-parallel group (every rank runs every step)."""
 
     def __init__(
-        self, config: NemotronHConfig, expert_range: ExpertRange | tuple[int, int] | None = None
+        self,
+        config: NemotronHConfig,
+        expert_range: ExpertRange | tuple[int, int] | None = None,
+        tp: TPGroup = SINGLE,
     ) -> None:
         super().__init__()
-        self.config = config
+        self.config, self.tp = config, tp
         self.expert_range = None
         if config.moe is not None:
             self.expert_range = ExpertRange.of(expert_range, config.moe.num_experts)
         elif expert_range is not None:
             raise ValueError(f"expert_range {expert_range!r}: the model has no MoE layers")
-        self.embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         counts = {kind: 0 for kind in LAYER_KINDS.values()}
         layers = []
         for ch in config.pattern:
             kind = LAYER_KINDS[ch]
-            layers.append(HybridBlock(config, kind, counts[kind], self.expert_range))
+            layers.append(HybridBlock(config, kind, counts[kind], self.expert_range, tp))
             counts[kind] += 1
         self.layers = nn.ModuleList(layers)
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
+        rows = self.embeddings.weight.shape[0]  # this rank's vocabulary shard (padded)
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            else nn.Linear(config.hidden_size, rows, bias=False)
         )
 
     def forward(
@@ -229,4 +275,4 @@ class NemotronHForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
-        return lm_logits(hidden, weight, out)
+        return lm_logits(hidden, weight, out, self.tp, self.config.vocab_size)
