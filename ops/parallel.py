@@ -1,9 +1,9 @@
 """Tensor parallelism: a model's weights split over T processes (ranks) that run every step
 together and combine their partial results through torch.distributed (NCCL on CUDA, gloo on CPU).
 
-Built for Llama-family models and Qwen3-MoE (whose experts split along their intermediate size,
-ops/moe.py); hybrid (NemotronH) models are refused at load (ops/loader.py), and expert
-parallelism with tensor parallelism is refused by the launcher and the gpu worker.
+Built for every model family: Llama, Qwen3-MoE and NemotronH (experts split along their
+intermediate size, ops/moe.py; Mamba mixers by heads and groups, ops/mamba.py). Expert
+parallelism together with tensor parallelism is refused by the launcher and the gpu worker.
 
 Owns `TPGroup`, the handle a sharded model holds (rank, size, the process group), with the
 collectives the layers call: `all_reduce` (sum, in place) and `all_gather` (along a dim). At size

@@ -18,7 +18,8 @@ mixers split by heads and groups (ops/mamba.py), attention by heads and the ReLU
 intermediate size (column-parallel in, row-parallel out, one all-reduce each), the embedding
 and LM head by vocabulary. The config stays the whole model's; a rank's KV cache holds its kv
 heads and its Mamba state slots its share (`NemotronHConfig.mamba_state_for`). `E` (MoE) layers
-are not split yet: a pattern with one refuses T > 1.
+split every expert's intermediate size (ops/moe.py), the shared expert alike, with one
+all-reduce for both.
 """
 
 from __future__ import annotations
