@@ -364,12 +364,17 @@ def test_dp2_by_tp2_equals_tp1_and_a_dead_follower_leaves_the_other_rank_serving
     assert "follower=gpu-1-tp1" in stderr and "engine-1 exited with code 4" in stderr
 
 
-def test_qwen3_moe_at_tp2_equals_tp1(tmp_path):
-    """A tiny Qwen3-MoE (8 experts, top 2, a dense layer) served at T = 1 and at T = 2: the
-    same greedy tokens, log-probs within 1e-5, chunked prompts included."""
-    from tests.random_moe import make_random_qwen3_moe
+@pytest.mark.parametrize("family", ["qwen3", "nemotron_h"])
+def test_moe_at_tp2_equals_tp1(tmp_path, family):
+    """A tiny Qwen3-MoE (8 experts, top 2, a dense layer), or a NemotronH hybrid with `E` layers
+    (grouped sigmoid routing, latent projections, a shared expert, Mamba layers), served at
+    T = 1 and at T = 2: the same greedy tokens, log-probs within 1e-5, chunked prompts included."""
+    from tests.random_moe import make_random_nemotron_h_moe, make_random_qwen3_moe
 
-    moe = make_random_qwen3_moe(str(tmp_path / "moe"))
+    if family == "qwen3":
+        moe = make_random_qwen3_moe(str(tmp_path / "moe"))
+    else:
+        moe = make_random_nemotron_h_moe(str(tmp_path / "moe"), latent_size=16)
     greedy = SamplingParams(max_tokens=8, temperature=0.0, return_log_probs=True)
     outs = []
     for size in (1, 2):
