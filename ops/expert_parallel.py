@@ -18,7 +18,12 @@ with no tokens runs `exchange_only` (its experts still serve the others' rows). 
 step by `EPGroup.agree` (an all-reduce max over a gloo group of host integers: no device sync,
 and on CUDA no kernel) before any forward, and is a plain int when a CUDA graph is captured.
 
-Owns the group (`init_ep`, `EPGroup`) and the exchange. Must not touch: scheduling, sockets.
+With tensor parallelism too (`init_tp_ep`), each engine rank is T processes holding a slice of
+every one of its experts' intermediate size: the exchange runs between the processes of one
+slice, and the layer's TP all-reduce adds the slices.
+
+Owns the group (`init_ep`, `init_tp_ep`, `EPGroup`) and the exchange. Must not touch:
+scheduling, sockets.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taipan.ops.moe import MoE, exchange_rows, set_expert_dispatch
+from taipan.ops.parallel import TPGroup
 
 DEFAULT_TIMEOUT_S = 120.0  # joining the group, and any one collective after that
 # torch 2.13 renamed these (same contracts); the GPU image runs 2.11.
@@ -138,6 +144,74 @@ def init_ep(
     ep.agree([0])
     dist.barrier(group=world)  # (NCCL: the communicator exists before any capture)
     return ep
+
+
+def init_tp_ep(
+    ep_rank: int,
+    ep_size: int,
+    tp_rank: int,
+    tp_size: int,
+    init_method: str,
+    device: torch.device | str = "cpu",
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> tuple[TPGroup, EPGroup]:
+    """Join an expert-parallel group of `ep_size` engine ranks that are each `tp_size`
+    tensor-parallel processes: one world of ep_size x tp_size processes (process
+    ep_rank * tp_size + tp_rank; every one the same `init_method`), cut into one tensor-parallel
+    group per engine rank and one expert-parallel group per tensor-parallel rank (the processes
+    holding the same slice of every expert). Returns this process's (TPGroup, EPGroup).
+
+    Inside a MoE layer the exchange runs over the EP group of this slice (every TP peer of an
+    engine rank holds the same tokens), its reduce-scatter sums the slice over the experts of
+    every engine rank, and the layer's one TP all-reduce sums the slices (ops/moe.py)."""
+    if tp_size < 2:
+        raise EPError(f"init_tp_ep is for tensor-parallel size >= 2 (got {tp_size}): use init_ep")
+    if not 0 <= tp_rank < tp_size or not 0 <= ep_rank < ep_size or ep_size < 2:
+        raise EPError(
+            f"expert-parallel rank {ep_rank} of {ep_size}, tensor-parallel rank {tp_rank} of "
+            f"{tp_size}: need 0 <= rank < size, and an expert-parallel size >= 2"
+        )
+    if dist.is_initialized():
+        raise EPError("this process already belongs to a torch.distributed group")
+    device = torch.device(device)
+    backend, options = "gloo", {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        backend, options = "nccl", {"device_id": device}
+    timeout = datetime.timedelta(seconds=timeout_s)
+    world_rank = ep_rank * tp_size + tp_rank
+    try:
+        dist.init_process_group(
+            backend, init_method=init_method, rank=world_rank, world_size=ep_size * tp_size,
+            timeout=timeout, **options,
+        )  # fmt: skip
+    except (RuntimeError, ValueError) as exc:  # DistStoreError and friends subclass these
+        raise EPError(
+            f"process {tp_rank} of expert-parallel rank {ep_rank} could not join the group of "
+            f"{ep_size} x {tp_size} processes at {init_method} within {timeout_s:g} s: {exc}"
+        ) from exc
+    # Every process creates every subgroup, in the same order (torch.distributed's rule).
+    tp_groups = [
+        dist.new_group([e * tp_size + k for k in range(tp_size)], timeout=timeout)
+        for e in range(ep_size)
+    ]
+    ep_groups, ep_hosts = [], []
+    for k in range(tp_size):
+        ranks = [e * tp_size + k for e in range(ep_size)]
+        ep_groups.append(dist.new_group(ranks, timeout=timeout))
+        host = backend == "gloo" or dist.new_group(ranks, backend="gloo", timeout=timeout)
+        ep_hosts.append(ep_groups[-1] if host is True else host)
+    tp = TPGroup(tp_rank, tp_size, tp_groups[ep_rank], device)
+    ep = EPGroup(ep_rank, ep_size, ep_groups[tp_rank], ep_hosts[tp_rank], device)
+    # The TP peers draw the same unseeded samples (as init_tp: the world's rank 0's seed).
+    seed = torch.tensor([torch.initial_seed() & (2**62 - 1)], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    torch.manual_seed(int(seed.item()))
+    ep.agree([0])
+    dist.barrier()  # (NCCL: every communicator exists before any capture)
+    tp.all_reduce(torch.zeros(1, device=device))
+    ep.all_gather(torch.zeros(1, device=device))
+    return tp, ep
 
 
 def destroy_ep(ep: EPGroup | None) -> None:

@@ -21,9 +21,10 @@ shared expert split the same way; the router (replicated, on the same hidden sta
 rank picks the same experts) and the latent projections stay whole on every rank (replicated:
 the simplest correct choice; fc2_latent_proj is linear without bias, so it maps a partial sum to
 a partial sum). Each rank's output is then a partial sum over its intermediate channels, of the
-routed experts and the shared one together, and ONE all-reduce per layer adds them up. Expert
-parallelism together with tensor parallelism is not built (`set_expert_dispatch` /
-`set_expert_combine` refuse a sharded model; the launcher and the gpu worker refuse the sizes).
+routed experts and the shared one together, and ONE all-reduce per layer adds them up. With
+expert parallelism too, a rank holds its share of the experts, each split the same way, and its
+dispatch (the exchange among the processes holding the same slice) returns a partial sum of
+that slice: the same one all-reduce completes it (ops/expert_parallel.py `init_tp_ep`).
 
 Owns no scheduling and no communication of its own: `dispatch` and `combine` are hooks, and
 the tensor-parallel all-reduce is `TPGroup`'s.
@@ -247,11 +248,6 @@ class MoE(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         self.expert_range = ExpertRange.of(expert_range, config.num_experts)
-        if tp.size > 1 and self.expert_range.count != config.num_experts:
-            raise ValueError(
-                f"expert_range {self.expert_range} with tensor-parallel size {tp.size}: expert "
-                "parallelism together with tensor parallelism is not built"
-            )
         self.gate = Router(hidden_size, config)
         inner = config.latent_size or hidden_size
         _, inter = tp.even(config.intermediate_size, "moe_intermediate_size")
@@ -315,22 +311,14 @@ def exchange_rows(block: MoE, dtype: torch.dtype, device) -> None:
     block.dispatch(empty, ids, torch.empty(0, k, device=device), block.experts)
 
 
-def _unsharded_blocks(model: nn.Module) -> list[MoE]:
-    """Every MoE block of `model`; ValueError if it is split by tensor parallelism (expert
-    parallelism over it is not built)."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE)]
-    if any(block.tp.size > 1 for block in blocks):
-        raise ValueError(
-            "expert parallelism together with tensor parallelism is not built: this model's "
-            "MoE blocks are split over a tensor-parallel group"
-        )
-    return blocks
+def _blocks(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def set_expert_dispatch(model: nn.Module, dispatch) -> int:
     """Install `dispatch` (e.g. the exchange of an expert-parallel group) in every MoE block of
     `model`; returns how many there are."""
-    blocks = _unsharded_blocks(model)
+    blocks = _blocks(model)
     for block in blocks:
         block.dispatch = dispatch
     return len(blocks)
@@ -339,7 +327,7 @@ def set_expert_dispatch(model: nn.Module, dispatch) -> int:
 def set_expert_combine(model: nn.Module, combine: Callable[[torch.Tensor], torch.Tensor]) -> int:
     """Install `combine` (e.g. an all-reduce over the expert-parallel group) in every MoE block
     of `model`; returns how many there are."""
-    blocks = _unsharded_blocks(model)
+    blocks = _blocks(model)
     for block in blocks:
         block.combine = combine
     return len(blocks)

@@ -85,11 +85,6 @@ def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
     for name, size in (("data", data), ("tensor", tensor), ("expert", expert)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise LaunchError(f"{name}_parallel_size must be an int >= 1, got {size!r}")
-    if tensor > 1 and expert > 1:
-        raise LaunchError(
-            f"tensor_parallel_size={tensor} with expert_parallel_size={expert}: expert "
-            "parallelism together with tensor parallelism is not built yet"
-        )
     if data % expert:
         # An expert-parallel group is E consecutive data-parallel ranks (attention stays data
         # parallel; the experts are split over the group).

@@ -10,7 +10,7 @@ T = 1's tokens and log-probs, after weight updates from a state dict (per-expert
 names, a router, a q norm) and from a checkpoint. A NemotronH-style block (sigmoid grouped
 routing, ReLU² experts in a latent space, a shared expert) at T = 2 equals T = 1 with exactly
 one all-reduce. Placement of every expert tensor name; what cannot split is refused naming
-moe_intermediate_size; expert parallelism together with tensor parallelism stays refused.
+moe_intermediate_size (tests/test_tp_ep.py: together with expert parallelism).
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taipan.ops.loader import ModelLoadError, load_model
-from taipan.ops.models.qwen3_moe import Qwen3MoeForCausalLM
-from taipan.ops.moe import MoE, MoEConfig, set_expert_combine, set_expert_dispatch
+from taipan.ops.moe import MoE, MoEConfig
 from taipan.ops.parallel import SINGLE, TPError, TPGroup
 from taipan.ops.sharding import Placement, placement
 from tests.random_moe import QWEN3_MOE_VARIANTS, make_random_qwen3_moe
@@ -379,17 +378,6 @@ def test_what_does_not_split_is_refused_naming_it():
     config = types.SimpleNamespace(head_dim=8, intermediate_size=64, moe=nh)
     with pytest.raises(TPError, match=r"moe_shared_expert_intermediate_size \(30\) .* \(4\)"):
         placement("layers.0.mixer.shared_experts.up_proj.weight", config, fake_tp(0, 4))
-
-
-def test_tensor_and_expert_parallelism_together_are_refused(moe_checkpoints):
-    _, config, _ = load_model(moe_checkpoints["per-expert"])
-    with torch.device("meta"):
-        with pytest.raises(ValueError, match="expert parallelism together with tensor"):
-            Qwen3MoeForCausalLM(config, expert_range=(0, 4), tp=fake_tp(0))
-        model = Qwen3MoeForCausalLM(config, tp=fake_tp(0))
-    for install in (set_expert_dispatch, set_expert_combine):
-        with pytest.raises(ValueError, match="expert parallelism together with tensor"):
-            install(model, lambda *args: None)
 
 
 def test_a_moe_model_that_does_not_split_fails_to_load(tmp_path):

@@ -112,9 +112,23 @@ class GpuActor(Actor):
                 import torch
 
                 check_device(torch.device(msg.device))  # before NCCL picks the device
-                self.tp_group = self.tp_setup.join(msg.device)
+                if msg.expert_parallel_size > 1:  # one world: the group's ranks' peers
+                    self.tp_group, self.worker.ep = self._join_with_experts(msg)
+                else:
+                    self.tp_group = self.tp_setup.join(msg.device)
             tp = self.tp_group
         return self.worker.load(msg, tp=tp)
+
+    def _join_with_experts(self, msg: LoadModel):
+        """Tensor and expert parallel together: every process of the expert-parallel group's
+        ranks meets at the group's rendezvous (ops/expert_parallel.py `init_tp_ep`)."""
+        from taipan.ops.expert_parallel import init_tp_ep
+
+        setup = self.tp_setup
+        return init_tp_ep(
+            msg.expert_parallel_rank, msg.expert_parallel_size, setup.tp_rank, setup.size,
+            msg.expert_parallel_init, msg.device, setup.timeout_s,
+        )  # fmt: skip
 
     async def _load_everywhere(self, msg: LoadModel):
         """Load here and on every follower; raises what failed (a follower's as soon as it

@@ -37,7 +37,9 @@ any prefill, any eager step) with a host all-reduce (`_ep_shape`); from the same
 each picks the same CUDA graph bucket (or all run eagerly) and pads its exchange to its size. A
 StepPlan with no sequence is a dummy step: the MoE exchanges only, none of this rank's rows
 (`exchange_only`), no KV block or Mamba slot touched. An EP step never launches on the event
-loop's thread (the agreement blocks until the peers arrive).
+loop's thread (the agreement blocks until the peers arrive). With tensor parallelism too, the
+gpu actor has joined both groups at once before the load (`init_tp_ep`): every process of a
+rank agrees and exchanges with the processes of the other ranks that hold its slice.
 
 Tensor parallel (`load(..., tp=...)`, ops/parallel.py): the worker holds this rank's shards, its
 KV cache this rank's kv heads and its Mamba state slots (a hybrid) this rank's share of every
@@ -300,8 +302,11 @@ class ModelWorker:
         use_device(self.device)
         experts = None
         if msg.expert_parallel_size > 1:
-            if tp.size > 1:
-                raise ValueError("expert parallelism with tensor parallelism is not built")
+            if self.ep is None and tp.size > 1:
+                raise ValueError(
+                    "expert parallelism with tensor parallelism: the process joins both groups "
+                    "at once (ops/expert_parallel.py init_tp_ep) before the load"
+                )
             if self.ep is None:  # (joined once per process: a reload keeps the group)
                 rank, size = msg.expert_parallel_rank, msg.expert_parallel_size
                 self.ep = init_ep(rank, size, msg.expert_parallel_init, self.device)
