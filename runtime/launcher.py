@@ -113,8 +113,9 @@ def tp_addresses(address: str) -> dict[str, str]:
 
 
 def check_ep_addresses(inboxes, init: str | None, num_ranks: int) -> list[str]:
-    """The consensus inboxes of every data-parallel rank (LaunchError unless there is one
-    distinct tcp:// or ipc:// address per rank) after checking the group's rendezvous."""
+    """Every data-parallel rank's consensus inbox, as a list (given as one or comma-separated);
+    LaunchError unless each rank has a distinct tcp:// (or ipc://) address and the group's
+    rendezvous `init` is given."""
     if inboxes is None or init is None:
         raise LaunchError(
             "role engine with --expert-parallel-size above 1 needs --ep-inboxes (every rank's "
@@ -328,14 +329,17 @@ class Runtime:
                 "role engine needs the coordinator's engine address (--coordinator) and this "
                 "engine's --data-parallel-rank"
             )
+        if role == "tp-follower" and None in (rank, self.tp_address, self.tp_rank):
+            raise LaunchError(
+                "role tp-follower needs its leader's --tp-address, its --tensor-parallel-rank K "
+                "(1..T-1, the leader being 0) and its engine rank's --data-parallel-rank"
+            )
         if role == "tp-follower" and engine_address is not None:
             raise LaunchError(
                 "role tp-follower talks to its leader only (--tp-address), not to the "
                 "coordinator: no --coordinator"
             )
         if role in ("engine", "tp-follower"):
-            if rank is None:
-                raise LaunchError(f"role {role} needs its engine rank's --data-parallel-rank")
             if not 0 <= rank < self.num_ranks:
                 raise LaunchError(
                     f"--data-parallel-rank {rank} is outside 0..{self.num_ranks - 1} "
@@ -367,11 +371,6 @@ class Runtime:
                 for kind in ("plans", "reports"):
                     check_bind(addresses[kind], self._keys(addresses[kind], server=True))
         if role == "tp-follower":
-            if self.tp_address is None or self.tp_rank is None:
-                raise LaunchError(
-                    "role tp-follower needs its leader's --tp-address and its "
-                    "--tensor-parallel-rank K (1..T-1, the leader being 0)"
-                )
             if self.tp_size == 1 or not 1 <= self.tp_rank < self.tp_size:
                 raise LaunchError(
                     f"--tensor-parallel-rank {self.tp_rank} is outside 1..{self.tp_size - 1} "
