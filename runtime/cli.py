@@ -89,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="how long to wait for every engine rank to load its model (role tp-follower: "
-        "for its leader's first message) (default 600)",
+        help="how long to wait for every engine rank to load its model (with --tp-address: "
+        "how long a leader waits for its followers, a follower for its leader) (default 600)",
     )
     add_key_arguments(serve)
     serve.set_defaults(log_level="info")  # a server logs its controls and start-up

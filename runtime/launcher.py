@@ -305,7 +305,9 @@ class Runtime:
         self.keys_dir, self.key_name = keys_dir, key_name
         self.tp_address, self.tp_rank = tp_address, tensor_parallel_rank
         self.ep_inboxes, self.ep_init = ep_inboxes, ep_init
-        self.leader_timeout: float | None = None  # role tp-follower: start's timeout
+        # Across hosts: how long a leader waits for its followers, a follower for its leader
+        # (start's timeout).
+        self.tp_start_timeout: float | None = None
         try:
             self._check_role(role, address, engine_address, data_parallel_rank, http_port)
             self._check_peers(role)
@@ -420,10 +422,10 @@ class Runtime:
             "tp_devices": self._peer_devices(),
             "tp_cpu_sets": self._tp_cpu_sets(),
             "tp_addresses": self._tp_addresses(),
-            # Across hosts (tp_address): the followers are processes of their own hosts, and
-            # a follower gives up on a leader that sends nothing for as long as start waits.
+            # Across hosts (tp_address): the followers are processes of their own hosts; a
+            # leader waits for them, and a follower for its leader, as long as start waits.
             "tp_remote": self.tp_address is not None,
-            "leader_timeout": self.leader_timeout,
+            "tp_start_timeout": self.tp_start_timeout,
             "config": self.config.to_dict(),
             # More blocks than every admissible request can hold would only waste memory.
             "max_blocks": max_requests * blocks_per_request,
@@ -518,11 +520,12 @@ class Runtime:
     def start(self, timeout: float = 600.0) -> Runtime:
         """Start this role's processes. Roles all and coordinator return once every rank has
         loaded its model (within `timeout`); roles engine and tp-follower once the process is
-        spawned (a follower then waits as long for its leader's first message)."""
+        spawned (across hosts, a leader then waits as long for its followers, a follower for
+        its leader)."""
         if self.direct:
             return self._start_direct()
-        if self.role == "tp-follower":
-            self.leader_timeout = timeout
+        if self.tp_address is not None:
+            self.tp_start_timeout = timeout
         spec = self._spec()
         write_token(spec["control_token_file"], self.address, self.control_token)
         spec = json.dumps(spec)

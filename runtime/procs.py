@@ -340,7 +340,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         goodbyes.append(reports)
         gpu_tp = {
             "tp": TPSetup(0, tp, addresses["init"]),
-            "followers": Followers(plans, reports, tp, rank),
+            "followers": Followers(plans, reports, tp, rank, spec.get("tp_start_timeout")),
         }
     try:
         engine = EngineActor(
@@ -393,7 +393,7 @@ async def tp_follower_main(spec: dict, rank: int, tp_rank: int) -> None:
     try:
         actor = FollowerActor(
             rank, plans, reports, setup, spec["tp_devices"][rank][tp_rank], spec["model_path"],
-            leader_timeout=spec.get("leader_timeout") or LEADER_TIMEOUT_S,
+            leader_timeout=spec.get("tp_start_timeout") or LEADER_TIMEOUT_S,
         )  # fmt: skip
         await actor.run()
     finally:

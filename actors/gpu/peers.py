@@ -105,8 +105,18 @@ class Followers:
     PeerOutcome and PeerGone to `on_hello`, `on_outcome` and `gone`; `plans` (XPUB) only
     sends."""
 
-    def __init__(self, plans: Channel, reports: Channel, size: int, rank: int):
+    def __init__(
+        self,
+        plans: Channel,
+        reports: Channel,
+        size: int,
+        rank: int,
+        start_timeout: float | None = None,
+    ):
+        """`start_timeout`: how long the first load waits for every follower (None:
+        FOLLOWER_START_TIMEOUT_S; followers on other hosts may be started by hand)."""
         self.plans, self.reports, self.size = plans, reports, size
+        self.start_timeout = start_timeout
         self.peers = tuple(range(1, size))
         self.log = get_logger(actor=f"gpu-{rank}", tp_size=size)
         self.pids: dict[int, int] = {}  # follower TP rank -> pid, from its hello
@@ -179,8 +189,9 @@ class Followers:
         """Until every follower said hello and subscribed (bounded: PeerError)."""
         if self._ready:
             return
+        timeout = self.start_timeout or FOLLOWER_START_TIMEOUT_S
         try:
-            async with asyncio.timeout(FOLLOWER_START_TIMEOUT_S):
+            async with asyncio.timeout(timeout):
                 await self._all_here.wait()
                 await self.plans.wait_subscribers(len(self.peers))
         except TimeoutError:
@@ -188,9 +199,7 @@ class Followers:
             what = (
                 f"followers {missing} never said hello" if missing else "followers never subscribed"
             )
-            raise PeerError(
-                f"tensor-parallel {what} within {FOLLOWER_START_TIMEOUT_S:g} s"
-            ) from None
+            raise PeerError(f"tensor-parallel {what} within {timeout:g} s") from None
         self._ready = True
 
     async def publish(self, msg) -> None:
