@@ -4,7 +4,7 @@ Owns: socket creation (bind/connect, options), framing of routed sockets, record
 inbound and outbound message, and noticing peers that are gone. Actors only see `Envelope`s and
 call `send(msg, to=...)` (or `send_frames` to relay a message encoded elsewhere).
 
-Peer watch (`watch_peers=True`, routed sockets only): when a peer's connection closes (its
+Peer watch (`watch_peers=True`, on a ROUTER or a DEALER): when a peer's connection closes (its
 process exited: the kernel closes the socket at once; or its host went silent: ZMQ's own
 heartbeat gives up after `PEER_HEARTBEAT_TIMEOUT_MS`), the channel delivers a `PeerGone` from
 that peer like any inbound message, after every message that peer sent before it went. ZMQ
@@ -16,7 +16,9 @@ takes a message that puts a peer on a new descriptor, applies the reports on tha
 first (they concern older connections), and applies the others after the messages ready with
 them (which their peers sent before going). A report for a descriptor no known peer talks on is
 dropped; a descriptor that turns up under a new peer while an old one still holds it proves the
-old one gone.
+old one gone. A watched DEALER connects to one peer (whose address it names) and needs none of
+this: each closed connection is a `PeerGone` with no sender, after the messages that came before
+it. (A connection that never opened, its peer not yet bound, is not a closed one: ZMQ retries.)
 
 Addresses are `inproc://`, `ipc://` or `tcp://`. The bind rule (`check_bind`): binding tcp beyond
 loopback needs a Curve server's keys (actors/curve.py), since control messages must not be open to
@@ -192,7 +194,7 @@ class Channel:
         while self._sock_now.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             raw = self._sock_now.recv_multipart(zmq.NOBLOCK, copy=False)
             env = self._envelope(raw)
-            fd = raw[-1].get(zmq.SRCFD)
+            fd = raw[-1].get(zmq.SRCFD) if self.routed else -1  # (a DEALER: one peer)
             if fd >= 0 and self._fd_of.get(env.sender) != fd:  # a peer on a new descriptor
                 self._read_reports()
                 self._apply_reports(fd)
@@ -244,7 +246,9 @@ class Channel:
         `only_fd`, or all)."""
         keep = []
         for fd in self._reports:
-            if only_fd is not None and fd != only_fd:
+            if not self.routed:  # a DEALER's one peer: every closed connection is its
+                self._pending.append(self._peer_gone(None, "its connection closed", time.time()))
+            elif only_fd is not None and fd != only_fd:
                 keep.append(fd)
             elif self._stale[fd]:
                 self._stale[fd] -= 1
@@ -257,7 +261,7 @@ class Channel:
                     )
         self._reports = keep
 
-    def _peer_gone(self, peer: bytes, reason: str, now: float) -> Envelope:
+    def _peer_gone(self, peer: bytes | None, reason: str, now: float) -> Envelope:
         msg = PeerGone(reason)
         if self.recorder is not None:
             self.recorder.write("in", self.name, peer, encode(msg), now)
@@ -276,13 +280,15 @@ class Channel:
             elif frame[:1] == b"\x00":  # a subscriber went away
                 self._subscribed -= 1
 
-    def close(self) -> None:
+    def close(self, linger_ms: int = 0) -> None:
+        """Close the socket; `linger_ms`: how long what it still holds (a goodbye just sent)
+        may take to go out."""
         if self.sock.closed:
             return
         if self.monitor is not None:
             self.sock.disable_monitor()
             self.monitor.close(linger=0)
-        self.sock.close(linger=0)
+        self.sock.close(linger=linger_ms)
         if self._zap is not None:
             self._zap.release()
 
@@ -300,11 +306,12 @@ def make_socket(
     curve: CurveServer | CurveClient | None = None,
 ) -> Channel:
     """Create a socket of `kind` (zmq.ROUTER, DEALER, PAIR, ...), bind or connect it, wrap it.
-    `watch_peers` (ROUTER only): deliver a `PeerGone` when a peer's connection closes.
+    `watch_peers` (ROUTER, or a DEALER connected to one peer): deliver a `PeerGone` when a
+    peer's connection closes (with ZMQ heartbeats, so a silent host's closes too).
     `curve`: a Curve server (admits only its authorized client keys; must be made on the event
     loop that runs the actor, which answers the ZAP checks) or client (actors/curve.py)."""
-    if watch_peers and kind != zmq.ROUTER:
-        raise ValueError("only a ROUTER channel can watch its peers")
+    if watch_peers and kind not in (zmq.ROUTER, zmq.DEALER):
+        raise ValueError("only a ROUTER or DEALER channel can watch its peers")
     if bind:
         check_bind(address, curve)
     sock = ctx.socket(kind)

@@ -231,7 +231,8 @@ class NoStep:
 
 # ---- tensor-parallel peers of one rank (actors/gpu/peers.py) ----------------------------------
 # The leader gpu actor publishes every LoadModel, StepPlan and GpuControl it gets to its
-# followers unchanged; the followers answer over one PUSH with these (never a step's result).
+# followers unchanged; the followers answer over one DEALER with these (never a step's result),
+# and the leader says goodbye over the same connection.
 
 
 @message(130)
@@ -253,3 +254,11 @@ class PeerOutcome:
     index: int
     command: str
     error: str | None
+
+
+@message(132)
+class PeerBye:
+    """The leader to each follower, when its rank stops cleanly: take nothing more, exit 0. (A
+    follower whose connection to the leader closes without it exits non-zero.)"""
+
+    reason: str

@@ -36,10 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--role",
         default="all",
-        choices=["all", "coordinator", "engine"],
+        choices=["all", "coordinator", "engine", "tp-follower"],
         help="all (default): coordinator and every engine rank here; coordinator: only the "
         "coordinator (engines join from other hosts); engine: one engine rank, joining "
-        "--coordinator",
+        "--coordinator; tp-follower: one tensor-parallel follower of an engine rank, joining "
+        "its leader at --tp-address",
     )
     serve.add_argument(
         "--engine-address",
@@ -52,14 +53,44 @@ def _parser() -> argparse.ArgumentParser:
         help="role engine: the coordinator's engine address, e.g. tcp://HOST:5556",
     )
     serve.add_argument(
-        "--data-parallel-rank", type=int, metavar="R", help="role engine: this engine's rank"
+        "--data-parallel-rank",
+        type=int,
+        metavar="R",
+        help="roles engine and tp-follower: the engine rank",
+    )
+    serve.add_argument(
+        "--tp-address",
+        metavar="tcp://HOST:PORT",
+        help="tensor parallelism across hosts: role engine (the rank's leader) binds PORT and "
+        "PORT+1 and hosts torch.distributed's rendezvous on PORT+2, and starts no follower; "
+        "each role tp-follower connects there",
+    )
+    serve.add_argument(
+        "--tensor-parallel-rank",
+        type=int,
+        metavar="K",
+        help="role tp-follower: this follower's rank in its engine rank's group (1..T-1)",
+    )
+    serve.add_argument(
+        "--ep-inboxes",
+        metavar="ADDRESSES",
+        help="expert parallelism across hosts (role engine): every data-parallel rank's "
+        "consensus inbox, comma-separated tcp://HOST:PORT in rank order, the same list on every "
+        "engine; each engine binds its own",
+    )
+    serve.add_argument(
+        "--ep-init",
+        metavar="tcp://HOST:PORT",
+        help="expert parallelism across hosts (role engine): the group's torch.distributed "
+        "rendezvous, hosted by the group's first rank (every engine of a group the same)",
     )
     serve.add_argument(
         "--start-timeout",
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="how long to wait for every engine rank to load its model (default 600)",
+        help="how long to wait for every engine rank to load its model (with --tp-address: "
+        "how long a leader waits for its followers, a follower for its leader) (default 600)",
     )
     add_key_arguments(serve)
     serve.set_defaults(log_level="info")  # a server logs its controls and start-up
@@ -181,8 +212,8 @@ def cmd_serve(args) -> int:
         stop.wait()
     finally:
         rt.shutdown()
-    if rt.role == "engine" and all(code == 0 for _, code in rt.unexpected_exits):
-        return 0  # the coordinator stopped it
+    if rt.role in ("engine", "tp-follower") and all(c == 0 for _, c in rt.unexpected_exits):
+        return 0  # the coordinator (or the follower's leader) stopped it
     if rt.unexpected_exits:
         for name, code in rt.unexpected_exits:
             print(f"taipan: error: {name} {describe_exit(code)}", file=sys.stderr)
@@ -192,9 +223,18 @@ def cmd_serve(args) -> int:
 
 
 def _print_serving(rt) -> None:
-    if rt.role == "engine":
+    if rt.role == "tp-follower":
         print(
-            f"taipan: engine rank {rt.rank} of {rt.num_ranks} joining {rt.engine_address}",
+            f"taipan: tensor-parallel follower {rt.tp_rank} of {rt.tp_size} of engine rank "
+            f"{rt.rank} joining its leader at {rt.tp_address}",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    if rt.role == "engine":
+        leads = f", leading its followers at {rt.tp_address}" if rt.tp_address else ""
+        print(
+            f"taipan: engine rank {rt.rank} of {rt.num_ranks} joining {rt.engine_address}{leads}",
             file=sys.stderr,
             flush=True,
         )

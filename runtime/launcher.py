@@ -23,6 +23,20 @@ Tensor parallel (`tensor_parallel_size` T > 1): each engine rank's process start
 T-1 follower processes itself (runtime/procs.py), so they are not among `procs`; SPEC gives each
 peer its device (`peer_devices`) and cores (`peer_cpu_sets`), and each rank its sockets and
 rendezvous in the private temp dir. An engine process whose follower died exits with code 4.
+
+Across hosts (`role`): "coordinator" starts the coordinator only; "engine" one engine rank that
+joins it (`engine_address`, `data_parallel_rank`); "tp-follower" one tensor-parallel follower
+(`tensor_parallel_rank` K of rank R) that joins its leader. A leader started with `tp_address`
+tcp://HOST:PORT spawns no follower: it binds its plans on PORT and its followers' reports on
+PORT+1, and the rank's torch.distributed rendezvous (a TCPStore, hosted by the leader) is
+tcp://HOST:PORT+2; its followers are given the same address. Expert parallelism across hosts:
+each engine of a group is given every rank's consensus inbox (`ep_inboxes`, one address per
+data-parallel rank, the same list everywhere; it binds its own) and its group's rendezvous
+(`ep_init`, tcp://HOST:PORT on the host of the group's first rank, which hosts the TCPStore; the
+gpu worker's host-side gloo group is formed over the same store). With `keys_dir` every tcp
+socket of these is Curve (a server where it binds, a client where it connects); tcp beyond
+loopback without keys is refused before anything starts. torch.distributed's own traffic (the
+TCPStore, gloo, NCCL) is not authenticated by Curve: keep those ports inside a trusted network.
 """
 
 from __future__ import annotations
@@ -46,7 +60,7 @@ from taipan.auth import curve_keys, new_token, publish_token, remove_token, writ
 from taipan.models import resolve
 
 BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
-ROLES = ("all", "coordinator", "engine")
+ROLES = ("all", "coordinator", "engine", "tp-follower")
 # An engine started alone (role engine) exits once its coordinator answers nothing for this long.
 COORDINATOR_TIMEOUT_S = 10.0
 
@@ -77,6 +91,56 @@ def next_port_address(address: str) -> str:
             "with --engine-address (the default, PORT+1, needs a tcp://HOST:PORT address)"
         )
     return f"tcp://{host}:{int(port) + 1}"
+
+
+def tp_addresses(address: str) -> dict[str, str]:
+    """A rank's tensor-parallel sockets and rendezvous from its leader's `tcp://HOST:PORT`: the
+    plans on PORT, the reports on PORT+1, torch.distributed's TCPStore on PORT+2."""
+    host, sep, port = address.removeprefix("tcp://").rpartition(":")
+    if not address.startswith("tcp://") or not sep or not host or not port.isdigit():
+        raise LaunchError(
+            f"--tp-address {address!r}: give the leader's tcp://HOST:PORT (it binds PORT and "
+            "PORT+1, and torch.distributed's rendezvous listens on PORT+2)"
+        )
+    if not 0 < int(port) <= 65533:
+        raise LaunchError(f"--tp-address {address!r}: PORT must be in 1..65533 (PORT+2 is used)")
+    p = int(port)
+    return {
+        "plans": f"tcp://{host}:{p}",
+        "reports": f"tcp://{host}:{p + 1}",
+        "init": f"tcp://{host}:{p + 2}",
+    }
+
+
+def check_ep_addresses(inboxes, init: str | None, num_ranks: int) -> list[str]:
+    """Every data-parallel rank's consensus inbox, as a list (given as one or comma-separated);
+    LaunchError unless each rank has a distinct tcp:// (or ipc://) address and the group's
+    rendezvous `init` is given."""
+    if inboxes is None or init is None:
+        raise LaunchError(
+            "role engine with --expert-parallel-size above 1 needs --ep-inboxes (every rank's "
+            "consensus inbox, tcp://HOST:PORT, comma-separated, the same list on every engine) "
+            "and --ep-init (its group's torch.distributed rendezvous, tcp://HOST:PORT on the "
+            "host of the group's first rank)"
+        )
+    if isinstance(inboxes, str):
+        inboxes = [a.strip() for a in inboxes.split(",") if a.strip()]
+    inboxes = list(inboxes)
+    if len(inboxes) != num_ranks:
+        raise LaunchError(
+            f"--ep-inboxes names {len(inboxes)} address(es); give one per data-parallel rank "
+            f"({num_ranks}), in rank order"
+        )
+    bad = [a for a in inboxes if not a.startswith(("tcp://", "ipc://"))]
+    if bad:
+        raise LaunchError(f"--ep-inboxes: {bad[0]!r} is not a tcp:// (or ipc://) address")
+    if len(set(inboxes)) != len(inboxes):
+        raise LaunchError(f"--ep-inboxes: every rank needs an address of its own, got {inboxes}")
+    if not init.startswith(("tcp://", "file://")):
+        raise LaunchError(
+            f"--ep-init {init!r}: give torch.distributed's rendezvous as tcp://HOST:PORT"
+        )
+    return inboxes
 
 
 def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
@@ -178,6 +242,10 @@ class Runtime:
         data_parallel_rank: int | None = None,
         keys_dir: str | None = None,
         key_name: str = "client",
+        tp_address: str | None = None,
+        tensor_parallel_rank: int | None = None,
+        ep_inboxes: list[str] | str | None = None,
+        ep_init: str | None = None,
     ):
         if role not in ROLES:
             raise LaunchError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
@@ -191,11 +259,6 @@ class Runtime:
             raise LaunchError(
                 "direct mode drives one engine rank from this process; with several ranks use "
                 "coordinator mode (it routes and owns the lifecycle)"
-            )
-        if expert_parallel_size > 1 and role != "all":
-            raise LaunchError(
-                f"expert_parallel_size={expert_parallel_size} needs every engine of a group "
-                "started by one launcher (role all); engines on other hosts are not built for it"
             )
         self.model_name, self.model_path = resolve(model)
         self.config = config or InferenceConfig()
@@ -235,8 +298,14 @@ class Runtime:
         self.engine_address = engine_address or f"ipc://{self.tmp}/backend.sock"
         self.role, self.rank = role, data_parallel_rank
         self.keys_dir, self.key_name = keys_dir, key_name
+        self.tp_address, self.tp_rank = tp_address, tensor_parallel_rank
+        self.ep_inboxes, self.ep_init = ep_inboxes, ep_init
+        # Across hosts: how long a leader waits for its followers, a follower for its leader
+        # (start's timeout).
+        self.tp_start_timeout: float | None = None
         try:
             self._check_role(role, address, engine_address, data_parallel_rank, http_port)
+            self._check_peers(role)
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
             raise
@@ -252,26 +321,72 @@ class Runtime:
     def _check_role(self, role, address, engine_address, rank, http_port) -> None:
         """Each role's addresses, and the Curve keys any tcp binding beyond loopback needs
         (checked here, before any process starts: a clear error rather than a dead child)."""
-        if role == "engine":
-            if engine_address is None or rank is None:
-                raise LaunchError(
-                    "role engine needs the coordinator's engine address (--coordinator) and this "
-                    "engine's --data-parallel-rank"
-                )
+        if role == "engine" and (engine_address is None or rank is None):
+            raise LaunchError(
+                "role engine needs the coordinator's engine address (--coordinator) and this "
+                "engine's --data-parallel-rank"
+            )
+        if role == "tp-follower" and None in (rank, self.tp_address, self.tp_rank):
+            raise LaunchError(
+                "role tp-follower needs its leader's --tp-address, its --tensor-parallel-rank K "
+                "(1..T-1, the leader being 0) and its engine rank's --data-parallel-rank"
+            )
+        if role == "tp-follower" and engine_address is not None:
+            raise LaunchError(
+                "role tp-follower talks to its leader only (--tp-address), not to the "
+                "coordinator: no --coordinator"
+            )
+        if role in ("engine", "tp-follower"):
             if not 0 <= rank < self.num_ranks:
                 raise LaunchError(
                     f"--data-parallel-rank {rank} is outside 0..{self.num_ranks - 1} "
                     f"(--data-parallel-size {self.num_ranks})"
                 )
             if address is not None or http_port is not None:
-                raise LaunchError("role engine serves no clients: no --address or --http-port")
+                raise LaunchError(f"role {role} serves no clients: no --address or --http-port")
         elif rank is not None:
-            raise LaunchError("--data-parallel-rank is for role engine")
+            raise LaunchError("--data-parallel-rank is for roles engine and tp-follower")
         if role == "coordinator" and engine_address is None:
             self.engine_address = next_port_address(self.address)
-        if role != "engine":
+        if role in ("all", "coordinator"):
             check_bind(self.address, self._keys(self.address, server=True))
             check_bind(self.engine_address, self._keys(self.engine_address, server=True))
+
+    def _check_peers(self, role: str) -> None:
+        """Tensor- and expert-parallel peers across hosts: which role takes which flag, and
+        the binds this process's rank will make."""
+        if self.tp_address is not None:
+            if role not in ("engine", "tp-follower"):
+                raise LaunchError(
+                    "--tp-address is for role engine (a rank's leader, which binds it) and role "
+                    "tp-follower (which connects to it)"
+                )
+            if self.tp_size == 1:
+                raise LaunchError("--tp-address needs --tensor-parallel-size above 1")
+            addresses = tp_addresses(self.tp_address)
+            if role == "engine":
+                for kind in ("plans", "reports"):
+                    check_bind(addresses[kind], self._keys(addresses[kind], server=True))
+        if role == "tp-follower":
+            if self.tp_size == 1 or not 1 <= self.tp_rank < self.tp_size:
+                raise LaunchError(
+                    f"--tensor-parallel-rank {self.tp_rank} is outside 1..{self.tp_size - 1} "
+                    f"(--tensor-parallel-size {self.tp_size}; the leader is rank 0)"
+                )
+        elif self.tp_rank is not None:
+            raise LaunchError(
+                "--tensor-parallel-rank is for role tp-follower (the engine is its rank's "
+                "leader, rank 0)"
+            )
+        if role == "engine" and self.expert_parallel_size > 1:
+            self.ep_inboxes = check_ep_addresses(self.ep_inboxes, self.ep_init, self.num_ranks)
+            own = self.ep_inboxes[self.rank]
+            check_bind(own, self._keys(own, server=True))
+        elif self.ep_inboxes is not None or self.ep_init is not None:
+            raise LaunchError(
+                "--ep-inboxes and --ep-init are for role engine with --expert-parallel-size "
+                "above 1 (under one launcher, role all, the group meets in private files)"
+            )
 
     def _keys(self, address: str, *, server: bool):
         try:
@@ -300,18 +415,12 @@ class Runtime:
             # the rank's sockets and rendezvous in our private directory (actors/gpu/peers.py).
             "tensor_parallel_size": self.tp_size,
             "tp_devices": self._peer_devices(),
-            "tp_cpu_sets": [
-                peer_cpu_sets(rank_cpus, self.tp_size, sorted(os.sched_getaffinity(0)))
-                for rank_cpus in self._cpu_sets()
-            ],
-            "tp_addresses": [
-                {
-                    "plans": f"ipc://{self.tmp}/tp-{r}-plans.sock",
-                    "reports": f"ipc://{self.tmp}/tp-{r}-reports.sock",
-                    "init": f"file://{self.tmp}/tp-{r}.init",
-                }
-                for r in range(self.num_ranks)
-            ],
+            "tp_cpu_sets": self._tp_cpu_sets(),
+            "tp_addresses": self._tp_addresses(),
+            # Across hosts (tp_address): the followers are processes of their own hosts; a
+            # leader waits for them, and a follower for its leader, as long as start waits.
+            "tp_remote": self.tp_address is not None,
+            "tp_start_timeout": self.tp_start_timeout,
             "config": self.config.to_dict(),
             # More blocks than every admissible request can hold would only waste memory.
             "max_blocks": max_requests * blocks_per_request,
@@ -336,14 +445,42 @@ class Runtime:
         from taipan.actors.engine.ep import ep_groups
 
         groups = ep_groups(self.num_ranks, self.expert_parallel_size)
+        if self.role == "engine":  # across hosts: the addresses given (only ours are used)
+            return {
+                "groups": [list(g) for g in groups],
+                "inboxes": self.ep_inboxes,
+                "inits": [self.ep_init if self.rank in g else None for g in groups],
+            }
         return {
             "groups": [list(g) for g in groups],
             "inboxes": [f"ipc://{self.tmp}/ep-{r}.sock" for r in range(self.num_ranks)],
             "inits": [f"file://{self.tmp}/ep-init-{i}" for i in range(len(groups))],
         }
 
+    def _tp_addresses(self) -> list[dict[str, str]]:
+        """Per rank, its tensor-parallel sockets and rendezvous: in our private directory, or
+        across hosts those of `tp_address` (only this process's rank uses its entry)."""
+        if self.tp_address is not None:
+            return [tp_addresses(self.tp_address)] * self.num_ranks
+        return [
+            {
+                "plans": f"ipc://{self.tmp}/tp-{r}-plans.sock",
+                "reports": f"ipc://{self.tmp}/tp-{r}-reports.sock",
+                "init": f"file://{self.tmp}/tp-{r}.init",
+            }
+            for r in range(self.num_ranks)
+        ]
+
+    def _tp_cpu_sets(self) -> list[list[list[int] | None]]:
+        if self.tp_address is not None:  # one peer of the rank on this host: every core
+            return [[None] * self.tp_size] * self.num_ranks
+        cpus = sorted(os.sched_getaffinity(0))
+        return [peer_cpu_sets(rank_cpus, self.tp_size, cpus) for rank_cpus in self._cpu_sets()]
+
     def _peer_devices(self) -> list[list[str]]:
         """Per rank, its tensor-parallel peers' devices (one peer without tensor parallelism)."""
+        if self.tp_address is not None:  # one peer of the rank on this host: the device named
+            return [[self.device] * self.tp_size] * self.num_ranks
         if self.role == "engine":  # one rank on this host: its peers from the device as named
             return [peer_devices(self.device, 0, 1, self.tp_size)] * self.num_ranks
         return [
@@ -377,9 +514,13 @@ class Runtime:
 
     def start(self, timeout: float = 600.0) -> Runtime:
         """Start this role's processes. Roles all and coordinator return once every rank has
-        loaded its model (within `timeout`); role engine once its process is spawned."""
+        loaded its model (within `timeout`); roles engine and tp-follower once the process is
+        spawned (across hosts, a leader then waits as long for its followers, a follower for
+        its leader)."""
         if self.direct:
             return self._start_direct()
+        if self.tp_address is not None:
+            self.tp_start_timeout = timeout
         spec = self._spec()
         write_token(spec["control_token_file"], self.address, self.control_token)
         spec = json.dumps(spec)
@@ -392,6 +533,10 @@ class Runtime:
         try:
             if self.role == "engine":
                 self._spawn(f"engine-{self.rank}", "engine", spec, str(self.rank))
+                return self
+            if self.role == "tp-follower":
+                name = f"tp-follower-{self.rank}-{self.tp_rank}"
+                self._spawn(name, "tp-follower", spec, str(self.rank), str(self.tp_rank))
                 return self
             self._spawn("coordinator", "coordinator", spec)
             if self.role == "all":
@@ -691,4 +836,8 @@ def runtime_from_args(args, address: str | None = None) -> Runtime:
         data_parallel_rank=getattr(args, "data_parallel_rank", None),
         keys_dir=getattr(args, "keys", None),
         key_name=getattr(args, "key_name", "client"),
+        tp_address=getattr(args, "tp_address", None),
+        tensor_parallel_rank=getattr(args, "tensor_parallel_rank", None),
+        ep_inboxes=getattr(args, "ep_inboxes", None),
+        ep_init=getattr(args, "ep_init", None),
     )

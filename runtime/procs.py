@@ -9,10 +9,13 @@ frontend.
 Tensor parallel (SPEC's `tensor_parallel_size` T > 1): the engine process's gpu actor is its
 rank's leader, and the engine process starts the rank's T-1 followers (`tp-follower`) as its own
 children, each on its device and cores (`tp_devices`, `tp_cpu_sets`), talking to the leader over
-the rank's `tp_addresses` (actors/gpu/peers.py). A follower that exits while its rank runs ends
-the rank at once: the engine process logs which one and how, and exits with EXIT_PEER_DIED (the
-coordinator then fails the rank's requests). Processes of a tensor-parallel rank leave with
-os._exit: a thread blocked in a collective on a dead peer must not hold the exit.
+the rank's `tp_addresses` (actors/gpu/peers.py). Across hosts (SPEC's `tp_remote`) it starts
+none: each follower is a `taipan serve --role tp-follower` process of its own host, connecting
+to the rank's tcp `tp_addresses` (Curve with SPEC's `keys_dir`). A follower that exits or whose
+connection closes while its rank runs ends the rank at once: the engine process logs which one
+and how, and exits with EXIT_PEER_DIED (the coordinator then fails the rank's requests); a
+follower whose leader is gone exits with EXIT_PEER_DIED too. Processes of a tensor-parallel rank
+leave with os._exit: a thread blocked in a collective on a dead peer must not hold the exit.
 The launcher (runtime/launcher.py) writes SPEC.
 Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
 clean stop through STOP messages) and treat SIGTERM as "stop now" (a follower dies of it).
@@ -35,14 +38,15 @@ import zmq.asyncio
 from taipan.actors.base import FatalError
 from taipan.actors.channel import make_socket
 from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits, routing_policy
+from taipan.actors.gpu.peers import PeerGoneError, follower_identity
 from taipan.actors.log import configure, get_logger
 from taipan.auth import curve_keys, read_token_file
 
 PR_SET_PDEATHSIG = 1
 EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
-EXIT_PEER_DIED = 4  # a tensor-parallel follower of this rank exited
+EXIT_PEER_DIED = 4  # a tensor-parallel peer of this rank (a follower, or the leader) is gone
 FOLLOWER_STOP_S = 5.0  # a follower told to stop (SIGTERM) is killed after this
-EP_LINGER_MS = 2000  # how long closing a consensus socket may wait to deliver what it holds
+BYE_LINGER_MS = 2000  # how long closing a socket may wait to deliver a goodbye (EpBye, PeerBye)
 
 
 def _die_with_parent() -> None:
@@ -130,12 +134,15 @@ def _ep_group(ctx, spec: dict | None, rank: int, recorder):
     from taipan.actors.engine.ep import EpGroup, ep_identity
 
     index, group = next((i, g) for i, g in enumerate(spec["groups"]) if rank in g)
-    inboxes = spec["inboxes"]
+    inboxes, keys = spec["inboxes"], spec.get("keys_dir")
+    key_name = spec.get("key_name", "client")
     inbox = make_socket(ctx, zmq.ROUTER, inboxes[rank], bind=True, name="ep",
-                        recorder=recorder, watch_peers=True)  # fmt: skip
+                        recorder=recorder, watch_peers=True,
+                        curve=curve_keys(inboxes[rank], keys, server=True))  # fmt: skip
     peers = {
         p: make_socket(ctx, zmq.DEALER, inboxes[p], bind=False, name=f"ep-{p}",
-                       identity=ep_identity(rank), recorder=recorder)
+                       identity=ep_identity(rank), recorder=recorder,
+                       curve=curve_keys(inboxes[p], keys, server=False, key_name=key_name))
         for p in group if p != rank
     }  # fmt: skip
     load = {
@@ -175,7 +182,8 @@ class FollowerProcesses:
 
     def _watch(self, tp_rank: int, proc: subprocess.Popen) -> None:
         proc.wait()  # a blocking wait in its own thread: no polling
-        if self.stopping:  # `stop` reports it
+        # `stop` reports it; exit 0 comes only after the leader's goodbye (the rank stops).
+        if self.stopping or proc.returncode == 0:
             return
         self._report(tp_rank, proc)
         _exit_now(EXIT_PEER_DIED)
@@ -205,7 +213,7 @@ class FollowerProcesses:
                 proc.kill()
                 proc.wait()
                 killed.add(tp_rank)
-            if proc.returncode != -signal.SIGTERM and tp_rank not in killed:
+            if proc.returncode not in (0, -signal.SIGTERM) and tp_rank not in killed:
                 self._report(tp_rank, proc)
                 died = True
         return died
@@ -228,8 +236,10 @@ def _tensor_parallel(spec: dict) -> int:
 async def engine_main(spec: dict, rank: int) -> None:
     tp = _tensor_parallel(spec)
     _pin_cpus(spec["tp_cpu_sets"][rank][0] if tp > 1 else spec["cpu_sets"][rank])
-    # The followers start now: they import torch and load while this process does.
-    followers = FollowerProcesses(spec, rank) if tp > 1 else None
+    # The followers start now: they import torch and load while this process does (across
+    # hosts they are started there, and connect).
+    local = tp > 1 and not spec.get("tp_remote")
+    followers = FollowerProcesses(spec, rank) if local else None
     try:
         await _engine_rank(spec, rank, tp)
     finally:
@@ -304,26 +314,33 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         ""
         if config.mamba_inference_state_config is None
         else json.dumps(config.mamba_inference_state_config),
-        spec["ranks_on_host"] * tp,  # every process of the ranks on this host shares its memory
+        # Every process of the ranks on this host shares its memory (followers on other hosts
+        # do not).
+        spec["ranks_on_host"] * (1 if spec.get("tp_remote") else tp),
         **ep_load,
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [ep.inbox, *ep.peers.values()] if ep else []
     channels += [mamba_side, to_mamba] if hybrid else []
-    gpu_tp = {}
+    gpu_tp, goodbyes = {}, [*ep.peers.values()] if ep else []
     if tp > 1:
         from taipan.actors.gpu.peers import Followers, TPSetup
 
-        addresses = spec["tp_addresses"][rank]
-        plans = make_socket(ctx, zmq.XPUB, addresses["plans"], bind=True, name="followers")
+        addresses, keys = spec["tp_addresses"][rank], spec.get("keys_dir")
+        plans = make_socket(
+            ctx, zmq.XPUB, addresses["plans"], bind=True, name="followers",
+            curve=curve_keys(addresses["plans"], keys, server=True),
+        )  # fmt: skip
         reports = make_socket(
-            ctx, zmq.PULL, addresses["reports"], bind=True, name="followers",
-            recorder=recs["gpu"],
+            ctx, zmq.ROUTER, addresses["reports"], bind=True, name="followers",
+            recorder=recs["gpu"], watch_peers=True,
+            curve=curve_keys(addresses["reports"], keys, server=True),
         )  # fmt: skip
         channels += [plans, reports]
+        goodbyes.append(reports)
         gpu_tp = {
             "tp": TPSetup(0, tp, addresses["init"]),
-            "followers": Followers(plans, reports, tp, rank),
+            "followers": Followers(plans, reports, tp, rank, spec.get("tp_start_timeout")),
         }
     try:
         engine = EngineActor(
@@ -341,8 +358,8 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         actors += [MambaCacheActor(mamba_side)] if hybrid else []
         await _run_until_stopped([engine, *actors])
     finally:
-        for peer in ep.peers.values() if ep else ():  # an EpBye sent just before must go out
-            peer.sock.close(linger=EP_LINGER_MS)
+        for ch in goodbyes:  # an EpBye or PeerBye sent just before must go out
+            ch.close(linger_ms=BYE_LINGER_MS)
         for ch in channels:
             ch.close()
         ctx.term()
@@ -352,22 +369,32 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
 
 
 async def tp_follower_main(spec: dict, rank: int, tp_rank: int) -> None:
-    """Tensor-parallel peer `tp_rank` of engine rank `rank` (actors/gpu/follower.py). Its
-    parent, the rank's engine process, watches it; SIGTERM (or the parent's death) ends it."""
+    """Tensor-parallel peer `tp_rank` of engine rank `rank` (actors/gpu/follower.py): a child
+    of the rank's engine process, which watches it, or a process of its own on another host
+    (SPEC's `tp_remote`). SIGTERM (or the parent's death) ends it; so does its leader's."""
     _pin_cpus(spec["tp_cpu_sets"][rank][tp_rank])
-    from taipan.actors.gpu.follower import FollowerActor
+    from taipan.actors.gpu.follower import LEADER_TIMEOUT_S, FollowerActor
     from taipan.actors.gpu.peers import TPSetup
 
     ctx = zmq.asyncio.Context()
     rec = _recorder(spec, f"gpu-{rank}-tp{tp_rank}")
-    addresses = spec["tp_addresses"][rank]
-    plans = make_socket(ctx, zmq.SUB, addresses["plans"], bind=False, name="plans", recorder=rec)
+    addresses, keys = spec["tp_addresses"][rank], spec.get("keys_dir")
+    key_name = spec.get("key_name", "client")
+    plans = make_socket(
+        ctx, zmq.SUB, addresses["plans"], bind=False, name="plans", recorder=rec,
+        curve=curve_keys(addresses["plans"], keys, server=False, key_name=key_name),
+    )  # fmt: skip
     reports = make_socket(
-        ctx, zmq.PUSH, addresses["reports"], bind=False, name="reports", recorder=rec
-    )
+        ctx, zmq.DEALER, addresses["reports"], bind=False, name="reports", recorder=rec,
+        identity=follower_identity(tp_rank), watch_peers=True,
+        curve=curve_keys(addresses["reports"], keys, server=False, key_name=key_name),
+    )  # fmt: skip
     setup = TPSetup(tp_rank, _tensor_parallel(spec), addresses["init"])
     try:
-        actor = FollowerActor(rank, plans, reports, setup, spec["tp_devices"][rank][tp_rank])
+        actor = FollowerActor(
+            rank, plans, reports, setup, spec["tp_devices"][rank][tp_rank], spec["model_path"],
+            leader_timeout=spec.get("tp_start_timeout") or LEADER_TIMEOUT_S,
+        )  # fmt: skip
         await actor.run()
     finally:
         plans.close()
@@ -400,9 +427,11 @@ def main(argv: list[str]) -> None:
     try:
         uvloop.run(run)
     except* FatalError as group:
-        for e in _leaves(group):
+        leaves = list(_leaves(group))
+        for e in leaves:
             get_logger(process=role).critical("exiting", reason=str(e))
-        code = EXIT_FATAL
+        peer_gone = any(isinstance(e, PeerGoneError) for e in leaves)
+        code = EXIT_PEER_DIED if peer_gone else EXIT_FATAL
     # Not sys.exit where a gpu thread may still wait in a collective of a dead tensor- or
     # expert-parallel peer: interpreter shutdown would join it.
     if role in ("engine", "tp-follower") and (code or _tensor_parallel(spec) > 1):

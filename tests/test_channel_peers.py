@@ -1,4 +1,5 @@
-"""Peer watch on a ROUTER channel (actors/channel.py): `PeerGone` when a peer's connection closes.
+"""Peer watch on a ROUTER (and a DEALER) channel (actors/channel.py): `PeerGone` when a peer's
+connection closes.
 
 Over ipc: an inproc connection has no descriptor, so it cannot be watched. Some peers are
 processes of their own (to be killed, or to leave this process's descriptors alone: the
@@ -119,12 +120,38 @@ def socket_descriptors() -> set[int]:
     return found
 
 
-def test_only_a_router_watches_its_peers():
+def test_only_a_router_or_dealer_watches_its_peers():
     ctx = zmq.asyncio.Context()
     try:
-        with pytest.raises(ValueError, match="only a ROUTER"):
-            make_socket(ctx, zmq.DEALER, "ipc:///nowhere", bind=False, name="x", watch_peers=True)
+        with pytest.raises(ValueError, match="only a ROUTER or DEALER"):
+            make_socket(ctx, zmq.PUSH, "ipc:///nowhere", bind=False, name="x", watch_peers=True)
     finally:
+        ctx.term()
+
+
+@pytest.mark.asyncio
+async def test_a_watching_dealer_reports_its_peer_gone_after_its_last_messages(tmp_path):
+    """A DEALER connected before its peer binds: the failed attempts are not a departure; once
+    connected, the peer's messages come first, then its closed connection (no sender)."""
+    ctx = zmq.asyncio.Context()
+    address = f"ipc://{tmp_path}/server.sock"
+    watcher = make_socket(ctx, zmq.DEALER, address, bind=False, name="server", watch_peers=True)
+    try:
+        await assert_nothing_gone(watcher)  # nobody there yet: ZMQ retries, no PeerGone
+        server = make_socket(ctx, zmq.ROUTER, address, bind=True, name="peers")
+        try:
+            await watcher.send(Hello("watcher", -1))
+            env = await asyncio.wait_for(server.recv(), GONE_S)
+            for i in range(3):
+                await server.send(Hello("last words", i), to=env.sender)
+        finally:
+            server.close(linger_ms=2000)
+        got = [await asyncio.wait_for(watcher.recv(), GONE_S) for _ in range(4)]
+        assert [e.msg for e in got[:3]] == [Hello("last words", i) for i in range(3)]
+        assert (got[3].sender, got[3].msg) == (None, CLOSED)
+        await assert_nothing_gone(watcher)
+    finally:
+        watcher.close()
         ctx.term()
 
 

@@ -265,7 +265,8 @@ def test_cli_generate_with_expert_parallelism_and_consensus_disabled(made):
 
 def test_the_launcher_wires_each_group_apart(made):
     """Four ranks in groups of two (nothing started): each rank its own inbox, each group its
-    own meeting point; --role engine is refused."""
+    own meeting point; --role engine needs every inbox and its group's meeting point, and is
+    given them (tests/test_e2e_hosts_peers.py runs such engines)."""
     from taipan.launcher import LaunchError
 
     rt = Runtime(made("qwen3_moe"), data_parallel_size=4, expert_parallel_size=2)
@@ -278,6 +279,15 @@ def test_the_launcher_wires_each_group_apart(made):
     finally:
         rt.shutdown()
         dense.shutdown()
-    with pytest.raises(LaunchError, match="role all"):
-        Runtime(made("qwen3_moe"), data_parallel_size=2, expert_parallel_size=2, role="engine",
-                engine_address="ipc:///nowhere", data_parallel_rank=0)  # fmt: skip
+    engine = dict(role="engine", engine_address="ipc:///nowhere", data_parallel_rank=2)
+    with pytest.raises(LaunchError, match="needs --ep-inboxes"):
+        Runtime(made("qwen3_moe"), data_parallel_size=4, expert_parallel_size=2, **engine)
+    inboxes = [f"tcp://127.0.0.1:{7000 + r}" for r in range(4)]
+    rt = Runtime(made("qwen3_moe"), data_parallel_size=4, expert_parallel_size=2, **engine,
+                 ep_inboxes=",".join(inboxes), ep_init="tcp://127.0.0.1:7010")  # fmt: skip
+    try:
+        spec = rt._spec()["expert_parallel"]
+        assert spec["groups"] == [[0, 1], [2, 3]] and spec["inboxes"] == inboxes
+        assert spec["inits"] == [None, "tcp://127.0.0.1:7010"]  # rank 2's group only
+    finally:
+        rt.shutdown()

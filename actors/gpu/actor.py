@@ -18,7 +18,9 @@ Tensor parallel (`tp` and `followers`; actors/gpu/peers.py): this actor is its r
 joins the rank's group at load, publishes every LoadModel, StepPlan and GpuControl to its
 followers before running it, and answers a load or control only once every follower has (a
 failure anywhere is the rank's). A step that raises ends the process (FatalError), as does a
-control the peers disagree on: they could no longer be known to run the same collectives.
+control the peers disagree on: they could no longer be known to run the same collectives. A
+follower whose connection closes ends it too (PeerGoneError), and one that stops cleanly first
+says goodbye to its followers.
 """
 
 from __future__ import annotations
@@ -34,10 +36,11 @@ from taipan.actors.gpu.peers import (
     OWN_FAILURE_GRACE_S,
     Followers,
     PeerError,
+    PeerGoneError,
     TPSetup,
     first_failure,
 )
-from taipan.messages.common import ErrorReply
+from taipan.messages.common import ErrorReply, PeerGone
 from taipan.messages.gpu import (
     GpuControl,
     GpuControlReply,
@@ -80,6 +83,7 @@ class GpuActor(Actor):
             self.serve(followers.reports)
             self.on(PeerHello, followers.on_hello)
             self.on(PeerOutcome, followers.on_outcome)
+            self.on(PeerGone, self.on_follower_gone)
 
     async def started(self) -> None:
         self.spawn(self._answer_steps())
@@ -91,13 +95,22 @@ class GpuActor(Actor):
         """Send a reply to the engine (a follower sends its outcomes to its leader instead)."""
         await env.reply(reply)
 
-    def _fatal(self, why: str) -> None:
+    def _fatal(self, why: str, error: type[FatalError] = FatalError) -> None:
         """End this actor, and with it the process (runtime/procs.py exits non-zero)."""
 
         async def fail():
-            raise FatalError(f"{self.name}: {why}")
+            raise error(f"{self.name}: {why}")
 
         self.spawn(fail())
+
+    async def on_follower_gone(self, env: Envelope, msg: PeerGone) -> None:
+        why = self.followers.gone(env, msg)
+        if why is not None:
+            self._fatal(f"{why}: this engine rank ends", PeerGoneError)
+
+    async def _peer_lost(self) -> str | None:
+        """After a failed step under tensor parallelism: why, if a peer is gone."""
+        return None if self.followers is None else await self.followers.why_step_failed()
 
     # --- load ---------------------------------------------------------------------------------
 
@@ -231,6 +244,9 @@ class GpuActor(Actor):
                 # Unanswered: the rank ends, and the coordinator fails its requests as a dead
                 # rank's (a peer that died mid-collective also lands here, or its watcher ends
                 # the process first: either way the requests see the same error).
+                lost = await self._peer_lost()
+                if lost is not None:
+                    raise PeerGoneError(f"{self.name}: step {plan.step} failed: {lost}")
                 raise FatalError(
                     f"{self.name}: step {plan.step} failed under tensor parallelism "
                     f"({reply.error}); the rank's peers can no longer be known to run the same "
@@ -282,5 +298,7 @@ class GpuActor(Actor):
         await self._answer(env, await self._control_everywhere(msg))
 
     async def stopping(self) -> None:
+        if self.followers is not None:
+            await self.followers.bye("the engine rank stops")
         self.executor.shutdown(wait=False, cancel_futures=True)
         self.collector.shutdown(wait=False, cancel_futures=True)

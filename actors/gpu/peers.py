@@ -1,27 +1,36 @@
 """Tensor-parallel peers of one rank's gpu actor (DESIGN.md §2: gpu[r] └─ gpu[r, tp]).
 
 A rank at tensor-parallel size T is T processes: the leader (the gpu actor in the engine's
-process, TP rank 0) and T-1 followers (`python -m taipan.procs tp-follower`, children of that
-process, TP ranks 1..T-1). Each holds its shard of the weights and of the kv heads
-(ops/sharding.py) and joins the rank's torch.distributed group (ops/parallel.py) when LoadModel
-comes. The forward's collectives pair up by call order, so every peer must make the same calls
-in the same order; this module is how they do:
+process, TP rank 0) and T-1 followers (`python -m taipan.procs tp-follower`, TP ranks 1..T-1):
+children of the engine's process, or, across hosts, processes of their own (`taipan serve --role
+tp-follower`) that connect to the leader's tcp addresses. Each holds its shard of the weights and
+of the kv heads (ops/sharding.py) and joins the rank's torch.distributed group (ops/parallel.py)
+when LoadModel comes. The forward's collectives pair up by call order, so every peer must make
+the same calls in the same order; this module is how they do:
 
 - The leader publishes every LoadModel, StepPlan and GpuControl the engine sends it, unchanged,
   on one XPUB socket before running it itself; the followers (SUB) run each in arrival order
   through the same launch/collect pipeline as the leader (`FollowerActor` is a GpuActor whose
   answers go to the leader, not to an engine).
-- Followers answer loads and controls (`PeerOutcome`) over one PUSH to the leader's PULL, never
-  steps: one message per step goes out, nothing comes back, and the collectives keep the peers
-  in step.
+- Followers answer loads and controls (`PeerOutcome`) over one DEALER (identity `tp-<K>`,
+  `follower_identity`) to the leader's ROUTER, never steps: one message per step goes out,
+  nothing comes back, and the collectives keep the peers in step.
 - Before its first publication the leader waits (bounded) for every follower's `PeerHello` and
   for as many subscriptions on its XPUB: nothing published is lost to a slow joiner.
 - A load or control answers the engine once every peer has: a load that fails on any peer fails
   the rank's load (naming that peer, as soon as it does); peers that disagree on a control (one
   applied it, another refused) would run different steps, so the rank ends (FatalError).
 - A step that raises on any peer ends the rank (actors/gpu/actor.py): the peers can no longer be
-  known to issue the same collectives. A follower that dies ends it too: the engine process
-  watches its follower processes (runtime/procs.py).
+  known to issue the same collectives.
+- Liveness both ways over the DEALER-ROUTER connection, which both sides watch (ZMQ heartbeats:
+  actors/channel.py): a follower whose connection closes ends the rank (`PeerGoneError`; the
+  engine process exits with EXIT_PEER_DIED, and also watches the followers it started itself:
+  runtime/procs.py); a leader that stops cleanly sends each follower a `PeerBye` on it first, and
+  a follower whose leader's connection closes without one ends (`PeerGoneError`) within seconds.
+
+With Curve keys the leader's XPUB and ROUTER are Curve servers and the followers Curve clients.
+torch.distributed's own traffic (the TCPStore rendezvous at `TPSetup.init_method`, gloo or NCCL)
+is not authenticated by Curve: keep those ports inside a trusted network.
 """
 
 from __future__ import annotations
@@ -30,9 +39,11 @@ import asyncio
 import dataclasses
 import os
 
+from taipan.actors.base import FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.log import get_logger
-from taipan.messages.gpu import GpuControlReply, PeerHello, PeerOutcome, StepResult
+from taipan.messages.common import PeerGone
+from taipan.messages.gpu import GpuControlReply, PeerBye, PeerHello, PeerOutcome, StepResult
 
 # Followers import torch and connect within this (a loaded 2-core box needs ~20 s for four).
 FOLLOWER_START_TIMEOUT_S = 120.0
@@ -40,10 +51,22 @@ FOLLOWER_START_TIMEOUT_S = 120.0
 PEER_ANSWER_TIMEOUT_S = 120.0
 # A follower's load failed: the leader's own gets this long to fail too (then it says why).
 OWN_FAILURE_GRACE_S = 2.0
+# A step failed: a follower's closed connection, if that is why, is seen within this.
+PEER_GONE_GRACE_S = 1.0
 
 
 class PeerError(RuntimeError):
     """A follower failed, or did not answer in time; the message names it."""
+
+
+class PeerGoneError(FatalError):
+    """A peer of this rank (a follower, or a follower's leader) is gone: the process ends with
+    runtime/procs.py's EXIT_PEER_DIED."""
+
+
+def follower_identity(tp_rank: int) -> bytes:
+    """The identity of follower `tp_rank`'s DEALER toward its leader's ROUTER."""
+    return f"tp-{tp_rank}".encode()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,23 +100,39 @@ class _Expected:
 
 
 class Followers:
-    """The leader's side: publishes to its followers and gathers their answers. `reports` is
-    served by the leader's gpu actor, which hands PeerHello and PeerOutcome to `on_hello` and
-    `on_outcome`; `plans` (XPUB) only sends."""
+    """The leader's side: publishes to its followers and gathers their answers. `reports` (a
+    ROUTER watching its peers) is served by the leader's gpu actor, which hands PeerHello,
+    PeerOutcome and PeerGone to `on_hello`, `on_outcome` and `gone`; `plans` (XPUB) only
+    sends."""
 
-    def __init__(self, plans: Channel, reports: Channel, size: int, rank: int):
+    def __init__(
+        self,
+        plans: Channel,
+        reports: Channel,
+        size: int,
+        rank: int,
+        start_timeout: float | None = None,
+    ):
+        """`start_timeout`: how long the first load waits for every follower (None:
+        FOLLOWER_START_TIMEOUT_S; followers on other hosts may be started by hand)."""
         self.plans, self.reports, self.size = plans, reports, size
+        self.start_timeout = start_timeout
         self.peers = tuple(range(1, size))
         self.log = get_logger(actor=f"gpu-{rank}", tp_size=size)
         self.pids: dict[int, int] = {}  # follower TP rank -> pid, from its hello
+        self.lost: str | None = None  # why a follower is gone (then the rank ends)
+        self.lost_event = asyncio.Event()
+        self.leaving = False  # our goodbye is out: connections closing now are expected
         self._all_here = asyncio.Event()
         self._ready = False
         self._published = 0  # loads and controls published (PeerOutcome.index counts them too)
         self._expected: _Expected | None = None
 
     async def on_hello(self, env: Envelope, msg: PeerHello) -> None:
-        if msg.tp_rank not in self.peers:
-            self.log.warning("hello from an unknown peer", tp_rank=msg.tp_rank, pid=msg.pid)
+        if msg.tp_rank not in self.peers or env.sender != follower_identity(msg.tp_rank):
+            self.log.warning(
+                "hello from an unknown peer", tp_rank=msg.tp_rank, pid=msg.pid, sender=env.sender
+            )
             return
         self.pids[msg.tp_rank] = msg.pid
         self.log.info("tensor-parallel follower up", tp_rank=msg.tp_rank, pid=msg.pid)
@@ -118,12 +157,41 @@ class Followers:
         if len(exp.got) == len(self.peers) or (exp.early and msg.error is not None):
             exp.answers.set_result(dict(exp.got))
 
+    def gone(self, env: Envelope, msg: PeerGone) -> str | None:
+        """A follower's connection closed: why the rank must end (None: nothing to end, as
+        after our goodbye, or for a peer that never said hello)."""
+        tp_rank = next((k for k in self.pids if follower_identity(k) == env.sender), None)
+        if tp_rank is None or self.leaving:
+            return None
+        self.lost = self.lost or (
+            f"tensor-parallel follower {tp_rank} (pid {self.pids[tp_rank]}) is gone ({msg.reason})"
+        )
+        self.lost_event.set()
+        return self.lost
+
+    async def why_step_failed(self) -> str | None:
+        """After a failed step: a follower gone, if its closed connection shows within
+        PEER_GONE_GRACE_S (the collective often notices first), else None."""
+        try:
+            await asyncio.wait_for(self.lost_event.wait(), PEER_GONE_GRACE_S)
+        except TimeoutError:
+            return None
+        return self.lost
+
+    async def bye(self, reason: str) -> None:
+        """Tell every follower that said hello to exit cleanly (the rank stops). The caller
+        closes `reports` with a linger, so that the goodbyes go out."""
+        self.leaving = True
+        for tp_rank in self.pids:
+            await self.reports.send(PeerBye(reason), to=follower_identity(tp_rank))
+
     async def _wait_ready(self) -> None:
         """Until every follower said hello and subscribed (bounded: PeerError)."""
         if self._ready:
             return
+        timeout = self.start_timeout or FOLLOWER_START_TIMEOUT_S
         try:
-            async with asyncio.timeout(FOLLOWER_START_TIMEOUT_S):
+            async with asyncio.timeout(timeout):
                 await self._all_here.wait()
                 await self.plans.wait_subscribers(len(self.peers))
         except TimeoutError:
@@ -131,9 +199,7 @@ class Followers:
             what = (
                 f"followers {missing} never said hello" if missing else "followers never subscribed"
             )
-            raise PeerError(
-                f"tensor-parallel {what} within {FOLLOWER_START_TIMEOUT_S:g} s"
-            ) from None
+            raise PeerError(f"tensor-parallel {what} within {timeout:g} s") from None
         self._ready = True
 
     async def publish(self, msg) -> None:
