@@ -776,7 +776,8 @@ def add_runtime_arguments(p) -> None:
         default=1,
         metavar="T",
         help="each engine rank's weights split over T processes (CUDA: rank r's peers on GPUs "
-        "r*T .. r*T+T-1; CPU: the rank's cores split between them); dense Llama models only",
+        "r*T .. r*T+T-1; CPU: the rank's cores split between them); Llama, Qwen3-MoE and "
+        "NemotronH models",
     )
     p.add_argument(
         "--expert-parallel-size",
@@ -784,7 +785,8 @@ def add_runtime_arguments(p) -> None:
         default=1,
         metavar="E",
         help="split each mixture-of-experts model's experts over groups of E consecutive "
-        "engine ranks (E divides --data-parallel-size); attention stays data parallel",
+        "engine ranks (E divides --data-parallel-size); attention stays data parallel; with "
+        "--tensor-parallel-size, each expert split over the rank's T processes too",
     )
     p.add_argument("--log-level", default=None, help="debug, info, warning (default), error")
 
