@@ -21,7 +21,7 @@ requests of a dead engine rank by itself, and `taipan serve` shuts down and exit
 
 Tensor parallel (`tensor_parallel_size` T > 1): each engine rank's process starts the rank's
 T-1 follower processes itself (runtime/procs.py), so they are not among `procs`; SPEC gives each
-peer its device (`peer_devices`) and cores (`peer_cpu_sets`), and each rank its sockets and
+peer its device and cores (runtime/placement.py), and each rank its sockets and
 rendezvous in the private temp dir. An engine process whose follower died exits with code 4.
 
 Across hosts (`role`): "coordinator" starts the coordinator only; "engine" one engine rank that
@@ -58,15 +58,22 @@ from taipan.actors.curve import CurveError
 from taipan.actors.log import get_logger
 from taipan.auth import curve_keys, new_token, publish_token, remove_token, write_token
 from taipan.models import resolve
+from taipan.placement import (
+    LaunchError,
+    check_ep_addresses,
+    check_ep_fields,
+    check_parallel_sizes,
+    next_port_address,
+    peer_cpu_sets,
+    peer_devices,
+    rank_cpu_sets,
+    tp_addresses,
+)
 
 BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
 ROLES = ("all", "coordinator", "engine", "tp-follower")
 # An engine started alone (role engine) exits once its coordinator answers nothing for this long.
 COORDINATOR_TIMEOUT_S = 10.0
-
-
-class LaunchError(RuntimeError):
-    pass
 
 
 def describe_exit(code: int | None) -> str:
@@ -79,141 +86,6 @@ def describe_exit(code: int | None) -> str:
         except ValueError:
             return f"killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def next_port_address(address: str) -> str:
-    """The coordinator's default engine address beside its client address `tcp://HOST:PORT`:
-    tcp://HOST:PORT+1 (LaunchError for any other address: name it with --engine-address)."""
-    host, sep, port = address.removeprefix("tcp://").rpartition(":")
-    if not address.startswith("tcp://") or not sep or not port.isdigit():
-        raise LaunchError(
-            f"role coordinator with --address {address}: give the address engines connect to "
-            "with --engine-address (the default, PORT+1, needs a tcp://HOST:PORT address)"
-        )
-    return f"tcp://{host}:{int(port) + 1}"
-
-
-def tp_addresses(address: str) -> dict[str, str]:
-    """A rank's tensor-parallel sockets and rendezvous from its leader's `tcp://HOST:PORT`: the
-    plans on PORT, the reports on PORT+1, torch.distributed's TCPStore on PORT+2."""
-    host, sep, port = address.removeprefix("tcp://").rpartition(":")
-    if not address.startswith("tcp://") or not sep or not host or not port.isdigit():
-        raise LaunchError(
-            f"--tp-address {address!r}: give the leader's tcp://HOST:PORT (it binds PORT and "
-            "PORT+1, and torch.distributed's rendezvous listens on PORT+2)"
-        )
-    if not 0 < int(port) <= 65533:
-        raise LaunchError(f"--tp-address {address!r}: PORT must be in 1..65533 (PORT+2 is used)")
-    p = int(port)
-    return {
-        "plans": f"tcp://{host}:{p}",
-        "reports": f"tcp://{host}:{p + 1}",
-        "init": f"tcp://{host}:{p + 2}",
-    }
-
-
-def check_ep_addresses(inboxes, init: str | None, num_ranks: int) -> list[str]:
-    """Every data-parallel rank's consensus inbox, as a list (given as one or comma-separated);
-    LaunchError unless each rank has a distinct tcp:// (or ipc://) address and the group's
-    rendezvous `init` is given."""
-    if inboxes is None or init is None:
-        raise LaunchError(
-            "role engine with --expert-parallel-size above 1 needs --ep-inboxes (every rank's "
-            "consensus inbox, tcp://HOST:PORT, comma-separated, the same list on every engine) "
-            "and --ep-init (its group's torch.distributed rendezvous, tcp://HOST:PORT on the "
-            "host of the group's first rank)"
-        )
-    if isinstance(inboxes, str):
-        inboxes = [a.strip() for a in inboxes.split(",") if a.strip()]
-    inboxes = list(inboxes)
-    if len(inboxes) != num_ranks:
-        raise LaunchError(
-            f"--ep-inboxes names {len(inboxes)} address(es); give one per data-parallel rank "
-            f"({num_ranks}), in rank order"
-        )
-    bad = [a for a in inboxes if not a.startswith(("tcp://", "ipc://"))]
-    if bad:
-        raise LaunchError(f"--ep-inboxes: {bad[0]!r} is not a tcp:// (or ipc://) address")
-    if len(set(inboxes)) != len(inboxes):
-        raise LaunchError(f"--ep-inboxes: every rank needs an address of its own, got {inboxes}")
-    if not init.startswith(("tcp://", "file://")):
-        raise LaunchError(
-            f"--ep-init {init!r}: give torch.distributed's rendezvous as tcp://HOST:PORT"
-        )
-    return inboxes
-
-
-def check_parallel_sizes(data: int, tensor: int = 1, expert: int = 1) -> None:
-    """LaunchError for a parallel size that is not >= 1 or not built yet. (Whether the model
-    splits over `tensor` ranks is the loader's to say: ops/parallel.py, a load_failed.)"""
-    for name, size in (("data", data), ("tensor", tensor), ("expert", expert)):
-        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-            raise LaunchError(f"{name}_parallel_size must be an int >= 1, got {size!r}")
-    if data % expert:
-        # An expert-parallel group is E consecutive data-parallel ranks (attention stays data
-        # parallel; the experts are split over the group).
-        raise LaunchError(
-            f"expert_parallel_size={expert} must divide data_parallel_size={data}: each group "
-            "of E consecutive engine ranks splits the experts between them"
-        )
-
-
-EP_FIELDS = ("ep_consensus_interval", "disable_ep_consensus", "use_synchronous_zmq_collectives")
-
-
-def check_ep_fields(config: InferenceConfig, expert: int) -> None:
-    """LaunchError for an EP consensus field set without expert parallelism, where it would
-    change nothing (an option is never silently ignored)."""
-    if expert > 1:
-        return
-    default = InferenceConfig()
-    for name in EP_FIELDS:
-        if getattr(config, name) != getattr(default, name):
-            raise LaunchError(
-                f"{name}={getattr(config, name)!r} applies to expert-parallel groups only: "
-                "set --expert-parallel-size above 1, or leave it at its default"
-            )
-
-
-def rank_device(device: str, rank: int, num_ranks: int) -> str:
-    """The device of data-parallel rank `rank`: on CUDA each rank its own GPU, counted from the
-    one named ("cuda" or "cuda:0": rank r on cuda:r; "cuda:2": rank r on cuda:2+r); elsewhere
-    every rank shares `device`."""
-    if num_ranks == 1 or not device.startswith("cuda"):
-        return device
-    _, _, index = device.partition(":")
-    return f"cuda:{int(index or 0) + rank}"
-
-
-def peer_devices(device: str, rank: int, num_ranks: int, tp: int) -> list[str]:
-    """The devices of rank `rank`'s `tp` tensor-parallel peers (the leader first): on CUDA
-    peer k of rank r on the (r*tp + k)-th GPU from the one named; elsewhere `device`."""
-    return [rank_device(device, rank * tp + k, num_ranks * tp) for k in range(tp)]
-
-
-def peer_cpu_sets(rank_cpus: list[int] | None, tp: int, cpus: list[int]) -> list[list[int] | None]:
-    """The cores of a rank's `tp` peers: the rank's share (`rank_cpus`, None: all of `cpus`)
-    split between them as `rank_cpu_sets` splits a machine between ranks."""
-    if tp == 1:
-        return [rank_cpus]
-    return rank_cpu_sets(tp, rank_cpus if rank_cpus is not None else cpus)
-
-
-def rank_cpu_sets(num_ranks: int, cpus: list[int]) -> list[list[int] | None]:
-    """Each rank's CPU cores: with one rank, None (all of them, as torch chooses); with several,
-    contiguous, disjoint and as equal as they can be (so the ranks' matmul threads do not fight
-    over the same cores), and round-robin single cores when there are more ranks than cores."""
-    if num_ranks == 1 or not cpus:
-        return [None] * num_ranks
-    if num_ranks > len(cpus):
-        return [[cpus[r % len(cpus)]] for r in range(num_ranks)]
-    base, extra = divmod(len(cpus), num_ranks)
-    sets, start = [], 0
-    for r in range(num_ranks):
-        n = base + (r < extra)
-        sets.append(cpus[start : start + n])
-        start += n
-    return sets
 
 
 class Runtime:

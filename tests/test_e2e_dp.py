@@ -19,8 +19,9 @@ import pytest
 
 from taipan import LLM, SamplingParams
 from taipan.actors.config import InferenceConfig
-from taipan.launcher import LaunchError, Runtime, rank_cpu_sets, rank_device
+from taipan.launcher import LaunchError, Runtime
 from taipan.messages.lifecycle import LifecycleState
+from taipan.placement import rank_cpu_sets, rank_device
 from tests.conftest import TEST_CONFIG
 from tests.test_e2e_replay import replay
 

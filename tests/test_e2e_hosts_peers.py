@@ -29,8 +29,9 @@ from taipan.actors.channel import AddressError
 from taipan.actors.config import InferenceConfig
 from taipan.actors.curve import load_client_keys, write_keys
 from taipan.client import Client
-from taipan.launcher import LaunchError, Runtime, tp_addresses
+from taipan.launcher import LaunchError, Runtime
 from taipan.messages.requests import SamplingParams
+from taipan.placement import tp_addresses
 from tests.random_llama import TINY_SHAPE, make_random_llama
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)

@@ -38,8 +38,9 @@ import pytest
 
 from taipan import LLM, SamplingParams
 from taipan.client import Client
-from taipan.launcher import LaunchError, Runtime, peer_cpu_sets, peer_devices
+from taipan.launcher import LaunchError, Runtime
 from taipan.messages.requests import FinishReason
+from taipan.placement import peer_cpu_sets, peer_devices
 from tests.random_llama import TINY_SHAPE, make_random_llama
 from tests.test_e2e_replay import replay
 from tests.test_e2e_robust import _alive, _children
