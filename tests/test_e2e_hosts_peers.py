@@ -28,7 +28,7 @@ import pytest
 from taipan.actors.channel import AddressError
 from taipan.actors.config import InferenceConfig
 from taipan.actors.curve import load_client_keys, write_keys
-from taipan.client import Client
+from taipan.client import Client, ControlError
 from taipan.launcher import LaunchError, Runtime
 from taipan.messages.requests import SamplingParams
 from taipan.placement import tp_addresses
@@ -70,11 +70,11 @@ def _free_ports(n: int) -> int:
     raise RuntimeError(f"no {n} consecutive free ports")
 
 
-def _serve(model: str, *args: str) -> subprocess.Popen:
+def _serve(model: str, *args: str, cwd: str | None = None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "taipan.cli", "serve", "--model", model, *args]
     cmd += [x for k, v in CONFIG.items() for x in ("--set", f"{k}={str(v).lower()}")]
     # Its own process group, as on another host: nothing here is its parent's business.
-    return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=cwd)
 
 
 def _stop(*procs: subprocess.Popen) -> None:
@@ -174,23 +174,45 @@ def test_tp_followers_on_other_hosts(tiny, keys):
     assert "tp-follower-0-1 exited with code 4" in err and "Traceback" not in err
 
 
-def test_a_clean_stop_reaches_a_remote_follower(tiny, keys):
-    """STOP through the coordinator: the engine says goodbye, and its follower exits 0."""
+def test_a_remote_follower_without_the_checkpoint_and_a_clean_stop(tiny, keys, tmp_path):
+    """A weight update from a path the follower's host lacks (relative to each process's
+    directory: only the leader's has it) fails as a whole, naming the follower, and the rank
+    serves on with its old weights; one every peer can read lands. STOP through the
+    coordinator: the engine says goodbye, and its follower exits 0."""
+    leader_dir, follower_dir = tmp_path / "leader-host", tmp_path / "follower-host"
+    follower_dir.mkdir()
+    make_random_llama(str(leader_dir / "ckpt"), TINY_SHAPE, seed=7)
     port, tp_port = _free_ports(2), _free_ports(3)
     address = f"tcp://127.0.0.1:{port}"
     coord = _serve(tiny, "--role", "coordinator", "--address", address, "--keys", keys)
     rank = ["--tensor-parallel-size", "2", "--data-parallel-rank", "0", "--keys", keys]
     follower = _serve(
         tiny, "--role", "tp-follower", "--tp-address", f"tcp://127.0.0.1:{tp_port}",
-        "--tensor-parallel-rank", "1", *rank,
+        "--tensor-parallel-rank", "1", *rank, cwd=str(follower_dir),
     )  # fmt: skip
     leader = _serve(
         tiny, "--role", "engine", "--coordinator", f"tcp://127.0.0.1:{port + 1}",
-        "--tp-address", f"tcp://127.0.0.1:{tp_port}", *rank,
+        "--tp-address", f"tcp://127.0.0.1:{tp_port}", *rank, cwd=str(leader_dir),
     )  # fmt: skip
     try:
         with Client(address, curve=load_client_keys(keys), connect_timeout=180) as c:
-            assert len(c.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_tokens
+            before = c.generate(PROMPTS[:1], GREEDY)[0].token_ids
+            assert len(before) == GREEDY.max_tokens
+            c.pause()
+            c.suspend("persist")
+            with pytest.raises(ControlError, match="tensor-parallel peer 1") as e:
+                c.update_weights("ckpt")
+            assert "ckpt" in str(e.value)
+            c.resume()
+            c.unpause()
+            assert c.generate(PROMPTS[:1], GREEDY)[0].token_ids == before  # old weights
+            c.pause()
+            c.suspend("persist")
+            c.update_weights(str(leader_dir / "ckpt"))
+            c.resume()
+            c.unpause()
+            after = c.generate(PROMPTS[:1], GREEDY)[0].token_ids
+            assert after != before and len(after) == GREEDY.max_tokens
         coord.send_signal(signal.SIGINT)
         assert coord.wait(60) == 0
         assert leader.wait(60) == 0

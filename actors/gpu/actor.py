@@ -19,6 +19,10 @@ joins the rank's group at load, publishes every LoadModel, StepPlan and GpuContr
 followers before running it, and answers a load or control only once every follower has (a
 failure anywhere is the rank's). A step that raises ends the process (FatalError), as does a
 control the peers disagree on: they could no longer be known to run the same collectives. A
+weight update is therefore run in two phases across the peers: staged everywhere (which changes
+nothing), then committed only if every peer staged it, else discarded everywhere and answered
+with the failing peer's error (a follower on another host without the checkpoint's path fails
+the update, not the rank). A
 follower whose connection closes ends it too (PeerGoneError), and one that stops cleanly first
 says goodbye to its followers.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 
 import numpy as np
 
@@ -42,6 +47,7 @@ from taipan.actors.gpu.peers import (
 )
 from taipan.messages.common import ErrorReply, PeerGone
 from taipan.messages.gpu import (
+    GpuCommand,
     GpuControl,
     GpuControlReply,
     LoadModel,
@@ -275,6 +281,37 @@ class GpuActor(Actor):
     async def _control_everywhere(self, msg: GpuControl) -> GpuControlReply:
         if self.followers is None:
             return await self._in_thread(self._control, msg)
+        if msg.command in (GpuCommand.UPDATE_WEIGHTS, GpuCommand.STAGE_WEIGHTS):
+            return await self._stage_everywhere(msg)
+        return await self._agreed_control(msg)
+
+    async def _stage_everywhere(self, msg: GpuControl) -> GpuControlReply:
+        """A weight update over the peers, all or none: stage it on every peer; where one
+        failed, discard it on every peer (nothing was applied) and answer its error; else
+        commit it (UPDATE_WEIGHTS) or leave it staged for the engine's commit (STAGE_WEIGHTS)."""
+        stage = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
+        command = str(msg.command)
+        answers = await self.followers.publish_expecting(stage, str(stage.command), early=False)
+        reply = await self._in_thread(self._control, stage)
+        try:
+            errors = await self.followers.gather(answers, str(stage.command))
+        except PeerError as e:
+            self._fatal(f"{command}: {e}")
+            return GpuControlReply(msg.command, str(e), reply.kv_valid, reply.weight_version)
+        failure = reply.error or first_failure(errors)
+        if failure is not None:
+            discard = GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
+            discarded = await self._agreed_control(discard)
+            if discarded.error is not None:
+                return discarded  # (every peer could not discard: _agreed_control ended us)
+            return GpuControlReply(msg.command, failure, reply.kv_valid, reply.weight_version)
+        if msg.command == GpuCommand.STAGE_WEIGHTS:
+            return reply
+        commit = await self._agreed_control(GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None))
+        return dataclasses.replace(commit, command=msg.command)
+
+    async def _agreed_control(self, msg: GpuControl) -> GpuControlReply:
+        """A control every peer must apply alike (the rank ends where they do not)."""
         command = str(msg.command)
         answers = await self.followers.publish_expecting(msg, command, early=False)
         reply = await self._in_thread(self._control, msg)
