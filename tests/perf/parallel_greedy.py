@@ -1,0 +1,83 @@
+"""Greedy outputs at several parallel sizes against one GPU (issue 12's two-GPU acceptance):
+
+    python3 tests/perf/parallel_greedy.py --model random:llama-8b --tensor-parallel-size 2
+    python3 tests/perf/parallel_greedy.py --model random:llama-1b --data-parallel-size 2
+
+Serves the model once at size 1 and once at the size given (fp32 by default, TF32 off: random
+weights give near-flat logits, which bf16 rounding flips between batch shapes), generates the
+same prompts greedily, and prints one JSON line: whether every output is identical, how many
+are, and the first that differs. Exit code 0 only when all are identical. `--device cpu` and a
+Hugging Face directory run it on the CPU (how it is tested).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+
+def _prompts(n: int, length: int, seed: int, top: int) -> list[list[int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, top, length + i % 7).tolist() for i in range(n)]
+
+
+def _generate(args, sizes: dict) -> tuple[list[list[int]], float]:
+    from taipan import LLM, SamplingParams
+
+    greedy = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(args.num_prompts, args.prompt_len, args.seed, args.max_token_id)
+    config = {"max_requests": args.num_prompts, "buffer_size_gb": args.kv_gb}
+    with LLM(args.model, device=args.device, dtype=args.dtype, **sizes, **config) as llm:
+        start = time.perf_counter()
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    errors = [o.error for o in outs if o.error]
+    if errors:
+        raise SystemExit(f"{sizes}: {len(errors)} requests failed, the first: {errors[0]}")
+    return [o.token_ids for o in outs], seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--num-prompts", type=int, default=16)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--kv-gb", type=float, default=2.0, help="buffer_size_gb per process")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-token-id", type=int, default=20000, help="prompt ids below this")
+    args = p.parse_args(argv)
+    sizes = {
+        "data_parallel_size": args.data_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size,
+    }
+    want, one_s = _generate(args, {})
+    got, many_s = _generate(args, sizes)
+    differ = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+    row = {
+        "model": args.model,
+        "device": args.device,
+        "dtype": args.dtype,
+        **sizes,
+        "prompts": len(want),
+        "identical": len(want) - len(differ),
+        "all_identical": not differ,
+        "first_differing": differ[0] if differ else None,
+        "seconds_size_1": round(one_s, 3),
+        "seconds_parallel": round(many_s, 3),
+        "command": " ".join(["python3 tests/perf/parallel_greedy.py", *sys.argv[1:]]),
+    }
+    print(json.dumps(row))
+    return 0 if not differ else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
