@@ -19,7 +19,9 @@ the same calls in the same order; this module is how they do:
   for as many subscriptions on its XPUB: nothing published is lost to a slow joiner.
 - A load or control answers the engine once every peer has: a load that fails on any peer fails
   the rank's load (naming that peer, as soon as it does); peers that disagree on a control (one
-  applied it, another refused) would run different steps, so the rank ends (FatalError).
+  applied it, another refused) would run different steps, so the rank ends (FatalError). A
+  weight update is staged on every peer first and committed only where all staged it
+  (actors/gpu/actor.py), so a peer that cannot read it fails the update, not the rank.
 - A step that raises on any peer ends the rank (actors/gpu/actor.py): the peers can no longer be
   known to issue the same collectives.
 - Liveness both ways over the DEALER-ROUTER connection, which both sides watch (ZMQ heartbeats:
