@@ -152,8 +152,10 @@ def test_direct_mode_equals_coordinator_mode(llm, direct):
             assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason)
             assert g.stop_reason == w.stop_reason
             if sampling is LOGPROBS:
-                assert g.log_probs == pytest.approx(w.log_probs, abs=1e-5)
-                assert g.prompt_log_probs == pytest.approx(w.prompt_log_probs, abs=1e-5)
+                # fp32 sums differ in their last bits with the step's batch (which requests
+                # share it depends on arrival): 1e-5 absolute, or relative for large ones.
+                assert g.log_probs == pytest.approx(w.log_probs, rel=1e-5, abs=1e-5)
+                assert g.prompt_log_probs == pytest.approx(w.prompt_log_probs, rel=1e-5, abs=1e-5)
                 assert [list(t) for t in g.top_n_logprobs] == [list(t) for t in w.top_n_logprobs]
     assert any(o.stop_reason == "\n" for o in got)  # the stop string was matched on text
     [a] = llm.chat([{"role": "user", "content": "Say hi."}], GREEDY, use_tqdm=False)
