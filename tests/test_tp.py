@@ -356,6 +356,17 @@ def tp2_forward(checkpoints):
     return run_ranks(forward_job, [checkpoints[c] for c in FORWARD_CASES])
 
 
+def assert_ranks_match(ranks: list[dict], expected: dict, vocab_size: int) -> None:
+    """Every rank's `run_batch` logits (whole vocabulary) within ATOL of T = 1's, step by step,
+    with the same greedy picks."""
+    for rank, got in enumerate(ranks):
+        for step, (a, b) in enumerate(zip(got["logits"], expected["logits"], strict=True)):
+            assert a.shape == b.shape == (a.shape[0], vocab_size)
+            np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"rank {rank} step {step}")
+        for a, b in zip(got["picks"], expected["picks"], strict=True):
+            assert a.tolist() == b.tolist(), f"rank {rank}"
+
+
 # ---- tests --------------------------------------------------------------------------------------
 
 
@@ -364,12 +375,7 @@ def test_tp2_forward_equals_tp1(checkpoints, tp2_forward, case):
     model, config, _ = load_model(checkpoints[case])
     expected = run_batch(model, config, SINGLE)
     ranks = [outs[FORWARD_CASES.index(case)] for outs in tp2_forward]
-    for rank, got in enumerate(ranks):
-        for step, (a, b) in enumerate(zip(got["logits"], expected["logits"], strict=True)):
-            assert a.shape == b.shape == (a.shape[0], config.vocab_size)
-            np.testing.assert_allclose(a, b, atol=ATOL, rtol=0, err_msg=f"rank {rank} step {step}")
-        for a, b in zip(got["picks"], expected["picks"], strict=True):
-            assert a.tolist() == b.tolist(), f"rank {rank}"
+    assert_ranks_match(ranks, expected, config.vocab_size)
     # Every rank holds the very same logits (gathered, not recomputed), so unseeded sampling,
     # with generators that init_tp made agree, draws the same tokens everywhere.
     assert all(np.array_equal(r["logits"][-1], ranks[0]["logits"][-1]) for r in ranks)

@@ -28,13 +28,13 @@ import torch
 
 from taipan.actors.gpu.worker import GIB, ModelWorker
 from taipan.messages.gpu import GpuControl
-from taipan.ops.loader import ModelLoadError, load_model
+from taipan.ops.loader import load_model
 from taipan.ops.models.nemotron_h import NemotronHForCausalLM
 from taipan.ops.parallel import SINGLE, TPError, TPGroup
 from taipan.ops.sharding import placement, placements
 from tests.random_nemotron_h import TINY_HYBRID, make_random_nemotron_h
 from tests.test_ops_nemotron_h import HybridRunner, _prompt
-from tests.test_tp import run_ranks
+from tests.test_tp import refusal_job, run_ranks
 
 pytest.importorskip("transformers")
 
@@ -259,18 +259,6 @@ def test_heads_or_groups_that_do_not_divide_and_moe_layers_are_refused(checkpoin
         odd.mamba_state_for(shape_only(0, 2))
     with pytest.raises(TPError, match=r"n_groups \(3\)"):
         placements("layers.0.mixer.in_proj.weight", odd, shape_only(0, 2))
-
-
-def refusal_job(tp: TPGroup, paths: list[str]) -> list[str]:
-    errors = []
-    for path in paths:
-        try:
-            load_model(path, tp=tp)
-        except ModelLoadError as e:
-            errors.append(str(e))
-        else:
-            errors.append("loaded")
-    return errors
 
 
 def test_loader_refusal_and_moe_layers_at_tp2(tmp_path):
