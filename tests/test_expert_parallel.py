@@ -61,23 +61,30 @@ def _rank(rank: int, path: str, init: str) -> None:
     model, config, _ = load_model(path, expert_range=ExpertShare(rank, 2))
     exchange = install_exchange(model, ep)
     whole, _, _ = load_model(path)
-    ours, theirs = _blocks(model), _blocks(whole)
+    ours = _blocks(model)
     assert ours and all(b.w1.shape[0] == config.moe.num_experts // 2 for b in ours)
-    x = torch.randn((7, 3)[rank], config.hidden_size, generator=torch.Generator().manual_seed(rank))
+    check_exchange(model, whole, exchange, rank, config.hidden_size, atol=1e-6)
+    torch.distributed.destroy_process_group()
+
+
+def check_exchange(model, whole, exchange, rank: int, hidden: int, atol: float) -> None:
+    """EP rank `rank` of 2 (its tokens: 7 rows on rank 0, 3 on rank 1) gets the whole MoE
+    blocks' output through the exchange; then, rank 1 having nothing (a dummy step), rank 0
+    still gets every expert's share while rank 1 runs `exchange_only`."""
+    ours, theirs = _blocks(model), _blocks(whole)
+    ep = exchange.ep
+    x = torch.randn((7, 3)[rank], hidden, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
-        # Both ranks with tokens: each gets the whole block's output for its own.
         [exchange.tokens] = ep.agree([len(x)])
         assert exchange.tokens == 7
         for block, want in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(block(x), want(x), atol=1e-6, rtol=0)
-        # Rank 1 has nothing (a dummy step): rank 0 still gets every expert's share.
+            torch.testing.assert_close(block(x), want(x), atol=atol, rtol=0)
         [exchange.tokens] = ep.agree([len(x) if rank == 0 else 0])
         if rank == 0:
             for block, want in zip(ours, theirs, strict=True):
-                torch.testing.assert_close(block(x), want(x), atol=1e-6, rtol=0)
+                torch.testing.assert_close(block(x), want(x), atol=atol, rtol=0)
         else:
             assert exchange_only(model, torch.float32, torch.device("cpu")) == len(ours)
-    torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize("name", list(MODELS))

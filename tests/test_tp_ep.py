@@ -25,13 +25,12 @@ from taipan.messages.requests import FinishReason, SamplingParams
 from taipan.ops.expert_parallel import (
     EPError,
     ExpertShare,
-    exchange_only,
     init_tp_ep,
     install_exchange,
 )
 from taipan.ops.loader import load_model
-from taipan.ops.moe import MoE
 from tests.random_moe import make_random_nemotron_h_moe, make_random_qwen3_moe, router_margin
+from tests.test_expert_parallel import _blocks, check_exchange
 from tests.test_ops_moe import hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -39,10 +38,6 @@ MODELS = {
     "qwen3_moe": lambda path: make_random_qwen3_moe(path),
     "nemotron_h_moe": lambda path: make_random_nemotron_h_moe(path, "M-*E-ME", 32),
 }
-
-
-def _blocks(model) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
 
 
 def _process(index: int, path: str, init: str) -> None:
@@ -61,25 +56,12 @@ def _process(index: int, path: str, init: str) -> None:
     model, config, _ = load_model(path, tp=tp, expert_range=ExpertShare(ep_rank, 2))
     exchange = install_exchange(model, ep)
     whole, _, _ = load_model(path)
-    ours, theirs = _blocks(model), _blocks(whole)
+    ours = _blocks(model)
     moe = config.moe
     assert ours and all(b.w1.shape[0] == moe.num_experts // 2 for b in ours)
     assert all(b.w2.shape[2] == moe.intermediate_size // 2 for b in ours)
     # The engine rank's tokens: the same on its two processes, different between the ranks.
-    gen = torch.Generator().manual_seed(ep_rank)
-    x = torch.randn((7, 3)[ep_rank], config.hidden_size, generator=gen)
-    with torch.no_grad():
-        [exchange.tokens] = ep.agree([len(x)])
-        assert exchange.tokens == 7
-        for block, want in zip(ours, theirs, strict=True):
-            torch.testing.assert_close(block(x), want(x), atol=1e-5, rtol=0)
-        # Engine rank 1 has nothing (a dummy step on both its processes).
-        [exchange.tokens] = ep.agree([len(x) if ep_rank == 0 else 0])
-        if ep_rank == 0:
-            for block, want in zip(ours, theirs, strict=True):
-                torch.testing.assert_close(block(x), want(x), atol=1e-5, rtol=0)
-        else:
-            assert exchange_only(model, torch.float32, torch.device("cpu")) == len(ours)
+    check_exchange(model, whole, exchange, ep_rank, config.hidden_size, atol=1e-5)
     torch.distributed.destroy_process_group()
 
 
