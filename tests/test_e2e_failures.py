@@ -136,14 +136,7 @@ def test_sigkilled_rank_fails_its_requests_and_the_other_rank_serves_on(tmp_path
         stats = client.stats()
         assert [(r.rank, r.alive) for r in stats.ranks] == [(0, True), (1, False)]
         assert "connection closed" in stats.ranks[1].dead_reason
-        # New requests go to the rank that lives.
-        sampling = SamplingParams(max_tokens=4, ignore_eos=True)  # (a sample may draw EOS)
-        done = client.generate(["After the fall"] * 3, sampling)
-        assert [(c.finish_reason, c.error) for c in done] == [(FinishReason.LENGTH, None)] * 3
-        assert serve.poll() is None
-        client.close()
-        serve.send_signal(signal.SIGINT)
-        assert serve.wait(60) == 1
+        serves_on_then_exits_1(serve, client, ["After the fall"] * 3)
     finally:
         if serve.poll() is None:
             serve.kill()
@@ -151,6 +144,20 @@ def test_sigkilled_rank_fails_its_requests_and_the_other_rank_serves_on(tmp_path
     stderr = serve.stderr.read()
     assert "engine-1 killed by signal SIGKILL" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr
+
+
+def serves_on_then_exits_1(serve, client, prompts) -> None:
+    """After a rank died: new requests go to the ranks that live and complete, `taipan serve`
+    runs on, and at SIGINT it exits 1 (a rank died while it served)."""
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)  # (a sample may draw EOS)
+    done = client.generate(prompts, sampling)
+    assert [(c.finish_reason, c.error) for c in done] == [(FinishReason.LENGTH, None)] * len(
+        prompts
+    )
+    assert serve.poll() is None
+    client.close()
+    serve.send_signal(signal.SIGINT)
+    assert serve.wait(60) == 1
 
 
 def _free_port() -> int:

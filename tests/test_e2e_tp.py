@@ -42,6 +42,7 @@ from taipan.launcher import LaunchError, Runtime
 from taipan.messages.requests import FinishReason
 from taipan.placement import peer_cpu_sets, peer_devices
 from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.test_e2e_failures import serves_on_then_exits_1
 from tests.test_e2e_replay import replay
 from tests.test_e2e_robust import _alive, _children
 
@@ -349,13 +350,7 @@ def test_dp2_by_tp2_equals_tp1_and_a_dead_follower_leaves_the_other_rank_serving
         assert all("engine rank 1 died" in d.error for d in failed)
         assert all(at - killed < 5.0 for at, d in ended.values() if d in failed)
         assert [(r.rank, r.alive) for r in client.stats().ranks] == [(0, True), (1, False)]
-        # (ignore_eos: an unseeded sample may draw EOS, which is not what this checks)
-        done = client.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
-        assert [(c.finish_reason, c.error) for c in done] == [(FinishReason.LENGTH, None)] * 2
-        assert serve.poll() is None
-        client.close()
-        serve.send_signal(signal.SIGINT)
-        assert serve.wait(60) == 1
+        serves_on_then_exits_1(serve, client, PROMPTS[:2])
     finally:
         if serve.poll() is None:
             serve.kill()
