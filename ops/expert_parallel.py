@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from taipan.ops.moe import MoE, exchange_rows, set_expert_dispatch
-from taipan.ops.parallel import TPGroup
+from taipan.ops.parallel import TPGroup, join_world, share_seed
 
 DEFAULT_TIMEOUT_S = 120.0  # joining the group, and any one collective after that
 # torch 2.13 renamed these (same contracts); the GPU image runs 2.11.
@@ -120,24 +120,10 @@ def init_ep(
     capture does (the hang of Megatron-LM #6412)."""
     if not 0 <= rank < size or size < 2:
         raise EPError(f"expert-parallel rank {rank} of {size}: need 0 <= rank < size, size >= 2")
-    if dist.is_initialized():
-        raise EPError("this process already belongs to a torch.distributed group")
     device = torch.device(device)
-    backend, options = "gloo", {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        backend, options = "nccl", {"device_id": device}
     timeout = datetime.timedelta(seconds=timeout_s)
-    try:
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout,
-            **options,
-        )  # fmt: skip
-    except (RuntimeError, ValueError) as exc:  # DistStoreError and friends subclass these
-        raise EPError(
-            f"expert-parallel rank {rank} of {size} could not join the group at {init_method} "
-            f"within {timeout_s:g} s: {exc}"
-        ) from exc
+    what = f"expert-parallel rank {rank} of {size}"
+    backend = join_world(rank, size, init_method, device, timeout_s, what, EPError)
     world = dist.group.WORLD
     host = world if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     ep = EPGroup(rank, size, world, host, device)
@@ -171,25 +157,14 @@ def init_tp_ep(
             f"expert-parallel rank {ep_rank} of {ep_size}, tensor-parallel rank {tp_rank} of "
             f"{tp_size}: need 0 <= rank < size, and an expert-parallel size >= 2"
         )
-    if dist.is_initialized():
-        raise EPError("this process already belongs to a torch.distributed group")
     device = torch.device(device)
-    backend, options = "gloo", {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        backend, options = "nccl", {"device_id": device}
     timeout = datetime.timedelta(seconds=timeout_s)
-    world_rank = ep_rank * tp_size + tp_rank
-    try:
-        dist.init_process_group(
-            backend, init_method=init_method, rank=world_rank, world_size=ep_size * tp_size,
-            timeout=timeout, **options,
-        )  # fmt: skip
-    except (RuntimeError, ValueError) as exc:  # DistStoreError and friends subclass these
-        raise EPError(
-            f"process {tp_rank} of expert-parallel rank {ep_rank} could not join the group of "
-            f"{ep_size} x {tp_size} processes at {init_method} within {timeout_s:g} s: {exc}"
-        ) from exc
+    what = (
+        f"process {tp_rank} of expert-parallel rank {ep_rank} (a group of {ep_size} x {tp_size} "
+        "processes)"
+    )
+    world_rank, world_size = ep_rank * tp_size + tp_rank, ep_size * tp_size
+    backend = join_world(world_rank, world_size, init_method, device, timeout_s, what, EPError)
     # Every process creates every subgroup, in the same order (torch.distributed's rule).
     tp_groups = [
         dist.new_group([e * tp_size + k for k in range(tp_size)], timeout=timeout)
@@ -198,15 +173,15 @@ def init_tp_ep(
     ep_groups, ep_hosts = [], []
     for k in range(tp_size):
         ranks = [e * tp_size + k for e in range(ep_size)]
-        ep_groups.append(dist.new_group(ranks, timeout=timeout))
-        host = backend == "gloo" or dist.new_group(ranks, backend="gloo", timeout=timeout)
-        ep_hosts.append(ep_groups[-1] if host is True else host)
+        group = dist.new_group(ranks, timeout=timeout)
+        host = (
+            group if backend == "gloo" else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        )
+        ep_groups.append(group)
+        ep_hosts.append(host)
     tp = TPGroup(tp_rank, tp_size, tp_groups[ep_rank], device)
     ep = EPGroup(ep_rank, ep_size, ep_groups[tp_rank], ep_hosts[tp_rank], device)
-    # The TP peers draw the same unseeded samples (as init_tp: the world's rank 0's seed).
-    seed = torch.tensor([torch.initial_seed() & (2**62 - 1)], dtype=torch.int64, device=device)
-    dist.broadcast(seed, src=0)
-    torch.manual_seed(int(seed.item()))
+    share_seed(device)  # the TP peers draw the same unseeded samples, as under init_tp
     ep.agree([0])
     dist.barrier()  # (NCCL: every communicator exists before any capture)
     tp.all_reduce(torch.zeros(1, device=device))

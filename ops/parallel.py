@@ -147,6 +147,51 @@ class TPGroup:
 SINGLE = TPGroup()  # no tensor parallelism
 
 
+def join_world(
+    rank: int,
+    size: int,
+    init_method: str,
+    device: torch.device,
+    timeout_s: float,
+    what: str,
+    error: type[Exception],
+    backend: str | None = None,
+) -> str:
+    """Join this process's torch.distributed world (`size` processes meeting at `init_method`)
+    as `rank`: NCCL bound to `device` on CUDA, gloo otherwise (unless `backend` says). `error`
+    (naming `what`) when the process already belongs to one, or the others do not come within
+    `timeout_s` (later collectives time out likewise). Returns the backend."""
+    if dist.is_initialized():
+        raise error("this process already belongs to a torch.distributed group")
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    options = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        options["device_id"] = device  # NCCL binds its communicator to this device eagerly
+    try:
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=rank,
+            world_size=size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+            **options,
+        )
+    except (RuntimeError, ValueError) as exc:  # DistStoreError and friends subclass these
+        raise error(
+            f"{what} could not join the group at {init_method} within {timeout_s:g} s: {exc}"
+        ) from exc
+    return backend
+
+
+def share_seed(device: torch.device) -> None:
+    """Seed torch's generators from the world's rank 0 (unseeded sampling then draws the same
+    keys on every peer, since every peer draws the same sequence)."""
+    seed = torch.tensor([torch.initial_seed() & (2**62 - 1)], dtype=torch.int64, device=device)
+    dist.broadcast(seed, src=0)
+    torch.manual_seed(int(seed.item()))
+
+
 def init_tp(
     rank: int,
     size: int,
@@ -171,31 +216,10 @@ def init_tp(
         return TPGroup(device=device)
     if not 0 <= rank < size:
         raise TPError(f"tensor-parallel rank {rank} is outside 0..{size - 1}")
-    if dist.is_initialized():
-        raise TPError("this process already belongs to a torch.distributed group")
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    options = {}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        options["device_id"] = device  # NCCL binds its communicator to this device eagerly
-    try:
-        dist.init_process_group(
-            backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=size,
-            timeout=datetime.timedelta(seconds=timeout_s),
-            **options,
-        )
-    except (RuntimeError, ValueError) as exc:  # DistStoreError and friends subclass these
-        raise TPError(
-            f"tensor-parallel rank {rank} of {size} could not join the group at {init_method} "
-            f"within {timeout_s:g} s: {exc}"
-        ) from exc
+    what = f"tensor-parallel rank {rank} of {size}"
+    backend = join_world(rank, size, init_method, device, timeout_s, what, TPError, backend)
     tp = TPGroup(rank, size, dist.group.WORLD, device)
-    seed = torch.tensor([torch.initial_seed() & (2**62 - 1)], dtype=torch.int64, device=device)
-    dist.broadcast(seed, src=0, group=tp.group)
-    torch.manual_seed(int(seed.item()))
+    share_seed(device)
     return tp
 
 
