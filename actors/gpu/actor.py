@@ -285,26 +285,35 @@ class GpuActor(Actor):
             return await self._stage_everywhere(msg)
         return await self._agreed_control(msg)
 
+    async def _everywhere(self, msg: GpuControl) -> tuple[GpuControlReply, dict | None]:
+        """Run `msg` here and on every follower: (our reply, the followers' errors). A follower
+        that does not answer ends the rank: then (our reply carrying why, None)."""
+        command = str(msg.command)
+        answers = await self.followers.publish_expecting(msg, command, early=False)
+        reply = await self._in_thread(self._control, msg)
+        try:
+            return reply, await self.followers.gather(answers, command)
+        except PeerError as e:
+            self._fatal(f"{command}: {e}")
+            return dataclasses.replace(reply, error=str(e)), None
+
     async def _stage_everywhere(self, msg: GpuControl) -> GpuControlReply:
         """A weight update over the peers, all or none: stage it on every peer; where one
         failed, discard it on every peer (nothing was applied) and answer its error; else
         commit it (UPDATE_WEIGHTS) or leave it staged for the engine's commit (STAGE_WEIGHTS)."""
-        stage = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
-        command = str(msg.command)
-        answers = await self.followers.publish_expecting(stage, str(stage.command), early=False)
-        reply = await self._in_thread(self._control, stage)
-        try:
-            errors = await self.followers.gather(answers, str(stage.command))
-        except PeerError as e:
-            self._fatal(f"{command}: {e}")
-            return GpuControlReply(msg.command, str(e), reply.kv_valid, reply.weight_version)
+        reply, errors = await self._everywhere(
+            dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
+        )
+        reply = dataclasses.replace(reply, command=msg.command)
+        if errors is None:
+            return reply
         failure = reply.error or first_failure(errors)
         if failure is not None:
             discard = GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
             discarded = await self._agreed_control(discard)
             if discarded.error is not None:
-                return discarded  # (every peer could not discard: _agreed_control ended us)
-            return GpuControlReply(msg.command, failure, reply.kv_valid, reply.weight_version)
+                return discarded  # (peers that disagreed on it have ended the rank)
+            return dataclasses.replace(reply, error=failure)
         if msg.command == GpuCommand.STAGE_WEIGHTS:
             return reply
         commit = await self._agreed_control(GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None))
@@ -312,22 +321,15 @@ class GpuActor(Actor):
 
     async def _agreed_control(self, msg: GpuControl) -> GpuControlReply:
         """A control every peer must apply alike (the rank ends where they do not)."""
-        command = str(msg.command)
-        answers = await self.followers.publish_expecting(msg, command, early=False)
-        reply = await self._in_thread(self._control, msg)
-        try:
-            errors = await self.followers.gather(answers, command)
-        except PeerError as e:
-            self._fatal(f"{command}: {e}")
-            return GpuControlReply(msg.command, str(e), reply.kv_valid, reply.weight_version)
+        reply, errors = await self._everywhere(msg)
+        if errors is None:
+            return reply
         failure = first_failure(errors)
         if (reply.error is None) != (failure is None):
             # One peer applied it and another did not: their next steps would differ.
             why = f"leader: {reply.error or 'ok'}; {failure or 'followers: ok'}"
-            self._fatal(f"the tensor-parallel peers disagree on {command} ({why})")
-            return GpuControlReply(
-                msg.command, f"peers disagree: {why}", reply.kv_valid, reply.weight_version
-            )
+            self._fatal(f"the tensor-parallel peers disagree on {msg.command} ({why})")
+            return dataclasses.replace(reply, error=f"peers disagree: {why}")
         return reply
 
     async def on_control(self, env: Envelope, msg: GpuControl) -> None:
