@@ -92,6 +92,11 @@ class InferenceConfig:
     # None: on with a CUDA device, off elsewhere (on a CPU the forward needs the very cores the
     # planning would run on, and the two then contend for the GIL: the CPU bench lost 20 %).
     overlap_steps: bool | None = None
+    # taipan's own: under tensor parallelism on CUDA, small all-reduces (a decode step's) run as
+    # one Triton kernel that reads every peer's buffer over CUDA IPC (ops/custom_all_reduce.py),
+    # larger ones through NCCL. None: on where every pair of GPUs has peer access; False: NCCL
+    # only (vLLM's disable_custom_all_reduce); True: on, or a clear error where it cannot be.
+    custom_all_reduce: bool | None = None
     verbose: dataclasses.InitVar[bool] = False
 
     def __post_init__(self, verbose: bool):

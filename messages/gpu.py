@@ -70,6 +70,9 @@ class LoadModel:
     expert_parallel_rank: int = 0
     expert_parallel_size: int = 1
     expert_parallel_init: str = ""
+    # Tensor parallel on CUDA: the small all-reduces by the custom one-shot kernel
+    # (InferenceConfig.custom_all_reduce: None where it can run, False never, True or fail).
+    custom_all_reduce: bool | None = None
 
 
 @message(121)

@@ -2,8 +2,9 @@
 together and combine their partial results through torch.distributed (NCCL on CUDA, gloo on CPU).
 
 Built for every model family: Llama, Qwen3-MoE and NemotronH (experts split along their
-intermediate size, ops/moe.py; Mamba mixers by heads and groups, ops/mamba.py). Expert
-parallelism together with tensor parallelism is refused by the launcher and the gpu worker.
+intermediate size, ops/moe.py; Mamba mixers by heads and groups, ops/mamba.py), alone or with
+expert parallelism (ops/expert_parallel.py `init_tp_ep`). On CUDA the small sums may take the
+custom all-reduce (ops/custom_all_reduce.py, `TPGroup.fast`) instead of NCCL.
 
 Owns `TPGroup`, the handle a sharded model holds (rank, size, the process group), with the
 collectives the layers call: `all_reduce` (sum, in place) and `all_gather` (along a dim). At size
@@ -21,14 +22,14 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
 
 DEFAULT_TIMEOUT_S = 120.0  # joining the group, and any one collective after that
 # torch 2.13 renamed all_gather_into_tensor (same contract); the GPU image runs 2.11.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TPError(ValueError):
@@ -88,15 +89,26 @@ def vocab_shard(vocab_size: int, rank: int, size: int) -> VocabShard:
     return VocabShard(start, max(0, min(padded, vocab_size - start)), padded)
 
 
+class FastAllReduce(Protocol):
+    """A faster path to the group's sum for the tensors it `fits` (ops/custom_all_reduce.py)."""
+
+    def fits(self, x: torch.Tensor) -> bool: ...
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True, eq=False)
 class TPGroup:
     """This process's place in its tensor-parallel group. `group` is None exactly at size 1
-    (no torch.distributed needed); `device` is where the collectives' tensors live."""
+    (no torch.distributed needed); `device` is where the collectives' tensors live. `fast`:
+    the custom all-reduce every peer agreed to use for the sums it fits (None: NCCL / gloo
+    for every sum)."""
 
     rank: int = 0
     size: int = 1
     group: dist.ProcessGroup | None = None
     device: torch.device = torch.device("cpu")
+    fast: FastAllReduce | None = None
 
     def __post_init__(self) -> None:
         if self.size < 1:
@@ -112,6 +124,8 @@ class TPGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place; returns x."""
         if self.size > 1:
+            if self.fast is not None and self.fast.fits(x):
+                return self.fast.all_reduce_(x)
             dist.all_reduce(x, group=self.group)
         return x
 
@@ -122,7 +136,7 @@ class TPGroup:
         dim = dim % x.dim()
         # The concatenated form along dim 0 (gloo has no stacked one); then rank r's x is out[r].
         out = torch.empty((self.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather_single(out, x.contiguous(), group=self.group)
+        all_gather_single(out, x.contiguous(), group=self.group)
         out = out.view(self.size, *x.shape)
         return out.movedim(0, dim).flatten(dim, dim + 1)
 

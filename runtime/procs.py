@@ -318,6 +318,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         # do not).
         spec["ranks_on_host"] * (1 if spec.get("tp_remote") else tp),
         **ep_load,
+        custom_all_reduce=config.custom_all_reduce,
     )
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [ep.inbox, *ep.peers.values()] if ep else []

@@ -66,7 +66,7 @@ SEED_DEFAULTS = {
 # host memory there, and 20 GB of it would not leave a 24 GiB machine usable).
 DIFFERS_FROM_SEED = {"buffer_size_gb": None}
 # taipan's own fields, not in the seed (README: configuration).
-TAIPAN_FIELDS = {"overlap_steps": None}
+TAIPAN_FIELDS = {"overlap_steps": None, "custom_all_reduce": None}
 HINTS = typing.get_type_hints(InferenceConfig)
 FIELDS = {f.name: f for f in dataclasses.fields(InferenceConfig)}
 

@@ -189,6 +189,8 @@ class GpuActor(Actor):
                 sized_by=self.worker.kv_budget_source,
                 tp_size=self.tp_size,
             )
+            if self.tp_size > 1:
+                self.log.info("tensor-parallel sums", path=self.worker.all_reduce_path)
             graphs = self.worker.graphs
             if graphs is not None:
                 self.log.info(

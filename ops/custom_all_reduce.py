@@ -1,0 +1,189 @@
+"""The custom all-reduce of a tensor-parallel group on CUDA: small sums (a decode step's two per
+layer, a few KB to a few MB) as one Triton kernel launch (kernels/all_reduce.py) instead of an
+NCCL call, as vLLM's and SGLang's custom all-reduce do; larger ones stay with NCCL.
+
+Owns `CustomAllReduce` (this process's buffers, and views of every peer's mapped through CUDA
+IPC) and `attach` (sets one up for a TPGroup, checks it against NCCL once, and has every peer
+agree whether to use it). It must not touch what a step computes: it is a faster path to the
+same sum, used only where every peer uses it (the peers issue the same collectives in the same
+order, and `fits` is a function of the tensor's size and dtype alone).
+
+The buffers are ordinary CUDA allocations shared with `UntypedStorage._share_cuda_` (what
+torch.multiprocessing sends between processes) and opened by each peer on its own device, so
+the kernel reads a peer's memory over NVLink (or PCIe) by plain loads. NVLink multicast is never
+used (it can take a shared host's GPUs out of service). A peer that dies while the kernel waits
+for it leaves that kernel spinning, as an NCCL call would wait: the rank's liveness checks end
+the process (actors/gpu/peers.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from taipan.kernels.all_reduce import (
+    DTYPES,
+    MAX_PROGRAMS,
+    MAX_WORLD,
+    UNBOUNDED,
+    one_shot_all_reduce,
+)
+from taipan.ops.parallel import TPGroup, all_gather_single
+
+# The largest sum taken by the kernel: each peer's whole input is read by every other, so the
+# bytes over the links grow with W - 1; above this NCCL's ring does better (4 H100s, NVLink,
+# bf16, from CUDA graphs: 2 ranks 24 us vs NCCL's 29 at 2 MiB, 80 vs 48 at 8 MiB).
+MAX_BYTES_TWO_RANKS = 2 << 20
+_HANDLE_BYTES = 4096  # one peer's msgpacked IPC handles, padded (a handle is 64 bytes)
+# The first sums wait this many polls at most for a peer (seconds), so that peers which cannot
+# see each other's flags fall back to NCCL instead of hanging; later ones wait for good.
+SELF_TEST_SPINS = 1 << 22
+
+
+class CustomAllReduceError(RuntimeError):
+    """The custom all-reduce cannot run here (no CUDA, a group too large, peers that cannot map
+    each other's memory, a result that disagreed with NCCL); the message says which."""
+
+
+def max_bytes_for(world: int) -> int:
+    return MAX_BYTES_TWO_RANKS // (world - 1) // 4096 * 4096
+
+
+class CustomAllReduce:
+    """This process's part of the group's custom all-reduce: its data buffer (two halves of
+    `max_bytes`), flags and call counters, and every peer's buffer and flags mapped here.
+    Build it with `attach`; every peer builds its own at the same time (collectives inside)."""
+
+    def __init__(self, tp: TPGroup):
+        if tp.size < 2 or tp.size > MAX_WORLD:
+            raise CustomAllReduceError(f"needs 2..{MAX_WORLD} ranks, not {tp.size}")
+        if tp.device.type != "cuda":
+            raise CustomAllReduceError(f"needs CUDA devices, not {tp.device}")
+        index = tp.device.index if tp.device.index is not None else torch.cuda.current_device()
+        self.rank, self.size, self.device = tp.rank, tp.size, torch.device("cuda", index)
+        self.max_bytes = max_bytes_for(tp.size)
+        self.data = torch.empty(2 * self.max_bytes, dtype=torch.uint8, device=self.device)
+        self.flags = torch.zeros(MAX_PROGRAMS, MAX_WORLD, dtype=torch.int64, device=self.device)
+        self.counters = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=self.device)
+        self.status = torch.zeros(1, dtype=torch.int32, device=self.device)  # 1: a wait gave up
+        self.max_spins = UNBOUNDED
+        torch.cuda.synchronize(self.device)  # flags are zero before any peer can raise one
+        shared = _exchange([_share(self.data), _share(self.flags)], tp)
+        self.peer_data, self.peer_flags = [], []
+        for q, (data, flags) in enumerate(shared):
+            own = q == self.rank
+            self.peer_data.append(self.data if own else _open(data, self.device, torch.uint8))
+            self.peer_flags.append(self.flags if own else _open(flags, self.device, torch.int64))
+        self.peer_flags = [f.view(MAX_PROGRAMS, MAX_WORLD) for f in self.peer_flags]
+        self._views: dict[torch.dtype, tuple] = {}
+
+    def fits(self, x: torch.Tensor) -> bool:
+        """Whether `all_reduce_` takes x (the same answer on every peer for the same x)."""
+        return (
+            x.dtype in DTYPES
+            and x.numel() * x.element_size() <= self.max_bytes
+            and x.is_contiguous()
+            and x.device == self.device
+        )
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum x over the group in place (x must `fit`); returns x. CUDA-graph capturable."""
+        bufs = self._views.get(x.dtype)
+        if bufs is None:
+            bufs = self._views[x.dtype] = tuple(d.view(x.dtype) for d in self.peer_data)
+        flat = x.view(-1)
+        flags = tuple(self.peer_flags)
+        one_shot_all_reduce(
+            flat, flat, self.counters, bufs, flags, self.rank, self.status, self.max_spins
+        )
+        return x
+
+
+def _share(t: torch.Tensor) -> bytes:
+    """The IPC handles of t's storage (as torch.multiprocessing sends them), as bytes."""
+    (_, handle, size, offset, ref_handle, ref_offset, event, sync) = (
+        t.untyped_storage()._share_cuda_()
+    )
+    return msgpack.packb([handle, size, offset, ref_handle, ref_offset, event, bool(sync)])
+
+
+def _open(packed: bytes, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """A peer's shared storage mapped on this process's `device` (not the peer's index: the
+    mapping must belong to the device whose kernels read it)."""
+    handle, size, offset, ref_handle, ref_offset, event, sync = msgpack.unpackb(packed)
+    storage = torch.UntypedStorage._new_shared_cuda(
+        device.index, handle, size, offset, ref_handle, ref_offset, event, sync
+    )
+    out = torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (size,), (1,))
+    return out.view(dtype)
+
+
+def _exchange(items: list[bytes], tp: TPGroup) -> list[list[bytes]]:
+    """Every peer's `items` (msgpacked, padded to a fixed size, all-gathered over the group)."""
+    blob = msgpack.packb(items)
+    if len(blob) > _HANDLE_BYTES - 4:
+        raise CustomAllReduceError(f"IPC handles of {len(blob)} bytes do not fit")
+    mine = torch.zeros(_HANDLE_BYTES, dtype=torch.uint8)
+    mine[:4] = torch.tensor(list(len(blob).to_bytes(4, "little")), dtype=torch.uint8)
+    mine[4 : 4 + len(blob)] = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+    out = torch.empty(tp.size * _HANDLE_BYTES, dtype=torch.uint8, device=tp.device)
+    all_gather_single(out, mine.to(tp.device), group=tp.group)
+    rows = out.view(tp.size, _HANDLE_BYTES).cpu().numpy().tobytes()
+    peers = []
+    for q in range(tp.size):
+        row = rows[q * _HANDLE_BYTES : (q + 1) * _HANDLE_BYTES]
+        peers.append(msgpack.unpackb(row[4 : 4 + int.from_bytes(row[:4], "little")]))
+    return peers
+
+
+def _self_test(fast: CustomAllReduce, tp: TPGroup) -> str | None:
+    """One sum of each dtype by the kernel and by NCCL on the same inputs (a few calls, both
+    halves, waits bounded); None when they agree, else what differed."""
+    gen = torch.Generator(device=fast.device).manual_seed(1234 + tp.rank)
+    fast.max_spins = SELF_TEST_SPINS
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            for n in (4096, 3 * 1024 + 5, fast.max_bytes // 4):
+                x = torch.randn(n, generator=gen, device=fast.device).to(dtype)
+                want = x.clone()
+                dist.all_reduce(want, group=tp.group)
+                got = fast.all_reduce_(x.clone())
+                if fast.status.item():
+                    return f"a peer's flag did not arrive within {SELF_TEST_SPINS} polls"
+                tol = 1e-5 if dtype == torch.float32 else 2e-2
+                if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
+                    err = (got.float() - want.float()).abs().max().item()
+                    return f"{dtype} sum of {n} elements differs from NCCL's by {err:.3g}"
+    finally:
+        fast.max_spins = UNBOUNDED
+    return None
+
+
+def attach(tp: TPGroup, required: bool = False) -> tuple[TPGroup, str | None]:
+    """`tp` with the custom all-reduce, or `tp` unchanged and the reason (a CUDA group of 2..8
+    ranks whose peers can map each other's memory, and whose first sums agree with NCCL's). Every
+    peer calls this at the same time and all get the same answer. `required`: raise
+    CustomAllReduceError instead of falling back."""
+    reason = None
+    if tp.size < 2 or tp.device.type != "cuda":
+        reason = f"a group of {tp.size} on {tp.device.type} has nothing to speed up"
+        if required:
+            raise CustomAllReduceError(f"custom_all_reduce=true: {reason}")
+        return tp, reason  # (no collective: every peer takes this branch alike)
+    fast = None
+    try:
+        fast = CustomAllReduce(tp)
+        reason = _self_test(fast, tp)
+    except (RuntimeError, ValueError) as exc:  # CUDA IPC errors surface as RuntimeError
+        reason = f"{type(exc).__name__}: {exc}"
+    ok = torch.tensor([reason is None], dtype=torch.int32, device=tp.device)
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=tp.group)
+    if not ok.item():
+        reason = reason or "a peer could not set it up"
+        if required:
+            raise CustomAllReduceError(f"custom_all_reduce=true, but it cannot run: {reason}")
+        return tp, reason
+    return dataclasses.replace(tp, fast=fast), None
