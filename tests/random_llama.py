@@ -23,6 +23,8 @@ TINY_SHAPE = dict(
     num_key_value_heads=2,
     head_dim=16,
 )
+# The same on a GPU: the CUDA attention kernels take head_dim 64 or 128.
+GPU_TINY_SHAPE = TINY_SHAPE | {"head_dim": 64}
 SMOLLM2_SHAPE = dict(
     hidden_size=576,
     intermediate_size=1536,

@@ -19,6 +19,7 @@ from tests.random_llama import CHATML, _byte_tokenizer_json
 from tests.random_nemotron_h import TINY_HYBRID, make_random_nemotron_h
 
 STD = 0.06  # every other matrix, as tests/random_llama.py
+GPU_HEAD_DIM = 64  # GPU tests: the CUDA attention kernels take head_dim 64 or 128
 ROUTER_STD = 0.25  # router logits: std ~2 over a normalized hidden state of rms 1
 
 # 4 layers, GQA 4/2, 8 experts of which 2 per token; layer 2 dense (mlp_only_layers).
@@ -68,8 +69,31 @@ def _write_tokenizer(path: str) -> int:
     return vocab - 1
 
 
-def make_random_qwen3_moe(path: str, seed: int = 0, **overrides) -> str:
-    """Write config.json, model.safetensors and tokenizer files into `path`; return it."""
+# Qwen3-30B-A3B's shape with 4 of its 48 layers (and the byte-level vocabulary): the GPU
+# acceptance's expert-parallel model (tests/perf/four_gpu_acceptance.sh), 2.4 B parameters.
+QWEN3_30B_A3B_4L = dict(
+    hidden_size=2048,
+    intermediate_size=6144,
+    moe_intermediate_size=768,
+    num_hidden_layers=4,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    num_experts=128,
+    num_experts_per_tok=8,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    tie_word_embeddings=False,
+)
+
+
+def make_random_qwen3_moe(
+    path: str, seed: int = 0, device: str = "cpu", save_dtype=None, **overrides
+) -> str:
+    """Write config.json, model.safetensors and tokenizer files into `path`; return it. The
+    weights are drawn on `device` (a large shape draws fast on a GPU) and saved in
+    `save_dtype` (None: fp32)."""
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -86,7 +110,8 @@ def make_random_qwen3_moe(path: str, seed: int = 0, **overrides) -> str:
         **(TINY_QWEN3_MOE | overrides),
     )
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(config)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(config)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
@@ -95,6 +120,8 @@ def make_random_qwen3_moe(path: str, seed: int = 0, **overrides) -> str:
                 p.normal_(0.0, STD)
             elif name.endswith("norm.weight"):  # q_norm / k_norm among them: not all ones
                 p.uniform_(0.5, 1.5)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path
 

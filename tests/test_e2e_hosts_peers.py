@@ -32,7 +32,7 @@ from taipan.client import Client, ControlError
 from taipan.launcher import LaunchError, Runtime
 from taipan.messages.requests import SamplingParams
 from taipan.placement import tp_addresses
-from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.random_llama import GPU_TINY_SHAPE, TINY_SHAPE, make_random_llama
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12] * 10, [40, 41], [200, 3, 17, 90] * 5]
@@ -326,13 +326,15 @@ def test_the_cli_names_what_a_follower_lacks(tiny):
 
 
 @pytest.mark.gpu
-def test_gpu_remote_follower_over_nccl_equals_tp1(tiny):
+def test_gpu_remote_follower_over_nccl_equals_tp1(tmp_path):
     """A leader on cuda:0 and a `--role tp-follower` on cuda:1 (each its device as named, NCCL
-    meeting at the leader's TCPStore): greedy tokens equal T = 1's on one GPU."""
+    meeting at the leader's TCPStore, the custom all-reduce between them): greedy tokens equal
+    T = 1's on one GPU. head_dim 64: the CUDA attention kernels take 64 or 128."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
+    tiny = make_random_llama(str(tmp_path / "tiny"), GPU_TINY_SHAPE)
     want = _greedy(Runtime(tiny, InferenceConfig(**CONFIG), device="cuda"))
     port, tp_port = _free_ports(2), _free_ports(3)
     address = f"tcp://127.0.0.1:{port}"

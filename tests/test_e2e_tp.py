@@ -41,7 +41,7 @@ from taipan.client import Client
 from taipan.launcher import LaunchError, Runtime
 from taipan.messages.requests import FinishReason
 from taipan.placement import peer_cpu_sets, peer_devices
-from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.random_llama import GPU_TINY_SHAPE, TINY_SHAPE, make_random_llama
 from tests.test_e2e_failures import serves_on_then_exits_1
 from tests.test_e2e_replay import replay
 from tests.test_e2e_robust import _alive, _children
@@ -385,18 +385,24 @@ def test_moe_at_tp2_equals_tp1(tmp_path, family):
 
 
 @pytest.mark.gpu
-def test_gpu_nccl_tp2_with_cuda_graphs_equals_tp1(tiny):
-    """The tiny Llama in fp32 on two GPUs over NCCL: the decode steps replay CUDA graphs that
-    captured the all-reduces and the logits' all-gather; greedy tokens equal T = 1's on one
-    GPU, log-probs within 1e-4 (TF32 is off: torch's default for fp32 matmuls)."""
+@pytest.mark.parametrize("custom_all_reduce", [None, False])
+def test_gpu_nccl_tp2_with_cuda_graphs_equals_tp1(tmp_path, custom_all_reduce):
+    """The tiny Llama (head_dim 64: the CUDA attention kernels take 64 or 128) in fp32 on two
+    GPUs: the decode steps replay CUDA graphs that captured the all-reduces (the custom one-shot
+    kernel by default, NCCL with custom_all_reduce=false) and the logits' all-gather; greedy
+    tokens equal T = 1's on one GPU, log-probs within 1e-4 (TF32 is off: torch's default for
+    fp32 matmuls)."""
     import torch
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
+    tiny = make_random_llama(str(tmp_path / "tiny"), GPU_TINY_SHAPE)
     config = dict(TP_CONFIG, max_requests=8, buffer_size_gb=1)
     greedy = SamplingParams(max_tokens=24, temperature=0.0, return_log_probs=True)
     outs = []
     for size in (1, 2):
+        if size == 2:
+            config["custom_all_reduce"] = custom_all_reduce
         with LLM(tiny, device="cuda", tensor_parallel_size=size, **config) as llm:
             outs.append(llm.generate(PROMPTS, greedy, use_tqdm=False))
             [rank] = llm.stats().ranks

@@ -45,7 +45,7 @@ from taipan.ops.parallel import (
     vocab_shard,
 )
 from taipan.ops.sampling import sample
-from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.random_llama import GPU_TINY_SHAPE, TINY_SHAPE, make_random_llama
 
 BLOCK_SIZE = 16
 ATOL = 1e-5
@@ -435,12 +435,17 @@ def test_worker_at_tp2_equals_tp1_with_weight_updates(checkpoints):
 
 
 @pytest.mark.gpu
-def test_gpu_nccl_tp2_with_cuda_graphs_equals_tp1(checkpoints):
-    """NCCL between two GPUs; the decode steps replay CUDA graphs that captured the
-    all-reduces and the logits' all-gather (fp32, TF32 off)."""
+def test_gpu_nccl_tp2_with_cuda_graphs_equals_tp1(tmp_path):
+    """Two GPUs; the decode steps replay CUDA graphs that captured the all-reduces (the custom
+    one-shot kernel's, ops/custom_all_reduce.py) and the logits' all-gather (NCCL); fp32, TF32
+    off. The tiny shape with head_dim 64 (the CUDA attention kernels take 64 or 128)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    check_workers(checkpoints, "cuda", 1e-4)
+    paths = {
+        "tied": make_random_llama(str(tmp_path / "tied"), GPU_TINY_SHAPE),
+        "other": make_random_llama(str(tmp_path / "other"), GPU_TINY_SHAPE, seed=2),
+    }
+    check_workers(paths, "cuda", 1e-4)
 
 
 def test_refusals_at_tp2(model_path):

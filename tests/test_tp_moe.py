@@ -27,7 +27,7 @@ from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.moe import MoE, MoEConfig
 from taipan.ops.parallel import SINGLE, TPError, TPGroup
 from taipan.ops.sharding import Placement, placement
-from tests.random_moe import QWEN3_MOE_VARIANTS, make_random_qwen3_moe
+from tests.random_moe import GPU_HEAD_DIM, QWEN3_MOE_VARIANTS, make_random_qwen3_moe
 from tests.test_ops_moe import _rewrite_weights
 from tests.test_tp import (
     ATOL,
@@ -185,12 +185,17 @@ def test_qwen3_moe_worker_at_tp2_equals_tp1_with_weight_updates(moe_checkpoints)
 
 
 @pytest.mark.gpu
-def test_gpu_qwen3_moe_nccl_tp2_equals_tp1(moe_checkpoints):
+def test_gpu_qwen3_moe_nccl_tp2_equals_tp1(tmp_path):
     """The fused Triton MoE kernel over half of each expert's intermediate size on each of two
-    GPUs (NCCL, CUDA graphs on decode steps), fp32 with TF32 off, against T = 1 on one GPU."""
+    GPUs (the custom all-reduce, NCCL's gather, CUDA graphs on decode steps), fp32 with TF32
+    off, against T = 1 on one GPU. head_dim 64: the CUDA attention kernels take 64 or 128."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    check_moe_workers(moe_checkpoints, "cuda", 1e-4)
+    paths = {
+        name: make_random_qwen3_moe(str(tmp_path / name), seed=seed, head_dim=GPU_HEAD_DIM)
+        for name, seed in (("per-expert", 0), ("other", 2))
+    }
+    check_moe_workers(paths, "cuda", 1e-4)
 
 
 # ---- a NemotronH-style block: latent projections, a shared expert, one all-reduce ---------------

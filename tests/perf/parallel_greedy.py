@@ -2,6 +2,10 @@
 
     python3 tests/perf/parallel_greedy.py --model random:llama-8b --tensor-parallel-size 2
     python3 tests/perf/parallel_greedy.py --model random:llama-1b --data-parallel-size 2
+    python3 tests/perf/parallel_greedy.py --model random:llama-8b --data-parallel-size 2 \
+        --tensor-parallel-size 2
+    python3 tests/perf/parallel_greedy.py --model /tmp/qwen3-30b-a3b-4l --data-parallel-size 4 \
+        --expert-parallel-size 4 --make-qwen3-30b-a3b-4l
 
 Serves the model once at size 1 and once at the size given (fp32 by default, TF32 off: random
 weights give near-flat logits, which bf16 rounding flips between batch shapes), generates the
@@ -48,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--data-parallel-size", type=int, default=1)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--expert-parallel-size", type=int, default=1)
+    p.add_argument(
+        "--make-qwen3-30b-a3b-4l",
+        action="store_true",
+        help="first write a random Qwen3-30B-A3B-shaped MoE of 4 layers at --model (bf16 values)",
+    )
     p.add_argument("--num-prompts", type=int, default=16)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
@@ -58,7 +68,15 @@ def main(argv: list[str] | None = None) -> int:
     sizes = {
         "data_parallel_size": args.data_parallel_size,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "expert_parallel_size": args.expert_parallel_size,
     }
+    if args.make_qwen3_30b_a3b_4l:
+        import torch
+
+        from tests.random_moe import QWEN3_30B_A3B_4L, make_random_qwen3_moe
+
+        shape = dict(QWEN3_30B_A3B_4L, save_dtype=torch.bfloat16)
+        make_random_qwen3_moe(args.model, device=args.device, **shape)
     want, one_s = _generate(args, {})
     got, many_s = _generate(args, sizes)
     differ = [i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
