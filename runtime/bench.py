@@ -14,9 +14,16 @@ step time from measured matmul throughput and memory bandwidth.
 `--workload decode` and `--workload offline`: runtime/workloads.py; `--workload shared-prefix`
 (prefix caching off vs on): runtime/prefix_bench.py; `--workload http-load` (concurrent streams,
 some dropped mid-way, through the OpenAI server and through `AsyncClient`):
-runtime/http_bench.py. A shared-prefix run whose greedy outputs change with caching on, and an
-http-load run that breaks an invariant (a 5xx, a failed request, KV blocks not back), exit 1
-(after writing their rows).
+runtime/http_bench.py; `--workload relay` (one coordinator's relay capacity, synthetic engines,
+no model): runtime/relay_bench.py. A shared-prefix run whose greedy outputs change with caching
+on, and an http-load or relay run that breaks an invariant (a 5xx, a failed request, KV blocks
+not back, a token lost), exit 1 (after writing their rows).
+
+A row that breaks physics carries `invalid` (why): a decode step below its floor
+(workloads.py `decode_invalid`), a generate throughput above `hw_limit_output_tok_s`
+(`generate_invalid`); offline has no limit figure to check. Such a row is a measuring error: it
+is printed, never written to the results file, `taipan bench: INVALID ...` goes to stderr, and
+the run exits 1 (after writing its valid rows).
 """
 
 from __future__ import annotations
@@ -53,7 +60,7 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--workload",
         default="generate",
-        choices=["generate", "decode", "offline", "shared-prefix", "http-load"],
+        choices=["generate", "decode", "offline", "shared-prefix", "http-load", "relay"],
         help="generate: N prompts x M tokens vs HF (default); decode: step time per batch vs "
         "the floor; offline: many requests of ShareGPT-like lengths; shared-prefix: prefix "
         "caching off vs on, on a shared system prompt and on n samples of one prompt; "
@@ -110,7 +117,9 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
     p.add_argument("--batches", default="1,8,64,256", help="decode: comma-separated batch sizes")
-    p.add_argument("--num-requests", type=int, default=1000, help="offline: requests")
+    p.add_argument(
+        "--num-requests", type=int, default=1000, help="offline: requests; relay: per engine"
+    )
     p.add_argument(
         "--hf-requests",
         type=int,
@@ -128,9 +137,24 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--copy-gib", type=float, default=1.0, help="decode: copy-bandwidth buffer size (GiB)"
     )
+    p.add_argument(
+        "--ours-modes",
+        default=None,
+        help="decode: comma list of ours' modes to time, from graphs,eager,serial,nccl (default: "
+        "every one that applies; graphs, or eager on a CPU, must be in it)",
+    )
+    p.add_argument(
+        "--hf-repeats",
+        type=int,
+        default=3,
+        help="decode: timed T1/TN pairs per HF mode and batch (the step is from their medians)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per workload")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
+    from taipan.relay_bench import add_arguments as add_relay_arguments
+
+    add_relay_arguments(p)  # relay: one coordinator's capacity, synthetic engines
 
 
 def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[int]]]:
@@ -150,6 +174,7 @@ def _ours(args, prompts: list[str]) -> tuple[float, list[list[int]], list[list[i
 def run(args) -> int:
     from taipan.http_bench import http_load_workload
     from taipan.prefix_bench import shared_prefix_workload
+    from taipan.relay_bench import relay_workload
     from taipan.workloads import decode_workload, offline_workload
 
     workloads = {
@@ -158,6 +183,7 @@ def run(args) -> int:
         "offline": offline_workload,
         "shared-prefix": shared_prefix_workload,
         "http-load": http_load_workload,
+        "relay": relay_workload,
     }
     rows = workloads[args.workload](args)
     stamp = {
@@ -171,13 +197,37 @@ def run(args) -> int:
     os.makedirs(os.path.dirname(args.results) or ".", exist_ok=True)
     for row in rows:
         row.update(stamp)
-        with open(args.results, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(json.dumps(row) if args.json else _summary(row), flush=True)
+        if not row.get("invalid"):
+            with open(args.results, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        line = json.dumps(row) if args.json else _summary(row)
+        print(line if args.json or not row.get("invalid") else "INVALID " + line, flush=True)
+    refused = [row for row in rows if row.get("invalid")]
+    for row in refused:
+        batch = f" batch {row['batch']}" if row.get("batch") is not None else ""
+        print(
+            f"taipan bench: INVALID {row['workload']}{batch}, not written to {args.results}: "
+            f"{row['invalid']}",
+            file=sys.stderr,
+        )
     failed = any(
         row.get("outputs_equal") is False or row.get("invariants_hold") is False for row in rows
     )
-    return 1 if failed else 0
+    return 1 if failed or refused else 0
+
+
+def generate_invalid(row: dict) -> str | None:
+    """Why a generate row breaks physics, or None: ours or HF faster (output tok/s) than
+    `hw_limit_output_tok_s`, the rate at which every step reads the weights once (or does their
+    FLOPs) at the matmul rate and copy bandwidth just measured."""
+    limit = row.get("hw_limit_output_tok_s")
+    if not limit:
+        return None
+    figures = ("ours_output_tok_s", "hf_output_tok_s")
+    above = [f"{k} {row[k]}" for k in figures if row.get(k) is not None and row[k] > limit]
+    if not above:
+        return None
+    return f"{', '.join(above)} above hw_limit_output_tok_s {limit}: a measuring error"
 
 
 def _summary(row: dict) -> str:
@@ -185,7 +235,8 @@ def _summary(row: dict) -> str:
     if row["workload"] == "decode":
         return (
             f"decode batch {row['batch']}: ours {row['ours_step_ms']} ms/step "
-            f"({row['step_vs_floor']}x the floor of {row['floor_ms']} ms), HF best "
+            f"({row['step_vs_floor']}x the floor of {row['floor_ms']} ms; by differencing "
+            f"{row.get('ours_graphs_diff_ms', row.get('ours_eager_diff_ms'))}), HF best "
             f"{row.get('hf_best_ms')} ms, ours_vs_hf {row.get('ours_vs_hf')}, "
             f"GPU idle {row.get('gpu_idle_share')}"
         )
@@ -197,6 +248,10 @@ def _summary(row: dict) -> str:
         )
     if row["workload"] == "shared-prefix":
         return _shared_prefix_summary(row)
+    if row["workload"] == "relay":
+        from taipan.relay_bench import relay_summary
+
+        return relay_summary(row)
     if row["workload"] == "http-load":
         from taipan.http_bench import http_load_summary
 
@@ -283,4 +338,7 @@ def _generate_workload(args) -> list[dict]:
             for k, v in hardware_limit(args, model_path, args.num_prompts).items()
         }
     )
+    invalid = generate_invalid(row)
+    if invalid:
+        row["invalid"] = invalid
     return [row]

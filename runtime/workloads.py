@@ -1,14 +1,17 @@
 """The `decode` and `offline` workloads of `taipan bench` (runtime/bench.py owns the CLI, the
 `generate` workload and the results file; tests/perf/NOTES.md defines every figure).
 
-`decode`: per batch B of `--batches`, the decode step time from two timed runs of B prompts of
-`--prompt-len` ids: T1 (1 token: prefill) and TN (1 + `--output-len` tokens), step = (TN - T1) /
-output_len; for ours with CUDA graphs and overlapping steps (the default config), without graphs
-(`num_cuda_graphs=0`) and without overlap (`overlap_steps=false`), for HF `generate` with its
-dynamic cache and with a static cache that transformers compiles (CUDA only), against the floor:
-(weight bytes + the batch's KV bytes at mid-generation) / copy bandwidth measured on
-`--copy-gib` GiB. Each of ours warms up first with the batch's shapes and with a step that mixes
-decode rows and prefills (`_warm_mixed`). One row per batch.
+`decode`: per batch B of `--batches`, the decode step time, for ours in each of its modes
+(`ours_modes`: CUDA graphs and overlapping steps, the default config; without graphs; without
+overlap; under tensor parallelism with NCCL-only all-reduces), for HF `generate` with its dynamic
+cache and with a static cache that transformers compiles (CUDA only), against the floor: (weight
+bytes + the batch's KV bytes at mid-generation) / copy bandwidth measured on `--copy-gib` GiB.
+Ours: the engine's own time per output token over a run of B prompts of `--prompt-len` ids and
+1 + `--output-len` tokens (`_ours_decode` says why not a difference of two runs); HF: (TN - T1) /
+output_len from `generate` runs of 1 and 1 + output_len tokens, medians of `--hf-repeats`. Each
+of ours warms up first with the batch's shapes and with a step that mixes decode rows and
+prefills (`_warm_mixed`). One row per batch; a row whose step beats the floor is marked
+`invalid` (`decode_invalid`), and runtime/bench.py refuses to record it.
 
 `offline`: `--num-requests` requests of seeded ShareGPT-like prompt and output lengths
 (`sharegpt_like`), all submitted at once; HF in static batches of `--hf-batch` and with
@@ -27,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import math
+import statistics
 import sys
 import time
 
@@ -77,16 +81,16 @@ def _sampling(max_tokens: int):
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
 
-def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> float:
-    """Seconds from submitting every prompt to the last completion; each must have exactly
-    `max_tokens` tokens (greedy, EOS ignored)."""
+def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    """(seconds from submitting every prompt to the last completion, the completions); each must
+    have exactly `max_tokens` tokens (greedy, EOS ignored)."""
     start = time.perf_counter()
     done = client.generate(prompts, _sampling(max_tokens))
     elapsed = time.perf_counter() - start
     lengths = sorted({len(c.token_ids) for c in done})
     if lengths != [max_tokens]:
         raise RuntimeError(f"ours generated {lengths} tokens, not all {max_tokens}")
-    return elapsed
+    return elapsed, done
 
 
 def _rank_counters(client) -> tuple[float, int, int]:
@@ -117,6 +121,44 @@ def _rounded(row: dict) -> dict:
 # ---- decode: step time at batch B vs the floor -----------------------------------------------
 
 
+# Ours' modes and the --set lines each adds to the run's own; the first mode that applies is the
+# default config and adds none (on a CPU that is `eager`: CUDA graphs exist only on CUDA).
+OURS_MODES = {
+    "graphs": (),  # CUDA graphs, overlapping steps and, under TP, the custom all-reduce
+    "eager": ("num_cuda_graphs=0",),
+    "serial": ("overlap_steps=false",),  # each step planned after the previous one's result
+    "nccl": ("custom_all_reduce=false",),  # every all-reduce through NCCL
+}
+
+
+def ours_modes(args) -> list[str]:
+    """The modes of ours a decode run times, the default config's first: those `--ours-modes`
+    names (a comma list), else every one that applies: on CUDA graphs, eager, serial, and nccl
+    with --tensor-parallel-size > 1; on a CPU one eager run."""
+    cuda = args.device.startswith("cuda")
+    tp = getattr(args, "tensor_parallel_size", 1)
+    applies = ["graphs", "eager", "serial", *(["nccl"] if tp > 1 else [])] if cuda else ["eager"]
+    given = getattr(args, "ours_modes", None)
+    if not given:
+        return applies
+    wanted = {m.strip() for m in given.split(",") if m.strip()}
+    unknown = sorted(wanted - set(OURS_MODES))
+    if unknown:
+        raise ValueError(
+            f"--ours-modes: no mode {','.join(unknown)} (modes: {','.join(OURS_MODES)})"
+        )
+    elsewhere = sorted(wanted - set(applies))
+    if elsewhere:
+        raise ValueError(
+            f"--ours-modes: {','.join(elsewhere)} does not apply to this run (these do: "
+            f"{','.join(applies)}): graphs, serial and nccl need CUDA, nccl also "
+            "--tensor-parallel-size > 1"
+        )
+    if applies[0] not in wanted:
+        raise ValueError(f"--ours-modes must include {applies[0]}: the row's ratios are against it")
+    return [m for m in applies if m in wanted]
+
+
 def _decode_prompts(args, batches: list[int]) -> dict[int, dict[str, list[list[int]]]]:
     """Per batch: "warmup", "t1" and "tn" runs of B prompts of --prompt-len ids each, every run
     its own prompts (so no run can reuse another's KV, whatever the config says)."""
@@ -130,9 +172,16 @@ def _decode_prompts(args, batches: list[int]) -> dict[int, dict[str, list[list[i
 
 
 def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
-    """Per batch: T1 (max_tokens=1: prefill and one token) and TN (1 + output_len tokens) through
-    the real runtime; step = (TN - T1) / output_len. Over TN: the GPU's idle share (1 - the
-    device time of the steps / wall time) and the share of steps run from a CUDA graph."""
+    """Per batch, through the real runtime: the step (`step_ms`) is the median over the B
+    requests of a run of 1 + output_len tokens each (TN) of the engine's TPOT (Completion.tpot:
+    last token time - first token time, over the output_len steps between, on the engine's
+    clock), so only decode steps are in it. Kept for reference: `diff_ms` = (TN - T1) /
+    output_len, T1 a run of 1 token (prefill only) on other prompts. That difference of two
+    wall-clock runs subtracts from TN's few steps any one-off cost that lands in T1 only (the
+    batch reaching the engine over two steps, an eager mixed step, a compile, client or
+    coordinator jitter): on an H100, 16 steps of ~1.3 ms came out at 0.47x the floor. Over TN:
+    the GPU's idle share (1 - the device time of the steps / wall time) and the share of steps
+    run from a CUDA graph."""
     from taipan.client import Client
     from taipan.launcher import runtime_from_args
 
@@ -141,18 +190,26 @@ def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
         for b, prompts in runs.items():
             client.generate(prompts["warmup"], _sampling(4))  # this batch's shapes, once
             asyncio.run(_warm_mixed(rt.address, prompts["warmup"]))
-            t1 = _timed_generate(client, prompts["t1"], 1)
+            t1, _ = _timed_generate(client, prompts["t1"], 1)
             dev0, steps0, graphed0 = _rank_counters(client)
-            tn = _timed_generate(client, prompts["tn"], 1 + output_len)
+            tn, done = _timed_generate(client, prompts["tn"], 1 + output_len)
             dev1, steps1, graphed1 = _rank_counters(client)
             out[b] = {
                 "t1_s": t1,
                 "tn_s": tn,
-                "step_ms": 1e3 * (tn - t1) / output_len,
+                "step_ms": 1e3 * _median_tpot(done),
+                "diff_ms": 1e3 * (tn - t1) / output_len,
                 "gpu_idle_share": 1 - (dev1 - dev0) / tn,
                 "steps_graphed_share": (graphed1 - graphed0) / max(1, steps1 - steps0),
             }
     return out
+
+
+def _median_tpot(done: list) -> float:
+    tpots = [c.tpot for c in done]
+    if None in tpots:
+        raise RuntimeError("the engine reported no TPOT for a request of 2 or more tokens")
+    return statistics.median(tpots)
 
 
 async def _warm_mixed(address: str, prompts: list[list[int]]) -> None:
@@ -187,20 +244,29 @@ def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict)
     modes = {"hf": False}
     if args.device.startswith("cuda"):
         modes["hf_static"] = True
-    return {
-        mode: _optional(mode, lambda s=static: _hf_decode(model, runs, output_len, s), errors)
-        for mode, static in modes.items()
-    }
+    repeats = args.hf_repeats
+
+    def timed(static: bool):
+        return _hf_decode(model, runs, output_len, static, repeats)
+
+    return {mode: _optional(mode, lambda s=s: timed(s), errors) for mode, s in modes.items()}
 
 
-def _hf_decode(model, runs: dict, output_len: int, static: bool) -> dict[int, dict]:
+def _hf_decode(model, runs: dict, output_len: int, static: bool, repeats: int) -> dict[int, dict]:
+    """Per batch: step = (median TN - median T1) / output_len over `repeats` timed pairs of
+    `generate` runs, 1 and 1 + output_len new tokens (ops/bench.py `hf_decode_seconds`, each pair
+    after its own warm-up). HF gives no per-token clock from outside, so this stays a difference
+    of two wall-clock runs: a one-off cost in T1 (or in TN) moves the step by its size /
+    output_len, and the medians drop it only where it hits fewer than half of the repeats; the
+    shorter output_len, the larger what is left."""
     from taipan.ops.bench import hf_decode_seconds
 
     per_batch = {}
     for b, prompts in runs.items():
-        t = hf_decode_seconds(model, prompts, output_len, static)
-        step_ms = 1e3 * (t["tn"] - t["t1"]) / output_len
-        per_batch[b] = {"t1_s": t["t1"], "tn_s": t["tn"], "step_ms": step_ms}
+        times = [hf_decode_seconds(model, prompts, output_len, static) for _ in range(repeats)]
+        t1 = statistics.median(t["t1"] for t in times)
+        tn = statistics.median(t["tn"] for t in times)
+        per_batch[b] = {"t1_s": t1, "tn_s": tn, "step_ms": 1e3 * (tn - t1) / output_len}
     return per_batch
 
 
@@ -237,25 +303,25 @@ def decode_workload(args) -> list[dict]:
     args.output_len = args.output_len or 128
     if args.prompt_len < 1 or args.output_len < 1:
         raise ValueError("--prompt-len and --output-len must be >= 1")
+    if getattr(args, "hf_repeats", 1) < 1:
+        raise ValueError("--hf-repeats must be >= 1")
     batches = _decode_batches(args)
+    modes = ours_modes(args)
     name, model_path = resolve(args.model)
     runs = _decode_prompts(args, batches)
-    cuda = args.device.startswith("cuda")
     sets = _decode_config_sets(args, batches)
     errors: dict = {}
-    # Ours first: its engine process must have the GPU to itself.
-    ours = {
-        "graphs" if cuda else "eager": _ours_decode(_with_sets(args, *sets), runs, args.output_len)
-    }
-    if cuda:  # the same runtime with CUDA graphs off (0 = eager steps), and not overlapping
-        eager = _with_sets(args, *sets, "num_cuda_graphs=0")
-        ours["eager"] = _optional(
-            "ours_eager", lambda: _ours_decode(eager, runs, args.output_len), errors
-        )
-        serial = _with_sets(args, *sets, "overlap_steps=false")
-        ours["serial"] = _optional(
-            "ours_serial", lambda: _ours_decode(serial, runs, args.output_len), errors
-        )
+    # Ours first: its engine process must have the GPU to itself. The default config's mode is
+    # the row's own figure and must succeed; the others are optional.
+    ours = {}
+    for mode in modes:
+        extra = () if mode == modes[0] else OURS_MODES[mode]
+        mode_args = _with_sets(args, *sets, *extra)
+
+        def timed(a=mode_args):
+            return _ours_decode(a, runs, args.output_len)
+
+        ours[mode] = timed() if mode == modes[0] else _optional(f"ours_{mode}", timed, errors)
     hw = torch_side.model_bytes(model_path, args.dtype)
     hw["copy_gb_s"] = torch_side.copy_bandwidth(args.device, args.copy_gib) / 1e9
     hw["matmul_tflop_s"] = torch_side.matmul_rate(args.device, args.dtype) / 1e12
@@ -274,29 +340,41 @@ def decode_workload(args) -> list[dict]:
 
 
 def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict:
-    """Every figure of batch b, the floor, and the ratios."""
-    for mode, per_batch in [*ours.items(), *hf.items()]:
+    """Every figure of batch b, the floor, the ratios, and `invalid` where a step beats the
+    floor (`decode_invalid`). `ours` maps each mode (`ours_modes`, the default config's first)
+    to its per-batch figures, or None where it failed; `hf` likewise for HF's modes."""
+    for mode, per_batch in ours.items():
         if per_batch is None:
             continue
-        prefix = f"ours_{mode}" if mode in ("graphs", "eager", "serial") else mode
-        r = per_batch[b]
-        row.update({f"{prefix}_ms": r["step_ms"], f"{prefix}_t1_s": r["t1_s"]})
-        row[f"{prefix}_tn_s"] = r["tn_s"]
-        if "gpu_idle_share" in r:
-            row[f"{prefix}_gpu_idle_share"] = r["gpu_idle_share"]
-            row[f"{prefix}_steps_graphed_share"] = r["steps_graphed_share"]
-    main = "graphs" if "graphs" in ours else "eager"
+        r, p = per_batch[b], f"ours_{mode}"
+        row.update({f"{p}_ms": r["step_ms"], f"{p}_diff_ms": r["diff_ms"]})
+        row.update({f"{p}_t1_s": r["t1_s"], f"{p}_tn_s": r["tn_s"]})
+        row[f"{p}_gpu_idle_share"] = r["gpu_idle_share"]
+        row[f"{p}_steps_graphed_share"] = r["steps_graphed_share"]
+    for mode, per_batch in hf.items():
+        if per_batch is not None:
+            r = per_batch[b]
+            row.update({f"{mode}_ms": r["step_ms"], f"{mode}_t1_s": r["t1_s"]})
+            row[f"{mode}_tn_s"] = r["tn_s"]
+    row["step_source"] = "ours: median engine TPOT of the TN run's requests"
+    if hf:
+        row["hf_repeats"] = repeats = getattr(args, "hf_repeats", 1)
+        row["step_source"] += f"; HF: (median TN - median T1) / output_len of {repeats} runs"
+    main = next(iter(ours))
     row["ours_step_ms"] = step = row[f"ours_{main}_ms"]
     row["ours_output_tok_s"] = 1e3 * b / step if step > 0 else None
     row["gpu_idle_share"] = row[f"ours_{main}_gpu_idle_share"]
     row["steps_graphed_share"] = row[f"ours_{main}_steps_graphed_share"]
     if main == "eager":
         row["graphs_skipped"] = "needs CUDA: one eager run (CUDA graphs exist only on CUDA)"
-    else:
-        if row.get("ours_eager_ms"):
-            row["graphs_speedup"] = row["ours_eager_ms"] / step
-        if row.get("ours_serial_ms"):
-            row["overlap_speedup"] = row["ours_serial_ms"] / step
+    elif step > 0:
+        for mode, ratio in (
+            ("eager", "graphs_speedup"),
+            ("serial", "overlap_speedup"),
+            ("nccl", "custom_all_reduce_speedup"),
+        ):
+            if row.get(f"ours_{mode}_ms"):
+                row[ratio] = row[f"ours_{mode}_ms"] / step
     # The floor: one step reads the weights once and the batch's KV at mid-generation; under
     # tensor parallelism each of the T devices reads its 1/T of both, at once.
     context = args.prompt_len + args.output_len / 2
@@ -317,10 +395,29 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
     if not args.device.startswith("cuda"):
         row["hf_static_skipped"] = "needs CUDA (transformers compiles static-cache decode there)"
     hf_steps = {m: row[f"{m}_ms"] for m in ("hf", "hf_static") if f"{m}_ms" in row}
-    if hf_steps:
+    if hf_steps and step > 0:
         best = min(hf_steps, key=hf_steps.get)
         row.update(hf_best=best, hf_best_ms=hf_steps[best], ours_vs_hf=hf_steps[best] / step)
+    invalid = decode_invalid(row)
+    if invalid:
+        row["invalid"] = invalid
     return row
+
+
+def decode_invalid(row: dict) -> str | None:
+    """Why a decode row breaks physics, or None: a step time (any mode of ours or of HF) below
+    `floor_ms`, the time to read the weights once and the batch's KV at the copy bandwidth just
+    measured. Such a figure is a measuring error, never a fast step (the `*_diff_ms` reference
+    figures are not checked: they are known to carry that error)."""
+    floor = row["floor_ms"]
+    figures = [f"ours_{mode}_ms" for mode in OURS_MODES] + ["hf_ms", "hf_static_ms"]
+    below = [f"{k} {row[k]:.4g}" for k in figures if row.get(k) is not None and row[k] < floor]
+    if not below:
+        return None
+    return (
+        f"{', '.join(below)} ms below floor_ms {floor:.4g} ms (the weights and batch "
+        f"{row['batch']}'s KV read once at {row['copy_gb_s']:.4g} GB/s): a measuring error"
+    )
 
 
 # ---- offline: many requests of their own lengths ---------------------------------------------

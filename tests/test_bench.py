@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -64,22 +65,9 @@ def test_bench_json_row(tmp_path, model_path):
 def test_bench_warns_below_expected_identical(tmp_path, monkeypatch, capsys):
     """Fewer identical continuations than the dtype's floor: a stderr line and a flag in the row.
     Both sides are stubbed: this checks the bookkeeping, not the models."""
-    import taipan.models
-    import taipan.ops.bench
-
     ours = [[1, 2, 3], [4, 5, 6], [7, 8, 9], [1, 1, 1]]
     hf = [[1, 2, 3], [4, 5, 0], [7, 0, 9], [1, 1, 1]]  # 2 of 4 identical; fp32 expects 3
-    monkeypatch.setattr(taipan.models, "resolve", lambda name: ("stub", "stub.gguf"))
-    monkeypatch.setattr(bench, "_ours", lambda args, prompts: (1.0, [[5]] * 4, ours))
-    monkeypatch.setattr(taipan.ops.bench, "hf_generate", lambda args, path, ids: (2.0, hf))
-    monkeypatch.setattr(
-        taipan.ops.bench, "hardware_limit", lambda args, path, n: {"hw_limit_output_tok_s": 1.0}
-    )
-    p = argparse.ArgumentParser()
-    bench.add_arguments(p)
-    args = p.parse_args(["--num-prompts", "4", "--output-len", "3", "--json"])
-    args.results = str(tmp_path / "results.jsonl")
-    args.model, args.dtype, args.device = "stub", "float32", "cpu"
+    args = _stub_generate(tmp_path, monkeypatch, ours, hf, limit=1e6)
     assert bench.run(args) == 0
     out, err = capsys.readouterr()
     row = json.loads(out.strip().splitlines()[-1])
@@ -90,6 +78,45 @@ def test_bench_warns_below_expected_identical(tmp_path, monkeypatch, capsys):
         "taipan bench: warning: only 2/4 outputs identical to HF; expected at least 3 for float32"
         in err
     )
+
+
+def _stub_generate(tmp_path, monkeypatch, ours, hf, limit: float) -> argparse.Namespace:
+    """The generate workload's arguments (4 prompts x 3 tokens) with both sides stubbed: ours
+    took 1 s for `ours`, HF 2 s for `hf`, the hardware limit is `limit` tok/s."""
+    import taipan.models
+    import taipan.ops.bench
+
+    monkeypatch.setattr(taipan.models, "resolve", lambda name: ("stub", "stub.gguf"))
+    monkeypatch.setattr(bench, "_ours", lambda args, prompts: (1.0, [[5]] * 4, ours))
+    monkeypatch.setattr(taipan.ops.bench, "hf_generate", lambda args, path, ids: (2.0, hf))
+    monkeypatch.setattr(
+        taipan.ops.bench, "hardware_limit", lambda args, path, n: {"hw_limit_output_tok_s": limit}
+    )
+    return _stub_args(tmp_path, "--num-prompts", "4", "--output-len", "3", "--json")
+
+
+def _stub_args(tmp_path, *argv: str) -> argparse.Namespace:
+    """`taipan bench ARGV` as parsed, writing to a fresh results file, for stubbed workloads."""
+    p = argparse.ArgumentParser()
+    bench.add_arguments(p)
+    args = p.parse_args(list(argv))
+    args.results = str(tmp_path / "results.jsonl")
+    args.model, args.dtype, args.device = "stub", "float32", "cpu"
+    return args
+
+
+def test_generate_faster_than_the_hardware_limit_is_refused(tmp_path, monkeypatch, capsys):
+    """Ours' 12 tokens in 1 s are 12 tok/s, above a limit of 8 (HF's 6 tok/s are not): the row
+    is printed, flagged, not written, and the run exits 1 (stubbed sides, as above)."""
+    tokens = [[1, 2, 3]] * 4
+    args = _stub_generate(tmp_path, monkeypatch, tokens, tokens, limit=8.0)
+    assert bench.run(args) == 1
+    out, err = capsys.readouterr()
+    row = json.loads(out.strip().splitlines()[-1])
+    assert row["invalid"].startswith("ours_output_tok_s 12.0 above hw_limit_output_tok_s 8.0")
+    assert "hf_output_tok_s" not in row["invalid"]
+    assert "taipan bench: INVALID generate-4x3, not written to" in err
+    assert not (tmp_path / "results.jsonl").exists()
 
 
 @pytest.mark.slow
@@ -122,12 +149,14 @@ def _bench_rows(tmp_path, *args: str, timeout: int = 300) -> list[dict]:
 
 
 def test_decode_workload_rows_on_cpu(tmp_path):
-    """One row per batch: ours and HF step times from T1/TN, the floor and the ratios. On the
-    CPU there is one eager run of ours and no static-cache HF mode; each row says so."""
+    """One row per batch: ours' step from the engine's TPOT (and from T1/TN for reference), HF's
+    from T1/TN, the floor and the ratios. On the CPU there is one eager run of ours and no
+    static-cache HF mode; each row says so."""
     rows = _bench_rows(
         tmp_path,
         *("--workload", "decode", "--model", "random:tiny", "--batches", "2,1"),
         *("--output-len", "4", "--prompt-len", "8", "--copy-gib", "0.0625"),
+        *("--hf-repeats", "2"),
     )
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:
@@ -137,6 +166,10 @@ def test_decode_workload_rows_on_cpu(tmp_path):
         assert row["ours_step_ms"] == row["ours_eager_ms"] and "ours_graphs_ms" not in row
         # (TN > T1 is not asserted: 4 steps of a tiny model are within this machine's noise)
         assert row["ours_eager_tn_s"] > 0 and row["ours_eager_t1_s"] > 0
+        assert "ours_eager_diff_ms" in row and "invalid" not in row and row["hf_repeats"] == 2
+        assert row["step_source"].startswith("ours: median engine TPOT of the TN run")
+        # 4 steps take at least 4 step times: TN's wall time bounds the engine's TPOT
+        assert 0 < row["ours_eager_ms"] <= 1e3 * row["ours_eager_tn_s"] / 4
         assert row["hf_best"] == "hf" and row["hf_best_ms"] == row["hf_ms"]
         assert row["ours_vs_hf"] == pytest.approx(row["hf_ms"] / row["ours_step_ms"], rel=1e-3)
         assert row["floor_ms"] > 0 and row["copy_gb_s"] > 0 and row["copy_gib"] == 0.0625
@@ -147,6 +180,95 @@ def test_decode_workload_rows_on_cpu(tmp_path):
         # weights once (tied: the embedding is the LM head) + the batch's KV at mid-generation
         assert row["weight_bytes"] == 4 * row["params"]
         assert row["kv_bytes"] == row["batch"] * (8 + 4 / 2) * 2 * 2 * 2 * 16 * 4
+
+
+def _fake_decode_row(steps: dict, b: int = 1, device: str = "cuda", hf: dict | None = None):
+    """`_decode_row` on made-up figures, a floor of 1 ms (1 GB of weights at 1000 GB/s, no KV):
+    `steps` maps ours' modes to step ms (diff figures half of those), `hf` HF's modes."""
+    from taipan.workloads import _decode_row
+
+    args = argparse.Namespace(
+        prompt_len=8, output_len=16, copy_gib=1.0, device=device, tensor_parallel_size=1
+    )
+    args.hf_repeats = 3
+
+    def figures(ms: float) -> dict:
+        return {"step_ms": ms, "diff_ms": ms / 2, "t1_s": 0.01, "tn_s": 0.03}
+
+    ours = {
+        mode: {b: dict(figures(ms), gpu_idle_share=0.1, steps_graphed_share=1.0)}
+        for mode, ms in steps.items()
+    }
+    hf_modes = {mode: {b: figures(ms)} for mode, ms in (hf or {}).items()}
+    hw = {"params": 5 * 10**8, "read_params": 5 * 10**8, "weight_bytes": 10**9}
+    hw.update(kv_bytes_per_token=0, copy_gb_s=1000.0, matmul_tflop_s=500.0)
+    return _decode_row(args, {"workload": "decode", "batch": b}, b, ours, hf_modes, hw)
+
+
+def test_decode_row_figures_and_ratios():
+    row = _fake_decode_row(
+        {"graphs": 1.5, "eager": 3.0, "serial": 2.0, "nccl": 1.8}, hf={"hf": 6.0}
+    )
+    assert row["floor_ms"] == pytest.approx(1.0) and "invalid" not in row
+    assert row["ours_step_ms"] == row["ours_graphs_ms"] == 1.5
+    # the difference is kept for reference, and not held to the floor
+    assert row["ours_graphs_diff_ms"] == 0.75 and row["ours_nccl_t1_s"] == 0.01
+    assert row["graphs_speedup"] == pytest.approx(2.0)
+    assert row["overlap_speedup"] == pytest.approx(2.0 / 1.5)
+    assert row["custom_all_reduce_speedup"] == pytest.approx(1.2)
+    assert row["ours_vs_hf"] == pytest.approx(4.0) and row["hf_repeats"] == 3
+    assert row["step_source"].startswith("ours: median engine TPOT") and "HF" in row["step_source"]
+
+
+def test_decode_row_below_the_floor_is_invalid():
+    """A step shorter than reading the weights once is a measuring error, in any of ours'
+    modes or HF's, on CUDA or on a CPU."""
+    row = _fake_decode_row({"graphs": 0.467, "eager": 3.0, "serial": 0.9})
+    assert row["invalid"].startswith("ours_graphs_ms 0.467, ours_serial_ms 0.9 ms below floor_ms 1")
+    assert "eager" not in row["invalid"] and "1000 GB/s" in row["invalid"]
+    assert "ours_vs_hf" not in row and "hf_repeats" not in row
+    assert "hf_ms 0.8" in _fake_decode_row({"graphs": 1.5}, hf={"hf": 0.8})["invalid"]
+    assert "ours_eager_ms 0.5" in _fake_decode_row({"eager": 0.5}, device="cpu")["invalid"]
+    assert "ours_nccl_ms" in _fake_decode_row({"graphs": 1.5, "nccl": 0.99})["invalid"]
+
+
+def test_decode_rows_below_the_floor_are_refused(tmp_path, monkeypatch, capsys):
+    """`taipan bench` writes the valid rows, prints every row (the invalid ones flagged), says
+    INVALID on stderr and exits 1. The workload is stubbed: this checks the refusal only."""
+    import taipan.workloads
+
+    good, bad = _fake_decode_row({"graphs": 1.5}), _fake_decode_row({"graphs": 0.5}, b=8)
+    monkeypatch.setattr(taipan.workloads, "decode_workload", lambda args: [good, bad])
+    assert bench.run(_stub_args(tmp_path, "--workload", "decode")) == 1
+    out, err = capsys.readouterr()
+    written = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["batch"] for r in written] == [1] and "invalid" not in written[0]
+    lines = out.strip().splitlines()
+    assert lines[-2].startswith("decode batch 1: ours 1.5 ms/step")
+    assert lines[-1].startswith("INVALID decode batch 8: ours 0.5 ms/step")
+    assert "taipan bench: INVALID decode batch 8, not written to" in err
+    assert "ours_graphs_ms 0.5 ms below floor_ms 1" in err and "batch 1," not in err
+
+
+def test_ours_modes_default_and_chosen():
+    from taipan.workloads import ours_modes
+
+    def modes(device: str, given: str | None = None, tp: int = 1) -> list[str]:
+        args = argparse.Namespace(device=device, ours_modes=given, tensor_parallel_size=tp)
+        return ours_modes(args)
+
+    assert modes("cpu") == ["eager"] and modes("cpu", "eager", tp=2) == ["eager"]
+    assert modes("cuda") == ["graphs", "eager", "serial"]
+    assert modes("cuda", tp=2) == ["graphs", "eager", "serial", "nccl"]
+    assert modes("cuda:1", " nccl,graphs", tp=2) == ["graphs", "nccl"]
+    with pytest.raises(ValueError, match="must include graphs"):
+        modes("cuda", "eager,serial")
+    with pytest.raises(ValueError, match="nccl does not apply"):
+        modes("cuda", "graphs,nccl")
+    with pytest.raises(ValueError, match="graphs,serial does not apply"):
+        modes("cpu", "graphs,eager,serial")
+    with pytest.raises(ValueError, match="no mode fast"):
+        modes("cuda", "graphs,fast")
 
 
 def test_offline_workload_row_on_cpu(tmp_path):
@@ -198,6 +320,11 @@ def test_decode_workload_on_cuda(tmp_path):
         assert row["gpu"] and row["model"] == "llama-1b-shape"
         for key in ("ours_graphs_ms", "ours_eager_ms", "hf_ms", "hf_static_ms", "floor_ms"):
             assert row[key] > 0, key
+        # The step is the engine's TPOT; the old difference of two runs is kept beside it (it
+        # read 0.467x the floor here once: bench.run would now refuse such a row and exit 1).
+        assert row["ours_graphs_ms"] >= row["floor_ms"] and "invalid" not in row
+        assert "ours_graphs_diff_ms" in row and "ours_eager_diff_ms" in row
+        assert row["step_source"].startswith("ours: median engine TPOT")
         assert row["step_vs_floor"] >= 1 and row["graphs_speedup"] > 0 and row["ours_vs_hf"] > 0
         assert row["steps_graphed_share"] > 0 and 0 <= row["gpu_idle_share"] < 1
 
@@ -213,3 +340,24 @@ def test_offline_workload_on_cuda(tmp_path):
     )
     assert row["gpu"] and row["ours_output_tok_s"] > 0 and row["ours_vs_hf"] > 0
     assert row["hf_generate_output_tok_s"] > 0 and row["hf_continuous_output_tok_s"] > 0
+
+
+def test_no_committed_row_breaks_physics():
+    """tests/perf/results.jsonl holds no decode row whose step beats its floor and no generate
+    row faster than its hardware limit (the bench refuses to write one; this also catches a row
+    added by hand)."""
+    from taipan.bench import generate_invalid
+    from taipan.workloads import decode_invalid
+
+    path = os.path.join(os.path.dirname(__file__), "perf", "results.jsonl")
+    with open(path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+
+    def why(row: dict) -> str | None:
+        workload = row.get("workload", "")
+        if workload == "decode":
+            return decode_invalid(row)
+        return generate_invalid(row) if workload.startswith("generate-") else None
+
+    bad = [(i + 1, row.get("date"), why(row)) for i, row in enumerate(rows) if why(row)]
+    assert not bad, bad
