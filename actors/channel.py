@@ -320,8 +320,12 @@ def make_socket(
     if identity is not None:
         sock.setsockopt(zmq.IDENTITY, identity)
     if kind == zmq.ROUTER:
-        # Replies to a vanished peer are dropped rather than blocking the actor.
+        # Replies to a vanished peer are dropped rather than blocking the actor; those to a
+        # slow one queue without limit: at the default limit (1,000 messages) a ROUTER drops
+        # silently, and a client that fell behind lost outputs, terminal ones too (the relay
+        # bench saw it, tests/perf/NOTES.md).
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.SNDHWM, 0)
     if kind in (zmq.PUB, zmq.XPUB, zmq.SUB):
         # A publisher drops what a full subscriber queue cannot take: no limit, never a loss
         # (its subscribers keep pace some other way: tensor-parallel peers by their collectives).

@@ -263,14 +263,17 @@ class ModelInfo:
 
 @message(26)
 class StepOutputs:
-    """Engine -> coordinator: every RequestOutput of one step in one message (also those of
-    requests that ended without running in it), or of one event that ended requests between
-    steps (an abort, a refused submission, a shutdown).
+    """Engine -> coordinator, and coordinator -> client: every RequestOutput of one step in
+    one message (also those of requests that ended without running in it), or of one event that
+    ended requests between steps (an abort, a refused submission, a shutdown).
 
-    Entry i: `request_ids[i]` (global id) and `finished[i]` are all the coordinator reads, to
-    route and to forget a finished route; `outputs[i]` is that request's RequestOutput, encoded
-    by the engine as one frame (`encode_frame`), which the coordinator relays to the owning
-    client under the client's id (`relayed`) without decoding it. Build one with `of`.
+    Entry i: `request_ids[i]` and `finished[i]` are all the coordinator reads, to route and to
+    forget a finished route; `outputs[i]` is that request's RequestOutput, encoded by the engine
+    as one frame (`encode_frame`). To a client that said Hello("client") the coordinator sends
+    one StepOutputs per engine step with that client's entries, `request_ids` its own ids and
+    each frame unread (still holding the engine's global id; the client decodes and checks it);
+    to any other client each output as its own message, renumbered (`relayed`). A direct-mode
+    client gets the engine's StepOutputs as sent. Build one with `of`.
     """
 
     request_ids: Array[np.int64, 1]

@@ -257,6 +257,9 @@ class AsyncClient:
     async def connect(self) -> None:
         """Connect and fetch the model info (waits until an engine has loaded its model)."""
         self._ctx = zmq.asyncio.Context()
+        # No receive limit: past it the coordinator's ROUTER would drop this client's outputs
+        # (silently: a request could lose tokens or never end) while it is slow to read them.
+        self._ctx.setsockopt(zmq.RCVHWM, 0)
         if self.direct is None:
             channel = make_socket(
                 self._ctx,

@@ -14,11 +14,18 @@ steps), so a long prefill or a paused runtime does not time out; an absent or de
 
 Control replies carry no id, so a connection sends one command at a time (`control` holds a
 lock): the next `ControlAck`, or `ErrorReply` naming no request, answers it.
+
+Outputs: the client says `Hello("client")` first, so the coordinator relays each engine step's
+outputs for this client's requests in one `StepOutputs` under this client's ids, each output
+frame as the engine encoded it; it is decoded and checked here (a RequestOutput that ends when
+the entry says; anything else fails its request with an error and aborts it in the engine). A
+single `RequestOutput` (the coordinator's own answers: a refusal, a lost rank) is taken too.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import time
 
@@ -26,7 +33,8 @@ import numpy as np
 
 from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
-from taipan.messages.common import ErrorReply, Heartbeat
+from taipan.messages.codec import MessageError, decode
+from taipan.messages.common import ErrorReply, Heartbeat, Hello
 from taipan.messages.lifecycle import CONTROL_MESSAGES, ControlAck, ControlCommand
 from taipan.messages.requests import (
     AbortRequest,
@@ -35,11 +43,13 @@ from taipan.messages.requests import (
     ModelInfo,
     RequestOutput,
     SamplingParams,
+    StepOutputs,
     SubmitRequest,
 )
 from taipan.messages.stats import GetStats, Stats
 
 DEFAULT_TIMEOUT_S = 5.0
+NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
 class ControlError(RuntimeError):
@@ -75,6 +85,7 @@ class ClientActor(Actor):
         self.waiting = asyncio.Event()  # set while something waits for an answer
         self.serve(channel)
         self.on(RequestOutput, self.on_output)
+        self.on(StepOutputs, self.on_step_outputs)
         self.on(ModelInfo, self.on_info)
         self.on(ErrorReply, self.on_error)
         self.on(ControlAck, self.on_control_ack)
@@ -83,6 +94,11 @@ class ClientActor(Actor):
 
     async def started(self) -> None:
         self.spawn(self._watch_server())
+        await self.greet()
+
+    async def greet(self) -> None:
+        """Say who we are: a client that takes its outputs in StepOutputs."""
+        await self.channel.send(Hello("client", -1))
 
     async def dispatch(self, env: Envelope) -> None:
         self.heard = time.monotonic()  # any message (a Heartbeat answer too) proves it alive
@@ -186,9 +202,7 @@ class ClientActor(Actor):
 
     def _end_requests(self, reason: FinishReason, text: str) -> None:
         for request_id, queue in self.queues.items():
-            queue.put_nowait(
-                RequestOutput(request_id, np.zeros(0, np.int32), True, reason, text, 0, 0)
-            )
+            queue.put_nowait(RequestOutput(request_id, NO_TOKENS, True, reason, text, 0, 0))
         self.queues.clear()
 
     # --- inbound ------------------------------------------------------------------------------
@@ -200,6 +214,46 @@ class ClientActor(Actor):
         if msg.finished:
             del self.queues[msg.request_id]
         queue.put_nowait(msg)
+
+    async def on_step_outputs(self, env: Envelope, msg: StepOutputs) -> None:
+        """Each output of one engine step to its request's queue. An entry that is not a
+        RequestOutput ending when the entry says fails its request (`_bad_output`)."""
+        problem = msg.problem()
+        ids = msg.request_ids.tolist()
+        for i, request_id in enumerate(ids if problem is None else []):
+            try:
+                out = self._entry(msg, i, request_id)
+            except MessageError as e:
+                await self._bad_output(request_id, str(e))
+                continue
+            await self.on_output(env, out)
+        if problem is not None:
+            for request_id in ids:
+                await self._bad_output(request_id, problem)
+
+    def _entry(self, msg: StepOutputs, i: int, request_id: int) -> RequestOutput:
+        """Entry i under this client's `request_id` (its frame holds the engine's id).
+        MessageError unless the frame is a RequestOutput that is finished when the entry is."""
+        out = decode([msg.outputs[i]])
+        finished = bool(msg.finished[i])
+        if not isinstance(out, RequestOutput) or out.finished is not finished:
+            raise MessageError(
+                f"StepOutputs entry {i}: a {type(out).__name__} (finished "
+                f"{getattr(out, 'finished', None)!r}) filed as an output (finished {finished})",
+                "bad_field",
+            )
+        return dataclasses.replace(out, request_id=request_id)
+
+    async def _bad_output(self, request_id: int, why: str) -> None:
+        """End a request whose output cannot be read with an error, and abort it in the engine
+        (its blocks come back; its terminal output then finds no queue and is dropped)."""
+        queue = self.queues.pop(request_id, None)
+        if queue is None:
+            return
+        self.log.error("malformed output", request_id=request_id, error=why)
+        text = f"the runtime sent a malformed output for this request: {why}"[:2000]
+        queue.put_nowait(RequestOutput(request_id, NO_TOKENS, True, FinishReason.ERROR, text, 0, 0))
+        await self.channel.send(AbortRequest(request_id))
 
     async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
         pass  # the coordinator's answer to our ping: `dispatch` already noted that it is alive

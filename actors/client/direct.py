@@ -29,7 +29,7 @@ import numpy as np
 
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.client.actor import ClientActor, RuntimeUnreachable
-from taipan.messages.codec import MessageError, decode
+from taipan.messages.codec import decode
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import CONTROL_MESSAGES, ControlAck, Stop, StopAck
@@ -76,7 +76,6 @@ class DirectActor(ClientActor):
         for msg_type, handler in [
             (Hello, self.on_hello),
             (ModelLoaded, self.on_model_loaded),
-            (StepOutputs, self.on_step_outputs),
             (PeerGone, self.on_peer_gone),
             (PrefixEvents, self.on_ignored),  # routing tables are a coordinator's business
             (StopAck, self.on_stop_ack),
@@ -261,21 +260,13 @@ class DirectActor(ClientActor):
     async def on_stop_ack(self, env: Envelope, msg: StopAck) -> None:
         self.stop_acked.set()
 
-    async def on_step_outputs(self, env: Envelope, msg: StepOutputs) -> None:
-        """Each output to its request's queue. Entries that do not decode end their requests
-        with an error, and the engine is told to abort them (their blocks come back)."""
-        problem = msg.problem()
-        ids = msg.request_ids.tolist()
-        for i, request_id in enumerate(ids if problem is None else []):
-            try:
-                out = decode([msg.relayed(i, request_id)])
-            except MessageError as e:
-                await self._bad_output(request_id, str(e))
-                continue
-            await self.on_output(env, out)
-        if problem is not None:
-            for request_id in ids:
-                await self._bad_output(request_id, problem)
+    async def greet(self) -> None:
+        pass  # the engine speaks first (its Hello)
+
+    def _entry(self, msg: StepOutputs, i: int, request_id: int) -> RequestOutput:
+        """Entry i: the engine numbers requests with this client's own ids, so the frame must
+        carry `request_id` (StepOutputs.relayed checks it)."""
+        return decode([msg.relayed(i, request_id)])
 
     async def _bad_output(self, request_id: int, why: str) -> None:
         queue = self.queues.pop(request_id, None)

@@ -1,9 +1,8 @@
 """The coordinator actor: clients on one ROUTER, engines on another.
 
 Validates submissions, assigns global ids, routes to a rank, relays outputs back (an engine
-sends one `StepOutputs` per step; each output in it goes on to its client as the engine encoded
-it, only the request id rewritten: the coordinator decodes none of them), answers model-info
-queries once a rank has loaded its model, merges the ranks' stats
+sends one `StepOutputs` per step; see "Relaying outputs" below), answers model-info queries
+once a rank has loaded its model, merges the ranks' stats
 (messages/stats.py), and drives the lifecycle (messages/lifecycle.py): a control command from a
 client that presents the runtime's control token is checked against the FSM
 (actors/coordinator/fsm.py), forwarded to every engine, and answered with one `ControlAck` once
@@ -21,10 +20,18 @@ their model; a rank that dies or fails to load before that fails the start. A cl
 connection closes has all its requests aborted, so their blocks come back. A client's Heartbeat
 is answered with one.
 
+Relaying outputs: an engine's StepOutputs is split by client, routed by its arrays alone
+(`request_ids`, `finished`). A client that said `Hello("client")` (actors/client/actor.py does)
+gets one StepOutputs per engine step holding its entries, under its own request ids, each
+output frame as the engine encoded it (its own id still the engine's; the client reads it and
+checks it): per entry the coordinator touches no byte, and sends one message per client per
+step, not one per request (tests/perf/NOTES.md, "Coordinator relay capacity"). Any other client
+gets each output as a RequestOutput of its own, renumbered (`StepOutputs.relayed`, which checks
+the frame: a malformed entry fails its request, the client getting its terminal output and the
+engine an abort and a "bad_message" error).
+
 A bad submission gets a terminal `RequestOutput` with finish_reason "error"; a malformed frame
-gets an `ErrorReply` (actors/base.py); a malformed entry of a StepOutputs fails its request (the
-client gets its terminal output, the engine an abort); the coordinator keeps serving. After STOP
-it exits.
+gets an `ErrorReply` (actors/base.py); the coordinator keeps serving. After STOP it exits.
 """
 
 from __future__ import annotations
@@ -142,6 +149,7 @@ class CoordinatorActor(Actor):
         self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
         self.loaded: set[int] = set()  # ranks that have loaded their model (ever)
         self.engine_heard: dict[bytes, float] = {}  # engine identity -> its last message
+        self.batch_clients: set[bytes] = set()  # clients that take StepOutputs (their Hello)
         self.engine_timeout = engine_timeout
         self.info: ModelInfo | None = None
         self.load_error: str | None = None
@@ -185,7 +193,7 @@ class CoordinatorActor(Actor):
         if env.channel is self.backend and env.sender in self.engine_heard:
             self.engine_heard[env.sender] = env.time  # any message proves the engine alive
         side = FROM_CLIENTS if env.channel is self.frontend else FROM_ENGINES
-        if env.msg is not None and type(env.msg) not in side:
+        if env.msg is not None and type(env.msg) not in side and not self._client_hello(env):
             # e.g. a client sending RequestOutput or ModelLoaded: never act on it.
             if not isinstance(env.msg, ErrorReply):  # never answer an error with an error
                 who = "clients" if side is FROM_CLIENTS else "engines"
@@ -193,6 +201,12 @@ class CoordinatorActor(Actor):
                 await self._reply_error(env, "unexpected_message", text)
             return
         await super().dispatch(env)
+
+    def _client_hello(self, env: Envelope) -> bool:
+        """Whether `env` is a client's Hello("client"), the one Hello a client may send (it
+        takes its outputs in StepOutputs)."""
+        msg = env.msg
+        return env.channel is self.frontend and isinstance(msg, Hello) and msg.name == "client"
 
     # --- clients ------------------------------------------------------------------------------
 
@@ -251,6 +265,7 @@ class CoordinatorActor(Actor):
         # A client vanished: abort its requests so that their blocks come back. Their terminal
         # outputs still come through on_step_outputs (and are dropped by the socket).
         routes = self.core.routes_of_client(env.sender)
+        self.batch_clients.discard(env.sender)
         self.stats_waiters = [c for c in self.stats_waiters if c != env.sender]
         if routes:
             self.log.info("client gone: aborting its requests", requests=len(routes))
@@ -407,6 +422,9 @@ class CoordinatorActor(Actor):
     # --- engines ------------------------------------------------------------------------------
 
     async def on_hello(self, env: Envelope, msg: Hello) -> None:
+        if env.channel is self.frontend:  # a client: it takes its outputs in StepOutputs
+            self.batch_clients.add(env.sender)
+            return
         if msg.name == "engine":
             refusal = self.core.rank_refusal(msg.rank, env.sender, self.engines, self.num_ranks)
             if refusal is not None:
@@ -491,21 +509,29 @@ class CoordinatorActor(Actor):
             await self.frontend.send(reply, to=client)
 
     async def on_step_outputs(self, env: Envelope, msg: StepOutputs) -> None:
-        """Relay each output of an engine step to the client that owns its request, in order, as
-        the engine encoded it: only the id changes, so every field (log-probs, events, ...)
-        relays unread. A terminal output forgets its route; an output whose route is gone (its
-        client left, or it was already failed) is dropped."""
+        """Relay an engine step's outputs to the clients that own their requests, in order
+        (module docstring: one StepOutputs per batch client, a RequestOutput per output for any
+        other). A terminal output forgets its route; an output whose route is gone (its client
+        left, or it was already failed) is dropped."""
         problem = msg.problem()
         if problem is not None:
             lost = [(gid, self.core.route_of(gid, True)) for gid in msg.request_ids.tolist()]
             await self._bad_outputs(env, [(g, r) for g, r in lost if r is not None], problem)
             return
+        batches: dict[bytes, tuple[list[int], list[int]]] = {}  # client -> (entries, its ids)
         bad: list[tuple[int, Route]] = []
         errors: list[str] = []
         entries = zip(msg.request_ids.tolist(), msg.finished.tolist(), strict=True)
         for i, (gid, finished) in enumerate(entries):
             route = self.core.route_of(gid, finished)
             if route is None:
+                continue
+            if route.client in self.batch_clients:
+                batch = batches.get(route.client)
+                if batch is None:
+                    batch = batches[route.client] = ([], [])
+                batch[0].append(i)
+                batch[1].append(route.client_request_id)
                 continue
             try:
                 frame = msg.relayed(i, route.client_request_id)
@@ -515,6 +541,10 @@ class CoordinatorActor(Actor):
                 errors.append(str(e))
                 continue
             await self.frontend.send_frames([frame], to=route.client)
+        for client, (picked, ids) in batches.items():
+            outputs = tuple(msg.outputs[i] for i in picked)
+            out = StepOutputs(np.array(ids, np.int64), msg.finished[picked], outputs)
+            await self.frontend.send(out, to=client)
         if bad:
             await self._bad_outputs(env, bad, "; ".join(errors[:3]))
 

@@ -15,7 +15,9 @@ any), and applies every other change where its inbound message is recorded. What
 coordinator's own clock decides is recorded too: a rank declared dead (after a silence, or its
 connection closing) leaves a record-only `RankGone`, and the weight version, the hash salt,
 moves only in a control round's `ControlAck` to its client. Outputs relayed to clients, aborts,
-stats and controls do not route and are not compared. One thing the log cannot show: a socket
+stats and controls do not route and are not compared (but an output the coordinator could not
+relay ends its route: only for clients that did not say Hello, whose outputs it renumbers one
+by one; a client that did gets the frames unread). One thing the log cannot show: a socket
 send that blocks on a full queue lets another message be handled in between; the replay then
 sees the arrivals in the wrong order.
 
@@ -32,7 +34,7 @@ import numpy as np
 from taipan.actors.coordinator.core import CoordinatorCore, NoRankError, routing_hashes
 from taipan.actors.coordinator.routing import RoutingError
 from taipan.messages.codec import MessageError, encode
-from taipan.messages.common import ErrorReply, Hello, RankGone
+from taipan.messages.common import ErrorReply, Hello, PeerGone, RankGone
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import ControlAck, Stop
 from taipan.messages.requests import (
@@ -82,6 +84,7 @@ class CoordinatorReplay:
         self.weight_version = 0
         self.stop_asked = False
         self.waiting: deque[Submission] = deque()  # arrived, outcome not recorded yet
+        self.batch_clients: set[bytes] = set()  # clients that said Hello (actor.py)
         self.replayed: str | None = None
         self.routed = self.refused = self.events = self.ranks_gone = 0
 
@@ -91,6 +94,10 @@ class CoordinatorReplay:
         if channel == CLIENTS:
             if isinstance(msg, SubmitRequest):
                 self.waiting.append(Submission(peer, msg, time))
+            elif isinstance(msg, Hello) and msg.name == "client":
+                self.batch_clients.add(peer)
+            elif isinstance(msg, PeerGone):
+                self.batch_clients.discard(peer)
             elif isinstance(msg, Stop):
                 self.stop_asked = True
             return None
@@ -131,7 +138,7 @@ class CoordinatorReplay:
         entries = zip(msg.request_ids.tolist(), msg.finished.tolist(), strict=True)
         for i, (gid, finished) in enumerate(entries):
             route = self.core.route_of(gid, finished)
-            if route is None:
+            if route is None or route.client in self.batch_clients:
                 continue
             try:
                 msg.relayed(i, route.client_request_id)
