@@ -256,7 +256,7 @@ class AsyncLLM(_Base):
 class LLM(_Base):
     """The blocking LLM: starts (or connects to) a runtime at construction; `generate` and
     `chat` return completions in input order, with a progress bar (tqdm; `use_tqdm` defaults to
-    whether stderr is a terminal)."""
+    whether stderr is a terminal; TQDM_DISABLE=1 in the environment hides it always)."""
 
     client: Client | None = None
 
@@ -288,6 +288,8 @@ class LLM(_Base):
         prompts = _prompt_list(prompts)
         samplings = _samplings(prompts, sampling)
         show = sys.stderr.isatty() if use_tqdm is None else use_tqdm
+        # tqdm reads TQDM_DISABLE once, when first imported; the user's choice counts at each call.
+        show = show and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true", "yes")
         return client.run(_gather_with_progress(client.aio, prompts, samplings, chat, show))
 
     def chat(self, messages, sampling=None, *, use_tqdm: bool | None = None) -> list[Completion]:
@@ -345,7 +347,8 @@ async def _gather_with_progress(
     if show:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(prompts), desc="generate", unit="req")
+        # disable=False: `show` decided (tqdm's own TQDM_DISABLE default is read at import).
+        bar = tqdm(total=len(prompts), desc="generate", unit="req", disable=False)
 
     async def one(p, s) -> Completion:
         [c] = await client.generate([p], s, chat=chat)

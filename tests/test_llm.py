@@ -35,9 +35,17 @@ def llm(model_path):
         yield llm
 
 
-def test_generate_in_order_equals_a_client(llm, capsys):
+def test_generate_in_order_equals_a_client(llm, capsys, monkeypatch):
+    # The progress bar, whatever the user's environment says; TQDM_DISABLE=1 (a user's choice)
+    # hides it even when asked for.
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=True)
-    assert "generate" in capsys.readouterr().err  # the progress bar
+    assert "generate" in capsys.readouterr().err
+    monkeypatch.setenv("TQDM_DISABLE", "1")
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=True)] == [
+        o.token_ids for o in outs
+    ]
+    assert "generate" not in capsys.readouterr().err
     with Client(llm._runtime.address) as c:
         want = c.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [w.token_ids for w in want]
