@@ -66,6 +66,10 @@ class RankStats:
     # (not in device_seconds_total).
     dummy_steps_total: int = 0
     dummy_device_seconds_total: float = 0.0
+    # The engine process's time in Python's garbage collector since start, and its collections
+    # (every thread stops meanwhile: steps wait for it).
+    gc_seconds_total: float = 0.0
+    gc_collections_total: int = 0
     # Set by the coordinator: False once the rank died (its last report, nothing running), with
     # why in `dead_reason`.
     alive: bool = True
@@ -104,7 +108,7 @@ class Stats:
         for r in self.ranks:
             for name in fields:
                 fields[name] += getattr(r, name)
-        for name in ("device_seconds_total", "dummy_device_seconds_total"):
+        for name in ("device_seconds_total", "dummy_device_seconds_total", "gc_seconds_total"):
             fields[name] = float(fields[name])
         fields["step"] = max((r.step for r in self.ranks), default=0)
         fields["weight_version"] = max((r.weight_version for r in self.ranks), default=0)

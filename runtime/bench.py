@@ -238,7 +238,7 @@ def _summary(row: dict) -> str:
             f"({row['step_vs_floor']}x the floor of {row['floor_ms']} ms; by differencing "
             f"{row.get('ours_graphs_diff_ms', row.get('ours_eager_diff_ms'))}), HF best "
             f"{row.get('hf_best_ms')} ms, ours_vs_hf {row.get('ours_vs_hf')}, "
-            f"GPU idle {row.get('gpu_idle_share')}"
+            f"GPU idle {row.get('gpu_idle_share')}, GC {row.get('gc_share')}"
         )
     if row["workload"] == "offline":
         return (

@@ -93,13 +93,19 @@ def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> tuple[
     return elapsed, done
 
 
-def _rank_counters(client) -> tuple[float, int, int]:
-    """(device_seconds_total per rank, steps_total, steps_graphed) summed over the ranks
-    (messages/stats.py; the device time averaged, so that 1 - its growth / wall time is each
-    device's idle share)."""
+def _rank_counters(client) -> tuple[float, int, int, float]:
+    """(device_seconds_total per rank, steps_total, steps_graphed, gc_seconds_total per rank)
+    summed over the ranks (messages/stats.py; the times averaged, so that 1 - the device time's
+    growth / wall time is each device's idle share, and the GC time's growth / wall time each
+    engine process's share of time in the garbage collector)."""
     stats = client.stats()
-    merged = stats.merged()
-    return merged.device_seconds_total / len(stats.ranks), merged.steps_total, merged.steps_graphed
+    merged, n = stats.merged(), len(stats.ranks)
+    return (
+        merged.device_seconds_total / n,
+        merged.steps_total,
+        merged.steps_graphed,
+        merged.gc_seconds_total / n,
+    )
 
 
 def _optional(name: str, fn, errors: dict):
@@ -191,9 +197,9 @@ def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
             client.generate(prompts["warmup"], _sampling(4))  # this batch's shapes, once
             asyncio.run(_warm_mixed(rt.address, prompts["warmup"]))
             t1, _ = _timed_generate(client, prompts["t1"], 1)
-            dev0, steps0, graphed0 = _rank_counters(client)
+            dev0, steps0, graphed0, gc0 = _rank_counters(client)
             tn, done = _timed_generate(client, prompts["tn"], 1 + output_len)
-            dev1, steps1, graphed1 = _rank_counters(client)
+            dev1, steps1, graphed1, gc1 = _rank_counters(client)
             out[b] = {
                 "t1_s": t1,
                 "tn_s": tn,
@@ -201,6 +207,7 @@ def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
                 "diff_ms": 1e3 * (tn - t1) / output_len,
                 "gpu_idle_share": 1 - (dev1 - dev0) / tn,
                 "steps_graphed_share": (graphed1 - graphed0) / max(1, steps1 - steps0),
+                "gc_share": (gc1 - gc0) / tn,
             }
     return out
 
@@ -351,6 +358,7 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
         row.update({f"{p}_t1_s": r["t1_s"], f"{p}_tn_s": r["tn_s"]})
         row[f"{p}_gpu_idle_share"] = r["gpu_idle_share"]
         row[f"{p}_steps_graphed_share"] = r["steps_graphed_share"]
+        row[f"{p}_gc_share"] = r.get("gc_share")
     for mode, per_batch in hf.items():
         if per_batch is not None:
             r = per_batch[b]
@@ -365,6 +373,7 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
     row["ours_output_tok_s"] = 1e3 * b / step if step > 0 else None
     row["gpu_idle_share"] = row[f"ours_{main}_gpu_idle_share"]
     row["steps_graphed_share"] = row[f"ours_{main}_steps_graphed_share"]
+    row["gc_share"] = row[f"ours_{main}_gc_share"]
     if main == "eager":
         row["graphs_skipped"] = "needs CUDA: one eager run (CUDA graphs exist only on CUDA)"
     elif step > 0:

@@ -177,6 +177,7 @@ def test_decode_workload_rows_on_cpu(tmp_path):
             row["ours_step_ms"] / row["floor_ms"], rel=1e-3
         )
         assert 0 <= row["steps_graphed_share"] <= 1 and row["gpu_idle_share"] <= 1
+        assert 0 <= row["gc_share"] < 1
         # weights once (tied: the embedding is the LM head) + the batch's KV at mid-generation
         assert row["weight_bytes"] == 4 * row["params"]
         assert row["kv_bytes"] == row["batch"] * (8 + 4 / 2) * 2 * 2 * 2 * 16 * 4

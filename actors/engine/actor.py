@@ -59,6 +59,7 @@ from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine.ep import EpDriver, EpGroup, GroupError
+from taipan.actors.engine.gc_time import GcTime
 from taipan.actors.engine.plan import (
     BootError,
     block_ops,
@@ -147,6 +148,7 @@ class EngineActor(Actor):
         self.control_lock = asyncio.Lock()  # controls run one at a time, in arrival order
         self.tokens_last_step = 0
         self.device_seconds_total = 0.0  # the gpu actor's device time of every step so far
+        self.gc_time = GcTime()  # the process's time in the garbage collector
         self.steps_total = 0
         self.steps_graphed = 0
         overlap = config.overlap_steps
@@ -225,6 +227,9 @@ class EngineActor(Actor):
         await self.coord.send(Hello("engine", self.rank))
         self.spawn(self._heartbeat())
         self.spawn(self._boot_then_loop())
+
+    async def stopping(self) -> None:
+        self.gc_time.close()
 
     async def _heartbeat(self) -> None:
         while True:
@@ -350,6 +355,8 @@ class EngineActor(Actor):
             s.get("mamba_snapshots_taken", 0),
             self.ep_driver.dummy_steps if self.ep_driver is not None else 0,
             self.ep_driver.dummy_device_seconds if self.ep_driver is not None else 0.0,
+            self.gc_time.seconds,
+            self.gc_time.collections,
         )
         return Stats(self.state, (rank,))
 
