@@ -16,6 +16,7 @@ import pytest
 from taipan import bench
 
 
+@pytest.mark.slow  # ~30 s (ours and HF on the real model); the row logic's stubbed tests stay in
 def test_bench_json_row(tmp_path, model_path):
     results = tmp_path / "results.jsonl"
     cmd = [
