@@ -135,7 +135,14 @@ class ClientActor(Actor):
 
     async def abort(self, request_id: int) -> None:
         if request_id in self.queues:
-            await self.channel.send(AbortRequest(request_id))
+            await self._send_abort(request_id)
+
+    async def _send_abort(self, request_id: int) -> None:
+        await self.channel.send(AbortRequest(request_id))
+
+    def _output_source(self) -> str:
+        """Who sent this client's outputs, for the error of one that cannot be read."""
+        return "the runtime"
 
     async def model_info(self) -> ModelInfo:
         fut = asyncio.get_running_loop().create_future()
@@ -250,10 +257,11 @@ class ClientActor(Actor):
         queue = self.queues.pop(request_id, None)
         if queue is None:
             return
-        self.log.error("malformed output", request_id=request_id, error=why)
-        text = f"the runtime sent a malformed output for this request: {why}"[:2000]
+        source = self._output_source()
+        self.log.error("malformed output", request_id=request_id, source=source, error=why)
+        text = f"{source} sent a malformed output: {why}"[:2000]
         queue.put_nowait(RequestOutput(request_id, NO_TOKENS, True, FinishReason.ERROR, text, 0, 0))
-        await self.channel.send(AbortRequest(request_id))
+        await self._send_abort(request_id)
 
     async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
         pass  # the coordinator's answer to our ping: `dispatch` already noted that it is alive

@@ -131,9 +131,11 @@ class DirectActor(ClientActor):
         )
         return request_id, queue
 
-    async def abort(self, request_id: int) -> None:
-        if request_id in self.queues:
-            await self._to_engine(AbortRequest(request_id))
+    async def _send_abort(self, request_id: int) -> None:
+        await self._to_engine(AbortRequest(request_id))
+
+    def _output_source(self) -> str:
+        return f"engine rank {self.endpoint.rank}"
 
     async def model_info(self) -> ModelInfo:
         if self.info is not None:
@@ -267,12 +269,3 @@ class DirectActor(ClientActor):
         """Entry i: the engine numbers requests with this client's own ids, so the frame must
         carry `request_id` (StepOutputs.relayed checks it)."""
         return decode([msg.relayed(i, request_id)])
-
-    async def _bad_output(self, request_id: int, why: str) -> None:
-        queue = self.queues.pop(request_id, None)
-        if queue is None:
-            return
-        self.log.error("malformed engine output", request_id=request_id, error=why)
-        text = f"engine rank {self.endpoint.rank} sent a malformed output: {why}"[:2000]
-        queue.put_nowait(RequestOutput(request_id, NO_TOKENS, True, FinishReason.ERROR, text, 0, 0))
-        await self._to_engine(AbortRequest(request_id))
