@@ -187,3 +187,16 @@ def attach(tp: TPGroup, required: bool = False) -> tuple[TPGroup, str | None]:
             raise CustomAllReduceError(f"custom_all_reduce=true, but it cannot run: {reason}")
         return tp, reason
     return dataclasses.replace(tp, fast=fast), None
+
+
+def for_mode(tp: TPGroup, mode: bool | None) -> tuple[TPGroup, str]:
+    """The group to compute with under InferenceConfig.custom_all_reduce `mode` (None: the
+    custom all-reduce where `attach` can set it up, False: never, True: required, raising
+    CustomAllReduceError where it cannot run), and how its sums run, for the load's log."""
+    plain = "nccl" if tp.device.type == "cuda" else "gloo"
+    if mode is False:
+        return tp, plain
+    fast, reason = attach(tp, required=mode is True)
+    if reason is None:
+        return fast, "custom one-shot (small sums), nccl (large)"
+    return tp, f"{plain} (custom all-reduce off: {reason})"

@@ -14,6 +14,7 @@ largest the kernel takes; `attach` agrees on every rank; latencies of both paths
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -156,12 +157,28 @@ def test_tp_group_takes_the_fast_path_for_what_it_fits():
 
 
 def test_attach_keeps_nccl_without_cuda():
-    from taipan.ops.custom_all_reduce import CustomAllReduceError, attach
+    from taipan.ops.custom_all_reduce import CustomAllReduceError, attach, for_mode
 
     tp, reason = attach(SINGLE)
     assert tp is SINGLE and "nothing to speed up" in reason
     with pytest.raises(CustomAllReduceError, match="custom_all_reduce=true"):
         attach(SINGLE, required=True)
+    assert for_mode(SINGLE, False) == (SINGLE, "gloo")
+    tp, how = for_mode(SINGLE, None)
+    assert tp is SINGLE and how.startswith("gloo (custom all-reduce off: ")
+    with pytest.raises(CustomAllReduceError, match="nothing to speed up"):
+        for_mode(SINGLE, True)
+
+
+def test_a_worker_refuses_custom_all_reduce_true_where_it_cannot_run(model_path):
+    """custom_all_reduce=true is never ignored: a load with it fails, saying why."""
+    from taipan.actors.gpu.worker import ModelWorker
+    from taipan.messages.gpu import LoadModel
+    from taipan.ops.custom_all_reduce import CustomAllReduceError
+
+    load = LoadModel(model_path, "float32", "cpu", 16, 8, 0.01, 64, 4, 128)
+    with pytest.raises(CustomAllReduceError, match="custom_all_reduce=true"):
+        ModelWorker().load(dataclasses.replace(load, custom_all_reduce=True))
 
 
 # ---- on two or four GPUs ------------------------------------------------------------------------

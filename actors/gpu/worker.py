@@ -73,7 +73,7 @@ from taipan.messages.gpu import (
     StepResult,
 )
 from taipan.messages.lifecycle import KVCacheManagementMode as Mode
-from taipan.ops.custom_all_reduce import attach as attach_custom_all_reduce
+from taipan.ops.custom_all_reduce import for_mode as custom_all_reduce_for
 from taipan.ops.expert_parallel import (
     EPGroup,
     ExpertShare,
@@ -316,7 +316,8 @@ class ModelWorker:
                 rank, size = msg.expert_parallel_rank, msg.expert_parallel_size
                 self.ep = init_ep(rank, size, msg.expert_parallel_init, self.device)
             experts = ExpertShare(self.ep.rank, self.ep.size)
-        tp = self._all_reduce_for(tp, msg.custom_all_reduce)
+        if tp.size > 1 or msg.custom_all_reduce is True:  # (true at size 1: the error says why)
+            tp = self._with_custom_sums(tp, msg.custom_all_reduce)
         try:
             model, config, tokenizer = load_model(
                 msg.model, dtype=dtype, device=self.device, tp=tp, expert_range=experts
@@ -413,29 +414,16 @@ class ModelWorker:
             mamba_snapshot_slots=snapshots,
         )
 
-    def _all_reduce_for(self, tp: TPGroup, mode: bool | None) -> TPGroup:
-        """`tp`, with the custom all-reduce (ops/custom_all_reduce.py) where `mode` allows it:
-        None tries it on CUDA and falls back to NCCL (saying why), True requires it, False
-        keeps NCCL. Every peer of the group loads with the same mode at the same time."""
-        if tp.size == 1:
-            if mode is True:
-                raise ConfigError("custom_all_reduce=true is for tensor_parallel_size > 1")
-            return tp
-        if self._tp_with_fast is not None and self._tp_with_fast.group is tp.group:
-            if mode is not False:
-                return self._tp_with_fast
-        if mode is False or tp.device.type != "cuda":
-            if mode is True:
-                raise ConfigError(f"custom_all_reduce=true needs CUDA devices, not {tp.device}")
-            self.all_reduce_path = "nccl" if tp.device.type == "cuda" else "gloo"
-            return tp
-        fast, reason = attach_custom_all_reduce(tp, required=mode is True)
-        if reason is None:
-            self._tp_with_fast = fast
-            self.all_reduce_path = "custom one-shot (small sums), nccl (large)"
-        else:
-            self.all_reduce_path = f"nccl (custom all-reduce off: {reason})"
-        return fast
+    def _with_custom_sums(self, tp: TPGroup, mode: bool | None) -> TPGroup:
+        """`tp` as ops/custom_all_reduce.py `for_mode` gives it; the custom all-reduce is set up
+        once per group (a reload keeps it). Every peer loads with the same mode at once."""
+        kept = self._tp_with_fast
+        if mode is not False and kept is not None and kept.group is tp.group:
+            return kept
+        tp, self.all_reduce_path = custom_all_reduce_for(tp, mode)
+        if tp.fast is not None:
+            self._tp_with_fast = tp
+        return tp
 
     def _new_mamba_state(self, config: NemotronHConfig) -> tuple[torch.Tensor, torch.Tensor]:
         ssm_dtype = DTYPES[config.ssm_state_dtype]
