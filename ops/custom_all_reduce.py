@@ -3,10 +3,12 @@ layer, a few KB to a few MB) as one Triton kernel launch (kernels/all_reduce.py)
 NCCL call, as vLLM's and SGLang's custom all-reduce do; larger ones stay with NCCL.
 
 Owns `CustomAllReduce` (this process's buffers, and views of every peer's mapped through CUDA
-IPC) and `attach` (sets one up for a TPGroup, checks it against NCCL once, and has every peer
-agree whether to use it). It must not touch what a step computes: it is a faster path to the
-same sum, used only where every peer uses it (the peers issue the same collectives in the same
-order, and `fits` is a function of the tensor's size and dtype alone).
+IPC; a second set for the sum fused with the residual add and RMSNorm after it,
+kernels/all_reduce_norm.py) and `attach` (sets one up for a TPGroup, checks it against NCCL
+once, and has every peer agree whether to use it). It must not touch what a step computes: it
+is a faster path to the same sum, used only where every peer uses it (the peers issue the same
+collectives in the same order, and `fits` and `fits_rows` are functions of the tensor's shape
+and dtype alone).
 
 The buffers are ordinary CUDA allocations shared with `UntypedStorage._share_cuda_` (what
 torch.multiprocessing sends between processes) and opened by each peer on its own device, so
@@ -31,12 +33,16 @@ from taipan.kernels.all_reduce import (
     UNBOUNDED,
     one_shot_all_reduce,
 )
+from taipan.kernels.all_reduce_norm import one_shot_all_reduce_rms_norm
+from taipan.kernels.rmsnorm import rms_norm
 from taipan.ops.parallel import TPGroup, all_gather_single
 
 # The largest sum taken by the kernel: each peer's whole input is read by every other, so the
 # bytes over the links grow with W - 1; above this NCCL's ring does better (4 H100s, NVLink,
 # bf16, from CUDA graphs: 2 ranks 24 us vs NCCL's 29 at 2 MiB, 80 vs 48 at 8 MiB).
 MAX_BYTES_TWO_RANKS = 2 << 20
+# A row slot of the fused sum + RMSNorm: rows of up to 8192 16-bit (4096 fp32) elements.
+ROW_BYTES = 16 << 10
 _HANDLE_BYTES = 4096  # one peer's msgpacked IPC handles, padded (a handle is 64 bytes)
 # The first sums wait this many polls at most for a peer (seconds), so that peers which cannot
 # see each other's flags fall back to NCCL instead of hanging; later ones wait for good.
@@ -70,15 +76,28 @@ class CustomAllReduce:
         self.counters = torch.zeros(MAX_PROGRAMS, dtype=torch.int64, device=self.device)
         self.status = torch.zeros(1, dtype=torch.int32, device=self.device)  # 1: a wait gave up
         self.max_spins = UNBOUNDED
+        # The fused kernel's own set (the two protocols must not share buffers or epochs).
+        self.rows_cap = self.max_bytes // ROW_BYTES
+        self.rows_data = torch.empty_like(self.data)
+        self.rows_flags = torch.zeros_like(self.flags)
+        self.rows_counters = torch.zeros_like(self.counters)
         torch.cuda.synchronize(self.device)  # flags are zero before any peer can raise one
-        shared = _exchange([_share(self.data), _share(self.flags)], tp)
-        self.peer_data, self.peer_flags = [], []
-        for q, (data, flags) in enumerate(shared):
-            own = q == self.rank
-            self.peer_data.append(self.data if own else _open(data, self.device, torch.uint8))
-            self.peer_flags.append(self.flags if own else _open(flags, self.device, torch.int64))
+        mine = (self.data, self.flags, self.rows_data, self.rows_flags)
+        shared = _exchange([_share(t) for t in mine], tp)
+        self.peer_data, self.peer_flags, self.peer_rows_data, self.peer_rows_flags = (
+            [],
+            [],
+            [],
+            [],
+        )
+        for q, handles in enumerate(shared):
+            lists = (self.peer_data, self.peer_flags, self.peer_rows_data, self.peer_rows_flags)
+            for own, handle, into in zip(mine, handles, lists, strict=True):
+                into.append(own if q == self.rank else _open(handle, self.device, own.dtype))
         self.peer_flags = [f.view(MAX_PROGRAMS, MAX_WORLD) for f in self.peer_flags]
+        self.peer_rows_flags = [f.view(MAX_PROGRAMS, MAX_WORLD) for f in self.peer_rows_flags]
         self._views: dict[torch.dtype, tuple] = {}
+        self._row_views: dict[torch.dtype, tuple] = {}
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce_` takes x (the same answer on every peer for the same x)."""
@@ -100,6 +119,36 @@ class CustomAllReduce:
             flat, flat, self.counters, bufs, flags, self.rank, self.status, self.max_spins
         )
         return x
+
+    def fits_rows(self, x: torch.Tensor) -> bool:
+        """Whether `all_reduce_rms_norm_` takes x [rows, hidden] (the same answer on every
+        peer for the same x): rows that fit a slot, no more rows than slots, and no more
+        bytes than `fits` takes (above that NCCL's ring is faster)."""
+        return (
+            x.dim() == 2
+            and x.dtype in DTYPES
+            and x.shape[1] * x.element_size() <= ROW_BYTES
+            and x.shape[0] <= self.rows_cap
+            and x.numel() * x.element_size() <= self.max_bytes
+            and x.stride(-1) == 1
+            and x.device == self.device
+        )
+
+    def all_reduce_rms_norm_(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual <- sum(x) + residual; x <- rmsnorm(residual) * weight (x must `fit_rows`);
+        returns (x, residual). One launch, CUDA-graph capturable."""
+        bufs = self._row_views.get(x.dtype)
+        if bufs is None:
+            shape = (2, self.rows_cap, ROW_BYTES // x.element_size())
+            bufs = tuple(d[: 2 * self.rows_cap * ROW_BYTES].view(x.dtype).view(shape)
+                         for d in self.peer_rows_data)  # fmt: skip
+            self._row_views[x.dtype] = bufs
+        return one_shot_all_reduce_rms_norm(
+            x, residual, weight, eps, x, self.rows_counters, bufs, tuple(self.peer_rows_flags),
+            self.rank, self.status, self.max_spins,
+        )  # fmt: skip
 
 
 def _share(t: torch.Tensor) -> bytes:
@@ -157,8 +206,28 @@ def _self_test(fast: CustomAllReduce, tp: TPGroup) -> str | None:
                 if not torch.allclose(got.float(), want.float(), atol=tol, rtol=tol):
                     err = (got.float() - want.float()).abs().max().item()
                     return f"{dtype} sum of {n} elements differs from NCCL's by {err:.3g}"
+        return _self_test_rows(fast, tp, gen)
     finally:
         fast.max_spins = UNBOUNDED
+
+
+def _self_test_rows(fast: CustomAllReduce, tp: TPGroup, gen: torch.Generator) -> str | None:
+    """The fused sum + RMSNorm against NCCL's sum and kernels/rmsnorm.py, twice (both halves)."""
+    for rows in (1, fast.rows_cap):
+        x = torch.randn(rows, 1024, generator=gen, device=fast.device)
+        shared = torch.Generator(device=fast.device).manual_seed(rows)  # the same on every rank
+        weight = torch.rand(1024, generator=shared, device=fast.device)
+        residual = torch.ones_like(x)  # (every rank's residual stream is the same)
+        summed = x.clone()
+        dist.all_reduce(summed, group=tp.group)
+        want, want_residual = rms_norm(summed, weight, 1e-6, residual=residual.clone())
+        got, got_residual = fast.all_reduce_rms_norm_(x, residual, weight, 1e-6)
+        if fast.status.item():
+            return f"a peer's flag did not arrive within {SELF_TEST_SPINS} polls (fused norm)"
+        for what, a, b in (("norm", got, want), ("residual", got_residual, want_residual)):
+            if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
+                err = (a - b).abs().max().item()
+                return f"the fused sum + RMSNorm's {what} differs from NCCL's by {err:.3g}"
     return None
 
 

@@ -69,9 +69,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, tp: TPGroup | None = None
+    ):
         """x: [tokens, hidden] -> normalized x; with `residual`, `(normalized, residual)` after
-        `residual <- x + residual` in place (the residual stream of the next layer)."""
+        `residual <- x + residual` in place (the residual stream of the next layer). With `tp`,
+        x is this rank's partial sum over that group (a row-parallel projection's output):
+        summed first, in one kernel with the add and the norm where the group's custom
+        all-reduce takes it (x is then overwritten)."""
+        if tp is not None and tp.size > 1:
+            fast = tp.fast
+            if residual is not None and fast is not None and fast.fits_rows(x):
+                return fast.all_reduce_rms_norm_(x, residual, self.weight, self.eps)
+            tp.all_reduce(x)
         fn = rmsnorm.rms_norm if x.is_cuda else rmsnorm.rms_norm_ref
         return fn(x, self.weight, self.eps, residual=residual)
 
@@ -80,7 +90,8 @@ class Attention(nn.Module):
     """Grouped-query self-attention: rotates q and k, appends this step's K/V to the paged
     cache, then attends over each sequence's whole context (cached prefix + this step).
     `num_heads` and `num_kv_heads` are the model's; this rank holds its share (`TPGroup.heads`)
-    and its cache layer only those kv heads."""
+    and its cache layer only those kv heads. `reduce_output` False: return this rank's partial
+    sum of the output (the next RMSNorm sums it, see RMSNorm.forward's `tp`)."""
 
     def __init__(
         self,
@@ -90,11 +101,12 @@ class Attention(nn.Module):
         head_dim: int,
         qk_norm_eps: float | None = None,
         tp: TPGroup = SINGLE,
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         heads = tp.heads(num_heads, num_kv_heads)
-        self.tp = tp
+        self.tp, self.reduce_output = tp, reduce_output
         self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, head_dim
         self.scale = head_dim**-0.5
         # q, k and v projections fused into one matrix (rows: q, then k, then v): one GEMM.
@@ -135,16 +147,24 @@ class Attention(nn.Module):
             write = rope.rope_and_write_kv if x.is_cuda else rope.rope_and_write_kv_ref
             q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
         out = paged_attention(q, layer_cache, attn, self.scale)  # [tokens, heads, head_dim]
-        return self.tp.all_reduce(self.o_proj(out.view(num_tokens, q_size)))
+        out = self.o_proj(out.view(num_tokens, q_size))  # this rank's heads' part of the sum
+        return self.tp.all_reduce(out) if self.reduce_output else out
 
 
 class SwiGLUMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)) over this rank's share of the intermediate size."""
+    """down(silu(gate(x)) * up(x)) over this rank's share of the intermediate size;
+    `reduce_output` as for Attention."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, tp: TPGroup = SINGLE) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        tp: TPGroup = SINGLE,
+        reduce_output: bool = True,
+    ) -> None:
         super().__init__()
         _, inter = tp.even(intermediate_size, "intermediate_size")
-        self.tp = tp
+        self.tp, self.reduce_output = tp, reduce_output
         # gate and up projections fused (rows: gate, then up): one GEMM.
         self.gate_up_proj = nn.Linear(hidden_size, 2 * inter, bias=False)
         self.down_proj = nn.Linear(inter, hidden_size, bias=False)
@@ -152,4 +172,5 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden] -> [tokens, 2 * intermediate] -> [tokens, intermediate] -> hidden
         act = activation.silu_and_mul if x.is_cuda else activation.silu_and_mul_ref
-        return self.tp.all_reduce(self.down_proj(act(self.gate_up_proj(x))))
+        out = self.down_proj(act(self.gate_up_proj(x)))  # this rank's part of the sum
+        return self.tp.all_reduce(out) if self.reduce_output else out

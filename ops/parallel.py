@@ -90,11 +90,19 @@ def vocab_shard(vocab_size: int, rank: int, size: int) -> VocabShard:
 
 
 class FastAllReduce(Protocol):
-    """A faster path to the group's sum for the tensors it `fits` (ops/custom_all_reduce.py)."""
+    """A faster path to the group's sum for the tensors it `fits` (ops/custom_all_reduce.py),
+    and to the sum fused with the residual add and RMSNorm after it for the rows it
+    `fits_rows` (ops/layers.RMSNorm calls it)."""
 
     def fits(self, x: torch.Tensor) -> bool: ...
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def fits_rows(self, x: torch.Tensor) -> bool: ...
+
+    def all_reduce_rms_norm_(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True, eq=False)

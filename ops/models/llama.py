@@ -62,7 +62,12 @@ class LlamaConfig:
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP. `mlp`: another MLP in place of the dense SwiGLU (Qwen3-MoE's
     sparse layers); `qk_norm`: RMSNorm each head of q and k before RoPE (Qwen3); `tp`: this
-    rank's share of the heads and of the MLP (tensor parallel)."""
+    rank's share of the heads and of the MLP (tensor parallel).
+
+    Under tensor parallelism the attention's output, and the dense MLP's, leave this layer as
+    this rank's partial sums: the norm after each sums them (one kernel with the add and the
+    norm, ops/layers.RMSNorm). `partial_output` says whether this layer's output is one (the
+    next layer's input norm, or the model's final norm, must sum it)."""
 
     def __init__(
         self, config, mlp: nn.Module | None = None, qk_norm: bool = False, tp: TPGroup = SINGLE
@@ -77,9 +82,13 @@ class DecoderLayer(nn.Module):
             c.head_dim,
             qk_norm_eps=c.rms_norm_eps if qk_norm else None,
             tp=tp,
+            reduce_output=False,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, tp) if mlp is None else mlp
+        if mlp is None:
+            mlp = SwiGLUMLP(c.hidden_size, c.intermediate_size, tp, reduce_output=False)
+        self.mlp, self.tp = mlp, tp
+        self.partial_output = isinstance(mlp, SwiGLUMLP) and not mlp.reduce_output
 
     def forward(
         self,
@@ -89,15 +98,18 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         attn: AttentionMetadata,
         layer_cache: torch.Tensor,
+        partial_input: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x: [tokens, hidden], the previous layer's output (None residual: the embeddings);
-        returns this layer's output and the residual stream before it (fused adds)."""
+        """x: [tokens, hidden], the previous layer's output (None residual: the embeddings),
+        a partial sum over the TP group when `partial_input` (the previous layer's
+        `partial_output`); returns this layer's output and the residual stream before it
+        (fused adds)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)  # residual <- x + residual
-        h = self.self_attn(h, positions, cos_sin, attn, layer_cache)
-        h, residual = self.post_attention_layernorm(h, residual)
+        else:  # residual <- x + residual
+            h, residual = self.input_layernorm(x, residual, self.tp if partial_input else None)
+        h = self.self_attn(h, positions, cos_sin, attn, layer_cache)  # partial under TP
+        h, residual = self.post_attention_layernorm(h, residual, self.tp)
         return self.mlp(h), residual
 
 
@@ -139,10 +151,11 @@ class LlamaForCausalLM(nn.Module):
         in place). Returns hidden: [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)  # x: [T, hidden]
         cos_sin = self.rope_cache(x.device)
-        residual = None
+        residual, partial = None, False
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, cos_sin, attn, kv_cache[i])
-        x, _ = self.norm(x, residual)
+            x, residual = layer(x, residual, positions, cos_sin, attn, kv_cache[i], partial)
+            partial = layer.partial_output
+        x, _ = self.norm(x, residual, self.tp if partial else None)
         return x
 
     def rope_cache(self, device: torch.device) -> torch.Tensor:

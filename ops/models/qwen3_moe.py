@@ -85,7 +85,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             if config.is_moe_layer(index):
                 mlp = MoE(config.hidden_size, config.moe, experts, tp=tp)
             else:
-                mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size, tp)
+                mlp = SwiGLUMLP(
+                    config.hidden_size, config.intermediate_size, tp, reduce_output=False
+                )
             return DecoderLayer(config, mlp=mlp, qk_norm=True, tp=tp)
 
         super().__init__(config, make_layer, tp=tp)

@@ -1,0 +1,86 @@
+"""Kernels compiled for an H100 (sm_90) on a machine without a GPU: Triton's front end and
+ptxas run as they would on the device, so an error that the CPU interpreter lets through (a
+loop-carried variable changing type, a tile too small for `tl.dot`) fails here, in CI, and not
+only on a lent GPU. Nothing runs: the interpreter tests check what the kernels compute.
+
+The compiles run in a child process without TRITON_INTERPRET (the interpreter patches
+`triton.language` for the whole process it is imported in).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+H100 = ("cuda", 90, 32)
+
+
+def compile_for_h100(kernel, pointers: dict, constexprs: dict, num_warps: int = 4):
+    """`kernel` compiled to a cubin: `pointers` gives each pointer (or tuple of pointers)
+    argument's type, as "*bf16" or a tuple of them; every other argument is a constexpr in
+    `constexprs` or an i64 scalar."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {}
+    for name in kernel.arg_names:
+        if name in pointers:
+            signature[name] = pointers[name]
+        elif name in constexprs:
+            signature[name] = "constexpr"
+        else:
+            signature[name] = "i64"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    return triton.compile(source, target=GPUTarget(*H100), options={"num_warps": num_warps})
+
+
+def all_reduce_kernels() -> list[str]:
+    """Both all-reduce kernels, for 2 ranks in bf16 and 4 in fp32; what compiled."""
+    from taipan.kernels import all_reduce, all_reduce_norm
+
+    done = []
+    for dtype, world in (("bf16", 2), ("fp32", 4)):
+        flags = ("*i64",) * world
+        common = {"counters_ptr": "*i64", "status_ptr": "*i32", "flags": flags}
+        meta = {"RANK": 1, "WORLD": world, "FLAG_STRIDE": all_reduce.MAX_WORLD}
+        plain = compile_for_h100(
+            all_reduce._one_shot_all_reduce_kernel,
+            {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "bufs": (f"*{dtype}",) * world} | common,
+            {**meta, "BLOCK": all_reduce.BLOCK},
+        )
+        rows = {name: f"*{dtype}" for name in ("x_ptr", "residual_ptr", "weight_ptr", "out_ptr")}
+        fused = compile_for_h100(
+            all_reduce_norm._all_reduce_rms_norm_kernel,
+            {**rows, "bufs": (f"*{dtype}",) * world, **common},
+            {**meta, "eps": 1e-5, "N": 4096, "ROW_STRIDE": 8192, "BLOCK": 4096},
+            num_warps=8,
+        )
+        for name, compiled in (("one_shot_all_reduce", plain), ("all_reduce_rms_norm", fused)):
+            # The flags' system-scope atomics made it through to the machine code.
+            assert "atom" in compiled.asm["ptx"] and compiled.asm["cubin"], name
+            done.append(f"{name} {dtype} x{world}")
+    return done
+
+
+def test_all_reduce_kernels_compile_for_h100():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.test_kernels_compile"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+    assert child.stdout.split("\n")[:4] == [
+        "one_shot_all_reduce bf16 x2",
+        "all_reduce_rms_norm bf16 x2",
+        "one_shot_all_reduce fp32 x4",
+        "all_reduce_rms_norm fp32 x4",
+    ]
+
+
+if __name__ == "__main__":
+    print("\n".join(all_reduce_kernels()))
