@@ -54,7 +54,7 @@ async def test_a_busy_rank_and_an_idle_one_step_in_lockstep_for_200_steps(overla
         assert rounds[0] == rounds[1] and steps <= rounds[0] <= steps + 2
         assert g.engines[1].ep_driver.dummy_steps == steps
         # Stats count dummy forwards apart from real steps.
-        busy, idle = (g.engines[r]._stats().ranks[0] for r in (0, 1))
+        busy, idle = (g.engines[r].stats().ranks[0] for r in (0, 1))
         assert (busy.steps_total, busy.dummy_steps_total) == (200, steps - 200)
         assert (idle.steps_total, idle.dummy_steps_total) == (0, steps)
         assert idle.device_seconds_total == 0.0

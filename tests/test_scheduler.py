@@ -22,8 +22,7 @@ from hypothesis import strategies as st
 
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine import plan as P
-from taipan.actors.engine.actor import output_of
-from taipan.actors.engine.request import EngineRequest, Status
+from taipan.actors.engine.request import EngineRequest, Status, output_of
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult

@@ -62,18 +62,15 @@ from taipan.actors.engine.ep import EpDriver, EpGroup, GroupError
 from taipan.actors.engine.gc_time import GcTime
 from taipan.actors.engine.plan import (
     BootError,
-    block_ops,
     mamba_init,
-    mamba_ops,
     new_scheduler,
     prefix_policy,
     runtime_plan,
-    step_plan,
     submission,
 )
-from taipan.actors.engine.request import EngineRequest
-from taipan.actors.engine.scheduler import Scheduler, StepBatch
-from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOpsReply
+from taipan.actors.engine.scheduler import Scheduler
+from taipan.actors.engine.step import EngineError, StepRunner
+from taipan.messages.allocator import AllocatorInit, AllocatorReady
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.consensus import EpBarrier, EpBye, EpHello, EpOutcome, EpVote
 from taipan.messages.gpu import (
@@ -82,8 +79,6 @@ from taipan.messages.gpu import (
     GpuControlReply,
     LoadModel,
     ModelLoaded,
-    NoStep,
-    StepResult,
 )
 from taipan.messages.lifecycle import (
     ControlAck,
@@ -98,7 +93,7 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
 )
-from taipan.messages.mamba_cache import MambaOpsReply, MambaReady
+from taipan.messages.mamba_cache import MambaReady
 from taipan.messages.requests import (
     AbortRequest,
     EngineSubmit,
@@ -106,14 +101,10 @@ from taipan.messages.requests import (
     RequestOutput,
     StepOutputs,
 )
-from taipan.messages.stats import GetStats, PrefixEvents, RankStats, Stats
+from taipan.messages.stats import GetStats, RankStats, Stats
 
 NO_TOKENS = np.zeros(0, dtype=np.int32)
 HEARTBEAT_S = 1.0  # the coordinator declares an engine dead after ENGINE_TIMEOUT_S of silence
-
-
-class EngineError(RuntimeError):
-    pass
 
 
 class EngineActor(Actor):
@@ -146,11 +137,8 @@ class EngineActor(Actor):
         self.device_lock = asyncio.Lock()  # one user of the alloc/gpu channels at a time
         self.waiting_for_device = 0  # controls waiting for the step loop to hand over
         self.control_lock = asyncio.Lock()  # controls run one at a time, in arrival order
-        self.tokens_last_step = 0
-        self.device_seconds_total = 0.0  # the gpu actor's device time of every step so far
+        self.steps = StepRunner(self)  # the step protocol, and its counters
         self.gc_time = GcTime()  # the process's time in the garbage collector
-        self.steps_total = 0
-        self.steps_graphed = 0
         overlap = config.overlap_steps
         if overlap is None:  # synchronous rounds need steps that do not overlap (ep.py)
             overlap = load.device.startswith("cuda") and not config.use_synchronous_zmq_collectives
@@ -196,7 +184,7 @@ class EngineActor(Actor):
             else:
                 self.ep.deliver(msg)
         except GroupError as e:
-            self.spawn(self._die(str(e)))
+            self.spawn(self.steps.die(str(e)))
 
     def _take_ep_now(self, env: Envelope) -> None:
         """A synchronous round read `env` off the consensus inbox itself (actors/engine/ep.py);
@@ -244,9 +232,9 @@ class EngineActor(Actor):
 
     async def _call(self, channel: Channel, msg, expect: type):
         await channel.send(msg)
-        return await self._reply(channel, expect)
+        return await self.reply_on(channel, expect)
 
-    async def _reply(self, channel: Channel, expect: type):
+    async def reply_on(self, channel: Channel, expect: type):
         """The next message on `channel`, which must be an `expect` (EngineError otherwise)."""
         env = await channel.recv()
         self.now = env.time
@@ -286,7 +274,7 @@ class EngineActor(Actor):
         try:
             await self.ep_driver.run()
         except GroupError as e:
-            await self._die(str(e))
+            await self.steps.die(str(e))
 
     # --- requests -----------------------------------------------------------------------------
 
@@ -305,7 +293,7 @@ class EngineActor(Actor):
             return
         ended = self.scheduler.abort(msg.request_id, env.time)
         if ended is not None:
-            await self._emit([ended])
+            await self.steps.emit([ended])
         self.work.set()
 
     async def on_stop(self, env: Envelope, msg: Stop) -> None:
@@ -314,16 +302,16 @@ class EngineActor(Actor):
     async def _stop_after_step(self) -> None:
         async with self.control_lock, self._between_steps():  # steps in flight end and report
             if self.scheduler is not None:
-                await self._emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
+                await self.steps.emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
             if self.ep is not None:
                 await self.ep.bye("stopped")  # its closed connection is no crash to the peers
             await self.coord.send(StopAck(self.name))
             self.stop()
 
     async def on_get_stats(self, env: Envelope, msg: GetStats) -> None:
-        await env.reply(self._stats())
+        await env.reply(self.stats())
 
-    def _stats(self) -> Stats:
+    def stats(self) -> Stats:
         s = self.scheduler.stats() if self.scheduler is not None else None
         if s is None:
             return Stats(self.state, ())
@@ -339,11 +327,11 @@ class EngineActor(Actor):
             s["blocks_used"],
             s["paused_total"],
             s["evicted_total"],
-            self.tokens_last_step,
+            self.steps.tokens_last_step,
             self.weight_version,
-            self.device_seconds_total,
-            self.steps_total,
-            self.steps_graphed,
+            self.steps.device_seconds_total,
+            self.steps.steps_total,
+            self.steps.steps_graphed,
             s.get("prefix_prompt_tokens", 0),
             s.get("prefix_cached_tokens", 0),
             s.get("prefill_tokens_computed", 0),
@@ -447,19 +435,19 @@ class EngineActor(Actor):
         try:
             failed = await self.ep.outcome(command, reply.error)
         except GroupError as e:
-            await self._die(str(e))
+            await self.steps.die(str(e))
         if not failed:
             if command is ControlCommand.UPDATE_WEIGHTS:
                 commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
                 reply = await self._gpu_call(commit)
                 if reply.error is not None:  # the peers have committed: no way back
-                    await self._die(f"committing staged weights failed: {reply.error}")
+                    await self.steps.die(f"committing staged weights failed: {reply.error}")
             return reply
         undo = self._undo(command) if reply.error is None else None
         if undo is not None:
             undone = await self._gpu_call(undo)
             if undone.error is not None:
-                await self._die(f"{command} failed on a peer and could not be undone here: "
+                await self.steps.die(f"{command} failed on a peer and could not be undone here: "
                                 f"{undone.error}")  # fmt: skip
         if self.rank in failed:
             return reply
@@ -549,226 +537,24 @@ class EngineActor(Actor):
         result is applied after that: the gpu starts N+1 as soon as N ends, and the engine's
         host work for N+1 hides behind N (scheduler.py explains the contract). Returns with no
         step in flight."""
-        sched = self.scheduler
-        running: StepBatch | None = None  # sent to the gpu, its result not applied
+        steps, running = self.steps, None  # running: sent to the gpu, its result not applied
         while True:
-            planned: StepBatch | None = None
+            planned = None
             if self._may_plan():
-                try:
-                    # From planning to the step's first message nothing may yield: replay relies
-                    # on it (actors/engine/check.py).
-                    planned = sched.schedule(self.now)
-                except Exception as e:
-                    await self._die(f"planning step {sched.step + 1} failed", e)
-                if not planned.is_step:
-                    self.gpu.record_only(NoStep(planned.step))  # for replay (check.py)
-                    await self._emit(planned.ended)
-                    planned = None
-                    if running is None:
-                        # Work exists but nothing fits; an abort, a finish or a submission
-                        # changes that.
-                        self.work.clear()
-                        return
-            sent = planned is not None and await self._dispatch(planned)
+                planned = await steps.plan()
+                if planned is None and running is None:
+                    # Work exists but nothing fits; an abort, a finish or a submission changes
+                    # that.
+                    self.work.clear()
+                    return
+            sent = planned is not None and await steps.dispatch(planned)
             if running is not None:
-                await self._collect(running)
+                await steps.collect(running)
                 running = None
             if sent:
                 running = planned
                 if not self.overlap:
-                    await self._collect(running)
+                    await steps.collect(running)
                     running = None
             if planned is None and running is None:
                 return
-
-    async def _dispatch(self, batch: StepBatch) -> bool:
-        """Get the step's blocks and send its StepPlan to the gpu, without waiting for the
-        result. True when a result will come (`_collect` it); False for a step that only freed
-        blocks, or one that failed here (its requests got their terminal outputs)."""
-        sched = self.scheduler
-        reply, published = None, False
-        try:
-            ops, mops = block_ops(batch), mamba_ops(batch)
-            # Both requests go out before either reply is read: the two actors work at once.
-            if ops is not None:  # no block changes: no allocator hop this step
-                await self.alloc.send(ops)
-            if mops is not None:
-                await self.mamba.send(mops)
-            # Both replies are read, and whatever came applied, before the step may fail: the
-            # requests then hold every block and slot handed out, and their ends free them.
-            errors: list[Exception] = []
-            if ops is not None:
-                try:
-                    reply = await self._reply(self.alloc, BlockOpsReply)
-                except Exception as e:
-                    errors.append(e)
-            if mops is not None:
-                try:
-                    await self._mamba_reply(batch)
-                except Exception as e:
-                    errors.append(e)
-            if reply is not None:
-                if reply.ok:
-                    sched.assign_blocks(batch, reply)
-                else:
-                    sched.refused(batch, reply)
-                    errors.insert(
-                        0, EngineError(f"allocator refused a planned step: {reply.error}")
-                    )
-            if batch.mamba_refusal:
-                errors.append(
-                    EngineError(f"mamba_cache refused a planned step: {batch.mamba_refusal}")
-                )
-            if errors:
-                raise errors[0]
-            if batch.chunks:
-                await self.gpu.send(step_plan(sched, batch))
-            if reply is not None:  # after the plan: the gpu starts first
-                published = True
-                await self._publish(reply)
-        except Exception as e:
-            if reply is not None and not published:  # the table must see every event
-                await self._publish(reply)
-            await self._emit_or_die(batch, batch.ended + await self._failed(batch, e))
-            return False
-        await self._emit_or_die(batch, batch.ended)
-        return bool(batch.chunks)
-
-    async def _mamba_reply(self, batch: StepBatch) -> None:
-        """Read and apply the step's MambaOpsReply; a refusal is left in `batch.mamba_refusal`
-        (the step then fails), an error answer gives the step's operations back to the mirror
-        and raises."""
-        try:
-            reply = await self._reply(self.mamba, MambaOpsReply)
-        except Exception:
-            self.scheduler.mamba_unserved(batch)
-            raise
-        self.scheduler.assign_mamba(batch, reply)
-        if not reply.ok:
-            batch.mamba_refusal = reply.error or "refused"
-
-    async def _publish(self, reply: BlockOpsReply) -> None:
-        """Relay the step's hash events to the coordinator's routing table (DESIGN.md §5)."""
-        if len(reply.added_hashes) or len(reply.evicted_hashes):
-            await self.coord.send(PrefixEvents(reply.added_hashes, reply.evicted_hashes))
-
-    async def _collect(self, batch: StepBatch) -> None:
-        """Wait for the step's result, apply it and report: a failed step fails its requests
-        (each gets its terminal output) and the engine goes on."""
-        sched = self.scheduler
-        try:
-            result = await self._reply(self.gpu, StepResult)
-            if result.step != batch.step:
-                raise EngineError(f"gpu answered step {result.step}, expected {batch.step}")
-            if result.error is not None:
-                raise EngineError(f"forward failed: {result.error}")
-            self.device_seconds_total += result.device_seconds
-            self.steps_total += 1
-            self.steps_graphed += int(result.graphed)
-            outputs = sched.update(batch, result, self.now)
-        except Exception as e:
-            if self.ep is not None:  # the group's collectives may be out of step now
-                await self._die(await self.ep.why_failed(f"step {batch.step} failed: {e}"))
-            outputs = await self._failed(batch, e)
-        await self._emit_or_die(batch, outputs)
-        self.tokens_last_step = batch.num_tokens
-        interval = self.config.logging_step_interval
-        if interval and batch.step % interval == 0:
-            self.log.info("stats", **sched.stats(), tokens=batch.num_tokens)
-            await self.coord.send(self._stats())
-
-    async def _failed(self, batch: StepBatch, e: Exception) -> list[EngineRequest]:
-        """The step's requests, ended with the error `e` (an EngineError is an expected
-        failure, logged in a line; anything else is a bug, logged once with its traceback)."""
-        if isinstance(e, EngineError):
-            self.log.error("step failed", step=batch.step, error=str(e))
-            error = str(e)
-        else:
-            self.log.error("step failed", step=batch.step, exc_info=e)
-            error = f"internal error: {type(e).__name__}: {e}"
-        outputs = self._fail_step(batch, error)
-        if outputs is None:
-            await self._die(f"step {batch.step} failed and its requests could not be failed")
-        return outputs
-
-    async def _emit_or_die(self, batch: StepBatch, requests: list[EngineRequest]) -> None:
-        try:
-            await self._emit(requests)
-        except Exception as e:
-            await self._die(f"step {batch.step}: its outputs could not be sent", e)
-
-    def _fail_step(self, batch: StepBatch, error: str) -> list[EngineRequest] | None:
-        """End the step's requests with `error` (each gets its terminal output); None when the
-        scheduler cannot even do that."""
-        try:
-            return self.scheduler.update(batch, None, self.now, error=error)
-        except Exception:
-            self.log.exception("failing the step's requests failed", step=batch.step)
-            return None
-
-    async def _die(self, why: str, cause: Exception | None = None) -> None:
-        """The rank cannot go on: fail every request it holds (if it still can), then end the
-        process loudly. Never returns."""
-        if cause is not None:
-            self.log.error(why, exc_info=cause)
-        try:
-            await self._emit(self.scheduler.fail_all(FinishReason.ERROR, self.now, error=why))
-        except Exception:
-            self.log.exception("could not fail the remaining requests; the coordinator will")
-        raise FatalError(f"{self.name}: {why}")
-
-    async def _emit(self, requests: list[EngineRequest]) -> None:
-        """Report `requests` (their next outputs) to the coordinator in one message."""
-        if requests:
-            await self.coord.send(StepOutputs.of([output_of(r) for r in requests]))
-
-
-def output_of(r: EngineRequest) -> RequestOutput:
-    """The next RequestOutput of `r`: its streamable tokens (all, once it has ended), their
-    log-probs, and on the terminal output the prompt log-probs, events and timings."""
-    start = r.num_streamed
-    stop = start + r.ready_to_stream() if r.stream else len(r.generated)
-    if r.finish_reason is not None:
-        stop = len(r.generated)
-    r.num_streamed = stop
-    finished = r.finish_reason is not None
-    kw = {}
-    if r.sampling.return_log_probs:
-        kw["log_probs"] = np.asarray(r.log_probs[start:stop], dtype=np.float32)
-    if r.sampling.top_n_logprobs:
-        kw["top_n_ids"], kw["top_n_log_probs"] = _stack(r.top_n[start:stop], r.sampling)
-    if finished:
-        if r.wants_prompt_log_probs:
-            kw["prompt_log_probs"] = np.asarray(r.prompt_log_probs, dtype=np.float32)
-        if r.prompt_top_n:
-            kw["prompt_top_n_ids"], kw["prompt_top_n_log_probs"] = _stack(
-                r.prompt_top_n, r.sampling
-            )
-        policy, kv = r.record.staleness(r.num_tokens)
-        kw.update(
-            events=tuple(r.events),
-            ttft=r.ttft,
-            tpot=r.tpot,
-            policy_staleness=policy,
-            kv_cache_staleness=kv,
-        )
-    return RequestOutput(
-        r.request_id,
-        np.asarray(r.generated[start:stop], dtype=np.int32),
-        finished,
-        r.finish_reason,
-        r.error,
-        len(r.prompt),
-        len(r.generated),
-        r.num_cached_tokens,
-        **kw,
-    )
-
-
-def _stack(pairs, sampling) -> tuple[np.ndarray, np.ndarray]:
-    n = sampling.top_n_logprobs
-    if not pairs:
-        return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
-    ids = np.stack([p[0] for p in pairs]).astype(np.int32)
-    lps = np.stack([p[1] for p in pairs]).astype(np.float32)
-    return ids, lps

@@ -54,7 +54,7 @@ from taipan.messages.consensus import (
     EpOutcome,
     EpVote,
 )
-from taipan.messages.gpu import NoStep, StepResult
+from taipan.messages.gpu import StepResult
 from taipan.messages.lifecycle import ControlCommand, LifecycleState
 
 if TYPE_CHECKING:
@@ -317,18 +317,12 @@ class EpDriver:
 
     async def _plan_and_dispatch(self) -> StepBatch | None:
         """Plan this rank's step and send it; the batch when a forward of it is coming."""
-        e, sched = self.engine, self.engine.scheduler
-        try:
-            # From planning to the step's first message nothing may yield (check.py).
-            planned = sched.schedule(e.now)
-        except Exception as err:
-            await e._die(f"planning step {sched.step + 1} failed", err)
-        if not planned.is_step:
-            e.gpu.record_only(NoStep(planned.step))  # for replay (check.py)
-            await e._emit(planned.ended)
-            self.stuck = self.in_flight is None and sched.pending() > 0
+        steps = self.engine.steps
+        planned = await steps.plan()
+        if planned is None:
+            self.stuck = self.in_flight is None and self.engine.scheduler.pending() > 0
             return None
-        return planned if await e._dispatch(planned) else None
+        return planned if await steps.dispatch(planned) else None
 
     async def _free_idle(self) -> None:
         """An idle group: hand back the blocks of requests that ended (no forward; with no
@@ -346,16 +340,18 @@ class EpDriver:
     async def _collect(self, running: StepBatch | int) -> None:
         e = self.engine
         if not isinstance(running, int):
-            await e._collect(running)
+            await e.steps.collect(running)
             return
         try:
-            result = await e._reply(e.gpu, StepResult)
+            result = await e.reply_on(e.gpu, StepResult)
             if result.error is not None or result.step != running:
                 raise RuntimeError(result.error or f"the gpu answered step {result.step}")
             self.dummy_steps += 1
             self.dummy_device_seconds += result.device_seconds
         except Exception as err:
-            await e._die(await self.group.why_failed(f"dummy step after {running} failed: {err}"))
+            await e.steps.die(
+                await self.group.why_failed(f"dummy step after {running} failed: {err}")
+            )
 
     async def _pause(self) -> None:
         """Every rank asked to pause: stop after this step, meet at the barrier, acknowledge,

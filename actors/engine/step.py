@@ -1,0 +1,213 @@
+"""One engine step, written once for both step loops (the engine's own in actors/engine/actor.py
+and the expert-parallel one in actors/engine/ep.py): `StepRunner`.
+
+- `plan()`: the scheduler's next batch, or None when nothing runs a forward (the requests that
+  ended while planning get their outputs; a `NoStep` is recorded for replay).
+- `dispatch(batch)`: the step's BlockOps and MambaOps go out, both replies are read and applied,
+  then the StepPlan goes to the gpu and the allocator's prefix events to the coordinator. True
+  when a result will come.
+- `collect(batch)`: the gpu's StepResult is read and applied and the step's outputs go to the
+  coordinator in one StepOutputs.
+- `emit(requests)` and `die(why)`: outputs between steps, and the end of a rank that cannot go on.
+
+Ordering rules replay relies on (actors/engine/check.py mirrors them from the log): from
+planning to the step's first message nothing yields; BlockOps goes out before MambaOps and both
+before either reply is read; the StepPlan goes out before the PrefixEvents; a step's outputs are
+one message, sent after the step's replies were read.
+
+Failures: a refused allocation, a failed forward or any exception inside a step fails that
+step's requests (each gets its terminal output) and the rank goes on; under expert parallelism a
+failed forward ends the rank (the group's collectives may be out of step). When even failing the
+requests is impossible, `die` fails every request the rank holds and raises FatalError.
+
+The runner owns the step counters the rank's stats report (`steps_total`, ...); the engine actor
+owns the channels, the clock (`now`, set by every message read), the scheduler and the lifecycle.
+"""
+
+from __future__ import annotations
+
+from taipan.actors.base import FatalError
+from taipan.actors.engine.plan import block_ops, mamba_ops, step_plan
+from taipan.actors.engine.request import EngineRequest, output_of
+from taipan.actors.engine.scheduler import StepBatch
+from taipan.messages.allocator import BlockOpsReply
+from taipan.messages.gpu import NoStep, StepResult
+from taipan.messages.mamba_cache import MambaOpsReply
+from taipan.messages.requests import FinishReason, StepOutputs
+from taipan.messages.stats import PrefixEvents
+
+
+class EngineError(RuntimeError):
+    """An expected failure of a step or a call (a refusal, an error answer): logged in a line."""
+
+
+class StepRunner:
+    """The step protocol of one engine actor (`engine`: its channels, scheduler, clock, log)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.tokens_last_step = 0
+        self.device_seconds_total = 0.0  # the gpu actor's device time of every step so far
+        self.steps_total = 0
+        self.steps_graphed = 0
+
+    async def plan(self) -> StepBatch | None:
+        """The next batch to dispatch, or None when it would run no forward."""
+        e = self.engine
+        sched = e.scheduler
+        try:
+            # From planning to the step's first message nothing may yield (see above).
+            planned = sched.schedule(e.now)
+        except Exception as err:
+            await self.die(f"planning step {sched.step + 1} failed", err)
+        if planned.is_step:
+            return planned
+        e.gpu.record_only(NoStep(planned.step))  # for replay (check.py)
+        await self.emit(planned.ended)
+        return None
+
+    async def dispatch(self, batch: StepBatch) -> bool:
+        """Get the step's blocks and send its StepPlan to the gpu, without waiting for the
+        result. True when a result will come (`collect` it); False for a step that only freed
+        blocks, or one that failed here (its requests got their terminal outputs)."""
+        e = self.engine
+        sched = e.scheduler
+        reply, published = None, False
+        try:
+            ops, mops = block_ops(batch), mamba_ops(batch)
+            # Both requests go out before either reply is read: the two actors work at once.
+            if ops is not None:  # no block changes: no allocator hop this step
+                await e.alloc.send(ops)
+            if mops is not None:
+                await e.mamba.send(mops)
+            # Both replies are read, and whatever came applied, before the step may fail: the
+            # requests then hold every block and slot handed out, and their ends free them.
+            errors: list[Exception] = []
+            if ops is not None:
+                try:
+                    reply = await e.reply_on(e.alloc, BlockOpsReply)
+                except Exception as err:
+                    errors.append(err)
+            if mops is not None:
+                try:
+                    await self._mamba_reply(batch)
+                except Exception as err:
+                    errors.append(err)
+            if reply is not None:
+                if reply.ok:
+                    sched.assign_blocks(batch, reply)
+                else:
+                    sched.refused(batch, reply)
+                    errors.insert(
+                        0, EngineError(f"allocator refused a planned step: {reply.error}")
+                    )
+            if batch.mamba_refusal:
+                errors.append(
+                    EngineError(f"mamba_cache refused a planned step: {batch.mamba_refusal}")
+                )
+            if errors:
+                raise errors[0]
+            if batch.chunks:
+                await e.gpu.send(step_plan(sched, batch))
+            if reply is not None:  # after the plan: the gpu starts first
+                published = True
+                await self._publish(reply)
+        except Exception as err:
+            if reply is not None and not published:  # the table must see every event
+                await self._publish(reply)
+            await self._emit_or_die(batch, batch.ended + await self._failed(batch, err))
+            return False
+        await self._emit_or_die(batch, batch.ended)
+        return bool(batch.chunks)
+
+    async def _mamba_reply(self, batch: StepBatch) -> None:
+        """Read and apply the step's MambaOpsReply; a refusal is left in `batch.mamba_refusal`
+        (the step then fails), an error answer gives the step's operations back to the mirror
+        and raises."""
+        e = self.engine
+        try:
+            reply = await e.reply_on(e.mamba, MambaOpsReply)
+        except Exception:
+            e.scheduler.mamba_unserved(batch)
+            raise
+        e.scheduler.assign_mamba(batch, reply)
+        if not reply.ok:
+            batch.mamba_refusal = reply.error or "refused"
+
+    async def _publish(self, reply: BlockOpsReply) -> None:
+        """Relay the step's hash events to the coordinator's routing table (DESIGN.md §5)."""
+        if len(reply.added_hashes) or len(reply.evicted_hashes):
+            await self.engine.coord.send(PrefixEvents(reply.added_hashes, reply.evicted_hashes))
+
+    async def collect(self, batch: StepBatch) -> None:
+        """Wait for the step's result, apply it and report: a failed step fails its requests
+        (each gets its terminal output) and the engine goes on."""
+        e = self.engine
+        try:
+            result = await e.reply_on(e.gpu, StepResult)
+            if result.step != batch.step:
+                raise EngineError(f"gpu answered step {result.step}, expected {batch.step}")
+            if result.error is not None:
+                raise EngineError(f"forward failed: {result.error}")
+            self.device_seconds_total += result.device_seconds
+            self.steps_total += 1
+            self.steps_graphed += int(result.graphed)
+            outputs = e.scheduler.update(batch, result, e.now)
+        except Exception as err:
+            if e.ep is not None:  # the group's collectives may be out of step now
+                await self.die(await e.ep.why_failed(f"step {batch.step} failed: {err}"))
+            outputs = await self._failed(batch, err)
+        await self._emit_or_die(batch, outputs)
+        self.tokens_last_step = batch.num_tokens
+        interval = e.config.logging_step_interval
+        if interval and batch.step % interval == 0:
+            e.log.info("stats", **e.scheduler.stats(), tokens=batch.num_tokens)
+            await e.coord.send(e.stats())
+
+    async def _failed(self, batch: StepBatch, err: Exception) -> list[EngineRequest]:
+        """The step's requests, ended with the error `err` (an EngineError is an expected
+        failure, logged in a line; anything else is a bug, logged once with its traceback)."""
+        log = self.engine.log
+        if isinstance(err, EngineError):
+            log.error("step failed", step=batch.step, error=str(err))
+            error = str(err)
+        else:
+            log.error("step failed", step=batch.step, exc_info=err)
+            error = f"internal error: {type(err).__name__}: {err}"
+        outputs = self._fail_step(batch, error)
+        if outputs is None:
+            await self.die(f"step {batch.step} failed and its requests could not be failed")
+        return outputs
+
+    async def _emit_or_die(self, batch: StepBatch, requests: list[EngineRequest]) -> None:
+        try:
+            await self.emit(requests)
+        except Exception as err:
+            await self.die(f"step {batch.step}: its outputs could not be sent", err)
+
+    def _fail_step(self, batch: StepBatch, error: str) -> list[EngineRequest] | None:
+        """End the step's requests with `error` (each gets its terminal output); None when the
+        scheduler cannot even do that."""
+        e = self.engine
+        try:
+            return e.scheduler.update(batch, None, e.now, error=error)
+        except Exception:
+            e.log.exception("failing the step's requests failed", step=batch.step)
+            return None
+
+    async def die(self, why: str, cause: Exception | None = None) -> None:
+        """The rank cannot go on: fail every request it holds (if it still can), then end the
+        process loudly. Never returns."""
+        e = self.engine
+        if cause is not None:
+            e.log.error(why, exc_info=cause)
+        try:
+            await self.emit(e.scheduler.fail_all(FinishReason.ERROR, e.now, error=why))
+        except Exception:
+            e.log.exception("could not fail the remaining requests; the coordinator will")
+        raise FatalError(f"{e.name}: {why}")
+
+    async def emit(self, requests: list[EngineRequest]) -> None:
+        """Report `requests` (their next outputs) to the coordinator in one message."""
+        if requests:
+            await self.engine.coord.send(StepOutputs.of([output_of(r) for r in requests]))
