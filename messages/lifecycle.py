@@ -2,8 +2,9 @@
 
 Flow: a client sends a control message to the coordinator; the coordinator checks its `token`
 (the runtime's control token: only clients that present it may change the lifecycle), checks the
-command against its FSM (actors/coordinator/fsm.py), forwards it to every engine (with `token`
-emptied: the engine sockets are private to the runtime), and answers the client with one
+command against its FSM (actors/coordinator/fsm.py, over `TRANSITIONS` below), forwards it to
+every engine (with `token` emptied: the engine sockets are private to the runtime; each engine
+checks it against the same table), and answers the client with one
 `ControlAck` once every engine has acknowledged (or an `ErrorReply`: "not_authorized",
 "illegal_transition" naming the current state, "busy", "bad_request" or "control_failed").
 Engines answer the coordinator with `ControlAck` (or `ErrorReply`).
@@ -45,6 +46,30 @@ class ControlCommand(enum.StrEnum):
     RESUME = "resume"
     UPDATE_WEIGHTS = "update_weights"
     STOP = "stop"
+
+
+# (state, command) -> the state after it; every pair not listed is illegal. The one table the
+# coordinator's FSM (actors/coordinator/fsm.py) and every engine (actors/engine/actor.py) decide
+# legality from.
+TRANSITIONS: dict[tuple[LifecycleState, ControlCommand], LifecycleState] = {
+    (LifecycleState.RUNNING, ControlCommand.PAUSE): LifecycleState.PAUSED,
+    (LifecycleState.PAUSED, ControlCommand.UNPAUSE): LifecycleState.RUNNING,
+    (LifecycleState.PAUSED, ControlCommand.SUSPEND): LifecycleState.SUSPENDED,
+    (LifecycleState.PAUSED, ControlCommand.STOP): LifecycleState.STOPPED,
+    (LifecycleState.SUSPENDED, ControlCommand.RESUME): LifecycleState.PAUSED,
+    (LifecycleState.SUSPENDED, ControlCommand.UPDATE_WEIGHTS): LifecycleState.SUSPENDED,
+    (LifecycleState.SUSPENDED, ControlCommand.STOP): LifecycleState.STOPPED,
+}
+
+
+def next_state(state: LifecycleState, command: ControlCommand) -> LifecycleState | None:
+    """The state `command` leads to from `state`, or None where it is illegal."""
+    return TRANSITIONS.get((state, command))
+
+
+def legal_commands(state: LifecycleState) -> list[ControlCommand]:
+    """The commands `state` allows, in declaration order."""
+    return [c for c in ControlCommand if (state, c) in TRANSITIONS]
 
 
 class KVCacheManagementMode(enum.StrEnum):

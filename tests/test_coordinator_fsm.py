@@ -1,4 +1,5 @@
-"""The lifecycle FSM: every (state, command) pair, and random command sequences."""
+"""The lifecycle table (messages/lifecycle.py) and the coordinator's FSM over it: every
+(state, command) pair, and random command sequences."""
 
 from __future__ import annotations
 
@@ -6,14 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from taipan.actors.coordinator.fsm import (
-    TRANSITIONS,
-    IllegalTransition,
-    LifecycleFSM,
-    State,
-    legal_commands,
-)
-from taipan.messages.lifecycle import ControlCommand, LifecycleState
+from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
+from taipan.messages.lifecycle import TRANSITIONS, ControlCommand, LifecycleState, legal_commands
 
 COMMANDS = list(ControlCommand)
 

@@ -1,4 +1,5 @@
-"""The lifecycle state machine of the runtime, as one declared transition table. Pure Python.
+"""The lifecycle state machine of the runtime, over the one declared transition table
+(`TRANSITIONS` in messages/lifecycle.py, which the engines check too). Pure Python.
 
 Owns: which lifecycle command is legal in which state, and the state after it. Must not touch:
 sockets, engines, clocks — the coordinator actor (actors/coordinator/actor.py) asks `check`
@@ -16,17 +17,7 @@ from __future__ import annotations
 
 from taipan.messages.lifecycle import ControlCommand as Command
 from taipan.messages.lifecycle import LifecycleState as State
-
-# (state, command) -> state after it. Every pair not listed is illegal.
-TRANSITIONS: dict[tuple[State, Command], State] = {
-    (State.RUNNING, Command.PAUSE): State.PAUSED,
-    (State.PAUSED, Command.UNPAUSE): State.RUNNING,
-    (State.PAUSED, Command.SUSPEND): State.SUSPENDED,
-    (State.PAUSED, Command.STOP): State.STOPPED,
-    (State.SUSPENDED, Command.RESUME): State.PAUSED,
-    (State.SUSPENDED, Command.UPDATE_WEIGHTS): State.SUSPENDED,
-    (State.SUSPENDED, Command.STOP): State.STOPPED,
-}
+from taipan.messages.lifecycle import legal_commands, next_state
 
 
 class IllegalTransition(RuntimeError):
@@ -36,11 +27,6 @@ class IllegalTransition(RuntimeError):
         self.state, self.command = state, command
         legal = ", ".join(legal_commands(state)) or "none (the runtime has stopped)"
         super().__init__(f"{command} is illegal while {state}; legal: {legal}")
-
-
-def legal_commands(state: State) -> list[Command]:
-    """The commands `state` allows, in declaration order."""
-    return [c for c in Command if (state, c) in TRANSITIONS]
 
 
 class LifecycleFSM:
@@ -56,7 +42,7 @@ class LifecycleFSM:
         except ValueError:
             known = ", ".join(Command)
             raise ValueError(f"unknown lifecycle command {command!r}; known: {known}") from None
-        target = TRANSITIONS.get((self.state, command))
+        target = next_state(self.state, command)
         if target is None:
             raise IllegalTransition(self.state, command)
         return target

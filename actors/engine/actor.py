@@ -92,6 +92,7 @@ from taipan.messages.lifecycle import (
     Suspend,
     Unpause,
     UpdateWeights,
+    next_state,
 )
 from taipan.messages.mamba_cache import MambaReady
 from taipan.messages.requests import (
@@ -350,9 +351,10 @@ class EngineActor(Actor):
 
     # --- lifecycle ----------------------------------------------------------------------------
 
-    async def _refuse(self, env: Envelope, command: ControlCommand, legal_in: LifecycleState):
-        """Answer an illegal command (True) or let it run (False)."""
-        if self.state == legal_in and self.scheduler is not None:
+    async def _refuse(self, env: Envelope, command: ControlCommand) -> bool:
+        """Answer a command this engine's state does not allow (messages/lifecycle.py's
+        table, the coordinator's too) and return True; False: let it run."""
+        if next_state(self.state, command) is not None and self.scheduler is not None:
             return False
         text = f"{self.name}: {command} is illegal while {self.state}"
         if self.scheduler is None:
@@ -373,7 +375,7 @@ class EngineActor(Actor):
         self.spawn(in_order())
 
     async def on_pause(self, env: Envelope, msg: Pause) -> None:
-        if await self._refuse(env, ControlCommand.PAUSE, LifecycleState.RUNNING):
+        if await self._refuse(env, ControlCommand.PAUSE):
             return
         if self.ep_driver is not None:
             # The group pauses together: the step loop votes this flag and acks once every
@@ -385,7 +387,7 @@ class EngineActor(Actor):
             self.pause_waiters.append(env)
             self.work.set()
             return
-        self.state = LifecycleState.PAUSED  # no new step starts from now on
+        self.state = next_state(self.state, ControlCommand.PAUSE)  # no new step starts now
         self._control_task(self._pause_after_step(env))
 
     async def _pause_after_step(self, env: Envelope) -> None:
@@ -393,9 +395,9 @@ class EngineActor(Actor):
             await self._ack(env, ControlCommand.PAUSE)
 
     async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
-        if await self._refuse(env, ControlCommand.UNPAUSE, LifecycleState.PAUSED):
+        if await self._refuse(env, ControlCommand.UNPAUSE):
             return
-        self.state = LifecycleState.RUNNING
+        self.state = next_state(self.state, ControlCommand.UNPAUSE)
         self.work.set()
         await self._ack(env, ControlCommand.UNPAUSE)
 
@@ -463,19 +465,19 @@ class EngineActor(Actor):
         return GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
 
     async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
-        if await self._refuse(env, ControlCommand.SUSPEND, LifecycleState.PAUSED):
+        if await self._refuse(env, ControlCommand.SUSPEND):
             return
         mode = msg.mode or self.config.kv_cache_management_mode or KVCacheManagementMode.PERSIST
         self._control_task(self._suspend(env, GpuControl(GpuCommand.SUSPEND, mode, None, None)))
 
     async def _suspend(self, env: Envelope, control: GpuControl) -> None:
         if await self._gpu_control(env, ControlCommand.SUSPEND, control):
-            self.state = LifecycleState.SUSPENDED
+            self.state = next_state(self.state, ControlCommand.SUSPEND)
             self.suspended_mode = control.mode
             await self._ack(env, ControlCommand.SUSPEND)
 
     async def on_resume(self, env: Envelope, msg: Resume) -> None:
-        if await self._refuse(env, ControlCommand.RESUME, LifecycleState.SUSPENDED):
+        if await self._refuse(env, ControlCommand.RESUME):
             return
         self._control_task(self._resume(env))
 
@@ -483,11 +485,11 @@ class EngineActor(Actor):
         control = GpuControl(GpuCommand.RESUME, None, None, None)
         reply = await self._gpu_control(env, ControlCommand.RESUME, control)
         if reply is not None:  # (a resume that dropped the KV invalidated it: _gpu_call)
-            self.state = LifecycleState.PAUSED
+            self.state = next_state(self.state, ControlCommand.RESUME)
             await self._ack(env, ControlCommand.RESUME)
 
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, LifecycleState.SUSPENDED):
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
             return
         control = GpuControl(GpuCommand.UPDATE_WEIGHTS, None, msg.path, msg.state)
         self._control_task(self._update_weights(env, control))

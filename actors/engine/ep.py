@@ -55,7 +55,7 @@ from taipan.messages.consensus import (
     EpVote,
 )
 from taipan.messages.gpu import StepResult
-from taipan.messages.lifecycle import ControlCommand, LifecycleState
+from taipan.messages.lifecycle import ControlCommand, LifecycleState, next_state
 
 if TYPE_CHECKING:
     from taipan.actors.engine.scheduler import StepBatch
@@ -359,7 +359,7 @@ class EpDriver:
         e = self.engine
         await self._drain()
         await self.group.barrier(BarrierPoint.PAUSED)
-        e.state = LifecycleState.PAUSED
+        e.state = next_state(e.state, ControlCommand.PAUSE)
         waiters, e.pause_waiters = e.pause_waiters, []
         for env in waiters:
             await e._ack(env, ControlCommand.PAUSE)
