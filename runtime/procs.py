@@ -247,12 +247,43 @@ async def engine_main(spec: dict, rank: int) -> None:
             _exit_now(EXIT_PEER_DIED)
 
 
+def load_model_message(spec: dict, config: InferenceConfig, rank: int, tp: int, ep_load: dict):
+    """The LoadModel rank `rank`'s gpu actor gets (by keyword, the one place it is built)."""
+    from taipan.messages.gpu import LoadModel
+
+    max_requests, max_tokens = plan_limits(config)
+    device = spec["devices"][rank]
+    decode_graphs, mixed_graphs = cuda_graph_sizes(config, device)
+    state_config = config.mamba_inference_state_config
+    return LoadModel(
+        model=spec["model_path"],
+        dtype=spec["dtype"],
+        device=device,
+        block_size=config.block_size_tokens,
+        max_blocks=spec["max_blocks"],
+        kv_cache_gb=config.buffer_size_gb,
+        max_tokens=max_tokens,
+        max_requests=max_requests,
+        max_sequence_length=config.max_sequence_length,
+        cuda_graph_decode_sizes=decode_graphs,
+        cuda_graph_mixed_sizes=mixed_graphs,
+        static_kv_memory_pointers=config.static_kv_memory_pointers,
+        mamba_memory_ratio=config.mamba_memory_ratio,
+        mamba_snapshot_gb=config.prefix_caching_mamba_gb,
+        mamba_state_config="" if state_config is None else json.dumps(state_config),
+        # Every process of the ranks on this host shares its memory (followers on other hosts
+        # do not).
+        ranks_on_host=spec["ranks_on_host"] * (1 if spec.get("tp_remote") else tp),
+        **ep_load,
+        custom_all_reduce=config.custom_all_reduce,
+    )
+
+
 async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
     from taipan.actors.allocator.actor import AllocatorActor
     from taipan.actors.engine.actor import EngineActor
     from taipan.actors.gpu.actor import GpuActor
     from taipan.actors.mamba_cache.actor import MambaCacheActor
-    from taipan.messages.gpu import LoadModel
 
     ctx = zmq.asyncio.Context()
     from taipan.models import has_mamba_layers
@@ -293,33 +324,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
     )  # fmt: skip
     ep, ep_load = _ep_group(ctx, spec.get("expert_parallel"), rank, recs["engine"])
     config = InferenceConfig.from_dict(spec["config"])
-    max_requests, max_tokens = plan_limits(config)
-    device = spec["devices"][rank]
-    decode_graphs, mixed_graphs = cuda_graph_sizes(config, device)
-    load = LoadModel(
-        spec["model_path"],
-        spec["dtype"],
-        device,
-        config.block_size_tokens,
-        spec["max_blocks"],
-        config.buffer_size_gb,
-        max_tokens,
-        max_requests,
-        config.max_sequence_length,
-        decode_graphs,
-        mixed_graphs,
-        config.static_kv_memory_pointers,
-        config.mamba_memory_ratio,
-        config.prefix_caching_mamba_gb,
-        ""
-        if config.mamba_inference_state_config is None
-        else json.dumps(config.mamba_inference_state_config),
-        # Every process of the ranks on this host shares its memory (followers on other hosts
-        # do not).
-        spec["ranks_on_host"] * (1 if spec.get("tp_remote") else tp),
-        **ep_load,
-        custom_all_reduce=config.custom_all_reduce,
-    )
+    load = load_model_message(spec, config, rank, tp, ep_load)
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [ep.inbox, *ep.peers.values()] if ep else []
     channels += [mamba_side, to_mamba] if hybrid else []
