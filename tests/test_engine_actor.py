@@ -123,16 +123,18 @@ async def engine_rank(model_dir):
 
 @pytest.mark.asyncio
 async def test_a_step_that_raises_fails_its_requests_and_the_rank_goes_on(model_dir, monkeypatch):
-    real = Scheduler.plan_arrays
+    from taipan.actors.engine import plan
+
+    real = plan.plan_arrays
     calls = []
 
-    def broken_once(self, batch):
+    def broken_once(batch, *args):
         calls.append(batch.step)
         if len(calls) == 1:
             raise RuntimeError("boom in planning")
-        return real(self, batch)
+        return real(batch, *args)
 
-    monkeypatch.setattr(Scheduler, "plan_arrays", broken_once)
+    monkeypatch.setattr(plan, "plan_arrays", broken_once)
     async with engine_rank(model_dir) as rank:
         await rank.submit(1)
         await rank.submit(2)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.record import RequestRecord
-from taipan.actors.engine.request import output_of
 from tests.test_scheduler import Harness, make_plan, make_request
 
 

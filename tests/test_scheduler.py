@@ -22,7 +22,9 @@ from hypothesis import strategies as st
 
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine import plan as P
-from taipan.actors.engine.request import EngineRequest, Status, output_of
+from taipan.actors.engine.batch_arrays import plan_arrays
+from taipan.actors.engine.outputs import output_of
+from taipan.actors.engine.request import EngineRequest, Status
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult
@@ -804,7 +806,7 @@ def test_plan_arrays_for_a_mixed_step():
     h.sched.assign_blocks(
         batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
     )
-    got = h.sched.plan_arrays(batch)
+    got = plan_arrays(batch, h.sched.plan.block_size, h.sched.mamba is not None)
     want = {
         "input_ids": [fake_token(3), 114, 145],  # prompt of 2: (31 i + 14) % 1000 + 100
         "positions": [3, 0, 1],

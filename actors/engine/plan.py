@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from taipan.actors.config import InferenceConfig, RuntimePlan, plan_limits
+from taipan.actors.engine.batch_arrays import plan_arrays
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
 from taipan.messages.allocator import AllocatorReady, BlockOps
@@ -147,7 +148,8 @@ def mamba_init(loaded: ModelLoaded) -> MambaInit | None:
 
 
 def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
-    return StepPlan(step=batch.step, **sched.plan_arrays(batch))
+    arrays = plan_arrays(batch, sched.plan.block_size, sched.mamba is not None)
+    return StepPlan(step=batch.step, **arrays)
 
 
 def dummy_plan(step: int) -> StepPlan:

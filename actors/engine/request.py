@@ -13,13 +13,7 @@ import enum
 import numpy as np
 
 from taipan.actors.engine.record import RequestRecord
-from taipan.messages.requests import (
-    EventType,
-    FinishReason,
-    RequestEvent,
-    RequestOutput,
-    SamplingParams,
-)
+from taipan.messages.requests import EventType, FinishReason, RequestEvent, SamplingParams
 
 
 class Status(enum.Enum):
@@ -164,54 +158,3 @@ class EngineRequest:
             return len(self.generated) - self.num_streamed
         n = len(self.generated) - self.holdback() - self.num_streamed
         return n if n >= self.sampling.streaming_interval else 0
-
-
-def output_of(r: EngineRequest) -> RequestOutput:
-    """The next RequestOutput of `r`: its streamable tokens (all, once it has ended), their
-    log-probs, and on the terminal output the prompt log-probs, events and timings."""
-    start = r.num_streamed
-    stop = start + r.ready_to_stream() if r.stream else len(r.generated)
-    if r.finish_reason is not None:
-        stop = len(r.generated)
-    r.num_streamed = stop
-    finished = r.finish_reason is not None
-    kw = {}
-    if r.sampling.return_log_probs:
-        kw["log_probs"] = np.asarray(r.log_probs[start:stop], dtype=np.float32)
-    if r.sampling.top_n_logprobs:
-        kw["top_n_ids"], kw["top_n_log_probs"] = _stack(r.top_n[start:stop], r.sampling)
-    if finished:
-        if r.wants_prompt_log_probs:
-            kw["prompt_log_probs"] = np.asarray(r.prompt_log_probs, dtype=np.float32)
-        if r.prompt_top_n:
-            kw["prompt_top_n_ids"], kw["prompt_top_n_log_probs"] = _stack(
-                r.prompt_top_n, r.sampling
-            )
-        policy, kv = r.record.staleness(r.num_tokens)
-        kw.update(
-            events=tuple(r.events),
-            ttft=r.ttft,
-            tpot=r.tpot,
-            policy_staleness=policy,
-            kv_cache_staleness=kv,
-        )
-    return RequestOutput(
-        r.request_id,
-        np.asarray(r.generated[start:stop], dtype=np.int32),
-        finished,
-        r.finish_reason,
-        r.error,
-        len(r.prompt),
-        len(r.generated),
-        r.num_cached_tokens,
-        **kw,
-    )
-
-
-def _stack(pairs, sampling) -> tuple[np.ndarray, np.ndarray]:
-    n = sampling.top_n_logprobs
-    if not pairs:
-        return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
-    ids = np.stack([p[0] for p in pairs]).astype(np.int32)
-    lps = np.stack([p[1] for p in pairs]).astype(np.float32)
-    return ids, lps

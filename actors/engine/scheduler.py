@@ -2,12 +2,16 @@
 
 Pure core: ints, lists and numpy; no torch, no zmq, no clock (times come from messages, so a
 replay of the same inbound messages makes the same decisions). Owns every EngineRequest. The
-engine actor calls, once per step:
+engine's step (actors/engine/step.py) calls, once per step:
 
     batch = scheduler.schedule(now)       # what runs, which blocks to free / allocate
-    scheduler.assign_blocks(batch, ids)   # the allocator's answer
-    plan = scheduler.plan_arrays(batch)   # numpy arrays for the StepPlan
+    scheduler.assign_blocks(batch, reply) # the allocator's answer
+    arrays = plan_arrays(batch, ...)      # the StepPlan's numpy arrays (batch_arrays.py)
     done = scheduler.update(batch, result, now)  # append sampled tokens, stop checks
+
+Its parts: admission of waiting requests (admission.py), the StepPlan's columns
+(batch_arrays.py), what a result does to each request and what it reports (outputs.py), the
+prefix and Mamba mirrors (prefix.py, mamba.py); the step's data types are batch.py's.
 
 Overlap: the next step may be planned while one step is still in flight (its update() not yet
 applied). Planning a chunk advances the request at once (`num_computed_tokens`, and
@@ -53,13 +57,15 @@ prefix that a running chunk is about to take.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 
 import numpy as np
 
 from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.admission import admit, register
+from taipan.actors.engine.batch import Chunk, Draft, StepBatch
 from taipan.actors.engine.mamba import MambaMirror
+from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.messages.allocator import BlockOpsReply
@@ -67,59 +73,6 @@ from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
 from taipan.messages.mamba_cache import MambaOpsReply
 from taipan.messages.requests import EventType, FinishReason, SamplingParams
-
-
-@dataclasses.dataclass
-class Chunk:
-    request: EngineRequest
-    num_new_tokens: int
-    new_blocks: int
-    # Set when the step is planned (schedule() advances the request right after):
-    start: int = 0  # the first position this chunk computes
-    samples: bool = False  # it reaches the end of the tokens, so its last logit samples a token
-    gen_index: int = 0  # the index in `generated` of the token it samples (seeded sampling)
-    num_prompt_targets: int = 0  # prompt log-probs this chunk computes (set by plan_arrays)
-    # Hybrids: the snapshot slot its initial Mamba state is read from (a restored prefix);
-    # None: its own live slot, or zeros from position 0.
-    mamba_init: int | None = None
-
-
-@dataclasses.dataclass
-class StepBatch:
-    step: int
-    chunks: list[Chunk]
-    free_ids: list[int]
-    ended: list[EngineRequest]  # aborted before this step: report them now
-    # Prefix caching: (request id, hashes of the cached blocks it pins), registrations
-    # (request id, block index, hash, parent hash), and whether the allocator drops every hash.
-    pins: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
-    regs: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
-    drop_cache: bool = False
-    # Hybrids (the step's MambaOps, messages/mamba_cache.py): requests that take a live slot,
-    # snapshots read (hashes) and written ((request, hash, tokens into its chunk); their slots
-    # come with the reply),
-    # and the frees, invalidations and drop waiting in the mirror when the step was planned.
-    mamba_live: list[EngineRequest] = dataclasses.field(default_factory=list)
-    mamba_restore: list[int] = dataclasses.field(default_factory=list)
-    mamba_snaps: list[tuple[EngineRequest, int, int]] = dataclasses.field(default_factory=list)
-    mamba_snap_slots: list[int] = dataclasses.field(default_factory=list)
-    mamba_free: list[int] = dataclasses.field(default_factory=list)
-    mamba_invalidate: list[int] = dataclasses.field(default_factory=list)
-    mamba_drop: bool = False
-    mamba_refusal: str = ""  # why the mamba_cache actor refused the step ("": it did not)
-
-    @property
-    def has_mamba_ops(self) -> bool:
-        return bool(self.mamba_live or self.mamba_restore or self.mamba_snaps)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new_tokens for c in self.chunks)
-
-    @property
-    def is_step(self) -> bool:
-        """Whether it does anything (an empty plan is not a step and sends nothing)."""
-        return bool(self.chunks or self.free_ids or self.drop_cache)
 
 
 def derive_seed(request_id: int, arrival_time: float) -> int:
@@ -230,7 +183,7 @@ class Scheduler:
     def _free_view(self) -> int:
         return self.num_free_blocks + sum(self.pending_free.values())
 
-    def _fit(self, req: EngineRequest, budget: int, free: int) -> tuple[int, int, bool]:
+    def fit(self, req: EngineRequest, budget: int, free: int) -> tuple[int, int, bool]:
         """(tokens, new blocks, blocked): what `req` can run this step within `budget` tokens
         and `free` blocks. Only a chunked prefill may be cut short; `blocked` says that the
         request could not run for want of a free block (not of budget)."""
@@ -262,95 +215,52 @@ class Scheduler:
         )
 
     def schedule(self, now: float) -> StepBatch:
-        """Plan the next step. At most one step may be in flight (planned, update() not run)."""
-        budget = self.plan.max_tokens
-        free = self._free_view()
-        chunks: list[Chunk] = []
-        pins: list[tuple[int, np.ndarray]] = []
+        """Plan the next step (the order of service in the module docstring). At most one step
+        may be in flight (planned, update() not run)."""
+        draft = Draft(self.plan.max_tokens, self._free_view())
         ended = [r for r in self.running + self.paused if r.aborted]
         for r in ended:
             self._finish(r, FinishReason.ABORT, now=now)
-        # 1. running: decode rows first, so decode tokens ride along with prefill chunks.
+        self._plan_running(draft, now)
+        if not self._plan_paused(draft, now):
+            # Nobody was just evicted (the pool is short: re-admitting the evicted request at
+            # once would only churn).
+            admit(self, draft, now)
+        register(self, draft)
+        # Rows of one query token first (a stable sort): attention takes them as one decode
+        # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
+        draft.chunks.sort(key=lambda c: c.num_new_tokens != 1)
+        snaps = self._advance(draft.chunks, len(draft.mamba_restore))
+        return self._batch(draft, ended, snaps)
+
+    def _plan_running(self, draft: Draft, now: float) -> None:
+        """1. Running requests, decode rows first, so decode tokens ride along with prefill
+        chunks; one that needs a block when none is free is paused."""
         for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
-            n, need, blocked = self._fit(req, budget, free)
+            n, need, blocked = self.fit(req, draft.budget, draft.free)
             if blocked:
                 self._pause(req, now)
-            if n == 0:
-                continue
-            budget, free = budget - n, free - need
-            chunks.append(Chunk(req, n, need))
-        # 2. paused: LIFO; 3. eviction (over the paused budget, or nothing else can run).
-        budget, free = self._resume(chunks, budget, free)
+            if n:
+                draft.take(req, n, need)
+
+    def _plan_paused(self, draft: Draft, now: float) -> bool:
+        """2. Paused requests resume LIFO; 3. eviction, over the paused budget or when nothing
+        else can run. Whether a request was evicted."""
+        self._resume(draft)
         evicted = self._evict_over_budget(now)
-        while not chunks and self.paused and not self.steps_in_flight:
+        while not draft.chunks and self.paused and not self.steps_in_flight:
             # (With a step in flight, its result may end requests and free blocks: wait for it.)
             self._evict(self.paused[0], now)
             evicted = True
-            budget, free = self._resume(chunks, budget, self._free_view())
-        # 4. admission, FIFO, only while nobody waits paused and nobody was just evicted (the
-        # pool is short: re-admitting the evicted request at once would only churn).
-        regs: list[tuple[int, int, int, int]] = []
-        claimed = 0  # chunks whose prompt blocks are registered (so later admissions wait)
-        mamba_live: list[EngineRequest] = []
-        mamba_restore: list[int] = []
-        while self.waiting and not (self.paused or evicted):
-            req = self.waiting[0]
-            if len(self.running) >= self.plan.max_requests or req.steps_in_flight:
-                break  # (an evicted request comes back once its last token is known)
-            if self.mamba is not None and not self.mamba.live_free:
-                break  # every live Mamba slot is held (paused requests keep theirs)
-            if self.prefix is not None:
-                for c in chunks[claimed:]:
-                    self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
-                claimed = len(chunks)
-            shared = self._shared_prefix(req)
-            if shared is None:
-                break  # its next prompt block is being written by a step in flight
-            blocks, cost = shared
-            bs = self.plan.block_size
-            req.blocks = blocks
-            skip, restore = len(blocks) * bs, (0, 0, -1)
-            if self.mamba is not None:
-                restore = (0, 0, -1)
-                req.snap_bounds = []
-                if self.mamba_snapshots and len(req.hashes):
-                    restore = self.mamba.match(req, len(blocks), self.running, bs)
-                if restore is None:
-                    req.blocks = []
-                    break  # a deeper snapshot of its prefix is coming: wait for it (FIFO)
-                skip = restore[0] * bs
-            req.num_computed_tokens = min(skip, req.num_planned_tokens - 1)
-            n, need = 0, 0
-            if not (req.generated and req.blocks_needed(req.num_tokens + 1, bs) > free - cost):
-                # (an evicted request comes back when all it had, and one more, fits)
-                n, need, _ = self._fit(req, budget, free - cost)
-            if n == 0:
-                req.blocks, req.num_computed_tokens, req.snap_bounds = [], 0, []
-                break
-            self.waiting.popleft()
-            budget, free = budget - n, free - need - cost
-            if self.prefix is not None:
-                self.prefix.pin(req, blocks, pins)
-            req.status = Status.RUNNING
-            req.add_event(EventType.ADD_CONTEXT, now)
-            self.running.append(req)
-            chunks.append(Chunk(req, n, need))
-            if self.mamba is not None:
-                self.mamba.live_free -= 1
-                mamba_live.append(req)
-                if restore[0]:  # its first chunk starts from the snapshot at the match
-                    chunks[-1].mamba_init = restore[2]
-                    if restore[1] not in mamba_restore:
-                        mamba_restore.append(restore[1])
-                    self.mamba.num_restored += 1
-        # Rows of one query token first (a stable sort): attention takes them as one decode
-        # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
-        if self.prefix is not None:
-            for c in chunks[claimed:]:
-                self.prefix.register(c.request, c.num_new_tokens, self.step + 1, regs)
-        chunks.sort(key=lambda c: c.num_new_tokens != 1)
+            draft.free = self._free_view()
+            self._resume(draft)
+        return evicted
+
+    def _advance(self, chunks: list[Chunk], num_restore: int) -> list:
+        """The step is planned: advance each request past its chunk. Returns the Mamba
+        snapshots the chunks take (request, hash, position)."""
         snaps: list[tuple[EngineRequest, int, int]] = []
-        for c in chunks:  # the step is planned: advance each request past its chunk
+        for c in chunks:
             r = c.request
             c.start = r.num_computed_tokens
             c.samples = c.start + c.num_new_tokens == r.num_planned_tokens
@@ -360,35 +270,27 @@ class Scheduler:
             r.steps_in_flight += 1
             if r.snap_bounds:
                 self.mamba.snapshots_in_chunk(
-                    r, c.start, self.prefix, len(mamba_restore), snaps, self.plan.block_size
+                    r, c.start, self.prefix, num_restore, snaps, self.plan.block_size
                 )
         self.steps_in_flight += bool(chunks)
+        return snaps
+
+    def _batch(self, draft: Draft, ended: list[EngineRequest], snaps: list) -> StepBatch:
+        """The planned step, with the blocks to free that ride along with it."""
         free_ids = list(self.pending_free)
         self.pending_free.clear()
         px = self.prefix
         drop = px is not None and px.drop_pending
-        if chunks or free_ids or drop:  # an empty plan is not a step (and sends nothing)
+        if draft.chunks or free_ids or drop:  # an empty plan is not a step (and sends nothing)
             self.step += 1
         if px is not None:
             px.drop_pending = False
-        batch = StepBatch(self.step, chunks, free_ids, ended, pins, regs, drop)
-        batch.mamba_live, batch.mamba_restore, batch.mamba_snaps = mamba_live, mamba_restore, snaps
+        batch = StepBatch(self.step, draft.chunks, free_ids, ended, draft.pins, draft.regs, drop)
+        batch.mamba_live, batch.mamba_restore = draft.mamba_live, draft.mamba_restore
+        batch.mamba_snaps = snaps
         if batch.has_mamba_ops:
             batch.mamba_free, batch.mamba_invalidate, batch.mamba_drop = self.mamba.take_pending()
         return batch
-
-    def _shared_prefix(self, req: EngineRequest) -> tuple[list[int], int] | None:
-        """(the cached blocks `req` shares, the available blocks pinning them takes), or None
-        when it must wait for a block another request's step in flight is writing."""
-        px = self.prefix
-        if px is None or not len(req.hashes):
-            return [], 0
-        if req.wants_prompt_log_probs and len(req.prompt_log_probs) < len(req.prompt) - 1:
-            return [], 0  # it needs every prompt position's logits
-        blocks, wait = px.match(req.hashes)
-        if wait:
-            return None
-        return blocks, px.cost(blocks)
 
     def _pause(self, req: EngineRequest, now: float) -> None:
         self.running.remove(req)
@@ -398,18 +300,16 @@ class Scheduler:
         if self.track_paused_events:
             req.add_event(EventType.PAUSE, now)
 
-    def _resume(self, chunks: list[Chunk], budget: int, free: int) -> tuple[int, int]:
+    def _resume(self, draft: Draft) -> None:
         while self.paused and len(self.running) < self.plan.max_requests:
             req = self.paused[-1]
-            n, need, _ = self._fit(req, budget, free)
+            n, need, _ = self.fit(req, draft.budget, draft.free)
             if n == 0:
                 break
             self.paused.pop()
             req.status = Status.RUNNING
             self.running.append(req)
-            budget, free = budget - n, free - need
-            chunks.append(Chunk(req, n, need))
-        return budget, free
+            draft.take(req, n, need)
 
     def _evict_over_budget(self, now: float) -> bool:
         cap = self.plan.max_paused_blocks
@@ -523,98 +423,6 @@ class Scheduler:
             m.pending_invalidate.clear()
         batch.mamba_live, batch.mamba_restore, batch.mamba_snaps = [], [], []
 
-    def plan_arrays(self, batch: StepBatch) -> dict[str, np.ndarray]:
-        """The StepPlan arrays (see messages/gpu.py) for this batch. A one-token chunk (every
-        decode row) is read as Python scalars: at batch 256 per-row numpy calls were most of
-        the engine's time per step. A decode row whose token the step in flight is sampling
-        gets input id 0 and, in `prev_rows`, the row that samples it."""
-        bs = self.plan.block_size
-        ids, positions, slots, targets = _Concat(), _Concat(), _Concat(), _Concat()
-        seq_lens, sample, prev_rows = [], [], []
-        query_start = [0]
-        width = max(len(c.request.blocks) for c in batch.chunks)
-        padded: list[int] = []  # the block tables, row after row, padded with 0
-        for i, c in enumerate(batch.chunks):
-            r = c.request
-            start, stop = c.start, c.start + c.num_new_tokens
-            if c.num_new_tokens == 1:
-                p, g = len(r.prompt), len(r.generated)
-                if start < p + g:
-                    ids.add(int(r.prompt[start]) if start < p else r.generated[start - p])
-                    prev_rows.append(-1)
-                else:  # sampled by the step in flight, where this request was row `r.row`
-                    ids.add(0)
-                    prev_rows.append(r.row)
-                positions.add(start)
-                # A position in a block shared from the cache is never written again.
-                slot = r.blocks[start // bs] * bs + start % bs if start >= r.shared_until else -1
-                slots.add(slot)
-                target = int(r.prompt_targets(start, stop)[0]) if r.wants_prompt_log_probs else -1
-                targets.add(target)
-                c.num_prompt_targets = int(target >= 0)
-            else:
-                pos = np.arange(start, stop, dtype=np.int64)
-                blocks = np.asarray(r.blocks, dtype=np.int64)
-                ids.add(r.token_slice(start, stop))
-                positions.add(pos)
-                chunk_slots = blocks[pos // bs] * bs + pos % bs
-                if start < r.shared_until:
-                    chunk_slots[pos < r.shared_until] = -1
-                slots.add(chunk_slots)
-                chunk_targets = r.prompt_targets(start, stop)
-                targets.add(chunk_targets)
-                c.num_prompt_targets = int((chunk_targets >= 0).sum())
-                prev_rows.extend([-1] * c.num_new_tokens)
-            r.row = i
-            query_start.append(query_start[-1] + c.num_new_tokens)
-            seq_lens.append(stop)
-            sample.append(c.samples)
-            padded += r.blocks
-            padded += [0] * (width - len(r.blocks))
-        tables = np.asarray(padded, dtype=np.int32).reshape(len(batch.chunks), width)
-        reqs = [c.request for c in batch.chunks]
-        from_previous = max(prev_rows) >= 0
-        mamba = {}
-        if self.mamba is not None:
-            # A chunk from position 0 starts from zeros, a restored one from its snapshot, any
-            # other from its own slot.
-            out = [r.mamba_slot for r in reqs]
-            init = [
-                (s if c.start else -1) if c.mamba_init is None else c.mamba_init
-                for s, c in zip(out, batch.chunks, strict=True)
-            ]
-            mamba = {
-                "mamba_init": np.asarray(init, dtype=np.int32),
-                "mamba_out": np.asarray(out, dtype=np.int32),
-            }
-            if batch.mamba_snap_slots:
-                row = {id(c.request): i for i, c in enumerate(batch.chunks)}
-                rows = [row[id(r)] for r, _, _ in batch.mamba_snaps]
-                mamba["mamba_snap_row"] = np.asarray(rows, dtype=np.int32)
-                pos = [p for _, _, p in batch.mamba_snaps]
-                mamba["mamba_snap_pos"] = np.asarray(pos, dtype=np.int32)
-                mamba["mamba_snap_dst"] = np.asarray(batch.mamba_snap_slots, dtype=np.int32)
-        return mamba | {
-            "input_ids": ids.array(np.int32),
-            "positions": positions.array(np.int32),
-            "slot_mapping": slots.array(np.int64),
-            "query_start_loc": np.asarray(query_start, dtype=np.int32),
-            "seq_lens": np.asarray(seq_lens, dtype=np.int32),
-            "block_tables": tables,
-            "sample": np.asarray(sample, dtype=np.int8),
-            "temperature": np.asarray([r.sampling.temperature for r in reqs], dtype=np.float32),
-            "top_k": np.asarray([r.sampling.top_k for r in reqs], dtype=np.int32),
-            "top_p": np.asarray([r.sampling.top_p for r in reqs], dtype=np.float32),
-            "min_p": np.asarray([r.sampling.min_p for r in reqs], dtype=np.float32),
-            "seeds": np.asarray([r.seed for r in reqs], dtype=np.int64),
-            "gen_index": np.asarray([c.gen_index for c in batch.chunks], dtype=np.int32),
-            "logprobs": np.asarray([r.sampling.return_log_probs for r in reqs], dtype=np.int8),
-            "top_n": np.asarray([r.sampling.top_n_logprobs for r in reqs], dtype=np.int32),
-            "prompt_targets": targets.array(np.int32),
-            # Empty when no row reads the step in flight (the gpu then takes input_ids as is).
-            "prev_rows": np.asarray(prev_rows if from_previous else [], dtype=np.int32),
-        }
-
     def update(self, batch: StepBatch, result: StepResult | None, now: float, error: str = ""):
         """Apply a step's result (None: the step failed with `error`). Returns the requests
         with something to report: streamable tokens, or an ending. A request that ended while
@@ -633,7 +441,7 @@ class Scheduler:
             r = c.request
             r.steps_in_flight -= 1
             if result is not None and c.num_prompt_targets:
-                self._take_prompt_log_probs(r, result, k, c.num_prompt_targets)
+                take_prompt_log_probs(r, result, k, c.num_prompt_targets)
                 k += c.num_prompt_targets
             if r.status is Status.FINISHED:
                 continue
@@ -648,37 +456,12 @@ class Scheduler:
             if not c.samples:
                 continue
             r.num_pending -= 1
-            self._append_token(r, result, i, now)
+            reason = append_token(r, result, i, now, self.plan, self.track_token_events)
+            if reason is not None:
+                self._finish(r, reason, now=now)
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):
                 out.append(r)
         return out
-
-    def _take_prompt_log_probs(self, r: EngineRequest, res: StepResult, k: int, n: int) -> None:
-        r.prompt_log_probs.extend(res.prompt_log_probs[k : k + n].tolist())
-        top = r.sampling.top_n_logprobs
-        if r.sampling.return_prompt_top_n_logprobs and top:
-            for j in range(k, k + n):
-                r.prompt_top_n.append(
-                    (res.prompt_top_n_ids[j, :top].copy(), res.prompt_top_n_log_probs[j, :top])
-                )
-
-    def _append_token(self, r: EngineRequest, res: StepResult, i: int, now: float) -> None:
-        tok = int(res.token_ids[i])
-        r.generated.append(tok)
-        if r.first_token_time is None:
-            r.first_token_time = now
-        r.last_token_time = now
-        s = r.sampling
-        if s.return_log_probs:
-            r.log_probs.append(float(res.log_probs[i]))
-        if s.top_n_logprobs:
-            n = s.top_n_logprobs
-            r.top_n.append((res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy()))
-        if self.track_token_events:
-            r.add_event(EventType.GENERATED_TOKEN, now, tok)
-        reason = self._stop_reason(r, tok)
-        if reason is not None:
-            self._finish(r, reason, now=now)
 
     def fail_all(
         self, reason: FinishReason, now: float, error: str | None = None
@@ -705,29 +488,6 @@ class Scheduler:
         }
 
     # --- ending -------------------------------------------------------------------------------
-
-    def _stop_reason(self, r: EngineRequest, tok: int) -> FinishReason | None:
-        s = r.sampling
-        if not s.ignore_eos and tok in self.plan.eos_token_ids:
-            return FinishReason.STOP
-        if tok in s.stop_token_ids:
-            return FinishReason.STOP
-        for word in s.stop_word_ids:
-            if tuple(r.generated[-len(word) :]) == tuple(word):
-                if not s.include_stop_word:
-                    self._drop_tail(r, len(word))
-                return FinishReason.STOP
-        if len(r.generated) >= s.max_tokens or r.num_tokens >= self.plan.max_sequence_length:
-            return FinishReason.LENGTH
-        return None
-
-    @staticmethod
-    def _drop_tail(r: EngineRequest, n: int) -> None:
-        """Remove a matched stop word (never streamed: `holdback` kept it back)."""
-        n = min(n, len(r.generated) - r.num_streamed)
-        del r.generated[len(r.generated) - n :]
-        del r.log_probs[len(r.generated) :]
-        del r.top_n[len(r.generated) :]
 
     def _finish(
         self,
@@ -772,30 +532,3 @@ class Scheduler:
     def _release(self, blocks: list[int]) -> int:
         """Blocks that come back (free, or cached and idle) when a request lets go of these."""
         return len(blocks) if self.prefix is None else self.prefix.release(blocks)
-
-
-class _Concat:
-    """Values in order, some Python scalars and some arrays, joined once into one array: runs of
-    scalars become one array each, so a step of decode rows costs one conversion, not one per
-    row."""
-
-    def __init__(self):
-        self._pieces: list[np.ndarray] = []
-        self._run: list[int] = []
-
-    def add(self, value) -> None:
-        if isinstance(value, np.ndarray):
-            if self._run:
-                self._pieces.append(np.asarray(self._run, dtype=np.int64))
-                self._run = []
-            self._pieces.append(value)
-        else:
-            self._run.append(value)
-
-    def array(self, dtype) -> np.ndarray:
-        if self._run:
-            self._pieces.append(np.asarray(self._run, dtype=np.int64))
-            self._run = []
-        if len(self._pieces) == 1:
-            return self._pieces[0].astype(dtype, copy=False)
-        return np.concatenate(self._pieces).astype(dtype, copy=False)

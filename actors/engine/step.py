@@ -27,8 +27,9 @@ owns the channels, the clock (`now`, set by every message read), the scheduler a
 from __future__ import annotations
 
 from taipan.actors.base import FatalError
+from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.plan import block_ops, mamba_ops, step_plan
-from taipan.actors.engine.request import EngineRequest, output_of
+from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import StepBatch
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult

@@ -1,0 +1,108 @@
+"""Admission: which waiting requests join the step being planned, where each starts (the
+cached prefix it shares, the Mamba snapshot it restores from) and what its first chunk is.
+Step 4 of the scheduler's order of service (actors/engine/scheduler.py); `register` records
+the prompt blocks the planned chunks write, so that a later admission waits for them.
+
+Works on the scheduler's queues and mirrors (its `waiting`, `running`, `prefix`, `mamba`) and on
+the step's Draft; only `Scheduler.schedule` calls it. Pure: no sockets, no torch, no clock.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from taipan.actors.engine.batch import Draft
+from taipan.actors.engine.request import EngineRequest, Status
+from taipan.messages.requests import EventType
+
+if TYPE_CHECKING:
+    from taipan.actors.engine.scheduler import Scheduler
+
+
+def admit(sched: Scheduler, draft: Draft, now: float) -> None:
+    """4. Waiting requests, FIFO, while the budgets, the blocks and the live Mamba slots
+    allow, and only while nobody waits paused (those come first)."""
+    while sched.waiting and not sched.paused:
+        req = sched.waiting[0]
+        if len(sched.running) >= sched.plan.max_requests or req.steps_in_flight:
+            break  # (an evicted request comes back once its last token is known)
+        if sched.mamba is not None and not sched.mamba.live_free:
+            break  # every live Mamba slot is held (paused requests keep theirs)
+        register(sched, draft)  # (so that it waits for prompt blocks this step writes)
+        placed = _place(sched, req, draft)
+        if placed is None:
+            break
+        sched.waiting.popleft()
+        _start(sched, req, draft, now, *placed)
+
+
+def _place(sched: Scheduler, req: EngineRequest, draft: Draft) -> tuple | None:
+    """Where the waiting `req` starts (the cached blocks it shares, the Mamba snapshot it
+    restores) and what it runs this step: (tokens, new blocks, pinning cost, shared
+    blocks, restore), or None (it must wait; `req` is left as it was)."""
+    shared = _shared_prefix(sched, req)
+    if shared is None:
+        return None  # its next prompt block is being written by a step in flight
+    blocks, cost = shared
+    bs = sched.plan.block_size
+    req.blocks = blocks
+    skip, restore = len(blocks) * bs, (0, 0, -1)
+    if sched.mamba is not None:
+        req.snap_bounds = []
+        if sched.mamba_snapshots and len(req.hashes):
+            restore = sched.mamba.match(req, len(blocks), sched.running, bs)
+        if restore is None:
+            req.blocks = []
+            return None  # a deeper snapshot of its prefix is coming: wait for it (FIFO)
+        skip = restore[0] * bs
+    req.num_computed_tokens = min(skip, req.num_planned_tokens - 1)
+    n, need, free = 0, 0, draft.free - cost
+    if not (req.generated and req.blocks_needed(req.num_tokens + 1, bs) > free):
+        # (an evicted request comes back when all it had, and one more, fits)
+        n, need, _ = sched.fit(req, draft.budget, free)
+    if n == 0:
+        req.blocks, req.num_computed_tokens, req.snap_bounds = [], 0, []
+        return None
+    return n, need, cost, blocks, restore
+
+
+def _start(sched: Scheduler, req, draft: Draft, now: float, n, need, cost, blocks, restore):
+    """An admitted request runs: its first chunk, its pinned prefix, its live Mamba slot
+    (and the snapshot its first chunk starts from)."""
+    draft.take(req, n, need, cost)
+    if sched.prefix is not None:
+        sched.prefix.pin(req, blocks, draft.pins)
+    req.status = Status.RUNNING
+    req.add_event(EventType.ADD_CONTEXT, now)
+    sched.running.append(req)
+    if sched.mamba is not None:
+        sched.mamba.live_free -= 1
+        draft.mamba_live.append(req)
+        if restore[0]:  # its first chunk starts from the snapshot at the match
+            draft.chunks[-1].mamba_init = restore[2]
+            if restore[1] not in draft.mamba_restore:
+                draft.mamba_restore.append(restore[1])
+            sched.mamba.num_restored += 1
+
+
+def register(sched: Scheduler, draft: Draft) -> None:
+    """Register the complete prompt blocks the chunks planned so far will write (prefix
+    caching), once each."""
+    if sched.prefix is not None:
+        for c in draft.chunks[draft.claimed :]:
+            sched.prefix.register(c.request, c.num_new_tokens, sched.step + 1, draft.regs)
+        draft.claimed = len(draft.chunks)
+
+
+def _shared_prefix(sched: Scheduler, req: EngineRequest) -> tuple[list[int], int] | None:
+    """(the cached blocks `req` shares, the available blocks pinning them takes), or None
+    when it must wait for a block another request's step in flight is writing."""
+    px = sched.prefix
+    if px is None or not len(req.hashes):
+        return [], 0
+    if req.wants_prompt_log_probs and len(req.prompt_log_probs) < len(req.prompt) - 1:
+        return [], 0  # it needs every prompt position's logits
+    blocks, wait = px.match(req.hashes)
+    if wait:
+        return None
+    return blocks, px.cost(blocks)

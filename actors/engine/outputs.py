@@ -1,0 +1,125 @@
+"""What a step's result does to each request, and what a request reports: the token append,
+the stop checks, the log-probs (`append_token`, `take_prompt_log_probs`), and the next
+RequestOutput of a request (`output_of`).
+
+Pure: each function reads the StepResult's arrays and changes one EngineRequest; ending a
+request (its blocks, its slot, the queues) is the scheduler's (`Scheduler._finish`), told by
+the FinishReason returned here. No sockets, no torch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.request import EngineRequest
+from taipan.messages.gpu import StepResult
+from taipan.messages.requests import EventType, FinishReason, RequestOutput
+
+
+def append_token(
+    r: EngineRequest, res: StepResult, i: int, now: float, plan: RuntimePlan, track_events: bool
+) -> FinishReason | None:
+    """Append row i's sampled token (and its log-probs) to `r`; the reason it ends, if any."""
+    tok = int(res.token_ids[i])
+    r.generated.append(tok)
+    if r.first_token_time is None:
+        r.first_token_time = now
+    r.last_token_time = now
+    s = r.sampling
+    if s.return_log_probs:
+        r.log_probs.append(float(res.log_probs[i]))
+    if s.top_n_logprobs:
+        n = s.top_n_logprobs
+        r.top_n.append((res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy()))
+    if track_events:
+        r.add_event(EventType.GENERATED_TOKEN, now, tok)
+    return stop_reason(r, tok, plan)
+
+
+def take_prompt_log_probs(r: EngineRequest, res: StepResult, k: int, n: int) -> None:
+    """`r`'s n prompt log-probs from offset k of the step's compacted prompt log-probs."""
+    r.prompt_log_probs.extend(res.prompt_log_probs[k : k + n].tolist())
+    top = r.sampling.top_n_logprobs
+    if r.sampling.return_prompt_top_n_logprobs and top:
+        for j in range(k, k + n):
+            r.prompt_top_n.append(
+                (res.prompt_top_n_ids[j, :top].copy(), res.prompt_top_n_log_probs[j, :top])
+            )
+
+
+def stop_reason(r: EngineRequest, tok: int, plan: RuntimePlan) -> FinishReason | None:
+    """Why `r` ends with its new token `tok` (a completed stop word is dropped unless asked
+    for), or None."""
+    s = r.sampling
+    if not s.ignore_eos and tok in plan.eos_token_ids:
+        return FinishReason.STOP
+    if tok in s.stop_token_ids:
+        return FinishReason.STOP
+    for word in s.stop_word_ids:
+        if tuple(r.generated[-len(word) :]) == tuple(word):
+            if not s.include_stop_word:
+                drop_tail(r, len(word))
+            return FinishReason.STOP
+    if len(r.generated) >= s.max_tokens or r.num_tokens >= plan.max_sequence_length:
+        return FinishReason.LENGTH
+    return None
+
+
+def drop_tail(r: EngineRequest, n: int) -> None:
+    """Remove a matched stop word (never streamed: `holdback` kept it back)."""
+    n = min(n, len(r.generated) - r.num_streamed)
+    del r.generated[len(r.generated) - n :]
+    del r.log_probs[len(r.generated) :]
+    del r.top_n[len(r.generated) :]
+
+
+def output_of(r: EngineRequest) -> RequestOutput:
+    """The next RequestOutput of `r`: its streamable tokens (all, once it has ended), their
+    log-probs, and on the terminal output the prompt log-probs, events and timings."""
+    start = r.num_streamed
+    stop = start + r.ready_to_stream() if r.stream else len(r.generated)
+    if r.finish_reason is not None:
+        stop = len(r.generated)
+    r.num_streamed = stop
+    finished = r.finish_reason is not None
+    kw = {}
+    if r.sampling.return_log_probs:
+        kw["log_probs"] = np.asarray(r.log_probs[start:stop], dtype=np.float32)
+    if r.sampling.top_n_logprobs:
+        kw["top_n_ids"], kw["top_n_log_probs"] = _stack(r.top_n[start:stop], r.sampling)
+    if finished:
+        if r.wants_prompt_log_probs:
+            kw["prompt_log_probs"] = np.asarray(r.prompt_log_probs, dtype=np.float32)
+        if r.prompt_top_n:
+            kw["prompt_top_n_ids"], kw["prompt_top_n_log_probs"] = _stack(
+                r.prompt_top_n, r.sampling
+            )
+        policy, kv = r.record.staleness(r.num_tokens)
+        kw.update(
+            events=tuple(r.events),
+            ttft=r.ttft,
+            tpot=r.tpot,
+            policy_staleness=policy,
+            kv_cache_staleness=kv,
+        )
+    return RequestOutput(
+        r.request_id,
+        np.asarray(r.generated[start:stop], dtype=np.int32),
+        finished,
+        r.finish_reason,
+        r.error,
+        len(r.prompt),
+        len(r.generated),
+        r.num_cached_tokens,
+        **kw,
+    )
+
+
+def _stack(pairs, sampling) -> tuple[np.ndarray, np.ndarray]:
+    n = sampling.top_n_logprobs
+    if not pairs:
+        return np.zeros((0, n), np.int32), np.zeros((0, n), np.float32)
+    ids = np.stack([p[0] for p in pairs]).astype(np.int32)
+    lps = np.stack([p[1] for p in pairs]).astype(np.float32)
+    return ids, lps
