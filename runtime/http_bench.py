@@ -150,7 +150,7 @@ async def _http_one(host: str, port: int, body: dict, job: Job, drop_after: int)
 
 
 async def _server_in_flight(host: str, port: int) -> float:
-    """The server's `taipan_http_in_flight` (its bounded queue, runtime/http_server.py)."""
+    """The server's `taipan_http_in_flight` (its bounded queue, runtime/server/admission.py)."""
     conn, status = await _Connection.request(host, port, "GET", "/metrics")
     try:
         text = (await conn.body()).decode()
@@ -346,10 +346,10 @@ def _check_args(args) -> None:
 
 
 def http_load_workload(args) -> list[dict]:
-    from taipan.http_server import DEFAULT_MAX_QUEUED
     from taipan.launcher import runtime_from_args
     from taipan.models import resolve
     from taipan.ops.bench import gpu_name
+    from taipan.server import DEFAULT_MAX_QUEUED
 
     _check_args(args)
     name, _ = resolve(args.model)

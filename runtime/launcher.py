@@ -143,12 +143,12 @@ class Runtime:
         cuda_graph_sizes(self.config, device)  # graph fields on a device without graphs: refuse
         self.record_dir = os.path.abspath(record_dir) if record_dir else None
         self.log_level = log_level
-        # The OpenAI-compatible HTTP server (runtime/http_server.py), in its own process.
+        # The OpenAI-compatible HTTP server (runtime/server/), in its own process.
         if http_port is not None and not 0 <= http_port < 65536:
             raise LaunchError(f"http_port must be in 0..65535, got {http_port}")
         if api_key is not None and not api_key:
             raise LaunchError("api_key must not be empty")
-        # None: the server's defaults (runtime/http_server.py DEFAULT_MAX_QUEUED, ...).
+        # None: the server's defaults (runtime/server/admission.py DEFAULT_MAX_QUEUED, ...).
         if max_queued is not None and max_queued < 1:
             raise LaunchError(f"max_queued must be >= 1, got {max_queued}")
         if queue_timeout is not None and not 0 <= queue_timeout < float("inf"):

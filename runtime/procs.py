@@ -4,7 +4,7 @@ and `python -m taipan.procs tp-follower SPEC_JSON RANK TP_RANK`.
 One process runs the coordinator; one process per engine rank runs engine, allocator and gpu
 actors (and mamba_cache for a hybrid model) on one event loop, wired over inproc, on its own
 device and, with several ranks, its own share of the cores (SPEC's `devices`, `cpu_sets`); with
-an HTTP port, one more runs the OpenAI server (runtime/http_server.py) over a client of the
+an HTTP port, one more runs the OpenAI server (runtime/server/) over a client of the
 frontend.
 Tensor parallel (SPEC's `tensor_parallel_size` T > 1): the engine process's gpu actor is its
 rank's leader, and the engine process starts the rank's T-1 followers (`tp-follower`) as its own
@@ -424,7 +424,7 @@ def main(argv: list[str]) -> None:
     elif role == "tp-follower":
         run = tp_follower_main(spec, int(argv[2]), int(argv[3]))
     elif role == "http":
-        from taipan.http_server import http_main
+        from taipan.server import http_main
 
         run = http_main(spec)
     else:

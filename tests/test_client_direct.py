@@ -21,10 +21,10 @@ import zmq.asyncio
 
 from taipan.actors.channel import make_socket
 from taipan.client import AsyncClient, DirectEndpoint, RuntimeUnreachable
-from taipan.http_server import build_app
 from taipan.messages.common import ErrorReply, Hello
 from taipan.messages.lifecycle import Stop
 from taipan.messages.requests import FinishReason, SamplingParams, StepOutputs
+from taipan.server import build_app
 from tests.test_coordinator_actor import WAIT_S, ScriptedEngine, finished_output
 
 ENDPOINT = DirectEndpoint("test-model", 64, prefix_caching=False)

@@ -301,7 +301,7 @@ def test_a_client_that_disconnects_before_a_plain_answer_gives_its_blocks_back(s
 
 def test_the_http_process_never_imports_torch():
     code = (
-        "import sys, taipan.http_server, taipan.procs, taipan.launcher; "
+        "import sys, taipan.server, taipan.procs, taipan.launcher; "
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

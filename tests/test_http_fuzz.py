@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from taipan.client import AsyncClient
-from taipan.http_server import build_app
+from taipan.server import build_app
 
 TEMPLATES = [
     ("/v1/completions", {"model": "M", "prompt": "Hi there", "max_tokens": 1, "temperature": 0}),

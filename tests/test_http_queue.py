@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from taipan.client import AsyncClient
-from taipan.http_server import Admission, APIError, build_app, serve
 from taipan.launcher import LaunchError, Runtime
+from taipan.server import Admission, APIError, build_app, serve
 
 LONG = {"model": "M", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 SHORT = {"model": "M", "prompt": "Hi", "max_tokens": 2, "temperature": 0}

@@ -46,6 +46,7 @@ def test_the_wheel_holds_one_import_package(wheel):
     for module in (
         "taipan/__init__.py",
         "taipan/cli.py",
+        "taipan/server/app.py",
         "taipan/actors/base.py",
         "taipan/actors/engine/scheduler.py",
         "taipan/messages/codec.py",

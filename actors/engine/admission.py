@@ -3,23 +3,19 @@ cached prefix it shares, the Mamba snapshot it restores from) and what its first
 Step 4 of the scheduler's order of service (actors/engine/scheduler.py); `register` records
 the prompt blocks the planned chunks write, so that a later admission waits for them.
 
-Works on the scheduler's queues and mirrors (its `waiting`, `running`, `prefix`, `mamba`) and on
-the step's Draft; only `Scheduler.schedule` calls it. Pure: no sockets, no torch, no clock.
+Works on the scheduler's queues and mirrors (`sched`, the Scheduler: its `waiting`, `running`,
+`prefix`, `mamba`; not imported here, which would be a cycle) and on the step's Draft; only
+`Scheduler.schedule` calls it. Pure: no sockets, no torch, no clock.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from taipan.actors.engine.batch import Draft
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.messages.requests import EventType
 
-if TYPE_CHECKING:
-    from taipan.actors.engine.scheduler import Scheduler
 
-
-def admit(sched: Scheduler, draft: Draft, now: float) -> None:
+def admit(sched, draft: Draft, now: float) -> None:
     """4. Waiting requests, FIFO, while the budgets, the blocks and the live Mamba slots
     allow, and only while nobody waits paused (those come first)."""
     while sched.waiting and not sched.paused:
@@ -36,7 +32,7 @@ def admit(sched: Scheduler, draft: Draft, now: float) -> None:
         _start(sched, req, draft, now, *placed)
 
 
-def _place(sched: Scheduler, req: EngineRequest, draft: Draft) -> tuple | None:
+def _place(sched, req: EngineRequest, draft: Draft) -> tuple | None:
     """Where the waiting `req` starts (the cached blocks it shares, the Mamba snapshot it
     restores) and what it runs this step: (tokens, new blocks, pinning cost, shared
     blocks, restore), or None (it must wait; `req` is left as it was)."""
@@ -66,7 +62,7 @@ def _place(sched: Scheduler, req: EngineRequest, draft: Draft) -> tuple | None:
     return n, need, cost, blocks, restore
 
 
-def _start(sched: Scheduler, req, draft: Draft, now: float, n, need, cost, blocks, restore):
+def _start(sched, req, draft: Draft, now: float, n, need, cost, blocks, restore):
     """An admitted request runs: its first chunk, its pinned prefix, its live Mamba slot
     (and the snapshot its first chunk starts from)."""
     draft.take(req, n, need, cost)
@@ -85,7 +81,7 @@ def _start(sched: Scheduler, req, draft: Draft, now: float, n, need, cost, block
             sched.mamba.num_restored += 1
 
 
-def register(sched: Scheduler, draft: Draft) -> None:
+def register(sched, draft: Draft) -> None:
     """Register the complete prompt blocks the chunks planned so far will write (prefix
     caching), once each."""
     if sched.prefix is not None:
@@ -94,7 +90,7 @@ def register(sched: Scheduler, draft: Draft) -> None:
         draft.claimed = len(draft.chunks)
 
 
-def _shared_prefix(sched: Scheduler, req: EngineRequest) -> tuple[list[int], int] | None:
+def _shared_prefix(sched, req: EngineRequest) -> tuple[list[int], int] | None:
     """(the cached blocks `req` shares, the available blocks pinning them takes), or None
     when it must wait for a block another request's step in flight is writing."""
     px = sched.prefix
