@@ -1,9 +1,9 @@
 """The allocator actor: a pure message -> reply service and the thin actor shell around it.
 
-`AllocatorService` owns the rank's `BlockPool` and is the only thing that mutates it. It is a
-deterministic function of the inbound message sequence (no clock, no randomness, no unordered
-iteration), so `taipan replay --check` can re-drive it from a recording and expect the same
-encoded replies byte for byte.
+`AllocatorService` owns the rank's `PrefixBlockPool` (prefix caching on or off) and is the only
+thing that mutates it. It is a deterministic function of the inbound message sequence (no
+clock, no randomness, no unordered iteration), so `taipan replay --check` can re-drive it from
+a recording and expect the same encoded replies byte for byte.
 
 `AllocatorActor` owns nothing but the service and one channel (a zmq PAIR over inproc to the
 engine of the same rank, created by the caller with `make_socket`). It must not hold pool state
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taipan.actors.allocator.core import AllocatorError, BlockPool
+from taipan.actors.allocator.core import AllocatorError
 from taipan.actors.allocator.prefix import POLICIES, PrefixBlockPool
 from taipan.actors.base import Service, ServiceActor
 from taipan.actors.channel import Channel
@@ -35,7 +35,7 @@ class AllocatorService(Service):
 
     def __init__(self, name: str = "allocator"):
         self.name = name
-        self.pool: BlockPool | PrefixBlockPool | None = None
+        self.pool: PrefixBlockPool | None = None
         self.handlers = {AllocatorInit: self._init, BlockOps: self._block_ops}
 
     # --- handlers -------------------------------------------------------------------------------
@@ -59,10 +59,7 @@ class AllocatorService(Service):
                 "free every request first",
                 None,
             )
-        if msg.prefix_policy:
-            self.pool = PrefixBlockPool(msg.num_blocks, msg.prefix_policy)
-        else:
-            self.pool = BlockPool(msg.num_blocks)
+        self.pool = PrefixBlockPool(msg.num_blocks, msg.prefix_policy or None)
         return AllocatorReady(msg.num_blocks, self.pool.num_free)
 
     def _block_ops(self, msg: BlockOps) -> BlockOpsReply | ErrorReply:
@@ -73,15 +70,16 @@ class AllocatorService(Service):
                 None,
             )
         pool = self.pool
-        prefix = isinstance(pool, PrefixBlockPool)
+        prefix = pool.policy is not None
         problem = _check_block_ops(msg, prefix)
         if problem is not None:
             return _bad(f"BlockOps step {msg.step}: {problem}")
         for rid in msg.free_ids.tolist():
             pool.free_request(rid)
         if not prefix:
+            allocs = zip(msg.alloc_ids.tolist(), msg.alloc_counts.tolist(), strict=True)
             try:
-                ids = pool.allocate_batch(msg.alloc_ids.tolist(), msg.alloc_counts.tolist())
+                ids = pool.pin_and_allocate([], list(allocs))
             except AllocatorError as e:
                 # Frees stay applied (those requests are gone either way); allocation is all
                 # or nothing, and the engine learns the true free count to plan the next step.
@@ -115,7 +113,7 @@ class AllocatorService(Service):
 
     def _refused(self, msg: BlockOps, e: AllocatorError, ids: np.ndarray) -> BlockOpsReply:
         error = f"step {msg.step}: {e}"
-        if isinstance(self.pool, PrefixBlockPool):
+        if self.pool.policy is not None:
             return self._prefix_reply(msg, False, ids, error)
         return BlockOpsReply(msg.step, False, ids, self.pool.num_free, error)
 

@@ -1,124 +1,15 @@
-"""The KV block pool: which blocks are free, which request holds which, and their ref counts.
-
-Owns: the free list, per-block ref counts and the owner map (request id -> block ids, in the
-order they were handed out, which is the request's block table order). Only the allocator actor
-(through `AllocatorService`) calls the mutating methods; nothing else holds a `BlockPool`.
-Must not touch: sockets, messages, torch. Plain ints, lists and numpy only.
-
-Determinism: the lowest-numbered free block is always handed out first (a min-heap), so the same
-sequence of calls gives the same block ids, which is what `taipan replay --check` relies on.
-
-Ref counts: every block handed out today has ref 1 and one owner. Prefix caching (DESIGN.md §5)
-will let several requests share a block (ref > 1); `free_request` already only returns a block to
-the free list when its count reaches zero, so that change adds a "pin" call, not a rewrite.
+"""What every KV block pool shares: `AllocatorError` and the invariant checks of the free list
+and the ref counts (`check_free_and_refs`). The pool itself is actors/allocator/prefix.py's
+PrefixBlockPool, with prefix caching on or off. Must not touch: sockets, messages, torch.
 """
 
 from __future__ import annotations
-
-import heapq
-from collections.abc import Sequence
 
 import numpy as np
 
 
 class AllocatorError(ValueError):
     """A request the pool cannot serve, e.g. more blocks than are free. Nothing was changed."""
-
-
-class BlockPool:
-    def __init__(self, num_blocks: int):
-        if num_blocks < 1:
-            raise AllocatorError(f"num_blocks ({num_blocks}) must be >= 1")
-        self.num_blocks = num_blocks
-        # list(range(n)) is already a valid min-heap: no heapify needed.
-        self._free: list[int] = list(range(num_blocks))
-        self._refs = np.zeros(num_blocks, dtype=np.int32)
-        # Dict order is insertion order, so iterating owners is deterministic.
-        self._owned: dict[int, list[int]] = {}
-
-    # --- queries --------------------------------------------------------------------------------
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
-    def num_held(self) -> int:
-        return self.num_blocks - len(self._free)
-
-    def blocks_of(self, request_id: int) -> list[int]:
-        """A copy of the request's blocks in block-table order ([] for an unknown request)."""
-        return list(self._owned.get(request_id, ()))
-
-    def ref_count(self, block_id: int) -> int:
-        return int(self._refs[block_id])
-
-    def requests(self) -> list[int]:
-        """Ids of the requests that hold blocks, in the order they first got one."""
-        return list(self._owned)
-
-    # --- mutations ------------------------------------------------------------------------------
-
-    def allocate(self, request_id: int, n: int) -> list[int]:
-        """Hand `n` more blocks to `request_id` (appended to its table). All or nothing."""
-        return self.allocate_batch([request_id], [n])
-
-    def allocate_batch(self, request_ids: Sequence[int], counts: Sequence[int]) -> list[int]:
-        """Serve every (request, count) pair or none of them; returns the new ids in order.
-
-        The check runs before the first block moves, so an AllocatorError leaves the pool as it
-        was. A request id may appear more than once; its blocks are appended in call order.
-        """
-        if len(request_ids) != len(counts):
-            raise AllocatorError(f"{len(request_ids)} request ids but {len(counts)} counts")
-        counts = [int(c) for c in counts]
-        for rid, c in zip(request_ids, counts, strict=True):
-            if c < 0:
-                raise AllocatorError(f"request {rid}: block count {c} is negative")
-        total = sum(counts)
-        if total > len(self._free):
-            raise AllocatorError(
-                f"asked for {total} blocks but only {len(self._free)} of {self.num_blocks} are free"
-            )
-        out: list[int] = []
-        for rid, c in zip(request_ids, counts, strict=True):
-            if c == 0:
-                continue
-            new = [heapq.heappop(self._free) for _ in range(c)]
-            self._refs[new] += 1
-            self._owned.setdefault(int(rid), []).extend(new)
-            out.extend(new)
-        return out
-
-    def free_request(self, request_id: int) -> int:
-        """Drop every reference `request_id` holds; returns how many blocks became free.
-
-        An unknown id is a no-op returning 0: the engine may free a request that never got a
-        block (aborted while waiting), and that is not an error.
-        """
-        blocks = self._owned.pop(int(request_id), None)
-        if not blocks:
-            return 0
-        freed = 0
-        for b in blocks:
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                heapq.heappush(self._free, b)
-                freed += 1
-        return freed
-
-    # --- checks ---------------------------------------------------------------------------------
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError naming the first broken invariant (tests and debugging only)."""
-        free = self._free
-        free_set = check_free_and_refs(free, self._refs, self._owned)
-        held = np.flatnonzero(self._refs > 0)
-        both = free_set.intersection(held.tolist())
-        if both:
-            raise AssertionError(f"blocks {sorted(both)[:8]} are both free and held")
-        if len(free) + len(held) != self.num_blocks:
-            raise AssertionError(f"{len(free)} free + {len(held)} held != {self.num_blocks} blocks")
 
 
 def check_free_and_refs(free: list[int], refs: np.ndarray, owned: dict[int, list[int]]) -> set:

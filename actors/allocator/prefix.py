@@ -1,11 +1,13 @@
-"""The KV block pool with prefix caching (DESIGN.md §5): shared complete blocks found by hash.
+"""The KV block pool (DESIGN.md §5), with prefix caching: shared complete blocks found by hash.
+Policy None is the pool with caching off (nothing is ever registered, so every block is free or
+held, handed out lowest id first): the one pool the allocator uses either way.
 
 Owns: the free list, per-block ref counts, the owner map (request id -> block ids in block-table
 order), the hash map (block hash <-> block id, a bijection on registered blocks), each registered
 block's parent hash and child count, the cached-idle set with its logical recency, and the
 "added"/"evicted" hash events not yet taken. Must not touch: sockets, messages, torch, clocks.
-Plain ints, lists, dicts and numpy only. The allocator actor (`AllocatorService`) uses this
-class when prefix caching is on and `core.BlockPool` when it is off.
+Plain ints, lists, dicts and numpy only. Only the allocator actor (`AllocatorService`) holds
+one.
 
 States: every block is in exactly one of
   free         on the free min-heap, ref 0, no hash;
@@ -59,11 +61,12 @@ def _as_int(name: str, value: object) -> int:
 
 
 class PrefixBlockPool:
-    def __init__(self, num_blocks: int, policy: str):
+    def __init__(self, num_blocks: int, policy: str | None):
+        """`policy`: "ref_zero" or "lru" (see above), or None: prefix caching off."""
         if num_blocks < 1:
             raise AllocatorError(f"num_blocks ({num_blocks}) must be >= 1")
-        if policy not in POLICIES:
-            raise AllocatorError(f"policy {policy!r} is not one of {POLICIES}")
+        if policy is not None and policy not in POLICIES:
+            raise AllocatorError(f"policy {policy!r} is not one of {POLICIES} (or None: off)")
         self.num_blocks = num_blocks
         self.policy = policy
         # list(range(n)) is already a valid min-heap: no heapify needed.
@@ -214,6 +217,10 @@ class PrefixBlockPool:
             need += n
         available = len(self._free) + len(self._idle) - len(pinned.intersection(self._idle))
         if need > available:
+            if self.policy is None:  # (nothing is ever evictable)
+                raise AllocatorError(
+                    f"asked for {need} blocks but only {available} of {self.num_blocks} are free"
+                )
             raise AllocatorError(
                 f"asked for {need} blocks but only {available} of {self.num_blocks} are free "
                 f"or evictable (policy {self.policy})"
@@ -251,6 +258,8 @@ class PrefixBlockPool:
         out of range, a hash outside [1, 2**63 - 1], a parent that contradicts the previous
         block's hash, or a block that already carries a different hash.
         """
+        if self.policy is None:
+            raise AllocatorError("prefix caching is off in this pool: nothing is registered")
         rid = _as_int("request_id", request_id)
         index = _as_int("index", index)
         block_hash = _as_int("block_hash", block_hash)
