@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from taipan import bench
+from taipan.bench import generate
 
 
 @pytest.mark.slow  # ~30 s (ours and HF on the real model); the row logic's stubbed tests stay in
@@ -57,7 +58,7 @@ def test_bench_json_row(tmp_path, model_path):
     # fp32 on CPU: the floor the bench itself applies (EXPECTED_IDENTICAL_SHARE, 2/2 here).
     same, total = map(int, row["identical_outputs"].split("/"))
     assert row["dtype"] == "float32" and total == 2
-    assert row["identical_expected"] == math.ceil(bench.EXPECTED_IDENTICAL_SHARE["float32"] * 2)
+    assert row["identical_expected"] == math.ceil(generate.EXPECTED_IDENTICAL_SHARE["float32"] * 2)
     assert same >= row["identical_expected"]
     assert "identical_warning" not in row and "taipan bench: warning" not in done.stderr
     assert json.loads(results.read_text().splitlines()[-1]) == row
@@ -84,14 +85,17 @@ def test_bench_warns_below_expected_identical(tmp_path, monkeypatch, capsys):
 def _stub_generate(tmp_path, monkeypatch, ours, hf, limit: float) -> argparse.Namespace:
     """The generate workload's arguments (4 prompts x 3 tokens) with both sides stubbed: ours
     took 1 s for `ours`, HF 2 s for `hf`, the hardware limit is `limit` tok/s."""
+    import taipan.bench.hardware
+    import taipan.bench.hf
     import taipan.models
-    import taipan.ops.bench
 
     monkeypatch.setattr(taipan.models, "resolve", lambda name: ("stub", "stub.gguf"))
-    monkeypatch.setattr(bench, "_ours", lambda args, prompts: (1.0, [[5]] * 4, ours))
-    monkeypatch.setattr(taipan.ops.bench, "hf_generate", lambda args, path, ids: (2.0, hf))
+    monkeypatch.setattr(generate, "_ours", lambda args, prompts: (1.0, [[5]] * 4, ours))
+    monkeypatch.setattr(taipan.bench.hf, "hf_generate", lambda args, path, ids: (2.0, hf))
     monkeypatch.setattr(
-        taipan.ops.bench, "hardware_limit", lambda args, path, n: {"hw_limit_output_tok_s": limit}
+        taipan.bench.hardware,
+        "hardware_limit",
+        lambda args, path, n: {"hw_limit_output_tok_s": limit},
     )
     return _stub_args(tmp_path, "--num-prompts", "4", "--output-len", "3", "--json")
 
@@ -187,7 +191,7 @@ def test_decode_workload_rows_on_cpu(tmp_path):
 def _fake_decode_row(steps: dict, b: int = 1, device: str = "cuda", hf: dict | None = None):
     """`_decode_row` on made-up figures, a floor of 1 ms (1 GB of weights at 1000 GB/s, no KV):
     `steps` maps ours' modes to step ms (diff figures half of those), `hf` HF's modes."""
-    from taipan.workloads import _decode_row
+    from taipan.bench.decode import _decode_row
 
     args = argparse.Namespace(
         prompt_len=8, output_len=16, copy_gib=1.0, device=device, tensor_parallel_size=1
@@ -237,10 +241,10 @@ def test_decode_row_below_the_floor_is_invalid():
 def test_decode_rows_below_the_floor_are_refused(tmp_path, monkeypatch, capsys):
     """`taipan bench` writes the valid rows, prints every row (the invalid ones flagged), says
     INVALID on stderr and exits 1. The workload is stubbed: this checks the refusal only."""
-    import taipan.workloads
+    import taipan.bench.decode
 
     good, bad = _fake_decode_row({"graphs": 1.5}), _fake_decode_row({"graphs": 0.5}, b=8)
-    monkeypatch.setattr(taipan.workloads, "decode_workload", lambda args: [good, bad])
+    monkeypatch.setattr(taipan.bench.decode, "decode_workload", lambda args: [good, bad])
     assert bench.run(_stub_args(tmp_path, "--workload", "decode")) == 1
     out, err = capsys.readouterr()
     written = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
@@ -253,7 +257,7 @@ def test_decode_rows_below_the_floor_are_refused(tmp_path, monkeypatch, capsys):
 
 
 def test_ours_modes_default_and_chosen():
-    from taipan.workloads import ours_modes
+    from taipan.bench.decode import ours_modes
 
     def modes(device: str, given: str | None = None, tp: int = 1) -> list[str]:
         args = argparse.Namespace(device=device, ours_modes=given, tensor_parallel_size=tp)
@@ -276,7 +280,7 @@ def test_ours_modes_default_and_chosen():
 def test_offline_workload_row_on_cpu(tmp_path):
     """ShareGPT-like lengths, every request exactly its own output length on both sides; HF
     timed on the first 4 of 6 requests, and ours again on those for the ratio."""
-    from taipan.workloads import sharegpt_like
+    from taipan.bench.offline import sharegpt_like
 
     rows = _bench_rows(
         tmp_path,
@@ -298,7 +302,7 @@ def test_offline_workload_row_on_cpu(tmp_path):
 
 
 def test_sharegpt_like_lengths_are_seeded_and_clipped():
-    from taipan.workloads import sharegpt_like
+    from taipan.bench.offline import sharegpt_like
 
     prompts, outputs = sharegpt_like(1000, 0, 1024)
     assert (prompts, outputs) == sharegpt_like(1000, 0, 1024)
@@ -344,12 +348,27 @@ def test_offline_workload_on_cuda(tmp_path):
     assert row["hf_generate_output_tok_s"] > 0 and row["hf_continuous_output_tok_s"] > 0
 
 
+def test_the_cli_and_the_workload_families_import_no_torch():
+    """Only taipan.bench.hf and .hardware import torch, and only on use: `taipan --help`, the
+    bench's flags and every workload family's module (the relay's processes too) load without it."""
+    families = ("command", "generate", "decode", "offline", "shared_prefix", "http_load", "relay")
+    code = (
+        "import sys, taipan.cli\n"
+        "taipan.cli._parser().format_help()\n"
+        f"for name in {(*families, 'relay_peers', 'common')!r}:\n"
+        "    __import__('taipan.bench.' + name)\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_no_committed_row_breaks_physics():
     """tests/perf/results.jsonl holds no decode row whose step beats its floor and no generate
     row faster than its hardware limit (the bench refuses to write one; this also catches a row
     added by hand)."""
-    from taipan.bench import generate_invalid
-    from taipan.workloads import decode_invalid
+    from taipan.bench.decode import decode_invalid
+    from taipan.bench.generate import generate_invalid
 
     path = os.path.join(os.path.dirname(__file__), "perf", "results.jsonl")
     with open(path) as f:

@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from taipan import bench, http_bench
+from taipan import bench
+from taipan.bench import http_load
 
 N, OUTPUT_LEN = 16, 4
 
@@ -49,16 +50,16 @@ def test_http_load_keeps_its_invariants(tmp_path, model_path):
 
 def test_broken_invariants_are_named():
     """The checks themselves: every broken invariant of a side is a line naming it."""
-    jobs = [http_bench.Job("p", 4, drop=i == 0) for i in range(5)]
+    jobs = [http_load.Job("p", 4, drop=i == 0) for i in range(5)]
     good = {
         "5xx": 0, "failed": 0, "first_error": None, "completed": 4, "dropped": 1,
         "blocks_free_before": 10, "blocks_free_after": 10, "idle_after_s": 0.1,
         "steps_after_load": 1, "in_flight_after": 0.0,
     }  # fmt: skip
-    assert http_bench._violations("http", good, jobs, 4) == []
+    assert http_load._violations("http", good, jobs, 4) == []
     bad = {**good, "5xx": 1, "completed": 3, "blocks_free_after": 9, "steps_after_load": 50}
     bad["in_flight_after"] = 2.0
-    found = http_bench._violations("http", bad, jobs, 4)
+    found = http_load._violations("http", bad, jobs, 4)
     assert len(found) == 5 and all(v.startswith("http: ") for v in found)
     assert any("1 responses were 5xx" in v for v in found)
     assert any("3 of 4 requests completed" in v for v in found)
@@ -80,4 +81,4 @@ def test_bad_http_load_arguments(argv, message):
     bench.add_arguments(p)
     args = p.parse_args(["--workload", "http-load", *argv])
     with pytest.raises(ValueError, match=message):
-        http_bench._check_args(args)
+        http_load._check_args(args)

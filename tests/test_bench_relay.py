@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from taipan import relay_bench
+from taipan.bench import relay
+from taipan.bench.relay_peers import TokenFrames
 from taipan.messages.codec import encode_frame
 from taipan.messages.requests import RequestOutput
-from taipan.relay_peers import TokenFrames
 
 REQUESTS, OUTPUT_LEN, BATCH, CLIENTS = 24, 12, 8, 2
 
@@ -93,11 +93,11 @@ def test_broken_counts_are_named():
         "problems": [], "tokens": 6, "outputs": 6, "received": {"StepOutputs": 3},
     }  # fmt: skip
     engine = {"steps": 3, "entries": 6, "tokens": 6, "submits": 2, "heartbeats": 1}
-    row = relay_bench._row(args, spec, 1, [client], [engine], [0.1, 0.2], 1.0)
+    row = relay._row(args, spec, 1, [client], [engine], [0.1, 0.2], 1.0)
     assert row["invariants_hold"] is True and row["coordinator_cpu_share"] == 0.1
     assert row["coordinator_msgs_in"] == 2 + 3 + 1 and row["coordinator_msgs_out"] == 2 + 3
     lost = {**client, "failed": 1, "problems": ["5 tokens"], "tokens": 5, "outputs": 5}
-    row = relay_bench._row(args, spec, 1, [lost], [engine], [0.1, 0.2], 1.0)
+    row = relay._row(args, spec, 1, [lost], [engine], [0.1, 0.2], 1.0)
     assert row["invariants_hold"] is False and row["problems"] == ["5 tokens"]
     assert row["broken"] == [
         "every request complete and in order",

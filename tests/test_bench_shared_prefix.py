@@ -8,7 +8,8 @@ import json
 import subprocess
 import sys
 
-from taipan import bench, prefix_bench
+from taipan import bench
+from taipan.bench import shared_prefix
 from taipan.models import has_mamba_layers
 
 N, PREFIX, BLOCK = 3, 32, 16
@@ -27,7 +28,7 @@ def test_shared_prefix_rows_on_cpu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     assert [r["scenario"] for r in rows] == ["system", "samples"]
-    prompts = prefix_bench.shared_prefix_prompts(N, PREFIX, seed=0, tag=0)
+    prompts = shared_prefix.shared_prefix_prompts(N, PREFIX, seed=0, tag=0)
     for row in rows:
         for key in ("date", "machine", "command", "model", "device", "dtype", "gpu", "batch"):
             assert key in row, key
@@ -56,7 +57,7 @@ def test_shared_prefix_mismatch_fails_the_run(tmp_path, monkeypatch, capsys):
     off_figures = {"ttft_mean_s": 2.0, "ttft_p50_s": 2.0, "output_tok_s": 10.0}
     off = (off_figures, [[1, 2], [3, 4]], [[1, 2], [3, 4]])
     on = ({"ttft_mean_s": 1.0, "ttft_p50_s": 0.5, "output_tok_s": 20.0}, [[1, 2], [3, 5]], None)
-    row = prefix_bench._shared_prefix_row({"scenario": "system"}, off, on)
+    row = shared_prefix._shared_prefix_row({"scenario": "system"}, off, on)
     assert row["outputs_equal"] is False and row["outputs_identical"] == "1/2"
     assert row["ttft_speedup"] == 2.0 and row["ttft_p50_speedup"] == 4.0
     assert row["throughput_speedup"] == 2.0
@@ -64,7 +65,7 @@ def test_shared_prefix_mismatch_fails_the_run(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "FAILED: shared-prefix system: only 1/2" in err
 
-    monkeypatch.setattr(prefix_bench, "shared_prefix_workload", lambda args: [dict(row)])
+    monkeypatch.setattr(shared_prefix, "shared_prefix_workload", lambda args: [dict(row)])
     p = argparse.ArgumentParser()
     bench.add_arguments(p)
     args = p.parse_args(["--workload", "shared-prefix", "--json"])
@@ -79,7 +80,7 @@ def test_shared_prefix_outputs_are_not_compared_where_they_do_not_reproduce(caps
     figures = {"ttft_mean_s": 1.0, "ttft_p50_s": 1.0, "output_tok_s": 10.0}
     off = (figures, [[1, 2], [3, 4]], [[1, 2], [3, 9]])
     on = (figures, [[1, 2], [3, 5]], None)
-    row = prefix_bench._shared_prefix_row({"scenario": "samples"}, off, on)
+    row = shared_prefix._shared_prefix_row({"scenario": "samples"}, off, on)
     assert row["outputs_equal"] is None and row["off_repeat_identical"] == "1/2"
     err = capsys.readouterr().err
     assert "not compared" in err and "FAILED" not in err

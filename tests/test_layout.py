@@ -47,6 +47,8 @@ def test_the_wheel_holds_one_import_package(wheel):
         "taipan/__init__.py",
         "taipan/cli.py",
         "taipan/server/app.py",
+        "taipan/bench/command.py",
+        "taipan/bench/hf.py",
         "taipan/actors/base.py",
         "taipan/actors/engine/scheduler.py",
         "taipan/messages/codec.py",
@@ -113,6 +115,8 @@ def test_the_layer_contracts_hold():
         ),
         # messages import nothing of ours
         ("messages/back_edge.py", "import taipan.ops.sampling\n", "> messages"),
+        # the bench's workload families never import each other
+        ("runtime/bench/offline.py", "from taipan.bench.decode import ours_modes\n", "bench's"),
     ],
 )
 def test_a_back_edge_breaks_the_contracts(tmp_path, where, source, contract):

@@ -1,22 +1,17 @@
 """The `relay` workload of `taipan bench`: how many output tokens and messages a second one
-coordinator relays (runtime/bench.py owns the CLI and the results file; tests/perf/NOTES.md
-defines every figure). Needs no model and no GPU.
-
-Per engine count N of `--num-engines`: the real coordinator process, N synthetic engine ranks
-and `--clients` client processes (runtime/relay_peers.py has all three). The engines register
-as real ranks do and stream tokens without computing: per step one StepOutputs over their
-running requests (up to `--batch`), back to back or `--steps-per-s` a second. The clients submit
-N x `--num-requests` requests at once (`--output-len` tokens each after a 32-token prompt,
-streamed unless `--no-stream`), consume every output and check every token. One row per N:
-output tokens a second over the run (first submission to last terminal output), the
-coordinator's messages in (submissions, StepOutputs) and out (EngineSubmits, messages to
-clients) a second, its CPU share (of one core, from /proc), and the output tokens it relays per
-CPU second, against what eight ranks of the 1B shape produce (`TARGET_*`). A row breaks
-`invariants_hold` when a request failed, lacked a token or got one out of order, or when the
-engines' and the clients' counts disagree.
+coordinator relays. Needs no model and no GPU. Per engine count N of `--num-engines`: the real
+coordinator process, N synthetic engine ranks and `--clients` client processes (all three in
+taipan.bench.relay_peers, started here as `python -m`). The engines stream tokens without
+computing, one StepOutputs per step over their running requests (up to `--batch`), back to back
+or `--steps-per-s` a second; the clients submit N x `--num-requests` requests at once
+(`--output-len` tokens each, streamed unless `--no-stream`) and check every token. One row per
+N: output tokens a second, the coordinator's messages in and out a second, its CPU share (from
+/proc) and output tokens per CPU second, against eight ranks of the 1B shape (`TARGET_*`); a
+lost, failed or out-of-order token, or counts that disagree, break `invariants_hold`.
+tests/perf/NOTES.md defines every figure.
 
 `TAIPAN_RELAY_PROFILE=PATH`: the coordinator runs under cProfile and writes its stats to
-PATH-N.prof for N engines (`python -m pstats`).
+PATH-N.prof for N engines (`python -m pstats`). Imports no peer code and no torch.
 """
 
 from __future__ import annotations
@@ -113,7 +108,7 @@ class Peer:
     blocking read, so nothing polls and no line waits in a buffer)."""
 
     def __init__(self, role: str, spec: str, *extra: str, stdin=None):
-        cmd = [sys.executable, "-m", "taipan.relay_peers", role, spec, *extra]
+        cmd = [sys.executable, "-m", "taipan.bench.relay_peers", role, spec, *extra]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.name = " ".join([role, *extra])
         self.proc = subprocess.Popen(cmd, env=env, stdin=stdin, stdout=subprocess.PIPE, text=True)

@@ -1,131 +1,26 @@
-"""The `decode` and `offline` workloads of `taipan bench` (runtime/bench.py owns the CLI, the
-`generate` workload and the results file; tests/perf/NOTES.md defines every figure).
+"""The `decode` workload of `taipan bench`: per batch B of `--batches`, the decode step time of
+ours in each of its modes (`ours_modes`: CUDA graphs and overlapping steps, the default config;
+without graphs; without overlap; under tensor parallelism with NCCL-only all-reduces) and of HF
+`generate` (dynamic cache; static cache, compiled by transformers, CUDA only), against the floor:
+(weight bytes + the batch's KV bytes at mid-generation) / copy bandwidth measured on `--copy-gib`
+GiB. Ours: the engine's TPOT over a run of B prompts of `--prompt-len` ids and 1 + `--output-len`
+tokens (`_ours_decode` says why); HF: (TN - T1) / output_len, medians of `--hf-repeats`. One row
+per batch; a row whose step beats the floor is marked `invalid` (`decode_invalid`), and
+taipan.bench.command refuses to record it. tests/perf/NOTES.md defines every figure.
 
-`decode`: per batch B of `--batches`, the decode step time, for ours in each of its modes
-(`ours_modes`: CUDA graphs and overlapping steps, the default config; without graphs; without
-overlap; under tensor parallelism with NCCL-only all-reduces), for HF `generate` with its dynamic
-cache and with a static cache that transformers compiles (CUDA only), against the floor: (weight
-bytes + the batch's KV bytes at mid-generation) / copy bandwidth measured on `--copy-gib` GiB.
-Ours: the engine's own time per output token over a run of B prompts of `--prompt-len` ids and
-1 + `--output-len` tokens (`_ours_decode` says why not a difference of two runs); HF: (TN - T1) /
-output_len from `generate` runs of 1 and 1 + output_len tokens, medians of `--hf-repeats`. Each
-of ours warms up first with the batch's shapes and with a step that mixes decode rows and
-prefills (`_warm_mixed`). One row per batch; a row whose step beats the floor is marked
-`invalid` (`decode_invalid`), and runtime/bench.py refuses to record it.
-
-`offline`: `--num-requests` requests of seeded ShareGPT-like prompt and output lengths
-(`sharegpt_like`), all submitted at once; HF in static batches of `--hf-batch` and with
-continuous batching, on the first `--hf-requests` requests (ours is timed again on those for
-`ours_vs_hf`). One row.
-
-`shared-prefix`: runtime/prefix_bench.py; `http-load`: runtime/http_bench.py. The prompt makers
-the workloads share live here (`random_prompt`, `mixed_prompts`, `sharegpt_like`).
-
-Torch (HF, bandwidth, matmul rate) lives in ops/bench.py, imported lazily; this module never
-imports torch itself (dtypes travel as their names).
+Never imports torch itself: HF and the hardware figures come from taipan.bench.hf and
+.hardware, imported inside the functions that use them (dtypes travel as their names).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import math
 import statistics
-import sys
 import time
 
 import numpy as np
 
-# Prompt token ids are drawn from [0, 256): valid in every vocabulary we load (byte-level BPE),
-# and a step costs the same whichever ids it runs.
-PROMPT_ID_RANGE = 256
-
-
-def random_prompt(rng, length: int) -> list[int]:
-    return rng.integers(0, PROMPT_ID_RANGE, size=length).tolist()
-
-
-SEED_PROMPTS = [
-    "The history of the printing press begins",
-    "Write a short poem about the sea.",
-    "Explain why the sky is blue in simple terms:",
-    "def fibonacci(n):",
-    "Three facts about octopuses:",
-    "Once upon a time, in a village at the edge of a great forest, there lived",
-    "The main difference between a list and a tuple in Python is",
-    "Translate to French: The cat sleeps on the warm windowsill.",
-]
-
-
-def mixed_prompts(n: int) -> list[str]:
-    """n prompts of mixed lengths (about 10 to 150 tokens), as a serving mix has them: prompt i
-    repeats its seed sentence 1 + (5 * i) % 11 times. Equal lengths would hide the padding
-    that a static batch pays."""
-    out = []
-    for i in range(n):
-        seed = SEED_PROMPTS[i % len(SEED_PROMPTS)]
-        out.append(" ".join([seed] * (1 + (5 * i) % 11)) + f" ({i})")
-    return out
-
-
-def _with_sets(args, *sets: str):
-    """A copy of `args` whose InferenceConfig gets `sets` (FIELD=VALUE) after the user's own."""
-    out = copy.copy(args)
-    out.set = [*args.set, *sets]
-    return out
-
-
-def _sampling(max_tokens: int):
-    from taipan.messages.requests import SamplingParams
-
-    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-
-
-def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
-    """(seconds from submitting every prompt to the last completion, the completions); each must
-    have exactly `max_tokens` tokens (greedy, EOS ignored)."""
-    start = time.perf_counter()
-    done = client.generate(prompts, _sampling(max_tokens))
-    elapsed = time.perf_counter() - start
-    lengths = sorted({len(c.token_ids) for c in done})
-    if lengths != [max_tokens]:
-        raise RuntimeError(f"ours generated {lengths} tokens, not all {max_tokens}")
-    return elapsed, done
-
-
-def _rank_counters(client) -> tuple[float, int, int, float]:
-    """(device_seconds_total per rank, steps_total, steps_graphed, gc_seconds_total per rank)
-    summed over the ranks (messages/stats.py; the times averaged, so that 1 - the device time's
-    growth / wall time is each device's idle share, and the GC time's growth / wall time each
-    engine process's share of time in the garbage collector)."""
-    stats = client.stats()
-    merged, n = stats.merged(), len(stats.ranks)
-    return (
-        merged.device_seconds_total / n,
-        merged.steps_total,
-        merged.steps_graphed,
-        merged.gc_seconds_total / n,
-    )
-
-
-def _optional(name: str, fn, errors: dict):
-    """Run one optional mode (an HF mode, ours without CUDA graphs); a failure is recorded as
-    `<name>_error` (and printed), not fatal: the rows keep every other figure."""
-    try:
-        return fn()
-    except Exception as exc:  # transformers raises many kinds; the row says which
-        errors[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
-        print(f"taipan bench: {name} failed: {exc!r}", file=sys.stderr)
-        return None
-
-
-def _rounded(row: dict) -> dict:
-    """Floats to 5 significant digits (a floor of 0.013 ms and a rate of 3000 GB/s alike)."""
-    return {k: float(f"{v:.5g}") if isinstance(v, float) else v for k, v in row.items()}
-
-
-# ---- decode: step time at batch B vs the floor -----------------------------------------------
-
+from taipan.bench.common import greedy, optional_mode, random_prompt, rounded, with_sets
 
 # Ours' modes and the --set lines each adds to the run's own; the first mode that applies is the
 # default config and adds none (on a CPU that is `eager`: CUDA graphs exist only on CUDA).
@@ -177,6 +72,33 @@ def _decode_prompts(args, batches: list[int]) -> dict[int, dict[str, list[list[i
     return runs
 
 
+def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    """(seconds from submitting every prompt to the last completion, the completions); each must
+    have exactly `max_tokens` tokens (greedy, EOS ignored)."""
+    start = time.perf_counter()
+    done = client.generate(prompts, greedy(max_tokens))
+    elapsed = time.perf_counter() - start
+    lengths = sorted({len(c.token_ids) for c in done})
+    if lengths != [max_tokens]:
+        raise RuntimeError(f"ours generated {lengths} tokens, not all {max_tokens}")
+    return elapsed, done
+
+
+def _rank_counters(client) -> tuple[float, int, int, float]:
+    """(device_seconds_total per rank, steps_total, steps_graphed, gc_seconds_total per rank)
+    summed over the ranks (messages/stats.py; the times averaged, so that 1 - the device time's
+    growth / wall time is each device's idle share, and the GC time's growth / wall time each
+    engine process's share of time in the garbage collector)."""
+    stats = client.stats()
+    merged, n = stats.merged(), len(stats.ranks)
+    return (
+        merged.device_seconds_total / n,
+        merged.steps_total,
+        merged.steps_graphed,
+        merged.gc_seconds_total / n,
+    )
+
+
 def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
     """Per batch, through the real runtime: the step (`step_ms`) is the median over the B
     requests of a run of 1 + output_len tokens each (TN) of the engine's TPOT (Completion.tpot:
@@ -194,7 +116,7 @@ def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
     out = {}
     with runtime_from_args(args) as rt, Client(rt.address) as client:
         for b, prompts in runs.items():
-            client.generate(prompts["warmup"], _sampling(4))  # this batch's shapes, once
+            client.generate(prompts["warmup"], greedy(4))  # this batch's shapes, once
             asyncio.run(_warm_mixed(rt.address, prompts["warmup"]))
             t1, _ = _timed_generate(client, prompts["t1"], 1)
             dev0, steps0, graphed0, gc0 = _rank_counters(client)
@@ -232,22 +154,22 @@ async def _warm_mixed(address: str, prompts: list[list[int]]) -> None:
         decoding = asyncio.Event()
 
         async def lead():
-            async for delta in client.stream(prompts[0], _sampling(16)):
+            async for delta in client.stream(prompts[0], greedy(16)):
                 if delta.token_ids:
                     decoding.set()
 
         task = asyncio.ensure_future(lead())
         await decoding.wait()
-        await client.generate(prompts[1:], _sampling(4))
+        await client.generate(prompts[1:], greedy(4))
         await task
 
 
 def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict) -> dict:
     """{mode: {batch: {"t1_s", "tn_s", "step_ms"}}} for HF's `hf` (dynamic cache) and
     `hf_static` (static cache, compiled by transformers: CUDA only) modes."""
-    from taipan.ops import bench as torch_side
+    from taipan.bench.hf import load_hf
 
-    model = torch_side.load_hf(model_path, args.dtype, args.device)
+    model = load_hf(model_path, args.dtype, args.device)
     modes = {"hf": False}
     if args.device.startswith("cuda"):
         modes["hf_static"] = True
@@ -256,17 +178,17 @@ def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict)
     def timed(static: bool):
         return _hf_decode(model, runs, output_len, static, repeats)
 
-    return {mode: _optional(mode, lambda s=s: timed(s), errors) for mode, s in modes.items()}
+    return {mode: optional_mode(mode, lambda s=s: timed(s), errors) for mode, s in modes.items()}
 
 
 def _hf_decode(model, runs: dict, output_len: int, static: bool, repeats: int) -> dict[int, dict]:
     """Per batch: step = (median TN - median T1) / output_len over `repeats` timed pairs of
-    `generate` runs, 1 and 1 + output_len new tokens (ops/bench.py `hf_decode_seconds`, each pair
-    after its own warm-up). HF gives no per-token clock from outside, so this stays a difference
-    of two wall-clock runs: a one-off cost in T1 (or in TN) moves the step by its size /
-    output_len, and the medians drop it only where it hits fewer than half of the repeats; the
-    shorter output_len, the larger what is left."""
-    from taipan.ops.bench import hf_decode_seconds
+    `generate` runs, 1 and 1 + output_len new tokens (taipan.bench.hf `hf_decode_seconds`, each
+    pair after its own warm-up). HF gives no per-token clock from outside, so this stays a
+    difference of two wall-clock runs: a one-off cost in T1 (or in TN) moves the step by its
+    size / output_len, and the medians drop it only where it hits fewer than half of the
+    repeats; the shorter output_len, the larger what is left."""
+    from taipan.bench.hf import hf_decode_seconds
 
     per_batch = {}
     for b, prompts in runs.items():
@@ -304,8 +226,8 @@ def _decode_config_sets(args, batches: list[int]) -> list[str]:
 
 
 def decode_workload(args) -> list[dict]:
+    from taipan.bench import hardware
     from taipan.models import resolve
-    from taipan.ops import bench as torch_side
 
     args.output_len = args.output_len or 128
     if args.prompt_len < 1 or args.output_len < 1:
@@ -323,27 +245,27 @@ def decode_workload(args) -> list[dict]:
     ours = {}
     for mode in modes:
         extra = () if mode == modes[0] else OURS_MODES[mode]
-        mode_args = _with_sets(args, *sets, *extra)
+        mode_args = with_sets(args, *sets, *extra)
 
         def timed(a=mode_args):
             return _ours_decode(a, runs, args.output_len)
 
-        ours[mode] = timed() if mode == modes[0] else _optional(f"ours_{mode}", timed, errors)
-    hw = torch_side.model_bytes(model_path, args.dtype)
-    hw["copy_gb_s"] = torch_side.copy_bandwidth(args.device, args.copy_gib) / 1e9
-    hw["matmul_tflop_s"] = torch_side.matmul_rate(args.device, args.dtype) / 1e12
+        ours[mode] = timed() if mode == modes[0] else optional_mode(f"ours_{mode}", timed, errors)
+    hw = hardware.model_bytes(model_path, args.dtype)
+    hw["copy_gb_s"] = hardware.copy_bandwidth(args.device, args.copy_gib) / 1e9
+    hw["matmul_tflop_s"] = hardware.matmul_rate(args.device, args.dtype) / 1e12
     hf = {} if args.no_hf else _decode_hf(args, model_path, runs, args.output_len, errors)
     common = {
         "workload": "decode",
         "model": name,
-        "gpu": torch_side.gpu_name(args.device),
+        "gpu": hardware.gpu_name(args.device),
         "dtype": args.dtype,
         "device": args.device,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
         **errors,
     }
-    return [_rounded(_decode_row(args, dict(common, batch=b), b, ours, hf, hw)) for b in batches]
+    return [rounded(_decode_row(args, dict(common, batch=b), b, ours, hf, hw)) for b in batches]
 
 
 def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict:
@@ -429,124 +351,12 @@ def decode_invalid(row: dict) -> str | None:
     )
 
 
-# ---- offline: many requests of their own lengths ---------------------------------------------
-
-# ShareGPT-like lengths (tokens), seeded: lognormal with median 200 and sigma 1.0 (mean ~330,
-# a long right tail) for prompts and for outputs, rounded and clipped to [4, --max-len].
-SHAREGPT_MEDIAN, SHAREGPT_SIGMA, MIN_LEN = 200, 1.0, 4
-
-
-def sharegpt_like(n: int, seed: int, max_len: int) -> tuple[list[list[int]], list[int]]:
-    """n (prompt token ids, output length) pairs, the same for the same (n, seed, max_len)."""
-    rng = np.random.default_rng([seed, 0])
-
-    def lengths() -> list[int]:
-        raw = rng.lognormal(math.log(SHAREGPT_MEDIAN), SHAREGPT_SIGMA, n)
-        return np.clip(np.rint(raw), MIN_LEN, max_len).astype(int).tolist()
-
-    prompt_lens, output_lens = lengths(), lengths()
-    ids = np.random.default_rng([seed, 1])
-    return [random_prompt(ids, p) for p in prompt_lens], output_lens
-
-
-async def _submit_all(address: str, prompts: list[list[int]], output_lens: list[int]) -> float:
-    """Every request submitted at once, each with its own max_tokens; seconds to the last."""
-    from taipan.client import AsyncClient
-
-    async with AsyncClient(address) as client:
-        await client.generate([prompts[0][:8]], _sampling(2))  # warm-up
-        start = time.perf_counter()
-        done = await asyncio.gather(
-            *(client.generate(p, _sampling(n)) for p, n in zip(prompts, output_lens, strict=True))
-        )
-        elapsed = time.perf_counter() - start
-    got = [len(c.token_ids) for [c] in done]
-    if got != output_lens:
-        raise RuntimeError("ours generated other token counts than each request asked for")
-    return elapsed
-
-
-def _offline_hf(args, model_path: str, prompts, output_lens, errors: dict) -> dict:
-    """Seconds of HF's `hf_generate` (static batches of --hf-batch) and `hf_continuous`
-    (continuous batching) modes on the given requests."""
-    from taipan.ops import bench as torch_side
-
-    model = torch_side.load_hf(model_path, args.dtype, args.device)
-    out = {
-        "hf_generate": _optional(
-            "hf_generate",
-            lambda: torch_side.hf_static_batches_seconds(
-                model, prompts, output_lens, args.hf_batch
-            ),
-            errors,
-        ),
-        "hf_continuous": _optional(
-            "hf_continuous",
-            lambda: torch_side.hf_continuous_seconds(model, prompts, output_lens),
-            errors,
-        ),
-    }
-    return {k: v for k, v in out.items() if v is not None}
-
-
-def offline_workload(args) -> list[dict]:
-    from taipan.actors.config import InferenceConfig
-    from taipan.launcher import runtime_from_args
-    from taipan.models import resolve
-    from taipan.ops.bench import gpu_name
-
-    n, max_len = args.num_requests, args.max_len
-    if n < 1 or max_len < MIN_LEN or args.hf_batch < 1:
-        raise ValueError(f"--num-requests and --hf-batch must be >= 1, --max-len >= {MIN_LEN}")
-    config = InferenceConfig.from_cli(args.config, args.set)
-    if 2 * max_len > config.max_sequence_length:
-        raise ValueError(
-            f"--max-len {max_len}: a request may need {2 * max_len} tokens, above "
-            f"max_sequence_length ({config.max_sequence_length}); --set max_sequence_length=..."
-        )
-    k = min(n, args.hf_requests or n)
-    name, model_path = resolve(args.model)
-    prompts, output_lens = sharegpt_like(n, args.seed, max_len)
-    with runtime_from_args(args) as rt:
-        ours = {"all": asyncio.run(_submit_all(rt.address, prompts, output_lens))}
-        if k < n:  # the ratio compares the same requests
-            ours["k"] = asyncio.run(_submit_all(rt.address, prompts[:k], output_lens[:k]))
-    errors: dict = {}
-    hf = {}
-    if not args.no_hf:
-        hf = _offline_hf(args, model_path, prompts[:k], output_lens[:k], errors)
-    row = {
-        "workload": "offline",
-        "model": name,
-        "gpu": gpu_name(args.device),
-        "batch": None,  # no fixed batch: the scheduler's (ours) and HF's own choices
-        "dtype": args.dtype,
-        "device": args.device,
-        "num_requests": n,
-        "lengths": f"lognormal median {SHAREGPT_MEDIAN} sigma {SHAREGPT_SIGMA}, "
-        f"[{MIN_LEN}, {max_len}], seed {args.seed}",
-        "prompt_tokens": sum(map(len, prompts)),
-        "output_tokens": sum(output_lens),
-        "ours_seconds": ours["all"],
-        "ours_output_tok_s": sum(output_lens) / ours["all"],
-        "ours_total_tok_s": (sum(output_lens) + sum(map(len, prompts))) / ours["all"],
-        "hf_requests": k,
-        "hf_batch": args.hf_batch,
-        **errors,
-    }
-    return [_rounded(_offline_ratios(row, ours, hf, output_lens[:k]))]
-
-
-def _offline_ratios(row: dict, ours: dict, hf: dict, hf_output_lens: list[int]) -> dict:
-    out_tokens = sum(hf_output_lens)
-    ours_k = ours.get("k", ours["all"])
-    if "k" in ours:
-        row["note"] = f"HF timed on the first {row['hf_requests']} requests; ours_vs_hf on those"
-        row.update(ours_k_seconds=ours_k, ours_k_output_tok_s=out_tokens / ours_k)
-    for mode, seconds in hf.items():
-        row.update({f"{mode}_seconds": seconds, f"{mode}_output_tok_s": out_tokens / seconds})
-    if hf:
-        best = min(hf, key=hf.get)
-        row.update(hf_best=best, hf_best_output_tok_s=out_tokens / hf[best])
-        row["ours_vs_hf"] = hf[best] / ours_k  # (ours tok/s) / (HF's faster tok/s)
-    return row
+def decode_summary(row: dict) -> str:
+    """The row's human line."""
+    return (
+        f"decode batch {row['batch']}: ours {row['ours_step_ms']} ms/step "
+        f"({row['step_vs_floor']}x the floor of {row['floor_ms']} ms; by differencing "
+        f"{row.get('ours_graphs_diff_ms', row.get('ours_eager_diff_ms'))}), HF best "
+        f"{row.get('hf_best_ms')} ms, ours_vs_hf {row.get('ours_vs_hf')}, "
+        f"GPU idle {row.get('gpu_idle_share')}, GC {row.get('gc_share')}"
+    )

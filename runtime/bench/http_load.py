@@ -1,20 +1,17 @@
-"""The `http-load` workload of `taipan bench` (runtime/bench.py owns the CLI and the results file;
-tests/perf/NOTES.md defines every figure).
+"""The `http-load` workload of `taipan bench`: one runtime with the OpenAI server in its own
+process; `--num-prompts` streaming completions of `mixed_prompts` (greedy, EOS ignored,
+`--output-len` tokens) sent at once over HTTP, a seeded `--drop-share` of them dropped by their
+client (the connection closed) after `--drop-after` text chunks; then the same load through
+`AsyncClient` on the same runtime (a drop leaves `stream` early). A dropped request asks for the
+whole context, so only its abort lets the engine go idle soon after. Per side: completed
+requests a second, p50/p99 TTFT, and the invariants (`_violations`: no 5xx, nothing failed,
+every other request complete, the engine idle with its KV blocks back and at most
+`--output-len` steps run after the last completion, the server's queue empty); a broken one is
+named on stderr, the row says `invariants_hold` false and the run exits 1. tests/perf/NOTES.md
+defines every figure.
 
-One runtime with the OpenAI server in its own process (`Runtime(http_port=...)`). `--num-prompts`
-streaming completions of `mixed_prompts` (greedy, EOS ignored, `--output-len` tokens) are sent
-at once over HTTP; a seeded `--drop-share` of them are dropped by their client (the connection
-closed) after `--drop-after` text chunks. Then the same load through `AsyncClient` on the same
-runtime (a drop leaves `stream` early). A dropped request asks for the whole context, so only
-its abort can let the engine go idle soon after the load. Per side: completed requests per
-second of wall time, p50/p99 TTFT (request sent -> first non-empty text), and the invariants:
-no 5xx, no failed request, every other request complete, the engine idle with its KV blocks
-back (free or evictable, as before the load) and no more than `--output-len` steps after the
-last completion, and (HTTP) the server's queue empty. A broken invariant is named on stderr;
-the row says `invariants_hold` false and the run exits 1.
-
-The HTTP side speaks HTTP/1.1 over asyncio streams (httpx is a dev dependency only). Never
-imports torch here (the GPU's name comes from ops/bench.py).
+HTTP/1.1 over asyncio streams here (httpx is a dev dependency only). Never imports torch itself
+(the GPU's name comes from taipan.bench.hardware, imported inside `http_load_workload`).
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import time
 
 import numpy as np
 
-from taipan.workloads import _rounded, mixed_prompts
+from taipan.bench.common import mixed_prompts, rounded
 
 IDLE_TIMEOUT_S = 60.0  # after the load, how long the engine may take to be idle again
 
@@ -346,9 +343,9 @@ def _check_args(args) -> None:
 
 
 def http_load_workload(args) -> list[dict]:
+    from taipan.bench.hardware import gpu_name
     from taipan.launcher import runtime_from_args
     from taipan.models import resolve
-    from taipan.ops.bench import gpu_name
     from taipan.server import DEFAULT_MAX_QUEUED
 
     _check_args(args)
@@ -383,7 +380,7 @@ def http_load_workload(args) -> list[dict]:
         "invariants_hold": not violations,
         "violations": violations,
     }
-    return [_rounded(row)]
+    return [rounded(row)]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -1,15 +1,15 @@
-"""The `shared-prefix` workload of `taipan bench` (runtime/bench.py owns the CLI and the results
-file; tests/perf/NOTES.md defines every figure).
+"""The `shared-prefix` workload of `taipan bench`: prefix caching off, then on (a fresh runtime
+each), on two scenarios of `--num-prompts` requests submitted at once: `system` (one
+`--prefix-len` system prompt + a distinct short question each) and `samples` (one prompt n
+times, as RL rollouts sample it). Greedy, so the outputs must not change with caching on; one
+row per scenario. A hybrid (NemotronH) model's "on" also sets `prefix_caching_mamba_gb`
+(`--mamba-gb`): Mamba snapshots, without which a hybrid shares KV blocks but skips no prompt
+token. The HF side (transformers has no prefix cache): `--hf-prompts` of each scenario's prompts
+one at a time, each one's TTFT and the output tokens a second of `generate` at batch 1.
+tests/perf/NOTES.md defines every figure.
 
-Prefix caching off, then on (a fresh runtime each), on two scenarios of `--num-prompts`
-requests submitted at once: `system` (one `--prefix-len` system prompt + a distinct short
-question each) and `samples` (one prompt n times, as RL rollouts sample it). Greedy, so the
-outputs must not change with caching on; one row per scenario. A hybrid (NemotronH) model's
-"on" also sets `prefix_caching_mamba_gb` (`--mamba-gb`): Mamba snapshots, without which a
-hybrid shares KV blocks but skips no prompt token. The HF side (transformers has no prefix
-cache): `--hf-prompts` of each scenario's prompts one at a time, the TTFT of each (its prompt's
-forward) and the output tokens per second of `generate` at batch 1. Never imports torch here
-(the HF side lives in ops/bench.py).
+Never imports torch itself: HF and the GPU's name come from taipan.bench.hf and .hardware,
+imported inside the functions that use them.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
+from taipan.bench.common import greedy, optional_mode, random_prompt, rounded, with_sets
 from taipan.models import has_mamba_layers
-from taipan.workloads import _optional, _rounded, _sampling, _with_sets, random_prompt
 
 QUESTION_LENS = (16, 64)  # each question's length (tokens), seeded uniform in this range
 SCENARIOS = ("system", "samples")
@@ -66,7 +66,7 @@ def _timed_scenario(client, prompts: list[list[int]], output_len: int) -> tuple[
     """(figures, generated token ids) of one scenario: every prompt submitted at once."""
     before = _prefix_counters(client)
     start = time.perf_counter()
-    done = client.generate(prompts, _sampling(output_len))
+    done = client.generate(prompts, greedy(output_len))
     seconds = time.perf_counter() - start
     after = _prefix_counters(client)
     if sorted({len(c.token_ids) for c in done}) != [output_len]:
@@ -105,14 +105,14 @@ def _ours_shared_prefix(
     n, out = args.num_prompts, {}
     warm = shared_prefix_prompts(n, args.prefix_len, args.seed, tag=1)
     timed = shared_prefix_prompts(n, args.prefix_len, args.seed, tag=0)
-    with runtime_from_args(_with_sets(args, *_prefix_sets(args, on, hybrid))) as rt:
+    with runtime_from_args(with_sets(args, *_prefix_sets(args, on, hybrid))) as rt:
         with Client(rt.address) as client:
             for name in SCENARIOS:
-                client.generate(warm[name], _sampling(args.output_len))
+                client.generate(warm[name], greedy(args.output_len))
                 figures, tokens = _timed_scenario(client, timed[name], args.output_len)
                 repeat = None
                 if not on:
-                    repeat = client.generate(timed[name], _sampling(args.output_len))
+                    repeat = client.generate(timed[name], greedy(args.output_len))
                     repeat = [c.token_ids for c in repeat]
                 out[name] = (figures, tokens, repeat)
     return out
@@ -145,8 +145,8 @@ def _check_shared_prefix_args(args) -> int:
 
 
 def shared_prefix_workload(args) -> list[dict]:
+    from taipan.bench.hardware import gpu_name
     from taipan.models import resolve
-    from taipan.ops.bench import gpu_name
 
     block_size = _check_shared_prefix_args(args)
     name, model_path = resolve(args.model)
@@ -156,7 +156,7 @@ def shared_prefix_workload(args) -> list[dict]:
     prompts = shared_prefix_prompts(args.num_prompts, args.prefix_len, args.seed, tag=0)
     hf, errors = {}, {}
     if not args.no_hf:
-        hf = _optional("hf", lambda: _hf_shared_prefix(args, model_path, prompts), errors) or {}
+        hf = optional_mode("hf", lambda: _hf_shared_prefix(args, model_path, prompts), errors) or {}
     rows = []
     for scenario in SCENARIOS:
         lengths = list(map(len, prompts[scenario]))
@@ -183,13 +183,13 @@ def shared_prefix_workload(args) -> list[dict]:
             row |= {f"hf_{k}": v for k, v in hf[scenario].items()}
         else:
             row["hf_error"] = errors.get("hf_error", "skipped (--no-hf)")
-        rows.append(_rounded(row))
+        rows.append(rounded(row))
     return rows
 
 
 def _hf_shared_prefix(args, model_path: str, prompts: dict[str, list]) -> dict[str, dict]:
     """{scenario: HF figures} on the first `--hf-prompts` prompts of each scenario."""
-    from taipan.ops.bench import hf_one_at_a_time
+    from taipan.bench.hf import hf_one_at_a_time
 
     k = min(args.hf_prompts, args.num_prompts)
     return {
@@ -232,3 +232,22 @@ def _shared_prefix_row(row: dict, off: tuple, on: tuple) -> dict:
             file=sys.stderr,
         )
     return row
+
+
+def shared_prefix_summary(row: dict) -> str:
+    """The row's human line."""
+    return (
+        f"shared-prefix {row['scenario']} ({row['num_prompts']} prompts, {row['prefix_len']}-token "
+        f"prefix, {row['output_len']} out): TTFT mean {row['off_ttft_mean_s']} -> "
+        f"{row['on_ttft_mean_s']} s ({row['ttft_speedup']}x), output tok/s "
+        f"{row['off_output_tok_s']} -> {row['on_output_tok_s']} ({row['throughput_speedup']}x), "
+        f"prompt tokens computed {row['off_prompt_tokens_computed']} -> "
+        f"{row['on_prompt_tokens_computed']} (hit rate {row['on_hit_rate']}), "
+        f"outputs equal {row['outputs_equal']} ({row['outputs_identical']})"
+        + (
+            f"; HF transformers (batch 1, {row['hf_prompts']} prompts) TTFT mean "
+            f"{row['hf_ttft_mean_s']} s, {row['hf_output_tok_s']} tok/s"
+            if "hf_ttft_mean_s" in row
+            else ""
+        )
+    )

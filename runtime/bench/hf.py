@@ -1,12 +1,13 @@
-"""The torch side of `taipan bench` (runtime/bench.py): Hugging Face transformers on the same
-model, token ids and precision, in each of its timed modes, and the measured hardware the floors
-come from. Test/bench code, never the serving path.
+"""The Hugging Face side of `taipan bench`: transformers on the same model, token ids and
+precision as ours, in each of its timed modes: `generate` with its default (dynamic) cache, with a
+static cache (which transformers compiles by itself on CUDA: `torch.compile`, "reduce-overhead",
+its fastest decode), on static left-padded batches (offline), with continuous batching (the
+manager behind `generate_batch`, driven directly so each request gets its own output length),
+and one prompt at a time (shared-prefix). On both sides EOS neither stops a request nor is
+masked (`never_stop_at_eos`).
 
-HF modes: `generate` with its default (dynamic) cache, `generate` with a static cache, which
-transformers compiles by itself on CUDA (`torch.compile`, mode "reduce-overhead": its fastest
-decode), `generate` on static left-padded batches (offline), and continuous batching (the
-manager `generate_batch` runs, driven directly so each request gets its own output length).
-On both sides EOS neither stops a request nor is masked (`never_stop_at_eos`).
+Imports torch at module level, so only the workloads' functions import it, on use; test and
+bench code, never the serving path (nothing under actors/ or ops/ imports it).
 """
 
 from __future__ import annotations
@@ -16,28 +17,9 @@ import time
 
 import torch
 
-from taipan.ops.loader import (
-    RANDOM_PREFIX,
-    load_model,
-    random_config,
-    random_state,
-)
-from taipan.ops.models.llama import LlamaForCausalLM, kv_cache_bytes_per_block
-from taipan.ops.weight_updates import (
-    hf_name_to_ours,
-)
-
-GIB = 1 << 30
-
-
-def _sync(device) -> None:
-    if str(device).startswith("cuda"):
-        torch.cuda.synchronize(torch.device(device))
-
-
-def gpu_name(device: str) -> str | None:
-    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else None
-
+from taipan.bench.hardware import as_dtype, sync
+from taipan.ops.loader import RANDOM_PREFIX, random_config, random_state
+from taipan.ops.weight_updates import hf_name_to_ours
 
 # ---- the Hugging Face model ------------------------------------------------------------------
 
@@ -162,10 +144,10 @@ def hf_generate(
     model = load_hf(model_path, args.dtype, args.device)
     with torch.inference_mode():
         _generate(model, prompt_ids[:2], 2)  # warm-up
-        _sync(args.device)
+        sync(args.device)
         start = time.perf_counter()
         out = _generate(model, prompt_ids, args.output_len)
-        _sync(args.device)
+        sync(args.device)
         elapsed = time.perf_counter() - start
     return elapsed, out.tolist()
 
@@ -189,14 +171,14 @@ def hf_one_at_a_time(
         _generate(model, [prompts[0][:8]], 2)  # warm-up
         for p in prompts:
             ids = torch.tensor([p], device=model.device)
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             model(ids, logits_to_keep=1)
-            _sync(device)
+            sync(device)
             ttfts.append(time.perf_counter() - start)
             start = time.perf_counter()
             _generate(model, [p], output_len)
-            _sync(device)
+            sync(device)
             seconds += time.perf_counter() - start
     return {
         "prompts": len(prompts),
@@ -230,10 +212,10 @@ def hf_decode_seconds(
     _generate(model, runs["warmup"], 1 + output_len, **kw)
     out = {}
     for name, new_tokens in (("t1", 1), ("tn", 1 + output_len)):
-        _sync(model.device)
+        sync(model.device)
         start = time.perf_counter()
         _generate(model, runs[name], new_tokens, **kw)
-        _sync(model.device)
+        sync(model.device)
         out[name] = time.perf_counter() - start
     return out
 
@@ -248,11 +230,11 @@ def hf_static_batches_seconds(
     left-padded and run to its longest requested output (the extra tokens of shorter requests
     are HF's padding cost, not counted as output)."""
     _generate(model, prompts[: min(2, len(prompts))], 2)  # warm-up
-    _sync(model.device)
+    sync(model.device)
     start = time.perf_counter()
     for i in range(0, len(prompts), batch):
         _generate(model, prompts[i : i + batch], max(output_lens[i : i + batch]))
-    _sync(model.device)
+    sync(model.device)
     return time.perf_counter() - start
 
 
@@ -284,7 +266,7 @@ def hf_continuous_seconds(model, prompts: list[list[int]], output_lens: list[int
         workload_hints=hints,
     )
     with cm as manager:
-        _sync(model.device)
+        sync(model.device)
         start = time.perf_counter()
         wanted = {
             manager.add_request(list(p), max_new_tokens=n, eos_token_id=-1): n
@@ -299,7 +281,7 @@ def hf_continuous_seconds(model, prompts: list[list[int]], output_lens: list[int
                 continue
             if result.is_finished():
                 results[result.request_id] = result
-        _sync(model.device)
+        sync(model.device)
         elapsed = time.perf_counter() - start
     for rid, n in wanted.items():
         got = results[rid]
@@ -309,88 +291,3 @@ def hf_continuous_seconds(model, prompts: list[list[int]], output_lens: list[int
                 f"tokens, error {got.error!r}"
             )
     return elapsed
-
-
-# ---- the hardware ----------------------------------------------------------------------------
-
-
-def as_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    """A torch dtype from its name ("bfloat16"), so runtime/ callers need not import torch."""
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
-def _best_seconds(device: str, fn, reps: int) -> float:
-    """The shortest of `reps` timed calls of `fn`, the device synchronised around each."""
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
-def copy_bandwidth(device: str, gib: float, reps: int = 10) -> float:
-    """Bytes/s of `dst.copy_(src)` on `gib` GiB buffers (read + write bytes), best of `reps`."""
-    n = int(gib * GIB) // 4
-    src = torch.randn(n, dtype=torch.float32, device=device)
-    dst = torch.empty_like(src)  # preallocated: time the copy, not page faults
-    return 2 * src.numel() * 4 / _best_seconds(device, lambda: dst.copy_(src), reps)
-
-
-def matmul_rate(
-    device: str, dtype: str | torch.dtype, reps: int = 5, n: int | None = None
-) -> float:
-    """FLOP/s of an n x n matmul in `dtype` (default n = 8192 on CUDA, 1024 elsewhere), best of
-    `reps` after a warm-up."""
-    n = n or (8192 if device.startswith("cuda") else 1024)
-    a = torch.randn(n, n, dtype=as_dtype(dtype), device=device)
-    b = torch.randn(n, n, dtype=as_dtype(dtype), device=device)
-    a @ b  # warm-up (cuBLAS handle, heuristics)
-    return 2 * n**3 / _best_seconds(device, lambda: a @ b, reps)
-
-
-def model_bytes(model_path: str, dtype: str | torch.dtype) -> dict:
-    """What one decode step must read: `weight_bytes` (every parameter, except an untied input
-    embedding, of which a step reads only its batch's rows) and `kv_bytes_per_token` (keys and
-    values of every layer); `params` counts every parameter, `read_params` those read."""
-    dtype = as_dtype(dtype)
-    if model_path.startswith(RANDOM_PREFIX):
-        config = random_config(model_path)
-        with torch.device("meta"):
-            model = LlamaForCausalLM(config).to(dtype)
-    else:
-        model, config, _ = load_model(model_path, dtype=dtype, device="cpu")
-    size = torch.empty((), dtype=dtype).element_size()
-    read = [
-        p for name, p in model.named_parameters() if model.lm_head is None or "embed" not in name
-    ]
-    return {
-        "params": sum(p.numel() for p in model.parameters()),
-        "read_params": sum(p.numel() for p in read),
-        "weight_bytes": sum(p.numel() for p in read) * size,
-        "kv_bytes_per_token": kv_cache_bytes_per_block(config, 1, dtype),
-    }
-
-
-def hardware_limit(args, model_path: str, batch: int) -> dict:
-    """Measured peak matmul rate and copy bandwidth, and the decode floor they imply."""
-    dtype = as_dtype(args.dtype)
-    model, _, _ = load_model(model_path, dtype=dtype, device=args.device)
-    params = sum(p.numel() for p in model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
-    flops = matmul_rate(args.device, dtype, n=2048)
-    bandwidth = copy_bandwidth(args.device, 1 / 16, reps=5)  # 64 MiB buffers
-    # One decode step of `batch` sequences: 2*params FLOPs per token, the weights read once.
-    step = max(2 * params * batch / flops, weight_bytes / bandwidth)
-    out = {
-        "hw_matmul_gflop_s": flops / 1e9,
-        "hw_copy_gb_s": bandwidth / 1e9,
-        "hw_limit_output_tok_s": batch / step,
-        "params": params,
-    }
-    if args.device.startswith("cuda"):
-        out["gpu"] = gpu_name(args.device)
-    return out

@@ -1,30 +1,15 @@
-"""The processes of the `relay` bench (runtime/relay_bench.py): `python -m taipan.relay_peers
-coordinator|engine|client SPEC_JSON [INDEX]`.
+"""The processes of the `relay` bench (taipan.bench.relay starts them):
+`python -m taipan.bench.relay_peers coordinator|engine|client SPEC_JSON [INDEX]`.
 
 `coordinator`: the real one, through runtime/procs.py's own entry point (SPEC is a procs spec);
 with SPEC's `profile` set, under cProfile, its stats written there when it exits (SIGTERM).
+`engine`: a synthetic engine rank (`SyntheticEngine`): registers and answers as a real rank
+does, streams `expected_token`s, never computes. `client`: the real client actor
+(`CountingClient`) submitting its share of the requests and checking every token (`client_main`).
 
-`engine`: a synthetic engine rank. It registers as a real rank does (Hello, ModelLoaded, a
-Heartbeat every second, over a DEALER with an engine's identity) and answers EngineSubmit,
-AbortRequest, GetStats and Stop with the real messages; it never computes. Each step it gives every
-running request (up to `batch`, admitted in arrival order) its next token and reports the step
-in one StepOutputs, as the real engine does (actors/engine/actor.py `_emit`): a streaming request
-gets a one-token output every step, a non-streaming one a single output at its end. Steps come
-`steps_per_s` a second, or back to back as fast as the coordinator takes them: a Heartbeat
-after every few steps, which the coordinator answers in order with the rest, keeps an engine at
-most a few dozen steps ahead of it (else thousands of steps would queue in its sockets and the
-coordinator would read them late). Token i of a request is `expected_token(prompt, i)`, so the
-client can check every token and its order. A non-final one-token output is encoded from a
-template (`TokenFrames`: the same bytes `encode_frame` writes, at a tenth of its cost, so that
-eight synthetic engines leave the cores to the coordinator); terminal outputs go through
-`encode_frame`.
-
-`client`: the real client actor (actors/client/actor.py) on one DEALER, counting what it
-receives. It prints "ready" once the runtime answers ModelInfo, waits for a line on stdin,
-submits its share of the requests at once, consumes every output of each in its own task (as
-`AsyncClient.generate` does), checks them, and prints its result.
-
-Every result goes to stdout as one line `RELAY {json}`; logs go to stderr.
+Every result goes to stdout as one line `RELAY {json}`; logs go to stderr. Never imports torch
+or the engine actor: the wire, the actor framework and the client actor, and (the coordinator
+role only) runtime/procs.py.
 """
 
 from __future__ import annotations
@@ -120,6 +105,21 @@ class SyntheticRequest:
 
 
 class SyntheticEngine(Actor):
+    """A synthetic engine rank. It registers as a real rank does (Hello, ModelLoaded, a Heartbeat
+    every second, over a DEALER with an engine's identity) and answers EngineSubmit,
+    AbortRequest, GetStats and Stop with the real messages; it never computes. Each step it gives
+    every running request (up to `batch`, admitted in arrival order) its next token and reports
+    the step in one StepOutputs, as the real engine does (actors/engine/actor.py `_emit`): a
+    streaming request gets a one-token output every step, a non-streaming one a single output at
+    its end. Steps come `steps_per_s` a second, or back to back as fast as the coordinator takes
+    them: a Heartbeat after every few steps, which the coordinator answers in order with the
+    rest, keeps an engine at most a few dozen steps ahead of it (else thousands of steps would
+    queue in its sockets and the coordinator would read them late). Token i of a request is
+    `expected_token(prompt, i)`, so the client can check every token and its order. A non-final
+    one-token output is encoded from a template (`TokenFrames`: the same bytes `encode_frame`
+    writes, at a tenth of its cost, so that eight synthetic engines leave the cores to the
+    coordinator); terminal outputs go through `encode_frame`."""
+
     def __init__(self, rank: int, coord: Channel, batch: int, steps_per_s: float):
         super().__init__(f"engine-{rank}")
         self.rank, self.coord = rank, coord
@@ -376,6 +376,10 @@ async def _one(actor: ClientActor, prompt: np.ndarray, sampling: SamplingParams,
 
 
 async def client_main(spec: dict, index: int) -> None:
+    """The real client actor on one DEALER, counting what it receives. It prints "ready" once the
+    runtime answers ModelInfo, waits for a line on stdin, submits its share of the requests at
+    once, consumes every output of each in its own task (as `AsyncClient.generate` does), checks
+    them, and prints its result."""
     ctx = zmq.asyncio.Context()
     ctx.setsockopt(zmq.RCVHWM, 0)  # as AsyncClient does (runtime/client.py)
     chan = make_socket(ctx, zmq.DEALER, spec["frontend"], bind=False, name="coordinator")

@@ -1,0 +1,20 @@
+"""`taipan bench` (DESIGN.md §11): ours vs Hugging Face transformers vs the hardware. Its parts,
+each importing only those listed after it:
+  command        the CLI flags, the run of one workload, the results file, the printed lines
+  generate       N text prompts x M tokens vs HF `generate` (the default workload)
+  decode         step time per batch vs the floor, for ours' modes and HF's
+  offline        many requests of ShareGPT-like lengths, all at once
+  shared_prefix  prefix caching off vs on
+  http_load      concurrent streams, some dropped, over HTTP vs AsyncClient
+  relay          one coordinator's relay capacity (synthetic engines, no model)
+  relay_peers    the relay run's processes (`python -m taipan.bench.relay_peers`)
+  hf             the Hugging Face side (torch, transformers)
+  common         prompt makers and helpers the families share
+  hardware       copy bandwidth, matmul rate, model bytes: the floors (torch)
+The families never import each other. hf and hardware import torch at module level, so only
+the families' functions import them, on use: `taipan --help` never loads torch.
+"""
+
+from taipan.bench.command import add_arguments, run
+
+__all__ = ["add_arguments", "run"]
