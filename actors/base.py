@@ -16,6 +16,7 @@ from taipan.actors.channel import Channel, Envelope
 from taipan.actors.log import get_logger
 from taipan.messages.codec import MessageError, decode
 from taipan.messages.common import ErrorReply, PeerGone
+from taipan.messages.errors import ErrorCode
 
 Handler = Callable[[Envelope, Any], Awaitable[None]]
 ERROR_TEXT_LIMIT = 2000  # an ErrorReply's text is cut here
@@ -99,7 +100,9 @@ class Actor:
             if isinstance(env.msg, PeerGone):
                 return  # made up by the channel: there is nobody to answer
             name = type(env.msg).__name__
-            await self._reply_error(env, "unexpected_message", f"{self.name} does not take {name}")
+            await self._reply_error(
+                env, ErrorCode.UNEXPECTED_MESSAGE, f"{self.name} does not take {name}"
+            )
             return
         try:
             await handler(env, env.msg)
@@ -107,9 +110,9 @@ class Actor:
             raise
         except Exception as e:
             self.log.exception("handler failed", msg=type(env.msg).__name__)
-            await self._reply_error(env, "internal", f"{type(e).__name__}: {e}")
+            await self._reply_error(env, ErrorCode.INTERNAL, f"{type(e).__name__}: {e}")
 
-    async def _reply_error(self, env: Envelope, code: str, text: str) -> None:
+    async def _reply_error(self, env: Envelope, code: ErrorCode, text: str) -> None:
         if env.channel.routed and env.sender is None:
             return
         try:
@@ -134,7 +137,7 @@ class Service:
         if isinstance(msg, ErrorReply):
             return None  # never answer an error with an error: two actors would ping-pong
         return ErrorReply(
-            "unexpected_message", f"{self.name} does not take {type(msg).__name__}", None
+            ErrorCode.UNEXPECTED_MESSAGE, f"{self.name} does not take {type(msg).__name__}", None
         )
 
     def handle_frames(self, frames):

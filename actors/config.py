@@ -15,12 +15,15 @@ import json
 import types
 import typing
 
+from taipan.messages.allocator import PrefixCachingEvictionPolicy
 from taipan.messages.lifecycle import KVCacheManagementMode
 
 __all__ = [
     "ConfigError",
     "InferenceConfig",
     "KVCacheManagementMode",
+    "PrefixCachingCoordinatorPolicy",
+    "PrefixCachingEvictionPolicy",
     "RuntimePlan",
     "cuda_graph_sizes",
     "plan_limits",
@@ -31,16 +34,23 @@ class ConfigError(ValueError):
     pass
 
 
-class PrefixCachingEvictionPolicy(enum.StrEnum):
-    REF_ZERO = "ref_zero"
-    LRU = "lru"
-
-
 class PrefixCachingCoordinatorPolicy(enum.StrEnum):
+    """How the coordinator routes a new request to a rank (actors/coordinator/routing.py)."""
+
     LONGEST_PREFIX = "longest_prefix"
     FIRST_PREFIX_BLOCK = "first_prefix_block"
     ROUND_ROBIN = "round_robin"
     LOAD_BALANCED = "load_balanced"  # taipan's: the rank with the most free capacity
+
+
+# The routing policies that read block hashes: they need prefix caching on, and the
+# coordinator hashes prompts for them.
+HASHING_POLICIES = frozenset(
+    {
+        PrefixCachingCoordinatorPolicy.LONGEST_PREFIX,
+        PrefixCachingCoordinatorPolicy.FIRST_PREFIX_BLOCK,
+    }
+)
 
 
 class CudaGraphSizingDistribution(enum.StrEnum):
@@ -165,7 +175,7 @@ class InferenceConfig:
         if not 0 <= self.prefix_caching_routing_alpha <= 1:
             raise ConfigError("prefix_caching_routing_alpha must be in [0, 1]")
         routing = self.prefix_caching_coordinator_policy
-        needs_cache = routing in ("longest_prefix", "first_prefix_block")
+        needs_cache = routing in HASHING_POLICIES
         if not self.enable_prefix_caching and (self.prefix_caching_eviction_policy or needs_cache):
             which = "prefix_caching_eviction_policy"
             if needs_cache:
@@ -288,13 +298,17 @@ def _check_mamba_state_config(state: dict | None) -> None:
             )
 
 
-def routing_policy(config: InferenceConfig) -> str:
+def routing_policy(config: InferenceConfig) -> PrefixCachingCoordinatorPolicy:
     """The coordinator's routing policy: the configured one, else "longest_prefix" with prefix
     caching on (Megatron's default) and "round_robin" with it off."""
     policy = config.prefix_caching_coordinator_policy
     if policy is None:
-        return "longest_prefix" if config.enable_prefix_caching else "round_robin"
-    return str(policy)
+        return (
+            PrefixCachingCoordinatorPolicy.LONGEST_PREFIX
+            if config.enable_prefix_caching
+            else PrefixCachingCoordinatorPolicy.ROUND_ROBIN
+        )
+    return PrefixCachingCoordinatorPolicy(policy)  # a config built in code may hold the string
 
 
 # Field -> why it is refused when set. Shrinks as features land.

@@ -9,20 +9,32 @@ keeps its index of cached hashes from them and relays them to the coordinator's 
 
 from __future__ import annotations
 
+import enum
+from typing import Literal
+
 import numpy as np
 
 from taipan.messages.codec import Array, message
 from taipan.messages.requests import empty_array_field
 
 
+class PrefixCachingEvictionPolicy(enum.StrEnum):
+    """What the allocator does with a cached block no request holds any more
+    (actors/allocator/prefix.py); InferenceConfig's `prefix_caching_eviction_policy`."""
+
+    REF_ZERO = "ref_zero"  # unregister and free it at once: only running requests share
+    LRU = "lru"  # keep it cached until its block is needed, least recently used first
+
+
 @message(80)
 class AllocatorInit:
     """Size the pool. Sent once, after the gpu actor has sized the KV cache. `prefix_policy`:
-    "" (no prefix caching), "ref_zero" or "lru" (actors/allocator/prefix.py)."""
+    the eviction policy with prefix caching on, "" with it off (the wire form of "off" since
+    before the enum: recorded logs keep decoding)."""
 
     num_blocks: int
     block_size: int
-    prefix_policy: str = ""
+    prefix_policy: PrefixCachingEvictionPolicy | Literal[""] = ""
 
 
 @message(81)

@@ -12,10 +12,11 @@ Decoding trusts nothing: an unknown tag, a wrong version or arity, a field of th
 bad array header or an oversized frame raises `MessageError`. Nested plain records (e.g.
 `SamplingParams`) are `@struct` dataclasses, encoded as an array of their fields. Enum fields
 (`enum.StrEnum` / `enum.IntEnum`) travel as their value and decode to their member; a value that
-is not a member is a `MessageError` naming the choices. Array fields declare their dtype and rank
-with `Array[dtype, ndim]` (ndim None: any rank; dtype a tuple: any of them): decode checks both,
-so consumers neither re-check nor trust; encode checks them too, so a sender's bug surfaces at
-the sender.
+is not a member is a `MessageError` naming the choices. A `typing.Literal` (e.g. the `""` of
+`Policy | Literal[""]`, a wire form older than its enum) admits exactly its values. Array fields
+declare their dtype and rank with `Array[dtype, ndim]` (ndim None: any rank; dtype a tuple: any
+of them): decode checks both, so consumers neither re-check nor trust; encode checks them too,
+so a sender's bug surfaces at the sender.
 
 Relaying without decoding: `encode_frame` encodes a message as one frame (arrays inline), so it
 can travel as a `bytes` field of another message; `replace_first_field` gives such a frame a new
@@ -35,6 +36,8 @@ from typing import Any
 
 import msgpack
 import numpy as np
+
+from taipan.messages.errors import ErrorCode
 
 EXT_ARRAY_INLINE = 1
 EXT_ARRAY_FRAME = 2
@@ -59,9 +62,10 @@ TAG_RANGES = {
 
 
 class MessageError(ValueError):
-    """A frame sequence that is not a valid message. `code` is a short machine-readable kind."""
+    """A frame sequence that is not a valid message. `code` says what kind of invalid (one of
+    ErrorCode's decoding codes); an actor answers with an ErrorReply of the same code."""
 
-    def __init__(self, text: str, code: str = "bad_message"):
+    def __init__(self, text: str, code: ErrorCode = ErrorCode.BAD_MESSAGE):
         super().__init__(text)
         self.code = code
 
@@ -117,11 +121,12 @@ _REGISTRY: dict[int, type] = {}
 _CHECKERS: dict[type, list[tuple[str, Callable[[Any], Any]]]] = {}
 
 
-_ENUM_FIELDS: dict[type, list[tuple[str, type[enum.Enum]]]] = {}
+_ENUM_FIELDS: dict[type, list[tuple[str, type[enum.Enum], tuple]]] = {}
 
 
-def _enum_fields(cls) -> list[tuple[str, type[enum.Enum]]]:
-    """The (optional) enum fields of a message or struct class."""
+def _enum_fields(cls) -> list[tuple[str, type[enum.Enum], tuple]]:
+    """The (optional) enum fields of a message or struct class: (name, enum, the plain values
+    a `Literal` beside the enum admits as they are)."""
     found = _ENUM_FIELDS.get(cls)
     if found is None:
         found = []
@@ -133,7 +138,9 @@ def _enum_fields(cls) -> list[tuple[str, type[enum.Enum]]]:
             )
             kinds = [a for a in args if isinstance(a, type) and issubclass(a, enum.Enum)]
             if kinds:
-                found.append((name, kinds[0]))
+                literals = [a for a in args if typing.get_origin(a) is typing.Literal]
+                values = tuple(v for a in literals for v in typing.get_args(a))
+                found.append((name, kinds[0], values))
         _ENUM_FIELDS[cls] = found
     return found
 
@@ -142,9 +149,9 @@ def _enum_members(self) -> None:
     """__post_init__ of every message and struct: a plain value given for an enum field becomes
     its member (ValueError if it is none), so a message holds the same types however it was
     made, decoded or constructed."""
-    for name, kind in _enum_fields(type(self)):
+    for name, kind, literals in _enum_fields(type(self)):
         value = getattr(self, name)
-        if value is not None and not isinstance(value, kind):
+        if value is not None and not isinstance(value, kind) and value not in literals:
             object.__setattr__(self, name, kind(value))
 
 
@@ -191,6 +198,8 @@ def _checker(tp) -> Callable[[Any], Any]:
         return _array_checker(typing.get_args(tp)[1])
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return _enum_checker(tp)
+    if origin is typing.Literal:
+        return _literal_checker(typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
         subs = [_checker(a) for a in typing.get_args(tp)]
         allows_none = type(None) in typing.get_args(tp)
@@ -199,21 +208,21 @@ def _checker(tp) -> Callable[[Any], Any]:
             if v is None:
                 if allows_none:
                     return None
-                raise MessageError("None where a value is required", "bad_field")
+                raise MessageError("None where a value is required", ErrorCode.BAD_FIELD)
             errors = []
             for sub in subs:
                 try:
                     return sub(v)
                 except MessageError as e:
                     errors.append(str(e))
-            raise MessageError("; ".join(errors), "bad_field")
+            raise MessageError("; ".join(errors), ErrorCode.BAD_FIELD)
 
         return check_union
     if tp is type(None):
 
         def check_none(v):
             if v is not None:
-                raise MessageError(f"expected None, got {type(v).__name__}", "bad_field")
+                raise MessageError(f"expected None, got {type(v).__name__}", ErrorCode.BAD_FIELD)
             return None
 
         return check_none
@@ -223,7 +232,7 @@ def _checker(tp) -> Callable[[Any], Any]:
 
         def check_list(v):
             if not isinstance(v, list | tuple):
-                raise MessageError(f"expected list, got {type(v).__name__}", "bad_field")
+                raise MessageError(f"expected list, got {type(v).__name__}", ErrorCode.BAD_FIELD)
             return tuple(check_item(x) for x in v)
 
         return check_list
@@ -233,7 +242,7 @@ def _checker(tp) -> Callable[[Any], Any]:
 
         def check_dict(v):
             if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
-                raise MessageError("expected a map with string keys", "bad_field")
+                raise MessageError("expected a map with string keys", ErrorCode.BAD_FIELD)
             return {k: check_val(x) for k, x in v.items()}
 
         return check_dict
@@ -252,9 +261,11 @@ def _checker(tp) -> Callable[[Any], Any]:
 
     def check_simple(v):
         if tp is not bool and isinstance(v, bool) or not isinstance(v, allowed):
-            raise MessageError(f"expected {tp.__name__}, got {type(v).__name__}", "bad_field")
+            raise MessageError(
+                f"expected {tp.__name__}, got {type(v).__name__}", ErrorCode.BAD_FIELD
+            )
         if tp is int and not -(2**63) <= v < 2**64:
-            raise MessageError("integer out of 64-bit range", "bad_field")
+            raise MessageError("integer out of 64-bit range", ErrorCode.BAD_FIELD)
         return float(v) if tp is float else v
 
     return check_simple
@@ -263,10 +274,10 @@ def _checker(tp) -> Callable[[Any], Any]:
 def _array_checker(spec: ArraySpec) -> Callable[[Any], Any]:
     def check_array(v):
         if not isinstance(v, np.ndarray):
-            raise MessageError(f"expected an array, got {type(v).__name__}", "bad_field")
+            raise MessageError(f"expected an array, got {type(v).__name__}", ErrorCode.BAD_FIELD)
         problem = spec.problem(v)
         if problem is not None:
-            raise MessageError(problem, "bad_array")
+            raise MessageError(problem, ErrorCode.BAD_ARRAY)
         return v
 
     return check_array
@@ -278,13 +289,26 @@ def _enum_checker(tp: type[enum.Enum]) -> Callable[[Any], Any]:
 
     def check_enum(v):
         if isinstance(v, bool) or not isinstance(v, base):
-            raise MessageError(f"expected a {tp.__name__} ({choices})", "bad_field")
+            raise MessageError(f"expected a {tp.__name__} ({choices})", ErrorCode.BAD_FIELD)
         try:
             return tp(v)
         except ValueError:
-            raise MessageError(f"{v!r} is not a {tp.__name__} ({choices})", "bad_field") from None
+            raise MessageError(
+                f"{v!r} is not a {tp.__name__} ({choices})", ErrorCode.BAD_FIELD
+            ) from None
 
     return check_enum
+
+
+def _literal_checker(choices: tuple) -> Callable[[Any], Any]:
+    expected = " or ".join(repr(c) for c in choices)
+
+    def check_literal(v):
+        if not any(type(v) is type(c) and v == c for c in choices):
+            raise MessageError(f"expected {expected}, got {v!r}", ErrorCode.BAD_FIELD)
+        return v
+
+    return check_literal
 
 
 def _field_checkers(cls) -> list[tuple[str, Callable[[Any], Any]]]:
@@ -300,7 +324,7 @@ def _build(cls, values: Sequence[Any]):
     checkers = _field_checkers(cls)
     if len(values) != len(checkers):
         raise MessageError(
-            f"{cls.__name__} takes {len(checkers)} fields, got {len(values)}", "bad_arity"
+            f"{cls.__name__} takes {len(checkers)} fields, got {len(values)}", ErrorCode.BAD_ARITY
         )
     kwargs = {}
     for (name, check), v in zip(checkers, values, strict=True):
@@ -313,7 +337,7 @@ def _build(cls, values: Sequence[Any]):
 
 def _decode_struct(cls, v):
     if not isinstance(v, list | tuple):
-        raise MessageError(f"{cls.__name__}: expected an array of fields", "bad_field")
+        raise MessageError(f"{cls.__name__}: expected an array of fields", ErrorCode.BAD_FIELD)
     return _build(cls, v)
 
 
@@ -451,14 +475,14 @@ def replace_first_field(frame: bytes, cls: type, value: int, peek: int = 1) -> t
         peeked += [unpacker.unpack() for _ in range(peek - 1)]
     except Exception as e:  # as in decode: whatever msgpack raises means "not this message"
         raise MessageError(
-            f"not a one-frame {name}: {type(e).__name__}: {e}", "bad_msgpack"
+            f"not a one-frame {name}: {type(e).__name__}: {e}", ErrorCode.BAD_MSGPACK
         ) from None
     arity = 2 + len(dataclasses.fields(cls))
     if tag != cls.TAG or type(version) is not int or version != cls.VERSION or count != arity:
         raise MessageError(
             f"not a one-frame {name}: tag {tag!r}, version {version!r}, {count} items "
             f"(expected {cls.TAG}, {cls.VERSION}, {arity})",
-            "bad_envelope",
+            ErrorCode.BAD_ENVELOPE,
         )
     relabelled = b"".join((frame[:start], msgpack.packb(value), frame[end:]))
     return relabelled, peeked
@@ -482,25 +506,25 @@ def _read_array(body: bytes, frames: Sequence[memoryview]) -> np.ndarray:
     try:
         dtype, shape, data = msgpack.unpackb(body, raw=False)
     except Exception as e:
-        raise MessageError(f"bad array header: {e}", "bad_array") from None
+        raise MessageError(f"bad array header: {e}", ErrorCode.BAD_ARRAY) from None
     if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
-        raise MessageError(f"array dtype {dtype!r} not allowed", "bad_array")
+        raise MessageError(f"array dtype {dtype!r} not allowed", ErrorCode.BAD_ARRAY)
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape
     ):
-        raise MessageError(f"bad array shape {shape!r}", "bad_array")
+        raise MessageError(f"bad array shape {shape!r}", ErrorCode.BAD_ARRAY)
     if isinstance(data, int) and not isinstance(data, bool):
         if not 1 <= data < len(frames):
-            raise MessageError(f"array refers to missing frame {data}", "bad_array")
+            raise MessageError(f"array refers to missing frame {data}", ErrorCode.BAD_ARRAY)
         data = frames[data]
     elif not isinstance(data, bytes):
-        raise MessageError("array data must be bytes or a frame index", "bad_array")
+        raise MessageError("array data must be bytes or a frame index", ErrorCode.BAD_ARRAY)
     dt = _wire_dtype(dtype)
     count = math.prod(shape)  # Python ints: no overflow, and 30x faster than np.prod here
     if count * dt.itemsize != len(data):
         raise MessageError(
             f"array of {dtype}{shape} needs {count * dt.itemsize} bytes, got {len(data)}",
-            "bad_array",
+            ErrorCode.BAD_ARRAY,
         )
     return np.frombuffer(data, dtype=dt).reshape(shape)
 
@@ -508,17 +532,17 @@ def _read_array(body: bytes, frames: Sequence[memoryview]) -> np.ndarray:
 def decode(frames: Sequence[bytes | memoryview]):
     """Frames -> message. Every malformed input raises MessageError, nothing else."""
     if not frames:
-        raise MessageError("empty message", "empty")
+        raise MessageError("empty message", ErrorCode.EMPTY)
     if len(frames) > MAX_FRAMES:
-        raise MessageError(f"{len(frames)} frames (max {MAX_FRAMES})", "too_large")
+        raise MessageError(f"{len(frames)} frames (max {MAX_FRAMES})", ErrorCode.TOO_LARGE)
     views = [memoryview(f) for f in frames]
     if any(v.nbytes > MAX_FRAME_BYTES for v in views):
-        raise MessageError(f"frame over {MAX_FRAME_BYTES} bytes", "too_large")
+        raise MessageError(f"frame over {MAX_FRAME_BYTES} bytes", ErrorCode.TOO_LARGE)
 
     def ext_hook(code, body):
         if code == EXT_ARRAY_INLINE or code == EXT_ARRAY_FRAME:
             return _array_from(body, views, code == EXT_ARRAY_INLINE)
-        raise MessageError(f"unknown ExtType {code}", "bad_ext")
+        raise MessageError(f"unknown ExtType {code}", ErrorCode.BAD_EXT)
 
     try:
         obj = msgpack.unpackb(
@@ -528,18 +552,18 @@ def decode(frames: Sequence[bytes | memoryview]):
         raise
     except Exception as e:  # msgpack raises many types for garbage; they all mean "not msgpack"
         raise MessageError(
-            f"not a msgpack message: {type(e).__name__}: {e}", "bad_msgpack"
+            f"not a msgpack message: {type(e).__name__}: {e}", ErrorCode.BAD_MSGPACK
         ) from None
     if not isinstance(obj, list) or len(obj) < 2:
-        raise MessageError("a message is an array [tag, version, *fields]", "bad_envelope")
+        raise MessageError("a message is an array [tag, version, *fields]", ErrorCode.BAD_ENVELOPE)
     tag, version, *values = obj
     if not isinstance(tag, int) or isinstance(tag, bool):
-        raise MessageError(f"tag must be an int, got {type(tag).__name__}", "bad_envelope")
+        raise MessageError(f"tag must be an int, got {type(tag).__name__}", ErrorCode.BAD_ENVELOPE)
     cls = _REGISTRY.get(tag)
     if cls is None:
-        raise MessageError(f"unknown message tag {tag}", "unknown_tag")
+        raise MessageError(f"unknown message tag {tag}", ErrorCode.UNKNOWN_TAG)
     if type(version) is not int or version != cls.VERSION:
         raise MessageError(
-            f"{cls.__name__} version {version!r}, expected {cls.VERSION}", "bad_version"
+            f"{cls.__name__} version {version!r}, expected {cls.VERSION}", ErrorCode.BAD_VERSION
         )
     return _build(cls, values)

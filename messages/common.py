@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from taipan.messages.codec import message
+from taipan.messages.errors import ErrorCode
 
 
 @message(0)
@@ -26,11 +27,12 @@ class Heartbeat:
 class ErrorReply:
     """The answer to a message that could not be handled. The sender's actor keeps running.
 
-    `code` is short and machine-readable (e.g. "bad_message", "bad_request", "illegal_state");
-    `request_id` names the client request when the error concerns one.
+    `code` says why, machine-readable (messages/errors.py lists every code and when it is sent;
+    decoding refuses any other); `request_id` names the client request when the error concerns
+    one.
     """
 
-    code: str
+    code: ErrorCode
     text: str
     request_id: int | None
 

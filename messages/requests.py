@@ -26,6 +26,7 @@ from taipan.messages.codec import (
     replace_first_field,
     struct,
 )
+from taipan.messages.errors import ErrorCode
 
 MAX_TOP_N = 20
 
@@ -306,7 +307,7 @@ class StepOutputs:
             raise MessageError(
                 f"StepOutputs entry {i}: a RequestOutput of request {rid!r} (finished "
                 f"{finished!r}) filed under request {want_id} (finished {want_finished})",
-                "bad_field",
+                ErrorCode.BAD_FIELD,
             )
         return frame
 
@@ -317,6 +318,8 @@ class StepOutputs:
         for i, frame in enumerate(self.outputs):
             msg = decode([frame])
             if not isinstance(msg, RequestOutput):
-                raise MessageError(f"StepOutputs entry {i} is a {type(msg).__name__}", "bad_field")
+                raise MessageError(
+                    f"StepOutputs entry {i} is a {type(msg).__name__}", ErrorCode.BAD_FIELD
+                )
             out.append(msg)
         return out

@@ -57,6 +57,7 @@ from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits
 from taipan.actors.curve import CurveError
 from taipan.actors.log import get_logger
 from taipan.auth import curve_keys, new_token, publish_token, remove_token, write_token
+from taipan.messages.errors import ErrorCode
 from taipan.models import resolve
 from taipan.placement import (
     LaunchError,
@@ -584,7 +585,8 @@ class Runtime:
             try:
                 await self._control_when_free(actor, Pause(self.control_token))
             except ControlError as e:
-                if e.code != "illegal_transition":  # already PAUSED or SUSPENDED is fine
+                # ILLEGAL_TRANSITION: already PAUSED or SUSPENDED, which is fine.
+                if e.code is not ErrorCode.ILLEGAL_TRANSITION:
                     raise
             await self._control_when_free(actor, Stop(self.control_token, "launcher shutdown"))
         finally:
@@ -604,7 +606,7 @@ class Runtime:
                 await actor.control(msg)
                 return
             except ControlError as e:
-                if e.code != "busy":
+                if e.code is not ErrorCode.BUSY:
                     raise
             await asyncio.sleep(BUSY_RETRY_S)
 

@@ -12,9 +12,16 @@ import zmq.asyncio
 
 from taipan.actors.allocator.actor import MAX_BLOCKS, AllocatorActor, AllocatorService
 from taipan.actors.channel import make_socket
-from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
+from taipan.messages.allocator import (
+    AllocatorInit,
+    AllocatorReady,
+    BlockOps,
+    BlockOpsReply,
+    PrefixCachingEvictionPolicy,
+)
 from taipan.messages.codec import EXT_ARRAY_INLINE, decode, encode
 from taipan.messages.common import ErrorReply, Heartbeat
+from taipan.messages.errors import ErrorCode
 
 
 def ops(step, free=(), alloc=(), counts=()):
@@ -82,6 +89,16 @@ def test_bad_init(init):
     assert svc.pool is None
 
 
+def test_init_policy_is_checked_at_decode():
+    svc = AllocatorService()
+    frames = [msgpack.packb([AllocatorInit.TAG, 1, 4, 16, "fifo"], use_bin_type=True)]
+    r = svc.handle_frames(frames)
+    assert r.code is ErrorCode.BAD_FIELD and "'fifo' is not a PrefixCachingEvictionPolicy" in r.text
+    assert svc.pool is None
+    assert svc.handle(AllocatorInit(4, 16, "lru")) == AllocatorReady(4, 4)
+    assert svc.pool.policy is PrefixCachingEvictionPolicy.LRU
+
+
 BAD_OPS = {
     "alloc_ids has 2 entries but alloc_counts has 1": ops(1, alloc=[1, 2], counts=[1]),
     "alloc_ids lists request 5 more than once": ops(1, alloc=[5, 6, 5], counts=[1, 1, 1]),
@@ -132,7 +149,7 @@ def test_wrong_dtypes_and_ranks_never_reach_the_pool(free, alloc, counts, expect
 
 def test_other_messages():
     svc = ready_service()
-    assert svc.handle(ErrorReply("x", "y", None)) is None
+    assert svc.handle(ErrorReply(ErrorCode.INTERNAL, "y", None)) is None
     r = svc.handle(Heartbeat(1.0))
     assert r == ErrorReply("unexpected_message", "allocator does not take Heartbeat", None)
     r = svc.handle_frames([b"\xc1garbage"])

@@ -17,6 +17,7 @@ from taipan.actors.mamba_cache.actor import MAX_SLOTS, MambaCacheActor, MambaCac
 from taipan.actors.mamba_cache.core import MambaCacheError, MambaSlotPool
 from taipan.messages.codec import decode, encode
 from taipan.messages.common import ErrorReply, Heartbeat
+from taipan.messages.errors import ErrorCode
 from taipan.messages.mamba_cache import MambaInit, MambaOps, MambaOpsReply, MambaReady
 
 
@@ -609,8 +610,8 @@ def test_garbage_frames_unexpected_messages_and_errors():
     assert r == ErrorReply("unexpected_message", "mamba_cache does not take Heartbeat", None)
     r = svc.handle(MambaReady(1, 1))
     assert isinstance(r, ErrorReply) and r.code == "unexpected_message"
-    assert svc.handle(ErrorReply("x", "y", None)) is None
-    assert svc.handle_frames(encode(ErrorReply("x", "y", None))) is None
+    assert svc.handle(ErrorReply(ErrorCode.INTERNAL, "y", None)) is None
+    assert svc.handle_frames(encode(ErrorReply(ErrorCode.INTERNAL, "y", None))) is None
     # Valid frames go through the same path as handle().
     r = svc.handle_frames(encode(ops(1, live=[1], snap=[5])))
     assert r.ok and r.live_slots.tolist() == [0] and r.snap_slots.tolist() == [4]

@@ -23,6 +23,7 @@ from hypothesis.extra import numpy as hnp
 
 from taipan import messages
 from taipan.messages import MessageError, decode, encode
+from taipan.messages.allocator import AllocatorInit, PrefixCachingEvictionPolicy
 from taipan.messages.codec import (
     ALLOWED_DTYPES,
     EXT_ARRAY_FRAME,
@@ -37,6 +38,7 @@ from taipan.messages.codec import (
     replace_first_field,
 )
 from taipan.messages.common import ErrorReply, Heartbeat
+from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import StepPlan, StepResult
 from taipan.messages.lifecycle import KVCacheManagementMode, Suspend, UpdateWeights
 from taipan.messages.requests import (
@@ -131,6 +133,8 @@ def strategy_for(tp) -> st.SearchStrategy:
         return st.sampled_from(spec.dtypes).flatmap(lambda d: hnp.arrays(np.dtype(d), shapes))
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return st.sampled_from(list(tp))
+    if typing.get_origin(tp) is typing.Literal:
+        return st.sampled_from(typing.get_args(tp))
     if (args := _union_args(tp)) is not None:
         return st.one_of([strategy_for(a) for a in args])
     if tp is type(None):
@@ -453,6 +457,33 @@ def test_enum_fields_decode_to_members_and_refuse_other_values():
     assert "Suspend.mode" in str(err) and "persist, offload, recompute" in str(err)
 
 
+def test_error_codes_travel_as_their_strings_and_unknown_ones_do_not_decode():
+    # The wire form is the code's string, as before ErrorCode existed: recorded logs replay.
+    frame = msgpack.packb([2, 1, "load_failed", "no model", None], use_bin_type=True)
+    reply = ErrorReply(ErrorCode.LOAD_FAILED, "no model", None)
+    assert encode(reply) == [frame] and decode([frame]).code is ErrorCode.LOAD_FAILED
+    assert ErrorReply("busy", "later", None).code is ErrorCode.BUSY  # made, not decoded
+    with pytest.raises(ValueError):
+        ErrorReply("no_such_code", "text", None)
+    err = expect_error(frame0(2, 1, "no_such_code", "text", None), "bad_field")
+    assert "ErrorReply.code" in str(err) and "'no_such_code' is not a ErrorCode" in str(err)
+    assert MessageError("x").code is ErrorCode.BAD_MESSAGE
+
+
+def test_allocator_init_policy_is_the_enum_or_the_empty_string_as_before():
+    for policy in ("", "ref_zero", "lru"):
+        frame = msgpack.packb([80, 1, 8, 16, policy], use_bin_type=True)
+        assert encode(AllocatorInit(8, 16, policy)) == [frame]
+        assert decode([frame]) == AllocatorInit(8, 16, policy)
+    assert decode(frame0(80, 1, 8, 16, "")).prefix_policy == ""
+    assert decode(frame0(80, 1, 8, 16, "lru")).prefix_policy is PrefixCachingEvictionPolicy.LRU
+    with pytest.raises(ValueError):
+        AllocatorInit(8, 16, "fifo")
+    for bad in ("fifo", None, 0):
+        err = expect_error(frame0(80, 1, 8, 16, bad), "bad_field")
+        assert "AllocatorInit.prefix_policy" in str(err)
+
+
 # --- bad inputs: always MessageError ---------------------------------------------------------
 
 
@@ -529,7 +560,8 @@ def test_the_bad_envelope_fixtures_are_one_change_from_valid():
     assert (
         decode(frame0(22, 1, 7, _ARR, False, None, None, 3, 0, 0, *_OUTPUT_TAIL)).finished is False
     )
-    assert decode(frame0(2, 1, "code", "text", None)) == ErrorReply("code", "text", None)
+    reply = ErrorReply(ErrorCode.BAD_REQUEST, "text", None)
+    assert decode(frame0(2, 1, "bad_request", "text", None)) == reply
 
 
 @pytest.mark.parametrize("name", sorted(BAD_ENVELOPES))

@@ -280,7 +280,7 @@ def test_timeline_merges_both_actors(session, capsys):
     assert "engine → allocator AllocatorInit num_blocks=8 block_size=16" in lines[0]
     assert lines[0].lstrip().startswith("0.000 ms")
     assert any("allocator ← engine <bad message: not a msgpack message" in x for x in lines)
-    assert any("ErrorReply code='unexpected_message'" in x for x in lines)
+    assert any("ErrorReply code=unexpected_message" in x for x in lines)
     assert any("free_ids=int64[0] alloc_ids=int64[2] [100 101]" in x for x in lines)
 
 

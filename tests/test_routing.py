@@ -11,7 +11,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from taipan.actors.allocator.core import AllocatorError
 from taipan.actors.allocator.prefix import PrefixBlockPool
-from taipan.actors.coordinator.routing import POLICIES, Router, RoutingError, RoutingTable
+from taipan.actors.config import PrefixCachingCoordinatorPolicy
+from taipan.actors.coordinator.routing import Router, RoutingError, RoutingTable
 from taipan.messages.block_hash import NO_HASH, block_hashes
 
 CHAIN = [11, 12, 13, 14]  # synthetic hashes of one prompt's four complete blocks
@@ -122,7 +123,9 @@ def test_router_rejects_bad_arguments():
         router.pick([0], CHAIN, {}, {0: 0}, table)
     with pytest.raises(ValueError, match="load of rank 1"):
         router.pick([0, 1], CHAIN, {1: -1}, CAP, table)
-    assert set(POLICIES) == {"round_robin", "load_balanced", "first_prefix_block", "longest_prefix"}
+    policies = {"round_robin", "load_balanced", "first_prefix_block", "longest_prefix"}
+    assert set(PrefixCachingCoordinatorPolicy) == policies
+    assert Router("longest_prefix", 0.5).policy is PrefixCachingCoordinatorPolicy.LONGEST_PREFIX
 
 
 def test_round_robin_cycles_whatever_the_load_and_table():

@@ -11,7 +11,8 @@ of its own: every decision lives in the service, so the replay checker and the l
 
 Contract with the engine (messages/allocator.py): one `AllocatorInit` before anything else, then
 one `BlockOps` per step. A `BlockOps` is validated in full before any state changes: a malformed
-one gets `ErrorReply("bad_request")` and the pool is untouched.
+one gets `ErrorReply(ErrorCode.BAD_REQUEST)` and the pool is untouched (an unknown
+`prefix_policy` does not even decode).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from __future__ import annotations
 import numpy as np
 
 from taipan.actors.allocator.core import AllocatorError
-from taipan.actors.allocator.prefix import POLICIES, PrefixBlockPool
+from taipan.actors.allocator.prefix import PrefixBlockPool
 from taipan.actors.base import Service, ServiceActor
 from taipan.actors.channel import Channel
 from taipan.messages.allocator import AllocatorInit, AllocatorReady, BlockOps, BlockOpsReply
 from taipan.messages.common import ErrorReply
+from taipan.messages.errors import ErrorCode
 
 # A pool is a Python heap of ints (~40 bytes per block); 4M blocks is far beyond any GPU's KV
 # cache at useful block sizes, and the cap keeps a garbage AllocatorInit from eating the host.
@@ -45,16 +47,11 @@ class AllocatorService(Service):
             return _bad(f"AllocatorInit.num_blocks ({msg.num_blocks}) must be in 1..{MAX_BLOCKS}")
         if msg.block_size < 1:
             return _bad(f"AllocatorInit.block_size ({msg.block_size}) must be >= 1")
-        if msg.prefix_policy and msg.prefix_policy not in POLICIES:
-            return _bad(
-                f"AllocatorInit.prefix_policy {msg.prefix_policy!r} is not one of "
-                f"{POLICIES} (or empty: no prefix caching)"
-            )
         # Re-sizing an idle pool is harmless (e.g. after the KV cache was re-created); re-sizing
         # one that holds blocks would orphan them, so the engine must free everything first.
         if self.pool is not None and self.pool.num_held:
             return ErrorReply(
-                "illegal_state",
+                ErrorCode.ILLEGAL_STATE,
                 f"{self.name}: AllocatorInit while {self.pool.num_held} blocks are held; "
                 "free every request first",
                 None,
@@ -65,7 +62,7 @@ class AllocatorService(Service):
     def _block_ops(self, msg: BlockOps) -> BlockOpsReply | ErrorReply:
         if self.pool is None:
             return ErrorReply(
-                "illegal_state",
+                ErrorCode.ILLEGAL_STATE,
                 f"{self.name}: BlockOps (step {msg.step}) before AllocatorInit",
                 None,
             )
@@ -136,7 +133,7 @@ class AllocatorService(Service):
 
 
 def _bad(text: str) -> ErrorReply:
-    return ErrorReply("bad_request", text, None)
+    return ErrorReply(ErrorCode.BAD_REQUEST, text, None)
 
 
 def _check_block_ops(msg: BlockOps, prefix: bool) -> str | None:

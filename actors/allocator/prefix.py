@@ -5,9 +5,9 @@ held, handed out lowest id first): the one pool the allocator uses either way.
 Owns: the free list, per-block ref counts, the owner map (request id -> block ids in block-table
 order), the hash map (block hash <-> block id, a bijection on registered blocks), each registered
 block's parent hash and child count, the cached-idle set with its logical recency, and the
-"added"/"evicted" hash events not yet taken. Must not touch: sockets, messages, torch, clocks.
-Plain ints, lists, dicts and numpy only. Only the allocator actor (`AllocatorService`) holds
-one.
+"added"/"evicted" hash events not yet taken. Must not touch: sockets, messages (it takes only
+the policy enum and hash constants from messages/), torch, clocks. Plain ints, lists, dicts and
+numpy only. Only the allocator actor (`AllocatorService`) holds one.
 
 States: every block is in exactly one of
   free         on the free min-heap, ref 0, no hash;
@@ -46,9 +46,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from taipan.actors.allocator.core import AllocatorError, check_free_and_refs
+from taipan.messages.allocator import PrefixCachingEvictionPolicy as Policy
 from taipan.messages.block_hash import MAX_HASH, NO_HASH
-
-POLICIES = ("ref_zero", "lru")
 
 
 def _as_int(name: str, value: object) -> int:
@@ -60,15 +59,23 @@ def _as_int(name: str, value: object) -> int:
         raise AllocatorError(f"{name} must be an int, got {value!r}") from None
 
 
+def _policy(policy: Policy | str | None) -> Policy | None:
+    if policy is None:
+        return None
+    try:
+        return Policy(policy)
+    except ValueError:
+        choices = tuple(p.value for p in Policy)
+        raise AllocatorError(f"policy {policy!r} is not one of {choices} (or None: off)") from None
+
+
 class PrefixBlockPool:
-    def __init__(self, num_blocks: int, policy: str | None):
+    def __init__(self, num_blocks: int, policy: Policy | str | None):
         """`policy`: "ref_zero" or "lru" (see above), or None: prefix caching off."""
         if num_blocks < 1:
             raise AllocatorError(f"num_blocks ({num_blocks}) must be >= 1")
-        if policy is not None and policy not in POLICIES:
-            raise AllocatorError(f"policy {policy!r} is not one of {POLICIES} (or None: off)")
         self.num_blocks = num_blocks
-        self.policy = policy
+        self.policy = _policy(policy)
         # list(range(n)) is already a valid min-heap: no heapify needed.
         self._free: list[int] = list(range(num_blocks))
         self._refs = np.zeros(num_blocks, dtype=np.int32)
@@ -314,7 +321,7 @@ class PrefixBlockPool:
             self._refs[b] -= 1
             if self._refs[b] > 0:
                 continue
-            if self._hash[b] != NO_HASH and self.policy == "lru":
+            if self._hash[b] != NO_HASH and self.policy is Policy.LRU:
                 self._clock += 1
                 self._idle[b] = self._clock
                 if self._kids[b] == 0:
@@ -398,7 +405,7 @@ class PrefixBlockPool:
         """Raise AssertionError naming the first broken invariant (tests and debugging only)."""
         n = self.num_blocks
         free_set = check_free_and_refs(self._free, self._refs, self._owned)
-        if self.policy != "lru" and self._idle:
+        if self.policy is not Policy.LRU and self._idle:
             raise AssertionError(f"policy {self.policy} has cached-idle blocks")
         for b in range(n):
             ref, h = int(self._refs[b]), int(self._hash[b])

@@ -35,6 +35,7 @@ from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
 from taipan.messages.codec import MessageError, decode
 from taipan.messages.common import ErrorReply, Heartbeat, Hello
+from taipan.messages.errors import ErrorCode
 from taipan.messages.lifecycle import CONTROL_MESSAGES, ControlAck, ControlCommand
 from taipan.messages.requests import (
     AbortRequest,
@@ -53,11 +54,11 @@ NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
 class ControlError(RuntimeError):
-    """The runtime refused or failed a lifecycle command. `code` is the ErrorReply code
-    ("not_authorized", "illegal_transition", "busy", "control_failed", "bad_request", ...),
-    `text` says why."""
+    """The runtime refused or failed a lifecycle command. `code` is the ErrorReply's
+    (NOT_AUTHORIZED, ILLEGAL_TRANSITION, BUSY, CONTROL_FAILED, BAD_REQUEST, ...), `text` says
+    why."""
 
-    def __init__(self, command: ControlCommand, code: str, text: str):
+    def __init__(self, command: ControlCommand, code: ErrorCode, text: str):
         super().__init__(f"{code}: {text}")
         self.command, self.code, self.text = command, code, text
 
@@ -247,7 +248,7 @@ class ClientActor(Actor):
             raise MessageError(
                 f"StepOutputs entry {i}: a {type(out).__name__} (finished "
                 f"{getattr(out, 'finished', None)!r}) filed as an output (finished {finished})",
-                "bad_field",
+                ErrorCode.BAD_FIELD,
             )
         return dataclasses.replace(out, request_id=request_id)
 
@@ -281,7 +282,7 @@ class ClientActor(Actor):
         waiter[1].set_result(msg)
 
     async def on_error(self, env: Envelope, msg: ErrorReply) -> None:
-        if msg.code == "load_failed" and self.info_waiters:
+        if msg.code is ErrorCode.LOAD_FAILED and self.info_waiters:
             self._resolve(self.info_waiters, RuntimeError(f"model load failed: {msg.text}"))
             return
         waiter = self.control_waiter

@@ -31,6 +31,7 @@ from taipan.actors.channel import Channel, Envelope
 from taipan.actors.client.actor import ClientActor, RuntimeUnreachable
 from taipan.messages.codec import decode
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
+from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import CONTROL_MESSAGES, ControlAck, Stop, StopAck
 from taipan.messages.requests import (
@@ -254,7 +255,7 @@ class DirectActor(ClientActor):
         self._resolve(self.info_waiters, self.info)
 
     async def on_error(self, env: Envelope, msg: ErrorReply) -> None:
-        if msg.code == "load_failed":
+        if msg.code is ErrorCode.LOAD_FAILED:
             self._resolve(self.info_waiters, RuntimeError(f"model load failed: {msg.text}"))
             return
         self.log.warning("engine error reply", code=msg.code, text=msg.text)

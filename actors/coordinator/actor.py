@@ -45,6 +45,7 @@ import numpy as np
 
 from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope
+from taipan.actors.config import HASHING_POLICIES, PrefixCachingCoordinatorPolicy
 from taipan.actors.coordinator.core import (
     ControlRound,
     CoordinatorCore,
@@ -56,6 +57,7 @@ from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM, State
 from taipan.actors.coordinator.routing import RoutingError
 from taipan.messages.codec import MessageError
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone, RankGone
+from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import (
     CONTROL_MESSAGES,
@@ -129,7 +131,7 @@ class CoordinatorActor(Actor):
         stats_timeout: float = STATS_TIMEOUT_S,
         engine_timeout: float = ENGINE_TIMEOUT_S,
         prefix_caching: bool = False,
-        routing_policy: str = "round_robin",
+        routing_policy: PrefixCachingCoordinatorPolicy = PrefixCachingCoordinatorPolicy.ROUND_ROBIN,
         routing_alpha: float = 0.5,
         rank_capacity: int = 1,
     ):
@@ -144,7 +146,7 @@ class CoordinatorActor(Actor):
         self.core = CoordinatorCore(routing_policy, routing_alpha, rank_capacity)
         self.prefix_caching = prefix_caching
         # Hash prompts here only when the policy reads them or the engines cache by them.
-        self.hashing = prefix_caching or routing_policy in ("first_prefix_block", "longest_prefix")
+        self.hashing = prefix_caching or self.core.router.policy in HASHING_POLICIES
         self.block_size = 0  # from the first ModelLoaded
         self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
         self.loaded: set[int] = set()  # ranks that have loaded their model (ever)
@@ -198,7 +200,7 @@ class CoordinatorActor(Actor):
             if not isinstance(env.msg, ErrorReply):  # never answer an error with an error
                 who = "clients" if side is FROM_CLIENTS else "engines"
                 text = f"the coordinator takes no {type(env.msg).__name__} from {who}"
-                await self._reply_error(env, "unexpected_message", text)
+                await self._reply_error(env, ErrorCode.UNEXPECTED_MESSAGE, text)
             return
         await super().dispatch(env)
 
@@ -248,7 +250,7 @@ class CoordinatorActor(Actor):
         if self._ready():
             await env.reply(self.info)
         elif self.load_error is not None:
-            await env.reply(ErrorReply("load_failed", self.load_error, None))
+            await env.reply(ErrorReply(ErrorCode.LOAD_FAILED, self.load_error, None))
         else:
             self.info_waiters.append(env.sender)
 
@@ -319,7 +321,7 @@ class CoordinatorActor(Actor):
         refusal = self._refusal(command, msg)
         if refusal is not None:
             code, text = refusal
-            log = self.log.warning if code == "not_authorized" else self.log.info
+            log = self.log.warning if code is ErrorCode.NOT_AUTHORIZED else self.log.info
             log("control refused", command=str(command), sender=sender, outcome=code, why=text)
             await env.reply(ErrorReply(code, text, None))
             return
@@ -333,21 +335,21 @@ class CoordinatorActor(Actor):
         for identity in list(self.engines.values()):
             await self.backend.send(forwarded, to=identity)
 
-    def _refusal(self, command: ControlCommand, msg) -> tuple[str, str] | None:
+    def _refusal(self, command: ControlCommand, msg) -> tuple[ErrorCode, str] | None:
         """(code, text) when the coordinator must refuse this control now, else None."""
         if not msg.token or not hmac.compare_digest(msg.token.encode(), self.control_token):
-            return "not_authorized", NOT_AUTHORIZED.format(command=command)
+            return ErrorCode.NOT_AUTHORIZED, NOT_AUTHORIZED.format(command=command)
         if isinstance(msg, UpdateWeights):
             if (msg.path is None) == (msg.state is None):
-                return "bad_request", "update_weights needs exactly one of path and state"
+                return ErrorCode.BAD_REQUEST, "update_weights needs exactly one of path and state"
             if not self.engines:
-                return "bad_request", "no engine is connected to load the weights"
+                return ErrorCode.BAD_REQUEST, "no engine is connected to load the weights"
         try:
             self.fsm.check(command)
         except IllegalTransition as e:
-            return "illegal_transition", str(e)
+            return ErrorCode.ILLEGAL_TRANSITION, str(e)
         if self.control is not None:
-            return "busy", (
+            return ErrorCode.BUSY, (
                 f"{command} refused: {self.control.command} is still waiting for the engines; "
                 "send it again once that one is answered"
             )
@@ -379,7 +381,7 @@ class CoordinatorActor(Actor):
             if round_.command == ControlCommand.STOP:
                 text += " (the coordinator exits anyway)"
             self.log.warning("control failed", command=command, sender=sender, errors=round_.errors)
-            return ErrorReply("control_failed", text, None)
+            return ErrorReply(ErrorCode.CONTROL_FAILED, text, None)
         versions = set(round_.weight_versions)
         if len(versions) > 1:
             self.log.warning("engines disagree on the weight version", versions=sorted(versions))
@@ -429,7 +431,7 @@ class CoordinatorActor(Actor):
             refusal = self.core.rank_refusal(msg.rank, env.sender, self.engines, self.num_ranks)
             if refusal is not None:
                 self.log.error("engine refused", rank=msg.rank, why=refusal)
-                await env.reply(ErrorReply("rank_refused", refusal, None))
+                await env.reply(ErrorReply(ErrorCode.RANK_REFUSED, refusal, None))
                 return
             self.engines[msg.rank] = env.sender
             self.engine_heard[env.sender] = env.time
@@ -446,7 +448,7 @@ class CoordinatorActor(Actor):
                 f"its block size {msg.block_size} differs from the runtime's {self.block_size} "
                 "(every rank must run the same config)"
             )
-            await env.reply(ErrorReply("rank_refused", why, None))
+            await env.reply(ErrorReply(ErrorCode.RANK_REFUSED, why, None))
             await self._engine_gone(env.sender, why)
             return
         self.core.add_rank(rank)
@@ -492,9 +494,9 @@ class CoordinatorActor(Actor):
             self.core.table.drop_rank(rank)
 
     async def on_engine_error(self, env: Envelope, msg: ErrorReply) -> None:
-        if msg.code == "load_failed":
+        if msg.code is ErrorCode.LOAD_FAILED:
             self.load_error = msg.text
-            await self._flush_info_waiters(ErrorReply("load_failed", msg.text, None))
+            await self._flush_info_waiters(ErrorReply(ErrorCode.LOAD_FAILED, msg.text, None))
             return
         # An engine that refuses a command answers it with an ErrorReply naming no request.
         round_ = self.control
@@ -554,7 +556,7 @@ class CoordinatorActor(Actor):
         and ask the engine to abort it, so that its blocks come back."""
         engine = self._engine_name(env.sender)
         self.log.error("malformed outputs", engine=engine, requests_failed=len(lost), error=why)
-        await self._reply_error(env, "bad_message", f"malformed StepOutputs: {why}")
+        await self._reply_error(env, ErrorCode.BAD_MESSAGE, f"malformed StepOutputs: {why}")
         text = f"{engine} sent a malformed output for this request: {why}"
         for gid, route in lost:
             out = RequestOutput(
@@ -609,7 +611,7 @@ class CoordinatorActor(Actor):
             # A runtime starts whole or not at all: one rank dead before every rank is up fails
             # the start (the launcher reports it).
             self.load_error = f"engine rank {rank} died before the runtime was ready ({reason})"
-            await self._flush_info_waiters(ErrorReply("load_failed", self.load_error, None))
+            await self._flush_info_waiters(ErrorReply(ErrorCode.LOAD_FAILED, self.load_error, None))
 
     def _dead_stats(self, rank: int, reason: str) -> RankStats:
         """A dead rank as `Stats` shows it: its last cumulative counters, nothing running or

@@ -31,10 +31,12 @@ from collections import deque
 
 import numpy as np
 
+from taipan.actors.config import HASHING_POLICIES, PrefixCachingCoordinatorPolicy
 from taipan.actors.coordinator.core import CoordinatorCore, NoRankError, routing_hashes
 from taipan.actors.coordinator.routing import RoutingError
 from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply, Hello, PeerGone, RankGone
+from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import ModelLoaded
 from taipan.messages.lifecycle import ControlAck, Stop
 from taipan.messages.requests import (
@@ -49,7 +51,6 @@ from taipan.messages.summary import summarize
 
 # The coordinator's channels, as runtime/procs.py names them in its log.
 CLIENTS, ENGINES = "clients", "engines"
-HASHING_POLICIES = ("first_prefix_block", "longest_prefix")
 STOPPING = "the runtime is stopping"  # on_submit's refusal while a STOP is in flight
 
 
@@ -69,14 +70,15 @@ class CoordinatorReplay:
     def __init__(
         self,
         *,
-        policy: str,
+        policy: PrefixCachingCoordinatorPolicy,
         alpha: float,
         capacity: int,
         prefix_caching: bool,
         num_ranks: int | None = None,
     ):
         self.core = CoordinatorCore(policy, alpha, capacity)
-        self.hashing = prefix_caching or policy in HASHING_POLICIES  # as the actor decides
+        # As the actor decides.
+        self.hashing = prefix_caching or self.core.router.policy in HASHING_POLICIES
         self.block_size = 0  # from the first ModelLoaded of a known engine
         self.loaded = False
         self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
@@ -164,7 +166,7 @@ class CoordinatorReplay:
             return None
         if isinstance(msg, RequestOutput) and _is_refusal(msg, head.msg.request_id):
             return self._refused(self.waiting.popleft(), msg.error or "")
-        if isinstance(msg, ErrorReply) and msg.code == "internal":
+        if isinstance(msg, ErrorReply) and msg.code is ErrorCode.INTERNAL:
             try:
                 self._plan(head)
             except ValueError:  # on_submit raised the same way: nothing was admitted

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from taipan.actors.config import PrefixCachingCoordinatorPolicy as Policy
 from taipan.actors.coordinator.routing import Router, RoutingTable
 from taipan.messages.block_hash import block_hashes
 
@@ -42,7 +43,9 @@ def routing_hashes(
 
 
 class CoordinatorCore:
-    def __init__(self, policy: str = "round_robin", alpha: float = 0.5, capacity: int = 1):
+    def __init__(
+        self, policy: Policy | str = Policy.ROUND_ROBIN, alpha: float = 0.5, capacity: int = 1
+    ):
         self.ranks: list[int] = []  # ranks with a loaded model, in registration order
         self.dead: dict[int, str] = {}  # rank -> why it is gone
         self.routes: dict[int, Route] = {}  # global id -> route, until the terminal output

@@ -19,9 +19,8 @@ import operator
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
+from taipan.actors.config import PrefixCachingCoordinatorPolicy as Policy
 from taipan.messages.block_hash import MAX_HASH
-
-POLICIES = ("round_robin", "load_balanced", "first_prefix_block", "longest_prefix")
 
 
 class RoutingError(ValueError):
@@ -134,7 +133,7 @@ def _inconsistency(rank: int, h: int, was: bool, added: int, evicted: int) -> st
 
 
 class Router:
-    """Picks a rank for each new request by `policy` (one of POLICIES).
+    """Picks a rank for each new request by `policy` (a PrefixCachingCoordinatorPolicy).
 
     free(r) = max(0, 1 - load[r] / capacity[r]), the rank's normalized free capacity.
       round_robin         every ready rank ties; the cursor cycles over them.
@@ -152,14 +151,16 @@ class Router:
     `block_size` given, `last_match_tokens` is the same in tokens.
     """
 
-    def __init__(self, policy: str, alpha: float, block_size: int | None = None):
-        if policy not in POLICIES:
-            raise ValueError(f"routing policy {policy!r} is not one of {POLICIES}")
+    def __init__(self, policy: Policy | str, alpha: float, block_size: int | None = None):
+        try:
+            self.policy = Policy(policy)
+        except ValueError:
+            choices = tuple(p.value for p in Policy)
+            raise ValueError(f"routing policy {policy!r} is not one of {choices}") from None
         if not 0 <= alpha <= 1:  # NaN fails too
             raise ValueError(f"routing alpha ({alpha}) must be in [0, 1]")
         if block_size is not None and _as_int("block_size", block_size) < 1:
             raise ValueError(f"block_size ({block_size}) must be >= 1")
-        self.policy = str(policy)
         self.alpha = float(alpha)
         self.block_size = block_size
         # The decimal alpha prints as (0.1 is 1/10), so scores equal on paper tie exactly.
@@ -193,9 +194,9 @@ class Router:
         in_flight = {r: self._load(r, load) for r in ranks}
         free = {r: self._free(r, in_flight[r], capacity) for r in ranks}
         matches: dict[int, int] = {}
-        if self.policy == "round_robin":
+        if self.policy is Policy.ROUND_ROBIN:
             keys: dict[int, tuple] = {r: () for r in ranks}
-        elif self.policy == "longest_prefix" and len(hashes):
+        elif self.policy is Policy.LONGEST_PREFIX and len(hashes):
             matches = {r: table.match(r, hashes) for r in ranks}
             a, n = self._alpha, len(hashes)
             keys = {
@@ -204,7 +205,7 @@ class Router:
             }
         else:
             candidates = ranks
-            if self.policy == "first_prefix_block" and len(hashes):
+            if self.policy is Policy.FIRST_PREFIX_BLOCK and len(hashes):
                 holders = set(table.ranks_holding(hashes[0]))
                 candidates = [r for r in ranks if r in holders] or ranks
             keys = {r: (free[r], -in_flight[r]) for r in candidates}

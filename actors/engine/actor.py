@@ -73,6 +73,7 @@ from taipan.actors.engine.step import EngineError, StepRunner
 from taipan.messages.allocator import AllocatorInit, AllocatorReady
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.consensus import EpBarrier, EpBye, EpHello, EpOutcome, EpVote
+from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import (
     GpuCommand,
     GpuControl,
@@ -204,7 +205,7 @@ class EngineActor(Actor):
         pass  # the coordinator's answer: dispatch noted that it is alive
 
     async def on_error_reply(self, env: Envelope, msg: ErrorReply) -> None:
-        if msg.code == "rank_refused":
+        if msg.code is ErrorCode.RANK_REFUSED:
             self.spawn(self._exit(f"the coordinator refused this rank: {msg.text}"))
         else:
             self.log.warning("error reply", code=msg.code, text=msg.text)
@@ -248,7 +249,7 @@ class EngineActor(Actor):
     async def _boot_then_loop(self) -> None:
         try:
             loaded = await self._call(self.gpu, self.load, ModelLoaded)
-            policy = prefix_policy(self.config) or ""
+            policy = prefix_policy(self.config) or ""  # "": off, as AllocatorInit carries it
             init = AllocatorInit(loaded.num_blocks, loaded.block_size, policy)
             ready = await self._call(self.alloc, init, AllocatorReady)
             minit = mamba_init(loaded)
@@ -258,12 +259,12 @@ class EngineActor(Actor):
                 await self._call(self.mamba, minit, MambaReady)
         except EngineError as e:
             self.log.error("model load failed", error=str(e))
-            await self.coord.send(ErrorReply("load_failed", str(e), None))
+            await self.coord.send(ErrorReply(ErrorCode.LOAD_FAILED, str(e), None))
             return
         try:
             plan = runtime_plan(self.config, loaded, ready)
         except BootError as e:
-            await self.coord.send(ErrorReply("load_failed", str(e), None))
+            await self.coord.send(ErrorReply(ErrorCode.LOAD_FAILED, str(e), None))
             return
         self.vocab_size = loaded.vocab_size
         self.scheduler = new_scheduler(self.config, plan)
@@ -359,7 +360,7 @@ class EngineActor(Actor):
         text = f"{self.name}: {command} is illegal while {self.state}"
         if self.scheduler is None:
             text = f"{self.name}: {command} before the model is loaded"
-        await env.reply(ErrorReply("illegal_transition", text, None))
+        await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
         return True
 
     async def _ack(self, env: Envelope, command: ControlCommand) -> None:
@@ -382,7 +383,7 @@ class EngineActor(Actor):
             # rank has (actors/engine/ep.py).
             if self.pause_waiters:
                 text = f"{self.name}: pause is already waiting for the expert-parallel group"
-                await env.reply(ErrorReply("illegal_transition", text, None))
+                await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
                 return
             self.pause_waiters.append(env)
             self.work.set()
@@ -410,7 +411,7 @@ class EngineActor(Actor):
             else:
                 reply = await self._group_control(command, msg)
         if reply.error is not None:
-            await env.reply(ErrorReply("control_failed", f"{command}: {reply.error}", None))
+            await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, f"{command}: {reply.error}", None))
             return None
         return reply
 

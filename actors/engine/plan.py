@@ -13,7 +13,7 @@ from taipan.actors.config import InferenceConfig, RuntimePlan, plan_limits
 from taipan.actors.engine.batch_arrays import plan_arrays
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
-from taipan.messages.allocator import AllocatorReady, BlockOps
+from taipan.messages.allocator import AllocatorReady, BlockOps, PrefixCachingEvictionPolicy
 from taipan.messages.gpu import ModelLoaded, StepPlan
 from taipan.messages.mamba_cache import MambaInit, MambaOps
 from taipan.messages.requests import EngineSubmit
@@ -58,12 +58,14 @@ def new_scheduler(config: InferenceConfig, plan: RuntimePlan) -> Scheduler:
     )
 
 
-def prefix_policy(config: InferenceConfig) -> str | None:
+def prefix_policy(config: InferenceConfig) -> PrefixCachingEvictionPolicy | None:
     """The allocator's eviction policy with prefix caching on (None: off). Unset means "lru",
     which keeps released blocks cached as vLLM and SGLang do."""
     if not config.enable_prefix_caching:
         return None
-    return str(config.prefix_caching_eviction_policy or "lru")
+    return PrefixCachingEvictionPolicy(
+        config.prefix_caching_eviction_policy or PrefixCachingEvictionPolicy.LRU
+    )
 
 
 def submission(

@@ -32,12 +32,12 @@ from __future__ import annotations
 import numpy as np
 
 from taipan.actors.engine.request import EngineRequest
-from taipan.messages.allocator import BlockOpsReply
+from taipan.messages.allocator import BlockOpsReply, PrefixCachingEvictionPolicy
 
 
 class PrefixIndex:
-    def __init__(self, num_blocks: int, block_size: int, policy: str):
-        self.policy = policy
+    def __init__(self, num_blocks: int, block_size: int, policy: PrefixCachingEvictionPolicy):
+        self.policy = PrefixCachingEvictionPolicy(policy)
         self.block_size = block_size
         self.block_of: dict[int, int] = {}
         self.refs = np.zeros(num_blocks, dtype=np.int32)
@@ -57,7 +57,9 @@ class PrefixIndex:
         out: list[int] = []
         for h in hashes.tolist():
             b = self.block_of.get(h)
-            if b is None or (self.policy == "ref_zero" and self.refs[b] == 0):
+            if b is None or (
+                self.policy is PrefixCachingEvictionPolicy.REF_ZERO and self.refs[b] == 0
+            ):
                 return out, h in self.writing
             if h in self.writing:
                 return out, True

@@ -68,7 +68,7 @@ from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status
-from taipan.messages.allocator import BlockOpsReply
+from taipan.messages.allocator import BlockOpsReply, PrefixCachingEvictionPolicy
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
 from taipan.messages.mamba_cache import MambaOpsReply
@@ -90,7 +90,7 @@ class Scheduler:
         enable_chunked_prefill: bool,
         track_paused_events: bool = False,
         track_token_events: bool = False,
-        prefix_policy: str | None = None,
+        prefix_policy: PrefixCachingEvictionPolicy | None = None,
     ):
         self.plan = plan
         self.chunked_prefill = enable_chunked_prefill

@@ -46,6 +46,7 @@ from taipan.actors.gpu.peers import (
     first_failure,
 )
 from taipan.messages.common import ErrorReply, PeerGone
+from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import (
     GpuCommand,
     GpuControl,
@@ -178,7 +179,7 @@ class GpuActor(Actor):
             reply = await self._load_everywhere(msg)
         except Exception as e:
             self.log.error("load failed", model=msg.model, error=str(e))
-            reply = ErrorReply("load_failed", f"cannot load {msg.model}: {e}", None)
+            reply = ErrorReply(ErrorCode.LOAD_FAILED, f"cannot load {msg.model}: {e}", None)
         else:
             await self._bind_threads()
             self.log.info(

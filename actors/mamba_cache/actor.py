@@ -7,7 +7,7 @@ it from a recording and expects the same encoded replies byte for byte (runtime/
 `MambaCacheActor` owns nothing but the service and one channel (a zmq PAIR over inproc to the
 engine of the same rank). Contract (messages/mamba_cache.py): one `MambaInit`, then at most one
 `MambaOps` per step. A `MambaOps` is validated in full before any state changes: a malformed one
-gets `ErrorReply("bad_request")` and the pool is untouched.
+gets `ErrorReply(ErrorCode.BAD_REQUEST)` and the pool is untouched.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from taipan.actors.base import Service, ServiceActor
 from taipan.actors.channel import Channel
 from taipan.actors.mamba_cache.core import MambaCacheError, MambaSlotPool
 from taipan.messages.common import ErrorReply
+from taipan.messages.errors import ErrorCode
 from taipan.messages.mamba_cache import MambaInit, MambaOps, MambaOpsReply, MambaReady
 
 # One slot is every Mamba layer's state (megabytes for a real model): a million is far beyond
@@ -41,7 +42,7 @@ class MambaCacheService(Service):
             )
         if self.pool is not None and self.pool.num_live_free < self.pool.live_slots:
             return ErrorReply(
-                "illegal_state",
+                ErrorCode.ILLEGAL_STATE,
                 f"{self.name}: MambaInit while requests hold live slots; free them first",
                 None,
             )
@@ -52,7 +53,9 @@ class MambaCacheService(Service):
         pool = self.pool
         if pool is None:
             return ErrorReply(
-                "illegal_state", f"{self.name}: MambaOps (step {msg.step}) before MambaInit", None
+                ErrorCode.ILLEGAL_STATE,
+                f"{self.name}: MambaOps (step {msg.step}) before MambaInit",
+                None,
             )
         problem = _check_ops(msg, pool)
         if problem is not None:
@@ -93,7 +96,7 @@ class MambaCacheService(Service):
 
 
 def _bad(text: str) -> ErrorReply:
-    return ErrorReply("bad_request", text, None)
+    return ErrorReply(ErrorCode.BAD_REQUEST, text, None)
 
 
 def _check_ops(msg: MambaOps, pool: MambaSlotPool) -> str | None:
