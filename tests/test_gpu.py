@@ -181,12 +181,13 @@ def test_gpu_offload_checks_host_memory_then_round_trips_through_pinned_memory(
 ):
     import torch
 
-    from taipan.actors.gpu import worker as worker_module
+    from taipan.actors.gpu import controls
+    from taipan.actors.gpu.worker import ModelWorker
     from taipan.messages.gpu import GpuControl, LoadModel
     from tests.random_llama import TINY_SHAPE, make_random_llama
 
     model = make_random_llama(str(tmp_path), TINY_SHAPE)
-    w = worker_module.ModelWorker()
+    w = ModelWorker()
     w.load(LoadModel(model, "bfloat16", "cuda", 16, 64, 0.01, 256, 8, 256))
     kv = w.kv_cache
     kv.normal_()  # contents to compare after the round trip
@@ -196,7 +197,7 @@ def test_gpu_offload_checks_host_memory_then_round_trips_through_pinned_memory(
     def suspend():
         return w.control(GpuControl("suspend", "offload", None, None))
 
-    monkeypatch.setattr(worker_module, "available_host_memory", lambda: kv_bytes)
+    monkeypatch.setattr(controls, "available_host_memory", lambda: kv_bytes)
     reply = suspend()
     assert "offload needs" in reply.error and w.suspend_mode is None and w.kv_cache is kv
     monkeypatch.undo()

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from taipan.actors.channel import Envelope
-from taipan.actors.gpu import worker as worker_module
+from taipan.actors.gpu import controls
 from taipan.actors.gpu.actor import GpuActor
 from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import GpuControl, GpuControlReply, LoadModel
@@ -119,30 +119,11 @@ def test_device_offload_refuses_when_the_host_lacks_memory(worker, monkeypatch):
     kv = worker.kv_cache
     kv_bytes = kv.numel() * kv.element_size()
     monkeypatch.setattr(worker, "device", torch.device("cuda"))  # never touched: refused first
-    monkeypatch.setattr(worker_module, "available_host_memory", lambda: kv_bytes)
+    monkeypatch.setattr(controls, "available_host_memory", lambda: kv_bytes)
     reply = control(worker, "suspend", "offload")
     assert reply.error is not None and "offload needs" in reply.error and "GiB" in reply.error
     assert "persist or recompute" in reply.error
     assert worker.kv_cache is kv and worker.suspend_mode is None and reply.kv_valid
-
-
-def test_offload_check_counts_the_reserve():
-    gib = worker_module.GIB
-    reserve = worker_module.HOST_RESERVE_BYTES
-    assert worker_module.offload_problem(4 * gib, 4 * gib + reserve) is None
-    assert "but only 6.00 GiB is available" in worker_module.offload_problem(4 * gib, 6 * gib - 1)
-
-
-def test_kv_budget_on_cpu_is_a_bounded_share_of_available_memory(monkeypatch):
-    gib = worker_module.GIB
-    cpu = torch.device("cpu")
-    monkeypatch.setattr(worker_module, "available_host_memory", lambda: 22 * gib)
-    budget, source = worker_module.kv_budget(None, cpu)
-    assert budget == int(0.2 * 22 * gib) and "20% of 22.0 GiB available" in source
-    monkeypatch.setattr(worker_module, "available_host_memory", lambda: 1000 * gib)
-    assert worker_module.kv_budget(None, cpu)[0] == 20 * gib  # at most the seed's 20 GB
-    assert worker_module.kv_budget(None, torch.device("cuda"))[0] == 20 * gib
-    assert worker_module.kv_budget(0.5, cpu) == (gib // 2, "buffer_size_gb=0.5")
 
 
 def test_recompute_drops_the_kv_and_says_so(worker):

@@ -32,7 +32,8 @@ import torch
 from taipan.actors.channel import Envelope
 from taipan.actors.config import ConfigError, mamba_snapshot_slots
 from taipan.actors.gpu.actor import GpuActor
-from taipan.actors.gpu.worker import GIB, ModelWorker, mamba_live_slots
+from taipan.actors.gpu.sizing import GIB
+from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import LoadModel, StepPlan, StepResult
 from tests.random_llama import TINY_SHAPE, make_random_llama
 from tests.random_nemotron_h import TINY_HYBRID, make_random_nemotron_h
@@ -170,17 +171,6 @@ def test_memory_ratio_exact_boundary_and_too_small(hybrid_dir):
     )
     with pytest.raises(ConfigError, match="less than one live Mamba slot"):
         load(hybrid_dir, 1 << 20, mamba_memory_ratio=0.01)
-
-
-def test_mamba_live_slots_function(hybrid_dir):
-    msg = load_msg(hybrid_dir)
-    assert mamba_live_slots(msg, 1000, 7) == (MAX_REQUESTS, 1000)  # no ratio: besides the KV
-    ratio = dataclasses.replace(msg, mamba_memory_ratio=0.5)
-    assert mamba_live_slots(ratio, 1000, 200) == (2, 500)
-    assert mamba_live_slots(ratio, 1000, 10) == (MAX_REQUESTS, 500)  # capped, share still taken
-    assert mamba_live_slots(ratio, 1001, 250) == (2, 501)  # int(500.5) = 500 to the states
-    with pytest.raises(ConfigError):
-        mamba_live_slots(ratio, 1000, 501)
 
 
 # ---- sizing: snapshot slots ---------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import taipan.actors.gpu.worker as worker_module
+import taipan.actors.gpu.logprobs as logprobs_module
 from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import LoadModel, StepPlan
 from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
@@ -183,7 +183,7 @@ def test_generated_token_log_probs_and_top_n_match_hf(worker, oracle):
 
 
 def test_prompt_log_probs_across_two_chunks_match_hf(worker, oracle, monkeypatch):
-    monkeypatch.setattr(worker_module, "PROMPT_LOGITS_MAX_ROWS", 5)  # several logits chunks
+    monkeypatch.setattr(logprobs_module, "PROMPT_LOGITS_MAX_ROWS", 5)  # several logits chunks
     log_softmax, encode = oracle
     p = encode("Once upon a time, in a land far away, there lived a small dragon.")
     q = encode("1, 2, 3, 4,")
@@ -221,8 +221,8 @@ def test_greedy_fast_path_does_no_log_prob_work(worker, oracle, monkeypatch):
     def forbidden(*args, **kwargs):
         raise AssertionError("log-prob work on a step that asked for none")
 
-    monkeypatch.setattr(worker_module, "log_probs_and_top_n", forbidden)
-    monkeypatch.setattr(worker_module, "prompt_log_probs", forbidden)
+    monkeypatch.setattr(logprobs_module, "log_probs_and_top_n", forbidden)
+    monkeypatch.setattr(logprobs_module, "prompt_log_probs", forbidden)
     r = worker.step(make_plan(1, [Seq(p, 0, [5 + i]) for i, p in enumerate(prompts)]))
     assert r.error is None
     assert r.token_ids.tolist() == [int(log_softmax(p)[-1].argmax()) for p in prompts]

@@ -26,7 +26,8 @@ import numpy as np
 import pytest
 import torch
 
-from taipan.actors.gpu.worker import GIB, ModelWorker
+from taipan.actors.gpu.sizing import GIB
+from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import GpuControl
 from taipan.ops.loader import load_model
 from taipan.ops.models.nemotron_h import NemotronHForCausalLM

@@ -1,0 +1,224 @@
+"""The gpu worker's lifecycle controls between steps: suspend, resume and weight updates
+(messages.gpu.GpuControl -> GpuControlReply), as WorkerControls, a base of ModelWorker.
+
+Suspend modes: "persist" keeps the KV tensor; "offload" copies a CUDA KV cache to pinned host
+memory and frees the device tensor, after checking that the host has the memory (else it
+refuses and changes nothing); on a CPU device the KV cache already is host memory, so "offload"
+keeps it where it is (a copy would only double it); "recompute" frees it. Hybrid models' Mamba
+state slots go along with the KV cache (kept, offloaded, or dropped: resume then zeroes them).
+Resume allocates a fresh device tensor (offloaded contents, or uninitialized for "recompute"):
+its address changes, so the CUDA graphs captured against the old one are dropped at such a
+suspend and captured again at resume; "persist" keeps both.
+
+Owns: suspend_mode, weight_version, the offloaded contents and the staged weights. Must not
+touch how a step runs (worker.py) or how big the pools are (sizing.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from taipan.actors.gpu.graphs import StepGraphs
+from taipan.actors.gpu.sizing import available_host_memory, offload_problem
+from taipan.messages.gpu import GpuCommand, GpuControl, GpuControlReply
+from taipan.messages.lifecycle import KVCacheManagementMode as Mode
+from taipan.ops.loader import ModelLoadError, load_model
+from taipan.ops.parallel import TPGroup
+from taipan.ops.weight_updates import WeightUpdateError, check_same_architecture, state_updates
+
+
+class ControlError(Exception):
+    """A GpuControl that cannot apply in the worker's current state; nothing was changed."""
+
+
+class WorkerControls:
+    """The controls' half of ModelWorker, run in the worker's thread between steps. They
+    replace `kv_cache` and `mamba_state` (None while released), release `graphs`, and read the
+    rest of what the load set (annotated below); ModelWorker provides `_capture` and
+    `_new_mamba_state`. A load resets the state they own (a fresh model runs)."""
+
+    # Set by ModelWorker.load.
+    model: torch.nn.Module | None
+    config: object
+    device: torch.device
+    dtype: torch.dtype
+    tp: TPGroup
+    kv_cache: torch.Tensor | None
+    mamba_state: tuple[torch.Tensor, torch.Tensor] | None
+    graphs: StepGraphs | None
+    static_kv: bool
+    _kv_shape: tuple[int, ...]
+    _mamba_slots: int
+    _prev_sampled: np.ndarray
+
+    def __init__(self):
+        self.weight_version = 0  # successful update_weights since load
+        self.suspend_mode: Mode | None = None  # None: running
+        self._kv_offloaded: torch.Tensor | None = None  # the KV contents while offloaded
+        # The Mamba slots' contents while offloaded (the state itself is then None).
+        self._mamba_offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._staged: list | None = None  # weights checked by STAGE_WEIGHTS, not yet copied in
+
+    def _capture(self) -> None:
+        raise NotImplementedError  # ModelWorker's: capture every CUDA graph
+
+    def _new_mamba_state(self, config) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError  # ModelWorker's: zeroed state for every Mamba slot
+
+    @property
+    def kv_valid(self) -> bool:
+        """False while the KV contents are dropped (suspended in mode "recompute")."""
+        return self.suspend_mode != Mode.RECOMPUTE
+
+    def control(self, msg: GpuControl) -> GpuControlReply:
+        """Apply one lifecycle command between steps. One that cannot apply (unknown command or
+        mode, wrong state, weights that do not fit) comes back as `error`, nothing changed."""
+        handlers = {
+            GpuCommand.SUSPEND: self._suspend,
+            GpuCommand.RESUME: self._resume,
+            GpuCommand.UPDATE_WEIGHTS: self._update_weights,
+            GpuCommand.STAGE_WEIGHTS: self._stage_weights,
+            GpuCommand.COMMIT_WEIGHTS: self._commit_weights,
+            GpuCommand.DISCARD_WEIGHTS: self._discard_weights,
+        }
+        try:
+            if self.model is None:
+                raise ControlError("no model is loaded")
+            if msg.command not in handlers:
+                raise ControlError(
+                    f"unknown gpu control {msg.command!r} (expected {', '.join(handlers)})"
+                )
+            kv_valid = handlers[msg.command](msg)
+        except (ControlError, ModelLoadError, WeightUpdateError) as e:
+            return GpuControlReply(msg.command, str(e), self.kv_valid, self.weight_version)
+        return GpuControlReply(msg.command, None, kv_valid, self.weight_version)
+
+    # ---- suspend and resume --------------------------------------------------------------------
+
+    def _suspend(self, msg: GpuControl) -> bool:
+        if self.suspend_mode is not None:
+            raise ControlError(
+                f"cannot suspend: the gpu worker is already suspended (mode {self.suspend_mode})"
+            )
+        if msg.mode is None:
+            raise ControlError(f"suspend needs a mode ({', '.join(Mode)})")
+        if self.static_kv and msg.mode != Mode.PERSIST:
+            raise ControlError(
+                f"cannot suspend in mode {msg.mode}: static_kv_memory_pointers keeps the KV "
+                "cache at its address, which only persist mode can do here"
+            )
+        on_device = self.device.type != "cpu"  # on a CPU device the KV already is host memory
+        if msg.mode == Mode.OFFLOAD and on_device:
+            self._kv_offloaded = self._copy_to_host()
+            if self.mamba_state is not None:  # small next to the KV: no separate check
+                self._mamba_offloaded = tuple(
+                    torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+                    for t in self.mamba_state
+                )
+        if msg.mode == Mode.RECOMPUTE or (msg.mode == Mode.OFFLOAD and on_device):
+            self.kv_cache = self.mamba_state = None
+            if self.graphs is not None:
+                self.graphs.release()  # they hold the old KV address and their own memory
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # give the memory back for others (e.g. training)
+        self.suspend_mode = msg.mode
+        self._prev_sampled = np.zeros(0, dtype=bool)  # no step after this one reads them
+        return self.kv_valid
+
+    def _copy_to_host(self) -> torch.Tensor:
+        """The KV cache in pinned host memory (DMA copies), if the host has room for it."""
+        kv_bytes = self.kv_cache.numel() * self.kv_cache.element_size()
+        problem = offload_problem(kv_bytes, available_host_memory())
+        if problem is not None:
+            raise ControlError(problem)
+        try:
+            host = torch.empty(self._kv_shape, dtype=self.dtype, pin_memory=True)
+        except RuntimeError as e:  # the pinned allocation itself failed
+            raise ControlError(f"offload could not allocate pinned host memory: {e}") from None
+        return host.copy_(self.kv_cache)
+
+    def _resume(self, msg: GpuControl) -> bool:
+        if self.suspend_mode is None:
+            raise ControlError("cannot resume: the gpu worker is running (not suspended)")
+        mode = self.suspend_mode
+        if self.kv_cache is None:  # released by offload (on a device) or recompute
+            kv = torch.empty(self._kv_shape, dtype=self.dtype, device=self.device)
+            if mode == Mode.OFFLOAD:
+                kv.copy_(self._kv_offloaded)
+            self.kv_cache, self._kv_offloaded = kv, None
+            if self._mamba_slots:
+                # Recompute: every request restarts from position 0 (its state from zeros).
+                state = self._new_mamba_state(self.config)
+                if self._mamba_offloaded is not None:
+                    for t, saved in zip(state, self._mamba_offloaded, strict=True):
+                        t.copy_(saved)
+                self.mamba_state, self._mamba_offloaded = state, None
+        self.suspend_mode = None
+        if self.graphs is not None and not self.graphs.captured:
+            self._capture()  # the KV cache moved: capture against its new address
+        return mode != Mode.RECOMPUTE
+
+    # ---- weight updates ------------------------------------------------------------------------
+
+    def _update_weights(self, msg: GpuControl) -> bool:
+        self._stage_weights(msg)
+        return self._commit_weights(msg)
+
+    def _stage_weights(self, msg: GpuControl) -> bool:
+        """Check the new weights (every failure is here) and hold them; nothing changes."""
+        if self.suspend_mode is None:
+            raise ControlError("update_weights needs a suspended gpu worker; it is running")
+        if (msg.path is None) == (msg.state is None):
+            raise ControlError("update_weights needs exactly one of path and state")
+        self._staged = None
+        if msg.path is not None:
+            self._staged = self._updates_from_path(msg.path)
+        else:
+            self._staged = state_updates(msg.state, self.model)
+        return self.kv_valid
+
+    def _commit_weights(self, msg: GpuControl) -> bool:
+        if self._staged is None:
+            raise ControlError("commit_weights: no weights are staged")
+        updates, self._staged = self._staged, None
+        params = self.model.state_dict()  # views of the live parameters: copy in place
+        with torch.no_grad():
+            for name, rows, values in updates:
+                params[name][rows].copy_(_as_tensor(values))
+        self.weight_version += 1
+        return self.kv_valid
+
+    def _discard_weights(self, msg: GpuControl) -> bool:
+        self._staged = None
+        return self.kv_valid
+
+    def _updates_from_path(self, path: str) -> list[tuple[str, slice, torch.Tensor]]:
+        """Every parameter of the checkpoint at `path`, loaded on the CPU and checked to have the
+        loaded model's architecture and shapes (a MoE model: only the experts it holds)."""
+        experts = getattr(self.model, "expert_range", None)
+        model, config, _ = load_model(
+            path, dtype=self.dtype, device="cpu", expert_range=experts, tp=self.tp
+        )
+        check_same_architecture(self.config, config, path)
+        ours, new = self.model.state_dict(), model.state_dict()
+        if set(ours) != set(new):
+            raise WeightUpdateError(
+                f"{path}: parameters differ (missing {sorted(set(ours) - set(new))[:5]}, "
+                f"unexpected {sorted(set(new) - set(ours))[:5]})"
+            )
+        for name, tensor in new.items():
+            if tensor.shape != ours[name].shape:
+                raise WeightUpdateError(
+                    f"{path}: {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(ours[name].shape)}"
+                )
+        return [(name, slice(None), tensor) for name, tensor in new.items()]
+
+
+def _as_tensor(values: np.ndarray | torch.Tensor) -> torch.Tensor:
+    if isinstance(values, torch.Tensor):
+        return values
+    values = np.ascontiguousarray(values)
+    # Arrays decoded off the wire are read-only views; torch.from_numpy wants writable memory.
+    return torch.from_numpy(values if values.flags.writeable else values.copy())
