@@ -70,6 +70,7 @@ from taipan.placement import (
     rank_cpu_sets,
     tp_addresses,
 )
+from taipan.spec import ExpertParallelSpec, LaunchSpec
 
 BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused as "busy"
 ROLES = ("all", "coordinator", "engine", "tp-follower")
@@ -269,48 +270,40 @@ class Runtime:
 
     # --- start --------------------------------------------------------------------------------
 
-    def _spec(self) -> dict:
+    def _spec(self) -> LaunchSpec:
         max_requests, _ = plan_limits(self.config)
         blocks_per_request = -(-self.config.max_sequence_length // self.config.block_size_tokens)
-        return {
-            "frontend": self.address,
-            "backend": self.engine_address,
-            "num_ranks": self.num_ranks,
-            "model_name": self.model_name,
-            "model_path": self.model_path,
-            "dtype": self.dtype,
-            "device": self.device,
-            # Per rank: its device (rank r of a CUDA runtime uses its own GPU) and, with several
-            # ranks, its own share of this machine's cores (None: all of them).
-            "devices": [peers[0] for peers in self._peer_devices()],
-            "cpu_sets": self._cpu_sets(),
-            # Tensor parallel: per rank, each peer's device and cores (the leader first), and
-            # the rank's sockets and rendezvous in our private directory (actors/gpu/peers.py).
-            "tensor_parallel_size": self.tp_size,
-            "tp_devices": self._peer_devices(),
-            "tp_cpu_sets": self._tp_cpu_sets(),
-            "tp_addresses": self._tp_addresses(),
-            # Across hosts (tp_address): the followers are processes of their own hosts; a
-            # leader waits for them, and a follower for its leader, as long as start waits.
-            "tp_remote": self.tp_address is not None,
-            "tp_start_timeout": self.tp_start_timeout,
-            "config": self.config.to_dict(),
-            # More blocks than every admissible request can hold would only waste memory.
-            "max_blocks": max_requests * blocks_per_request,
-            "record_dir": self.record_dir,
-            "log_level": self.log_level,
-            "control_token_file": os.path.join(self.tmp, "control-token.json"),
-            "http": self.http,
-            # An engine on its own (role engine) shares its host with no other rank, and exits
-            # once its coordinator (on another host) falls silent; local engines die with us.
-            "ranks_on_host": 1 if self.role == "engine" else self.num_ranks,
-            "coordinator_timeout": COORDINATOR_TIMEOUT_S if self.role == "engine" else None,
-            "keys_dir": self.keys_dir,  # the directory only: secrets never go on a command line
-            "key_name": self.key_name,
-            "expert_parallel": self._ep_spec(),
-        }
+        local = self.role != "engine"  # an engine started alone shares its host with no rank
+        return LaunchSpec(
+            frontend=self.address,
+            backend=self.engine_address,
+            num_ranks=self.num_ranks,
+            model_name=self.model_name,
+            model_path=self.model_path,
+            dtype=self.dtype,
+            device=self.device,
+            devices=[peers[0] for peers in self._peer_devices()],
+            cpu_sets=self._cpu_sets(),
+            tensor_parallel_size=self.tp_size,
+            tp_devices=self._peer_devices(),
+            tp_cpu_sets=self._tp_cpu_sets(),
+            tp_addresses=self._tp_addresses(),
+            tp_remote=self.tp_address is not None,
+            tp_start_timeout=self.tp_start_timeout,
+            config=self.config,
+            max_blocks=max_requests * blocks_per_request,
+            record_dir=self.record_dir,
+            log_level=self.log_level,
+            control_token_file=os.path.join(self.tmp, "control-token.json"),
+            http=self.http,
+            ranks_on_host=self.num_ranks if local else 1,
+            coordinator_timeout=None if local else COORDINATOR_TIMEOUT_S,
+            keys_dir=self.keys_dir,
+            key_name=self.key_name,
+            expert_parallel=self._ep_spec(),
+        )
 
-    def _ep_spec(self) -> dict | None:
+    def _ep_spec(self) -> ExpertParallelSpec | None:
         """Expert parallelism: the groups of engine ranks, each rank's consensus inbox and each
         group's torch.distributed meeting point (private files in this runtime's temp dir)."""
         if self.expert_parallel_size == 1:
@@ -319,16 +312,16 @@ class Runtime:
 
         groups = ep_groups(self.num_ranks, self.expert_parallel_size)
         if self.role == "engine":  # across hosts: the addresses given (only ours are used)
-            return {
-                "groups": [list(g) for g in groups],
-                "inboxes": self.ep_inboxes,
-                "inits": [self.ep_init if self.rank in g else None for g in groups],
-            }
-        return {
-            "groups": [list(g) for g in groups],
-            "inboxes": [f"ipc://{self.tmp}/ep-{r}.sock" for r in range(self.num_ranks)],
-            "inits": [f"file://{self.tmp}/ep-init-{i}" for i in range(len(groups))],
-        }
+            return ExpertParallelSpec(
+                groups=[list(g) for g in groups],
+                inboxes=self.ep_inboxes,
+                inits=[self.ep_init if self.rank in g else None for g in groups],
+            )
+        return ExpertParallelSpec(
+            groups=[list(g) for g in groups],
+            inboxes=[f"ipc://{self.tmp}/ep-{r}.sock" for r in range(self.num_ranks)],
+            inits=[f"file://{self.tmp}/ep-init-{i}" for i in range(len(groups))],
+        )
 
     def _tp_addresses(self) -> list[dict[str, str]]:
         """Per rank, its tensor-parallel sockets and rendezvous: in our private directory, or
@@ -395,8 +388,8 @@ class Runtime:
         if self.tp_address is not None:
             self.tp_start_timeout = timeout
         spec = self._spec()
-        write_token(spec["control_token_file"], self.address, self.control_token)
-        spec = json.dumps(spec)
+        write_token(spec.control_token_file, self.address, self.control_token)
+        spec = spec.to_json()
         if self.record_dir:  # `taipan replay --check` re-plans engine steps with this config
             os.makedirs(self.record_dir, exist_ok=True)
             with open(os.path.join(self.record_dir, "config.json"), "w") as f:
@@ -428,7 +421,7 @@ class Runtime:
     def _start_direct(self) -> Runtime:
         """Spawn the engine rank only; the caller's direct client binds `engine_address`."""
         try:
-            self._spawn("engine-0", "engine", json.dumps(self._spec()), "0")
+            self._spawn("engine-0", "engine", self._spec().to_json(), "0")
         except BaseException:
             self.shutdown()
             raise

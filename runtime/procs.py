@@ -16,7 +16,7 @@ connection closes while its rank runs ends the rank at once: the engine process 
 and how, and exits with EXIT_PEER_DIED (the coordinator then fails the rank's requests); a
 follower whose leader is gone exits with EXIT_PEER_DIED too. Processes of a tensor-parallel rank
 leave with os._exit: a thread blocked in a collective on a dead peer must not hold the exit.
-The launcher (runtime/launcher.py) writes SPEC.
+The launcher (runtime/launcher.py) writes SPEC, a LaunchSpec (runtime/spec.py) as JSON.
 Children die with their parent (PR_SET_PDEATHSIG), ignore SIGINT (the launcher coordinates a
 clean stop through STOP messages) and treat SIGTERM as "stop now" (a follower dies of it).
 """
@@ -37,10 +37,11 @@ import zmq.asyncio
 
 from taipan.actors.base import FatalError
 from taipan.actors.channel import make_socket
-from taipan.actors.config import InferenceConfig, cuda_graph_sizes, plan_limits, routing_policy
+from taipan.actors.config import cuda_graph_sizes, plan_limits, routing_policy
 from taipan.actors.gpu.peers import PeerGoneError, follower_identity
 from taipan.actors.log import configure, get_logger
 from taipan.auth import curve_keys, read_token_file
+from taipan.spec import CoordinatorSpec, ExpertParallelSpec, LaunchSpec
 
 PR_SET_PDEATHSIG = 1
 EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
@@ -56,12 +57,12 @@ def _die_with_parent() -> None:
         pass
 
 
-def _recorder(spec: dict, actor: str):
-    if not spec.get("record_dir"):
+def _recorder(record_dir: str | None, actor: str):
+    if not record_dir:
         return None
     from taipan.actors.record import Recorder
 
-    return Recorder(spec["record_dir"], actor)
+    return Recorder(record_dir, actor)
 
 
 async def _run_until_stopped(actors: list) -> None:
@@ -75,41 +76,40 @@ async def _run_until_stopped(actors: list) -> None:
             a.stop()
 
 
-async def coordinator_main(spec: dict) -> None:
+async def coordinator_main(spec: CoordinatorSpec) -> None:
     from taipan.actors.coordinator.actor import CoordinatorActor
 
     ctx = zmq.asyncio.Context()
-    rec = _recorder(spec, "coordinator")
+    rec = _recorder(spec.record_dir, "coordinator")
     # Both sides watch their peers: a dead engine or a vanished client is noticed at once.
-    keys = spec.get("keys_dir")
     frontend = make_socket(
         ctx,
         zmq.ROUTER,
-        spec["frontend"],
+        spec.frontend,
         bind=True,
         name="clients",
         recorder=rec,
         watch_peers=True,
-        curve=curve_keys(spec["frontend"], keys, server=True),
+        curve=curve_keys(spec.frontend, spec.keys_dir, server=True),
     )
     backend = make_socket(
         ctx,
         zmq.ROUTER,
-        spec["backend"],
+        spec.backend,
         bind=True,
         name="engines",
         recorder=rec,
         watch_peers=True,
-        curve=curve_keys(spec["backend"], keys, server=True),
+        curve=curve_keys(spec.backend, spec.keys_dir, server=True),
     )
-    config = InferenceConfig.from_dict(spec["config"])
+    config = spec.config
     actor = CoordinatorActor(
         frontend,
         backend,
-        spec["num_ranks"],
-        spec["model_name"],
+        spec.num_ranks,
+        spec.model_name,
         config.max_sequence_length,
-        control_token=read_token_file(spec["control_token_file"]),
+        control_token=read_token_file(spec.control_token_file),
         prefix_caching=config.enable_prefix_caching,
         routing_policy=routing_policy(config),
         routing_alpha=config.prefix_caching_routing_alpha,
@@ -125,17 +125,17 @@ async def coordinator_main(spec: dict) -> None:
             rec.close()
 
 
-def _ep_group(ctx, spec: dict | None, rank: int, recorder):
+def _ep_group(ctx, spec: LaunchSpec, rank: int, recorder):
     """This rank's expert-parallel group (actors/engine/ep.py: its inbox ROUTER, watching the
     peers, and a DEALER to each peer's inbox), and the LoadModel fields of its gpu actor; None
     and {} without expert parallelism."""
-    if not spec:
+    ep: ExpertParallelSpec | None = spec.expert_parallel
+    if ep is None:
         return None, {}
     from taipan.actors.engine.ep import EpGroup, ep_identity
 
-    index, group = next((i, g) for i, g in enumerate(spec["groups"]) if rank in g)
-    inboxes, keys = spec["inboxes"], spec.get("keys_dir")
-    key_name = spec.get("key_name", "client")
+    index, group = ep.group_of(rank)
+    inboxes, keys, key_name = ep.inboxes, spec.keys_dir, spec.key_name
     inbox = make_socket(ctx, zmq.ROUTER, inboxes[rank], bind=True, name="ep",
                         recorder=recorder, watch_peers=True,
                         curve=curve_keys(inboxes[rank], keys, server=True))  # fmt: skip
@@ -148,7 +148,7 @@ def _ep_group(ctx, spec: dict | None, rank: int, recorder):
     load = {
         "expert_parallel_rank": group.index(rank),
         "expert_parallel_size": len(group),
-        "expert_parallel_init": spec["inits"][index],
+        "expert_parallel_init": ep.inits[index],
     }
     return EpGroup(rank, tuple(group), inbox, peers), load
 
@@ -168,13 +168,13 @@ class FollowerProcesses:
     is watched by a thread: one that exits before `stop` ends this process at once, naming it
     (os._exit: the leader may be blocked in a collective waiting for it)."""
 
-    def __init__(self, spec: dict, rank: int):
+    def __init__(self, spec: LaunchSpec, rank: int):
         self.rank, self.stopping = rank, False
         self.log = get_logger(process="engine", rank=rank)
         self.procs: list[tuple[int, subprocess.Popen]] = []
-        cmd = [sys.executable, "-m", "taipan.procs", "tp-follower", json.dumps(spec), str(rank)]
+        cmd = [sys.executable, "-m", "taipan.procs", "tp-follower", spec.to_json(), str(rank)]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        for tp_rank in range(1, spec["tensor_parallel_size"]):
+        for tp_rank in range(1, spec.tensor_parallel_size):
             # From the main thread: PR_SET_PDEATHSIG fires when the spawning thread ends.
             proc = subprocess.Popen([*cmd, str(tp_rank)], env=env, stdin=subprocess.DEVNULL)
             self.procs.append((tp_rank, proc))
@@ -229,16 +229,12 @@ def _exit_now(code: int) -> None:
     os._exit(code)
 
 
-def _tensor_parallel(spec: dict) -> int:
-    return spec.get("tensor_parallel_size", 1)
-
-
-async def engine_main(spec: dict, rank: int) -> None:
-    tp = _tensor_parallel(spec)
-    _pin_cpus(spec["tp_cpu_sets"][rank][0] if tp > 1 else spec["cpu_sets"][rank])
+async def engine_main(spec: LaunchSpec, rank: int) -> None:
+    tp = spec.tensor_parallel_size
+    _pin_cpus(spec.tp_cpu_sets[rank][0] if tp > 1 else spec.cpu_sets[rank])
     # The followers start now: they import torch and load while this process does (across
     # hosts they are started there, and connect).
-    local = tp > 1 and not spec.get("tp_remote")
+    local = tp > 1 and not spec.tp_remote
     followers = FollowerProcesses(spec, rank) if local else None
     try:
         await _engine_rank(spec, rank, tp)
@@ -247,20 +243,21 @@ async def engine_main(spec: dict, rank: int) -> None:
             _exit_now(EXIT_PEER_DIED)
 
 
-def load_model_message(spec: dict, config: InferenceConfig, rank: int, tp: int, ep_load: dict):
+def load_model_message(spec: LaunchSpec, rank: int, ep_load: dict):
     """The LoadModel rank `rank`'s gpu actor gets (by keyword, the one place it is built)."""
     from taipan.messages.gpu import LoadModel
 
+    config, tp = spec.config, spec.tensor_parallel_size
     max_requests, max_tokens = plan_limits(config)
-    device = spec["devices"][rank]
+    device = spec.devices[rank]
     decode_graphs, mixed_graphs = cuda_graph_sizes(config, device)
     state_config = config.mamba_inference_state_config
     return LoadModel(
-        model=spec["model_path"],
-        dtype=spec["dtype"],
+        model=spec.model_path,
+        dtype=spec.dtype,
         device=device,
         block_size=config.block_size_tokens,
-        max_blocks=spec["max_blocks"],
+        max_blocks=spec.max_blocks,
         kv_cache_gb=config.buffer_size_gb,
         max_tokens=max_tokens,
         max_requests=max_requests,
@@ -273,13 +270,13 @@ def load_model_message(spec: dict, config: InferenceConfig, rank: int, tp: int, 
         mamba_state_config="" if state_config is None else json.dumps(state_config),
         # Every process of the ranks on this host shares its memory (followers on other hosts
         # do not).
-        ranks_on_host=spec["ranks_on_host"] * (1 if spec.get("tp_remote") else tp),
+        ranks_on_host=spec.ranks_on_host * (1 if spec.tp_remote else tp),
         **ep_load,
         custom_all_reduce=config.custom_all_reduce,
     )
 
 
-async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
+async def _engine_rank(spec: LaunchSpec, rank: int, tp: int) -> None:
     from taipan.actors.allocator.actor import AllocatorActor
     from taipan.actors.engine.actor import EngineActor
     from taipan.actors.gpu.actor import GpuActor
@@ -289,9 +286,9 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
     from taipan.models import has_mamba_layers
 
     # The mamba_cache actor runs only for a hybrid model (DESIGN.md §2).
-    hybrid = has_mamba_layers(spec["model_path"])
+    hybrid = has_mamba_layers(spec.model_path)
     names = ("engine", "allocator", "gpu") + (("mamba_cache",) if hybrid else ())
-    recs = {name: _recorder(spec, f"{name}-{rank}") for name in names}
+    recs = {name: _recorder(spec.record_dir, f"{name}-{rank}") for name in names}
     alloc_addr, gpu_addr = f"inproc://allocator-{rank}", f"inproc://gpu-{rank}"
     mamba_addr = f"inproc://mamba_cache-{rank}"
     # Each inproc pair: the served side binds, the engine connects.
@@ -314,17 +311,16 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
     to_coord = make_socket(
         ctx,
         zmq.DEALER,
-        spec["backend"],
+        spec.backend,
         bind=False,
         name="coordinator",
         identity=f"engine-{rank}-{os.getpid()}".encode(),  # unique: a duplicate rank is refused
         recorder=recs["engine"],
-        curve=curve_keys(spec["backend"], spec.get("keys_dir"), server=False,
-                         key_name=spec.get("key_name", "client")),
-    )  # fmt: skip
-    ep, ep_load = _ep_group(ctx, spec.get("expert_parallel"), rank, recs["engine"])
-    config = InferenceConfig.from_dict(spec["config"])
-    load = load_model_message(spec, config, rank, tp, ep_load)
+        curve=curve_keys(spec.backend, spec.keys_dir, server=False, key_name=spec.key_name),
+    )
+    ep, ep_load = _ep_group(ctx, spec, rank, recs["engine"])
+    config = spec.config
+    load = load_model_message(spec, rank, ep_load)
     channels = [alloc_side, gpu_side, to_alloc, to_gpu, to_coord]
     channels += [ep.inbox, *ep.peers.values()] if ep else []
     channels += [mamba_side, to_mamba] if hybrid else []
@@ -332,7 +328,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
     if tp > 1:
         from taipan.actors.gpu.peers import Followers, TPSetup
 
-        addresses, keys = spec["tp_addresses"][rank], spec.get("keys_dir")
+        addresses, keys = spec.tp_addresses[rank], spec.keys_dir
         plans = make_socket(
             ctx, zmq.XPUB, addresses["plans"], bind=True, name="followers",
             curve=curve_keys(addresses["plans"], keys, server=True),
@@ -346,7 +342,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
         goodbyes.append(reports)
         gpu_tp = {
             "tp": TPSetup(0, tp, addresses["init"]),
-            "followers": Followers(plans, reports, tp, rank, spec.get("tp_start_timeout")),
+            "followers": Followers(plans, reports, tp, rank, spec.tp_start_timeout),
         }
     try:
         engine = EngineActor(
@@ -357,7 +353,7 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
             to_alloc,
             to_gpu,
             to_mamba,
-            coordinator_timeout=spec.get("coordinator_timeout"),
+            coordinator_timeout=spec.coordinator_timeout,
             ep=ep,
         )
         actors = [AllocatorActor(alloc_side), GpuActor(rank, gpu_side, **gpu_tp)]
@@ -374,18 +370,17 @@ async def _engine_rank(spec: dict, rank: int, tp: int) -> None:
                 rec.close()
 
 
-async def tp_follower_main(spec: dict, rank: int, tp_rank: int) -> None:
+async def tp_follower_main(spec: LaunchSpec, rank: int, tp_rank: int) -> None:
     """Tensor-parallel peer `tp_rank` of engine rank `rank` (actors/gpu/follower.py): a child
     of the rank's engine process, which watches it, or a process of its own on another host
     (SPEC's `tp_remote`). SIGTERM (or the parent's death) ends it; so does its leader's."""
-    _pin_cpus(spec["tp_cpu_sets"][rank][tp_rank])
+    _pin_cpus(spec.tp_cpu_sets[rank][tp_rank])
     from taipan.actors.gpu.follower import LEADER_TIMEOUT_S, FollowerActor
     from taipan.actors.gpu.peers import TPSetup
 
     ctx = zmq.asyncio.Context()
-    rec = _recorder(spec, f"gpu-{rank}-tp{tp_rank}")
-    addresses, keys = spec["tp_addresses"][rank], spec.get("keys_dir")
-    key_name = spec.get("key_name", "client")
+    rec = _recorder(spec.record_dir, f"gpu-{rank}-tp{tp_rank}")
+    addresses, keys, key_name = spec.tp_addresses[rank], spec.keys_dir, spec.key_name
     plans = make_socket(
         ctx, zmq.SUB, addresses["plans"], bind=False, name="plans", recorder=rec,
         curve=curve_keys(addresses["plans"], keys, server=False, key_name=key_name),
@@ -395,11 +390,11 @@ async def tp_follower_main(spec: dict, rank: int, tp_rank: int) -> None:
         identity=follower_identity(tp_rank), watch_peers=True,
         curve=curve_keys(addresses["reports"], keys, server=False, key_name=key_name),
     )  # fmt: skip
-    setup = TPSetup(tp_rank, _tensor_parallel(spec), addresses["init"])
+    setup = TPSetup(tp_rank, spec.tensor_parallel_size, addresses["init"])
     try:
         actor = FollowerActor(
-            rank, plans, reports, setup, spec["tp_devices"][rank][tp_rank], spec["model_path"],
-            leader_timeout=spec.get("tp_start_timeout") or LEADER_TIMEOUT_S,
+            rank, plans, reports, setup, spec.tp_devices[rank][tp_rank], spec.model_path,
+            leader_timeout=spec.tp_start_timeout or LEADER_TIMEOUT_S,
         )  # fmt: skip
         await actor.run()
     finally:
@@ -413,8 +408,16 @@ async def tp_follower_main(spec: dict, rank: int, tp_rank: int) -> None:
 def main(argv: list[str]) -> None:
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    role, spec = argv[0], json.loads(argv[1])
-    configure(spec.get("log_level"))
+    role = argv[0]
+    if role not in ("coordinator", "engine", "tp-follower", "http"):
+        raise SystemExit(f"unknown role {role!r}")
+    if role == "coordinator":  # not a whole LaunchSpec under the relay bench
+        values = json.loads(argv[1])
+        spec, log_level = CoordinatorSpec.pick(values), values.get("log_level")
+    else:
+        spec = LaunchSpec.from_json(argv[1])
+        log_level = spec.log_level
+    configure(log_level)
     import uvloop
 
     if role == "coordinator":
@@ -423,12 +426,10 @@ def main(argv: list[str]) -> None:
         run = engine_main(spec, int(argv[2]))
     elif role == "tp-follower":
         run = tp_follower_main(spec, int(argv[2]), int(argv[3]))
-    elif role == "http":
+    else:
         from taipan.server import http_main
 
-        run = http_main(spec)
-    else:
-        raise SystemExit(f"unknown role {role!r}")
+        run = http_main(spec.to_dict())  # the HTTP server reads the wire form's keys
     code = 0
     try:
         uvloop.run(run)
@@ -440,7 +441,7 @@ def main(argv: list[str]) -> None:
         code = EXIT_PEER_DIED if peer_gone else EXIT_FATAL
     # Not sys.exit where a gpu thread may still wait in a collective of a dead tensor- or
     # expert-parallel peer: interpreter shutdown would join it.
-    if role in ("engine", "tp-follower") and (code or _tensor_parallel(spec) > 1):
+    if role in ("engine", "tp-follower") and (code or spec.tensor_parallel_size > 1):
         _exit_now(code)
     sys.exit(code)
 

@@ -272,10 +272,10 @@ def test_the_launcher_wires_each_group_apart(made):
     rt = Runtime(made("qwen3_moe"), data_parallel_size=4, expert_parallel_size=2)
     dense = Runtime(made("qwen3_moe"), data_parallel_size=2)
     try:
-        spec = rt._spec()["expert_parallel"]
-        assert spec["groups"] == [[0, 1], [2, 3]]
-        assert len(set(spec["inboxes"])) == 4 and len(set(spec["inits"])) == 2
-        assert dense._spec()["expert_parallel"] is None
+        spec = rt._spec().expert_parallel
+        assert spec.groups == [[0, 1], [2, 3]]
+        assert len(set(spec.inboxes)) == 4 and len(set(spec.inits)) == 2
+        assert dense._spec().expert_parallel is None
     finally:
         rt.shutdown()
         dense.shutdown()
@@ -286,8 +286,8 @@ def test_the_launcher_wires_each_group_apart(made):
     rt = Runtime(made("qwen3_moe"), data_parallel_size=4, expert_parallel_size=2, **engine,
                  ep_inboxes=",".join(inboxes), ep_init="tcp://127.0.0.1:7010")  # fmt: skip
     try:
-        spec = rt._spec()["expert_parallel"]
-        assert spec["groups"] == [[0, 1], [2, 3]] and spec["inboxes"] == inboxes
-        assert spec["inits"] == [None, "tcp://127.0.0.1:7010"]  # rank 2's group only
+        spec = rt._spec().expert_parallel
+        assert spec.groups == [[0, 1], [2, 3]] and spec.inboxes == inboxes
+        assert spec.inits == [None, "tcp://127.0.0.1:7010"]  # rank 2's group only
     finally:
         rt.shutdown()
