@@ -29,6 +29,7 @@ from taipan.kernels.all_reduce import (
     programs_for,
 )
 from taipan.ops.parallel import SINGLE, TPGroup
+from tests.perf.cuda_graphs import graph_of
 from tests.test_tp import run_ranks
 
 
@@ -184,19 +185,6 @@ def test_a_worker_refuses_custom_all_reduce_true_where_it_cannot_run(model_path)
 # ---- on two or four GPUs ------------------------------------------------------------------------
 
 
-def _graph_of(fn):
-    """fn captured in a CUDA graph (after a warm-up on a side stream, as torch asks)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def _latency_us(graph, reps: int = 200) -> float:
     """Median µs per replay of `graph` (which holds 10 calls), events around each replay."""
     times = []
@@ -238,7 +226,7 @@ def gpu_job(tp: TPGroup) -> dict:
             gathered.append(got.float().sum().item())
     # From a CUDA graph: three sums of different sizes per replay, new inputs each replay.
     xs = [torch.empty(n, dtype=torch.bfloat16, device=dev) for n in (4096, 8192, 3 * 4096 + 1)]
-    graph = _graph_of(lambda: [tp.all_reduce(x) for x in xs])
+    graph = graph_of(lambda: [tp.all_reduce(x) for x in xs])
     for _ in range(5):
         inputs = [torch.randn(x.numel(), generator=gen, device=dev).bfloat16() for x in xs]
         for x, v in zip(xs, inputs, strict=True):
@@ -256,8 +244,8 @@ def gpu_job(tp: TPGroup) -> dict:
     timings = {}
     for nbytes in (8 << 10, 64 << 10, 512 << 10, 2 << 20, fast.max_bytes):
         x = torch.randn(nbytes // 2, generator=gen, device=dev).bfloat16()
-        custom = _graph_of(lambda x=x: [fast.all_reduce_(x) for _ in range(10)])
-        nccl = _graph_of(lambda x=x: [dist.all_reduce(x, group=tp.group) for _ in range(10)])
+        custom = graph_of(lambda x=x: [fast.all_reduce_(x) for _ in range(10)])
+        nccl = graph_of(lambda x=x: [dist.all_reduce(x, group=tp.group) for _ in range(10)])
         dist.barrier(group=tp.group)
         timings[nbytes] = {"custom_us": _latency_us(custom), "nccl_us": _latency_us(nccl)}
         time.sleep(0.01)
@@ -300,7 +288,7 @@ def _fused_norm_job(tp: TPGroup, gen: torch.Generator) -> tuple[list[float], dic
     weight = torch.rand(hidden, generator=shared, device=dev).bfloat16()
     xs = [torch.empty(rows, hidden, dtype=torch.bfloat16, device=dev) for rows in (1, 16)]
     rs = [torch.empty_like(x) for x in xs]
-    graph = _graph_of(
+    graph = graph_of(
         lambda: [fast.all_reduce_rms_norm_(x, r, weight, eps) for x, r in zip(xs, rs, strict=True)]
     )
     for _ in range(4):
@@ -327,7 +315,7 @@ def _fused_norm_job(tp: TPGroup, gen: torch.Generator) -> tuple[list[float], dic
         }
         timings[rows] = {}
         for name, fn in ways.items():
-            g = _graph_of(lambda fn=fn: [fn() for _ in range(10)])
+            g = graph_of(lambda fn=fn: [fn() for _ in range(10)])
             dist.barrier(group=tp.group)
             timings[rows][name] = _latency_us(g)
             time.sleep(0.01)

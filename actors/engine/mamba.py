@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from taipan.actors.engine.prefix import PrefixIndex
+from taipan.actors.engine.prefix import PrefixIndex, writes_done
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.mamba_cache import MambaOpsReply
 
@@ -169,9 +169,7 @@ class MambaMirror:
         self.num_snapshots_taken += len(snap_hashes)
 
     def done_writing(self, step: int, hashes: list[int]) -> None:
-        for h in hashes:
-            if self.writing.get(h) == step:
-                del self.writing[h]
+        writes_done(self.writing, step, hashes)
 
     def stats(self) -> dict[str, int]:
         return {

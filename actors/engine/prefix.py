@@ -138,9 +138,7 @@ class PrefixIndex:
         self.num_hashed, self.num_idle = reply.num_hashed, reply.num_idle
 
     def done_writing(self, step: int, hashes: list[int]) -> None:
-        for h in hashes:
-            if self.writing.get(h) == step:
-                del self.writing[h]
+        writes_done(self.writing, step, hashes)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -150,3 +148,12 @@ class PrefixIndex:
             "blocks_hashed": self.num_hashed,
             "blocks_evictable": self.num_idle,
         }
+
+
+def writes_done(writing: dict[int, int], step: int, hashes: list[int]) -> None:
+    """`step`'s result came back: its hashes are no longer being written (`writing`: hash -> the
+    step writing it; a later step that writes the same hash again keeps its entry). The prefix
+    index's blocks and the Mamba mirror's snapshots follow this one rule."""
+    for h in hashes:
+        if writing.get(h) == step:
+            del writing[h]

@@ -17,6 +17,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from tests.perf.cuda_graphs import graph_of
+
 SHAPES = {  # name: (in_features K, out_features N)
     "1b.qkv": (2048, 3072),
     "1b.o": (2048, 2048),
@@ -53,15 +55,7 @@ def _gemv_kernel(
 
 
 def _graph_us(fn) -> float:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
+    graph = graph_of(lambda: [fn() for _ in range(CALLS)])
     times = []
     for _ in range(30):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -18,6 +18,7 @@ import triton
 import triton.testing
 
 from taipan.kernels.moe import fused_moe, fused_moe_ref
+from tests.perf.cuda_graphs import graph_of
 
 LAYERS = {  # hidden, intermediate per expert, experts, k, activation
     "qwen3-30b-a3b": (2048, 768, 128, 8, "swiglu"),
@@ -68,15 +69,7 @@ def dense_bound(x, w1, w2, k, activation):
 
 def graph_replay(fn):
     """fn captured once in a CUDA graph (compiled and warmed up outside the capture)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    return graph_of(fn).replay
 
 
 def bench_row(name, layer, tokens, bandwidth, flops) -> tuple:
