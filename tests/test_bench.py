@@ -85,15 +85,15 @@ def test_bench_warns_below_expected_identical(tmp_path, monkeypatch, capsys):
 def _stub_generate(tmp_path, monkeypatch, ours, hf, limit: float) -> argparse.Namespace:
     """The generate workload's arguments (4 prompts x 3 tokens) with both sides stubbed: ours
     took 1 s for `ours`, HF 2 s for `hf`, the hardware limit is `limit` tok/s."""
-    import taipan.bench.hardware
-    import taipan.bench.hf
     import taipan.models
+    import taipan.ops.hardware
+    import taipan.ops.hf_bench
 
     monkeypatch.setattr(taipan.models, "resolve", lambda name: ("stub", "stub.gguf"))
     monkeypatch.setattr(generate, "_ours", lambda args, prompts: (1.0, [[5]] * 4, ours))
-    monkeypatch.setattr(taipan.bench.hf, "hf_generate", lambda args, path, ids: (2.0, hf))
+    monkeypatch.setattr(taipan.ops.hf_bench, "hf_generate", lambda args, path, ids: (2.0, hf))
     monkeypatch.setattr(
-        taipan.bench.hardware,
+        taipan.ops.hardware,
         "hardware_limit",
         lambda args, path, n: {"hw_limit_output_tok_s": limit},
     )
@@ -349,8 +349,9 @@ def test_offline_workload_on_cuda(tmp_path):
 
 
 def test_the_cli_and_the_workload_families_import_no_torch():
-    """Only taipan.bench.hf and .hardware import torch, and only on use: `taipan --help`, the
-    bench's flags and every workload family's module (the relay's processes too) load without it."""
+    """The bench imports torch only through taipan.ops.hf_bench and taipan.ops.hardware, on use:
+    `taipan --help`, the bench's flags and every workload family's module (the relay's processes
+    too) load without it."""
     families = ("command", "generate", "decode", "offline", "shared_prefix", "http_load", "relay")
     code = (
         "import sys, taipan.cli\n"

@@ -48,7 +48,7 @@ def test_the_wheel_holds_one_import_package(wheel):
         "taipan/cli.py",
         "taipan/server/app.py",
         "taipan/bench/command.py",
-        "taipan/bench/hf.py",
+        "taipan/ops/hf_bench.py",
         "taipan/actors/base.py",
         "taipan/actors/engine/scheduler.py",
         "taipan/messages/codec.py",

@@ -1,6 +1,6 @@
 """`random:<shape>` models: named by runtime/models.py, built by ops/loader.py from a config with
 seeded random weights (no disk), and the Hugging Face copy the bench times holds the same weights
-(runtime/bench/hf.py `hf_random_llama`): equal logits, fp32, CPU."""
+(ops/hf_bench.py `hf_random_llama`): equal logits, fp32, CPU."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def _our_logits(model, config, prompts: list[list[int]]) -> list[torch.Tensor]:
 def test_hf_copy_has_our_weights(monkeypatch, tied):
     """Llama-3.2-1B ties the LM head to the embeddings, Llama-3.1-8B does not: both layouts."""
     pytest.importorskip("transformers")
-    from taipan.bench.hf import load_hf
+    from taipan.ops.hf_bench import load_hf
 
     shape = dict(RANDOM_SHAPES["tiny"], tie_word_embeddings=tied)
     monkeypatch.setitem(RANDOM_SHAPES, "tiny-test", shape)
@@ -98,7 +98,7 @@ def test_hf_copy_has_our_weights(monkeypatch, tied):
 def test_decode_floor_reads_the_lm_head_not_an_untied_embedding():
     """A decode step reads every weight once, but of an untied input embedding only its batch's
     rows (none of it is counted); a tied one is the LM head and counts once."""
-    from taipan.bench.hardware import model_bytes
+    from taipan.ops.hardware import model_bytes
 
     untied = model_bytes("random:llama-8b", torch.bfloat16)
     assert untied["weight_bytes"] == 2 * (8_030_261_248 - 128256 * 4096)

@@ -8,11 +8,11 @@ each importing only those listed after it:
   http_load      concurrent streams, some dropped, over HTTP vs AsyncClient
   relay          one coordinator's relay capacity (synthetic engines, no model)
   relay_peers    the relay run's processes (`python -m taipan.bench.relay_peers`)
-  hf             the Hugging Face side (torch, transformers)
   common         prompt makers and helpers the families share
-  hardware       copy bandwidth, matmul rate, model bytes: the floors (torch)
-The families never import each other. hf and hardware import torch at module level, so only
-the families' functions import them, on use: `taipan --help` never loads torch.
+The families never import each other. What needs torch lives in ops/ (DESIGN.md §1):
+ops/hf_bench.py (the Hugging Face side) and ops/hardware.py (copy bandwidth, matmul rate, model
+bytes: the floors), imported inside the families' functions, on use: `taipan --help` never
+loads torch.
 """
 
 from taipan.bench.command import add_arguments, run

@@ -8,8 +8,8 @@ tokens (`_ours_decode` says why); HF: (TN - T1) / output_len, medians of `--hf-r
 per batch; a row whose step beats the floor is marked `invalid` (`decode_invalid`), and
 taipan.bench.command refuses to record it. tests/perf/NOTES.md defines every figure.
 
-Never imports torch itself: HF and the hardware figures come from taipan.bench.hf and
-.hardware, imported inside the functions that use them (dtypes travel as their names).
+Never imports torch itself: HF and the hardware figures come from taipan.ops.hf_bench and
+taipan.ops.hardware, imported inside the functions that use them (dtypes travel as names).
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ async def _warm_mixed(address: str, prompts: list[list[int]]) -> None:
 def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict) -> dict:
     """{mode: {batch: {"t1_s", "tn_s", "step_ms"}}} for HF's `hf` (dynamic cache) and
     `hf_static` (static cache, compiled by transformers: CUDA only) modes."""
-    from taipan.bench.hf import load_hf
+    from taipan.ops.hf_bench import load_hf
 
     model = load_hf(model_path, args.dtype, args.device)
     modes = {"hf": False}
@@ -183,12 +183,12 @@ def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict)
 
 def _hf_decode(model, runs: dict, output_len: int, static: bool, repeats: int) -> dict[int, dict]:
     """Per batch: step = (median TN - median T1) / output_len over `repeats` timed pairs of
-    `generate` runs, 1 and 1 + output_len new tokens (taipan.bench.hf `hf_decode_seconds`, each
+    `generate` runs, 1 and 1 + output_len new tokens (taipan.ops.hf_bench `hf_decode_seconds`, each
     pair after its own warm-up). HF gives no per-token clock from outside, so this stays a
     difference of two wall-clock runs: a one-off cost in T1 (or in TN) moves the step by its
     size / output_len, and the medians drop it only where it hits fewer than half of the
     repeats; the shorter output_len, the larger what is left."""
-    from taipan.bench.hf import hf_decode_seconds
+    from taipan.ops.hf_bench import hf_decode_seconds
 
     per_batch = {}
     for b, prompts in runs.items():
@@ -226,8 +226,8 @@ def _decode_config_sets(args, batches: list[int]) -> list[str]:
 
 
 def decode_workload(args) -> list[dict]:
-    from taipan.bench import hardware
     from taipan.models import resolve
+    from taipan.ops import hardware
 
     args.output_len = args.output_len or 128
     if args.prompt_len < 1 or args.output_len < 1:

@@ -6,8 +6,8 @@ counts the continuations equal to HF's token for token, against a floor per dtyp
 throughput and memory bandwidth, and a throughput above it marks the row `invalid`
 (`generate_invalid`). One row; tests/perf/NOTES.md defines every figure.
 
-Never imports torch itself: HF and the hardware figures come from taipan.bench.hf and
-.hardware, imported inside `generate_workload`.
+Never imports torch itself: HF and the hardware figures come from taipan.ops.hf_bench and
+taipan.ops.hardware, imported inside `generate_workload`.
 """
 
 from __future__ import annotations
@@ -65,9 +65,9 @@ def generate_invalid(row: dict) -> str | None:
 
 
 def generate_workload(args) -> list[dict]:
-    from taipan.bench.hardware import hardware_limit  # torch: imported here, on use
-    from taipan.bench.hf import hf_generate
     from taipan.models import resolve
+    from taipan.ops.hardware import hardware_limit  # torch: imported here, on use
+    from taipan.ops.hf_bench import hf_generate
 
     args.output_len = args.output_len or 64
     args.num_prompts = 32 if args.num_prompts is None else args.num_prompts

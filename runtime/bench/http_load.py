@@ -11,7 +11,7 @@ named on stderr, the row says `invariants_hold` false and the run exits 1. tests
 defines every figure.
 
 HTTP/1.1 over asyncio streams here (httpx is a dev dependency only). Never imports torch itself
-(the GPU's name comes from taipan.bench.hardware, imported inside `http_load_workload`).
+(the GPU's name comes from taipan.ops.hardware, imported inside `http_load_workload`).
 """
 
 from __future__ import annotations
@@ -343,9 +343,9 @@ def _check_args(args) -> None:
 
 
 def http_load_workload(args) -> list[dict]:
-    from taipan.bench.hardware import gpu_name
     from taipan.launcher import runtime_from_args
     from taipan.models import resolve
+    from taipan.ops.hardware import gpu_name
     from taipan.server import DEFAULT_MAX_QUEUED
 
     _check_args(args)

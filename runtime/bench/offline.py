@@ -4,7 +4,7 @@ in static batches of `--hf-batch` and with continuous batching, on the first `--
 requests (ours is timed again on those for `ours_vs_hf`). One row, no fixed batch and no floor
 to check. tests/perf/NOTES.md defines every figure.
 
-Never imports torch itself: HF comes from taipan.bench.hf, imported inside the functions that
+Never imports torch itself: HF comes from taipan.ops.hf_bench, imported inside the functions that
 use it.
 """
 
@@ -56,7 +56,7 @@ async def _submit_all(address: str, prompts: list[list[int]], output_lens: list[
 def _offline_hf(args, model_path: str, prompts, output_lens, errors: dict) -> dict:
     """Seconds of HF's `hf_generate` (static batches of --hf-batch) and `hf_continuous`
     (continuous batching) modes on the given requests."""
-    from taipan.bench import hf
+    from taipan.ops import hf_bench as hf
 
     model = hf.load_hf(model_path, args.dtype, args.device)
     out = {
@@ -76,9 +76,9 @@ def _offline_hf(args, model_path: str, prompts, output_lens, errors: dict) -> di
 
 def offline_workload(args) -> list[dict]:
     from taipan.actors.config import InferenceConfig
-    from taipan.bench.hardware import gpu_name
     from taipan.launcher import runtime_from_args
     from taipan.models import resolve
+    from taipan.ops.hardware import gpu_name
 
     n, max_len = args.num_requests, args.max_len
     if n < 1 or max_len < MIN_LEN or args.hf_batch < 1:

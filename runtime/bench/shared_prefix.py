@@ -8,8 +8,8 @@ token. The HF side (transformers has no prefix cache): `--hf-prompts` of each sc
 one at a time, each one's TTFT and the output tokens a second of `generate` at batch 1.
 tests/perf/NOTES.md defines every figure.
 
-Never imports torch itself: HF and the GPU's name come from taipan.bench.hf and .hardware,
-imported inside the functions that use them.
+Never imports torch itself: HF and the GPU's name come from taipan.ops.hf_bench and
+taipan.ops.hardware, imported inside the functions that use them.
 """
 
 from __future__ import annotations
@@ -145,8 +145,8 @@ def _check_shared_prefix_args(args) -> int:
 
 
 def shared_prefix_workload(args) -> list[dict]:
-    from taipan.bench.hardware import gpu_name
     from taipan.models import resolve
+    from taipan.ops.hardware import gpu_name
 
     block_size = _check_shared_prefix_args(args)
     name, model_path = resolve(args.model)
@@ -189,7 +189,7 @@ def shared_prefix_workload(args) -> list[dict]:
 
 def _hf_shared_prefix(args, model_path: str, prompts: dict[str, list]) -> dict[str, dict]:
     """{scenario: HF figures} on the first `--hf-prompts` prompts of each scenario."""
-    from taipan.bench.hf import hf_one_at_a_time
+    from taipan.ops.hf_bench import hf_one_at_a_time
 
     k = min(args.hf_prompts, args.num_prompts)
     return {

@@ -48,7 +48,7 @@ def plan(step: int, batch: int, ctx: int, block_tables: np.ndarray) -> StepPlan:
 
 
 def main(model: str, batches: list[int]) -> None:
-    from taipan.bench.hardware import copy_bandwidth
+    from taipan.ops.hardware import copy_bandwidth
 
     bw = copy_bandwidth("cuda", 1.0)
     for graphs in (False, True):

@@ -6,8 +6,8 @@ manager behind `generate_batch`, driven directly so each request gets its own ou
 and one prompt at a time (shared-prefix). On both sides EOS neither stops a request nor is
 masked (`never_stop_at_eos`).
 
-Imports torch at module level, so only the workloads' functions import it, on use; test and
-bench code, never the serving path (nothing under actors/ or ops/ imports it).
+The runtime's bench (runtime/bench/) imports it inside its workloads' functions, on use; test and
+bench code, never the serving path (nothing under actors/ or the rest of ops/ imports it).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from taipan.bench.hardware import as_dtype, sync
+from taipan.ops.hardware import as_dtype, sync
 from taipan.ops.loader import RANDOM_PREFIX, random_config, random_state
 from taipan.ops.weight_updates import hf_name_to_ours
 

@@ -1,7 +1,7 @@
 """The measured hardware that the bench's floors come from: the device's name, copy bandwidth,
 matmul rate, and what one decode step must read (`model_bytes`, `hardware_limit`).
 
-Imports torch at module level, so only the workloads' functions import it, on use: never
+The runtime's bench (runtime/bench/) imports it inside its workloads' functions, on use: never
 `taipan --help`, the CLI's start or a client or coordinator process. Measures, never serves:
 nothing on the serving path imports it.
 """
