@@ -41,7 +41,7 @@ from taipan.actors.config import cuda_graph_sizes, plan_limits, routing_policy
 from taipan.actors.gpu.peers import PeerGoneError, follower_identity
 from taipan.actors.log import configure, get_logger
 from taipan.auth import curve_keys, read_token_file
-from taipan.spec import CoordinatorSpec, ExpertParallelSpec, LaunchSpec
+from taipan.spec import ExpertParallelSpec, LaunchSpec
 
 PR_SET_PDEATHSIG = 1
 EXIT_FATAL = 3  # an actor raised FatalError: it logged why; the launcher reports the code
@@ -76,7 +76,7 @@ async def _run_until_stopped(actors: list) -> None:
             a.stop()
 
 
-async def coordinator_main(spec: CoordinatorSpec) -> None:
+async def coordinator_main(spec: LaunchSpec) -> None:
     from taipan.actors.coordinator.actor import CoordinatorActor
 
     ctx = zmq.asyncio.Context()
@@ -411,13 +411,8 @@ def main(argv: list[str]) -> None:
     role = argv[0]
     if role not in ("coordinator", "engine", "tp-follower", "http"):
         raise SystemExit(f"unknown role {role!r}")
-    if role == "coordinator":  # not a whole LaunchSpec under the relay bench
-        values = json.loads(argv[1])
-        spec, log_level = CoordinatorSpec.pick(values), values.get("log_level")
-    else:
-        spec = LaunchSpec.from_json(argv[1])
-        log_level = spec.log_level
-    configure(log_level)
+    spec = LaunchSpec.from_json(argv[1])
+    configure(spec.log_level)
     import uvloop
 
     if role == "coordinator":

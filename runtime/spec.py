@@ -5,15 +5,16 @@
 read fields by name. The JSON wire form is a flat object with one key per field (the expert-
 parallel part nested under `expert_parallel`); `from_json` refuses unknown or missing keys, so a
 launcher and a child of different versions fail at once with the keys named. Frozen: a process
-never writes its run-time discoveries back into it. `CoordinatorSpec` is the part the coordinator
-process reads. Imports no torch and no zmq.
+never writes its run-time discoveries back into it (`LaunchSpec.for_coordinator` builds one for
+a coordinator started without engines of its own, as the relay bench does). Imports no torch and
+no zmq.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import MISSING, dataclass
+from dataclasses import dataclass
 
 from taipan.actors.config import InferenceConfig
 
@@ -76,6 +77,29 @@ class LaunchSpec:
     key_name: str  # the Curve client key pair this host's connecting sockets use
     expert_parallel: ExpertParallelSpec | None  # None without expert parallelism
 
+    @classmethod
+    def for_coordinator(
+        cls,
+        frontend: str,
+        backend: str,
+        num_ranks: int,
+        model_name: str,
+        config: InferenceConfig,
+        control_token_file: str,
+        log_level: str | None = None,
+    ) -> LaunchSpec:
+        """The spec of a coordinator process alone (its engines start elsewhere, e.g. the relay
+        bench's synthetic ones): the engine-side fields empty."""
+        return cls(
+            frontend=frontend, backend=backend, num_ranks=num_ranks, model_name=model_name,
+            model_path="", dtype="", device="", devices=[], cpu_sets=[],
+            tensor_parallel_size=1, tp_devices=[], tp_cpu_sets=[], tp_addresses=[],
+            tp_remote=False, tp_start_timeout=None, config=config, max_blocks=0,
+            record_dir=None, log_level=log_level, control_token_file=control_token_file,
+            http=None, ranks_on_host=1, coordinator_timeout=None, keys_dir=None,
+            key_name="client", expert_parallel=None,
+        )  # fmt: skip
+
     def to_dict(self) -> dict:
         """The wire form: one key per field, `config` and `expert_parallel` as plain dicts."""
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -106,31 +130,6 @@ class LaunchSpec:
         if not isinstance(values, dict):
             raise SpecError(f"the launch spec must be a JSON object, got {type(values).__name__}")
         return cls.from_dict(values)
-
-
-@dataclass(frozen=True)
-class CoordinatorSpec:
-    """The fields of a LaunchSpec the coordinator process reads. The relay bench
-    (runtime/bench/relay.py) starts the real coordinator with a spec of only these (the last two
-    optional) plus keys of its own, so `pick` takes these keys and ignores the others."""
-
-    frontend: str
-    backend: str
-    num_ranks: int
-    model_name: str
-    config: InferenceConfig
-    control_token_file: str
-    keys_dir: str | None = None
-    record_dir: str | None = None
-
-    @classmethod
-    def pick(cls, values: dict) -> CoordinatorSpec:
-        fields = dataclasses.fields(cls)
-        picked = {f.name: values[f.name] for f in fields if f.name in values}
-        missing = [f.name for f in fields if f.default is MISSING and f.name not in picked]
-        if missing:
-            raise SpecError(f"the coordinator's spec has missing key(s) {', '.join(missing)}")
-        return cls(**{**picked, "config": InferenceConfig.from_dict(picked["config"])})
 
 
 def _check_keys(cls, values: dict, what: str) -> None:

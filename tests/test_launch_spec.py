@@ -10,7 +10,7 @@ import pytest
 
 from taipan.actors.config import InferenceConfig
 from taipan.launcher import Runtime
-from taipan.spec import CoordinatorSpec, ExpertParallelSpec, LaunchSpec, SpecError
+from taipan.spec import ExpertParallelSpec, LaunchSpec, SpecError
 
 
 def a_spec(**changes) -> LaunchSpec:
@@ -76,18 +76,13 @@ def test_unknown_and_missing_keys_are_named():
         LaunchSpec.from_json("[]")
 
 
-def test_the_coordinator_picks_its_fields():
-    """Of a whole spec, or of the relay bench's (runtime/bench/relay.py): its keys only."""
-    wire = json.loads(a_spec(keys_dir="/keys").to_json())
-    coord = CoordinatorSpec.pick(wire)
-    assert coord.backend == wire["backend"] and coord.keys_dir == "/keys"
-    assert coord.config == a_spec().config
-    relay = {k: wire[k] for k in ("frontend", "backend", "num_ranks", "model_name", "config")}
-    relay |= {"control_token_file": "/t", "log_level": "warning", "batch": 8}
-    assert CoordinatorSpec.pick(relay).record_dir is None
-    del relay["backend"]
-    with pytest.raises(SpecError, match="missing key.* backend"):
-        CoordinatorSpec.pick(relay)
+def test_a_coordinator_alone_has_a_whole_spec():
+    """The relay bench's coordinator (runtime/bench/relay.py) gets a LaunchSpec like any other
+    process: it round-trips and parses strictly."""
+    config = InferenceConfig(max_requests=8)
+    spec = LaunchSpec.for_coordinator("ipc://a", "ipc://b", 3, "synthetic", config, "/t", "warning")
+    assert LaunchSpec.from_json(spec.to_json()) == spec
+    assert (spec.num_ranks, spec.devices, spec.expert_parallel) == (3, [], None)
 
 
 @pytest.mark.parametrize("parallel", [{}, {"data_parallel_size": 2, "expert_parallel_size": 2}])

@@ -74,23 +74,25 @@ def relay_workload(args) -> list[dict]:
 def _spec(args, tmp: str, num_engines: int, output_len: int) -> dict:
     from taipan.actors.config import InferenceConfig
     from taipan.auth import new_token, write_token
+    from taipan.spec import LaunchSpec
 
     frontend, backend = f"ipc://{tmp}/clients.sock", f"ipc://{tmp}/engines.sock"
     token_file = os.path.join(tmp, "control-token.json")
     write_token(token_file, frontend, new_token())
     total = num_engines * args.num_requests
     profile = os.environ.get("TAIPAN_RELAY_PROFILE")
+    config = InferenceConfig(max_requests=args.batch)
+    coordinator = LaunchSpec.for_coordinator(
+        frontend, backend, num_engines, "synthetic", config, token_file, log_level="warning"
+    )
     return {
-        # What runtime/procs.py's coordinator reads.
-        "frontend": frontend,
-        "backend": backend,
-        "num_ranks": num_engines,
-        "model_name": "synthetic",
-        "config": InferenceConfig(max_requests=args.batch).to_dict(),
-        "control_token_file": token_file,
-        "log_level": "warning",
+        # The real coordinator's launch spec (runtime/procs.py), and where to profile it.
+        "coordinator": coordinator.to_dict(),
         "profile": f"{profile}-{num_engines}.prof" if profile else None,
         # The synthetic engines' and the clients'.
+        "frontend": frontend,
+        "backend": backend,
+        "log_level": "warning",
         "batch": args.batch,
         "steps_per_s": args.steps_per_s,
         "output_len": output_len,

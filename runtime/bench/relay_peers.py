@@ -1,8 +1,9 @@
 """The processes of the `relay` bench (taipan.bench.relay starts them):
 `python -m taipan.bench.relay_peers coordinator|engine|client SPEC_JSON [INDEX]`.
 
-`coordinator`: the real one, through runtime/procs.py's own entry point (SPEC is a procs spec);
-with SPEC's `profile` set, under cProfile, its stats written there when it exits (SIGTERM).
+`coordinator`: the real one, through runtime/procs.py's own entry point (SPEC's `coordinator`
+is its LaunchSpec); with SPEC's `profile` set, under cProfile, its stats written there when it
+exits (SIGTERM).
 `engine`: a synthetic engine rank (`SyntheticEngine`): registers and answers as a real rank
 does, streams `expected_token`s, never computes. `client`: the real client actor
 (`CountingClient`) submitting its share of the requests and checking every token (`client_main`).
@@ -422,16 +423,17 @@ def coordinator_main(spec_json: str) -> None:
     """The real coordinator process (runtime/procs.py), under cProfile when SPEC says where."""
     from taipan import procs
 
-    path = json.loads(spec_json).get("profile")
+    spec = json.loads(spec_json)
+    launch, path = json.dumps(spec["coordinator"]), spec["profile"]
     if not path:
-        procs.main(["coordinator", spec_json])
+        procs.main(["coordinator", launch])
         return
     import cProfile
 
     profile = cProfile.Profile()
     profile.enable()
     try:
-        procs.main(["coordinator", spec_json])
+        procs.main(["coordinator", launch])
     finally:
         profile.disable()
         profile.dump_stats(path)
