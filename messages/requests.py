@@ -207,7 +207,7 @@ class RequestOutput:
     Log-probs travel with the tokens they belong to: `log_probs` float32[new], `top_n_ids`
     int32[new, n] and `top_n_log_probs` float32[new, n] (empty when not asked). Prompt log-probs
     (float32[P-1], and [P-1, n] top-n) travel once, in the terminal output, as do the RL
-    staleness counters (int32 per token of prompt + generated; actors/engine/record.py):
+    staleness counters (int32 per token of prompt + generated; actors/engine/history.py):
     `num_cached_tokens` (every output): prompt tokens whose K/V came from the prefix cache.
     `policy_staleness` (weight updates since the token was produced) and `kv_cache_staleness`
     (weight updates since its K/V were computed).

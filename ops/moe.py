@@ -163,7 +163,7 @@ def sigmoid_grouped_topk(
     return weights * scaling_factor, ids
 
 
-class Router(nn.Module):
+class ExpertGate(nn.Module):
     """The gate: a linear map to every expert's logit (all E rows on every rank) and the
     routing rule. Parameter names are Hugging Face's (`gate.weight`, and for sigmoid scoring
     the buffer `gate.e_score_correction_bias`, kept in fp32 by the loader)."""
@@ -220,15 +220,15 @@ def _local(x, ids, weights, experts):
 
 
 class MoE(nn.Module):
-    """router -> [latent down-projection] -> local experts -> combine -> [latent up-projection]
+    """gate -> [latent down-projection] -> local experts -> combine -> [latent up-projection]
     -> + shared experts. x: [T, hidden] -> [T, hidden].
 
-    Parameters: `gate` (Router), `w1` [E_local, N, H_in] and `w2` [E_local, H_in, I] (kernels/moe.py
-    layout, H_in = latent_size or hidden; I = this rank's share of moe_intermediate_size under
-    `tp`), optional `fc1_latent_proj` / `fc2_latent_proj` (hidden <-> latent, replicated) and
-    `shared_experts` (the model builds it: its MLP class and names; under `tp` built with the
-    same group and returning its partial sum, `reduce_results=False`: this block's one
-    all-reduce adds it with the routed experts').
+    Parameters: `gate` (ExpertGate), `w1` [E_local, N, H_in] and `w2` [E_local, H_in, I]
+    (kernels/moe.py layout, H_in = latent_size or hidden; I = this rank's share of
+    moe_intermediate_size under `tp`), optional `fc1_latent_proj` / `fc2_latent_proj` (hidden
+    <-> latent, replicated) and `shared_experts` (the model builds it: its MLP class and names;
+    under `tp` built with the same group and returning its partial sum, `reduce_results=False`:
+    this block's one all-reduce adds it with the routed experts').
 
     `dispatch(x, topk_ids, topk_weights, experts)`: runs `experts` (this rank's, on the rows
     given) for the tokens x [T, H_in] and returns their routed output [T, H_in]; by default on
@@ -248,7 +248,7 @@ class MoE(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         self.expert_range = ExpertRange.of(expert_range, config.num_experts)
-        self.gate = Router(hidden_size, config)
+        self.gate = ExpertGate(hidden_size, config)
         inner = config.latent_size or hidden_size
         _, inter = tp.even(config.intermediate_size, "moe_intermediate_size")
         rows = inter * (2 if config.activation == "swiglu" else 1)

@@ -132,7 +132,7 @@ def _ep_group(ctx, spec: LaunchSpec, rank: int, recorder):
     ep: ExpertParallelSpec | None = spec.expert_parallel
     if ep is None:
         return None, {}
-    from taipan.actors.engine.ep import EpGroup, ep_identity
+    from taipan.actors.engine.ep import EpConsensus, ep_identity
 
     index, group = ep.group_of(rank)
     inboxes, keys, key_name = ep.inboxes, spec.keys_dir, spec.key_name
@@ -150,7 +150,7 @@ def _ep_group(ctx, spec: LaunchSpec, rank: int, recorder):
         "expert_parallel_size": len(group),
         "expert_parallel_init": ep.inits[index],
     }
-    return EpGroup(rank, tuple(group), inbox, peers), load
+    return EpConsensus(rank, tuple(group), inbox, peers), load
 
 
 def _pin_cpus(cpus: list[int] | None) -> None:

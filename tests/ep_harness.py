@@ -25,7 +25,7 @@ from taipan.actors.base import Actor
 from taipan.actors.channel import Channel, Envelope, make_socket
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine.actor import EngineActor
-from taipan.actors.engine.ep import EpGroup, ep_identity
+from taipan.actors.engine.ep import EpConsensus, ep_identity
 from taipan.messages.common import Hello
 from taipan.messages.gpu import (
     GpuControl,
@@ -209,7 +209,7 @@ async def ep_group(
             for p in ranks if p != r
         }  # fmt: skip
         channels += [alloc_side, gpu_side, to_alloc, to_gpu, to_coord, *peers.values()]
-        group = EpGroup(r, ranks, inboxes[r], peers)
+        group = EpConsensus(r, ranks, inboxes[r], peers)
         load = LoadModel("fake", "float32", "cpu", config.block_size_tokens, 64, 0.01, 256, 16, 256)
         engine = EngineActor(r, config, load, to_coord, to_alloc, to_gpu, ep=group)
         gpu_actor = FakeGpu(r, gpu_side, lockstep)

@@ -123,9 +123,9 @@ async def engine_rank(model_dir):
 
 @pytest.mark.asyncio
 async def test_a_step_that_raises_fails_its_requests_and_the_rank_goes_on(model_dir, monkeypatch):
-    from taipan.actors.engine import plan
+    from taipan.actors.engine import wire
 
-    real = plan.plan_arrays
+    real = wire.plan_arrays
     calls = []
 
     def broken_once(batch, *args):
@@ -134,7 +134,7 @@ async def test_a_step_that_raises_fails_its_requests_and_the_rank_goes_on(model_
             raise RuntimeError("boom in planning")
         return real(batch, *args)
 
-    monkeypatch.setattr(plan, "plan_arrays", broken_once)
+    monkeypatch.setattr(wire, "plan_arrays", broken_once)
     async with engine_rank(model_dir) as rank:
         await rank.submit(1)
         await rank.submit(2)

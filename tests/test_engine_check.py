@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from taipan.actors.config import InferenceConfig
-from taipan.actors.engine import plan as P
+from taipan.actors.engine import wire
 from taipan.actors.engine.check import EngineReplay
 from taipan.messages.allocator import AllocatorReady, BlockOpsReply
 from taipan.messages.codec import encode
@@ -30,9 +30,9 @@ class RecordingHarness(Harness):
     """Writes the engine's side of every exchange as (direction, channel, msg, time)."""
 
     def __init__(self, overlap: bool = False):
-        plan = P.runtime_plan(CONFIG, LOADED, AllocatorReady(6, 6))
+        plan = wire.runtime_plan(CONFIG, LOADED, AllocatorReady(6, 6))
         super().__init__(plan, chunked=False, overlap=overlap)
-        self.sched = P.new_scheduler(CONFIG, plan)
+        self.sched = wire.new_scheduler(CONFIG, plan)
         self.records = [("in", "gpu", LOADED, 0.0), ("in", "allocator", AllocatorReady(6, 6), 0.0)]
 
     def record(self, direction: str, channel: str, msg) -> None:
@@ -41,7 +41,7 @@ class RecordingHarness(Harness):
     def submit(self, req):
         msg = EngineSubmit(req.request_id, req.prompt, req.sampling, False, req.arrival_time)
         self.record("in", "coordinator", msg)
-        new, _ = P.submission(self.sched, LOADED.vocab_size, msg)
+        new, _ = wire.submission(self.sched, LOADED.vocab_size, msg)
         self.sched.add(new, self.now)
         self.added[new.request_id] = new
 
@@ -115,7 +115,7 @@ def test_an_abort_moved_out_of_flight_diverges():
 
 
 def test_a_plan_with_no_scheduler_is_reported():
-    plan = P.step_plan(*_one_step())
+    plan = wire.step_plan(*_one_step())
     assert "before it could have a scheduler" in EngineReplay(CONFIG).outbound(plan, ())
 
 

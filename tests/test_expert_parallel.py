@@ -102,7 +102,7 @@ def _worker_rank(rank: int, path: str, init: str, device: str = "cpu") -> None:
     prompt while rank 1 runs dummy steps, then both step with different token counts; every
     rank's tokens and log-probs equal those of a worker holding every expert. On CUDA
     (`device` "cuda": rank r on cuda:r) with CUDA graphs, which the decode steps replay."""
-    from taipan.actors.engine.plan import dummy_plan
+    from taipan.actors.engine.wire import dummy_plan
     from taipan.actors.gpu.worker import ModelWorker
     from taipan.messages.gpu import LoadModel
     from tests.test_ops_logprobs import Seq, make_plan

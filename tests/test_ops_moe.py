@@ -31,7 +31,7 @@ from taipan.ops.loader import (
 )
 from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache
-from taipan.ops.moe import MoE, MoEConfig, Router, set_expert_combine
+from taipan.ops.moe import ExpertGate, MoE, MoEConfig, set_expert_combine
 from taipan.ops.weight_updates import (
     WeightUpdateError,
     check_same_architecture,
@@ -149,7 +149,7 @@ def test_softmax_router_equals_hf():
         )
         hf = Qwen3MoeTopKRouter(hf_config)
         config = MoEConfig(16, 4, 8, "swiglu", "softmax", renormalize)
-        ours = Router(32, config)
+        ours = ExpertGate(32, config)
         torch.nn.init.normal_(hf.weight)
         ours.load_state_dict(hf.state_dict())
         x = torch.randn(50, 32)
@@ -178,7 +178,7 @@ def test_sigmoid_grouped_router_equals_hf(groups, chosen, renormalize):
     torch.nn.init.normal_(hf.weight)
     hf.e_score_correction_bias.uniform_(-0.5, 0.5)
     config = MoEConfig(16, 4, 8, "relu2", "sigmoid", renormalize, groups, chosen, 2.5)
-    ours = Router(32, config)
+    ours = ExpertGate(32, config)
     ours.load_state_dict(hf.state_dict())
     x = torch.randn(50, 32)
     _, hf_weights, hf_ids = hf(x)

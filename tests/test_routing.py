@@ -1,4 +1,4 @@
-"""RoutingTable and Router: the table follows real pools' events; every policy, tie and error."""
+"""RoutingTable and RankPicker: the table follows real pools' events; each policy, tie, error."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from taipan.actors.allocator.core import AllocatorError
 from taipan.actors.allocator.prefix import PrefixBlockPool
 from taipan.actors.config import PrefixCachingCoordinatorPolicy
-from taipan.actors.coordinator.routing import Router, RoutingError, RoutingTable
+from taipan.actors.coordinator.routing import RankPicker, RoutingError, RoutingTable
 from taipan.messages.block_hash import NO_HASH, block_hashes
 
 CHAIN = [11, 12, 13, 14]  # synthetic hashes of one prompt's four complete blocks
@@ -98,7 +98,7 @@ def test_table_takes_numpy_hashes():
     assert all(type(h) is int for h in table.hashes(3))
 
 
-# --- Router -------------------------------------------------------------------------------------
+# --- RankPicker -----------------------------------------------------------------------------------
 
 RANKS = [0, 1, 2, 3]
 CAP = {0: 4, 1: 8, 2: 2, 3: 4}
@@ -106,13 +106,13 @@ CAP = {0: 4, 1: 8, 2: 2, 3: 4}
 
 def test_router_rejects_bad_arguments():
     with pytest.raises(ValueError, match="'random' is not one of"):
-        Router("random", 0.5)
+        RankPicker("random", 0.5)
     for alpha in (-0.1, 1.5, math.nan):
         with pytest.raises(ValueError, match="alpha"):
-            Router("longest_prefix", alpha)
+            RankPicker("longest_prefix", alpha)
     with pytest.raises(ValueError, match="block_size"):
-        Router("longest_prefix", 0.5, block_size=0)
-    router, table = Router("load_balanced", 0.5), RoutingTable()
+        RankPicker("longest_prefix", 0.5, block_size=0)
+    router, table = RankPicker("load_balanced", 0.5), RoutingTable()
     with pytest.raises(ValueError, match="no ready rank"):
         router.pick([], CHAIN, {}, CAP, table)
     with pytest.raises(ValueError, match="twice"):
@@ -125,11 +125,11 @@ def test_router_rejects_bad_arguments():
         router.pick([0, 1], CHAIN, {1: -1}, CAP, table)
     policies = {"round_robin", "load_balanced", "first_prefix_block", "longest_prefix"}
     assert set(PrefixCachingCoordinatorPolicy) == policies
-    assert Router("longest_prefix", 0.5).policy is PrefixCachingCoordinatorPolicy.LONGEST_PREFIX
+    assert RankPicker("longest_prefix", 0.5).policy is PrefixCachingCoordinatorPolicy.LONGEST_PREFIX
 
 
 def test_round_robin_cycles_whatever_the_load_and_table():
-    router, table = Router("round_robin", 0.5), table_of({2: CHAIN})
+    router, table = RankPicker("round_robin", 0.5), table_of({2: CHAIN})
     load = {0: 4, 1: 0, 2: 2, 3: 0}
     assert [router.pick(RANKS, CHAIN, load, CAP, table) for _ in range(6)] == [0, 1, 2, 3, 0, 1]
     assert router.pick([2, 3], CHAIN, load, CAP, table) == 2  # cursor 2 wraps to index 0
@@ -137,7 +137,7 @@ def test_round_robin_cycles_whatever_the_load_and_table():
 
 
 def test_load_balanced_picks_the_most_free_capacity():
-    router, table = Router("load_balanced", 1.0), table_of({0: CHAIN})
+    router, table = RankPicker("load_balanced", 1.0), table_of({0: CHAIN})
     # free: 1/2, 3/4, 1, 0
     assert router.pick(RANKS, CHAIN, {0: 2, 1: 2, 2: 0, 3: 4}, CAP, table) == 2
     assert router.last_match == 0  # it ignores the table, but reports the chosen rank's hit
@@ -146,22 +146,22 @@ def test_load_balanced_picks_the_most_free_capacity():
 
 
 def test_load_balanced_ties_fewest_in_flight_then_round_robin():
-    router, table = Router("load_balanced", 0.5), RoutingTable()
+    router, table = RankPicker("load_balanced", 0.5), RoutingTable()
     # free 1/2 for both 0 (2 of 4) and 1 (4 of 8): the fewer in flight wins.
     assert router.pick([1, 0], [], {0: 2, 1: 4}, CAP, table) == 0
     # Ranks 1, 2 and 3 tie completely (idle, same capacity); 0 is busy: 1, 2, 3 take turns.
     cap = {0: 4, 1: 4, 2: 4, 3: 4}
     load = {0: 1}
-    router = Router("load_balanced", 0.5)
+    router = RankPicker("load_balanced", 0.5)
     picks = [router.pick(RANKS, [], load, cap, table) for _ in range(5)]
     assert picks == [1, 2, 3, 1, 2]
-    again = Router("load_balanced", 0.5)  # deterministic: the same calls give the same picks
+    again = RankPicker("load_balanced", 0.5)  # deterministic: the same calls give the same picks
     assert [again.pick(RANKS, [], load, cap, table) for _ in range(5)] == picks
 
 
 def test_first_prefix_block_prefers_the_freest_holder():
     table = table_of({0: CHAIN, 1: CHAIN[:1], 3: CHAIN[:2], 2: [50]})
-    router = Router("first_prefix_block", 0.5, block_size=16)
+    router = RankPicker("first_prefix_block", 0.5, block_size=16)
     load = {0: 3, 1: 2, 2: 0, 3: 1}  # free: 1/4, 3/4, 1, 3/4
     # Holders of 11: 0, 1, 3. Rank 2 is idle but lacks the block; 1 and 3 tie on free, 3 has
     # fewer in flight.
@@ -174,7 +174,7 @@ def test_first_prefix_block_prefers_the_freest_holder():
 
 def test_first_prefix_block_falls_back_to_load_balanced():
     table = table_of({0: CHAIN})
-    router = Router("first_prefix_block", 0.5)
+    router = RankPicker("first_prefix_block", 0.5)
     load = {0: 0, 1: 1, 2: 0, 3: 1}  # free: 1, 7/8, 1, 3/4
     assert router.pick(RANKS, [77, 78], load, CAP, table) == 0  # nobody holds 77
     assert router.pick(RANKS, [], load, CAP, table) == 2  # no complete block; tie rotates
@@ -185,9 +185,9 @@ def test_first_prefix_block_falls_back_to_load_balanced():
 def test_longest_prefix_trades_match_against_free_capacity():
     table = table_of({0: CHAIN, 1: CHAIN[:3], 2: CHAIN[:1]})
     load = {0: 3, 1: 2, 2: 0, 3: 0}  # free: 1/4, 3/4, 1, 1; match: 4, 3, 1, 0 of 4
-    pick = {a: Router("longest_prefix", a).pick(RANKS, CHAIN, load, CAP, table) for a in (0, 1)}
+    pick = {a: RankPicker("longest_prefix", a).pick(RANKS, CHAIN, load, CAP, table) for a in (0, 1)}
     assert pick == {0: 2, 1: 0}  # alpha 0: pure load (2 and 3 tie, 2 first); 1: pure match
-    router = Router("longest_prefix", 0.5)
+    router = RankPicker("longest_prefix", 0.5)
     # 0.5 * match/4 + 0.5 * free: 5/8, 6/8, 5/8, 4/8
     assert router.pick(RANKS, CHAIN, load, CAP, table) == 1 and router.last_match == 3
     # No complete block: load_balanced.
@@ -196,7 +196,7 @@ def test_longest_prefix_trades_match_against_free_capacity():
 
 def test_longest_prefix_ties():
     table = table_of({0: CHAIN, 1: CHAIN, 2: CHAIN[:2]})
-    router = Router("longest_prefix", 1.0)
+    router = RankPicker("longest_prefix", 1.0)
     # alpha 1: 0 and 1 match all four; the freer one wins (1/2 of 8 > 1/4 of 4).
     assert router.pick(RANKS, CHAIN, {0: 3, 1: 4}, CAP, table) == 1
     # Same match and free: fewer in flight (0 has 2 of 4, 1 has 4 of 8).
@@ -204,11 +204,11 @@ def test_longest_prefix_ties():
     # Scores equal on paper tie exactly although 0.1 is not a binary fraction:
     # rank 2: 0.1 * 2/4 + 0.9 * 0 = 1/20; rank 3: 0.1 * 0 + 0.9 * 1/18 = 1/20 (in floats,
     # 0.05 > 0.04999...). Free capacity decides.
-    router = Router("longest_prefix", 0.1)
+    router = RankPicker("longest_prefix", 0.1)
     load, cap = {2: 4, 3: 17}, {2: 4, 3: 18}
     assert router.pick([2, 3], CHAIN, load, cap, table) == 3
     # A full tie (alpha 1, two holders, same load): round-robin order from the cursor.
-    router = Router("longest_prefix", 1.0)
+    router = RankPicker("longest_prefix", 1.0)
     picks = [router.pick([2, 0, 1], CHAIN, {}, CAP | {1: 4}, table) for _ in range(3)]
     assert picks == [0, 1, 0]
 
@@ -343,7 +343,7 @@ class TableFollowsPoolsMachine(RuleBasedStateMachine):
         chain = list(data.draw(st.sampled_from(sorted(self.chains))))
         load = {rank: len(reqs) for rank, reqs in enumerate(self.tokens)}
         capacity = dict.fromkeys(range(len(self.pools)), CAPACITY)
-        router = Router("longest_prefix", 1.0)
+        router = RankPicker("longest_prefix", 1.0)
         rank = router.pick(range(len(self.pools)), chain, load, capacity, self.table)
         best = max(len(pool.match(chain)) for pool in self.pools)
         assert router.last_match == len(self.pools[rank].match(chain)) == best

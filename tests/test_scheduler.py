@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from taipan.actors.config import RuntimePlan
-from taipan.actors.engine import plan as P
+from taipan.actors.engine import wire
 from taipan.actors.engine.batch_arrays import plan_arrays
 from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.request import EngineRequest, Status
@@ -195,7 +195,7 @@ class Harness:
                 planned = None
         sent = None
         if planned is not None:
-            ops, mops = P.block_ops(planned), P.mamba_ops(planned)
+            ops, mops = wire.block_ops(planned), wire.mamba_ops(planned)
             if ops is not None:
                 self.record("out", "allocator", ops)
             if mops is not None:  # sent before either reply is read, as the engine does
@@ -212,7 +212,7 @@ class Harness:
                 sched.assign_mamba(planned, mreply)
             self.check_blocks(planned)
             if planned.chunks:
-                plan = P.step_plan(sched, planned)
+                plan = wire.step_plan(sched, planned)
                 self.record("out", "gpu", plan)
                 arrays = {f.name: getattr(plan, f.name) for f in dataclasses.fields(plan)}
                 self.check_plan(planned, arrays)
@@ -314,7 +314,7 @@ class Harness:
         assert all(c.num_new_tokens >= 1 for c in batch.chunks)
         assert all(c.request.status is Status.RUNNING for c in batch.chunks)
         assert len(batch.free_ids) == len(set(batch.free_ids))
-        evicted = {r.request_id for r in sched.waiting if r.record.checkpoints}
+        evicted = {r.request_id for r in sched.waiting if r.history.checkpoints}
         if sched.prefix is None:  # (a "recompute" resume frees and re-admits at once)
             assert not set(batch.free_ids) & (set(sched.requests) - evicted)
         assert not set(ids) & {r.request_id for r in sched.paused}
@@ -417,7 +417,7 @@ class Harness:
                     assert r.prompt_log_probs == [fake_log_prob(j) for j in range(1, p)]
             kinds = [e.type for e in r.events]
             assert kinds[0] == "ADD_ENGINE" and kinds[-1] in ("FINISH", "FAIL")
-            assert kinds.count("EVICT") <= len(r.record.checkpoints)  # + "recompute" resumes
+            assert kinds.count("EVICT") <= len(r.history.checkpoints)  # + "recompute" resumes
             reports = self.reports[rid]
             assert [f for _, f in reports] == [False] * (len(reports) - 1) + [True]
             assert [t for new, _ in reports for t in new] == r.generated
@@ -721,7 +721,7 @@ def test_nothing_runnable_evicts_the_oldest_paused_and_recomputes_it():
     h.run()
     h.check_end()
     assert h.sched.num_evicted_total >= 1
-    evicted = [r for r in h.ended.values() if r.record.checkpoints]
+    evicted = [r for r in h.ended.values() if r.history.checkpoints]
     assert evicted and all("EVICT" in [e.type for e in r.events] for r in evicted)
     # the recompute step covered prompt + generated tokens at once
     assert any(n > 2 for step in h.history for _, n, _ in step)

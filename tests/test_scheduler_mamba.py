@@ -30,7 +30,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from taipan.actors.config import InferenceConfig, RuntimePlan
-from taipan.actors.engine import plan as P
+from taipan.actors.engine import wire
 from taipan.actors.engine.check import EngineReplay
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.actors.mamba_cache.actor import MambaCacheService
@@ -586,11 +586,11 @@ class RecordingMambaHarness(MambaHarness):
 
     def __init__(self, loaded: ModelLoaded, overlap: bool = False, config=HYBRID_CONFIG):
         ready = AllocatorReady(loaded.num_blocks, loaded.num_blocks)
-        plan = P.runtime_plan(config, loaded, ready)
-        policy = P.prefix_policy(config)
+        plan = wire.runtime_plan(config, loaded, ready)
+        policy = wire.prefix_policy(config)
         super().__init__(plan, overlap=overlap, policy=policy, chunked=False)
-        self.use(P.new_scheduler(config, plan))
-        init = P.mamba_init(loaded)
+        self.use(wire.new_scheduler(config, plan))
+        init = wire.mamba_init(loaded)
         self.records = [
             ("in", "gpu", loaded, 0.0),
             ("in", "allocator", ready, 0.0),
@@ -605,7 +605,7 @@ class RecordingMambaHarness(MambaHarness):
     def submit(self, req) -> None:
         msg = EngineSubmit(req.request_id, req.prompt, req.sampling, False, req.arrival_time)
         self.record("in", "coordinator", msg)
-        new, problem = P.submission(self.sched, 2000, msg)
+        new, problem = wire.submission(self.sched, 2000, msg)
         assert problem is None, problem
         assert self.add(new) is None
 

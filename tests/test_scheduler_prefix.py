@@ -236,7 +236,7 @@ def test_random_shared_prefix_workloads_keep_every_invariant(workload):
 def test_submission_refuses_hashes_that_do_not_name_the_tokens():
     """Caching K/V under hashes of other tokens would poison every later request: the engine
     checks the hashes sent with a request (same salt) before it admits it."""
-    from taipan.actors.engine import plan as P
+    from taipan.actors.engine import wire
     from taipan.messages.block_hash import block_hashes
     from taipan.messages.requests import EngineSubmit
 
@@ -244,13 +244,13 @@ def test_submission_refuses_hashes_that_do_not_name_the_tokens():
     prompt = np.asarray(SYSTEM + [7], dtype=np.int32)
     good = block_hashes(prompt, 4, 0)
     submit = EngineSubmit(1, prompt, SamplingParams(max_tokens=2), False, 0.0, good, 0)
-    req, problem = P.submission(h.sched, 1000, submit)
+    req, problem = wire.submission(h.sched, 1000, submit)
     assert problem is None and np.array_equal(req.hashes, good)
     bad = good.copy()
     bad[1] += 1
-    req, problem = P.submission(h.sched, 1000, dataclasses.replace(submit, block_hashes=bad))
+    req, problem = wire.submission(h.sched, 1000, dataclasses.replace(submit, block_hashes=bad))
     assert req is None and "do not match the prompt tokens" in problem and "block 1" in problem
     # A stale salt (weights updated since the client hashed) is not an error: the engine hashes.
     stale = dataclasses.replace(submit, block_hashes=bad, hash_salt=5)
-    req, problem = P.submission(h.sched, 1000, stale)
+    req, problem = wire.submission(h.sched, 1000, stale)
     assert problem is None and np.array_equal(req.hashes, good)

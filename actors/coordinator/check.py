@@ -1,6 +1,6 @@
 """Replay check of the coordinator's routing (`taipan replay --check`, DESIGN.md §10).
 
-Re-drives a fresh `CoordinatorCore` (its prefix `RoutingTable` and `Router`) from the
+Re-drives a fresh `CoordinatorCore` (its prefix `RoutingTable` and `RankPicker`) from the
 coordinator's recorded log, as the actor (actor.py) drives it, and compares every recorded
 `EngineSubmit` byte for byte with the one the replay builds: same rank (the engine it went to),
 same global id, same block hashes and salt (re-hashed by on_submit's rule), same prompt,

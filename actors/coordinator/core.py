@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from taipan.actors.config import PrefixCachingCoordinatorPolicy as Policy
-from taipan.actors.coordinator.routing import Router, RoutingTable
+from taipan.actors.coordinator.routing import RankPicker, RoutingTable
 from taipan.messages.block_hash import block_hashes
 
 
@@ -51,7 +51,7 @@ class CoordinatorCore:
         self.routes: dict[int, Route] = {}  # global id -> route, until the terminal output
         self.by_client: dict[tuple[bytes, int], int] = {}
         self.next_id = 1
-        self.router = Router(policy, alpha)
+        self.router = RankPicker(policy, alpha)
         self.table = RoutingTable()
         self.in_flight: dict[int, int] = {}  # rank -> requests routed there, not yet ended
         self.capacity = capacity  # requests a rank runs at once (its max_requests)

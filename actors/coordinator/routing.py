@@ -3,7 +3,7 @@ rank a new request goes to.
 
 Owns: `RoutingTable`, per rank the set of block hashes its allocator has registered, kept from the
 allocator's "added"/"evicted" events, so it is true (what the allocators hold), not an optimistic
-shadow; and `Router`, the four routing policies with their tie rules. Must not touch: sockets,
+shadow; and `RankPicker`, the four routing policies with their tie rules. Must not touch: sockets,
 clocks, torch, asyncio, the allocator package. Hashes, ranks and loads arrive as plain ints; the
 coordinator actor feeds the events, its in-flight counts and the ranks' capacities.
 
@@ -132,7 +132,7 @@ def _inconsistency(rank: int, h: int, was: bool, added: int, evicted: int) -> st
     )
 
 
-class Router:
+class RankPicker:
     """Picks a rank for each new request by `policy` (a PrefixCachingCoordinatorPolicy).
 
     free(r) = max(0, 1 - load[r] / capacity[r]), the rank's normalized free capacity.

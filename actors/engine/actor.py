@@ -32,7 +32,7 @@ step) fails the requests of that step, each with its terminal output, and the en
 serving; the exception is logged once with its traceback. If even that is impossible (the
 scheduler itself broke), the engine fails every request it holds and ends its process with a
 `FatalError` (runtime/procs.py exits non-zero): the coordinator sees the rank die.
-Expert parallelism (`ep`, an EpGroup of more than one rank): the engines of the group must step
+Expert parallelism (`ep`, an EpConsensus of more than one rank): the engines of the group must step
 together (their gpu actors exchange tokens inside every MoE layer), so the step loop is
 actors/engine/ep.py's EpDriver, which agrees with the peers over ZMQ before stepping (idle ranks
 run dummy steps), and PAUSE completes only once the whole group stopped in the same step and met
@@ -58,9 +58,11 @@ import numpy as np
 from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.config import InferenceConfig
-from taipan.actors.engine.ep import EpDriver, EpGroup, GroupError
+from taipan.actors.engine.ep import EpConsensus, EpDriver, GroupError
 from taipan.actors.engine.gc_time import GcTime
-from taipan.actors.engine.plan import (
+from taipan.actors.engine.scheduler import Scheduler
+from taipan.actors.engine.step import EngineError, StepRunner
+from taipan.actors.engine.wire import (
     BootError,
     mamba_init,
     new_scheduler,
@@ -68,8 +70,6 @@ from taipan.actors.engine.plan import (
     runtime_plan,
     submission,
 )
-from taipan.actors.engine.scheduler import Scheduler
-from taipan.actors.engine.step import EngineError, StepRunner
 from taipan.messages.allocator import AllocatorInit, AllocatorReady
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.consensus import EpBarrier, EpBye, EpHello, EpOutcome, EpVote
@@ -121,7 +121,7 @@ class EngineActor(Actor):
         mamba: Channel | None = None,
         *,
         coordinator_timeout: float | None = None,
-        ep: EpGroup | None = None,
+        ep: EpConsensus | None = None,
     ):
         super().__init__(f"engine-{rank}")
         self.coordinator_timeout = coordinator_timeout  # None: the coordinator is not watched

@@ -23,7 +23,7 @@ Expert parallelism (actors/engine/ep.py): the log holds every consensus round (t
 messages out, the peers' in), which the replay feeds to the same pure core (`EpMirror`): it
 checks that the engine stepped only as the agreements allow (a round first whenever the
 schedule says so; no step after an agreement to idle or to pause) and knows a dummy step (an
-empty StepPlan, `plan.dummy_plan`) from the scheduler's own.
+empty StepPlan, `wire.dummy_plan`) from the scheduler's own.
 
 Pure: decoded messages in, a divergence text out. No sockets, no torch.
 """
@@ -31,7 +31,7 @@ Pure: decoded messages in, a divergence text out. No sockets, no torch.
 from __future__ import annotations
 
 from taipan.actors.config import InferenceConfig
-from taipan.actors.engine import plan as P
+from taipan.actors.engine import wire
 from taipan.actors.engine.consensus import (
     Action,
     ConsensusSchedule,
@@ -150,14 +150,14 @@ class EngineReplay:
             self.loaded = msg
         elif isinstance(msg, AllocatorReady) and self.loaded is not None:
             try:
-                self.sched = P.new_scheduler(
-                    self.config, P.runtime_plan(self.config, self.loaded, msg)
+                self.sched = wire.new_scheduler(
+                    self.config, wire.runtime_plan(self.config, self.loaded, msg)
                 )
-            except P.BootError:
+            except wire.BootError:
                 self.sched = None
         elif isinstance(msg, EngineSubmit):
             vocab = self.loaded.vocab_size if self.loaded else 0
-            req, _ = P.submission(sched, vocab, msg)
+            req, _ = wire.submission(sched, vocab, msg)
             if req is not None:
                 sched.add(req, time)
                 self.requests[req.request_id] = req
@@ -273,13 +273,13 @@ class EngineReplay:
         if isinstance(msg, StepPlan) and self.dispatching is not None:
             return self._send_plan(frames)
         if isinstance(msg, MambaOps) and self.dispatching is not None:
-            return self._compare("MambaOps", P.mamba_ops(self.dispatching), frames)
+            return self._compare("MambaOps", wire.mamba_ops(self.dispatching), frames)
         # A new plan: BlockOps, a StepPlan with no block change, or an empty plan (NoStep).
         if self.dispatching is not None or len(self.at_gpu) > 1:
             busy = self.dispatching or self.at_gpu[0]
             return f"{type(msg).__name__} planned while step {busy.step} is still in flight"
         batch = self.sched.schedule(self.now)
-        ops, mops = P.block_ops(batch), P.mamba_ops(batch)
+        ops, mops = wire.block_ops(batch), wire.mamba_ops(batch)
         if isinstance(msg, NoStep):
             if batch.is_step:
                 return f"the engine planned no step, replay plans step {batch.step}"
@@ -302,13 +302,13 @@ class EngineReplay:
         if self.dispatching is not None:
             return f"a dummy step while step {self.dispatching.step} waits for its blocks"
         self.at_gpu.append(_Dummy(self.sched.step))
-        return self._compare("StepPlan", P.dummy_plan(self.sched.step), frames)
+        return self._compare("StepPlan", wire.dummy_plan(self.sched.step), frames)
 
     def _send_plan(self, frames: tuple[bytes, ...]) -> str | None:
         batch, self.dispatching = self.dispatching, None
         self.at_gpu.append(batch)
         self.steps_checked += 1
-        return self._compare("StepPlan", P.step_plan(self.sched, batch), frames)
+        return self._compare("StepPlan", wire.step_plan(self.sched, batch), frames)
 
     def _check_outputs(self, msg: StepOutputs) -> str | None:
         problem = msg.problem()

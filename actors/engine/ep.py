@@ -1,4 +1,4 @@
-"""Expert parallelism in the engine: the group's rounds over ZMQ (`EpGroup`) and the step loop
+"""Expert parallelism in the engine: the group's rounds over ZMQ (`EpConsensus`) and the step loop
 under consensus (`EpDriver`). The decisions are the pure core's (actors/engine/consensus.py).
 
 Sockets: every engine of a group binds one ROUTER (`inbox`, watching its peers) and connects one
@@ -45,7 +45,7 @@ from taipan.actors.engine.consensus import (
     RoundBook,
     agree,
 )
-from taipan.actors.engine.plan import dummy_plan
+from taipan.actors.engine.wire import dummy_plan
 from taipan.messages.consensus import (
     BarrierPoint,
     EpBarrier,
@@ -90,7 +90,7 @@ def ep_groups(num_ranks: int, size: int) -> list[tuple[int, ...]]:
     return [tuple(range(g, g + size)) for g in range(0, num_ranks, size)]
 
 
-class EpGroup:
+class EpConsensus:
     """This rank's side of its group's rounds: `exchange` sends its message of the next round
     to every peer and waits until the round is complete. The engine hands every inbound round
     message to `deliver` (and a peer's closed connection to `peer_gone`)."""
@@ -264,7 +264,7 @@ class EpDriver:
     """The engine's step loop under consensus (module docstring). Owns the schedule and the
     step in flight; the engine owns the scheduler, the channels and the lifecycle state."""
 
-    def __init__(self, engine, group: EpGroup, interval: int, disabled: bool):
+    def __init__(self, engine, group: EpConsensus, interval: int, disabled: bool):
         """`engine`: the EngineActor whose loop this is (not imported: it imports this)."""
         self.engine, self.group = engine, group
         self.schedule = ConsensusSchedule(interval, disabled)

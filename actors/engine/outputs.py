@@ -95,7 +95,7 @@ def output_of(r: EngineRequest) -> RequestOutput:
             kw["prompt_top_n_ids"], kw["prompt_top_n_log_probs"] = _stack(
                 r.prompt_top_n, r.sampling
             )
-        policy, kv = r.record.staleness(r.num_tokens)
+        policy, kv = r.history.staleness(r.num_tokens)
         kw.update(
             events=tuple(r.events),
             ttft=r.ttft,

@@ -12,7 +12,7 @@ import enum
 
 import numpy as np
 
-from taipan.actors.engine.record import RequestRecord
+from taipan.actors.engine.history import RequestHistory
 from taipan.messages.requests import EventType, FinishReason, RequestEvent, SamplingParams
 
 
@@ -70,7 +70,7 @@ class EngineRequest:
     top_n: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     prompt_log_probs: list[float] = dataclasses.field(default_factory=list)
     prompt_top_n: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
-    record: RequestRecord = dataclasses.field(default_factory=RequestRecord)
+    history: RequestHistory = dataclasses.field(default_factory=RequestHistory)
 
     @property
     def num_tokens(self) -> int:

@@ -325,7 +325,7 @@ class Scheduler:
         self.pending_free[req.request_id] = self._release(req.blocks)
         req.blocks = []
         self._release_mamba(req)
-        req.record.checkpoint(req.num_tokens)
+        req.history.checkpoint(req.num_tokens)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
         req.add_event(EventType.EVICT, now)
@@ -352,14 +352,14 @@ class Scheduler:
         for req in self.running + self.paused + list(self.waiting):
             if req.num_computed_tokens:
                 req.num_computed_tokens = 0
-                req.record.checkpoint(req.num_tokens)
+                req.history.checkpoint(req.num_tokens)
 
     def new_weights(self, weight_version: int) -> None:
         """A weight update happened (RL): age every live request's tokens; with prefix caching,
         nothing cached before matches any more (the salt changes) and the KV requests still
         hold was computed with the old weights, so it is never registered."""
         for req in self.requests.values():
-            req.record.increment_staleness(req.num_tokens, policy_only=not req.blocks)
+            req.history.increment_staleness(req.num_tokens, policy_only=not req.blocks)
         self.salt = weight_version
         if self.prefix is None:
             return

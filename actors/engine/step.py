@@ -28,9 +28,9 @@ from __future__ import annotations
 
 from taipan.actors.base import FatalError
 from taipan.actors.engine.outputs import output_of
-from taipan.actors.engine.plan import block_ops, mamba_ops, step_plan
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import StepBatch
+from taipan.actors.engine.wire import block_ops, mamba_ops, step_plan
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult
 from taipan.messages.mamba_cache import MambaOpsReply

@@ -15,7 +15,7 @@ import time
 import numpy as np
 
 from taipan.actors.config import RuntimePlan
-from taipan.actors.engine import plan as P
+from taipan.actors.engine import wire
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler
 from taipan.messages.allocator import BlockOpsReply
@@ -43,7 +43,7 @@ def host_step_us(batch: int, steps: int = 600) -> tuple[float, float]:
         taken += n
         sched.assign_blocks(batch_, BlockOpsReply(batch_.step, True, ids, BLOCKS - taken, None))
         if batch_.chunks:
-            P.step_plan(sched, batch_)
+            wire.step_plan(sched, batch_)
         rows = np.full(len(batch_.chunks), 7, np.int32)
         sched.update(batch_, StepResult(batch_.step, rows, None, 0.0), now)
         times.append(time.perf_counter() - start)

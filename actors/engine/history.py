@@ -20,7 +20,7 @@ import numpy as np
 
 
 @dataclasses.dataclass(eq=False)
-class RequestRecord:
+class RequestHistory:
     checkpoints: list[int] = dataclasses.field(default_factory=list)  # num_tokens at each cut
     policy_staleness: np.ndarray = dataclasses.field(
         default_factory=lambda: np.zeros(0, dtype=np.int32)

@@ -1,17 +1,17 @@
-"""The request record (actors/engine/record.py): checkpoints, merge, staleness counters, and how
+"""The request history (actors/engine/history.py): checkpoints, merge, staleness counters, and how
 they reach the terminal output."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from taipan.actors.engine.history import RequestHistory
 from taipan.actors.engine.outputs import output_of
-from taipan.actors.engine.record import RequestRecord
 from tests.test_scheduler import Harness, make_plan, make_request
 
 
 def test_staleness_counts_updates_per_token_and_new_tokens_start_fresh():
-    rec = RequestRecord()
+    rec = RequestHistory()
     rec.increment_staleness(3)  # 3 tokens exist at the first update
     rec.increment_staleness(5)  # 2 more were produced before the second
     policy, kv = rec.staleness(7)  # and 2 more after it
@@ -20,7 +20,7 @@ def test_staleness_counts_updates_per_token_and_new_tokens_start_fresh():
 
 
 def test_policy_only_leaves_kv_alone_and_a_checkpoint_resets_kv():
-    rec = RequestRecord()
+    rec = RequestHistory()
     rec.increment_staleness(4)
     rec.increment_staleness(4, policy_only=True)  # evicted: no KV to age
     assert rec.staleness(4)[0].tolist() == [2] * 4
@@ -31,7 +31,7 @@ def test_policy_only_leaves_kv_alone_and_a_checkpoint_resets_kv():
 
 
 def test_merge_gives_the_spans_computed_together():
-    rec = RequestRecord()
+    rec = RequestHistory()
     assert rec.merge(5) == [(0, 5)]
     rec.checkpoint(7)
     rec.checkpoint(9)

@@ -1,6 +1,6 @@
-"""Pure translations between the engine's messages and its Scheduler, shared by the live engine
-actor (actors/engine/actor.py) and the replay checker (actors/engine/check.py), so that both
-build byte-identical messages from the same decisions.
+"""The engine's wire: pure translations between its messages and its Scheduler, shared by the
+live engine actor (actors/engine/actor.py, step.py) and the replay checker (actors/engine/check.py),
+so that both build byte-identical messages from the same decisions.
 
 No sockets, no clock, no torch: plain functions of their arguments.
 """
