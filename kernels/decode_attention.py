@@ -3,9 +3,10 @@ K/V heads (GQA) and the context split across programs (split-K, "flash decoding"
 
 Owns two kernels and their launcher: `_decode_split_kernel` (each program: one sequence, one kv
 head, one chunk of the context -> partial max, sum and unnormalised V sum, fp32) and
-`_decode_merge_kernel` (log-sum-exp merge of the chunks -> the output), plus
-`paged_decode_attention_ref`, the same contract in plain torch. Reads the cache, block tables and
-lengths only; never writes the cache and never decides anything about allocation.
+`_decode_merge_kernel` (log-sum-exp merge of the chunks -> the output). Its reference is
+kernels/attention_ref.py's `paged_attention_ref` with one query per sequence. Reads the cache,
+block tables and lengths only; never writes the cache and never decides anything about
+allocation.
 
 Layout (kernels/__init__.py): `kv_cache` is one layer's `[2, num_blocks, block_size, KVH, D]`;
 token p of sequence b lives in block `block_tables[b, p // block_size]` at offset
@@ -315,7 +316,9 @@ def _check_inputs(q, kv_cache, block_tables, seq_lens) -> tuple[int, int, int, i
     if len(devices) != 1:
         raise ValueError(f"all inputs must be on one device, got {sorted(map(str, devices))}")
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"inputs on {q.device} need TRITON_INTERPRET=1 (or use the _ref)")
+        raise ValueError(
+            f"inputs on {q.device} need TRITON_INTERPRET=1 (or use kernels/attention_ref.py)"
+        )
     return batch, num_heads, head_dim, block_size, num_kv_heads
 
 
@@ -329,35 +332,4 @@ def _check_out(out: torch.Tensor | None, q: torch.Tensor) -> torch.Tensor:
         )
     if out.stride(2) != 1:
         raise ValueError(f"out must be contiguous in its last dim, got strides {out.stride()}")
-    return out
-
-
-def paged_decode_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """`paged_decode_attention` in plain torch, one sequence at a time, fp32 inside; reads only
-    each sequence's first `seq_lens[b]` slots (syncs the host for the lengths).
-
-    Returns [B, H, D] in q's dtype; rows with seq_len 0 are zeros.
-    """
-    batch, num_heads, head_dim = q.shape
-    _, _, block_size, num_kv_heads, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
-    max_context = block_tables.shape[1] * block_size
-    out = torch.zeros_like(q)
-    for b, seq_len in enumerate(seq_lens.tolist()):
-        seq_len = min(seq_len, max_context)
-        if seq_len <= 0:
-            continue
-        blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float()  # [S, KVH, D]
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float()
-        qg = q[b].float().view(num_kv_heads, group, head_dim)  # each kv head serves `group`
-        scores = torch.einsum("kgd,skd->kgs", qg, k) * scale  # [KVH, group, S]
-        o = torch.einsum("kgs,skd->kgd", torch.softmax(scores, dim=-1), v)
-        out[b] = o.reshape(num_heads, head_dim).to(q.dtype)
     return out

@@ -1,8 +1,8 @@
 """Varlen causal prefill attention over the paged KV cache, flash-attention style: each
 sequence's new query tokens attend its cached prefix and their own causal part.
 
-Owns `paged_prefill_attention` (kernel + launcher) and `paged_prefill_attention_ref` (the same
-contract in plain torch). Only reads the cache: this step's keys and values must already be in
+Owns `paged_prefill_attention` (kernel + launcher); its reference is kernels/attention_ref.py's
+`paged_attention_ref`. Only reads the cache: this step's keys and values must already be in
 their slots (the KV-append kernel runs first). Block tables come from the allocator; nothing
 here decides or changes them.
 
@@ -288,43 +288,3 @@ def _check_metadata(block_tables, query_start_loc, seq_lens, device) -> None:
         )
     if block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_seqs} sequences")
-
-
-def paged_prefill_attention_ref(
-    q: torch.Tensor,
-    kv_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_query_len: int,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`paged_prefill_attention` in plain torch, one sequence at a time, fp32 inside, reading
-    only slots 0..seq_len-1 of each sequence. Syncs the device (reads the metadata)."""
-    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, out)
-    out = torch.empty_like(q) if out is None else out
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group = q.shape[1] // num_kv_heads
-    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
-    for b, seq_len in enumerate(lens):
-        start, end = starts[b], starts[b + 1]
-        q_len = end - start
-        if not 0 <= q_len <= min(seq_len, max_query_len):
-            raise ValueError(
-                f"sequence {b}: need 0 <= q_len ({q_len}) <= seq_len ({seq_len}) "
-                f"and q_len <= max_query_len ({max_query_len})"
-            )
-        if q_len == 0:
-            continue
-        blocks = block_tables[b, : triton.cdiv(seq_len, block_size)].long()
-        k = kv_cache[0, blocks].flatten(0, 1)[:seq_len].float()  # [S, KVH, D]
-        v = kv_cache[1, blocks].flatten(0, 1)[:seq_len].float()
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [S, H, D]
-        scores = torch.einsum("qhd,khd->hqk", q[start:end].float(), k) * scale
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        hidden = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]  # [q_len, S]
-        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(out.dtype)
-    return out

@@ -1,13 +1,12 @@
-"""Paged attention over a flat, unpadded batch: the metadata, the one dispatch point, and the
-torch reference.
+"""Paged attention over a flat, unpadded batch: the metadata and the one dispatch point.
 
 Owns `AttentionMetadata` (what one step's attention needs to know about its B sequences), the
 KV-cache layout and `paged_attention`, what the model runs: on CUDA the Triton kernels (the
 decode rows, a prefix of the step, through kernels/decode_attention.py; the longer chunks through
 kernels/prefill_attention.py); elsewhere decode rows and prefill rows each as one padded batch
-through fused SDPA. `paged_attention_ref` is a per-sequence loop in plain fp32 torch that tests
-check both against. Must not decide anything about scheduling: block tables and slots come
-from the allocator through the GPU actor, and are only read here.
+through fused SDPA. Tests check both paths against the one reference, kernels/attention_ref.py's
+`paged_attention_ref`, given the metadata's tensors. Must not decide anything about scheduling:
+block tables and slots come from the allocator through the GPU actor, and are only read here.
 
 KV cache: one tensor per model, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
 (index 0 = keys, 1 = values). Token `p` of a sequence lives in block `block_table[p // block_size]`
@@ -202,57 +201,6 @@ def _sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
     """Fused attention with grouped K/V (the CPU path). q: [B, heads, Q, D]; k, v: [B, kv_heads,
     S, D]; mask [B, 1, Q, S] (bool, True = seen) -> [B, heads, Q, D]."""
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-
-def gather_kv(
-    layer_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first `seq_len` keys and values, in position order.
-
-    block_table: [max_blocks] int32. Returns k, v: [seq_len, kv_heads, head_dim].
-    """
-    block_size = layer_cache.shape[2]
-    num_blocks_used = (seq_len + block_size - 1) // block_size
-    blocks = block_table[:num_blocks_used].long()
-    k = layer_cache[0, blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
-    v = layer_cache[1, blocks].flatten(0, 1)[:seq_len]
-    return k, v
-
-
-def paged_attention_ref(
-    q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
-) -> torch.Tensor:
-    """`paged_attention`'s reference: one sequence at a time, plain torch, fp32 inside, reading
-    only `gather_kv` of each sequence. Ignores the layout (syncs the device for the bounds).
-
-    q: [T, heads, head_dim] -> out: [T, heads, head_dim] in q's dtype.
-    """
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = layer_cache.shape[-2]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    starts, seq_lens = attn.query_start_loc.tolist(), attn.seq_lens.tolist()
-    for b, seq_len in enumerate(seq_lens):
-        start, end = starts[b], starts[b + 1]
-        query_len = end - start
-        if query_len == 0:
-            continue
-        k, v = gather_kv(layer_cache, attn.block_tables[b], seq_len)  # [S, kv_heads, D]
-        # qg: [kv_heads, group, query_len, D]; each kv head serves `group` query heads
-        qg = q[start:end].float().view(query_len, num_kv_heads, group, head_dim)
-        qg = qg.permute(1, 2, 0, 3)
-        kt = k.float().permute(1, 2, 0).unsqueeze(1)  # [kv_heads, 1, D, S]
-        vv = v.float().permute(1, 0, 2).unsqueeze(1)  # [kv_heads, 1, S, D]
-        scores = torch.matmul(qg, kt) * scale  # [kv_heads, group, query_len, S]
-        # Query i sits at position seq_len - query_len + i and sees keys 0..that position.
-        q_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
-        k_pos = torch.arange(seq_len, device=q.device)
-        mask = k_pos[None, :] > q_pos[:, None]  # [query_len, S], True = hidden
-        scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        o = torch.matmul(probs, vv)  # [kv_heads, group, query_len, D]
-        out[start:end] = o.permute(2, 0, 1, 3).reshape(query_len, num_heads, head_dim).to(q.dtype)
-    return out
 
 
 def build_attention_metadata(

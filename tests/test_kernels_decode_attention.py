@@ -1,6 +1,7 @@
-"""The paged decode-attention kernel against its torch reference, and the reference against a
-dense float64 attention over the keys and values the test wrote. On CPU the kernels run in the
-Triton interpreter in fp32 (it computes bf16 wrongly); the `gpu` test covers bf16/fp16."""
+"""The paged decode-attention kernel against the one attention reference
+(kernels/attention_ref.py, one query per sequence), and the reference against a dense float64
+attention over the keys and values the test wrote. On CPU the kernels run in the Triton
+interpreter in fp32 (it computes bf16 wrongly); the `gpu` test covers bf16/fp16."""
 
 from __future__ import annotations
 
@@ -9,10 +10,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from taipan.kernels.decode_attention import (
-    paged_decode_attention,
-    paged_decode_attention_ref,
-)
+from taipan.kernels.attention_ref import paged_attention_ref
+from taipan.kernels.decode_attention import paged_decode_attention
 
 
 @dataclass
@@ -26,6 +25,13 @@ class Case:
 
     def args(self):
         return self.q, self.kv_cache, self.block_tables, self.seq_lens, self.scale
+
+    def ref(self) -> torch.Tensor:
+        """The reference's answer: decode is one query per sequence."""
+        starts = torch.arange(self.q.shape[0] + 1, dtype=torch.int32, device=self.q.device)
+        return paged_attention_ref(
+            self.q, self.kv_cache, self.block_tables, starts, self.seq_lens, self.scale
+        )
 
 
 def make_case(
@@ -90,13 +96,25 @@ def test_kernel_matches_ref(case, num_splits):
     seed, seq_lens, heads, kv_heads, head_dim, block_size = case
     c = make_case(seed, seq_lens, heads, kv_heads, head_dim, block_size)
     out = paged_decode_attention(*c.args(), num_splits=num_splits)
-    ref = paged_decode_attention_ref(*c.args())
+    ref = c.ref()
     assert torch.isfinite(out).all(), "the kernel read a slot past some seq_len (NaN)"
     assert torch.isfinite(ref).all()
     assert rel_err(out, ref) < 1e-5
     for b, n in enumerate(seq_lens):
         if n == 0:
             assert (out[b] == 0).all()
+
+
+def test_lengths_past_the_table_are_clamped_to_it():
+    """A length past max_blocks * block_size reads the whole table and no further, in the kernel
+    as in the reference."""
+    c = make_case(7, [32, 5], 4, 2, 64, spare_columns=0)  # row 0 fills its 2-block table
+    c.seq_lens[0] = 1000
+    out = paged_decode_attention(*c.args(), num_splits=2)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, c.ref()) < 1e-5
+    c.seq_lens[0] = 32
+    assert rel_err(out, c.ref()) < 1e-5
 
 
 def test_splits_agree_and_out_buffer_is_used():
@@ -112,7 +130,7 @@ def test_splits_agree_and_out_buffer_is_used():
 def test_ref_matches_dense_float64(case):
     seed, seq_lens, heads, kv_heads, head_dim, block_size = case
     c = make_case(seed, seq_lens, heads, kv_heads, head_dim, block_size)
-    ref = paged_decode_attention_ref(*c.args())
+    ref = c.ref()
     group = heads // kv_heads
     for b, (k, v) in enumerate(c.true_kv):
         if seq_lens[b] == 0:
@@ -169,7 +187,7 @@ def test_launcher_refuses(bad, error, match):
 def test_launcher_never_syncs_the_host(monkeypatch):
     """CUDA-graph safety: grid and buffers come from shapes only, never from lengths' values."""
     c = make_case(6, [40, 7], 4, 2, 64)
-    ref = paged_decode_attention_ref(*c.args())
+    ref = c.ref()
 
     def host_sync(*args, **kwargs):
         raise AssertionError("paged_decode_attention read a device value on the host")
@@ -197,7 +215,7 @@ def test_gpu_cuda_graph_replays_new_lengths():
     c.q.copy_(torch.randn_like(c.q))
     graph.replay()
     torch.cuda.synchronize()
-    ref = paged_decode_attention_ref(*c.args())
+    ref = c.ref()
     assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
 
 
@@ -215,7 +233,7 @@ def test_gpu_half_precision_and_bandwidth():
         dtype = rng.choice([torch.bfloat16, torch.float16])
         block_size, head_dim = rng.choice([16, 256]), rng.choice([64, 128])
         c = make_case(i, seq_lens, kv_heads * group, kv_heads, head_dim, block_size, dtype, "cuda")
-        ref = paged_decode_attention_ref(*c.args()).float()
+        ref = c.ref().float()
         for num_splits in (None, 1):
             out = paged_decode_attention(*c.args(), num_splits=num_splits).float()
             assert torch.isfinite(out).all()

@@ -1,6 +1,7 @@
-"""Paged varlen prefill attention: the Triton kernel against its torch reference (fp32; the CPU
-interpreter without a GPU), the reference against dense float64 attention built from the true
-keys and values, the launcher's refusals, and on a GPU bf16/fp16 accuracy plus a timing print."""
+"""Paged varlen prefill attention: the Triton kernel against the one attention reference
+(kernels/attention_ref.py; fp32, the CPU interpreter without a GPU), the reference against dense
+float64 attention built from the true keys and values, the launcher's refusals, and on a GPU
+bf16/fp16 accuracy plus a timing print."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import pytest
 import torch
 
 from taipan.kernels import prefill_attention
-from taipan.kernels.prefill_attention import paged_prefill_attention, paged_prefill_attention_ref
+from taipan.kernels.attention_ref import paged_attention_ref
+from taipan.kernels.prefill_attention import paged_prefill_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -115,7 +117,7 @@ def random_case(seed: int) -> Case:
 
 def check_kernel(case: Case) -> None:
     out = paged_prefill_attention(*case.args(), case.scale, max_query_len=case.max_query_len)
-    ref = paged_prefill_attention_ref(*case.args(), case.scale, max_query_len=case.max_query_len)
+    ref = paged_attention_ref(*case.args(), case.scale)
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert torch.isfinite(out).all(), "NaN/inf: the kernel read a slot no sequence owns"
     assert rel_err(out, ref) < 1e-5
@@ -152,7 +154,7 @@ def test_out_buffer_and_strided_q():
     args = (q, *case.args()[1:])
     got = paged_prefill_attention(*args, case.scale, max_query_len=case.max_query_len, out=out)
     assert got is out
-    ref = paged_prefill_attention_ref(*case.args(), case.scale, max_query_len=case.max_query_len)
+    ref = paged_attention_ref(*case.args(), case.scale)
     assert rel_err(out, ref) < 1e-5
 
 
@@ -178,7 +180,7 @@ def dense_attention(case: Case) -> torch.Tensor:
 def test_ref_matches_dense_float64(name):
     seqs, heads, kv_heads, head_dim, block_size, extra = CASES[name]
     case = make_case(seqs, heads, kv_heads, head_dim, block_size=block_size, extra_query_len=extra)
-    ref = paged_prefill_attention_ref(*case.args(), case.scale, max_query_len=case.max_query_len)
+    ref = paged_attention_ref(*case.args(), case.scale)
     assert rel_err(ref, dense_attention(case)) < 1e-5
 
 
@@ -274,12 +276,8 @@ def test_gpu_low_precision_and_bench():
                 out = paged_prefill_attention(
                     *case.args(), case.scale, max_query_len=case.max_query_len
                 )
-                ref = paged_prefill_attention_ref(
-                    case.q.float(),
-                    case.kv_cache.float(),
-                    *case.args()[2:],
-                    case.scale,
-                    max_query_len=case.max_query_len,
+                ref = paged_attention_ref(
+                    case.q.float(), case.kv_cache.float(), *case.args()[2:], case.scale
                 )
                 assert torch.isfinite(out).all()
                 err = rel_err(out, ref)

@@ -1,6 +1,7 @@
-"""ops.attention: the production path (`paged_attention`, slots + fused SDPA) against the
-per-sequence reference (`paged_attention_ref`), and the reference against dense causal attention
-over each sequence's true keys and values.
+"""ops.attention: the production path (`paged_attention`, slots + fused SDPA) against the one
+per-sequence reference (kernels/attention_ref.py `paged_attention_ref`, given the metadata's
+tensors), and the reference against dense causal attention over each sequence's true keys and
+values.
 
 Every cache starts as NaN and block 0 (the block tables' padding value) is never handed out, so a
 read of any slot a sequence did not write, or of a padded table entry, shows up as NaN.
@@ -13,13 +14,9 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from taipan.kernels.attention_ref import paged_attention_ref
 from taipan.kernels.rope import write_kv_ref as write_kv
-from taipan.ops.attention import (
-    AttentionMetadata,
-    build_attention_metadata,
-    paged_attention,
-    paged_attention_ref,
-)
+from taipan.ops.attention import AttentionMetadata, build_attention_metadata, paged_attention
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -90,9 +87,16 @@ def dense_attention(case: Case, scale: float) -> torch.Tensor:
     return torch.cat(outs)
 
 
+def reference(q: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata, scale: float):
+    """The one reference over the metadata's tensors (it needs no layout)."""
+    return paged_attention_ref(
+        q, cache, meta.block_tables, meta.query_start_loc, meta.seq_lens, scale
+    )
+
+
 def check(case: Case) -> None:
     scale = case.q.shape[-1] ** -0.5
-    ref = paged_attention_ref(case.q, case.cache, case.meta, scale)
+    ref = reference(case.q, case.cache, case.meta, scale)
     got = paged_attention(case.q, case.cache, case.meta, scale)
     assert got.dtype == ref.dtype == case.q.dtype and got.shape == case.q.shape
     assert not ref.isnan().any() and not got.isnan().any()
@@ -159,6 +163,6 @@ def test_production_path_needs_the_layout():
         bare.with_layout([0, 3], [5], 0)
     # The reference needs no layout.
     torch.testing.assert_close(
-        paged_attention_ref(case.q, case.cache, bare, 0.25),
-        paged_attention_ref(case.q, case.cache, case.meta, 0.25),
+        reference(case.q, case.cache, bare, 0.25),
+        reference(case.q, case.cache, case.meta, 0.25),
     )

@@ -1,0 +1,111 @@
+"""The one reference of paged causal attention: varlen GQA attention over the paged KV cache, in
+plain torch, fp32 inside. The decode kernel (kernels/decode_attention.py: one query per
+sequence), the prefill kernel (kernels/prefill_attention.py) and ops/attention.py's CPU path are
+all checked against it.
+
+Contract. Sequence b owns query tokens `query_start_loc[b] : query_start_loc[b + 1]`, the last
+`q_len` tokens of its context of `seq_lens[b]` tokens (clamped to its block table's capacity,
+max_blocks * block_size, as the decode kernel clamps): query i sits at position
+`context - q_len + i` and sees keys 0..that position. A sequence with an empty context (an idle
+decode row, seq_len 0) gives zeros, as do tokens no sequence owns. Only slots 0..context-1 of
+each sequence are read, so an unwritten slot (garbage, maybe NaN) never reaches the output.
+Any head_dim, block_size and GQA group; the kernels' own limits are their launchers' to check.
+
+Which keys a query sees is decided in `_visible` alone (causal today): the one place a
+per-layer sliding window would go. Syncs the device (reads the metadata on the host): for tests
+and debugging, never a hot path. Reads the cache only.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of every sequence's queries over its paged KV, one sequence at a time.
+
+    q: [T, H, D]; kv_cache: one layer's [2, num_blocks, block_size, KVH, D]; block_tables:
+    [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B], context lengths including this
+    step's tokens (already written). Returns [T, H, D] in q's dtype.
+    """
+    _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens)
+    capacity = block_tables.shape[1] * kv_cache.shape[2]
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        q_len, context = end - start, min(seq_len, capacity)
+        if q_len < 0 or seq_len < 0 or q_len > context > 0:
+            raise ValueError(
+                f"sequence {b}: need 0 <= q_len ({q_len}) <= seq_len ({seq_len}, clamped to the "
+                f"block table's {capacity} slots), or seq_len 0"
+            )
+        if q_len == 0 or context == 0:
+            continue
+        k, v = gather_kv(kv_cache, block_tables[b], context)  # [context, KVH, D]
+        visible = _visible(q_len, context, q.device)
+        out[start:end] = _attend(q[start:end], k, v, visible, scale).to(q.dtype)
+    return out
+
+
+def gather_kv(
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `seq_len` keys and values, in position order (its blocks past them
+    are never touched). block_table: [max_blocks]. Returns k, v: [seq_len, KVH, D]."""
+    block_size = kv_cache.shape[2]
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
+    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    return k, v
+
+
+def _visible(q_len: int, context: int, device: torch.device) -> torch.Tensor:
+    """[q_len, context] bool, True where the query (the last q_len positions) sees the key."""
+    q_pos = torch.arange(context - q_len, context, device=device)
+    return torch.arange(context, device=device)[None, :] <= q_pos[:, None]
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """q: [Q, H, D]; k, v: [S, KVH, D], each kv head serving H / KVH query heads; visible:
+    [Q, S] (every row sees key 0, so no row is all -inf) -> [Q, H, D] fp32."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))  # [S, H, D]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens) -> None:
+    """The shapes the contract needs, with errors that name the argument (no kernel limits)."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, heads, head_dim], got shape {tuple(q.shape)}")
+    if kv_cache.dim() != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(
+            "kv_cache must be one layer's [2, num_blocks, block_size, kv_heads, head_dim], "
+            f"got shape {tuple(kv_cache.shape)}"
+        )
+    num_heads, num_kv_heads = q.shape[1], kv_cache.shape[3]
+    if kv_cache.shape[4] != q.shape[2]:
+        raise ValueError(f"kv_cache head_dim {kv_cache.shape[4]} != q's head_dim {q.shape[2]}")
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise ValueError(f"heads ({num_heads}) must be a multiple of kv_heads ({num_kv_heads})")
+    num_seqs = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"need seq_lens [B] and query_start_loc [B + 1], got {tuple(seq_lens.shape)} and "
+            f"{tuple(query_start_loc.shape)}"
+        )
+    if block_tables.dim() != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(
+            f"block_tables must be [B={num_seqs}, max_blocks], got {block_tables.shape}"
+        )

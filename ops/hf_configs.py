@@ -1,0 +1,254 @@
+"""Hugging Face config.json -> our model config, one function per family (Llama, NemotronH with
+or without MoE layers, Qwen3-MoE): which architecture a directory holds, which fields each
+family reads, with which defaults, and which settings we refuse.
+
+Every failure is a `ModelLoadError` naming the path and the field. Reads no weights and no
+tokenizer files (the caller passes the tokenizer, whose BOS/EOS ids fill in what config.json
+leaves out).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from taipan.ops.checkpoint import ModelLoadError
+from taipan.ops.models.llama import LlamaConfig
+from taipan.ops.models.nemotron_h import NemotronHConfig
+from taipan.ops.models.qwen3_moe import Qwen3MoeConfig
+from taipan.ops.moe import MoEConfig
+from taipan.ops.tokenizer import Tokenizer
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "NemotronHForCausalLM": "nemotron_h",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+}
+
+
+def hf_family(path: Path, hf: dict) -> str:
+    """The model family of a Hugging Face config: "llama", "nemotron_h" or "qwen3_moe" (the
+    launcher's torch-free runtime/models.has_mamba_layers tells a hybrid the same way)."""
+    archs = hf.get("architectures") or []
+    for arch in archs:
+        if arch in _ARCHITECTURES:
+            return _ARCHITECTURES[arch]
+    if hf.get("model_type") in _ARCHITECTURES.values():
+        return hf["model_type"]
+    raise ModelLoadError(
+        f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
+        f"(supported: {', '.join(_ARCHITECTURES)})"
+    )
+
+
+def _eos_ids(hf: dict, tokenizer: Tokenizer) -> tuple[int, ...]:
+    eos = hf.get("eos_token_id")
+    eos_ids = list(tokenizer.eos_token_ids)
+    for token_id in eos if isinstance(eos, list) else [eos]:
+        if isinstance(token_id, int) and token_id not in eos_ids:
+            eos_ids.append(token_id)
+    return tuple(eos_ids)
+
+
+# Hugging Face's layer type names (and their legacy spellings) -> our pattern characters.
+_HF_LAYER_TYPES = {
+    "linear_attention": "M",
+    "mamba": "M",
+    "full_attention": "*",
+    "attention": "*",
+    "mlp": "-",
+    "moe": "E",
+}
+
+
+def _nemotron_h_pattern(path: Path, hf: dict) -> str:
+    pattern = hf.get("hybrid_override_pattern")
+    if pattern is None:
+        types = hf.get("layers_block_type") or hf.get("layer_types")
+        if not isinstance(types, list):
+            raise ModelLoadError(
+                f"{path}/config.json: no hybrid_override_pattern or layers_block_type"
+            )
+        unknown = sorted({t for t in types if t not in _HF_LAYER_TYPES})
+        if unknown:
+            raise ModelLoadError(f"{path}/config.json: unknown layer types {unknown}")
+        pattern = "".join(_HF_LAYER_TYPES[t] for t in types)
+    return pattern
+
+
+def _json_float(value) -> float:
+    """A float from config.json, where transformers writes infinity as {"__float__": ...}."""
+    if isinstance(value, dict) and "__float__" in value:
+        return float(value["__float__"])
+    return float(value)
+
+
+def _hf_nemotron_h_config(path: Path, hf: dict, tokenizer: Tokenizer) -> NemotronHConfig:
+    def pick(name: str, *aliases: str, default=None):
+        for key in (name, *aliases):
+            if key in hf:
+                return hf[key]
+        if default is None:
+            raise KeyError(name)
+        return default
+
+    pattern = _nemotron_h_pattern(path, hf)
+    _refuse_nemotron_h_options(path, hf)
+    try:
+        num_heads = hf["num_attention_heads"]
+        limit = pick("time_step_limit", "mamba_dt_limit", default=[0.0, math.inf])
+        return NemotronHConfig(
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            pattern=pattern,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+            intermediate_size=hf["intermediate_size"],
+            mamba_num_heads=hf["mamba_num_heads"],
+            mamba_head_dim=hf["mamba_head_dim"],
+            n_groups=pick("n_groups", "mamba_n_groups"),
+            ssm_state_size=hf["ssm_state_size"],
+            conv_kernel=pick("conv_kernel", "mamba_d_conv"),
+            chunk_size=pick("chunk_size", "mamba_chunk_size"),
+            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
+            eos_token_ids=_eos_ids(hf, tokenizer),
+            dt_limit=(_json_float(limit[0]), _json_float(limit[1])),
+            use_conv_bias=bool(pick("use_conv_bias", "mamba_conv_bias", default=True)),
+            mamba_proj_bias=bool(hf.get("use_bias", False)),
+            ssm_state_dtype=hf.get("mamba_ssm_cache_dtype", "float32"),
+            moe=_nemotron_h_moe(hf, pick) if "E" in pattern else None,
+        )
+    except (KeyError, ValueError, TypeError, IndexError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
+def _refuse_nemotron_h_options(path: Path, hf: dict) -> None:
+    """NemotronH options our layers do not implement: a clear error, never silently ignored."""
+    unsupported = {
+        "residual_in_fp32": hf.get("residual_in_fp32", False),
+        "attention_bias": hf.get("attention_bias", False),
+        "mlp_bias": hf.get("mlp_bias", False),
+        "sliding_window": hf.get("sliding_window") is not None,
+    }
+    for flag, on in unsupported.items():
+        if on:
+            raise ModelLoadError(f"{path}: {flag} is not supported for NemotronH")
+    for key, want in (("mlp_hidden_act", "relu2"), ("mamba_hidden_act", "silu")):
+        if hf.get(key, want) != want:
+            raise ModelLoadError(f"{path}: {key} {hf[key]!r} is not supported (only {want!r})")
+
+
+def _nemotron_h_moe(hf: dict, pick) -> MoEConfig:
+    """The `E` layers' settings, as transformers 5.23's NemotronHMoE reads them: one shared
+    ReLU² expert of moe_shared_expert_intermediate_size (whatever n_shared_experts says);
+    moe_shared_expert_overlap only schedules, it changes no result."""
+    latent = hf.get("moe_latent_size")
+    return MoEConfig(
+        num_experts=pick("n_routed_experts", "num_local_experts"),
+        top_k=hf["num_experts_per_tok"],
+        intermediate_size=hf["moe_intermediate_size"],
+        activation="relu2",
+        scoring="sigmoid",
+        renormalize=bool(hf.get("norm_topk_prob", True)),
+        num_groups=hf.get("n_group", 1),
+        topk_groups=hf.get("topk_group", 1),
+        scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+        latent_size=int(latent) if latent is not None else None,
+        shared_intermediate_size=hf["moe_shared_expert_intermediate_size"],
+    )
+
+
+def _rope_theta(path: Path, hf: dict) -> float:
+    """Plain RoPE's base; any other RoPE type is refused."""
+    rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
+    if rope_type not in (None, "default"):
+        raise ModelLoadError(f"{path}: RoPE type {rope_type!r} is not supported yet")
+    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+
+
+def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
+    rope_theta = _rope_theta(path, hf)
+    for flag in ("attention_bias", "mlp_bias"):
+        if hf.get(flag):
+            raise ModelLoadError(f"{path}: {flag}=true is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
+    try:
+        return LlamaConfig(**_decoder_fields(hf, tokenizer, rope_theta, max_positions=2048))
+    except (KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
+def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope_theta: float, max_positions: int):
+    """The fields a Llama-skeleton config (Llama, Qwen3-MoE) takes from Hugging Face's config
+    (KeyError for a missing one)."""
+    num_heads = hf["num_attention_heads"]
+    return dict(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=num_heads,
+        num_kv_heads=hf.get("num_key_value_heads") or num_heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=rope_theta,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", max_positions),
+        bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
+        eos_token_ids=_eos_ids(hf, tokenizer),
+    )
+
+
+def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3MoeConfig:
+    rope_theta = _rope_theta(path, hf)
+    unsupported = {
+        "attention_bias": hf.get("attention_bias", False),
+        "use_sliding_window": hf.get("use_sliding_window", False),
+    }
+    for flag, on in unsupported.items():
+        if on:
+            raise ModelLoadError(f"{path}: {flag}=true is not supported for Qwen3-MoE")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
+    num_experts = hf.get("num_experts", hf.get("num_local_experts"))
+    if not num_experts:
+        raise ModelLoadError(
+            f"{path}: num_experts {num_experts!r}: a Qwen3-MoE config without experts (a dense "
+            "Qwen3) is not supported"
+        )
+    try:
+        moe = MoEConfig(
+            num_experts=num_experts,
+            top_k=hf["num_experts_per_tok"],
+            intermediate_size=hf["moe_intermediate_size"],
+            activation="swiglu",
+            scoring="softmax",
+            renormalize=bool(hf.get("norm_topk_prob", False)),
+        )
+        return Qwen3MoeConfig(
+            **_decoder_fields(hf, tokenizer, rope_theta, max_positions=32768),
+            moe=moe,
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
+_HF_CONFIGS = {
+    "llama": _hf_llama_config,
+    "nemotron_h": _hf_nemotron_h_config,
+    "qwen3_moe": _hf_qwen3_moe_config,
+}
+
+
+def hf_config(path: Path, hf: dict, family: str, tokenizer: Tokenizer):
+    """Our config of `family` (`hf_family`) from the parsed config.json `hf`."""
+    return _HF_CONFIGS[family](path, hf, tokenizer)

@@ -1,0 +1,83 @@
+"""A Hugging Face model directory (config.json, *.safetensors, tokenizer files) -> (model, config,
+tokenizer).
+
+Owns reading the directory: config.json (mapped by ops/hf_configs.py), the tokenizer, and every
+safetensors tensor as a piece read lazily through the file's memory map, so a rank reads only its
+slices (ops/checkpoint.py decides which). Skips what checkpoints carry beyond our modules (RoPE's
+saved inv_freq, NemotronH's multi-token-prediction head, a tied LM head's copy).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from taipan.ops.checkpoint import ModelLoadError, Piece, build_model, expert_pieces, no_experts
+from taipan.ops.hf_configs import hf_config, hf_family
+from taipan.ops.moe import ExpertRange
+from taipan.ops.parallel import TPGroup
+from taipan.ops.sharding import Placement
+from taipan.ops.tokenizer import Tokenizer
+
+
+def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGroup) -> tuple:
+    """(model, config, tokenizer) of the directory, this rank's shards and experts only."""
+    try:
+        hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}/config.json: cannot read ({exc})") from exc
+    family = hf_family(path, hf)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    config = hf_config(path, hf, family, tokenizer)
+    moe = getattr(config, "moe", None)
+    if moe is None:
+        no_experts(path, expert_range)
+        experts = None
+    else:
+        try:
+            experts = ExpertRange.of(expert_range, moe.num_experts)
+        except ValueError as exc:
+            raise ModelLoadError(f"{path}: {exc}") from exc
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    with contextlib.ExitStack() as files_open:
+        pieces = _safetensors_pieces(files, files_open, config.tie_word_embeddings)
+        if experts is not None:
+            pieces = expert_pieces(path, config, experts, pieces, tp)
+        model = build_model(path, config, pieces, dtype, device, tp, experts)
+    return model, config, tokenizer
+
+
+def _safetensors_pieces(files: list[Path], files_open, tied: bool) -> Iterator[Piece]:
+    """Every tensor of the files, not read yet (a piece reads its slice through the file's
+    memory map)."""
+    from safetensors import safe_open
+
+    for file in files:
+        try:
+            f = files_open.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        except Exception as exc:  # safetensors raises its own untyped errors
+            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
+        for name in f.keys():
+            ours = name.removeprefix("model.").removeprefix("backbone.")
+            if ours.endswith("rotary_emb.inv_freq") or ours.startswith("mtp."):
+                # A buffer older checkpoints saved (recomputed from rope_theta); NemotronH's
+                # multi-token-prediction head (Hugging Face ignores it too).
+                continue
+            if tied and ours == "lm_head.weight":
+                continue  # the embedding is the LM head
+            tensor = f.get_slice(name)
+            yield ours, tuple(tensor.get_shape()), functools.partial(_read_slice, file, tensor)
+
+
+def _read_slice(file: Path, tensor, p: Placement) -> torch.Tensor:
+    try:
+        return p.take(tensor)
+    except Exception as exc:  # safetensors raises its own untyped errors
+        raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc

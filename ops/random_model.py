@@ -1,0 +1,146 @@
+"""`random:<shape>` (RANDOM_SHAPES) -> (model, config, tokenizer) from a config alone, no disk:
+a model's real shape without its checkpoint, for benchmarks and tests.
+
+Owns the shapes, the seeded random weights made on the device (`random_state`, which the
+benchmark's Hugging Face copy reuses, so both sides hold the same weights) and a byte-level
+tokenizer with a ChatML template. Weights go through ops/checkpoint.py like a checkpoint's, so a
+tensor-parallel rank keeps its shards only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from taipan.ops.checkpoint import ModelLoadError, Piece, build_model
+from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
+from taipan.ops.parallel import SINGLE, TPGroup
+from taipan.ops.sharding import split_fused
+from taipan.ops.tokenizer import Tokenizer
+
+RANDOM_PREFIX = "random:"
+RANDOM_SEED = 0
+RANDOM_STD = 0.02  # of every matrix (embeddings and projections); norm weights are 1
+_RANDOM_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama 3's vocabulary size (so the LM head costs what it really costs) and RoPE base. Its
+# checkpoints scale RoPE ("llama3" rope type), which we do not support: these shapes use plain
+# RoPE, which costs the same. max_position_embeddings is the real 131072 (the fp32 cos/sin
+# cache is then 131072 x head_dim x 4 bytes: 32 MiB for 1B, 64 MiB for 8B).
+_LLAMA3 = dict(
+    vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072
+)
+RANDOM_SHAPES = {
+    # Llama-3.2-1B: tied embeddings.
+    "llama-1b": dict(
+        _LLAMA3,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        tie_word_embeddings=True,
+    ),
+    # Llama-3.1-8B: untied LM head.
+    "llama-8b": dict(
+        _LLAMA3,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        tie_word_embeddings=False,
+    ),
+    # CPU tests of the machinery: 2 layers, GQA 4/2.
+    "tiny": dict(
+        _LLAMA3,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+    ),
+}
+
+
+def random_config(spec: str) -> LlamaConfig:
+    """The LlamaConfig of `random:<shape>`; EOS is the tokenizer's <|im_end|> (id 258)."""
+    shape = spec.removeprefix(RANDOM_PREFIX)
+    if shape not in RANDOM_SHAPES:
+        raise ModelLoadError(
+            f"{spec}: unknown random shape {shape!r} (known: {', '.join(RANDOM_SHAPES)})"
+        )
+    eos = 256 + _RANDOM_SPECIALS.index("<|im_end|>")
+    return LlamaConfig(**RANDOM_SHAPES[shape], bos_token_id=None, eos_token_ids=(eos,))
+
+
+def random_state(
+    config: LlamaConfig, dtype: torch.dtype, device, seed: int = RANDOM_SEED
+) -> dict[str, torch.Tensor]:
+    """Seeded random weights in our parameter names (fused qkv_proj / gate_up_proj), made on
+    `device` in `dtype`: the same (config, dtype, device type, seed) gives the same tensors, in
+    any process. Matrices are normal(0, RANDOM_STD), norm weights 1."""
+    return dict(_random_tensors(config, dtype, device, seed))
+
+
+def _random_tensors(
+    config: LlamaConfig, dtype: torch.dtype, device, seed: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`random_state`'s tensors one at a time (a sharded load keeps one whole tensor alive)."""
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in shapes.items():  # state_dict order: the same on every call
+        t = torch.empty(shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            yield name, t.fill_(1.0)
+        else:
+            yield name, t.normal_(0.0, RANDOM_STD, generator=generator)
+
+
+def random_tokenizer() -> Tokenizer:
+    """Byte-level: the 256 byte tokens, then <|endoftext|>, <|im_start|>, <|im_end|>, and a ChatML
+    template. Ids from 259 up to the model's vocabulary have no token: decoding skips them (the
+    `tokenizers` backend drops unknown ids), so a random model's output decodes to little text
+    but never fails."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers.models import BPE
+
+    from taipan.ops.tokenizer import bytes_to_unicode
+
+    vocab = {ch: i for i, ch in enumerate(bytes_to_unicode().values())}
+    backend = BackendTokenizer(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens(list(_RANDOM_SPECIALS))
+    eos = backend.token_to_id("<|im_end|>")
+    return Tokenizer(
+        backend, chat_template=_CHATML, bos_token_id=None, eos_token_ids=(eos,), add_bos=False
+    )
+
+
+def load_random_model(spec: str, *, dtype: torch.dtype, device, tp: TPGroup = SINGLE) -> tuple:
+    """`random:<shape>` -> (model, config, tokenizer), weights from `random_state` (each
+    tensor made whole, as the seed's stream gives it, then this rank's slice kept)."""
+    config = random_config(spec)
+
+    def pieces() -> Iterator[Piece]:
+        for param, tensor in _random_tensors(config, dtype, device, RANDOM_SEED):
+            for name, part in split_fused(param, tensor, config):
+                yield name, tuple(part.shape), lambda p, part=part: p.take(part)
+
+    model = build_model(Path(spec), config, pieces(), dtype, device, tp)
+    return model, config, random_tokenizer()
