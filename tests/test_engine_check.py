@@ -14,6 +14,7 @@ import pytest
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine import wire
 from taipan.actors.engine.check import EngineReplay
+from taipan.actors.engine.flow import apply_block_reply
 from taipan.messages.allocator import AllocatorReady, BlockOpsReply
 from taipan.messages.codec import encode
 from taipan.messages.gpu import ModelLoaded, StepResult
@@ -124,8 +125,8 @@ def _one_step():
     h.submit(make_request(1, 2, max_tokens=2))
     batch = h.sched.schedule(1.0)
     ids, free = h.pool.apply([], [(1, batch.chunks[0].new_blocks)])
-    h.sched.assign_blocks(
-        batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
+    apply_block_reply(
+        h.sched, batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
     )
     return h.sched, batch
 

@@ -52,7 +52,7 @@ async def test_a_busy_rank_and_an_idle_one_step_in_lockstep_for_200_steps(overla
         # One round before each step (rank 1 idle: every step), one to find the group idle.
         rounds = [after - before for after, before in zip(_votes(g), rounds_before, strict=True)]
         assert rounds[0] == rounds[1] and steps <= rounds[0] <= steps + 2
-        assert g.engines[1].ep_driver.dummy_steps == steps
+        assert g.engines[1].steps.dummy_steps == steps
         # Stats count dummy forwards apart from real steps.
         busy, idle = (g.engines[r].stats().ranks[0] for r in (0, 1))
         assert (busy.steps_total, busy.dummy_steps_total) == (200, steps - 200)

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine import wire
 from taipan.actors.engine.batch_arrays import plan_arrays
+from taipan.actors.engine.flow import apply_block_reply
 from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
@@ -204,12 +205,12 @@ class Harness:
                 reply = self.allocate(planned, ops)
                 self.now += 0.1
                 self.record("in", "allocator", reply)
-                sched.assign_blocks(planned, reply)
+                self.apply_blocks(planned, reply)
             if mops is not None:
                 mreply = self.mamba_slots(planned, mops)
                 self.now += 0.1
                 self.record("in", "mamba_cache", mreply)
-                sched.assign_mamba(planned, mreply)
+                sched.mamba.served(planned, mreply)
             self.check_blocks(planned)
             if planned.chunks:
                 plan = wire.step_plan(sched, planned)
@@ -228,6 +229,10 @@ class Harness:
             if not self.overlap:
                 self.collect(*sent)
         return planned is not None or collected
+
+    def apply_blocks(self, batch: StepBatch, reply: BlockOpsReply) -> None:
+        """Hook: the allocator's reply applied (actors/engine/flow.py)."""
+        apply_block_reply(self.sched, batch, reply)
 
     def allocate(self, batch: StepBatch, ops) -> BlockOpsReply:
         """The allocator's answer to the step's BlockOps."""
@@ -668,8 +673,8 @@ def test_failed_step_ends_its_requests_with_error():
         h.add(make_request(rid, 4, max_tokens=5))
     batch = h.sched.schedule(0.0)
     ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
-    h.sched.assign_blocks(
-        batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
+    apply_block_reply(
+        h.sched, batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
     )
     ended = h.sched.update(batch, None, 1.0, error="boom")
     assert [(r.request_id, r.finish_reason, r.error) for r in ended] == [
@@ -803,8 +808,8 @@ def test_plan_arrays_for_a_mixed_step():
     h.add(make_request(2, 2, max_tokens=5))
     batch = h.sched.schedule(h.now)
     ids, free = h.pool.apply([], [(c.request.request_id, c.new_blocks) for c in batch.chunks])
-    h.sched.assign_blocks(
-        batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
+    apply_block_reply(
+        h.sched, batch, BlockOpsReply(batch.step, True, np.asarray(ids, np.int32), free, None)
     )
     got = plan_arrays(batch, h.sched.plan.block_size, h.sched.mamba is not None)
     want = {
@@ -831,7 +836,8 @@ def test_add_twice_and_bad_allocator_reply_are_refused():
         sched.add(make_request(1, 4), 0.0)
     batch = sched.schedule(0.0)
     with pytest.raises(ValueError, match="expected 1"):
-        sched.assign_blocks(batch, BlockOpsReply(1, True, np.array([0, 1], np.int32), 62, None))
+        reply = BlockOpsReply(1, True, np.array([0, 1], np.int32), 62, None)
+        apply_block_reply(sched, batch, reply)
 
 
 def test_derive_seed_is_fixed_by_the_message_and_in_range():

@@ -12,10 +12,11 @@ inside it or at its end), each of which must be the state after a whole number o
 whose chained hash is the one the scheduler attached. So a restore from a stale,
 evicted or wrong snapshot, or a skip deeper than a snapshot, fails at the step where it happens.
 
-The harness applies the two replies of a step in the live engine's order (the MambaOpsReply
-before the BlockOpsReply, actors/engine/actor.py `_dispatch`); `engine_order=False` keeps the
-order of tests/test_scheduler.py's Harness and of the replay checker: the mirror must end in the
-same state either way (a hash both pools evict in one step, a cache drop).
+The harness applies the two replies of a step in the live engine's order, which replay follows
+too (the MambaOpsReply before the BlockOpsReply, actors/engine/flow.py `StepFlow.settle`);
+`engine_order=False` keeps the order of tests/test_scheduler.py's Harness (the BlockOpsReply
+first): the mirror must end in the same state either way (a hash both pools evict in one step,
+a cache drop).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ from hypothesis import strategies as st
 from taipan.actors.config import InferenceConfig, RuntimePlan
 from taipan.actors.engine import wire
 from taipan.actors.engine.check import EngineReplay
-from taipan.actors.engine.scheduler import Scheduler, StepBatch
+from taipan.actors.engine.flow import apply_block_reply
+from taipan.actors.engine.scheduler import StepBatch
 from taipan.actors.mamba_cache.actor import MambaCacheService
 from taipan.messages.allocator import AllocatorReady, BlockOpsReply
 from taipan.messages.block_hash import block_hashes
@@ -98,13 +100,6 @@ class MambaHarness(PrefixHarness):
         self.snap_evicted: list[int] = []  # hashes the pool evicted (LRU), from its replies
         self.kv_voided: list[tuple[int, int]] = []  # (step, hash): snapshots a KV eviction voided
         self.stale: list[tuple[int, int]] = []  # (step, hash): snapshots their own step evicts
-        self.use(self.sched)
-
-    def use(self, sched: Scheduler) -> None:
-        """Drive `sched`; its BlockOps replies go through `_assign_blocks` (an instance
-        attribute shadowing the method), which may defer them past the MambaOpsReply."""
-        self.sched = sched
-        sched.assign_blocks = self._assign_blocks
 
     def step(self, in_flight=lambda: None) -> bool:
         if self.sched.step > self.max_steps:
@@ -113,9 +108,9 @@ class MambaHarness(PrefixHarness):
 
     # --- the two services ---------------------------------------------------------------------
 
-    def _assign_blocks(self, batch: StepBatch, reply: BlockOpsReply) -> None:
+    def apply_blocks(self, batch: StepBatch, reply: BlockOpsReply) -> None:
         if self.engine_order and batch.has_mamba_ops:
-            self.deferred = (batch, reply)  # applied in check_blocks, after assign_mamba
+            self.deferred = (batch, reply)  # applied in check_blocks, after the Mamba reply
         else:
             self._apply_blocks(batch, reply)
 
@@ -128,7 +123,7 @@ class MambaHarness(PrefixHarness):
             if self.raise_on_stale:
                 raise StaleSnapshot(f"step {batch.step} snapshots and evicts {stale}")
         before = dict(m.snap_of)
-        Scheduler.assign_blocks(self.sched, batch, reply)
+        apply_block_reply(self.sched, batch, reply)
         for h in reply.evicted_hashes.tolist():
             if h in before and not batch.drop_cache:
                 assert h not in m.snap_of and h in m.pending_invalidate, h
@@ -542,7 +537,8 @@ def hybrid_workloads(draw):
 def test_random_hybrid_workloads_keep_every_invariant(workload):
     plan, requests, overlap, policy = workload
     runs = []
-    # The live engine's reply order, then the replay checker's: same plans, same messages.
+    # The live engine's reply order (Mamba first), then the allocator's reply first: same
+    # plans, same messages.
     for engine_order in (True, False):
         h = MambaHarness(plan, overlap=overlap, policy=policy, engine_order=engine_order)
         h.raise_on_stale = True
@@ -589,7 +585,7 @@ class RecordingMambaHarness(MambaHarness):
         plan = wire.runtime_plan(config, loaded, ready)
         policy = wire.prefix_policy(config)
         super().__init__(plan, overlap=overlap, policy=policy, chunked=False)
-        self.use(wire.new_scheduler(config, plan))
+        self.sched = wire.new_scheduler(config, plan)
         init = wire.mamba_init(loaded)
         self.records = [
             ("in", "gpu", loaded, 0.0),

@@ -4,6 +4,8 @@ Glossary (one meaning per name; DESIGN.md's glossary plus the engine's own words
 - step: one forward of the rank; `StepBatch` is what the scheduler planned for it (batch.py),
   `StepPlan` the message the gpu actor runs, `StepResult` its answer; `StepRunner` (step.py) takes
   a batch from planning to its result, once for the engine loop and the expert-parallel loop.
+- flow (flow.py): `StepFlow`, the step's rules without I/O (which replies are due, the order
+  they are applied in, the steps at the gpu), driven by StepRunner and by replay alike.
 - RuntimePlan: values found at boot (block and slot counts, graph sizes), never the step's plan.
 - wire (wire.py): pure translations between messages and the scheduler, shared with replay.
 - history (history.py): a request's checkpoints and staleness counters. Recording (the

@@ -59,9 +59,10 @@ from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.config import InferenceConfig
 from taipan.actors.engine.ep import EpConsensus, EpDriver, GroupError
+from taipan.actors.engine.flow import EngineError
 from taipan.actors.engine.gc_time import GcTime
 from taipan.actors.engine.scheduler import Scheduler
-from taipan.actors.engine.step import EngineError, StepRunner
+from taipan.actors.engine.step import StepRunner
 from taipan.actors.engine.wire import (
     BootError,
     mamba_init,
@@ -268,6 +269,7 @@ class EngineActor(Actor):
             return
         self.vocab_size = loaded.vocab_size
         self.scheduler = new_scheduler(self.config, plan)
+        self.steps.start()
         self.log.info("engine ready", num_blocks=plan.num_blocks, max_tokens=plan.max_tokens)
         await self.coord.send(loaded)
         if self.ep_driver is None:
@@ -343,8 +345,8 @@ class EngineActor(Actor):
             s.get("mamba_snapshots", 0),
             s.get("mamba_restored", 0),
             s.get("mamba_snapshots_taken", 0),
-            self.ep_driver.dummy_steps if self.ep_driver is not None else 0,
-            self.ep_driver.dummy_device_seconds if self.ep_driver is not None else 0.0,
+            self.steps.dummy_steps,
+            self.steps.dummy_device_seconds,
             self.gc_time.seconds,
             self.gc_time.collections,
         )
@@ -535,29 +537,18 @@ class EngineActor(Actor):
             self.device_lock.release()
 
     async def _run_steps(self) -> None:
-        """Steps back to back while there is work and no control waits. With overlap,
-        step N+1 is planned, given its blocks and sent to the gpu while step N runs, and N's
-        result is applied after that: the gpu starts N+1 as soon as N ends, and the engine's
-        host work for N+1 hides behind N (scheduler.py explains the contract). Returns with no
-        step in flight."""
-        steps, running = self.steps, None  # running: sent to the gpu, its result not applied
+        """Steps back to back while there is work and no control waits: plan, run, apply.
+        With overlap, step N+1 is planned, given its blocks and sent to the gpu while step N
+        runs, and N's result is applied after that: the gpu starts N+1 as soon as N ends, and
+        the engine's host work for N+1 hides behind N (scheduler.py explains the contract).
+        Returns with no step in flight."""
+        steps = self.steps
         while True:
-            planned = None
-            if self._may_plan():
-                planned = await steps.plan()
-                if planned is None and running is None:
-                    # Work exists but nothing fits; an abort, a finish or a submission changes
-                    # that.
-                    self.work.clear()
-                    return
-            sent = planned is not None and await steps.dispatch(planned)
-            if running is not None:
-                await steps.collect(running)
-                running = None
-            if sent:
-                running = planned
-                if not self.overlap:
-                    await steps.collect(running)
-                    running = None
-            if planned is None and running is None:
+            batch = await steps.plan() if self._may_plan() else None
+            if batch is None and not steps.in_flight:
+                # Nothing fits, or nothing may run now: a submission, an abort, a finish or an
+                # unpause sets `work` again.
+                self.work.clear()
                 return
+            sent = batch is not None and await steps.dispatch(batch)
+            await steps.collect(keep=int(self.overlap and sent))

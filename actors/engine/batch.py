@@ -50,7 +50,6 @@ class StepBatch:
     mamba_free: list[int] = dataclasses.field(default_factory=list)
     mamba_invalidate: list[int] = dataclasses.field(default_factory=list)
     mamba_drop: bool = False
-    mamba_refusal: str = ""  # why the mamba_cache actor refused the step ("": it did not)
 
     @property
     def has_mamba_ops(self) -> bool:

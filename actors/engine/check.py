@@ -14,10 +14,12 @@ a step synchronously and sends its first message (BlockOps, or StepPlan when no 
 before yielding, records a `NoStep` when a plan comes out empty, and applies a step's result
 right when it reads it. So, walking the log in order, every inbound message recorded before a
 step's first outbound message was applied before that step was planned, and a result is applied
-where it is recorded. With overlapping steps the engine plans and sends step N+1 before it reads
-step N's result: at most one step is being given its blocks (`dispatching`) and at most two
-have their StepPlan at the gpu (`at_gpu`, answered in order). The config is not in the log: the
-launcher writes it to `config.json` in the record directory.
+where it is recorded. What a step's replies and results do is decided by the live engine's own
+rules (actors/engine/flow.py's StepFlow), fed here from the log: with overlapping steps the
+engine plans and sends step N+1 before it reads step N's result, so at most one step is being
+given its blocks (`flow.dispatching`) and at most two have their StepPlan at the gpu
+(`flow.at_gpu`, answered in order). The config is not in the log: the launcher writes it to
+`config.json` in the record directory.
 
 Expert parallelism (actors/engine/ep.py): the log holds every consensus round (this rank's
 messages out, the peers' in), which the replay feeds to the same pure core (`EpMirror`): it
@@ -39,8 +41,9 @@ from taipan.actors.engine.consensus import (
     RoundBook,
     agree,
 )
+from taipan.actors.engine.flow import EngineError, StepFlow
 from taipan.actors.engine.request import EngineRequest
-from taipan.actors.engine.scheduler import Scheduler, StepBatch
+from taipan.actors.engine.scheduler import Scheduler
 from taipan.messages.allocator import AllocatorReady, BlockOps, BlockOpsReply
 from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply
@@ -104,11 +107,10 @@ class EpMirror:
         return None
 
 
-class _Dummy:
-    """A dummy step at the gpu (answered like a step, changes no request)."""
-
-    def __init__(self, step: int):
-        self.step = step
+_UNEXPECTED = {
+    "allocator": "BlockOpsReply arrived with no step waiting for blocks",
+    "mamba_cache": "MambaOpsReply arrived with no step waiting for Mamba slots",
+}
 
 
 class EngineReplay:
@@ -118,13 +120,8 @@ class EngineReplay:
     def __init__(self, config: InferenceConfig):
         self.config = config
         self.sched: Scheduler | None = None
+        self.flow: StepFlow | None = None  # the step rules, over `sched` (actors/engine/flow.py)
         self.loaded: ModelLoaded | None = None
-        self.dispatching: StepBatch | None = None  # planned, its StepPlan not yet sent
-        # Of the dispatching step: the replies not read yet ("allocator", "mamba_cache"), and
-        # why it fails once they are (the engine reads both before it acts on either).
-        self.replies_due: set[str] = set()
-        self.failure: str | None = None
-        self.at_gpu: list[StepBatch] = []  # StepPlan sent, result not yet applied (oldest first)
         self.now = 0.0
         self.stopped = False
         self.steps_checked = 0
@@ -149,12 +146,7 @@ class EngineReplay:
         if isinstance(msg, ModelLoaded):
             self.loaded = msg
         elif isinstance(msg, AllocatorReady) and self.loaded is not None:
-            try:
-                self.sched = wire.new_scheduler(
-                    self.config, wire.runtime_plan(self.config, self.loaded, msg)
-                )
-            except wire.BootError:
-                self.sched = None
+            self._boot(msg)
         elif isinstance(msg, EngineSubmit):
             vocab = self.loaded.vocab_size if self.loaded else 0
             req, _ = wire.submission(sched, vocab, msg)
@@ -168,9 +160,11 @@ class EngineReplay:
         elif isinstance(msg, MambaOpsReply) or (
             isinstance(msg, ErrorReply) and channel == "mamba_cache"
         ):
-            return self._mamba_reply(msg)
+            return self._reply("mamba_cache", channel, msg)
         elif isinstance(msg, BlockOpsReply | StepResult | ErrorReply) and channel != "coordinator":
-            return self._step_reply(channel, msg)
+            if isinstance(msg, StepResult) or channel == "gpu":
+                return self._result(channel, msg)
+            return self._reply("allocator", channel, msg)
         elif isinstance(msg, GpuControlReply) and msg.error is None and sched is not None:
             if msg.command == "resume" and not msg.kv_valid:
                 sched.invalidate_kv()
@@ -178,76 +172,51 @@ class EngineReplay:
                 sched.new_weights(msg.weight_version)
         return None
 
-    def _step_reply(self, channel: str, msg) -> str | None:
-        sched = self.sched
-        if isinstance(msg, BlockOpsReply) or (isinstance(msg, ErrorReply) and channel != "gpu"):
-            batch = self.dispatching
-            if batch is None:
-                if isinstance(msg, ErrorReply):
-                    return None  # an error answering something else
-                return "BlockOpsReply arrived with no step waiting for blocks"
-            self.replies_due.discard("allocator")
+    def _boot(self, ready: AllocatorReady) -> None:
+        try:
+            plan = wire.runtime_plan(self.config, self.loaded, ready)
+        except wire.BootError:
+            self.sched = self.flow = None
+            return
+        self.sched = wire.new_scheduler(self.config, plan)
+        self.flow = StepFlow(self.sched)
+
+    def _reply(self, name: str, channel: str, msg) -> str | None:
+        """The step being dispatched gets the reply of `name` ("allocator", "mamba_cache")."""
+        if self.flow is None or not self.flow.waits_for(name):
             if isinstance(msg, ErrorReply):
-                self.failure = f"{channel}: {msg.text}"
-            elif not msg.ok:
-                sched.refused(batch, msg)
-                self.failure = f"allocator refused a planned step: {msg.error}"
-            else:
-                sched.assign_blocks(batch, msg)
-            return self._settle(batch)
-        if not self.at_gpu:
+                return None  # an error answering something else
+            return _UNEXPECTED[name]
+        self.flow.reply_in(name, _as_reply(channel, msg))
+        return self._settle()
+
+    def _settle(self) -> None:
+        """Once every reply of the step being dispatched is in: fail it (as the live engine's
+        failure path), or let its StepPlan come (a step that only freed blocks has none)."""
+        flow = self.flow
+        if flow.due:
+            return None
+        batch = flow.dispatching
+        failure = flow.settle()
+        if failure is not None:
+            flow.fail(batch, str(failure), self.now)
+        return None
+
+    def _result(self, channel: str, msg) -> str | None:
+        """The gpu answered the oldest step at it (a failed dummy ends the engine: nothing
+        follows it)."""
+        flow = self.flow
+        if flow is None or not flow.at_gpu:
             if isinstance(msg, ErrorReply):
                 return None  # an error answering a control call, not a step
             return f"{type(msg).__name__} arrived with no step at the gpu"
-        batch = self.at_gpu[0]
-        if isinstance(batch, _Dummy):  # (a failed one ends the engine: nothing to follow)
-            self.at_gpu.pop(0)
-            return None
-        if isinstance(msg, ErrorReply):
-            return self._fail(batch, f"gpu: {msg.text}")
-        if msg.step != batch.step:
-            return self._fail(batch, f"gpu answered step {msg.step}, expected {batch.step}")
-        if msg.error is not None:
-            return self._fail(batch, f"forward failed: {msg.error}")
-        self.at_gpu.pop(0)
-        sched.update(batch, msg, self.now)
-        return None
-
-    def _mamba_reply(self, msg) -> str | None:
-        batch = self.dispatching
-        if batch is None or "mamba_cache" not in self.replies_due:
+        step = flow.at_gpu[0]
+        try:
             if isinstance(msg, ErrorReply):
-                return None  # an error answering something else
-            return "MambaOpsReply arrived with no step waiting for Mamba slots"
-        self.replies_due.discard("mamba_cache")
-        if isinstance(msg, ErrorReply):
-            self.sched.mamba_unserved(batch)
-            self.failure = self.failure or f"mamba_cache: {msg.text}"
-        else:
-            self.sched.assign_mamba(batch, msg)
-            if not msg.ok:
-                self.failure = self.failure or f"mamba_cache refused: {msg.error}"
-        return self._settle(batch)
-
-    def _settle(self, batch: StepBatch) -> None:
-        """Once every reply of the dispatching step is in: fail it, or let its StepPlan come
-        (a step that only freed blocks has none)."""
-        if self.replies_due:
-            return None
-        if self.failure is not None:
-            failure, self.failure = self.failure, None
-            return self._fail(batch, failure)
-        if not batch.chunks:
-            self.dispatching = None
-        return None
-
-    def _fail(self, batch: StepBatch, error: str) -> None:
-        """The step failed (as the live engine's failure path): its requests end."""
-        self.sched.update(batch, None, self.now, error=error)
-        if batch is self.dispatching:
-            self.dispatching = None
-        else:
-            self.at_gpu.remove(batch)
+                raise _as_reply(channel, msg)
+            flow.on_result(msg, self.now)
+        except EngineError as e:
+            flow.fail(step, str(e), self.now)
         return None
 
     # --- outbound -----------------------------------------------------------------------------
@@ -270,24 +239,23 @@ class EngineReplay:
                 return problem
             if not len(msg.seq_lens):
                 return self._send_dummy(frames)
-        if isinstance(msg, StepPlan) and self.dispatching is not None:
+        flow = self.flow
+        if isinstance(msg, StepPlan) and flow.dispatching is not None:
             return self._send_plan(frames)
-        if isinstance(msg, MambaOps) and self.dispatching is not None:
-            return self._compare("MambaOps", wire.mamba_ops(self.dispatching), frames)
+        if isinstance(msg, MambaOps) and flow.dispatching is not None:
+            return self._compare("MambaOps", wire.mamba_ops(flow.dispatching), frames)
         # A new plan: BlockOps, a StepPlan with no block change, or an empty plan (NoStep).
-        if self.dispatching is not None or len(self.at_gpu) > 1:
-            busy = self.dispatching or self.at_gpu[0]
+        if flow.dispatching is not None or len(flow.at_gpu) > 1:
+            busy = flow.dispatching or flow.at_gpu[0]
             return f"{type(msg).__name__} planned while step {busy.step} is still in flight"
         batch = self.sched.schedule(self.now)
-        ops, mops = wire.block_ops(batch), wire.mamba_ops(batch)
         if isinstance(msg, NoStep):
             if batch.is_step:
                 return f"the engine planned no step, replay plans step {batch.step}"
             return self._compare("NoStep", NoStep(batch.step), frames)
         if not batch.is_step:
             return f"the engine sent {type(msg).__name__}, replay plans no step"
-        self.dispatching = batch
-        self.replies_due = {n for n, m in (("allocator", ops), ("mamba_cache", mops)) if m}
+        ops, mops = flow.begin(batch)
         if isinstance(msg, BlockOps):
             return self._compare("BlockOps", ops, frames)
         if ops is not None:
@@ -299,14 +267,15 @@ class EngineReplay:
         return self._send_plan(frames)
 
     def _send_dummy(self, frames: tuple[bytes, ...]) -> str | None:
-        if self.dispatching is not None:
-            return f"a dummy step while step {self.dispatching.step} waits for its blocks"
-        self.at_gpu.append(_Dummy(self.sched.step))
+        flow = self.flow
+        if flow.dispatching is not None:
+            return f"a dummy step while step {flow.dispatching.step} waits for its blocks"
+        flow.sent_dummy(self.sched.step)
         return self._compare("StepPlan", wire.dummy_plan(self.sched.step), frames)
 
     def _send_plan(self, frames: tuple[bytes, ...]) -> str | None:
-        batch, self.dispatching = self.dispatching, None
-        self.at_gpu.append(batch)
+        batch = self.flow.dispatching
+        self.flow.sent(batch)
         self.steps_checked += 1
         return self._compare("StepPlan", wire.step_plan(self.sched, batch), frames)
 
@@ -357,3 +326,8 @@ class EngineReplay:
         if tuple(bytes(f) for f in encode(replayed)) == tuple(bytes(f) for f in frames):
             return None
         return f"{kind} differs: replay plans {summarize(replayed)}"
+
+
+def _as_reply(channel: str, msg):
+    """A reply as the live engine reads it: an error answer is the error its read raises."""
+    return EngineError(f"{channel}: {msg.text}") if isinstance(msg, ErrorReply) else msg

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 from taipan.actors.channel import Channel
 from taipan.actors.engine.consensus import (
@@ -45,7 +44,6 @@ from taipan.actors.engine.consensus import (
     RoundBook,
     agree,
 )
-from taipan.actors.engine.wire import dummy_plan
 from taipan.messages.consensus import (
     BarrierPoint,
     EpBarrier,
@@ -54,11 +52,7 @@ from taipan.messages.consensus import (
     EpOutcome,
     EpVote,
 )
-from taipan.messages.gpu import StepResult
 from taipan.messages.lifecycle import ControlCommand, LifecycleState, next_state
-
-if TYPE_CHECKING:
-    from taipan.actors.engine.scheduler import StepBatch
 
 ROUND_TIMEOUT_S = 60.0  # peers reach a step's round within a step of each other
 # use_synchronous_zmq_collectives: how long a round blocks the event loop before it waits on
@@ -261,17 +255,15 @@ class EpConsensus:
 
 
 class EpDriver:
-    """The engine's step loop under consensus (module docstring). Owns the schedule and the
-    step in flight; the engine owns the scheduler, the channels and the lifecycle state."""
+    """The engine's step loop under consensus (module docstring). Owns the schedule; the
+    engine owns the scheduler, the channels, the lifecycle state and its StepRunner (the
+    steps in flight, dummies included)."""
 
     def __init__(self, engine, group: EpConsensus, interval: int, disabled: bool):
         """`engine`: the EngineActor whose loop this is (not imported: it imports this)."""
         self.engine, self.group = engine, group
         self.schedule = ConsensusSchedule(interval, disabled)
-        self.in_flight: StepBatch | int | None = None  # a batch, or a dummy step's number
         self.stuck = False  # work that cannot run until something changes (votes 0)
-        self.dummy_steps = 0  # dummy forwards run, and their device time (RankStats)
-        self.dummy_device_seconds = 0.0
 
     def local_work(self) -> int:
         e = self.engine
@@ -286,7 +278,7 @@ class EpDriver:
         while True:
             if self.schedule.due():
                 if self.schedule.idle:
-                    await self._drain()  # an idle group has no step in flight
+                    await e.steps.collect()  # an idle group has no step in flight
                     await self._free_idle()
                     await self.group.wait_for_reason(e.work)
                 pausing = bool(e.pause_waiters)
@@ -302,27 +294,22 @@ class EpDriver:
     async def _step(self, action: Action) -> None:
         """One group step: this rank's own (STEP) or a dummy; with overlap the previous one is
         collected after this one is sent."""
-        e, sched = self.engine, self.engine.scheduler
-        sent: StepBatch | int | None = None
-        if action is Action.STEP or sched.pending_free:  # (frees ride along with a dummy)
+        steps = self.engine.steps
+        sent = False
+        if action is Action.STEP or self.engine.scheduler.pending_free:  # (frees ride along)
             sent = await self._plan_and_dispatch()
-        if sent is None:  # the group steps: a forward of padding rows keeps this rank in it
-            sent = sched.step
-            await e.gpu.send(dummy_plan(sent))
-        if self.in_flight is not None:
-            await self._collect(self.in_flight)
-        self.in_flight = sent
-        if not e.overlap:
-            await self._drain()
+        if not sent:  # the group steps: a forward of padding rows keeps this rank in it
+            await steps.dummy()
+        await steps.collect(keep=int(self.engine.overlap))
 
-    async def _plan_and_dispatch(self) -> StepBatch | None:
-        """Plan this rank's step and send it; the batch when a forward of it is coming."""
+    async def _plan_and_dispatch(self) -> bool:
+        """Plan this rank's step and send it; True when a forward of it is coming."""
         steps = self.engine.steps
         planned = await steps.plan()
         if planned is None:
-            self.stuck = self.in_flight is None and self.engine.scheduler.pending() > 0
-            return None
-        return planned if await steps.dispatch(planned) else None
+            self.stuck = not steps.in_flight and self.engine.scheduler.pending() > 0
+            return False
+        return await steps.dispatch(planned)
 
     async def _free_idle(self) -> None:
         """An idle group: hand back the blocks of requests that ended (no forward; with no
@@ -332,32 +319,11 @@ class EpDriver:
             async with self.engine.device_lock:
                 await self._plan_and_dispatch()
 
-    async def _drain(self) -> None:
-        if self.in_flight is not None:
-            running, self.in_flight = self.in_flight, None
-            await self._collect(running)
-
-    async def _collect(self, running: StepBatch | int) -> None:
-        e = self.engine
-        if not isinstance(running, int):
-            await e.steps.collect(running)
-            return
-        try:
-            result = await e.reply_on(e.gpu, StepResult)
-            if result.error is not None or result.step != running:
-                raise RuntimeError(result.error or f"the gpu answered step {result.step}")
-            self.dummy_steps += 1
-            self.dummy_device_seconds += result.device_seconds
-        except Exception as err:
-            await e.steps.die(
-                await self.group.why_failed(f"dummy step after {running} failed: {err}")
-            )
-
     async def _pause(self) -> None:
         """Every rank asked to pause: stop after this step, meet at the barrier, acknowledge,
         and wait for the unpause."""
         e = self.engine
-        await self._drain()
+        await e.steps.collect()
         await self.group.barrier(BarrierPoint.PAUSED)
         e.state = next_state(e.state, ControlCommand.PAUSE)
         waiters, e.pause_waiters = e.pause_waiters, []

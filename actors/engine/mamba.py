@@ -5,7 +5,9 @@ map as of the last reply (`snap_of`: block hash -> snapshot slot), the snapshots
 by steps whose results have not come back (`writing`), and the operations waiting for the next
 `MambaOps` (frees, invalidations, the drop). It turns an admission into a skip and the
 boundaries to snapshot (`match`) and a planned chunk into its snapshots (`snapshots_in_chunk`),
-as PrefixIndex turns them into pins and registrations; the scheduler decides who runs.
+as PrefixIndex turns them into pins and registrations; the scheduler decides who runs. It
+takes in the mamba_cache actor's answer to each step (`served`, or `unserved` when none came
+that the pool acted on; actors/engine/flow.py says when).
 Must not touch: sockets, torch, the pool itself (the mamba_cache actor owns it and decides).
 
 Why a mirror: to plan a step the scheduler must know which prompt blocks have a snapshot (a
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from taipan.actors.engine.batch import StepBatch
 from taipan.actors.engine.prefix import PrefixIndex, writes_done
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.mamba_cache import MambaOpsReply
@@ -153,10 +156,26 @@ class MambaMirror:
 
     # --- replies --------------------------------------------------------------------------------
 
-    def apply(self, reply: MambaOpsReply, snap_hashes: list[int], step: int) -> None:
-        """A served step: its evictions, then its new snapshots (written by `step`). Whether
-        the step's BlockOpsReply was applied before or after gives the same state: a hash both
-        pools evicted in this step is gone from the pool, so it is no invalidation to send."""
+    def served(self, batch: StepBatch, reply: MambaOpsReply) -> None:
+        """The mamba_cache actor answered `batch`'s MambaOps: live slots go to the admitted
+        requests, and its evictions, then its new snapshots (written by that step), into the
+        mirror (a refused step changes neither: its requests fail). Either way the reply's free
+        count is the truth. Whether the step's BlockOpsReply was applied before or after gives
+        the same state: a hash both pools evicted in this step is gone from the pool, so it is
+        no invalidation to send."""
+        if reply.ok:
+            if len(reply.live_slots) != len(batch.mamba_live):
+                raise ValueError(
+                    f"mamba_cache returned {len(reply.live_slots)} live slots, expected "
+                    f"{len(batch.mamba_live)}"
+                )
+            for r, slot in zip(batch.mamba_live, reply.live_slots.tolist(), strict=True):
+                r.mamba_slot = slot
+            self._snapshots(reply, [h for _, h, _ in batch.mamba_snaps], batch.step)
+            batch.mamba_snap_slots = reply.snap_slots.tolist()
+        self.live_free = reply.num_live_free + len(self.pending_free)
+
+    def _snapshots(self, reply: MambaOpsReply, snap_hashes: list[int], step: int) -> None:
         for h in reply.evicted_hashes.tolist():
             if self.snap_of.pop(h, None) is None:
                 if h not in self.pending_invalidate:
@@ -167,6 +186,19 @@ class MambaMirror:
             self.snap_of[h] = slot
             self.writing[h] = step
         self.num_snapshots_taken += len(snap_hashes)
+
+    def unserved(self, batch: StepBatch) -> None:
+        """`batch`'s MambaOps got no reply the pool acted on (an error answer, or none): its
+        taken operations come back here, so the next MambaOps carries them."""
+        self.live_free += len(batch.mamba_live)
+        self.live_free -= len(batch.mamba_free)  # (release() counted them; they are pending again)
+        for rid in batch.mamba_free:
+            self.release(rid)
+        self.pending_invalidate[:0] = batch.mamba_invalidate
+        self.drop_pending |= batch.mamba_drop
+        if self.drop_pending:
+            self.pending_invalidate.clear()
+        batch.mamba_live, batch.mamba_restore, batch.mamba_snaps = [], [], []
 
     def done_writing(self, step: int, hashes: list[int]) -> None:
         writes_done(self.writing, step, hashes)

@@ -1,17 +1,18 @@
 """Continuous batching: which requests run in the next step, and with how many tokens.
 
 Pure core: ints, lists and numpy; no torch, no zmq, no clock (times come from messages, so a
-replay of the same inbound messages makes the same decisions). Owns every EngineRequest. The
-engine's step (actors/engine/step.py) calls, once per step:
+replay of the same inbound messages makes the same decisions). Owns every EngineRequest, the
+queues and the budgets. Once per step (actors/engine/flow.py takes a step through its replies):
 
     batch = scheduler.schedule(now)       # what runs, which blocks to free / allocate
-    scheduler.assign_blocks(batch, reply) # the allocator's answer
+    flow.settle()                         # the allocator's and mamba_cache's answers applied
     arrays = plan_arrays(batch, ...)      # the StepPlan's numpy arrays (batch_arrays.py)
     done = scheduler.update(batch, result, now)  # append sampled tokens, stop checks
 
 Its parts: admission of waiting requests (admission.py), the StepPlan's columns
 (batch_arrays.py), what a result does to each request and what it reports (outputs.py), the
-prefix and Mamba mirrors (prefix.py, mamba.py); the step's data types are batch.py's.
+prefix and Mamba mirrors (prefix.py, mamba.py), which also take in the replies; the step's
+data types are batch.py's.
 
 Overlap: the next step may be planned while one step is still in flight (its update() not yet
 applied). Planning a chunk advances the request at once (`num_computed_tokens`, and
@@ -68,10 +69,9 @@ from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status
-from taipan.messages.allocator import BlockOpsReply, PrefixCachingEvictionPolicy
+from taipan.messages.allocator import PrefixCachingEvictionPolicy
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
-from taipan.messages.mamba_cache import MambaOpsReply
 from taipan.messages.requests import EventType, FinishReason, SamplingParams
 
 
@@ -367,61 +367,6 @@ class Scheduler:
         for req in self.requests.values():
             req.hashes = self.hash_prompt(req.prompt)
             req.num_registered = len(req.hashes) if req.blocks else 0
-
-    def assign_blocks(self, batch: StepBatch, reply: BlockOpsReply) -> None:
-        """The allocator served the step: its new blocks go to their requests."""
-        block_ids = reply.block_ids
-        offset = 0
-        for c in batch.chunks:
-            new = block_ids[offset : offset + c.new_blocks].tolist()
-            c.request.blocks.extend(new)
-            if self.prefix is not None and new:
-                self.prefix.hold(new)
-            offset += c.new_blocks
-        if offset != len(block_ids):
-            raise ValueError(f"allocator returned {len(block_ids)} blocks, expected {offset}")
-        self.refused(batch, reply)
-
-    def refused(self, batch: StepBatch, reply: BlockOpsReply) -> None:
-        """What every reply tells, served or not: the available count and the hash events."""
-        self.num_free_blocks = reply.num_free
-        if self.prefix is not None:
-            self.prefix.apply(reply, batch.drop_cache)
-            # (A step that dropped the cache evicts only hashes from before the drop, whose
-            # snapshots the mirror dropped with them: a snapshot it takes itself stays.)
-            if self.mamba_snapshots and not batch.drop_cache:
-                self.mamba.kv_evicted(reply.evicted_hashes.tolist())
-
-    def assign_mamba(self, batch: StepBatch, reply: MambaOpsReply) -> None:
-        """The mamba_cache actor answered the step's MambaOps: live slots go to the admitted
-        requests and the new snapshots into the mirror (a refused step changes neither: its
-        requests fail). Either way the reply's free count is the truth."""
-        m = self.mamba
-        if reply.ok:
-            if len(reply.live_slots) != len(batch.mamba_live):
-                raise ValueError(
-                    f"mamba_cache returned {len(reply.live_slots)} live slots, expected "
-                    f"{len(batch.mamba_live)}"
-                )
-            for r, slot in zip(batch.mamba_live, reply.live_slots.tolist(), strict=True):
-                r.mamba_slot = slot
-            m.apply(reply, [h for _, h, _ in batch.mamba_snaps], batch.step)
-            batch.mamba_snap_slots = reply.snap_slots.tolist()
-        m.live_free = reply.num_live_free + len(m.pending_free)
-
-    def mamba_unserved(self, batch: StepBatch) -> None:
-        """The step's MambaOps got no reply the pool acted on (an error answer, or none): its
-        taken operations go back to the mirror, so the next MambaOps carries them."""
-        m = self.mamba
-        m.live_free += len(batch.mamba_live)
-        m.live_free -= len(batch.mamba_free)  # (release() counted them; they are pending again)
-        for rid in batch.mamba_free:
-            m.release(rid)
-        m.pending_invalidate[:0] = batch.mamba_invalidate
-        m.drop_pending |= batch.mamba_drop
-        if m.drop_pending:
-            m.pending_invalidate.clear()
-        batch.mamba_live, batch.mamba_restore, batch.mamba_snaps = [], [], []
 
     def update(self, batch: StepBatch, result: StepResult | None, now: float, error: str = ""):
         """Apply a step's result (None: the step failed with `error`). Returns the requests

@@ -1,16 +1,18 @@
 """One engine step, written once for both step loops (the engine's own in actors/engine/actor.py
-and the expert-parallel one in actors/engine/ep.py): `StepRunner`.
+and the expert-parallel one in actors/engine/ep.py): `StepRunner`, the I/O around the step's
+rules (actors/engine/flow.py's StepFlow, which the replay checker drives too).
 
 - `plan()`: the scheduler's next batch, or None when nothing runs a forward (the requests that
   ended while planning get their outputs; a `NoStep` is recorded for replay).
-- `dispatch(batch)`: the step's BlockOps and MambaOps go out, both replies are read and applied,
-  then the StepPlan goes to the gpu and the allocator's prefix events to the coordinator. True
-  when a result will come.
-- `collect(batch)`: the gpu's StepResult is read and applied and the step's outputs go to the
-  coordinator in one StepOutputs.
+- `dispatch(batch)`: the step's BlockOps and MambaOps go out, both replies are read and handed
+  to the flow, then the StepPlan goes to the gpu and the allocator's prefix events to the
+  coordinator. True when a result will come.
+- `dummy()`: an expert-parallel dummy step goes to the gpu instead.
+- `collect(keep)`: the gpu's StepResults are read and applied, oldest first, until `keep` steps
+  remain at the gpu; each step's outputs go to the coordinator in one StepOutputs.
 - `emit(requests)` and `die(why)`: outputs between steps, and the end of a rank that cannot go on.
 
-Ordering rules replay relies on (actors/engine/check.py mirrors them from the log): from
+Ordering rules replay relies on (actors/engine/check.py reads them back from the log): from
 planning to the step's first message nothing yields; BlockOps goes out before MambaOps and both
 before either reply is read; the StepPlan goes out before the PrefixEvents; a step's outputs are
 one message, sent after the step's replies were read.
@@ -20,17 +22,20 @@ step's requests (each gets its terminal output) and the rank goes on; under expe
 failed forward ends the rank (the group's collectives may be out of step). When even failing the
 requests is impossible, `die` fails every request the rank holds and raises FatalError.
 
-The runner owns the step counters the rank's stats report (`steps_total`, ...); the engine actor
-owns the channels, the clock (`now`, set by every message read), the scheduler and the lifecycle.
+The runner owns the step counters the rank's stats report (`steps_total`, `dummy_steps`, ...);
+the engine actor owns the channels, the clock (`now`, set by every message read), the scheduler
+and the lifecycle.
 """
 
 from __future__ import annotations
 
 from taipan.actors.base import FatalError
+from taipan.actors.channel import Channel
+from taipan.actors.engine.flow import DummyStep, EngineError, StepFlow
 from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import StepBatch
-from taipan.actors.engine.wire import block_ops, mamba_ops, step_plan
+from taipan.actors.engine.wire import dummy_plan, step_plan
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult
 from taipan.messages.mamba_cache import MambaOpsReply
@@ -38,19 +43,28 @@ from taipan.messages.requests import FinishReason, StepOutputs
 from taipan.messages.stats import PrefixEvents
 
 
-class EngineError(RuntimeError):
-    """An expected failure of a step or a call (a refusal, an error answer): logged in a line."""
-
-
 class StepRunner:
-    """The step protocol of one engine actor (`engine`: its channels, scheduler, clock, log)."""
+    """The step protocol of one engine actor (`engine`: its channels, scheduler, clock, log).
+    `flow` is set once the scheduler exists (`start`)."""
 
     def __init__(self, engine):
         self.engine = engine
+        self.flow: StepFlow | None = None
         self.tokens_last_step = 0
         self.device_seconds_total = 0.0  # the gpu actor's device time of every step so far
         self.steps_total = 0
         self.steps_graphed = 0
+        self.dummy_steps = 0  # dummy forwards run, and their device time (RankStats)
+        self.dummy_device_seconds = 0.0
+
+    def start(self) -> None:
+        """The engine's scheduler exists: steps may run."""
+        self.flow = StepFlow(self.engine.scheduler)
+
+    @property
+    def in_flight(self) -> int:
+        """Steps at the gpu whose result is not applied yet."""
+        return len(self.flow.at_gpu)
 
     async def plan(self) -> StepBatch | None:
         """The next batch to dispatch, or None when it would run no forward."""
@@ -71,99 +85,92 @@ class StepRunner:
         """Get the step's blocks and send its StepPlan to the gpu, without waiting for the
         result. True when a result will come (`collect` it); False for a step that only freed
         blocks, or one that failed here (its requests got their terminal outputs)."""
-        e = self.engine
-        sched = e.scheduler
-        reply, published = None, False
+        e, flow = self.engine, self.flow
+        published = False
         try:
-            ops, mops = block_ops(batch), mamba_ops(batch)
+            ops, mops = flow.begin(batch)
             # Both requests go out before either reply is read: the two actors work at once.
             if ops is not None:  # no block changes: no allocator hop this step
                 await e.alloc.send(ops)
             if mops is not None:
                 await e.mamba.send(mops)
-            # Both replies are read, and whatever came applied, before the step may fail: the
-            # requests then hold every block and slot handed out, and their ends free them.
-            errors: list[Exception] = []
+            # Both replies are read before the flow applies either: the requests then hold
+            # every block and slot handed out, and their ends free them.
             if ops is not None:
-                try:
-                    reply = await e.reply_on(e.alloc, BlockOpsReply)
-                except Exception as err:
-                    errors.append(err)
+                flow.reply_in("allocator", await self._reply(e.alloc, BlockOpsReply))
             if mops is not None:
-                try:
-                    await self._mamba_reply(batch)
-                except Exception as err:
-                    errors.append(err)
-            if reply is not None:
-                if reply.ok:
-                    sched.assign_blocks(batch, reply)
-                else:
-                    sched.refused(batch, reply)
-                    errors.insert(
-                        0, EngineError(f"allocator refused a planned step: {reply.error}")
-                    )
-            if batch.mamba_refusal:
-                errors.append(
-                    EngineError(f"mamba_cache refused a planned step: {batch.mamba_refusal}")
-                )
-            if errors:
-                raise errors[0]
+                flow.reply_in("mamba_cache", await self._reply(e.mamba, MambaOpsReply))
+            failure = flow.settle()
+            if failure is not None:
+                raise failure
             if batch.chunks:
-                await e.gpu.send(step_plan(sched, batch))
-            if reply is not None:  # after the plan: the gpu starts first
-                published = True
-                await self._publish(reply)
+                await e.gpu.send(step_plan(e.scheduler, batch))
+                flow.sent(batch)
+            published = True  # after the plan: the gpu starts first
+            await self._publish(flow.block_reply)
         except Exception as err:
-            if reply is not None and not published:  # the table must see every event
-                await self._publish(reply)
+            if not published:  # the table must see every event
+                await self._publish(flow.block_reply)
             await self._emit_or_die(batch, batch.ended + await self._failed(batch, err))
             return False
         await self._emit_or_die(batch, batch.ended)
         return bool(batch.chunks)
 
-    async def _mamba_reply(self, batch: StepBatch) -> None:
-        """Read and apply the step's MambaOpsReply; a refusal is left in `batch.mamba_refusal`
-        (the step then fails), an error answer gives the step's operations back to the mirror
-        and raises."""
-        e = self.engine
+    async def _reply(self, channel: Channel, expect: type):
+        """The step's reply on `channel`, or the error that came instead of it."""
         try:
-            reply = await e.reply_on(e.mamba, MambaOpsReply)
-        except Exception:
-            e.scheduler.mamba_unserved(batch)
-            raise
-        e.scheduler.assign_mamba(batch, reply)
-        if not reply.ok:
-            batch.mamba_refusal = reply.error or "refused"
+            return await self.engine.reply_on(channel, expect)
+        except Exception as err:
+            return err
 
-    async def _publish(self, reply: BlockOpsReply) -> None:
+    async def _publish(self, reply: BlockOpsReply | None) -> None:
         """Relay the step's hash events to the coordinator's routing table (DESIGN.md §5)."""
-        if len(reply.added_hashes) or len(reply.evicted_hashes):
+        if reply is not None and (len(reply.added_hashes) or len(reply.evicted_hashes)):
             await self.engine.coord.send(PrefixEvents(reply.added_hashes, reply.evicted_hashes))
 
-    async def collect(self, batch: StepBatch) -> None:
-        """Wait for the step's result, apply it and report: a failed step fails its requests
-        (each gets its terminal output) and the engine goes on."""
-        e = self.engine
+    async def dummy(self) -> None:
+        """A dummy step (expert parallelism: the group steps and this rank has nothing to run):
+        the gpu worker runs padding rows through every MoE exchange."""
+        step = self.engine.scheduler.step
+        await self.engine.gpu.send(dummy_plan(step))
+        self.flow.sent_dummy(step)
+
+    async def collect(self, keep: int = 0) -> None:
+        """Apply the gpu's results, oldest step first, until `keep` steps remain at the gpu."""
+        while len(self.flow.at_gpu) > keep:
+            await self._collect_one()
+
+    async def _collect_one(self) -> None:
+        """Wait for the oldest step's result, apply it and report: a failed step fails its
+        requests (each gets its terminal output) and the engine goes on."""
+        e, step = self.engine, self.flow.at_gpu[0]
         try:
             result = await e.reply_on(e.gpu, StepResult)
-            if result.step != batch.step:
-                raise EngineError(f"gpu answered step {result.step}, expected {batch.step}")
-            if result.error is not None:
-                raise EngineError(f"forward failed: {result.error}")
-            self.device_seconds_total += result.device_seconds
-            self.steps_total += 1
-            self.steps_graphed += int(result.graphed)
-            outputs = e.scheduler.update(batch, result, e.now)
+            outputs = self.flow.on_result(result, e.now)
         except Exception as err:
             if e.ep is not None:  # the group's collectives may be out of step now
-                await self.die(await e.ep.why_failed(f"step {batch.step} failed: {err}"))
-            outputs = await self._failed(batch, err)
-        await self._emit_or_die(batch, outputs)
-        self.tokens_last_step = batch.num_tokens
+                what = "dummy step after" if isinstance(step, DummyStep) else "step"
+                await self.die(await e.ep.why_failed(f"{what} {step.step} failed: {err}"))
+            outputs = await self._failed(step, err)
+        else:
+            self._count(step, result)
+        if isinstance(step, DummyStep):
+            return
+        await self._emit_or_die(step, outputs)
+        self.tokens_last_step = step.num_tokens
         interval = e.config.logging_step_interval
-        if interval and batch.step % interval == 0:
-            e.log.info("stats", **e.scheduler.stats(), tokens=batch.num_tokens)
+        if interval and step.step % interval == 0:
+            e.log.info("stats", **e.scheduler.stats(), tokens=step.num_tokens)
             await e.coord.send(e.stats())
+
+    def _count(self, step: StepBatch | DummyStep, result: StepResult) -> None:
+        if isinstance(step, DummyStep):
+            self.dummy_steps += 1
+            self.dummy_device_seconds += result.device_seconds
+            return
+        self.device_seconds_total += result.device_seconds
+        self.steps_total += 1
+        self.steps_graphed += int(result.graphed)
 
     async def _failed(self, batch: StepBatch, err: Exception) -> list[EngineRequest]:
         """The step's requests, ended with the error `err` (an EngineError is an expected
@@ -191,7 +198,7 @@ class StepRunner:
         scheduler cannot even do that."""
         e = self.engine
         try:
-            return e.scheduler.update(batch, None, e.now, error=error)
+            return self.flow.fail(batch, error, e.now)
         except Exception:
             e.log.exception("failing the step's requests failed", step=batch.step)
             return None

@@ -22,6 +22,14 @@ from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import StepResult
 from taipan.messages.requests import SamplingParams
 
+try:
+    from taipan.actors.engine.flow import apply_block_reply
+except ImportError:  # an older tree on the path (before actors/engine/flow.py)
+
+    def apply_block_reply(sched, batch, reply):
+        sched.assign_blocks(batch, reply)
+
+
 BLOCKS = 8192
 
 
@@ -41,7 +49,8 @@ def host_step_us(batch: int, steps: int = 600) -> tuple[float, float]:
         n = sum(c.new_blocks for c in batch_.chunks)
         ids = np.arange(taken, taken + n, dtype=np.int32)
         taken += n
-        sched.assign_blocks(batch_, BlockOpsReply(batch_.step, True, ids, BLOCKS - taken, None))
+        reply = BlockOpsReply(batch_.step, True, ids, BLOCKS - taken, None)
+        apply_block_reply(sched, batch_, reply)
         if batch_.chunks:
             wire.step_plan(sched, batch_)
         rows = np.full(len(batch_.chunks), 7, np.int32)
