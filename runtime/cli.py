@@ -17,12 +17,9 @@ from taipan.actors.config import ConfigError
 from taipan.actors.curve import CurveError
 from taipan.actors.log import configure
 from taipan.auth import curve_keys
-from taipan.launcher import (
-    add_http_arguments,
-    add_runtime_arguments,
-    describe_exit,
-    runtime_from_args,
-)
+from taipan.children import describe_exit
+from taipan.flags import add_http_arguments, add_runtime_arguments
+from taipan.launcher import runtime_from_args
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -6,8 +6,8 @@ read fields by name. The JSON wire form is a flat object with one key per field 
 parallel part nested under `expert_parallel`); `from_json` refuses unknown or missing keys, so a
 launcher and a child of different versions fail at once with the keys named. Frozen: a process
 never writes its run-time discoveries back into it (`LaunchSpec.for_coordinator` builds one for
-a coordinator started without engines of its own, as the relay bench does). Imports no torch and
-no zmq.
+a coordinator started without engines of its own, as the relay bench does). The sockets each
+process opens are derived from it, as data, by runtime/wiring.py. Imports no torch and no zmq.
 """
 
 from __future__ import annotations
