@@ -395,7 +395,7 @@ async def test_legal_sequence_gets_acks_with_states_and_weight_versions(addresse
         assert got[1] == Suspend("", "offload")
         assert got[2] == UpdateWeights("", "/ckpt/step-1", None)
         assert got[3].state["model.norm.weight"].tolist() == [1.0] * 4
-        assert h.actor.weight_version == 2
+        assert h.actor.lifecycle.weight_version == 2
 
 
 def every_control(token: str) -> list:
@@ -580,7 +580,7 @@ async def test_an_unanswered_control_times_out_and_a_late_ack_is_ignored(address
         h.engine.hold.add("pause")
         reply = await h.ask(Pause(TOKEN))
         assert_error(reply, "control_failed", "engine 0 did not answer pause within 0.2 s")
-        assert "stays RUNNING" in reply.text and h.actor.control is None
+        assert "stays RUNNING" in reply.text and h.actor.lifecycle.round is None
         h.engine.hold.clear()
         await h.engine.release()  # the late ack
         # The engine answers in order: once this output is back, the late ack was handled.
@@ -890,7 +890,7 @@ async def test_fuzzed_frames_and_wrong_token_controls_change_nothing(addresses):
         assert len(refused) == expected["not_authorized"]
         assert {e["outcome"] for e in refused} == {"not_authorized"}
         # Nothing changed: still RUNNING, the engine saw no control, a request is served.
-        assert not h.run.done() and h.actor.control is None
+        assert not h.run.done() and h.actor.lifecycle.round is None
         assert await h.ask(GetStats()) == Stats("RUNNING", (rank_stats(0),))
         assert h.actor.fsm.state == "RUNNING" and h.engine.controls == []
         out = await h.generate(7)
@@ -924,7 +924,7 @@ async def test_a_dead_engine_fails_its_requests_and_new_ones_are_refused(address
         assert (dead.rank, dead.alive, dead.running) == (0, False, 0)
         assert dead.dead_reason == "its connection closed"
         assert stats.merged().alive is False
-        assert h.actor.engines == {}
+        assert h.actor.links.engines == {}
 
 
 @pytest.mark.asyncio
@@ -939,7 +939,7 @@ async def test_a_dead_engine_ends_the_control_and_stats_query_waiting_for_it(add
         reply = await h.recv(timeout=2.0)
         assert_error(reply, "control_failed", "pause failed; the state stays RUNNING")
         assert "engine 0: its connection closed" in reply.text
-        assert h.actor.fsm.state == "RUNNING" and h.actor.control is None
+        assert h.actor.fsm.state == "RUNNING" and h.actor.lifecycle.round is None
         stats = await receive(other, 2.0)
         assert [(r.rank, r.alive) for r in stats.ranks] == [(0, False)]
 
@@ -952,14 +952,14 @@ async def test_a_silent_engine_is_declared_dead_after_engine_timeout(addresses):
         await h.engine.until(lambda: h.engine.submits)
         # Heartbeats alone keep a busy engine alive well past the timeout.
         await assert_silent(h.client, 1.0)
-        assert 0 in h.actor.engines
+        assert 0 in h.actor.links.engines
         h.engine.silent = True  # hung: its connection stays open
         start = time.monotonic()
         out = await h.recv(timeout=3.0)
         assert time.monotonic() - start < 1.5
         assert out.request_id == 9 and out.finish_reason == "error"
         assert "engine rank 0 died (sent nothing for 0.5 s)" in out.error
-        assert h.actor.engines == {}
+        assert h.actor.links.engines == {}
 
 
 @pytest.mark.asyncio

@@ -336,7 +336,7 @@ async def test_a_live_coordinator_logs_a_silent_engine_as_rank_gone(tmp_path):
                 assert engines[1].submits[0].prompt_token_ids.tolist() == cached.tolist()
                 engines[1].silent = True  # hung, its connection open: only the clock can tell
                 async with asyncio.timeout(5):
-                    while 1 in actor.engines:
+                    while 1 in actor.links.engines:
                         await asyncio.sleep(0.05)
                 await generate(3, cached)
                 assert [len(e.submits) for e in engines] == [2, 1]

@@ -1,5 +1,5 @@
 """How the coordinator relays outputs to a client that said Hello("client") (what the client
-actor does; actors/coordinator/actor.py, "Relaying outputs"): one StepOutputs per engine step
+actor does; actors/coordinator/relay.py): one StepOutputs per engine step
 with that client's entries under its own ids and the engine's frames unread, while a client that
 said nothing keeps getting one renumbered RequestOutput per output. The client actor checks
 each entry: a bad one fails its request alone and aborts it in the engine. The replay checker
@@ -68,7 +68,7 @@ async def test_any_other_hello_from_a_client_is_refused(addresses):
     async with running(addresses) as h:
         refusal = await h.ask(Hello("engine", 0))
         assert isinstance(refusal, ErrorReply) and refusal.code == "unexpected_message"
-        assert h.actor.engines == {0: b"engine-0"} and h.actor.batch_clients == set()
+        assert h.actor.links.engines == {0: b"engine-0"} and h.actor.batch_clients == set()
 
 
 @pytest.mark.asyncio

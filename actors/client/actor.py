@@ -124,15 +124,31 @@ class ClientActor(Actor):
         hashes: np.ndarray | None = None,
         salt: int = 0,
     ):
-        """Send one request (`hashes`: its prompt's block hashes with `salt`, or None)."""
+        """Send one request (`hashes`: its prompt's block hashes with `salt`, or None); its
+        outputs come in the queue returned, a refusal here as its one terminal output."""
         request_id = next(self.ids)
         queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._expect_answer()
-        self.queues[request_id] = queue
         if hashes is None:
             hashes = np.zeros(0, dtype=np.int64)
-        await self.channel.send(SubmitRequest(request_id, prompt, sampling, stream, hashes, salt))
+        msg = SubmitRequest(request_id, prompt, sampling, stream, hashes, salt)
+        refusal = self._refusal(msg)
+        if refusal is not None:
+            error = FinishReason.ERROR
+            queue.put_nowait(
+                RequestOutput(request_id, NO_TOKENS, True, error, refusal, len(prompt), 0)
+            )
+            return request_id, queue
+        self._expect_answer()
+        self.queues[request_id] = queue
+        await self._send_submit(msg)
         return request_id, queue
+
+    def _refusal(self, msg: SubmitRequest) -> str | None:
+        """Why `msg` is refused without being sent, or None (the coordinator checks it)."""
+        return None
+
+    async def _send_submit(self, msg: SubmitRequest) -> None:
+        await self.channel.send(msg)
 
     async def abort(self, request_id: int) -> None:
         if request_id in self.queues:

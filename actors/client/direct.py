@@ -2,13 +2,14 @@
 `use_coordinator=False` in runtime/llm.py; the seed's "direct mode").
 
 It binds the endpoint one engine rank connects to (a ROUTER that watches its peer) and speaks the
-coordinator's side of the engine protocol for that rank alone: it takes the engine's Hello,
-Heartbeats and ModelLoaded (and builds the ModelInfo a coordinator would answer), sends
-`EngineSubmit` and `AbortRequest` under this client's own request ids, splits each
-`StepOutputs` into its requests' queues, and asks for stats. One hop less per message than
-through a coordinator process. What the coordinator would own is absent: routing (there is one
-rank) and the lifecycle (`control` raises RuntimeError naming the mode); `stop_engine` only ends
-the engine when its owner shuts down.
+coordinator's side of the engine protocol for that rank alone, through the same
+`EngineLinks` the coordinator uses (actors/engine_link.py): it takes the engine's Hello,
+Heartbeats and ModelLoaded (and answers the ModelInfo a coordinator would), sends `EngineSubmit`
+and `AbortRequest` under this client's own request ids, splits each `StepOutputs` into its
+requests' queues, and asks for stats. One hop less per message than through a coordinator
+process. What the coordinator would own is absent: routing (there is one rank) and the lifecycle
+(`control` raises RuntimeError naming the mode); `stop_engine` only ends the engine when its
+owner shuts down.
 
 Liveness, as the coordinator watches an engine: the engine heartbeats every second, so once it
 has said Hello, `timeout` seconds of silence (or its connection closing, or its process exiting:
@@ -22,13 +23,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import os
 import time
-
-import numpy as np
 
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.client.actor import ClientActor, RuntimeUnreachable
+from taipan.actors.engine_link import (
+    ENGINE_TIMEOUT_S,
+    EngineLinks,
+    ServedModel,
+    watch_process,
+    watch_silence,
+)
 from taipan.messages.codec import decode
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.errors import ErrorCode
@@ -40,15 +45,10 @@ from taipan.messages.requests import (
     FinishReason,
     ModelInfo,
     RequestOutput,
-    SamplingParams,
     StepOutputs,
     SubmitRequest,
 )
 from taipan.messages.stats import GetStats, PrefixEvents, Stats
-
-# The engine heartbeats every second; its event loop stays free while the device works.
-ENGINE_TIMEOUT_S = 10.0
-NO_TOKENS = np.zeros(0, dtype=np.int32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,8 +70,10 @@ class DirectActor(ClientActor):
     ):
         super().__init__(channel, address=f"engine rank {endpoint.rank}", timeout=timeout)
         self.endpoint = endpoint
+        ep = endpoint
+        served = ServedModel(ep.model_name, ep.max_sequence_length, 1, ep.prefix_caching)
+        self.links = EngineLinks(served, timeout)
         self.engine: bytes | None = None  # its identity, from its first message
-        self.info: ModelInfo | None = None
         self.gone: str | None = None  # why the engine is gone, once it is
         self.stop_acked = asyncio.Event()
         for msg_type, handler in [
@@ -94,6 +96,7 @@ class DirectActor(ClientActor):
         elif env.sender != self.engine and env.sender is not None:
             self.log.warning("a second peer on a direct endpoint: ignored", peer=env.sender.hex())
             return
+        self.links.heard(env.sender, env.time)
         await super().dispatch(env)
 
     async def _to_engine(self, msg) -> None:
@@ -102,35 +105,21 @@ class DirectActor(ClientActor):
 
     # --- calls (the coordinator's side of the protocol) ---------------------------------------
 
-    async def submit(
-        self,
-        prompt: np.ndarray,
-        sampling: SamplingParams,
-        stream: bool,
-        hashes: np.ndarray | None = None,
-        salt: int = 0,
-    ):
-        request_id = next(self.ids)
-        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        if hashes is None:
-            hashes = np.zeros(0, dtype=np.int64)
-        problems = SubmitRequest(request_id, prompt, sampling, stream, hashes, salt).problems()
+    def _refusal(self, msg: SubmitRequest) -> str | None:
         if self.gone is not None:
-            problems = [self.gone]
-        elif self.engine is None:
+            return self.gone
+        problems = msg.problems()  # the coordinator's checks: no coordinator makes them here
+        if self.engine is None:
             problems.append("the engine has not connected yet")
-        if problems:
-            text = "; ".join(problems)
-            queue.put_nowait(
-                RequestOutput(request_id, NO_TOKENS, True, FinishReason.ERROR, text, len(prompt), 0)
-            )
-            return request_id, queue
-        self._expect_answer()
-        self.queues[request_id] = queue
+        return "; ".join(problems) or None
+
+    async def _send_submit(self, msg: SubmitRequest) -> None:
+        # Under this client's own request id: there is no other numbering to map it to.
+        prompt, hashes, salt = msg.prompt_token_ids, msg.block_hashes, msg.hash_salt
+        now = time.time()
         await self._to_engine(
-            EngineSubmit(request_id, prompt, sampling, stream, time.time(), hashes, salt)
+            EngineSubmit(msg.request_id, prompt, msg.sampling, msg.stream, now, hashes, salt)
         )
-        return request_id, queue
 
     async def _send_abort(self, request_id: int) -> None:
         await self._to_engine(AbortRequest(request_id))
@@ -139,10 +128,13 @@ class DirectActor(ClientActor):
         return f"engine rank {self.endpoint.rank}"
 
     async def model_info(self) -> ModelInfo:
-        if self.info is not None:
-            return self.info
+        """As a coordinator answers GetModelInfo: once the rank has loaded its model."""
+        if self.links.ready:
+            return self.links.info
         if self.gone is not None:
             raise RuntimeUnreachable(self.gone)
+        if self.links.load_error is not None:
+            raise RuntimeError(f"model load failed: {self.links.load_error}")
         fut = asyncio.get_running_loop().create_future()
         self.info_waiters.append(fut)  # answered by the engine's ModelLoaded
         return await fut
@@ -177,41 +169,22 @@ class DirectActor(ClientActor):
     # --- liveness -----------------------------------------------------------------------------
 
     async def _watch_server(self) -> None:
-        """Heartbeats come from the engine unasked: only watch for their absence (once the
-        engine has said Hello: before it, it imports and loads)."""
-        while True:
-            if self.engine is None or self.gone is not None or not self._busy():
-                self.waiting.clear()
-                await self.waiting.wait()
-                continue
-            silent = time.monotonic() - self.heard
-            if silent >= self.timeout:
-                self.engine_gone(f"sent nothing for {silent:.1f} s (timeout {self.timeout:g} s)")
-                continue
-            await asyncio.sleep(self.timeout - silent)
+        """Heartbeats come from the engine unasked: watch for their absence as the coordinator
+        does (from the engine's Hello: before it, it imports and loads)."""
+        await watch_silence(self.links, self._engine_silent)
+
+    async def _engine_silent(self, identity: bytes, silent: float) -> None:
+        self.engine_gone(f"sent nothing for {silent:.1f} s (timeout {self.timeout:g} s)")
 
     async def _watch_process(self, pid: int) -> None:
-        """Wait, without polling, for the engine process to exit (a pidfd turns readable)."""
-        if not hasattr(os, "pidfd_open"):
-            return  # not Linux: the connection and heartbeat watches remain
-        try:
-            fd = os.pidfd_open(pid)
-        except OSError as e:  # already reaped: the process is gone
-            self.engine_gone(f"its process {pid} is not running ({e.strerror})")
-            return
-        exited = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        loop.add_reader(fd, exited.set)
-        try:
-            await exited.wait()
-        finally:
-            loop.remove_reader(fd)
-            os.close(fd)
-        self.engine_gone(f"its process {pid} exited (see its log above)")
+        reason = await watch_process(pid)
+        if reason is not None:
+            self.engine_gone(reason)
 
     def engine_gone(self, reason: str) -> None:
         """The engine is gone: every request ends with an error naming it, every waiting call
         raises, and nothing is sent to it any more."""
+        self.links.gone(self.engine)  # nothing more to watch
         if self.gone is not None:
             return
         if self.stop_acked.is_set():  # it exited as told
@@ -228,7 +201,7 @@ class DirectActor(ClientActor):
     async def on_hello(self, env: Envelope, msg: Hello) -> None:
         if msg.name != "engine":
             self.log.warning("a Hello from a non-engine peer", name=msg.name)
-        self.waiting.set()  # its silence counts from now on
+        self.links.join(self.endpoint.rank, env.sender, env.time)  # its silence counts from now
 
     async def on_heartbeat(self, env: Envelope, msg: Heartbeat) -> None:
         pass  # `dispatch` noted that it is alive
@@ -240,22 +213,16 @@ class DirectActor(ClientActor):
         self.engine_gone(msg.reason)
 
     async def on_model_loaded(self, env: Envelope, msg: ModelLoaded) -> None:
-        ep = self.endpoint
-        self.info = ModelInfo(
-            ep.model_name,
-            msg.tokenizer,
-            ep.max_sequence_length,
-            1,
-            msg.num_blocks * msg.block_size,
-            msg.num_blocks * msg.block_bytes,
-            msg.block_size,
-            ep.prefix_caching,
-            0,  # no weight updates in direct mode
-        )
-        self._resolve(self.info_waiters, self.info)
+        # No weight updates in direct mode: the weight version stays 0.
+        refusal = self.links.loaded_model(self.endpoint.rank, msg, 0)
+        if refusal is not None:  # a second report, at odds with the first
+            self.log.error("model report ignored", why=refusal)
+            return
+        self._resolve(self.info_waiters, self.links.info)
 
     async def on_error(self, env: Envelope, msg: ErrorReply) -> None:
         if msg.code is ErrorCode.LOAD_FAILED:
+            self.links.load_failed(msg.text)
             self._resolve(self.info_waiters, RuntimeError(f"model load failed: {msg.text}"))
             return
         self.log.warning("engine error reply", code=msg.code, text=msg.text)

@@ -1,11 +1,13 @@
 """Replay check of the coordinator's routing (`taipan replay --check`, DESIGN.md §10).
 
 Re-drives a fresh `CoordinatorCore` (its prefix `RoutingTable` and `RankPicker`) from the
-coordinator's recorded log, as the actor (actor.py) drives it, and compares every recorded
-`EngineSubmit` byte for byte with the one the replay builds: same rank (the engine it went to),
-same global id, same block hashes and salt (re-hashed by on_submit's rule), same prompt,
-sampling and arrival time. A submission the coordinator refused must be one the replay refuses,
-and every `PrefixEvents` must apply to the replayed table (a contradiction means lost events).
+coordinator's recorded log, as the actor (actor.py) drives it and through the actor's own
+decisions (`EngineLinks` for which engine is which rank, `relay_outputs` for where a route
+ends), and compares every recorded `EngineSubmit` byte for byte with the one the replay builds:
+same rank (the engine it went to), same global id, same block hashes and salt (re-hashed by
+on_submit's rule), same prompt, sampling and arrival time. A submission the coordinator refused
+must be one the replay refuses, and every `PrefixEvents` must apply to the replayed table (a
+contradiction means lost events).
 
 Why the log is enough: the core changes only in handlers that make no await before their
 change, and a submission is admitted in the same breath as its outcome (the EngineSubmit, or
@@ -33,8 +35,10 @@ import numpy as np
 
 from taipan.actors.config import HASHING_POLICIES, PrefixCachingCoordinatorPolicy
 from taipan.actors.coordinator.core import CoordinatorCore, NoRankError, routing_hashes
+from taipan.actors.coordinator.relay import relay_outputs
 from taipan.actors.coordinator.routing import RoutingError
-from taipan.messages.codec import MessageError, encode
+from taipan.actors.engine_link import EngineLinks, ServedModel
+from taipan.messages.codec import encode
 from taipan.messages.common import ErrorReply, Hello, PeerGone, RankGone
 from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import ModelLoaded
@@ -79,9 +83,8 @@ class CoordinatorReplay:
         self.core = CoordinatorCore(policy, alpha, capacity)
         # As the actor decides.
         self.hashing = prefix_caching or self.core.router.policy in HASHING_POLICIES
-        self.block_size = 0  # from the first ModelLoaded of a known engine
-        self.loaded = False
-        self.engines: dict[int, bytes] = {}  # rank -> engine identity, live ranks only
+        # The actor's engine bookkeeping: live ranks, block size (what is served is not replayed).
+        self.links = EngineLinks(ServedModel("", 0, num_ranks or 1, prefix_caching))
         self.num_ranks = num_ranks  # None: unknown (no runtime.json), ranks not range-checked
         self.weight_version = 0
         self.stop_asked = False
@@ -105,23 +108,23 @@ class CoordinatorReplay:
             return None
         if channel != ENGINES:
             return None
+        links = self.links
         if isinstance(msg, Hello) and msg.name == "engine":
-            if self.core.rank_refusal(msg.rank, peer, self.engines, self.num_ranks) is None:
-                self.engines[msg.rank] = peer
+            if self.core.rank_refusal(msg.rank, peer, links.engines, self.num_ranks) is None:
+                links.join(msg.rank, peer, time)
         elif isinstance(msg, ModelLoaded):
-            rank = self._rank_of(peer)
-            if rank is not None:
+            rank = links.rank_of(peer)
+            if rank is not None and links.loaded_model(rank, msg, self.weight_version) is None:
                 self.core.add_rank(rank)
-                if not self.loaded:
-                    self.loaded, self.block_size = True, msg.block_size
         elif isinstance(msg, PrefixEvents):
             return self._prefix_events(peer, msg)
         elif isinstance(msg, StepOutputs):
-            self._step_outputs(msg)
+            # Forget the routes of terminal outputs, and of entries the actor cannot relay.
+            relay_outputs(msg, self.core, self.batch_clients)
         return None
 
     def _prefix_events(self, peer: bytes | None, msg: PrefixEvents) -> str | None:
-        rank = self._rank_of(peer)
+        rank = self.links.rank_of(peer)
         if rank is None:
             return None
         try:
@@ -130,22 +133,6 @@ class CoordinatorReplay:
             return f"PrefixEvents from rank {rank} contradict the routing table: {e}"
         self.events += 1
         return None
-
-    def _step_outputs(self, msg: StepOutputs) -> None:
-        """Forget the routes of terminal outputs, and of entries the coordinator cannot relay."""
-        if msg.problem() is not None:
-            for gid in msg.request_ids.tolist():
-                self.core.route_of(gid, True)
-            return
-        entries = zip(msg.request_ids.tolist(), msg.finished.tolist(), strict=True)
-        for i, (gid, finished) in enumerate(entries):
-            route = self.core.route_of(gid, finished)
-            if route is None or route.client in self.batch_clients:
-                continue
-            try:
-                msg.relayed(i, route.client_request_id)
-            except MessageError:
-                self.core.route_of(gid, True)
 
     # --- outbound -----------------------------------------------------------------------------
 
@@ -196,7 +183,7 @@ class CoordinatorReplay:
         m = sub.msg
         want = EngineSubmit(gid, m.prompt_token_ids, m.sampling, m.stream, sub.time, hashes, salt)
         self.replayed = f"→ {ENGINES}[rank {rank}]  {summarize(want)}"
-        if peer == self.engines.get(rank) and _frames(encode(want)) == _frames(frames):
+        if peer == self.links.engines.get(rank) and _frames(encode(want)) == _frames(frames):
             self.routed += 1
             return None
         text = (
@@ -236,26 +223,23 @@ class CoordinatorReplay:
             problems.append("the prompt is empty")
         if problems:
             return "; ".join(problems)
-        block_size = self.block_size if self.hashing else 0
+        block_size = self.links.block_size if self.hashing else 0
         return routing_hashes(
             prompt, msg.block_hashes, msg.hash_salt, block_size, self.weight_version
         )
 
     def _rank_gone(self, msg: RankGone) -> str | None:
-        if msg.rank not in self.engines:
+        if msg.rank not in self.links.engines:
             return f"the coordinator declared rank {msg.rank} dead, a rank replay does not know"
-        del self.engines[msg.rank]
+        self.links.gone(self.links.engines[msg.rank])
         self.core.remove_rank(msg.rank, f"died: {msg.reason}")
         self.ranks_gone += 1
         return None
 
     # --- helpers ------------------------------------------------------------------------------
 
-    def _rank_of(self, identity: bytes | None) -> int | None:
-        return next((r for r, i in self.engines.items() if i == identity), None)
-
     def _where(self, identity: bytes | None) -> str:
-        rank = self._rank_of(identity)
+        rank = self.links.rank_of(identity)
         return f"rank {rank}" if rank is not None else f"engine {identity!r} (no live rank)"
 
     def summary(self) -> str:

@@ -2,9 +2,9 @@
 (`TRANSITIONS` in messages/lifecycle.py, which the engines check too). Pure Python.
 
 Owns: which lifecycle command is legal in which state, and the state after it. Must not touch:
-sockets, engines, clocks — the coordinator actor (actors/coordinator/actor.py) asks `check`
-before forwarding a command and calls `apply` only once every engine has acknowledged it, so a
-refused or failed command leaves the state as it was.
+sockets, engines, clocks — the coordinator's lifecycle control (actors/coordinator/control.py)
+asks `check` before the actor forwards a command and calls `apply` only once every engine has
+acknowledged it, so a refused or failed command leaves the state as it was.
 
     RUNNING -pause-> PAUSED -suspend-> SUSPENDED -resume-> PAUSED -unpause-> RUNNING
     stop from PAUSED or SUSPENDED -> STOPPED; update_weights only in SUSPENDED (stays there).
@@ -30,7 +30,7 @@ class IllegalTransition(RuntimeError):
 
 
 class LifecycleFSM:
-    """The current lifecycle state. Only the coordinator actor mutates it, through `apply`."""
+    """The current lifecycle state. Only LifecycleControl (control.py) mutates it, by `apply`."""
 
     def __init__(self, state: State = State.RUNNING):
         self.state = state
