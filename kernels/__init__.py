@@ -1,6 +1,7 @@
 """Triton kernels, one file per algorithm stage. Each file stacks: the @triton.jit kernel(s) ->
 a launcher that checks shapes, dtypes and strides and picks the grid -> `*_ref`, the same
 contract in plain torch (fp32 inside), which the CPU path runs and the tests compare against.
+The two paged-attention kernels (decode, prefill) share one reference, attention_ref.py.
 
 Conventions shared by every kernel:
 - Storage is bf16/fp16/fp32; arithmetic inside is fp32; outputs are cast to the storage dtype.

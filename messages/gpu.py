@@ -11,7 +11,12 @@ import enum
 import numpy as np
 
 from taipan.messages.codec import Array, message
-from taipan.messages.lifecycle import KVCacheManagementMode, WeightArray
+from taipan.messages.lifecycle import (
+    KVCacheManagementMode,
+    WeightArray,
+    WeightSpec,
+    WeightTransferGroup,
+)
 from taipan.messages.requests import empty_array_field
 
 
@@ -27,6 +32,8 @@ class GpuCommand(enum.StrEnum):
     STAGE_WEIGHTS = "stage_weights"
     COMMIT_WEIGHTS = "commit_weights"
     DISCARD_WEIGHTS = "discard_weights"
+    INIT_WEIGHT_TRANSFER = "init_weight_transfer"
+    CLOSE_WEIGHT_TRANSFER = "close_weight_transfer"
 
 
 @message(120)
@@ -94,6 +101,9 @@ class ModelLoaded:
     mamba_slots: int = 0
     mamba_slot_bytes: int = 0
     mamba_snapshot_slots: int = 0
+    # The rank's gpu processes (1 + its tensor-parallel followers): each joins a trainer's
+    # weight-transfer group (messages/lifecycle.py InitWeightTransfer).
+    tensor_parallel_size: int = 1
 
 
 @message(122)
@@ -188,9 +198,15 @@ class StepResult:
 @message(124)
 class GpuControl:
     """Engine -> gpu actor, only between steps: "suspend" (with `mode` "persist", "offload" or
-    "recompute"; None is an error: the engine resolves the config default), "resume", or
-    "update_weights" (with exactly one of `path` or `state`, as messages.lifecycle.UpdateWeights;
-    only while suspended). Fields a command does not use are ignored.
+    "recompute"; None is an error: the engine resolves the config default), "resume",
+    "update_weights" / "stage_weights" (with exactly one of `path`, `state` or `buckets`, as
+    messages.lifecycle.UpdateWeights and UpdateWeightsFromDistributed; the engine sends them
+    only while PAUSED or SUSPENDED; `weight_version` None: the last + 1), "init_weight_transfer"
+    (with `transfer`) and "close_weight_transfer". Fields a command does not use are ignored.
+
+    `buckets` arrive over the weight-transfer group (ops/weight_transfer.py). Without staging
+    each bucket is copied in as it arrives: a transfer that fails part way leaves the weights
+    mixed, and the reply says so (`weights_incomplete`) until a complete update lands.
 
     update_weights checks everything before it changes anything: a checkpoint at `path` must
     have the loaded architecture (same hyper-parameters and shapes); each `state` name must be
@@ -205,6 +221,9 @@ class GpuControl:
     mode: KVCacheManagementMode | None
     path: str | None
     state: dict[str, WeightArray] | None
+    weight_version: int | None = None
+    transfer: WeightTransferGroup | None = None
+    buckets: list[list[WeightSpec]] | None = None
 
 
 @message(125)
@@ -213,13 +232,15 @@ class GpuControlReply:
     resume in the wrong state names the state). `kv_valid`: False when the KV contents are
     dropped: the reply to a "suspend" in mode "recompute", and to the "resume" that follows it
     (every cached token must be recomputed); True otherwise. Update_weights leaves the KV as it
-    was (computed with the old weights). `weight_version` counts successful updates since
-    LoadModel (0 = as loaded)."""
+    was (computed with the old weights). `weight_version`: the weights' version (0 = as
+    loaded; each update sets it). `weights_incomplete`: a transfer failed after it had copied
+    some of its weights in; steps and unpause are refused until a complete update lands."""
 
     command: GpuCommand
     error: str | None
     kv_valid: bool
     weight_version: int
+    weights_incomplete: bool = False
 
 
 @message(126)

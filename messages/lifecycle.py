@@ -10,7 +10,9 @@ checks it against the same table), and answers the client with one
 Engines answer the coordinator with `ControlAck` (or `ErrorReply`).
 
 States: RUNNING -PAUSE-> PAUSED -SUSPEND-> SUSPENDED -RESUME-> PAUSED -UNPAUSE-> RUNNING;
-STOP from PAUSED or SUSPENDED; UPDATE_WEIGHTS only while SUSPENDED.
+STOP from PAUSED or SUSPENDED; UPDATE_WEIGHTS (from a path, a state dict or a trainer's
+weight-transfer group) only while PAUSED or SUSPENDED; INIT_ / CLOSE_WEIGHT_TRANSFER in any state
+but STOPPED (they change none).
 - PAUSED: no steps run; requests keep their KV; new submissions queue.
 - SUSPENDED: the big tensors are released as `mode` says (None: the config's
   `kv_cache_management_mode`, itself defaulting to "persist"): "persist" keeps them, "offload"
@@ -25,7 +27,7 @@ import enum
 
 import numpy as np
 
-from taipan.messages.codec import Array, message
+from taipan.messages.codec import Array, message, struct
 
 
 class LifecycleState(enum.StrEnum):
@@ -45,6 +47,8 @@ class ControlCommand(enum.StrEnum):
     SUSPEND = "suspend"
     RESUME = "resume"
     UPDATE_WEIGHTS = "update_weights"
+    INIT_WEIGHT_TRANSFER = "init_weight_transfer"
+    CLOSE_WEIGHT_TRANSFER = "close_weight_transfer"
     STOP = "stop"
 
 
@@ -58,7 +62,14 @@ TRANSITIONS: dict[tuple[LifecycleState, ControlCommand], LifecycleState] = {
     (LifecycleState.PAUSED, ControlCommand.STOP): LifecycleState.STOPPED,
     (LifecycleState.SUSPENDED, ControlCommand.RESUME): LifecycleState.PAUSED,
     (LifecycleState.SUSPENDED, ControlCommand.UPDATE_WEIGHTS): LifecycleState.SUSPENDED,
+    (LifecycleState.PAUSED, ControlCommand.UPDATE_WEIGHTS): LifecycleState.PAUSED,
     (LifecycleState.SUSPENDED, ControlCommand.STOP): LifecycleState.STOPPED,
+    # Joining or leaving a trainer's weight-transfer group changes no state (any but STOPPED).
+    **{
+        (state, command): state
+        for state in (LifecycleState.RUNNING, LifecycleState.PAUSED, LifecycleState.SUSPENDED)
+        for command in (ControlCommand.INIT_WEIGHT_TRANSFER, ControlCommand.CLOSE_WEIGHT_TRANSFER)
+    },
 }
 
 
@@ -126,14 +137,70 @@ class Resume:
 
 @message(46)
 class UpdateWeights:
-    """Load new weights while SUSPENDED: from `path` (a GGUF file or a Hugging Face directory
-    with the same architecture) or from `state` (parameter name -> array, HF names as in the
-    checkpoint, e.g. "model.layers.0.mlp.down_proj.weight"; a subset is allowed). Exactly one
-    of the two is set. Bumps the weight version."""
+    """Load new weights while PAUSED or SUSPENDED: from `path` (a GGUF file or a Hugging Face
+    directory with the same architecture) or from `state` (parameter name -> array, HF names as
+    in the checkpoint, e.g. "model.layers.0.mlp.down_proj.weight"; a subset is allowed). Exactly
+    one of the two is set. The weight version becomes `weight_version` (the trainer's; it is
+    the prefix-hash salt), or the last one + 1 when None."""
 
     token: str
     path: str | None
     state: dict[str, WeightArray] | None
+    weight_version: int | None = None
+
+
+@struct
+class WeightSpec:
+    """One tensor of a weight-transfer bucket: its Hugging Face name, dtype ("bfloat16",
+    "float16", "float32" or "float64") and shape (ops/weight_transfer.py TensorSpec)."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+@struct
+class WeightTransferGroup:
+    """A trainer's weight-transfer group: a TCPStore at `master_address:master_port` hosted by
+    the trainer, `world_size` processes in all, the trainer's senders ranks 0 .. rank_offset-1
+    and taipan's gpu processes rank_offset + engine rank * tp_size + tp rank. `backend` "nccl",
+    "gloo" or "" (nccl on CUDA, else gloo)."""
+
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int
+    backend: str
+
+
+@message(48)
+class InitWeightTransfer:
+    """Every gpu process of every rank joins the trainer's weight-transfer `group` (made once,
+    reused for every update; the trainer joins at the same time)."""
+
+    token: str
+    group: WeightTransferGroup
+
+
+@message(49)
+class CloseWeightTransfer:
+    """Leave the weight-transfer group (each process closes its side)."""
+
+    token: str
+
+
+@message(50)
+class UpdateWeightsFromDistributed:
+    """New weights broadcast by the trainer (group rank 0) over the weight-transfer group, one
+    flat buffer per bucket in `buckets` order (ops/weight_transfer.py BucketLayout). Each
+    process copies its shard in place (CUDA graphs stay valid). `stage`: receive everything into
+    a second buffer first and copy in only once every process has all of it. Legal while PAUSED
+    or SUSPENDED; `weight_version` as UpdateWeights."""
+
+    token: str
+    buckets: list[list[WeightSpec]]
+    weight_version: int | None
+    stage: bool
 
 
 @message(47)
@@ -153,5 +220,8 @@ CONTROL_MESSAGES: dict[type, ControlCommand] = {
     Suspend: ControlCommand.SUSPEND,
     Resume: ControlCommand.RESUME,
     UpdateWeights: ControlCommand.UPDATE_WEIGHTS,
+    UpdateWeightsFromDistributed: ControlCommand.UPDATE_WEIGHTS,
+    InitWeightTransfer: ControlCommand.INIT_WEIGHT_TRANSFER,
+    CloseWeightTransfer: ControlCommand.CLOSE_WEIGHT_TRANSFER,
     Stop: ControlCommand.STOP,
 }

@@ -260,6 +260,7 @@ class ModelInfo:
     block_size: int = 0
     prefix_caching: bool = False  # whether SubmitRequest.block_hashes are of any use
     weight_version: int = 0  # the hash salt, as of this answer
+    tensor_parallel_size: int = 1  # gpu processes per rank (num_ranks x this join a weight group)
 
 
 @message(26)

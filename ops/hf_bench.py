@@ -51,8 +51,8 @@ def load_hf(model_path: str, dtype: str | torch.dtype, device: str):
 
 def hf_random_llama(spec: str, dtype: torch.dtype, device: str):
     """transformers' LlamaForCausalLM holding exactly the weights `load_model(spec)` gives ours
-    (ops/loader.py `random_state`, same seed and device), un-fused into q/k/v and gate/up views.
-    Built on the meta device, then the tensors are adopted; the rotary buffers are rebuilt in
+    (ops/random_model.py `random_state`, same seed and device), un-fused into q/k/v and gate/up
+    views. Built on the meta device, then the tensors are adopted; the rotary buffers are rebuilt in
     fp32 (a meta-built model has none, and `.to(bf16)` would round them)."""
     transformers = _import_transformers()
     config = random_config(spec)

@@ -13,6 +13,7 @@ import dataclasses
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.moe import ExpertRange
@@ -84,9 +85,11 @@ def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
     return p.param, p.rows
 
 
-def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object, np.ndarray]]:
-    """Check a (partial) state dict in Hugging Face names, whole tensors, against `model`;
-    changes nothing.
+def state_updates(
+    state: dict[str, np.ndarray | torch.Tensor], model, params: dict | None = None
+) -> list[tuple[str, object, object]]:
+    """Check a (partial) state dict in Hugging Face names, whole tensors (numpy arrays off the
+    wire, or torch tensors received from a trainer), against `model`; changes nothing.
 
     Returns (our parameter name, the index of its part, array) per entry, the array sliced to
     the model's tensor-parallel shard (`model.tp`; the rows are the shard's) and its experts
@@ -96,7 +99,7 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
     same rows with different values (lm_head.weight and model.embed_tokens.weight of a tied
     model may both come, equal, as `state_dict()` gives them).
     """
-    params = model.state_dict()
+    params = model.state_dict() if params is None else params  # (a big model's takes ms)
     tp = getattr(model, "tp", SINGLE)
     experts = getattr(model, "expert_range", None)
     seen: dict[tuple, str] = {}
@@ -111,9 +114,9 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
             raise WeightUpdateError(f"{name}: {exc}") from exc
         if pieces[0].param not in params:
             raise WeightUpdateError(f"unknown parameter {name!r} (not in the loaded model)")
-        if not isinstance(array, np.ndarray) or array.dtype.kind != "f":
+        if not _is_float_array(array):
             kind = getattr(array, "dtype", type(array).__name__)
-            raise WeightUpdateError(f"{name}: {kind} is not a floating-point numpy array")
+            raise WeightUpdateError(f"{name}: {kind} is not a floating-point array or tensor")
         if experts is not None and (EXPERT_NAME.match(ours) or STACKED_EXPERTS_NAME.match(ours)):
             local = _local_experts(name, pieces[0], array, experts, model.config.moe.num_experts)
             if local is None:
@@ -125,12 +128,32 @@ def state_updates(state: dict[str, np.ndarray], model) -> list[tuple[str, object
             raise WeightUpdateError(f"{name}: shape {array.shape}, expected {expected}")
         key = (p.param, _index_key(p.rows))
         if key in seen:
-            if not np.array_equal(state[seen[key]], array):
+            if not _equal(state[seen[key]], array):
                 raise WeightUpdateError(f"{name} and {seen[key]} are the same weights but differ")
             continue
         seen[key] = name
         out += [(piece.param, piece.rows, piece.take(array)) for piece in pieces]
     return out
+
+
+def direct_view(spec, params: dict, config, tp=SINGLE):
+    """Where a whole checkpoint tensor (a TensorSpec: HF name, dtype, shape) can be written
+    straight into our parameters: a contiguous view of the same dtype and shape (an unsplit
+    tensor, or a fused q/k/v or gate/up part that this rank holds whole), or None (a shard, an
+    expert, a conversion: the caller receives it apart and copies it in)."""
+    ours = spec.name.removeprefix("model.").removeprefix("backbone.")
+    if EXPERT_NAME.match(ours) or STACKED_EXPERTS_NAME.match(ours):
+        return None
+    try:
+        pieces = placements(ours, config, tp)
+    except (TPError, ValueError):
+        return None
+    if len(pieces) != 1 or pieces[0].dim is not None or pieces[0].param not in params:
+        return None
+    view = params[pieces[0].param][pieces[0].rows]
+    if str(view.dtype).removeprefix("torch.") != spec.dtype or tuple(view.shape) != spec.shape:
+        return None
+    return view if view.is_contiguous() else None
 
 
 def _local_experts(name: str, p: Placement, array: np.ndarray, experts: ExpertRange, total: int):
@@ -149,6 +172,21 @@ def _local_experts(name: str, p: Placement, array: np.ndarray, experts: ExpertRa
             f"{name}: shape {array.shape}, expected {total} stacked experts [E, rows, columns]"
         )
     return p, array[experts.start : experts.start + experts.count]
+
+
+def _is_float_array(array) -> bool:
+    if isinstance(array, torch.Tensor):
+        return array.is_floating_point()
+    return isinstance(array, np.ndarray) and array.dtype.kind == "f"
+
+
+def _equal(a, b) -> bool:
+    if getattr(a, "is_meta", False) or getattr(b, "is_meta", False):
+        return True  # a check of names and shapes only (no values yet)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        return a.shape == b.shape and bool(torch.equal(a.to(b.device, b.dtype), b))
+    return bool(np.array_equal(a, b))
 
 
 def _index_key(index) -> tuple:

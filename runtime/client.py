@@ -3,9 +3,11 @@
 The client tokenizes (the tokenizer travels from the engine in ModelInfo, so no model files are
 needed here), submits token ids, detokenizes incrementally and matches stop strings on the text
 (ops/stop_strings.py: the engine matches token ids only; on a match it aborts the request).
-It also drives the lifecycle (pause, suspend, update_weights, resume, unpause, stop: see
-messages/lifecycle.py) with the runtime's control token (runtime/auth.py: found by address for
-the user who started the runtime, or given as `control_token=` / TAIPAN_CONTROL_TOKEN).
+It also drives the lifecycle (pause, suspend, update_weights, resume, unpause, stop, and the
+weight transfer from a trainer's processes: init_weight_transfer, update_weights_from_distributed,
+close_weight_transfer, whose trainer side is taipan.rl; see messages/lifecycle.py) with the
+runtime's control token (runtime/auth.py: found by address for the user who started the
+runtime, or given as `control_token=` / TAIPAN_CONTROL_TOKEN).
 `timeout` is how long the runtime may stay silent before a waiting call fails with
 `RuntimeUnreachable` (a busy runtime still answers; see actors/client/actor.py); `connect_timeout`
 bounds the wait for an engine to load its model. `curve`: the client's Curve keys for a
@@ -53,7 +55,9 @@ from taipan.auth import find_token
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
 from taipan.messages.lifecycle import (
+    CloseWeightTransfer,
     ControlAck,
+    InitWeightTransfer,
     KVCacheManagementMode,
     Pause,
     Resume,
@@ -61,6 +65,9 @@ from taipan.messages.lifecycle import (
     Suspend,
     Unpause,
     UpdateWeights,
+    UpdateWeightsFromDistributed,
+    WeightSpec,
+    WeightTransferGroup,
 )
 from taipan.messages.requests import FinishReason, ModelInfo, SamplingParams
 from taipan.messages.stats import Stats
@@ -81,6 +88,12 @@ __all__ = [
     "RequestError",
     "RuntimeUnreachable",
 ]
+
+
+def _weight_spec(spec) -> WeightSpec:
+    """A bucket entry (a TensorSpec or a (name, dtype, shape) triple) as it travels."""
+    name, dtype, shape = (spec.name, spec.dtype, spec.shape) if hasattr(spec, "name") else spec
+    return WeightSpec(str(name), str(dtype).removeprefix("torch."), [int(n) for n in shape])
 
 
 def _check_state_fits(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -355,20 +368,68 @@ class AsyncClient:
         return await self._control(Resume(self.control_token))
 
     async def update_weights(
-        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+        self,
+        path: str | os.PathLike | None = None,
+        state: Mapping | None = None,
+        *,
+        weight_version: int | None = None,
     ) -> ControlAck:
-        """While SUSPENDED, load new weights from `path` (GGUF file or Hugging Face directory,
-        readable by the engine processes) or from `state` (HF parameter name -> array; a subset
-        is allowed). Exactly one of the two. The ack's `weight_version` is the new version."""
+        """While PAUSED or SUSPENDED, load new weights from `path` (GGUF file or Hugging Face
+        directory, readable by the engine processes) or from `state` (HF parameter name ->
+        array; a subset is allowed). Exactly one of the two. The weights' version (the prefix
+        hash salt) becomes `weight_version` (None: the last + 1); the ack carries it."""
         if (path is None) == (state is None):
             raise ValueError("update_weights takes exactly one of path and state")
         token = self.control_token
         msg = (
-            UpdateWeights(token, os.fspath(path), None)
+            UpdateWeights(token, os.fspath(path), None, weight_version)
             if path is not None
-            else UpdateWeights(token, None, _check_state_fits(state))
+            else UpdateWeights(token, None, _check_state_fits(state), weight_version)
         )
         return await self._control(msg)
+
+    # --- weights from a trainer's processes (taipan.rl has the trainer's side) -----------------
+
+    def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
+        """`rank_offset` trainer senders plus every gpu process of the runtime (each rank's
+        tensor-parallel processes included): the world of init_weight_transfer."""
+        info = self.info
+        if info is None:
+            raise RuntimeError("the client is not connected")
+        return rank_offset + info.num_ranks * info.tensor_parallel_size
+
+    async def init_weight_transfer(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offset: int = 1,
+        backend: str | None = None,
+    ) -> ControlAck:
+        """Every gpu process joins the trainer's torch.distributed group (a TCPStore the trainer
+        hosts at master_address:master_port; `backend` "nccl", "gloo" or None: nccl on CUDA,
+        else gloo); returns once all joined, which needs the trainer to join at the same time
+        (taipan.rl.join does both). Made once, reused for every update."""
+        if backend not in (None, "nccl", "gloo"):
+            raise ValueError(f"backend {backend!r} is not one of nccl, gloo")
+        group = WeightTransferGroup(
+            master_address, int(master_port), int(world_size), int(rank_offset), backend or ""
+        )
+        return await self._control(InitWeightTransfer(self.control_token, group))
+
+    async def update_weights_from_distributed(
+        self, buckets, *, weight_version: int | None = None, stage: bool = False
+    ) -> ControlAck:
+        """While PAUSED or SUSPENDED, take new weights the trainer broadcasts over the group,
+        one flat buffer per bucket (`buckets`: lists of ops.weight_transfer.TensorSpec or
+        (name, dtype, shape) triples, as taipan.rl.weight_buckets makes them). `stage`: hold
+        them in a second buffer and copy them in only once every process has all of them."""
+        wire = [[_weight_spec(s) for s in bucket] for bucket in buckets]
+        msg = UpdateWeightsFromDistributed(self.control_token, wire, weight_version, bool(stage))
+        return await self._control(msg)
+
+    async def close_weight_transfer(self) -> ControlAck:
+        return await self._control(CloseWeightTransfer(self.control_token))
 
     async def stop(self) -> ControlAck:
         """Stop the whole runtime (legal from PAUSED or SUSPENDED: pause first): every request is
@@ -458,9 +519,37 @@ class Client:
         return self._run(self._async.resume())
 
     def update_weights(
-        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+        self,
+        path: str | os.PathLike | None = None,
+        state: Mapping | None = None,
+        *,
+        weight_version: int | None = None,
     ) -> ControlAck:
-        return self._run(self._async.update_weights(path, state))
+        return self._run(self._async.update_weights(path, state, weight_version=weight_version))
+
+    def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
+        return self._async.weight_transfer_world_size(rank_offset)
+
+    def init_weight_transfer(
+        self, master_address, master_port, world_size, rank_offset=1, backend=None
+    ) -> ControlAck:
+        return self._run(
+            self._async.init_weight_transfer(
+                master_address, master_port, world_size, rank_offset, backend
+            )
+        )
+
+    def update_weights_from_distributed(
+        self, buckets, *, weight_version: int | None = None, stage: bool = False
+    ) -> ControlAck:
+        return self._run(
+            self._async.update_weights_from_distributed(
+                buckets, weight_version=weight_version, stage=stage
+            )
+        )
+
+    def close_weight_transfer(self) -> ControlAck:
+        return self._run(self._async.close_weight_transfer())
 
     def stop(self) -> ControlAck:
         return self._run(self._async.stop())

@@ -217,10 +217,30 @@ class AsyncLLM(_Base):
         return await self._connected().resume()
 
     async def update_weights(
-        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+        self,
+        path: str | os.PathLike | None = None,
+        state: Mapping | None = None,
+        *,
+        weight_version: int | None = None,
     ) -> ControlAck:
         self._lifecycle("update_weights")
-        return await self._connected().update_weights(path, state)
+        return await self._connected().update_weights(path, state, weight_version=weight_version)
+
+    def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
+        return self._connected().weight_transfer_world_size(rank_offset)
+
+    async def init_weight_transfer(self, *args, **kw) -> ControlAck:
+        """AsyncClient.init_weight_transfer (the trainer side: taipan.rl)."""
+        self._lifecycle("init_weight_transfer")
+        return await self._connected().init_weight_transfer(*args, **kw)
+
+    async def update_weights_from_distributed(self, buckets, **kw) -> ControlAck:
+        self._lifecycle("update_weights_from_distributed")
+        return await self._connected().update_weights_from_distributed(buckets, **kw)
+
+    async def close_weight_transfer(self) -> ControlAck:
+        self._lifecycle("close_weight_transfer")
+        return await self._connected().close_weight_transfer()
 
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
         """The OpenAI-compatible server on host:port in this event loop, until cancelled
@@ -315,10 +335,30 @@ class LLM(_Base):
         return self._connected().resume()
 
     def update_weights(
-        self, path: str | os.PathLike | None = None, state: Mapping | None = None
+        self,
+        path: str | os.PathLike | None = None,
+        state: Mapping | None = None,
+        *,
+        weight_version: int | None = None,
     ) -> ControlAck:
         self._lifecycle("update_weights")
-        return self._connected().update_weights(path, state)
+        return self._connected().update_weights(path, state, weight_version=weight_version)
+
+    def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
+        return self._connected().weight_transfer_world_size(rank_offset)
+
+    def init_weight_transfer(self, *args, **kw) -> ControlAck:
+        """Client.init_weight_transfer (the trainer side: taipan.rl.join does both at once)."""
+        self._lifecycle("init_weight_transfer")
+        return self._connected().init_weight_transfer(*args, **kw)
+
+    def update_weights_from_distributed(self, buckets, **kw) -> ControlAck:
+        self._lifecycle("update_weights_from_distributed")
+        return self._connected().update_weights_from_distributed(buckets, **kw)
+
+    def close_weight_transfer(self) -> ControlAck:
+        self._lifecycle("close_weight_transfer")
+        return self._connected().close_weight_transfer()
 
     def shutdown(self) -> None:
         """Close the client and stop an embedded runtime (idempotent). In direct mode the

@@ -42,8 +42,8 @@ KNOWN = {
 }
 
 
-# `random:<shape>` -> display name; the shapes themselves are ops/loader.py's RANDOM_SHAPES (torch
-# lives there, not here). Llama-3.2-1B and Llama-3.1-8B shapes with Llama 3's 128,256-token
+# `random:<shape>` -> display name; the shapes themselves are ops/random_model.py's RANDOM_SHAPES
+# (torch lives there, not here). Llama-3.2-1B and Llama-3.1-8B shapes with Llama 3's 128,256-token
 # vocabulary, and a tiny one for CPU tests.
 RANDOM_PREFIX = "random:"
 RANDOM = {"llama-1b": "llama-1b-shape", "llama-8b": "llama-8b-shape", "tiny": "tiny-shape"}

@@ -383,3 +383,37 @@ def test_no_committed_row_breaks_physics():
 
     bad = [(i + 1, row.get("date"), why(row)) for i, row in enumerate(rows) if why(row)]
     assert not bad, bad
+
+
+def test_weight_sync_workload_row_on_cpu(tmp_path):
+    """A trainer's weights into taipan over gloo (CPU), beside the raw broadcast of the same
+    buckets: every round's version lands, and greedy tokens equal the trainer's HF model's."""
+    [row] = _bench_rows(
+        tmp_path,
+        *("--workload", "weight-sync", "--model", "random:tiny", "--bucket-mb", "1"),
+        *("--sync-rounds", "2"),
+    )
+    assert row["workload"] == "weight-sync" and row["rounds"] == 2 and row["buckets"] >= 1
+    assert row["greedy_equal_rounds"] == 2 and "invalid" not in row
+    for key in ("broadcast_s", "update_s", "paused_s", "transfer_s", "link_GBps"):
+        assert row[key] > 0, key
+    assert row["update_s"] >= row["paused_s"] >= row["transfer_s"]
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(900)
+def test_weight_sync_workload_on_two_gpus(tmp_path):
+    """issue 26's acceptance row at 1B (the 8B row is the device script's): NCCL from cuda:0
+    into taipan on cuda:1."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    [row] = _bench_rows(
+        tmp_path,
+        *("--workload", "weight-sync", "--model", "random:llama-1b", "--device", "cuda:1"),
+        *("--dtype", "bfloat16", "--sync-rounds", "2"),
+        timeout=900,
+    )
+    assert row["link_GBps"] > 10 and "invalid" not in row
+    assert row["update_vs_broadcast"] > 0.5

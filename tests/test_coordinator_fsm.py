@@ -17,11 +17,11 @@ R, P, S, X = State.RUNNING, State.PAUSED, State.SUSPENDED, State.STOPPED
 # The lifecycle of messages/lifecycle.py, written out pair by pair (None: illegal).
 EXPECTED = {
     R: {"pause": P, "unpause": None, "suspend": None, "resume": None, "update_weights": None,
-        "stop": None},
-    P: {"pause": None, "unpause": R, "suspend": S, "resume": None, "update_weights": None,
-        "stop": X},
+        "init_weight_transfer": R, "close_weight_transfer": R, "stop": None},
+    P: {"pause": None, "unpause": R, "suspend": S, "resume": None, "update_weights": P,
+        "init_weight_transfer": P, "close_weight_transfer": P, "stop": X},
     S: {"pause": None, "unpause": None, "suspend": None, "resume": P, "update_weights": S,
-        "stop": X},
+        "init_weight_transfer": S, "close_weight_transfer": S, "stop": X},
     X: dict.fromkeys(COMMANDS),
 }  # fmt: skip
 
@@ -52,9 +52,14 @@ def test_every_pair(state, command):
 
 
 def test_messages_name_what_is_legal():
-    with pytest.raises(IllegalTransition, match=r"^resume is illegal while RUNNING; legal: pause$"):
+    side = "init_weight_transfer, close_weight_transfer"
+    with pytest.raises(
+        IllegalTransition, match=rf"^resume is illegal while RUNNING; legal: pause, {side}$"
+    ):
         LifecycleFSM().check("resume")
-    with pytest.raises(IllegalTransition, match=r"legal: unpause, suspend, stop$"):
+    with pytest.raises(
+        IllegalTransition, match=rf"legal: unpause, suspend, update_weights, {side}, stop$"
+    ):
         LifecycleFSM(P).check("pause")
     with pytest.raises(IllegalTransition, match=r"legal: none \(the runtime has stopped\)"):
         LifecycleFSM(X).check("pause")
@@ -69,7 +74,8 @@ def test_states_are_the_wire_names():
     assert [str(s) for s in State] == ["RUNNING", "PAUSED", "SUSPENDED", "STOPPED"]
     assert State is LifecycleState  # one enum: the engines and the messages use it too
     assert [str(c) for c in COMMANDS] == [
-        "pause", "unpause", "suspend", "resume", "update_weights", "stop"
+        "pause", "unpause", "suspend", "resume", "update_weights", "init_weight_transfer",
+        "close_weight_transfer", "stop"
     ]  # fmt: skip
 
 

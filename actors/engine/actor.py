@@ -9,15 +9,11 @@ itself: it plans, the allocator hands out blocks, the gpu actor computes. Output
 coordinator in one `StepOutputs` per step (and one per abort, refused submission or shutdown
 that ends requests between steps), never one message per request.
 
-Lifecycle (the coordinator's FSM decides what is legal; the engine re-checks its own state):
-PAUSE stops planning, waits for the steps in flight and then acks (requests keep their KV,
-submissions queue); SUSPEND / RESUME / UPDATE_WEIGHTS go to the gpu actor (a "recompute"
-resume makes every request recompute its KV), under expert parallelism on every rank of the
-group or on none (`_group_control`: a rank that fails makes the others undo theirs; weights are
-staged everywhere and committed only once every rank staged them); UNPAUSE starts stepping
-again. Each is answered
-with a ControlAck. A control runs as a task of its own (in arrival order), so the receive loop
-keeps taking submissions, aborts and stats while a step finishes or weights load.
+Lifecycle (actors/engine/controls.py, a base of this actor): PAUSE stops planning, waits for the
+steps in flight and then acks (requests keep their KV, submissions queue); SUSPEND / RESUME /
+weight updates go to the gpu actor; UNPAUSE starts stepping again. A control runs as a task of
+its own (in arrival order), so the receive loop keeps taking submissions, aborts and stats while
+a step finishes or weights load.
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
 replay of the same messages makes the same decisions.
 
@@ -50,7 +46,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 
 import numpy as np
@@ -58,6 +53,7 @@ import numpy as np
 from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.config import InferenceConfig
+from taipan.actors.engine.controls import EngineControls
 from taipan.actors.engine.ep import EpConsensus, EpDriver, GroupError
 from taipan.actors.engine.flow import EngineError
 from taipan.actors.engine.gc_time import GcTime
@@ -76,25 +72,14 @@ from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone
 from taipan.messages.consensus import EpBarrier, EpBye, EpHello, EpOutcome, EpVote
 from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import (
-    GpuCommand,
-    GpuControl,
-    GpuControlReply,
     LoadModel,
     ModelLoaded,
 )
 from taipan.messages.lifecycle import (
-    ControlAck,
-    ControlCommand,
     KVCacheManagementMode,
     LifecycleState,
-    Pause,
-    Resume,
     Stop,
     StopAck,
-    Suspend,
-    Unpause,
-    UpdateWeights,
-    next_state,
 )
 from taipan.messages.mamba_cache import MambaReady
 from taipan.messages.requests import (
@@ -110,7 +95,7 @@ NO_TOKENS = np.zeros(0, dtype=np.int32)
 HEARTBEAT_S = 1.0  # the coordinator declares an engine dead after ENGINE_TIMEOUT_S of silence
 
 
-class EngineActor(Actor):
+class EngineActor(EngineControls, Actor):
     def __init__(
         self,
         rank: int,
@@ -133,10 +118,12 @@ class EngineActor(Actor):
         self.coord, self.alloc, self.gpu, self.mamba = coord, alloc, gpu, mamba
         self.scheduler: Scheduler | None = None
         self.vocab_size = 0
+        self.tp_size = 1  # the rank's gpu processes (ModelLoaded says)
         self.work = asyncio.Event()
         self.now = 0.0  # time of the last inbound message (see module docstring)
         self.state = LifecycleState.RUNNING
         self.weight_version = 0
+        self.weights_incomplete = False  # a weight transfer failed part way (controls.py)
         self.device_lock = asyncio.Lock()  # one user of the alloc/gpu channels at a time
         self.waiting_for_device = 0  # controls waiting for the step loop to hand over
         self.control_lock = asyncio.Lock()  # controls run one at a time, in arrival order
@@ -163,13 +150,9 @@ class EngineActor(Actor):
             (AbortRequest, self.on_abort),
             (Stop, self.on_stop),
             (GetStats, self.on_get_stats),
-            (Pause, self.on_pause),
-            (Unpause, self.on_unpause),
-            (Suspend, self.on_suspend),
-            (Resume, self.on_resume),
-            (UpdateWeights, self.on_update_weights),
             (Heartbeat, self.on_heartbeat),
             (ErrorReply, self.on_error_reply),
+            *((t, getattr(self, name)) for t, name in self.HANDLERS.items()),
         ]:
             self.on(msg_type, handler)
 
@@ -268,6 +251,7 @@ class EngineActor(Actor):
             await self.coord.send(ErrorReply(ErrorCode.LOAD_FAILED, str(e), None))
             return
         self.vocab_size = loaded.vocab_size
+        self.tp_size = loaded.tensor_parallel_size
         self.scheduler = new_scheduler(self.config, plan)
         self.steps.start()
         self.log.info("engine ready", num_blocks=plan.num_blocks, max_tokens=plan.max_tokens)
@@ -351,158 +335,6 @@ class EngineActor(Actor):
             self.gc_time.collections,
         )
         return Stats(self.state, (rank,))
-
-    # --- lifecycle ----------------------------------------------------------------------------
-
-    async def _refuse(self, env: Envelope, command: ControlCommand) -> bool:
-        """Answer a command this engine's state does not allow (messages/lifecycle.py's
-        table, the coordinator's too) and return True; False: let it run."""
-        if next_state(self.state, command) is not None and self.scheduler is not None:
-            return False
-        text = f"{self.name}: {command} is illegal while {self.state}"
-        if self.scheduler is None:
-            text = f"{self.name}: {command} before the model is loaded"
-        await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
-        return True
-
-    async def _ack(self, env: Envelope, command: ControlCommand) -> None:
-        await env.reply(ControlAck(command, self.state, self.weight_version))
-
-    def _control_task(self, coro) -> None:
-        """Run a control after the ones before it, off the receive loop."""
-
-        async def in_order():
-            async with self.control_lock:
-                await coro
-
-        self.spawn(in_order())
-
-    async def on_pause(self, env: Envelope, msg: Pause) -> None:
-        if await self._refuse(env, ControlCommand.PAUSE):
-            return
-        if self.ep_driver is not None:
-            # The group pauses together: the step loop votes this flag and acks once every
-            # rank has (actors/engine/ep.py).
-            if self.pause_waiters:
-                text = f"{self.name}: pause is already waiting for the expert-parallel group"
-                await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
-                return
-            self.pause_waiters.append(env)
-            self.work.set()
-            return
-        self.state = next_state(self.state, ControlCommand.PAUSE)  # no new step starts now
-        self._control_task(self._pause_after_step(env))
-
-    async def _pause_after_step(self, env: Envelope) -> None:
-        async with self._between_steps():  # the steps in flight end before the ack
-            await self._ack(env, ControlCommand.PAUSE)
-
-    async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
-        if await self._refuse(env, ControlCommand.UNPAUSE):
-            return
-        self.state = next_state(self.state, ControlCommand.UNPAUSE)
-        self.work.set()
-        await self._ack(env, ControlCommand.UNPAUSE)
-
-    async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
-        """Run one gpu control call between steps (under expert parallelism, on every rank of
-        the group or on none: `_group_control`); an error goes back to the coordinator."""
-        async with self._between_steps():
-            if self.ep is None:
-                reply = await self._gpu_call(msg)
-            else:
-                reply = await self._group_control(command, msg)
-        if reply.error is not None:
-            await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, f"{command}: {reply.error}", None))
-            return None
-        return reply
-
-    async def _gpu_call(self, msg: GpuControl) -> GpuControlReply:
-        """One call to the gpu actor (a failure comes back as the reply's error). A resume that
-        reports the KV contents gone makes every request recompute, whatever follows."""
-        try:
-            reply = await self._call(self.gpu, msg, GpuControlReply)
-        except EngineError as e:
-            return GpuControlReply(msg.command, str(e), True, self.weight_version)
-        if reply.error is None and reply.command == GpuCommand.RESUME and not reply.kv_valid:
-            self.scheduler.invalidate_kv()
-        return reply
-
-    async def _group_control(self, command: ControlCommand, msg: GpuControl) -> GpuControlReply:
-        """All or none over the expert-parallel group: apply the control here (a weight update
-        only staged), tell the peers how it went (an EpOutcome round), then keep it (commit
-        the weights) if every rank succeeded, else undo it here. The error of a failed round
-        names the ranks that failed."""
-        first = msg
-        if command is ControlCommand.UPDATE_WEIGHTS:
-            first = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
-        reply = await self._gpu_call(first)
-        try:
-            failed = await self.ep.outcome(command, reply.error)
-        except GroupError as e:
-            await self.steps.die(str(e))
-        if not failed:
-            if command is ControlCommand.UPDATE_WEIGHTS:
-                commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
-                reply = await self._gpu_call(commit)
-                if reply.error is not None:  # the peers have committed: no way back
-                    await self.steps.die(f"committing staged weights failed: {reply.error}")
-            return reply
-        undo = self._undo(command) if reply.error is None else None
-        if undo is not None:
-            undone = await self._gpu_call(undo)
-            if undone.error is not None:
-                await self.steps.die(f"{command} failed on a peer and could not be undone here: "
-                                f"{undone.error}")  # fmt: skip
-        if self.rank in failed:
-            return reply
-        peers = "; ".join(f"engine {r}: {why}" for r, why in sorted(failed.items()))
-        text = f"undone here, expert-parallel peers failed ({peers})"
-        return GpuControlReply(msg.command, text, reply.kv_valid, self.weight_version)
-
-    def _undo(self, command: ControlCommand) -> GpuControl | None:
-        if command is ControlCommand.SUSPEND:
-            return GpuControl(GpuCommand.RESUME, None, None, None)
-        if command is ControlCommand.RESUME:
-            return GpuControl(GpuCommand.SUSPEND, self.suspended_mode, None, None)
-        return GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
-
-    async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
-        if await self._refuse(env, ControlCommand.SUSPEND):
-            return
-        mode = msg.mode or self.config.kv_cache_management_mode or KVCacheManagementMode.PERSIST
-        self._control_task(self._suspend(env, GpuControl(GpuCommand.SUSPEND, mode, None, None)))
-
-    async def _suspend(self, env: Envelope, control: GpuControl) -> None:
-        if await self._gpu_control(env, ControlCommand.SUSPEND, control):
-            self.state = next_state(self.state, ControlCommand.SUSPEND)
-            self.suspended_mode = control.mode
-            await self._ack(env, ControlCommand.SUSPEND)
-
-    async def on_resume(self, env: Envelope, msg: Resume) -> None:
-        if await self._refuse(env, ControlCommand.RESUME):
-            return
-        self._control_task(self._resume(env))
-
-    async def _resume(self, env: Envelope) -> None:
-        control = GpuControl(GpuCommand.RESUME, None, None, None)
-        reply = await self._gpu_control(env, ControlCommand.RESUME, control)
-        if reply is not None:  # (a resume that dropped the KV invalidated it: _gpu_call)
-            self.state = next_state(self.state, ControlCommand.RESUME)
-            await self._ack(env, ControlCommand.RESUME)
-
-    async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
-            return
-        control = GpuControl(GpuCommand.UPDATE_WEIGHTS, None, msg.path, msg.state)
-        self._control_task(self._update_weights(env, control))
-
-    async def _update_weights(self, env: Envelope, control: GpuControl) -> None:
-        reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control)
-        if reply is not None:
-            self.weight_version = reply.weight_version
-            self.scheduler.new_weights(reply.weight_version)
-            await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
 
     # --- the step loop ------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import time
 
 import numpy as np
 
@@ -273,17 +274,28 @@ class GpuActor(Actor):
     def _control(self, msg: GpuControl) -> GpuControlReply:
         """In the forward's thread: apply the control; any failure is the reply's `error`."""
         try:
-            return self.worker.control(msg)
+            start = time.perf_counter()
+            reply = self.worker.control(msg)
+            self.log.info(
+                "control", command=str(msg.command), error=reply.error,
+                seconds=round(time.perf_counter() - start, 4),
+            )  # fmt: skip
+            return reply
         except Exception as e:  # the worker answers expected failures itself; this is the rest
             self.log.exception("control failed", command=msg.command)
             error = f"{type(e).__name__}: {e}"
+            w = self.worker
             return GpuControlReply(
-                msg.command, error, self.worker.kv_valid, self.worker.weight_version
+                msg.command, error, w.kv_valid, w.weight_version, w.weights_incomplete
             )
 
     async def _control_everywhere(self, msg: GpuControl) -> GpuControlReply:
         if self.followers is None:
             return await self._in_thread(self._control, msg)
+        if msg.command == GpuCommand.UPDATE_WEIGHTS and msg.buckets is not None:
+            # Each peer copies its shard in as the trainer's buckets arrive (staging them would
+            # hold every bucket whole): names and shapes are checked alike everywhere first.
+            return await self._agreed_control(msg)
         if msg.command in (GpuCommand.UPDATE_WEIGHTS, GpuCommand.STAGE_WEIGHTS):
             return await self._stage_everywhere(msg)
         return await self._agreed_control(msg)

@@ -10,8 +10,16 @@ Resume allocates a fresh device tensor (offloaded contents, or uninitialized for
 its address changes, so the CUDA graphs captured against the old one are dropped at such a
 suspend and captured again at resume; "persist" keeps both.
 
-Owns: suspend_mode, weight_version, the offloaded contents and the staged weights. Must not
-touch how a step runs (worker.py) or how big the pools are (sizing.py).
+Weight updates come from a checkpoint `path`, a `state` dict, or `buckets` broadcast by a trainer
+over the weight-transfer group this process joined (init_weight_transfer; ops/weight_transfer.py:
+the group is rank_offset + this process's tensor-parallel rank, the engine having added its own
+base). A staged update holds everything (for buckets: the received buffers, a second copy of
+the weights) and copies it in at commit; an unstaged bucket update copies each bucket in as it
+arrives, so one that fails part way leaves `weights_incomplete` set: steps are refused until a
+complete update lands. The engine sends updates only while paused or suspended.
+
+Owns: suspend_mode, weight_version, the offloaded contents, the staged weights, the weight
+transfer group. Must not touch how a step runs (worker.py) or how big the pools are (sizing.py).
 """
 
 from __future__ import annotations
@@ -25,7 +33,13 @@ from taipan.messages.gpu import GpuCommand, GpuControl, GpuControlReply
 from taipan.messages.lifecycle import KVCacheManagementMode as Mode
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.parallel import TPGroup
-from taipan.ops.weight_updates import WeightUpdateError, check_same_architecture, state_updates
+from taipan.ops.weight_transfer import DTYPES, TensorSpec, WeightGroup, WeightTransferError
+from taipan.ops.weight_updates import (
+    WeightUpdateError,
+    check_same_architecture,
+    direct_view,
+    state_updates,
+)
 
 
 class ControlError(Exception):
@@ -59,12 +73,23 @@ class WorkerControls:
         # The Mamba slots' contents while offloaded (the state itself is then None).
         self._mamba_offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staged: list | None = None  # weights checked by STAGE_WEIGHTS, not yet copied in
+        self._staged_version: int | None = None  # the version they carry (None: last + 1)
+        self.transfer: WeightGroup | None = None  # the trainer's weight-transfer group, joined
+        self.weights_incomplete = False  # an unstaged transfer failed part way
 
     def _capture(self) -> None:
         raise NotImplementedError  # ModelWorker's: capture every CUDA graph
 
     def _new_mamba_state(self, config) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError  # ModelWorker's: zeroed state for every Mamba slot
+
+    def step_refusal(self) -> str | None:
+        """Why no step may run now (suspended, or weights left mixed by a failed transfer)."""
+        if self.suspend_mode is not None:
+            return "the gpu worker is suspended"
+        if self.weights_incomplete:
+            return "the weights are incomplete: a weight transfer failed part way"
+        return None
 
     @property
     def kv_valid(self) -> bool:
@@ -81,6 +106,8 @@ class WorkerControls:
             GpuCommand.STAGE_WEIGHTS: self._stage_weights,
             GpuCommand.COMMIT_WEIGHTS: self._commit_weights,
             GpuCommand.DISCARD_WEIGHTS: self._discard_weights,
+            GpuCommand.INIT_WEIGHT_TRANSFER: self._init_transfer,
+            GpuCommand.CLOSE_WEIGHT_TRANSFER: self._close_transfer,
         }
         try:
             if self.model is None:
@@ -90,9 +117,14 @@ class WorkerControls:
                     f"unknown gpu control {msg.command!r} (expected {', '.join(handlers)})"
                 )
             kv_valid = handlers[msg.command](msg)
-        except (ControlError, ModelLoadError, WeightUpdateError) as e:
-            return GpuControlReply(msg.command, str(e), self.kv_valid, self.weight_version)
-        return GpuControlReply(msg.command, None, kv_valid, self.weight_version)
+        except (ControlError, ModelLoadError, WeightUpdateError, WeightTransferError) as e:
+            return self._reply(msg, str(e), self.kv_valid)
+        return self._reply(msg, None, kv_valid)
+
+    def _reply(self, msg: GpuControl, error: str | None, kv_valid: bool) -> GpuControlReply:
+        return GpuControlReply(
+            msg.command, error, kv_valid, self.weight_version, self.weights_incomplete
+        )
 
     # ---- suspend and resume --------------------------------------------------------------------
 
@@ -162,35 +194,149 @@ class WorkerControls:
     # ---- weight updates ------------------------------------------------------------------------
 
     def _update_weights(self, msg: GpuControl) -> bool:
+        if msg.buckets is not None:
+            self._check_source(msg)
+            return self._receive_in_place(msg)
         self._stage_weights(msg)
         return self._commit_weights(msg)
 
     def _stage_weights(self, msg: GpuControl) -> bool:
         """Check the new weights (every failure is here) and hold them; nothing changes."""
-        if self.suspend_mode is None:
-            raise ControlError("update_weights needs a suspended gpu worker; it is running")
-        if (msg.path is None) == (msg.state is None):
-            raise ControlError("update_weights needs exactly one of path and state")
+        self._check_source(msg)
         self._staged = None
         if msg.path is not None:
-            self._staged = self._updates_from_path(msg.path)
+            staged = self._updates_from_path(msg.path)
+        elif msg.state is not None:
+            staged = state_updates(msg.state, self.model)
         else:
-            self._staged = state_updates(msg.state, self.model)
+            staged = []  # this process's shards, copied out of the whole received buckets
+            self._receive_buckets(
+                msg, lambda ups: staged.extend((n, r, v.clone()) for n, r, v in ups)
+            )
+        self._staged, self._staged_version = staged, msg.weight_version
         return self.kv_valid
+
+    def _check_source(self, msg: GpuControl) -> None:
+        sources = [msg.path is not None, msg.state is not None, msg.buckets is not None]
+        if sum(sources) != 1:
+            raise ControlError("update_weights needs exactly one of path, state and buckets")
+        if msg.buckets is not None and self.transfer is None:
+            raise ControlError(
+                "update_weights_from_distributed: no weight-transfer group "
+                "(call init_weight_transfer first)"
+            )
+
+    def _receive_buckets(self, msg: GpuControl, apply, into=None) -> None:
+        """Receive every bucket of `msg` from the trainer and `apply` each one's updates (this
+        process's shards). Names and shapes are checked before the first bucket arrives; when
+        they or an update fail, the rest is still received and dropped, so the trainer's
+        broadcasts complete; then the error is raised."""
+        transfer, params = self.transfer, self.model.state_dict()  # (once: it takes ms)
+        problem = self._bucket_problem(msg.buckets, params)
+        for specs in msg.buckets:
+            specs = [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in specs]
+            tensors = transfer.receive(specs, into=into if problem is None else None)
+            if problem is None:
+                try:
+                    apply(state_updates(tensors, self.model, params))
+                except WeightUpdateError as e:
+                    problem = str(e)
+        if self.device.type == "cuda":
+            # The copies are queued behind each broadcast: the weights are in place only once
+            # the device has run them (the ack, and the trainer's timing, mean "done").
+            torch.cuda.synchronize(self.device)
+        if problem is not None:
+            raise WeightUpdateError(problem)
+
+    def _bucket_problem(self, buckets, params: dict) -> str | None:
+        """What is wrong with the buckets' names and shapes for this model (on meta tensors:
+        nothing is allocated), or None."""
+        meta = {
+            s.name: torch.empty(tuple(s.shape), dtype=DTYPES[s.dtype], device="meta")
+            for specs in buckets
+            for s in specs
+        }
+        try:
+            state_updates(meta, self.model, params)
+        except WeightUpdateError as e:
+            return str(e)
+        return None
+
+    def _receive_in_place(self, msg: GpuControl) -> bool:
+        """Every bucket into the live parameters as it arrives (no second copy of the weights):
+        a large tensor whose rows here are a contiguous view lands there straight from the
+        broadcast, the rest is copied in. A failure after the first write leaves the weights
+        mixed: say so."""
+        params = self.model.state_dict()
+        copied = False
+
+        def apply(updates):
+            nonlocal copied
+            copied = True
+            self._copy_in(params, updates)
+
+        def into(spec: TensorSpec):
+            nonlocal copied
+            view = direct_view(spec, params, self.model.config, self.tp)
+            copied = copied or view is not None
+            return view
+
+        try:
+            self._receive_buckets(msg, apply, into)
+        except (WeightTransferError, WeightUpdateError) as e:
+            if not copied:
+                raise
+            self.weights_incomplete = True
+            raise type(e)(
+                f"{e} (the weights are incomplete: steps and unpause are refused until a "
+                "complete update lands)"
+            ) from None
+        self._set_version(msg.weight_version)
+        return self.kv_valid
+
+    def _copy_in(self, params: dict, updates: list) -> None:
+        with torch.no_grad():
+            for name, rows, values in updates:
+                params[name][rows].copy_(_as_tensor(values))
+
+    def _set_version(self, version: int | None) -> None:
+        self.weight_version = self.weight_version + 1 if version is None else version
+        self.weights_incomplete = False
 
     def _commit_weights(self, msg: GpuControl) -> bool:
         if self._staged is None:
             raise ControlError("commit_weights: no weights are staged")
         updates, self._staged = self._staged, None
-        params = self.model.state_dict()  # views of the live parameters: copy in place
-        with torch.no_grad():
-            for name, rows, values in updates:
-                params[name][rows].copy_(_as_tensor(values))
-        self.weight_version += 1
+        self._copy_in(self.model.state_dict(), updates)  # views of the live parameters
+        self._set_version(self._staged_version)
         return self.kv_valid
 
     def _discard_weights(self, msg: GpuControl) -> bool:
         self._staged = None
+        return self.kv_valid
+
+    # ---- the weight-transfer group -------------------------------------------------------------
+
+    def _init_transfer(self, msg: GpuControl) -> bool:
+        """Join the trainer's group as rank_offset + this tensor-parallel rank (blocks until
+        every member has joined, or the group's timeout)."""
+        spec = msg.transfer
+        if spec is None:
+            raise ControlError("init_weight_transfer needs its group")
+        if self.transfer is not None:
+            raise ControlError("init_weight_transfer: already in a group (close it first)")
+        backend = spec.backend or ("nccl" if self.device.type == "cuda" else "gloo")
+        rank = spec.rank_offset + self.tp.rank
+        self.transfer = WeightGroup(
+            spec.master_address, spec.master_port, spec.world_size, rank, backend, self.device
+        )
+        return self.kv_valid
+
+    def _close_transfer(self, msg: GpuControl) -> bool:
+        if self.transfer is None:
+            raise ControlError("close_weight_transfer: not in a weight-transfer group")
+        group, self.transfer = self.transfer, None
+        group.close()
         return self.kv_valid
 
     def _updates_from_path(self, path: str) -> list[tuple[str, slice, torch.Tensor]]:

@@ -190,6 +190,7 @@ class ModelWorker(WorkerControls):
             mamba_slots=sizes.live_slots,
             mamba_slot_bytes=slot_bytes,
             mamba_snapshot_slots=sizes.snapshot_slots,
+            tensor_parallel_size=self.tp.size,
         )
 
     def _load_weights(self, msg: LoadModel, dtype, tp: TPGroup):
@@ -329,9 +330,10 @@ class ModelWorker(WorkerControls):
         next step may be launched before that (the device runs it after this one)."""
         start = time.perf_counter()
         previous, self._prev_sampled = self._prev_sampled, np.zeros(0, dtype=bool)
-        if self.suspend_mode is not None:
+        refusal = self.step_refusal()
+        if refusal is not None:
             no_tokens = np.full(len(plan.sample), -1, dtype=np.int32)
-            return StepResult(plan.step, no_tokens, "the gpu worker is suspended", 0.0)
+            return StepResult(plan.step, no_tokens, refusal, 0.0)
         num_seqs = len(plan.seq_lens)
         if num_seqs == 0 and self.ep is not None:
             return self._dummy(plan, start)

@@ -27,11 +27,20 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--workload",
         default="generate",
-        choices=["generate", "decode", "offline", "shared-prefix", "http-load", "relay"],
+        choices=[
+            "generate",
+            "decode",
+            "offline",
+            "shared-prefix",
+            "http-load",
+            "relay",
+            "weight-sync",
+        ],
         help="generate: N prompts x M tokens vs HF (default); decode: step time per batch vs "
         "the floor; offline: many requests of ShareGPT-like lengths; shared-prefix: prefix "
         "caching off vs on, on a shared system prompt and on n samples of one prompt; "
-        "http-load: N concurrent streams, some dropped mid-way, over HTTP vs AsyncClient",
+        "http-load: N concurrent streams, some dropped mid-way, over HTTP vs AsyncClient; "
+        "weight-sync: a trainer's weights into taipan over NCCL/gloo vs the raw broadcast",
     )
     p.add_argument(
         "--num-prompts",
@@ -116,6 +125,14 @@ def add_arguments(p) -> None:
         default=3,
         help="decode: timed T1/TN pairs per HF mode and batch (the step is from their medians)",
     )
+    p.add_argument(
+        "--trainer-device",
+        default=None,
+        help="weight-sync: the trainer's device (default cuda:0 on CUDA, else cpu); --device "
+        "is taipan's and must be another GPU",
+    )
+    p.add_argument("--bucket-mb", type=int, default=1024, help="weight-sync: bucket size (MiB)")
+    p.add_argument("--sync-rounds", type=int, default=3, help="weight-sync: timed updates")
     p.add_argument("--json", action="store_true", help="print one JSON object per workload")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
@@ -132,6 +149,7 @@ def run(args) -> int:
     from taipan.bench.offline import offline_workload
     from taipan.bench.relay import relay_workload
     from taipan.bench.shared_prefix import shared_prefix_workload
+    from taipan.bench.weight_sync import weight_sync_workload
 
     workloads = {
         "generate": generate_workload,
@@ -140,6 +158,7 @@ def run(args) -> int:
         "shared-prefix": shared_prefix_workload,
         "http-load": http_load_workload,
         "relay": relay_workload,
+        "weight-sync": weight_sync_workload,
     }
     rows = workloads[args.workload](args)
     stamp = {
@@ -191,6 +210,10 @@ def _summary(row: dict) -> str:
         from taipan.bench.relay import relay_summary
 
         return relay_summary(row)
+    if workload == "weight-sync":
+        from taipan.bench.weight_sync import weight_sync_summary
+
+        return weight_sync_summary(row)
     if workload == "http-load":
         from taipan.bench.http_load import http_load_summary
 

@@ -1,0 +1,280 @@
+"""The engine's lifecycle controls (`EngineControls`, a base of EngineActor): pause, unpause,
+suspend, resume, weight updates (from a path, a state dict, or a trainer's weight-transfer
+group) and joining / leaving that group. Each is checked against the one transition table
+(messages/lifecycle.py `next_state`; the coordinator checks it too), runs as a task of its own in
+arrival order, and is answered with one ControlAck or ErrorReply.
+
+The gpu controls run between steps (`_between_steps`), under expert parallelism on every rank of
+the group or on none (`_group_control`: a rank that fails makes the others undo theirs; weights
+are staged everywhere and committed only once every rank staged them). An update with
+`stage=True` on one rank is staged on its gpu processes and then committed. A transfer that
+failed part way leaves the weights incomplete (the gpu actor says so in every reply): unpause is
+refused until a complete update lands.
+
+Owns: `state`, `weight_version`, `weights_incomplete`, `suspended_mode`, `pause_waiters`. Must
+not touch the step protocol (step.py) beyond waiting for it to hand over the channels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from taipan.actors.channel import Envelope
+from taipan.actors.engine.ep import GroupError
+from taipan.actors.engine.flow import EngineError
+from taipan.messages.common import ErrorReply
+from taipan.messages.errors import ErrorCode
+from taipan.messages.gpu import GpuCommand, GpuControl, GpuControlReply
+from taipan.messages.lifecycle import (
+    CloseWeightTransfer,
+    ControlAck,
+    ControlCommand,
+    InitWeightTransfer,
+    KVCacheManagementMode,
+    Pause,
+    Resume,
+    Suspend,
+    Unpause,
+    UpdateWeights,
+    UpdateWeightsFromDistributed,
+    next_state,
+)
+
+
+class EngineControls:
+    """The lifecycle half of EngineActor (which provides the channels, `_call`,
+    `_between_steps`, `spawn`, `steps`, `ep`, `ep_driver`, `scheduler`, `config` and `rank`)."""
+
+    HANDLERS = {
+        Pause: "on_pause",
+        Unpause: "on_unpause",
+        Suspend: "on_suspend",
+        Resume: "on_resume",
+        UpdateWeights: "on_update_weights",
+        UpdateWeightsFromDistributed: "on_update_from_distributed",
+        InitWeightTransfer: "on_init_transfer",
+        CloseWeightTransfer: "on_close_transfer",
+    }
+
+    async def _refuse(self, env: Envelope, command: ControlCommand) -> bool:
+        """Answer a command this engine's state does not allow (messages/lifecycle.py's
+        table, the coordinator's too) and return True; False: let it run."""
+        if next_state(self.state, command) is not None and self.scheduler is not None:
+            return False
+        text = f"{self.name}: {command} is illegal while {self.state}"
+        if self.scheduler is None:
+            text = f"{self.name}: {command} before the model is loaded"
+        await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
+        return True
+
+    async def _ack(self, env: Envelope, command: ControlCommand) -> None:
+        await env.reply(ControlAck(command, self.state, self.weight_version))
+
+    def _control_task(self, coro) -> None:
+        """Run a control after the ones before it, off the receive loop."""
+
+        async def in_order():
+            async with self.control_lock:
+                await coro
+
+        self.spawn(in_order())
+
+    async def on_pause(self, env: Envelope, msg: Pause) -> None:
+        if await self._refuse(env, ControlCommand.PAUSE):
+            return
+        if self.ep_driver is not None:
+            # The group pauses together: the step loop votes this flag and acks once every
+            # rank has (actors/engine/ep.py).
+            if self.pause_waiters:
+                text = f"{self.name}: pause is already waiting for the expert-parallel group"
+                await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
+                return
+            self.pause_waiters.append(env)
+            self.work.set()
+            return
+        self.state = next_state(self.state, ControlCommand.PAUSE)  # no new step starts now
+        self._control_task(self._pause_after_step(env))
+
+    async def _pause_after_step(self, env: Envelope) -> None:
+        async with self._between_steps():  # the steps in flight end before the ack
+            await self._ack(env, ControlCommand.PAUSE)
+
+    async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
+        if await self._refuse(env, ControlCommand.UNPAUSE):
+            return
+        if self.weights_incomplete:
+            text = (
+                f"{self.name}: unpause refused: a weight transfer failed part way and the "
+                "weights are incomplete; complete an update first"
+            )
+            await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, text, None))
+            return
+        self.state = next_state(self.state, ControlCommand.UNPAUSE)
+        self.work.set()
+        await self._ack(env, ControlCommand.UNPAUSE)
+
+    async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
+        """Run one gpu control call between steps (under expert parallelism, on every rank of
+        the group or on none: `_group_control`); an error goes back to the coordinator."""
+        async with self._between_steps():
+            if self.ep is None:
+                reply = await self._gpu_call(msg)
+            else:
+                reply = await self._group_control(command, msg)
+        if reply.error is not None:
+            await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, f"{command}: {reply.error}", None))
+            return None
+        return reply
+
+    async def _gpu_call(self, msg: GpuControl) -> GpuControlReply:
+        """One call to the gpu actor (a failure comes back as the reply's error). A resume that
+        reports the KV contents gone makes every request recompute, whatever follows."""
+        try:
+            reply = await self._call(self.gpu, msg, GpuControlReply)
+        except EngineError as e:
+            return GpuControlReply(
+                msg.command, str(e), True, self.weight_version, self.weights_incomplete
+            )
+        self.weights_incomplete = reply.weights_incomplete
+        if reply.error is None and reply.command == GpuCommand.RESUME and not reply.kv_valid:
+            self.scheduler.invalidate_kv()
+        return reply
+
+    async def _group_control(self, command: ControlCommand, msg: GpuControl) -> GpuControlReply:
+        """All or none over the expert-parallel group: apply the control here (a weight update
+        only staged), tell the peers how it went (an EpOutcome round), then keep it (commit
+        the weights) if every rank succeeded, else undo it here. The error of a failed round
+        names the ranks that failed."""
+        first = msg
+        if command is ControlCommand.UPDATE_WEIGHTS:
+            first = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
+        reply = await self._gpu_call(first)
+        try:
+            failed = await self.ep.outcome(command, reply.error)
+        except GroupError as e:
+            await self.steps.die(str(e))
+        if not failed:
+            if command is ControlCommand.UPDATE_WEIGHTS:
+                commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
+                reply = await self._gpu_call(commit)
+                if reply.error is not None:  # the peers have committed: no way back
+                    await self.steps.die(f"committing staged weights failed: {reply.error}")
+            return reply
+        undo = self._undo(command) if reply.error is None else None
+        if undo is not None:
+            undone = await self._gpu_call(undo)
+            if undone.error is not None:
+                await self.steps.die(f"{command} failed on a peer and could not be undone here: "
+                                f"{undone.error}")  # fmt: skip
+        if self.rank in failed:
+            return reply
+        peers = "; ".join(f"engine {r}: {why}" for r, why in sorted(failed.items()))
+        text = f"undone here, expert-parallel peers failed ({peers})"
+        return GpuControlReply(
+            msg.command, text, reply.kv_valid, self.weight_version, self.weights_incomplete
+        )
+
+    def _undo(self, command: ControlCommand) -> GpuControl | None:
+        if command is ControlCommand.SUSPEND:
+            return GpuControl(GpuCommand.RESUME, None, None, None)
+        if command is ControlCommand.RESUME:
+            return GpuControl(GpuCommand.SUSPEND, self.suspended_mode, None, None)
+        if command is ControlCommand.INIT_WEIGHT_TRANSFER:
+            return GpuControl(GpuCommand.CLOSE_WEIGHT_TRANSFER, None, None, None)
+        if command is ControlCommand.CLOSE_WEIGHT_TRANSFER:
+            return None  # a group left cannot be joined again alone (the trainer is gone)
+        return GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
+
+    async def on_suspend(self, env: Envelope, msg: Suspend) -> None:
+        if await self._refuse(env, ControlCommand.SUSPEND):
+            return
+        mode = msg.mode or self.config.kv_cache_management_mode or KVCacheManagementMode.PERSIST
+        self._control_task(self._suspend(env, GpuControl(GpuCommand.SUSPEND, mode, None, None)))
+
+    async def _suspend(self, env: Envelope, control: GpuControl) -> None:
+        if await self._gpu_control(env, ControlCommand.SUSPEND, control):
+            self.state = next_state(self.state, ControlCommand.SUSPEND)
+            self.suspended_mode = control.mode
+            await self._ack(env, ControlCommand.SUSPEND)
+
+    async def on_resume(self, env: Envelope, msg: Resume) -> None:
+        if await self._refuse(env, ControlCommand.RESUME):
+            return
+        self._control_task(self._resume(env))
+
+    async def _resume(self, env: Envelope) -> None:
+        control = GpuControl(GpuCommand.RESUME, None, None, None)
+        reply = await self._gpu_control(env, ControlCommand.RESUME, control)
+        if reply is not None:  # (a resume that dropped the KV invalidated it: _gpu_call)
+            self.state = next_state(self.state, ControlCommand.RESUME)
+            await self._ack(env, ControlCommand.RESUME)
+
+    async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+            return
+        control = GpuControl(
+            GpuCommand.UPDATE_WEIGHTS, None, msg.path, msg.state, weight_version=msg.weight_version
+        )
+        self._control_task(self._update_weights(env, control))
+
+    async def on_update_from_distributed(
+        self, env: Envelope, msg: UpdateWeightsFromDistributed
+    ) -> None:
+        """The trainer's buckets into every gpu process of this rank; with `stage`, staged on
+        all of them first and committed only once every one holds all of its weights."""
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+            return
+        control = GpuControl(
+            GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS,
+            None,
+            None,
+            None,
+            weight_version=msg.weight_version,
+            buckets=msg.buckets,
+        )
+        self._control_task(self._update_weights(env, control))
+
+    async def on_init_transfer(self, env: Envelope, msg: InitWeightTransfer) -> None:
+        """Join the trainer's weight-transfer group: this rank's gpu processes take ranks
+        rank_offset + rank * tp_size + tp rank (the gpu actor adds its tp rank)."""
+        if await self._refuse(env, ControlCommand.INIT_WEIGHT_TRANSFER):
+            return
+        group = msg.group
+        base = group.rank_offset + self.rank * self.tp_size
+        if group.world_size < base + self.tp_size:
+            text = (
+                f"{self.name}: init_weight_transfer: world_size {group.world_size} has no room "
+                f"for this rank's processes (ranks {base}..)"
+            )
+            await env.reply(ErrorReply(ErrorCode.BAD_REQUEST, text, None))
+            return
+        mine = dataclasses.replace(group, rank_offset=base)
+        control = GpuControl(GpuCommand.INIT_WEIGHT_TRANSFER, None, None, None, transfer=mine)
+        self._control_task(
+            self._transfer_control(env, ControlCommand.INIT_WEIGHT_TRANSFER, control)
+        )
+
+    async def on_close_transfer(self, env: Envelope, msg: CloseWeightTransfer) -> None:
+        if await self._refuse(env, ControlCommand.CLOSE_WEIGHT_TRANSFER):
+            return
+        control = GpuControl(GpuCommand.CLOSE_WEIGHT_TRANSFER, None, None, None)
+        self._control_task(
+            self._transfer_control(env, ControlCommand.CLOSE_WEIGHT_TRANSFER, control)
+        )
+
+    async def _transfer_control(
+        self, env: Envelope, command: ControlCommand, control: GpuControl
+    ) -> None:
+        if await self._gpu_control(env, command, control):
+            await self._ack(env, command)
+
+    async def _update_weights(self, env: Envelope, control: GpuControl) -> None:
+        reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control)
+        if reply is not None and control.command == GpuCommand.STAGE_WEIGHTS:
+            # stage=True on one rank: every gpu process holds all of it now; swap them in.
+            commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
+            reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, commit)
+        if reply is not None:
+            self.weight_version = reply.weight_version
+            self.scheduler.new_weights(reply.weight_version)
+            await self._ack(env, ControlCommand.UPDATE_WEIGHTS)

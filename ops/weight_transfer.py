@@ -1,0 +1,281 @@
+"""Weights straight from a trainer's processes, no disk (DESIGN.md §13): the process group that a
+trainer and every gpu process join (`WeightGroup`), the bucket layout both sides derive from the
+same list of tensor specs (`BucketLayout`), and a bucket received into views of one flat buffer.
+
+The group is a torch.distributed process group of its own, apart from the default group that
+tensor and expert parallelism use: a TCPStore at the trainer's `master_address:master_port`
+(hosted by rank 0, the trainer's first sender) and a ProcessGroupNCCL (CUDA) or ProcessGroupGloo
+(CPU) over it. Ranks 0 .. rank_offset-1 are the trainer's; taipan's gpu processes take
+rank_offset + their index (engine rank * tp_size + tp rank), so one broadcast reaches every TP
+follower and EP member too. Made once (`init_weight_transfer`), reused for every update.
+
+A bucket is a list of `TensorSpec` (Hugging Face name, dtype, shape). Its small tensors (under
+DIRECT_MIN_BYTES) travel packed: the sender puts them back to back (each at a 256-byte aligned
+offset) into one flat uint8 buffer, broadcast first; each receiver reads them as views of its
+copy and maps them onto its parameters as a state-dict update (ops/weight_updates.py: fused
+rows, its TP shard, its EP experts). Each large tensor then travels alone, in spec order: a
+receiver whose destination is a contiguous view of a parameter of the same dtype and shape (a
+whole tensor, or a fused q/k/v or gate/up part at TP = 1) receives it straight into the
+parameter, with no copy; otherwise into a buffer of its own, mapped like the packed ones. Both
+sides derive the same plan from the specs (`BucketLayout`), so only the specs travel.
+
+Owns: the group, the layout, packing and unpacking. Must not touch the model's parameters (the
+gpu worker copies what `state_updates` maps) or the lifecycle (the engine decides when).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+import time
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+ALIGN = 256  # bytes: every tensor of a bucket starts at a multiple (any dtype's view is legal)
+DIRECT_MIN_BYTES = 1 << 20  # a tensor this large travels alone (straight into its parameter)
+BACKENDS = ("nccl", "gloo")
+DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
+
+
+class WeightTransferError(RuntimeError):
+    """A weight transfer that cannot start or did not complete; the text says which and why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a bucket: its Hugging Face name, dtype (a key of DTYPES) and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise WeightTransferError(
+                f"{self.name}: dtype {self.dtype!r} cannot travel (one of {', '.join(DTYPES)})"
+            )
+        if any(not isinstance(n, int) or n < 0 for n in self.shape):
+            raise WeightTransferError(f"{self.name}: bad shape {self.shape}")
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    @classmethod
+    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        return cls(name, dtype, tuple(tensor.shape))
+
+
+class BucketLayout:
+    """How a bucket travels (the same on every process): `packed`, its small tensors at
+    `offsets` in one flat buffer of `nbytes`; then `direct`, its large ones alone, in order."""
+
+    def __init__(self, specs: Sequence[TensorSpec]):
+        names = [s.name for s in specs]
+        if len(set(names)) != len(names):
+            raise WeightTransferError(f"a bucket names a tensor twice: {sorted(names)[:5]}")
+        if not specs:
+            raise WeightTransferError("an empty bucket")
+        self.specs = tuple(specs)
+        self.packed = tuple(s for s in specs if s.nbytes < DIRECT_MIN_BYTES)
+        self.direct = tuple(s for s in specs if s.nbytes >= DIRECT_MIN_BYTES)
+        self.offsets, end = [], 0
+        for spec in self.packed:
+            self.offsets.append(end)
+            end += -(-spec.nbytes // ALIGN) * ALIGN
+        self.nbytes = end
+
+    def pack(self, tensors: dict[str, torch.Tensor], device) -> torch.Tensor:
+        """The sender's flat buffer: every packed tensor, contiguous, at its offset."""
+        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        for spec, view in zip(self.packed, self._views(flat), strict=True):
+            view.copy_(_checked(spec, tensors[spec.name]))
+        return flat
+
+    def unpack(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each packed tensor of the bucket as a view of the received flat buffer."""
+        return {s.name: v for s, v in zip(self.packed, self._views(flat), strict=True)}
+
+    def _views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        if flat.dtype != torch.uint8 or flat.numel() != self.nbytes:
+            raise WeightTransferError(
+                f"a bucket buffer of {flat.numel()} bytes, expected {self.nbytes}"
+            )
+        out = []
+        for spec, offset in zip(self.packed, self.offsets, strict=True):
+            raw = flat[offset : offset + spec.nbytes]
+            out.append(raw.view(DTYPES[spec.dtype]).view(spec.shape))
+        return out
+
+
+def _checked(spec: TensorSpec, tensor: torch.Tensor) -> torch.Tensor:
+    if tuple(tensor.shape) != spec.shape or TensorSpec.of("", tensor).dtype != spec.dtype:
+        raise WeightTransferError(
+            f"{spec.name}: {tuple(tensor.shape)} {tensor.dtype} does not match its spec "
+            f"{spec.shape} {spec.dtype}"
+        )
+    return tensor.detach()
+
+
+def plan_buckets(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 1 << 30
+) -> list[list[TensorSpec]]:
+    """Split named tensors into buckets of at most `bucket_bytes` (a larger tensor goes alone), in
+    the order given."""
+    if bucket_bytes < 1:
+        raise WeightTransferError(f"bucket_bytes must be >= 1, got {bucket_bytes}")
+    buckets: list[list[TensorSpec]] = [[]]
+    size = 0
+    for name, tensor in named:
+        spec = TensorSpec.of(name, tensor)
+        padded = -(-spec.nbytes // ALIGN) * ALIGN
+        if buckets[-1] and size + padded > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(spec)
+        size += padded
+    return [b for b in buckets if b]
+
+
+class WeightGroup:
+    """One process's membership of a weight-transfer group (trainer or taipan side alike)."""
+
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank: int,
+        backend: str,
+        device: torch.device | str,
+        timeout_s: float = 60.0,
+    ):
+        if backend not in BACKENDS:
+            raise WeightTransferError(f"backend {backend!r}: one of {', '.join(BACKENDS)}")
+        if not 0 <= rank < world_size:
+            raise WeightTransferError(f"rank {rank} is outside a world of {world_size}")
+        self.device = torch.device(device)
+        if backend == "nccl" and self.device.type != "cuda":
+            raise WeightTransferError(f"backend nccl needs a CUDA device, this one is {device}")
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        timeout = datetime.timedelta(seconds=timeout_s)
+        try:
+            store = dist.TCPStore(
+                master_address, master_port, world_size, rank == 0, timeout=timeout
+            )
+            store = dist.PrefixStore("taipan-weight-transfer", store)
+            if backend == "gloo":
+                self.group = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+            else:
+                options = dist.ProcessGroupNCCL.Options()
+                options._timeout = timeout
+                self.group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        except (RuntimeError, ValueError) as e:
+            raise WeightTransferError(
+                f"could not join the weight-transfer group at {master_address}:{master_port} "
+                f"as rank {rank} of {world_size} ({backend}): {e}"
+            ) from None
+        self._store = store  # keeps the rendezvous alive as long as the group
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast `tensor` in place from group rank `src`; raises WeightTransferError when a
+        peer is gone or the collective times out."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        try:
+            self.group.broadcast([tensor], opts).wait()
+        except RuntimeError as e:
+            raise WeightTransferError(f"weight broadcast failed: {e}") from None
+
+    def receive(
+        self, specs: Sequence[TensorSpec], src: int = 0, into=None
+    ) -> dict[str, torch.Tensor]:
+        """Receive one bucket broadcast from `src`. `into(spec)`: where a large tensor may land
+        straight away (a tensor of its dtype and shape, contiguous), or None. Returns the
+        tensors that did not land so: packed ones as views of one flat buffer, large ones in
+        buffers of their own."""
+        layout = BucketLayout(specs)
+        out = {}
+        if layout.packed:
+            flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
+            self.broadcast(flat, src)
+            out = layout.unpack(flat)
+        for spec in layout.direct:
+            target = into(spec) if into is not None else None
+            if target is None:
+                target = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
+                out[spec.name] = target
+            self.broadcast(target, src)
+        return out
+
+    def send(self, specs: Sequence[TensorSpec], tensors: dict[str, torch.Tensor]) -> None:
+        """Broadcast one bucket from this rank (the trainer's sender)."""
+        layout = BucketLayout(specs)
+        if layout.packed:
+            self.broadcast(layout.pack(tensors, self.device), self.rank)
+        for spec in layout.direct:
+            tensor = _checked(spec, tensors[spec.name])
+            if tensor.device != self.device or not tensor.is_contiguous():
+                tensor = tensor.to(self.device).contiguous()
+            self.broadcast(tensor, self.rank)
+
+    def synchronize(self) -> None:
+        """Wait until every collective this process queued has run on its device."""
+        _sync(self.device)
+
+    def close(self) -> None:
+        """Leave the group without waiting for the other members (NCCL's abort: a shutdown
+        would wait for every member to shut down too, and the trainer closes after taipan)."""
+        group, self.group = self.group, None
+        for name in ("abort", "shutdown"):
+            end = getattr(group, name, None)
+            if end is not None:
+                try:
+                    end()
+                except RuntimeError:
+                    pass  # already gone with its peers
+                return
+
+
+# ---- the link alone (`taipan bench --workload weight-sync`: the raw broadcast of the same bytes)
+
+
+def time_broadcasts(group: WeightGroup, sizes: Sequence[int], repeats: int) -> list[float]:
+    """Seconds of each of `repeats` rounds broadcasting one flat buffer per size from rank 0
+    (every member runs this; buffers allocated once, before the first round)."""
+    buffers = [torch.zeros(n, dtype=torch.uint8, device=group.device) for n in sizes]
+    seconds = []
+    for _ in range(repeats):
+        _sync(group.device)
+        start = time.perf_counter()
+        for buf in buffers:
+            group.broadcast(buf, 0)
+        _sync(group.device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def link_receiver(
+    master_address: str, master_port: int, rank: int, device: str, sizes, repeats: int
+) -> None:
+    """A process that only receives (`time_broadcasts` on rank `rank` of two)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(torch.device(device))
+    backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+    group = WeightGroup(master_address, master_port, 2, rank, backend, device)
+    time_broadcasts(group, sizes, repeats)
+    group.close()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,145 @@
+"""The trainer's side of a weight transfer without disk (`taipan.rl`, DESIGN.md §13).
+
+A trainer and every gpu process of a running taipan join one torch.distributed group (NCCL
+between GPUs, gloo on the CPU); the trainer is rank 0 and hosts its rendezvous. Then, per
+update, the trainer tells taipan which buckets come (`Client.update_weights_from_distributed`)
+and broadcasts them (`send_weights`). `join` and `push_weights` do each pair at once:
+
+    group = taipan.rl.join(client, "127.0.0.1", 29700)         # once
+    for step in ...:
+        train ...
+        client.pause(); taipan.rl.push_weights(client, model, group, weight_version=step)
+        client.unpause()
+
+A bucket is a list of (Hugging Face name, dtype, shape) (`ops.weight_transfer.TensorSpec`),
+about `bucket_bytes` each; taipan maps every name onto its parameters (fused q/k/v and
+gate/up rows, its tensor-parallel shard, its experts) as `update_weights(state=...)` does.
+Imports torch when called, never at `import taipan`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterable
+from typing import Any
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+
+
+def named_tensors(model_or_named: Any) -> list[tuple[str, Any]]:
+    """(name, tensor) pairs of a torch module (its state dict: parameters and buffers, each
+    shared tensor once) or of an iterable of pairs or a dict, as given."""
+    if hasattr(model_or_named, "state_dict"):
+        seen, out = set(), []
+        for name, tensor in model_or_named.state_dict().items():
+            if tensor.data_ptr() in seen or not tensor.is_floating_point():
+                continue  # a tied weight comes once; integer buffers are not weights
+            seen.add(tensor.data_ptr())
+            out.append((name, tensor))
+        return out
+    if isinstance(model_or_named, dict):
+        return list(model_or_named.items())
+    return list(model_or_named)
+
+
+def weight_buckets(model_or_named: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list]:
+    """The buckets `send_weights` will broadcast, for `update_weights_from_distributed`."""
+    from taipan.ops.weight_transfer import plan_buckets
+
+    return plan_buckets(named_tensors(model_or_named), bucket_bytes)
+
+
+def init_weight_transfer_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    *,
+    backend: str | None = None,
+    device: Any = None,
+    rank: int = 0,
+    timeout_s: float = 60.0,
+):
+    """Join the group as the trainer's sender `rank` (0 hosts the rendezvous). `backend` None:
+    "nccl" when `device` is CUDA, else "gloo"; `device` None: the current CUDA device if any."""
+    import torch
+
+    from taipan.ops.weight_transfer import WeightGroup
+
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    return WeightGroup(
+        master_address, master_port, world_size, rank, backend, device, timeout_s=timeout_s
+    )
+
+
+def send_weights(
+    model_or_named: Any, group, buckets: Iterable[list] | None = None, *, bucket_bytes=None
+) -> list[list]:
+    """Broadcast every bucket from this rank (`buckets` None: `weight_buckets` of the model);
+    returns the buckets sent."""
+    named = dict(named_tensors(model_or_named))
+    if buckets is None:
+        buckets = weight_buckets(named, bucket_bytes or DEFAULT_BUCKET_BYTES)
+    buckets = list(buckets)
+    for specs in buckets:
+        group.send(specs, {s.name: named[s.name] for s in specs})
+    group.synchronize()  # every broadcast done: the trainer may change its weights again
+    return buckets
+
+
+def join(client, master_address: str, master_port: int, **kwargs):
+    """`client.init_weight_transfer` and the trainer's own `init_weight_transfer_group` at once
+    (each waits for the other): returns the trainer's group. The world is the trainer (rank 0)
+    plus every gpu process of the runtime (`client.weight_transfer_world_size()` - 1 of them)."""
+    world = client.weight_transfer_world_size()
+    backend = kwargs.pop("backend", None)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joined = pool.submit(
+            client.init_weight_transfer,
+            master_address,
+            master_port,
+            world,
+            rank_offset=1,
+            backend=backend,
+        )
+        group = init_weight_transfer_group(
+            master_address, master_port, world, backend=backend, **kwargs
+        )
+        joined.result()
+    return group
+
+
+def push_weights(
+    client,
+    model_or_named: Any,
+    group,
+    *,
+    weight_version: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    stage: bool = False,
+):
+    """Send the trainer's weights to a paused (or suspended) runtime: the client's
+    `update_weights_from_distributed` and the broadcasts at once. Returns its ControlAck.
+
+    A runtime that is not paused is refused here, before any broadcast (taipan would refuse the
+    update, and the trainer would wait in its first broadcast until the group's timeout)."""
+    state = str(client.stats().state)
+    if state not in ("PAUSED", "SUSPENDED"):
+        raise RuntimeError(f"push_weights needs a PAUSED or SUSPENDED runtime; it is {state}")
+    named = named_tensors(model_or_named)
+    buckets = weight_buckets(named, bucket_bytes)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        update = pool.submit(
+            client.update_weights_from_distributed,
+            buckets,
+            weight_version=weight_version,
+            stage=stage,
+        )
+        try:
+            send_weights(named, group, buckets)
+        except Exception:
+            update.cancel()
+            raise
+        return update.result()
