@@ -25,34 +25,35 @@ with probability 2**-62 instead of 2**-63. (A 63-bit hash meets a random collisi
 2**31.5 distinct blocks anyway; a pool holds millions at most.)
 The salt carries the weight version: after a weight update every hash changes, so KV computed
 with the old weights can never match. A salt or parent outside [0, 2**63 - 1] is an error.
-
-Why SHA-256: the prompt is chained, so the cost is one hashlib call per block plus the Python
-loop around it, and the candidates differ only in what the call costs. tests/perf/hash_bench.py,
-32768 tokens, Python 3.11.7 / OpenSSL 3.0, x86-64 with SHA-NI (2 cores, busy; best of 7),
-microseconds per block (per 1k tokens):
-
-    H                      block_size 16   block_size 256
-    loop only (no hash)     0.30 (18.8)     0.41 (1.6)
-    sha256                  0.78 (48.7)     1.47 (5.7)
-    sha1                    0.79 (49.3)     1.45 (5.6)
-    blake2b digest_size=8   0.84 (52.5)     2.09 (8.2)
-    md5                     0.90 (56.0)     2.31 (9.0)
-    blake2s digest_size=8   0.93 (58.0)     2.90 (11.3)
-    sha512                  0.97 (60.9)     2.28 (8.9)
-    sha3_256                1.06 (66.3)     3.07 (12.0)
-    block_hashes itself     0.85 (53.2)     1.62 (6.3)
-
-At 16-token blocks the per-call overhead dominates and all are within 30%; at 256 (the default
-`block_size_tokens`) SHA-256 runs on the CPU's SHA extensions and is 1.4x faster than BLAKE2b
-(CPython 3.11's own C code). SHA-1 ties it but is broken; SHA-256 is in every hashlib and every
-FIPS build. Either way a 32k-token prompt costs 0.2 ms (256) to 1.7 ms (16) once per request. On
-a CPU without SHA extensions SHA-256 would be about BLAKE2b's speed or slower; changing H changes
-every hash (tests/test_block_hash.py pins golden values), so it is a deliberate, versioned change.
-
-Chaining through the data (parent as the first 8 bytes hashed) keeps `parent` an ordinary
-argument: hashing a prompt in two pieces, the second with parent = the first's last hash, gives
-the hashes of the whole prompt.
 """
+
+# Design notes (kept out of the docstring):
+# Why SHA-256: the prompt is chained, so the cost is one hashlib call per block plus the Python
+# loop around it, and the candidates differ only in what the call costs. tests/perf/hash_bench.py,
+# 32768 tokens, Python 3.11.7 / OpenSSL 3.0, x86-64 with SHA-NI (2 cores, busy; best of 7),
+# microseconds per block (per 1k tokens):
+#
+#     H                      block_size 16   block_size 256
+#     loop only (no hash)     0.30 (18.8)     0.41 (1.6)
+#     sha256                  0.78 (48.7)     1.47 (5.7)
+#     sha1                    0.79 (49.3)     1.45 (5.6)
+#     blake2b digest_size=8   0.84 (52.5)     2.09 (8.2)
+#     md5                     0.90 (56.0)     2.31 (9.0)
+#     blake2s digest_size=8   0.93 (58.0)     2.90 (11.3)
+#     sha512                  0.97 (60.9)     2.28 (8.9)
+#     sha3_256                1.06 (66.3)     3.07 (12.0)
+#     block_hashes itself     0.85 (53.2)     1.62 (6.3)
+#
+# At 16-token blocks the per-call overhead dominates and all are within 30%; at 256 (the default
+# `block_size_tokens`) SHA-256 runs on the CPU's SHA extensions and is 1.4x faster than BLAKE2b
+# (CPython 3.11's own C code). SHA-1 ties it but is broken; SHA-256 is in every hashlib and every
+# FIPS build. Either way a 32k-token prompt costs 0.2 ms (256) to 1.7 ms (16) once per request. On
+# a CPU without SHA extensions SHA-256 would be about BLAKE2b's speed or slower; changing H changes
+# every hash (tests/test_block_hash.py pins golden values), so it is a deliberate, versioned change.
+#
+# Chaining through the data (parent as the first 8 bytes hashed) keeps `parent` an ordinary
+# argument: hashing a prompt in two pieces, the second with parent = the first's last hash, gives
+# the hashes of the whole prompt.
 
 from __future__ import annotations
 

@@ -400,3 +400,43 @@ def test_lm_eval_generate_until_and_loglikelihood(server, direct, tmp_path, monk
                 SamplingParams(max_tokens=1, temperature=0.0, return_log_probs=True),
             )
             assert ll == pytest.approx(sum(c.prompt_log_probs[len(ctx) - 1 :]), abs=1e-4)
+
+
+def test_lifecycle_controls_over_http_behind_the_api_key(server, direct):
+    """An HTTP-driven trainer's controls: refused without the key, the runtime's refusals as
+    400/409 with its code, and a pause / unpause round that serving survives."""
+    assert _post(server, "/pause", {}, key=None).status_code == 401
+    r = _post(server, "/pause", {"mode": "abort"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+    r = _post(server, "/resume", {})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "illegal_transition"
+    assert _post(server, "/pause", {}).json()["state"] == "PAUSED"
+    r = _post(server, "/update_weights", {"weight_version": 3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    bad = {"master_address": "127.0.0.1", "master_port": 0, "world_size": 2}
+    r = _post(server, "/init_weight_transfer", bad)
+    assert r.status_code == 400 and "is not a port" in r.json()["error"]["message"]
+    r = _post(server, "/update_weights_from_distributed", {"buckets": [["x"]]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "buckets"
+    r = _post(server, "/suspend", {"mode": "persist", "extra": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "extra"
+    assert _post(server, "/unpause", {}).json() == {
+        "state": "RUNNING", "weight_version": direct.stats().merged().weight_version
+    }  # fmt: skip
+    assert httpx.get(f"{server[0]}/health").status_code == 200
+
+
+@pytest.mark.asyncio
+async def test_lifecycle_controls_need_an_api_key(server):
+    """A server started without --api-key refuses every control (403) and changes nothing."""
+    from taipan.client import AsyncClient
+    from taipan.server.app import build_app
+
+    async with AsyncClient(server[1]) as client:
+        app = build_app(client)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as h:
+            for path in ("/pause", "/close_weight_transfer"):
+                r = await h.post(path, json={})
+                assert r.status_code == 403 and "--api-key" in r.json()["error"]["message"]
+        assert str((await client.stats()).state) == "RUNNING"

@@ -17,11 +17,9 @@ a step finishes or weights load.
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
 replay of the same messages makes the same decisions.
 
-Steps overlap (`overlap_steps`; by default on a CUDA device): step N+1 is planned and sent
-while the gpu runs step N, whose result is applied after (`_run_steps`; the scheduler's docstring
-has the contract).
-A control that needs the channels (pause, stop, the gpu controls) makes the loop stop planning
-and finish what is in flight before it runs.
+Steps overlap (`overlap_steps`; by default on CUDA): step N+1 is planned and sent while the gpu
+runs step N (`_run_steps`; the scheduler's docstring has the contract). A control that needs the
+channels makes the loop stop planning and finish what is in flight before it runs.
 
 Failures: a step that fails (a refused allocation, a failed forward, or any exception in the
 step) fails the requests of that step, each with its terminal output, and the engine keeps
@@ -35,11 +33,9 @@ run dummy steps), and PAUSE completes only once the whole group stopped in the s
 at a barrier. A peer that dies, breaks the protocol or stays silent past a bound ends this rank
 too (its requests fail naming the peer), and a step whose forward fails ends it (the group's
 collectives can no longer be trusted); STOP tells the peers first (EpBye).
-The engine sends the coordinator a Heartbeat every HEARTBEAT_S seconds, which the coordinator
-answers. An engine started on its own (`taipan serve --role engine`, on another host than its
-coordinator) watches those answers: a coordinator silent for `coordinator_timeout` seconds, or
-one that refuses the rank (`rank_refused`: a rank out of range or already served), ends the
-process with a FatalError naming it. A local engine dies with its launcher instead.
+Heartbeats go to the coordinator every HEARTBEAT_S seconds; an engine started on its own (`taipan
+serve --role engine`) watches the answers: a coordinator silent for `coordinator_timeout` s, or
+one that refuses the rank (`rank_refused`), ends the process with a FatalError naming it.
 """
 
 from __future__ import annotations

@@ -37,24 +37,25 @@ service (Megatron's DynamicInferenceEngine):
 4. waiting requests are admitted FIFO while budgets and free blocks allow (none while any
    request is paused: those come first).
 A request that can never fit (see `check`) fails at submission.
-
-Prefix caching (`prefix_policy`; DESIGN.md §5, actors/engine/prefix.py): an admitted request
-first shares the longest run of cached blocks of its prompt (pinned before any block is
-allocated) and skips `min(matched * block_size, tokens - 1)` tokens, so that at least one
-token yields logits: a block-aligned full match computes only the last prompt token, whose K/V
-is already cached and is not written again (slot -1). A request that wants prompt log-probs
-shares nothing (it needs every prompt logit). Each complete prompt block a planned chunk writes
-is registered with the allocator in that step's BlockOps; it becomes shareable when that step's
-result is applied, and a request whose next block is still being written waits (FIFO).
-
-Hybrid models (DESIGN.md §6, actors/engine/mamba.py): each admitted request takes a live Mamba
-slot from the mamba_cache actor (one MambaOps per step, beside the BlockOps). Mamba state is
-recurrent, so a hybrid skips only up to the deepest matched block with a Mamba snapshot
-(`MambaMirror.match`); the chunks that reach the boundaries whose state it snapshots say
-where, inside the chunk or at its end (`MambaMirror.snapshots_in_chunk`), and the kernels store
-those states, so chunks are cut by the token budget only. A request waits for a snapshot of its
-prefix that a running chunk is about to take.
 """
+
+# How prefix caching and hybrid models plan (the contract, beside the docstring):
+# Prefix caching (`prefix_policy`; DESIGN.md §5, actors/engine/prefix.py): an admitted request
+# first shares the longest run of cached blocks of its prompt (pinned before any block is
+# allocated) and skips `min(matched * block_size, tokens - 1)` tokens, so that at least one
+# token yields logits: a block-aligned full match computes only the last prompt token, whose K/V
+# is already cached and is not written again (slot -1). A request that wants prompt log-probs
+# shares nothing (it needs every prompt logit). Each complete prompt block a planned chunk writes
+# is registered with the allocator in that step's BlockOps; it becomes shareable when that step's
+# result is applied, and a request whose next block is still being written waits (FIFO).
+#
+# Hybrid models (DESIGN.md §6, actors/engine/mamba.py): each admitted request takes a live Mamba
+# slot from the mamba_cache actor (one MambaOps per step, beside the BlockOps). Mamba state is
+# recurrent, so a hybrid skips only up to the deepest matched block with a Mamba snapshot
+# (`MambaMirror.match`); the chunks that reach the boundaries whose state it snapshots say
+# where, inside the chunk or at its end (`MambaMirror.snapshots_in_chunk`), and the kernels store
+# those states, so chunks are cut by the token budget only. A request waits for a snapshot of its
+# prefix that a running chunk is about to take.
 
 from __future__ import annotations
 

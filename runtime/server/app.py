@@ -23,10 +23,10 @@ from taipan.client import AsyncClient
 from taipan.server.admission import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Admission
 from taipan.server.completions import OpenAIServer
 from taipan.server.metrics import Metrics
-from taipan.server.routes import add_routes
+from taipan.server.routes import CONTROL_PATHS, add_control_routes, add_routes
 from taipan.server.schemas import APIError
 
-GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info")  # behind --api-key
+GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", *CONTROL_PATHS)  # --api-key
 
 
 class _KeyCheck:
@@ -88,6 +88,7 @@ def build_app(
     if api_key is not None:
         app.add_middleware(_KeyCheck, key=api_key, metrics=metrics)
     add_routes(app, server)
+    add_control_routes(app, client, enabled=api_key is not None)
     return app
 
 

@@ -1,8 +1,10 @@
 """The route table: every path the server answers, and the small handlers inline.
 
 `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), vLLM's `GET /tokenizer_info`,
-`POST /tokenize` and `POST /detokenize` (lm-eval's remote tokenizer), and the generating
-`POST /v1/completions` and `POST /v1/chat/completions`, which call `OpenAIServer`.
+`POST /tokenize` and `POST /detokenize` (lm-eval's remote tokenizer), the generating
+`POST /v1/completions` and `POST /v1/chat/completions`, which call `OpenAIServer`, and the
+lifecycle controls an HTTP-driven trainer needs (CONTROL_PATHS: pause, unpause, suspend, resume,
+update_weights from a path, init / update / close weight transfer), only with `--api-key`.
 
 Registers routes only: error handlers, the API key check and serving belong to the app module.
 """
@@ -10,11 +12,13 @@ Registers routes only: error handlers, the API key check and serving belong to t
 from __future__ import annotations
 
 import asyncio
+import json
 
 import prometheus_client as prom
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from taipan.client import ControlError
 from taipan.server.completions import OpenAIServer
 from taipan.server.schemas import (
     APIError,
@@ -24,6 +28,98 @@ from taipan.server.schemas import (
     TokenizeBody,
     message_dict,
 )
+
+CONTROL_PATHS = (
+    "/pause", "/unpause", "/suspend", "/resume", "/update_weights", "/init_weight_transfer",
+    "/update_weights_from_distributed", "/close_weight_transfer",
+)  # fmt: skip
+_CONTROL_STATUS = {
+    "bad_request": 400,
+    "not_authorized": 403,
+    "illegal_transition": 409,
+    "busy": 409,
+}
+
+
+def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
+    """The lifecycle over HTTP (runtime/client.py's methods, the same ControlAck as JSON). Each
+    is refused (403) unless the server has an API key; a refused or failed control is the
+    runtime's ErrorReply code and text with 400, 403 or 409, or 500 when an engine failed."""
+
+    async def run(call, **kw):
+        if not enabled:
+            raise APIError(403, "lifecycle controls over HTTP need the server's --api-key")
+        try:
+            ack = await call(**kw)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        except ControlError as e:
+            status = _CONTROL_STATUS.get(str(e.code), 500)
+            raise APIError(status, e.text, code=str(e.code)) from None
+        return {"state": str(ack.state), "weight_version": ack.weight_version}
+
+    async def body_of(request: Request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            raise APIError(400, "the body is not JSON") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        return body
+
+    def keys(body: dict, allowed: tuple[str, ...]) -> dict:
+        unknown = sorted(set(body) - set(allowed))
+        if unknown:
+            raise APIError(400, f"unknown field(s) {unknown}; allowed: {list(allowed)}", unknown[0])
+        return body
+
+    @app.post("/pause")
+    async def pause(request: Request):
+        body = keys(await body_of(request), ("mode",))
+        if body.get("mode", "keep") not in (None, "keep"):
+            raise APIError(400, f"pause mode {body['mode']!r} is not built yet (only keep)", "mode")
+        return await run(client.pause)
+
+    @app.post("/unpause")
+    async def unpause():
+        return await run(client.unpause)
+
+    @app.post("/suspend")
+    async def suspend(request: Request):
+        return await run(client.suspend, **keys(await body_of(request), ("mode",)))
+
+    @app.post("/resume")
+    async def resume():
+        return await run(client.resume)
+
+    @app.post("/update_weights")
+    async def update_weights(request: Request):
+        body = keys(await body_of(request), ("path", "weight_version"))
+        if not body.get("path"):
+            raise APIError(400, "update_weights over HTTP takes a checkpoint path", "path")
+        return await run(client.update_weights, **body)
+
+    @app.post("/init_weight_transfer")
+    async def init_weight_transfer(request: Request):
+        allowed = ("master_address", "master_port", "world_size", "rank_offset", "backend")
+        return await run(client.init_weight_transfer, **keys(await body_of(request), allowed))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_from_distributed(request: Request):
+        body = keys(await body_of(request), ("buckets", "weight_version", "stage"))
+        try:
+            buckets = [[(t["name"], t["dtype"], t["shape"]) for t in b] for b in body["buckets"]]
+        except (KeyError, TypeError):
+            raise APIError(
+                400, "buckets: a list of lists of {name, dtype, shape} objects", "buckets"
+            ) from None
+        body["buckets"] = buckets
+        return await run(client.update_weights_from_distributed, **body)
+
+    @app.post("/close_weight_transfer")
+    async def close_weight_transfer():
+        return await run(client.close_weight_transfer)
 
 
 def add_routes(app: FastAPI, server: OpenAIServer) -> None:
