@@ -9,7 +9,9 @@ ExtType holding (dtype, shape, bytes), and arrays larger than `INLINE_ARRAY_BYTE
 frames (ExtType holds the frame index) so the receiver wraps them without a copy.
 
 Decoding trusts nothing: an unknown tag, a wrong version or arity, a field of the wrong type, a
-bad array header or an oversized frame raises `MessageError`. Nested plain records (e.g.
+bad array header or an oversized frame raises `MessageError`. A message may come without its
+trailing fields that have defaults (fields added later: an older sender, or a log recorded
+before them, still decodes); a nested struct always carries every field. Nested plain records (e.g.
 `SamplingParams`) are `@struct` dataclasses, encoded as an array of their fields. Enum fields
 (`enum.StrEnum` / `enum.IntEnum`) travel as their value and decode to their member; a value that
 is not a member is a `MessageError` naming the choices. A `typing.Literal` (e.g. the `""` of
@@ -320,12 +322,19 @@ def _field_checkers(cls) -> list[tuple[str, Callable[[Any], Any]]]:
     return checkers
 
 
-def _build(cls, values: Sequence[Any]):
+def _build(cls, values: Sequence[Any], strict: bool = False):
+    """`strict` (a nested struct): every field; a message may leave off its trailing fields
+    that have defaults."""
     checkers = _field_checkers(cls)
-    if len(values) != len(checkers):
-        raise MessageError(
-            f"{cls.__name__} takes {len(checkers)} fields, got {len(values)}", ErrorCode.BAD_ARITY
+    required = len(checkers) if strict else _required_fields(cls)
+    if not required <= len(values) <= len(checkers):
+        takes = (
+            f"{len(checkers)}" if required == len(checkers) else f"{required} to {len(checkers)}"
         )
+        raise MessageError(
+            f"{cls.__name__} takes {takes} fields, got {len(values)}", ErrorCode.BAD_ARITY
+        )
+    checkers = checkers[: len(values)]  # the rest: their defaults (a sender older than them)
     kwargs = {}
     for (name, check), v in zip(checkers, values, strict=True):
         try:
@@ -335,10 +344,24 @@ def _build(cls, values: Sequence[Any]):
     return cls(**kwargs)
 
 
+@functools.cache
+def _required_fields(cls) -> int:
+    """How many leading fields a sender must give: the fields after them have defaults (added
+    later to the message; an older sender's message still decodes)."""
+    fields = dataclasses.fields(cls)
+    with_default = [
+        f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+        for f in fields
+    ]
+    while with_default and with_default[-1]:
+        with_default.pop()
+    return len(with_default)
+
+
 def _decode_struct(cls, v):
     if not isinstance(v, list | tuple):
         raise MessageError(f"{cls.__name__}: expected an array of fields", ErrorCode.BAD_FIELD)
-    return _build(cls, v)
+    return _build(cls, v, strict=True)
 
 
 # --- encoding --------------------------------------------------------------------------------

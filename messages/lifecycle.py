@@ -108,11 +108,25 @@ class StopAck:
     name: str
 
 
+class PauseMode(enum.StrEnum):
+    """What PAUSE does with the requests in flight: KEEP them (with their KV) for UNPAUSE, or
+    ABORT them (each ends with finish_reason "abort" and the tokens it had; a trainer resubmits
+    them as partial rollouts). WAIT (let them finish, admit none) is not built yet."""
+
+    KEEP = "keep"
+    ABORT = "abort"
+    WAIT = "wait"
+
+
 @message(42)
 class Pause:
-    """Finish the step in flight, then run no more steps until Unpause."""
+    """Finish the step in flight, then run no more steps until Unpause; `mode` says what becomes
+    of the requests in flight. `clear_cache` (drop cached prefix KV and Mamba snapshots) is not
+    built yet."""
 
     token: str
+    mode: PauseMode = PauseMode.KEEP
+    clear_cache: bool = False
 
 
 @message(43)

@@ -60,6 +60,7 @@ from taipan.messages.lifecycle import (
     InitWeightTransfer,
     KVCacheManagementMode,
     Pause,
+    PauseMode,
     Resume,
     Stop,
     Suspend,
@@ -343,10 +344,16 @@ class AsyncClient:
         self._salt = ack.weight_version
         return ack
 
-    async def pause(self) -> ControlAck:
-        """RUNNING -> PAUSED: the step in flight finishes, no more run; requests keep their KV
-        and new submissions queue."""
-        return await self._control(Pause(self.control_token))
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
+        """RUNNING -> PAUSED: the step in flight finishes, no more run; new submissions queue.
+        `mode` "keep": requests keep their KV for unpause; "abort": every request in flight
+        ends with finish_reason "abort" and the tokens it had (resubmit it as a partial
+        rollout). "wait" and `clear_cache` are not built yet (the runtime refuses them)."""
+        try:
+            mode = PauseMode(mode)
+        except ValueError:
+            raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PauseMode)}") from None
+        return await self._control(Pause(self.control_token, mode, bool(clear_cache)))
 
     async def unpause(self) -> ControlAck:
         """PAUSED -> RUNNING."""
@@ -506,8 +513,8 @@ class Client:
     def stats(self) -> Stats:
         return self._run(self._async.stats())
 
-    def pause(self) -> ControlAck:
-        return self._run(self._async.pause())
+    def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
+        return self._run(self._async.pause(mode, clear_cache))
 
     def unpause(self) -> ControlAck:
         return self._run(self._async.unpause())

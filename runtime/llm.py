@@ -200,9 +200,9 @@ class AsyncLLM(_Base):
     async def stats(self) -> Stats:
         return await self._connected().stats()
 
-    async def pause(self) -> ControlAck:
+    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
         self._lifecycle("pause")
-        return await self._connected().pause()
+        return await self._connected().pause(mode, clear_cache)
 
     async def unpause(self) -> ControlAck:
         self._lifecycle("unpause")
@@ -318,9 +318,9 @@ class LLM(_Base):
     def stats(self) -> Stats:
         return self._connected().stats()
 
-    def pause(self) -> ControlAck:
+    def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
         self._lifecycle("pause")
-        return self._connected().pause()
+        return self._connected().pause(mode, clear_cache)
 
     def unpause(self) -> ControlAck:
         self._lifecycle("unpause")

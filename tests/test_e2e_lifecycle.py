@@ -215,6 +215,43 @@ async def test_staleness_counts_a_weight_update_a_request_lived_through(session,
     assert final.kv_cache_staleness == final.policy_staleness  # "persist" kept that old KV
 
 
+@pytest.mark.asyncio
+async def test_pause_abort_ends_every_request_with_its_tokens_so_far(session, uninterrupted):
+    """pause(mode="abort"): every stream in flight ends with finish_reason "abort" and the
+    tokens it had (a trainer's partial rollouts); unpause then serves as before."""
+    rt, _, _ = session
+    async with AsyncClient(rt.address) as ac:
+        seen = [asyncio.Event() for _ in range(3)]
+        long = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+
+        async def one(i: int):
+            tokens, last = [], None
+            async for delta in ac.stream(PROMPTS[i], long):
+                tokens += delta.token_ids
+                last = delta
+                if len(tokens) >= 3:
+                    seen[i].set()
+            return tokens, last.finish_reason
+
+        tasks = [asyncio.create_task(one(i)) for i in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in seen)), 120)
+        ack = await ac.pause(mode="abort")
+        assert str(ack.state) == "PAUSED"
+        done = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        for i, (tokens, reason) in enumerate(done):
+            assert str(reason) == "abort" and 3 <= len(tokens) < 60, (i, reason, len(tokens))
+            n = min(len(tokens), len(uninterrupted["greedy"][i]))
+            assert tokens[:n] == uninterrupted["greedy"][i][:n]  # greedy: the same tokens so far
+        stats = (await ac.stats()).merged()
+        assert stats.running == stats.waiting == stats.paused == 0
+        with pytest.raises(ControlError, match="not built yet"):
+            await ac.pause(mode="wait")
+        await ac.unpause()
+    assert [c.token_ids for c in session[1].generate(PROMPTS[:1], GREEDY)] == [
+        uninterrupted["greedy"][0]
+    ]
+
+
 def test_replay_check_passes_over_the_whole_session(session):
     rt, c, rec = session
     c.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))  # 6 in 8 blocks: pauses

@@ -762,3 +762,19 @@ def test_big_message_damage_raises_only_message_error(data):
 def test_error_reply_roundtrip_with_none():
     msg = ErrorReply("bad_message", "no", None)
     assert roundtrip(msg) == msg
+
+
+def test_a_message_without_its_trailing_defaulted_fields_decodes():
+    """Fields added later (with defaults) may be absent: an older sender's Pause is a keep
+    pause; fewer fields than the required ones is still an arity error."""
+    import msgpack
+
+    from taipan.messages.codec import decode
+    from taipan.messages.lifecycle import Pause, PauseMode
+
+    old = msgpack.packb([42, 1, "tok"])
+    assert decode([old]) == Pause("tok", PauseMode.KEEP, False)
+    assert decode(encode(Pause("t", PauseMode.ABORT))) == Pause("t", PauseMode.ABORT, False)
+    with pytest.raises(MessageError) as info:
+        decode([msgpack.packb([42, 1])])
+    assert info.value.code == "bad_arity" and "takes 1 to 3 fields" in str(info.value)

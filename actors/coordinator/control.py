@@ -24,6 +24,8 @@ from taipan.messages.lifecycle import (
     ControlAck,
     ControlCommand,
     InitWeightTransfer,
+    Pause,
+    PauseMode,
     UpdateWeights,
     UpdateWeightsFromDistributed,
 )
@@ -204,6 +206,10 @@ def _bad_fields(msg) -> str | None:
         return "update_weights needs exactly one of path and state"
     if isinstance(msg, UpdateWeightsFromDistributed) and not any(msg.buckets):
         return "update_weights_from_distributed needs at least one non-empty bucket"
+    if isinstance(msg, Pause) and msg.mode == PauseMode.WAIT:
+        return "pause mode wait is not built yet (keep and abort are)"
+    if isinstance(msg, Pause) and msg.clear_cache:
+        return "pause(clear_cache=True) is not built yet"
     if isinstance(msg, InitWeightTransfer):
         g = msg.group
         if not 0 < g.master_port < 65536:

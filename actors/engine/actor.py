@@ -74,6 +74,7 @@ from taipan.messages.gpu import (
 from taipan.messages.lifecycle import (
     KVCacheManagementMode,
     LifecycleState,
+    PauseMode,
     Stop,
     StopAck,
 )
@@ -129,6 +130,7 @@ class EngineActor(EngineControls, Actor):
         if overlap is None:  # synchronous rounds need steps that do not overlap (ep.py)
             overlap = load.device.startswith("cuda") and not config.use_synchronous_zmq_collectives
         self.overlap = overlap
+        self.pause_mode = PauseMode.KEEP  # of the last pause (controls.py)
         self.pause_waiters: list[Envelope] = []  # expert parallel: pauses the group owes
         self.suspended_mode: KVCacheManagementMode | None = None  # of the last suspend
         self.ep, self.ep_driver = ep, None

@@ -49,9 +49,9 @@ from taipan.messages.codec import MessageError, encode
 from taipan.messages.common import ErrorReply
 from taipan.messages.consensus import ROUND_MESSAGES, BarrierPoint, EpBarrier, EpHello, EpVote
 from taipan.messages.gpu import GpuControlReply, ModelLoaded, NoStep, StepPlan, StepResult
-from taipan.messages.lifecycle import Stop
+from taipan.messages.lifecycle import Pause, PauseMode, Stop
 from taipan.messages.mamba_cache import MambaOps, MambaOpsReply
-from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
+from taipan.messages.requests import AbortRequest, EngineSubmit, FinishReason, StepOutputs
 from taipan.messages.summary import summarize
 
 
@@ -129,11 +129,21 @@ class EngineReplay:
         self.requests: dict[int, EngineRequest] = {}  # the replay's, until their terminal output
         self.sent: dict[int, list[int]] = {}  # tokens the engine sent each of them so far
         self.ep = EpMirror(config)  # used once the log shows consensus rounds
+        self.abort_due = False  # a pause in mode abort came; it applies once no step is in flight
 
     # --- inbound ------------------------------------------------------------------------------
 
     def inbound(self, channel: str, msg, time: float) -> str | None:
         """`msg` None: the frames did not decode (the engine's clock still moved)."""
+        problem = self._inbound(channel, msg, time)
+        if problem is None and self.abort_due and self.flow is not None and self.flow.idle:
+            # pause(mode="abort"): the live engine ends every request once no step is in
+            # flight (actors/engine/controls.py paused_now), before anything else happens.
+            self.abort_due = False
+            self.sched.fail_all(FinishReason.ABORT, self.now)
+        return problem
+
+    def _inbound(self, channel: str, msg, time: float) -> str | None:
         if self.stopped:
             return None
         self.now = time
@@ -155,6 +165,8 @@ class EngineReplay:
                 self.requests[req.request_id] = req
         elif isinstance(msg, AbortRequest) and sched is not None:
             sched.abort(msg.request_id, time)
+        elif isinstance(msg, Pause) and channel == "coordinator":
+            self.abort_due = self.abort_due or msg.mode == PauseMode.ABORT
         elif isinstance(msg, Stop):
             self.stopped = True  # the engine fails everything and exits: nothing left to plan
         elif isinstance(msg, MambaOpsReply) or (

@@ -32,6 +32,7 @@ from taipan.messages.lifecycle import (
     InitWeightTransfer,
     KVCacheManagementMode,
     Pause,
+    PauseMode,
     Resume,
     Suspend,
     Unpause,
@@ -39,6 +40,7 @@ from taipan.messages.lifecycle import (
     UpdateWeightsFromDistributed,
     next_state,
 )
+from taipan.messages.requests import FinishReason
 
 
 class EngineControls:
@@ -82,9 +84,14 @@ class EngineControls:
     async def on_pause(self, env: Envelope, msg: Pause) -> None:
         if await self._refuse(env, ControlCommand.PAUSE):
             return
+        unbuilt = _unbuilt_pause(msg)
+        if unbuilt is not None:
+            await env.reply(ErrorReply(ErrorCode.BAD_REQUEST, f"{self.name}: {unbuilt}", None))
+            return
+        self.pause_mode = msg.mode
         if self.ep_driver is not None:
             # The group pauses together: the step loop votes this flag and acks once every
-            # rank has (actors/engine/ep.py).
+            # rank has (actors/engine/ep.py), after `paused_now`.
             if self.pause_waiters:
                 text = f"{self.name}: pause is already waiting for the expert-parallel group"
                 await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
@@ -97,7 +104,15 @@ class EngineControls:
 
     async def _pause_after_step(self, env: Envelope) -> None:
         async with self._between_steps():  # the steps in flight end before the ack
+            await self.paused_now()
             await self._ack(env, ControlCommand.PAUSE)
+
+    async def paused_now(self) -> None:
+        """The rank has stopped stepping (no step in flight): apply the pause's mode. ABORT ends
+        every request it holds (each with its tokens so far and finish_reason "abort"; its
+        blocks are freed with the next plan)."""
+        if self.pause_mode == PauseMode.ABORT:
+            await self.steps.emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
 
     async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
         if await self._refuse(env, ControlCommand.UNPAUSE):
@@ -278,3 +293,12 @@ class EngineControls:
             self.weight_version = reply.weight_version
             self.scheduler.new_weights(reply.weight_version)
             await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
+
+
+def _unbuilt_pause(msg: Pause) -> str | None:
+    """Why this pause cannot be served (a part of it not built yet), or None."""
+    if msg.mode == PauseMode.WAIT:
+        return "pause mode wait is not built yet (keep and abort are)"
+    if msg.clear_cache:
+        return "pause(clear_cache=True) is not built yet"
+    return None

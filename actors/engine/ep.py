@@ -326,6 +326,7 @@ class EpDriver:
         await e.steps.collect()
         await self.group.barrier(BarrierPoint.PAUSED)
         e.state = next_state(e.state, ControlCommand.PAUSE)
+        await e.paused_now()  # (the pause's mode: every rank of the group alike)
         waiters, e.pause_waiters = e.pause_waiters, []
         for env in waiters:
             await e._ack(env, ControlCommand.PAUSE)

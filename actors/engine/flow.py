@@ -60,6 +60,11 @@ class StepFlow:
         self._replies: dict[str, BlockOpsReply | MambaOpsReply | Exception] = {}  # not applied
         self.at_gpu: deque[StepBatch | DummyStep] = deque()  # StepPlan sent, no result yet
 
+    @property
+    def idle(self) -> bool:
+        """No step being dispatched and none at the gpu."""
+        return self.dispatching is None and not self.at_gpu
+
     # --- dispatching one step -----------------------------------------------------------------
 
     def begin(self, batch: StepBatch) -> tuple[BlockOps | None, MambaOps | None]:

@@ -76,10 +76,8 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
 
     @app.post("/pause")
     async def pause(request: Request):
-        body = keys(await body_of(request), ("mode",))
-        if body.get("mode", "keep") not in (None, "keep"):
-            raise APIError(400, f"pause mode {body['mode']!r} is not built yet (only keep)", "mode")
-        return await run(client.pause)
+        body = keys(await body_of(request), ("mode", "clear_cache"))
+        return await run(client.pause, **{k: v for k, v in body.items() if v is not None})
 
     @app.post("/unpause")
     async def unpause():
