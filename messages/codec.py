@@ -9,9 +9,10 @@ ExtType holding (dtype, shape, bytes), and arrays larger than `INLINE_ARRAY_BYTE
 frames (ExtType holds the frame index) so the receiver wraps them without a copy.
 
 Decoding trusts nothing: an unknown tag, a wrong version or arity, a field of the wrong type, a
-bad array header or an oversized frame raises `MessageError`. A message may come without its
-trailing fields that have defaults (fields added later: an older sender, or a log recorded
-before them, still decodes); a nested struct always carries every field. Nested plain records (e.g.
+bad array header or an oversized frame raises `MessageError`. A message registered with
+`required=k` may come with only its first k fields (the rest were added later, with defaults:
+an older sender, or a log recorded before them, still decodes); every other message and every
+nested struct carries all of its fields. Nested plain records (e.g.
 `SamplingParams`) are `@struct` dataclasses, encoded as an array of their fields. Enum fields
 (`enum.StrEnum` / `enum.IntEnum`) travel as their value and decode to their member; a value that
 is not a member is a `MessageError` naming the choices. A `typing.Literal` (e.g. the `""` of
@@ -162,11 +163,21 @@ def _frozen(cls):
     return dataclasses.dataclass(frozen=True, slots=True)(cls)
 
 
-def message(tag: int, version: int = 1):
-    """Register a frozen dataclass as a wire message under `tag`."""
+def message(tag: int, version: int = 1, required: int | None = None):
+    """Register a frozen dataclass as a wire message under `tag`. `required`: the message may
+    come with only its first `required` fields (those after them were added later, with
+    defaults: an older sender's message, or a log recorded before them, still decodes); None:
+    every field, always."""
 
     def wrap(cls):
         cls = _frozen(cls)
+        later = dataclasses.fields(cls)[required:] if required is not None else ()
+        if any(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               for f in later):  # fmt: skip
+            raise TypeError(
+                f"{cls.__name__}: every field after the first {required} needs a default"
+            )
+        cls.REQUIRED_FIELDS = required
         if not any(tag in r for r in TAG_RANGES.values()):
             raise TypeError(f"{cls.__name__}: tag {tag} is outside every family range")
         if tag in _REGISTRY:
@@ -344,18 +355,10 @@ def _build(cls, values: Sequence[Any], strict: bool = False):
     return cls(**kwargs)
 
 
-@functools.cache
 def _required_fields(cls) -> int:
-    """How many leading fields a sender must give: the fields after them have defaults (added
-    later to the message; an older sender's message still decodes)."""
-    fields = dataclasses.fields(cls)
-    with_default = [
-        f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-        for f in fields
-    ]
-    while with_default and with_default[-1]:
-        with_default.pop()
-    return len(with_default)
+    """How many leading fields a sender must give (`message(..., required=)`)."""
+    required = getattr(cls, "REQUIRED_FIELDS", None)
+    return len(_field_checkers(cls)) if required is None else required
 
 
 def _decode_struct(cls, v):

@@ -82,7 +82,7 @@ class LoadModel:
     custom_all_reduce: bool | None = None
 
 
-@message(121)
+@message(121, required=11)  # (tensor_parallel_size came later)
 class ModelLoaded:
     """`tokenizer` is the JSON wire form of ops.tokenizer.Tokenizer (see ModelInfo)."""
 
@@ -195,7 +195,7 @@ class StepResult:
     prompt_top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
 
 
-@message(124)
+@message(124, required=4)  # (the weight-transfer fields came later)
 class GpuControl:
     """Engine -> gpu actor, only between steps: "suspend" (with `mode` "persist", "offload" or
     "recompute"; None is an error: the engine resolves the config default), "resume",
@@ -226,7 +226,7 @@ class GpuControl:
     buckets: list[list[WeightSpec]] | None = None
 
 
-@message(125)
+@message(125, required=4)  # (weights_incomplete came later)
 class GpuControlReply:
     """`error` None on success; otherwise the text says why and nothing changed (a suspend or
     resume in the wrong state names the state). `kv_valid`: False when the KV contents are

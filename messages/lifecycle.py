@@ -118,7 +118,7 @@ class PauseMode(enum.StrEnum):
     WAIT = "wait"
 
 
-@message(42)
+@message(42, required=1)  # (mode and clear_cache came later)
 class Pause:
     """Finish the step in flight, then run no more steps until Unpause; `mode` says what becomes
     of the requests in flight. `clear_cache` (drop cached prefix KV and Mamba snapshots) is not
@@ -149,7 +149,7 @@ class Resume:
     token: str
 
 
-@message(46)
+@message(46, required=3)  # (weight_version came later)
 class UpdateWeights:
     """Load new weights while PAUSED or SUSPENDED: from `path` (a GGUF file or a Hugging Face
     directory with the same architecture) or from `state` (parameter name -> array, HF names as

@@ -244,7 +244,7 @@ class GetModelInfo:
     """Client -> coordinator. Answered with ModelInfo once an engine has loaded its model."""
 
 
-@message(25)
+@message(25, required=9)  # (tensor_parallel_size came later)
 class ModelInfo:
     """What a client needs to tokenize and detokenize: the tokenizer travels with the model.
     `kv_cache_tokens` / `kv_cache_bytes`: the KV cache of one engine rank (the first loaded).
