@@ -291,3 +291,21 @@ def hf_continuous_seconds(model, prompts: list[list[int]], output_lens: list[int
                 f"tokens, error {got.error!r}"
             )
     return elapsed
+
+
+# ---- the weight-sync workload's trainer (runtime/bench/weight_sync.py) ----------------------
+
+
+def scale_weights(model, factor: float) -> None:
+    """Every parameter times `factor`, in place: a stand-in for a training step."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(factor)
+
+
+def greedy_ids(model, prompt: list[int], n: int) -> list[int]:
+    """`n` greedy token ids after `prompt` (EOS as the model's generation config says)."""
+    ids = torch.tensor([prompt], device=model.device)
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    return out[0, len(prompt) :].tolist()

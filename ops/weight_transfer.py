@@ -246,6 +246,27 @@ class WeightGroup:
                 return
 
 
+def trainer_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    *,
+    backend=None,
+    device=None,
+    rank: int = 0,
+    timeout_s: float = 60.0,
+) -> WeightGroup:
+    """The trainer's membership (taipan.rl.init_weight_transfer_group): `device` None: the
+    current CUDA device if any, else the CPU; `backend` None: nccl on CUDA, else gloo."""
+    if device is None:
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
+    return WeightGroup(
+        master_address, master_port, world_size, rank, backend, device, timeout_s=timeout_s
+    )
+
+
 # ---- the link alone (`taipan bench --workload weight-sync`: the raw broadcast of the same bytes)
 
 

@@ -14,7 +14,7 @@ and broadcasts them (`send_weights`). `join` and `push_weights` do each pair at 
 A bucket is a list of (Hugging Face name, dtype, shape) (`ops.weight_transfer.TensorSpec`),
 about `bucket_bytes` each; taipan maps every name onto its parameters (fused q/k/v and
 gate/up rows, its tensor-parallel shard, its experts) as `update_weights(state=...)` does.
-Imports torch when called, never at `import taipan`.
+No torch here: the torch side is ops/weight_transfer.py, imported when a function is called.
 """
 
 from __future__ import annotations
@@ -61,17 +61,12 @@ def init_weight_transfer_group(
 ):
     """Join the group as the trainer's sender `rank` (0 hosts the rendezvous). `backend` None:
     "nccl" when `device` is CUDA, else "gloo"; `device` None: the current CUDA device if any."""
-    import torch
+    from taipan.ops.weight_transfer import trainer_group
 
-    from taipan.ops.weight_transfer import WeightGroup
-
-    if device is None:
-        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    return WeightGroup(
-        master_address, master_port, world_size, rank, backend, device, timeout_s=timeout_s
-    )
+    return trainer_group(
+        master_address, master_port, world_size, backend=backend, device=device, rank=rank,
+        timeout_s=timeout_s,
+    )  # fmt: skip
 
 
 def send_weights(

@@ -65,23 +65,6 @@ def _link_seconds(args, sizes: list[int], repeats: int) -> list[float]:
     return seconds
 
 
-def _scaled(model, factor: float) -> None:
-    import torch
-
-    with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(factor)
-
-
-def _hf_greedy(model, n: int) -> list[int]:
-    import torch
-
-    ids = torch.tensor([PROMPT], device=model.device)
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
-    return out[0, len(PROMPT) :].tolist()
-
-
 def weight_sync_workload(args) -> list[dict]:
     from taipan import rl
     from taipan.client import Client
@@ -110,7 +93,7 @@ def weight_sync_workload(args) -> list[dict]:
         group = rl.join(client, "127.0.0.1", _port())
         _say("taipan joined the trainer's group")
         for r in range(args.sync_rounds + 1):  # round 0: the warm-up
-            _scaled(trainer, 1.01)
+            hf.scale_weights(trainer, 1.01)
             t0 = time.perf_counter()
             client.pause()
             t1 = time.perf_counter()
@@ -122,7 +105,7 @@ def weight_sync_workload(args) -> list[dict]:
             if ack.weight_version != 100 + r:
                 raise RuntimeError(f"round {r}: taipan reports version {ack.weight_version}")
             [done] = client.generate([PROMPT], greedy(CHECK_TOKENS))
-            same = list(done.token_ids) == _hf_greedy(trainer, CHECK_TOKENS)
+            same = list(done.token_ids) == hf.greedy_ids(trainer, PROMPT, CHECK_TOKENS)
             _say(f"round {r}: update {t3 - t0:.4f} s, transfer {t2 - t1:.4f} s, greedy {same}")
             rounds.append((t3 - t0, t3 - t1, t2 - t1, same))
         client.close_weight_transfer()
