@@ -309,3 +309,13 @@ def greedy_ids(model, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n)
     return out[0, len(prompt) :].tolist()
+
+
+def save_checkpoint(model, path: str) -> None:
+    """The trainer's model as a Hugging Face directory taipan's `update_weights(path=...)`
+    reads: safetensors and config, plus the byte-level tokenizer every `random:` shape uses."""
+    from taipan.ops.random_model import random_tokenizer
+
+    model.save_pretrained(path)
+    with open(f"{path}/tokenizer.json", "w") as f:
+        f.write(random_tokenizer().to_wire()["tokenizer_json"])

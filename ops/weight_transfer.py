@@ -17,7 +17,8 @@ rows, its TP shard, its EP experts). Each large tensor then travels alone, in sp
 receiver whose destination is a contiguous view of a parameter of the same dtype and shape (a
 whole tensor, or a fused q/k/v or gate/up part at TP = 1) receives it straight into the
 parameter, with no copy; otherwise into a buffer of its own, mapped like the packed ones. Both
-sides derive the same plan from the specs (`BucketLayout`), so only the specs travel.
+sides derive the same plan from the specs (`BucketLayout`), so only the specs travel. Over NCCL a
+bucket's broadcasts go as one coalesced group (`broadcast_bucket`).
 
 Owns: the group, the layout, packing and unpacking. Must not touch the model's parameters (the
 gpu worker copies what `state_updates` maps) or the lifecycle (the engine decides when).
@@ -204,29 +205,50 @@ class WeightGroup:
         tensors that did not land so: packed ones as views of one flat buffer, large ones in
         buffers of their own."""
         layout = BucketLayout(specs)
-        out = {}
+        out, buffers = {}, []
         if layout.packed:
             flat = torch.empty(layout.nbytes, dtype=torch.uint8, device=self.device)
-            self.broadcast(flat, src)
-            out = layout.unpack(flat)
+            buffers.append(flat)
+            out = layout.unpack(flat)  # (views: read only after the broadcast, on the device)
         for spec in layout.direct:
             target = into(spec) if into is not None else None
             if target is None:
                 target = torch.empty(spec.shape, dtype=DTYPES[spec.dtype], device=self.device)
                 out[spec.name] = target
-            self.broadcast(target, src)
+            buffers.append(target)
+        self.broadcast_bucket(buffers, src)
         return out
 
     def send(self, specs: Sequence[TensorSpec], tensors: dict[str, torch.Tensor]) -> None:
         """Broadcast one bucket from this rank (the trainer's sender)."""
         layout = BucketLayout(specs)
-        if layout.packed:
-            self.broadcast(layout.pack(tensors, self.device), self.rank)
+        buffers = [layout.pack(tensors, self.device)] if layout.packed else []
         for spec in layout.direct:
             tensor = _checked(spec, tensors[spec.name])
             if tensor.device != self.device or not tensor.is_contiguous():
                 tensor = tensor.to(self.device).contiguous()
-            self.broadcast(tensor, self.rank)
+            buffers.append(tensor)
+        self.broadcast_bucket(buffers, self.rank)
+
+    def broadcast_bucket(self, tensors: Sequence[torch.Tensor], src: int) -> None:
+        """Broadcast a bucket's buffers in order, as one coalesced NCCL group where the backend
+        coalesces (one launch for the bucket instead of one per tensor: a model of 291 tensors
+        paid each one's start-up on both sides); gloo broadcasts them one by one. Every member
+        calls this with the same buffers' sizes in the same order (both derive them from the
+        bucket's specs), so the groups match."""
+        if len(tensors) < 2 or self.backend != "nccl":
+            for tensor in tensors:
+                self.broadcast(tensor, src)
+            return
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        try:
+            self.group._start_coalescing(self.device)
+            for tensor in tensors:
+                self.group.broadcast([tensor], opts)
+            self.group._end_coalescing(self.device).wait()
+        except RuntimeError as e:
+            raise WeightTransferError(f"weight broadcast failed: {e}") from None
 
     def synchronize(self) -> None:
         """Wait until every collective this process queued has run on its device."""
@@ -286,13 +308,19 @@ def time_broadcasts(group: WeightGroup, sizes: Sequence[int], repeats: int) -> l
 
 
 def link_receiver(
-    master_address: str, master_port: int, rank: int, device: str, sizes, repeats: int
+    master_address: str,
+    master_port: int,
+    rank: int,
+    device: str,
+    sizes,
+    repeats: int,
+    world_size: int = 2,
 ) -> None:
-    """A process that only receives (`time_broadcasts` on rank `rank` of two)."""
+    """A process that only receives (`time_broadcasts` on rank `rank` of `world_size`)."""
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(torch.device(device))
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
-    group = WeightGroup(master_address, master_port, 2, rank, backend, device)
+    group = WeightGroup(master_address, master_port, world_size, rank, backend, device)
     time_broadcasts(group, sizes, repeats)
     group.close()
 

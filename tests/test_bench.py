@@ -387,15 +387,17 @@ def test_no_committed_row_breaks_physics():
 
 def test_weight_sync_workload_row_on_cpu(tmp_path):
     """A trainer's weights into taipan over gloo (CPU), beside the raw broadcast of the same
-    buckets: every round's version lands, and greedy tokens equal the trainer's HF model's."""
+    buckets: every round's version lands, and greedy tokens equal the trainer's HF model's; then
+    the same through a checkpoint on disk (--sync-path)."""
     [row] = _bench_rows(
         tmp_path,
         *("--workload", "weight-sync", "--model", "random:tiny", "--bucket-mb", "1"),
-        *("--sync-rounds", "2"),
+        *("--sync-rounds", "2", "--sync-path"),
     )
     assert row["workload"] == "weight-sync" and row["rounds"] == 2 and row["buckets"] >= 1
     assert row["greedy_equal_rounds"] == 2 and "invalid" not in row
-    for key in ("broadcast_s", "update_s", "paused_s", "transfer_s", "link_GBps"):
+    assert row["path_greedy_equal"] is True  # (the same weights through a checkpoint on disk)
+    for key in ("broadcast_s", "update_s", "paused_s", "transfer_s", "link_GBps", "path_update_s"):
         assert row[key] > 0, key
     assert row["update_s"] >= row["paused_s"] >= row["transfer_s"]
 

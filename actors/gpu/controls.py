@@ -76,6 +76,10 @@ class WorkerControls:
         self._staged_version: int | None = None  # the version they carry (None: last + 1)
         self.transfer: WeightGroup | None = None  # the trainer's weight-transfer group, joined
         self.weights_incomplete = False  # an unstaged transfer failed part way
+        # The live parameters by name, and the last bucket layout found to fit them: a trainer
+        # sends the same layout every update, so later updates skip both (each takes ms).
+        self._params: tuple[object, dict] | None = None  # (the model they are of, its params)
+        self._fitting_buckets: tuple | None = None
 
     def _capture(self) -> None:
         raise NotImplementedError  # ModelWorker's: capture every CUDA graph
@@ -231,7 +235,7 @@ class WorkerControls:
         process's shards). Names and shapes are checked before the first bucket arrives; when
         they or an update fail, the rest is still received and dropped, so the trainer's
         broadcasts complete; then the error is raised."""
-        transfer, params = self.transfer, self.model.state_dict()  # (once: it takes ms)
+        transfer, params = self.transfer, self._live_params()
         problem = self._bucket_problem(msg.buckets, params)
         for specs in msg.buckets:
             specs = [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in specs]
@@ -248,9 +252,18 @@ class WorkerControls:
         if problem is not None:
             raise WeightUpdateError(problem)
 
+    def _live_params(self) -> dict:
+        """The model's state dict (views of the live parameters), kept while the model is."""
+        if self._params is None or self._params[0] is not self.model:
+            self._params, self._fitting_buckets = (self.model, self.model.state_dict()), None
+        return self._params[1]
+
     def _bucket_problem(self, buckets, params: dict) -> str | None:
         """What is wrong with the buckets' names and shapes for this model (on meta tensors:
-        nothing is allocated), or None."""
+        nothing is allocated), or None; a layout that fitted before is not checked again."""
+        key = tuple((s.name, s.dtype, tuple(s.shape)) for specs in buckets for s in specs)
+        if key == self._fitting_buckets:
+            return None
         meta = {
             s.name: torch.empty(tuple(s.shape), dtype=DTYPES[s.dtype], device="meta")
             for specs in buckets
@@ -260,6 +273,7 @@ class WorkerControls:
             state_updates(meta, self.model, params)
         except WeightUpdateError as e:
             return str(e)
+        self._fitting_buckets = key
         return None
 
     def _receive_in_place(self, msg: GpuControl) -> bool:
@@ -267,7 +281,7 @@ class WorkerControls:
         a large tensor whose rows here are a contiguous view lands there straight from the
         broadcast, the rest is copied in. A failure after the first write leaves the weights
         mixed: say so."""
-        params = self.model.state_dict()
+        params = self._live_params()
         copied = False
 
         def apply(updates):

@@ -133,6 +133,11 @@ def add_arguments(p) -> None:
     )
     p.add_argument("--bucket-mb", type=int, default=1024, help="weight-sync: bucket size (MiB)")
     p.add_argument("--sync-rounds", type=int, default=3, help="weight-sync: timed updates")
+    p.add_argument(
+        "--sync-path",
+        action="store_true",
+        help="weight-sync: also time one update through a checkpoint saved to disk",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per workload")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
