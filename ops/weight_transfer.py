@@ -243,10 +243,10 @@ class WeightGroup:
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         try:
-            self.group._start_coalescing(self.device)
+            self.group._start_coalescing()  # (the backend's: no device argument)
             for tensor in tensors:
                 self.group.broadcast([tensor], opts)
-            self.group._end_coalescing(self.device).wait()
+            self.group._end_coalescing().wait()
         except RuntimeError as e:
             raise WeightTransferError(f"weight broadcast failed: {e}") from None
 
