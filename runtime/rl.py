@@ -20,6 +20,7 @@ No torch here: the torch side is ops/weight_transfer.py, imported when a functio
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -114,17 +115,22 @@ def push_weights(
     weight_version: int | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     stage: bool = False,
+    timings: dict | None = None,
 ):
     """Send the trainer's weights to a paused (or suspended) runtime: the client's
     `update_weights_from_distributed` and the broadcasts at once. Returns its ControlAck.
+    `timings` (a dict, optional) gets where the time went, in seconds from the call:
+    `checked` (the state check done), `sent` (every broadcast done on this side), `acked`.
 
     A runtime that is not paused is refused here, before any broadcast (taipan would refuse the
     update, and the trainer would wait in its first broadcast until the group's timeout)."""
+    start = time.perf_counter()
     state = str(client.stats().state)
     if state not in ("PAUSED", "SUSPENDED"):
         raise RuntimeError(f"push_weights needs a PAUSED or SUSPENDED runtime; it is {state}")
     named = named_tensors(model_or_named)
     buckets = weight_buckets(named, bucket_bytes)
+    marks = {"checked": time.perf_counter() - start}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         update = pool.submit(
             client.update_weights_from_distributed,
@@ -137,4 +143,9 @@ def push_weights(
         except Exception:
             update.cancel()
             raise
-        return update.result()
+        marks["sent"] = time.perf_counter() - start
+        ack = update.result()
+    marks["acked"] = time.perf_counter() - start
+    if timings is not None:
+        timings.update(marks)
+    return ack

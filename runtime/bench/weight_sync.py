@@ -119,8 +119,9 @@ def weight_sync_workload(args) -> list[dict]:
             t0 = time.perf_counter()
             client.pause()
             t1 = time.perf_counter()
+            marks = {}
             ack = rl.push_weights(client, named, group, weight_version=100 + r,
-                                  bucket_bytes=args.bucket_mb << 20)  # fmt: skip
+                                  bucket_bytes=args.bucket_mb << 20, timings=marks)  # fmt: skip
             t2 = time.perf_counter()
             client.unpause()
             t3 = time.perf_counter()
@@ -128,8 +129,9 @@ def weight_sync_workload(args) -> list[dict]:
                 raise RuntimeError(f"round {r}: taipan reports version {ack.weight_version}")
             [done] = client.generate([PROMPT], greedy(CHECK_TOKENS))
             same = list(done.token_ids) == hf.greedy_ids(trainer, PROMPT, CHECK_TOKENS)
-            _say(f"round {r}: update {t3 - t0:.4f} s, transfer {t2 - t1:.4f} s, greedy {same}")
-            rounds.append((t3 - t0, t3 - t1, t2 - t1, same))
+            _say(f"round {r}: update {t3 - t0:.4f} s, transfer {t2 - t1:.4f} s, greedy {same}; "
+                 + ", ".join(f"{k} at {v:.4f} s" for k, v in marks.items()))  # fmt: skip
+            rounds.append((t3 - t0, t3 - t1, t2 - t1, same, marks))
         client.close_weight_transfer()
         group.close()
         path_round = _path_round(args, client, trainer) if args.sync_path else None
@@ -154,6 +156,8 @@ def weight_sync_workload(args) -> list[dict]:
         "paused_s": statistics.median(t[1] for t in timed),
         "transfer_s": statistics.median(t[2] for t in timed),
         "greedy_equal_rounds": sum(t[3] for t in timed),
+        # Within push_weights: the state check done, the trainer's broadcasts done, the ack.
+        **{f"{k}_s": statistics.median(t[4][k] for t in timed) for k in ("checked", "sent")},
     }
     if path_round is not None:
         row["path_update_s"], row["path_greedy_equal"] = path_round

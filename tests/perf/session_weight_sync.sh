@@ -21,8 +21,8 @@ in_tree() {  # in_tree TREE SECONDS ARGS...: python3 in that tree's staged packa
     shift 2
     (cd ".carry/$t" && PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD timeout -s ABRT "$s" python3 "$@")
 }
-echo "== the NCCL weight-transfer GPU tests (new tree)"
-in_tree new 150 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu_weight_transfer.py \
+echo "== the NCCL weight-transfer GPU test (new tree)"
+in_tree new 150 -m pytest -q -p no:cacheprovider -m gpu tests/test_rl.py \
     2>&1 | tail -4
 for t in old new; do
     echo "== $t, TP=1"
