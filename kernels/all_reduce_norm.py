@@ -4,7 +4,7 @@ launcher) and `all_reduce_rms_norm_ref`.
 
 A row-parallel projection (o_proj, down_proj) leaves each rank a partial sum of the hidden state;
 the next step is `residual <- sum + residual; out <- rmsnorm(residual) * weight`. Done apart, that
-is two launches per sum (64 per step for a 32-layer model) and a round trip of the sum through
+is two launches per sum (a 32-layer model has 64 sums per step) and a round trip of the sum through
 memory; here it is one.
 
 The protocol is kernels/all_reduce.py's (epochs per program from device counters, the data in

@@ -14,10 +14,10 @@ Contract shared by both (the Triton kernels and their launchers keep it):
   prefix snapshot restored into a live slot without a copy). Every read of a slot happens before
   any write to it within a call (the Triton kernels: within a sequence, see below).
 - A sequence whose slots are both -1 and whose query length is 0 is padding (CUDA graphs).
-- Snapshots (varlen only, optional; prefix caching): snap_pos, snap_slots [num_seqs, K]; entry
-  (b, k) with a slot >= 0 stores the state after the first snap_pos[b, k] tokens of sequence b
-  (its inputs pos - (K - 1) .. pos - 1) into that slot, as the SSD scan stores the SSM state
-  there; a snapshot slot is only written by the call.
+- Snapshots (varlen only, optional; prefix caching): snap_pos, snap_slots [num_seqs, E], E <=
+  ssd_scan.MAX_SNAPS entries per sequence; entry (b, k) with a slot >= 0 stores the state after
+  the first snap_pos[b, k] tokens of sequence b (its inputs pos - (K - 1) .. pos - 1) into that
+  slot, as the SSD scan stores the SSM state there; a snapshot slot is only written by the call.
 
 The Triton kernels keep "every read before any write" for a sequence's own slots (init == out
 is safe, also with fewer than K - 1 tokens), but cannot order one sequence's write after another
@@ -267,10 +267,10 @@ def causal_conv1d_varlen(
     sizes the work (tokens per tile, and how many programs share one sequence); any value gives
     the same result, a wrong one only costs speed.
 
-    snap_pos, snap_slots: [num_seqs, K], both or neither (ssd_scan.check_snapshots): the conv
-    state after the first snap_pos[b, k] tokens of sequence b goes to slot snap_slots[b, k]
-    (-1: no entry), 1 <= snap_pos <= query length. Snapshot slots are only written: none may
-    be read by the call or written twice."""
+    snap_pos, snap_slots: [num_seqs, E] (E <= 8 entries, not the width K), both or neither
+    (ssd_scan.check_snapshots): the conv state after the first snap_pos[b, k] tokens of
+    sequence b goes to slot snap_slots[b, k] (-1: no entry), 1 <= snap_pos <= query length.
+    Snapshot slots are only written: none may be read by the call or written twice."""
     num_seqs = _check_args(x, weight, bias, conv_states, init_slots, out_slots, out)
     _check_slots("query_start_loc", query_start_loc, x, num_seqs + 1)
     num_snaps = check_snapshots(snap_pos, snap_slots, num_seqs, x.device)

@@ -2,9 +2,9 @@
 one Triton program per row: `logit - logsumexp(row)` with an online max and sum over V chunks, so
 no [B, V] fp32 copy is ever built and each logit is read once.
 
-Owns the kernel, its launcher `log_prob_gather` and the plain-torch `log_prob_gather_ref`. The
-top-n log-probs are not here: ops/logprobs.py takes them with torch.topk and this row's logsumexp
-semantics (log-probs are of the raw logits, before temperature / top-k / top-p).
+Owns the kernel, its launcher `log_prob_gather` and the plain-torch `log_prob_gather_ref`; they
+give raw log-probs (of the logits before temperature / top-k / top-p). Not on the serving path:
+ops/logprobs.py computes the served log-probs (raw and processed) and the top-n in torch.
 """
 
 from __future__ import annotations

@@ -233,8 +233,9 @@ def fused_moe(
     x, w1, w2: fp16/bf16/fp32 of one dtype, unit stride in the last dim (other strides free);
     topk_ids, topk_weights: [T, k], any strides; out: [T, H], unit stride in the last dim, not
     overlapping the inputs. Expert ids are trusted: values are not checked. Scratch from the
-    caching allocator (a graph's pool under capture), in x's dtype: the activations, at most
-    (T·k + E_local·BLOCK_M) x I, and the weighted pair results, T·k x H.
+    caching allocator (a graph's pool under capture), in x's dtype: the activations,
+    moe_align.max_blocks(T·k, E_local, BLOCK_M) · BLOCK_M x I, and the weighted pair results,
+    T·k x H.
     """
     _check_kernel_args(x, w1, w2, topk_ids, topk_weights, activation, expert_start, out)
     num_tokens, hidden = x.shape

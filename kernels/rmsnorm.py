@@ -1,8 +1,9 @@
 """RMSNorm over token rows, optionally fused with the residual add that precedes it in a Llama
 decoder layer: `rms_norm` (kernel + launcher) and `rms_norm_ref` (the same contract in torch).
 
-Numerics are HF Llama's (ops/layers.RMSNorm): the row is normalized in fp32, cast to the input
-dtype, and only then multiplied by the weight, in that dtype.
+Numerics are HF Llama's (LlamaRMSNorm; ops/layers.RMSNorm dispatches here): the row is
+normalized in fp32, cast to the input dtype, and only then multiplied by the weight, in that
+dtype.
 
 In-place contract: with `residual`, the sum `x + residual` (added in fp32, stored in x's dtype)
 is written back INTO `residual`, as vLLM's fused_add_rms_norm does, so the residual stream lives

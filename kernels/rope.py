@@ -1,13 +1,13 @@
 """Rotate-half RoPE fused with the KV-cache append: `rope_and_write_kv` rotates q and k by their
 tokens' positions and stores rotated k and raw v in their slots; `write_kv` only stores (for
-callers that rotate elsewhere); `rope_cos_sin_cache` builds the table both read. `*_ref` are the
-same contracts in torch.
+attention without RoPE, NemotronH's); `rope_cos_sin_cache` builds the table `rope_and_write_kv`
+reads. `*_ref` are the same contracts in torch.
 
 Contracts (who writes what): q is rotated IN PLACE unless `out=` is given (then q is only read);
 k and v are only read; the KV cache is written at the slots of `slot_mapping` and nowhere else
 (slot -1 = padding token: its q row is still rotated, its k/v are not stored).
 
-Numerics: HF (ops/layers.apply_rope) casts cos/sin to the activation dtype and rounds after each
+Numerics: HF (`apply_rotary_pos_emb`) casts cos/sin to the activation dtype and rounds after each
 multiply and the add; these kernels keep cos/sin and the arithmetic in fp32 and round once. In
 fp32 they agree to ~1e-6; in bf16 the kernel is the more accurate one and differs from HF by a
 few bf16 ulps (cos/sin alone carry 2^-9 relative error), so compare with ~2e-2 relative
@@ -30,7 +30,8 @@ def rope_cos_sin_cache(
     max_pos: int, head_dim: int, theta: float, device: torch.device | str = "cpu"
 ) -> torch.Tensor:
     """[max_pos, head_dim] fp32: row p holds cos of p's angles in its first head_dim/2 columns and
-    their sin in the last head_dim/2. Angles computed as ops/layers.rope_cos_sin computes them."""
+    their sin in the last head_dim/2. Angles p * theta^(-2i / head_dim), as HF Llama's rotary
+    embedding computes them (no rope scaling)."""
     if head_dim % 2:
         raise ValueError(f"head_dim must be even for rotate-half RoPE, got {head_dim}")
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device)

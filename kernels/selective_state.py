@@ -1,5 +1,6 @@
-"""The one-token (decode) state update of a Mamba2 mixer's SSM: `selective_state_update_ref`, in
-plain torch (fp32 inside). The recurrence is kernels/ssd_scan.py's, one token at a time:
+"""The one-token (decode) state update of a Mamba2 mixer's SSM: `selective_state_update` (Triton
+kernel + launcher) and `selective_state_update_ref`, in plain torch (fp32 inside). The
+recurrence is kernels/ssd_scan.py's, one token at a time:
     state = exp(dt'·A) · state + dt' · x ⊗ B;   y = state · C + D · x
 with dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max).
 
@@ -7,7 +8,7 @@ Contract (the Triton kernel and its launcher keep it):
 - x: [Bt, H, P] (row b is sequence b's one token); dt: [Bt, H]; A: [H] fp32; B, C: [Bt, G, N];
   D, dt_bias: [H]. Inputs may be strided views.
 - ssm_states: [num_slots, H, P, N] fp32; row b reads slot init_slots[b] (-1: zeros) and writes
-  out_slots[b] (-1: not written; a row with both -1 is padding and its output is unspecified).
+  out_slots[b] (-1: not written; a row with both -1 is padding: its y comes from a zero state).
   All reads happen before the writes, so the two may be the same slot.
 - Returns y: [Bt, H, P] in x's dtype.
 

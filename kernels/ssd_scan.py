@@ -1,6 +1,6 @@
 """The SSD (state space duality) scan of a Mamba2 mixer for prefill chunks, over a flat varlen
-batch whose sequences carry their SSM state in slots: `ssd_scan_varlen_ref`, in plain torch
-(fp32 inside).
+batch whose sequences carry their SSM state in slots: `ssd_scan_varlen` (Triton kernel +
+launcher) and `ssd_scan_varlen_ref`, the same contract in plain torch (fp32 inside).
 
 Per head h, with dt' = clamp(softplus(dt + dt_bias), dt_min, dt_max) and a = exp(dt'·A[h]):
     state_t = a_t · state_{t-1} + dt'_t · x_t ⊗ B_t          (state: [P, N] per head)

@@ -8,10 +8,12 @@ through fused SDPA. Tests check both paths against the one reference, kernels/at
 `paged_attention_ref`, given the metadata's tensors. Must not decide anything about scheduling:
 block tables and slots come from the allocator through the GPU actor, and are only read here.
 
-KV cache: one tensor per model, `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`
-(index 0 = keys, 1 = values). Token `p` of a sequence lives in block `block_table[p // block_size]`
-at offset `p % block_size`, i.e. in slot `block_id * block_size + offset`. The cache is not
-zeroed: a slot a sequence did not write holds garbage, so no path may read one.
+KV cache: one tensor per rank, `[num_kv_layers, 2, num_blocks, block_size, num_kv_heads,
+head_dim]` (attention layers only, this rank's kv heads; index 0 = keys, 1 = values; built by
+ops/models/llama.allocate_kv_cache). Token `p` of a sequence lives in block
+`block_table[p // block_size]` at offset `p % block_size`, i.e. in slot
+`block_id * block_size + offset`. The cache is not zeroed: a slot a sequence did not write holds
+garbage, so no path may read one.
 """
 
 from __future__ import annotations

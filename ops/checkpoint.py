@@ -1,10 +1,10 @@
 """A checkpoint's tensors -> this rank's model: the pieces every loader hands over, the one
 `build_model` that fills a model from them, and `ModelLoadError`.
 
-A piece is one checkpoint tensor not read yet: its name (Hugging Face's, without `model.`), its
-whole shape and a reader of the slice a `Placement` (ops/sharding.py) names. The loaders
-(ops/gguf_file.py, ops/hf_dir.py, ops/random_model.py) only make pieces; this module decides
-what each rank reads of them.
+A piece is one checkpoint tensor not read yet: its name (Hugging Face's, without `model.` or
+`backbone.`), its whole shape and a reader of the slice a `Placement` (ops/sharding.py) names.
+The loaders (ops/gguf_file.py, ops/hf_dir.py, ops/random_model.py) only make pieces; this module
+decides what each rank reads of them.
 
 Tensor parallelism (`tp`, ops/parallel.py): every rank builds the model's module tree with its
 shards and reads only its slices of each checkpoint tensor (`placements`); a MoE layer's

@@ -137,7 +137,7 @@ class CustomAllReduce:
     def all_reduce_rms_norm_(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """residual <- sum(x) + residual; x <- rmsnorm(residual) * weight (x must `fit_rows`);
+        """residual <- sum(x) + residual; x <- rmsnorm(residual) * weight (x must `fits_rows`);
         returns (x, residual). One launch, CUDA-graph capturable."""
         bufs = self._row_views.get(x.dtype)
         if bufs is None:

@@ -101,8 +101,8 @@ class MambaMetadata:
     # Snapshots inside prefill chunks (prefix caching), for the B - num_decodes prefill rows:
     # the state after the first snap_pos[i, k] tokens of row num_decodes + i goes to slot
     # snap_slots[i, k] (-1: no entry); None: no snapshot this step.
-    snap_pos: torch.Tensor | None = None  # [B - num_decodes, K] int32
-    snap_slots: torch.Tensor | None = None  # [B - num_decodes, K] int32
+    snap_pos: torch.Tensor | None = None  # [B - num_decodes, E] int32/int64, E entries a row
+    snap_slots: torch.Tensor | None = None  # [B - num_decodes, E] int32/int64
 
     def __post_init__(self) -> None:
         nd = self.num_decodes

@@ -3,8 +3,8 @@
 Owns building a `tokenizers.Tokenizer` from a GGUF file's metadata or from a Hugging Face
 directory, rendering the model's Jinja2 chat template, shipping both to another process
 (`to_wire` / `from_wire`, plain values for msgpack) and turning a stream of token ids back into
-text deltas. The engine builds a `Tokenizer` while loading the model; the client rebuilds it from
-the wire.
+text deltas. The gpu actor builds a `Tokenizer` while loading the model (sent in `ModelLoaded`);
+the client rebuilds it from the wire.
 
 Must not import torch (the client process imports this module, and must start fast). `gguf` and
 `jinja2` are imported lazily, only by the methods that need them.

@@ -123,8 +123,8 @@ class Children:
 
 class FollowerProcesses:
     """The T-1 tensor-parallel followers of rank `rank`, children of this engine process. Each
-    is watched by a thread: one that exits before `stop` ends this process at once, naming it
-    (os._exit: the leader may be blocked in a collective waiting for it)."""
+    is watched by a thread: one that exits with a non-zero code before `stop` ends this process
+    at once, naming it (os._exit: the leader may be blocked in a collective waiting for it)."""
 
     def __init__(self, spec, rank: int):
         self.rank, self.stopping = rank, False

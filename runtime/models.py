@@ -131,7 +131,7 @@ if __name__ == "__main__":  # python -m taipan.models smollm2  -> prints the cac
 
 def has_mamba_layers(path: str) -> bool:
     """Whether the model at `path` (as `resolve` gives it) is a hybrid with Mamba layers: a
-    Hugging Face directory whose config.json names NemotronH (as ops/loader.py decides), read
+    Hugging Face directory whose config.json names NemotronH (as ops/hf_configs.py decides), read
     without torch. False for anything else, unreadable included (the load says what is
     wrong)."""
     try:

@@ -47,7 +47,7 @@ REQUEST_ID_FIELDS = ("request_id",)
 REQUEST_ID_ARRAYS = ("request_ids", "alloc_ids", "free_ids")
 ARROWS = {"in": "←", "out": "→"}
 CONFIG_FILE = "config.json"  # the InferenceConfig, written by the launcher when recording
-RUNTIME_FILE = "runtime.json"  # {"num_ranks": N}, written beside it
+RUNTIME_FILE = "runtime.json"  # {"num_ranks": N, "tensor_parallel_size": T}, written beside it
 
 
 def _service_checker(service) -> Responder:

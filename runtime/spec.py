@@ -54,7 +54,8 @@ class LaunchSpec:
     devices: list[str]
     cpu_sets: list[list[int] | None]
     # Tensor parallel: per rank, each peer's device and cores (the leader first), and the rank's
-    # sockets and rendezvous in the launcher's private directory (actors/gpu/peers.py).
+    # sockets and rendezvous (actors/gpu/peers.py): in the launcher's private directory, or
+    # across hosts those of --tp-address (runtime/placement.py tp_addresses).
     tensor_parallel_size: int
     tp_devices: list[list[str]]
     tp_cpu_sets: list[list[list[int] | None]]

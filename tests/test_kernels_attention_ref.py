@@ -66,7 +66,8 @@ def test_decode_rows_are_the_steps_of_a_prefill():
     q = torch.randn(7, 4, 64)
     prefill = run(q, cache, tables, [7], [12])
     decode = run(q, cache, tables.expand(7, -1).contiguous(), [1] * 7, list(range(6, 13)))
-    torch.testing.assert_close(decode, prefill, rtol=1e-6, atol=1e-6)
+    # (fp32: the same sums in another order)
+    torch.testing.assert_close(decode, prefill, rtol=1e-5, atol=1e-5)
 
 
 def test_empty_context_and_unowned_tokens_are_zeros():

@@ -10,9 +10,10 @@ engine of the same rank, created by the caller with `make_socket`). It must not 
 of its own: every decision lives in the service, so the replay checker and the live actor agree.
 
 Contract with the engine (messages/allocator.py): one `AllocatorInit` before anything else, then
-one `BlockOps` per step. A `BlockOps` is validated in full before any state changes: a malformed
-one gets `ErrorReply(ErrorCode.BAD_REQUEST)` and the pool is untouched (an unknown
-`prefix_policy` does not even decode).
+at most one `BlockOps` per step (none for a step that changes no block). A `BlockOps` is
+validated in full before any state changes: a malformed one gets
+`ErrorReply(ErrorCode.BAD_REQUEST)` and the pool is untouched (an unknown `prefix_policy` in
+`AllocatorInit` does not even decode).
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ Rules:
     first, ties by lowest block id; evicting a leaf may make its parent one. A cached child always
     has cached ancestors.
   - Every registration records an "added" hash, every unregistration an "evicted" one;
-    `take_events` hands both over (the allocator publishes them once per step).
+    `take_events` hands both over (the allocator puts them in each BlockOpsReply).
 
 Determinism: the lowest-numbered free block is always handed out first (a min-heap) and free
 blocks go before evictions; recency is a logical counter advanced by this pool's own pins and

@@ -53,7 +53,7 @@ from taipan.messages.requests import (
 from taipan.messages.stats import PrefixEvents
 from taipan.messages.summary import summarize
 
-# The coordinator's channels, as runtime/procs.py names them in its log.
+# The coordinator's channels, as runtime/wiring.py names them in its log.
 CLIENTS, ENGINES = "clients", "engines"
 STOPPING = "the runtime is stopping"  # on_submit's refusal while a STOP is in flight
 

@@ -7,7 +7,8 @@ asks `check` before the actor forwards a command and calls `apply` only once eve
 acknowledged it, so a refused or failed command leaves the state as it was.
 
     RUNNING -pause-> PAUSED -suspend-> SUSPENDED -resume-> PAUSED -unpause-> RUNNING
-    stop from PAUSED or SUSPENDED -> STOPPED; update_weights only in SUSPENDED (stays there).
+    stop from PAUSED or SUSPENDED -> STOPPED; update_weights only in PAUSED or SUSPENDED
+    (stays there); the table's other commands leave the state as it is.
 
 States and commands are the enums of messages/lifecycle.py, shared with the engines (which keep
 their own copy of the state) and validated when a message is decoded.

@@ -7,9 +7,10 @@ here but owned and kept by the GPU actor. Parameter names are Hugging Face's wit
 (`qkv_proj`, `gate_up_proj`).
 
 Tensor parallel (a `TPGroup` of size T, ops/parallel.py): every rank builds the same module tree
-with its shards (ops/loader.py shards the checkpoint as it reads it): column-parallel qkv_proj
-and gate_up_proj, row-parallel o_proj and down_proj (each followed by an all-reduce), and the
-embedding / LM head over a vocabulary shard, the logits gathered so every rank holds them all.
+with its shards (ops/checkpoint.py shards the checkpoint as it reads it): column-parallel
+qkv_proj and gate_up_proj, row-parallel o_proj and down_proj (their partial sums are added up by
+the RMSNorm after them, see DecoderLayer), and the embedding / LM head over a vocabulary shard,
+the logits gathered so every rank holds them all.
 The config stays the whole model's; the KV cache of a rank holds only its kv heads
 (`allocate_kv_cache(..., tp=...)`).
 """
@@ -135,9 +136,7 @@ class LlamaForCausalLM(nn.Module):
         # Tied models reuse the embedding matrix (its vocabulary shard) as the output projection.
         rows = self.embed_tokens.weight.shape[0]
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, rows, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         )
 
     def forward(
