@@ -345,14 +345,17 @@ class RuntimePlan:
     # hybrids share KV prefixes but never skip prefill (DESIGN.md §6).
     mamba_slots: int = 0
     mamba_snapshot_slots: int = 0
+    # Mixture-of-experts layers of the model (0: none, and return_routed_experts is refused).
+    moe_layers: int = 0
 
 
 def mamba_snapshot_slots(budget_bytes: int, slot_bytes: int) -> int:
     """How many Mamba snapshot slots `prefix_caching_mamba_gb` (as bytes) holds (DESIGN.md §6).
 
-    A snapshot is copied from the live slot of the request whose chunk ends on its block
-    boundary, so no scratch is reserved (Megatron keeps extraction buffers for states inside a
-    chunk): every byte goes to snapshots, budget // one slot's bytes. A budget <= 0 disables
+    A snapshot goes straight into its slot (written by the conv and scan kernels inside a chunk,
+    or copied from the live slot where a chunk ends on its block boundary), so no scratch is
+    reserved (Megatron keeps extraction buffers for states inside a chunk): every byte goes to
+    snapshots, budget // one slot's bytes. A budget <= 0 disables
     snapshots (0 slots; negative is Megatron's "disabled"); a positive one too small for a
     single slot is a ConfigError."""
     if slot_bytes < 1:

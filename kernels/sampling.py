@@ -6,8 +6,10 @@ host sync and no data-dependent grid (CUDA-graph safe).
 Owns the kernel, its launcher `sample`, the plain-torch `sample_ref` (ops/sampling.py's original
 sort-based algorithm plus min-p), and the noise both draw: `row_keys` and `exponential_noise`,
 ops/sampling.py's original formulas bit for bit but for the uniform's width (23 bits, not 24:
-see `exponential_noise`), which changed seeded draws once (2026-11-23). Imports nothing
-from ops. Does not own log-probs (kernels/logprobs.py) or how parameters reach the device.
+see `exponential_noise`), which changed seeded draws once (2026-11-23), and
+`filtered_logits_ref`: the logits `sample_ref` draws from, dropped tokens at -inf (what
+processed log-probs are of). Imports nothing from ops. Does not own log-probs
+(kernels/logprobs.py) or how parameters reach the device.
 
 Semantics, per row (`sample_ref` is the definition; the kernel reproduces it):
 - temperature < 1e-5: greedy, the argmax of the raw logits, ties to the lowest token id.
@@ -476,6 +478,43 @@ def sample_ref(
     (stable sort, so ties rank by token id) plus min-p, with the row keys given. [B] int64."""
     batch, vocab = logits.shape
     logits = logits.float()
+    sorted_logits, sorted_ids, greedy = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
+    probs = torch.softmax(sorted_logits, dim=-1)  # [B, V], renormalised over the kept set
+
+    noise = exponential_noise(keys, vocab)  # [B, V], indexed by token id
+    race = probs / torch.gather(noise, 1, sorted_ids)
+    # Back to token order, so race ties go to the lowest token id as in the kernel.
+    race = torch.empty_like(race).scatter_(1, sorted_ids, race)
+    return torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
+
+
+def filtered_logits_ref(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """The logits `sample_ref` draws from, in token order: logits.float() / temperature with
+    every token min-p, top-k or top-p drops at -inf, so their softmax is the draw's
+    distribution; a greedy row's are its raw fp32 logits. [B, V] float32. The same tensors and
+    shapes as `sample_ref` (no host sync): safe to capture in a CUDA graph."""
+    logits = logits.float()
+    sorted_logits, sorted_ids, greedy = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
+    filtered = torch.empty_like(sorted_logits).scatter_(1, sorted_ids, sorted_logits)
+    return torch.where(greedy[:, None], logits, filtered)
+
+
+def _filtered_sorted(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(scaled logits sorted descending with the dropped ones -inf [B, V], their token ids
+    [B, V], greedy rows [B] bool) for fp32 `logits`: the filters of the module docstring."""
+    vocab = logits.shape[1]
     greedy = temperature < GREEDY_EPS  # [B]
     temp = torch.where(greedy, torch.ones_like(temperature), temperature).float()
     scaled = logits / temp[:, None]  # [B, V]
@@ -492,11 +531,4 @@ def sample_ref(
     mass_above = torch.cumsum(probs, dim=-1) - probs
     active = (top_p < 1.0)[:, None]  # top_p >= 1 keeps everything, whatever the rounding
     drop = (mass_above >= top_p.float()[:, None]) & (rank > 0) & active
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=-1)  # [B, V], renormalised over the kept set
-
-    noise = exponential_noise(keys, vocab)  # [B, V], indexed by token id
-    race = probs / torch.gather(noise, 1, sorted_ids)
-    # Back to token order, so race ties go to the lowest token id as in the kernel.
-    race = torch.empty_like(race).scatter_(1, sorted_ids, race)
-    return torch.where(greedy, logits.argmax(dim=-1), race.argmax(dim=-1))
+    return sorted_logits.masked_fill(drop, float("-inf")), sorted_ids, greedy

@@ -9,10 +9,10 @@ ExtType holding (dtype, shape, bytes), and arrays larger than `INLINE_ARRAY_BYTE
 frames (ExtType holds the frame index) so the receiver wraps them without a copy.
 
 Decoding trusts nothing: an unknown tag, a wrong version or arity, a field of the wrong type, a
-bad array header or an oversized frame raises `MessageError`. A message registered with
-`required=k` may come with only its first k fields (the rest were added later, with defaults:
-an older sender, or a log recorded before them, still decodes); every other message and every
-nested struct carries all of its fields. Nested plain records (e.g.
+bad array header or an oversized frame raises `MessageError`. A message or nested struct
+registered with `required=k` may come with only its first k fields (the rest were added later,
+with defaults: an older sender, or a log recorded before them, still decodes); every other
+message and struct carries all of its fields. Nested plain records (e.g.
 `SamplingParams`) are `@struct` dataclasses, encoded as an array of their fields. Enum fields
 (`enum.StrEnum` / `enum.IntEnum`) travel as their value and decode to their member; a value that
 is not a member is a `MessageError` naming the choices. A `typing.Literal` (e.g. the `""` of
@@ -171,13 +171,7 @@ def message(tag: int, version: int = 1, required: int | None = None):
 
     def wrap(cls):
         cls = _frozen(cls)
-        later = dataclasses.fields(cls)[required:] if required is not None else ()
-        if any(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-               for f in later):  # fmt: skip
-            raise TypeError(
-                f"{cls.__name__}: every field after the first {required} needs a default"
-            )
-        cls.REQUIRED_FIELDS = required
+        _set_required(cls, required)
         if not any(tag in r for r in TAG_RANGES.values()):
             raise TypeError(f"{cls.__name__}: tag {tag} is outside every family range")
         if tag in _REGISTRY:
@@ -190,11 +184,27 @@ def message(tag: int, version: int = 1, required: int | None = None):
     return wrap
 
 
-def struct(cls):
-    """A nested record inside messages: a frozen dataclass encoded as the array of its fields."""
-    cls = _frozen(cls)
-    cls.IS_STRUCT = True
-    return cls
+def struct(cls=None, *, required: int | None = None):
+    """A nested record inside messages: a frozen dataclass encoded as the array of its fields.
+    `@struct(required=k)`: as `message`'s, it may come with only its first k fields (the rest
+    were added later, with defaults); plain `@struct`: every field, always."""
+
+    def wrap(cls):
+        cls = _frozen(cls)
+        _set_required(cls, required)
+        cls.IS_STRUCT = True
+        return cls
+
+    return wrap if cls is None else wrap(cls)
+
+
+def _set_required(cls, required: int | None) -> None:
+    """Record `required=` on a message or struct class; every later field needs a default."""
+    later = dataclasses.fields(cls)[required:] if required is not None else ()
+    if any(f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+           for f in later):  # fmt: skip
+        raise TypeError(f"{cls.__name__}: every field after the first {required} needs a default")
+    cls.REQUIRED_FIELDS = required
 
 
 def registry() -> dict[int, type]:
@@ -333,11 +343,11 @@ def _field_checkers(cls) -> list[tuple[str, Callable[[Any], Any]]]:
     return checkers
 
 
-def _build(cls, values: Sequence[Any], strict: bool = False):
-    """`strict` (a nested struct): every field; a message may leave off its trailing fields
-    that have defaults."""
+def _build(cls, values: Sequence[Any]):
+    """A message or struct from its fields; it may leave off the trailing ones its `required=`
+    allows (they take their defaults)."""
     checkers = _field_checkers(cls)
-    required = len(checkers) if strict else _required_fields(cls)
+    required = _required_fields(cls)
     if not required <= len(values) <= len(checkers):
         takes = (
             f"{len(checkers)}" if required == len(checkers) else f"{required} to {len(checkers)}"
@@ -356,7 +366,7 @@ def _build(cls, values: Sequence[Any], strict: bool = False):
 
 
 def _required_fields(cls) -> int:
-    """How many leading fields a sender must give (`message(..., required=)`)."""
+    """How many leading fields a sender must give (`message` / `struct`'s `required=`)."""
     required = getattr(cls, "REQUIRED_FIELDS", None)
     return len(_field_checkers(cls)) if required is None else required
 
@@ -364,7 +374,7 @@ def _required_fields(cls) -> int:
 def _decode_struct(cls, v):
     if not isinstance(v, list | tuple):
         raise MessageError(f"{cls.__name__}: expected an array of fields", ErrorCode.BAD_FIELD)
-    return _build(cls, v, strict=True)
+    return _build(cls, v)
 
 
 # --- encoding --------------------------------------------------------------------------------
@@ -504,10 +514,17 @@ def replace_first_field(frame: bytes, cls: type, value: int, peek: int = 1) -> t
             f"not a one-frame {name}: {type(e).__name__}: {e}", ErrorCode.BAD_MSGPACK
         ) from None
     arity = 2 + len(dataclasses.fields(cls))
-    if tag != cls.TAG or type(version) is not int or version != cls.VERSION or count != arity:
+    least = 2 + _required_fields(cls)  # an older sender may omit trailing fields (`required=`)
+    if (
+        tag != cls.TAG
+        or type(version) is not int
+        or version != cls.VERSION
+        or not least <= count <= arity
+    ):
+        items = f"{arity}" if least == arity else f"{least} to {arity}"
         raise MessageError(
             f"not a one-frame {name}: tag {tag!r}, version {version!r}, {count} items "
-            f"(expected {cls.TAG}, {cls.VERSION}, {arity})",
+            f"(expected {cls.TAG}, {cls.VERSION}, {items})",
             ErrorCode.BAD_ENVELOPE,
         )
     relabelled = b"".join((frame[:start], msgpack.packb(value), frame[end:]))
@@ -593,3 +610,17 @@ def decode(frames: Sequence[bytes | memoryview]):
             f"{cls.__name__} version {version!r}, expected {cls.VERSION}", ErrorCode.BAD_VERSION
         )
     return _build(cls, values)
+
+
+def same_encoding(msg, frames: Sequence[bytes | memoryview]) -> bool:
+    """Whether `frames` are `msg` as sent: byte for byte, or as a sender older than some of its
+    trailing fields (`required=`, in the message or a nested struct) sent it, those fields at
+    their defaults in `msg` (replay --check of a log recorded before they were added)."""
+    want = tuple(bytes(f) for f in encode(msg))
+    if want == tuple(bytes(f) for f in frames):
+        return True
+    try:
+        recorded = decode(frames)
+    except MessageError:
+        return False
+    return tuple(bytes(f) for f in encode(recorded)) == want

@@ -104,9 +104,11 @@ class ModelLoaded:
     # The rank's gpu processes (1 + its tensor-parallel followers): each joins a trainer's
     # weight-transfer group (messages/lifecycle.py InitWeightTransfer).
     tensor_parallel_size: int = 1
+    # Mixture-of-experts layers (0: none; SamplingParams.return_routed_experts is refused).
+    moe_layers: int = 0
 
 
-@message(122)
+@message(122, required=23)  # (logprobs_mode came later)
 class StepPlan:
     """One forward over B sequences and T tokens (varlen, no padding). Sequences with one query
     token (decode rows) come first, then those with more (prefill chunks). B = 0 (and T = 0):
@@ -119,12 +121,13 @@ class StepPlan:
     temperature float32[B], top_k int32[B], top_p float32[B], min_p float32[B], seeds int64[B],
     gen_index int32[B].
 
-    Log-probs (log-softmax of the raw fp32 logits, before temperature / top-k / top-p):
-    logprobs int8[B] (1 = return the log-prob of the token sampled for this sequence);
-    top_n int32[B] (how many top (id, log-prob) pairs to return for the sampled position, 0 =
-    none); prompt_targets int32[T] (for each input token, the id of the token that follows it in
-    the prompt, whose log-prob is wanted; -1 = not wanted). With any prompt target set, the
-    worker materializes logits for those tokens too (in bounded chunks).
+    Log-probs (log-softmax of the raw fp32 logits, before temperature / top-k / top-p, unless
+    `logprobs_mode` says otherwise): logprobs int8[B] (1 = return the log-prob of the token
+    sampled for this sequence); top_n int32[B] (how many top (id, log-prob) pairs to return for
+    the sampled position, 0 = none); prompt_targets int32[T] (for each input token, the id of
+    the token that follows it in the prompt, whose log-prob is wanted; -1 = not wanted; always
+    raw). With any prompt target set, the worker materializes logits for those tokens too (in
+    bounded chunks).
     """
 
     step: int
@@ -163,9 +166,16 @@ class StepPlan:
     mamba_snap_row: Array[np.int32, 1] = empty_array_field(np.int32)
     mamba_snap_pos: Array[np.int32, 1] = empty_array_field(np.int32)
     mamba_snap_dst: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Per sequence, the distribution of its sampled position's log-prob and top-n
+    # (messages/requests.py LogprobsMode): 0 = raw, 1 = processed (the one it was drawn from:
+    # ops/sampling.py processed_logits); empty = all raw.
+    logprobs_mode: Array[np.int8, 1] = empty_array_field(np.int8)
+    # Some sequence wants its routed experts (SamplingParams.return_routed_experts): the
+    # StepResult carries every input token's expert ids (`routed_experts`).
+    return_routed_experts: bool = False
 
 
-@message(123)
+@message(123, required=12)  # (routed_experts came later)
 class StepResult:
     """token_ids int32[B] (-1 where not sampled); `error` set if the forward failed (or the
     worker is suspended).
@@ -177,6 +187,12 @@ class StepResult:
     prompt_top_n_log_probs float32[K, N] for them (N as above, from that sequence's top_n).
     Top-n pairs are sorted by descending log-prob. Without `error` these arrays always have
     these shapes (all NaN / -1, or K = 0, when nothing is asked); with `error` they may be empty.
+
+    routed_experts int16 (int32 past 32767 experts) [T, moe_layers, top_k]: the global expert
+    ids each MoE layer's router chose for each input token, when the plan asks
+    (`return_routed_experts`); else empty. Under tensor parallelism every peer routes alike
+    (the leader's are sent); under expert parallelism a rank's router runs on its own tokens
+    before the exchange, so these are its tokens' choices.
     """
 
     step: int
@@ -193,6 +209,7 @@ class StepResult:
     prompt_log_probs: Array[np.float32, 1] = empty_array_field(np.float32)
     prompt_top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
     prompt_top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
+    routed_experts: Array[(np.int16, np.int32), 3] = empty_array_field(np.int16, 3)
 
 
 @message(124, required=4)  # (the weight-transfer fields came later)

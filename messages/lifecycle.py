@@ -11,9 +11,10 @@ Engines answer the coordinator with `ControlAck` (or `ErrorReply`).
 
 States: RUNNING -PAUSE-> PAUSED -SUSPEND-> SUSPENDED -RESUME-> PAUSED -UNPAUSE-> RUNNING;
 STOP from PAUSED or SUSPENDED; UPDATE_WEIGHTS (from a path, a state dict or a trainer's
-weight-transfer group) only while PAUSED or SUSPENDED; INIT_ / CLOSE_WEIGHT_TRANSFER in any state
-but STOPPED (they change none).
-- PAUSED: no steps run; requests keep their KV; new submissions queue.
+weight-transfer group) and FLUSH_CACHE only while PAUSED or SUSPENDED; INIT_ / CLOSE_WEIGHT_TRANSFER
+in any state but STOPPED (they change none).
+- PAUSED: no steps run; new submissions queue. How a pause treats the requests in flight is
+  its `PauseMode` (keep, abort, wait); `clear_cache` then drops the cached prefix (FlushCache).
 - SUSPENDED: the big tensors are released as `mode` says (None: the config's
   `kv_cache_management_mode`, itself defaulting to "persist"): "persist" keeps them, "offload"
   copies the KV cache to host memory and frees the device copy (on a CPU device the KV already
@@ -49,6 +50,7 @@ class ControlCommand(enum.StrEnum):
     UPDATE_WEIGHTS = "update_weights"
     INIT_WEIGHT_TRANSFER = "init_weight_transfer"
     CLOSE_WEIGHT_TRANSFER = "close_weight_transfer"
+    FLUSH_CACHE = "flush_cache"
     STOP = "stop"
 
 
@@ -64,6 +66,9 @@ TRANSITIONS: dict[tuple[LifecycleState, ControlCommand], LifecycleState] = {
     (LifecycleState.SUSPENDED, ControlCommand.UPDATE_WEIGHTS): LifecycleState.SUSPENDED,
     (LifecycleState.PAUSED, ControlCommand.UPDATE_WEIGHTS): LifecycleState.PAUSED,
     (LifecycleState.SUSPENDED, ControlCommand.STOP): LifecycleState.STOPPED,
+    # Dropping the cached prefix needs every step stopped (running requests hold blocks).
+    (LifecycleState.PAUSED, ControlCommand.FLUSH_CACHE): LifecycleState.PAUSED,
+    (LifecycleState.SUSPENDED, ControlCommand.FLUSH_CACHE): LifecycleState.SUSPENDED,
     # Joining or leaving a trainer's weight-transfer group changes no state (any but STOPPED).
     **{
         (state, command): state
@@ -109,24 +114,31 @@ class StopAck:
 
 
 class PauseMode(enum.StrEnum):
-    """What PAUSE does with the requests in flight: KEEP them (with their KV) for UNPAUSE, or
-    ABORT them (each ends with finish_reason "abort" and the tokens it had; a trainer resubmits
-    them as partial rollouts). WAIT (let them finish, admit none) is not built yet."""
+    """What PAUSE does with the requests in flight: KEEP them (with their KV) for UNPAUSE, ABORT
+    them (each ends with finish_reason "abort" and the tokens it had; a trainer resubmits them
+    as partial rollouts), or WAIT for them: admit no new request (submissions queue) and pause
+    once every request that has started (running, or preempted after it started) has finished;
+    requests still queued that never started stay queued for UNPAUSE (vLLM's "wait" too drains
+    only the requests in flight)."""
 
     KEEP = "keep"
     ABORT = "abort"
     WAIT = "wait"
 
 
-@message(42, required=1)  # (mode and clear_cache came later)
+@message(42, required=1)  # (mode, clear_cache and timeout came later)
 class Pause:
-    """Finish the step in flight, then run no more steps until Unpause; `mode` says what becomes
-    of the requests in flight. `clear_cache` (drop cached prefix KV and Mamba snapshots) is not
-    built yet."""
+    """Finish the step in flight (mode wait: every request that has started), then run no more
+    steps until Unpause; `mode` says what becomes of the requests in flight. `clear_cache`: once
+    paused, drop the cached prefix as FlushCache does. `timeout`: seconds the coordinator waits
+    for every rank to pause (None: its control timeout); past it, or when a rank fails or dies,
+    every rank that paused is unpaused again and the pause fails naming the ranks (an Unpause
+    to a rank still waiting withdraws its pause)."""
 
     token: str
     mode: PauseMode = PauseMode.KEEP
     clear_cache: bool = False
+    timeout: float | None = None
 
 
 @message(43)
@@ -217,6 +229,15 @@ class UpdateWeightsFromDistributed:
     stage: bool
 
 
+@message(51)
+class FlushCache:
+    """While PAUSED or SUSPENDED: drop every cached prefix block (KV) and Mamba snapshot that no
+    request holds; blocks a paused request holds stay its own, no longer shared (SGLang's
+    flush_cache; vLLM's reset_prefix_cache)."""
+
+    token: str
+
+
 @message(47)
 class ControlAck:
     """`state`: the lifecycle state after `command`; `weight_version`: the weights now loaded
@@ -237,5 +258,6 @@ CONTROL_MESSAGES: dict[type, ControlCommand] = {
     UpdateWeightsFromDistributed: ControlCommand.UPDATE_WEIGHTS,
     InitWeightTransfer: ControlCommand.INIT_WEIGHT_TRANSFER,
     CloseWeightTransfer: ControlCommand.CLOSE_WEIGHT_TRANSFER,
+    FlushCache: ControlCommand.FLUSH_CACHE,
     Stop: ControlCommand.STOP,
 }

@@ -55,6 +55,22 @@ class EventType(enum.StrEnum):
     ERROR_NONTRANSIENT = "ERROR_NONTRANSIENT"
 
 
+class LogprobsMode(enum.StrEnum):
+    """Which distribution returned log-probs are of (SamplingParams.logprobs_mode), as vLLM's
+    raw_logprobs / processed_logprobs: "raw", log-softmax of the model's fp32 logits; or
+    "processed", the distribution the token was drawn from: logits / temperature, with the
+    tokens min-p, top-k and top-p drop at -inf (kernels/sampling.py's order), log-softmaxed.
+    A greedy request's processed log-probs are its raw ones."""
+
+    RAW = "raw"
+    PROCESSED = "processed"
+
+    @classmethod
+    def _missing_(cls, value):
+        choices = " or ".join(repr(m.value) for m in cls)
+        raise ValueError(f"logprobs_mode must be {choices}, got {value!r}")
+
+
 def empty_array_field(dtype, ndim: int = 1):
     """A default for an optional array field: empty, of the right dtype and rank."""
     return dataclasses.field(default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
@@ -70,7 +86,7 @@ class RequestEvent:
     payload: int | None
 
 
-@struct
+@struct(required=16)  # (logprobs_mode came later)
 class SamplingParams:
     """How to sample one request. `max_tokens` counts generated tokens (OpenAI's meaning).
 
@@ -86,11 +102,18 @@ class SamplingParams:
     text, where one may span tokens or sit inside one, and the client then aborts the request
     in the engine. `include_stop_word` keeps the stop word's tokens, or the stop string, in the
     output (default: dropped; the token that completed a stop string is always kept).
-    Log-probs are log-softmax of the raw logits: `return_log_probs` returns one per generated
-    token and, unless `skip_prompt_log_probs`, one per prompt token after the first;
-    `top_n_logprobs` > 0 adds the top-n (id, log-prob) pairs per generated token (and per prompt
-    token with `return_prompt_top_n_logprobs`). `streaming_interval`: a streaming request gets a
-    delta every that many generated tokens (and always at the end).
+    Log-probs: `return_log_probs` returns one per generated token and, unless
+    `skip_prompt_log_probs`, one per prompt token after the first; `top_n_logprobs` > 0 adds
+    the top-n (id, log-prob) pairs per generated token (and per prompt token with
+    `return_prompt_top_n_logprobs`). A generated token's log-prob and top-n are of the
+    distribution `logprobs_mode` (LogprobsMode) names: "raw" (default), log-softmax of the
+    model's logits, or "processed", the one the token was drawn from (after temperature,
+    min-p, top-k and top-p; dropped tokens -inf). Prompt log-probs are always raw, as vLLM's:
+    no prompt token was sampled. `streaming_interval`: a streaming request gets a delta every
+    that many generated tokens (and always at the end).
+    `return_routed_experts` (mixture-of-experts models only; refused at submission for others):
+    the terminal output carries the top-k expert ids every MoE layer chose for each token run
+    through the model (RequestOutput.routed_experts), for a trainer to replay the routing.
     """
 
     max_tokens: int = 16
@@ -109,6 +132,8 @@ class SamplingParams:
     top_n_logprobs: int = 0
     return_prompt_top_n_logprobs: bool = False
     streaming_interval: int = 1
+    logprobs_mode: LogprobsMode = LogprobsMode.RAW
+    return_routed_experts: bool = False
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, as sentences a user can act on."""
@@ -195,7 +220,7 @@ class EngineSubmit:
     hash_salt: int = 0
 
 
-@message(22)
+@message(22, required=19)  # (weight_versions came later)
 class RequestOutput:
     """Engine -> coordinator -> client: new tokens of one request, and whether it ended.
 
@@ -211,6 +236,17 @@ class RequestOutput:
     `num_cached_tokens` (every output): prompt tokens whose K/V came from the prefix cache.
     `policy_staleness` (weight updates since the token was produced) and `kv_cache_staleness`
     (weight updates since its K/V were computed).
+    `weight_versions` int64[S, 2]: the weight version of each of this output's tokens as spans
+    (version, first token index), the index counted over all the request's generated tokens
+    (the first span starts at this output's first token; a new span starts where the version
+    changes); empty when the output has no tokens.
+    `routed_experts` int16 (int32 past 32767 experts) [N, moe_layers, top_k], terminal output
+    only, with SamplingParams.return_routed_experts: the expert ids each MoE layer chose for
+    positions 0..N-1 of prompt + generated, N = tokens - 1 (the last generated token is never
+    run through the model, as SGLang's and vLLM's); fewer for a request that ended before
+    computing them (abort, error). Each is the routing of the forward that first computed the
+    position (or of the one that computed a cached prefix block it reused): a recompute after
+    preemption never replaces it. Empty when not asked.
     """
 
     request_id: int
@@ -232,6 +268,8 @@ class RequestOutput:
     tpot: float | None = None
     policy_staleness: Array[np.int32, 1] = empty_array_field(np.int32)
     kv_cache_staleness: Array[np.int32, 1] = empty_array_field(np.int32)
+    weight_versions: Array[np.int64, 2] = empty_array_field(np.int64, 2)
+    routed_experts: Array[(np.int16, np.int32), 3] = empty_array_field(np.int16, 3)
 
 
 @message(23)

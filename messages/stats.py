@@ -17,9 +17,14 @@ from taipan.messages.codec import Array, message, struct
 from taipan.messages.lifecycle import LifecycleState
 
 
-@message(140)
+@message(140, required=0)  # (`fresh` came later)
 class GetStats:
-    pass
+    """Client -> coordinator (-> every engine). `fresh`: ask every engine now; False: the
+    coordinator answers at once from the latest reports and its own lifecycle state (one hop:
+    what a trainer checks before a weight push), unless a fresh query is out, whose answer it
+    then shares. A direct-mode engine always answers at once."""
+
+    fresh: bool = True
 
 
 @struct

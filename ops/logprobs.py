@@ -1,11 +1,14 @@
-"""Log-probabilities under the raw logits: of given tokens, the top-n, and a prompt's, chunked.
+"""Log-probabilities: of given tokens, the top-n, and a prompt's, chunked; raw or processed.
 
 Owns the math only (torch in, torch out). Which rows and tokens are wanted comes from the caller
 (the gpu worker reads them off the StepPlan); nothing here knows about plans or numpy.
 
-A log-prob is log-softmax of the fp32 logits before temperature / top-k / top-p, as
+A raw log-prob is log-softmax of the fp32 logits before temperature / top-k / top-p, as
 `torch.log_softmax(logits.float(), -1)` gives. It is computed as `logit - logsumexp(row)`, which
-never builds a second [rows, vocab] matrix.
+never builds a second [rows, vocab] matrix. A processed one (LogprobsMode "processed",
+`processed_log_probs_and_top_n`) is the same of ops.sampling.processed_logits: the distribution
+the row's token is drawn from, with the tokens its filters drop at -inf. Prompt log-probs are
+raw only (no prompt token is sampled; vLLM's are raw too).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from taipan.ops.sampling import processed_logits
 
 
 def log_probs_and_top_n(
@@ -73,8 +78,40 @@ def prompt_log_probs(
         )
         for i in range(0, hidden.shape[0], chunk_rows)
     ]
-    if not parts:  # no prompt token wants a log-prob: empty results of the right shapes
-        device = hidden.device
+    return _joined(parts, n, hidden.device)
+
+
+def processed_log_probs_and_top_n(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    n: int,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    chunk_rows: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`log_probs_and_top_n` of the distribution each row's token is drawn from
+    (ops.sampling.processed_logits with the row's temperature [R] f32, top_k [R] i32, top_p
+    [R] f32, min_p [R] f32): a token the filters drop has log-prob -inf, and so do the top-n
+    entries past the kept tokens; a greedy row's are its raw log-probs. The filters sort a row,
+    so they run `chunk_rows` rows at a time (a few [chunk_rows, V] temporaries each).
+    """
+    if chunk_rows < 1:
+        raise ValueError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    parts = []
+    for i in range(0, logits.shape[0], chunk_rows):
+        rows = slice(i, i + chunk_rows)
+        params = (temperature[rows], top_k[rows], top_p[rows], min_p[rows])
+        kept = processed_logits(logits[rows], *params)  # [rows, V] f32, dropped: -inf
+        parts.append(log_probs_and_top_n(kept, tokens[rows], counts[rows], n))
+    return _joined(parts, n, logits.device)
+
+
+def _joined(parts: list[tuple], n: int, device) -> tuple[torch.Tensor, ...]:
+    """The row chunks' (log_probs, top_ids, top_log_probs), concatenated."""
+    if not parts:  # no row wants a log-prob: empty results of the right shapes
         return (
             torch.zeros(0, device=device),
             torch.zeros((0, n), dtype=torch.int64, device=device),

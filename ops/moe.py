@@ -26,6 +26,10 @@ expert parallelism too, a rank holds its share of the experts, each split the sa
 dispatch (the exchange among the processes holding the same slice) returns a partial sum of
 that slice: the same one all-reduce completes it (ops/expert_parallel.py `init_tp_ep`).
 
+Routed experts (an RL trainer replays them): with `record_routing` each block also writes its
+router's top-k ids, before any exchange, into its column of a buffer the caller owns, in place
+(a CUDA graph captured meanwhile does so at every replay).
+
 Owns no scheduling and no communication of its own: `dispatch` and `combine` are hooks, and
 the tensor-parallel all-reduce is `TPGroup`'s.
 """
@@ -275,6 +279,9 @@ class MoE(nn.Module):
         self.shared_experts = shared_experts
         self.combine: Callable[[torch.Tensor], torch.Tensor] = _identity
         self.dispatch = _local
+        # Routed experts (`record_routing`): where the gate's ids go, [rows, k] at a fixed
+        # address (a CUDA graph writes it in place); None: not recorded.
+        self.routing: torch.Tensor | None = None
 
     def experts(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """This rank's experts over rows h [N, H_in] with their choices [N, k]."""
@@ -290,6 +297,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)  # [T, k] each, global expert ids
+        if self.routing is not None:  # (this rank's own tokens: before any exchange)
+            self.routing[: topk_ids.shape[0]].copy_(topk_ids)
         h = x if self.fc1_latent_proj is None else self.fc1_latent_proj(x)
         routed = self.dispatch(h, topk_ids, topk_weights, self.experts)
         routed = self.combine(routed)  # the partial sum of this rank's experts -> the whole
@@ -313,6 +322,29 @@ def exchange_rows(block: MoE, dtype: torch.dtype, device) -> None:
 
 def _blocks(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def moe_blocks(model: nn.Module) -> list[MoE]:
+    """The MoE blocks of `model`, in forward order (layer order)."""
+    return _blocks(model)
+
+
+def routing_buffer(blocks: list[MoE], rows: int, device) -> torch.Tensor | None:
+    """A buffer for `record_routing`: [rows, len(blocks), top_k], int16 (int32 past 32767
+    experts); None for a model without MoE blocks."""
+    if not blocks:
+        return None
+    c = blocks[0].config
+    dtype = torch.int16 if c.num_experts <= torch.iinfo(torch.int16).max else torch.int32
+    return torch.full((rows, len(blocks), c.top_k), -1, dtype=dtype, device=device)
+
+
+def record_routing(blocks: list[MoE], buffer: torch.Tensor | None) -> None:
+    """Routed experts: each block's forward writes its router's top-k ids for its T tokens
+    into rows [0, T) of its column of `buffer` (block i: `buffer[:, i]`), in place, so a
+    CUDA graph captured meanwhile writes them at every replay; None: nothing is recorded."""
+    for i, block in enumerate(blocks):
+        block.routing = None if buffer is None else buffer[:, i]
 
 
 def set_expert_dispatch(model: nn.Module, dispatch) -> int:

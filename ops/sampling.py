@@ -4,7 +4,8 @@ The one dispatch point for sampling: on CUDA the Triton kernel (kernels/sampling
 elsewhere its torch reference `sample_ref` (sort-based), which defines the semantics; the
 kernel equals it token for token on any input but measure-zero ties (see that module). The
 per-request parameters arrive as device tensors, so a step never branches on them on the host
-(no sync, CUDA-graph safe). Log-probabilities are ops/logprobs.py's.
+(no sync, CUDA-graph safe). Log-probabilities are ops/logprobs.py's; `processed_logits` gives
+them the distribution a row is drawn from (LogprobsMode "processed").
 
 Determinism: a seeded row draws its noise from a counter-based hash of (seed, gen_index, token
 id) (`row_keys`, `exponential_noise`), not from a stateful generator, so the same (seed,
@@ -16,10 +17,16 @@ from __future__ import annotations
 
 import torch
 
-from taipan.kernels.sampling import exponential_noise, row_keys, sample_ref
+from taipan.kernels.sampling import (
+    GREEDY_EPS,
+    exponential_noise,
+    filtered_logits_ref,
+    row_keys,
+    sample_ref,
+)
 from taipan.kernels.sampling import sample as sample_kernel
 
-__all__ = ["exponential_noise", "row_keys", "sample"]
+__all__ = ["GREEDY_EPS", "exponential_noise", "processed_logits", "row_keys", "sample"]
 
 
 def sample(
@@ -43,3 +50,22 @@ def sample(
     keys = row_keys(seeds, gen_index)
     fn = sample_kernel if logits.is_cuda else sample_ref
     return fn(logits, temperature, top_k, top_p, min_p, keys)
+
+
+def processed_logits(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The logits `sample` draws from (what processed log-probs are of, LogprobsMode): [B, V]
+    float32, logits.float() / temperature with every token min-p, top-k or top-p drops at -inf;
+    a greedy row's raw logits. The parameters as `sample`'s.
+
+    The torch reference's filters on every device (sort-based: no Triton kernel). The CUDA
+    kernel keeps the same tokens but for the measure-zero near-ties kernels/sampling.py lists,
+    where a token at the edge of a cut may be drawn here at -inf."""
+    if min_p is None:
+        min_p = torch.zeros_like(top_p)
+    return filtered_logits_ref(logits, temperature, top_k, top_p, min_p)

@@ -57,6 +57,7 @@ from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
 from taipan.messages.lifecycle import (
     CloseWeightTransfer,
     ControlAck,
+    FlushCache,
     InitWeightTransfer,
     KVCacheManagementMode,
     Pause,
@@ -74,7 +75,15 @@ from taipan.messages.requests import FinishReason, ModelInfo, SamplingParams
 from taipan.messages.stats import Stats
 from taipan.ops.stop_strings import StoppingDetokenizer
 from taipan.ops.tokenizer import Tokenizer
-from taipan.outputs import Completion, Delta, RequestDetails, RequestError, TopN, make_delta
+from taipan.outputs import (
+    Completion,
+    Delta,
+    RequestDetails,
+    RequestError,
+    TopN,
+    join_versions,
+    make_delta,
+)
 
 Prompt = str | Sequence[int] | Sequence[dict]
 
@@ -236,15 +245,17 @@ class AsyncClient:
         tokens: list[int] = []
         log_probs: list[float] | None = [] if sampling.return_log_probs else None
         top_n: TopN | None = [] if sampling.top_n_logprobs else None
+        versions: list[tuple[int, int]] = []
         async for last in self._deltas(ids, sampling, stream=False):
             texts.append(last.text)
             tokens.extend(last.token_ids)
+            versions = join_versions(versions, last.weight_versions)
             if log_probs is not None:
                 log_probs.extend(last.log_probs)
             if top_n is not None:
                 top_n.extend(last.top_n_logprobs)
         details = {f.name: getattr(last, f.name) for f in dataclasses.fields(RequestDetails)}
-        details.update(log_probs=log_probs, top_n_logprobs=top_n)
+        details.update(log_probs=log_probs, top_n_logprobs=top_n, weight_versions=versions)
         return Completion(
             prompt=text,
             prompt_token_ids=ids.tolist(),
@@ -319,11 +330,12 @@ class AsyncClient:
             hashes = block_hashes(ids, info.block_size, self._salt)
         return await self._actor.submit(ids, sampling, stream, hashes, self._salt)
 
-    async def stats(self) -> Stats:
-        """The lifecycle state and every rank's latest counters (messages/stats.py)."""
+    async def stats(self, fresh: bool = True) -> Stats:
+        """The lifecycle state and every rank's latest counters (messages/stats.py); `fresh`
+        False: the coordinator's latest reports, without asking the engines (one hop)."""
         if self._actor is None:
             raise RuntimeError("the client is not connected")
-        return await self._actor.stats()
+        return await self._actor.stats(fresh)
 
     # --- lifecycle ----------------------------------------------------------------------------
     # Each returns the runtime's ControlAck (`state` after it, `weight_version`) once every engine
@@ -344,16 +356,31 @@ class AsyncClient:
         self._salt = ack.weight_version
         return ack
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
+    async def pause(
+        self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None
+    ) -> ControlAck:
         """RUNNING -> PAUSED: the step in flight finishes, no more run; new submissions queue.
         `mode` "keep": requests keep their KV for unpause; "abort": every request in flight
         ends with finish_reason "abort" and the tokens it had (resubmit it as a partial
-        rollout). "wait" and `clear_cache` are not built yet (the runtime refuses them)."""
+        rollout); "wait": no new request starts, and the pause completes once every request
+        that started has finished (normally); requests that never started stay queued for
+        the unpause. `clear_cache`: once paused, drop the cached prefix (as flush_cache).
+        Every rank pauses or none: past `timeout` seconds (None: the runtime's control
+        timeout), or when a rank fails, every rank runs again and ControlError names the rank."""
         try:
             mode = PauseMode(mode)
         except ValueError:
             raise ValueError(f"pause mode {mode!r} is not one of {', '.join(PauseMode)}") from None
-        return await self._control(Pause(self.control_token, mode, bool(clear_cache)))
+        if timeout is not None and not 0 < timeout < float("inf"):
+            raise ValueError(f"pause timeout {timeout!r} must be a positive number of seconds")
+        msg = Pause(self.control_token, mode, bool(clear_cache), timeout)
+        return await self._control(msg)
+
+    async def flush_cache(self) -> ControlAck:
+        """While PAUSED or SUSPENDED: drop every cached prefix block (KV) and Mamba snapshot
+        no request holds, on every rank (SGLang's flush_cache; vLLM calls it
+        reset_prefix_cache). Refused while RUNNING: pause first, or pause(clear_cache=True)."""
+        return await self._control(FlushCache(self.control_token))
 
     async def unpause(self) -> ControlAck:
         """PAUSED -> RUNNING."""
@@ -510,11 +537,16 @@ class Client:
 
         return it()
 
-    def stats(self) -> Stats:
-        return self._run(self._async.stats())
+    def stats(self, fresh: bool = True) -> Stats:
+        return self._run(self._async.stats(fresh))
 
-    def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
-        return self._run(self._async.pause(mode, clear_cache))
+    def pause(
+        self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None
+    ) -> ControlAck:
+        return self._run(self._async.pause(mode, clear_cache, timeout))
+
+    def flush_cache(self) -> ControlAck:
+        return self._run(self._async.flush_cache())
 
     def unpause(self) -> ControlAck:
         return self._run(self._async.unpause())

@@ -197,12 +197,20 @@ class AsyncLLM(_Base):
         chat template."""
         return await self.generate_all(messages, sampling, chat=True)
 
-    async def stats(self) -> Stats:
-        return await self._connected().stats()
+    async def stats(self, fresh: bool = True) -> Stats:
+        return await self._connected().stats(fresh)
 
-    async def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
+    async def pause(
+        self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None
+    ) -> ControlAck:
+        """AsyncClient.pause: modes keep, abort, wait; clear_cache; all ranks or none."""
         self._lifecycle("pause")
-        return await self._connected().pause(mode, clear_cache)
+        return await self._connected().pause(mode, clear_cache, timeout)
+
+    async def flush_cache(self) -> ControlAck:
+        """AsyncClient.flush_cache: drop the cached prefix while paused or suspended."""
+        self._lifecycle("flush_cache")
+        return await self._connected().flush_cache()
 
     async def unpause(self) -> ControlAck:
         self._lifecycle("unpause")
@@ -315,12 +323,18 @@ class LLM(_Base):
     def chat(self, messages, sampling=None, *, use_tqdm: bool | None = None) -> list[Completion]:
         return self.generate(messages, sampling, use_tqdm=use_tqdm, chat=True)
 
-    def stats(self) -> Stats:
-        return self._connected().stats()
+    def stats(self, fresh: bool = True) -> Stats:
+        return self._connected().stats(fresh)
 
-    def pause(self, mode: str = "keep", clear_cache: bool = False) -> ControlAck:
+    def pause(
+        self, mode: str = "keep", clear_cache: bool = False, timeout: float | None = None
+    ) -> ControlAck:
         self._lifecycle("pause")
-        return self._connected().pause(mode, clear_cache)
+        return self._connected().pause(mode, clear_cache, timeout)
+
+    def flush_cache(self) -> ControlAck:
+        self._lifecycle("flush_cache")
+        return self._connected().flush_cache()
 
     def unpause(self) -> ControlAck:
         self._lifecycle("unpause")

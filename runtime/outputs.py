@@ -26,12 +26,22 @@ class RequestError(RuntimeError):
 class RequestDetails:
     """What Completion and Delta carry beside tokens and text. Log-prob fields are None unless
     asked for in SamplingParams: `log_probs` (one per token, with `return_log_probs`),
-    `top_n_logprobs` (with `top_n_logprobs` > 0), `prompt_log_probs` (one per prompt token after
-    the first) and `prompt_top_n_logprobs`. `events`, `ttft` and `tpot` come from the engine
-    (seconds); `policy_staleness` / `kv_cache_staleness` count, per token of prompt + generated,
-    the weight updates since it was produced / since its K/V were computed (RL loops).
+    `top_n_logprobs` (with `top_n_logprobs` > 0), both raw or processed as
+    SamplingParams.logprobs_mode says, `prompt_log_probs` (one per prompt token after the
+    first) and `prompt_top_n_logprobs` (always raw). `events`, `ttft` and `tpot` come from the
+    engine (seconds); `policy_staleness` / `kv_cache_staleness` count, per token of prompt +
+    generated, the weight updates since it was produced / since its K/V were computed (RL).
     `num_cached_tokens`: prompt tokens whose K/V came from the prefix cache (0 without
-    prefix caching)."""
+    prefix caching). `weight_versions`: the weight version of each generated token as spans
+    (version, first token index), over the request's generated tokens (a Delta's cover its own
+    tokens, with indices counted from the request's first token); a new span starts where the
+    version changes (a weight update while the request was paused), so with versions that
+    grow by one per update, the spans starting after a token are its policy staleness.
+    `routed_experts` (with SamplingParams.return_routed_experts; a MoE model): an int16 (int32
+    past 32767 experts) numpy array [N, MoE layers, top_k], the expert ids each MoE layer chose
+    for positions 0..N-1 of prompt + output, N = tokens - 1 (the last token is never run
+    through the model), each the routing of the forward that first computed it (kept through
+    preemption, recompute and prefix-cache hits); on Completion and the last Delta only."""
 
     log_probs: list[float] | None = None
     top_n_logprobs: TopN | None = None
@@ -43,6 +53,8 @@ class RequestDetails:
     policy_staleness: list[int] | None = None
     kv_cache_staleness: list[int] | None = None
     num_cached_tokens: int = 0
+    weight_versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclasses.dataclass
@@ -81,6 +93,27 @@ def _top_n(ids: np.ndarray, log_probs: np.ndarray) -> TopN:
     ]
 
 
+def delta_versions(out: RequestOutput, n: int) -> list[tuple[int, int]]:
+    """The weight-version spans of the first `n` tokens of `out` (those the client keeps)."""
+    spans = [(int(v), int(first)) for v, first in out.weight_versions.tolist()]
+    if not spans or n == 0:
+        return []
+    end = spans[0][1] + n
+    return [s for s in spans if s[1] < end]
+
+
+def join_versions(
+    spans: list[tuple[int, int]], more: list[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """`spans` followed by the spans of the tokens after them (`more`), as one list: a span
+    that goes on with the same version is not started again."""
+    out = list(spans)
+    for version, first in more:
+        if not out or out[-1][0] != version:
+            out.append((version, first))
+    return out
+
+
 def _token_log_probs(out: RequestOutput, sampling: SamplingParams):
     """(log_probs, top_n) of the tokens in `out`, each None when the request did not ask."""
     log_probs = out.log_probs.tolist() if sampling.return_log_probs else None
@@ -104,6 +137,8 @@ def _final_fields(out: RequestOutput, sampling: SamplingParams, num_tokens: int)
         fields["prompt_log_probs"] = out.prompt_log_probs.tolist()
     if sampling.return_prompt_top_n_logprobs:
         fields["prompt_top_n_logprobs"] = _top_n(out.prompt_top_n_ids, out.prompt_top_n_log_probs)
+    if sampling.return_routed_experts:  # a copy: the decoded array is a view of the frame
+        fields["routed_experts"] = np.array(out.routed_experts[: max(0, num_tokens - 1)])
     return fields
 
 
@@ -134,5 +169,6 @@ def make_delta(
         stop_reason,
         log_probs=None if log_probs is None else log_probs[:n],
         top_n_logprobs=None if top_n is None else top_n[:n],
+        weight_versions=delta_versions(out, n),
         **({} if end is None else _final_fields(end, sampling, num_tokens)),
     )

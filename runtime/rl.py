@@ -125,7 +125,7 @@ def push_weights(
     A runtime that is not paused is refused here, before any broadcast (taipan would refuse the
     update, and the trainer would wait in its first broadcast until the group's timeout)."""
     start = time.perf_counter()
-    state = str(client.stats().state)
+    state = str(client.stats(fresh=False).state)  # (the coordinator's own: one hop)
     if state not in ("PAUSED", "SUSPENDED"):
         raise RuntimeError(f"push_weights needs a PAUSED or SUSPENDED runtime; it is {state}")
     named = named_tensors(model_or_named)

@@ -17,11 +17,11 @@ R, P, S, X = State.RUNNING, State.PAUSED, State.SUSPENDED, State.STOPPED
 # The lifecycle of messages/lifecycle.py, written out pair by pair (None: illegal).
 EXPECTED = {
     R: {"pause": P, "unpause": None, "suspend": None, "resume": None, "update_weights": None,
-        "init_weight_transfer": R, "close_weight_transfer": R, "stop": None},
+        "init_weight_transfer": R, "close_weight_transfer": R, "flush_cache": None, "stop": None},
     P: {"pause": None, "unpause": R, "suspend": S, "resume": None, "update_weights": P,
-        "init_weight_transfer": P, "close_weight_transfer": P, "stop": X},
+        "init_weight_transfer": P, "close_weight_transfer": P, "flush_cache": P, "stop": X},
     S: {"pause": None, "unpause": None, "suspend": None, "resume": P, "update_weights": S,
-        "init_weight_transfer": S, "close_weight_transfer": S, "stop": X},
+        "init_weight_transfer": S, "close_weight_transfer": S, "flush_cache": S, "stop": X},
     X: dict.fromkeys(COMMANDS),
 }  # fmt: skip
 
@@ -58,7 +58,8 @@ def test_messages_name_what_is_legal():
     ):
         LifecycleFSM().check("resume")
     with pytest.raises(
-        IllegalTransition, match=rf"legal: unpause, suspend, update_weights, {side}, stop$"
+        IllegalTransition,
+        match=rf"legal: unpause, suspend, update_weights, {side}, flush_cache, stop$",
     ):
         LifecycleFSM(P).check("pause")
     with pytest.raises(IllegalTransition, match=r"legal: none \(the runtime has stopped\)"):
@@ -75,7 +76,7 @@ def test_states_are_the_wire_names():
     assert State is LifecycleState  # one enum: the engines and the messages use it too
     assert [str(c) for c in COMMANDS] == [
         "pause", "unpause", "suspend", "resume", "update_weights", "init_weight_transfer",
-        "close_weight_transfer", "stop"
+        "close_weight_transfer", "flush_cache", "stop"
     ]  # fmt: skip
 
 

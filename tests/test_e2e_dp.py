@@ -101,6 +101,9 @@ def test_lifecycle_reaches_every_rank(dp2, model_path):
     same = model.norm.weight.detach().numpy().copy()  # an update that changes nothing
     assert llm.pause().state == LifecycleState.PAUSED
     assert [r.state for r in llm.stats().ranks] == [LifecycleState.PAUSED] * 2
+    # Without asking the engines: the coordinator's state and the reports it holds.
+    cached = llm.stats(fresh=False)
+    assert cached.state == LifecycleState.PAUSED and len(cached.ranks) == 2
     assert llm.suspend("offload").state == LifecycleState.SUSPENDED
     assert llm.update_weights(state={"model.norm.weight": same}).weight_version == 1
     llm.resume()

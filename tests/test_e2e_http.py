@@ -406,8 +406,8 @@ def test_lifecycle_controls_over_http_behind_the_api_key(server, direct):
     """An HTTP-driven trainer's controls: refused without the key, the runtime's refusals as
     400/409 with its code, and a pause / unpause round that serving survives."""
     assert _post(server, "/pause", {}, key=None).status_code == 401
-    r = _post(server, "/pause", {"mode": "wait"})
-    assert r.status_code == 400 and "not built yet" in r.json()["error"]["message"]
+    r = _post(server, "/pause", {"mode": "wait", "timeout": 0})
+    assert r.status_code == 400 and "positive" in r.json()["error"]["message"]
     assert _post(server, "/pause", {"mode": "bogus"}).status_code == 400
     r = _post(server, "/resume", {})
     assert r.status_code == 409 and r.json()["error"]["code"] == "illegal_transition"

@@ -244,7 +244,7 @@ async def test_pause_abort_ends_every_request_with_its_tokens_so_far(session, un
             assert tokens[:n] == uninterrupted["greedy"][i][:n]  # greedy: the same tokens so far
         stats = (await ac.stats()).merged()
         assert stats.running == stats.waiting == stats.paused == 0
-        with pytest.raises(ControlError, match="not built yet"):
+        with pytest.raises(ControlError, match="illegal while PAUSED"):
             await ac.pause(mode="wait")
         await ac.unpause()
     assert [c.token_ids for c in session[1].generate(PROMPTS[:1], GREEDY)] == [

@@ -290,6 +290,105 @@ def test_gpu_graph_steps_equal_eager_steps(model_dir):
     run([Seq([last[0]], ctx[0], blocks[0], targets=[5])], False)
 
 
+def test_gpu_processed_log_probs_graphed_equal_eager_and_the_reference(model_dir):
+    """logprobs_mode "processed" (issue 26 item 5) on CUDA, eager and after a CUDA graph's
+    replay (mixed and decode buckets), five rows with their own temperature / top-k / top-p /
+    min-p in one batch (one greedy, one raw): see `processed_log_probs_steps`."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    eager, graphed = _graph_workers(model_dir, "float32")
+    assert graphed.graphs.captured and eager.graphs is None
+    processed_log_probs_steps(eager, graphed)
+
+
+# Per prompt row: (temperature, top_k, top_p, min_p, processed). top_k <= 20 keeps each kept set
+# inside the raw top-20, which the reference filters.
+PROCESSED_ROWS = [
+    (0.7, 5, 1.0, 0.0, True),
+    (1.2, 15, 0.8, 0.0, True),
+    (1.0, 20, 0.9, 0.05, True),
+    (0.0, 0, 1.0, 0.0, True),  # greedy: processed is raw
+    (0.9, 10, 1.0, 0.0, False),  # raw in a batch with processed rows
+]
+
+
+def processed_log_probs_steps(eager, graphed) -> None:
+    """Prefills (eager, and in the 32-token mixed graph), then decode steps at batch 5 (the
+    8-row decode graph); each step run raw and processed on both workers. Checks: the mode
+    changes no draw; processed log-probs and top-n equal between eager and graphed (1e-4, fp32,
+    -inf where dropped); every drawn token is inside the kept set (the CUDA kernel's draws and
+    the torch filters agree); the processed top-n equal the reference filters
+    (tests/test_logprobs_mode.py `processed_ref`) applied to the raw top-20; greedy and raw rows
+    of a processed plan equal the raw plan's. `graphed` may be a second eager worker (a CPU
+    check of this function)."""
+    import dataclasses
+    import math
+
+    import numpy as np
+
+    from tests.test_logprobs_mode import processed_ref
+    from tests.test_ops_logprobs import Seq, make_plan
+
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 250, n).tolist() for n in (40, 7, 19, 3, 12)]
+    blocks = [[1 + 4 * i + j for j in range(4)] for i in range(len(prompts))]
+    ctx, last, step = [0] * 5, [0] * 5, 0
+
+    def run(rows: list[int], ids: list[list[int]], want_graphed: bool) -> None:
+        nonlocal step
+        step += 1
+        seqs = [
+            Seq(x, ctx[i], blocks[i], logprobs=True, top_n=20,
+                temperature=PROCESSED_ROWS[i][0], seed=100 + i)
+            for i, x in zip(rows, ids, strict=True)
+        ]  # fmt: skip
+        params = [PROCESSED_ROWS[i] for i in rows]
+        raw = dataclasses.replace(
+            make_plan(step, seqs),
+            top_k=np.asarray([p[1] for p in params], np.int32),
+            top_p=np.asarray([p[2] for p in params], np.float32),
+            min_p=np.asarray([p[3] for p in params], np.float32),
+        )
+        processed = dataclasses.replace(
+            raw, logprobs_mode=np.asarray([p[4] for p in params], np.int8)
+        )
+        a_raw, a, b = eager.step(raw), eager.step(processed), graphed.step(processed)
+        assert a_raw.error is None and a.error is None and b.error is None
+        if graphed.graphs is not None:
+            assert b.graphed == want_graphed
+        assert np.array_equal(a_raw.token_ids, a.token_ids)  # the mode changes no draw
+        assert np.array_equal(a.token_ids, b.token_ids), (step, a.token_ids, b.token_ids)
+        np.testing.assert_allclose(a.log_probs, b.log_probs, atol=1e-4)
+        np.testing.assert_allclose(a.top_n_log_probs, b.top_n_log_probs, atol=1e-4)
+        assert np.isfinite(a.log_probs).all() and np.isfinite(b.log_probs).all(), a.log_probs
+        for r, (t, k, p, min_p, is_processed) in enumerate(params):
+            if not is_processed or t == 0.0:  # raw, or greedy: the raw plan's
+                np.testing.assert_allclose(a.log_probs[r], a_raw.log_probs[r], atol=1e-6)
+                np.testing.assert_allclose(a.top_n_log_probs[r], a_raw.top_n_log_probs[r],
+                                           atol=1e-6)  # fmt: skip
+                continue
+            raw_ids = a_raw.top_n_ids[r].tolist()
+            ref = dict(zip(raw_ids, processed_ref(a_raw.top_n_log_probs[r].tolist(), t, k, p,
+                                                  min_p), strict=True))  # fmt: skip
+            kept = sum(math.isfinite(v) for v in ref.values())
+            values = a.top_n_log_probs[r]
+            assert np.isfinite(values[:kept]).all() and np.isneginf(values[kept:]).all()
+            for i, v in zip(a.top_n_ids[r][:kept].tolist(), values[:kept], strict=True):
+                assert abs(ref[i] - v) < 1e-4, (step, r, i, ref[i], v)
+            assert abs(ref[int(a.token_ids[r])] - a.log_probs[r]) < 1e-4
+        for i, token in zip(rows, a.token_ids.tolist(), strict=True):
+            ctx[i] += len(ids[rows.index(i)])
+            last[i] = token
+
+    run([0], [prompts[0]], False)  # 40 tokens: above the largest mixed graph, eager
+    run([1, 2], [prompts[1], prompts[2]], True)  # 26 tokens: the 32-token mixed graph
+    run([3, 4], [prompts[3], prompts[4]], True)  # 15 tokens: the 32-token mixed graph
+    for _ in range(3):  # batch 5: the 8-row decode graph
+        rows = [0, 1, 2, 3, 4]
+        run(rows, [[last[i]] for i in rows], True)
+
+
 def test_gpu_graphs_survive_persist_and_are_captured_again_when_the_kv_moves(model_dir):
     from taipan.messages.gpu import GpuControl
 

@@ -66,6 +66,9 @@ def test_chat_and_lifecycle(llm):
     assert a.token_ids == b.token_ids == c.token_ids and a.text
     assert llm.pause().state == LifecycleState.PAUSED
     assert llm.stats().state == LifecycleState.PAUSED
+    assert llm.flush_cache().state == LifecycleState.PAUSED
+    assert llm.unpause().state == LifecycleState.RUNNING
+    assert llm.pause(mode="wait", clear_cache=True, timeout=60).state == LifecycleState.PAUSED
     assert llm.unpause().state == LifecycleState.RUNNING
     assert llm.is_primary_rank
 
@@ -123,6 +126,9 @@ async def test_async_llm_streams_runs_many_and_serves(model_path):
         assert [t for _, t in got] == [w.token_ids for w in want]
         assert [t for t, _ in got] == [w.text for w in want]
         assert (await llm.stats()).ranks[0].running == 0
+        assert str((await llm.pause(mode="wait", clear_cache=True)).state) == "PAUSED"
+        assert str((await llm.flush_cache()).state) == "PAUSED"
+        assert str((await llm.unpause()).state) == "RUNNING"
 
         port = _free_port()
         started = asyncio.Event()
@@ -181,6 +187,7 @@ def test_direct_mode_stats_and_lifecycle_refused(direct, tmp_path):
         "suspend": lambda: direct.suspend("offload"),
         "resume": direct.resume,
         "update_weights": lambda: direct.update_weights(path=str(tmp_path)),
+        "flush_cache": direct.flush_cache,
     }
     for name, call in calls.items():
         with pytest.raises(RuntimeError, match=f"{name} needs coordinator mode: in direct mode"):

@@ -168,11 +168,11 @@ class ClientActor(Actor):
         await self.channel.send(GetModelInfo())
         return await fut
 
-    async def stats(self) -> Stats:
+    async def stats(self, fresh: bool = True) -> Stats:
         fut = asyncio.get_running_loop().create_future()
         self._expect_answer()
         self.stats_waiters.append(fut)
-        await self.channel.send(GetStats())
+        await self.channel.send(GetStats(fresh))
         return await fut
 
     async def control(self, msg) -> ControlAck:

@@ -139,7 +139,8 @@ class DirectActor(ClientActor):
         self.info_waiters.append(fut)  # answered by the engine's ModelLoaded
         return await fut
 
-    async def stats(self) -> Stats:
+    async def stats(self, fresh: bool = True) -> Stats:
+        """The engine's stats (it always answers at once: `fresh` changes nothing here)."""
         if self.gone is not None:
             raise RuntimeUnreachable(self.gone)
         fut = asyncio.get_running_loop().create_future()

@@ -9,7 +9,8 @@ FSM (fsm.py), forwarded to every engine, and answered with one `ControlAck` once
 acknowledged it — or with an `ErrorReply` ("not_authorized", "bad_request",
 "illegal_transition", "busy", "control_failed"), leaving the state as it was. Every control is
 logged at info with its sender and outcome. One command is in flight at a time; while it waits
-for engine answers, submissions and outputs keep flowing (the wait is a task of its own).
+for engine answers, submissions and outputs keep flowing (the wait is a task of its own). A
+pause that fails on any rank is undone on the others (control.py) before its client hears.
 
 The engines' side (actors/engine_link.py, shared with the direct client): an engine says Hello
 with its rank, heartbeats every second and reports ModelLoaded. The runtime is ready (model info
@@ -53,7 +54,15 @@ from taipan.actors.engine_link import ENGINE_TIMEOUT_S, EngineLinks, ServedModel
 from taipan.messages.common import ErrorReply, Heartbeat, Hello, PeerGone, RankGone
 from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import ModelLoaded
-from taipan.messages.lifecycle import CONTROL_MESSAGES, ControlAck, ControlCommand, StopAck
+from taipan.messages.lifecycle import (
+    CONTROL_MESSAGES,
+    ControlAck,
+    ControlCommand,
+    Pause,
+    PauseMode,
+    StopAck,
+    Unpause,
+)
 from taipan.messages.requests import (
     AbortRequest,
     EngineSubmit,
@@ -227,6 +236,10 @@ class CoordinatorActor(Actor):
     async def on_get_stats(self, env: Envelope, msg: GetStats) -> None:
         """Ask every engine for fresh stats; answer with every rank's latest once they have
         answered (or after the stats timeout). A client asking while a query is out shares it."""
+        if not msg.fresh and not self.stats.waiters:
+            _, stats = self.stats.answer(self.fsm.state)  # (the latest reports, no query)
+            await self.frontend.send(stats, to=env.sender)
+            return
         if not self.stats.ask(env.sender):
             return
         engines = list(self.links.engines.values())
@@ -262,7 +275,13 @@ class CoordinatorActor(Actor):
         engines = list(self.links.engines.values())
         # The round and its timeout exist before the first send: an engine may answer before
         # the last send, and a failed send must not leave the round open (every later one busy).
-        self.spawn(self._complete_control(self.lifecycle.open(command, env.sender, engines)))
+        timeout, note = None, ""
+        if isinstance(msg, Pause):
+            timeout = msg.timeout
+            if msg.mode == PauseMode.WAIT:
+                note = " (pause mode wait: requests that had started were still running)"
+        round_ = self.lifecycle.open(command, env.sender, engines, timeout=timeout, note=note)
+        self.spawn(self._complete_control(round_))
         forwarded = dataclasses.replace(msg, token="")  # engine sockets are private
         for identity in engines:
             await self.backend.send(forwarded, to=identity)
@@ -270,6 +289,8 @@ class CoordinatorActor(Actor):
     async def _complete_control(self, round_: ControlRound) -> None:
         """Wait for every engine's answer (or the timeout), then move the FSM and reply."""
         reply = await self.lifecycle.close(round_, self.links.name, self.log)
+        if round_.command == ControlCommand.PAUSE and isinstance(reply, ErrorReply):
+            reply = await self._undo_pause(round_, reply)
         self.links.set_weight_version(self.lifecycle.weight_version)
         try:
             await self.frontend.send(reply, to=round_.client)
@@ -277,6 +298,18 @@ class CoordinatorActor(Actor):
             self.log.exception("could not answer a control", command=str(round_.command))
         if round_.command == ControlCommand.STOP:
             self.stop()  # stop means exit, even when an engine did not acknowledge it
+
+    async def _undo_pause(self, failed: ControlRound, reply: ErrorReply) -> ErrorReply:
+        """All or none: a pause that failed on some rank (refused there, its engine dead, or
+        not done within its timeout) is taken back on every other live rank with an unpause
+        (a rank still pausing withdraws its pause), before the client hears of it."""
+        undo = self.lifecycle.undo_round(failed, self.links.engines.values())
+        if undo is None:
+            return reply
+        self.log.warning("undoing a failed pause", engines=sorted(map(self.links.name, undo.asked)))
+        for identity in sorted(undo.asked):
+            await self.backend.send(Unpause(""), to=identity)
+        return await self.lifecycle.close_undo(undo, self.links.name, reply, self.log)
 
     async def on_control_ack(self, env: Envelope, msg: ControlAck) -> None:
         name, version = self.links.name(env.sender), msg.weight_version

@@ -38,7 +38,7 @@ from taipan.actors.coordinator.core import CoordinatorCore, NoRankError, routing
 from taipan.actors.coordinator.relay import relay_outputs
 from taipan.actors.coordinator.routing import RoutingError
 from taipan.actors.engine_link import EngineLinks, ServedModel
-from taipan.messages.codec import encode
+from taipan.messages.codec import same_encoding
 from taipan.messages.common import ErrorReply, Hello, PeerGone, RankGone
 from taipan.messages.errors import ErrorCode
 from taipan.messages.gpu import ModelLoaded
@@ -183,7 +183,7 @@ class CoordinatorReplay:
         m = sub.msg
         want = EngineSubmit(gid, m.prompt_token_ids, m.sampling, m.stream, sub.time, hashes, salt)
         self.replayed = f"→ {ENGINES}[rank {rank}]  {summarize(want)}"
-        if peer == self.links.engines.get(rank) and _frames(encode(want)) == _frames(frames):
+        if peer == self.links.engines.get(rank) and same_encoding(want, frames):
             self.routed += 1
             return None
         text = (
@@ -267,7 +267,3 @@ def _request_name(sub: Submission) -> str:
     client = sub.client or b""
     shown = client.decode() if client.isascii() and client.decode().isprintable() else client.hex()
     return f"request {sub.msg.request_id} of client {shown}"
-
-
-def _frames(frames) -> tuple[bytes, ...]:
-    return tuple(bytes(f) for f in frames)

@@ -8,6 +8,13 @@ Must not touch sockets: the coordinator actor (actor.py) asks `refusal`, opens t
 dies answers with its death) and sends what `close` returns. A command that is refused, fails or
 times out on any engine leaves the state as it was; one that every engine acknowledged moves the
 FSM. The round's waiter sleeps on an asyncio.Event; nothing here reads a clock.
+
+A pause is all or none across the data-parallel ranks (an expert-parallel group agrees inside,
+actors/engine/ep.py): its round ends at the first engine that refuses it or dies, or at its
+`timeout` (mode wait can take as long as the longest request in flight), and `undo_round` then
+sends an unpause to every engine that paused or is still pausing (which withdraws it there), so
+that no rank stays paused while the runtime says RUNNING. The pause's error names the ranks.
+(Mode abort: requests a rank already aborted stay ended, each with its terminal output.)
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import math
 from collections.abc import Callable, Iterable
 
 from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM
@@ -25,7 +33,6 @@ from taipan.messages.lifecycle import (
     ControlCommand,
     InitWeightTransfer,
     Pause,
-    PauseMode,
     UpdateWeights,
     UpdateWeightsFromDistributed,
 )
@@ -33,6 +40,7 @@ from taipan.messages.lifecycle import (
 STOP_TIMEOUT_S = 30.0
 # Suspend, resume and update_weights move or load every weight and KV tensor: allow minutes.
 CONTROL_TIMEOUT_S = 300.0
+UNDO_TIMEOUT_S = 30.0  # an unpause taking back a failed pause is answered at once
 NOT_AUTHORIZED = (
     "{command} needs the runtime's control token. A client run by the same user on the same "
     "machine finds it by the runtime's address; otherwise pass control_token= or set "
@@ -54,10 +62,15 @@ class ControlRound:
     waiting: set[bytes]  # engine identities that have not answered yet
     errors: list[str] = dataclasses.field(default_factory=list)
     weight_versions: list[int] = dataclasses.field(default_factory=list)
+    asked: frozenset[bytes] = frozenset()  # every engine it went to
+    failed: set[bytes] = dataclasses.field(default_factory=set)  # those that answered an error
+    timeout: float | None = None  # None: the command's default
+    fail_fast: bool = False  # done at the first error (a pause: the others are undone)
+    note: str = ""  # added to a timeout's error
 
     @property
     def done(self) -> bool:
-        return not self.waiting
+        return not self.waiting or (self.fail_fast and bool(self.errors))
 
     @property
     def ok(self) -> bool:
@@ -78,13 +91,15 @@ class ControlRound:
         self.waiting.discard(engine)
         if error is not None:
             self.errors.append(f"{name}: {error}")
+            self.failed.add(engine)
         if weight_version is not None:
             self.weight_versions.append(weight_version)
         return True
 
     def time_out(self, names: list[str], timeout: float) -> None:
         """Give up on the engines still waited for (`names`, in a stable order)."""
-        self.errors.append(f"{', '.join(names)} did not answer {self.command} within {timeout:g} s")
+        text = f"{', '.join(names)} did not answer {self.command} within {timeout:g} s"
+        self.errors.append(text + self.note)
         self.waiting.clear()
 
 
@@ -127,7 +142,11 @@ class LifecycleControl:
         try:
             self.fsm.check(command)
         except IllegalTransition as e:
-            return ErrorCode.ILLEGAL_TRANSITION, str(e)
+            text = str(e)
+            if command == ControlCommand.FLUSH_CACHE:
+                text += " (running requests hold the cached blocks: pause first, or pause with "
+                text += "clear_cache)"
+            return ErrorCode.ILLEGAL_TRANSITION, text
         if self.round is not None:
             return ErrorCode.BUSY, (
                 f"{command} refused: {self.round.command} is still waiting for the engines; "
@@ -136,12 +155,35 @@ class LifecycleControl:
         return None
 
     def open(
-        self, command: ControlCommand, client: bytes, engines: Iterable[bytes]
+        self,
+        command: ControlCommand,
+        client: bytes,
+        engines: Iterable[bytes],
+        *,
+        timeout: float | None = None,
+        note: str = "",
     ) -> ControlRound:
-        """The round of a command about to be forwarded to `engines`."""
-        self.round = ControlRound(command, client, set(engines))
+        """The round of a command about to be forwarded to `engines` (`timeout`: None, the
+        command's default; `note`: added to a timeout's error). A pause's round ends at its
+        first error (`undo_round` then takes it back)."""
+        engines = list(engines)
+        fail_fast = command == ControlCommand.PAUSE
+        self.round = ControlRound(
+            command, client, set(engines), asked=frozenset(engines), timeout=timeout,
+            fail_fast=fail_fast, note=note,
+        )  # fmt: skip
         self.answered.clear()
         return self.round
+
+    def undo_round(self, failed: ControlRound, live: Iterable[bytes]) -> ControlRound | None:
+        """After a failed pause, the round of the unpause that takes it back on every `live`
+        engine it went to that did not refuse or fail it (it paused, or is still pausing: an
+        unpause withdraws that); None when there is none. The FSM never left RUNNING."""
+        targets = [i for i in live if i in failed.asked and i not in failed.failed]
+        if not targets:
+            return None
+        timeout = min(self.control_timeout, UNDO_TIMEOUT_S)
+        return self.open(ControlCommand.UNPAUSE, failed.client, targets, timeout=timeout)
 
     def answer(self, engine: bytes, name: str, command: str | None = None, **said) -> bool:
         """Record an engine's answer to the round in flight (to `command`; None: whatever it
@@ -162,16 +204,35 @@ class LifecycleControl:
         """Wait for every engine's answer (or the timeout; `name` names the late ones), end the
         round, and return the client's answer, having moved the FSM if every engine agreed (the
         outcome is logged to `log`)."""
-        timeout = (
-            self.stop_timeout if round_.command == ControlCommand.STOP else self.control_timeout
-        )
+        await self._wait(round_, name)
+        return self._outcome(round_, log)
+
+    async def close_undo(
+        self, round_: ControlRound, name: Callable[[bytes], str], failed: ErrorReply, log
+    ) -> ErrorReply:
+        """Wait for the answers to `undo_round`'s unpause; the failed pause's reply `failed`,
+        saying whether every rank runs again."""
+        await self._wait(round_, name)
+        if round_.ok:
+            text = f"{failed.text}; every rank that had paused or was pausing runs again"
+        else:
+            text = f"{failed.text}; undoing it failed too: {'; '.join(round_.errors)}"
+            log.error("undoing a failed pause failed", errors=round_.errors)
+        return ErrorReply(failed.code, text, None)
+
+    async def _wait(self, round_: ControlRound, name: Callable[[bytes], str]) -> None:
+        if round_.timeout is not None:
+            timeout = round_.timeout
+        elif round_.command == ControlCommand.STOP:
+            timeout = self.stop_timeout
+        else:
+            timeout = self.control_timeout
         if not round_.done:
             try:
                 await asyncio.wait_for(self.answered.wait(), timeout)
             except TimeoutError:
                 round_.time_out(sorted(name(i) for i in round_.waiting), timeout)
         self.round = None
-        return self._outcome(round_, log)
 
     def _outcome(self, round_: ControlRound, log) -> ControlAck | ErrorReply:
         command, sender = str(round_.command), peer_name(round_.client)
@@ -201,15 +262,13 @@ def peer_name(identity: bytes | None) -> str:
 
 
 def _bad_fields(msg) -> str | None:
-    """What makes a weight control unusable whatever the state, or None."""
+    """What makes a control unusable whatever the state, or None."""
     if isinstance(msg, UpdateWeights) and (msg.path is None) == (msg.state is None):
         return "update_weights needs exactly one of path and state"
     if isinstance(msg, UpdateWeightsFromDistributed) and not any(msg.buckets):
         return "update_weights_from_distributed needs at least one non-empty bucket"
-    if isinstance(msg, Pause) and msg.mode == PauseMode.WAIT:
-        return "pause mode wait is not built yet (keep and abort are)"
-    if isinstance(msg, Pause) and msg.clear_cache:
-        return "pause(clear_cache=True) is not built yet"
+    if isinstance(msg, Pause) and msg.timeout is not None and not 0 < msg.timeout < math.inf:
+        return f"pause: timeout {msg.timeout} is not a positive number of seconds"
     if isinstance(msg, InitWeightTransfer):
         g = msg.group
         if not 0 < g.master_port < 65536:

@@ -10,8 +10,10 @@ coordinator in one `StepOutputs` per step (and one per abort, refused submission
 that ends requests between steps), never one message per request.
 
 Lifecycle (actors/engine/controls.py, a base of this actor): PAUSE stops planning, waits for the
-steps in flight and then acks (requests keep their KV, submissions queue); SUSPEND / RESUME /
-weight updates go to the gpu actor; UNPAUSE starts stepping again. A control runs as a task of
+steps in flight and then acks (requests keep their KV or are aborted, submissions queue; mode
+wait first stops admitting and lets the requests that started finish); SUSPEND / RESUME /
+weight updates go to the gpu actor; FLUSH_CACHE drops the cached prefix; UNPAUSE starts stepping
+again (or withdraws a pause still pending). A control runs as a task of
 its own (in arrival order), so the receive loop keeps taking submissions, aborts and stats while
 a step finishes or weights load.
 Time: every decision uses the time of the inbound message that caused it (`self.now`), so a
@@ -130,8 +132,10 @@ class EngineActor(EngineControls, Actor):
         if overlap is None:  # synchronous rounds need steps that do not overlap (ep.py)
             overlap = load.device.startswith("cuda") and not config.use_synchronous_zmq_collectives
         self.overlap = overlap
-        self.pause_mode = PauseMode.KEEP  # of the last pause (controls.py)
-        self.pause_waiters: list[Envelope] = []  # expert parallel: pauses the group owes
+        self.pause_mode = PauseMode.KEEP  # of the last pause, and its clear_cache (controls.py)
+        self.pause_clear = False
+        self.pause_waiters: list[Envelope] = []  # pauses not answered yet (controls.py)
+        self.drain_progress = asyncio.Event()  # set after steps and aborts (a pause in mode wait)
         self.suspended_mode: KVCacheManagementMode | None = None  # of the last suspend
         self.ep, self.ep_driver = ep, None
         if ep is not None:
@@ -281,6 +285,7 @@ class EngineActor(EngineControls, Actor):
         if ended is not None:
             await self.steps.emit([ended])
         self.work.set()
+        self.drain_progress.set()
 
     async def on_stop(self, env: Envelope, msg: Stop) -> None:
         self.spawn(self._stop_after_step())
@@ -339,17 +344,19 @@ class EngineActor(EngineControls, Actor):
     async def _step_loop(self) -> None:
         while True:
             await self.work.wait()
-            if not self._may_plan():
+            if self._may_plan():
+                async with self.device_lock:
+                    await self._run_steps()
+            else:
                 self.work.clear()
-                continue
-            async with self.device_lock:
-                await self._run_steps()
+            self.drain_progress.set()  # (a pause in mode wait looks whether it is done)
 
     def _may_plan(self) -> bool:
         return (
             self.state == LifecycleState.RUNNING
             and not self.waiting_for_device
             and self.scheduler.has_work()
+            and not self.draining_done()
         )
 
     @contextlib.asynccontextmanager

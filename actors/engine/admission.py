@@ -12,14 +12,19 @@ from __future__ import annotations
 
 from taipan.actors.engine.batch import Draft
 from taipan.actors.engine.request import EngineRequest, Status
+from taipan.actors.engine.routing import fill_from_cache, shareable_with_routing
 from taipan.messages.requests import EventType
 
 
 def admit(sched, draft: Draft, now: float) -> None:
     """4. Waiting requests, FIFO, while the budgets, the blocks and the live Mamba slots
-    allow, and only while nobody waits paused (those come first)."""
+    allow, and only while nobody waits paused (those come first). While `sched.admitting` is
+    off (a pause in mode wait drains), only requests that started before (evicted ones, queued
+    first) come back."""
     while sched.waiting and not sched.paused:
         req = sched.waiting[0]
+        if not (sched.admitting or req.admissions):
+            break
         if len(sched.running) >= sched.plan.max_requests or req.steps_in_flight:
             break  # (an evicted request comes back once its last token is known)
         if sched.mamba is not None and not sched.mamba.live_free:
@@ -68,6 +73,9 @@ def _start(sched, req, draft: Draft, now: float, n, need, cost, blocks, restore)
     draft.take(req, n, need, cost)
     if sched.prefix is not None:
         sched.prefix.pin(req, blocks, draft.pins)
+        if req.routed is not None:
+            fill_from_cache(req, len(blocks), sched.prefix.routing_of, sched.plan.block_size)
+    req.admissions += 1
     req.status = Status.RUNNING
     req.add_event(EventType.ADD_CONTEXT, now)
     sched.running.append(req)
@@ -99,6 +107,10 @@ def _shared_prefix(sched, req: EngineRequest) -> tuple[list[int], int] | None:
     if req.wants_prompt_log_probs and len(req.prompt_log_probs) < len(req.prompt) - 1:
         return [], 0  # it needs every prompt position's logits
     blocks, wait = px.match(req.hashes)
+    if req.routed is not None:  # only blocks whose routing is kept (actors/engine/routing.py)
+        keep = shareable_with_routing(req, len(blocks), px.routing_of, px.block_size)
+        if keep < len(blocks):
+            blocks, wait = blocks[:keep], False
     if wait:
         return None
     return blocks, px.cost(blocks)

@@ -39,6 +39,9 @@ class StepBatch:
     pins: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
     regs: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
     drop_cache: bool = False
+    # The weights it runs with (the scheduler's `salt` when planned): the version of the tokens
+    # it samples. Weights change only between steps, with none in flight.
+    weight_version: int = 0
     # Hybrids (the step's MambaOps, messages/mamba_cache.py): requests that take a live slot,
     # snapshots read (hashes) and written ((request, hash, tokens into its chunk); their slots
     # come with the reply),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from taipan.actors.engine.batch import StepBatch
+from taipan.messages.requests import LogprobsMode
 
 
 def plan_arrays(batch: StepBatch, block_size: int, hybrid: bool) -> dict[str, np.ndarray]:
@@ -65,6 +66,7 @@ def plan_arrays(batch: StepBatch, block_size: int, hybrid: bool) -> dict[str, np
     tables = np.asarray(padded, dtype=np.int32).reshape(len(batch.chunks), width)
     reqs = [c.request for c in batch.chunks]
     from_previous = max(prev_rows) >= 0
+    processed = [r.sampling.logprobs_mode is LogprobsMode.PROCESSED for r in reqs]
     mamba = {}
     if hybrid:
         # A chunk from position 0 starts from zeros, a restored one from its snapshot, any
@@ -104,6 +106,13 @@ def plan_arrays(batch: StepBatch, block_size: int, hybrid: bool) -> dict[str, np
         "prompt_targets": targets.array(np.int32),
         # Empty when no row reads the step in flight (the gpu then takes input_ids as is).
         "prev_rows": np.asarray(prev_rows if from_previous else [], dtype=np.int32),
+        # Empty when every row's log-probs are raw (the plan's default).
+        "logprobs_mode": np.asarray(processed if any(processed) else [], dtype=np.int8),
+        # Whether a chunk computes positions whose routed experts its request still wants.
+        "return_routed_experts": any(
+            c.request.routed is not None and c.start + c.num_new_tokens > c.request.routed.filled
+            for c in batch.chunks
+        ),
     }
 
 

@@ -27,6 +27,13 @@ checks that the engine stepped only as the agreements allow (a round first whene
 schedule says so; no step after an agreement to idle or to pause) and knows a dummy step (an
 empty StepPlan, `wire.dummy_plan`) from the scheduler's own.
 
+Pauses (actors/engine/controls.py): a pause in mode wait stops admission when it arrives; what
+a pause does once the rank has stopped (abort every request; with clear_cache, a step of its own
+that drops the cached prefix) happens where the live engine does it: alone, at the first moment
+no step is in flight (mode wait: once no request that started is left, after which the engine
+plans nothing); in a group, where the group meets at the "paused" barrier. A FlushCache's step
+comes at the first moment no step is in flight. An Unpause before then withdraws the pause.
+
 Pure: decoded messages in, a divergence text out. No sockets, no torch.
 """
 
@@ -45,11 +52,11 @@ from taipan.actors.engine.flow import EngineError, StepFlow
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import Scheduler
 from taipan.messages.allocator import AllocatorReady, BlockOps, BlockOpsReply
-from taipan.messages.codec import MessageError, encode
+from taipan.messages.codec import MessageError, same_encoding
 from taipan.messages.common import ErrorReply
 from taipan.messages.consensus import ROUND_MESSAGES, BarrierPoint, EpBarrier, EpHello, EpVote
 from taipan.messages.gpu import GpuControlReply, ModelLoaded, NoStep, StepPlan, StepResult
-from taipan.messages.lifecycle import Pause, PauseMode, Stop
+from taipan.messages.lifecycle import FlushCache, Pause, PauseMode, Stop, Unpause
 from taipan.messages.mamba_cache import MambaOps, MambaOpsReply
 from taipan.messages.requests import AbortRequest, EngineSubmit, FinishReason, StepOutputs
 from taipan.messages.summary import summarize
@@ -63,6 +70,7 @@ class EpMirror:
         self.book: RoundBook | None = None
         self.early: list = []  # peers' messages before this rank's hello named its group
         self.voted = False  # a round came since the last step
+        self.paused = False  # the group just met at the "paused" barrier (EngineReplay takes it)
 
     def own(self, msg) -> str | None:
         if self.book is None:
@@ -91,6 +99,7 @@ class EpMirror:
         elif msgs and isinstance(msgs[0], EpBarrier) and msgs[0].point is BarrierPoint.PAUSED:
             self.schedule.reset()
             self.voted = False
+            self.paused = True
         return None
 
     def step(self) -> str | None:
@@ -129,19 +138,44 @@ class EngineReplay:
         self.requests: dict[int, EngineRequest] = {}  # the replay's, until their terminal output
         self.sent: dict[int, list[int]] = {}  # tokens the engine sent each of them so far
         self.ep = EpMirror(config)  # used once the log shows consensus rounds
-        self.abort_due = False  # a pause in mode abort came; it applies once no step is in flight
+        self.pause_due: Pause | None = None  # a pause whose effects are still to come
+        self.paused = False  # the engine is paused (it refuses another pause)
+        self.flush_due = False  # a FlushCache came; its step comes once no step is in flight
+        self.flush_next = False  # the next plan is the step that drops the cached prefix
 
     # --- inbound ------------------------------------------------------------------------------
 
     def inbound(self, channel: str, msg, time: float) -> str | None:
         """`msg` None: the frames did not decode (the engine's clock still moved)."""
         problem = self._inbound(channel, msg, time)
-        if problem is None and self.abort_due and self.flow is not None and self.flow.idle:
-            # pause(mode="abort"): the live engine ends every request once no step is in
-            # flight (actors/engine/controls.py paused_now), before anything else happens.
-            self.abort_due = False
-            self.sched.fail_all(FinishReason.ABORT, self.now)
+        if problem is None:
+            self._pause_effects()
         return problem
+
+    def _pause_effects(self) -> None:
+        """What a pending pause or flush does once the rank stopped (module docstring)."""
+        if self.flow is None:
+            return
+        pause = self.pause_due
+        if self.ep.paused:  # the group met at the "paused" barrier
+            self.ep.paused = False
+            if pause is not None:
+                self._paused(pause)
+        elif pause is not None and self.ep.book is None and self.flow.idle:
+            if pause.mode != PauseMode.WAIT or self.sched.drained():
+                self._paused(pause)
+        if self.flush_due and self.flow.idle:
+            self.flush_due = False
+            self.flush_next = self.sched.prefix is not None
+
+    def _paused(self, pause: Pause) -> None:
+        """As the live engine's paused_now: abort every request (mode abort), then drop the
+        cached prefix in a step of its own (clear_cache: the next plan)."""
+        self.pause_due, self.paused = None, True
+        if pause.mode == PauseMode.ABORT:
+            self.sched.fail_all(FinishReason.ABORT, self.now)
+        if pause.clear_cache:
+            self.flush_next = self.sched.prefix is not None
 
     def _inbound(self, channel: str, msg, time: float) -> str | None:
         if self.stopped:
@@ -165,8 +199,17 @@ class EngineReplay:
                 self.requests[req.request_id] = req
         elif isinstance(msg, AbortRequest) and sched is not None:
             sched.abort(msg.request_id, time)
-        elif isinstance(msg, Pause) and channel == "coordinator":
-            self.abort_due = self.abort_due or msg.mode == PauseMode.ABORT
+        elif isinstance(msg, Pause) and channel == "coordinator" and sched is not None:
+            if self.pause_due is None and not self.paused:  # (else the engine refuses it)
+                self.pause_due = msg
+                sched.admitting = sched.admitting and msg.mode != PauseMode.WAIT
+        elif isinstance(msg, Unpause) and channel == "coordinator" and sched is not None:
+            # (a pause still pending is withdrawn; a refused unpause changes nothing that
+            # matters here: a paused engine plans nothing)
+            self.pause_due, self.paused = None, False
+            sched.admitting = True
+        elif isinstance(msg, FlushCache) and channel == "coordinator":
+            self.flush_due = True
         elif isinstance(msg, Stop):
             self.stopped = True  # the engine fails everything and exits: nothing left to plan
         elif isinstance(msg, MambaOpsReply) or (
@@ -238,9 +281,11 @@ class EngineReplay:
             return self._check_outputs(msg)
         if isinstance(msg, ROUND_MESSAGES) and not self.stopped:
             try:
-                return self.ep.own(msg)
+                problem = self.ep.own(msg)
             except (ProtocolError, ValueError) as e:
                 return f"consensus: {e}"
+            self._pause_effects()
+            return problem
         if self.stopped or not isinstance(msg, BlockOps | MambaOps | StepPlan | NoStep):
             return None
         if self.sched is None:
@@ -260,7 +305,11 @@ class EngineReplay:
         if flow.dispatching is not None or len(flow.at_gpu) > 1:
             busy = flow.dispatching or flow.at_gpu[0]
             return f"{type(msg).__name__} planned while step {busy.step} is still in flight"
-        batch = self.sched.schedule(self.now)
+        if self.flush_next:  # the step of a flush: frees and the drop, no forward
+            self.flush_next = False
+            batch = self.sched.flush_cache()
+        else:
+            batch = self.sched.schedule(self.now)
         if isinstance(msg, NoStep):
             if batch.is_step:
                 return f"the engine planned no step, replay plans step {batch.step}"
@@ -335,7 +384,7 @@ class EngineReplay:
     def _compare(kind: str, replayed, frames) -> str | None:
         if replayed is None:
             return f"the engine sent {kind}, replay plans no {kind}"
-        if tuple(bytes(f) for f in encode(replayed)) == tuple(bytes(f) for f in frames):
+        if same_encoding(replayed, frames):
             return None
         return f"{kind} differs: replay plans {summarize(replayed)}"
 

@@ -1,8 +1,10 @@
-"""The engine's lifecycle controls (`EngineControls`, a base of EngineActor): pause, unpause,
-suspend, resume, weight updates (from a path, a state dict, or a trainer's weight-transfer
-group) and joining / leaving that group. Each is checked against the one transition table
-(messages/lifecycle.py `next_state`; the coordinator checks it too), runs as a task of its own in
-arrival order, and is answered with one ControlAck or ErrorReply.
+"""The engine's lifecycle controls (`EngineControls`, a base of EngineActor): pause (modes keep,
+abort, wait; clear_cache), unpause, flush_cache, suspend, resume, weight updates (from a path, a
+state dict, or a trainer's weight-transfer group) and joining / leaving that group. Each is
+checked against the one transition table (messages/lifecycle.py `next_state`; the coordinator
+checks it too), runs as a task of its own in arrival order, and is answered with one ControlAck
+or ErrorReply, except a pause withdrawn by an unpause before it completed (the coordinator gave
+up on it: a timeout, or another rank failed), which the unpause's ack answers for.
 
 The gpu controls run between steps (`_between_steps`), under expert parallelism on every rank of
 the group or on none (`_group_control`: a rank that fails makes the others undo theirs; weights
@@ -11,8 +13,9 @@ are staged everywhere and committed only once every rank staged them). An update
 failed part way leaves the weights incomplete (the gpu actor says so in every reply): unpause is
 refused until a complete update lands.
 
-Owns: `state`, `weight_version`, `weights_incomplete`, `suspended_mode`, `pause_waiters`. Must
-not touch the step protocol (step.py) beyond waiting for it to hand over the channels.
+Owns: `state`, `weight_version`, `weights_incomplete`, `suspended_mode`, the pending pause
+(`pause_waiters`, `pause_mode`, `pause_clear`) and the scheduler's `admitting` switch. Must not
+touch the step protocol (step.py) beyond waiting for it to hand over the channels.
 """
 
 from __future__ import annotations
@@ -29,8 +32,10 @@ from taipan.messages.lifecycle import (
     CloseWeightTransfer,
     ControlAck,
     ControlCommand,
+    FlushCache,
     InitWeightTransfer,
     KVCacheManagementMode,
+    LifecycleState,
     Pause,
     PauseMode,
     Resume,
@@ -56,6 +61,7 @@ class EngineControls:
         UpdateWeightsFromDistributed: "on_update_from_distributed",
         InitWeightTransfer: "on_init_transfer",
         CloseWeightTransfer: "on_close_transfer",
+        FlushCache: "on_flush_cache",
     }
 
     async def _refuse(self, env: Envelope, command: ControlCommand) -> bool:
@@ -82,39 +88,104 @@ class EngineControls:
         self.spawn(in_order())
 
     async def on_pause(self, env: Envelope, msg: Pause) -> None:
+        """A pause is pending (`pause_waiters`) until it completes. Keep and abort: no new step
+        starts now, the ack comes once the steps in flight end. Wait: admission stops now
+        (submissions queue), and the pause completes once every request that started has
+        ended (`draining_done`). Under expert parallelism the group pauses together: the step
+        loop votes `pause_ready` and the ack comes once every rank paused (ep.py)."""
         if await self._refuse(env, ControlCommand.PAUSE):
             return
-        unbuilt = _unbuilt_pause(msg)
-        if unbuilt is not None:
-            await env.reply(ErrorReply(ErrorCode.BAD_REQUEST, f"{self.name}: {unbuilt}", None))
+        if self.pause_waiters:
+            text = f"{self.name}: a pause is already pending here"
+            await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
             return
-        self.pause_mode = msg.mode
+        self.pause_mode, self.pause_clear = msg.mode, msg.clear_cache
+        self.pause_waiters.append(env)
+        if msg.mode == PauseMode.WAIT:
+            self.scheduler.admitting = False
+        self.work.set()
         if self.ep_driver is not None:
-            # The group pauses together: the step loop votes this flag and acks once every
-            # rank has (actors/engine/ep.py), after `paused_now`.
-            if self.pause_waiters:
-                text = f"{self.name}: pause is already waiting for the expert-parallel group"
-                await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
-                return
-            self.pause_waiters.append(env)
-            self.work.set()
+            return
+        if msg.mode == PauseMode.WAIT:
+            self.spawn(self._pause_when_drained(env))
             return
         self.state = next_state(self.state, ControlCommand.PAUSE)  # no new step starts now
         self._control_task(self._pause_after_step(env))
 
+    def pause_ready(self) -> bool:
+        """A pause is pending and this rank may stop now (mode wait: once drained)."""
+        if not self.pause_waiters:
+            return False
+        return self.pause_mode != PauseMode.WAIT or self.scheduler.drained()
+
+    def draining_done(self) -> bool:
+        """A pause in mode wait is pending and every request that started has ended: plan no
+        more steps (the pause completes next; the frees wait for the unpause or a flush)."""
+        return self.pause_mode == PauseMode.WAIT and self.pause_ready()
+
+    async def _pause_when_drained(self, env: Envelope) -> None:
+        """Mode wait, one rank: wait for the drain (the step loop sets `drain_progress` after
+        every run of steps and every abort), then pause. No bound here: the coordinator's
+        timeout withdraws the pause with an Unpause (`on_unpause`)."""
+        while env in self.pause_waiters and not self.scheduler.drained():
+            self.drain_progress.clear()
+            await self.drain_progress.wait()
+        if env in self.pause_waiters:
+            self.state = next_state(self.state, ControlCommand.PAUSE)
+            self._control_task(self._pause_after_step(env))
+
     async def _pause_after_step(self, env: Envelope) -> None:
         async with self._between_steps():  # the steps in flight end before the ack
+            if env not in self.pause_waiters:
+                return  # withdrawn by an unpause meanwhile (which answered)
+            self.pause_waiters.remove(env)
             await self.paused_now()
             await self._ack(env, ControlCommand.PAUSE)
 
     async def paused_now(self) -> None:
-        """The rank has stopped stepping (no step in flight): apply the pause's mode. ABORT ends
-        every request it holds (each with its tokens so far and finish_reason "abort"; its
-        blocks are freed with the next plan)."""
+        """The rank has stopped stepping (no step in flight; the caller holds the channels):
+        apply the pause's mode. ABORT ends every request it holds (each with its tokens so far
+        and finish_reason "abort"; its blocks are freed with the next plan). Then, with
+        `clear_cache`, the cached prefix goes (`_flush`)."""
         if self.pause_mode == PauseMode.ABORT:
             await self.steps.emit(self.scheduler.fail_all(FinishReason.ABORT, self.now))
+        if self.pause_clear:
+            await self._flush()
+
+    async def _flush(self) -> None:
+        """Drop every cached prefix block and Mamba snapshot no request holds: one step that
+        runs no forward tells the allocator (scheduler.py `flush_cache`); the evicted hashes go
+        to the coordinator's routing table with it. No step may be in flight."""
+        batch = self.scheduler.flush_cache()
+        if batch is not None:
+            await self.steps.dispatch(batch)
+
+    async def on_flush_cache(self, env: Envelope, msg: FlushCache) -> None:
+        if await self._refuse(env, ControlCommand.FLUSH_CACHE):
+            return
+        self._control_task(self._flush_between_steps(env))
+
+    async def _flush_between_steps(self, env: Envelope) -> None:
+        async with self._between_steps():
+            await self._flush()
+        await self._ack(env, ControlCommand.FLUSH_CACHE)
+
+    def _withdraw_pause(self) -> None:
+        """An unpause came while a pause is still pending (the coordinator gave up on it: a
+        timeout, or another rank failed): forget it without an answer (the unpause's ack
+        answers for it) and admit again."""
+        if self.pause_waiters:
+            self.log.info("pause withdrawn by unpause", mode=str(self.pause_mode))
+        self.pause_waiters.clear()
+        self.scheduler.admitting = True
+        self.drain_progress.set()
+        self.work.set()
 
     async def on_unpause(self, env: Envelope, msg: Unpause) -> None:
+        if self.pause_waiters and self.state is LifecycleState.RUNNING:
+            self._withdraw_pause()  # (mode wait draining, or a group not yet paused)
+            await self._ack(env, ControlCommand.UNPAUSE)
+            return
         if await self._refuse(env, ControlCommand.UNPAUSE):
             return
         if self.weights_incomplete:
@@ -125,7 +196,7 @@ class EngineControls:
             await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, text, None))
             return
         self.state = next_state(self.state, ControlCommand.UNPAUSE)
-        self.work.set()
+        self._withdraw_pause()  # (a keep or abort pause whose ack is still to come)
         await self._ack(env, ControlCommand.UNPAUSE)
 
     async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
@@ -293,12 +364,3 @@ class EngineControls:
             self.weight_version = reply.weight_version
             self.scheduler.new_weights(reply.weight_version)
             await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
-
-
-def _unbuilt_pause(msg: Pause) -> str | None:
-    """Why this pause cannot be served (a part of it not built yet), or None."""
-    if msg.mode == PauseMode.WAIT:
-        return "pause mode wait is not built yet (keep and abort are)"
-    if msg.clear_cache:
-        return "pause(clear_cache=True) is not built yet"
-    return None

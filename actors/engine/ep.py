@@ -265,10 +265,14 @@ class EpDriver:
         self.schedule = ConsensusSchedule(interval, disabled)
         self.stuck = False  # work that cannot run until something changes (votes 0)
 
-    def local_work(self) -> int:
+    def local_work(self, take: bool = True) -> int:
+        """This rank's work count. `take`: a vote includes everything up to now, so it takes
+        the `work` event; the action after a vote only peeks (a submission that came while
+        the round ran must wake the next round of an idle group, not be taken unvoted)."""
         e = self.engine
         if e.work.is_set():  # a submission, abort or control since: try again
-            e.work.clear()
+            if take:
+                e.work.clear()
             self.stuck = False
         return 0 if self.stuck else e.scheduler.pending()
 
@@ -281,9 +285,9 @@ class EpDriver:
                     await e.steps.collect()  # an idle group has no step in flight
                     await self._free_idle()
                     await self.group.wait_for_reason(e.work)
-                pausing = bool(e.pause_waiters)
+                pausing = e.pause_ready()  # (mode wait: once this rank has drained)
                 self.schedule.agreed(await self.group.vote(self.local_work(), pausing))
-            action = self.schedule.action(self.local_work())
+            action = self.schedule.action(self.local_work(take=False))
             if action is Action.PAUSE:
                 await self._pause()
             elif action is not Action.IDLE:
@@ -321,12 +325,18 @@ class EpDriver:
 
     async def _pause(self) -> None:
         """Every rank asked to pause: stop after this step, meet at the barrier, acknowledge,
-        and wait for the unpause."""
+        and wait for the unpause. A rank whose pause an unpause withdrew meanwhile (the
+        coordinator gave up on it) goes on stepping; its peers get their unpause too."""
         e = self.engine
         await e.steps.collect()
         await self.group.barrier(BarrierPoint.PAUSED)
+        if not e.pause_waiters:
+            self.schedule.reset()
+            self.stuck = False
+            return
         e.state = next_state(e.state, ControlCommand.PAUSE)
-        await e.paused_now()  # (the pause's mode: every rank of the group alike)
+        async with e.device_lock:  # (a flush sends the allocator a step of its own)
+            await e.paused_now()  # (the pause's mode: every rank of the group alike)
         waiters, e.pause_waiters = e.pause_waiters, []
         for env in waiters:
             await e._ack(env, ControlCommand.PAUSE)

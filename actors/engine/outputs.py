@@ -18,11 +18,20 @@ from taipan.messages.requests import EventType, FinishReason, RequestOutput
 
 
 def append_token(
-    r: EngineRequest, res: StepResult, i: int, now: float, plan: RuntimePlan, track_events: bool
+    r: EngineRequest,
+    res: StepResult,
+    i: int,
+    now: float,
+    plan: RuntimePlan,
+    track_events: bool,
+    weight_version: int,
 ) -> FinishReason | None:
-    """Append row i's sampled token (and its log-probs) to `r`; the reason it ends, if any."""
+    """Append row i's sampled token (and its log-probs), sampled with the weights of
+    `weight_version`, to `r`; the reason it ends, if any."""
     tok = int(res.token_ids[i])
     r.generated.append(tok)
+    if not r.weight_versions or r.weight_versions[-1][0] != weight_version:
+        r.weight_versions.append((weight_version, len(r.generated) - 1))
     if r.first_token_time is None:
         r.first_token_time = now
     r.last_token_time = now
@@ -72,11 +81,14 @@ def drop_tail(r: EngineRequest, n: int) -> None:
     del r.generated[len(r.generated) - n :]
     del r.log_probs[len(r.generated) :]
     del r.top_n[len(r.generated) :]
+    while r.weight_versions and r.weight_versions[-1][1] >= len(r.generated):
+        r.weight_versions.pop()
 
 
 def output_of(r: EngineRequest) -> RequestOutput:
     """The next RequestOutput of `r`: its streamable tokens (all, once it has ended), their
-    log-probs, and on the terminal output the prompt log-probs, events and timings."""
+    log-probs, and on the terminal output the prompt log-probs, events, timings and routed
+    experts."""
     start = r.num_streamed
     stop = start + r.ready_to_stream() if r.stream else len(r.generated)
     if r.finish_reason is not None:
@@ -88,6 +100,8 @@ def output_of(r: EngineRequest) -> RequestOutput:
         kw["log_probs"] = np.asarray(r.log_probs[start:stop], dtype=np.float32)
     if r.sampling.top_n_logprobs:
         kw["top_n_ids"], kw["top_n_log_probs"] = _stack(r.top_n[start:stop], r.sampling)
+    if stop > start:
+        kw["weight_versions"] = version_spans(r.weight_versions, start, stop)
     if finished:
         if r.wants_prompt_log_probs:
             kw["prompt_log_probs"] = np.asarray(r.prompt_log_probs, dtype=np.float32)
@@ -103,6 +117,8 @@ def output_of(r: EngineRequest) -> RequestOutput:
             policy_staleness=policy,
             kv_cache_staleness=kv,
         )
+        if r.routed is not None:  # every position but the last token's (never run)
+            kw["routed_experts"] = r.routed.first(r.num_tokens - 1)
     return RequestOutput(
         r.request_id,
         np.asarray(r.generated[start:stop], dtype=np.int32),
@@ -114,6 +130,17 @@ def output_of(r: EngineRequest) -> RequestOutput:
         r.num_cached_tokens,
         **kw,
     )
+
+
+def version_spans(spans: list[tuple[int, int]], start: int, stop: int) -> np.ndarray:
+    """int64[S, 2]: the (version, first token index) spans of `spans` (over all generated
+    tokens) that cover tokens [start, stop), the first one cut to begin at `start`."""
+    out = []
+    for j, (version, first) in enumerate(spans):
+        end = spans[j + 1][1] if j + 1 < len(spans) else stop
+        if first < stop and end > start:
+            out.append((version, max(first, start)))
+    return np.asarray(out, dtype=np.int64).reshape(-1, 2)
 
 
 def _stack(pairs, sampling) -> tuple[np.ndarray, np.ndarray]:

@@ -42,6 +42,9 @@ class PrefixIndex:
         self.block_of: dict[int, int] = {}
         self.refs = np.zeros(num_blocks, dtype=np.int32)
         self.writing: dict[int, int] = {}  # hash -> step that writes it
+        # Routed experts of cached blocks, hash -> [block_size, MoE layers, top_k], kept while
+        # the hash is cached, for blocks registered by a request that asked (routing.py).
+        self.routing_of: dict[int, np.ndarray] = {}
         self.drop_pending = False  # the next BlockOps tells the allocator to drop every hash
         # Counters (stats): prompt tokens of admitted requests, of which skipped (cached), and
         # prefill tokens computed; the allocator's counts after its last reply.
@@ -79,7 +82,7 @@ class PrefixIndex:
             req.num_cached_tokens = req.num_computed_tokens
             self.prompt_tokens += len(req.prompt)
             self.cached_tokens += req.num_computed_tokens
-        req.admissions += 1
+        # (admission.py counts the admission: `admissions` is 0 here at the first one)
 
     def register(self, r: EngineRequest, num_new_tokens: int, step: int, regs: list) -> None:
         """`r` runs a chunk of `num_new_tokens` from its computed tokens (not yet advanced) in
@@ -125,12 +128,14 @@ class PrefixIndex:
         from now on, and the next BlockOps tells the allocator."""
         self.block_of.clear()
         self.writing.clear()
+        self.routing_of.clear()
         self.drop_pending = True
 
     def apply(self, reply: BlockOpsReply, dropped: bool) -> None:
         """The allocator's events of one step (evictions happen before registrations);
         `dropped`: that step dropped the cache (its evictions name hashes already forgotten)."""
         for h in reply.evicted_hashes.tolist():
+            self.routing_of.pop(h, None)
             if self.block_of.pop(h, None) is None and not dropped:
                 raise RuntimeError(f"the allocator evicted hash {h}, which the engine never saw")
         for h, b in zip(reply.added_hashes.tolist(), reply.added_blocks.tolist(), strict=True):

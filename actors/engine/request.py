@@ -13,6 +13,7 @@ import enum
 import numpy as np
 
 from taipan.actors.engine.history import RequestHistory
+from taipan.actors.engine.routing import RoutedExperts
 from taipan.messages.requests import EventType, FinishReason, RequestEvent, SamplingParams
 
 
@@ -71,6 +72,12 @@ class EngineRequest:
     prompt_log_probs: list[float] = dataclasses.field(default_factory=list)
     prompt_top_n: list[tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=list)
     history: RequestHistory = dataclasses.field(default_factory=RequestHistory)
+    # The weight version of each generated token, as spans (version, index in `generated` of
+    # the first token sampled with it); a new span starts where the version changes.
+    weight_versions: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Routed experts (SamplingParams.return_routed_experts), kept across preemption and
+    # recompute (actors/engine/routing.py); None: not asked.
+    routed: RoutedExperts | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -48,6 +48,9 @@ A request that can never fit (see `check`) fails at submission.
 # shares nothing (it needs every prompt logit). Each complete prompt block a planned chunk writes
 # is registered with the allocator in that step's BlockOps; it becomes shareable when that step's
 # result is applied, and a request whose next block is still being written waits (FIFO).
+# A request that wants its routed experts shares only the leading cached blocks whose routing
+# it has already or the cache keeps with them (actors/engine/routing.py), and takes the kept
+# routing for positions it has none of.
 #
 # Hybrid models (DESIGN.md §6, actors/engine/mamba.py): each admitted request takes a live Mamba
 # slot from the mamba_cache actor (one MambaOps per step, beside the BlockOps). Mamba state is
@@ -70,6 +73,7 @@ from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status
+from taipan.actors.engine.routing import keep_block_routing, take_step
 from taipan.messages.allocator import PrefixCachingEvictionPolicy
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
@@ -111,6 +115,8 @@ class Scheduler:
         if prefix_policy is not None:
             self.prefix = PrefixIndex(plan.num_blocks, plan.block_size, prefix_policy)
         self.salt = 0  # the weight version: block hashes are salted with it
+        # Off while a pause in mode wait drains: no new request starts (evicted ones do).
+        self.admitting = True
         # Hybrid models: the mirror of the mamba_cache actor's slots. A request takes a live
         # slot when admitted and gives it back when it finishes or is evicted; a paused one
         # keeps it. A slot given back may be handed out at once: its new owner reads zeros or a
@@ -150,6 +156,11 @@ class Scheduler:
             )
         if -(-total // p.block_size) > p.num_blocks:
             return f"needs {-(-total // p.block_size)} KV blocks; the pool has {p.num_blocks}"
+        if sampling.return_routed_experts and not p.moe_layers:
+            return (
+                "return_routed_experts needs a mixture-of-experts model; this model has no "
+                "MoE layers"
+            )
         return None
 
     def add(self, req: EngineRequest, now: float) -> None:
@@ -176,8 +187,18 @@ class Scheduler:
 
     def pending(self) -> int:
         """The requests held (waiting, running, paused): the expert-parallel vote's work count.
-        Blocks still to free need no forward (they ride along with the next plan)."""
-        return len(self.waiting) + len(self.running) + len(self.paused)
+        Blocks still to free need no forward (they ride along with the next plan). While not
+        `admitting`, only waiting requests that started before count."""
+        waiting = len(self.waiting)
+        if not self.admitting:
+            waiting = sum(1 for r in self.waiting if r.admissions)
+        return waiting + len(self.running) + len(self.paused)
+
+    def drained(self) -> bool:
+        """Whether every request that started has ended (none running, paused, or evicted and
+        waiting to come back): what a pause in mode wait waits for. Requests that never started
+        may still wait."""
+        return not (self.running or self.paused or any(r.admissions for r in self.waiting))
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -289,6 +310,7 @@ class Scheduler:
         batch = StepBatch(self.step, draft.chunks, free_ids, ended, draft.pins, draft.regs, drop)
         batch.mamba_live, batch.mamba_restore = draft.mamba_live, draft.mamba_restore
         batch.mamba_snaps = snaps
+        batch.weight_version = self.salt
         if batch.has_mamba_ops:
             batch.mamba_free, batch.mamba_invalidate, batch.mamba_drop = self.mamba.take_pending()
         return batch
@@ -332,6 +354,19 @@ class Scheduler:
         req.add_event(EventType.EVICT, now)
         self.waiting.appendleft(req)
         self.num_evicted_total += 1
+
+    def flush_cache(self) -> StepBatch | None:
+        """Drop every cached prefix block and Mamba snapshot (pause(clear_cache=True), flush_cache;
+        no step may be in flight): the step that tells the allocator, with the frees waiting
+        (it runs no forward), or None without prefix caching. Blocks that requests hold stay
+        theirs, no longer shared; the Mamba pool drops its snapshots with the next MambaOps
+        (the mirror forgets them now, so none is restored meanwhile)."""
+        if self.prefix is None:
+            return None
+        if self.steps_in_flight:
+            raise RuntimeError("flush_cache with a step in flight")
+        self._drop_cached()
+        return self._batch(Draft(0, 0), [], [])
 
     def invalidate_kv(self) -> None:
         """Every cached K/V is gone (a resume after suspend in "recompute" mode): requests keep
@@ -383,6 +418,11 @@ class Scheduler:
                 self.mamba.done_writing(batch.step, [h for _, h, _ in batch.mamba_snaps])
             if result is None:
                 self._drop_cached()  # the step's blocks (and snapshots) may hold no valid state
+        if result is not None and len(result.routed_experts):
+            take_step(batch, result.routed_experts)
+            if self.prefix is not None and batch.regs:
+                px = self.prefix
+                keep_block_routing(batch, px.routing_of, px.block_of, self.plan.block_size)
         for i, c in enumerate(batch.chunks):
             r = c.request
             r.steps_in_flight -= 1
@@ -402,7 +442,9 @@ class Scheduler:
             if not c.samples:
                 continue
             r.num_pending -= 1
-            reason = append_token(r, result, i, now, self.plan, self.track_token_events)
+            reason = append_token(
+                r, result, i, now, self.plan, self.track_token_events, batch.weight_version
+            )
             if reason is not None:
                 self._finish(r, reason, now=now)
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):

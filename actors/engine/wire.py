@@ -12,6 +12,7 @@ import numpy as np
 from taipan.actors.config import InferenceConfig, RuntimePlan, plan_limits
 from taipan.actors.engine.batch_arrays import plan_arrays
 from taipan.actors.engine.request import EngineRequest
+from taipan.actors.engine.routing import RoutedExperts
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
 from taipan.messages.allocator import AllocatorReady, BlockOps, PrefixCachingEvictionPolicy
 from taipan.messages.gpu import ModelLoaded, StepPlan
@@ -45,6 +46,7 @@ def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorR
         max_paused_blocks=paused,
         mamba_slots=loaded.mamba_slots,
         mamba_snapshot_slots=loaded.mamba_snapshot_slots,
+        moe_layers=loaded.moe_layers,
     )
 
 
@@ -98,6 +100,8 @@ def submission(
         msg.request_id, prompt.copy(), msg.sampling, msg.stream, msg.arrival_time, seed
     )
     req.hashes = hashes
+    if msg.sampling.return_routed_experts:
+        req.routed = RoutedExperts()
     return req, None
 
 

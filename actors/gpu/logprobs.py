@@ -1,8 +1,11 @@
 """StepResult's log-prob arrays for one step, built from its logits and hidden states.
 
 Owns which rows get log-probs (the sampled rows that ask, and every input token with a prompt
-target), the padding of the arrays (NaN, and -1 ids) and how many prompt rows go through the
-logits at a time. The math is ops/logprobs.py's. Must not touch the worker's state, the KV
+target), the padding of the arrays (NaN, and -1 ids), which sampled rows are processed
+(StepPlan.logprobs_mode; prompt log-probs are always raw) and how many prompt or processed rows
+go through the logits at a time. The math is ops/logprobs.py's. It runs after the step's forward
+and sampling, on the logits they left (a graph's static buffer is read, never written), so it is
+the same code eager or after a CUDA graph's replay. Must not touch the worker's state, the KV
 cache or the sampled tokens: it reads tensors and returns numpy arrays (a device-to-host wait).
 """
 
@@ -14,11 +17,20 @@ import numpy as np
 import torch
 
 from taipan.messages.gpu import StepPlan
-from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
+from taipan.ops.logprobs import (
+    log_probs_and_top_n,
+    processed_log_probs_and_top_n,
+    prompt_log_probs,
+)
+from taipan.ops.sampling import GREEDY_EPS
 
 # Prompt log-probs build fp32 logits at most this many rows, and elements, at a time.
 PROMPT_LOGITS_MAX_ROWS = 1024
 PROMPT_LOGITS_MAX_ELEMENTS = 1 << 26  # 256 MiB
+# Processed log-probs sort this many logits at a time (64 MiB of fp32, and about 4x that in the
+# sort's ids and the filters' temporaries).
+PROCESSED_MAX_ELEMENTS = 1 << 24
+PROCESSED_PARAMS = ("temperature", "top_k", "top_p", "min_p")  # processed_log_probs_and_top_n's
 
 
 def wants_log_probs(plan: StepPlan) -> bool:
@@ -68,15 +80,41 @@ def _sampled_log_probs(
     only where a sampled row asks for it."""
     out = no_log_probs(len(plan.sample), n)
     wanted, counts = plan.logprobs[rows] != 0, plan.top_n[rows]
-    if wanted.any() or counts.any():
-        index = _on(rows, device, torch.int64)
-        picked, ids, values = log_probs_and_top_n(
-            logits[index], tokens[index], _on(counts, device), n
+    if not (wanted.any() or counts.any()):
+        return out
+    processed = processed_rows(plan)[rows]
+    for part, is_processed in ((~processed, False), (processed, True)):
+        if not part.any():
+            continue
+        picked, ids, values = _rows_log_probs(
+            plan, rows[part], logits, tokens, counts[part], n, device, is_processed
         )
-        out["log_probs"][rows] = np.where(wanted, picked.cpu().numpy(), np.nan)
-        out["top_n_ids"][rows] = ids.cpu().numpy()
-        out["top_n_log_probs"][rows] = values.cpu().numpy()
+        out["log_probs"][rows[part]] = np.where(wanted[part], picked.cpu().numpy(), np.nan)
+        out["top_n_ids"][rows[part]] = ids.cpu().numpy()
+        out["top_n_log_probs"][rows[part]] = values.cpu().numpy()
     return out
+
+
+def processed_rows(plan: StepPlan) -> np.ndarray:
+    """bool[B]: the sequences whose sampled log-probs are processed (logprobs_mode 1), but for
+    greedy ones, whose processed log-probs are their raw ones."""
+    if not len(plan.logprobs_mode):
+        return np.zeros(len(plan.seq_lens), dtype=bool)
+    return (plan.logprobs_mode != 0) & (plan.temperature >= GREEDY_EPS)
+
+
+def _rows_log_probs(
+    plan: StepPlan, rows, logits, tokens, counts, n: int, device, processed: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ops/logprobs.py's (log-prob, top-n ids, top-n log-probs) of sampled `rows`, raw or
+    processed with the rows' sampling parameters."""
+    index = _on(rows, device, torch.int64)
+    args = (logits[index], tokens[index], _on(counts, device), n)
+    if not processed:
+        return log_probs_and_top_n(*args)
+    params = [_on(getattr(plan, name)[rows], device) for name in PROCESSED_PARAMS]
+    chunk_rows = max(1, PROCESSED_MAX_ELEMENTS // logits.shape[1])
+    return processed_log_probs_and_top_n(*args, *params, chunk_rows=chunk_rows)
 
 
 def _prompt_log_probs(

@@ -1,10 +1,11 @@
 """A StepPlan checked on the host before the worker queues any device work for it.
 
 Owns the checks that keep a malformed plan from reaching kernels that index unchecked:
-prev_rows against the previous step's sampled rows, and every Mamba slot id (init, out,
-snapshot copies) against the slots the worker holds; each failure is a ValueError that names
-what is wrong, raised before the step touches anything. Also reads which Mamba snapshots lie
-inside a chunk (the kernels store those; the rest are copies after the forward).
+prev_rows against the previous step's sampled rows, every Mamba slot id (init, out,
+snapshot copies) against the slots the worker holds, and the rows' logprobs_mode; each failure
+is a ValueError that names what is wrong, raised before the step touches anything. Also reads
+which Mamba snapshots lie inside a chunk (the kernels store those; the rest are copies after
+the forward).
 
 Must not touch: torch, the device, the worker's state; numpy arrays of the plan in, ints out.
 """
@@ -89,3 +90,17 @@ def inner_snapshots(plan: StepPlan) -> dict[int, list[tuple[int, int]]]:
         if pos < lens[row]:
             out.setdefault(row, []).append((int(pos), int(dst)))
     return out
+
+
+def check_logprobs_mode(plan: StepPlan) -> None:
+    """logprobs_mode must be empty (all raw) or one 0 (raw) / 1 (processed) per sequence
+    (ValueError)."""
+    mode = plan.logprobs_mode
+    if not len(mode):
+        return
+    if len(mode) != len(plan.seq_lens):
+        raise ValueError(
+            f"logprobs_mode has {len(mode)} entries for {len(plan.seq_lens)} sequences"
+        )
+    if mode.min() < 0 or mode.max() > 1:
+        raise ValueError(f"logprobs_mode must be 0 (raw) or 1 (processed), got {mode.tolist()[:8]}")

@@ -13,6 +13,7 @@ suspend / resume / weight-update state (actors/gpu/controls.py, the worker's bas
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -25,7 +26,12 @@ from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.graphs import Bucket, StepGraphs
 from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
 from taipan.actors.gpu.mamba_config import mamba_config_for
-from taipan.actors.gpu.plan_checks import check_mamba_slots, check_prev_rows, inner_snapshots
+from taipan.actors.gpu.plan_checks import (
+    check_logprobs_mode,
+    check_mamba_slots,
+    check_prev_rows,
+    inner_snapshots,
+)
 from taipan.actors.gpu.sizing import PoolSizes, available_host_memory, kv_budget, size_pools
 from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
 from taipan.ops.custom_all_reduce import for_mode as custom_all_reduce_for
@@ -40,6 +46,7 @@ from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import MambaMetadata, allocate_mamba_state
 from taipan.ops.models.llama import AttentionMetadata, allocate_kv_cache, kv_cache_bytes_per_block
 from taipan.ops.models.nemotron_h import NemotronHConfig
+from taipan.ops.moe import moe_blocks, record_routing, routing_buffer
 from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.sampling import sample
 
@@ -61,6 +68,7 @@ class Launched:
     device_start: float
     began: torch.cuda.Event | None  # CUDA only
     ended: torch.cuda.Event | None
+    routed: torch.Tensor | None = None  # [T, moe layers, k] on the host, when the plan asks
 
 
 def check_device(device: torch.device) -> None:
@@ -96,6 +104,11 @@ class ModelWorker(WorkerControls):
     device-to-host sync) and build the StepResult, with the device time of the step's work
     (CUDA events) and whether a graph ran. The gpu actor launches the next step before it
     collects this one, so the device runs them back to back (`step` does both halves at once).
+
+    Routed experts (a MoE model, StepPlan.return_routed_experts): every MoE layer writes its
+    router's ids into one static buffer (ops/moe.py `record_routing`); the captured graphs
+    always do (one small copy per layer), an eager forward only when its plan asks; the step's
+    rows go to the host with its tokens.
 
     Expert parallel (LoadModel.expert_parallel_size > 1, ops/expert_parallel.py): the worker
     joins its group at load, holds its share of the routed experts, and every MoE layer
@@ -155,6 +168,11 @@ class ModelWorker(WorkerControls):
         self.all_reduce_path = ""
         self.ep: EPGroup | None = None  # its expert-parallel group (set at load), None: none
         self.exchange = None  # the MoE layers' token exchange under expert parallelism
+        # Routed experts: the model's MoE blocks and the buffer their routers' ids go to,
+        # [max_tokens, MoE layers, top_k] (None: no MoE layer). The CUDA graphs always write it
+        # (a graph cannot branch on the plan); an eager forward only when its plan asks.
+        self._moe_blocks: list = []
+        self._routing: torch.Tensor | None = None
 
     # ---- load ----------------------------------------------------------------------------------
 
@@ -191,6 +209,7 @@ class ModelWorker(WorkerControls):
             mamba_slot_bytes=slot_bytes,
             mamba_snapshot_slots=sizes.snapshot_slots,
             tensor_parallel_size=self.tp.size,
+            moe_layers=len(self._moe_blocks),
         )
 
     def _load_weights(self, msg: LoadModel, dtype, tp: TPGroup):
@@ -284,6 +303,8 @@ class ModelWorker(WorkerControls):
         buffer (captured here, against the KV cache just allocated)."""
         self.graphs = None
         self._sampled = torch.zeros(msg.max_requests, dtype=torch.int64, device=self.device)
+        self._moe_blocks = moe_blocks(self.model)
+        self._routing = routing_buffer(self._moe_blocks, msg.max_tokens, self.device)
         self._prev_sampled = np.zeros(0, dtype=bool)
         if self.device.type == "cuda":
             shape = (HOST_TOKEN_BUFFERS, msg.max_requests)
@@ -339,6 +360,7 @@ class ModelWorker(WorkerControls):
             return self._dummy(plan, start)
         check_prev_rows(plan, previous)
         check_mamba_slots(plan, self._mamba_slots, self._snapshot_slots)
+        check_logprobs_mode(plan)
         inner_snaps = inner_snapshots(plan)
         bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
@@ -351,6 +373,7 @@ class ModelWorker(WorkerControls):
             began.record()
         device_start = time.perf_counter()
         inputs, logits, hidden = self._forward_logits(plan, staged, bucket, inner_snaps)
+        routed = self._routed_to_host(plan)
         if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
             self._snapshot_chunk_ends(plan)
         tokens = self._sample(plan, inputs, logits)  # [B]
@@ -371,7 +394,7 @@ class ModelWorker(WorkerControls):
             ended.record()  # after the step's device work and the copy of its tokens
         self._prev_sampled = plan.sample != 0
         return Launched(
-            plan, rows, host, extra, bucket is not None, start, device_start, began, ended
+            plan, rows, host, extra, bucket is not None, start, device_start, began, ended, routed
         )
 
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -380,6 +403,30 @@ class ModelWorker(WorkerControls):
         self._launches += 1
         host = self._host_tokens[self._launches % len(self._host_tokens)][:num_seqs]
         return host.copy_(tokens, non_blocking=True)
+
+    @contextlib.contextmanager
+    def _recording(self, on: bool):
+        """Inside: the MoE layers write their routers' ids into `_routing` (when `on`)."""
+        if not on or self._routing is None:
+            yield
+            return
+        record_routing(self._moe_blocks, self._routing)
+        try:
+            yield
+        finally:
+            record_routing(self._moe_blocks, None)
+
+    def _routed_to_host(self, plan: StepPlan) -> torch.Tensor | None:
+        """The step's routed experts [T, MoE layers, k], copied to fresh host memory (queued
+        without waiting on CUDA: `collect` reads them after the step's end event), when the
+        plan asks; the tensor-parallel leader's only (every peer routes alike)."""
+        if not plan.return_routed_experts or self._routing is None or self.tp.rank:
+            return None
+        rows = self._routing[: len(plan.input_ids)]
+        if self.device.type != "cuda":
+            return rows.clone()  # (the next step's forward rewrites the buffer)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        return host.copy_(rows, non_blocking=True)
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
@@ -437,6 +484,8 @@ class ModelWorker(WorkerControls):
         extra = launched.extra
         if not extra:
             extra = no_log_probs(len(plan.sample), 0)
+        if launched.routed is not None:
+            extra = extra | {"routed_experts": launched.routed.numpy()}
         return StepResult(
             plan.step,
             token_ids,
@@ -458,7 +507,8 @@ class ModelWorker(WorkerControls):
             self.graphs.replay(bucket)
             inputs = self.buffers.views(num_tokens=len(plan.input_ids), num_seqs=num_seqs)
             return inputs, self._logits[:num_seqs], None
-        hidden = self._forward(plan, inputs, inner_snaps)  # [T, H]
+        with self._recording(plan.return_routed_experts):
+            hidden = self._forward(plan, inputs, inner_snaps)  # [T, H]
         # Logits for every sequence's last token (rows that do not sample are ignored):
         # their positions come from the device's query starts, so nothing travels for them.
         last = inputs["query_start_loc"][1:].long() - 1
@@ -562,7 +612,8 @@ class ModelWorker(WorkerControls):
     @torch.inference_mode()
     def _capture(self) -> None:
         start = time.perf_counter()
-        self.graphs.capture(self._graph_body, self._neutral_step)
+        with self._recording(True):
+            self.graphs.capture(self._graph_body, self._neutral_step)
         self.graph_capture_seconds = time.perf_counter() - start
 
 

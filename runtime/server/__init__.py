@@ -7,6 +7,7 @@ only those listed before it:
   metrics      the Prometheus registry behind GET /metrics
   streaming    server-sent events; a request's choices run together, aborted on disconnect
   completions  OpenAIServer: POST /v1/completions and /v1/chat/completions
+  generate     POST /generate: token ids in and out, for HTTP-driven trainers (with --api-key)
   routes       the route table and the small endpoints (health, models, tokenizer)
   app          build_app, serve (in the caller's loop), http_main (the `http` process)
 

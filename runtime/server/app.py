@@ -6,7 +6,7 @@ the metrics, OpenAI-shaped error handlers and the `--api-key` check, then the ro
 is the `http` process of `taipan serve --http-port`. Never imports torch: a tokenizer, msgpack
 and sockets only.
 
-No endpoint logic lives here (taipan.server.routes and .completions hold it).
+No endpoint logic lives here (taipan.server.routes, .completions and .generate hold it).
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ from taipan.auth import curve_keys
 from taipan.client import AsyncClient
 from taipan.server.admission import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Admission
 from taipan.server.completions import OpenAIServer
+from taipan.server.generate import GENERATE_PATH, add_generate_route
 from taipan.server.metrics import Metrics
 from taipan.server.routes import CONTROL_PATHS, add_control_routes, add_routes
 from taipan.server.schemas import APIError
 
-GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", *CONTROL_PATHS)  # --api-key
+# The paths behind --api-key.
+GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", GENERATE_PATH, *CONTROL_PATHS)
 
 
 class _KeyCheck:
@@ -89,6 +91,7 @@ def build_app(
         app.add_middleware(_KeyCheck, key=api_key, metrics=metrics)
     add_routes(app, server)
     add_control_routes(app, client, enabled=api_key is not None)
+    add_generate_route(app, client, admission, metrics, enabled=api_key is not None)
     return app
 
 

@@ -9,6 +9,9 @@ log-probs (the first token has none), and with `max_tokens` 0 only those: lm-eva
 log-likelihood requests. A bad request is refused before anything is submitted; a request the
 runtime fails is a 500 (a streamed one ends with an error event); a client that disconnects
 aborts its requests. Each request holds its slots of the bounded queue until its response ends.
+Each choice (and each streamed chunk of one) carries taipan's extension `weight_versions`: the
+weight-version spans [[version, first token index], ...] of its generated tokens (a chunk's:
+those of the tokens since the choice's previous chunk).
 
 Builds no app and registers no routes; admission and metrics are handed in.
 """
@@ -25,6 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from taipan.client import AsyncClient, Completion, Delta
 from taipan.messages.requests import FinishReason
+from taipan.outputs import join_versions
 from taipan.server.admission import Admission
 from taipan.server.metrics import Metrics
 from taipan.server.schemas import (
@@ -33,6 +37,8 @@ from taipan.server.schemas import (
     ChatBody,
     CompletionBody,
     choice_params,
+    json_log_prob,
+    json_log_probs,
     message_dict,
     openai_finish,
     openai_usage,
@@ -173,6 +179,7 @@ class OpenAIServer:
                     "logprobs": logprobs,
                     "finish_reason": finish,
                     "stop_reason": c.stop_reason,
+                    "weight_versions": c.weight_versions if tokens else [],  # taipan's
                 }
             )
         prompt_tokens = sum(len(ids) for _, ids in prompts)
@@ -191,7 +198,7 @@ class OpenAIServer:
     def _top(self, top: dict[int, float] | None) -> dict[str, float] | None:
         if top is None:
             return None
-        return {self._token_str(t): lp for t, lp in top.items()}
+        return {self._token_str(t): json_log_prob(lp) for t, lp in top.items()}
 
     def _completion_logprobs(self, body: CompletionBody, ids, c, n: int) -> dict:
         tokens: list[int] = []
@@ -213,7 +220,7 @@ class OpenAIServer:
             pos += len(s)
         return {
             "tokens": strs,
-            "token_logprobs": lps,
+            "token_logprobs": json_log_probs(lps),
             "top_logprobs": tops if body.logprobs else None,
             "text_offset": offsets,
         }
@@ -228,8 +235,10 @@ class OpenAIServer:
                 text = prompt_text if prompt_text is not None else self.client.tokenizer.decode(ids)
                 await put(k, {"index": k, "text": text, "logprobs": None, "finish_reason": None})
             count = 0
+            versions: list[tuple[int, int]] = []  # of the tokens since the last chunk sent
             async for d in self.client.stream(ids, choice_params(params, j)):
                 count += len(d.token_ids) if max_tokens else 0
+                versions = join_versions(versions, d.weight_versions if max_tokens else [])
                 chunk = {
                     "index": k,
                     "text": d.text if max_tokens else "",
@@ -247,6 +256,7 @@ class OpenAIServer:
                     )
                     chunk["stop_reason"] = d.stop_reason
                 if chunk["text"] or d.finished or chunk["logprobs"]:
+                    chunk["weight_versions"], versions = versions, []
                     await put(k, chunk)
             return count
 
@@ -283,7 +293,7 @@ class OpenAIServer:
         tops = d.top_n_logprobs or [{}] * len(strs)
         return {
             "tokens": strs,
-            "token_logprobs": (d.log_probs or [])[: len(strs)],
+            "token_logprobs": json_log_probs((d.log_probs or [])[: len(strs)]),
             "top_logprobs": [self._top(t) for t in tops] if body.logprobs else None,
             "text_offset": [],
         }
@@ -333,6 +343,7 @@ class OpenAIServer:
                     "logprobs": self._chat_logprobs(body, c) if body.logprobs else None,
                     "finish_reason": openai_finish(c.finish_reason),
                     "stop_reason": c.stop_reason,
+                    "weight_versions": c.weight_versions,  # taipan's extension
                 }
             )
         return {
@@ -346,7 +357,7 @@ class OpenAIServer:
 
     def _chat_entry(self, t: int, lp: float) -> dict:
         s = self._token_str(t)
-        return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+        return {"token": s, "logprob": json_log_prob(lp), "bytes": list(s.encode())}
 
     def _chat_logprobs(self, body: ChatBody, c) -> dict:
         n = len(c.token_ids)
@@ -367,8 +378,10 @@ class OpenAIServer:
             await put(j, {"index": j, "delta": {"role": "assistant", "content": ""},
                           "logprobs": None, "finish_reason": None})  # fmt: skip
             count = 0
+            versions: list[tuple[int, int]] = []  # of the tokens since the last chunk sent
             async for d in self.client.stream(ids, choice_params(params, j)):
                 count += len(d.token_ids)
+                versions = join_versions(versions, d.weight_versions)
                 chunk = {"index": j, "delta": {}, "logprobs": None, "finish_reason": None}
                 if d.text:
                     chunk["delta"] = {"content": d.text}
@@ -381,6 +394,7 @@ class OpenAIServer:
                     chunk["finish_reason"] = openai_finish(d.finish_reason)
                     chunk["stop_reason"] = d.stop_reason
                 if d.text or d.finished or chunk["logprobs"]:
+                    chunk["weight_versions"], versions = versions, []
                     await put(j, chunk)
             return count
 

@@ -3,8 +3,9 @@
 `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), vLLM's `GET /tokenizer_info`,
 `POST /tokenize` and `POST /detokenize` (lm-eval's remote tokenizer), the generating
 `POST /v1/completions` and `POST /v1/chat/completions`, which call `OpenAIServer`, and the
-lifecycle controls an HTTP-driven trainer needs (CONTROL_PATHS: pause, unpause, suspend, resume,
-update_weights from a path, init / update / close weight transfer), only with `--api-key`.
+lifecycle controls an HTTP-driven trainer needs (CONTROL_PATHS: pause with its mode, clear_cache
+and timeout, unpause, suspend, resume, update_weights from a path, init / update / close weight
+transfer, flush_cache), only with `--api-key`.
 
 Registers routes only: error handlers, the API key check and serving belong to the app module.
 """
@@ -31,7 +32,7 @@ from taipan.server.schemas import (
 
 CONTROL_PATHS = (
     "/pause", "/unpause", "/suspend", "/resume", "/update_weights", "/init_weight_transfer",
-    "/update_weights_from_distributed", "/close_weight_transfer",
+    "/update_weights_from_distributed", "/close_weight_transfer", "/flush_cache",
 )  # fmt: skip
 _CONTROL_STATUS = {
     "bad_request": 400,
@@ -76,7 +77,14 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
 
     @app.post("/pause")
     async def pause(request: Request):
-        body = keys(await body_of(request), ("mode", "clear_cache"))
+        body = keys(await body_of(request), ("mode", "clear_cache", "timeout"))
+        if not isinstance(body.get("clear_cache", False), bool | None):
+            raise APIError(400, "clear_cache must be true or false", "clear_cache")
+        timeout = body.get("timeout")
+        if timeout is not None and (
+            isinstance(timeout, bool) or not isinstance(timeout, int | float)
+        ):
+            raise APIError(400, "timeout must be a number of seconds", "timeout")
         return await run(client.pause, **{k: v for k, v in body.items() if v is not None})
 
     @app.post("/unpause")
@@ -118,6 +126,10 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
     @app.post("/close_weight_transfer")
     async def close_weight_transfer():
         return await run(client.close_weight_transfer)
+
+    @app.post("/flush_cache")  # (SGLang's path; vLLM's is /reset_prefix_cache)
+    async def flush_cache():
+        return await run(client.flush_cache)
 
 
 def add_routes(app: FastAPI, server: OpenAIServer) -> None:

@@ -67,6 +67,10 @@ class BaseBody(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     ignore_eos: bool = False  # vLLM's extension
+    # taipan's extension (SamplingParams.logprobs_mode): the returned log-probs of generated
+    # tokens are of the model's distribution ("raw") or the one sampled from ("processed";
+    # a token it drops has log-prob -inf, sent as -9999.0: `json_log_prob`).
+    logprobs_mode: Literal["raw", "processed"] | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
@@ -170,6 +174,7 @@ def sampling_params(
         skip_prompt_log_probs=not prompt_log_probs,
         top_n_logprobs=max(top_n, 0),
         return_prompt_top_n_logprobs=prompt_log_probs and top_n > 0,
+        logprobs_mode=body.logprobs_mode or "raw",
     )
     problems = params.problems()
     if problems:
@@ -200,6 +205,19 @@ def openai_usage(prompt_tokens: int, completion_tokens: int) -> dict:
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+
+
+MIN_JSON_LOG_PROB = -9999.0  # vLLM's OpenAI server's floor for a log-prob
+
+
+def json_log_prob(lp: float | None) -> float | None:
+    """A log-prob as JSON can carry it: -inf (a token logprobs_mode "processed" drops) becomes
+    MIN_JSON_LOG_PROB, as vLLM's server does (JSON has no infinities)."""
+    return None if lp is None else max(lp, MIN_JSON_LOG_PROB)
+
+
+def json_log_probs(lps: list[float | None]) -> list[float | None]:
+    return [json_log_prob(lp) for lp in lps]
 
 
 def message_dict(m: ChatMessage) -> dict:
