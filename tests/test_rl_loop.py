@@ -53,5 +53,7 @@ def test_the_rl_loop_example_over_nccl(tmp_path):
 
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA GPUs")
-    model = make_random_llama(str(tmp_path / "tiny"), TINY_SHAPE)
+    from tests.random_llama import GPU_TINY_SHAPE  # (a head_dim the CUDA kernels take)
+
+    model = make_random_llama(str(tmp_path / "tiny"), GPU_TINY_SHAPE)
     _check(_run_loop(model, "--device", "cuda:1", "--trainer-device", "cuda:0"))
