@@ -385,6 +385,7 @@ def test_no_committed_row_breaks_physics():
     assert not bad, bad
 
 
+@pytest.mark.slow  # (the mechanism is tests/test_rl.py's; this checks the bench's row)
 def test_weight_sync_workload_row_on_cpu(tmp_path):
     """A trainer's weights into taipan over gloo (CPU), beside the raw broadcast of the same
     buckets: every round's version lands, and greedy tokens equal the trainer's HF model's; then

@@ -34,6 +34,7 @@ from taipan.client import AsyncClient, Client, ControlError
 from taipan.launcher import Runtime
 from taipan.messages.requests import FinishReason, SamplingParams
 from tests.random_moe import make_random_nemotron_h_moe, make_random_qwen3_moe, router_margin
+from tests.replay_check import replay_check
 from tests.test_ops_moe import hf_greedy
 
 transformers = pytest.importorskip("transformers")
@@ -195,11 +196,9 @@ def test_replay_check_passes_over_both_engines_with_their_rounds(session):
     rt, c, rec, _ = session
     c.generate(_prompts(13), GREEDY)
     rt.shutdown()
-    cmd = [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--check", "--allow-unchecked"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    out = replay_check(rec)
     for rank in (0, 1):
-        assert f"engine-{rank}: ok" in done.stdout and f"allocator-{rank}: ok" in done.stdout
+        assert f"engine-{rank}: ok" in out and f"allocator-{rank}: ok" in out
     timeline = [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--type", "EpVote"]
     assert "EpVote" in subprocess.run(timeline, capture_output=True, text=True).stdout
 

@@ -11,9 +11,6 @@ every mode mid-generation, and `taipan replay --check` over the recorded session
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,6 +19,7 @@ from taipan.client import Client
 from taipan.launcher import Runtime
 from taipan.messages.requests import SamplingParams
 from tests.random_nemotron_h import PATTERNS, make_random_nemotron_h
+from tests.replay_check import replay_check
 from tests.test_e2e_lifecycle import suspended_in_each_mode
 
 transformers = pytest.importorskip("transformers")
@@ -130,11 +128,5 @@ def test_replay_check_covers_the_hybrid_session(pressured):
     rt, c, _, rec = pressured
     c.generate(_prompts(5, (21, 44)), GREEDY)
     rt.shutdown()
-    done = subprocess.run(
-        [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--check", "--allow-unchecked"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "engine-0: ok" in done.stdout and "allocator-0: ok" in done.stdout
+    out = replay_check(rec)
+    assert "engine-0: ok" in out and "allocator-0: ok" in out

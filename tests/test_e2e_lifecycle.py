@@ -15,6 +15,7 @@ import torch
 from taipan.client import AsyncClient, Client, ControlError
 from taipan.launcher import Runtime
 from taipan.messages.requests import SamplingParams
+from tests.replay_check import replay_check
 from tests.test_e2e_engine import PROMPTS, tiny_pool
 from tests.test_e2e_generate import hf_greedy
 
@@ -258,14 +259,8 @@ def test_replay_check_passes_over_the_whole_session(session):
     [stats] = c.stats().ranks
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats
     rt.shutdown()
-    done = subprocess.run(
-        [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--check", "--allow-unchecked"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "allocator-0: ok" in done.stdout and "engine-0: ok" in done.stdout
+    out = replay_check(rec)
+    assert "allocator-0: ok" in out and "engine-0: ok" in out
 
     def timeline(*args: str) -> str:
         cmd = [sys.executable, "-m", "taipan.cli", "replay", str(rec), *args]

@@ -22,8 +22,6 @@ The same modes under data and expert parallelism, under load: tests/test_e2e_pau
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 import time
 
 import httpx
@@ -36,6 +34,7 @@ from taipan.messages.requests import SamplingParams
 from taipan.server.app import build_app
 from tests.random_llama import TINY_SHAPE, make_random_llama
 from tests.random_nemotron_h import make_random_nemotron_h
+from tests.replay_check import replay_check
 
 KEY = "sk-pause"
 BLOCK = 16
@@ -204,17 +203,6 @@ async def test_a_request_holding_shared_blocks_keeps_them_through_a_flush(sessio
     assert (tokens, reason) == (want.token_ids, "length")
 
 
-def _replay_check(rec) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--check", "--allow-unchecked"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return done.stdout
-
-
 def test_clear_cache_drops_the_mamba_snapshots_of_a_hybrid(tmp_path):
     from transformers import AutoConfig
 
@@ -238,7 +226,7 @@ def test_clear_cache_drops_the_mamba_snapshots_of_a_hybrid(tmp_path):
         [fresh] = c.generate([BASE], sampling)
         assert fresh.num_cached_tokens == 0 and fresh.token_ids == first.token_ids
         assert c.generate([BASE], sampling)[0].num_cached_tokens == 32
-    out = _replay_check(tmp_path / "rec")
+    out = replay_check(tmp_path / "rec")
     assert "engine-0: ok" in out and "mamba_cache-0: ok" in out, out
 
 
@@ -293,5 +281,5 @@ async def test_flush_cache_and_pause_fields_over_http_behind_the_api_key(session
 def test_replay_check_passes_over_the_whole_session(session):
     rt, _, rec = session
     rt.shutdown()
-    out = _replay_check(rec)
+    out = replay_check(rec)
     assert "engine-0: ok" in out and "allocator-0: ok" in out, out

@@ -19,8 +19,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -31,6 +29,7 @@ from taipan.launcher import Runtime
 from taipan.messages.requests import SamplingParams
 from tests.random_llama import TINY_SHAPE, make_random_llama
 from tests.random_moe import make_random_qwen3_moe
+from tests.replay_check import replay_check
 
 transformers = pytest.importorskip("transformers")
 CONFIG = dict(
@@ -182,11 +181,9 @@ def test_a_wait_one_rank_cannot_finish_in_time_is_undone_on_both(runtime):
 def test_replay_check_passes_over_both_ranks(runtime):
     rt, rec, _ = runtime
     rt.shutdown()
-    cmd = [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--check", "--allow-unchecked"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    out = replay_check(rec)
     for rank in (0, 1):
-        assert f"engine-{rank}: ok" in done.stdout and f"allocator-{rank}: ok" in done.stdout
+        assert f"engine-{rank}: ok" in out and f"allocator-{rank}: ok" in out
 
 
 def test_a_rank_killed_during_a_wait_fails_the_pause_naming_it(tmp_path):

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 
 import httpx
 import numpy as np
@@ -31,6 +29,7 @@ from taipan.messages.requests import SamplingParams
 from taipan.outputs import join_versions
 from taipan.server.app import build_app
 from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.replay_check import replay_check
 
 KEY = "sk-versions"
 BLOCK = 16
@@ -317,11 +316,5 @@ async def test_generate_refuses_what_it_cannot_serve(session):
 def test_replay_check_passes_over_the_whole_session(session):
     rt, _, rec = session
     rt.shutdown()
-    done = subprocess.run(
-        [sys.executable, "-m", "taipan.cli", "replay", str(rec), "--check", "--allow-unchecked"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "engine-0: ok" in done.stdout and "coordinator: ok" in done.stdout, done.stdout
+    out = replay_check(rec)
+    assert "engine-0: ok" in out and "coordinator: ok" in out, out
