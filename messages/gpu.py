@@ -12,6 +12,7 @@ import numpy as np
 
 from taipan.messages.codec import Array, message
 from taipan.messages.lifecycle import (
+    IpcTensor,
     KVCacheManagementMode,
     WeightArray,
     WeightSpec,
@@ -216,14 +217,17 @@ class StepResult:
 class GpuControl:
     """Engine -> gpu actor, only between steps: "suspend" (with `mode` "persist", "offload" or
     "recompute"; None is an error: the engine resolves the config default), "resume",
-    "update_weights" / "stage_weights" (with exactly one of `path`, `state` or `buckets`, as
-    messages.lifecycle.UpdateWeights and UpdateWeightsFromDistributed; the engine sends them
-    only while PAUSED or SUSPENDED; `weight_version` None: the last + 1), "init_weight_transfer"
-    (with `transfer`) and "close_weight_transfer". Fields a command does not use are ignored.
+    "update_weights" / "stage_weights" (with exactly one of `path`, `state`, `buckets` or `ipc`,
+    as messages.lifecycle.UpdateWeights, UpdateWeightsFromDistributed and UpdateWeightsFromIpc;
+    the engine sends them only while PAUSED or SUSPENDED; `weight_version` None: the last + 1),
+    "init_weight_transfer" (with `transfer`) and "close_weight_transfer". Fields a command does
+    not use are ignored.
 
     `buckets` arrive over the weight-transfer group (ops/weight_transfer.py). Without staging
     each bucket is copied in as it arrives: a transfer that fails part way leaves the weights
     mixed, and the reply says so (`weights_incomplete`) until a complete update lands.
+    `ipc` tensors are opened and mapped when staged (an update stages, then commits), so an
+    update from IPC copies nothing until every tensor opened and fitted (on every TP peer).
 
     update_weights checks everything before it changes anything: a checkpoint at `path` must
     have the loaded architecture (same hyper-parameters and shapes); each `state` name must be
@@ -241,6 +245,7 @@ class GpuControl:
     weight_version: int | None = None
     transfer: WeightTransferGroup | None = None
     buckets: list[list[WeightSpec]] | None = None
+    ipc: list[IpcTensor] | None = None
 
 
 @message(125, required=4)  # (weights_incomplete came later)

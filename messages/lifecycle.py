@@ -10,8 +10,9 @@ checks it against the same table), and answers the client with one
 Engines answer the coordinator with `ControlAck` (or `ErrorReply`).
 
 States: RUNNING -PAUSE-> PAUSED -SUSPEND-> SUSPENDED -RESUME-> PAUSED -UNPAUSE-> RUNNING;
-STOP from PAUSED or SUSPENDED; UPDATE_WEIGHTS (from a path, a state dict or a trainer's
-weight-transfer group) and FLUSH_CACHE only while PAUSED or SUSPENDED; INIT_ / CLOSE_WEIGHT_TRANSFER
+STOP from PAUSED or SUSPENDED; UPDATE_WEIGHTS (from a path, a state dict, a trainer's
+weight-transfer group or its CUDA IPC handles) and FLUSH_CACHE only while PAUSED or SUSPENDED;
+INIT_ / CLOSE_WEIGHT_TRANSFER
 in any state but STOPPED (they change none).
 - PAUSED: no steps run; new submissions queue. How a pause treats the requests in flight is
   its `PauseMode` (keep, abort, wait); `clear_cache` then drops the cached prefix (FlushCache).
@@ -175,6 +176,10 @@ class UpdateWeights:
     weight_version: int | None = None
 
 
+# The dtypes a weight may have in a transfer from a trainer (WeightSpec, IpcTensor).
+WEIGHT_DTYPES = ("bfloat16", "float16", "float32", "float64")
+
+
 @struct
 class WeightSpec:
     """One tensor of a weight-transfer bucket: its Hugging Face name, dtype ("bfloat16",
@@ -238,6 +243,55 @@ class FlushCache:
     token: str
 
 
+@struct
+class IpcTensor:
+    """One CUDA tensor a trainer shares with taipan by CUDA IPC, as torch.multiprocessing shares
+    one (`torch.multiprocessing.reductions.reduce_tensor`: its fields but the two classes, plus
+    the tensor's Hugging Face `name`; ops/weight_transfer.py `ipc_handles` makes them). Only
+    data: the receiver rebuilds the tensor from them (`open_ipc_tensor`), nothing is unpickled.
+
+    `dtype` as WeightSpec's; `shape`, `stride` and `storage_offset` (elements) place the tensor
+    in its storage; `device` is the trainer's device index and `device_uuid` the GPU's UUID
+    ("" if unknown), by which a receiver that numbers its GPUs differently finds it; `handle`
+    (the cudaIpcMemHandle of the allocation holding the storage; None for an empty one),
+    `storage_size_bytes` and `storage_offset_bytes` locate the storage in that allocation;
+    `ref_counter_handle` / `ref_counter_offset` name the producer's shared counter of users,
+    `event_handle` / `event_sync_required` the event the receiver waits on before reading."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    stride: list[int]
+    storage_offset: int
+    device: int
+    device_uuid: str
+    handle: bytes | None
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes | None
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
+@message(52)
+class UpdateWeightsFromIpc:
+    """New weights from a trainer process on the same host, by CUDA IPC handles (`tensors`, one
+    per Hugging Face tensor; no copy through the host): every gpu process opens each one on the
+    GPU it lives on, maps it onto its parameters (fused rows, its tensor-parallel shard, its
+    experts) and copies it in place, all or none over the rank's processes and an
+    expert-parallel group (every process opens and checks everything before any copies). The
+    trainer keeps the tensors alive, unchanged, until the ack. `stage`: staged on every process
+    and committed as a second control (the trainer's tensors are the second buffer). Legal
+    while PAUSED or SUSPENDED; `weight_version` as UpdateWeights. A runtime on the CPU refuses
+    it."""
+
+    token: str
+    tensors: list[IpcTensor]
+    weight_version: int | None
+    stage: bool
+
+
 @message(47)
 class ControlAck:
     """`state`: the lifecycle state after `command`; `weight_version`: the weights now loaded
@@ -256,6 +310,7 @@ CONTROL_MESSAGES: dict[type, ControlCommand] = {
     Resume: ControlCommand.RESUME,
     UpdateWeights: ControlCommand.UPDATE_WEIGHTS,
     UpdateWeightsFromDistributed: ControlCommand.UPDATE_WEIGHTS,
+    UpdateWeightsFromIpc: ControlCommand.UPDATE_WEIGHTS,
     InitWeightTransfer: ControlCommand.INIT_WEIGHT_TRANSFER,
     CloseWeightTransfer: ControlCommand.CLOSE_WEIGHT_TRANSFER,
     FlushCache: ControlCommand.FLUSH_CACHE,

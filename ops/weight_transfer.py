@@ -20,20 +20,30 @@ parameter, with no copy; otherwise into a buffer of its own, mapped like the pac
 sides derive the same plan from the specs (`BucketLayout`), so only the specs travel. Over NCCL a
 bucket's broadcasts go as one coalesced group (`broadcast_bucket`).
 
-Owns: the group, the layout, packing and unpacking. Must not touch the model's parameters (the
-gpu worker copies what `state_updates` maps) or the lifecycle (the engine decides when).
+A trainer on the same host may instead share its CUDA tensors by CUDA IPC handles, as
+torch.multiprocessing shares them (`ipc_handles`: plain wire records, messages/lifecycle.py
+IpcTensor); each gpu process opens them where they live (`open_ipc_tensor`: views of the
+trainer's memory, no copy through the host) and copies its part in.
+
+Owns: the group, the layout, packing and unpacking, the IPC records both ways. Must not touch the
+model's parameters (the gpu worker copies what `state_updates` maps) or the lifecycle (the engine
+decides when).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
+import inspect
 import math
 import time
 from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from taipan.messages.lifecycle import IpcTensor
 
 ALIGN = 256  # bytes: every tensor of a bucket starts at a multiple (any dtype's view is legal)
 DIRECT_MIN_BYTES = 1 << 20  # a tensor this large travels alone (straight into its parameter)
@@ -287,6 +297,160 @@ def trainer_group(
     return WeightGroup(
         master_address, master_port, world_size, rank, backend, device, timeout_s=timeout_s
     )
+
+
+# ---- CUDA IPC: a trainer's tensors on the same host (update_weights_from_ipc) -----------------
+
+# torch.multiprocessing.reductions.rebuild_cuda_tensor's parameters, as reduce_tensor gives its
+# arguments (the same from torch 1.x through 2.13; checked before use, so that a torch that
+# changed them is a clear error rather than a wrong tensor).
+REBUILD_CUDA_TENSOR_ARGS = (
+    "tensor_cls", "tensor_size", "tensor_stride", "tensor_offset", "storage_cls", "dtype",
+    "storage_device", "storage_handle", "storage_size_bytes", "storage_offset_bytes",
+    "requires_grad", "ref_counter_handle", "ref_counter_offset", "event_handle",
+    "event_sync_required",
+)  # fmt: skip
+
+
+def ipc_handles(named: Iterable[tuple[str, torch.Tensor]]) -> list[IpcTensor]:
+    """The wire records of a trainer's CUDA tensors, one per (Hugging Face name, tensor), shared
+    as torch.multiprocessing shares them (`reduce_tensor`: an IPC handle of the allocation, and
+    an event recorded on the current stream that the receiver waits on before reading). The
+    records point at the trainer's memory: keep every tensor alive and unchanged until taipan
+    has acknowledged the update. Raises WeightTransferError for a tensor that is not on a CUDA
+    device or whose dtype cannot travel."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
+
+    records = []
+    for name, tensor in named:
+        tensor = tensor.detach()  # (a parameter's data: autograd cannot cross processes)
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype not in DTYPES:
+            raise WeightTransferError(
+                f"{name}: dtype {dtype} cannot travel (one of {', '.join(DTYPES)})"
+            )
+        if tensor.device.type != "cuda":
+            raise WeightTransferError(
+                f"update_weights_from_ipc shares CUDA tensors only; {name} is on {tensor.device}"
+            )
+        index = tensor.device.index
+        if tensor.numel() == 0:  # no storage to share
+            records.append(IpcTensor(
+                name, dtype, list(tensor.shape), list(tensor.stride()), 0, index,
+                _device_uuids()[index], None, 0, 0, None, 0, None, False,
+            ))  # fmt: skip
+            continue
+        rebuild, args = reduce_tensor(tensor)
+        if rebuild is not rebuild_cuda_tensor or len(args) != len(REBUILD_CUDA_TENSOR_ARGS):
+            raise WeightTransferError(
+                f"torch {torch.__version__} shares CUDA tensors in a way taipan does not know "
+                f"({getattr(rebuild, '__name__', rebuild)} with {len(args)} arguments)"
+            )
+        a = dict(zip(REBUILD_CUDA_TENSOR_ARGS, args, strict=True))
+        device = int(getattr(a["storage_device"], "index", a["storage_device"]))
+        records.append(IpcTensor(
+            name, dtype, list(a["tensor_size"]), list(a["tensor_stride"]), a["tensor_offset"],
+            device, _device_uuids()[device], a["storage_handle"],
+            a["storage_size_bytes"], a["storage_offset_bytes"], a["ref_counter_handle"],
+            a["ref_counter_offset"], a["event_handle"], bool(a["event_sync_required"]),
+        ))  # fmt: skip
+    return records
+
+
+def open_ipc_tensor(record: IpcTensor) -> torch.Tensor:
+    """The trainer's tensor of `record`, opened in this process on the GPU it lives on (found by
+    its UUID, so a process that numbers the GPUs otherwise still finds it): a view of the
+    trainer's memory, no copy. Valid while the trainer keeps the tensor; dropping every view
+    closes the mapping and releases the trainer's block. Rebuilt from the record's data with
+    torch's own `rebuild_cuda_tensor` (nothing is unpickled). Raises WeightTransferError naming
+    the tensor when the record does not describe a tensor or the handle cannot be opened (the
+    trainer is on another host, is this very process, or has freed the tensor)."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    name = record.name
+    problem = _record_problem(record)
+    if problem is not None:
+        raise WeightTransferError(f"update_weights_from_ipc: {name}: {problem}")
+    device, dtype = ipc_device(record), DTYPES[record.dtype]
+    if math.prod(record.shape) == 0:
+        return torch.empty(tuple(record.shape), dtype=dtype, device=device)
+    _check_rebuild_signature(rebuild_cuda_tensor)
+    try:
+        return rebuild_cuda_tensor(
+            torch.Tensor, torch.Size(record.shape), tuple(record.stride), record.storage_offset,
+            torch.UntypedStorage, dtype, device, record.handle, record.storage_size_bytes,
+            record.storage_offset_bytes, False, record.ref_counter_handle,
+            record.ref_counter_offset, record.event_handle, record.event_sync_required,
+        )  # fmt: skip
+    except (RuntimeError, TypeError, ValueError) as e:
+        raise WeightTransferError(
+            f"update_weights_from_ipc: cannot open {name}'s CUDA IPC handle on cuda:{device}: "
+            f"{e} (the trainer must be another process on this host, keeping the tensor alive "
+            "until the ack)"
+        ) from None
+
+
+def _record_problem(r: IpcTensor) -> str | None:
+    """What makes a record describe no tensor of its storage, or None (checked before a handle
+    is opened: a view past its storage would read another tensor's memory)."""
+    if r.dtype not in DTYPES:
+        return f"dtype {r.dtype!r} cannot travel (one of {', '.join(DTYPES)})"
+    if len(r.shape) != len(r.stride):
+        return f"shape {list(r.shape)} and stride {list(r.stride)} differ in rank"
+    if min((*r.shape, *r.stride, r.storage_offset, r.storage_offset_bytes), default=0) < 0:
+        return "a negative size, stride or offset"
+    if math.prod(r.shape) == 0:
+        return None
+    itemsize = DTYPES[r.dtype].itemsize
+    end = r.storage_offset + sum((n - 1) * s for n, s in zip(r.shape, r.stride, strict=True)) + 1
+    if end * itemsize > r.storage_size_bytes:
+        return f"its view ends at byte {end * itemsize}, past its storage's {r.storage_size_bytes}"
+    if r.handle is None or r.ref_counter_handle is None:
+        return "no IPC handle for a tensor with elements"
+    if r.event_sync_required and r.event_handle is None:
+        return "an event to wait on, but no event handle"
+    return None
+
+
+def ipc_device(record: IpcTensor) -> int:
+    """This process's index of the GPU holding `record`'s tensor: the one with its UUID (the
+    trainer's index where the record has none)."""
+    if not torch.cuda.is_available():
+        raise WeightTransferError("update_weights_from_ipc needs CUDA, and this process has none")
+    wanted = record.device_uuid.lower().removeprefix("gpu-")
+    if wanted:
+        uuids = _device_uuids()
+        if wanted not in uuids:
+            raise WeightTransferError(
+                f"update_weights_from_ipc: {record.name} lives on GPU {record.device_uuid}, "
+                f"which this process does not see (it sees {', '.join(uuids) or 'none'}): CUDA "
+                "IPC needs the trainer and every taipan process on one host, seeing that GPU"
+            )
+        return uuids.index(wanted)
+    if not 0 <= record.device < torch.cuda.device_count():
+        raise WeightTransferError(
+            f"update_weights_from_ipc: {record.name} is on cuda:{record.device}, which this "
+            f"process does not have ({torch.cuda.device_count()} GPUs)"
+        )
+    return record.device
+
+
+@functools.cache
+def _device_uuids() -> tuple[str, ...]:
+    """The UUID of each CUDA device of this process, by index ("" where torch does not tell),
+    in one spelling (older torch gave "GPU-<uuid>", 2.11 and later a `_CUuuid` printing bare)."""
+    props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+    return tuple(str(getattr(p, "uuid", "") or "").lower().removeprefix("gpu-") for p in props)
+
+
+@functools.cache
+def _check_rebuild_signature(rebuild) -> None:
+    names = tuple(inspect.signature(rebuild).parameters)
+    if names != REBUILD_CUDA_TENSOR_ARGS:
+        raise WeightTransferError(
+            f"torch {torch.__version__}'s rebuild_cuda_tensor takes {names}, not the arguments "
+            "taipan knows; update_weights_from_ipc cannot rebuild the trainer's tensors"
+        )
 
 
 # ---- the link alone (`taipan bench --workload weight-sync`: the raw broadcast of the same bytes)

@@ -5,9 +5,10 @@ needed here), submits token ids, detokenizes incrementally and matches stop stri
 (ops/stop_strings.py: the engine matches token ids only; on a match it aborts the request).
 It also drives the lifecycle (pause, suspend, update_weights, resume, unpause, stop, and the
 weight transfer from a trainer's processes: init_weight_transfer, update_weights_from_distributed,
-close_weight_transfer, whose trainer side is taipan.rl; see messages/lifecycle.py) with the
-runtime's control token (runtime/auth.py: found by address for the user who started the
-runtime, or given as `control_token=` / TAIPAN_CONTROL_TOKEN).
+close_weight_transfer, and update_weights_from_ipc for a trainer on the same host, whose trainer
+side is taipan.rl; see messages/lifecycle.py) with the runtime's control token (runtime/auth.py:
+found by address for the user who started the runtime, or given as `control_token=` /
+TAIPAN_CONTROL_TOKEN).
 `timeout` is how long the runtime may stay silent before a waiting call fails with
 `RuntimeUnreachable` (a busy runtime still answers; see actors/client/actor.py); `connect_timeout`
 bounds the wait for an engine to load its model. `curve`: the client's Curve keys for a
@@ -53,12 +54,13 @@ from taipan.actors.client.direct import ENGINE_TIMEOUT_S, DirectActor, DirectEnd
 from taipan.actors.curve import CurveClient, CurveServer
 from taipan.auth import find_token
 from taipan.messages.block_hash import block_hashes
-from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES
+from taipan.messages.codec import INLINE_ARRAY_BYTES, MAX_FRAMES, MessageError, decode, encode
 from taipan.messages.lifecycle import (
     CloseWeightTransfer,
     ControlAck,
     FlushCache,
     InitWeightTransfer,
+    IpcTensor,
     KVCacheManagementMode,
     Pause,
     PauseMode,
@@ -68,6 +70,7 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
     UpdateWeightsFromDistributed,
+    UpdateWeightsFromIpc,
     WeightSpec,
     WeightTransferGroup,
 )
@@ -104,6 +107,30 @@ def _weight_spec(spec) -> WeightSpec:
     """A bucket entry (a TensorSpec or a (name, dtype, shape) triple) as it travels."""
     name, dtype, shape = (spec.name, spec.dtype, spec.shape) if hasattr(spec, "name") else spec
     return WeightSpec(str(name), str(dtype).removeprefix("torch."), [int(n) for n in shape])
+
+
+def _ipc_message(token: str, tensors, weight_version, stage) -> UpdateWeightsFromIpc:
+    """UpdateWeightsFromIpc of `tensors` (IpcTensor records, or mappings of their fields), its
+    field types checked by the wire's own decoder before it is sent (ValueError naming the
+    field): a malformed record is the caller's error, not the runtime's."""
+    records = []
+    for i, t in enumerate(tensors):
+        if isinstance(t, Mapping):
+            try:
+                t = IpcTensor(**t)
+            except TypeError as e:  # a missing or unknown field
+                raise ValueError(f"IPC record {i}: {e}") from None
+        elif not isinstance(t, IpcTensor):
+            raise ValueError(
+                f"IPC record {i} is a {type(t).__name__}, not an IpcTensor (taipan.rl.ipc_handles "
+                "makes them) or a mapping of its fields"
+            )
+        records.append(t)
+    msg = UpdateWeightsFromIpc(token, records, weight_version, bool(stage))
+    try:
+        return decode(encode(msg))
+    except (MessageError, TypeError) as e:
+        raise ValueError(f"update_weights_from_ipc: {e}") from None
 
 
 def _check_state_fits(state: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -465,6 +492,17 @@ class AsyncClient:
     async def close_weight_transfer(self) -> ControlAck:
         return await self._control(CloseWeightTransfer(self.control_token))
 
+    async def update_weights_from_ipc(
+        self, tensors, *, weight_version: int | None = None, stage: bool = False
+    ) -> ControlAck:
+        """While PAUSED or SUSPENDED, take new weights from a trainer process on this host by
+        CUDA IPC handles (`tensors`: IpcTensor records, as taipan.rl.ipc_handles makes them; no
+        copy through the host): every gpu process opens them on their GPU and copies its part
+        in, all or none. Keep the trainer's tensors alive and unchanged until this returns
+        (taipan.rl.push_weights_ipc does both). `stage`: staged everywhere, then committed. A
+        runtime on the CPU refuses it (ControlError)."""
+        return await self._control(_ipc_message(self.control_token, tensors, weight_version, stage))
+
     async def stop(self) -> ControlAck:
         """Stop the whole runtime (legal from PAUSED or SUSPENDED: pause first): every request is
         aborted with its terminal output, every process exits."""
@@ -589,6 +627,13 @@ class Client:
 
     def close_weight_transfer(self) -> ControlAck:
         return self._run(self._async.close_weight_transfer())
+
+    def update_weights_from_ipc(
+        self, tensors, *, weight_version: int | None = None, stage: bool = False
+    ) -> ControlAck:
+        return self._run(
+            self._async.update_weights_from_ipc(tensors, weight_version=weight_version, stage=stage)
+        )
 
     def stop(self) -> ControlAck:
         return self._run(self._async.stop())

@@ -250,6 +250,11 @@ class AsyncLLM(_Base):
         self._lifecycle("close_weight_transfer")
         return await self._connected().close_weight_transfer()
 
+    async def update_weights_from_ipc(self, tensors, **kw) -> ControlAck:
+        """AsyncClient.update_weights_from_ipc (the trainer side: taipan.rl.ipc_handles)."""
+        self._lifecycle("update_weights_from_ipc")
+        return await self._connected().update_weights_from_ipc(tensors, **kw)
+
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
         """The OpenAI-compatible server on host:port in this event loop, until cancelled
         (runtime/server/app.py `serve`: served_model_name, api_key, max_queued, queue_timeout,
@@ -373,6 +378,11 @@ class LLM(_Base):
     def close_weight_transfer(self) -> ControlAck:
         self._lifecycle("close_weight_transfer")
         return self._connected().close_weight_transfer()
+
+    def update_weights_from_ipc(self, tensors, **kw) -> ControlAck:
+        """Client.update_weights_from_ipc (taipan.rl.push_weights_ipc shares and sends)."""
+        self._lifecycle("update_weights_from_ipc")
+        return self._connected().update_weights_from_ipc(tensors, **kw)
 
     def shutdown(self) -> None:
         """Close the client and stop an embedded runtime (idempotent). In direct mode the

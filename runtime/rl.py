@@ -14,6 +14,14 @@ and broadcasts them (`send_weights`). `join` and `push_weights` do each pair at 
 A bucket is a list of (Hugging Face name, dtype, shape) (`ops.weight_transfer.TensorSpec`),
 about `bucket_bytes` each; taipan maps every name onto its parameters (fused q/k/v and
 gate/up rows, its tensor-parallel shard, its experts) as `update_weights(state=...)` does.
+
+A trainer on the same host as taipan's GPUs needs no group: `push_weights_ipc` shares its CUDA
+tensors by CUDA IPC handles (`ipc_handles`, as torch.multiprocessing shares them) and every gpu
+process copies its part straight from the trainer's memory (no copy through the host):
+
+    client.pause(); taipan.rl.push_weights_ipc(client, model, weight_version=step)
+    client.unpause()
+
 No torch here: the torch side is ops/weight_transfer.py, imported when a function is called.
 """
 
@@ -148,4 +156,38 @@ def push_weights(
     marks["acked"] = time.perf_counter() - start
     if timings is not None:
         timings.update(marks)
+    return ack
+
+
+def ipc_handles(model_or_named: Any) -> list:
+    """The CUDA IPC records (messages/lifecycle.py IpcTensor) of the trainer's CUDA tensors, for
+    `update_weights_from_ipc`; they point at the tensors' memory, which must stay alive and
+    unchanged until the update is acknowledged."""
+    from taipan.ops.weight_transfer import ipc_handles as handles
+
+    return handles(named_tensors(model_or_named))
+
+
+def push_weights_ipc(
+    client,
+    model_or_named: Any,
+    *,
+    weight_version: int | None = None,
+    stage: bool = False,
+    timings: dict | None = None,
+):
+    """Send the trainer's CUDA tensors to a paused (or suspended) runtime on the same host by
+    CUDA IPC handles: `ipc_handles` and the client's `update_weights_from_ipc`, the tensors kept
+    alive until the ack (which comes once every gpu process has copied its part and dropped
+    its views). The tensors are read after the work queued on the trainer's current CUDA
+    stream. Returns the ControlAck; `timings` (optional) gets `shared` (the records made) and
+    `acked`, seconds from the call."""
+    start = time.perf_counter()
+    named = named_tensors(model_or_named)  # (holds every tensor until the ack)
+    records = ipc_handles(named)
+    shared = time.perf_counter() - start
+    ack = client.update_weights_from_ipc(records, weight_version=weight_version, stage=stage)
+    if timings is not None:
+        timings.update(shared=shared, acked=time.perf_counter() - start)
+    del named  # only now may the trainer's tensors go
     return ack

@@ -14,6 +14,7 @@ import torch
 
 from taipan.client import AsyncClient, Client, ControlError
 from taipan.launcher import Runtime
+from taipan.messages.lifecycle import IpcTensor
 from taipan.messages.requests import SamplingParams
 from tests.replay_check import replay_check
 from tests.test_e2e_engine import PROMPTS, tiny_pool
@@ -253,6 +254,23 @@ async def test_pause_abort_ends_every_request_with_its_tokens_so_far(session, un
     ]
 
 
+def test_update_weights_from_ipc_is_refused_on_the_cpu_and_serving_goes_on(session, uninterrupted):
+    """CUDA IPC shares GPU memory: a CPU runtime refuses it by name, the weights stay (the
+    replay check below reads the control and its GpuControl from the log)."""
+    _, c, _ = session
+    version = c.stats().merged().weight_version
+    record = IpcTensor(
+        "model.norm.weight", "float32", [576], [1], 0, 0, "", bytes(64), 2304, 0, b"/torch_0", 0,
+        None, False,
+    )  # fmt: skip
+    c.pause()
+    with pytest.raises(ControlError, match="update_weights_from_ipc needs taipan on a CUDA"):
+        c.update_weights_from_ipc([record], weight_version=version + 5, stage=True)
+    c.unpause()
+    assert c.stats().merged().weight_version == version
+    assert c.generate(PROMPTS[:1], GREEDY)[0].token_ids == uninterrupted["greedy"][0]
+
+
 def test_replay_check_passes_over_the_whole_session(session):
     rt, c, rec = session
     c.generate(PROMPTS, SamplingParams(max_tokens=24, temperature=0.0))  # 6 in 8 blocks: pauses
@@ -267,6 +285,7 @@ def test_replay_check_passes_over_the_whole_session(session):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=300).stdout
 
     assert "Suspend" in timeline("--type", "Suspend")
+    assert "UpdateWeightsFromIpc" in timeline("--type", "UpdateWeightsFromIpc")
     # logging_step_interval=5: the engine reports its stats to the coordinator every 5 steps
     reports = timeline("--actor", "coordinator", "--type", "Stats").splitlines()
     assert len([x for x in reports if "Stats" in x]) >= stats.step // 5

@@ -254,6 +254,26 @@ async def test_suspend_resume_and_update_weights_apply_to_every_rank_or_to_none(
 
 
 @pytest.mark.asyncio
+async def test_a_staged_update_from_ipc_is_staged_then_committed_once_on_every_rank():
+    """update_weights_from_ipc(stage=True) in a group: every rank stages the records, and the
+    group's round commits them once (the engine adds no second commit of its own)."""
+    from taipan.messages.lifecycle import IpcTensor, UpdateWeightsFromIpc
+
+    record = IpcTensor(
+        "model.norm.weight", "float32", [64], [1], 0, 0, "", bytes(64), 256, 0, b"/torch_0", 0,
+        None, False,
+    )  # fmt: skip
+    async with ep_group(_config()) as g:
+        assert all(isinstance(a, ControlAck) for a in await _control_all(g, Pause("")))
+        acks = await _control_all(g, UpdateWeightsFromIpc("", [record], 7, True))
+        assert all(isinstance(a, ControlAck) for a in acks), acks
+        for gpu in g.gpus:
+            assert [c.command for c in gpu.controls] == ["stage_weights", "commit_weights"]
+            assert [t.name for t in gpu.controls[0].ipc] == ["model.norm.weight"]
+            assert gpu.controls[0].weight_version == 7
+
+
+@pytest.mark.asyncio
 async def test_a_failed_forward_ends_the_rank_and_its_requests_name_the_group(monkeypatch):
     """The group's collectives cannot be trusted after a failed forward: the rank fails every
     request it holds, naming its group, and ends (FatalError); with no peer found gone within

@@ -158,7 +158,7 @@ def test_step_while_suspended_is_an_error(worker):
 def test_illegal_orders_and_bad_commands_error_and_change_nothing(worker):
     cases = [
         (("resume",), "running"),
-        (("update_weights", None, None, None), "exactly one of path, state and buckets"),
+        (("update_weights", None, None, None), "exactly one of path, state, buckets and ipc"),
         (("suspend", None), "suspend needs a mode (persist, offload, recompute)"),
     ]
     for args, text in cases:
@@ -279,7 +279,7 @@ def test_bad_updates_error_and_leave_the_weights(worker, tmp_path):
         reply = control(worker, "update_weights", path=path)
         assert reply.error is not None and text in reply.error, reply.error
     reply = control(worker, "update_weights", path=other, state={})
-    assert "exactly one of path, state and buckets" in reply.error
+    assert "exactly one of path, state, buckets and ipc" in reply.error
     assert_same_weights(worker, before)
     assert worker.weight_version == 0 and worker.suspend_mode == "persist"
 

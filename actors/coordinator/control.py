@@ -29,12 +29,14 @@ from taipan.actors.coordinator.fsm import IllegalTransition, LifecycleFSM
 from taipan.messages.common import ErrorReply
 from taipan.messages.errors import ErrorCode
 from taipan.messages.lifecycle import (
+    WEIGHT_DTYPES,
     ControlAck,
     ControlCommand,
     InitWeightTransfer,
     Pause,
     UpdateWeights,
     UpdateWeightsFromDistributed,
+    UpdateWeightsFromIpc,
 )
 
 STOP_TIMEOUT_S = 30.0
@@ -137,7 +139,8 @@ class LifecycleControl:
         problem = _bad_fields(msg)
         if problem is not None:
             return ErrorCode.BAD_REQUEST, problem
-        if isinstance(msg, UpdateWeights | UpdateWeightsFromDistributed) and not has_engines:
+        updates = UpdateWeights | UpdateWeightsFromDistributed | UpdateWeightsFromIpc
+        if isinstance(msg, updates) and not has_engines:
             return ErrorCode.BAD_REQUEST, "no engine is connected to load the weights"
         try:
             self.fsm.check(command)
@@ -267,6 +270,8 @@ def _bad_fields(msg) -> str | None:
         return "update_weights needs exactly one of path and state"
     if isinstance(msg, UpdateWeightsFromDistributed) and not any(msg.buckets):
         return "update_weights_from_distributed needs at least one non-empty bucket"
+    if isinstance(msg, UpdateWeightsFromIpc):
+        return _ipc_problem(msg)
     if isinstance(msg, Pause) and msg.timeout is not None and not 0 < msg.timeout < math.inf:
         return f"pause: timeout {msg.timeout} is not a positive number of seconds"
     if isinstance(msg, InitWeightTransfer):
@@ -280,4 +285,27 @@ def _bad_fields(msg) -> str | None:
             )
         if g.backend not in ("", "nccl", "gloo"):
             return f"init_weight_transfer: backend {g.backend!r} is not nccl or gloo"
+    return None
+
+
+def _ipc_problem(msg: UpdateWeightsFromIpc) -> str | None:
+    """What makes an update from IPC records unusable (names, dtypes, ranks; the gpu processes
+    check the rest against the model, and each record against its storage)."""
+    if not msg.tensors:
+        return "update_weights_from_ipc needs at least one tensor"
+    names = [t.name for t in msg.tensors]
+    if len(set(names)) != len(names):
+        twice = sorted({n for n in names if names.count(n) > 1})
+        return f"update_weights_from_ipc names a tensor twice: {twice[:5]}"
+    for t in msg.tensors:
+        if t.dtype not in WEIGHT_DTYPES:
+            return (
+                f"update_weights_from_ipc: {t.name}: dtype {t.dtype!r} is not one of "
+                f"{', '.join(WEIGHT_DTYPES)}"
+            )
+        if len(t.shape) != len(t.stride) or min((*t.shape, *t.stride), default=0) < 0:
+            return (
+                f"update_weights_from_ipc: {t.name}: shape {list(t.shape)} and stride "
+                f"{list(t.stride)} do not describe a tensor"
+            )
     return None

@@ -1,10 +1,11 @@
 """The engine's lifecycle controls (`EngineControls`, a base of EngineActor): pause (modes keep,
 abort, wait; clear_cache), unpause, flush_cache, suspend, resume, weight updates (from a path, a
-state dict, or a trainer's weight-transfer group) and joining / leaving that group. Each is
-checked against the one transition table (messages/lifecycle.py `next_state`; the coordinator
-checks it too), runs as a task of its own in arrival order, and is answered with one ControlAck
-or ErrorReply, except a pause withdrawn by an unpause before it completed (the coordinator gave
-up on it: a timeout, or another rank failed), which the unpause's ack answers for.
+state dict, a trainer's weight-transfer group or its CUDA IPC handles) and joining / leaving that
+group. Each is checked against the one transition table (messages/lifecycle.py `next_state`; the
+coordinator checks it too), runs as a task of its own in arrival order, and is answered with one
+ControlAck or ErrorReply, except a pause withdrawn by an unpause before it completed (the
+coordinator gave up on it: a timeout, or another rank failed), which the unpause's ack answers
+for.
 
 The gpu controls run between steps (`_between_steps`), under expert parallelism on every rank of
 the group or on none (`_group_control`: a rank that fails makes the others undo theirs; weights
@@ -43,6 +44,7 @@ from taipan.messages.lifecycle import (
     Unpause,
     UpdateWeights,
     UpdateWeightsFromDistributed,
+    UpdateWeightsFromIpc,
     next_state,
 )
 from taipan.messages.requests import FinishReason
@@ -59,6 +61,7 @@ class EngineControls:
         Resume: "on_resume",
         UpdateWeights: "on_update_weights",
         UpdateWeightsFromDistributed: "on_update_from_distributed",
+        UpdateWeightsFromIpc: "on_update_from_ipc",
         InitWeightTransfer: "on_init_transfer",
         CloseWeightTransfer: "on_close_transfer",
         FlushCache: "on_flush_cache",
@@ -320,6 +323,17 @@ class EngineControls:
         )
         self._control_task(self._update_weights(env, control))
 
+    async def on_update_from_ipc(self, env: Envelope, msg: UpdateWeightsFromIpc) -> None:
+        """The trainer's CUDA tensors, by IPC handle, into every gpu process of this rank (each
+        opens and maps all of them before any copies; `stage`: committed as a second call)."""
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+            return
+        command = GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS
+        control = GpuControl(
+            command, None, None, None, weight_version=msg.weight_version, ipc=msg.tensors
+        )
+        self._control_task(self._update_weights(env, control))
+
     async def on_init_transfer(self, env: Envelope, msg: InitWeightTransfer) -> None:
         """Join the trainer's weight-transfer group: this rank's gpu processes take ranks
         rank_offset + rank * tp_size + tp rank (the gpu actor adds its tp rank)."""
@@ -356,8 +370,9 @@ class EngineControls:
 
     async def _update_weights(self, env: Envelope, control: GpuControl) -> None:
         reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control)
-        if reply is not None and control.command == GpuCommand.STAGE_WEIGHTS:
-            # stage=True on one rank: every gpu process holds all of it now; swap them in.
+        if reply is not None and control.command == GpuCommand.STAGE_WEIGHTS and self.ep is None:
+            # stage=True on one rank: every gpu process holds all of it now; swap them in (an
+            # expert-parallel group's `_group_control` has committed already).
             commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
             reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, commit)
         if reply is not None:

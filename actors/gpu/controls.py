@@ -10,13 +10,15 @@ Resume allocates a fresh device tensor (offloaded contents, or uninitialized for
 its address changes, so the CUDA graphs captured against the old one are dropped at such a
 suspend and captured again at resume; "persist" keeps both.
 
-Weight updates come from a checkpoint `path`, a `state` dict, or `buckets` broadcast by a trainer
+Weight updates come from a checkpoint `path`, a `state` dict, `buckets` broadcast by a trainer
 over the weight-transfer group this process joined (init_weight_transfer; ops/weight_transfer.py:
 the group is rank_offset + this process's tensor-parallel rank, the engine having added its own
-base). A staged update holds everything (for buckets: the received buffers, a second copy of
-the weights) and copies it in at commit; an unstaged bucket update copies each bucket in as it
-arrives, so one that fails part way leaves `weights_incomplete` set: steps are refused until a
-complete update lands. The engine sends updates only while paused or suspended.
+base), or `ipc` handles of a trainer's CUDA tensors on this host (CUDA only). A staged update
+holds everything (for buckets: the received buffers, a second copy of the weights; for ipc: the
+trainer's tensors opened in place, views of its memory) and copies it in at commit; an unstaged
+bucket update copies each bucket in as it arrives, so one that fails part way leaves
+`weights_incomplete` set: steps are refused until a complete update lands. The engine sends
+updates only while paused or suspended.
 
 Owns: suspend_mode, weight_version, the offloaded contents, the staged weights, the weight
 transfer group. Must not touch how a step runs (worker.py) or how big the pools are (sizing.py).
@@ -33,7 +35,13 @@ from taipan.messages.gpu import GpuCommand, GpuControl, GpuControlReply
 from taipan.messages.lifecycle import KVCacheManagementMode as Mode
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.parallel import TPGroup
-from taipan.ops.weight_transfer import DTYPES, TensorSpec, WeightGroup, WeightTransferError
+from taipan.ops.weight_transfer import (
+    DTYPES,
+    TensorSpec,
+    WeightGroup,
+    WeightTransferError,
+    open_ipc_tensor,
+)
 from taipan.ops.weight_updates import (
     WeightUpdateError,
     check_same_architecture,
@@ -212,6 +220,8 @@ class WorkerControls:
             staged = self._updates_from_path(msg.path)
         elif msg.state is not None:
             staged = state_updates(msg.state, self.model)
+        elif msg.ipc is not None:
+            staged = self._ipc_updates(msg.ipc)
         else:
             staged = []  # this process's shards, copied out of the whole received buckets
             self._receive_buckets(
@@ -221,9 +231,15 @@ class WorkerControls:
         return self.kv_valid
 
     def _check_source(self, msg: GpuControl) -> None:
-        sources = [msg.path is not None, msg.state is not None, msg.buckets is not None]
-        if sum(sources) != 1:
-            raise ControlError("update_weights needs exactly one of path, state and buckets")
+        sources = [msg.path, msg.state, msg.buckets, msg.ipc]
+        if sum(source is not None for source in sources) != 1:
+            raise ControlError("update_weights needs exactly one of path, state, buckets and ipc")
+        if msg.ipc is not None and self.device.type != "cuda":
+            raise ControlError(
+                f"update_weights_from_ipc needs taipan on a CUDA device; its weights are on "
+                f"{self.device} (CUDA IPC shares GPU memory: use update_weights_from_distributed "
+                "or update_weights(state=...) instead)"
+            )
         if msg.buckets is not None and self.transfer is None:
             raise ControlError(
                 "update_weights_from_distributed: no weight-transfer group "
@@ -276,6 +292,22 @@ class WorkerControls:
         self._fitting_buckets = key
         return None
 
+    def _ipc_updates(self, records) -> list:
+        """The trainer's tensors opened by their CUDA IPC handles (views of its memory, no copy)
+        and mapped onto this process's parameters (its shard, its experts). Names, dtypes and
+        shapes are checked before any handle is opened; nothing is copied here."""
+        params = self._live_params()
+        for r in records:
+            if r.dtype not in DTYPES:
+                raise WeightUpdateError(
+                    f"update_weights_from_ipc: {r.name}: dtype {r.dtype!r} cannot travel"
+                )
+        problem = self._bucket_problem([records], params)
+        if problem is not None:
+            raise WeightUpdateError(f"update_weights_from_ipc: {problem}")
+        tensors = {r.name: open_ipc_tensor(r) for r in records}
+        return state_updates(tensors, self.model, params)
+
     def _receive_in_place(self, msg: GpuControl) -> bool:
         """Every bucket into the live parameters as it arrives (no second copy of the weights):
         a large tensor whose rows here are a contiguous view lands there straight from the
@@ -321,9 +353,22 @@ class WorkerControls:
         if self._staged is None:
             raise ControlError("commit_weights: no weights are staged")
         updates, self._staged = self._staged, None
-        self._copy_in(self.model.state_dict(), updates)  # views of the live parameters
+        try:
+            self._copy_in(self.model.state_dict(), updates)  # views of the live parameters
+        except RuntimeError as e:  # (a device error part way: some weights are new)
+            self.weights_incomplete = True
+            raise WeightTransferError(
+                f"commit_weights failed part way: {e} (the weights are incomplete: steps and "
+                "unpause are refused until a complete update lands)"
+            ) from None
+        if self.device.type == "cuda":
+            # The copies are queued: done before the ack (a trainer's IPC tensors, read by
+            # them on its GPU, are its own again once it has the ack).
+            sources = {v.device for _, _, v in updates if isinstance(v, torch.Tensor) and v.is_cuda}
+            for device in sources | {self.device}:
+                torch.cuda.synchronize(device)
         self._set_version(self._staged_version)
-        return self.kv_valid
+        return self.kv_valid  # (`updates` go: the IPC views close)
 
     def _discard_weights(self, msg: GpuControl) -> bool:
         self._staged = None

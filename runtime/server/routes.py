@@ -5,7 +5,7 @@
 `POST /v1/completions` and `POST /v1/chat/completions`, which call `OpenAIServer`, and the
 lifecycle controls an HTTP-driven trainer needs (CONTROL_PATHS: pause with its mode, clear_cache
 and timeout, unpause, suspend, resume, update_weights from a path, init / update / close weight
-transfer, flush_cache), only with `--api-key`.
+transfer, update_weights_from_ipc, flush_cache), only with `--api-key`.
 
 Registers routes only: error handlers, the API key check and serving belong to the app module.
 """
@@ -13,6 +13,8 @@ Registers routes only: error handlers, the API key check and serving belong to t
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import json
 
 import prometheus_client as prom
@@ -20,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from taipan.client import ControlError
+from taipan.messages.lifecycle import IpcTensor
 from taipan.server.completions import OpenAIServer
 from taipan.server.schemas import (
     APIError,
@@ -33,7 +36,10 @@ from taipan.server.schemas import (
 CONTROL_PATHS = (
     "/pause", "/unpause", "/suspend", "/resume", "/update_weights", "/init_weight_transfer",
     "/update_weights_from_distributed", "/close_weight_transfer", "/flush_cache",
+    "/update_weights_from_ipc",
 )  # fmt: skip
+# IpcTensor's bytes fields: base64 strings (or null) in JSON.
+_IPC_BYTES = ("handle", "ref_counter_handle", "event_handle")
 _CONTROL_STATUS = {
     "bad_request": 400,
     "not_authorized": 403,
@@ -123,6 +129,18 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
         body["buckets"] = buckets
         return await run(client.update_weights_from_distributed, **body)
 
+    @app.post("/update_weights_from_ipc")
+    async def update_from_ipc(request: Request):
+        body = keys(await body_of(request), ("tensors", "weight_version", "stage"))
+        try:
+            body["tensors"] = [_ipc_record(t) for t in body["tensors"]]
+        except (KeyError, TypeError, ValueError) as e:
+            fields = ", ".join(IpcTensor.__dataclass_fields__)
+            raise APIError(
+                400, f"tensors: a list of {{{fields}}} objects, bytes as base64 ({e})", "tensors"
+            ) from None
+        return await run(client.update_weights_from_ipc, **body)
+
     @app.post("/close_weight_transfer")
     async def close_weight_transfer():
         return await run(client.close_weight_transfer)
@@ -130,6 +148,21 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
     @app.post("/flush_cache")  # (SGLang's path; vLLM's is /reset_prefix_cache)
     async def flush_cache():
         return await run(client.flush_cache)
+
+
+def _ipc_record(fields: dict) -> dict:
+    """An IPC record as JSON (an object of IpcTensor's fields, its bytes base64) -> the fields
+    the client takes (it checks their types)."""
+    if not isinstance(fields, dict):
+        raise TypeError(f"a record is an object, not {type(fields).__name__}")
+    out = dict(fields)
+    for name in _IPC_BYTES:
+        if out.get(name) is not None:
+            try:
+                out[name] = base64.b64decode(out[name], validate=True)
+            except (binascii.Error, TypeError, ValueError):
+                raise ValueError(f"{name} is not base64") from None
+    return out
 
 
 def add_routes(app: FastAPI, server: OpenAIServer) -> None:
