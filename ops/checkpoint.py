@@ -28,7 +28,10 @@ from pathlib import Path
 import torch
 
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
+from taipan.ops.models.mistral import MistralConfig, MistralForCausalLM
 from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
+from taipan.ops.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
+from taipan.ops.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import SINGLE, TPError, TPGroup
@@ -59,6 +62,9 @@ def no_experts(path, expert_range) -> None:
 
 _MODELS = {
     LlamaConfig: LlamaForCausalLM,
+    Qwen2Config: Qwen2ForCausalLM,
+    Qwen3Config: Qwen3ForCausalLM,
+    MistralConfig: MistralForCausalLM,
     NemotronHConfig: NemotronHForCausalLM,
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
 }

@@ -1,6 +1,7 @@
-"""Hugging Face config.json -> our model config, one function per family (Llama, NemotronH with
-or without MoE layers, Qwen3-MoE): which architecture a directory holds, which fields each
-family reads, with which defaults, and which settings we refuse.
+"""Hugging Face config.json -> our model config, one function per family (Llama, Qwen2, Qwen3,
+Mistral, NemotronH with or without MoE layers, Qwen3-MoE): which architecture a directory holds,
+which fields each family reads, with which defaults, and which settings we refuse (a sliding
+window that would bind: `refuse_binding_window`).
 
 Every failure is a `ModelLoadError` naming the path and the field. Reads no weights and no
 tokenizer files (the caller passes the tokenizer, whose BOS/EOS ids fill in what config.json
@@ -14,21 +15,28 @@ from pathlib import Path
 
 from taipan.ops.checkpoint import ModelLoadError
 from taipan.ops.models.llama import LlamaConfig
+from taipan.ops.models.mistral import MistralConfig
 from taipan.ops.models.nemotron_h import NemotronHConfig
+from taipan.ops.models.qwen2 import Qwen2Config
+from taipan.ops.models.qwen3 import Qwen3Config
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig
 from taipan.ops.moe import MoEConfig
 from taipan.ops.tokenizer import Tokenizer
 
 _ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "MistralForCausalLM": "mistral",
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
 def hf_family(path: Path, hf: dict) -> str:
-    """The model family of a Hugging Face config: "llama", "nemotron_h" or "qwen3_moe" (the
-    launcher's torch-free runtime/models.has_mamba_layers tells a hybrid the same way)."""
+    """The model family of a Hugging Face config: "llama", "qwen2", "qwen3", "mistral",
+    "nemotron_h" or "qwen3_moe" (the launcher's torch-free runtime/models.has_mamba_layers
+    tells a hybrid the same way)."""
     archs = hf.get("architectures") or []
     for arch in archs:
         if arch in _ARCHITECTURES:
@@ -172,22 +180,69 @@ def _rope_theta(path: Path, hf: dict) -> float:
     return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
 
 
-def _hf_llama_config(path: Path, hf: dict, tokenizer: Tokenizer) -> LlamaConfig:
+# The dense Llama-skeleton families: our config class, transformers' default
+# max_position_embeddings, and the settings we refuse when true (Qwen2's q/k/v biases are always
+# on, no flag; a Qwen3 attention_bias would add an o_proj bias, which no released Qwen3 has).
+_DENSE = {
+    "llama": (LlamaConfig, 2048, ("attention_bias", "mlp_bias")),
+    "qwen2": (Qwen2Config, 32768, ()),
+    "qwen3": (Qwen3Config, 32768, ("attention_bias",)),
+    "mistral": (MistralConfig, 4096 * 32, ()),
+}
+
+
+def _hf_dense_config(path: Path, hf: dict, tokenizer: Tokenizer, family: str) -> LlamaConfig:
+    cls, max_positions, refused = _DENSE[family]
     rope_theta = _rope_theta(path, hf)
-    for flag in ("attention_bias", "mlp_bias"):
+    for flag in refused:
         if hf.get(flag):
             raise ModelLoadError(f"{path}: {flag}=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
     try:
-        return LlamaConfig(**_decoder_fields(hf, tokenizer, rope_theta, max_positions=2048))
-    except (KeyError, ValueError) as exc:
+        fields = _decoder_fields(hf, tokenizer, rope_theta, max_positions)
+        return cls(**fields, sliding_window=_sliding_window(hf, family))
+    except (KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
 
 
+def _sliding_window(hf: dict, family: str) -> int | None:
+    """The window of the layers that have one, as transformers reads the config: Mistral's
+    `sliding_window` holds for every layer; Qwen2/3's only with `use_sliding_window` (for the
+    layers `layer_types` marks, or else those from `max_window_layers` on); Llama has none."""
+    window = hf.get("sliding_window")
+    if family == "llama" or window is None:
+        return None
+    if family == "mistral":
+        return int(window)
+    if not hf.get("use_sliding_window"):
+        return None
+    types = hf.get("layer_types")
+    if types is None:
+        windowed = hf.get("max_window_layers", 28) < hf["num_hidden_layers"]
+    else:
+        windowed = "sliding_attention" in types
+    return int(window) if windowed else None
+
+
+def refuse_binding_window(path: Path, config, max_sequence_length: int | None) -> None:
+    """A ModelLoadError when `config`'s sliding window is shorter than the longest sequence the
+    runtime serves: our attention has no window yet (issue 27 item 3), so such a model would
+    attend past it. A window at least `max_sequence_length` long never binds (the model is
+    served as it is). None: not checked (the caller keeps its sequences within the window)."""
+    window = getattr(config, "sliding_window", None)
+    if window is None or max_sequence_length is None or window >= max_sequence_length:
+        return
+    raise ModelLoadError(
+        f"{path}: sliding_window {window} is shorter than max_sequence_length "
+        f"{max_sequence_length}, and sliding-window attention is not built yet (issue 27 "
+        f"item 3); serve this model with max_sequence_length <= {window}"
+    )
+
+
 def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope_theta: float, max_positions: int):
-    """The fields a Llama-skeleton config (Llama, Qwen3-MoE) takes from Hugging Face's config
-    (KeyError for a missing one)."""
+    """The fields a Llama-skeleton config (the `_DENSE` families, Qwen3-MoE) takes from Hugging
+    Face's config (KeyError for a missing one)."""
     num_heads = hf["num_attention_heads"]
     return dict(
         vocab_size=hf["vocab_size"],
@@ -243,7 +298,6 @@ def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3Moe
 
 
 _HF_CONFIGS = {
-    "llama": _hf_llama_config,
     "nemotron_h": _hf_nemotron_h_config,
     "qwen3_moe": _hf_qwen3_moe_config,
 }
@@ -251,4 +305,6 @@ _HF_CONFIGS = {
 
 def hf_config(path: Path, hf: dict, family: str, tokenizer: Tokenizer):
     """Our config of `family` (`hf_family`) from the parsed config.json `hf`."""
+    if family in _DENSE:
+        return _hf_dense_config(path, hf, tokenizer, family)
     return _HF_CONFIGS[family](path, hf, tokenizer)

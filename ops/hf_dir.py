@@ -18,15 +18,23 @@ from pathlib import Path
 import torch
 
 from taipan.ops.checkpoint import ModelLoadError, Piece, build_model, expert_pieces, no_experts
-from taipan.ops.hf_configs import hf_config, hf_family
+from taipan.ops.hf_configs import hf_config, hf_family, refuse_binding_window
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import TPGroup
 from taipan.ops.sharding import Placement
 from taipan.ops.tokenizer import Tokenizer
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGroup) -> tuple:
-    """(model, config, tokenizer) of the directory, this rank's shards and experts only."""
+def load_hf_dir(
+    path: Path,
+    dtype: torch.dtype,
+    device,
+    expert_range,
+    tp: TPGroup,
+    max_sequence_length: int | None = None,
+) -> tuple:
+    """(model, config, tokenizer) of the directory, this rank's shards and experts only; a
+    sliding window shorter than `max_sequence_length` is refused before any weight is read."""
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -34,6 +42,7 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGrou
     family = hf_family(path, hf)
     tokenizer = Tokenizer.from_hf_dir(path)
     config = hf_config(path, hf, family, tokenizer)
+    refuse_binding_window(path, config, max_sequence_length)
     moe = getattr(config, "moe", None)
     if moe is None:
         no_experts(path, expert_range)
@@ -43,7 +52,7 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGrou
             experts = ExpertRange.of(expert_range, moe.num_experts)
         except ValueError as exc:
             raise ModelLoadError(f"{path}: {exc}") from exc
-    files = sorted(path.glob("*.safetensors"))
+    files = _weight_files(path)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
     with contextlib.ExitStack() as files_open:
@@ -52,6 +61,22 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGrou
             pieces = expert_pieces(path, config, experts, pieces, tp)
         model = build_model(path, config, pieces, dtype, device, tp, experts)
     return model, config, tokenizer
+
+
+def _weight_files(path: Path) -> list[Path]:
+    """The checkpoint's safetensors files, as transformers picks them: those its index names,
+    else model.safetensors, else every *.safetensors (Mistral's repositories also hold a
+    consolidated.safetensors in Mistral's own tensor names, which neither reads)."""
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            return sorted({path / name for name in weight_map.values()})
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"{index}: cannot read the weight map ({exc!r})") from exc
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    return sorted(path.glob("*.safetensors"))
 
 
 def _safetensors_pieces(files: list[Path], files_open, tied: bool) -> Iterator[Piece]:

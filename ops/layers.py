@@ -102,6 +102,7 @@ class Attention(nn.Module):
         qk_norm_eps: float | None = None,
         tp: TPGroup = SINGLE,
         reduce_output: bool = True,
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
@@ -110,8 +111,9 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, head_dim
         self.scale = head_dim**-0.5
         # q, k and v projections fused into one matrix (rows: q, then k, then v): one GEMM.
+        # `qkv_bias` (Qwen2): their biases, fused alike (column-parallel: this rank's rows).
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.qkv_proj = nn.Linear(hidden_size, qkv_rows, bias=False)
+        self.qkv_proj = nn.Linear(hidden_size, qkv_rows, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * head_dim, hidden_size, bias=False)
         # Qwen3: an RMSNorm over each head of q and of k (weights shared by the heads), before
         # RoPE; None: no such norm (Llama, NemotronH).

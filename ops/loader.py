@@ -59,6 +59,7 @@ def load_model(
     device: str | torch.device = "cpu",
     expert_range: tuple[int, int] | ExpertRange | None = None,
     tp: TPGroup = SINGLE,
+    max_sequence_length: int | None = None,
 ) -> tuple:
     """Load a `.gguf` file or a Hugging Face directory, weights in `dtype` on `device`:
     (model, config, tokenizer); with `tp`, this rank's shards only (the config is the whole
@@ -67,7 +68,9 @@ def load_model(
     A directory without config.json but with exactly one .gguf file loads that file;
     `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
     `expert_range` (start, count): only those experts of every MoE layer (default: all); a
-    model without experts refuses one.
+    model without experts refuses one. `max_sequence_length`: the longest sequence the caller
+    will run; a model whose sliding window is shorter is refused (our attention has none yet;
+    None: not checked, as for a weight update of a model loaded before).
     """
     if str(path).startswith(RANDOM_PREFIX):
         no_experts(path, expert_range)
@@ -75,7 +78,7 @@ def load_model(
     path = _model_file(Path(path))
     try:
         if path.is_dir():
-            return load_hf_dir(path, dtype, device, expert_range, tp)
+            return load_hf_dir(path, dtype, device, expert_range, tp, max_sequence_length)
         no_experts(path, expert_range)
         return load_gguf(path, dtype, device, tp)
     except TokenizerError as exc:  # its message already names the file

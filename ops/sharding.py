@@ -2,15 +2,16 @@
 reads.
 
 A checkpoint names its tensors as Hugging Face does, without the leading `model.` / `backbone.`
-(q/k/v_proj and gate/up_proj apart). Our models fuse q, k and v into `qkv_proj` and gate and up
-into `gate_up_proj`, stack a MoE layer's experts into `w1` [E, N, H] (N: gate rows then up rows,
-or ReLU²'s up rows) and `w2` [E, H, I], and under tensor parallelism (ops/parallel.py) hold only
-this rank's shard of the projections, of every expert's intermediate size (w1 rows, w2
-columns; the shared expert's likewise) and of the vocabulary. Routers, layer norms and NemotronH's
-latent projections are replicated. `placement` maps one checkpoint tensor onto that layout; the
-loader (reading files, random weights) and weight updates (state dicts) both use it, so every
-path shards the same way and a rank reads only its slices. Builds no tensors (`take` only
-joins the two slices it reads of a stacked gate_up tensor).
+(q/k/v_proj and gate/up_proj apart). Our models fuse q, k and v into `qkv_proj` (weights, and
+Qwen2's biases alike: column-parallel rows) and gate and up into `gate_up_proj`, stack a MoE
+layer's experts into `w1` [E, N, H] (N: gate rows then up rows, or ReLU²'s up rows) and `w2`
+[E, H, I], and under tensor parallelism (ops/parallel.py) hold only this rank's shard of the
+projections, of every expert's intermediate size (w1 rows, w2 columns; the shared expert's
+likewise) and of the vocabulary. Routers, layer norms, Qwen3's per-head q/k norms ([head_dim])
+and NemotronH's latent projections are replicated. `placement` maps one checkpoint tensor onto
+that layout; the loader (reading files, random weights) and weight updates (state dicts) both
+use it, so every path shards the same way and a rank reads only its slices. Builds no tensors
+(`take` only joins the two slices it reads of a stacked gate_up tensor).
 
 A NemotronH Mamba layer's in_proj ([z | x | B | C | dt] rows) and conv1d ([x | B | C]
 channels) split segment by segment (ops/mamba.py), so on a rank of T > 1 one such checkpoint
@@ -37,7 +38,7 @@ FUSED = {
     # NemotronH attention layers (their mixer is the attention)
     "mixer.qkv_proj": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
 }
-_QKV = re.compile(r"^(layers\.\d+\.(?:self_attn|mixer))\.([qkv])_proj\.weight$")
+_QKV = re.compile(r"^(layers\.\d+\.(?:self_attn|mixer))\.([qkv])_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^(layers\.\d+\.mlp)\.(gate|up)_proj\.weight$")
 _O_PROJ = re.compile(r"^layers\.\d+\.(?:self_attn|mixer)\.o_proj\.weight$")
 _DOWN_PROJ = re.compile(r"^layers\.\d+\.mlp\.down_proj\.weight$")
@@ -139,11 +140,11 @@ def placements(name: str, config, tp: TPGroup = SINGLE) -> tuple[Placement, ...]
 
 def placement(name: str, config, tp: TPGroup = SINGLE) -> Placement:
     """Where checkpoint tensor `name` (no `model.` prefix) lands on rank `tp.rank` of a model
-    of `config` (Llama, Qwen3-MoE or NemotronH: fields num_heads, num_kv_heads, head_dim,
-    intermediate_size, vocab_size, tie_word_embeddings, and `moe` for experts). A name that is
-    none of the split or fused ones is replicated whole onto the parameter of that name (the
-    caller reports a name the model lacks). A tensor that fills several pieces (`placements`)
-    is a ValueError."""
+    of `config` (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE or NemotronH: fields num_heads,
+    num_kv_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, and `moe` for
+    experts). A name that is none of the split or fused ones is replicated whole onto the
+    parameter of that name (the caller reports a name the model lacks). A tensor that fills
+    several pieces (`placements`) is a ValueError."""
     if isinstance(config, NemotronHConfig):
         pieces = _nemotron_h_placements(name, config, tp)
         if pieces is not None:
@@ -162,7 +163,7 @@ def placement(name: str, config, tp: TPGroup = SINGLE) -> Placement:
     if match := _QKV.match(name):
         heads = tp.heads(config.num_heads, config.num_kv_heads)
         q, kv = heads.q_count * d, heads.kv_count * d
-        param = f"{match.group(1)}.qkv_proj.weight"
+        param = f"{match.group(1)}.qkv_proj.{match.group(3)}"  # (a bias: the same rows)
         if match.group(2) == "q":
             return Placement(param, slice(0, q), 0, heads.q_start * d, q, config.num_heads * d)
         rows = slice(q, q + kv) if match.group(2) == "k" else slice(q + kv, q + 2 * kv)
@@ -267,12 +268,14 @@ def _nemotron_h_placements(name: str, config, tp: TPGroup) -> tuple[Placement, .
 
 
 def checkpoint_names(param: str) -> tuple[str, ...]:
-    """The checkpoint tensors that fill our parameter `param` (itself unless it is fused)."""
+    """The checkpoint tensors that fill our parameter `param` (itself unless it is fused; a
+    fused bias, Qwen2's qkv_proj.bias, from the parts' biases)."""
     for target, parts in FUSED.items():
-        suffix = f".{target}.weight"
-        if param.endswith(suffix):
-            layer = param.removesuffix(suffix)
-            return tuple(f"{layer}.{part}.weight" for part in parts)
+        for kind in ("weight", "bias"):
+            suffix = f".{target}.{kind}"
+            if param.endswith(suffix):
+                layer = param.removesuffix(suffix)
+                return tuple(f"{layer}.{part}.{kind}" for part in parts)
     return (param,)
 
 

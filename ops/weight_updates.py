@@ -38,6 +38,7 @@ _ARCHITECTURE_FIELDS = (
     "rms_norm_eps",
     "rope_theta",
     "tie_word_embeddings",
+    "sliding_window",  # (the loaded model's was checked against max_sequence_length)
 )
 # A hybrid's are every field but these (its layer pattern and all its Mamba shapes included;
 # the SSM state dtype is a runtime choice, mamba_inference_state_config).
@@ -73,8 +74,9 @@ def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
     """A Hugging Face parameter name -> (our parameter name, the part of it that holds it), for
     the whole (unsharded) model.
 
-    The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj and gate/up_proj are
-    row ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting);
+    The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj (weights and Qwen2's
+    biases) and gate/up_proj are row ranges of our fused qkv_proj and gate_up_proj (Hugging
+    Face layout, no un-permuting); Qwen3's q_norm / k_norm weights are ours as they are;
     with tied embeddings "lm_head.weight" is the embedding matrix. One expert's matrix
     (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 / w2, with
     the GLOBAL expert id (`state_updates` maps it onto a rank's range); a stacked one

@@ -220,7 +220,12 @@ class ModelWorker(WorkerControls):
             tp = self._with_custom_sums(tp, msg.custom_all_reduce)
         try:
             model, config, tokenizer = load_model(
-                msg.model, dtype=dtype, device=self.device, tp=tp, expert_range=experts
+                msg.model,
+                dtype=dtype,
+                device=self.device,
+                tp=tp,
+                expert_range=experts,
+                max_sequence_length=msg.max_sequence_length,
             )
         except ModelLoadError as e:
             if experts is not None and "has no experts" in str(e):

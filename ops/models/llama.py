@@ -44,6 +44,11 @@ class LlamaConfig:
     max_position_embeddings: int
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
+    # The attention window of the layers that have one (Mistral, Qwen2/3 with
+    # use_sliding_window); None: every layer sees its whole context. Our attention has no
+    # window yet: the loader serves a model only where the window never binds
+    # (ops/hf_configs.py `refuse_binding_window`).
+    sliding_window: int | None = None
 
     @property
     def num_kv_layers(self) -> int:
@@ -62,8 +67,9 @@ class LlamaConfig:
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP. `mlp`: another MLP in place of the dense SwiGLU (Qwen3-MoE's
-    sparse layers); `qk_norm`: RMSNorm each head of q and k before RoPE (Qwen3); `tp`: this
-    rank's share of the heads and of the MLP (tensor parallel).
+    sparse layers); `qk_norm`: RMSNorm each head of q and k before RoPE (Qwen3, Qwen3-MoE);
+    `qkv_bias`: q, k and v projections with biases (Qwen2); `tp`: this rank's share of the
+    heads and of the MLP (tensor parallel).
 
     Under tensor parallelism the attention's output, and the dense MLP's, leave this layer as
     this rank's partial sums: the norm after each sums them (one kernel with the add and the
@@ -71,7 +77,12 @@ class DecoderLayer(nn.Module):
     next layer's input norm, or the model's final norm, must sum it)."""
 
     def __init__(
-        self, config, mlp: nn.Module | None = None, qk_norm: bool = False, tp: TPGroup = SINGLE
+        self,
+        config,
+        mlp: nn.Module | None = None,
+        qk_norm: bool = False,
+        tp: TPGroup = SINGLE,
+        qkv_bias: bool = False,
     ) -> None:
         super().__init__()
         c = config
@@ -84,6 +95,7 @@ class DecoderLayer(nn.Module):
             qk_norm_eps=c.rms_norm_eps if qk_norm else None,
             tp=tp,
             reduce_output=False,
+            qkv_bias=qkv_bias,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if mlp is None:
@@ -120,8 +132,8 @@ class LlamaForCausalLM(nn.Module):
     token) into fp32 logits, so the [T, vocab] matrix of a long prefill is never built.
 
     `make_layer(index)` builds each decoder layer (default: Llama's); models of the same
-    skeleton (Qwen3-MoE) pass their own. `tp`: this rank's place in its tensor-parallel group
-    (every rank runs every step)."""
+    skeleton (Qwen2, Qwen3, Qwen3-MoE) pass their own. `tp`: this rank's place in its
+    tensor-parallel group (every rank runs every step)."""
 
     def __init__(
         self, config, make_layer: Callable[[int], nn.Module] | None = None, tp: TPGroup = SINGLE
