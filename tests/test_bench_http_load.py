@@ -20,6 +20,7 @@ from taipan.bench import http_load
 N, OUTPUT_LEN = 16, 4
 
 
+@pytest.mark.slow  # (15 s; make test-slow)
 def test_http_load_keeps_its_invariants(tmp_path, model_path):
     results = tmp_path / "results.jsonl"
     cmd = [sys.executable, "-m", "taipan.cli", "bench", "--workload", "http-load"]

@@ -25,6 +25,7 @@ import threading
 import time
 
 import msgpack
+import pytest
 import zmq
 
 from taipan import auth
@@ -289,6 +290,7 @@ def test_random_frames_and_tokenless_controls_change_nothing(runtime, client):
     assert client.stats().state == "RUNNING"
 
 
+@pytest.mark.slow  # (14 s; the suspend modes are covered by test_e2e_lifecycle)
 def test_default_config_suspend_cycles_mid_generation_keep_greedy_tokens(tmp_path, model_path):
     address = f"ipc://{tmp_path}/front.sock"
     serve = _serve(model_path, address)  # the default configuration: no --set

@@ -67,6 +67,7 @@ def keys(tmp_path_factory) -> str:
     return str(directory)
 
 
+@pytest.mark.slow  # (30 s on the 2-core box; make test-slow)
 def test_engines_on_other_hosts_join_over_curve(model_path, keys, client):
     port = _free_port_pair()
     coord = _serve(

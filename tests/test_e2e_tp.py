@@ -249,6 +249,7 @@ def test_sigkilled_follower_takes_its_rank_down_loudly(tmp_path, tiny):
     assert not [p for p in descendants if _alive(p)]
 
 
+@pytest.mark.slow  # (15 s; make test-slow)
 def test_a_model_that_does_not_split_fails_the_start(model_path, tiny, tmp_path):
     from taipan.actors.config import InferenceConfig
     from tests.random_moe import make_random_qwen3_moe
