@@ -45,10 +45,11 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def _train_step(model, seed: int) -> None:
+    """Noise on every weight, in place on the device each lives on (a stand-in optimizer step)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device))
 
 
 def test_a_trainer_pushes_its_weights_three_times(tmp_path):

@@ -38,6 +38,7 @@ from taipan.messages.requests import SamplingParams
 from taipan.ops.weight_transfer import WeightTransferError, ipc_handles, open_ipc_tensor
 from taipan.ops.weight_updates import WeightUpdateError
 from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.test_rl import _hf_greedy, _train_step
 
 transformers = pytest.importorskip("transformers")
 
@@ -186,24 +187,6 @@ async def test_over_http_403_without_a_key_and_400_on_a_malformed_record(cpu_run
 
 
 # ---- GPU: a trainer on the same GPU ------------------------------------------------------------
-
-
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([ids], device=model.device), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0,
-            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device=model.device),
-        )  # fmt: skip
-    return out[0, len(ids) :].tolist()
-
-
-def _train_step(model, seed: int) -> None:
-    """Noise on every weight, in place on the trainer's GPU (the same tensors stay shared)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_((torch.randn(p.shape, generator=gen) * 0.05).to(p.device))
 
 
 @pytest.mark.gpu
