@@ -12,10 +12,16 @@ nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
 python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
 stage(Path('.carry/new'), Path('/tmp/pkg'))" || exit 1
 cd .carry/new && export PYTHONPATH=/tmp/pkg:/tmp/site:$PWD
-timeout -s ABRT 330 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+timeout -s ABRT 290 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
     tests/test_gpu.py tests/test_e2e_routed_experts.py tests/test_rl.py tests/test_rl_loop.py \
     -k "processed_log_probs or routed or nccl or rl_loop" 2>&1 | tee "$OUT/rl_gpu.log" | tail -30
+echo "== the loop itself, rows (GPU tiny Llama, fp32)"
+python3 -c "from tests.random_llama import GPU_TINY_SHAPE, make_random_llama; \
+make_random_llama('/tmp/gtiny', GPU_TINY_SHAPE)" >/dev/null 2>&1
+timeout -s ABRT 120 python3 examples/rl_loop.py --model /tmp/gtiny --device cuda:1 \
+    --trainer-device cuda:0 --prompts 8 --group-size 8 --max-tokens 64 2>/dev/null \
+    | tee "$OUT/rl_loop.jsonl"
 echo "== weight sync, 8B shape"
-echo skip-bench; false && timeout -s ABRT 200 python3 -m taipan.cli bench --workload weight-sync --model random:llama-8b \
+timeout -s ABRT 170 python3 -m taipan.cli bench --workload weight-sync --model random:llama-8b \
     --dtype bfloat16 --trainer-device cuda:0 --device cuda:1 --sync-rounds 3 \
     --results "$OUT/results.jsonl" 2>&1 | grep -E "weight-sync|rror" | tail -8
