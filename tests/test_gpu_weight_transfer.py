@@ -19,13 +19,11 @@ import threading
 import pytest
 import torch
 
-from taipan.actors.gpu.worker import ModelWorker
-from taipan.messages.gpu import GpuCommand, GpuControl, LoadModel
+from taipan.messages.gpu import GpuCommand, GpuControl
 from taipan.messages.lifecycle import WeightSpec, WeightTransferGroup
 from taipan.rl import init_weight_transfer_group, named_tensors, send_weights, weight_buckets
-from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests import test_gpu_worker_control as _control
 from tests.test_gpu_worker_control import (
-    BLOCK_SIZE,
     PROMPT,
     assert_matches_hf,
     assert_same_weights,
@@ -34,23 +32,8 @@ from tests.test_gpu_worker_control import (
 )
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_random_llama(str(tmp_path_factory.mktemp("random-llama")), TINY_SHAPE)
-
-
-@pytest.fixture
-def worker(model_dir):
-    w = ModelWorker()
-    w.load(LoadModel(model_dir, "float32", "cpu", BLOCK_SIZE, 8, 1.0, 256, 8, 128))
-    return w
-
-
-@pytest.fixture
-def hf_model(model_dir):
-    return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+# The worker on a tiny random Llama and its Hugging Face copy: test_gpu_worker_control's fixtures.
+model_dir, worker, hf_model = _control.model_dir, _control.worker, _control.hf_model
 
 
 def _port() -> int:
