@@ -168,12 +168,15 @@ class UpdateWeights:
     directory with the same architecture) or from `state` (parameter name -> array, HF names as
     in the checkpoint, e.g. "model.layers.0.mlp.down_proj.weight"; a subset is allowed). Exactly
     one of the two is set. The weight version becomes `weight_version` (the trainer's; it is
-    the prefix-hash salt), or the last one + 1 when None."""
+    the prefix-hash salt), or the last one + 1 when None. `hold` (all three update messages; set
+    by the coordinator, whatever the client sent): stage the weights, acknowledge, and swap them
+    in only on the coordinator's `WeightsDecision` (all or none over the data-parallel ranks)."""
 
     token: str
     path: str | None
     state: dict[str, WeightArray] | None
     weight_version: int | None = None
+    hold: bool = False
 
 
 # The dtypes a weight may have in a transfer from a trainer (WeightSpec, IpcTensor).
@@ -220,18 +223,19 @@ class CloseWeightTransfer:
     token: str
 
 
-@message(50)
+@message(50, required=4)  # (hold came later)
 class UpdateWeightsFromDistributed:
     """New weights broadcast by the trainer (group rank 0) over the weight-transfer group, one
     flat buffer per bucket in `buckets` order (ops/weight_transfer.py BucketLayout). Each
     process copies its shard in place (CUDA graphs stay valid). `stage`: receive everything into
     a second buffer first and copy in only once every process has all of it. Legal while PAUSED
-    or SUSPENDED; `weight_version` as UpdateWeights."""
+    or SUSPENDED; `weight_version` and `hold` (with `stage` only) as UpdateWeights."""
 
     token: str
     buckets: list[list[WeightSpec]]
     weight_version: int | None
     stage: bool
+    hold: bool = False
 
 
 @message(51)
@@ -274,7 +278,7 @@ class IpcTensor:
     event_sync_required: bool
 
 
-@message(52)
+@message(52, required=4)  # (hold came later)
 class UpdateWeightsFromIpc:
     """New weights from a trainer process on the same host, by CUDA IPC handles (`tensors`, one
     per Hugging Face tensor; no copy through the host): every gpu process opens each one on the
@@ -283,13 +287,26 @@ class UpdateWeightsFromIpc:
     expert-parallel group (every process opens and checks everything before any copies). The
     trainer keeps the tensors alive, unchanged, until the ack. `stage`: staged on every process
     and committed as a second control (the trainer's tensors are the second buffer). Legal
-    while PAUSED or SUSPENDED; `weight_version` as UpdateWeights. A runtime on the CPU refuses
-    it."""
+    while PAUSED or SUSPENDED; `weight_version` and `hold` (with `stage` only) as
+    UpdateWeights. A runtime on the CPU refuses it."""
 
     token: str
     tensors: list[IpcTensor]
     weight_version: int | None
     stage: bool
+    hold: bool = False
+
+
+@message(53)
+class WeightsDecision:
+    """Coordinator -> engine only, after a weight update sent with `hold` that the engine
+    acknowledged as staged: `commit` swaps the staged weights in (the ack carries the new
+    weight version), else they are dropped and the old ones stay. The coordinator commits only
+    when every data-parallel rank staged the update, so no rank serves weights the others
+    refused. Answered with a ControlAck (command update_weights) or an ErrorReply."""
+
+    token: str
+    commit: bool
 
 
 @message(47)

@@ -19,6 +19,7 @@ import pytest
 
 from taipan import LLM, SamplingParams
 from taipan.actors.config import InferenceConfig
+from taipan.client import ControlError
 from taipan.launcher import LaunchError, Runtime
 from taipan.messages.lifecycle import LifecycleState
 from taipan.placement import rank_cpu_sets, rank_device
@@ -106,12 +107,18 @@ def test_lifecycle_reaches_every_rank(dp2, model_path):
     assert cached.state == LifecycleState.PAUSED and len(cached.ranks) == 2
     assert llm.suspend("offload").state == LifecycleState.SUSPENDED
     assert llm.update_weights(state={"model.norm.weight": same}).weight_version == 1
+    # Staged on both ranks and committed on both (all or none); refused on both, none moves.
+    with pytest.raises(ControlError, match="engine 0.*engine 1|engine 1.*engine 0"):
+        llm.update_weights(state={"model.norm.weight": same[:-1]})
     llm.resume()
     llm.unpause()
     stats = llm.stats()
     assert [(r.state, r.weight_version) for r in stats.ranks] == [("RUNNING", 1)] * 2
-    [again] = llm.generate(HELD_OUT[:1], GREEDY, use_tqdm=False)
-    assert again.token_ids == before.token_ids
+    again = llm.generate(HELD_OUT[:4], GREEDY, use_tqdm=False)
+    assert again[0].token_ids == before.token_ids
+    # Both ranks serve the committed version, and say so for every token.
+    assert all(c.weight_versions == [(1, 0)] for c in again), [c.weight_versions for c in again]
+    assert all(r.steps_total > 0 for r in llm.stats().ranks)
 
 
 def test_replay_checks_both_ranks(dp2):

@@ -189,7 +189,10 @@ def test_a_weight_update_failing_on_one_rank_leaves_both_on_the_old_weights(sess
     c.resume()
     c.unpause()
     assert [r.weight_version for r in c.stats().ranks] == [1, 1]
-    assert [d.token_ids for d in c.generate(prompts, GREEDY)] == before
+    after = c.generate(prompts, GREEDY)
+    assert [d.token_ids for d in after] == before
+    # Every token of both ranks carries the version the group committed (per-token versions).
+    assert all(d.weight_versions == [(1, 0)] for d in after), [d.weight_versions for d in after]
 
 
 def test_replay_check_passes_over_both_engines_with_their_rounds(session):

@@ -43,6 +43,7 @@ from taipan.actors.coordinator.control import (
     STOP_TIMEOUT_S,
     ControlRound,
     LifecycleControl,
+    holds,
     peer_name,
 )
 from taipan.actors.coordinator.core import CoordinatorCore, NoRankError, Route, routing_hashes
@@ -62,6 +63,7 @@ from taipan.messages.lifecycle import (
     PauseMode,
     StopAck,
     Unpause,
+    WeightsDecision,
 )
 from taipan.messages.requests import (
     AbortRequest,
@@ -280,15 +282,23 @@ class CoordinatorActor(Actor):
             timeout = msg.timeout
             if msg.mode == PauseMode.WAIT:
                 note = " (pause mode wait: requests that had started were still running)"
-        round_ = self.lifecycle.open(command, env.sender, engines, timeout=timeout, note=note)
+        hold = holds(msg, len(engines))
+        round_ = self.lifecycle.open(
+            command, env.sender, engines, timeout=timeout, note=note, hold=hold
+        )
         self.spawn(self._complete_control(round_))
         forwarded = dataclasses.replace(msg, token="")  # engine sockets are private
+        if command is ControlCommand.UPDATE_WEIGHTS:
+            forwarded = dataclasses.replace(forwarded, hold=hold)  # (whatever the client said)
         for identity in engines:
             await self.backend.send(forwarded, to=identity)
 
     async def _complete_control(self, round_: ControlRound) -> None:
         """Wait for every engine's answer (or the timeout), then move the FSM and reply."""
-        reply = await self.lifecycle.close(round_, self.links.name, self.log)
+        if round_.hold:
+            reply = await self._decide_weights(round_)
+        else:
+            reply = await self.lifecycle.close(round_, self.links.name, self.log)
         if round_.command == ControlCommand.PAUSE and isinstance(reply, ErrorReply):
             reply = await self._undo_pause(round_, reply)
         self.links.set_weight_version(self.lifecycle.weight_version)
@@ -310,6 +320,23 @@ class CoordinatorActor(Actor):
         for identity in sorted(undo.asked):
             await self.backend.send(Unpause(""), to=identity)
         return await self.lifecycle.close_undo(undo, self.links.name, reply, self.log)
+
+    async def _decide_weights(self, staged: ControlRound) -> ControlAck | ErrorReply:
+        """All or none over the ranks: once every engine staged a held update, commit it on
+        all of them; else drop it wherever it was staged, before the client hears of it."""
+        failed = await self.lifecycle.close_staged(staged, self.links.name, self.log)
+        commit = failed is None
+        decision = self.lifecycle.decision_round(staged, commit, self.links.engines.values())
+        if decision is None:  # (nothing was staged anywhere, or every engine that staged it died)
+            gone = "update_weights failed: every engine that staged it is gone"
+            return failed or ErrorReply(ErrorCode.CONTROL_FAILED, gone, None)
+        self.log.info("weights decision", commit=commit, engines=len(decision.asked))
+        for identity in sorted(decision.asked):
+            await self.backend.send(WeightsDecision("", commit), to=identity)
+        if commit:
+            return await self.lifecycle.close(decision, self.links.name, self.log)
+        undone = "the ranks that had staged the weights dropped them: the old ones stay"
+        return await self.lifecycle.close_undo(decision, self.links.name, failed, self.log, undone)
 
     async def on_control_ack(self, env: Envelope, msg: ControlAck) -> None:
         name, version = self.links.name(env.sender), msg.weight_version

@@ -15,6 +15,13 @@ actors/engine/ep.py): its round ends at the first engine that refuses it or dies
 sends an unpause to every engine that paused or is still pausing (which withdraws it there), so
 that no rank stays paused while the runtime says RUNNING. The pause's error names the ranks.
 (Mode abort: requests a rank already aborted stay ended, each with its terminal output.)
+
+A weight update that stages (from a path or a state dict, or a transfer with `stage`) is all or
+none across the data-parallel ranks too: with more than one engine it goes out with `hold`
+(`holds`), each engine stages it and acknowledges, and only when every one did does a second
+round (`decision_round`) send WeightsDecision(commit) to all; otherwise the engines that staged
+it drop it (WeightsDecision(discard)) and the error names the ranks that failed. An in-place
+transfer (`stage` False) cannot be taken back: a rank that fails it part way refuses to unpause.
 """
 
 from __future__ import annotations
@@ -68,6 +75,7 @@ class ControlRound:
     failed: set[bytes] = dataclasses.field(default_factory=set)  # those that answered an error
     timeout: float | None = None  # None: the command's default
     fail_fast: bool = False  # done at the first error (a pause: the others are undone)
+    hold: bool = False  # a weight update staged on every engine, swapped in by a second round
     note: str = ""  # added to a timeout's error
 
     @property
@@ -165,15 +173,17 @@ class LifecycleControl:
         *,
         timeout: float | None = None,
         note: str = "",
+        hold: bool = False,
     ) -> ControlRound:
         """The round of a command about to be forwarded to `engines` (`timeout`: None, the
-        command's default; `note`: added to a timeout's error). A pause's round ends at its
-        first error (`undo_round` then takes it back)."""
+        command's default; `note`: added to a timeout's error; `hold`: a weight update that
+        only stages, see `decision_round`). A pause's round ends at its first error
+        (`undo_round` then takes it back)."""
         engines = list(engines)
         fail_fast = command == ControlCommand.PAUSE
         self.round = ControlRound(
             command, client, set(engines), asked=frozenset(engines), timeout=timeout,
-            fail_fast=fail_fast, note=note,
+            fail_fast=fail_fast, note=note, hold=hold,
         )  # fmt: skip
         self.answered.clear()
         return self.round
@@ -187,6 +197,26 @@ class LifecycleControl:
             return None
         timeout = min(self.control_timeout, UNDO_TIMEOUT_S)
         return self.open(ControlCommand.UNPAUSE, failed.client, targets, timeout=timeout)
+
+    def decision_round(
+        self, staged: ControlRound, commit: bool, live: Iterable[bytes]
+    ) -> ControlRound | None:
+        """After a held update's round: the round that commits it on every engine (all
+        staged it) or drops it on every `live` engine that did not fail it (it staged, or may
+        still be staging: the decision runs after that there); None when there is none."""
+        targets = [i for i in live if i in staged.asked and i not in staged.failed]
+        if not targets:
+            return None
+        timeout = None if commit else min(self.control_timeout, UNDO_TIMEOUT_S)
+        return self.open(ControlCommand.UPDATE_WEIGHTS, staged.client, targets, timeout=timeout)
+
+    async def close_staged(
+        self, round_: ControlRound, name: Callable[[bytes], str], log
+    ) -> ErrorReply | None:
+        """Wait for every engine's answer to a held update: None when every one staged it
+        (nothing moved yet), else the client's error."""
+        await self._wait(round_, name)
+        return None if round_.ok else self._outcome(round_, log)
 
     def answer(self, engine: bytes, name: str, command: str | None = None, **said) -> bool:
         """Record an engine's answer to the round in flight (to `command`; None: whatever it
@@ -211,16 +241,22 @@ class LifecycleControl:
         return self._outcome(round_, log)
 
     async def close_undo(
-        self, round_: ControlRound, name: Callable[[bytes], str], failed: ErrorReply, log
+        self,
+        round_: ControlRound,
+        name: Callable[[bytes], str],
+        failed: ErrorReply,
+        log,
+        undone: str = "every rank that had paused or was pausing runs again",
     ) -> ErrorReply:
-        """Wait for the answers to `undo_round`'s unpause; the failed pause's reply `failed`,
-        saying whether every rank runs again."""
+        """Wait for the answers to a round that takes a failed command back (`undo_round`'s
+        unpause, `decision_round`'s discard); the failed command's reply `failed`, saying
+        whether it was `undone` everywhere."""
         await self._wait(round_, name)
         if round_.ok:
-            text = f"{failed.text}; every rank that had paused or was pausing runs again"
+            text = f"{failed.text}; {undone}"
         else:
             text = f"{failed.text}; undoing it failed too: {'; '.join(round_.errors)}"
-            log.error("undoing a failed pause failed", errors=round_.errors)
+            log.error("undoing a failed control failed", errors=round_.errors)
         return ErrorReply(failed.code, text, None)
 
     async def _wait(self, round_: ControlRound, name: Callable[[bytes], str]) -> None:
@@ -253,6 +289,16 @@ class LifecycleControl:
         state = self.fsm.apply(round_.command)
         log.info("control done", command=command, sender=sender, state=str(state))
         return ControlAck(round_.command, state, self.weight_version)
+
+
+def holds(msg, engines: int) -> bool:
+    """Whether an update goes out with `hold`: it stages (a path or state dict always does, a
+    transfer with `stage`) and more than one engine must agree."""
+    if engines < 2:
+        return False
+    if isinstance(msg, UpdateWeights):
+        return True
+    return isinstance(msg, UpdateWeightsFromDistributed | UpdateWeightsFromIpc) and msg.stage
 
 
 def peer_name(identity: bytes | None) -> str:

@@ -10,12 +10,15 @@ for.
 The gpu controls run between steps (`_between_steps`), under expert parallelism on every rank of
 the group or on none (`_group_control`: a rank that fails makes the others undo theirs; weights
 are staged everywhere and committed only once every rank staged them). An update with
-`stage=True` on one rank is staged on its gpu processes and then committed. A transfer that
-failed part way leaves the weights incomplete (the gpu actor says so in every reply): unpause is
-refused until a complete update lands.
+`stage=True` on one rank is staged on its gpu processes and then committed. An update the
+coordinator sent with `hold` (several data-parallel ranks) is staged, acknowledged, and swapped
+in or dropped only by the coordinator's WeightsDecision, which commits only once every rank
+staged it. A transfer that failed part way leaves the weights incomplete (the gpu actor says so
+in every reply): unpause is refused until a complete update lands.
 
-Owns: `state`, `weight_version`, `weights_incomplete`, `suspended_mode`, the pending pause
-(`pause_waiters`, `pause_mode`, `pause_clear`) and the scheduler's `admitting` switch. Must not
+Owns: `state`, `weight_version`, `weights_incomplete`, `suspended_mode`, `weights_held` (staged
+weights awaiting the coordinator's decision), the pending pause (`pause_waiters`, `pause_mode`,
+`pause_clear`) and the scheduler's `admitting` switch. Must not
 touch the step protocol (step.py) beyond waiting for it to hand over the channels.
 """
 
@@ -45,6 +48,7 @@ from taipan.messages.lifecycle import (
     UpdateWeights,
     UpdateWeightsFromDistributed,
     UpdateWeightsFromIpc,
+    WeightsDecision,
     next_state,
 )
 from taipan.messages.requests import FinishReason
@@ -65,7 +69,9 @@ class EngineControls:
         InitWeightTransfer: "on_init_transfer",
         CloseWeightTransfer: "on_close_transfer",
         FlushCache: "on_flush_cache",
+        WeightsDecision: "on_weights_decision",
     }
+    weights_held = False  # an update staged with `hold`, awaiting the coordinator's decision
 
     async def _refuse(self, env: Envelope, command: ControlCommand) -> bool:
         """Answer a command this engine's state does not allow (messages/lifecycle.py's
@@ -202,14 +208,17 @@ class EngineControls:
         self._withdraw_pause()  # (a keep or abort pause whose ack is still to come)
         await self._ack(env, ControlCommand.UNPAUSE)
 
-    async def _gpu_control(self, env: Envelope, command: ControlCommand, msg: GpuControl):
+    async def _gpu_control(
+        self, env: Envelope, command: ControlCommand, msg: GpuControl, hold: bool = False
+    ):
         """Run one gpu control call between steps (under expert parallelism, on every rank of
-        the group or on none: `_group_control`); an error goes back to the coordinator."""
+        the group or on none: `_group_control`; `hold`: a weight update is left staged there);
+        an error goes back to the coordinator."""
         async with self._between_steps():
             if self.ep is None:
                 reply = await self._gpu_call(msg)
             else:
-                reply = await self._group_control(command, msg)
+                reply = await self._group_control(command, msg, hold)
         if reply.error is not None:
             await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, f"{command}: {reply.error}", None))
             return None
@@ -229,11 +238,13 @@ class EngineControls:
             self.scheduler.invalidate_kv()
         return reply
 
-    async def _group_control(self, command: ControlCommand, msg: GpuControl) -> GpuControlReply:
+    async def _group_control(
+        self, command: ControlCommand, msg: GpuControl, hold: bool = False
+    ) -> GpuControlReply:
         """All or none over the expert-parallel group: apply the control here (a weight update
         only staged), tell the peers how it went (an EpOutcome round), then keep it (commit
-        the weights) if every rank succeeded, else undo it here. The error of a failed round
-        names the ranks that failed."""
+        the weights, unless `hold` leaves that to the coordinator) if every rank succeeded,
+        else undo it here. The error of a failed round names the ranks that failed."""
         first = msg
         if command is ControlCommand.UPDATE_WEIGHTS:
             first = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
@@ -243,7 +254,7 @@ class EngineControls:
         except GroupError as e:
             await self.steps.die(str(e))
         if not failed:
-            if command is ControlCommand.UPDATE_WEIGHTS:
+            if command is ControlCommand.UPDATE_WEIGHTS and not hold:
                 commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
                 reply = await self._gpu_call(commit)
                 if reply.error is not None:  # the peers have committed: no way back
@@ -301,10 +312,9 @@ class EngineControls:
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
         if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
             return
-        control = GpuControl(
-            GpuCommand.UPDATE_WEIGHTS, None, msg.path, msg.state, weight_version=msg.weight_version
-        )
-        self._control_task(self._update_weights(env, control))
+        command = GpuCommand.STAGE_WEIGHTS if msg.hold else GpuCommand.UPDATE_WEIGHTS
+        control = GpuControl(command, None, msg.path, msg.state, weight_version=msg.weight_version)
+        self._control_task(self._update_weights(env, control, msg.hold))
 
     async def on_update_from_distributed(
         self, env: Envelope, msg: UpdateWeightsFromDistributed
@@ -321,7 +331,7 @@ class EngineControls:
             weight_version=msg.weight_version,
             buckets=msg.buckets,
         )
-        self._control_task(self._update_weights(env, control))
+        self._control_task(self._update_weights(env, control, msg.hold and msg.stage))
 
     async def on_update_from_ipc(self, env: Envelope, msg: UpdateWeightsFromIpc) -> None:
         """The trainer's CUDA tensors, by IPC handle, into every gpu process of this rank (each
@@ -332,7 +342,7 @@ class EngineControls:
         control = GpuControl(
             command, None, None, None, weight_version=msg.weight_version, ipc=msg.tensors
         )
-        self._control_task(self._update_weights(env, control))
+        self._control_task(self._update_weights(env, control, msg.hold and msg.stage))
 
     async def on_init_transfer(self, env: Envelope, msg: InitWeightTransfer) -> None:
         """Join the trainer's weight-transfer group: this rank's gpu processes take ranks
@@ -368,8 +378,14 @@ class EngineControls:
         if await self._gpu_control(env, command, control):
             await self._ack(env, command)
 
-    async def _update_weights(self, env: Envelope, control: GpuControl) -> None:
-        reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control)
+    async def _update_weights(self, env: Envelope, control: GpuControl, hold: bool) -> None:
+        """Stage or load the weights; `hold`: stage them and leave the swap to the coordinator's
+        WeightsDecision (the ack then carries the old weight version)."""
+        reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control, hold)
+        if reply is not None and hold:
+            self.weights_held = True
+            await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
+            return
         if reply is not None and control.command == GpuCommand.STAGE_WEIGHTS and self.ep is None:
             # stage=True on one rank: every gpu process holds all of it now; swap them in (an
             # expert-parallel group's `_group_control` has committed already).
@@ -379,3 +395,29 @@ class EngineControls:
             self.weight_version = reply.weight_version
             self.scheduler.new_weights(reply.weight_version)
             await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
+
+    async def on_weights_decision(self, env: Envelope, msg: WeightsDecision) -> None:
+        """The coordinator's verdict on weights staged with `hold`: commit them (every rank
+        staged them) or drop them. Runs after the staging it answers (controls run in arrival
+        order), so a decision that overtook a slow staging still finds it."""
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+            return
+        self._control_task(self._decide_weights(env, msg.commit))
+
+    async def _decide_weights(self, env: Envelope, commit: bool) -> None:
+        if not self.weights_held:
+            text = f"{self.name}: {'commit' if commit else 'discard'}: no weights are staged here"
+            await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, text, None))
+            return
+        self.weights_held = False
+        command = GpuCommand.COMMIT_WEIGHTS if commit else GpuCommand.DISCARD_WEIGHTS
+        async with self._between_steps():
+            reply = await self._gpu_call(GpuControl(command, None, None, None))
+        if reply.error is not None:
+            text = f"{self.name}: update_weights: {reply.error}"
+            await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, text, None))
+            return
+        if commit:
+            self.weight_version = reply.weight_version
+            self.scheduler.new_weights(reply.weight_version)
+        await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
