@@ -128,7 +128,8 @@ def push_weights(
     """Send the trainer's weights to a paused (or suspended) runtime: the client's
     `update_weights_from_distributed` and the broadcasts at once. Returns its ControlAck.
     `timings` (a dict, optional) gets where the time went, in seconds from the call:
-    `checked` (the state check done), `sent` (every broadcast done on this side), `acked`.
+    `checked` (the state check done), `sent` (every broadcast done on this side), `acked`; and
+    `wall_start`, the call's wall-clock time (to set beside the gpu actors' logged marks).
 
     A runtime that is not paused is refused here, before any broadcast (taipan would refuse the
     update, and the trainer would wait in its first broadcast until the group's timeout)."""
@@ -138,7 +139,10 @@ def push_weights(
         raise RuntimeError(f"push_weights needs a PAUSED or SUSPENDED runtime; it is {state}")
     named = named_tensors(model_or_named)
     buckets = weight_buckets(named, bucket_bytes)
-    marks = {"checked": time.perf_counter() - start}
+    marks = {
+        "checked": time.perf_counter() - start,
+        "wall_start": time.time() - (time.perf_counter() - start),
+    }
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         update = pool.submit(
             client.update_weights_from_distributed,

@@ -276,9 +276,12 @@ class GpuActor(Actor):
         try:
             start = time.perf_counter()
             reply = self.worker.control(msg)
+            marks = {}
+            if msg.buckets is not None:  # (wall-clock seconds, to set beside the trainer's)
+                marks = {k: round(v, 5) for k, v in self.worker.transfer_marks.items()}
             self.log.info(
                 "control", command=str(msg.command), error=reply.error,
-                seconds=round(time.perf_counter() - start, 4),
+                seconds=round(time.perf_counter() - start, 4), **marks,
             )  # fmt: skip
             return reply
         except Exception as e:  # the worker answers expected failures itself; this is the rest

@@ -26,6 +26,8 @@ transfer group. Must not touch how a step runs (worker.py) or how big the pools 
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -84,6 +86,9 @@ class WorkerControls:
         self._staged_version: int | None = None  # the version they carry (None: last + 1)
         self.transfer: WeightGroup | None = None  # the trainer's weight-transfer group, joined
         self.weights_incomplete = False  # an unstaged transfer failed part way
+        # Wall-clock marks of the last transfer (logged with the control: where the time went,
+        # next to the trainer's `push_weights(timings=)`): received, first_posted, posted, synced.
+        self.transfer_marks: dict[str, float] = {}
         # The live parameters by name, and the last bucket layout found to fit them: a trainer
         # sends the same layout every update, so later updates skip both (each takes ms).
         self._params: tuple[object, dict] | None = None  # (the model they are of, its params)
@@ -251,6 +256,7 @@ class WorkerControls:
         process's shards). Names and shapes are checked before the first bucket arrives; when
         they or an update fail, the rest is still received and dropped, so the trainer's
         broadcasts complete; then the error is raised."""
+        marks = self.transfer_marks = {"received": time.time()}
         transfer, params = self.transfer, self._live_params()
         problem = self._bucket_problem(msg.buckets, params)
         for specs in msg.buckets:
@@ -261,10 +267,13 @@ class WorkerControls:
                     apply(state_updates(tensors, self.model, params))
                 except WeightUpdateError as e:
                     problem = str(e)
+            marks.setdefault("first_posted", time.time())
+        marks["posted"] = time.time()
         if self.device.type == "cuda":
             # The copies are queued behind each broadcast: the weights are in place only once
             # the device has run them (the ack, and the trainer's timing, mean "done").
             torch.cuda.synchronize(self.device)
+        marks["synced"] = time.time()
         if problem is not None:
             raise WeightUpdateError(problem)
 
