@@ -107,6 +107,11 @@ class ModelLoaded:
     tensor_parallel_size: int = 1
     # Mixture-of-experts layers (0: none; SamplingParams.return_routed_experts is refused).
     moe_layers: int = 0
+    # Sliding-window attention: W > 0 when every attention layer attends to at most W keys (a
+    # query at position p reads keys k with p - W < k <= p; W is the largest window over the
+    # layers), so the engine gives back the KV blocks no later query reads; 0 when some layer
+    # sees its whole context (no window, or global layers among windowed ones, as Gemma 3's).
+    sliding_window: int = 0
 
 
 @message(122, required=23)  # (logprobs_mode came later)

@@ -32,7 +32,6 @@ from taipan.messages.codec import (
     MAX_FRAMES,
     TAG_RANGES,
     ArraySpec,
-    _checker,
     encode_frame,
     message,
     replace_first_field,
@@ -49,6 +48,7 @@ from taipan.messages.requests import (
     StepOutputs,
     SubmitRequest,
 )
+from taipan.messages.schema import _checker
 
 FAST = settings(
     max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),

@@ -59,8 +59,8 @@ class ControlError(Exception):
 class WorkerControls:
     """The controls' half of ModelWorker, run in the worker's thread between steps. They
     replace `kv_cache` and `mamba_state` (None while released), release `graphs`, and read the
-    rest of what the load set (annotated below); ModelWorker provides `_capture` and
-    `_new_mamba_state`. A load resets the state they own (a fresh model runs)."""
+    rest of what the load set (annotated below); WorkerForward (ModelWorker's other base)
+    provides `_capture`. A load resets the state they own (a fresh model runs)."""
 
     # Set by ModelWorker.load.
     model: torch.nn.Module | None

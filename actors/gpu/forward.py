@@ -1,0 +1,253 @@
+"""What a step runs on the device, as WorkerForward, a base of ModelWorker: the CUDA graph
+bucket it replays (agreed with the expert-parallel group), the model's forward over the step
+buffers (eager, or recorded into a CUDA graph and replayed), the last tokens' logits, sampling,
+the Mamba snapshots at chunk ends, and the routed experts' recording.
+
+Routed experts (a MoE model, StepPlan.return_routed_experts): every MoE layer writes its router's
+ids into one static buffer (ops/moe.py `record_routing`); the captured graphs always do (one
+small copy per layer), an eager forward only when its plan asks; the step's rows go to the host
+with its tokens.
+
+Must not touch: the load and the pools' sizes (worker.py, sizing.py), the step's launch /
+collect bookkeeping and its StepResult (worker.py), or the lifecycle state (controls.py). It
+reads the tensors the load set and writes only the step's outputs: the sampled tokens' and the
+logits' buffers, the routing buffer, and the Mamba slots a plan names.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import numpy as np
+import torch
+
+from taipan.actors.gpu.buffers import StepBuffers
+from taipan.actors.gpu.graphs import Bucket, StepGraphs
+from taipan.messages.gpu import StepPlan, StepResult
+from taipan.ops.expert_parallel import EPGroup, exchange_only
+from taipan.ops.mamba import MambaMetadata
+from taipan.ops.models.llama import AttentionMetadata
+from taipan.ops.moe import record_routing
+from taipan.ops.parallel import TPGroup
+from taipan.ops.sampling import sample
+
+
+class WorkerForward:
+    """The forward's half of ModelWorker, run in the worker's thread. It reads what the load
+    set (annotated below) and provides `_capture` (WorkerControls calls it at resume)."""
+
+    # Set by ModelWorker.load (and replaced by WorkerControls while suspended).
+    model: torch.nn.Module | None
+    device: torch.device
+    dtype: torch.dtype
+    block_size: int
+    tp: TPGroup
+    ep: EPGroup | None
+    exchange: object  # the MoE layers' token exchange under expert parallelism, or None
+    kv_cache: torch.Tensor | None
+    mamba_state: tuple[torch.Tensor, torch.Tensor] | None
+    buffers: StepBuffers | None
+    graphs: StepGraphs | None
+    graph_capture_seconds: float
+    _logits: torch.Tensor | None
+    _sampled: torch.Tensor | None
+    _moe_blocks: list
+    _routing: torch.Tensor | None
+
+    # ---- which graph runs ----------------------------------------------------------------------
+
+    def _bucket(self, plan: StepPlan, inner_snaps: dict) -> Bucket | None:
+        """The CUDA graph the step replays, or None: it runs eagerly (no graph holds it, it
+        wants prompt log-probs, or its kernels store snapshots inside chunks)."""
+        eager = self.graphs is None or (plan.prompt_targets >= 0).any() or bool(inner_snaps)
+        all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
+        if self.ep is not None:
+            return self._ep_shape(len(plan.input_ids), all_decode, eager)
+        if not eager:
+            return self.graphs.pick(len(plan.input_ids), len(plan.seq_lens), all_decode)
+        return None
+
+    def _ep_shape(self, num_tokens: int, all_decode: bool, eager: bool):
+        """Agree with the group on this step's shape; returns the graph bucket every rank runs
+        (None: all eager) and sets the exchange's rows per rank to its size (eager: the
+        largest token count of the group). A dummy step takes part with 0 tokens."""
+        tokens, mixed, any_eager = self.ep.agree([num_tokens, int(not all_decode), int(eager)])
+        bucket = None
+        if not any_eager and self.graphs is not None:
+            # A function of the agreed values alone (a mixed bucket that holds `tokens` holds
+            # any rank's sequences), so every rank picks the same one.
+            bucket = self.graphs.pick(tokens, 1, all_decode=not mixed)
+        self.exchange.tokens = bucket.tokens if bucket is not None else tokens
+        return bucket
+
+    def _dummy(self, plan: StepPlan, start: float) -> StepResult:
+        """A dummy step (ModelWorker's docstring): this rank's experts serve the peers' rows."""
+        self._ep_shape(0, True, False)
+        with torch.inference_mode():
+            exchange_only(self.model, self.dtype, self.device)
+        elapsed = time.perf_counter() - start
+        no_tokens = np.zeros(0, dtype=np.int32)
+        return StepResult(plan.step, no_tokens, None, elapsed, device_seconds=elapsed)
+
+    # ---- the forward ---------------------------------------------------------------------------
+
+    def _forward_logits(self, plan: StepPlan, staged, bucket: Bucket | None, inner_snaps):
+        """(inputs, logits [B, V] fp32, hidden [T, H] or None after a graph): the step's one
+        host-to-device copy, then the graph of `bucket` replayed or the forward run eagerly."""
+        num_seqs = len(plan.seq_lens)
+        inputs = self.buffers.upload(staged)
+        if bucket is not None:
+            self.graphs.replay(bucket)
+            inputs = self.buffers.views(num_tokens=len(plan.input_ids), num_seqs=num_seqs)
+            return inputs, self._logits[:num_seqs], None
+        with self._recording(plan.return_routed_experts):
+            hidden = self._forward(plan, inputs, inner_snaps)  # [T, H]
+        # Logits for every sequence's last token (rows that do not sample are ignored):
+        # their positions come from the device's query starts, so nothing travels for them.
+        last = inputs["query_start_loc"][1:].long() - 1
+        return inputs, self.model.compute_logits(hidden[last]), hidden
+
+    def _forward(
+        self, plan: StepPlan, inputs: dict[str, torch.Tensor], inner_snaps=None
+    ) -> torch.Tensor:
+        attn = AttentionMetadata(
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            slot_mapping=inputs["slot_mapping"],
+        ).with_layout(plan.query_start_loc, plan.seq_lens, self.block_size)
+        ids = inputs["input_ids"]
+        if len(plan.prev_rows):  # only then: the gather costs launches
+            ids = self._ids_with_previous_tokens(inputs)
+        return self._run_model(ids, inputs, attn, inner_snaps)
+
+    def _run_model(
+        self,
+        ids: torch.Tensor,
+        inputs: dict[str, torch.Tensor],
+        attn: AttentionMetadata,
+        inner_snaps: dict[int, list[tuple[int, int]]] | None = None,
+    ) -> torch.Tensor:
+        """The model's forward over the step's buffers (a hybrid also gets its Mamba slots, and
+        the snapshots its kernels store inside chunks: row -> [(position, slot)])."""
+        if self.mamba_state is None:
+            return self.model(ids, inputs["positions"], attn, self.kv_cache)
+        conv, ssm = self.mamba_state
+        mamba = MambaMetadata(
+            conv, ssm, inputs["mamba_init"], inputs["mamba_out"], attn.query_start_loc,
+            attn.num_decodes,
+        )  # fmt: skip
+        if inner_snaps:
+            rows = range(attn.num_decodes, len(attn.query_start_loc) - 1)
+            width = max(len(v) for v in inner_snaps.values())
+            table = [(inner_snaps.get(r, []) + [(1, -1)] * width)[:width] for r in rows]
+            mamba.snap_pos = self._tensor(np.asarray([[p for p, _ in t] for t in table]))
+            mamba.snap_slots = self._tensor(np.asarray([[s for _, s in t] for t in table]))
+        return self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
+
+    def _ids_with_previous_tokens(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """input_ids, where prev_rows says so replaced by the last step's sampled tokens (on
+        the device: no host round trip). [T] int64."""
+        prev = inputs["prev_rows"]
+        previous = self._sampled[prev.clamp(min=0).long()]
+        return torch.where(prev >= 0, previous, inputs["input_ids"].long())
+
+    def _snapshot_chunk_ends(self, plan: StepPlan) -> None:
+        """The snapshots at a chunk's end: copies of its out slot into snapshot slots (every
+        layer; queued after the forward, so the next step's forward reads them)."""
+        ends = plan.mamba_snap_pos == np.diff(plan.query_start_loc)[plan.mamba_snap_row]
+        if not ends.any():
+            return
+        s = self._tensor(plan.mamba_out[plan.mamba_snap_row[ends]], torch.long)
+        d = self._tensor(plan.mamba_snap_dst[ends], torch.long)
+        for t in self.mamba_state:
+            t.index_copy_(1, d, t.index_select(1, s))
+
+    def _sample(
+        self, plan: StepPlan, inputs: dict[str, torch.Tensor], logits: torch.Tensor
+    ) -> torch.Tensor:
+        if not (plan.temperature[plan.sample != 0] > 0).any():
+            return logits.argmax(dim=-1)  # all greedy: skip the filters and the noise
+        names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
+        return sample(logits, **{name: inputs[name] for name in names})
+
+    def _tensor(self, a: np.ndarray, dtype=None) -> torch.Tensor:
+        # np.frombuffer views are read-only; torch wants writable memory.
+        t = torch.from_numpy(np.array(a, copy=True))
+        return t.to(self.device, dtype=dtype, non_blocking=True)
+
+    # ---- routed experts ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _recording(self, on: bool):
+        """Inside: the MoE layers write their routers' ids into `_routing` (when `on`)."""
+        if not on or self._routing is None:
+            yield
+            return
+        record_routing(self._moe_blocks, self._routing)
+        try:
+            yield
+        finally:
+            record_routing(self._moe_blocks, None)
+
+    def _routed_to_host(self, plan: StepPlan) -> torch.Tensor | None:
+        """The step's routed experts [T, MoE layers, k], copied to fresh host memory (queued
+        without waiting on CUDA: `collect` reads them after the step's end event), when the
+        plan asks; the tensor-parallel leader's only (every peer routes alike)."""
+        if not plan.return_routed_experts or self._routing is None or self.tp.rank:
+            return None
+        rows = self._routing[: len(plan.input_ids)]
+        if self.device.type != "cuda":
+            return rows.clone()  # (the next step's forward rewrites the buffer)
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        return host.copy_(rows, non_blocking=True)
+
+    # ---- CUDA graphs ---------------------------------------------------------------------------
+
+    def _graph_body(self, bucket: Bucket) -> None:
+        """What a graph records: the forward over the buffers at the bucket's size, and the
+        logits of each sequence's last token into the static logits buffer."""
+        inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+        if self.exchange is not None:  # every rank captures this bucket at this size
+            self.exchange.tokens = bucket.tokens
+        attn = AttentionMetadata(
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            slot_mapping=inputs["slot_mapping"],
+            num_decodes=bucket.seqs if bucket.decode else 0,
+            max_query_len=1 if bucket.decode else bucket.tokens,
+        )
+        ids = self._ids_with_previous_tokens(inputs)  # 3 tiny kernels, so always recorded
+        hidden = self._run_model(ids, inputs, attn)
+        # Padding rows repeat the last query start: they read a real row (or row 0).
+        last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
+        self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
+
+    def _neutral_step(self, bucket: Bucket) -> None:
+        """Fill the step buffers with an empty step padded to the bucket: no sequence attends
+        anything or writes a slot (what the captures run on)."""
+        empty = {
+            name: np.zeros((0, f.width) if f.width else 0, dtype=f.dtype)
+            for name, f in self.buffers.fields.items()
+        }
+        self.buffers.load(empty, num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        start = time.perf_counter()
+        with self._recording(True):
+            self.graphs.capture(self._graph_body, self._neutral_step)
+        self.graph_capture_seconds = time.perf_counter() - start
+
+
+def plan_arrays(plan: StepPlan) -> dict[str, np.ndarray]:
+    """The StepPlan's arrays by StepBuffers field name (empty prev_rows, mamba_*: all -1)."""
+    arrays = {name: getattr(plan, name) for name in StepBuffers.FIELD_NAMES}
+    if not len(plan.prev_rows):
+        arrays["prev_rows"] = np.full(len(plan.input_ids), -1, dtype=np.int32)
+    for name in ("mamba_init", "mamba_out"):  # empty: no Mamba layers
+        if not len(arrays[name]):
+            arrays[name] = np.full(len(plan.seq_lens), -1, dtype=np.int32)
+    return arrays
