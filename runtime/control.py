@@ -16,7 +16,7 @@ is imported.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -110,10 +110,10 @@ class AsyncClientControls:
         is made, or restart), else "" (the runtime then refuses with "not_authorized")."""
         return self._control_token or find_token(self.address) or ""
 
-    async def _control(self, msg) -> ControlAck:
+    async def _control(self, msg, on_sent=None) -> ControlAck:
         if self._actor is None:
             raise RuntimeError("the client is not connected")
-        ack = await self._actor.control(msg)
+        ack = await self._actor.control(msg, on_sent)
         self._salt = ack.weight_version
         return ack
 
@@ -213,15 +213,22 @@ class AsyncClientControls:
         return await self._control(InitWeightTransfer(self.control_token, group))
 
     async def update_weights_from_distributed(
-        self, buckets, *, weight_version: int | None = None, stage: bool = False
+        self,
+        buckets,
+        *,
+        weight_version: int | None = None,
+        stage: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> ControlAck:
         """While PAUSED or SUSPENDED, take new weights the trainer broadcasts over the group,
         one flat buffer per bucket (`buckets`: lists of ops.weight_transfer.TensorSpec or
         (name, dtype, shape) triples, as taipan.rl.weight_buckets makes them). `stage`: hold
-        them in a second buffer and copy them in only once every process has all of them."""
+        them in a second buffer and copy them in only once every process has all of them.
+        `on_sent`: called (on the client's loop) once the command has left; a trainer that
+        broadcasts from the same process starts then (taipan.rl.push_weights)."""
         wire = [[_weight_spec(s) for s in bucket] for bucket in buckets]
         msg = UpdateWeightsFromDistributed(self.control_token, wire, weight_version, bool(stage))
-        return await self._control(msg)
+        return await self._control(msg, on_sent)
 
     async def close_weight_transfer(self) -> ControlAck:
         return await self._control(CloseWeightTransfer(self.control_token))
@@ -291,11 +298,16 @@ class ClientControls:
         )
 
     def update_weights_from_distributed(
-        self, buckets, *, weight_version: int | None = None, stage: bool = False
+        self,
+        buckets,
+        *,
+        weight_version: int | None = None,
+        stage: bool = False,
+        on_sent: Callable[[], None] | None = None,
     ) -> ControlAck:
         return self._run(
             self._async.update_weights_from_distributed(
-                buckets, weight_version=weight_version, stage=stage
+                buckets, weight_version=weight_version, stage=stage, on_sent=on_sent
             )
         )
 

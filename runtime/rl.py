@@ -28,6 +28,7 @@ No torch here: the torch side is ops/weight_transfer.py, imported when a functio
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -128,7 +129,8 @@ def push_weights(
     """Send the trainer's weights to a paused (or suspended) runtime: the client's
     `update_weights_from_distributed` and the broadcasts at once. Returns its ControlAck.
     `timings` (a dict, optional) gets where the time went, in seconds from the call:
-    `checked` (the state check done), `sent` (every broadcast done on this side), `acked`; and
+    `checked` (the state check done), `command_sent` (the update command has left), `sent`
+    (every broadcast done on this side), `acked`; and
     `wall_start`, the call's wall-clock time (to set beside the gpu actors' logged marks).
 
     A runtime that is not paused is refused here, before any broadcast (taipan would refuse the
@@ -143,13 +145,23 @@ def push_weights(
         "checked": time.perf_counter() - start,
         "wall_start": time.time() - (time.perf_counter() - start),
     }
+    sent = threading.Event()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         update = pool.submit(
             client.update_weights_from_distributed,
             buckets,
             weight_version=weight_version,
             stage=stage,
+            on_sent=sent.set,
         )
+        # The command leaves before the first broadcast: enqueueing them holds this process's
+        # GIL for tens of ms, and the client's threads, starved of it, sent the command ~14 ms
+        # late (8B shape, H100): the receivers, and so the link, started that much later.
+        while not sent.wait(0.05):
+            if update.done():
+                update.result()  # refused or failed before it left: raise it here
+                break
+        marks["command_sent"] = time.perf_counter() - start
         try:
             send_weights(named, group, buckets)
         except Exception:

@@ -28,6 +28,7 @@ import asyncio
 import dataclasses
 import itertools
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -175,9 +176,11 @@ class ClientActor(Actor):
         await self.channel.send(GetStats(fresh))
         return await fut
 
-    async def control(self, msg) -> ControlAck:
+    async def control(self, msg, on_sent: Callable[[], None] | None = None) -> ControlAck:
         """Send one lifecycle command (a message of messages/lifecycle.py, token set) and wait
-        for the answer; raises ControlError when the runtime refuses or fails it."""
+        for the answer; raises ControlError when the runtime refuses or fails it. `on_sent`:
+        called once the message has left (a trainer then starts broadcasting: see
+        taipan.rl.push_weights)."""
         command = CONTROL_MESSAGES[type(msg)]
         async with self.control_lock:
             fut = asyncio.get_running_loop().create_future()
@@ -185,6 +188,8 @@ class ClientActor(Actor):
             self.control_waiter = (command, fut)
             try:
                 await self.channel.send(msg)
+                if on_sent is not None:
+                    on_sent()
                 return await fut
             finally:
                 self.control_waiter = None
