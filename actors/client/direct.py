@@ -149,7 +149,7 @@ class DirectActor(ClientActor):
         await self._to_engine(GetStats())
         return await fut
 
-    async def control(self, msg) -> ControlAck:
+    async def control(self, msg, on_sent=None) -> ControlAck:
         command = CONTROL_MESSAGES[type(msg)]
         raise RuntimeError(
             f"{command} is a lifecycle command, and in direct mode (use_coordinator=False) no "
