@@ -1,24 +1,51 @@
 """The one reference of paged causal attention: varlen GQA attention over the paged KV cache, in
 plain torch, fp32 inside. The decode kernel (kernels/decode_attention.py: one query per
 sequence), the prefill kernel (kernels/prefill_attention.py) and ops/attention.py's CPU path are
-all checked against it.
+all checked against it; it also owns what the three share: the sliding-window rule
+(`check_sliding_window`) and the head sizes the two kernels serve (`SUPPORTED_HEAD_DIMS`).
 
 Contract. Sequence b owns query tokens `query_start_loc[b] : query_start_loc[b + 1]`, the last
 `q_len` tokens of its context of `seq_lens[b]` tokens (clamped to its block table's capacity,
 max_blocks * block_size, as the decode kernel clamps): query i sits at position
-`context - q_len + i` and sees keys 0..that position. A sequence with an empty context (an idle
-decode row, seq_len 0) gives zeros, as do tokens no sequence owns. Only slots 0..context-1 of
-each sequence are read, so an unwritten slot (garbage, maybe NaN) never reaches the output.
-Any head_dim, block_size and GQA group; the kernels' own limits are their launchers' to check.
+`p = context - q_len + i` and sees keys 0..p, or with a sliding window W only keys k with
+`p - W < k <= p` (at most W keys, itself included: Hugging Face's `sliding_window_overlay`). A
+sequence with an empty context (an idle decode row, seq_len 0) gives zeros, as do tokens no
+sequence owns. Only slots its queries can see are read: none past the context (unwritten) and,
+with a window, none before the first query's window (the engine may free and reuse those
+blocks), so garbage there (maybe NaN) never reaches the output. Any head_dim, block_size and
+GQA group; the kernels' own limits are their launchers' to check.
 
-Which keys a query sees is decided in `_visible` alone (causal today): the one place a
-per-layer sliding window would go. Syncs the device (reads the metadata on the host): for tests
-and debugging, never a hot path. Reads the cache only.
+Which keys a query sees is decided in `_visible` alone. Syncs the device (reads the metadata on
+the host): for tests and debugging, never a hot path. Reads the cache only.
 """
 
 from __future__ import annotations
 
 import torch
+
+# The head sizes the two Triton kernels serve (this reference takes any): the common ones of
+# open models, e.g. 64 and 128 (Llama, Qwen), 80 (Phi-2), 96 (Phi-3), 256 (Gemma 3). A size that
+# is not a power of two is tiled as the next one, its surplus columns masked (`head_dim_pad`).
+SUPPORTED_HEAD_DIMS = (32, 64, 80, 96, 128, 192, 256)
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The power of two the kernels tile `head_dim` with (its surplus columns masked); raises a
+    ValueError naming the supported sizes for any other head_dim."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        supported = ", ".join(map(str, SUPPORTED_HEAD_DIMS))
+        raise ValueError(f"head_dim {head_dim} is not supported (supported: {supported})")
+    return 1 << (head_dim - 1).bit_length()
+
+
+def check_sliding_window(sliding_window: int | None) -> None:
+    """None (global attention) or a window of >= 1 keys, as a host int (it never syncs)."""
+    ok = isinstance(sliding_window, int) and not isinstance(sliding_window, bool)
+    if sliding_window is not None and not (ok and sliding_window >= 1):
+        raise ValueError(
+            f"sliding_window must be None or an int >= 1 (keys seen, the query's own included), "
+            f"got {sliding_window!r}"
+        )
 
 
 def paged_attention_ref(
@@ -28,14 +55,17 @@ def paged_attention_ref(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's queries over its paged KV, one sequence at a time.
 
     q: [T, H, D]; kv_cache: one layer's [2, num_blocks, block_size, KVH, D]; block_tables:
     [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B], context lengths including this
-    step's tokens (already written). Returns [T, H, D] in q's dtype.
+    step's tokens (already written); sliding_window: None, or W >= 1 keys per query (see the
+    module docstring). Returns [T, H, D] in q's dtype.
     """
     _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens)
+    check_sliding_window(sliding_window)
     capacity = block_tables.shape[1] * kv_cache.shape[2]
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -49,35 +79,47 @@ def paged_attention_ref(
             )
         if q_len == 0 or context == 0:
             continue
-        k, v = gather_kv(kv_cache, block_tables[b], context)  # [context, KVH, D]
-        visible = _visible(q_len, context, q.device)
+        # The first query's window start: no query sees a key before it, so none is read.
+        first = 0 if sliding_window is None else max(0, context - q_len - sliding_window + 1)
+        k, v = gather_kv(kv_cache, block_tables[b], context, first)  # [context - first, KVH, D]
+        visible = _visible(q_len, context, first, sliding_window, q.device)
         out[start:end] = _attend(q[start:end], k, v, visible, scale).to(q.dtype)
     return out
 
 
 def gather_kv(
-    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
+    kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, first: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's first `seq_len` keys and values, in position order (its blocks past them
-    are never touched). block_table: [max_blocks]. Returns k, v: [seq_len, KVH, D]."""
+    """One sequence's keys and values at positions `first .. seq_len - 1`, in position order
+    (its blocks wholly outside them are never touched). block_table: [max_blocks].
+    Returns k, v: [seq_len - first, KVH, D]."""
     block_size = kv_cache.shape[2]
-    blocks = block_table[: -(-seq_len // block_size)].long()
-    k = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    v = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
+    first_block = first // block_size
+    blocks = block_table[first_block : -(-seq_len // block_size)].long()
+    skip, count = first - first_block * block_size, seq_len - first
+    k = kv_cache[0, blocks].flatten(0, 1)[skip : skip + count]
+    v = kv_cache[1, blocks].flatten(0, 1)[skip : skip + count]
     return k, v
 
 
-def _visible(q_len: int, context: int, device: torch.device) -> torch.Tensor:
-    """[q_len, context] bool, True where the query (the last q_len positions) sees the key."""
-    q_pos = torch.arange(context - q_len, context, device=device)
-    return torch.arange(context, device=device)[None, :] <= q_pos[:, None]
+def _visible(
+    q_len: int, context: int, first: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[q_len, context - first] bool, True where the query (one of the last q_len positions)
+    sees the key (positions first .. context - 1)."""
+    q_pos = torch.arange(context - q_len, context, device=device)[:, None]
+    k_pos = torch.arange(first, context, device=device)[None, :]
+    visible = k_pos <= q_pos
+    if sliding_window is not None:
+        visible &= k_pos > q_pos - sliding_window
+    return visible
 
 
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """q: [Q, H, D]; k, v: [S, KVH, D], each kv head serving H / KVH query heads; visible:
-    [Q, S] (every row sees key 0, so no row is all -inf) -> [Q, H, D] fp32."""
+    [Q, S] (every row sees its own key, so no row is all -inf) -> [Q, H, D] fp32."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))  # [S, H, D]
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale

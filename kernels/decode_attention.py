@@ -1,5 +1,7 @@
 """Paged-attention decode: one query token per sequence over its paged KV cache, with grouped
-K/V heads (GQA) and the context split across programs (split-K, "flash decoding").
+K/V heads (GQA), an optional sliding window, and the context split across programs (split-K,
+"flash decoding"). Head sizes: attention_ref.SUPPORTED_HEAD_DIMS (32 to 256; 80, 96 and 192 are
+tiled as the next power of two with the surplus columns masked).
 
 Owns two kernels and their launcher: `_decode_split_kernel` (each program: one sequence, one kv
 head, one chunk of the context -> partial max, sum and unnormalised V sum, fp32) and
@@ -11,6 +13,10 @@ allocation.
 Layout (kernels/__init__.py): `kv_cache` is one layer's `[2, num_blocks, block_size, KVH, D]`;
 token p of sequence b lives in block `block_tables[b, p // block_size]` at offset
 `p % block_size`. `seq_lens[b]` counts the current token, whose K/V is already written.
+
+Sliding window W: the query (position seq_len - 1) sees the last W keys only. The chunks start
+at the window's first key, so no program is spent on the keys before it and none of them is
+ever loaded: the engine may free those blocks and hand them to another request.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+from taipan.kernels.attention_ref import SUPPORTED_HEAD_DIMS, check_sliding_window, head_dim_pad
+
+__all__ = ["SUPPORTED_HEAD_DIMS", "default_num_splits", "paged_decode_attention"]
 # Default split-K: one chunk per this many context tokens (of the static maximum), at most
 # _MAX_SPLITS chunks. Small batches need the extra programs to fill the GPU; large batches pay
 # only the partials (fp32, one D-row per query head and chunk, written once and read once):
@@ -35,8 +43,11 @@ _PROGRAMS_PER_SM = 2
 _DEFAULT_SMS = 132
 _SMS: dict[int, int] = {}
 # Context tokens per inner-loop tile; a tile may span several cache blocks (each token finds its
-# own block), so small blocks do not mean small tiles.
+# own block), so small blocks do not mean small tiles. Heads wider than 128 take half as many:
+# compiled for sm_90 in bf16, [64, 256] K and V tiles spilled ~470 bytes of registers a thread,
+# [32, 256] ones none (25 KB of shared memory).
 _MAX_TILE_TOKENS = 64
+_MAX_TILE_TOKENS_WIDE = 32
 
 
 @triton.jit
@@ -68,11 +79,13 @@ def _decode_split_kernel(
     # scalars
     scale,
     max_context,  # max_blocks * block_size: lengths are clamped to it (never read past the table)
+    window,  # keys the query sees (the sliding window; max_context when there is none)
     split_tokens,  # context tokens per split, a multiple of BLOCK_N
     # meta-parameters
     GROUP: tl.constexpr,  # query heads per kv head
     GROUP_PAD: tl.constexpr,  # GROUP rounded up to a power of two >= 16 (tl.dot rows)
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (tl.arange's need)
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # context tokens per tile
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 storage (no tf32 rounding), else "tf32"
@@ -82,7 +95,9 @@ def _decode_split_kernel(
     pid_s = tl.program_id(2)
 
     seq_len = tl.minimum(tl.load(seq_lens_ptr + pid_b * stride_sl_b), max_context)
-    chunk_start = pid_s * split_tokens
+    # Chunks tile the window, not the whole context: keys before it are neither spent on nor
+    # loaded (their blocks may be freed and reused, garbage or NaN).
+    chunk_start = tl.maximum(seq_len - window, 0) + pid_s * split_tokens
     chunk_end = tl.minimum(chunk_start + split_tokens, seq_len)
 
     # GQA: the GROUP query heads of this kv head are the rows of one [GROUP_PAD, D] tile, so
@@ -93,14 +108,16 @@ def _decode_split_kernel(
     rows = tl.arange(0, GROUP_PAD)
     row_ok = rows < GROUP
     heads = pid_kvh * GROUP + rows
-    dims = tl.arange(0, HEAD_DIM)
+    # Padded head columns load as 0 (q and k alike, so q.k is exact) and are never stored.
+    dims = tl.arange(0, HEAD_DIM_PAD)
     q_ptrs = q_ptr + pid_b * stride_q_b + heads[:, None] * stride_q_h + dims[None, :]
-    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)  # [GROUP_PAD, D]
+    q_mask = _narrow_to_head_dim(row_ok, dims, HEAD_DIM, HEAD_DIM_PAD)
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [GROUP_PAD, D_PAD]
 
     # Online softmax over this chunk: running max m, running sum l, unnormalised acc (fp32).
     m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
     l = tl.zeros([GROUP_PAD], dtype=tl.float32)  # noqa: E741
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     head_off = pid_kvh * stride_c_head
     bt_row = block_tables_ptr + pid_b * stride_bt_b
@@ -111,9 +128,10 @@ def _decode_split_kernel(
         block_ids = tl.load(bt_row + (pos // BLOCK_SIZE) * stride_bt_blk, mask=tok_ok, other=0)
         # int64: block_id * stride overflows int32 on caches past 2^31 elements.
         slot_off = block_ids.to(tl.int64) * stride_c_block + (pos % BLOCK_SIZE) * stride_c_tok
-        kv_off = slot_off[:, None] + head_off + dims[None, :]  # [BLOCK_N, D]
-        k = tl.load(k_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=tok_ok[:, None], other=0.0)
+        kv_off = slot_off[:, None] + head_off + dims[None, :]  # [BLOCK_N, D_PAD]
+        kv_mask = _narrow_to_head_dim(tok_ok, dims, HEAD_DIM, HEAD_DIM_PAD)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
 
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [GROUP_PAD, BLOCK_N]
         s = tl.where(tok_ok[None, :], s, float("-inf"))
@@ -130,7 +148,7 @@ def _decode_split_kernel(
     tl.store(part_max_ptr + pm_off, m, mask=row_ok)
     tl.store(part_sum_ptr + pm_off, l, mask=row_ok)
     pa_off = pid_b * stride_pa_b + heads[:, None] * stride_pa_h + pid_s * stride_pa_s
-    tl.store(part_acc_ptr + pa_off + dims[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_acc_ptr + pa_off + dims[None, :], acc, mask=q_mask)
 
 
 @triton.jit
@@ -154,18 +172,20 @@ def _decode_merge_kernel(
     # meta-parameters
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two >= 2
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
     split_ok = splits < num_splits
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    acc_mask = _narrow_to_head_dim(split_ok, dims, HEAD_DIM, HEAD_DIM_PAD)
 
     pm_off = pid_b * stride_pm_b + pid_h * stride_pm_h + splits * stride_pm_s
     m = tl.load(part_max_ptr + pm_off, mask=split_ok, other=float("-inf"))  # [SPLITS_PAD]
     l = tl.load(part_sum_ptr + pm_off, mask=split_ok, other=0.0)  # noqa: E741
     pa_off = pid_b * stride_pa_b + pid_h * stride_pa_h + splits[:, None] * stride_pa_s
-    acc = tl.load(part_acc_ptr + pa_off + dims[None, :], mask=split_ok[:, None], other=0.0)
+    acc = tl.load(part_acc_ptr + pa_off + dims[None, :], mask=acc_mask, other=0.0)
 
     # Log-sum-exp merge: rescale each chunk to the global max. A row with seq_len 0 has every
     # max at -inf; measuring from 0 instead gives weights exp(-inf) = 0 and so a zero output,
@@ -176,9 +196,22 @@ def _decode_merge_kernel(
     total = tl.sum(w * l, axis=0)
     o = tl.sum(w[:, None] * acc, axis=0)  # [D]
     o = o / tl.where(total > 0.0, total, 1.0)
-    tl.store(
-        out_ptr + pid_b * stride_o_b + pid_h * stride_o_h + dims, o.to(out_ptr.dtype.element_ty)
-    )
+    o_ptrs = out_ptr + pid_b * stride_o_b + pid_h * stride_o_h + dims
+    if HEAD_DIM == HEAD_DIM_PAD:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@triton.jit
+def _narrow_to_head_dim(rows_ok, dims, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """The [rows, HEAD_DIM_PAD] mask of a tile: `rows_ok` rows, and only the real head_dim
+    columns where it is padded. Unpadded sizes keep a row-only mask, which keeps whole-row
+    vector loads (a column compare can defeat Triton's vectorisation)."""
+    mask = rows_ok[:, None]
+    if HEAD_DIM != HEAD_DIM_PAD:
+        mask = mask & (dims < HEAD_DIM)[None, :]
+    return mask
 
 
 def default_num_splits(
@@ -211,35 +244,46 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's one query token over its first `seq_lens[b]` cached tokens.
+    """Attention of each sequence's one query token over its first `seq_lens[b]` cached tokens,
+    or over the last `sliding_window` of them.
 
-    q: [B, H, D]; kv_cache: [2, num_blocks, block_size, KVH, D] (contiguous, q's dtype);
-    block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 = inactive row -> zeros; lengths
-    past max_blocks * block_size are clamped to it). Grid and buffers depend only on shapes and
-    `num_splits` (default: `default_num_splits` of max_blocks * block_size and B * KVH), never on
-    the lengths' values, and nothing syncs the host: safe to capture in a CUDA graph.
+    q: [B, H, D]; kv_cache: [2, num_blocks, block_size, KVH, D] (contiguous, q's dtype, D in
+    SUPPORTED_HEAD_DIMS); block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 = inactive
+    row -> zeros; lengths past max_blocks * block_size are clamped to it); sliding_window: None or
+    W >= 1 keys (a host int). Grid and buffers depend only on shapes, the window and `num_splits`
+    (chunks of the keys a query can see, min(W, max_blocks * block_size); default:
+    `default_num_splits` of that and B * KVH), never on the lengths' values, and nothing syncs
+    the host: safe to capture in a CUDA graph.
     Returns out: [B, H, D] in q's dtype (written into `out` when given).
     """
     batch, num_heads, head_dim, block_size, num_kv_heads = _check_inputs(
         q, kv_cache, block_tables, seq_lens
     )
+    check_sliding_window(sliding_window)
+    dim_pad = head_dim_pad(head_dim)
     max_blocks = block_tables.shape[1]
     out = _check_out(out, q)
+    # The most keys one query sees: the chunks split this span, which starts at each row's
+    # window (or at 0), so a window of W costs the same programs as a W-token context.
+    span = max(max_blocks * block_size, 1)
+    if sliding_window is not None:
+        span = min(span, sliding_window)
     if num_splits is None:
         programs = batch * num_kv_heads
-        num_splits = default_num_splits(max_blocks * block_size, programs, _num_sms(q.device))
+        num_splits = default_num_splits(span, programs, _num_sms(q.device))
     if not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     # Whole tiles per chunk (rounded down, so a short context spreads over more programs);
-    # recount so no chunk lies wholly past the table.
-    max_context = max(max_blocks * block_size, 1)
-    per_split = triton.cdiv(max_context, num_splits)
-    tile = min(_MAX_TILE_TOKENS, max(16, triton.next_power_of_2(per_split)))
+    # recount so no chunk lies wholly past the span.
+    per_split = triton.cdiv(span, num_splits)
+    max_tile = _MAX_TILE_TOKENS if dim_pad <= 128 else _MAX_TILE_TOKENS_WIDE
+    tile = min(max_tile, max(16, triton.next_power_of_2(per_split)))
     split_tokens = max(tile, per_split // tile * tile)
-    num_splits = triton.cdiv(max_context, split_tokens)
+    num_splits = triton.cdiv(span, split_tokens)
     if batch == 0:
         return out
 
@@ -257,22 +301,27 @@ def paged_decode_attention(
         block_tables.stride(0), block_tables.stride(1), seq_lens.stride(0),
         part_max.stride(0), part_max.stride(1), part_max.stride(2),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
-        float(scale), max_blocks * block_size, split_tokens,
+        float(scale), max_blocks * block_size, span, split_tokens,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size,
         BLOCK_N=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
+    splits_pad = max(2, triton.next_power_of_2(num_splits))  # >= 2: no 1-wide tiles
     _decode_merge_kernel[(batch, num_heads)](
         part_max, part_sum, part_acc, out,
         part_max.stride(0), part_max.stride(1), part_max.stride(2),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         out.stride(0), out.stride(1),
         num_splits,
-        SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),  # >= 2: no 1-wide tiles
+        SPLITS_PAD=splits_pad,
         HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=dim_pad,
+        # The [SPLITS_PAD, D_PAD] fp32 partials sit in registers: wide ones get more threads.
+        num_warps=4 if splits_pad * dim_pad <= 8192 else 8,
     )  # fmt: skip
     return out
 
@@ -298,8 +347,7 @@ def _check_inputs(q, kv_cache, block_tables, seq_lens) -> tuple[int, int, int, i
             raise TypeError(f"{name} must be int32, got {t.dtype}")
     if cache_dim != head_dim:
         raise ValueError(f"kv_cache head_dim {cache_dim} != q head_dim {head_dim}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {head_dim} is not supported (supported: {SUPPORTED_HEAD_DIMS})")
+    head_dim_pad(head_dim)  # raises for a head size the kernels do not serve
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of KVH ({num_kv_heads})")
     if block_size < 16 or block_size & (block_size - 1):

@@ -1,5 +1,7 @@
 """Varlen causal prefill attention over the paged KV cache, flash-attention style: each
-sequence's new query tokens attend its cached prefix and their own causal part.
+sequence's new query tokens attend its cached prefix and their own causal part, optionally
+within a sliding window. Head sizes: attention_ref.SUPPORTED_HEAD_DIMS (32 to 256; 80, 96 and
+192 are tiled as the next power of two with the surplus columns masked).
 
 Owns `paged_prefill_attention` (kernel + launcher); its reference is kernels/attention_ref.py's
 `paged_attention_ref`. Only reads the cache: this step's keys and values must already be in
@@ -12,8 +14,12 @@ two, surplus head rows masked), so K/V are read once per group, never repeated p
 decode row (q_len 1) still fills GROUP of its rows. The key loop walks BLOCK_N-key tiles and
 finds each key's slot through the block table (one small, cached int32 load per key): a tile may
 straddle blocks, so BLOCK_N is free of block_size (64-key tiles over 16-slot blocks) and each key
-row is still one contiguous head_dim load. Tiles left of the tile's first query position need
-no mask at all; only the last few (the diagonal) are masked.
+row is still one contiguous head_dim load. The keys every row of the tile sees need no mask;
+only the tiles at the diagonal and, with a window, at the window's left edge are masked.
+
+Sliding window W: query p sees keys p - W < k <= p. The key loop starts at the window of the
+program's first query (each row masks its own), so keys before it are never loaded: the engine
+may free those blocks and hand them to another request (garbage, maybe NaN).
 """
 
 from __future__ import annotations
@@ -24,8 +30,12 @@ import torch
 import triton
 import triton.language as tl
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+from taipan.kernels.attention_ref import SUPPORTED_HEAD_DIMS, check_sliding_window, head_dim_pad
+
+__all__ = ["SUPPORTED_HEAD_DIMS", "paged_prefill_attention"]
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
+# No window: one wider than any context (an int32 kernel argument; positions stay far below).
+_NO_WINDOW = 1 << 30
 
 
 @triton.jit
@@ -36,7 +46,7 @@ def _attend_tile(
     q,
     q_pos,
     start_n,
-    seq_len,
+    key_end,
     # pointers
     k_cache_ptr,
     v_cache_ptr,
@@ -48,38 +58,59 @@ def _attend_tile(
     # scalars
     kv_head,
     qk_scale,
+    window,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One key tile [start_n, start_n + BLOCK_N) into the online softmax (base 2)."""
+    """One key tile [start_n, start_n + BLOCK_N) into the online softmax (base 2). MASKED: keys
+    at or past `key_end` are not loaded, and each row sees only its causal window."""
     key_pos = start_n + tl.arange(0, BLOCK_N)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
     if MASKED:
-        # Past seq_len the block table is padding and slots were never written (NaN, say):
+        # Past key_end the block table is padding and slots were never written (NaN, say):
         # neither is read, so no 0 * NaN reaches a row.
-        key_ok = key_pos < seq_len
+        key_ok = key_pos < key_end
         block = tl.load(block_table_ptr + key_pos // BLOCK_SIZE, mask=key_ok, other=0)
-        slot_off = block.to(tl.int64) * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs
-        kv_off = slot_off[:, None] + kv_head * stride_ch + dims[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=key_ok[:, None], other=0.0)
     else:
         block = tl.load(block_table_ptr + key_pos // BLOCK_SIZE)
-        slot_off = block.to(tl.int64) * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs
-        kv_off = slot_off[:, None] + kv_head * stride_ch + dims[None, :]
+    slot_off = block.to(tl.int64) * stride_cb + (key_pos % BLOCK_SIZE) * stride_cs
+    kv_off = slot_off[:, None] + kv_head * stride_ch + dims[None, :]
+    # Padded head columns load as 0 in q and k alike (q.k stays exact) and are never stored.
+    if MASKED:
+        kv_mask = key_ok[:, None]
+        if HEAD_DIM != HEAD_DIM_PAD:
+            kv_mask = kv_mask & (dims < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    elif HEAD_DIM != HEAD_DIM_PAD:
+        k = tl.load(k_cache_ptr + kv_off, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=(dims < HEAD_DIM)[None, :], other=0.0)
+    else:
         k = tl.load(k_cache_ptr + kv_off)
         v = tl.load(v_cache_ptr + kv_off)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
     if MASKED:
-        # Causal only: keys past seq_len lie right of every stored row's position.
-        qk = tl.where(key_pos[None, :] <= q_pos[:, None], qk, float("-inf"))
+        # Causal (keys past key_end lie right of every row's position), and windowed.
+        seen = key_pos[None, :] <= q_pos[:, None]
+        if WINDOWED:
+            seen = seen & (key_pos[None, :] > q_pos[:, None] - window)
+        qk = tl.where(seen, qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(qk - m_new[:, None])
+    if WINDOWED and MASKED:
+        # A row whose window starts right of this tile sees nothing yet: measure from 0, not
+        # -inf, so its weights are exp2(-inf) = 0 rather than exp2(-inf - -inf) = NaN. (Without
+        # a window the first tile holds key 0, which every row sees.)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(qk - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, l_i, m_new
@@ -106,14 +137,17 @@ def _prefill_attention_kernel(
     stride_bt,
     # scalars
     qk_scale,  # scale * log2(e): the softmax runs in base 2
+    window,  # keys each query sees (the sliding window), read only if WINDOWED
     # meta-parameters
     GROUP: tl.constexpr,
     GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,  # HEAD_DIM rounded up to a power of two (tl.arange's need)
     BLOCK_SIZE: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows: row r = query r // GROUP_PAD, head r % ..
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(1)
@@ -126,43 +160,69 @@ def _prefill_attention_kernel(
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     prefix_len = seq_len - q_len
+    last_q = tl.minimum(first_q + BLOCK_Q, q_len) - 1
 
     rows = tl.arange(0, BLOCK_M)
     q_idx = first_q + rows // GROUP_PAD  # query index within the sequence
     head = kv_head * GROUP + rows % GROUP_PAD
     row_ok = (q_idx < q_len) & (rows % GROUP_PAD < GROUP)
     token = (q_start + q_idx).to(tl.int64)
-    dims = tl.arange(0, HEAD_DIM)
+    dims = tl.arange(0, HEAD_DIM_PAD)
     q_off = token[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None], other=0.0)
-    # Rows past q_len get positions >= seq_len: they see every key, so no row is all -inf.
-    q_pos = prefix_len + q_idx
+    io_mask = row_ok[:, None]
+    if HEAD_DIM != HEAD_DIM_PAD:
+        io_mask = io_mask & (dims < HEAD_DIM)[None, :]
+    q = tl.load(q_ptr + q_off, mask=io_mask, other=0.0)
+    # Rows past q_len stand in for the tile's last query (never stored): they see its keys, so
+    # no row is all -inf, and none outside the keys the real rows see.
+    q_pos = prefix_len + tl.minimum(q_idx, last_q)
 
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     block_table_ptr = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    # Keys up to the tile's first query position are seen by all its rows: no mask.
-    diagonal = (prefix_len + first_q + 1) // BLOCK_N * BLOCK_N
-    end = prefix_len + tl.minimum(first_q + BLOCK_Q, q_len)  # one past the last key seen
-    for start_n in range(0, diagonal, BLOCK_N):
+    # The tile's queries sit at positions lo..hi; they see keys from `start` (the first query's
+    # window; 0 without one) to `end`. Keys in [hi - window + 1, lo] are seen by every row:
+    # the tiles wholly inside need no mask. Tiles step by BLOCK_N from `start`: masked ones
+    # while left of that range, unmasked ones while inside it, masked ones to the end.
+    lo = prefix_len + first_q
+    hi = prefix_len + last_q
+    end = hi + 1
+    if WINDOWED:
+        start = tl.maximum(lo - window + 1, 0)
+        seen_by_all = tl.maximum(hi - window + 1, 0)
+        left = start + tl.cdiv(seen_by_all - start, BLOCK_N) * BLOCK_N
+        for start_n in range(start, left, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, q_pos, start_n, end,
+                k_cache_ptr, v_cache_ptr, block_table_ptr,
+                stride_cb, stride_cs, stride_ch,
+                kv_head, qk_scale, window,
+                HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, True, DOT_PRECISION,
+            )  # fmt: skip
+    else:
+        left = 0
+    diagonal = left + tl.maximum(lo + 1 - left, 0) // BLOCK_N * BLOCK_N
+    for start_n in range(left, diagonal, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len,
+            acc, l_i, m_i, q, q_pos, start_n, end,
             k_cache_ptr, v_cache_ptr, block_table_ptr,
             stride_cb, stride_cs, stride_ch,
-            kv_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, DOT_PRECISION,
+            kv_head, qk_scale, window,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, False, WINDOWED, DOT_PRECISION,
         )  # fmt: skip
     for start_n in range(diagonal, end, BLOCK_N):
         acc, l_i, m_i = _attend_tile(
-            acc, l_i, m_i, q, q_pos, start_n, seq_len,
+            acc, l_i, m_i, q, q_pos, start_n, end,
             k_cache_ptr, v_cache_ptr, block_table_ptr,
             stride_cb, stride_cs, stride_ch,
-            kv_head, qk_scale, HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, DOT_PRECISION,
+            kv_head, qk_scale, window,
+            HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, WINDOWED, DOT_PRECISION,
         )  # fmt: skip
 
     o = acc / l_i[:, None]
     o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
 def paged_prefill_attention(
@@ -174,24 +234,29 @@ def paged_prefill_attention(
     scale: float,
     *,
     max_query_len: int,
+    sliding_window: int | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each new query token over its sequence's paged KV (cached prefix
     + this step's tokens, already written). Never syncs the device: CUDA-graph safe.
 
-    q: [T, H, D] (sequence after sequence); kv_cache: one layer's [2, num_blocks, block_size,
-    KVH, D]; block_tables: [B, max_blocks] int32; query_start_loc: [B + 1] int32; seq_lens: [B]
-    int32, context lengths including this step. Query i of sequence b sits at position
-    `seq_lens[b] - q_len_b + i`. max_query_len: a host bound on every q_len_b (queries past it
-    are silently not computed). Returns out: [T, H, D] in q's dtype (`out` if given).
+    q: [T, H, D] (sequence after sequence, D in SUPPORTED_HEAD_DIMS); kv_cache: one layer's
+    [2, num_blocks, block_size, KVH, D]; block_tables: [B, max_blocks] int32; query_start_loc:
+    [B + 1] int32; seq_lens: [B] int32, context lengths including this step. Query i of sequence
+    b sits at position `p = seq_lens[b] - q_len_b + i`. max_query_len: a host bound on every
+    q_len_b (queries past it are silently not computed). sliding_window: None, or W >= 1 (a host
+    int): query p sees keys p - W < k <= p only, and no key before its sequence's first query's
+    window is read. Returns out: [T, H, D] in q's dtype (`out` if given).
     """
     _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, out)
+    check_sliding_window(sliding_window)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+    dim_pad = head_dim_pad(head_dim)
     group = q.shape[1] // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_m, block_n, num_warps, num_stages = _tile_config(q, group_pad, max_query_len)
+    block_m, block_n, num_warps, num_stages = _tile_config(q, group_pad, max_query_len, dim_pad)
     block_q = max(1, block_m // group_pad)
     if q.shape[0] == 0 or max_query_len == 0 or num_seqs == 0:
         return out
@@ -201,8 +266,10 @@ def paged_prefill_attention(
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         scale * math.log2(math.e),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n,
+        _NO_WINDOW if sliding_window is None else min(sliding_window, _NO_WINDOW),
+        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
+        BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n,
+        WINDOWED=sliding_window is not None,
         # fp32 storage (tests, debugging) means fp32 products, not TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
@@ -210,16 +277,25 @@ def paged_prefill_attention(
     return out
 
 
-def _tile_config(q: torch.Tensor, group_pad: int, max_query_len: int) -> tuple[int, ...]:
+def _tile_config(
+    q: torch.Tensor, group_pad: int, max_query_len: int, dim_pad: int
+) -> tuple[int, ...]:
     """(BLOCK_M rows, BLOCK_N keys, num_warps, num_stages) for this launch."""
     if not q.is_cuda:  # the CPU interpreter: the smallest tiles tl.dot allows run fastest
         return 16, 16, 4, 1
-    wide = q.element_size() == 2  # fp32 tiles take twice the shared memory
-    block_m, block_n = (128, 64) if wide else (64, 32)
+    half = q.element_size() == 2  # fp32 tiles take twice the shared memory
+    if dim_pad <= 128:
+        block_m, block_n, num_stages = (128, 64, 3) if half else (64, 32, 2)
+    else:
+        # 256-wide heads (192 padded, 256): q, K/V and the fp32 accumulator tiles all double.
+        # Compiled for sm_90, 32 x 32 tiles over 8 warps are the largest that spill no
+        # registers (64 x 32 spilled ~300 bytes a thread, 64 x 64 over 1 KB), in 35 KB of
+        # shared memory (98 KB in fp32).
+        block_m, block_n, num_stages = (32, 32, 2) if half else (32, 32, 1)
     # Short queries (decode rows, small chunks) would leave most of a 128-row tile empty.
     block_m = min(block_m, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
-    num_warps = 8 if block_m >= 128 else 4
-    return block_m, block_n, num_warps, 3 if wide else 2
+    num_warps = 8 if block_m >= 128 or dim_pad > 128 else 4
+    return block_m, block_n, num_warps, num_stages
 
 
 def _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, out):
@@ -237,8 +313,7 @@ def _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_quer
         raise TypeError(f"kv_cache dtype {kv_cache.dtype} must match q's {q.dtype}")
     num_heads, head_dim = q.shape[1], q.shape[2]
     _, _, block_size, num_kv_heads, cache_head_dim = kv_cache.shape
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+    head_dim_pad(head_dim)  # raises for a head size the kernels do not serve
     if cache_head_dim != head_dim:
         raise ValueError(f"kv_cache head_dim {cache_head_dim} != q's head_dim {head_dim}")
     if num_kv_heads == 0 or num_heads % num_kv_heads:

@@ -14,16 +14,22 @@ ops/models/llama.allocate_kv_cache). Token `p` of a sequence lives in block
 `block_table[p // block_size]` at offset `p % block_size`, i.e. in slot
 `block_id * block_size + offset`. The cache is not zeroed: a slot a sequence did not write holds
 garbage, so no path may read one.
+
+Sliding windows are per layer (`paged_attention(..., sliding_window=W)`; Gemma 3 interleaves
+windowed and global layers): one step's metadata serves them all. The kernels take W as an
+argument; the CPU path builds each window's key slots and mask once per step, on first use.
+With W, no path reads a key before the window of its sequence's first query this step.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from taipan.kernels.attention_ref import check_sliding_window
 from taipan.kernels.decode_attention import paged_decode_attention
 from taipan.kernels.prefill_attention import paged_prefill_attention
 
@@ -79,18 +85,29 @@ class AttentionMetadata:
 
 @dataclass
 class RowBatch:
-    """Some of a step's sequences padded into one batch: R rows of up to Qmax queries each, over
-    key positions [0, S) with S the longest context among them."""
+    """Some of a step's sequences padded into one batch: R rows of up to Qmax queries each.
+
+    Which keys a row's queries see depends on the layer's sliding window (Gemma 3 interleaves
+    windowed and global layers), so the key side is built per window on first use and kept for
+    the step's other layers (`keys`); everything else is built once per step."""
 
     tokens: torch.Tensor  # [R, Qmax] int64 token index of each query (0 where padded)
-    # Each row's slot for every key position, positions past its end clamped to its last token
-    # (written this step, so finite; the mask hides it): no unwritten slot is ever read.
-    slots: torch.Tensor  # [R, S] int64
-    mask: torch.Tensor  # [R, 1, Qmax, S] bool, True = the query sees the key
+    # Each query's position; padded queries repeat their row's last one, which sees keys in
+    # every window, so no row of the mask is all False (no NaN).
+    positions: torch.Tensor  # [R, Qmax] int64
     # Where the real (unpadded) queries' outputs go: flat index in [R * Qmax] -> token index.
     # Index tensors, not a boolean mask, so scattering them back never syncs the device.
     valid_index: torch.Tensor  # [N] int64 into the flattened [R * Qmax] queries
     valid_tokens: torch.Tensor  # [N] int64 their token indices
+    tables: torch.Tensor  # [R, max_blocks] int64, each row's block table
+    lens: torch.Tensor  # [R, 1] int64 context lengths
+    block_size: int
+    # Host copies, so sizing a window's keys never syncs the device.
+    host_first: list[int]  # [R] position of each row's first query
+    host_lens: list[int]  # [R] context lengths
+    _keys: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict, repr=False
+    )
 
     @classmethod
     def build(
@@ -103,41 +120,78 @@ class RowBatch:
     ) -> RowBatch:
         qmax = max(query_start[b + 1] - query_start[b] for b in rows)
         tokens = torch.zeros(len(rows), qmax, dtype=torch.int64)
-        # Padded queries get position 0: they see key 0, so no row is all masked (no NaN).
         positions = torch.zeros(len(rows), qmax, dtype=torch.int64)
         valid_index: list[int] = []
         for i, b in enumerate(rows):
             n = query_start[b + 1] - query_start[b]
             tokens[i, :n] = torch.arange(query_start[b], query_start[b + 1])
             positions[i, :n] = torch.arange(seq_lens[b] - n, seq_lens[b])
+            positions[i, n:] = seq_lens[b] - 1
             valid_index += range(i * qmax, i * qmax + n)
         valid_tokens = tokens.view(-1)[valid_index]
         device = block_tables.device
-        tokens, positions = tokens.to(device), positions.to(device)
         seqs = torch.tensor(rows, dtype=torch.int64, device=device)
-        lens = torch.tensor([seq_lens[b] for b in rows], device=device)[:, None]  # [R, 1]
-        pos = torch.arange(max(seq_lens[b] for b in rows), device=device)[None, :]  # [1, S]
-        clamped = torch.minimum(pos, lens - 1)
-        blocks = torch.gather(block_tables[seqs].long(), 1, clamped // block_size)
+        host_lens = [seq_lens[b] for b in rows]
         return cls(
-            tokens=tokens,
-            slots=blocks * block_size + clamped % block_size,
-            mask=(pos[:, None, :] <= positions[:, :, None])[:, None],
+            tokens=tokens.to(device),
+            positions=positions.to(device),
             valid_index=torch.tensor(valid_index, dtype=torch.int64, device=device),
             valid_tokens=valid_tokens.to(device),
+            tables=block_tables[seqs].long(),
+            lens=torch.tensor(host_lens, dtype=torch.int64, device=device)[:, None],
+            block_size=block_size,
+            host_first=[seq_lens[b] - (query_start[b + 1] - query_start[b]) for b in rows],
+            host_lens=host_lens,
         )
+
+    def keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slots [R, S] int64, mask [R, 1, Qmax, S] bool, True = the query sees the key) for
+        one window. Key j of row r is position `first_r + j`, where first_r starts the window
+        of the row's first query (0 without a window): no slot before it is read (its block
+        may be freed and reused), and S is the longest such span, not the longest context.
+        Positions past a row's end read its last token (written this step, so finite; the
+        mask hides it)."""
+        if sliding_window not in self._keys:
+            self._keys[sliding_window] = self._build_keys(sliding_window)
+        return self._keys[sliding_window]
+
+    def _build_keys(self, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        window = sliding_window
+        first = [0 if window is None else max(0, p - window + 1) for p in self.host_first]
+        span = max(n - f for n, f in zip(self.host_lens, first, strict=True))
+        device = self.tables.device
+        start = torch.tensor(first, dtype=torch.int64, device=device)[:, None]  # [R, 1]
+        pos = start + torch.arange(span, device=device)[None, :]  # [R, S]
+        clamped = torch.minimum(pos, self.lens - 1)
+        blocks = torch.gather(self.tables, 1, clamped // self.block_size)
+        slots = blocks * self.block_size + clamped % self.block_size
+        q_pos = self.positions[:, :, None]  # [R, Qmax, 1]
+        mask = pos[:, None, :] <= q_pos  # [R, Qmax, S]
+        if window is not None:
+            mask &= pos[:, None, :] > q_pos - window
+        return slots, mask[:, None]
 
 
 def paged_attention(
-    q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each query token over its sequence's paged KV (this step's keys
     must already be written). Needs the layout (`AttentionMetadata.with_layout`).
 
     q: [T, heads, head_dim] (a strided view is fine) -> out: [T, heads, head_dim] in q's dtype.
+    sliding_window: None (global), or W >= 1, this layer's window: the query at position p sees
+    keys p - W < k <= p (Hugging Face's sliding-window mask). With W, no path reads a key
+    before the window of its sequence's first query this step, so the engine may free blocks
+    wholly before it. On CUDA, head_dim must be one of kernels/attention_ref.SUPPORTED_HEAD_DIMS
+    (32, 64, 80, 96, 128, 192, 256); the CPU path takes any.
     """
+    check_sliding_window(sliding_window)
     if q.is_cuda:
-        return _attend_kernels(q, layer_cache, attn, scale)
+        return _attend_kernels(q, layer_cache, attn, scale, sliding_window)
     if attn.batches is None:
         raise ValueError(
             "paged_attention needs the step's layout: build the metadata with "
@@ -145,12 +199,16 @@ def paged_attention(
         )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for rows in attn.batches:
-        _attend_rows(q, out, layer_cache, rows, scale)
+        _attend_rows(q, out, layer_cache, rows, scale, sliding_window)
     return out
 
 
 def _attend_kernels(
-    q: torch.Tensor, layer_cache: torch.Tensor, attn: AttentionMetadata, scale: float
+    q: torch.Tensor,
+    layer_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
 ) -> torch.Tensor:
     """The decode rows (a prefix of the step, one token each) through the split-K decode
     kernel, every other row through the varlen prefill kernel, into one output."""
@@ -158,7 +216,13 @@ def _attend_kernels(
     d = attn.num_decodes
     if d:
         paged_decode_attention(
-            q[:d], layer_cache, attn.block_tables[:d], attn.seq_lens[:d], scale, out=out[:d]
+            q[:d],
+            layer_cache,
+            attn.block_tables[:d],
+            attn.seq_lens[:d],
+            scale,
+            sliding_window=sliding_window,
+            out=out[:d],
         )
     if d < attn.seq_lens.shape[0]:
         # Its query starts are absolute token indices into q, so the rows need no shifting.
@@ -170,19 +234,26 @@ def _attend_kernels(
             attn.seq_lens[d:],
             scale,
             max_query_len=attn.max_query_len,
+            sliding_window=sliding_window,
             out=out,
         )
     return out
 
 
 def _attend_rows(
-    q: torch.Tensor, out: torch.Tensor, layer_cache: torch.Tensor, rows: RowBatch, scale: float
+    q: torch.Tensor,
+    out: torch.Tensor,
+    layer_cache: torch.Tensor,
+    rows: RowBatch,
+    scale: float,
+    sliding_window: int | None,
 ) -> None:
     """One padded batch of rows through fused SDPA; writes their tokens' rows of `out`."""
     num_rows, qmax = rows.tokens.shape
-    k, v = _gather_slots(layer_cache, rows.slots)  # [R, kv_heads, S, D]
+    slots, mask = rows.keys(sliding_window)
+    k, v = _gather_slots(layer_cache, slots)  # [R, kv_heads, S, D]
     qr = q[rows.tokens].transpose(1, 2)  # [R, heads, Qmax, D]
-    o = _sdpa(qr, k.to(q.dtype), v.to(q.dtype), rows.mask, scale)  # [R, heads, Qmax, D]
+    o = _sdpa(qr, k.to(q.dtype), v.to(q.dtype), mask, scale)  # [R, heads, Qmax, D]
     o = o.transpose(1, 2).reshape(num_rows * qmax, *q.shape[1:])  # [R * Qmax, heads, D]
     out[rows.valid_tokens] = o[rows.valid_index].to(out.dtype)
 

@@ -1,21 +1,29 @@
 """kernels/attention_ref.py, the one paged-attention reference, on its own: decode rows agree
-with the prefill they are the steps of, against dense float64 attention for head dims and block
-sizes no kernel takes, empty contexts give zeros, lengths past the table clamp to it, and bad
-metadata is refused. (The kernel and ops tests check the kernels and the CPU path against it.)
+with the prefill they are the steps of, against dense float64 attention (with and without a
+sliding window) for head dims and block sizes no kernel takes, empty contexts give zeros,
+lengths past the table clamp to it, and bad metadata or windows are refused. (The kernel and ops
+tests check the kernels and the CPU path against it.)
 
-Every slot no sequence owns is NaN, so a read past a sequence's context shows up."""
+Every slot no sequence owns is NaN, and so, with a window, is every block wholly before the
+window of a sequence's first query (the engine frees those): a read of either shows up."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from taipan.kernels.attention_ref import paged_attention_ref
+from taipan.kernels.attention_ref import (
+    SUPPORTED_HEAD_DIMS,
+    check_sliding_window,
+    head_dim_pad,
+    paged_attention_ref,
+)
 
 
-def make_cache(seq_lens, kv_heads, head_dim, block_size, seed=0):
+def make_cache(seq_lens, kv_heads, head_dim, block_size, seed=0, freed_before=None):
     """A NaN cache with each sequence's keys/values in shuffled blocks (block 0 never used);
-    returns cache, block tables [B, max_blocks + 1] int32 and the true (k, v) per sequence."""
+    returns cache, block tables [B, max_blocks + 1] int32 and the true (k, v) per sequence.
+    freed_before[b]: sequence b's blocks wholly before this position are NaN again (freed)."""
     g = torch.Generator().manual_seed(seed)
     needed = [-(-n // block_size) for n in seq_lens]
     num_blocks = 2 + sum(needed)
@@ -28,23 +36,30 @@ def make_cache(seq_lens, kv_heads, head_dim, block_size, seed=0):
         k, v = torch.randn(2, n, kv_heads, head_dim, generator=g)
         for p in range(n):
             cache[:, tables[b, p // block_size], p % block_size] = torch.stack([k[p], v[p]])
+        if freed_before is not None:
+            cache[:, tables[b, : freed_before[b] // block_size].long()] = float("nan")
         true_kv.append((k, v))
     return cache, tables, true_kv
 
 
-def run(q, cache, tables, query_lens, seq_lens, scale=0.3):
+def run(q, cache, tables, query_lens, seq_lens, scale=0.3, window=None):
     starts = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
-    return paged_attention_ref(q, cache, tables, starts, lens, scale)
+    return paged_attention_ref(q, cache, tables, starts, lens, scale, sliding_window=window)
 
 
-def dense(q, k, v, scale=0.3):
-    """Causal attention of the last len(q) positions over k, v [S, KVH, D], in float64."""
+def dense(q, k, v, scale=0.3, window=None):
+    """Causal attention of the last len(q) positions over k, v [S, KVH, D], in float64; with a
+    window, as Hugging Face's masking_utils builds it: causal AND kv_idx > q_idx - window."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    causal = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool).tril(k.shape[0] - q.shape[0])
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~causal, float("-inf")).softmax(-1), v)
+    q_idx = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
+    kv_idx = torch.arange(k.shape[0])[None, :]
+    seen = kv_idx <= q_idx
+    if window is not None:
+        seen &= kv_idx > q_idx - window
+    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v)
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(32, 1), (96, 4), (256, 16)])
@@ -58,6 +73,47 @@ def test_matches_dense_attention(head_dim, block_size):
         want = dense(q[start : start + n], k, v)
         torch.testing.assert_close(out[start : start + n].double(), want, rtol=1e-5, atol=1e-5)
         start += n
+
+
+# Windows: 1 (only itself), smaller than every context and not a multiple of the block size,
+# between the contexts, and as long as the longest context (no effect).
+@pytest.mark.parametrize("window", [1, 3, 7, 20])
+@pytest.mark.parametrize("head_dim, block_size", [(16, 4), (80, 2)])
+def test_windows_match_dense_attention(window, head_dim, block_size):
+    seq_lens, query_lens = [9, 20, 3, 13], [4, 1, 3, 13]
+    first = [max(0, n - q - window + 1) for n, q in zip(seq_lens, query_lens, strict=True)]
+    cache, tables, true_kv = make_cache(seq_lens, 2, head_dim, block_size, 4, freed_before=first)
+    q = torch.randn(sum(query_lens), 4, head_dim)
+    out = run(q, cache, tables, query_lens, seq_lens, window=window)
+    assert torch.isfinite(out).all(), "read a freed block before the window"
+    start = 0
+    for (k, v), n in zip(true_kv, query_lens, strict=True):
+        want = dense(q[start : start + n], k, v, window=window)
+        torch.testing.assert_close(out[start : start + n].double(), want, rtol=1e-5, atol=1e-5)
+        start += n
+    if window >= max(seq_lens):
+        torch.testing.assert_close(out, run(q, cache, tables, query_lens, seq_lens))
+
+
+def test_window_of_one_returns_each_query_its_own_value():
+    cache, tables, true_kv = make_cache([10], 1, 16, 4, seed=5, freed_before=[7])  # block 0
+    out = run(torch.randn(3, 2, 16), cache, tables, [3], [10], window=1)
+    torch.testing.assert_close(out, true_kv[0][1][7:].repeat_interleave(2, 1))
+
+
+@pytest.mark.parametrize("window", [0, -2, 2.0, True, "8"])
+def test_refuses_bad_windows(window):
+    cache, tables, _ = make_cache([3], 1, 16, 4)
+    with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+        run(torch.randn(1, 1, 16), cache, tables, [1], [3], window=window)
+    check_sliding_window(None)
+    check_sliding_window(4096)
+
+
+def test_kernel_head_dims_pad_to_a_power_of_two():
+    assert [head_dim_pad(d) for d in SUPPORTED_HEAD_DIMS] == [32, 64, 128, 128, 128, 256, 256]
+    with pytest.raises(ValueError, match=r"head_dim 72 is not supported \(supported: 32, 64, 80"):
+        head_dim_pad(72)
 
 
 def test_decode_rows_are_the_steps_of_a_prefill():

@@ -137,9 +137,18 @@ ROPE_CONFIGS = [  # num_tokens, num_heads, num_kv_heads, head_dim, num_padding
     (5, 6, 2, 128, 1),
     (1, 3, 1, 64, 0),
 ]
+# The attention kernels' other head sizes: 80 and 96 rotate 40 and 48 pairs (a half padded to
+# 64), 192 rotates 96 (padded to 128); 32 and 256 are powers of two.
+ROPE_HEAD_DIM_CONFIGS = [
+    (4, 4, 2, 80, 1),
+    (3, 2, 1, 96, 0),
+    (3, 4, 2, 32, 1),
+    (2, 2, 1, 192, 0),
+    (2, 2, 2, 256, 1),
+]
 
 
-@pytest.mark.parametrize("config", ROPE_CONFIGS)
+@pytest.mark.parametrize("config", ROPE_CONFIGS + ROPE_HEAD_DIM_CONFIGS)
 def test_rope_and_write_kv_matches_ref(config):
     num_tokens, num_heads, num_kv_heads, head_dim, num_padding = config
     q, k, v, positions, slots, cache = _kv_problem(sum(config), *config)
@@ -166,7 +175,7 @@ def test_rope_and_write_kv_into_out_leaves_q():
     assert _rel_err(out, want) < 1e-5
 
 
-@pytest.mark.parametrize("config", ROPE_CONFIGS[:3])
+@pytest.mark.parametrize("config", ROPE_CONFIGS[:3] + ROPE_HEAD_DIM_CONFIGS[:1])
 def test_write_kv_matches_ref(config):
     _, _, num_kv_heads, head_dim, _ = config
     _, k, v, _, slots, cache = _kv_problem(sum(config) + 1, *config)
@@ -191,7 +200,7 @@ def _hf_cos_sin(positions: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, t
 
 def test_rope_cos_sin_cache_matches_hf():
     positions = torch.tensor([0, 1, 17, 1000, MAX_POS - 1])
-    for head_dim in (64, 128):
+    for head_dim in (32, 64, 80, 96, 128, 192, 256):
         table = rope_cos_sin_cache(MAX_POS, head_dim, THETA)
         cos, sin = _hf_cos_sin(positions, head_dim)
         half = head_dim // 2
@@ -201,7 +210,9 @@ def test_rope_cos_sin_cache_matches_hf():
         torch.testing.assert_close(table[positions, half:], sin[:, half:], rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("config", [(6, 4, 2, 64, 0), (5, 6, 2, 128, 0)])
+@pytest.mark.parametrize(
+    "config", [(6, 4, 2, 64, 0), (5, 6, 2, 128, 0), (4, 2, 1, 80, 0), (3, 2, 2, 256, 0)]
+)
 def test_rope_ref_matches_hf(config):
     """What Hugging Face computes: apply_rotary_pos_emb on q and k; then the cache holds the
     rotated k and the raw v at each token's slot."""
@@ -443,3 +454,13 @@ def test_gpu_kernels_against_fp32_refs(dtype):
         _gpu_rope(dtype, num_tokens, g)
         for intermediate in (5632, 14336):
             _gpu_silu_and_mul(dtype, num_tokens, intermediate, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [32, 80, 96, 192, 256])
+def test_gpu_rope_every_attention_head_dim(head_dim):
+    """rope_and_write_kv and write_kv at the attention kernels' other head sizes (padded halves
+    included), bf16, against the fp32 refs and replayed from a CUDA graph."""
+    g = torch.Generator(device="cuda").manual_seed(head_dim)
+    for num_tokens in (1, 300):
+        _gpu_rope(torch.bfloat16, num_tokens, g, heads=8, kv_heads=4, head_dim=head_dim)

@@ -1,7 +1,8 @@
 """Paged varlen prefill attention: the Triton kernel against the one attention reference
-(kernels/attention_ref.py; fp32, the CPU interpreter without a GPU), the reference against dense
-float64 attention built from the true keys and values, the launcher's refusals, and on a GPU
-bf16/fp16 accuracy plus a timing print."""
+(kernels/attention_ref.py; fp32, the CPU interpreter without a GPU) for every supported head size,
+with and without a sliding window, the reference against dense float64 attention built from the
+true keys and values, the launcher's refusals, and on a GPU bf16/fp16 accuracy for every head
+size and windows, a CUDA graph replay, plus timing prints."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 
 from taipan.kernels import prefill_attention
-from taipan.kernels.attention_ref import paged_attention_ref
+from taipan.kernels.attention_ref import SUPPORTED_HEAD_DIMS, paged_attention_ref
 from taipan.kernels.prefill_attention import paged_prefill_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -22,7 +23,9 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @dataclass
 class Case:
     """One step's inputs; every cache slot no sequence owns (block 0, spare blocks, the tail of
-    each last block) is NaN, so a kernel that reads past a sequence poisons its output."""
+    each last block) is NaN, so a kernel that reads past a sequence poisons its output. With a
+    window, so is every block wholly before the window of a sequence's first query (the engine
+    frees those, and another request may have reused them)."""
 
     q: torch.Tensor  # [T, H, D]
     kv_cache: torch.Tensor  # [2, num_blocks, block_size, KVH, D]
@@ -33,9 +36,19 @@ class Case:
     values: list[torch.Tensor]
     scale: float
     max_query_len: int
+    window: int | None = None
 
     def args(self):
         return (self.q, self.kv_cache, self.block_tables, self.query_start_loc, self.seq_lens)
+
+    def run(self, **kwargs) -> torch.Tensor:
+        return paged_prefill_attention(
+            *self.args(), self.scale, max_query_len=self.max_query_len,
+            sliding_window=self.window, **kwargs,
+        )  # fmt: skip
+
+    def ref(self) -> torch.Tensor:
+        return paged_attention_ref(*self.args(), self.scale, sliding_window=self.window)
 
 
 def make_case(
@@ -49,6 +62,7 @@ def make_case(
     dtype: torch.dtype = torch.float32,
     extra_query_len: int = 0,
     device: str = DEVICE,
+    window: int | None = None,
 ) -> Case:
     """seqs: (cached prefix length, new query length) per sequence."""
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -63,7 +77,7 @@ def make_case(
     cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     slots_view = cache.view(2, num_blocks * block_size, kv_heads, head_dim)
     tables, keys, values = [], [], []
-    for seq_len, needed in zip(seq_lens, blocks_needed, strict=True):
+    for (prefix, _), seq_len, needed in zip(seqs, seq_lens, blocks_needed, strict=True):
         table = [free.pop() for _ in range(needed)]
         k, v = torch.randn(2, seq_len, kv_heads, head_dim, generator=gen, device=device)
         pos = torch.arange(seq_len)
@@ -72,6 +86,8 @@ def make_case(
             + pos % block_size
         ).to(device)
         slots_view[0, slots], slots_view[1, slots] = k.to(dtype), v.to(dtype)
+        first = 0 if window is None else max(0, prefix - window + 1)
+        cache[:, table[: first // block_size]] = float("nan")  # freed: wholly before the window
         keys.append(k.to(dtype))
         values.append(v.to(dtype))
         tables.append(table + [0] * (max_blocks - needed))
@@ -88,6 +104,7 @@ def make_case(
         values=values,
         scale=head_dim**-0.5,
         max_query_len=max(q_lens) + extra_query_len,
+        window=window,
     )
 
 
@@ -104,7 +121,7 @@ CASES = {
 }
 
 
-def random_case(seed: int) -> Case:
+def random_case(seed: int, window: int | None = None) -> Case:
     rng = random.Random(seed)
     group = rng.choice([1, 3, 4])
     kv_heads = rng.choice([1, 2])
@@ -112,12 +129,13 @@ def random_case(seed: int) -> Case:
     for _ in range(rng.randint(1, 3)):
         prefix = rng.choice([0, 16, 32, rng.randint(1, 40)])
         seqs.append((prefix, rng.choice([1, rng.randint(2, 26)])))
-    return make_case(seqs, group * kv_heads, kv_heads, 64, seed=seed, extra_query_len=seed)
+    heads = group * kv_heads
+    return make_case(seqs, heads, kv_heads, 64, seed=seed, extra_query_len=seed, window=window)
 
 
 def check_kernel(case: Case) -> None:
-    out = paged_prefill_attention(*case.args(), case.scale, max_query_len=case.max_query_len)
-    ref = paged_attention_ref(*case.args(), case.scale)
+    out = case.run()
+    ref = case.ref()
     assert out.shape == case.q.shape and out.dtype == case.q.dtype
     assert torch.isfinite(out).all(), "NaN/inf: the kernel read a slot no sequence owns"
     assert rel_err(out, ref) < 1e-5
@@ -136,11 +154,59 @@ def test_kernel_matches_ref_random(seed):
     check_kernel(random_case(seed))
 
 
-def test_tiles_straddle_blocks(monkeypatch):
+@pytest.mark.parametrize("window", [None, 7])
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_every_head_dim_matches_ref(head_dim, window):
+    """Padded sizes (80, 96, 192) load and store only their real columns."""
+    check_kernel(make_case([(21, 9), (0, 17)], 4, 2, head_dim, seed=head_dim, window=window))
+
+
+# (seqs, heads, kv_heads, block_size, window): windows shorter than the chunk and not a multiple
+# of the 16-key tile, of 1 (only the query itself), at a block boundary, equal to and past the
+# longest context (no effect: checked against no window too); decode rows (q_len 1), an empty
+# row and GQA 3 (padded head rows).
+WINDOWS = {
+    "w13-chunks-after-prefix": ([(40, 25), (5, 30), (0, 1)], 2, 1, 16, 13),
+    "w1": ([(20, 18), (0, 5)], 2, 2, 16, 1),
+    "w16-block-boundary-gqa3": ([(33, 20), (16, 1)], 6, 2, 16, 16),
+    "w40-decode-rows": ([(50, 1), (3, 1), (39, 1)], 4, 1, 16, 40),
+    "w45-equals-context": ([(30, 15), (7, 0), (0, 9)], 4, 2, 32, 45),
+    "w1000-past-context": ([(30, 15), (0, 9)], 4, 2, 16, 1000),
+}
+
+
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_window_matches_ref(name):
+    seqs, heads, kv_heads, block_size, window = WINDOWS[name]
+    case = make_case(seqs, heads, kv_heads, 64, block_size=block_size, seed=3, window=window)
+    check_kernel(case)
+    if window >= max(prefix + q_len for prefix, q_len in seqs):
+        case.window, full = None, case.run()
+        case.window = window
+        assert rel_err(case.run(), full) < 1e-5
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_window_matches_ref_random(seed):
+    check_kernel(random_case(10 + seed, window=random.Random(seed).choice([1, 9, 23])))
+
+
+@pytest.mark.parametrize("window", [None, 5, 45])
+def test_tiles_straddle_blocks(monkeypatch, window):
     """32-key tiles over 16-slot blocks (the GPU's 64 over 16, in small): keys of one tile come
-    from two blocks; 32-row M tiles."""
+    from two blocks; 32-row M tiles. With a window, the tiles start mid-block at each query
+    tile's window and the masked tiles at the window's edge and at the diagonal meet."""
     monkeypatch.setattr(prefill_attention, "_tile_config", lambda *_: (32, 32, 4, 1))
-    check_kernel(make_case([(24, 30), (0, 9), (40, 1)], 6, 2, 64, seed=5, extra_query_len=3))
+    seqs = [(24, 30), (0, 9), (40, 1), (70, 40)]
+    check_kernel(make_case(seqs, 6, 2, 64, seed=5, extra_query_len=3, window=window))
+
+
+@pytest.mark.parametrize("window", [None, 5, 20])
+def test_query_tiles_longer_than_key_tiles(monkeypatch, window):
+    """64 queries a program over 16-key tiles (the GPU's 128 over 64, in small): with a window,
+    the last rows' windows start right of the first key tiles, which they see nothing of."""
+    monkeypatch.setattr(prefill_attention, "_tile_config", lambda *_: (64, 16, 4, 1))
+    check_kernel(make_case([(10, 70), (30, 3)], 2, 2, 64, seed=8, window=window))
 
 
 def test_out_buffer_and_strided_q():
@@ -159,7 +225,8 @@ def test_out_buffer_and_strided_q():
 
 
 def dense_attention(case: Case) -> torch.Tensor:
-    """Causal attention in float64 from the true keys/values, one sequence at a time."""
+    """Causal attention in float64 from the true keys/values, one sequence at a time; with a
+    window, query i (position prefix + i) sees only keys after prefix + i - window."""
     out = torch.zeros(case.q.shape, dtype=torch.float64, device=case.q.device)
     group = case.q.shape[1] // case.keys[0].shape[1] if case.keys else 1
     starts = case.query_start_loc.tolist()
@@ -171,6 +238,8 @@ def dense_attention(case: Case) -> torch.Tensor:
         scores = torch.einsum("qhd,khd->hqk", q, k) * case.scale
         causal = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
         causal = causal.tril(diagonal=seq_len - q_len)  # query i sees keys 0..prefix + i
+        if case.window is not None:
+            causal &= ~causal.tril(diagonal=seq_len - q_len - case.window)
         scores = scores.masked_fill(~causal, float("-inf"))
         out[starts[b] : starts[b + 1]] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
@@ -182,6 +251,13 @@ def test_ref_matches_dense_float64(name):
     case = make_case(seqs, heads, kv_heads, head_dim, block_size=block_size, extra_query_len=extra)
     ref = paged_attention_ref(*case.args(), case.scale)
     assert rel_err(ref, dense_attention(case)) < 1e-5
+
+
+@pytest.mark.parametrize("name", list(WINDOWS))
+def test_windowed_ref_matches_dense_float64(name):
+    seqs, heads, kv_heads, block_size, window = WINDOWS[name]
+    case = make_case(seqs, heads, kv_heads, 64, block_size=block_size, seed=3, window=window)
+    assert rel_err(case.ref(), dense_attention(case)) < 1e-5
 
 
 def _swap(case: Case, **changes) -> tuple:
@@ -196,10 +272,10 @@ REFUSALS = {
     "cache-4d": (lambda c: _swap(c, kv_cache=c.kv_cache[0]), ValueError, "kv_cache must be"),
     "q-float64": (lambda c: _swap(c, q=c.q.double()), TypeError, "bf16, fp16 or fp32"),
     "cache-dtype": (lambda c: _swap(c, kv_cache=c.kv_cache.half()), TypeError, "must match"),
-    "head-dim-32": (
-        lambda c: _swap(c, q=c.q[..., :32], kv_cache=c.kv_cache[..., :32]),
+    "head-dim-48": (
+        lambda c: _swap(c, q=c.q[..., :48], kv_cache=c.kv_cache[..., :48].contiguous()),
         ValueError,
-        "head_dim must be one of",
+        r"head_dim 48 is not supported \(supported: 32, 64, 80, 96, 128, 192, 256\)",
     ),
     "head-dim-mismatch": (lambda c: _swap(c, q=torch.cat([c.q, c.q], -1)), ValueError, "!="),
     "heads-not-multiple": (lambda c: _swap(c, q=c.q[:, :3]), ValueError, "multiple of kv_heads"),
@@ -243,12 +319,17 @@ def test_launcher_refuses(name):
         paged_prefill_attention(*mutate(case), case.scale, max_query_len=case.max_query_len)
 
 
-def test_launcher_refuses_bad_out_and_max_query_len():
+def test_launcher_refuses_bad_out_max_query_len_and_window():
     case = make_case([(3, 5)], 2, 2, 64, device="cpu")
     with pytest.raises(ValueError, match="out must be"):
         paged_prefill_attention(*case.args(), case.scale, max_query_len=5, out=case.q[:-1])
     with pytest.raises(ValueError, match="max_query_len"):
         paged_prefill_attention(*case.args(), case.scale, max_query_len=-1)
+    for window in (0, 3.0):
+        with pytest.raises(ValueError, match="sliding_window must be None or an int >= 1"):
+            paged_prefill_attention(
+                *case.args(), case.scale, max_query_len=5, sliding_window=window
+            )
 
 
 @pytest.mark.gpu
@@ -285,7 +366,73 @@ def test_gpu_low_precision_and_bench():
     _bench_one_prompt()
 
 
-def _bench_one_prompt(tokens: int = 4096, heads: int = 32, kv_heads: int = 8, head_dim: int = 128):
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", SUPPORTED_HEAD_DIMS)
+def test_gpu_every_head_dim_and_window_in_bf16(head_dim):
+    """Each head size in bf16 against the fp32 reference over random chunks after random
+    prefixes, without a window and with windows of 1, under a tile, mid-prompt and past every
+    context; blocks before each sequence's first window freed (NaN)."""
+    rng = random.Random(head_dim)
+    for window in (None, 1, 100, 700, 5000):
+        for group in (1, 4):
+            seqs = [
+                (rng.choice([0, rng.randint(1, 1500)]), rng.choice([1, rng.randint(1, 1500)]))
+                for _ in range(rng.randint(1, 6))
+            ]
+            block_size = rng.choice([16, 256])
+            case = make_case(
+                seqs, group * 2, 2, head_dim, block_size=block_size, seed=rng.randint(0, 10**6),
+                dtype=torch.bfloat16, device="cuda", window=window,
+            )  # fmt: skip
+            out = case.run()
+            ref = paged_attention_ref(
+                case.q.float(), case.kv_cache.float(), *case.args()[2:], case.scale,
+                sliding_window=window,
+            )  # fmt: skip
+            assert torch.isfinite(out).all(), (head_dim, window, group, block_size, seqs)
+            err = rel_err(out, ref)
+            assert err < 1e-2, (head_dim, window, group, block_size, seqs, err)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim, window", [(128, None), (256, 300), (80, 33)])
+def test_gpu_cuda_graph_replays_new_queries(head_dim, window):
+    """Captured once (lengths and window fixed, as the engine captures a step), the graph
+    replays over new queries written into the same buffer."""
+    seqs = [(500, 1), (0, 200), (1000, 64)]
+    case = make_case(seqs, 8, 2, head_dim, dtype=torch.bfloat16, device="cuda", window=window)
+    out = torch.empty_like(case.q)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        case.run(out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        case.run(out=out)
+    case.q.copy_(torch.randn_like(case.q))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(
+        case.q.float(), case.kv_cache.float(), *case.args()[2:], case.scale, sliding_window=window
+    )
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+def test_gpu_bench_wide_heads_and_window():
+    """Timings (printed) at Gemma 3 4B's attention shape: 8 heads over 4 kv heads of 256,
+    global and with its 1024-token window."""
+    for window in (None, 1024):
+        _bench_one_prompt(heads=8, kv_heads=4, head_dim=256, window=window)
+
+
+def _bench_one_prompt(
+    tokens: int = 4096,
+    heads: int = 32,
+    kv_heads: int = 8,
+    head_dim: int = 128,
+    window: int | None = None,
+):
     import triton.testing
 
     for block_size in (16, 256):
@@ -297,18 +444,19 @@ def _bench_one_prompt(tokens: int = 4096, heads: int = 32, kv_heads: int = 8, he
             block_size=block_size,
             dtype=torch.bfloat16,
             device="cuda",
+            window=window,
         )
         out = torch.empty_like(case.q)
-        ms = triton.testing.do_bench(
-            lambda case=case, out=out: paged_prefill_attention(
-                *case.args(), case.scale, max_query_len=tokens, out=out
-            )
-        )
-        flops = 4 * heads * head_dim * tokens * (tokens + 1) / 2  # QK^T and PV, causal half
+        ms = triton.testing.do_bench(lambda case=case, out=out: case.run(out=out))
+        # QK^T and PV over the keys each query sees (the causal half without a window)
+        seen = sum(min(p + 1, window or tokens) for p in range(tokens))
+        flops = 4 * heads * head_dim * seen
         print(
-            f"\nprefill {tokens} tok H={heads} KVH={kv_heads} D={head_dim} bf16 "
+            f"\nprefill {tokens} tok H={heads} KVH={kv_heads} D={head_dim} window={window} bf16 "
             f"block_size={block_size}: {ms:.3f} ms, {flops / ms / 1e9:.1f} TFLOP/s"
         )
+    if window is not None:
+        return
     q = case.q.transpose(0, 1)[None]  # dense SDPA for scale: [1, H, T, D]
     k = case.keys[0].transpose(0, 1)[None]
     v = case.values[0].transpose(0, 1)[None]
