@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from taipan.ops.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.models.mistral import MistralConfig, MistralForCausalLM
 from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
@@ -65,6 +66,7 @@ _MODELS = {
     Qwen2Config: Qwen2ForCausalLM,
     Qwen3Config: Qwen3ForCausalLM,
     MistralConfig: MistralForCausalLM,
+    Gemma3Config: Gemma3ForCausalLM,
     NemotronHConfig: NemotronHForCausalLM,
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
 }

@@ -1,7 +1,7 @@
 """Hugging Face config.json -> our model config, one function per family (Llama, Qwen2, Qwen3,
-Mistral, NemotronH with or without MoE layers, Qwen3-MoE): which architecture a directory holds,
-which fields each family reads, with which defaults, and which settings we refuse (a sliding
-window that would bind: `refuse_binding_window`).
+Mistral, Gemma 3, NemotronH with or without MoE layers, Qwen3-MoE): which architecture a
+directory holds, which fields each family reads, with which defaults, which layers have a
+sliding window, and which settings we refuse (each a ModelLoadError naming the setting).
 
 Every failure is a `ModelLoadError` naming the path and the field. Reads no weights and no
 tokenizer files (the caller passes the tokenizer, whose BOS/EOS ids fill in what config.json
@@ -14,6 +14,7 @@ import math
 from pathlib import Path
 
 from taipan.ops.checkpoint import ModelLoadError
+from taipan.ops.models.gemma3 import Gemma3Config
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.models.mistral import MistralConfig
 from taipan.ops.models.nemotron_h import NemotronHConfig
@@ -28,6 +29,7 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MistralForCausalLM": "mistral",
+    "Gemma3ForCausalLM": "gemma3",
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
@@ -35,14 +37,20 @@ _ARCHITECTURES = {
 
 def hf_family(path: Path, hf: dict) -> str:
     """The model family of a Hugging Face config: "llama", "qwen2", "qwen3", "mistral",
-    "nemotron_h" or "qwen3_moe" (the launcher's torch-free runtime/models.has_mamba_layers
-    tells a hybrid the same way)."""
+    "gemma3", "nemotron_h" or "qwen3_moe" (the launcher's torch-free
+    runtime/models.has_mamba_layers tells a hybrid the same way)."""
     archs = hf.get("architectures") or []
     for arch in archs:
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
-    if hf.get("model_type") in _ARCHITECTURES.values():
-        return hf["model_type"]
+    if "Gemma3ForConditionalGeneration" in archs or hf.get("model_type") == "gemma3":
+        raise ModelLoadError(
+            f"{path}: Gemma3ForConditionalGeneration (Gemma 3 with its vision tower) is not "
+            "supported; only the text model, Gemma3ForCausalLM (model_type gemma3_text)"
+        )
+    model_type = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
+    if model_type in _ARCHITECTURES.values():
+        return model_type
     raise ModelLoadError(
         f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
         f"(supported: {', '.join(_ARCHITECTURES)})"
@@ -201,43 +209,32 @@ def _hf_dense_config(path: Path, hf: dict, tokenizer: Tokenizer, family: str) ->
         raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
     try:
         fields = _decoder_fields(hf, tokenizer, rope_theta, max_positions)
-        return cls(**fields, sliding_window=_sliding_window(hf, family))
+        return cls(**fields, **_sliding_window(hf, family))
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
 
 
-def _sliding_window(hf: dict, family: str) -> int | None:
-    """The window of the layers that have one, as transformers reads the config: Mistral's
-    `sliding_window` holds for every layer; Qwen2/3's only with `use_sliding_window` (for the
-    layers `layer_types` marks, or else those from `max_window_layers` on); Llama has none."""
+def _sliding_window(hf: dict, family: str) -> dict:
+    """`sliding_window` and `sliding_layers` (None: every layer) as transformers reads the
+    config: Mistral's window holds for every layer; Qwen2/3's only with `use_sliding_window`,
+    for the layers `layer_types` marks, or else those from `max_window_layers` on; Llama has
+    none."""
     window = hf.get("sliding_window")
     if family == "llama" or window is None:
-        return None
+        return dict(sliding_window=None)
     if family == "mistral":
-        return int(window)
+        return dict(sliding_window=int(window))
     if not hf.get("use_sliding_window"):
-        return None
+        return dict(sliding_window=None)
     types = hf.get("layer_types")
     if types is None:
-        windowed = hf.get("max_window_layers", 28) < hf["num_hidden_layers"]
+        first = hf.get("max_window_layers", 28)
+        layers = tuple(range(first, hf["num_hidden_layers"]))
     else:
-        windowed = "sliding_attention" in types
-    return int(window) if windowed else None
-
-
-def refuse_binding_window(path: Path, config, max_sequence_length: int | None) -> None:
-    """A ModelLoadError when `config`'s sliding window is shorter than the longest sequence the
-    runtime serves: our attention has no window yet (issue 27 item 3), so such a model would
-    attend past it. A window at least `max_sequence_length` long never binds (the model is
-    served as it is). None: not checked (the caller keeps its sequences within the window)."""
-    window = getattr(config, "sliding_window", None)
-    if window is None or max_sequence_length is None or window >= max_sequence_length:
-        return
-    raise ModelLoadError(
-        f"{path}: sliding_window {window} is shorter than max_sequence_length "
-        f"{max_sequence_length}, and sliding-window attention is not built yet (issue 27 "
-        f"item 3); serve this model with max_sequence_length <= {window}"
-    )
+        layers = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    if not layers:
+        return dict(sliding_window=None)
+    return dict(sliding_window=int(window), sliding_layers=layers)
 
 
 def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope_theta: float, max_positions: int):
@@ -297,7 +294,96 @@ def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3Moe
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
 
 
+# Gemma 3's layer types -> whether the layer is local (sliding window, local RoPE).
+_GEMMA3_LAYER_TYPES = {"sliding_attention": True, "full_attention": False}
+
+
+def _hf_gemma3_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Gemma3Config:
+    """Gemma3TextConfig's fields with its defaults; settings our layers do not implement
+    (logit soft-capping, bidirectional attention, biases, another activation, a RoPE other
+    than default or linear) are refused."""
+    refused = {
+        "attn_logit_softcapping": hf.get("attn_logit_softcapping") is not None,
+        "final_logit_softcapping": hf.get("final_logit_softcapping") is not None,
+        "use_bidirectional_attention": bool(hf.get("use_bidirectional_attention")),
+        "attention_bias": bool(hf.get("attention_bias")),
+    }
+    for flag, on in refused.items():
+        if on:
+            raise ModelLoadError(f"{path}: {flag}={hf[flag]!r} is not supported for Gemma 3")
+    activation = hf.get("hidden_activation") or "gelu_pytorch_tanh"
+    if activation != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{path}: hidden_activation {activation!r} is not supported")
+    try:
+        num_layers = hf.get("num_hidden_layers", 26)
+        local = _gemma3_local_layers(path, hf, num_layers)
+        rope = _gemma3_rope(path, hf)
+        num_heads = hf.get("num_attention_heads", 8)
+        return Gemma3Config(
+            vocab_size=hf.get("vocab_size", 262_208),
+            hidden_size=hf.get("hidden_size", 2304),
+            intermediate_size=hf.get("intermediate_size", 9216),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=hf.get("num_key_value_heads", 4),
+            head_dim=hf.get("head_dim", 256),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            max_position_embeddings=hf.get("max_position_embeddings", 131_072),
+            bos_token_id=hf.get("bos_token_id", 2),
+            eos_token_ids=_eos_ids(hf | {"eos_token_id": hf.get("eos_token_id", 1)}, tokenizer),
+            sliding_window=hf.get("sliding_window", 4096),
+            sliding_layers=local,
+            query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
+            **rope,
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
+def _gemma3_local_layers(path: Path, hf: dict, num_layers: int) -> tuple[int, ...]:
+    """The local layers: those `layer_types` marks "sliding_attention", or else every layer but
+    each `sliding_window_pattern`-th (default 6: five local, then one global)."""
+    types = hf.get("layer_types")
+    if types is None:
+        period = int(hf.get("sliding_window_pattern", 6))
+        return tuple(i for i in range(num_layers) if (i + 1) % period)
+    unknown = sorted({t for t in types if t not in _GEMMA3_LAYER_TYPES})
+    if unknown or len(types) != num_layers:
+        raise ModelLoadError(
+            f"{path}/config.json: layer_types must name each of the {num_layers} layers "
+            f"{' or '.join(_GEMMA3_LAYER_TYPES)} (got {len(types)}, unknown {unknown})"
+        )
+    return tuple(i for i, kind in enumerate(types) if _GEMMA3_LAYER_TYPES[kind])
+
+
+def _gemma3_rope(path: Path, hf: dict) -> dict:
+    """The two RoPEs as transformers' Gemma3TextConfig reads them: `rope_parameters` per layer
+    type, or the older `rope_theta` (+ `rope_scaling`, the global layers') and
+    `rope_local_base_freq`. Only default and linear RoPE; linear only for the global layers."""
+    default = {"rope_type": "default"}  # (so a legacy "type" of rope_scaling does not count)
+    params = hf.get("rope_parameters") or {}
+    full = dict(params.get("full_attention") or default)
+    full.update(hf.get("rope_scaling") or {})
+    local = dict(params.get("sliding_attention") or default)
+    out = dict(
+        rope_theta=float(full.get("rope_theta", hf.get("rope_theta", 1_000_000.0))),
+        rope_local_theta=float(local.get("rope_theta", hf.get("rope_local_base_freq", 10_000.0))),
+    )
+    for name, p in (("global", full), ("local", local)):
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind == "linear" and name == "global":
+            out["rope_scaling_factor"] = float(p["factor"])
+        elif kind != "default":
+            raise ModelLoadError(
+                f"{path}: RoPE type {kind!r} of the {name} layers is not supported for Gemma 3 "
+                "(only 'default', and 'linear' for the global layers)"
+            )
+    return out
+
+
 _HF_CONFIGS = {
+    "gemma3": _hf_gemma3_config,
     "nemotron_h": _hf_nemotron_h_config,
     "qwen3_moe": _hf_qwen3_moe_config,
 }

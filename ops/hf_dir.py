@@ -18,23 +18,15 @@ from pathlib import Path
 import torch
 
 from taipan.ops.checkpoint import ModelLoadError, Piece, build_model, expert_pieces, no_experts
-from taipan.ops.hf_configs import hf_config, hf_family, refuse_binding_window
+from taipan.ops.hf_configs import hf_config, hf_family
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import TPGroup
 from taipan.ops.sharding import Placement
 from taipan.ops.tokenizer import Tokenizer
 
 
-def load_hf_dir(
-    path: Path,
-    dtype: torch.dtype,
-    device,
-    expert_range,
-    tp: TPGroup,
-    max_sequence_length: int | None = None,
-) -> tuple:
-    """(model, config, tokenizer) of the directory, this rank's shards and experts only; a
-    sliding window shorter than `max_sequence_length` is refused before any weight is read."""
+def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGroup) -> tuple:
+    """(model, config, tokenizer) of the directory, this rank's shards and experts only."""
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -42,7 +34,6 @@ def load_hf_dir(
     family = hf_family(path, hf)
     tokenizer = Tokenizer.from_hf_dir(path)
     config = hf_config(path, hf, family, tokenizer)
-    refuse_binding_window(path, config, max_sequence_length)
     moe = getattr(config, "moe", None)
     if moe is None:
         no_experts(path, expert_range)

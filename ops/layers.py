@@ -1,6 +1,7 @@
-"""Transformer building blocks shared by the models: RMSNorm (fused with the residual add),
-rotary embedding fused with the KV-cache write, GQA attention over the paged KV cache, SwiGLU MLP,
-the vocabulary-parallel embedding and LM head.
+"""Transformer building blocks shared by the models: RMSNorm (fused with the residual add) and
+Gemma's (1 + w) RMSNorm, rotary embedding fused with the KV-cache write, GQA attention over the
+paged KV cache (a sliding window per layer), the SwiGLU and GELU-tanh gated MLPs, the
+vocabulary-parallel embedding and LM head.
 
 Tensor parallelism (ops/parallel.py `TPGroup`, SINGLE by default): attention and the MLP hold
 this rank's output rows of their fused input projections (column-parallel: its query and kv
@@ -86,12 +87,33 @@ class RMSNorm(nn.Module):
         return fn(x, self.weight, self.eps, residual=residual)
 
 
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32 and rounded once to x's dtype (HF's
+    Gemma3RMSNorm; no fused residual add). The weight is the checkpoint's as it is, the +1 added
+    here in fp32 (folded into a bf16 weight it would round away most of a small weight's bits),
+    so weights under Hugging Face names go in unchanged: loading, updates and transfers alike.
+    Plain torch on every device (no kernel of kernels/ computes Gemma's order of roundings)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()  # [rows, hidden]
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+
 class Attention(nn.Module):
     """Grouped-query self-attention: rotates q and k, appends this step's K/V to the paged
-    cache, then attends over each sequence's whole context (cached prefix + this step).
+    cache, then attends over each sequence's context (cached prefix + this step; with
+    `sliding_window` W, the query at position p sees keys p - W < k <= p only).
     `num_heads` and `num_kv_heads` are the model's; this rank holds its share (`TPGroup.heads`)
     and its cache layer only those kv heads. `reduce_output` False: return this rank's partial
-    sum of the output (the next RMSNorm sums it, see RMSNorm.forward's `tp`)."""
+    sum of the output (the next RMSNorm sums it, see RMSNorm.forward's `tp`). `scale`: the
+    softmax scale (default head_dim ** -0.5); `qk_norm`: the class of the per-head q/k norms
+    that `qk_norm_eps` turns on (Gemma's GemmaRMSNorm; Qwen3's RMSNorm)."""
 
     def __init__(
         self,
@@ -103,24 +125,28 @@ class Attention(nn.Module):
         tp: TPGroup = SINGLE,
         reduce_output: bool = True,
         qkv_bias: bool = False,
+        sliding_window: int | None = None,
+        scale: float | None = None,
+        qk_norm: type[nn.Module] = RMSNorm,
     ) -> None:
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         heads = tp.heads(num_heads, num_kv_heads)
         self.tp, self.reduce_output = tp, reduce_output
         self.num_heads, self.num_kv_heads, self.head_dim = heads.q_count, heads.kv_count, head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.sliding_window = sliding_window
         # q, k and v projections fused into one matrix (rows: q, then k, then v): one GEMM.
         # `qkv_bias` (Qwen2): their biases, fused alike (column-parallel: this rank's rows).
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         self.qkv_proj = nn.Linear(hidden_size, qkv_rows, bias=qkv_bias)
         self.o_proj = nn.Linear(self.num_heads * head_dim, hidden_size, bias=False)
-        # Qwen3: an RMSNorm over each head of q and of k (weights shared by the heads), before
-        # RoPE; None: no such norm (Llama, NemotronH).
+        # Qwen3, Gemma 3: a norm over each head of q and of k (weights shared by the heads),
+        # before RoPE; None: no such norm (Llama, NemotronH).
         self.q_norm = self.k_norm = None
         if qk_norm_eps is not None:
-            self.q_norm = RMSNorm(head_dim, qk_norm_eps)
-            self.k_norm = RMSNorm(head_dim, qk_norm_eps)
+            self.q_norm = qk_norm(head_dim, qk_norm_eps)
+            self.k_norm = qk_norm(head_dim, qk_norm_eps)
 
     def forward(
         self,
@@ -148,7 +174,7 @@ class Attention(nn.Module):
         else:
             write = rope.rope_and_write_kv if x.is_cuda else rope.rope_and_write_kv_ref
             q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
-        out = paged_attention(q, layer_cache, attn, self.scale)  # [tokens, heads, head_dim]
+        out = paged_attention(q, layer_cache, attn, self.scale, self.sliding_window)
         out = self.o_proj(out.view(num_tokens, q_size))  # this rank's heads' part of the sum
         return self.tp.all_reduce(out) if self.reduce_output else out
 
@@ -175,4 +201,15 @@ class SwiGLUMLP(nn.Module):
         # x: [tokens, hidden] -> [tokens, 2 * intermediate] -> [tokens, intermediate] -> hidden
         act = activation.silu_and_mul if x.is_cuda else activation.silu_and_mul_ref
         out = self.down_proj(act(self.gate_up_proj(x)))  # this rank's part of the sum
+        return self.tp.all_reduce(out) if self.reduce_output else out
+
+
+class GeluTanhMLP(SwiGLUMLP):
+    """down(gelu_tanh(gate(x)) * up(x)) (Gemma's MLP), laid out and split as SwiGLUMLP: the
+    activation rounded to x's dtype before the product, as HF's `gelu_pytorch_tanh` (plain
+    torch on every device)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [tokens, intermediate] each
+        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
         return self.tp.all_reduce(out) if self.reduce_output else out

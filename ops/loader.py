@@ -3,7 +3,8 @@ shape -> (model, config, tokenizer), this rank's shards only under tensor or exp
 
 Owns picking the loader for a path and turning every failure into a `ModelLoadError` that names
 the path and the cause. The loaders each own one concern:
-- ops/gguf_file.py: GGUF reading, dequantization, llama.cpp's Q/K row un-permute;
+- ops/gguf_file.py: GGUF reading, dequantization, llama.cpp's Q/K row un-permute and Gemma's
+  norm shift;
 - ops/hf_dir.py: a Hugging Face directory's config.json and safetensors files;
 - ops/hf_configs.py: config.json -> our config, per model family;
 - ops/checkpoint.py: `ModelLoadError`, and filling a model from a checkpoint's tensors (the
@@ -69,8 +70,7 @@ def load_model(
     `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
     `expert_range` (start, count): only those experts of every MoE layer (default: all); a
     model without experts refuses one. `max_sequence_length`: the longest sequence the caller
-    will run; a model whose sliding window is shorter is refused (our attention has none yet;
-    None: not checked, as for a weight update of a model loaded before).
+    will run (no model refuses one since attention honours sliding windows; kept for callers).
     """
     if str(path).startswith(RANDOM_PREFIX):
         no_experts(path, expert_range)
@@ -78,7 +78,7 @@ def load_model(
     path = _model_file(Path(path))
     try:
         if path.is_dir():
-            return load_hf_dir(path, dtype, device, expert_range, tp, max_sequence_length)
+            return load_hf_dir(path, dtype, device, expert_range, tp)
         no_experts(path, expert_range)
         return load_gguf(path, dtype, device, tp)
     except TokenizerError as exc:  # its message already names the file

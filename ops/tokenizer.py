@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.models import BPE
 
@@ -25,6 +25,9 @@ from taipan.ops.chat_template import ChatTemplateError, compile_chat_template, r
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
 _CONTROL, _USER_DEFINED = 3, 4
+# Architectures whose sentencepiece (`tokenizer.ggml.model` "llama") vocabulary we build as
+# transformers builds it for them (`_gemma_bpe`).
+_GEMMA_ARCHITECTURES = ("gemma", "gemma2", "gemma3")
 
 # Pre-tokenizer regexes named by `tokenizer.ggml.pre`. A name missing here gets GPT-2's regex
 # (ByteLevel's built-in one), which is what transformers does for the same file; keeping the same
@@ -89,7 +92,7 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
-        """Build from a GGUF file's `tokenizer.*` metadata (byte-level BPE vocabularies only)."""
+        """Build from a GGUF file's `tokenizer.*` metadata (byte-level BPE or Gemma's SPM)."""
         import gguf
 
         try:
@@ -107,22 +110,29 @@ class Tokenizer:
             return default if f is None else f.contents()
 
         model = field("tokenizer.ggml.model")
-        if model != "gpt2":
+        arch = field("general.architecture")
+        gemma = model == "llama" and arch in _GEMMA_ARCHITECTURES
+        if model != "gpt2" and not gemma:
             raise TokenizerError(
-                f"{path}: tokenizer model {model!r} is not supported; only byte-level BPE "
-                "('gpt2', as in Llama 3, Qwen2, SmolLM) GGUF vocabularies are"
+                f"{path}: tokenizer model {model!r} ({arch}) is not supported; only byte-level "
+                "BPE ('gpt2', as in Llama 3, Qwen2, SmolLM) and Gemma's sentencepiece GGUF "
+                "vocabularies are"
             )
         tokens: list[str] = field("tokenizer.ggml.tokens")
         if not tokens:
             raise TokenizerError(f"{path}: no tokenizer.ggml.tokens in the GGUF metadata")
         token_types: list[int] = field("tokenizer.ggml.token_type") or []
-        merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
-        add_bos = bool(field("tokenizer.ggml.add_bos_token", False))
+        # llama.cpp adds BOS to a sentencepiece vocabulary whose file does not say otherwise.
+        add_bos = bool(field("tokenizer.ggml.add_bos_token", gemma))
         bos = field("tokenizer.ggml.bos_token_id")
         eos = field("tokenizer.ggml.eos_token_id")
 
-        backend = _byte_level_bpe(tokens, merges, field("tokenizer.ggml.pre"))
-        _add_gguf_special_tokens(backend, tokens, token_types)
+        if gemma:
+            backend = _gemma_bpe(tokens)
+        else:
+            merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges", [])]
+            backend = _byte_level_bpe(tokens, merges, field("tokenizer.ggml.pre"))
+        _add_gguf_special_tokens(backend, tokens, token_types, byte_level=not gemma)
         _set_bos_post_processor(backend, bos if add_bos else None, tokens)
         return cls(
             backend,
@@ -350,15 +360,58 @@ def _byte_level_bpe(tokens: list[str], merges: list[tuple], pre: str | None) -> 
     return backend
 
 
-def _add_gguf_special_tokens(backend: _BackendTokenizer, tokens: list[str], types: list[int]):
+def _gemma_bpe(tokens: list[str]) -> _BackendTokenizer:
+    """Gemma's sentencepiece vocabulary as transformers builds it from a GGUF file (its
+    `gemma_tokenizer` and `GemmaTokenizer`): a BPE with byte fallback over the tokens as the file
+    spells them, except that a token of two or more spaces is looked up as that many "▁".
+    The file holds no merges: they are rebuilt from the vocabulary, best first in the order the
+    tokens appear (Gemma's scores do not follow its merge order)."""
+    respelled = ["▁" * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(respelled)}  # (a later duplicate wins)
+    backend = _BackendTokenizer(
+        BPE(
+            vocab=vocab,
+            merges=_merges_in_vocabulary_order(vocab),
+            fuse_unk=True,
+            unk_token="<unk>",
+            dropout=None,
+            byte_fallback=True,
+        )
+    )
+    backend.normalizer = normalizers.Replace(" ", "▁")
+    backend.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    return backend
+
+
+def _merges_in_vocabulary_order(vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """Every split of a token into two tokens of the vocabulary, as a merge; ordered by the
+    merged token's id, then the longer left piece (transformers' `generate_merges` with the
+    negated ids as scores: one token's splits differ in their left piece's length)."""
+    merges = [
+        (token_id, -i, token[:i], token[i:])
+        for token, token_id in vocab.items()
+        for i in range(1, len(token))
+        if token[:i] in vocab and token[i:] in vocab
+    ]
+    merges.sort(key=lambda m: m[:2])
+    return [(left, right) for _, _, left, right in merges]
+
+
+def _add_gguf_special_tokens(
+    backend: _BackendTokenizer, tokens: list[str], types: list[int], byte_level: bool = True
+):
     """CONTROL tokens become special (matched whole, skipped on decode); USER_DEFINED ones become
-    plain added tokens (matched whole, kept on decode). A CONTROL token spelled outside the byte
-    alphabet is a llama.cpp mislabel and is skipped, as transformers does."""
+    plain added tokens (matched whole, kept on decode). In a byte-level vocabulary, a CONTROL
+    token spelled outside the byte alphabet is a llama.cpp mislabel and is skipped, as
+    transformers does."""
     alphabet = set(bytes_to_unicode().values())
     control = [
         AddedToken(tok, normalized=False, special=True)
         for tok, kind in zip(tokens, types, strict=False)
-        if kind == _CONTROL and set(tok) <= alphabet
+        if kind == _CONTROL and (not byte_level or set(tok) <= alphabet)
     ]
     if control:
         backend.add_special_tokens(control)

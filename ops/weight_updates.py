@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import SINGLE, TPError
 from taipan.ops.sharding import (
@@ -26,22 +25,10 @@ from taipan.ops.sharding import (
     placements,
 )
 
-# Hyper-parameters that must agree for new weights to replace the loaded ones in place.
-_ARCHITECTURE_FIELDS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "rope_theta",
-    "tie_word_embeddings",
-    "sliding_window",  # (the loaded model's was checked against max_sequence_length)
-)
-# A hybrid's are every field but these (its layer pattern and all its Mamba shapes included;
-# the SSM state dtype is a runtime choice, mamba_inference_state_config).
+# The hyper-parameters that must agree for new weights to replace the loaded ones in place are
+# every field of the model's config but these (a hybrid's layer pattern and Mamba shapes, the
+# sliding windows and Gemma's RoPE bases included; the SSM state dtype is a runtime choice,
+# mamba_inference_state_config).
 _NOT_ARCHITECTURE = ("max_position_embeddings", "bos_token_id", "eos_token_ids", "ssm_state_dtype")
 
 
@@ -57,10 +44,8 @@ def check_same_architecture(loaded, new, path: str | Path) -> None:
             f"{path}: not the loaded architecture: a {type(new).__name__.removesuffix('Config')} "
             f"model, the loaded one is {type(loaded).__name__.removesuffix('Config')}"
         )
-    fields = _ARCHITECTURE_FIELDS
-    if not isinstance(loaded, LlamaConfig):
-        names = (f.name for f in dataclasses.fields(loaded))
-        fields = tuple(n for n in names if n not in _NOT_ARCHITECTURE)
+    names = (f.name for f in dataclasses.fields(loaded))
+    fields = tuple(n for n in names if n not in _NOT_ARCHITECTURE)
     diffs = [
         f"{f} {getattr(new, f)!r} (loaded: {getattr(loaded, f)!r})"
         for f in fields
@@ -76,7 +61,8 @@ def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
 
     The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj (weights and Qwen2's
     biases) and gate/up_proj are row ranges of our fused qkv_proj and gate_up_proj (Hugging
-    Face layout, no un-permuting); Qwen3's q_norm / k_norm weights are ours as they are;
+    Face layout, no un-permuting); norm weights are ours as they are (Qwen3's q_norm / k_norm,
+    Gemma's (1 + w) norms: the model adds the one);
     with tied embeddings "lm_head.weight" is the embedding matrix. One expert's matrix
     (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 / w2, with
     the GLOBAL expert id (`state_updates` maps it onto a rank's range); a stacked one

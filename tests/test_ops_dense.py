@@ -1,16 +1,17 @@
-"""The dense families of the Llama skeleton beside Llama (issue 27 item 1): Qwen2 (q/k/v biases,
-tied or untied embeddings), Qwen3 (per-head q/k norms, head_dim twice hidden / heads) and
-Mistral (with a sliding window that never binds), loaded from tiny random Hugging Face
-directories (tests/random_dense.py) and checked against transformers on the same weights (fp32,
-CPU) through the production paged forward: chunked prefill, a decode row next to a prefill
-chunk, and a prefix reused from the cache.
+"""The dense families beside Llama (issue 27 items 1-2): Qwen2 (q/k/v biases, tied or untied
+embeddings), Qwen3 (per-head q/k norms, head_dim twice hidden / heads), Mistral (with a sliding
+window, long or shorter than the prompts) and Gemma 3 (Gemma's norms, a local and a global
+layer with their RoPEs, linear RoPE scaling), loaded from tiny random Hugging Face directories
+(tests/random_dense.py) and checked against transformers on the same weights (fp32, CPU) through
+the production paged forward: chunked prefill, a decode row next to a prefill chunk, and a
+prefix reused from the cache.
 
-Also: the config fields and the sliding-window rule (a window shorter than max_sequence_length
-is refused at load naming sliding windows as not built yet), where the new tensors go under
+Also: the config fields and which layers a window applies to, where the new tensors go under
 tensor parallelism (biases column-parallel like their weights, q/k norms replicated), weight
-updates by Hugging Face name of a bias and a q/k norm equal to transformers with the same
-change, the same forward and updates at T = 2 (gloo) equal to T = 1, and a sharded checkpoint
-read through its index (not the consolidated.safetensors Mistral's repositories carry beside).
+updates by Hugging Face name of a bias, a q/k norm and Gemma's norms equal to transformers with
+the same change, the same forward and updates at T = 2 (gloo) equal to T = 1, and a sharded
+checkpoint read through its index (not the consolidated.safetensors Mistral's repositories carry
+beside).
 """
 
 from __future__ import annotations
@@ -40,6 +41,15 @@ CASES = {
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", {}),
     "mistral-window": ("mistral", dict(sliding_window=512)),  # >= every sequence here
+    "mistral-window-8": ("mistral", dict(sliding_window=8)),  # shorter than the prompts
+    # Qwen2 windows the layers from max_window_layers on: layer 1 only.
+    "qwen2-window-8": (
+        "qwen2",
+        dict(use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    ),
+    "gemma3": ("gemma3", {}),
+    "gemma3-window-8": ("gemma3", dict(sliding_window=8)),
+    "gemma3-linear-rope": ("gemma3", dict(rope_scaling={"rope_type": "linear", "factor": 4.0})),
 }
 # Per family, Hugging Face tensors a weight update changes: a bias, a q/k norm, and a split one.
 UPDATES = {
@@ -57,6 +67,18 @@ UPDATES = {
         "model.layers.0.self_attn.k_proj.weight",
     ],
     "mistral": ["model.layers.1.self_attn.v_proj.weight", "model.norm.weight"],
+    # Gemma's (1 + w) norms take Hugging Face's w as it is: four per layer, q/k, final.
+    "gemma3": [
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.1.pre_feedforward_layernorm.weight",
+        "model.layers.1.post_feedforward_layernorm.weight",
+        "model.layers.0.self_attn.q_norm.weight",
+        "model.layers.1.self_attn.k_norm.weight",
+        "model.norm.weight",
+        "model.layers.1.mlp.up_proj.weight",
+        "model.embed_tokens.weight",
+    ],
 }
 
 
@@ -110,10 +132,8 @@ def ours_and_hf_logits(model, config, hf) -> list[tuple[torch.Tensor, torch.Tens
 def test_logits_match_hf(dirs, case):
     model, config, _ = load_model(dirs[case])
     family = CASES[case][0]
-    assert (
-        type(model).__name__
-        == {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family] + "ForCausalLM"
-    )
+    names = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral", "gemma3": "Gemma3"}
+    assert type(model).__name__ == names[family] + "ForCausalLM"
     for got, want in ours_and_hf_logits(model, config, hf_model(dirs[case])):
         torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
 
@@ -126,9 +146,16 @@ def test_config_fields(dirs):
     assert model.layers[0].self_attn.q_norm.weight.shape == (32,)
     assert model.layers[0].self_attn.qkv_proj.bias is None
     _, mistral, _ = load_model(dirs["mistral-window"])
-    assert mistral.sliding_window == 512
+    assert mistral.sliding_window == 512 and mistral.sliding_layers is None
+    model, gemma, _ = load_model(dirs["gemma3-linear-rope"])
+    assert (gemma.head_dim, gemma.query_pre_attn_scalar, gemma.sliding_layers) == (32, 24.0, (0,))
+    assert (gemma.rope_theta, gemma.rope_local_theta, gemma.rope_scaling_factor) == (5e4, 1e4, 4)
+    assert gemma.tie_word_embeddings and model.lm_head is None
+    assert [layer.self_attn.sliding_window for layer in model.layers] == [512, None]
     with pytest.raises(WeightUpdateError, match="Qwen2 model, the loaded one is Qwen3"):
         check_same_architecture(qwen3, qwen2, "other")
+    with pytest.raises(WeightUpdateError, match="rope_scaling_factor 1.0 .loaded: 4.0"):
+        check_same_architecture(gemma, load_model(dirs["gemma3"])[1], "other")
 
 
 def _rewrite_config(path: str, **fields) -> None:
@@ -138,25 +165,28 @@ def _rewrite_config(path: str, **fields) -> None:
         json.dump(hf, f)
 
 
-def test_a_binding_sliding_window_is_refused(tmp_path):
-    """Refused when the window is shorter than max_sequence_length (before reading weights),
-    served when at least as long; Qwen2's window only counts with use_sliding_window on."""
+def _windows(path: str) -> list[int | None]:
+    """Each layer's attention window as loaded."""
+    return [layer.self_attn.sliding_window for layer in load_model(path)[0].layers]
+
+
+def test_which_layers_a_window_applies_to(tmp_path):
+    """As transformers reads the configs: Mistral's window is every layer's (and binds at any
+    max_sequence_length); Qwen2's counts only with use_sliding_window on, for the layers from
+    max_window_layers on or those layer_types marks."""
     path = make_random_mistral(str(tmp_path / "m"), sliding_window=256)
-    with pytest.raises(ModelLoadError) as err:
-        load_model(path, max_sequence_length=257)
-    text = str(err.value)
-    assert "sliding_window 256 is shorter than max_sequence_length 257" in text
-    assert "sliding-window attention is not built yet" in text
-    assert load_model(path, max_sequence_length=256)[1].sliding_window == 256
-    assert load_model(path)[1].sliding_window == 256  # no length given: not checked
+    assert _windows(path) == [256, 256]
+    assert load_model(path, max_sequence_length=4096)[1].sliding_window == 256
     qwen = make_random_qwen2(str(tmp_path / "q"))
     _rewrite_config(qwen, sliding_window=64, use_sliding_window=False, layer_types=None)
-    assert load_model(qwen, max_sequence_length=4096)[1].sliding_window is None
-    _rewrite_config(qwen, use_sliding_window=True, max_window_layers=1)  # layer 1 windowed
-    with pytest.raises(ModelLoadError, match="sliding_window 64 is shorter"):
-        load_model(qwen, max_sequence_length=4096)
+    assert _windows(qwen) == [None, None]
+    _rewrite_config(qwen, use_sliding_window=True, max_window_layers=1)
+    assert _windows(qwen) == [None, 64]
+    _rewrite_config(qwen, layer_types=["sliding_attention", "full_attention"])
+    assert _windows(qwen) == [64, None]
     _rewrite_config(qwen, layer_types=["full_attention"] * 2)
-    assert load_model(qwen, max_sequence_length=4096)[1].sliding_window is None
+    assert _windows(qwen) == [None, None]
+    assert load_model(qwen)[1].sliding_window is None
 
 
 def test_sharded_checkpoint_beside_a_consolidated_file(dirs, tmp_path):

@@ -45,15 +45,22 @@ class LlamaConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]
     # The attention window of the layers that have one (Mistral, Qwen2/3 with
-    # use_sliding_window); None: every layer sees its whole context. Our attention has no
-    # window yet: the loader serves a model only where the window never binds
-    # (ops/hf_configs.py `refuse_binding_window`).
+    # use_sliding_window): the query at position p sees keys p - W < k <= p. None: every layer
+    # sees its whole context.
     sliding_window: int | None = None
+    # The layers the window applies to (Qwen2/3 window only some); None: all of them.
+    sliding_layers: tuple[int, ...] | None = None
 
     @property
     def num_kv_layers(self) -> int:
         """Layers with a KV cache (all of them)."""
         return self.num_layers
+
+    def layer_window(self, layer: int) -> int | None:
+        """The attention window of layer `layer` (None: its whole context)."""
+        if self.sliding_layers is not None and layer not in self.sliding_layers:
+            return None
+        return self.sliding_window
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -68,8 +75,9 @@ class LlamaConfig:
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP. `mlp`: another MLP in place of the dense SwiGLU (Qwen3-MoE's
     sparse layers); `qk_norm`: RMSNorm each head of q and k before RoPE (Qwen3, Qwen3-MoE);
-    `qkv_bias`: q, k and v projections with biases (Qwen2); `tp`: this rank's share of the
-    heads and of the MLP (tensor parallel).
+    `qkv_bias`: q, k and v projections with biases (Qwen2); `sliding_window`: this layer's
+    attention window (`LlamaConfig.layer_window`); `tp`: this rank's share of the heads and of
+    the MLP (tensor parallel).
 
     Under tensor parallelism the attention's output, and the dense MLP's, leave this layer as
     this rank's partial sums: the norm after each sums them (one kernel with the add and the
@@ -83,6 +91,7 @@ class DecoderLayer(nn.Module):
         qk_norm: bool = False,
         tp: TPGroup = SINGLE,
         qkv_bias: bool = False,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         c = config
@@ -96,6 +105,7 @@ class DecoderLayer(nn.Module):
             tp=tp,
             reduce_output=False,
             qkv_bias=qkv_bias,
+            sliding_window=sliding_window,
         )
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         if mlp is None:
@@ -131,9 +141,9 @@ class LlamaForCausalLM(nn.Module):
     states; `compute_logits` turns the rows the caller wants (usually each sequence's last
     token) into fp32 logits, so the [T, vocab] matrix of a long prefill is never built.
 
-    `make_layer(index)` builds each decoder layer (default: Llama's); models of the same
-    skeleton (Qwen2, Qwen3, Qwen3-MoE) pass their own. `tp`: this rank's place in its
-    tensor-parallel group (every rank runs every step)."""
+    `make_layer(index)` builds each decoder layer (default: Llama's, with the config's window
+    for that layer); models of the same skeleton (Qwen2, Qwen3, Qwen3-MoE, Gemma 3) pass their
+    own. `tp`: this rank's place in its tensor-parallel group (every rank runs every step)."""
 
     def __init__(
         self, config, make_layer: Callable[[int], nn.Module] | None = None, tp: TPGroup = SINGLE
@@ -141,7 +151,9 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config, self.tp = config, tp
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
-        make_layer = make_layer or (lambda index: DecoderLayer(config, tp=tp))
+        make_layer = make_layer or (
+            lambda index: DecoderLayer(config, tp=tp, sliding_window=config.layer_window(index))
+        )
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self._rope_caches: dict[torch.device, torch.Tensor] = {}

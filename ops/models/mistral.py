@@ -1,11 +1,8 @@
 """Mistral decoder (Mistral-7B v0.1 ... v0.3, Mistral-Nemo, and their fine-tunes) over a flat
 varlen batch and a paged KV cache: Llama's model (ops/models/llama.py) layer for layer, whose
-config may set a `sliding_window` (every layer attends to at most that many keys; head_dim from
-the config when it sets one, as Mistral-Nemo's 128 for 5120 / 32 heads).
-
-Our attention has no window yet (issue 27 item 3): the loader serves a Mistral whose window is
-unset or at least the runtime's max_sequence_length (it then never binds, so the results are
-the windowed model's) and refuses any other (ops/hf_configs.py `refuse_binding_window`).
+config may set a `sliding_window` (every layer attends to at most that many keys, passed to each
+layer's attention; head_dim from the config when it sets one, as Mistral-Nemo's 128 for
+5120 / 32 heads).
 
 Owns the model's structure; names and tensor parallelism as Llama's.
 """

@@ -26,4 +26,8 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
     """`forward` and `compute_logits` as LlamaForCausalLM."""
 
     def __init__(self, config: Qwen2Config, tp: TPGroup = SINGLE) -> None:
-        super().__init__(config, lambda index: DecoderLayer(config, tp=tp, qkv_bias=True), tp=tp)
+        def make_layer(index: int) -> DecoderLayer:
+            window = config.layer_window(index)
+            return DecoderLayer(config, tp=tp, qkv_bias=True, sliding_window=window)
+
+        super().__init__(config, make_layer, tp=tp)

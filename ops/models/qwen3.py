@@ -26,4 +26,8 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """`forward` and `compute_logits` as LlamaForCausalLM."""
 
     def __init__(self, config: Qwen3Config, tp: TPGroup = SINGLE) -> None:
-        super().__init__(config, lambda index: DecoderLayer(config, qk_norm=True, tp=tp), tp=tp)
+        def make_layer(index: int) -> DecoderLayer:
+            window = config.layer_window(index)
+            return DecoderLayer(config, qk_norm=True, tp=tp, sliding_window=window)
+
+        super().__init__(config, make_layer, tp=tp)

@@ -1,0 +1,153 @@
+"""Gemma 3 text decoder (Gemma3ForCausalLM: 270M, 1B, and the text half of the larger ones) over
+a flat varlen batch and a paged KV cache.
+
+What differs from Llama (ops/models/llama.py), as Hugging Face's Gemma3 modules compute it:
+- every norm is Gemma's (1 + w) RMSNorm (ops/layers.GemmaRMSNorm), the weights kept as the
+  checkpoint has them, and a layer has four: before and after attention, before and after the
+  MLP (the residual is added after the post-norms);
+- per-head q/k norms before RoPE, a softmax scale of query_pre_attn_scalar ** -0.5, and head_dim
+  from the config (256 for the released models, whatever hidden / heads is);
+- local layers (`sliding_layers`) attend within `sliding_window` keys and rotate with their own
+  RoPE base (`rope_local_theta`); the global ones see the whole context, with `rope_theta` and
+  a linear `rope_scaling_factor` (4B and up: 8);
+- the embeddings are multiplied by sqrt(hidden_size) rounded to their dtype; the MLP is
+  GELU-tanh gated; the LM head is the embedding (tied).
+Logit soft-capping is not implemented: no Gemma 3 sets it, and the loader refuses one that does.
+
+Owns the model's structure. Parameter names are Hugging Face's without `model.`, q/k/v and
+gate/up fused as Llama's (`qkv_proj`, `gate_up_proj`); the norms `input_layernorm`,
+`post_attention_layernorm`, `pre_feedforward_layernorm`, `post_feedforward_layernorm`,
+`self_attn.q_norm`, `self_attn.k_norm` and the final `norm`. Tensor parallel (`tp`): as Llama's
+projections and vocabulary; the norms are replicated, and attention and the MLP all-reduce their
+outputs before the post-norms (the norm of the whole sum).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from taipan.kernels.rope import rope_cos_sin_cache
+from taipan.ops.attention import AttentionMetadata
+from taipan.ops.layers import Attention, GeluTanhMLP, GemmaRMSNorm
+from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
+from taipan.ops.parallel import SINGLE, TPGroup
+
+
+@dataclass(frozen=True)
+class Gemma3Config(LlamaConfig):
+    """Llama's fields (`sliding_layers`: the local layers, never None here; `rope_theta`: the
+    global layers' base) and Gemma's own."""
+
+    rope_local_theta: float = 10000.0
+    rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
+    query_pre_attn_scalar: float = 256.0
+
+    def is_local(self, layer: int) -> bool:
+        """Whether layer `layer` is a local (sliding-window, local-RoPE) one."""
+        return self.sliding_layers is not None and layer in self.sliding_layers
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Norm, attention, norm, add; norm, MLP, norm, add. `index`: the layer's place, which
+    decides its window and its RoPE (`local`)."""
+
+    def __init__(self, config: Gemma3Config, index: int, tp: TPGroup = SINGLE) -> None:
+        super().__init__()
+        c = config
+        self.local = c.is_local(index)
+        self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(
+            c.hidden_size,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            qk_norm_eps=c.rms_norm_eps,
+            tp=tp,
+            sliding_window=c.layer_window(index),
+            scale=c.query_pre_attn_scalar**-0.5,
+            qk_norm=GemmaRMSNorm,
+        )
+        self.post_attention_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = GeluTanhMLP(c.hidden_size, c.intermediate_size, tp)
+        self.post_feedforward_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        attn: AttentionMetadata,
+        layer_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """x: [tokens, hidden], the residual stream -> the stream after this layer."""
+        h = self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, layer_cache)
+        x = x + self.post_attention_layernorm(h)  # (attention summed over the TP group)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    """`forward` and `compute_logits` as LlamaForCausalLM, Gemma's layers and final norm."""
+
+    def __init__(self, config: Gemma3Config, tp: TPGroup = SINGLE) -> None:
+        super().__init__(config, lambda index: Gemma3DecoderLayer(config, index, tp), tp=tp)
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)  # (not Llama's)
+        self._local_rope_caches: dict[torch.device, torch.Tensor] = {}
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """As LlamaForCausalLM.forward: hidden [T, hidden] after the final norm."""
+        x = self.embed_tokens(input_ids)  # x: [T, hidden]
+        x = x * _rounded(self.config.hidden_size**0.5, x.dtype)
+        global_cos_sin, local_cos_sin = self.rope_cache(x.device), self.local_rope_cache(x.device)
+        for i, layer in enumerate(self.layers):
+            cos_sin = local_cos_sin if layer.local else global_cos_sin
+            x = layer(x, positions, cos_sin, attn, kv_cache[i])
+        return self.norm(x)
+
+    def rope_cache(self, device: torch.device) -> torch.Tensor:
+        """The global layers' cos/sin (fp32 [max_position_embeddings, head_dim]), with the
+        config's linear scaling, built once per device."""
+        cache = self._rope_caches.get(device)
+        if cache is None:
+            c = self.config
+            cache = _rope_table(c, c.rope_theta, c.rope_scaling_factor, device)
+            self._rope_caches[device] = cache
+        return cache
+
+    def local_rope_cache(self, device: torch.device) -> torch.Tensor:
+        """The local layers' cos/sin (base `rope_local_theta`, no scaling)."""
+        cache = self._local_rope_caches.get(device)
+        if cache is None:
+            cache = _rope_table(self.config, self.config.rope_local_theta, 1.0, device)
+            self._local_rope_caches[device] = cache
+        return cache
+
+
+def _rope_table(config: Gemma3Config, theta: float, factor: float, device) -> torch.Tensor:
+    """cos | sin per position, as kernels/rope.rope_cos_sin_cache; linear scaling divides the
+    inverse frequencies by `factor` (Hugging Face's "linear" RoPE)."""
+    c = config
+    if factor == 1.0:
+        return rope_cos_sin_cache(c.max_position_embeddings, c.head_dim, theta, device)
+    exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device)
+    inv_freq = 1.0 / (theta ** (exponents / c.head_dim)) / factor  # [head_dim / 2]
+    positions = torch.arange(c.max_position_embeddings, device=device).float()
+    freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+
+@functools.cache
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (HF scales the embeddings by sqrt(hidden) in their dtype)."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
