@@ -43,10 +43,19 @@ class AllocatorReady:
     num_free: int
 
 
-@message(82)
+@message(82, required=12)  # (the sliding-window releases came later)
 class BlockOps:
-    """One step's block operations, applied in this order: frees, the cache drop, pins,
-    allocations, registrations.
+    """One step's block operations, applied in this order: releases, frees, the cache drop,
+    pins, allocations, registrations.
+
+    release_ids: int64[K] requests with a sliding window that no longer read the leading
+    blocks of their table; release_upto: int32[K] how many leading blocks each has let go of
+    in all (an absolute count, never less than the last one sent): the blocks up to it it had
+    not released yet lose this request's reference, as at a free. The table keeps their columns
+    (block indices still count from the sequence's start) and a later free covers only the
+    rest. A request that pins a prefix in the same step releases with its pin: the leading
+    blocks it releases fill its table's first columns but take no reference (its first query
+    is already past them).
 
     free_ids: int64[F] requests whose blocks all go back to the pool (with prefix caching a
     block returns only when no request holds it, and under "lru" a hashed one stays cached).
@@ -60,7 +69,7 @@ class BlockOps:
     reg_ids / reg_index / reg_hashes / reg_parents: [R] block `reg_index` of request `reg_ids`
     is a complete prompt block written by this step, with that hash and parent hash (0 for
     block 0): register it. A registration the pool declines (the hash is cached elsewhere, the
-    previous block is private) leaves the block private.
+    previous block is private or released) leaves the block private.
     Pins and allocations are all-or-nothing per step: if the pool cannot serve every request,
     nothing is pinned or allocated and the reply says so (the engine plans with the count of
     available blocks, so this is a bug guard, not a scheduling mechanism).
@@ -78,6 +87,8 @@ class BlockOps:
     reg_hashes: Array[np.int64, 1] = empty_array_field(np.int64)
     reg_parents: Array[np.int64, 1] = empty_array_field(np.int64)
     drop_cache: bool = False
+    release_ids: Array[np.int64, 1] = empty_array_field(np.int64)
+    release_upto: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(83)

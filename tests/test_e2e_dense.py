@@ -1,15 +1,15 @@
-"""Qwen2, Qwen3 and Mistral served end to end (issue 27 item 1): real coordinator and engine
-processes, tiny random Hugging Face directories (tests/random_dense.py), greedy tokens and
+"""Qwen2, Qwen3, Mistral and Gemma 3 served end to end (issue 27 items 1-2): real coordinator and
+engine processes, tiny random Hugging Face directories (tests/random_dense.py), greedy tokens and
 log-probs against transformers on the same weights (fp32, CPU).
 
 One runtime per family (the representative test) prefills in chunks (max_tokens 32 < the longer
 prompts), with prefix caching on and a KV pool of 10 blocks for 4 running requests of up to 7
 blocks each (requests pause and are evicted, then recompute), then serves a prompt twice (the
 second time from the cache: num_cached_tokens > 0), then updates weights by Hugging Face name
-(a bias, a q/k norm) through the lifecycle and gives transformers' tokens under the same change.
-Slow: the same at TP = 2 (gloo) for each family, and tied embeddings for Qwen2. A Mistral whose
-sliding window binds fails the start naming sliding windows. GPU (marker `gpu`): each family on
-CUDA with CUDA graphs against transformers on the same GPU.
+(a bias, a q/k norm, Gemma's norms) through the lifecycle and gives transformers' tokens under
+the same change. A Mistral whose sliding window is shorter than the prompts is served the same
+way. Slow: the same at TP = 2 (gloo) for each family, and tied embeddings for Qwen2. GPU (marker
+`gpu`): each family on CUDA with CUDA graphs against transformers on the same GPU.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from taipan import LLM, SamplingParams
-from taipan.launcher import LaunchError
 from taipan.messages.requests import FinishReason
 from tests.random_dense import FAMILIES, GPU_HEAD_DIM, make_random_dense, make_random_mistral
 
@@ -40,13 +39,18 @@ _gen = np.random.default_rng(27)
 PROMPTS = [_gen.integers(0, 256, n).tolist() for n in (5, 16, 55, 100, 7, 33)]
 SHARED = _gen.integers(0, 256, 70).tolist()
 # The GPU test's models: seeds whose greedy steps (on the CPU) all lead by > 1e-3.
-GPU_SEEDS = {"qwen2": 0, "qwen3": 2, "mistral": 1}
+GPU_SEEDS = {"qwen2": 0, "qwen3": 2, "mistral": 1, "gemma3": 2}
 # Hugging Face tensors each family's runtime updates: a bias, a q/k norm, a matrix the TP peers
 # split.
 UPDATES = {
     "qwen2": ["model.layers.0.self_attn.k_proj.bias", "model.layers.1.self_attn.q_proj.bias"],
     "qwen3": ["model.layers.0.self_attn.q_norm.weight", "model.layers.1.self_attn.k_norm.weight"],
     "mistral": ["model.layers.1.self_attn.v_proj.weight", "model.norm.weight"],
+    "gemma3": [
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.layers.1.self_attn.q_norm.weight",
+        "model.layers.1.mlp.down_proj.weight",
+    ],
 }
 
 
@@ -124,10 +128,10 @@ def update_state(path: str, family: str) -> dict[str, np.ndarray]:
     return {n: saved[n] + gen.normal(0, 0.3, saved[n].shape).astype(np.float32) for n in names}
 
 
-def serve_and_check(path: str, family: str, tp: int = 1) -> None:
-    """The whole scenario of the module docstring on one runtime."""
+def serve_and_check(path: str, family: str, tp: int = 1, blocks: int = 10) -> None:
+    """The whole scenario of the module docstring on one runtime (a pool of `blocks`)."""
     hf = hf_model(path)
-    with LLM(path, **engine_config(path, tp)) as llm:
+    with LLM(path, **engine_config(path, tp, blocks)) as llm:
         done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert_equals_hf(done, hf)
         assert done[0].prompt_log_probs is not None
@@ -169,13 +173,12 @@ def test_qwen2_with_tied_embeddings_served_equal_hf(made):
     serve_and_check(made("qwen2", tie=True), "qwen2")
 
 
-def test_a_binding_sliding_window_fails_the_start(tmp_path):
-    path = make_random_mistral(str(tmp_path / "windowed"), sliding_window=64)
-    with pytest.raises(LaunchError) as err:
-        LLM(path, **engine_config(path))
-    text = str(err.value)
-    assert "sliding_window 64 is shorter than max_sequence_length 256" in text, text
-    assert "sliding-window attention is not built yet" in text, text
+def test_a_sliding_window_shorter_than_the_prompts_served_equal_hf(tmp_path):
+    """A window of 24 keys: chunks of 32 tokens, cached prefixes and decode rows all attend
+    within it, as transformers' sliding-window mask. Every layer has the window, so a request
+    holds only its window's blocks: a pool of 6 (not 10) puts the 4 requests under pressure."""
+    path = make_random_mistral(str(tmp_path / "windowed"), sliding_window=24)
+    serve_and_check(path, "mistral", blocks=6)
 
 
 @pytest.mark.gpu
@@ -185,7 +188,9 @@ def test_gpu_served_with_cuda_graphs_equal_hf(tmp_path, family):
     with TF32 off: greedy tokens and log-probs as transformers' on the same GPU, with chunked
     prefill, prefix caching and a small pool as on the CPU."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    kw = dict(head_dim=GPU_HEAD_DIM) if family == "qwen3" else dict(hidden_size=256)  # 256 / 4
+    kw = dict(hidden_size=256)  # head_dim 256 / 4 heads
+    if family in ("qwen3", "gemma3"):  # (head_dim from the config)
+        kw = dict(head_dim=GPU_HEAD_DIM)
     path = make_random_dense(family, str(tmp_path / family), seed=GPU_SEEDS[family], **kw)
     hf = hf_model(path, "cuda")
     with LLM(path, device="cuda", **engine_config(path)) as llm:

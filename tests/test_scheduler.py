@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine import wire
 from taipan.actors.engine.batch_arrays import plan_arrays
-from taipan.actors.engine.flow import apply_block_reply
+from taipan.actors.engine.flow import apply_block_reply, step_block_ops
 from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
@@ -196,7 +196,7 @@ class Harness:
                 planned = None
         sent = None
         if planned is not None:
-            ops, mops = wire.block_ops(planned), wire.mamba_ops(planned)
+            ops, mops = step_block_ops(planned), wire.mamba_ops(planned)
             if ops is not None:
                 self.record("out", "allocator", ops)
             if mops is not None:  # sent before either reply is read, as the engine does
@@ -276,11 +276,12 @@ class Harness:
         self.kv_token[a["slot_mapping"][write]] = ids[write]
         self.kv_owner[a["slot_mapping"][write]] = owners[write]
         for i, c in enumerate(batch.chunks):
-            pos = np.arange(a["seq_lens"][i])
+            seq_len = int(a["seq_lens"][i])
+            pos = self.keys_read(int(a["positions"][a["query_start_loc"][i]]), seq_len)
             slots = a["block_tables"][i][pos // bs].astype(np.int64) * bs + pos % bs
             if self.sched.prefix is None:  # (with prefix caching, blocks are shared)
                 assert (self.kv_owner[slots] == c.request.request_id).all(), "reads another's KV"
-            assert np.array_equal(self.kv_token[slots], true_tokens(c.request, len(pos)))
+            assert np.array_equal(self.kv_token[slots], true_tokens(c.request, seq_len)[pos])
         toks = [fake_token(int(a["seq_lens"][i])) for i in range(len(batch.chunks))]
         self.device_sampled = np.asarray(toks, dtype=np.int64)
         self.device_rows = a["sample"] == 1
@@ -309,6 +310,11 @@ class Harness:
 
     # --- invariants ---------------------------------------------------------------------------
 
+    def keys_read(self, start: int, seq_len: int) -> np.ndarray:
+        """The positions whose K/V the queries [start, seq_len) of a sequence read: all of its
+        context (a sliding window reads fewer: tests/test_engine_window.py)."""
+        return np.arange(seq_len)
+
     def check_batch(self, batch: StepBatch) -> None:
         plan, sched = self.plan, self.sched
         assert batch.num_tokens <= plan.max_tokens
@@ -320,7 +326,8 @@ class Harness:
         assert all(c.request.status is Status.RUNNING for c in batch.chunks)
         assert len(batch.free_ids) == len(set(batch.free_ids))
         evicted = {r.request_id for r in sched.waiting if r.history.checkpoints}
-        if sched.prefix is None:  # (a "recompute" resume frees and re-admits at once)
+        if sched.prefix is None and not sched.window:  # (a "recompute" resume frees and
+            # re-admits at once: with prefix caching, or with released blocks)
             assert not set(batch.free_ids) & (set(sched.requests) - evicted)
         assert not set(ids) & {r.request_id for r in sched.paused}
         assert all(r.status is Status.PAUSED and r.blocks for r in sched.paused)

@@ -69,9 +69,16 @@ class AllocatorService(Service):
             )
         pool = self.pool
         prefix = pool.policy is not None
-        problem = _check_block_ops(msg, prefix)
+        problem = _check_block_ops(msg, prefix) or _check_releases(msg, pool)
         if problem is not None:
             return _bad(f"BlockOps step {msg.step}: {problem}")
+        # Releases before frees: a request may let go of its window's tail and end in one step.
+        # A request that pins this step releases with its pin.
+        releases = dict(zip(msg.release_ids.tolist(), msg.release_upto.tolist(), strict=True))
+        pinning = set(msg.pin_ids.tolist())
+        for rid, upto in releases.items():
+            if rid not in pinning:
+                pool.release(rid, upto)
         for rid in msg.free_ids.tolist():
             pool.free_request(rid)
         if not prefix:
@@ -79,8 +86,9 @@ class AllocatorService(Service):
             try:
                 ids = pool.pin_and_allocate([], list(allocs))
             except AllocatorError as e:
-                # Frees stay applied (those requests are gone either way); allocation is all
-                # or nothing, and the engine learns the true free count to plan the next step.
+                # Frees and releases stay applied (the engine let go of those blocks either
+                # way); allocation is all or nothing, and the engine learns the true free
+                # count to plan the next step.
                 return self._refused(msg, e, np.zeros(0, dtype=np.int32))
             return BlockOpsReply(
                 msg.step, True, np.asarray(ids, dtype=np.int32), pool.num_free, None
@@ -91,7 +99,8 @@ class AllocatorService(Service):
         try:
             pins, offset = [], 0
             for rid, n in zip(msg.pin_ids.tolist(), msg.pin_counts.tolist(), strict=True):
-                pins.append((rid, msg.pin_hashes[offset : offset + n].tolist()))
+                hashes = msg.pin_hashes[offset : offset + n].tolist()
+                pins.append((rid, hashes, releases.get(rid, 0)))
                 offset += n
             allocs = list(zip(msg.alloc_ids.tolist(), msg.alloc_counts.tolist(), strict=True))
             ids = pool.pin_and_allocate(pins, allocs)
@@ -168,6 +177,28 @@ def _check_block_ops(msg: BlockOps, prefix: bool) -> str | None:
     if negative.size:
         i = int(negative[0])
         return f"alloc_counts[{i}] = {int(msg.alloc_counts[i])} (request {msg.alloc_ids[i]}) is < 0"
+    return None
+
+
+def _check_releases(msg: BlockOps, pool: PrefixBlockPool) -> str | None:
+    """The first sliding-window release of `msg` the pool would refuse, or None. Pure."""
+    if len(msg.release_ids) != len(msg.release_upto):
+        return (
+            f"release_ids has {len(msg.release_ids)} entries but release_upto has "
+            f"{len(msg.release_upto)}"
+        )
+    dup = _first_duplicate(msg.release_ids)
+    if dup is not None:
+        return f"release_ids lists request {dup} more than once"
+    pins = dict(zip(msg.pin_ids.tolist(), msg.pin_counts.tolist(), strict=True))
+    for rid, upto in zip(msg.release_ids.tolist(), msg.release_upto.tolist(), strict=True):
+        if rid in pins:  # (released with its pin)
+            if not 0 <= upto <= pins[rid]:
+                return f"request {rid} releases {upto} of the {pins[rid]} blocks it pins"
+            continue
+        problem = pool.release_problem(rid, upto)
+        if problem is not None:
+            return problem
     return None
 
 

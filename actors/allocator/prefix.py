@@ -3,9 +3,10 @@ Policy None is the pool with caching off (nothing is ever registered, so every b
 held, handed out lowest id first): the one pool the allocator uses either way.
 
 Owns: the free list, per-block ref counts, the owner map (request id -> block ids in block-table
-order), the hash map (block hash <-> block id, a bijection on registered blocks), each registered
-block's parent hash and child count, the cached-idle set with its logical recency, and the
-"added"/"evicted" hash events not yet taken. Must not touch: sockets, messages (it takes only
+order) with how many leading columns of each table were released (sliding window), the hash map
+(block hash <-> block id, a bijection on registered blocks), each registered block's parent hash
+and children, the cached-idle set with its logical recency, and the "added"/"evicted" hash
+events not yet taken. Must not touch: sockets, messages (it takes only
 the policy enum and hash constants from messages/), torch, clocks. Plain ints, lists, dicts and
 numpy only. Only the allocator actor (`AllocatorService`) holds one.
 
@@ -19,15 +20,26 @@ Rules:
     becomes held again), then takes the fresh blocks. All or nothing: when the fresh blocks
     cannot be found, AllocatorError and nothing changed, the pins included.
   - A block is registered only when it is complete and its parent is the same request's previous
-    block, itself registered under `parent_hash` (or it is block 0 with parent NO_HASH). So every
-    registered block's parent is registered, and a block's holders also hold its ancestors.
-    A hash already registered elsewhere keeps its first block; the later copy stays private.
+    block, still held and registered under `parent_hash` (or it is block 0 with parent NO_HASH).
+    So every registered block's parent is registered (a cached child always has cached
+    ancestors). A hash already registered elsewhere keeps its first block; the later copy stays
+    private.
   - `free_request` drops references in reverse block order, so a prefix's deeper blocks reach
     ref 0 (and, under "lru", get lower recency) before their ancestors. At ref 0 an unhashed block
     is free; a hashed one is unregistered and freed ("ref_zero") or becomes cached-idle ("lru").
-  - Eviction ("lru"): only cached-idle *leaves* (no registered child) go, least recently used
-    first, ties by lowest block id; evicting a leaf may make its parent one. A cached child always
-    has cached ancestors.
+  - `release` (sliding window) drops a request's references on the leading columns of its
+    table, in table order, as a free would; the columns stay in the table (indices keep counting
+    from the sequence's start) and a later free covers the rest. So a request may hold a block
+    but not its ancestors: a released ancestor may be idle while its descendant is held.
+  - Unregistering a block unregisters its registered descendants first (deepest first): a
+    child whose chain is broken can never be matched again. A held descendant stays with its
+    holders, private; an idle one is freed. (Only a sliding-window release can leave a block
+    with registered descendants at ref 0, so only then does this unregister more than one.)
+  - Eviction ("lru"): cached-idle *leaves* (no registered child) go first, least recently used
+    first, ties by lowest block id; evicting a leaf may make its parent one. When no idle leaf
+    is left, every idle block has a held descendant (a released ancestor): the least recently
+    used idle block with a held child goes, with its descendants' hashes. So every idle block
+    is evictable and `num_available` is exact.
   - Every registration records an "added" hash, every unregistration an "evicted" one;
     `take_events` hands both over (the allocator puts them in each BlockOpsReply).
 
@@ -81,9 +93,13 @@ class PrefixBlockPool:
         self._refs = np.zeros(num_blocks, dtype=np.int32)
         # Dict order is insertion order, so iterating owners is deterministic.
         self._owned: dict[int, list[int]] = {}
+        self._released: dict[int, int] = {}  # request id -> leading columns released (> 0)
         self._hash = np.zeros(num_blocks, dtype=np.int64)  # NO_HASH when unregistered
         self._parent = np.zeros(num_blocks, dtype=np.int64)  # parent hash of a registered block
         self._kids = np.zeros(num_blocks, dtype=np.int32)  # registered children of a block
+        # Registered block -> its registered children (in registration order), for the blocks
+        # that have any: what unregistering a block takes with it.
+        self._children: dict[int, dict[int, None]] = {}
         self._block_of: dict[int, int] = {}
         self._idle: dict[int, int] = {}  # cached-idle block -> recency
         # (recency, block) of cached-idle leaves; stale entries are skipped when popped.
@@ -117,8 +133,14 @@ class PrefixBlockPool:
         return len(self._free) + len(self._idle)
 
     def blocks_of(self, request_id: int) -> list[int]:
-        """A copy of the request's blocks in block-table order ([] for an unknown request)."""
+        """A copy of the request's block table ([] for an unknown request), released columns
+        included."""
         return list(self._owned.get(int(request_id), ()))
+
+    def num_released(self, request_id: int) -> int:
+        """Leading columns of the request's table it released (sliding window); it holds the
+        rest."""
+        return self._released.get(int(request_id), 0)
 
     def ref_count(self, block_id: int) -> int:
         return int(self._refs[block_id])
@@ -160,8 +182,9 @@ class PrefixBlockPool:
 
         Returns (matched ids, new ids); both are appended to the request's table in that order.
         Fresh blocks come from the free heap, lowest id first, then ("lru") from evicting
-        cached-idle leaves. A request that already holds blocks may only grow: `hashes` must be
-        empty then. Raises AllocatorError, with nothing changed, when the blocks are not there.
+        cached-idle blocks (see `_evict_one`). A request that already holds blocks may only grow:
+        `hashes` must be empty then. Raises AllocatorError, with nothing changed, when the blocks
+        are not there.
         """
         rid = _as_int("request_id", request_id)
         num_new = _as_int("num_new", num_new)
@@ -172,39 +195,54 @@ class PrefixBlockPool:
                 f"request {rid} already holds blocks; it may only grow (no hashes)"
             )
         matched = self.match(hashes)
-        from_free = min(num_new, len(self._free))
-        victims = self._pick_victims(rid, num_new - from_free, set(matched))
-        # Nothing has changed up to here; from now on nothing can fail.
+        pinned_idle = sum(1 for b in matched if b in self._idle)
+        evictable = len(self._idle) - pinned_idle
+        if num_new > len(self._free) + evictable:
+            raise AllocatorError(
+                f"request {rid}: asked for {num_new} new blocks but only {len(self._free)} are "
+                f"free and {evictable} cached-idle blocks can be evicted (policy {self.policy}, "
+                f"{self.num_blocks} blocks)"
+            )
+        # Nothing has changed up to here; from now on nothing can fail: every idle block is
+        # evictable, and the pins below (a root chain, ancestors included) take none that an
+        # eviction needs.
         for b in matched:
             self._clock += 1
             self._idle.pop(b, None)  # its (now stale) _lru entry is skipped when popped
             self._refs[b] += 1
-        new = [heapq.heappop(self._free) for _ in range(from_free)]
-        for b in victims:
-            del self._idle[b]
-            self._unregister(b)
-        new.extend(victims)
+        new: list[int] = []
+        for _ in range(num_new):
+            if not self._free:
+                self._evict_one()
+            new.append(heapq.heappop(self._free))
         self._refs[new] += 1
         if matched or new:
             self._owned.setdefault(rid, []).extend(matched + new)
         return matched, new
 
     def pin_and_allocate(
-        self, pins: Sequence[tuple[int, Sequence[int]]], allocs: Sequence[tuple[int, int]]
+        self, pins: Sequence[tuple], allocs: Sequence[tuple[int, int]]
     ) -> list[int]:
         """One step's pins and allocations, all or nothing: every pin first (each request's
         hashes must match in full, and the request must hold nothing yet), then the fresh
         blocks, request after request. Returns the fresh ids in order. AllocatorError, with
         nothing changed, when a pin does not match or the blocks are not there.
 
+        A pin is (request id, hashes) or (request id, hashes, released): with a sliding window
+        the request's first query may already be past the leading `released` blocks, which
+        then only fill its table's first columns, released at once (`release`): it takes no
+        reference on them, and they cost no available block.
+
         Pinning every prefix of the step before taking any fresh block means a fresh block is
         never found by evicting a block that a later request of the same step shares. Every
-        idle block is evictable (a holder of a block holds its ancestors, so an idle block has
-        no held child), so the capacity check below is exact.
+        idle block is evictable (leaves first; one whose descendant is still held, which only a
+        sliding-window release leaves, last: see `_evict_one`), so the capacity check below is
+        exact.
         """
         seen: set[int] = set()
         pinned: set[int] = set()
-        for rid, hashes in pins:
+        pins = [(pin[0], pin[1], pin[2] if len(pin) > 2 else 0) for pin in pins]
+        for rid, hashes, released in pins:
             rid = _as_int("request_id", rid)
             if rid in seen or rid in self._owned:
                 raise AllocatorError(f"request {rid} pins a prefix twice or already holds blocks")
@@ -215,7 +253,11 @@ class PrefixBlockPool:
                     f"request {rid}: {len(hashes)} prefix blocks to pin but only "
                     f"{len(matched)} are cached"
                 )
-            pinned.update(matched)
+            if not 0 <= _as_int("released", released) <= len(matched):
+                raise AllocatorError(
+                    f"request {rid}: releases {released} of the {len(matched)} blocks it pins"
+                )
+            pinned.update(matched[released:])
         need = 0
         for rid, n in allocs:
             n = _as_int("num_new", n)
@@ -232,8 +274,9 @@ class PrefixBlockPool:
                 f"asked for {need} blocks but only {available} of {self.num_blocks} are free "
                 f"or evictable (policy {self.policy})"
             )
-        for rid, hashes in pins:
+        for rid, hashes, released in pins:
             self.allocate(rid, hashes, 0)
+            self.release(rid, released)
         out: list[int] = []
         for rid, n in allocs:
             out.extend(self.allocate(rid, (), n)[1])
@@ -250,6 +293,7 @@ class PrefixBlockPool:
         for b in self._idle:
             heapq.heappush(self._free, b)
         self._block_of.clear()
+        self._children.clear()
         self._idle.clear()
         self._lru.clear()
         self._evicted.extend(dropped)
@@ -260,10 +304,11 @@ class PrefixBlockPool:
 
         `parent_hash` is the hash of the request's block `index - 1` (NO_HASH for index 0).
         Returns False, registering nothing, when the hash already names another block (the first
-        stays) or the previous block is private (not registered). Registering a block again with
-        its own hash is a no-op returning False. AllocatorError for an unknown request, an index
-        out of range, a hash outside [1, 2**63 - 1], a parent that contradicts the previous
-        block's hash, or a block that already carries a different hash.
+        stays) or the previous block is private (not registered) or released (sliding window:
+        this request no longer holds it, so it may be gone). Registering a block again with its
+        own hash is a no-op returning False. AllocatorError for an unknown request, an index out
+        of range or released, a hash outside [1, 2**63 - 1], a parent that contradicts the
+        previous block's hash, or a block that already carries a different hash.
         """
         if self.policy is None:
             raise AllocatorError("prefix caching is off in this pool: nothing is registered")
@@ -276,6 +321,9 @@ class PrefixBlockPool:
             raise AllocatorError(f"request {rid} holds no blocks")
         if not 0 <= index < len(blocks):
             raise AllocatorError(f"request {rid}: index {index} not in [0, {len(blocks)})")
+        released = self._released.get(rid, 0)
+        if index < released:
+            raise AllocatorError(f"request {rid}: block {index} is released (sliding window)")
         if not 1 <= block_hash <= MAX_HASH:
             raise AllocatorError(f"block hash {block_hash} not in [1, {MAX_HASH}]")
         if not 0 <= parent_hash <= MAX_HASH:
@@ -289,8 +337,10 @@ class PrefixBlockPool:
         prev = NO_HASH if index == 0 else int(self._hash[blocks[index - 1]])
         if index == 0 and parent_hash != NO_HASH:
             raise AllocatorError(f"request {rid}: block 0 has parent {parent_hash}, not NO_HASH")
-        if index > 0 and prev == NO_HASH:
-            return False  # the previous block is a private copy: this one stays private too
+        if index > 0 and (prev == NO_HASH or index - 1 < released):
+            # The previous block is a private copy, or released (this very BlockOps may have
+            # evicted it and handed it out): this one stays private too.
+            return False
         if prev != parent_hash:
             raise AllocatorError(
                 f"request {rid}: block {index} has parent {parent_hash} but block {index - 1} "
@@ -302,7 +352,9 @@ class PrefixBlockPool:
         self._hash[b] = block_hash
         self._parent[b] = parent_hash
         if parent_hash != NO_HASH:
-            self._kids[self._block_of[parent_hash]] += 1
+            p = self._block_of[parent_hash]
+            self._kids[p] += 1
+            self._children.setdefault(p, {})[b] = None
         self._added.append(block_hash)
         return True
 
@@ -313,25 +365,47 @@ class PrefixBlockPool:
         cached-idle ("lru"); only blocks that went back to the free heap are returned. An unknown
         id is a no-op returning [] (a request aborted before it got a block).
         """
-        blocks = self._owned.pop(int(request_id), None)
+        rid = int(request_id)
+        blocks = self._owned.pop(rid, None)
+        released = self._released.pop(rid, 0)
         if not blocks:
             return []
         freed: list[int] = []
-        for b in reversed(blocks):
-            self._refs[b] -= 1
-            if self._refs[b] > 0:
-                continue
-            if self._hash[b] != NO_HASH and self.policy is Policy.LRU:
-                self._clock += 1
-                self._idle[b] = self._clock
-                if self._kids[b] == 0:
-                    self._push_lru(self._clock, b)
-                continue
-            if self._hash[b] != NO_HASH:
-                self._unregister(b)
-            heapq.heappush(self._free, b)
-            freed.append(b)
+        for b in reversed(blocks[released:]):
+            self._drop_ref(b, freed)
         return freed
+
+    def release(self, request_id: int, upto: int) -> list[int]:
+        """Sliding window: no later query of the request reads the leading `upto` columns of its
+        table, so it drops its reference on those it has not released yet, in table order, as
+        `free_request` would; the columns stay in its table and a later free covers the rest.
+        Returns the ids that went back to the free heap. AllocatorError, nothing changed, for
+        an unknown request or an `upto` below what it released before or past its table."""
+        rid = _as_int("request_id", request_id)
+        upto = _as_int("upto", upto)
+        problem = self.release_problem(rid, upto)
+        if problem is not None:
+            raise AllocatorError(problem)
+        blocks, done = self._owned[rid], self._released.get(rid, 0)
+        freed: list[int] = []
+        if upto > done:
+            self._released[rid] = upto
+            for b in blocks[done:upto]:
+                self._drop_ref(b, freed)
+        return freed
+
+    def release_problem(self, request_id: int, upto: int) -> str | None:
+        """Why `release(request_id, upto)` would be refused, or None (looks, changes nothing)."""
+        blocks = self._owned.get(request_id)
+        if blocks is None:
+            return f"request {request_id} holds no blocks to release"
+        done = self._released.get(request_id, 0)
+        if not done <= upto <= len(blocks):
+            return (
+                f"request {request_id}: release up to block {upto}, not in [{done}, "
+                f"{len(blocks)}] (released so far, table length)"
+            )
+        return None
 
     def take_events(self) -> tuple[list[int], list[int]]:
         """(added hashes, evicted hashes) since the last call, in the order they happened."""
@@ -341,53 +415,73 @@ class PrefixBlockPool:
 
     # --- internals ------------------------------------------------------------------------------
 
-    def _pick_victims(self, rid: int, need: int, pinned: set[int]) -> list[int]:
-        """The `need` cached-idle leaves to evict, in eviction order; changes no block state.
+    def _drop_ref(self, b: int, freed: list[int]) -> None:
+        """One reference on `b` goes (a free or a release): at ref 0 it becomes free (added to
+        `freed`), or cached-idle ("lru", hashed)."""
+        self._refs[b] -= 1
+        if self._refs[b] > 0:
+            return
+        if self._hash[b] != NO_HASH and self.policy is Policy.LRU:
+            self._clock += 1
+            self._idle[b] = self._clock
+            if self._kids[b] == 0:
+                self._push_lru(self._clock, b)
+            return
+        if self._hash[b] != NO_HASH:
+            self._unregister(b)
+        heapq.heappush(self._free, b)
+        freed.append(b)
 
-        Runs the eviction on the side (pinned blocks are not idle, a picked leaf's parent may
-        become a leaf). On failure every popped entry goes back and AllocatorError is raised.
-        """
-        if need == 0:
-            return []
-        victims: list[int] = []
-        popped: list[tuple[int, int]] = []
-        gone: set[int] = set()
-        lost_kids: dict[int, int] = {}
-        while len(victims) < need and self._lru:
-            entry = heapq.heappop(self._lru)
-            popped.append(entry)
-            recency, b = entry
-            if b in pinned or b in gone or self._idle.get(b) != recency:
-                continue  # stale, or about to be pinned
-            if self._kids[b] - lost_kids.get(b, 0) > 0:
-                continue  # not a leaf; pushed again when its last child goes
-            victims.append(b)
-            gone.add(b)
-            parent = int(self._parent[b])
-            if parent == NO_HASH:
-                continue
-            p = self._block_of[parent]
-            lost_kids[p] = lost_kids.get(p, 0) + 1
-            if self._kids[p] == lost_kids[p] and p in self._idle and p not in pinned:
-                heapq.heappush(self._lru, (self._idle[p], p))
-        if len(victims) < need:
-            # Extra entries pushed above are only ever stale or duplicates: harmless.
-            for entry in popped:
-                heapq.heappush(self._lru, entry)
-            raise AllocatorError(
-                f"request {rid}: asked for {len(self._free) + need} new blocks but only "
-                f"{len(self._free)} are free and {len(victims)} cached-idle blocks can be "
-                f"evicted (policy {self.policy}, {self.num_blocks} blocks)"
-            )
-        return victims
+    def _evict_one(self) -> None:
+        """Evict one cached-idle block onto the (empty) free heap: the least recently used idle
+        leaf, or, when none is left, the least recently used idle block with a held child
+        (its descendants lose their hashes: `_unregister`). The caller checked that an idle
+        block is there."""
+        while self._lru:
+            recency, b = heapq.heappop(self._lru)
+            if self._idle.get(b) == recency and self._kids[b] == 0:
+                break
+        else:
+            # No idle leaf: every idle block has descendants, and following them down from any
+            # one ends at a held block, so some idle block has a held child.
+            b = min(
+                (r, x)
+                for x, r in self._idle.items()
+                if any(self._refs[c] for c in self._children.get(x, ()))
+            )[1]
+        del self._idle[b]
+        self._unregister(b)
+        heapq.heappush(self._free, b)
 
     def _unregister(self, b: int) -> None:
-        """Forget block `b`'s hash (it has no registered child) and record the event."""
+        """Forget block `b`'s hash and, first, its registered descendants' (deepest first; a
+        cached-idle one is freed, a held one stays with its holders, private), recording each
+        event. A parent left without children while cached-idle becomes an evictable leaf."""
+        order, stack = [], list(self._children.get(b, ()))
+        while stack:  # pre-order; reversed, every block comes after its descendants
+            d = stack.pop()
+            order.append(d)
+            stack.extend(self._children.get(d, ()))
+        for d in reversed(order):
+            self._forget(d)
+            if self._idle.pop(d, None) is not None:
+                heapq.heappush(self._free, d)
+        self._forget(b)
+
+    def _forget(self, b: int) -> None:
+        """Unregister block `b`, which has no registered child."""
         h = int(self._hash[b])
         del self._block_of[h]
         parent = int(self._parent[b])
         if parent != NO_HASH:
-            self._kids[self._block_of[parent]] -= 1
+            p = self._block_of[parent]
+            self._kids[p] -= 1
+            siblings = self._children[p]
+            del siblings[b]
+            if not siblings:
+                del self._children[p]
+                if p in self._idle:
+                    self._push_lru(self._idle[p], p)
         self._hash[b] = NO_HASH
         self._parent[b] = NO_HASH
         self._evicted.append(h)
@@ -404,7 +498,15 @@ class PrefixBlockPool:
     def check(self) -> None:
         """Raise AssertionError naming the first broken invariant (tests and debugging only)."""
         n = self.num_blocks
-        free_set = check_free_and_refs(self._free, self._refs, self._owned)
+        for rid, done in self._released.items():
+            if rid not in self._owned or not 0 < done <= len(self._owned[rid]):
+                raise AssertionError(f"request {rid}: {done} released columns of its table")
+        held = {
+            rid: blocks[self._released.get(rid, 0) :]
+            for rid, blocks in self._owned.items()
+            if not blocks or self._released.get(rid, 0) < len(blocks)
+        }
+        free_set = check_free_and_refs(self._free, self._refs, held)
         if self.policy is not Policy.LRU and self._idle:
             raise AssertionError(f"policy {self.policy} has cached-idle blocks")
         for b in range(n):
@@ -426,6 +528,7 @@ class PrefixBlockPool:
         if registered != len(self._block_of):
             raise AssertionError(f"{len(self._block_of)} hashes map to {registered} blocks")
         kids = np.zeros(n, dtype=np.int64)
+        children: dict[int, dict[int, None]] = {}
         for h, b in self._block_of.items():
             if not 1 <= h <= MAX_HASH or int(self._hash[b]) != h:
                 raise AssertionError(f"hash {h} -> block {b} is not a valid registered pair")
@@ -436,6 +539,11 @@ class PrefixBlockPool:
             if p is None:
                 raise AssertionError(f"block {b} (hash {h}) has unregistered parent {parent}")
             kids[p] += 1
+            children.setdefault(p, {})[b] = None
+        if {p: set(c) for p, c in children.items()} != {
+            p: set(c) for p, c in self._children.items()
+        }:
+            raise AssertionError("the children map differs from the registered parents")
         if not np.array_equal(kids, self._kids):
             bad = int(np.flatnonzero(kids != self._kids)[0])
             raise AssertionError(f"block {bad}: child count {self._kids[bad]}, really {kids[bad]}")

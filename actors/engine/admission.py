@@ -11,7 +11,7 @@ Works on the scheduler's queues and mirrors (`sched`, the Scheduler: its `waitin
 from __future__ import annotations
 
 from taipan.actors.engine.batch import Draft
-from taipan.actors.engine.request import EngineRequest, Status
+from taipan.actors.engine.request import EngineRequest, Status, blocks_behind_window
 from taipan.actors.engine.routing import fill_from_cache, shareable_with_routing
 from taipan.messages.requests import EventType
 
@@ -40,7 +40,8 @@ def admit(sched, draft: Draft, now: float) -> None:
 def _place(sched, req: EngineRequest, draft: Draft) -> tuple | None:
     """Where the waiting `req` starts (the cached blocks it shares, the Mamba snapshot it
     restores) and what it runs this step: (tokens, new blocks, pinning cost, shared
-    blocks, restore), or None (it must wait; `req` is left as it was)."""
+    blocks, restore), or None (it must wait; `req` is left as it was). With a sliding window
+    the shared blocks its first query is past are released at once (`req.num_released`)."""
     shared = _shared_prefix(sched, req)
     if shared is None:
         return None  # its next prompt block is being written by a step in flight
@@ -57,12 +58,20 @@ def _place(sched, req: EngineRequest, draft: Draft) -> tuple | None:
             return None  # a deeper snapshot of its prefix is coming: wait for it (FIFO)
         skip = restore[0] * bs
     req.num_computed_tokens = min(skip, req.num_planned_tokens - 1)
+    if sched.window and blocks:
+        behind = blocks_behind_window(req.num_computed_tokens, sched.window, bs)
+        req.num_released = min(len(blocks), behind)
+        cost = sched.prefix.cost(blocks[req.num_released :])
     n, need, free = 0, 0, draft.free - cost
-    if not (req.generated and req.blocks_needed(req.num_tokens + 1, bs) > free):
-        # (an evicted request comes back when all it had, and one more, fits)
+    comeback = req.blocks_needed(req.num_tokens + 1, bs)
+    if sched.window:
+        comeback = min(comeback, sched.window_blocks)
+    if not (req.generated and comeback > free):
+        # (an evicted request comes back when all it had, and one more, fits: with a sliding
+        # window, what it holds at a time)
         n, need, _ = sched.fit(req, draft.budget, free)
     if n == 0:
-        req.blocks, req.num_computed_tokens, req.snap_bounds = [], 0, []
+        req.blocks, req.num_computed_tokens, req.snap_bounds, req.num_released = [], 0, [], 0
         return None
     return n, need, cost, blocks, restore
 
@@ -72,7 +81,9 @@ def _start(sched, req, draft: Draft, now: float, n, need, cost, blocks, restore)
     (and the snapshot its first chunk starts from)."""
     draft.take(req, n, need, cost)
     if sched.prefix is not None:
-        sched.prefix.pin(req, blocks, draft.pins)
+        sched.prefix.pin(req, blocks, draft.pins, req.num_released)
+        if req.num_released:  # (with its pin, in this step's BlockOps: nothing comes back)
+            sched.pending_release[req.request_id] = req.num_released
         if req.routed is not None:
             fill_from_cache(req, len(blocks), sched.prefix.routing_of, sched.plan.block_size)
     req.admissions += 1

@@ -39,6 +39,9 @@ class StepBatch:
     pins: list[tuple[int, np.ndarray]] = dataclasses.field(default_factory=list)
     regs: list[tuple[int, int, int, int]] = dataclasses.field(default_factory=list)
     drop_cache: bool = False
+    # Sliding window: (request id, leading columns of its table released in all), sent with
+    # the step's BlockOps before its frees and allocations (actors/engine/scheduler.py).
+    releases: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # The weights it runs with (the scheduler's `salt` when planned): the version of the tokens
     # it samples. Weights change only between steps, with none in flight.
     weight_version: int = 0

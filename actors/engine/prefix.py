@@ -69,14 +69,15 @@ class PrefixIndex:
             out.append(b)
         return out, False
 
-    def pin(self, req: EngineRequest, blocks: list[int], pins: list) -> None:
-        """`req` is admitted sharing `blocks` (its leading cached blocks): hold them, add the
+    def pin(self, req: EngineRequest, blocks: list[int], pins: list, released: int = 0) -> None:
+        """`req` is admitted sharing `blocks` (its leading cached blocks): hold them (but the
+        leading `released` ones, behind its sliding window: they only fill its table), add the
         pin to the step's `pins`, and count its prompt and cached tokens at first admission."""
         m = len(blocks)
         req.shared_until = m * self.block_size
         req.num_registered = m
         if m:
-            self.hold(blocks)
+            self.hold(blocks[released:])
             pins.append((req.request_id, req.hashes[:m]))
         if req.admissions == 0:
             req.num_cached_tokens = req.num_computed_tokens

@@ -42,7 +42,11 @@ class EngineRequest:
     num_pending: int = 0
     row: int = -1
     steps_in_flight: int = 0  # planned steps holding this request whose results are not applied
+    # Its block table: block i holds positions [i * block_size, (i + 1) * block_size). With a
+    # sliding window the leading `num_released` columns went back to the pool (no later query
+    # reads them: `blocks_behind_window`); their ids stay in the table the gpu gets, unread.
     blocks: list[int] = dataclasses.field(default_factory=list)
+    num_released: int = 0
     # Prefix caching: the prompt's block hashes (int64, one per complete prompt block, salted
     # with the current weight version); positions below `shared_until` lie in blocks pinned
     # from the cache (never written by this request); `num_registered`: leading prompt blocks
@@ -107,6 +111,11 @@ class EngineRequest:
         """Blocks to add so that `num_tokens` tokens have a KV slot."""
         return max(0, -(-num_tokens // block_size) - len(self.blocks))
 
+    @property
+    def held_blocks(self) -> list[int]:
+        """The blocks it holds: its table but the released columns."""
+        return self.blocks[self.num_released :]
+
     # --- log-probs wanted -----------------------------------------------------------------------
 
     @property
@@ -165,3 +174,14 @@ class EngineRequest:
             return len(self.generated) - self.num_streamed
         n = len(self.generated) - self.holdback() - self.num_streamed
         return n if n >= self.sampling.streaming_interval else 0
+
+
+def blocks_behind_window(num_computed_tokens: int, window: int, block_size: int) -> int:
+    """How many leading blocks of a request no later query reads, with a sliding `window`
+    (0: none). Its next query is at a position >= `num_computed_tokens` (n: every position below
+    is computed or being computed by a planned step) and reads keys k > n - window, so block i,
+    positions [i * block_size, (i + 1) * block_size), is never read again once
+    (i + 1) * block_size <= n - window + 1."""
+    if window <= 0:
+        return 0
+    return max(0, num_computed_tokens - window + 1) // block_size

@@ -59,6 +59,20 @@ A request that can never fit (see `check`) fails at submission.
 # where, inside the chunk or at its end (`MambaMirror.snapshots_in_chunk`), and the kernels store
 # those states, so chunks are cut by the token budget only. A request waits for a snapshot of its
 # prefix that a running chunk is about to take.
+#
+# Sliding window (`window` W, ModelLoaded.sliding_window: every attention layer reads at most W
+# keys back): at the start of each plan, each running or paused request lets go of the leading
+# blocks none of its later queries reads (request.py `blocks_behind_window`, from its
+# num_computed_tokens n: the step being planned computes positions >= n). They go to the
+# allocator in that step's BlockOps, before its allocations, as a decref (a hashed block stays
+# cached under "lru"), so the step may hand them to another request. That is safe with a step in
+# flight: it reads only blocks of positions < n that it was planned with, and the device runs it
+# before any write of the new step (one stream). It must be n before this plan, not after: the
+# step's own queries start at n. Released columns keep their old ids in the block table (the
+# kernels never read them, and the plan is what it would be without releases); a request's end
+# frees only the rest (`held_blocks`). Releases ride with the next step that goes out (an empty
+# plan keeps them). A request needs only about W / block_size + 2 blocks at a time
+# (`min_blocks`), so one longer than the whole pool runs when its window fits.
 
 from __future__ import annotations
 
@@ -72,7 +86,7 @@ from taipan.actors.engine.batch import Chunk, Draft, StepBatch
 from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
-from taipan.actors.engine.request import EngineRequest, Status
+from taipan.actors.engine.request import EngineRequest, Status, blocks_behind_window
 from taipan.actors.engine.routing import keep_block_routing, take_step
 from taipan.messages.allocator import PrefixCachingEvictionPolicy
 from taipan.messages.block_hash import block_hashes
@@ -96,6 +110,7 @@ class Scheduler:
         track_paused_events: bool = False,
         track_token_events: bool = False,
         prefix_policy: PrefixCachingEvictionPolicy | None = None,
+        sliding_window: int = 0,
     ):
         self.plan = plan
         self.chunked_prefill = enable_chunked_prefill
@@ -107,6 +122,13 @@ class Scheduler:
         self.requests: dict[int, EngineRequest] = {}
         self.num_free_blocks = plan.num_blocks  # the allocator's count after the last reply
         self.pending_free: dict[int, int] = {}  # request id -> blocks to free next step
+        # Sliding window: request id -> leading columns released in all, not sent yet, and the
+        # blocks those releases give back (counted as free while planning).
+        self.pending_release: dict[int, int] = {}
+        self.pending_release_blocks = 0
+        self.num_released_total = 0  # blocks released by windows (stats)
+        self.window = 0
+        self.set_sliding_window(sliding_window)
         self.step = 0
         self.steps_in_flight = 0  # planned steps with chunks whose update() has not run
         self.num_paused_total = 0
@@ -129,6 +151,35 @@ class Scheduler:
         self.mamba_snapshots = bool(self.mamba and self.prefix and plan.mamba_snapshot_slots)
         if self.mamba_snapshots:
             self.chunked_prefill = True
+
+    def set_sliding_window(self, window: int) -> None:
+        """The model's sliding window (ModelLoaded.sliding_window; 0: some layer reads the whole
+        context): set once, before the first request."""
+        if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+            raise ValueError(f"sliding_window must be an int >= 0, not {window!r}")
+        if self.requests:
+            raise RuntimeError("the sliding window is set before any request")
+        self.window = window
+
+    @property
+    def window_blocks(self) -> int:
+        """The most blocks a request with a sliding window holds after a step of one-token
+        chunks (1 + ceil((W - 1) / block_size)): what one-token progress needs; 0 without a
+        window. (A chunk of c tokens: ceil((W - 1 + c) / block_size) + 1 at most.)"""
+        if not self.window:
+            return 0
+        return 1 + -(-(self.window - 1) // self.plan.block_size)
+
+    def min_blocks(self, prompt_len: int, total: int) -> int:
+        """The fewest blocks of the pool a request of `total` tokens (prompt and generated) needs
+        to run to its end: all of them, or with a sliding window those of its window (and of
+        its whole prompt, which must run in one step without chunked prefill)."""
+        bs = self.plan.block_size
+        need = -(-total // bs)
+        if self.window:
+            first = 0 if self.chunked_prefill else -(-prompt_len // bs)
+            need = min(need, max(first, self.window_blocks))
+        return need
 
     def hash_prompt(self, prompt: np.ndarray) -> np.ndarray:
         """The prompt's block hashes under the current weights (empty without prefix caching)."""
@@ -154,8 +205,9 @@ class Scheduler:
                 f"prompt ({prompt_len} tokens) exceeds the per-step token budget max_tokens "
                 f"({p.max_tokens}); set enable_chunked_prefill=true or raise max_tokens"
             )
-        if -(-total // p.block_size) > p.num_blocks:
-            return f"needs {-(-total // p.block_size)} KV blocks; the pool has {p.num_blocks}"
+        need = self.min_blocks(prompt_len, total)
+        if need > p.num_blocks:
+            return f"needs {need} KV blocks; the pool has {p.num_blocks}"
         if sampling.return_routed_experts and not p.moe_layers:
             return (
                 "return_routed_experts needs a mixture-of-experts model; this model has no "
@@ -203,7 +255,7 @@ class Scheduler:
     # --- one step -----------------------------------------------------------------------------
 
     def _free_view(self) -> int:
-        return self.num_free_blocks + sum(self.pending_free.values())
+        return self.num_free_blocks + sum(self.pending_free.values()) + self.pending_release_blocks
 
     def fit(self, req: EngineRequest, budget: int, free: int) -> tuple[int, int, bool]:
         """(tokens, new blocks, blocked): what `req` can run this step within `budget` tokens
@@ -239,6 +291,7 @@ class Scheduler:
     def schedule(self, now: float) -> StepBatch:
         """Plan the next step (the order of service in the module docstring). At most one step
         may be in flight (planned, update() not run)."""
+        self._slide_windows()
         draft = Draft(self.plan.max_tokens, self._free_view())
         ended = [r for r in self.running + self.paused if r.aborted]
         for r in ended:
@@ -254,6 +307,20 @@ class Scheduler:
         draft.chunks.sort(key=lambda c: c.num_new_tokens != 1)
         snaps = self._advance(draft.chunks, len(draft.mamba_restore))
         return self._batch(draft, ended, snaps)
+
+    def _slide_windows(self) -> None:
+        """Sliding window: each request that holds blocks lets go of those no later query of it
+        reads (the contract beside the module docstring); sent with the next step."""
+        if not self.window:
+            return
+        bs = self.plan.block_size
+        for r in self.running + self.paused:
+            upto = min(len(r.blocks), blocks_behind_window(r.num_computed_tokens, self.window, bs))
+            if upto > r.num_released:
+                self.pending_release_blocks += self._release(r.blocks[r.num_released : upto])
+                self.num_released_total += upto - r.num_released
+                r.num_released = upto
+                self.pending_release[r.request_id] = upto
 
     def _plan_running(self, draft: Draft, now: float) -> None:
         """1. Running requests, decode rows first, so decode tokens ride along with prefill
@@ -308,6 +375,10 @@ class Scheduler:
         if px is not None:
             px.drop_pending = False
         batch = StepBatch(self.step, draft.chunks, free_ids, ended, draft.pins, draft.regs, drop)
+        if batch.is_step and self.pending_release:  # (else they wait for the next step)
+            batch.releases = list(self.pending_release.items())
+            self.pending_release.clear()
+            self.pending_release_blocks = 0
         batch.mamba_live, batch.mamba_restore = draft.mamba_live, draft.mamba_restore
         batch.mamba_snaps = snaps
         batch.weight_version = self.salt
@@ -337,7 +408,7 @@ class Scheduler:
     def _evict_over_budget(self, now: float) -> bool:
         cap = self.plan.max_paused_blocks
         evicted = False
-        while cap is not None and self.paused and sum(len(r.blocks) for r in self.paused) > cap:
+        while cap is not None and self.paused and sum(_held(r) for r in self.paused) > cap:
             self._evict(self.paused[0], now)
             evicted = True
         return evicted
@@ -345,8 +416,8 @@ class Scheduler:
     def _evict(self, req: EngineRequest, now: float) -> None:
         """Free a paused request's blocks; it recomputes prompt + generated when re-admitted."""
         self.paused.remove(req)
-        self.pending_free[req.request_id] = self._release(req.blocks)
-        req.blocks = []
+        self.pending_free[req.request_id] = self._release(req.held_blocks)
+        req.blocks, req.num_released = [], 0
         self._release_mamba(req)
         req.history.checkpoint(req.num_tokens)
         req.num_computed_tokens = 0
@@ -373,17 +444,18 @@ class Scheduler:
         their blocks and recompute prompt + generated tokens into them."""
         if self.steps_in_flight:
             raise RuntimeError("invalidate_kv with a step in flight")
-        if self.prefix is not None:
-            # Shared blocks would be recomputed by each holder: instead every request lets go
-            # of its blocks and queues first, in order, and re-admission shares what the first
-            # one recomputes.
+        if self.prefix is not None or self.window:
+            # Shared blocks would be recomputed by each holder, and released ones are gone:
+            # instead every request lets go of its blocks and queues first, in order, and
+            # re-admission shares what the first one recomputes.
             for req in reversed(self.running + self.paused):
-                self.pending_free[req.request_id] = self._release(req.blocks)
-                req.blocks, req.shared_until, req.num_registered = [], 0, 0
+                self.pending_free[req.request_id] = self._release(req.held_blocks)
+                req.blocks, req.num_released, req.shared_until, req.num_registered = [], 0, 0, 0
                 self._release_mamba(req)
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
             self.running, self.paused = [], []
+        if self.prefix is not None:
             self._drop_cached()
         for req in self.running + self.paused + list(self.waiting):
             if req.num_computed_tokens:
@@ -471,6 +543,7 @@ class Scheduler:
             "blocks_used": self.plan.num_blocks - self.num_free_blocks,
             "paused_total": self.num_paused_total,
             "evicted_total": self.num_evicted_total,
+            **({"blocks_released": self.num_released_total} if self.window else {}),
             **(self.prefix.stats() if self.prefix is not None else {}),
             **(self.mamba.stats() if self.mamba is not None else {}),
         }
@@ -499,9 +572,9 @@ class Scheduler:
                 r.add_event(EventType.ERROR_NONTRANSIENT, now)
             failed = reason in (FinishReason.ERROR, FinishReason.ABORT)
             r.add_event(EventType.FAIL if failed else EventType.FINISH, now)
-        if r.blocks:
-            self.pending_free[r.request_id] = self._release(r.blocks)
-            r.blocks = []
+        if r.blocks:  # (all of it released or not: the allocator forgets the table)
+            self.pending_free[r.request_id] = self._release(r.held_blocks)
+            r.blocks, r.num_released = [], 0
         self._release_mamba(r)
         del self.requests[r.request_id]
 
@@ -520,3 +593,7 @@ class Scheduler:
     def _release(self, blocks: list[int]) -> int:
         """Blocks that come back (free, or cached and idle) when a request lets go of these."""
         return len(blocks) if self.prefix is None else self.prefix.release(blocks)
+
+
+def _held(r: EngineRequest) -> int:
+    return len(r.blocks) - r.num_released
