@@ -277,6 +277,7 @@ def test_ours_modes_default_and_chosen():
         modes("cuda", "graphs,fast")
 
 
+@pytest.mark.slow  # (the default run stays under ~15 min on the 2-core CI box)
 def test_offline_workload_row_on_cpu(tmp_path):
     """ShareGPT-like lengths, every request exactly its own output length on both sides; HF
     timed on the first 4 of 6 requests, and ours again on those for the ratio."""

@@ -8,6 +8,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from taipan import bench
 from taipan.bench import shared_prefix
 from taipan.models import has_mamba_layers
@@ -86,6 +88,7 @@ def test_shared_prefix_outputs_are_not_compared_where_they_do_not_reproduce(caps
     assert "not compared" in err and "FAILED" not in err
 
 
+@pytest.mark.slow  # (the default run stays under ~15 min on the 2-core CI box)
 def test_shared_prefix_on_a_hybrid_uses_mamba_snapshots(tmp_path):
     """A tiny NemotronH: with caching on (KV + Mamba snapshots) later requests skip prompt
     tokens, outputs equal caching off, and HF's batch-1 figures ride along in the row."""

@@ -53,7 +53,11 @@ def expected(client):
 
 @pytest.mark.parametrize(
     "chunked, overlap",
-    [(True, False), (False, False), (True, True)],
+    [
+        (True, False),
+        pytest.param(False, False, marks=pytest.mark.slow),  # (chunked covers the pool rules)
+        pytest.param(True, True, marks=pytest.mark.slow),
+    ],
     ids=["chunked", "whole", "overlap"],
 )
 def test_tiny_pool_pauses_and_evicts_with_identical_outputs(

@@ -113,6 +113,7 @@ def test_engines_on_other_hosts_join_over_curve(model_path, keys, client):
     assert "joining" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # (the default run stays under ~15 min on the 2-core CI box)
 def test_an_engine_exits_when_its_coordinator_vanishes(model_path, keys):
     port = _free_port_pair()
     coord = _serve(

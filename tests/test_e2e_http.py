@@ -353,6 +353,7 @@ def _encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[
     return ctx, whole[len(ctx) :]
 
 
+@pytest.mark.slow  # (the default run stays under ~15 min on the 2-core CI box)
 def test_lm_eval_generate_until_and_loglikelihood(server, direct, tmp_path, monkeypatch):
     """A generate-until task and a log-likelihood (multiple-choice) task: the generations equal
     greedy Client outputs with the same stops, and every log-likelihood equals the sum of our

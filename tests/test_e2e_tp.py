@@ -294,6 +294,7 @@ def _processes_naming(text: str) -> list[int]:
     return found
 
 
+@pytest.mark.slow  # (the default run stays under ~15 min on the 2-core CI box)
 def test_bench_rows_carry_the_tensor_parallel_size(tmp_path):
     """`taipan bench --tensor-parallel-size 2` serves through two peers; the row says so, and
     its floors are one device's share (half the bytes and FLOPs)."""
@@ -362,7 +363,7 @@ def test_dp2_by_tp2_equals_tp1_and_a_dead_follower_leaves_the_other_rank_serving
     assert "follower=gpu-1-tp1" in stderr and "engine-1 exited with code 4" in stderr
 
 
-@pytest.mark.parametrize("family", ["qwen3", "nemotron_h"])
+@pytest.mark.parametrize("family", ["qwen3", pytest.param("nemotron_h", marks=pytest.mark.slow)])
 def test_moe_at_tp2_equals_tp1(tmp_path, family):
     """A tiny Qwen3-MoE (8 experts, top 2, a dense layer), or a NemotronH hybrid with `E` layers
     (grouped sigmoid routing, latent projections, a shared expert, Mamba layers), served at
