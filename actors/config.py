@@ -347,6 +347,9 @@ class RuntimePlan:
     mamba_snapshot_slots: int = 0
     # Mixture-of-experts layers of the model (0: none, and return_routed_experts is refused).
     moe_layers: int = 0
+    # The model's sliding window when every attention layer has one (ModelLoaded.sliding_window;
+    # 0: some layer reads its whole context): the KV blocks behind it go back to the pool.
+    sliding_window: int = 0
 
 
 def mamba_snapshot_slots(budget_bytes: int, slot_bytes: int) -> int:

@@ -255,7 +255,6 @@ class EngineActor(EngineControls, Actor):
         self.vocab_size = loaded.vocab_size
         self.tp_size = loaded.tensor_parallel_size
         self.scheduler = new_scheduler(self.config, plan)
-        self.scheduler.set_sliding_window(loaded.sliding_window)  # (blocks behind it go back)
         self.steps.start()
         self.log.info("engine ready", num_blocks=plan.num_blocks, max_tokens=plan.max_tokens)
         await self.coord.send(loaded)

@@ -234,7 +234,6 @@ class EngineReplay:
             self.sched = self.flow = None
             return
         self.sched = wire.new_scheduler(self.config, plan)
-        self.sched.set_sliding_window(self.loaded.sliding_window)  # (as the engine actor)
         self.flow = StepFlow(self.sched)
 
     def _reply(self, name: str, channel: str, msg) -> str | None:

@@ -110,7 +110,7 @@ class Scheduler:
         track_paused_events: bool = False,
         track_token_events: bool = False,
         prefix_policy: PrefixCachingEvictionPolicy | None = None,
-        sliding_window: int = 0,
+        sliding_window: int | None = None,
     ):
         self.plan = plan
         self.chunked_prefill = enable_chunked_prefill
@@ -128,7 +128,7 @@ class Scheduler:
         self.pending_release_blocks = 0
         self.num_released_total = 0  # blocks released by windows (stats)
         self.window = 0
-        self.set_sliding_window(sliding_window)
+        self.set_sliding_window(plan.sliding_window if sliding_window is None else sliding_window)
         self.step = 0
         self.steps_in_flight = 0  # planned steps with chunks whose update() has not run
         self.num_paused_total = 0
@@ -153,8 +153,8 @@ class Scheduler:
             self.chunked_prefill = True
 
     def set_sliding_window(self, window: int) -> None:
-        """The model's sliding window (ModelLoaded.sliding_window; 0: some layer reads the whole
-        context): set once, before the first request."""
+        """The model's sliding window (RuntimePlan.sliding_window unless the constructor was
+        given one; 0: some layer reads the whole context): set before the first request."""
         if isinstance(window, bool) or not isinstance(window, int) or window < 0:
             raise ValueError(f"sliding_window must be an int >= 0, not {window!r}")
         if self.requests:

@@ -47,6 +47,7 @@ def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorR
         mamba_slots=loaded.mamba_slots,
         mamba_snapshot_slots=loaded.mamba_snapshot_slots,
         moe_layers=loaded.moe_layers,
+        sliding_window=loaded.sliding_window,
     )
 
 
