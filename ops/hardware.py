@@ -13,7 +13,8 @@ import time
 import torch
 
 from taipan.ops.loader import RANDOM_PREFIX, load_model, random_config
-from taipan.ops.models.llama import LlamaForCausalLM, kv_cache_bytes_per_block
+from taipan.ops.models.llama import kv_cache_bytes_per_block
+from taipan.ops.random_model import random_model_class
 
 GIB = 1 << 30
 
@@ -73,7 +74,7 @@ def model_bytes(model_path: str, dtype: str | torch.dtype) -> dict:
     if model_path.startswith(RANDOM_PREFIX):
         config = random_config(model_path)
         with torch.device("meta"):
-            model = LlamaForCausalLM(config).to(dtype)
+            model = random_model_class(config)(config).to(dtype)
     else:
         model, config, _ = load_model(model_path, dtype=dtype, device="cpu")
     size = torch.empty((), dtype=dtype).element_size()
@@ -85,7 +86,17 @@ def model_bytes(model_path: str, dtype: str | torch.dtype) -> dict:
         "read_params": sum(p.numel() for p in read),
         "weight_bytes": sum(p.numel() for p in read) * size,
         "kv_bytes_per_token": kv_cache_bytes_per_block(config, 1, dtype),
+        # Each attention layer's window (None: its whole context), or None where the family
+        # has no per-layer windows: a windowed layer reads at most its window's keys.
+        "kv_windows": _layer_windows(config),
     }
+
+
+def _layer_windows(config) -> list[int | None] | None:
+    layer_window = getattr(config, "layer_window", None)
+    if layer_window is None:
+        return None
+    return [layer_window(i) for i in range(config.num_layers)]
 
 
 def hardware_limit(args, model_path: str, batch: int) -> dict:

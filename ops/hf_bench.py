@@ -19,6 +19,9 @@ import torch
 
 from taipan.ops.hardware import as_dtype, sync
 from taipan.ops.loader import RANDOM_PREFIX, random_config, random_state
+from taipan.ops.models.gemma3 import Gemma3Config
+from taipan.ops.models.llama import LlamaConfig
+from taipan.ops.models.mistral import MistralConfig
 from taipan.ops.weight_updates import hf_name_to_ours
 
 # ---- the Hugging Face model ------------------------------------------------------------------
@@ -33,12 +36,12 @@ def _import_transformers():
 
 
 def load_hf(model_path: str, dtype: str | torch.dtype, device: str):
-    """transformers' LlamaForCausalLM for a GGUF file, an HF directory or `random:<shape>`
-    (`hf_random_llama`: our random weights), in eval mode, never stopping at EOS."""
+    """transformers' model for a GGUF file, an HF directory or `random:<shape>`
+    (`hf_random_model`: our random weights), in eval mode, never stopping at EOS."""
     transformers = _import_transformers()
     dtype = as_dtype(dtype)
     if model_path.startswith(RANDOM_PREFIX):
-        model = hf_random_llama(model_path, dtype, device)
+        model = hf_random_model(model_path, dtype, device)
     elif model_path.endswith(".gguf"):
         d, f = os.path.split(model_path)
         model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=dtype)
@@ -49,14 +52,38 @@ def load_hf(model_path: str, dtype: str | torch.dtype, device: str):
     return model
 
 
-def hf_random_llama(spec: str, dtype: torch.dtype, device: str):
-    """transformers' LlamaForCausalLM holding exactly the weights `load_model(spec)` gives ours
-    (ops/random_model.py `random_state`, same seed and device), un-fused into q/k/v and gate/up
-    views. Built on the meta device, then the tensors are adopted; the rotary buffers are rebuilt in
-    fp32 (a meta-built model has none, and `.to(bf16)` would round them)."""
+def hf_random_model(spec: str, dtype: torch.dtype, device: str):
+    """transformers' LlamaForCausalLM, MistralForCausalLM or Gemma3ForCausalLM (the shape's
+    family) holding exactly the weights `load_model(spec)` gives ours (ops/random_model.py
+    `random_state`, same seed and device), un-fused into q/k/v and gate/up views. Built on the
+    meta device, then the tensors are adopted; the buffers a meta-built model lacks are rebuilt:
+    the rotary tables in fp32 (`.to(bf16)` would round them), Gemma's embedding scale."""
     transformers = _import_transformers()
     config = random_config(spec)
-    hf_config = transformers.LlamaConfig(
+    hf_config, cls = _hf_config(transformers, config, dtype)
+    with torch.device("meta"):
+        model = cls(hf_config)
+    ours = random_state(config, dtype, device)
+    state = {}
+    for name in model.state_dict():
+        ours_name, rows = hf_name_to_ours(name, config)
+        state[name] = ours[ours_name][rows]  # a view: no copy of the weights
+    model.load_state_dict(state, strict=True, assign=True)
+    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
+    if isinstance(config, Gemma3Config):  # (a non-persistent fp32 buffer, as HF builds it)
+        model.model.embed_tokens.embed_scale = torch.tensor(config.hidden_size**0.5, device=device)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"HF model still has meta tensors after loading: {left[:5]}")
+    return model.eval()
+
+
+hf_random_llama = hf_random_model  # (the weight-sync workload's name for it; any shape)
+
+
+def _hf_config(transformers, config, dtype: torch.dtype) -> tuple[object, type]:
+    """(transformers' config, model class) of one of our random shapes' configs."""
+    common = dict(
         vocab_size=config.vocab_size,
         hidden_size=config.hidden_size,
         intermediate_size=config.intermediate_size,
@@ -65,7 +92,6 @@ def hf_random_llama(spec: str, dtype: torch.dtype, device: str):
         num_key_value_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         rms_norm_eps=config.rms_norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_theta},
         max_position_embeddings=config.max_position_embeddings,
         tie_word_embeddings=config.tie_word_embeddings,
         bos_token_id=None,
@@ -73,19 +99,29 @@ def hf_random_llama(spec: str, dtype: torch.dtype, device: str):
         pad_token_id=None,
         dtype=dtype,  # as from_pretrained(dtype=...) records it
     )
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(hf_config)
-    ours = random_state(config, dtype, device)
-    state = {}
-    for name in model.state_dict():
-        ours_name, rows = hf_name_to_ours(name, config)
-        state[name] = ours[ours_name][rows]  # a view: no copy of the weights
-    model.load_state_dict(state, strict=True, assign=True)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-    if left:
-        raise RuntimeError(f"HF model still has meta tensors after loading: {left[:5]}")
-    return model.eval()
+    rope = {"rope_type": "default", "rope_theta": config.rope_theta}
+    if isinstance(config, Gemma3Config):
+        full = rope
+        if config.rope_scaling_factor != 1.0:
+            full = dict(rope, rope_type="linear", factor=config.rope_scaling_factor)
+        local = {"rope_type": "default", "rope_theta": config.rope_local_theta}
+        kinds = {True: "sliding_attention", False: "full_attention"}
+        hf = transformers.Gemma3TextConfig(
+            **common,
+            sliding_window=config.sliding_window,
+            layer_types=[kinds[config.is_local(i)] for i in range(config.num_layers)],
+            rope_parameters={"full_attention": full, "sliding_attention": local},
+            query_pre_attn_scalar=int(config.query_pre_attn_scalar),  # (HF types it int)
+        )
+        return hf, transformers.Gemma3ForCausalLM
+    if isinstance(config, MistralConfig):
+        hf = transformers.MistralConfig(
+            **common, rope_parameters=rope, sliding_window=config.sliding_window
+        )
+        return hf, transformers.MistralForCausalLM
+    if type(config) is not LlamaConfig:
+        raise RuntimeError(f"no Hugging Face model for a random {type(config).__name__}")
+    return transformers.LlamaConfig(**common, rope_parameters=rope), transformers.LlamaForCausalLM
 
 
 def never_stop_at_eos(model) -> None:

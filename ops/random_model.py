@@ -1,5 +1,6 @@
 """`random:<shape>` (RANDOM_SHAPES) -> (model, config, tokenizer) from a config alone, no disk:
-a model's real shape without its checkpoint, for benchmarks and tests.
+a model's real shape without its checkpoint, for benchmarks and tests. A shape is Llama's unless
+its `family` says otherwise (`FAMILIES`: Mistral's sliding window, Gemma 3's layers).
 
 Owns the shapes, the seeded random weights made on the device (`random_state`, which the
 benchmark's Hugging Face copy reuses, so both sides hold the same weights) and a byte-level
@@ -15,14 +16,16 @@ from pathlib import Path
 import torch
 
 from taipan.ops.checkpoint import ModelLoadError, Piece, build_model
+from taipan.ops.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
+from taipan.ops.models.mistral import MistralConfig, MistralForCausalLM
 from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.sharding import split_fused
 from taipan.ops.tokenizer import Tokenizer
 
 RANDOM_PREFIX = "random:"
 RANDOM_SEED = 0
-RANDOM_STD = 0.02  # of every matrix (embeddings and projections); norm weights are 1
+RANDOM_STD = 0.02  # of every matrix (embeddings and projections); norms are the identity
 _RANDOM_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # ids 256, 257, 258
 _CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -71,18 +74,70 @@ RANDOM_SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=4096,
     ),
+    # Gemma-3-1B (google/gemma-3-1b-pt's config.json): head_dim 256 (not hidden / heads), one kv
+    # head, a 262,144-token vocabulary, tied embeddings; every 6th layer global (the whole
+    # context, RoPE base 1e6), the others local (a 512-key window, base 1e4).
+    "gemma3-1b": dict(
+        family="gemma3",
+        vocab_size=262144,
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_layers=26,
+        num_heads=4,
+        num_kv_heads=1,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=256.0,
+        sliding_window=512,
+        sliding_layers=tuple(i for i in range(26) if (i + 1) % 6),
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+    ),
+    # Mistral-7B-v0.1: Llama's layers, every one with a 4096-key window (so the engine frees
+    # the KV blocks behind it: actors/gpu/window.py `kv_window`), untied LM head.
+    "mistral-7b-window": dict(
+        family="mistral",
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        sliding_window=4096,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+    ),
+}
+# A shape's `family` (default "llama") -> its config and model classes.
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+    "gemma3": (Gemma3Config, Gemma3ForCausalLM),
 }
 
 
 def random_config(spec: str) -> LlamaConfig:
-    """The LlamaConfig of `random:<shape>`; EOS is the tokenizer's <|im_end|> (id 258)."""
+    """The config of `random:<shape>` (its family's: LlamaConfig or a subclass); EOS is the
+    tokenizer's <|im_end|> (id 258)."""
     shape = spec.removeprefix(RANDOM_PREFIX)
     if shape not in RANDOM_SHAPES:
         raise ModelLoadError(
             f"{spec}: unknown random shape {shape!r} (known: {', '.join(RANDOM_SHAPES)})"
         )
+    fields = dict(RANDOM_SHAPES[shape])
+    config_cls, _ = FAMILIES[fields.pop("family", "llama")]
     eos = 256 + _RANDOM_SPECIALS.index("<|im_end|>")
-    return LlamaConfig(**RANDOM_SHAPES[shape], bos_token_id=None, eos_token_ids=(eos,))
+    return config_cls(**fields, bos_token_id=None, eos_token_ids=(eos,))
+
+
+def random_model_class(config: LlamaConfig) -> type:
+    """The model class of a `random_config` (LlamaForCausalLM or its family's)."""
+    return next(model for cfg, model in FAMILIES.values() if type(config) is cfg)
 
 
 def random_state(
@@ -90,7 +145,8 @@ def random_state(
 ) -> dict[str, torch.Tensor]:
     """Seeded random weights in our parameter names (fused qkv_proj / gate_up_proj), made on
     `device` in `dtype`: the same (config, dtype, device type, seed) gives the same tensors, in
-    any process. Matrices are normal(0, RANDOM_STD), norm weights 1."""
+    any process. Matrices are normal(0, RANDOM_STD); norms are the identity: weights 1, Gemma's
+    (1 + w) norms 0."""
     return dict(_random_tensors(config, dtype, device, seed))
 
 
@@ -99,13 +155,15 @@ def _random_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """`random_state`'s tensors one at a time (a sharded load keeps one whole tensor alive)."""
     with torch.device("meta"):
-        shapes = {name: t.shape for name, t in LlamaForCausalLM(config).state_dict().items()}
+        model = random_model_class(config)(config)
+        shapes = {name: t.shape for name, t in model.state_dict().items()}
+    norm_weight = 0.0 if isinstance(config, Gemma3Config) else 1.0
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, shape in shapes.items():  # state_dict order: the same on every call
         t = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
-            yield name, t.fill_(1.0)
+            yield name, t.fill_(norm_weight)
         else:
             yield name, t.normal_(0.0, RANDOM_STD, generator=generator)
 

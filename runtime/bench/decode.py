@@ -308,8 +308,10 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
                 row[ratio] = row[f"ours_{mode}_ms"] / step
     # The floor: one step reads the weights once and the batch's KV at mid-generation; under
     # tensor parallelism each of the T devices reads its 1/T of both, at once.
+    # Layers with a sliding window read at most the window's keys (kv_read_share).
     context = args.prompt_len + args.output_len / 2
-    kv_bytes = b * context * hw["kv_bytes_per_token"]
+    share = _kv_read_share(hw.get("kv_windows"), context)
+    kv_bytes = b * context * hw["kv_bytes_per_token"] * share
     tp = getattr(args, "tensor_parallel_size", 1)
     row.update(
         params=hw["params"],
@@ -360,3 +362,11 @@ def decode_summary(row: dict) -> str:
         f"{row.get('hf_best_ms')} ms, ours_vs_hf {row.get('ours_vs_hf')}, "
         f"GPU idle {row.get('gpu_idle_share')}, GC {row.get('gc_share')}"
     )
+
+
+def _kv_read_share(windows: list | None, context: float) -> float:
+    """The share of the KV bytes at `context` tokens one step reads when layers have sliding
+    windows (1.0 without): a windowed layer reads min(context, window) keys."""
+    if not windows or context <= 0:
+        return 1.0
+    return sum(min(context, w) if w else context for w in windows) / (len(windows) * context)
