@@ -1,5 +1,5 @@
-"""SwiGLU's activation on the fused gate/up projection: `silu_and_mul` (kernel + launcher) and
-`silu_and_mul_ref` (the same contract in torch).
+"""Gated MLP activations on the fused gate/up projection: SwiGLU's `silu_and_mul` and Gemma's
+`gelu_tanh_and_mul` (kernel + launcher each) and their `*_ref` (the same contracts in torch).
 
 A row of x [T, 2I] holds the gate then the up half, as ops/layers.SwiGLUMLP's `gate_up_proj`
 writes them; out [T, I] = silu(gate) * up, computed in fp32 and rounded once (HF rounds silu's
@@ -41,12 +41,63 @@ def _silu_and_mul_kernel(
     )
 
 
+@triton.jit
+def _gelu_tanh_and_mul_kernel(
+    # pointers
+    x_ptr,  # [T, 2I]: gate | up
+    out_ptr,  # [T, I]
+    # strides
+    stride_x_token,
+    stride_out_token,
+    # meta-parameters
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTERMEDIATE
+    x_row = x_ptr + token * stride_x_token
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
+    # gelu's tanh approximation, tanh(z) = 2 / (1 + exp(-2z)) - 1 (exp -> inf gives -1).
+    z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * z)))
+    # HF rounds the activation to the storage dtype before the product (gelu_pytorch_tanh).
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(
+        out_ptr + token * stride_out_token + cols,
+        (act * up).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x: [T, 2I] (gate | up) -> out: [T, I] = gelu_tanh(gate) * up in x's dtype (new if None),
+    the activation rounded to x's dtype before the product, as HF's Gemma MLP. As
+    `silu_and_mul` otherwise."""
+    return _launch(_gelu_tanh_and_mul_kernel, x, out)
+
+
+def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`gelu_tanh_and_mul` in plain torch (HF's order of roundings)."""
+    gate, up = x.chunk(2, dim=-1)
+    result = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
 def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, 2I] (gate | up) -> out: [T, I] = silu(gate) * up in x's dtype (new if None).
 
     Rows need unit stride in their last dim. Each program covers one token row's tile of up to
     MAX_BLOCK columns: a decode step's single row still spreads over many SMs. No host sync.
     """
+    return _launch(_silu_and_mul_kernel, x, out)
+
+
+def _launch(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     _check_args(x, out)
     num_tokens, intermediate = x.shape[0], x.shape[1] // 2
     if out is None:
@@ -54,7 +105,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     if num_tokens > 0:
         block = min(triton.next_power_of_2(intermediate), MAX_BLOCK)
         grid = (num_tokens, triton.cdiv(intermediate, block))
-        _silu_and_mul_kernel[grid](
+        kernel[grid](
             x,
             out,
             x.stride(0),

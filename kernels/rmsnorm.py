@@ -37,6 +37,7 @@ def _rms_norm_kernel(
     eps: tl.constexpr,
     N: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    GEMMA: tl.constexpr,  # Gemma's norm: x / rms(x) * (1 + weight), all in fp32, rounded once
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -51,11 +52,15 @@ def _rms_norm_kernel(
         # Normalize the sum as stored, as HF normalizes its (rounded) residual stream.
         x = stored.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    # HF order: cast the normalized row to the storage dtype, then multiply by the weight. A
-    # product of two 16-bit floats is exact in fp32, so one rounding equals torch's bf16 multiply.
-    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    result = (normed * weight).to(out_ptr.dtype.element_ty)
+    if GEMMA:
+        # HF's Gemma3RMSNorm: the normalized row stays fp32 and meets (1 + weight) in fp32.
+        result = (x * rstd * (1.0 + weight)).to(out_ptr.dtype.element_ty)
+    else:
+        # HF order: cast the normalized row to the storage dtype, then multiply by the weight.
+        # A product of two 16-bit floats is exact in fp32: one rounding equals torch's multiply.
+        normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+        result = (normed * weight).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + token * stride_out_token + cols, result, mask=mask)
 
 
@@ -66,9 +71,11 @@ def rms_norm(
     *,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    gemma: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """x: [T, N] -> out: [T, N] = rmsnorm(x) * weight; with `residual` [T, N], returns
     `(out, residual)` after `residual <- x + residual` in place and `out = rmsnorm(residual)`.
+    `gemma`: Gemma's norm, rmsnorm(x) * (1 + weight) in fp32 and rounded once.
 
     `out` (new if None) may be `x`, never `residual`. Rows need unit stride in their last dim;
     x, weight, residual and out share one dtype (fp16, bf16 or fp32). No host synchronisation.
@@ -91,6 +98,7 @@ def rms_norm(
             eps=float(eps),
             N=hidden,
             HAS_RESIDUAL=has_residual,
+            GEMMA=bool(gemma),
             BLOCK=block,
             num_warps=max(1, min(16, block // 256)),
         )
@@ -137,14 +145,18 @@ def rms_norm_ref(
     *,
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    gemma: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """`rms_norm` in plain torch (fp32 inside), with the same in-place contract."""
     if residual is not None:
         residual.copy_((x.float() + residual.float()).to(residual.dtype))
         x = residual
     x32 = x.float()
-    normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    result = (normed.float() * weight.float()).to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if gemma:  # (HF's Gemma3RMSNorm: fp32 throughout, one rounding)
+        result = (normed * (1.0 + weight.float())).to(x.dtype)
+    else:
+        result = (normed.to(x.dtype).float() * weight.float()).to(x.dtype)
     if out is None:
         out = result
     else:

@@ -89,20 +89,20 @@ class RMSNorm(nn.Module):
 
 class GemmaRMSNorm(nn.Module):
     """Gemma's RMSNorm: x / rms(x) * (1 + weight), in fp32 and rounded once to x's dtype (HF's
-    Gemma3RMSNorm; no fused residual add). The weight is the checkpoint's as it is, the +1 added
-    here in fp32 (folded into a bf16 weight it would round away most of a small weight's bits),
-    so weights under Hugging Face names go in unchanged: loading, updates and transfers alike.
-    Plain torch on every device (no kernel of kernels/ computes Gemma's order of roundings)."""
+    Gemma3RMSNorm). The weight is the checkpoint's as it is, the +1 added in fp32 (folded into
+    a bf16 weight it would round away most of a small weight's bits), so weights under Hugging
+    Face names go in unchanged: loading, updates and transfers alike. With `residual`, as
+    RMSNorm's: `(normalized, residual)` after `residual <- x + residual` in place. One Triton
+    kernel on CUDA (kernels/rmsnorm.py, `gemma=True`), its torch reference elsewhere."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()  # [rows, hidden]
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).to(x.dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        fn = rmsnorm.rms_norm if x.is_cuda else rmsnorm.rms_norm_ref  # x: [rows, hidden]
+        return fn(x, self.weight, self.eps, residual=residual, gemma=True)
 
 
 class Attention(nn.Module):
@@ -206,10 +206,10 @@ class SwiGLUMLP(nn.Module):
 
 class GeluTanhMLP(SwiGLUMLP):
     """down(gelu_tanh(gate(x)) * up(x)) (Gemma's MLP), laid out and split as SwiGLUMLP: the
-    activation rounded to x's dtype before the product, as HF's `gelu_pytorch_tanh` (plain
-    torch on every device)."""
+    activation rounded to x's dtype before the product, as HF's `gelu_pytorch_tanh` (one
+    Triton kernel on CUDA, kernels/activation.py)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [tokens, intermediate] each
-        out = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        act = activation.gelu_tanh_and_mul if x.is_cuda else activation.gelu_tanh_and_mul_ref
+        out = self.down_proj(act(self.gate_up_proj(x)))  # [tokens, intermediate] in between
         return self.tp.all_reduce(out) if self.reduce_output else out

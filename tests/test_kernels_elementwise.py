@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from taipan.kernels.activation import silu_and_mul, silu_and_mul_ref
+from taipan.kernels.activation import (
+    gelu_tanh_and_mul,
+    gelu_tanh_and_mul_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
 from taipan.kernels.rmsnorm import rms_norm, rms_norm_ref
 from taipan.kernels.rope import (
     rope_and_write_kv,
@@ -248,6 +253,46 @@ def test_silu_and_mul_matches_ref(num_tokens, intermediate):
     buffer = torch.empty(num_tokens, intermediate)
     assert silu_and_mul(x, out=buffer) is buffer
     assert _rel_err(buffer, silu_and_mul_ref(x)) < 1e-5
+
+
+@pytest.mark.parametrize("num_tokens, intermediate", [(1, 16), (3, 37), (2, 1500)])
+def test_gelu_tanh_and_mul_matches_ref(num_tokens, intermediate):
+    g = _gen(num_tokens * 100 + intermediate + 7)
+    x = 4 * torch.randn(num_tokens, 2 * intermediate, generator=g)  # tails of tanh both ways
+    assert _rel_err(gelu_tanh_and_mul(x), gelu_tanh_and_mul_ref(x)) < 1e-5
+
+
+def test_gelu_tanh_and_mul_ref_matches_hf_gemma_mlp():
+    from transformers.activations import ACT2FN
+
+    x = torch.randn(6, 2 * 40, generator=_gen(10)).bfloat16()
+    gate, up = x.chunk(2, dim=-1)
+    want = ACT2FN["gelu_pytorch_tanh"](gate) * up  # HF's Gemma3MLP, in bf16
+    assert torch.equal(gelu_tanh_and_mul_ref(x), want)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_gemma_rms_norm_matches_ref_and_hf(with_residual):
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    g = _gen(31)
+    x = torch.randn(5, 96, generator=g)
+    weight = 0.1 * torch.randn(96, generator=g)
+    residual = torch.randn(5, 96, generator=g) if with_residual else None
+    got = rms_norm(x, weight, 1e-6, residual=None if residual is None else residual.clone(),
+                   gemma=True)  # fmt: skip
+    want = rms_norm_ref(x, weight, 1e-6, residual=None if residual is None else residual.clone(),
+                        gemma=True)  # fmt: skip
+    got, want = (got[0], want[0]) if with_residual else (got, want)
+    assert _rel_err(got, want) < 1e-5
+    hf = Gemma3RMSNorm(96, eps=1e-6)
+    hf.weight.data.copy_(weight)
+    source = x if residual is None else x + residual
+    with torch.no_grad():
+        assert _rel_err(want, hf(source)) < 1e-6
+        x16 = x.bfloat16()  # the ref rounds as HF in bf16 too
+        assert torch.equal(rms_norm_ref(x16, weight.bfloat16(), 1e-6, gemma=True),
+                           hf.bfloat16()(x16))  # fmt: skip
 
 
 def test_silu_and_mul_tiles_a_wide_row():

@@ -86,9 +86,10 @@ class Gemma3DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """x: [tokens, hidden], the residual stream -> the stream after this layer."""
         h = self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, layer_cache)
-        x = x + self.post_attention_layernorm(h)  # (attention summed over the TP group)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(h)
+        h = self.post_attention_layernorm(h)  # (attention summed over the TP group)
+        # x <- x + h in place, and its norm, in one kernel (HF normalizes the rounded sum too).
+        h, x = self.pre_feedforward_layernorm(h, residual=x)
+        return x + self.post_feedforward_layernorm(self.mlp(h))
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
