@@ -48,6 +48,10 @@ _SMS: dict[int, int] = {}
 # [32, 256] ones none (25 KB of shared memory).
 _MAX_TILE_TOKENS = 64
 _MAX_TILE_TOKENS_WIDE = 32
+# Warps of a split program for the wide heads (head_dim past 128): its [GROUP_PAD, D] q and
+# accumulator and [BLOCK_N, D] key and value tiles sit in registers
+# (tests/perf/decode_wide_bench.py times 4 against 8).
+_SPLIT_WARPS_WIDE = 8
 
 
 @triton.jit
@@ -309,6 +313,7 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=4 if dim_pad <= 128 else _SPLIT_WARPS_WIDE,
     )  # fmt: skip
     splits_pad = max(2, triton.next_power_of_2(num_splits))  # >= 2: no 1-wide tiles
     _decode_merge_kernel[(batch, num_heads)](
