@@ -48,10 +48,10 @@ _SMS: dict[int, int] = {}
 # [32, 256] ones none (25 KB of shared memory).
 _MAX_TILE_TOKENS = 64
 _MAX_TILE_TOKENS_WIDE = 32
-# Warps of a split program for the wide heads (head_dim past 128): its [GROUP_PAD, D] q and
-# accumulator and [BLOCK_N, D] key and value tiles sit in registers
-# (tests/perf/decode_wide_bench.py times 4 against 8).
-_SPLIT_WARPS_WIDE = 8
+# Warps of a split program for the wide heads (head_dim past 128). 4, as for the others: 8 was
+# slower on an H100 under CUDA graphs (Gemma 3 1B's 4 over 1 heads of 256, batch 1: 18.0 against
+# 15.3 us; batch 64: 47.6 against 38.3 us; tests/perf/decode_wide_bench.py).
+_SPLIT_WARPS_WIDE = 4
 
 
 @triton.jit
