@@ -60,7 +60,6 @@ def load_model(
     device: str | torch.device = "cpu",
     expert_range: tuple[int, int] | ExpertRange | None = None,
     tp: TPGroup = SINGLE,
-    max_sequence_length: int | None = None,
 ) -> tuple:
     """Load a `.gguf` file or a Hugging Face directory, weights in `dtype` on `device`:
     (model, config, tokenizer); with `tp`, this rank's shards only (the config is the whole
@@ -69,8 +68,7 @@ def load_model(
     A directory without config.json but with exactly one .gguf file loads that file;
     `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
     `expert_range` (start, count): only those experts of every MoE layer (default: all); a
-    model without experts refuses one. `max_sequence_length`: the longest sequence the caller
-    will run (no model refuses one since attention honours sliding windows; kept for callers).
+    model without experts refuses one.
     """
     if str(path).startswith(RANDOM_PREFIX):
         no_experts(path, expert_range)

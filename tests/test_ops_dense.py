@@ -176,7 +176,7 @@ def test_which_layers_a_window_applies_to(tmp_path):
     max_window_layers on or those layer_types marks."""
     path = make_random_mistral(str(tmp_path / "m"), sliding_window=256)
     assert _windows(path) == [256, 256]
-    assert load_model(path, max_sequence_length=4096)[1].sliding_window == 256
+    assert load_model(path)[1].sliding_window == 256
     qwen = make_random_qwen2(str(tmp_path / "q"))
     _rewrite_config(qwen, sliding_window=64, use_sliding_window=False, layer_types=None)
     assert _windows(qwen) == [None, None]

@@ -228,7 +228,6 @@ class ModelWorker(WorkerForward, WorkerControls):
                 device=self.device,
                 tp=tp,
                 expert_range=experts,
-                max_sequence_length=msg.max_sequence_length,
             )
         except ModelLoadError as e:
             if experts is not None and "has no experts" in str(e):
