@@ -288,10 +288,11 @@ def _tile_config(
         block_m, block_n, num_stages = (128, 64, 3) if half else (64, 32, 2)
     else:
         # 256-wide heads (192 padded, 256): q, K/V and the fp32 accumulator tiles all double.
-        # Compiled for sm_90, 32 x 32 tiles over 8 warps are the largest that spill no
-        # registers (64 x 32 spilled ~300 bytes a thread, 64 x 64 over 1 KB), in 35 KB of
-        # shared memory (98 KB in fp32).
-        block_m, block_n, num_stages = (32, 32, 2) if half else (32, 32, 1)
+        # 128 x 64 tiles over 8 warps spill registers on sm_90 yet run fastest on an H100
+        # (tests/perf/prefill_wide_bench.py, 4096 tokens, bf16: 0.256 ms against 0.734 for the
+        # spill-free 32 x 32, 8 over 4 heads; 0.154 against 0.347, Gemma 3 1B's 4 over 1; SDPA
+        # 0.172 and 0.100). fp32 (tests, debugging) keeps the small tiles.
+        block_m, block_n, num_stages = (128, 64, 2) if half else (32, 32, 1)
     # Short queries (decode rows, small chunks) would leave most of a 128-row tile empty.
     block_m = min(block_m, max(16, triton.next_power_of_2(max(1, max_query_len) * group_pad)))
     num_warps = 8 if block_m >= 128 or dim_pad > 128 else 4
