@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine import wire
 from taipan.actors.engine.batch_arrays import plan_arrays
-from taipan.actors.engine.flow import apply_block_reply, step_block_ops
+from taipan.actors.engine.flow import apply_block_reply
 from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
@@ -196,7 +196,7 @@ class Harness:
                 planned = None
         sent = None
         if planned is not None:
-            ops, mops = step_block_ops(planned), wire.mamba_ops(planned)
+            ops, mops = wire.block_ops(planned), wire.mamba_ops(planned)
             if ops is not None:
                 self.record("out", "allocator", ops)
             if mops is not None:  # sent before either reply is read, as the engine does

@@ -4,7 +4,7 @@
 
 A step's way through it:
 - `begin(batch)`: the batch is being dispatched; returns its BlockOps (with its sliding-window
-  releases: `step_block_ops`) and MambaOps (None for one it does not need), whose replies are
+  releases: `wire.block_ops`) and MambaOps (None for one it does not need), whose replies are
   now due.
 - `reply_in(name, reply)`: each reply ("allocator", "mamba_cache"), or the error that came
   instead of it.
@@ -27,11 +27,8 @@ Must not touch: sockets, the clock (times come in as arguments), logs, counters.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from typing import NamedTuple
-
-import numpy as np
 
 from taipan.actors.engine.batch import StepBatch
 from taipan.actors.engine.request import EngineRequest
@@ -74,7 +71,7 @@ class StepFlow:
     def begin(self, batch: StepBatch) -> tuple[BlockOps | None, MambaOps | None]:
         """`batch` is being dispatched: its messages (None: not needed), whose replies are due."""
         self.dispatching, self.block_reply, self._replies = batch, None, {}
-        ops, mops = step_block_ops(batch), mamba_ops(batch)
+        ops, mops = block_ops(batch), mamba_ops(batch)
         self.due = {name for name, m in (("allocator", ops), ("mamba_cache", mops)) if m}
         return ops, mops
 
@@ -166,22 +163,6 @@ class StepFlow:
         if isinstance(step, DummyStep):
             return []
         return self.sched.update(step, None, now, error=error)
-
-
-def step_block_ops(batch: StepBatch) -> BlockOps | None:
-    """The step's BlockOps (wire.block_ops) with its sliding-window releases, or None when the
-    step changes no block. (Releases only ride along: a plan with nothing else is no step.)"""
-    ops = block_ops(batch)
-    if not batch.releases:
-        return ops
-    if ops is None:
-        none = np.zeros(0, np.int64)
-        ops = BlockOps(batch.step, none, none, np.zeros(0, np.int32))
-    return dataclasses.replace(
-        ops,
-        release_ids=np.asarray([rid for rid, _ in batch.releases], np.int64),
-        release_upto=np.asarray([upto for _, upto in batch.releases], np.int32),
-    )
 
 
 def apply_block_reply(sched: Scheduler, batch: StepBatch, reply: BlockOpsReply) -> None:

@@ -107,11 +107,13 @@ def submission(
 
 
 def block_ops(batch: StepBatch) -> BlockOps | None:
-    """The allocator message of a step, or None when the step changes no block."""
+    """The allocator message of a step, or None when the step changes no block. Sliding-window
+    releases only ride along: a plan with nothing else is no step (they wait for the next)."""
     counts = np.asarray([c.new_blocks for c in batch.chunks if c.new_blocks], np.int32)
     ids = np.asarray([c.request.request_id for c in batch.chunks if c.new_blocks], np.int64)
     if not (len(ids) or batch.free_ids or batch.pins or batch.regs or batch.drop_cache):
-        return None
+        if not batch.releases:
+            return None
     regs = batch.regs
     return BlockOps(
         batch.step,
@@ -128,6 +130,8 @@ def block_ops(batch: StepBatch) -> BlockOps | None:
         np.asarray([r[2] for r in regs], np.int64),
         np.asarray([r[3] for r in regs], np.int64),
         batch.drop_cache,
+        np.asarray([rid for rid, _ in batch.releases], np.int64),
+        np.asarray([upto for _, upto in batch.releases], np.int32),
     )
 
 
