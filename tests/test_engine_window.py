@@ -33,7 +33,7 @@ from taipan.messages.block_hash import NO_HASH
 from taipan.messages.codec import decode, encode, same_encoding
 from taipan.messages.gpu import ModelLoaded
 from tests.test_engine_check import RecordingHarness, replay
-from tests.test_scheduler import Harness, drive, make_plan, make_request
+from tests.test_scheduler import Harness, draw_requests, drive, make_plan, make_request
 from tests.test_scheduler_prefix import PrefixHarness, request, run_all
 
 
@@ -226,20 +226,7 @@ def window_workloads(draw):
         eos=draw(st.lists(st.integers(10, 59), max_size=2, unique=True)),
         max_paused_blocks=draw(st.none() | st.integers(0, 2 * steady)),
     )
-    requests = []
-    for rid in range(draw(st.integers(1, 8))):
-        prompt_len = draw(st.integers(1, max_seq - 1))
-        arrival = draw(st.integers(0, 15))
-        abort_at = draw(st.none() | st.none() | st.integers(arrival, arrival + 25))
-        req = make_request(
-            rid,
-            prompt_len,
-            max_tokens=draw(st.integers(1, max_seq - prompt_len)),
-            stream=draw(st.booleans()),
-            ignore_eos=draw(st.booleans()),
-            return_log_probs=draw(st.booleans()),
-        )
-        requests.append((arrival, abort_at, req))
+    requests = draw_requests(draw, max_seq, 8, stop_token_ids=False)
     return plan, window, draw(st.booleans()), requests, draw(st.booleans())
 
 

@@ -456,22 +456,30 @@ def workloads(draw):
         eos=draw(st.lists(st.integers(10, 59), max_size=2, unique=True)),
         max_paused_blocks=draw(st.none() | st.integers(0, need)),
     )
+    requests = draw_requests(draw, max_seq, 10, stop_token_ids=True)
+    return plan, draw(st.booleans()), requests, draw(st.booleans())
+
+
+def draw_requests(draw, max_seq: int, most: int, stop_token_ids: bool) -> list[tuple]:
+    """1..`most` random requests, each (arrival step, abort step or None, EngineRequest), that
+    fit `max_seq` tokens (`stop_token_ids`: some carry stop ids)."""
     requests = []
-    for rid in range(draw(st.integers(1, 10))):
+    for rid in range(draw(st.integers(1, most))):
         prompt_len = draw(st.integers(1, max_seq - 1))
         arrival = draw(st.integers(0, 15))
         abort_at = draw(st.none() | st.none() | st.integers(arrival, arrival + 25))
+        stops = draw(st.lists(st.integers(10, 59), max_size=2)) if stop_token_ids else []
         req = make_request(
             rid,
             prompt_len,
             max_tokens=draw(st.integers(1, max_seq - prompt_len)),
             stream=draw(st.booleans()),
             ignore_eos=draw(st.booleans()),
-            stop_token_ids=tuple(draw(st.lists(st.integers(10, 59), max_size=2))),
+            stop_token_ids=tuple(stops),
             return_log_probs=draw(st.booleans()),
         )
         requests.append((arrival, abort_at, req))
-    return plan, draw(st.booleans()), requests, draw(st.booleans())
+    return requests
 
 
 def expected_problem(plan: RuntimePlan, chunked: bool, req: EngineRequest) -> str | None:
