@@ -18,7 +18,7 @@ MAX_BLOCK = 1024
 
 
 @triton.jit
-def _gated_kernel(
+def _silu_and_mul_kernel(
     # pointers
     x_ptr,  # [T, 2I]: gate | up
     out_ptr,  # [T, I]
@@ -27,7 +27,6 @@ def _gated_kernel(
     stride_out_token,
     # meta-parameters
     INTERMEDIATE: tl.constexpr,
-    GELU: tl.constexpr,  # False: silu(gate) * up (SwiGLU); True: gelu_tanh(gate) * up (Gemma)
     BLOCK: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
@@ -36,23 +35,47 @@ def _gated_kernel(
     x_row = x_ptr + token * stride_x_token
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
-    if GELU:
-        # gelu's tanh approximation, tanh(z) = 2 / (1 + exp(-2z)) - 1 (exp -> inf gives -1).
-        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * z)))
-        # HF rounds the activation to the storage dtype before the product (gelu_pytorch_tanh).
-        act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
-    else:
-        act = gate / (1.0 + tl.exp(-gate))  # one rounding, after the product
-    result = (act * up).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + token * stride_out_token + cols, result, mask=mask)
+    result = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(
+        out_ptr + token * stride_out_token + cols, result.to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
+def _gelu_tanh_and_mul_kernel(
+    # pointers
+    x_ptr,  # [T, 2I]: gate | up
+    out_ptr,  # [T, I]
+    # strides
+    stride_x_token,
+    stride_out_token,
+    # meta-parameters
+    INTERMEDIATE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < INTERMEDIATE
+    x_row = x_ptr + token * stride_x_token
+    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
+    # gelu's tanh approximation, tanh(z) = 2 / (1 + exp(-2z)) - 1 (exp -> inf gives -1).
+    z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+    act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * z)))
+    # HF rounds the activation to the storage dtype before the product (gelu_pytorch_tanh).
+    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(
+        out_ptr + token * stride_out_token + cols,
+        (act * up).to(out_ptr.dtype.element_ty),
+        mask=mask,
+    )
 
 
 def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [T, 2I] (gate | up) -> out: [T, I] = gelu_tanh(gate) * up in x's dtype (new if None),
     the activation rounded to x's dtype before the product, as HF's Gemma MLP. As
     `silu_and_mul` otherwise."""
-    return _launch(x, out, gelu=True)
+    return _launch(_gelu_tanh_and_mul_kernel, x, out)
 
 
 def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,10 +94,10 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     Rows need unit stride in their last dim. Each program covers one token row's tile of up to
     MAX_BLOCK columns: a decode step's single row still spreads over many SMs. No host sync.
     """
-    return _launch(x, out, gelu=False)
+    return _launch(_silu_and_mul_kernel, x, out)
 
 
-def _launch(x: torch.Tensor, out: torch.Tensor | None, gelu: bool) -> torch.Tensor:
+def _launch(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     _check_args(x, out)
     num_tokens, intermediate = x.shape[0], x.shape[1] // 2
     if out is None:
@@ -82,13 +105,12 @@ def _launch(x: torch.Tensor, out: torch.Tensor | None, gelu: bool) -> torch.Tens
     if num_tokens > 0:
         block = min(triton.next_power_of_2(intermediate), MAX_BLOCK)
         grid = (num_tokens, triton.cdiv(intermediate, block))
-        _gated_kernel[grid](
+        kernel[grid](
             x,
             out,
             x.stride(0),
             out.stride(0),
             INTERMEDIATE=intermediate,
-            GELU=gelu,
             BLOCK=block,
         )
     return out
