@@ -78,9 +78,6 @@ def hf_random_model(spec: str, dtype: torch.dtype, device: str):
     return model.eval()
 
 
-hf_random_llama = hf_random_model  # (the weight-sync workload's name for it; any shape)
-
-
 def _hf_config(transformers, config, dtype: torch.dtype) -> tuple[object, type]:
     """(transformers' config, model class) of one of our random shapes' configs."""
     common = dict(

@@ -1,6 +1,6 @@
 """`random:<shape>` models: named by runtime/models.py, built by ops/loader.py from a config with
 seeded random weights (no disk), and the Hugging Face copy the bench times holds the same weights
-(ops/hf_bench.py `hf_random_llama`): equal logits, fp32, CPU."""
+(ops/hf_bench.py `hf_random_model`): equal logits, fp32, CPU."""
 
 from __future__ import annotations
 

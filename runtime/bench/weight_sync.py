@@ -4,7 +4,7 @@ running taipan, timed beside the raw link (DESIGN.md §13, issue 26's acceptance
 The trainer is this process, on `--trainer-device` (cuda:0; taipan on `--device`, and with
 `--tensor-parallel-size` / `--data-parallel-size` on the GPUs after it, none of them the
 trainer's; on a CPU all are the CPU and the group is gloo). It holds a Hugging Face model with
-exactly the weights taipan started with (`random:<shape>`, ops/hf_bench.py `hf_random_llama`),
+exactly the weights taipan started with (`random:<shape>`, ops/hf_bench.py `hf_random_model`),
 scaled a little per round so every round carries new weights.
 
 1. The link alone: the same buckets broadcast from the trainer to one plain receiving process
@@ -102,7 +102,7 @@ def weight_sync_workload(args) -> list[dict]:
             f"--workload weight-sync: --trainer-device {args.trainer_device} is one of taipan's "
             f"GPUs ({', '.join(_gpu_devices(args))}): give it a GPU of its own"
         )
-    trainer = hf.hf_random_llama(model_path, as_dtype(args.dtype), args.trainer_device)
+    trainer = hf.hf_random_model(model_path, as_dtype(args.dtype), args.trainer_device)
     hf.never_stop_at_eos(trainer)
     named = rl.named_tensors(trainer)
     buckets = rl.weight_buckets(named, args.bucket_mb << 20)
