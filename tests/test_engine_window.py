@@ -426,6 +426,27 @@ def test_an_idle_block_whose_child_is_held_is_evicted_last_with_its_descendants(
     assert h.ended[1].finish_reason == "length" and h.ended[2].finish_reason == "length"
 
 
+def test_an_evicted_request_sharing_a_cached_prefix_comes_back_within_its_window():
+    """Found by the fuzz above (CI, hypothesis): a windowed request longer than the pool, evicted
+    after its first tokens, re-matches its cached prompt prefix. Its comeback needs what its
+    window holds at a time less the shared blocks it already holds (they count toward it);
+    counting them twice asked for 9 of 8 blocks, and it waited forever."""
+    plan = make_plan(
+        num_blocks=8, block_size=2, max_requests=2, max_tokens=4, max_sequence_length=20
+    )
+    h = PrefixWindowHarness(plan, True, False, "lru", window=12)  # 7 blocks at a time
+    reqs = [
+        (1, None, request(0, [200, 201, 202, 203, 900], max_tokens=1)),
+        (0, None, request(1, [907], max_tokens=1)),
+        (0, None, request(2, [914], max_tokens=1)),
+        (0, None, request(3, [200, 201, 202, 203, *range(921, 932)], max_tokens=5)),
+    ]
+    drive(h, reqs)
+    h.check_end()
+    assert h.ended[3].admissions == 2 and h.ended[3].finish_reason == "length"
+    assert len(h.ended[3].generated) == 5
+
+
 # --- replay -----------------------------------------------------------------------------------
 
 

@@ -64,8 +64,8 @@ def _place(sched, req: EngineRequest, draft: Draft) -> tuple | None:
         cost = sched.prefix.cost(blocks[req.num_released :])
     n, need, free = 0, 0, draft.free - cost
     comeback = req.blocks_needed(req.num_tokens + 1, bs)
-    if sched.window:
-        comeback = min(comeback, sched.window_blocks)
+    if sched.window:  # (the shared blocks it holds count toward its window's)
+        comeback = min(comeback, max(0, sched.window_blocks - len(req.held_blocks)))
     if not (req.generated and comeback > free):
         # (an evicted request comes back when all it had, and one more, fits: with a sliding
         # window, what it holds at a time)
