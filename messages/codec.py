@@ -25,7 +25,9 @@ import dataclasses
 import enum
 import functools
 import math
-from collections.abc import Sequence
+import operator
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -116,10 +118,11 @@ def _to_wire(v, extra: list | None):
                     _EMPTY_EXT[key] = ext
             return ext
         return _array_to_wire(v, extra)
+    # (Plain values inline, not through a call each: a list of 291 weight specs was 0.7 ms.)
     if getattr(type(v), "IS_STRUCT", False):
-        return [_to_wire(getattr(v, name), extra) for name in _field_names(type(v))]
+        return [x if type(x) in _PLAIN else _to_wire(x, extra) for x in _fields_of(v)]
     if isinstance(v, list | tuple):
-        return [_to_wire(x, extra) for x in v]
+        return [x if type(x) in _PLAIN else _to_wire(x, extra) for x in v]
     if isinstance(v, dict):
         return {k: _to_wire(x, extra) for k, x in v.items()}
     if isinstance(v, np.integer):
@@ -130,6 +133,18 @@ def _to_wire(v, extra: list | None):
 
 
 _FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_FIELD_GETTERS: dict[type, Callable[[Any], tuple]] = {}
+
+
+def _fields_of(v) -> tuple:
+    """A struct's field values in order (one C call: `operator.attrgetter`)."""
+    get = _FIELD_GETTERS.get(type(v))
+    if get is None:
+        names = _field_names(type(v))
+        many = operator.attrgetter(*names)
+        get = many if len(names) > 1 else (lambda x, one=many: (one(x),))
+        _FIELD_GETTERS[type(v)] = get
+    return get(v)
 
 
 def _field_names(cls) -> tuple[str, ...]:

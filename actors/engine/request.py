@@ -82,6 +82,11 @@ class EngineRequest:
     # Routed experts (SamplingParams.return_routed_experts), kept across preemption and
     # recompute (actors/engine/routing.py); None: not asked.
     routed: RoutedExperts | None = None
+    # `blocks` as int32 for the plan's block table (actors/engine/batch_arrays.py `_table_row`):
+    # (the list it was made from, the array); None until first planned.
+    table_cache: tuple[list[int], np.ndarray] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def num_tokens(self) -> int:
