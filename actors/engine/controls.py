@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from taipan.actors.all_or_none import Failures, two_phase
 from taipan.actors.channel import Envelope
 from taipan.actors.engine.ep import GroupError
 from taipan.actors.engine.flow import EngineError
@@ -241,38 +242,51 @@ class EngineControls:
     async def _group_control(
         self, command: ControlCommand, msg: GpuControl, hold: bool = False
     ) -> GpuControlReply:
-        """All or none over the expert-parallel group: apply the control here (a weight update
-        only staged), tell the peers how it went (an EpOutcome round), then keep it (commit
-        the weights, unless `hold` leaves that to the coordinator) if every rank succeeded,
-        else undo it here. The error of a failed round names the ranks that failed."""
+        """All or none over the expert-parallel group (actors/all_or_none.py): apply the control
+        here (a weight update only staged), tell the peers how it went (an EpOutcome round),
+        then keep it (commit the weights, unless `hold` leaves that to the coordinator) if every
+        rank succeeded, else undo it here. The error of a failed round names the ranks that
+        failed."""
         first = msg
         if command is ControlCommand.UPDATE_WEIGHTS:
             first = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
         reply = await self._gpu_call(first)
-        try:
-            failed = await self.ep.outcome(command, reply.error)
-        except GroupError as e:
-            await self.steps.die(str(e))
-        if not failed:
+
+        async def stage() -> Failures:
+            try:
+                return Failures.of(await self.ep.outcome(command, reply.error))
+            except GroupError as e:
+                await self.steps.die(str(e))  # (never returns)
+
+        async def keep() -> None:
+            nonlocal reply
             if command is ControlCommand.UPDATE_WEIGHTS and not hold:
-                commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
-                reply = await self._gpu_call(commit)
+                reply = await self._gpu_call(
+                    GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
+                )
                 if reply.error is not None:  # the peers have committed: no way back
                     await self.steps.die(f"committing staged weights failed: {reply.error}")
-            return reply
-        undo = self._undo(command) if reply.error is None else None
-        if undo is not None:
-            undone = await self._gpu_call(undo)
-            if undone.error is not None:
-                await self.steps.die(f"{command} failed on a peer and could not be undone here: "
-                                f"{undone.error}")  # fmt: skip
-        if self.rank in failed:
-            return reply
-        peers = "; ".join(f"engine {r}: {why}" for r, why in sorted(failed.items()))
-        text = f"undone here, expert-parallel peers failed ({peers})"
-        return GpuControlReply(
-            msg.command, text, reply.kv_valid, self.weight_version, self.weights_incomplete
-        )
+
+        async def undo(failed: Failures) -> None:
+            nonlocal reply
+            back = self._undo(command) if reply.error is None else None
+            if back is not None:
+                undone = await self._gpu_call(back)
+                if undone.error is not None:
+                    await self.steps.die(f"{command} failed on a peer and could not be undone "
+                                         f"here: {undone.error}")  # fmt: skip
+            if self.rank not in failed.why:
+                text = (
+                    "undone here, expert-parallel peers failed ("
+                    + failed.describe(lambda r: f"engine {r}")
+                    + ")"
+                )
+                reply = GpuControlReply(
+                    msg.command, text, reply.kv_valid, self.weight_version, self.weights_incomplete
+                )
+
+        await two_phase(stage, keep, undo)
+        return reply
 
     def _undo(self, command: ControlCommand) -> GpuControl | None:
         if command is ControlCommand.SUSPEND:

@@ -36,9 +36,11 @@ import time
 
 import numpy as np
 
+from taipan.actors.all_or_none import Failures, two_phase
 from taipan.actors.base import Actor, FatalError
 from taipan.actors.channel import Channel, Envelope
 from taipan.actors.gpu.peers import (
+    LEADER,
     OWN_FAILURE_GRACE_S,
     Followers,
     PeerError,
@@ -316,26 +318,41 @@ class GpuActor(Actor):
             return dataclasses.replace(reply, error=str(e)), None
 
     async def _stage_everywhere(self, msg: GpuControl) -> GpuControlReply:
-        """A weight update over the peers, all or none: stage it on every peer; where one
-        failed, discard it on every peer (nothing was applied) and answer its error; else
-        commit it (UPDATE_WEIGHTS) or leave it staged for the engine's commit (STAGE_WEIGHTS)."""
-        reply, errors = await self._everywhere(
-            dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
-        )
-        reply = dataclasses.replace(reply, command=msg.command)
-        if errors is None:
-            return reply
-        failure = reply.error or first_failure(errors)
-        if failure is not None:
-            discard = GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
-            discarded = await self._agreed_control(discard)
+        """A weight update over the peers, all or none (actors/all_or_none.py): stage it on
+        every peer; where one failed, discard it on every peer (nothing was applied) and answer
+        its error; else commit it (UPDATE_WEIGHTS) or leave it staged for the engine's commit
+        (STAGE_WEIGHTS)."""
+        answer: GpuControlReply | None = None
+
+        async def stage() -> Failures | None:
+            nonlocal answer
+            staging = dataclasses.replace(msg, command=GpuCommand.STAGE_WEIGHTS)
+            reply, errors = await self._everywhere(staging)
+            answer = dataclasses.replace(reply, command=msg.command)
+            if errors is None:  # a follower did not answer: the rank ends (`answer` says why)
+                return None
+            return Failures.of({LEADER: reply.error} | errors)
+
+        async def keep() -> None:
+            nonlocal answer
+            if msg.command == GpuCommand.UPDATE_WEIGHTS:
+                commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
+                answer = dataclasses.replace(
+                    await self._agreed_control(commit), command=msg.command
+                )
+
+        async def undo(failed: Failures) -> None:
+            nonlocal answer
+            discarded = await self._agreed_control(
+                GpuControl(GpuCommand.DISCARD_WEIGHTS, None, None, None)
+            )
             if discarded.error is not None:
-                return discarded  # (peers that disagreed on it have ended the rank)
-            return dataclasses.replace(reply, error=failure)
-        if msg.command == GpuCommand.STAGE_WEIGHTS:
-            return reply
-        commit = await self._agreed_control(GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None))
-        return dataclasses.replace(commit, command=msg.command)
+                answer = discarded  # (peers that disagreed on it have ended the rank)
+            else:
+                answer = dataclasses.replace(answer, error=first_failure(failed.why))
+
+        await two_phase(stage, keep, undo)
+        return answer
 
     async def _agreed_control(self, msg: GpuControl) -> GpuControlReply:
         """A control every peer must apply alike (the rank ends where they do not)."""

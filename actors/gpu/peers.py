@@ -231,10 +231,18 @@ class Followers:
             ) from None
 
 
+LEADER = 0  # the leader's tensor-parallel rank (its followers are 1 .. T - 1)
+
+
 def first_failure(errors: dict[int, str | None]) -> str | None:
-    """'tensor-parallel peer K: why' for the lowest peer that failed, or None."""
+    """The leader's own error if it failed (`LEADER`), else 'tensor-parallel peer K: why' for
+    the lowest follower that failed, or None."""
     failed = sorted(k for k, e in errors.items() if e is not None)
-    return f"tensor-parallel peer {failed[0]}: {errors[failed[0]]}" if failed else None
+    if not failed:
+        return None
+    if failed[0] == LEADER:
+        return errors[LEADER]
+    return f"tensor-parallel peer {failed[0]}: {errors[failed[0]]}"
 
 
 def outcome_of(reply) -> tuple[str, str | None] | None:
