@@ -11,7 +11,8 @@ Engines answer the coordinator with `ControlAck` (or `ErrorReply`).
 
 States: RUNNING -PAUSE-> PAUSED -SUSPEND-> SUSPENDED -RESUME-> PAUSED -UNPAUSE-> RUNNING;
 STOP from PAUSED or SUSPENDED; UPDATE_WEIGHTS (from a path, a state dict, a trainer's
-weight-transfer group or its CUDA IPC handles) and FLUSH_CACHE only while PAUSED or SUSPENDED;
+weight-transfer group or its CUDA IPC handles) and FLUSH_CACHE only while PAUSED or SUSPENDED
+(an update sent `in_flight` while RUNNING too: `next_state_for`);
 INIT_ / CLOSE_WEIGHT_TRANSFER
 in any state but STOPPED (they change none).
 - PAUSED: no steps run; new submissions queue. How a pause treats the requests in flight is
@@ -82,6 +83,18 @@ TRANSITIONS: dict[tuple[LifecycleState, ControlCommand], LifecycleState] = {
 def next_state(state: LifecycleState, command: ControlCommand) -> LifecycleState | None:
     """The state `command` leads to from `state`, or None where it is illegal."""
     return TRANSITIONS.get((state, command))
+
+
+def next_state_for(
+    state: LifecycleState, command: ControlCommand, in_flight: bool = False
+) -> LifecycleState | None:
+    """`next_state`, where a weight update sent `in_flight` is legal while RUNNING too and
+    leaves it RUNNING: it runs between two steps, and the requests in flight go on with the new
+    weights (each token carries the version that produced it). The table's rule everywhere
+    else: the coordinator and every engine decide by this."""
+    if in_flight and command is ControlCommand.UPDATE_WEIGHTS and state is LifecycleState.RUNNING:
+        return LifecycleState.RUNNING
+    return next_state(state, command)
 
 
 def legal_commands(state: LifecycleState) -> list[ControlCommand]:
@@ -170,13 +183,16 @@ class UpdateWeights:
     one of the two is set. The weight version becomes `weight_version` (the trainer's; it is
     the prefix-hash salt), or the last one + 1 when None. `hold` (all three update messages; set
     by the coordinator, whatever the client sent): stage the weights, acknowledge, and swap them
-    in only on the coordinator's `WeightsDecision` (all or none over the data-parallel ranks)."""
+    in only on the coordinator's `WeightsDecision` (all or none over the data-parallel ranks).
+    `in_flight` (all three update messages): legal while RUNNING too (`next_state_for`): no
+    pause and unpause around it, the update runs between two steps of the requests in flight."""
 
     token: str
     path: str | None
     state: dict[str, WeightArray] | None
     weight_version: int | None = None
     hold: bool = False
+    in_flight: bool = False
 
 
 # The dtypes a weight may have in a transfer from a trainer (WeightSpec, IpcTensor).
@@ -236,6 +252,7 @@ class UpdateWeightsFromDistributed:
     weight_version: int | None
     stage: bool
     hold: bool = False
+    in_flight: bool = False
 
 
 @message(51)
@@ -295,6 +312,7 @@ class UpdateWeightsFromIpc:
     weight_version: int | None
     stage: bool
     hold: bool = False
+    in_flight: bool = False
 
 
 @message(53)

@@ -15,6 +15,7 @@ is imported.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 
@@ -168,11 +169,15 @@ class AsyncClientControls:
         state: Mapping | None = None,
         *,
         weight_version: int | None = None,
+        in_flight: bool = False,
     ) -> ControlAck:
         """While PAUSED or SUSPENDED, load new weights from `path` (GGUF file or Hugging Face
         directory, readable by the engine processes) or from `state` (HF parameter name ->
         array; a subset is allowed). Exactly one of the two. The weights' version (the prefix
-        hash salt) becomes `weight_version` (None: the last + 1); the ack carries it."""
+        hash salt) becomes `weight_version` (None: the last + 1); the ack carries it.
+        `in_flight`: also while RUNNING, without a pause: it runs between two steps, and the
+        requests in flight take the new weights from the next step (each token carries its
+        weight version)."""
         if (path is None) == (state is None):
             raise ValueError("update_weights takes exactly one of path and state")
         token = self.control_token
@@ -181,7 +186,7 @@ class AsyncClientControls:
             if path is not None
             else UpdateWeights(token, None, _check_state_fits(state), weight_version)
         )
-        return await self._control(msg)
+        return await self._control(dataclasses.replace(msg, in_flight=bool(in_flight)))
 
     # --- weights from a trainer's processes (taipan.rl has the trainer's side) -----------------
 
@@ -219,30 +224,41 @@ class AsyncClientControls:
         weight_version: int | None = None,
         stage: bool = False,
         on_sent: Callable[[], None] | None = None,
+        in_flight: bool = False,
     ) -> ControlAck:
-        """While PAUSED or SUSPENDED, take new weights the trainer broadcasts over the group,
+        """While PAUSED or SUSPENDED (or RUNNING `in_flight`, as `update_weights`), take new
+        weights the trainer broadcasts over the group,
         one flat buffer per bucket (`buckets`: lists of ops.weight_transfer.TensorSpec or
         (name, dtype, shape) triples, as taipan.rl.weight_buckets makes them). `stage`: hold
         them in a second buffer and copy them in only once every process has all of them.
         `on_sent`: called (on the client's loop) once the command has left; a trainer that
         broadcasts from the same process starts then (taipan.rl.push_weights)."""
         wire = [[_weight_spec(s) for s in bucket] for bucket in buckets]
-        msg = UpdateWeightsFromDistributed(self.control_token, wire, weight_version, bool(stage))
+        msg = UpdateWeightsFromDistributed(
+            self.control_token, wire, weight_version, bool(stage), in_flight=bool(in_flight)
+        )
         return await self._control(msg, on_sent)
 
     async def close_weight_transfer(self) -> ControlAck:
         return await self._control(CloseWeightTransfer(self.control_token))
 
     async def update_weights_from_ipc(
-        self, tensors, *, weight_version: int | None = None, stage: bool = False
+        self,
+        tensors,
+        *,
+        weight_version: int | None = None,
+        stage: bool = False,
+        in_flight: bool = False,
     ) -> ControlAck:
-        """While PAUSED or SUSPENDED, take new weights from a trainer process on this host by
+        """While PAUSED or SUSPENDED (or RUNNING `in_flight`, as `update_weights`), take new
+        weights from a trainer process on this host by
         CUDA IPC handles (`tensors`: IpcTensor records, as taipan.rl.ipc_handles makes them; no
         copy through the host): every gpu process opens them on their GPU and copies its part
         in, all or none. Keep the trainer's tensors alive and unchanged until this returns
         (taipan.rl.push_weights_ipc does both). `stage`: staged everywhere, then committed. A
         runtime on the CPU refuses it (ControlError)."""
-        return await self._control(_ipc_message(self.control_token, tensors, weight_version, stage))
+        msg = _ipc_message(self.control_token, tensors, weight_version, stage)
+        return await self._control(dataclasses.replace(msg, in_flight=bool(in_flight)))
 
     async def stop(self) -> ControlAck:
         """Stop the whole runtime (legal from PAUSED or SUSPENDED: pause first): every request is
@@ -282,8 +298,13 @@ class ClientControls:
         state: Mapping | None = None,
         *,
         weight_version: int | None = None,
+        in_flight: bool = False,
     ) -> ControlAck:
-        return self._run(self._async.update_weights(path, state, weight_version=weight_version))
+        return self._run(
+            self._async.update_weights(
+                path, state, weight_version=weight_version, in_flight=in_flight
+            )
+        )
 
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
         return self._async.weight_transfer_world_size(rank_offset)
@@ -304,10 +325,15 @@ class ClientControls:
         weight_version: int | None = None,
         stage: bool = False,
         on_sent: Callable[[], None] | None = None,
+        in_flight: bool = False,
     ) -> ControlAck:
         return self._run(
             self._async.update_weights_from_distributed(
-                buckets, weight_version=weight_version, stage=stage, on_sent=on_sent
+                buckets,
+                weight_version=weight_version,
+                stage=stage,
+                on_sent=on_sent,
+                in_flight=in_flight,
             )
         )
 
@@ -315,10 +341,17 @@ class ClientControls:
         return self._run(self._async.close_weight_transfer())
 
     def update_weights_from_ipc(
-        self, tensors, *, weight_version: int | None = None, stage: bool = False
+        self,
+        tensors,
+        *,
+        weight_version: int | None = None,
+        stage: bool = False,
+        in_flight: bool = False,
     ) -> ControlAck:
         return self._run(
-            self._async.update_weights_from_ipc(tensors, weight_version=weight_version, stage=stage)
+            self._async.update_weights_from_ipc(
+                tensors, weight_version=weight_version, stage=stage, in_flight=in_flight
+            )
         )
 
     def stop(self) -> ControlAck:

@@ -232,7 +232,10 @@ class AsyncLLM(_Base):
         weight_version: int | None = None,
     ) -> ControlAck:
         self._lifecycle("update_weights")
-        return await self._connected().update_weights(path, state, weight_version=weight_version)
+        in_flight: bool = False,
+        return await self._connected().update_weights(
+            path, state, weight_version=weight_version, in_flight=in_flight
+        )
 
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
         return self._connected().weight_transfer_world_size(rank_offset)
@@ -361,7 +364,10 @@ class LLM(_Base):
         weight_version: int | None = None,
     ) -> ControlAck:
         self._lifecycle("update_weights")
-        return self._connected().update_weights(path, state, weight_version=weight_version)
+        in_flight: bool = False,
+        return self._connected().update_weights(
+            path, state, weight_version=weight_version, in_flight=in_flight
+        )
 
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
         return self._connected().weight_transfer_world_size(rank_offset)

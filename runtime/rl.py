@@ -125,20 +125,27 @@ def push_weights(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     stage: bool = False,
     timings: dict | None = None,
+    in_flight: bool = False,
 ):
-    """Send the trainer's weights to a paused (or suspended) runtime: the client's
+    """Send the trainer's weights to a paused (or suspended) runtime, or with `in_flight` to
+    a running one too (no pause and unpause around it: the update runs between two steps and
+    the requests in flight take the new weights from the next step): the client's
     `update_weights_from_distributed` and the broadcasts at once. Returns its ControlAck.
     `timings` (a dict, optional) gets where the time went, in seconds from the call:
     `checked` (the state check done), `command_sent` (the update command has left), `sent`
     (every broadcast done on this side), `acked`; and
     `wall_start`, the call's wall-clock time (to set beside the gpu actors' logged marks).
 
-    A runtime that is not paused is refused here, before any broadcast (taipan would refuse the
-    update, and the trainer would wait in its first broadcast until the group's timeout)."""
+    A runtime that is not paused (nor running, `in_flight`) is refused here, before any
+    broadcast (taipan would refuse the update, and the trainer would wait in its first
+    broadcast until the group's timeout)."""
     start = time.perf_counter()
     state = str(client.stats(fresh=False).state)  # (the coordinator's own: one hop)
-    if state not in ("PAUSED", "SUSPENDED"):
-        raise RuntimeError(f"push_weights needs a PAUSED or SUSPENDED runtime; it is {state}")
+    legal = ("PAUSED", "SUSPENDED", "RUNNING") if in_flight else ("PAUSED", "SUSPENDED")
+    if state not in legal:
+        raise RuntimeError(
+            f"push_weights needs a PAUSED or SUSPENDED runtime (or in_flight=True); it is {state}"
+        )
     named = named_tensors(model_or_named)
     buckets = weight_buckets(named, bucket_bytes)
     marks = {
@@ -153,6 +160,7 @@ def push_weights(
             weight_version=weight_version,
             stage=stage,
             on_sent=sent.set,
+            in_flight=in_flight,
         )
         # The command leaves before the first broadcast: enqueueing them holds this process's
         # GIL for tens of ms, and the client's threads, starved of it, sent the command ~14 ms
@@ -191,8 +199,10 @@ def push_weights_ipc(
     weight_version: int | None = None,
     stage: bool = False,
     timings: dict | None = None,
+    in_flight: bool = False,
 ):
-    """Send the trainer's CUDA tensors to a paused (or suspended) runtime on the same host by
+    """Send the trainer's CUDA tensors to a paused (or suspended; `in_flight`: also running, as
+    `push_weights`) runtime on the same host by
     CUDA IPC handles: `ipc_handles` and the client's `update_weights_from_ipc`, the tensors kept
     alive until the ack (which comes once every gpu process has copied its part and dropped
     its views). The tensors are read after the work queued on the trainer's current CUDA
@@ -202,7 +212,9 @@ def push_weights_ipc(
     named = named_tensors(model_or_named)  # (holds every tensor until the ack)
     records = ipc_handles(named)
     shared = time.perf_counter() - start
-    ack = client.update_weights_from_ipc(records, weight_version=weight_version, stage=stage)
+    ack = client.update_weights_from_ipc(
+        records, weight_version=weight_version, stage=stage, in_flight=in_flight
+    )
     if timings is not None:
         timings.update(shared=shared, acked=time.perf_counter() - start)
     del named  # only now may the trainer's tensors go

@@ -142,3 +142,44 @@ def test_a_transfer_cut_off_part_way_is_never_served(tmp_path):
         llm.unpause()
         got = [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert got == [_hf_greedy(trainer, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
+def test_an_in_flight_update_lands_between_steps_of_running_requests(tmp_path):
+    """`in_flight=True`: no pause. Requests generating when the weights arrive go on, their
+    tokens after the switch carrying the new version; the runtime stays RUNNING, and a new
+    request's greedy tokens are the trainer's. Without `in_flight`, RUNNING still refuses, with
+    the way out in the error."""
+    import threading
+    import time
+
+    from taipan.client import ControlError
+
+    path = make_random_llama(str(tmp_path / "tiny"), TINY_SHAPE)
+    trainer = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    trainer.generation_config.eos_token_id = None
+    long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+    with LLM(path, **(CONFIG | {"max_sequence_length": 1536})) as llm:
+        group = rl.join(llm, "127.0.0.1", _port())
+        _train_step(trainer, 3)
+        with pytest.raises(ControlError, match="in_flight=True"):
+            llm.update_weights(state={"lm_head.weight": trainer.lm_head.weight.detach().numpy()})
+        done: list = []
+        running = threading.Thread(
+            target=lambda: done.extend(llm.generate(PROMPTS, long, use_tqdm=False))
+        )
+        running.start()
+        while llm.stats().ranks[0].step < 20:  # (they are generating: push mid-way)
+            time.sleep(0.01)
+        ack = rl.push_weights(llm, trainer, group, weight_version=7, in_flight=True)
+        assert ack.weight_version == 7 and str(ack.state) == "RUNNING"
+        running.join(120)
+        assert len(done) == len(PROMPTS) and all(len(c.token_ids) == 1500 for c in done)
+        spans = [c.weight_versions for c in done]
+        assert all(s[0] == (0, 0) for s in spans), spans
+        switched = [s for s in spans if len(s) == 2]
+        assert switched and all(s[1][0] == 7 and 0 < s[1][1] < 1500 for s in switched), spans
+        assert str(llm.stats().merged().state) == "RUNNING"
+        got = [c.token_ids for c in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+        assert got == [_hf_greedy(trainer, p, GREEDY.max_tokens) for p in PROMPTS]
+        llm.close_weight_transfer()
+        group.close()

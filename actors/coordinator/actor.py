@@ -283,9 +283,11 @@ class CoordinatorActor(Actor):
             if msg.mode == PauseMode.WAIT:
                 note = " (pause mode wait: requests that had started were still running)"
         hold = holds(msg, len(engines))
+        in_flight = bool(getattr(msg, "in_flight", False))
         round_ = self.lifecycle.open(
-            command, env.sender, engines, timeout=timeout, note=note, hold=hold
-        )
+            command, env.sender, engines, timeout=timeout, note=note, hold=hold,
+            in_flight=in_flight,
+        )  # fmt: skip
         self.spawn(self._complete_control(round_))
         forwarded = dataclasses.replace(msg, token="")  # engine sockets are private
         if command is ControlCommand.UPDATE_WEIGHTS:

@@ -76,6 +76,7 @@ class ControlRound:
     timeout: float | None = None  # None: the command's default
     fail_fast: bool = False  # done at the first error (a pause: the others are undone)
     hold: bool = False  # a weight update staged on every engine, swapped in by a second round
+    in_flight: bool = False  # a weight update sent `in_flight` (legal while RUNNING)
     note: str = ""  # added to a timeout's error
 
     @property
@@ -151,12 +152,15 @@ class LifecycleControl:
         if isinstance(msg, updates) and not has_engines:
             return ErrorCode.BAD_REQUEST, "no engine is connected to load the weights"
         try:
-            self.fsm.check(command)
+            self.fsm.check(command, bool(getattr(msg, "in_flight", False)))
         except IllegalTransition as e:
             text = str(e)
             if command == ControlCommand.FLUSH_CACHE:
                 text += " (running requests hold the cached blocks: pause first, or pause with "
                 text += "clear_cache)"
+            if command == ControlCommand.UPDATE_WEIGHTS and self.fsm.state == "RUNNING":
+                text += (" (pause first, or send the update in_flight=True: the requests keep "
+                         "running and take the new weights from the next step)")  # fmt: skip
             return ErrorCode.ILLEGAL_TRANSITION, text
         if self.round is not None:
             return ErrorCode.BUSY, (
@@ -174,6 +178,7 @@ class LifecycleControl:
         timeout: float | None = None,
         note: str = "",
         hold: bool = False,
+        in_flight: bool = False,
     ) -> ControlRound:
         """The round of a command about to be forwarded to `engines` (`timeout`: None, the
         command's default; `note`: added to a timeout's error; `hold`: a weight update that
@@ -183,7 +188,7 @@ class LifecycleControl:
         fail_fast = command == ControlCommand.PAUSE
         self.round = ControlRound(
             command, client, set(engines), asked=frozenset(engines), timeout=timeout,
-            fail_fast=fail_fast, note=note, hold=hold,
+            fail_fast=fail_fast, note=note, hold=hold, in_flight=in_flight,
         )  # fmt: skip
         self.answered.clear()
         return self.round
@@ -208,7 +213,10 @@ class LifecycleControl:
         if not targets:
             return None
         timeout = None if commit else min(self.control_timeout, UNDO_TIMEOUT_S)
-        return self.open(ControlCommand.UPDATE_WEIGHTS, staged.client, targets, timeout=timeout)
+        return self.open(
+            ControlCommand.UPDATE_WEIGHTS, staged.client, targets, timeout=timeout,
+            in_flight=staged.in_flight,
+        )  # fmt: skip
 
     async def close_staged(
         self, round_: ControlRound, name: Callable[[bytes], str], log
@@ -286,7 +294,7 @@ class LifecycleControl:
         if len(versions) > 1:
             log.warning("engines disagree on the weight version", versions=sorted(versions))
         self.weight_version = max(versions, default=self.weight_version)
-        state = self.fsm.apply(round_.command)
+        state = self.fsm.apply(round_.command, round_.in_flight)
         log.info("control done", command=command, sender=sender, state=str(state))
         return ControlAck(round_.command, state, self.weight_version)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from taipan.messages.lifecycle import ControlCommand as Command
 from taipan.messages.lifecycle import LifecycleState as State
-from taipan.messages.lifecycle import legal_commands, next_state
+from taipan.messages.lifecycle import legal_commands, next_state_for
 
 
 class IllegalTransition(RuntimeError):
@@ -36,19 +36,20 @@ class LifecycleFSM:
     def __init__(self, state: State = State.RUNNING):
         self.state = state
 
-    def check(self, command: Command) -> State:
-        """The state `command` would lead to; raises IllegalTransition and changes nothing."""
+    def check(self, command: Command, in_flight: bool = False) -> State:
+        """The state `command` would lead to (`in_flight`: a weight update sent so, legal while
+        RUNNING too); raises IllegalTransition and changes nothing."""
         try:
             command = Command(command)
         except ValueError:
             known = ", ".join(Command)
             raise ValueError(f"unknown lifecycle command {command!r}; known: {known}") from None
-        target = next_state(self.state, command)
+        target = next_state_for(self.state, command, in_flight)
         if target is None:
             raise IllegalTransition(self.state, command)
         return target
 
-    def apply(self, command: Command) -> State:
+    def apply(self, command: Command, in_flight: bool = False) -> State:
         """Take the transition (after every engine acknowledged it); returns the new state."""
-        self.state = self.check(command)
+        self.state = self.check(command, in_flight)
         return self.state

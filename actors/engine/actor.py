@@ -372,6 +372,10 @@ class EngineActor(EngineControls, Actor):
             yield
         finally:
             self.device_lock.release()
+            # The loop stopped for us with its `work` cleared: a control legal while RUNNING
+            # (an in-flight weight update, joining a weight-transfer group) must wake it, or
+            # the running requests would wait for the next submission.
+            self.work.set()
 
     async def _run_steps(self) -> None:
         """Steps back to back while there is work and no control waits: plan, run, apply.

@@ -51,6 +51,7 @@ from taipan.messages.lifecycle import (
     UpdateWeightsFromIpc,
     WeightsDecision,
     next_state,
+    next_state_for,
 )
 from taipan.messages.requests import FinishReason
 
@@ -74,12 +75,21 @@ class EngineControls:
     }
     weights_held = False  # an update staged with `hold`, awaiting the coordinator's decision
 
-    async def _refuse(self, env: Envelope, command: ControlCommand) -> bool:
+    async def _refuse(
+        self, env: Envelope, command: ControlCommand, in_flight: bool = False
+    ) -> bool:
         """Answer a command this engine's state does not allow (messages/lifecycle.py's
-        table, the coordinator's too) and return True; False: let it run."""
-        if next_state(self.state, command) is not None and self.scheduler is not None:
+        table, the coordinator's too; `in_flight`: a weight update sent so) and return True;
+        False: let it run. An in-flight update under expert parallelism is refused: the group
+        steps in lockstep, and one rank held between steps for the update would stall the
+        others' collectives."""
+        legal = next_state_for(self.state, command, in_flight) is not None
+        if legal and self.scheduler is not None and not (in_flight and self.ep is not None):
             return False
         text = f"{self.name}: {command} is illegal while {self.state}"
+        if in_flight and self.ep is not None:
+            text = (f"{self.name}: in-flight weight updates are not built for expert "
+                    "parallelism: pause first")  # fmt: skip
         if self.scheduler is None:
             text = f"{self.name}: {command} before the model is loaded"
         await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
@@ -324,7 +334,7 @@ class EngineControls:
             await self._ack(env, ControlCommand.RESUME)
 
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
             return
         command = GpuCommand.STAGE_WEIGHTS if msg.hold else GpuCommand.UPDATE_WEIGHTS
         control = GpuControl(command, None, msg.path, msg.state, weight_version=msg.weight_version)
@@ -335,7 +345,7 @@ class EngineControls:
     ) -> None:
         """The trainer's buckets into every gpu process of this rank; with `stage`, staged on
         all of them first and committed only once every one holds all of its weights."""
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
             return
         control = GpuControl(
             GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS,
@@ -350,7 +360,7 @@ class EngineControls:
     async def on_update_from_ipc(self, env: Envelope, msg: UpdateWeightsFromIpc) -> None:
         """The trainer's CUDA tensors, by IPC handle, into every gpu process of this rank (each
         opens and maps all of them before any copies; `stage`: committed as a second call)."""
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
             return
         command = GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS
         control = GpuControl(
@@ -414,7 +424,10 @@ class EngineControls:
         """The coordinator's verdict on weights staged with `hold`: commit them (every rank
         staged them) or drop them. Runs after the staging it answers (controls run in arrival
         order), so a decision that overtook a slow staging still finds it."""
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
+        # (While RUNNING it answers an update sent in flight: legal, and `_decide_weights` checks
+        # that weights are staged here.)
+        running = self.state == LifecycleState.RUNNING
+        if not running and await self._refuse(env, ControlCommand.UPDATE_WEIGHTS):
             return
         self._control_task(self._decide_weights(env, msg.commit))
 
