@@ -34,6 +34,7 @@ from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from taipan.ops.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from taipan.ops.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from taipan.ops.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import SINGLE, TPError, TPGroup
 from taipan.ops.sharding import (
@@ -69,6 +70,7 @@ _MODELS = {
     Gemma3Config: Gemma3ForCausalLM,
     NemotronHConfig: NemotronHForCausalLM,
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
+    Qwen3NextConfig: Qwen3NextForCausalLM,
 }
 # Kept in fp32 whatever the model dtype (as Hugging Face keeps them): a bf16 correction bias
 # would change which experts are chosen.
@@ -163,7 +165,7 @@ def expert_pieces(
 
 def _moe_prefixes(config) -> list[str]:
     """The module prefix of every MoE block of the model (`layers.3.mlp`, `layers.1.mixer`)."""
-    if isinstance(config, Qwen3MoeConfig):
+    if isinstance(config, (Qwen3MoeConfig, Qwen3NextConfig)):
         return [f"layers.{i}.mlp" for i in range(config.num_layers) if config.is_moe_layer(i)]
     return [f"layers.{i}.mixer" for i, kind in enumerate(config.pattern) if kind == "E"]
 

@@ -22,6 +22,7 @@ from taipan.ops.loader import RANDOM_PREFIX, random_config, random_state
 from taipan.ops.models.gemma3 import Gemma3Config
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.models.mistral import MistralConfig
+from taipan.ops.models.qwen3_next import Qwen3NextConfig
 from taipan.ops.weight_updates import hf_name_to_ours
 
 # ---- the Hugging Face model ------------------------------------------------------------------
@@ -53,9 +54,10 @@ def load_hf(model_path: str, dtype: str | torch.dtype, device: str):
 
 
 def hf_random_model(spec: str, dtype: torch.dtype, device: str):
-    """transformers' LlamaForCausalLM, MistralForCausalLM or Gemma3ForCausalLM (the shape's
-    family) holding exactly the weights `load_model(spec)` gives ours (ops/random_model.py
-    `random_state`, same seed and device), un-fused into q/k/v and gate/up views. Built on the
+    """transformers' LlamaForCausalLM, MistralForCausalLM, Gemma3ForCausalLM or
+    Qwen3NextForCausalLM (the shape's family) holding exactly the weights `load_model(spec)`
+    gives ours (ops/random_model.py `random_state`, same seed and device), un-fused into q/k/v
+    and gate/up views (Qwen3-Next's experts as whole stacked tensors). Built on the
     meta device, then the tensors are adopted; the buffers a meta-built model lacks are rebuilt:
     the rotary tables in fp32 (`.to(bf16)` would round them), Gemma's embedding scale."""
     transformers = _import_transformers()
@@ -116,9 +118,41 @@ def _hf_config(transformers, config, dtype: torch.dtype) -> tuple[object, type]:
             **common, rope_parameters=rope, sliding_window=config.sliding_window
         )
         return hf, transformers.MistralForCausalLM
+    if isinstance(config, Qwen3NextConfig):
+        return _hf_qwen3_next_config(transformers, config, common, rope), (
+            transformers.Qwen3NextForCausalLM
+        )
     if type(config) is not LlamaConfig:
         raise RuntimeError(f"no Hugging Face model for a random {type(config).__name__}")
     return transformers.LlamaConfig(**common, rope_parameters=rope), transformers.LlamaForCausalLM
+
+
+def _hf_qwen3_next_config(transformers, config: Qwen3NextConfig, common: dict, rope: dict):
+    """transformers' Qwen3NextConfig of one of our Qwen3-Next configs (no experts: num_experts
+    0, every MLP dense)."""
+    moe = config.moe
+    experts = {"num_experts": 0}
+    if moe is not None:
+        experts = dict(
+            num_experts=moe.num_experts,
+            num_experts_per_tok=moe.top_k,
+            moe_intermediate_size=moe.intermediate_size,
+            norm_topk_prob=moe.renormalize,
+            shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+        )
+    return transformers.Qwen3NextConfig(
+        **common,
+        **experts,
+        rope_parameters=rope | {"partial_rotary_factor": config.partial_rotary_factor},
+        layer_types=list(config.layer_types),
+        linear_num_key_heads=config.linear_num_key_heads,
+        linear_num_value_heads=config.linear_num_value_heads,
+        linear_key_head_dim=config.linear_key_head_dim,
+        linear_value_head_dim=config.linear_value_head_dim,
+        linear_conv_kernel_dim=config.linear_conv_kernel,
+        decoder_sparse_step=config.decoder_sparse_step,
+        mlp_only_layers=list(config.mlp_only_layers),
+    )
 
 
 def never_stop_at_eos(model) -> None:

@@ -1,5 +1,5 @@
 """Hugging Face config.json -> our model config, one function per family (Llama, Qwen2, Qwen3,
-Mistral, Gemma 3, NemotronH with or without MoE layers, Qwen3-MoE): which architecture a
+Mistral, Gemma 3, NemotronH with or without MoE layers, Qwen3-MoE, Qwen3-Next): which architecture a
 directory holds, which fields each family reads, with which defaults, which layers have a
 sliding window, and which settings we refuse (each a ModelLoadError naming the setting).
 
@@ -21,6 +21,7 @@ from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.models.qwen2 import Qwen2Config
 from taipan.ops.models.qwen3 import Qwen3Config
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig
+from taipan.ops.models.qwen3_next import FULL, LINEAR, Qwen3NextConfig
 from taipan.ops.moe import MoEConfig
 from taipan.ops.tokenizer import Tokenizer
 
@@ -32,12 +33,13 @@ _ARCHITECTURES = {
     "Gemma3ForCausalLM": "gemma3",
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen3NextForCausalLM": "qwen3_next",
 }
 
 
 def hf_family(path: Path, hf: dict) -> str:
     """The model family of a Hugging Face config: "llama", "qwen2", "qwen3", "mistral",
-    "gemma3", "nemotron_h" or "qwen3_moe" (the launcher's torch-free
+    "gemma3", "nemotron_h", "qwen3_moe" or "qwen3_next" (the launcher's torch-free
     runtime/models.has_mamba_layers tells a hybrid the same way)."""
     archs = hf.get("architectures") or []
     for arch in archs:
@@ -382,10 +384,63 @@ def _gemma3_rope(path: Path, hf: dict) -> dict:
     return out
 
 
+def _hf_qwen3_next_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3NextConfig:
+    """Qwen3NextConfig's fields with transformers' defaults: `layer_types`, or else every
+    `full_attention_interval`-th layer attention; MoE layers when num_experts > 0. Attention
+    biases, another activation or RoPE type are refused."""
+    rope_theta = _rope_theta(path, hf)
+    if hf.get("attention_bias"):
+        raise ModelLoadError(f"{path}: attention_bias=true is not supported for Qwen3-Next")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
+    rope = hf.get("rope_parameters") or {}
+    try:
+        num_layers = hf["num_hidden_layers"]
+        types = hf.get("layer_types")
+        if types is None:
+            interval = int(hf.get("full_attention_interval", 4))
+            types = [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types names {len(types)} layers, not {num_layers}")
+        num_experts = hf.get("num_experts", 0)
+        moe = None
+        if num_experts:
+            moe = MoEConfig(
+                num_experts=num_experts,
+                top_k=hf["num_experts_per_tok"],
+                intermediate_size=hf["moe_intermediate_size"],
+                activation="swiglu",
+                scoring="softmax",
+                renormalize=bool(hf.get("norm_topk_prob", True)),
+            )
+        shared = hf.get("shared_expert_intermediate_size", 0) if moe else 0
+        fields = _decoder_fields(hf, tokenizer, rope_theta, max_positions=32768)
+        del fields["num_layers"]
+        return Qwen3NextConfig(
+            **fields | {"head_dim": hf.get("head_dim", 256)},
+            layer_types=tuple(types),
+            linear_num_key_heads=hf.get("linear_num_key_heads", 16),
+            linear_num_value_heads=hf.get("linear_num_value_heads", 32),
+            linear_key_head_dim=hf.get("linear_key_head_dim", 128),
+            linear_value_head_dim=hf.get("linear_value_head_dim", 128),
+            linear_conv_kernel=hf.get("linear_conv_kernel_dim", 4),
+            partial_rotary_factor=float(
+                rope.get("partial_rotary_factor", hf.get("partial_rotary_factor", 0.25))
+            ),
+            moe=moe,
+            shared_expert_intermediate_size=shared,
+            decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+            mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        )
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
+
+
 _HF_CONFIGS = {
     "gemma3": _hf_gemma3_config,
     "nemotron_h": _hf_nemotron_h_config,
     "qwen3_moe": _hf_qwen3_moe_config,
+    "qwen3_next": _hf_qwen3_next_config,
 }
 
 

@@ -45,10 +45,12 @@ from taipan.ops.parallel import SINGLE, TPGroup
 
 @dataclass(frozen=True)
 class MambaStateShape:
-    """Per-slot state sizes of one model (all its Mamba layers) on one rank: under tensor
-    parallelism conv_dim and num_heads are the rank's share."""
+    """Per-slot state sizes of one model (all its recurrent layers) on one rank: under tensor
+    parallelism conv_dim and num_heads are the rank's share. A Gated-DeltaNet layer
+    (ops/gated_delta.py) keeps its state in the same layout: num_heads = value heads,
+    head_dim = key head dim, state_size = value head dim."""
 
-    num_layers: int  # Mamba layers
+    num_layers: int  # recurrent layers (Mamba2 or GDN)
     conv_dim: int
     conv_kernel: int
     num_heads: int

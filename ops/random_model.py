@@ -1,6 +1,7 @@
 """`random:<shape>` (RANDOM_SHAPES) -> (model, config, tokenizer) from a config alone, no disk:
 a model's real shape without its checkpoint, for benchmarks and tests. A shape is Llama's unless
-its `family` says otherwise (`FAMILIES`: Mistral's sliding window, Gemma 3's layers).
+its `family` says otherwise (`FAMILIES`: Mistral's sliding window, Gemma 3's layers, Qwen3-Next's
+Gated-DeltaNet hybrid).
 
 Owns the shapes, the seeded random weights made on the device (`random_state`, which the
 benchmark's Hugging Face copy reuses, so both sides hold the same weights) and a byte-level
@@ -19,6 +20,8 @@ from taipan.ops.checkpoint import ModelLoadError, Piece, build_model
 from taipan.ops.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.models.mistral import MistralConfig, MistralForCausalLM
+from taipan.ops.models.qwen3_next import FULL, LINEAR, Qwen3NextConfig, Qwen3NextForCausalLM
+from taipan.ops.moe import MoEConfig
 from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.sharding import split_fused
 from taipan.ops.tokenizer import Tokenizer
@@ -112,12 +115,45 @@ RANDOM_SHAPES = {
         tie_word_embeddings=False,
         max_position_embeddings=32768,
     ),
+    # Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct's config.json) at 8 of its 48 layers:
+    # its pattern (three Gated-DeltaNet layers, then one gated attention layer) twice; 512
+    # experts (top 10) and a shared expert in every layer, partial RoPE over 64 of 256 channels.
+    "qwen3-next-80b-a3b-8l": dict(
+        family="qwen3_next",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=5120,
+        layer_types=(LINEAR, LINEAR, LINEAR, FULL) * 2,
+        num_heads=16,
+        num_kv_heads=2,
+        head_dim=256,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel=4,
+        rms_norm_eps=1e-6,
+        rope_theta=10_000_000.0,
+        partial_rotary_factor=0.25,
+        moe=MoEConfig(
+            num_experts=512,
+            top_k=10,
+            intermediate_size=512,
+            activation="swiglu",
+            scoring="softmax",
+            renormalize=True,
+        ),
+        shared_expert_intermediate_size=512,
+        tie_word_embeddings=False,
+        max_position_embeddings=262144,
+    ),
 }
 # A shape's `family` (default "llama") -> its config and model classes.
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
     "gemma3": (Gemma3Config, Gemma3ForCausalLM),
+    "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }
 
 
@@ -146,7 +182,7 @@ def random_state(
     """Seeded random weights in our parameter names (fused qkv_proj / gate_up_proj), made on
     `device` in `dtype`: the same (config, dtype, device type, seed) gives the same tensors, in
     any process. Matrices are normal(0, RANDOM_STD); norms are the identity: weights 1, Gemma's
-    (1 + w) norms 0."""
+    and Qwen3-Next's (1 + w) norms 0 (its GDN layers' gated norm is a plain weight: 1)."""
     return dict(_random_tensors(config, dtype, device, seed))
 
 
@@ -157,12 +193,14 @@ def _random_tensors(
     with torch.device("meta"):
         model = random_model_class(config)(config)
         shapes = {name: t.shape for name, t in model.state_dict().items()}
-    norm_weight = 0.0 if isinstance(config, Gemma3Config) else 1.0
+    norm_weight = 0.0 if isinstance(config, (Gemma3Config, Qwen3NextConfig)) else 1.0
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     for name, shape in shapes.items():  # state_dict order: the same on every call
         t = torch.empty(shape, dtype=dtype, device=device)
-        if name.endswith("norm.weight"):
+        if name.endswith("linear_attn.norm.weight"):
+            yield name, t.fill_(1.0)
+        elif name.endswith("norm.weight"):
             yield name, t.fill_(norm_weight)
         else:
             yield name, t.normal_(0.0, RANDOM_STD, generator=generator)

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from taipan.ops.models.nemotron_h import NemotronHConfig
+from taipan.ops.models.qwen3_next import Qwen3NextConfig
 from taipan.ops.parallel import SINGLE, TPGroup
 
 # Our fused parameter -> the checkpoint parameters stacked into it, in row order.
@@ -37,6 +38,8 @@ FUSED = {
     "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
     # NemotronH attention layers (their mixer is the attention)
     "mixer.qkv_proj": ("mixer.q_proj", "mixer.k_proj", "mixer.v_proj"),
+    # Qwen3-Next's shared expert
+    "mlp.shared_expert.gate_up_proj": ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
 }
 _QKV = re.compile(r"^(layers\.\d+\.(?:self_attn|mixer))\.([qkv])_proj\.(weight|bias)$")
 _GATE_UP = re.compile(r"^(layers\.\d+\.mlp)\.(gate|up)_proj\.weight$")
@@ -130,27 +133,32 @@ def embedding_name(config) -> str:
 
 def placements(name: str, config, tp: TPGroup = SINGLE) -> tuple[Placement, ...]:
     """Every piece of this rank's parameters that checkpoint tensor `name` fills: one
-    `placement`, or a Mamba in_proj's or conv1d's segments (T > 1)."""
+    `placement`, or a Mamba or GDN conv1d's segments and a Mamba in_proj's (T > 1)."""
+    pieces = _family_placements(name, config, tp)
+    return (placement(name, config, tp),) if pieces is None else pieces
+
+
+def _family_placements(name: str, config, tp: TPGroup) -> tuple[Placement, ...] | None:
+    """The pieces of a hybrid family's own tensors (None: the shared rules place it)."""
     if isinstance(config, NemotronHConfig):
-        pieces = _nemotron_h_placements(name, config, tp)
-        if pieces is not None:
-            return pieces
-    return (placement(name, config, tp),)
+        return _nemotron_h_placements(name, config, tp)
+    if isinstance(config, Qwen3NextConfig):
+        return _qwen3_next_placements(name, config, tp)
+    return None
 
 
 def placement(name: str, config, tp: TPGroup = SINGLE) -> Placement:
     """Where checkpoint tensor `name` (no `model.` prefix) lands on rank `tp.rank` of a model
-    of `config` (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE or NemotronH: fields num_heads,
-    num_kv_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, and `moe` for
-    experts). A name that is none of the split or fused ones is replicated whole onto the
+    of `config` (Llama, Qwen2, Qwen3, Mistral, Qwen3-MoE, NemotronH or Qwen3-Next: fields
+    num_heads, num_kv_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, and
+    `moe` for experts). A name that is none of the split or fused ones is replicated whole onto the
     parameter of that name (the caller reports a name the model lacks). A tensor that fills
     several pieces (`placements`) is a ValueError."""
-    if isinstance(config, NemotronHConfig):
-        pieces = _nemotron_h_placements(name, config, tp)
-        if pieces is not None:
-            if len(pieces) > 1:
-                raise ValueError(f"{name} fills {len(pieces)} pieces on this rank: see placements")
-            return pieces[0]
+    pieces = _family_placements(name, config, tp)
+    if pieces is not None:
+        if len(pieces) > 1:
+            raise ValueError(f"{name} fills {len(pieces)} pieces on this rank: see placements")
+        return pieces[0]
     if name in _VOCAB:
         param = name
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -263,6 +271,75 @@ def _nemotron_h_placements(name: str, config, tp: TPGroup) -> tuple[Placement, .
     for start, count, full in segments:
         rows = slice(ours, ours + count)
         pieces.append(Placement(name, rows, 0, theirs + start, count, total))
+        ours, theirs = ours + count, theirs + full
+    return tuple(pieces)
+
+
+# ---- Qwen3-Next (ops/models/qwen3_next.py, ops/gated_delta.py) ---------------------------------
+
+_QWEN3_NEXT = re.compile(r"^layers\.(\d+)\.(self_attn|linear_attn|mlp)\.(.+)$")
+
+
+def _qwen3_next_placements(name: str, config, tp: TPGroup) -> tuple[Placement, ...] | None:
+    """An attention layer's q/k/v_proj (q_proj's rows are [q_h | gate_h] per head: a rank's
+    heads take twice the rows), a GDN layer's tensors (split by key heads; conv1d by segment)
+    and the shared expert's; None for every other name (the shared rules place it)."""
+    match = _QWEN3_NEXT.match(name)
+    if match is None:
+        return None
+    block, part = match.group(2), match.group(3)
+    prefix = name.removesuffix(part)
+    if block == "self_attn" and part in ("q_proj.weight", "k_proj.weight", "v_proj.weight"):
+        heads, d = tp.heads(config.num_heads, config.num_kv_heads), config.head_dim
+        q, kv = 2 * heads.q_count * d, heads.kv_count * d
+        param = prefix + "qkv_proj.weight"
+        if part[0] == "q":
+            return (Placement(param, slice(0, q), 0, 2 * heads.q_start * d, q,
+                              2 * config.num_heads * d),)  # fmt: skip
+        rows = slice(q, q + kv) if part[0] == "k" else slice(q + kv, q + 2 * kv)
+        return (Placement(param, rows, 0, heads.kv_start * d, kv, config.num_kv_heads * d),)
+    if block == "mlp" and part.startswith("shared_expert."):
+        inter = config.shared_expert_intermediate_size
+        start, count = tp.even(inter, "shared_expert_intermediate_size")
+        if part == "shared_expert.down_proj.weight":
+            return (Placement(name, slice(None), 1, start, count, inter),)
+        if part in ("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight"):
+            rows = slice(0, count) if "gate" in part else slice(count, 2 * count)
+            param = prefix + "shared_expert.gate_up_proj.weight"
+            return (Placement(param, rows, 0, start, count, inter),)
+        return None
+    if block == "linear_attn":
+        return _gdn_placements(name, part, config, tp)
+    return None
+
+
+def _gdn_placements(name: str, part: str, config, tp: TPGroup) -> tuple[Placement, ...] | None:
+    """A GDN mixer's tensor on this rank: whole key-head groups of in_proj_qkvz / in_proj_ba
+    rows, its value heads' A_log, dt_bias and out_proj columns, its q, k and v conv channels."""
+    Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
+    Dk, Dv, rep = config.linear_key_head_dim, config.linear_value_head_dim, Hv // Hk
+    k0, k = tp.even(Hk, "linear_num_key_heads")
+    per_head = {
+        "in_proj_qkvz.weight": 2 * Dk + 2 * rep * Dv,
+        "in_proj_ba.weight": 2 * rep,
+        "A_log": rep,
+        "dt_bias": rep,
+    }
+    if part in per_head:
+        n = per_head[part]
+        return (Placement(name, slice(None), 0, k0 * n, k * n, Hk * n),)
+    if part == "out_proj.weight":  # row-parallel: the columns of the rank's value heads
+        n = rep * Dv
+        return (Placement(name, slice(None), 1, k0 * n, k * n, Hk * n),)
+    if part != "conv1d.weight":
+        return None  # norm.weight: [Dv], replicated
+    if tp.size == 1:
+        return (Placement(name, slice(None)),)
+    segments = ((k0 * Dk, k * Dk, Hk * Dk),) * 2 + ((k0 * rep * Dv, k * rep * Dv, Hv * Dv),)
+    total = sum(full for _, _, full in segments)
+    pieces, ours, theirs = [], 0, 0
+    for start, count, full in segments:
+        pieces.append(Placement(name, slice(ours, ours + count), 0, theirs + start, count, total))
         ours, theirs = ours + count, theirs + full
     return tuple(pieces)
 

@@ -37,8 +37,8 @@ def add_runtime_arguments(p) -> None:
         default=1,
         metavar="T",
         help="each engine rank's weights split over T processes (CUDA: rank r's peers on GPUs "
-        "r*T .. r*T+T-1; CPU: the rank's cores split between them); Llama, Qwen3-MoE and "
-        "NemotronH models",
+        "r*T .. r*T+T-1; CPU: the rank's cores split between them); Llama, Qwen3-MoE, "
+        "NemotronH and Qwen3-Next models",
     )
     p.add_argument(
         "--expert-parallel-size",

@@ -65,15 +65,21 @@ KNOWN = {
 # `random:<shape>` -> display name; the shapes themselves are ops/random_model.py's RANDOM_SHAPES
 # (torch lives there, not here). Llama-3.2-1B and Llama-3.1-8B shapes with Llama 3's 128,256-token
 # vocabulary, Gemma-3-1B (head_dim 256, local and global layers), Mistral-7B-v0.1 (a 4096-key
-# window on every layer), and a tiny one for CPU tests.
+# window on every layer), Qwen3-Next-80B-A3B at 8 of its 48 layers (a Gated-DeltaNet hybrid), and
+# a tiny one for CPU tests.
 RANDOM_PREFIX = "random:"
 RANDOM = {
     "llama-1b": "llama-1b-shape",
     "llama-8b": "llama-8b-shape",
     "gemma3-1b": "gemma3-1b-shape",
     "mistral-7b-window": "mistral-7b-window-shape",
+    "qwen3-next-80b-a3b-8l": "qwen3-next-80b-a3b-8l-shape",
     "tiny": "tiny-shape",
 }
+RANDOM_HYBRIDS = ("qwen3-next-80b-a3b-8l",)  # the shapes with recurrent (GDN) layers
+# Hugging Face architectures / model types with recurrent layers (as ops/hf_configs.py names them).
+_HYBRID_ARCHITECTURES = ("NemotronHForCausalLM", "Qwen3NextForCausalLM")
+_HYBRID_MODEL_TYPES = ("nemotron_h", "qwen3_next")
 
 
 def cache_dir() -> str:
@@ -164,10 +170,12 @@ if __name__ == "__main__":  # python -m taipan.models smollm2  -> prints the cac
 
 
 def has_mamba_layers(path: str) -> bool:
-    """Whether the model at `path` (as `resolve` gives it) is a hybrid with Mamba layers: a
-    Hugging Face directory whose config.json names NemotronH (as ops/hf_configs.py decides), read
-    without torch. False for anything else, unreadable included (the load says what is
-    wrong)."""
+    """Whether the model at `path` (as `resolve` gives it) is a hybrid with recurrent layers
+    (Mamba2 or Gated-DeltaNet): a Hugging Face directory whose config.json names NemotronH or
+    Qwen3-Next (as ops/hf_configs.py decides), read without torch, or a hybrid `random:` shape.
+    False for anything else, unreadable included (the load says what is wrong)."""
+    if path.startswith(RANDOM_PREFIX):
+        return path.removeprefix(RANDOM_PREFIX) in RANDOM_HYBRIDS
     try:
         with open(os.path.join(path, "config.json"), encoding="utf-8") as f:
             hf = json.load(f)
@@ -176,4 +184,6 @@ def has_mamba_layers(path: str) -> bool:
     if not isinstance(hf, dict):
         return False
     architectures = hf.get("architectures") or []
-    return "NemotronHForCausalLM" in architectures or hf.get("model_type") == "nemotron_h"
+    if any(arch in _HYBRID_ARCHITECTURES for arch in architectures):
+        return True
+    return hf.get("model_type") in _HYBRID_MODEL_TYPES

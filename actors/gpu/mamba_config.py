@@ -1,6 +1,7 @@
 """A model's Mamba settings at load: LoadModel's mamba_inference_state_config checked against a
-hybrid (NemotronH) model and applied to its config, and refused, like every Mamba setting, by a
-model without Mamba layers (ConfigError naming the key).
+hybrid model (recurrent layers: NemotronH's Mamba2, Qwen3-Next's Gated-DeltaNet; its config has
+`mamba_state_for`) and applied to its config, and refused, like every Mamba setting, by a model
+without recurrent layers (ConfigError naming the key).
 
 Must not touch: tensors or the worker's state. It allocates nothing: the worker allocates the
 slots, actors/gpu/sizing.py counts them.
@@ -13,14 +14,19 @@ import json
 
 from taipan.actors.config import ConfigError
 from taipan.messages.gpu import LoadModel
-from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.parallel import SINGLE, TPGroup
+
+
+def has_recurrent_layers(config) -> bool:
+    """Whether the model keeps per-request recurrent state in slots (Mamba2 or GDN layers): its
+    config says how much a slot holds on a rank (`mamba_state_for(tp)`, a MambaStateShape)."""
+    return callable(getattr(config, "mamba_state_for", None))
 
 
 def mamba_config_for(config, msg: LoadModel, dtype, tp: TPGroup = SINGLE):
     """The config to run: a hybrid's with mamba_state_config applied; a model without Mamba
     layers as it is, after refusing LoadModel's Mamba settings."""
-    if isinstance(config, NemotronHConfig):
+    if has_recurrent_layers(config):
         return mamba_state_config(config, msg, dtype, tp)
     if msg.mamba_memory_ratio is not None or msg.mamba_snapshot_gb is not None:
         raise ConfigError(
@@ -34,9 +40,7 @@ def mamba_config_for(config, msg: LoadModel, dtype, tp: TPGroup = SINGLE):
     return config
 
 
-def mamba_state_config(
-    config: NemotronHConfig, msg: LoadModel, dtype, tp: TPGroup = SINGLE
-) -> NemotronHConfig:
+def mamba_state_config(config, msg: LoadModel, dtype, tp: TPGroup = SINGLE):
     """The model's config with `mamba_inference_state_config` applied (LoadModel's JSON): the
     SSM state dtype may be chosen; the conv state stays in the model's dtype (the conv kernels
     read and write it in place); layer_type_list, the shapes (per layer and slot: conv [K-1,
@@ -60,7 +64,7 @@ def mamba_state_config(
     return dataclasses.replace(config, ssm_state_dtype=str(ssm).removeprefix("torch."))
 
 
-def _check_layout(state: dict, config: NemotronHConfig, tp: TPGroup) -> None:
+def _check_layout(state: dict, config, tp: TPGroup) -> None:
     """The layer pattern, state shapes and chunk size `state` names must be the model's."""
     shape = config.mamba_state_for(tp)
     conv = [shape.conv_kernel - 1, shape.conv_dim]

@@ -29,7 +29,7 @@ from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
 from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
-from taipan.actors.gpu.mamba_config import mamba_config_for
+from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
 from taipan.actors.gpu.plan_checks import (
     check_logprobs_mode,
     check_mamba_slots,
@@ -49,7 +49,6 @@ from taipan.ops.expert_parallel import (
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
-from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.moe import moe_blocks, routing_buffer
 from taipan.ops.parallel import SINGLE, TPGroup
 
@@ -127,7 +126,7 @@ class ModelWorker(WorkerForward, WorkerControls):
 
     Tensor parallel (`load(..., tp=...)`, ops/parallel.py): the worker holds this rank's
     shards, its KV cache this rank's kv heads and its Mamba state slots (a hybrid) this rank's
-    share of every slot (`NemotronHConfig.mamba_state_for`; a snapshot copy copies each rank's
+    share of every slot (the config's `mamba_state_for`; a snapshot copy copies each rank's
     own shard): the budget is per rank, the ranks agree on the smallest one, and on the block
     and slot counts (sizing.size_pools), so every slot and block id the engine names exists on
     every rank. Every rank of the group must run the same calls in the same order (load, every
@@ -327,13 +326,14 @@ class ModelWorker(WorkerForward, WorkerControls):
             self._capture()
 
     def _slot_bytes(self, config, dtype) -> int:
-        """One Mamba slot's bytes on this rank (its share of every layer); 0: no Mamba layers."""
-        if not isinstance(config, NemotronHConfig):
+        """One Mamba slot's bytes on this rank (its share of every recurrent layer, Mamba2 or
+        GDN); 0: no recurrent layers."""
+        if not has_recurrent_layers(config):
             return 0
         state = config.mamba_state_for(self.tp)
         return state.bytes_per_slot(dtype, DTYPES[config.ssm_state_dtype])
 
-    def _new_mamba_state(self, config: NemotronHConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    def _new_mamba_state(self, config) -> tuple[torch.Tensor, torch.Tensor]:
         ssm_dtype = DTYPES[config.ssm_state_dtype]
         return allocate_mamba_state(
             config.mamba_state_for(self.tp), self._mamba_slots, self.dtype, ssm_dtype, self.device
