@@ -404,6 +404,18 @@ def test_weight_sync_workload_row_on_cpu(tmp_path):
     assert row["update_s"] >= row["paused_s"] >= row["transfer_s"]
 
 
+@pytest.mark.slow
+def test_weight_sync_workload_in_flight_on_cpu(tmp_path):
+    """--in-flight: push_weights(in_flight=True) with the runtime RUNNING, no pause around it."""
+    [row] = _bench_rows(
+        tmp_path,
+        *("--workload", "weight-sync", "--model", "random:tiny", "--bucket-mb", "1"),
+        *("--sync-rounds", "2", "--in-flight"),
+    )
+    assert row["in_flight"] is True and row["greedy_equal_rounds"] == 2 and "invalid" not in row
+    assert row["update_s"] >= row["transfer_s"] > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.timeout(900)
 def test_weight_sync_workload_on_two_gpus(tmp_path):

@@ -138,6 +138,11 @@ def add_arguments(p) -> None:
         action="store_true",
         help="weight-sync: also time one update through a checkpoint saved to disk",
     )
+    p.add_argument(
+        "--in-flight",
+        action="store_true",
+        help="weight-sync: update while RUNNING (push_weights(in_flight=True)), no pause/unpause",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per workload")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")

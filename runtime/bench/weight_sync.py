@@ -11,7 +11,8 @@ scaled a little per round so every round carries new weights.
    on each of taipan's devices (`ops.weight_transfer.time_broadcasts`), before taipan starts.
 2. taipan starts, joins the trainer's group (`taipan.rl.join`), and takes one warm-up update.
 3. `--sync-rounds` timed rounds: pause -> `push_weights` (weight_version = 100 + round) ->
-   unpause, then a greedy request of CHECK_TOKENS tokens, compared with the trainer's HF model's
+   unpause (`--in-flight`: push_weights(in_flight=True) alone, the runtime left RUNNING),
+   then a greedy request of CHECK_TOKENS tokens, compared with the trainer's HF model's
    (`greedy_equal_rounds`; informative: bf16 near ties may differ. The CPU tests prove the
    weights exact: tests/test_gpu_weight_transfer.py, tests/test_rl.py).
 
@@ -117,13 +118,16 @@ def weight_sync_workload(args) -> list[dict]:
         for r in range(args.sync_rounds + 1):  # round 0: the warm-up
             hf.scale_weights(trainer, 1.01)
             t0 = time.perf_counter()
-            client.pause()
+            if not args.in_flight:
+                client.pause()
             t1 = time.perf_counter()
             marks = {}
             ack = rl.push_weights(client, named, group, weight_version=100 + r,
-                                  bucket_bytes=args.bucket_mb << 20, timings=marks)  # fmt: skip
+                                  bucket_bytes=args.bucket_mb << 20, timings=marks,
+                                  in_flight=args.in_flight)  # fmt: skip
             t2 = time.perf_counter()
-            client.unpause()
+            if not args.in_flight:
+                client.unpause()
             t3 = time.perf_counter()
             if ack.weight_version != 100 + r:
                 raise RuntimeError(f"round {r}: taipan reports version {ack.weight_version}")
@@ -150,6 +154,7 @@ def weight_sync_workload(args) -> list[dict]:
         "bytes": total,
         "buckets": len(buckets),
         "bucket_mb": args.bucket_mb,
+        "in_flight": bool(args.in_flight),  # no pause and unpause around each update
         "rounds": len(timed),
         "broadcast_s": statistics.median(link),
         "update_s": statistics.median(t[0] for t in timed),
