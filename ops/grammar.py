@@ -1,0 +1,165 @@
+"""Structured outputs: a request's grammar (a JSON schema, any JSON object, a regex, a choice of
+strings, or a Lark / GBNF grammar) turned into the set of tokens it allows next, by llguidance
+(a maintained grammar engine: Earley parser over a token trie, ~1 ms per mask).
+
+Owns the grammar kinds and their checks (`GrammarSpec`, `check_grammar`: a bad spec is the
+caller's error, named, before any request is accepted), one matcher per request in a gpu worker
+(`Grammars`: start, consume the sampled token, the next mask, drop) and applying masks to a
+step's logits (`apply_masks`). A mask is a packed bitmask, int32 words of 32 tokens (bit t % 32
+of word t // 32 set: token t allowed), as llguidance fills it.
+
+A matcher that has reached the end of its grammar allows only the end-of-sequence tokens; one
+whose grammar is broken by a token it did not allow (never, when its masks were applied) allows
+them too, so the request ends rather than running on unconstrained.
+
+Must not touch the step: the worker decides when to consume and which rows to mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled, with llguidance's reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class GrammarSpec:
+    """`kind` (one of KINDS) and `spec`: the schema as JSON text (json_schema), "" (json_object),
+    the pattern (regex), a JSON list of the strings (choice), the Lark or GBNF text (grammar)."""
+
+    kind: str
+    spec: str
+
+    def grammar(self) -> str:
+        """llguidance's grammar JSON for this spec (GrammarError when it is malformed)."""
+        import llguidance
+
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; known: {', '.join(KINDS)}")
+        if self.kind == "json_object":
+            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+        if self.kind == "choice":
+            try:
+                choices = json.loads(self.spec)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"choice: not a JSON list of strings ({e})") from None
+            if not (
+                isinstance(choices, list) and choices and all(isinstance(c, str) for c in choices)
+            ):
+                raise GrammarError("choice: needs a non-empty list of strings")
+            return llguidance.grammar_from("regex", "|".join(f"({re.escape(c)})" for c in choices))
+        if self.kind == "json_schema":
+            try:
+                json.loads(self.spec)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"json_schema: not JSON ({e})") from None
+        try:
+            return llguidance.grammar_from(
+                self.kind if self.kind != "grammar" else "lark", self.spec
+            )
+        except ValueError as e:
+            raise GrammarError(f"{self.kind}: {e}") from None
+
+
+def check_grammar(spec: GrammarSpec) -> None:
+    """Raise GrammarError naming what is wrong with `spec` (no tokenizer needed)."""
+    import llguidance
+
+    error = llguidance.LLMatcher.validate_grammar(spec.grammar())
+    if error:
+        raise GrammarError(f"{spec.kind}: {error}")
+
+
+def ll_tokenizer(tokenizer):
+    """llguidance's tokenizer of our `ops.tokenizer.Tokenizer` (its Rust backend's JSON; built
+    once per model: ~0.3 s for a 49k vocabulary)."""
+    import llguidance
+
+    text = tokenizer._tok.to_str()
+    eos = list(tokenizer.eos_token_ids)
+    return llguidance.LLTokenizer(text, n_vocab=tokenizer.vocab_size, eos_token=eos or None)
+
+
+class Grammars:
+    """The live matchers of one gpu worker, by request id. Each is advanced by the tokens its
+    request samples (`consume`) and asked for the next mask (`masks`); `drop` forgets one."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        """`tokenizer`: ops.tokenizer.Tokenizer; `vocab_size`: the logits' width (>= the
+        tokenizer's: padded rows beyond it are never allowed)."""
+        self.ll = ll_tokenizer(tokenizer)
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.ll_words = (self.ll.vocab_size + 31) // 32
+        if self.ll_words > self.words:
+            raise GrammarError(
+                f"the tokenizer has {self.ll.vocab_size} tokens, the logits only {vocab_size}"
+            )
+        self.eos = [t for t in tokenizer.eos_token_ids if t < vocab_size]
+        eos_only = np.zeros(self.words, dtype=np.uint32)
+        for t in self.eos:
+            eos_only[t // 32] |= np.uint32(1 << (t % 32))
+        self._eos_only = eos_only.view(np.int32)
+        self.matchers: dict[int, object] = {}
+
+    def start(self, request_id: int, spec: GrammarSpec) -> None:
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self.ll, spec.grammar())
+        error = matcher.get_error()
+        if error:
+            raise GrammarError(f"{spec.kind}: {error}")
+        self.matchers[request_id] = matcher
+
+    def consume(self, request_id: int, token: int) -> None:
+        """Advance `request_id`'s matcher past its sampled `token` (an end-of-sequence token at
+        the end of the grammar stops it)."""
+        m = self.matchers.get(request_id)
+        if m is not None and not m.is_stopped():
+            m.consume_token(int(token))
+
+    def masks(self, request_ids) -> np.ndarray:
+        """The next allowed tokens of each request, [len(request_ids), words] int32 (all bits
+        set for an id without a matcher)."""
+        out = np.full((len(request_ids), self.words), -1, dtype=np.int32)
+        for i, rid in enumerate(request_ids):
+            m = self.matchers.get(int(rid))
+            if m is None:
+                continue
+            if m.is_stopped() or m.is_error():
+                out[i] = self._eos_only
+                continue
+            # (llguidance fills the tokenizer's words; the logits' padding stays disallowed)
+            row = np.zeros(self.ll_words, dtype=np.int32)
+            m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            out[i, : self.ll_words] = row
+            out[i, self.ll_words :] = 0
+        return out
+
+    def drop(self, request_id: int) -> None:
+        self.matchers.pop(request_id, None)
+
+
+_BITS = None
+
+
+def apply_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
+    """Set to -inf, in place, every logit of `rows` (int64 [n]) whose token `masks` ([n, words]
+    int32, on the logits' device) does not allow."""
+    global _BITS
+    vocab = logits.shape[1]
+    if _BITS is None or _BITS.device != masks.device:
+        _BITS = torch.arange(32, dtype=torch.int32, device=masks.device)
+    allowed = ((masks.unsqueeze(-1) >> _BITS) & 1).view(masks.shape[0], -1)[:, :vocab].bool()
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(~allowed, float("-inf"))
+    logits.index_copy_(0, rows, sub)

@@ -1,0 +1,115 @@
+"""Structured outputs' grammars (ops/grammar.py) over the default model's real tokenizer: specs
+checked with the reason named, masks that allow exactly what the grammar can continue with, and
+a property test that sampling any allowed token until the grammar ends always yields text that
+parses against the schema."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from taipan.models import resolve
+from taipan.ops.grammar import GrammarError, Grammars, GrammarSpec, apply_masks, check_grammar
+from taipan.ops.tokenizer import Tokenizer
+
+pytest.importorskip("llguidance")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_gguf(resolve("smollm2")[1])
+
+
+@pytest.fixture(scope="module")
+def grammars(tok) -> Grammars:
+    return Grammars(tok, 49152 + 64)  # (logits wider than the vocabulary: padding never allowed)
+
+
+def allowed(mask: np.ndarray) -> list[int]:
+    bits = np.unpackbits(mask.view(np.uint8), bitorder="little")
+    return np.flatnonzero(bits).tolist()
+
+
+@pytest.mark.parametrize(
+    ("spec", "why"),
+    [
+        (GrammarSpec("yaml", ""), "unknown grammar kind"),
+        (GrammarSpec("json_schema", "{not json"), "not JSON"),
+        (GrammarSpec("json_schema", '{"type": 5}'), "json_schema"),
+        (GrammarSpec("regex", "(unclosed"), "regex"),
+        (GrammarSpec("choice", "[]"), "non-empty list"),
+        (GrammarSpec("choice", '"a"'), "non-empty list"),
+        (GrammarSpec("grammar", "start: ???"), "grammar"),
+    ],
+)
+def test_a_bad_spec_is_refused_naming_why(spec, why):
+    with pytest.raises(GrammarError, match=why):
+        check_grammar(spec)
+
+
+def test_a_choice_allows_only_its_strings_then_only_eos(tok, grammars):
+    grammars.start(1, GrammarSpec("choice", json.dumps(["yes", "no"])))
+    first = allowed(grammars.masks([1])[0])
+    texts = {tok.decode([t]) for t in first}
+    assert texts and all("yes".startswith(t) or "no".startswith(t) for t in texts), texts
+    for t in tok.encode("yes", add_special_tokens=False):
+        grammars.consume(1, t)
+    assert allowed(grammars.masks([1])[0]) == [t for t in tok.eos_token_ids]
+    grammars.drop(1)
+    assert allowed(grammars.masks([1])[0]) == list(range(49152 + 64))  # (no matcher: all)
+
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"kind": {"enum": ["a", "b"]},
+     "n": {"type": "number"}}, "required": ["kind"]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", SCHEMAS)
+def test_random_walks_through_the_masks_always_parse(tok, grammars, schema):
+    """Sample uniformly among the allowed tokens (a model at its most adversarial) until only
+    EOS is allowed: the text always parses, as JSON, against the schema's shape."""
+    rng = random.Random(0)
+    eos = set(tok.eos_token_ids)
+    for walk in range(5):
+        rid = 100 + walk
+        grammars.start(rid, GrammarSpec("json_schema", json.dumps(schema)))
+        out = []
+        for step in range(400):
+            choices = allowed(grammars.masks([rid])[0])
+            ends = [c for c in choices if c in eos]
+            others = [c for c in choices if c not in eos]
+            if ends and (not others or step > 20 or rng.random() < 0.2):
+                break
+            if step > 20:  # wrap up: close what is open (a quote, a brace, a bracket)
+                closing = [c for c in others if tok.decode([c]) in ('"', "}", "]", "1", "true")]
+                others = closing or others
+            tok_id = rng.choice(others)
+            out.append(tok_id)
+            grammars.consume(rid, tok_id)
+        else:
+            pytest.fail("the walk never ended")
+        value = json.loads(tok.decode(out))
+        if schema["type"] == "object":
+            assert isinstance(value, dict) and set(schema["required"]) <= set(value)
+        else:
+            assert isinstance(value, list) and 1 <= len(value) <= 3
+            assert all(isinstance(v, bool) for v in value)
+        grammars.drop(rid)
+
+
+def test_apply_masks_leaves_only_the_allowed_tokens(grammars):
+    grammars.start(7, GrammarSpec("regex", "[0-9]+"))
+    masks = grammars.masks([7, 8])  # (8 has no grammar: every token)
+    logits = torch.zeros(3, grammars.vocab_size)
+    apply_masks(logits, torch.tensor([0, 2]), torch.from_numpy(masks))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == allowed(masks[0])
+    assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[2]).all()
+    grammars.drop(7)
