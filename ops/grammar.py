@@ -12,7 +12,9 @@ A matcher that has reached the end of its grammar allows only the end-of-sequenc
 whose grammar is broken by a token it did not allow (never, when its masks were applied) allows
 them too, so the request ends rather than running on unconstrained.
 
-Must not touch the step: the worker decides when to consume and which rows to mask.
+Must not touch the step: the worker decides when to consume and which rows to mask. Imports
+neither torch nor llguidance at import time (the client and HTTP processes check specs with
+`check_grammar` and never load torch).
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ import json
 import re
 
 import numpy as np
-import torch
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
@@ -152,9 +153,11 @@ class Grammars:
 _BITS = None
 
 
-def apply_masks(logits: torch.Tensor, rows: torch.Tensor, masks: torch.Tensor) -> None:
-    """Set to -inf, in place, every logit of `rows` (int64 [n]) whose token `masks` ([n, words]
-    int32, on the logits' device) does not allow."""
+def apply_masks(logits, rows, masks) -> None:
+    """Set to -inf, in place, every logit of `rows` (torch int64 [n]) whose token `masks`
+    ([n, words] int32, on the logits' device) does not allow."""
+    import torch
+
     global _BITS
     vocab = logits.shape[1]
     if _BITS is None or _BITS.device != masks.device:
