@@ -119,6 +119,16 @@ def test_lifecycle_reaches_every_rank(dp2, model_path):
     # Both ranks serve the committed version, and say so for every token.
     assert all(c.weight_versions == [(1, 0)] for c in again), [c.weight_versions for c in again]
     assert all(r.steps_total > 0 for r in llm.stats().ranks)
+    # In flight: no pause; staged on both ranks, committed on both, the runtime stays RUNNING.
+    with pytest.raises(ControlError, match="in_flight=True"):
+        llm.update_weights(state={"model.norm.weight": same})
+    ack = llm.update_weights(state={"model.norm.weight": same}, weight_version=9, in_flight=True)
+    assert ack.weight_version == 9 and ack.state == LifecycleState.RUNNING
+    assert [(r.state, r.weight_version) for r in llm.stats().ranks] == [("RUNNING", 9)] * 2
+    with pytest.raises(ControlError, match="engine 0.*engine 1|engine 1.*engine 0"):
+        llm.update_weights(state={"model.norm.weight": same[:-1]}, in_flight=True)
+    [after] = llm.generate(HELD_OUT[:1], GREEDY, use_tqdm=False)
+    assert after.token_ids == before.token_ids and after.weight_versions == [(9, 0)]
 
 
 def test_replay_checks_both_ranks(dp2):
