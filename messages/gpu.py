@@ -114,7 +114,7 @@ class ModelLoaded:
     sliding_window: int = 0
 
 
-@message(122, required=23)  # (logprobs_mode came later)
+@message(122, required=23)  # (logprobs_mode, routed experts and the controls came later)
 class StepPlan:
     """One forward over B sequences and T tokens (varlen, no padding). Sequences with one query
     token (decode rows) come first, then those with more (prefill chunks). B = 0 (and T = 0):
@@ -179,6 +179,30 @@ class StepPlan:
     # Some sequence wants its routed experts (SamplingParams.return_routed_experts): the
     # StepResult carries every input token's expert ids (`routed_experts`).
     return_routed_experts: bool = False
+    # Sampling controls (SamplingParams: penalties, logit_bias, min_tokens, bad_words_ids; the
+    # gpu applies them to a sampled row's logits, biases first, then the penalties, before
+    # sampling and processed log-probs): every array empty when no sequence uses one.
+    # Per sequence, float32[B] or empty (all off): presence and frequency (0 = off) and
+    # repetition (1 = off) penalties.
+    presence_penalty: Array[np.float32, 1] = empty_array_field(np.float32)
+    frequency_penalty: Array[np.float32, 1] = empty_array_field(np.float32)
+    repetition_penalty: Array[np.float32, 1] = empty_array_field(np.float32)
+    # The penalised sequences' tokens, int32[K] each: sequence penalty_rows[i] has seen token
+    # penalty_tokens[i], which adds penalty_counts[i] to the token's output count (0: a prompt
+    # token, listed for repetition_penalty; entries of one token add up). They are the tokens
+    # known when the step was planned: a row whose last input token is the previous step's
+    # sampled one (prev_rows) counts that token too (the gpu adds it, as one output token).
+    penalty_rows: Array[np.int32, 1] = empty_array_field(np.int32)
+    penalty_tokens: Array[np.int32, 1] = empty_array_field(np.int32)
+    penalty_counts: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Additive logit biases, [M] each: bias_values[i] (float32; -inf forbids: min_tokens, bad
+    # words) is added to token bias_tokens[i] of sequence bias_rows[i] when bias_if_last[i] is
+    # -1 or the sequence's last input token (a bad word whose next-to-last token the step in
+    # flight samples: known only on the device).
+    bias_rows: Array[np.int32, 1] = empty_array_field(np.int32)
+    bias_tokens: Array[np.int32, 1] = empty_array_field(np.int32)
+    bias_values: Array[np.float32, 1] = empty_array_field(np.float32)
+    bias_if_last: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123, required=12)  # (routed_experts came later)

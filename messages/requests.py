@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -58,9 +59,10 @@ class EventType(enum.StrEnum):
 class LogprobsMode(enum.StrEnum):
     """Which distribution returned log-probs are of (SamplingParams.logprobs_mode), as vLLM's
     raw_logprobs / processed_logprobs: "raw", log-softmax of the model's fp32 logits; or
-    "processed", the distribution the token was drawn from: logits / temperature, with the
+    "processed", the distribution the token was drawn from: the logits after the controls
+    (SamplingParams: logit_bias, min_tokens, bad words, penalties) / temperature, with the
     tokens min-p, top-k and top-p drop at -inf (kernels/sampling.py's order), log-softmaxed.
-    A greedy request's processed log-probs are its raw ones."""
+    A greedy request's processed log-probs are of its logits after the controls alone."""
 
     RAW = "raw"
     PROCESSED = "processed"
@@ -86,7 +88,7 @@ class RequestEvent:
     payload: int | None
 
 
-@struct(required=16)  # (logprobs_mode came later)
+@struct(required=16)  # (logprobs_mode, return_routed_experts and the controls came later)
 class SamplingParams:
     """How to sample one request. `max_tokens` counts generated tokens (OpenAI's meaning).
 
@@ -114,6 +116,17 @@ class SamplingParams:
     `return_routed_experts` (mixture-of-experts models only; refused at submission for others):
     the terminal output carries the top-k expert ids every MoE layer chose for each token run
     through the model (RequestOutput.routed_experts), for a trainer to replay the routing.
+
+    Controls on the logits before sampling (vLLM's; the processed log-probs see them, the raw
+    ones do not), in this order: `logit_bias` adds a bias in [-100, 100] to a token's logit
+    (token id -> bias: int keys, or their decimal strings as in OpenAI's JSON; the wire form
+    is the strings, see `for_wire`); until `min_tokens` tokens are generated, EOS (unless
+    `ignore_eos`) and `stop_token_ids` cannot be sampled and no stop word ends the request;
+    `bad_words_ids` (token sequences) forbid a word's last token where the generated tokens
+    end with the rest of it (a one-token word always); then `repetition_penalty` (> 0, 1 =
+    off) divides a positive logit of a token in the prompt or the output and multiplies a
+    negative one; `frequency_penalty` and `presence_penalty` (in [-2, 2], 0 = off) subtract
+    frequency * count + presence * (count > 0), count = the token's occurrences in the output.
     """
 
     max_tokens: int = 16
@@ -134,6 +147,12 @@ class SamplingParams:
     streaming_interval: int = 1
     logprobs_mode: LogprobsMode = LogprobsMode.RAW
     return_routed_experts: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None  # (int keys too: see above)
+    min_tokens: int = 0
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, as sentences a user can act on."""
@@ -169,7 +188,82 @@ class SamplingParams:
             )
         if self.streaming_interval < 1:
             out.append(f"streaming_interval must be >= 1, got {self.streaming_interval}")
+        return out + self._control_problems()
+
+    def _control_problems(self) -> list[str]:
+        out = []
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2 <= value <= 2:
+                out.append(f"{name} must be in [-2, 2], got {value}")
+        if not 0 < self.repetition_penalty < math.inf:
+            out.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        try:
+            self.logit_bias_ids()
+        except ValueError as e:
+            out.append(str(e))
+        if self.min_tokens < 0:
+            out.append(f"min_tokens must be >= 0, got {self.min_tokens}")
+        elif self.min_tokens > self.max_tokens:
+            out.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if any(not w or min(w) < 0 for w in self.bad_words_ids):
+            out.append("each of bad_words_ids must be a non-empty list of non-negative ids")
         return out
+
+    def logit_bias_ids(self) -> dict[int, float]:
+        """`logit_bias` keyed by int token id; ValueError naming the key if a key is not a
+        non-negative token id (an int or its decimal string), two keys name one id, or a bias
+        is not a number in [-100, 100]."""
+        out: dict[int, float] = {}
+        if not isinstance(self.logit_bias, dict | None):
+            raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        for key, bias in (self.logit_bias or {}).items():
+            token = _token_id(key)
+            if token is None:
+                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
+            if token in out:
+                raise ValueError(f"logit_bias names token {token} twice")
+            number = isinstance(bias, int | float) and not isinstance(bias, bool)
+            if not number or not -100 <= bias <= 100:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias!r}")
+            out[token] = float(bias)
+        return out
+
+    def token_id_problems(self, vocab_size: int) -> list[str]:
+        """The ids of `logit_bias` and `bad_words_ids` outside the vocabulary (what only an
+        engine, which knows the model, can check), as sentences."""
+        try:
+            bias = [t for t in self.logit_bias_ids() if t >= vocab_size]
+        except ValueError as e:  # (problems() says it too: the coordinator refuses it first)
+            return [str(e)]
+        out = []
+        if bias:
+            ids = sorted(bias)[:8]
+            out.append(f"logit_bias token ids {ids} are outside the vocabulary (size {vocab_size})")
+        if any(max(w) >= vocab_size for w in self.bad_words_ids):
+            out.append(f"bad_words_ids hold token ids outside the vocabulary (size {vocab_size})")
+        return out
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether any logit control is on (penalties, logit_bias, min_tokens, bad words)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+            or self.bad_words_ids
+        )
+
+    def for_wire(self) -> SamplingParams:
+        """These parameters as they travel: `stop` a tuple, `logit_bias` keyed by decimal
+        strings (msgpack maps take string keys only), its biases floats. ValueError as
+        `stop_strings` and `logit_bias_ids`."""
+        bias = self.logit_bias
+        if bias is not None:
+            bias = {str(k): v for k, v in self.logit_bias_ids().items()}
+        return dataclasses.replace(self, stop=self.stop_strings(), logit_bias=bias)
 
     def stop_strings(self) -> tuple[str, ...]:
         """`stop` as a tuple (a bare string is one stop string); ValueError if it is not a
@@ -181,6 +275,15 @@ class SamplingParams:
         if not all(stops):
             raise ValueError(f"stop strings must be non-empty, got {stop!r}")
         return tuple(stops)
+
+
+def _token_id(key) -> int | None:
+    """A logit_bias key as a token id (an int, or its decimal string), None if it is neither."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key if key >= 0 else None
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    return None
 
 
 @message(20)

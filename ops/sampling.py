@@ -5,7 +5,8 @@ elsewhere its torch reference `sample_ref` (sort-based), which defines the seman
 kernel equals it token for token on any input but measure-zero ties (see that module). The
 per-request parameters arrive as device tensors, so a step never branches on them on the host
 (no sync, CUDA-graph safe). Log-probabilities are ops/logprobs.py's; `processed_logits` gives
-them the distribution a row is drawn from (LogprobsMode "processed").
+them the distribution a row is drawn from (LogprobsMode "processed"). The logit controls
+(penalties, logit_bias, min_tokens, bad words) come before both: ops/logit_controls.py.
 
 Determinism: a seeded row draws its noise from a counter-based hash of (seed, gen_index, token
 id) (`row_keys`, `exponential_noise`), not from a stateful generator, so the same (seed,

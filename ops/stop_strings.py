@@ -38,14 +38,16 @@ class StopMatcher:
         self._window = ""
         self._pending = 0
 
-    def feed(self, text: str) -> str:
-        """Add received text; return the text now safe to show (possibly "")."""
+    def feed(self, text: str, match: bool = True) -> str:
+        """Add received text; return the text now safe to show (possibly ""). `match` False:
+        no stop string completed by this text counts (min_tokens not reached), though one
+        begun in it may complete later."""
         if self.matched is not None:
             return ""
         before = len(self._window)
         start = before - self._pending  # the first character not returned yet
         self._window += text
-        hit = self._first_stop(before)
+        hit = self._first_stop(before) if match else None
         if hit is not None:
             at, self.matched = hit
             end = at + len(self.matched) if self.include_stop else at
@@ -91,7 +93,8 @@ class StoppingDetokenizer:
     With stop strings the ids are detokenized one at a time, so that the one that completed the
     stop string is known: `feed` returns the new text and how many of the new ids the output
     keeps (all, or those up to and including that one; none once stopped). `stop_reason` is
-    the stop string matched, or None.
+    the stop string matched, or None. Before `min_tokens` ids no stop string counts (as
+    vLLM's: the request's min_tokens).
     """
 
     def __init__(
@@ -100,9 +103,12 @@ class StoppingDetokenizer:
         prompt_ids: Sequence[int] = (),
         stops: Sequence[str] = (),
         include_stop: bool = False,
+        min_tokens: int = 0,
     ) -> None:
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self._matcher = StopMatcher(stops, include_stop) if stops else None
+        self._min_tokens = min_tokens
+        self._fed = 0  # ids fed so far
 
     @property
     def stop_reason(self) -> str | None:
@@ -117,7 +123,9 @@ class StoppingDetokenizer:
             return "", 0
         texts = []
         for i, token_id in enumerate(ids):
-            texts.append(matcher.feed(self._detok.feed([token_id])))
+            self._fed += 1
+            text = self._detok.feed([token_id])
+            texts.append(matcher.feed(text, match=self._fed >= self._min_tokens))
             if matcher.matched is not None:
                 return "".join(texts), i + 1
         return "".join(texts), len(ids)

@@ -110,6 +110,16 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--presence-penalty", type=float, default=0.0, help="in [-2, 2]")
+    gen.add_argument("--frequency-penalty", type=float, default=0.0, help="in [-2, 2]")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, help="> 0; 1 = off")
+    gen.add_argument("--min-tokens", type=int, default=0, help="tokens before EOS may end it")
+    gen.add_argument(
+        "--logit-bias",
+        type=json.loads,
+        default=None,
+        help="JSON object of token id -> bias in [-100, 100], e.g. '{\"13\": -100}'",
+    )
     gen.add_argument(
         "--stop",
         action="append",
@@ -264,6 +274,11 @@ def cmd_generate(args) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
         stop=tuple(args.stop),
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        repetition_penalty=args.repetition_penalty,
+        min_tokens=args.min_tokens,
+        logit_bias=args.logit_bias,
     )
     problems = sampling.problems()
     if problems:

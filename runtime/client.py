@@ -3,11 +3,12 @@
 Owns the connection, requests and stats. The client tokenizes (the tokenizer travels from the
 engine in ModelInfo, so no model files are needed here), submits token ids, detokenizes
 incrementally and matches stop strings on the text (ops/stop_strings.py: the engine matches
-token ids only; on a match it aborts the request). The lifecycle controls (pause, suspend,
-update_weights, resume, unpause, stop, and the weight transfer from a trainer's processes) are
-runtime/control.py's, the classes' bases; they carry the runtime's control token
-(runtime/auth.py: found by address for the user who started the runtime, or given as
-`control_token=` / TAIPAN_CONTROL_TOKEN).
+token ids only; on a match it aborts the request). SamplingParams travel in their wire form
+(`for_wire`: a logit_bias keyed by ints, as vLLM's, goes as decimal strings). The lifecycle
+controls (pause, suspend, update_weights, resume, unpause, stop, and the weight transfer from
+a trainer's processes) are runtime/control.py's, the classes' bases; they carry the runtime's
+control token (runtime/auth.py: found by address for the user who started the runtime, or given
+as `control_token=` / TAIPAN_CONTROL_TOKEN).
 `timeout` is how long the runtime may stay silent before a waiting call fails with
 `RuntimeUnreachable` (a busy runtime still answers; see actors/client/actor.py); `connect_timeout`
 bounds the wait for an engine to load its model. `curve`: the client's Curve keys for a
@@ -254,10 +255,10 @@ class AsyncClient(AsyncClientControls):
         """
         if self._actor is None:
             raise RuntimeError("the client is not connected")
-        stops = sampling.stop_strings()
-        sampling = dataclasses.replace(sampling, stop=stops)
+        sampling = sampling.for_wire()  # (stop as a tuple, logit_bias keyed by strings)
+        stops = sampling.stop
         reader = StoppingDetokenizer(
-            self.tokenizer, ids.tolist(), stops, sampling.include_stop_word
+            self.tokenizer, ids.tolist(), stops, sampling.include_stop_word, sampling.min_tokens
         )
         num_tokens = len(ids)  # prompt + output tokens so far
         request_id, queue = await self._submit(ids, sampling, stream or bool(stops))

@@ -15,6 +15,8 @@ running one (`address=`), and talks to it through a client. Two modes (`use_coor
 
     with LLM("smollm2", max_requests=16) as llm:
         outs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=16))
+        # vLLM's logit controls: penalties, logit_bias (token id -> bias), min_tokens, bad words
+        outs = llm.generate("Hello", SamplingParams(presence_penalty=0.5, logit_bias={13: -100}))
 
     async with AsyncLLM("smollm2") as llm:
         async for delta in llm.generate("Hello", SamplingParams(max_tokens=16)):
@@ -230,9 +232,9 @@ class AsyncLLM(_Base):
         state: Mapping | None = None,
         *,
         weight_version: int | None = None,
+        in_flight: bool = False,
     ) -> ControlAck:
         self._lifecycle("update_weights")
-        in_flight: bool = False,
         return await self._connected().update_weights(
             path, state, weight_version=weight_version, in_flight=in_flight
         )
@@ -362,9 +364,9 @@ class LLM(_Base):
         state: Mapping | None = None,
         *,
         weight_version: int | None = None,
+        in_flight: bool = False,
     ) -> ControlAck:
         self._lifecycle("update_weights")
-        in_flight: bool = False,
         return self._connected().update_weights(
             path, state, weight_version=weight_version, in_flight=in_flight
         )

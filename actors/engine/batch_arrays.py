@@ -11,12 +11,16 @@ from __future__ import annotations
 import numpy as np
 
 from taipan.actors.engine.batch import StepBatch
+from taipan.actors.engine.control_arrays import control_arrays
 from taipan.messages.requests import LogprobsMode
 
 
-def plan_arrays(batch: StepBatch, block_size: int, hybrid: bool) -> dict[str, np.ndarray]:
+def plan_arrays(
+    batch: StepBatch, block_size: int, hybrid: bool, eos_token_ids: tuple[int, ...] = ()
+) -> dict[str, np.ndarray]:
     """The StepPlan arrays (see messages/gpu.py) for this batch (`hybrid`: the model has Mamba
-    layers, so the rows' Mamba slots go too). A one-token chunk (every
+    layers, so the rows' Mamba slots go too; `eos_token_ids`: what min_tokens forbids besides
+    stop_token_ids, control_arrays.py). A one-token chunk (every
     decode row) is read as Python scalars: at batch 256 per-row numpy calls were most of
     the engine's time per step. A decode row whose token the step in flight is sampling
     gets input id 0 and, in `prev_rows`, the row that samples it."""
@@ -90,6 +94,7 @@ def plan_arrays(batch: StepBatch, block_size: int, hybrid: bool) -> dict[str, np
             pos = [p for _, _, p in batch.mamba_snaps]
             mamba["mamba_snap_pos"] = np.asarray(pos, dtype=np.int32)
             mamba["mamba_snap_dst"] = np.asarray(batch.mamba_snap_slots, dtype=np.int32)
+    mamba |= control_arrays(batch.chunks, eos_token_ids)  # (and the controls: {} if none)
     return mamba | {
         "input_ids": ids.array(np.int32),
         "positions": positions.array(np.int32),

@@ -59,17 +59,19 @@ def take_prompt_log_probs(r: EngineRequest, res: StepResult, k: int, n: int) -> 
 
 def stop_reason(r: EngineRequest, tok: int, plan: RuntimePlan) -> FinishReason | None:
     """Why `r` ends with its new token `tok` (a completed stop word is dropped unless asked
-    for), or None."""
+    for), or None. Before `min_tokens` tokens only the length ends it (as vLLM's: EOS and
+    stop tokens cannot be sampled then, and no stop word ends it)."""
     s = r.sampling
-    if not s.ignore_eos and tok in plan.eos_token_ids:
-        return FinishReason.STOP
-    if tok in s.stop_token_ids:
-        return FinishReason.STOP
-    for word in s.stop_word_ids:
-        if tuple(r.generated[-len(word) :]) == tuple(word):
-            if not s.include_stop_word:
-                drop_tail(r, len(word))
+    if len(r.generated) >= s.min_tokens:
+        if not s.ignore_eos and tok in plan.eos_token_ids:
             return FinishReason.STOP
+        if tok in s.stop_token_ids:
+            return FinishReason.STOP
+        for word in s.stop_word_ids:
+            if tuple(r.generated[-len(word) :]) == tuple(word):
+                if not s.include_stop_word:
+                    drop_tail(r, len(word))
+                return FinishReason.STOP
     if len(r.generated) >= s.max_tokens or r.num_tokens >= plan.max_sequence_length:
         return FinishReason.LENGTH
     return None

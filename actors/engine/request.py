@@ -87,6 +87,13 @@ class EngineRequest:
     table_cache: tuple[list[int], np.ndarray] | None = dataclasses.field(
         default=None, repr=False, compare=False
     )
+    # Logit controls (SamplingParams.has_controls, read once per row and step by the plan) and
+    # what their arrays reuse between steps (a control_arrays.RowControls, which imports this).
+    has_controls: bool = dataclasses.field(init=False, default=False)
+    controls: object | None = dataclasses.field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.has_controls = self.sampling.has_controls
 
     @property
     def num_tokens(self) -> int:

@@ -83,6 +83,9 @@ def submission(
     problem = sched.check(len(prompt), msg.sampling)
     if problem is not None:
         return None, problem
+    problems = msg.sampling.token_id_problems(vocab_size)
+    if problems:
+        return None, "; ".join(problems)
     seed = msg.sampling.seed
     if seed is None:
         seed = derive_seed(msg.request_id, msg.arrival_time)
@@ -159,7 +162,8 @@ def mamba_init(loaded: ModelLoaded) -> MambaInit | None:
 
 
 def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
-    arrays = plan_arrays(batch, sched.plan.block_size, sched.mamba is not None)
+    p = sched.plan
+    arrays = plan_arrays(batch, p.block_size, sched.mamba is not None, p.eos_token_ids)
     return StepPlan(step=batch.step, **arrays)
 
 

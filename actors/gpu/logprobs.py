@@ -55,13 +55,17 @@ def log_prob_arrays(
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
     vocab_size: int,
     device: torch.device,
+    processed_logits: torch.Tensor | None = None,
 ) -> dict[str, np.ndarray]:
     """StepResult's log-prob arrays when the plan asks for any, else {}. The prompt ones read
-    every token's hidden state, so only an eager step (`hidden` not None) has them."""
+    every token's hidden state, so only an eager step (`hidden` not None) has them.
+    `processed_logits`: the logits after the plan's sampling controls (actors/gpu/
+    sampling_controls.py), which processed rows are of; None: `logits` (no controls)."""
     if not wants_log_probs(plan):
         return {}
     n = int(plan.top_n.max(initial=0))
-    extra = _sampled_log_probs(plan, rows, logits, tokens, n, device)
+    both = (logits, logits if processed_logits is None else processed_logits)
+    extra = _sampled_log_probs(plan, rows, both, tokens, n, device)
     if hidden is not None:
         extra.update(_prompt_log_probs(plan, hidden, n, compute_logits, vocab_size, device))
     return extra
@@ -74,20 +78,24 @@ def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
 
 
 def _sampled_log_probs(
-    plan: StepPlan, rows: np.ndarray, logits: torch.Tensor, tokens: torch.Tensor, n: int, device
+    plan: StepPlan, rows: np.ndarray, logits: tuple, tokens: torch.Tensor, n: int, device
 ) -> dict[str, np.ndarray]:
     """StepResult's log_probs / top_n arrays (n columns) for the sampled rows; device work
-    only where a sampled row asks for it."""
+    only where a sampled row asks for it. `logits`: (raw, after the sampling controls)."""
     out = no_log_probs(len(plan.sample), n)
     wanted, counts = plan.logprobs[rows] != 0, plan.top_n[rows]
     if not (wanted.any() or counts.any()):
         return out
     processed = processed_rows(plan)[rows]
-    for part, is_processed in ((~processed, False), (processed, True)):
+    # A greedy row's processed log-probs are the log-softmax of its controlled logits.
+    controlled = _processed_mode(plan)[rows] & ~processed
+    raw = ~processed & ~controlled
+    parts = ((raw, logits[0], False), (controlled, logits[1], False), (processed, logits[1], True))
+    for part, part_logits, is_processed in parts:
         if not part.any():
             continue
         picked, ids, values = _rows_log_probs(
-            plan, rows[part], logits, tokens, counts[part], n, device, is_processed
+            plan, rows[part], part_logits, tokens, counts[part], n, device, is_processed
         )
         out["log_probs"][rows[part]] = np.where(wanted[part], picked.cpu().numpy(), np.nan)
         out["top_n_ids"][rows[part]] = ids.cpu().numpy()
@@ -97,10 +105,15 @@ def _sampled_log_probs(
 
 def processed_rows(plan: StepPlan) -> np.ndarray:
     """bool[B]: the sequences whose sampled log-probs are processed (logprobs_mode 1), but for
-    greedy ones, whose processed log-probs are their raw ones."""
+    greedy ones, whose processed log-probs are those of their logits after the sampling
+    controls (no temperature or filters: the raw ones, without controls)."""
+    return _processed_mode(plan) & (plan.temperature >= GREEDY_EPS)
+
+
+def _processed_mode(plan: StepPlan) -> np.ndarray:
     if not len(plan.logprobs_mode):
         return np.zeros(len(plan.seq_lens), dtype=bool)
-    return (plan.logprobs_mode != 0) & (plan.temperature >= GREEDY_EPS)
+    return plan.logprobs_mode != 0
 
 
 def _rows_log_probs(

@@ -2,7 +2,8 @@
 
 Owns the checks that keep a malformed plan from reaching kernels that index unchecked:
 prev_rows against the previous step's sampled rows, every Mamba slot id (init, out,
-snapshot copies) against the slots the worker holds, and the rows' logprobs_mode; each failure
+snapshot copies) against the slots the worker holds, the rows' logprobs_mode, and the rows and
+token ids of the sampling controls (penalties, biases); each failure
 is a ValueError that names what is wrong, raised before the step touches anything. Also reads
 which Mamba snapshots lie inside a chunk (the kernels store those; the rest are copies after
 the forward).
@@ -104,3 +105,51 @@ def check_logprobs_mode(plan: StepPlan) -> None:
         )
     if mode.min() < 0 or mode.max() > 1:
         raise ValueError(f"logprobs_mode must be 0 (raw) or 1 (processed), got {mode.tolist()[:8]}")
+
+
+CONTROL_ARRAYS = (
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_rows",
+    "penalty_tokens", "penalty_counts", "bias_rows", "bias_tokens", "bias_values", "bias_if_last",
+)  # fmt: skip
+
+
+def check_sampling_controls(plan: StepPlan, vocab_size: int) -> None:
+    """The control arrays (StepPlan: penalties, biases) must be empty or one entry per
+    sequence, and their (row, token) entries name sequences and tokens that exist, the penalty
+    ones sequences that have a penalty (the device indexes them unchecked) (ValueError)."""
+    if not any(len(getattr(plan, name)) for name in CONTROL_ARRAYS):
+        return  # (a step without controls)
+    num_seqs = len(plan.seq_lens)
+    per_seq = ("presence_penalty", "frequency_penalty", "repetition_penalty")
+    sizes = {len(getattr(plan, name)) for name in per_seq}
+    if sizes - {0, num_seqs} or len(sizes) > 1:
+        raise ValueError(f"{', '.join(per_seq)} need one entry per sequence, or all none")
+    if len(plan.repetition_penalty) and not (plan.repetition_penalty > 0).all():
+        raise ValueError("repetition_penalty must be > 0")
+    _check_entries(plan, ("penalty_rows", "penalty_tokens", "penalty_counts"), vocab_size)
+    if len(plan.penalty_rows):
+        pres, freq, rep = (getattr(plan, name) for name in per_seq)
+        penalised = (pres != 0) | (freq != 0) | (rep != 1) if len(pres) else np.zeros(0, bool)
+        if not len(pres) or not penalised[plan.penalty_rows].all():
+            raise ValueError("penalty_rows must name sequences with a penalty")
+        if (plan.penalty_counts < 0).any():
+            raise ValueError("penalty_counts must be >= 0")
+    _check_entries(plan, ("bias_rows", "bias_tokens", "bias_values", "bias_if_last"), vocab_size)
+    if len(plan.bias_rows):
+        if np.isnan(plan.bias_values).any() or (plan.bias_values == np.inf).any():
+            raise ValueError("bias_values must be numbers or -inf")
+        if plan.bias_if_last.min() < -1 or plan.bias_if_last.max() >= vocab_size:
+            raise ValueError(f"bias_if_last must be -1 or a token id below {vocab_size}")
+
+
+def _check_entries(plan: StepPlan, names: tuple[str, ...], vocab_size: int) -> None:
+    """Parallel arrays of (row, token, ...) entries: equal lengths, rows and tokens in range."""
+    rows, tokens = getattr(plan, names[0]), getattr(plan, names[1])
+    if len({len(getattr(plan, name)) for name in names}) > 1:
+        raise ValueError(f"{', '.join(names)} must have one length")
+    if not len(rows):
+        return
+    if rows.min() < 0 or rows.max() >= len(plan.seq_lens):
+        raise ValueError(f"{names[0]} must name sequences 0..{len(plan.seq_lens) - 1}")
+    if tokens.min() < 0 or tokens.max() >= vocab_size:
+        raise ValueError(f"{names[1]} must be token ids below {vocab_size}")

@@ -34,8 +34,10 @@ from taipan.actors.gpu.plan_checks import (
     check_logprobs_mode,
     check_mamba_slots,
     check_prev_rows,
+    check_sampling_controls,
     inner_snapshots,
 )
+from taipan.actors.gpu.sampling_controls import controlled_logits
 from taipan.actors.gpu.sizing import PoolSizes, available_host_memory, kv_budget, size_pools
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
@@ -363,6 +365,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_prev_rows(plan, previous)
         check_mamba_slots(plan, self._mamba_slots, self._snapshot_slots)
         check_logprobs_mode(plan)
+        check_sampling_controls(plan, self.config.vocab_size)
         inner_snaps = inner_snapshots(plan)
         bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
@@ -378,7 +381,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         routed = self._routed_to_host(plan)
         if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
             self._snapshot_chunk_ends(plan)
-        tokens = self._sample(plan, inputs, logits)  # [B]
+        controlled = controlled_logits(plan, logits, self._sampled)  # (logits: no controls)
+        tokens = self._sample(plan, inputs, controlled)  # [B]
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
         rows = np.flatnonzero(plan.sample)
@@ -388,6 +392,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             logits,
             tokens,
             hidden,
+            processed_logits=controlled,
             compute_logits=self.model.compute_logits,
             vocab_size=self.config.vocab_size,
             device=self.device,

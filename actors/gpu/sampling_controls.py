@@ -1,0 +1,101 @@
+"""A step's sampling controls (StepPlan: penalties, logit biases) applied to its logits.
+
+Owns the reading of the plan's control arrays into device tensors, and the one thing only the
+device knows: the token the previous step sampled for a row whose last input it is (prev_rows),
+which the penalties count and a conditional bias (`bias_if_last`) compares against. The math
+is ops/logit_controls.py's. A plan without controls costs nothing: `controlled_logits` returns
+the logits it was given. Must not touch: the worker's buffers (it reads the previous step's
+sampled tokens, never writes them) or the logits it is given (a CUDA graph's output buffer, and
+what raw log-probs are of): it works on a copy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from taipan.messages.gpu import StepPlan
+from taipan.ops.logit_controls import add_biases, apply_penalties
+
+
+def has_controls(plan: StepPlan) -> bool:
+    return bool(len(plan.bias_rows) or len(plan.presence_penalty))
+
+
+def controlled_logits(plan: StepPlan, logits: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
+    """The logits [B, V] float32 the rows sample from: `logits` itself when the plan has no
+    controls, else a copy with its biases, then its penalties, applied. `sampled`: the
+    previous step's sampled tokens by row (the worker's buffer, not yet overwritten)."""
+    if not has_controls(plan):
+        return logits
+    out = logits.float().clone()
+    last = _LastTokens(plan, sampled, logits.device)
+    if len(plan.bias_rows):
+        values = _on(plan.bias_values, out.device)
+        if_last = plan.bias_if_last
+        if (if_last >= 0).any():
+            holds = _on(if_last < 0, out.device) | (
+                last.of(plan.bias_rows) == _on(if_last, out.device, torch.int64)
+            )
+            values = torch.where(holds, values, torch.zeros_like(values))
+        rows, tokens = (_on(a, out.device, torch.int64) for a in (plan.bias_rows, plan.bias_tokens))
+        add_biases(out, rows, tokens, values)
+    if len(plan.presence_penalty):
+        _penalties(plan, out, last)
+    return out
+
+
+def _penalties(plan: StepPlan, out: torch.Tensor, last: _LastTokens) -> None:
+    """The penalties of the rows that have any, their tokens as the plan lists them plus the
+    last input token of a row whose input is the previous step's sampled one."""
+    pres, freq, rep = plan.presence_penalty, plan.frequency_penalty, plan.repetition_penalty
+    rows = np.flatnonzero((pres != 0) | (freq != 0) | (rep != 1))
+    if not len(rows):
+        return
+    dev = out.device
+    # (plan_checks: every entry names one of `rows`)
+    seen_rows = _on(np.searchsorted(rows, plan.penalty_rows), dev, torch.int64)
+    seen_tokens = _on(plan.penalty_tokens, dev, torch.int64)
+    seen_counts = _on(plan.penalty_counts, dev)
+    flying = last.previous_rows(rows)  # indices into `rows`: their last input is in flight
+    if len(flying):
+        one = torch.ones(len(flying), dtype=torch.int32, device=dev)
+        seen_rows = torch.cat([seen_rows, _on(flying, dev, torch.int64)])
+        seen_tokens = torch.cat([seen_tokens, last.of(rows[flying])])
+        seen_counts = torch.cat([seen_counts, one])
+    params = (_on(a[rows], dev) for a in (pres, freq, rep))
+    apply_penalties(out, _on(rows, dev, torch.int64), *params, seen_rows, seen_tokens, seen_counts)
+
+
+class _LastTokens:
+    """Each row's last input token: its input_ids entry, or where prev_rows names a row of the
+    previous step, that step's sampled token (read on the device)."""
+
+    def __init__(self, plan: StepPlan, sampled: torch.Tensor, device: torch.device):
+        pos = plan.query_start_loc[1:] - 1
+        self.known = plan.input_ids[pos]
+        has_prev = len(plan.prev_rows) > 0
+        self.prev = plan.prev_rows[pos] if has_prev else np.full(len(pos), -1, np.int32)
+        self.sampled, self.device = sampled, device
+
+    def previous_rows(self, rows: np.ndarray) -> np.ndarray:
+        """The indices i of `rows` whose last input token is the previous step's."""
+        return np.flatnonzero(self.prev[rows] >= 0)
+
+    def of(self, rows: np.ndarray) -> torch.Tensor:
+        """The last input tokens of `rows` (a row may repeat), int64 on the device."""
+        known = _on(self.known[rows], self.device, torch.int64)
+        prev = self.prev[rows]
+        if not (prev >= 0).any():
+            return known
+        p = _on(prev, self.device, torch.int64)
+        return torch.where(p >= 0, self.sampled[p.clamp(min=0)].long(), known)
+
+
+def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
+    # np.frombuffer views are read-only; torch wants writable memory. Pinned on CUDA: a copy
+    # from pageable memory may wait for the device, and a step in flight must not be waited on.
+    t = torch.from_numpy(np.array(a, copy=True))
+    if device.type == "cuda":
+        t = t.pin_memory()
+    return t.to(device, dtype=dtype, non_blocking=True)
