@@ -6,11 +6,12 @@ The engine sends one `StepPlan` per step and gets one `StepResult` back. Arrays 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import numpy as np
 
-from taipan.messages.codec import Array, message
+from taipan.messages.codec import Array, message, struct
 from taipan.messages.lifecycle import (
     IpcTensor,
     KVCacheManagementMode,
@@ -18,7 +19,7 @@ from taipan.messages.lifecycle import (
     WeightSpec,
     WeightTransferGroup,
 )
-from taipan.messages.requests import empty_array_field
+from taipan.messages.requests import StructuredOutput, empty_array_field
 
 
 class GpuCommand(enum.StrEnum):
@@ -114,6 +115,14 @@ class ModelLoaded:
     sliding_window: int = 0
 
 
+@struct
+class GrammarStart:
+    """A request's grammar, sent to the gpu with the first step that samples for it."""
+
+    request_id: int
+    structured: StructuredOutput
+
+
 @message(122, required=23)  # (logprobs_mode, routed experts and the controls came later)
 class StepPlan:
     """One forward over B sequences and T tokens (varlen, no padding). Sequences with one query
@@ -203,6 +212,14 @@ class StepPlan:
     bias_tokens: Array[np.int32, 1] = empty_array_field(np.int32)
     bias_values: Array[np.float32, 1] = empty_array_field(np.float32)
     bias_if_last: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Structured outputs (SamplingParams.structured; ops/grammar.py): grammar_rows int64[B], the
+    # request id of each sampled sequence with a grammar, else -1 (empty: no such sequence);
+    # the gpu keeps one matcher per such request, advanced by the tokens it samples for it.
+    # grammar_new: the grammars of requests it has no matcher for yet (request id, the
+    # StructuredOutput); grammar_drop int64[]: requests whose matcher it may forget (ended).
+    grammar_rows: Array[np.int64, 1] = empty_array_field(np.int64)
+    grammar_new: list[GrammarStart] = dataclasses.field(default_factory=list)
+    grammar_drop: Array[np.int64, 1] = empty_array_field(np.int64)
 
 
 @message(123, required=12)  # (routed_experts came later)

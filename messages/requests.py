@@ -78,6 +78,21 @@ def empty_array_field(dtype, ndim: int = 1):
     return dataclasses.field(default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
 
 
+# Structured outputs' grammar kinds (ops/grammar.py compiles them).
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@struct
+class StructuredOutput:
+    """A grammar every generated token must keep to (SamplingParams.structured): `kind` one of
+    STRUCTURED_KINDS and `spec` the schema as JSON text (json_schema), "" (json_object: any JSON
+    object), the pattern (regex), a JSON list of strings (choice), or a Lark / GBNF grammar
+    (grammar). Once the grammar is complete only EOS may follow."""
+
+    kind: str
+    spec: str = ""
+
+
 @struct
 class RequestEvent:
     """One lifecycle event of a request; `timestamp` is the engine's clock (seconds, from the
@@ -127,6 +142,9 @@ class SamplingParams:
     off) divides a positive logit of a token in the prompt or the output and multiplies a
     negative one; `frequency_penalty` and `presence_penalty` (in [-2, 2], 0 = off) subtract
     frequency * count + presence * (count > 0), count = the token's occurrences in the output.
+    `structured` (StructuredOutput): a grammar the output keeps to, enforced while sampling by
+    masking every token it does not allow (after the controls above); the engine refuses a
+    grammar that does not compile, naming why.
     """
 
     max_tokens: int = 16
@@ -153,6 +171,7 @@ class SamplingParams:
     logit_bias: dict[str, float] | None = None  # (int keys too: see above)
     min_tokens: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    structured: StructuredOutput | None = None
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, as sentences a user can act on."""
@@ -188,6 +207,11 @@ class SamplingParams:
             )
         if self.streaming_interval < 1:
             out.append(f"streaming_interval must be >= 1, got {self.streaming_interval}")
+        if self.structured is not None and self.structured.kind not in STRUCTURED_KINDS:
+            out.append(
+                f"structured.kind must be one of {', '.join(STRUCTURED_KINDS)}, got "
+                f"{self.structured.kind!r}"
+            )
         return out + self._control_problems()
 
     def _control_problems(self) -> list[str]:

@@ -47,7 +47,7 @@ class GrammarSpec:
         if self.kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {self.kind!r}; known: {', '.join(KINDS)}")
         if self.kind == "json_object":
-            return llguidance.grammar_from("json_schema", '{"type": "object"}')
+            return llguidance.grammar_from("json_schema", json.dumps(_bounded({"type": "object"})))
         if self.kind == "choice":
             try:
                 choices = json.loads(self.spec)
@@ -60,15 +60,32 @@ class GrammarSpec:
             return llguidance.grammar_from("regex", "|".join(f"({re.escape(c)})" for c in choices))
         if self.kind == "json_schema":
             try:
-                json.loads(self.spec)
+                schema = json.loads(self.spec)
             except json.JSONDecodeError as e:
                 raise GrammarError(f"json_schema: not JSON ({e})") from None
+            if isinstance(schema, dict):
+                return llguidance.grammar_from("json_schema", json.dumps(_bounded(schema)))
         try:
             return llguidance.grammar_from(
                 self.kind if self.kind != "grammar" else "lark", self.spec
             )
         except ValueError as e:
             raise GrammarError(f"{self.kind}: {e}") from None
+
+
+# JSON's whitespace between tokens: at most this much per gap (as xgrammar's
+# max_whitespace_cnt), where JSON allows any amount: a model that favours whitespace would
+# otherwise fill max_tokens with it. A schema's own "x-guidance" options take precedence.
+JSON_WHITESPACE = "[ \\t\\n]{0,8}"
+
+
+def _bounded(schema: dict) -> dict:
+    """`schema` with llguidance's whitespace bounded (unless it sets its own options)."""
+    if "x-guidance" in schema:
+        return schema
+    return schema | {
+        "x-guidance": {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE}
+    }
 
 
 def check_grammar(spec: GrammarSpec) -> None:

@@ -18,6 +18,7 @@ _EXPORTS = {
     "RuntimeUnreachable": "taipan.client",
     "ControlAck": "taipan.messages.lifecycle",
     "SamplingParams": "taipan.messages.requests",
+    "StructuredOutput": "taipan.messages.requests",
     "InferenceConfig": "taipan.actors.config",
     "ConfigError": "taipan.actors.config",
     "Runtime": "taipan.launcher",

@@ -26,7 +26,8 @@ from taipan.actors.engine.batch_arrays import plan_arrays
 from taipan.actors.engine.flow import apply_block_reply
 from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.request import EngineRequest, Status
-from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
+from taipan.actors.engine.scheduler import Scheduler, StepBatch
+from taipan.actors.engine.wire import derive_seed
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult
 from taipan.messages.requests import SamplingParams

@@ -83,6 +83,7 @@ import numpy as np
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine.admission import admit, register
 from taipan.actors.engine.batch import Chunk, Draft, StepBatch
+from taipan.actors.engine.grammar import GrammarBook
 from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
@@ -92,14 +93,6 @@ from taipan.messages.allocator import PrefixCachingEvictionPolicy
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
 from taipan.messages.requests import EventType, FinishReason, SamplingParams
-
-
-def derive_seed(request_id: int, arrival_time: float) -> int:
-    """A seed for an unseeded request, fixed by its inbound message (replays stay exact)."""
-    x = (request_id * 0x9E3779B97F4A7C15 + int(arrival_time * 1e6)) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) >> 1
 
 
 class Scheduler:
@@ -120,6 +113,7 @@ class Scheduler:
         self.running: list[EngineRequest] = []
         self.paused: list[EngineRequest] = []  # a stack: the last one paused resumes first
         self.requests: dict[int, EngineRequest] = {}
+        self.grammars = GrammarBook()  # the grammars the gpu holds (structured outputs)
         self.num_free_blocks = plan.num_blocks  # the allocator's count after the last reply
         self.pending_free: dict[int, int] = {}  # request id -> blocks to free next step
         # Sliding window: request id -> leading columns released in all, not sent yet, and the

@@ -11,9 +11,10 @@ import numpy as np
 
 from taipan.actors.config import InferenceConfig, RuntimePlan, plan_limits
 from taipan.actors.engine.batch_arrays import plan_arrays
+from taipan.actors.engine.grammar import grammar_problem
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.routing import RoutedExperts
-from taipan.actors.engine.scheduler import Scheduler, StepBatch, derive_seed
+from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.messages.allocator import AllocatorReady, BlockOps, PrefixCachingEvictionPolicy
 from taipan.messages.gpu import ModelLoaded, StepPlan
 from taipan.messages.mamba_cache import MambaInit, MambaOps
@@ -71,6 +72,14 @@ def prefix_policy(config: InferenceConfig) -> PrefixCachingEvictionPolicy | None
     )
 
 
+def derive_seed(request_id: int, arrival_time: float) -> int:
+    """A seed for an unseeded request, fixed by its inbound message (replays stay exact)."""
+    x = (request_id * 0x9E3779B97F4A7C15 + int(arrival_time * 1e6)) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) >> 1
+
+
 def submission(
     sched: Scheduler | None, vocab_size: int, msg: EngineSubmit
 ) -> tuple[EngineRequest | None, str | None]:
@@ -86,6 +95,10 @@ def submission(
     problems = msg.sampling.token_id_problems(vocab_size)
     if problems:
         return None, "; ".join(problems)
+    if msg.sampling.structured is not None:
+        problem = grammar_problem(msg.sampling.structured)
+        if problem is not None:
+            return None, problem
     seed = msg.sampling.seed
     if seed is None:
         seed = derive_seed(msg.request_id, msg.arrival_time)
@@ -164,6 +177,7 @@ def mamba_init(loaded: ModelLoaded) -> MambaInit | None:
 def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
     p = sched.plan
     arrays = plan_arrays(batch, p.block_size, sched.mamba is not None, p.eos_token_ids)
+    arrays |= sched.grammars.arrays(batch, sched.requests)
     return StepPlan(step=batch.step, **arrays)
 
 

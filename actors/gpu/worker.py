@@ -27,6 +27,7 @@ import torch
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
+from taipan.actors.gpu.grammar_masks import GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
 from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
@@ -159,6 +160,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         # read them. _prev_sampled: that step's rows that sampled (host copy), for the checks.
         self._sampled: torch.Tensor | None = None  # [max_requests] int64
         self._prev_sampled = np.zeros(0, dtype=bool)
+        self.grammar_masks = GrammarMasks(None)  # structured outputs (a new one at each load)
         # Pinned host buffers the sampled tokens are copied into, one per launched step (the gpu
         # actor keeps fewer steps than this launched and uncollected); CUDA only.
         self._host_tokens: torch.Tensor | None = None
@@ -189,6 +191,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_device(self.device)
         use_device(self.device)
         model, config, tokenizer = self._load_weights(msg, dtype, tp)
+        self.grammar_masks = GrammarMasks(tokenizer)  # (structured outputs' matchers)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, self.tp)
         config = mamba_config_for(config, msg, dtype, self.tp)
         slot_bytes = self._slot_bytes(config, dtype)
@@ -382,9 +385,12 @@ class ModelWorker(WorkerForward, WorkerControls):
         if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
             self._snapshot_chunk_ends(plan)
         controlled = controlled_logits(plan, logits, self._sampled)  # (logits: no controls)
+        if uses_grammar(plan) or self.grammar_masks.pending:  # (masks after the controls)
+            controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
+        self.grammar_masks.sampled(host, ended)
         rows = np.flatnonzero(plan.sample)
         extra = log_prob_arrays(
             plan,
@@ -415,7 +421,12 @@ class ModelWorker(WorkerForward, WorkerControls):
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
         step without log-probs, not expert parallel), so the caller may run it on its own
         thread."""
-        return self.device.type == "cuda" and not wants_log_probs(plan) and self.ep is None
+        return (
+            self.device.type == "cuda"
+            and not wants_log_probs(plan)
+            and self.ep is None
+            and not (uses_grammar(plan) or self.grammar_masks.pending)  # (it may wait)
+        )
 
     def collect(self, launched: Launched | StepResult) -> StepResult:
         """Wait for a launched step's device work and build its StepResult. Thread-safe with

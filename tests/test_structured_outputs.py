@@ -1,0 +1,70 @@
+"""Structured outputs through the real runtime (engine, gpu actor and their sockets; the tiny
+random Llama on the CPU, whose greedy choices are arbitrary, the grammar alone keeps them in
+line): every output parses against its grammar with overlapped steps on and off, a bad grammar
+is refused at submission naming why, and requests with and without grammars share steps."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from taipan import LLM, RequestError
+from taipan.messages.requests import SamplingParams, StructuredOutput
+from tests.random_llama import TINY_SHAPE, make_random_llama
+
+pytest.importorskip("llguidance")
+
+SCHEMA = {
+    "type": "object",
+    # (bounded: a random model never stops a number or a string of its own accord)
+    "properties": {
+        "ok": {"type": "boolean"},
+        "n": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["ok", "n"],
+    "additionalProperties": False,
+}
+
+
+def _sampling(kind: str, spec: str, **kw) -> SamplingParams:
+    kw = {"max_tokens": 120, "temperature": 0.0} | kw
+    return SamplingParams(structured=StructuredOutput(kind, spec), **kw)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_random_llama(str(tmp_path_factory.mktemp("tiny") / "m"), TINY_SHAPE)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_outputs_keep_to_their_grammars(tiny, overlap):
+    cases = [
+        ("choice", json.dumps(["red", "green", "blue"]), lambda t: t in ("red", "green", "blue")),
+        ("regex", "[0-9]{3}-[a-z]{2}", lambda t: re.fullmatch("[0-9]{3}-[a-z]{2}", t)),
+        ("json_schema", json.dumps(SCHEMA), lambda t: set(json.loads(t)) == {"ok", "n"}),
+    ]
+    prompts = [[5, 17, 42, 9], [3, 3, 3], [100, 7]]
+    with LLM(tiny, max_requests=8, overlap_steps=overlap, buffer_size_gb=0.05) as llm:
+        samplings = [_sampling(kind, spec) for kind, spec, _ in cases]
+        plain = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        # Grammar rows beside a plain one in the same steps, twice each (sampled, seeded too).
+        outs = llm.generate(prompts + [[1, 2]], samplings + [plain], use_tqdm=False)
+        sampled = [_sampling(k, s, temperature=1.0, seed=i) for i, (k, s, _) in enumerate(cases)]
+        outs += llm.generate(prompts, sampled, use_tqdm=False)
+        for (kind, _, check), out in zip(cases * 2, outs[:3] + outs[4:], strict=True):
+            text = llm.tokenizer.decode(out.token_ids)
+            assert check(text), (kind, text)
+            assert out.finish_reason == "stop", (kind, text, out.finish_reason)
+        assert len(outs[3].token_ids) == 8
+
+
+def test_a_bad_grammar_is_refused_naming_why(tiny):
+    with LLM(tiny, buffer_size_gb=0.05) as llm:
+        with pytest.raises(RequestError, match="regex"):
+            llm.generate([[1, 2, 3]], _sampling("regex", "(unclosed"), use_tqdm=False)
+        with pytest.raises(RequestError, match="structured.kind"):
+            llm.generate([[1, 2, 3]], _sampling("yaml", ""), use_tqdm=False)
+        [ok] = llm.generate([[1, 2, 3]], _sampling("choice", '["x"]'), use_tqdm=False)
+        assert llm.tokenizer.decode(ok.token_ids) == "x"
