@@ -68,3 +68,37 @@ def test_a_bad_grammar_is_refused_naming_why(tiny):
             llm.generate([[1, 2, 3]], _sampling("yaml", ""), use_tqdm=False)
         [ok] = llm.generate([[1, 2, 3]], _sampling("choice", '["x"]'), use_tqdm=False)
         assert llm.tokenizer.decode(ok.token_ids) == "x"
+
+
+def test_the_engine_sends_each_grammar_once_and_drops_it_when_its_request_ends():
+    """actors/engine/grammar.py's GrammarBook, alone: rows only where a grammar request
+    samples, its grammar in the first plan that samples for it, its drop after it has ended."""
+    import types
+
+    import numpy as np
+
+    from taipan.actors.engine.grammar import GrammarBook
+
+    g = StructuredOutput("regex", "a+")
+
+    def chunk(rid, structured, samples=True):
+        sampling = SamplingParams(structured=structured)
+        return types.SimpleNamespace(
+            request=types.SimpleNamespace(request_id=rid, sampling=sampling), samples=samples
+        )
+
+    book = GrammarBook()
+    batch = types.SimpleNamespace(chunks=[chunk(1, None), chunk(2, g, samples=False)])
+    assert book.arrays(batch, {1: 0, 2: 0}) == {}  # (a prefill chunk that samples nothing)
+    batch = types.SimpleNamespace(chunks=[chunk(1, None), chunk(2, g)])
+    first = book.arrays(batch, {1: 0, 2: 0})
+    assert first["grammar_rows"].tolist() == [-1, 2] and [
+        s.request_id for s in first["grammar_new"]
+    ] == [2]
+    again = book.arrays(batch, {1: 0, 2: 0})
+    assert again["grammar_new"] == [] and "grammar_drop" not in again
+    ended = book.arrays(types.SimpleNamespace(chunks=[chunk(1, None)]), {1: 0})
+    assert ended == {"grammar_drop": ended["grammar_drop"]} and ended["grammar_drop"].tolist() == [
+        2
+    ]
+    assert book.live == set() and isinstance(ended["grammar_drop"], np.ndarray)
