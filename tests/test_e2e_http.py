@@ -91,7 +91,7 @@ def test_models_health_and_metrics(server, oai):
     assert httpx.get(f"{server[0]}/health").json() == {"status": "ok"}
     text = httpx.get(f"{server[0]}/metrics").text
     for name in (
-        "taipan_requests_total",
+        "taipan_request_success_total",
         "taipan_time_to_first_token_seconds_bucket",
         "taipan_requests_running",
         "taipan_kv_blocks_used",
@@ -220,7 +220,7 @@ def test_chat_equals_the_client_streamed_or_not(oai, direct):
         ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
         ({"model": MODEL, "prompt": []}, 400, "prompt"),
-        ({"prompt": "x"}, 400, "model"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ],
 )
 def test_bad_completion_requests_are_4xx_in_openai_shape(server, body, status, param):
@@ -235,7 +235,7 @@ def test_bad_completion_requests_are_4xx_in_openai_shape(server, body, status, p
 def test_bad_chat_requests_malformed_json_and_auth(server, oai):
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "x"}]})
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": 5}]})
     assert r.status_code == 400
     r = _post(server, "/v1/completions", None, raw="{not json")
     assert r.status_code == 400 and "error" in r.json()

@@ -2,12 +2,16 @@
 
 A FastAPI app over one connected `AsyncClient`; never imports torch. Its parts, each importing
 only those listed before it:
-  schemas      OpenAI's error shape, the request bodies, body -> SamplingParams
+  schemas      OpenAI's error shape, the lenient request bodies, body -> SamplingParams
+  logprobs     tokens as the API shows them (exact bytes), log-prob fields and text offsets
+  tools        tool calls: the tools in the prompt, the model's calls parsed (Hermes, Llama 3)
   admission    the bounded queue (--max-queued, --queue-timeout; 503 with Retry-After)
-  metrics      the Prometheus registry behind GET /metrics
+  metrics      the Prometheus registry behind GET /metrics (vLLM's names mapped)
   streaming    server-sent events; a request's choices run together, aborted on disconnect
-  completions  OpenAIServer: POST /v1/completions and /v1/chat/completions
+  completions  OpenAIServer: what the endpoints share, and POST /v1/completions
   generate     POST /generate: token ids in and out, for HTTP-driven trainers (with --api-key)
+  chat         ChatServer: the chat prompt, POST /v1/chat/completions (tools included)
+  responses    ResponsesServer: POST /v1/responses (the text subset)
   routes       the route table and the small endpoints (health, models, tokenizer)
   app          build_app, serve (in the caller's loop), http_main (the `http` process)
 

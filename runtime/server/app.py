@@ -6,7 +6,8 @@ the metrics, OpenAI-shaped error handlers and the `--api-key` check, then the ro
 is the `http` process of `taipan serve --http-port`. Never imports torch: a tokenizer, msgpack
 and sockets only.
 
-No endpoint logic lives here (taipan.server.routes, .completions and .generate hold it).
+No endpoint logic lives here (taipan.server.routes, .completions, .chat, .responses and
+.generate hold it).
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from taipan.auth import curve_keys
 from taipan.client import AsyncClient
 from taipan.server.admission import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Admission
-from taipan.server.completions import OpenAIServer
 from taipan.server.generate import GENERATE_PATH, add_generate_route
 from taipan.server.metrics import Metrics
+from taipan.server.responses import ResponsesServer
 from taipan.server.routes import CONTROL_PATHS, add_control_routes, add_routes
 from taipan.server.schemas import APIError
 
 # The paths behind --api-key.
-GUARDED = ("/v1/", "/tokenize", "/detokenize", "/tokenizer_info", GENERATE_PATH, *CONTROL_PATHS)
+GUARDED = (
+    "/v1/", "/tokenize", "/detokenize", "/tokenizer_info", "/invocations", GENERATE_PATH,
+    *CONTROL_PATHS,
+)  # fmt: skip
 
 
 class _KeyCheck:
@@ -61,7 +65,7 @@ def build_app(
     flight, a request waiting up to `queue_timeout` seconds for room (see .admission)."""
     admission = Admission(max_queued, queue_timeout)
     metrics = Metrics(admission)
-    server = OpenAIServer(client, served_model_name or client.model, metrics, admission)
+    server = ResponsesServer(client, served_model_name or client.model, metrics, admission)
     app = FastAPI(title="taipan", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
@@ -83,7 +87,8 @@ def build_app(
         for err in e.errors()[:5]:
             loc = [str(x) for x in err.get("loc", ()) if x != "body"]
             param = param or (loc[0] if loc else None)
-            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')}")
+            # (the error's type too: vLLM's clients look for e.g. "less_than_equal")
+            parts.append(f"{'.'.join(loc) or 'body'}: {err.get('msg')} [{err.get('type')}]")
         metrics.http_errors.labels(status="400").inc()
         return APIError(400, "; ".join(parts) or "invalid request body", param).response()
 

@@ -1,17 +1,20 @@
-"""The generating endpoints, `POST /v1/completions` and `POST /v1/chat/completions`, over one
-connected AsyncClient (`OpenAIServer`; the route table calls it).
+"""`POST /v1/completions` over one connected AsyncClient, and what the generating endpoints
+share (`OpenAIServer`; chat and responses build on it).
 
 Requests map onto SamplingParams one choice at a time: `n` choices of a prompt are n requests
 (choice j of a seeded request draws with seed + j), and a list of prompts is one request per
 prompt and choice, choices numbered prompt-major as OpenAI does. Stop strings match the
-detokenized text (the client's StoppingDetokenizer). `echo` with `logprobs` returns the prompt's
-log-probs (the first token has none), and with `max_tokens` 0 only those: lm-eval's
-log-likelihood requests. A bad request is refused before anything is submitted; a request the
-runtime fails is a 500 (a streamed one ends with an error event); a client that disconnects
-aborts its requests. Each request holds its slots of the bounded queue until its response ends.
-Each choice (and each streamed chunk of one) carries taipan's extension `weight_versions`: the
-weight-version spans [[version, first token index], ...] of its generated tokens (a chunk's:
-those of the tokens since the choice's previous chunk).
+detokenized text (the client's StoppingDetokenizer). `echo` returns the prompt before the text
+(a token-id prompt as its decode, special tokens included, so text, tokens and offsets agree),
+and with `logprobs` its log-probs (the first token has none); with `max_tokens` 0 only those:
+lm-eval's log-likelihood requests. Streamed, echo with logprobs holds the choice's chunks back
+until its end (the prompt's log-probs come with the request's last output). A bad request is
+refused before anything is submitted; a request the runtime fails is a 500 (a streamed one ends
+with an error event); a client that disconnects aborts its requests. Each request holds its
+slots of the bounded queue until its response ends. Each choice (and each streamed chunk of
+one) carries taipan's extension `weight_versions`: the weight-version spans [[version, first
+token index], ...] of its generated tokens (a chunk's: those of the tokens since the choice's
+previous chunk).
 
 Builds no app and registers no routes; admission and metrics are handed in.
 """
@@ -26,20 +29,17 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from taipan.client import AsyncClient, Completion, Delta
+from taipan.client import AsyncClient, Completion
 from taipan.messages.requests import FinishReason
 from taipan.outputs import join_versions
 from taipan.server.admission import Admission
+from taipan.server.logprobs import Offsets, TokenTexts, completion_logprobs, prompt_logprobs
 from taipan.server.metrics import Metrics
 from taipan.server.schemas import (
     APIError,
     BaseBody,
-    ChatBody,
     CompletionBody,
     choice_params,
-    json_log_prob,
-    json_log_probs,
-    message_dict,
     openai_finish,
     openai_usage,
     refuse_unsupported,
@@ -48,10 +48,20 @@ from taipan.server.schemas import (
 from taipan.server.streaming import Done, held_stream, merge, sse, until_disconnected
 
 
+def failed(c) -> None:
+    """A choice the runtime failed or aborted: a 500 (a streamed one: its error event)."""
+    if c.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
+        raise APIError(500, f"the request failed: {c.error or c.finish_reason}")
+
+
+def _or(value, default):
+    return default if value is None else value
+
+
 class OpenAIServer:
-    """The generating endpoints' logic over one AsyncClient (the routes call `completions`
-    and `chat`); it holds the model name the server answers to and the app's admission and
-    metrics."""
+    """The generating endpoints' logic over one AsyncClient (the routes call `completions`;
+    ChatServer adds chat): the model name the server answers to, the app's admission and
+    metrics, and the checks and plumbing every endpoint shares."""
 
     def __init__(
         self, client: AsyncClient, served_model_name: str, metrics: Metrics, admission: Admission
@@ -61,16 +71,18 @@ class OpenAIServer:
         self.metrics = metrics
         self.admission = admission
         self.created = int(time.time())
+        self.texts = TokenTexts(client.tokenizer)
 
     # --- shared -----------------------------------------------------------------------------
 
-    def _check_model(self, body: BaseBody) -> None:
-        if body.model != self.model:
+    def check_model(self, body: BaseBody) -> None:
+        """A missing or empty model means the served one; any other name is a 404."""
+        if body.model and body.model != self.model:
             raise APIError(
                 404, f"the model {body.model!r} does not exist", "model", "model_not_found"
             )
 
-    def _check_fits(self, prompt_len: int, max_tokens: int, param: str) -> None:
+    def check_fits(self, prompt_len: int, max_tokens: int, param: str) -> None:
         limit = self.client.info.max_sequence_length
         if prompt_len + max_tokens > limit:
             raise APIError(
@@ -83,7 +95,9 @@ class OpenAIServer:
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param)
 
-    def _encode_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    def _encode_prompts(self, prompt) -> list[tuple[str, list[int]]]:
+        """(the prompt's text as echoed, its ids) per prompt; a token-id prompt's text is its
+        decode with special tokens, so that it agrees with the echoed tokens."""
         tok = self.client.tokenizer
         vocab = tok.vocab_size
         if isinstance(prompt, str):
@@ -100,14 +114,14 @@ class OpenAIServer:
                 out.append((p, tok.encode(p)))
             else:
                 if any(not 0 <= t < vocab for t in p):
-                    raise APIError(400, f"prompt token ids must lie in [0, {vocab})", "prompt")
-                out.append((None, list(p)))
+                    raise APIError(
+                        400, f"prompt token ids out of vocabulary: they lie in [0, {vocab})",
+                        "prompt",
+                    )  # fmt: skip
+                out.append((tok.decode(p, skip_special_tokens=False), list(p)))
         return out
 
-    async def _observe(self, c: Completion | Delta) -> None:
-        self.metrics.observe(c.finish_reason, c.ttft, c.tpot)
-
-    async def _admit(self, request: Request, k: int) -> None:
+    async def admit(self, request: Request, k: int) -> None:
         """Take k slots of the bounded queue (a client that hangs up while it waits leaves)."""
         try:
             await until_disconnected(request, [self.admission.acquire(k)])
@@ -117,71 +131,75 @@ class OpenAIServer:
             raise
 
     @contextlib.asynccontextmanager
-    async def _held(self, request: Request, k: int):
-        await self._admit(request, k)
+    async def held(self, request: Request, k: int):
+        await self.admit(request, k)
         try:
             yield
         finally:
             self.admission.release(k)
 
-    async def _held_stream(self, request: Request, k: int, events) -> StreamingResponse:
+    async def held_stream(self, request: Request, k: int, events) -> StreamingResponse:
         """The SSE response of `events`, holding k slots until it ends."""
-        await self._admit(request, k)
+        await self.admit(request, k)
         return held_stream(events, release=lambda: self.admission.release(k))
+
+    async def generate_all(self, request: Request, jobs) -> list[Completion]:
+        """Run (ids, params) jobs together, holding their slots; the metrics told of each."""
+        async with self.held(request, len(jobs)):
+            timers = [self.metrics.timer() for _ in jobs]
+            coros = [self.client.generate(ids, p, raise_on_error=False) for ids, p in jobs]
+            results = [r[0] for r in await until_disconnected(request, coros)]
+        for (ids, _), c, timer in zip(jobs, results, timers, strict=True):
+            timer.finish(c, len(ids), len(c.token_ids))
+        return results
 
     # --- /v1/completions ---------------------------------------------------------------------
 
     async def completions(self, body: CompletionBody, request: Request):
-        self._check_model(body)
+        self.check_model(body)
         refuse_unsupported(body)
         max_tokens = 16 if body.max_tokens is None else body.max_tokens
         if max_tokens == 0 and not (body.echo and body.logprobs is not None):
-            raise APIError(400, "max_tokens 0 needs echo and logprobs (prompt log-probs)")
-        prompt_log_probs = body.echo and body.logprobs is not None
+            if body.prompt_logprobs is None:
+                raise APIError(400, "max_tokens 0 needs echo and logprobs (prompt log-probs)")
         top_n = -1 if body.logprobs is None else body.logprobs
-        params = sampling_params(body, max(max_tokens, 1), top_n, prompt_log_probs)
+        prompt_top = max(top_n if body.echo else -1, _or(body.prompt_logprobs, -1))
+        params = sampling_params(body, max(max_tokens, 1), top_n, prompt_top)
         prompts = self._encode_prompts(body.prompt)
         for _, ids in prompts:
-            self._check_fits(len(ids), max(max_tokens, 1), "prompt")
+            self.check_fits(len(ids), max(max_tokens, 1), "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
         jobs = [(i, j, ids) for i, (_, ids) in enumerate(prompts) for j in range(body.n)]
         if body.stream:
             events = self._stream_completions(body, rid, prompts, jobs, params, max_tokens)
-            return await self._held_stream(request, len(jobs), events)
-        async with self._held(request, len(jobs)):
-            coros = [
-                self.client.generate(ids, choice_params(params, j), raise_on_error=False)
-                for _, j, ids in jobs
-            ]
-            results = await until_disconnected(request, coros)
-        choices = []
-        completion_tokens = 0
-        for k, ((i, _, ids), res) in enumerate(zip(jobs, results, strict=True)):
-            c = res[0]
-            await self._observe(c)
-            if c.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                raise APIError(500, f"the request failed: {c.error or c.finish_reason}")
-            tokens, text = c.token_ids, c.text
-            if max_tokens == 0:  # prompt log-probs only: drop the one token generated
-                tokens, text = [], ""
-            completion_tokens += len(tokens)
+            return await self.held_stream(request, len(jobs), events)
+        results = await self.generate_all(
+            request, [(ids, choice_params(params, j)) for _, j, ids in jobs]
+        )
+        choices, completion_tokens = [], 0
+        for k, ((i, _, ids), c) in enumerate(zip(jobs, results, strict=True)):
+            failed(c)
+            n = len(c.token_ids) if max_tokens else 0  # 0: prompt log-probs only
+            completion_tokens += n
             prompt_text = prompts[i][0]
-            if body.echo and prompt_text is None:
-                prompt_text = self.client.tokenizer.decode(ids)
             logprobs = None
             if body.logprobs is not None:
-                logprobs = self._completion_logprobs(body, ids, c, len(tokens))
-            finish = "length" if max_tokens == 0 else openai_finish(c.finish_reason)
-            choices.append(
-                {
-                    "index": k,
-                    "text": (prompt_text if body.echo else "") + text,
-                    "logprobs": logprobs,
-                    "finish_reason": finish,
-                    "stop_reason": c.stop_reason,
-                    "weight_versions": c.weight_versions if tokens else [],  # taipan's
-                }
-            )
+                logprobs = self._logprobs(body, ids, prompt_text, c, n)
+            choice = {
+                "index": k,
+                "text": (prompt_text if body.echo else "") + (c.text if n else ""),
+                "logprobs": logprobs,
+                "finish_reason": openai_finish(c.finish_reason) if n else "length",
+                "stop_reason": c.stop_reason,
+                "weight_versions": c.weight_versions if n else [],  # taipan's
+                "prompt_logprobs": None,  # vLLM's, when asked
+            }
+            if body.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(
+                    self.texts, ids, c.prompt_log_probs, c.prompt_top_n_logprobs,
+                    body.prompt_logprobs,
+                )  # fmt: skip
+            choices.append(choice)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {
             "id": rid,
@@ -192,82 +210,86 @@ class OpenAIServer:
             "usage": openai_usage(prompt_tokens, completion_tokens),
         }
 
-    def _token_str(self, t: int) -> str:
-        return self.client.tokenizer.decode([t], skip_special_tokens=False)
+    def _prompt_logprobs(self, body: CompletionBody, ids: list[int], c) -> dict:
+        """The echoed prompt's logprobs (offsets from 0)."""
+        lps = [None, *(c.prompt_log_probs or [])]
+        tops = [None, *(c.prompt_top_n_logprobs or [{}] * (len(ids) - 1))]
+        return completion_logprobs(self.texts, ids, lps, tops, Offsets(0), body.logprobs or 0)
 
-    def _top(self, top: dict[int, float] | None) -> dict[str, float] | None:
-        if top is None:
-            return None
-        return {self._token_str(t): json_log_prob(lp) for t, lp in top.items()}
+    def _logprobs(self, body: CompletionBody, ids, prompt_text: str, c, n: int) -> dict:
+        offsets = Offsets(len(prompt_text) if body.echo else 0)
+        gen = self._generated_logprobs(c, n, offsets, body.logprobs or 0)
+        if not body.echo:
+            return gen
+        prompt = self._prompt_logprobs(body, ids, c)
+        return {key: prompt[key] + gen[key] for key in prompt}
 
-    def _completion_logprobs(self, body: CompletionBody, ids, c, n: int) -> dict:
-        tokens: list[int] = []
-        lps: list[float | None] = []
-        tops: list[dict | None] = []
-        if body.echo:
-            tokens += ids
-            lps += [None, *(c.prompt_log_probs or [])]
-            prompt_top = c.prompt_top_n_logprobs or [{}] * (len(ids) - 1)
-            tops += [None, *(self._top(t) if body.logprobs else None for t in prompt_top)]
-        tokens += c.token_ids[:n]
-        lps += (c.log_probs or [])[:n]
-        gen_top = (c.top_n_logprobs or [{}] * n)[:n]
-        tops += [self._top(t) if body.logprobs else None for t in gen_top]
-        strs = [self._token_str(t) for t in tokens]
-        offsets, pos = [], 0
-        for s in strs:
-            offsets.append(pos)
-            pos += len(s)
-        return {
-            "tokens": strs,
-            "token_logprobs": json_log_probs(lps),
-            "top_logprobs": tops if body.logprobs else None,
-            "text_offset": offsets,
-        }
+    def _generated_logprobs(self, c, n: int, offsets: Offsets, top_n: int) -> dict:
+        tops = (c.top_n_logprobs or [{}] * n)[:n]
+        return completion_logprobs(
+            self.texts, c.token_ids[:n], (c.log_probs or [])[:n], tops, offsets, top_n
+        )
 
     def _stream_completions(self, body, rid, prompts, jobs, params, max_tokens):
         created = int(time.time())
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
+        options = body.stream_options
+        include_usage = bool(options and options.include_usage)
+        continuous = include_usage and options.continuous_usage_stats
 
-        async def one(k: int, i: int, j: int, ids: list[int], put) -> None:
+        async def one(k: int, i: int, j: int, ids: list[int], put) -> int:
             prompt_text = prompts[i][0]
-            if body.echo:
-                text = prompt_text if prompt_text is not None else self.client.tokenizer.decode(ids)
-                await put(k, {"index": k, "text": text, "logprobs": None, "finish_reason": None})
+            # Echo with logprobs waits for the prompt's log-probs (on the last output).
+            hold = body.echo and body.logprobs is not None
+            held: list[dict] = []
+
+            async def send(chunk: dict) -> None:
+                if continuous:
+                    chunk["usage"] = openai_usage(len(ids), count)
+                if hold:
+                    held.append(chunk)
+                else:
+                    await put(k, chunk)
+
             count = 0
+            if body.echo and not hold:
+                await send({"index": k, "text": prompt_text, "logprobs": None,
+                            "finish_reason": None})  # fmt: skip
+            offsets = Offsets(len(prompt_text) if body.echo else 0)
             versions: list[tuple[int, int]] = []  # of the tokens since the last chunk sent
+            timer = self.metrics.timer()
             async for d in self.client.stream(ids, choice_params(params, j)):
-                count += len(d.token_ids) if max_tokens else 0
-                versions = join_versions(versions, d.weight_versions if max_tokens else [])
-                chunk = {
-                    "index": k,
-                    "text": d.text if max_tokens else "",
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                if body.logprobs is not None and max_tokens:
-                    chunk["logprobs"] = self._stream_logprobs(body, d)
+                n = len(d.token_ids) if max_tokens else 0
+                count += n
+                timer.tokens(n)
+                versions = join_versions(versions, d.weight_versions if n else [])
+                chunk = {"index": k, "text": d.text if n else "", "logprobs": None,
+                         "finish_reason": None}  # fmt: skip
+                if body.logprobs is not None and n:
+                    chunk["logprobs"] = self._generated_logprobs(d, n, offsets, body.logprobs)
                 if d.finished:
-                    await self._observe(d)
-                    if d.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                        raise APIError(500, f"the request failed: {d.error or d.finish_reason}")
-                    chunk["finish_reason"] = (
-                        "length" if not max_tokens else openai_finish(d.finish_reason)
-                    )
+                    timer.finish(d, len(ids), count)
+                    failed(d)
+                    finish = openai_finish(d.finish_reason)
+                    chunk["finish_reason"] = finish if max_tokens else "length"
                     chunk["stop_reason"] = d.stop_reason
                 if chunk["text"] or d.finished or chunk["logprobs"]:
                     chunk["weight_versions"], versions = versions, []
-                    await put(k, chunk)
+                    await send(chunk)
+                if d.finished and hold:
+                    echo = {"index": k, "text": prompt_text, "finish_reason": None,
+                            "logprobs": self._prompt_logprobs(body, ids, d)}  # fmt: skip
+                    if continuous:
+                        echo["usage"] = openai_usage(len(ids), 0)
+                    for c in [echo, *held]:
+                        await put(k, c)
             return count
 
-        def envelope(choice):
-            return {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model,
-                "choices": [choice],
-            }
+        def envelope(choices, usage=None):
+            out = {"id": rid, "object": "text_completion", "created": created,
+                   "model": self.model, "choices": choices}  # fmt: skip
+            if usage is not None:
+                out["usage"] = usage
+            return out
 
         async def events() -> AsyncIterator[str]:
             counts = None
@@ -277,144 +299,11 @@ class OpenAIServer:
                     if isinstance(item, Done):
                         counts = item.results
                         break
-                    yield sse(envelope(item))
+                    usage = item.pop("usage", None)
+                    yield sse(envelope([item], usage))
             if include_usage and counts is not None:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
-                usage = {"id": rid, "object": "text_completion", "created": created,
-                         "model": self.model, "choices": [],
-                         "usage": openai_usage(prompt_tokens, sum(counts))}  # fmt: skip
-                yield sse(usage)
-            yield "data: [DONE]\n\n"
-
-        return events()
-
-    def _stream_logprobs(self, body: CompletionBody, d: Delta) -> dict:
-        strs = [self._token_str(t) for t in d.token_ids]
-        tops = d.top_n_logprobs or [{}] * len(strs)
-        return {
-            "tokens": strs,
-            "token_logprobs": json_log_probs((d.log_probs or [])[: len(strs)]),
-            "top_logprobs": [self._top(t) for t in tops] if body.logprobs else None,
-            "text_offset": [],
-        }
-
-    # --- /v1/chat/completions ----------------------------------------------------------------
-
-    async def chat(self, body: ChatBody, request: Request):
-        self._check_model(body)
-        refuse_unsupported(body)
-        if body.max_tokens is not None and body.max_completion_tokens is not None:
-            if body.max_tokens != body.max_completion_tokens:
-                raise APIError(400, "max_tokens and max_completion_tokens differ", "max_tokens")
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
-        messages = [message_dict(m) for m in body.messages]
-        try:
-            ids = self.client.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except Exception as e:  # a template that refuses these messages: the caller's input
-            raise APIError(400, f"the chat template refused the messages: {e}", "messages") from e
-        limit = self.client.info.max_sequence_length
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(1, limit - len(ids))
-        self._check_fits(len(ids), max_tokens, "messages")
-        top_n = (body.top_logprobs or 0) if body.logprobs else -1
-        params = sampling_params(body, max_tokens, top_n, False)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            return await self._held_stream(
-                request, body.n, self._stream_chat(body, rid, ids, params)
-            )
-        async with self._held(request, body.n):
-            coros = [
-                self.client.generate(ids, choice_params(params, j), raise_on_error=False)
-                for j in range(body.n)
-            ]
-            results = await until_disconnected(request, coros)
-        choices, completion_tokens = [], 0
-        for j, res in enumerate(results):
-            c = res[0]
-            await self._observe(c)
-            if c.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                raise APIError(500, f"the request failed: {c.error or c.finish_reason}")
-            completion_tokens += len(c.token_ids)
-            choices.append(
-                {
-                    "index": j,
-                    "message": {"role": "assistant", "content": c.text},
-                    "logprobs": self._chat_logprobs(body, c) if body.logprobs else None,
-                    "finish_reason": openai_finish(c.finish_reason),
-                    "stop_reason": c.stop_reason,
-                    "weight_versions": c.weight_versions,  # taipan's extension
-                }
-            )
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": self.model,
-            "choices": choices,
-            "usage": openai_usage(len(ids), completion_tokens),
-        }
-
-    def _chat_entry(self, t: int, lp: float) -> dict:
-        s = self._token_str(t)
-        return {"token": s, "logprob": json_log_prob(lp), "bytes": list(s.encode())}
-
-    def _chat_logprobs(self, body: ChatBody, c) -> dict:
-        n = len(c.token_ids)
-        tops = (c.top_n_logprobs or [{}] * n)[:n]
-        content = []
-        for t, lp, top in zip(c.token_ids, (c.log_probs or [])[:n], tops, strict=True):
-            entry = self._chat_entry(t, lp)
-            ranked = sorted(top.items(), key=lambda kv: -kv[1])[: body.top_logprobs or 0]
-            entry["top_logprobs"] = [self._chat_entry(i, v) for i, v in ranked]
-            content.append(entry)
-        return {"content": content}
-
-    def _stream_chat(self, body: ChatBody, rid: str, ids: list[int], params):
-        created = int(time.time())
-        include_usage = bool((body.stream_options or {}).get("include_usage"))
-
-        async def one(j: int, put) -> int:
-            await put(j, {"index": j, "delta": {"role": "assistant", "content": ""},
-                          "logprobs": None, "finish_reason": None})  # fmt: skip
-            count = 0
-            versions: list[tuple[int, int]] = []  # of the tokens since the last chunk sent
-            async for d in self.client.stream(ids, choice_params(params, j)):
-                count += len(d.token_ids)
-                versions = join_versions(versions, d.weight_versions)
-                chunk = {"index": j, "delta": {}, "logprobs": None, "finish_reason": None}
-                if d.text:
-                    chunk["delta"] = {"content": d.text}
-                if body.logprobs and d.token_ids:
-                    chunk["logprobs"] = self._chat_logprobs(body, d)
-                if d.finished:
-                    await self._observe(d)
-                    if d.finish_reason in (FinishReason.ERROR, FinishReason.ABORT):
-                        raise APIError(500, f"the request failed: {d.error or d.finish_reason}")
-                    chunk["finish_reason"] = openai_finish(d.finish_reason)
-                    chunk["stop_reason"] = d.stop_reason
-                if d.text or d.finished or chunk["logprobs"]:
-                    chunk["weight_versions"], versions = versions, []
-                    await put(j, chunk)
-            return count
-
-        def envelope(choices, usage=None):
-            out = {"id": rid, "object": "chat.completion.chunk", "created": created,
-                   "model": self.model, "choices": choices}  # fmt: skip
-            if usage is not None:
-                out["usage"] = usage
-            return out
-
-        async def events() -> AsyncIterator[str]:
-            counts = None
-            async with contextlib.aclosing(merge([(j,) for j in range(body.n)], one)) as items:
-                async for item in items:
-                    if isinstance(item, Done):
-                        counts = item.results
-                        break
-                    yield sse(envelope([item]))
-            if include_usage and counts is not None:
-                yield sse(envelope([], openai_usage(len(ids), sum(counts))))
+                yield sse(envelope([], openai_usage(prompt_tokens, sum(counts))))
             yield "data: [DONE]\n\n"
 
         return events()

@@ -70,13 +70,14 @@ def add_generate_route(
             events = _stream(client, metrics, job)
             return held_stream(events, release=lambda: admission.release(k))
         try:
+            timers = [metrics.timer() for _ in job.prompts]
             coros = [client.generate(p, s, raise_on_error=False) for p, s in _pairs(job)]
             results = await until_disconnected(request, coros)
         finally:
             admission.release(k)
         outs = []
-        for (c,), s in zip(results, job.params, strict=True):
-            metrics.observe(c.finish_reason, c.ttft, c.tpot)
+        for (c,), s, timer in zip(results, job.params, timers, strict=True):
+            timer.finish(c, len(c.prompt_token_ids), len(c.token_ids))
             outs.append(_result(c, s))
         return outs if job.batch else outs[0]
 
@@ -275,10 +276,12 @@ async def _stream(client: AsyncClient, metrics: Metrics, job: GenerateJob) -> As
 
     async def one(i: int, prompt: list[int], s: SamplingParams, put) -> None:
         generated = 0
+        timer = metrics.timer()
         async for d in client.stream(prompt, s):
             generated += len(d.token_ids)
+            timer.tokens(len(d.token_ids))
             if d.finished:
-                metrics.observe(d.finish_reason, d.ttft, d.tpot)
+                timer.finish(d, len(prompt), generated)
             await put(i, _event(i, d, s, len(prompt), generated))
 
     args = [(i, p, s) for i, (p, s) in enumerate(_pairs(job))]

@@ -1,8 +1,10 @@
 """The route table: every path the server answers, and the small handlers inline.
 
-`GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus), vLLM's `GET /tokenizer_info`,
-`POST /tokenize` and `POST /detokenize` (lm-eval's remote tokenizer), the generating
-`POST /v1/completions` and `POST /v1/chat/completions`, which call `OpenAIServer`, and the
+`GET /health`, `GET /v1/models` and `/v1/models/{id}`, `GET /metrics` (Prometheus), vLLM's
+`GET /tokenizer_info`, `POST /tokenize` (a prompt, or chat messages through the template) and
+`POST /detokenize` (lm-eval's remote tokenizer), the generating `POST /v1/completions`,
+`POST /v1/chat/completions` and `POST /v1/responses` (and SageMaker's `POST /invocations`, either
+of the first two), which call `ResponsesServer`, and the
 lifecycle controls an HTTP-driven trainer needs (CONTROL_PATHS: pause with its mode, clear_cache
 and timeout, unpause, suspend, resume, update_weights from a path, init / update / close weight
 transfer, update_weights_from_ipc, flush_cache), only with `--api-key`.
@@ -19,18 +21,21 @@ import json
 
 import prometheus_client as prom
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from taipan.client import ControlError
 from taipan.messages.lifecycle import IpcTensor
-from taipan.server.completions import OpenAIServer
+from taipan.server.chat import generation_prompt
+from taipan.server.responses import ResponsesServer
 from taipan.server.schemas import (
     APIError,
     ChatBody,
     CompletionBody,
     DetokenizeBody,
+    ResponsesBody,
     TokenizeBody,
-    message_dict,
 )
 
 CONTROL_PATHS = (
@@ -165,7 +170,7 @@ def _ipc_record(fields: dict) -> dict:
     return out
 
 
-def add_routes(app: FastAPI, server: OpenAIServer) -> None:
+def add_routes(app: FastAPI, server: ResponsesServer) -> None:
     """Register every endpoint on `app`, each answering from `server` and its client."""
     client, metrics = server.client, server.metrics
 
@@ -178,20 +183,28 @@ def add_routes(app: FastAPI, server: OpenAIServer) -> None:
             return JSONResponse({"status": "unavailable", "reason": str(e)}, status_code=503)
         return {"status": "ok"}
 
+    def model_card() -> dict:
+        return {
+            "id": server.model,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "taipan",
+            "root": client.model,
+            "parent": None,
+            "max_model_len": client.info.max_sequence_length,
+        }
+
     @app.get("/v1/models")
     async def models():
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "taipan",
-                    "max_model_len": client.info.max_sequence_length,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != server.model:
+            raise APIError(
+                404, f"the model {model_id!r} does not exist", "model", "model_not_found"
+            )
+        return model_card()
 
     # vLLM's tokenizer endpoints (lm-eval's "remote" tokenizer backend uses them, so that it
     # needs no tokenizer files of its own).
@@ -210,19 +223,26 @@ def add_routes(app: FastAPI, server: OpenAIServer) -> None:
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeBody):
+        """vLLM's: a prompt (special tokens added by default), or chat messages through the
+        template (none added by default); `return_token_strs` adds the vocabulary pieces."""
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         tok = client.tokenizer
         if body.prompt is not None:
-            ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            add = True if body.add_special_tokens is None else body.add_special_tokens
+            ids = tok.encode(body.prompt, add_special_tokens=add)
         else:
-            messages = [message_dict(m) for m in body.messages]
-            try:
-                ids = tok.apply_chat_template(messages, body.add_generation_prompt)
-            except Exception as e:  # a template that refuses these messages
-                raise APIError(400, f"the chat template refused the messages: {e}") from e
+            ids = server.chat_prompt(
+                body.messages,
+                body.tools,
+                add_generation_prompt=generation_prompt(body),
+                continue_final_message=body.continue_final_message,
+                add_special_tokens=bool(body.add_special_tokens),
+                chat_template_kwargs=body.chat_template_kwargs,
+            )
+        strs = [tok.id_to_token(t) for t in ids] if body.return_token_strs else None
         limit = client.info.max_sequence_length
-        return {"tokens": ids, "count": len(ids), "max_model_len": limit}
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": strs}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeBody):
@@ -249,3 +269,26 @@ def add_routes(app: FastAPI, server: OpenAIServer) -> None:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         return await server.chat(body, request)
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesBody, request: Request):
+        return await server.responses(body, request)
+
+    @app.post("/invocations")
+    async def invocations(request: Request):
+        """SageMaker's entry point (as vLLM serves it): a chat body (it has `messages`) or a
+        completion body (`prompt`), answered as its endpoint answers it."""
+        try:
+            raw = json.loads(await request.body())
+        except ValueError:
+            raise APIError(400, "the body is not JSON") from None
+        if not isinstance(raw, dict) or not ({"messages", "prompt"} & set(raw)):
+            raise APIError(400, "/invocations takes a chat (messages) or completion (prompt) body")
+        kind = ChatBody if "messages" in raw else CompletionBody
+        try:
+            body = kind.model_validate(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        if isinstance(body, ChatBody):
+            return await server.chat(body, request)
+        return await server.completions(body, request)

@@ -1,11 +1,13 @@
 """What the HTTP server speaks: OpenAI's error shape, the request bodies, and the mapping of a
 body onto SamplingParams and of results back into OpenAI's fields.
 
-The schema is lenient where OpenAI's is (null means absent; fields that cannot change the output
-are accepted) and strict where the output would change: an unknown field, or an OpenAI field
-taipan does not implement set to something other than its no-op value, is a 400 naming the field.
-Every refusal is an `APIError`, which renders as `{"error": {"message", "type", "param",
-"code"}}`.
+The schema is lenient where OpenAI's is and strict where the output would change
+(DESIGN.md §11). `lenient()` is the one place that says how: null means absent for every
+optional field; the fields of IGNORED cannot change the output and are dropped whatever their
+value; the fields of NO_OP are features taipan has not built, accepted only at the value that
+leaves the output unchanged; any other unknown field, or a NO_OP field set to something else, is
+a 400 naming it. Every refusal is an `APIError`, which renders as `{"error": {"message",
+"type", "param", "code"}}`.
 
 Pure data and validation: no client, no event loop, no admission or metrics state.
 """
@@ -15,11 +17,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from taipan.messages.requests import FinishReason, SamplingParams
 
 MAX_LOGPROBS = 20  # OpenAI's bound on `logprobs` / `top_logprobs`
+SEED_RANGE = 2**63  # SamplingParams.seed lies in [0, 2**63)
 
 
 class APIError(Exception):
@@ -47,34 +50,134 @@ class APIError(Exception):
         return JSONResponse({"error": body}, status_code=self.status, headers=self.headers)
 
 
+# Fields that cannot change the output, accepted with any value and dropped (OpenAI's, and the
+# vLLM extensions clients send): storage and billing tags, end-user ids, latency hints.
+IGNORED = frozenset({
+    "store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key",
+    "prompt_cache_retention", "prediction", "request_id", "priority", "cache_salt",
+    "kv_transfer_params", "spaces_between_special_tokens",
+})  # fmt: skip
+
+# Features not built yet: accepted only at the value that changes nothing (OpenAI's default);
+# any other value is a 400 naming the field. Sampling controls need the engine's sampler
+# (penalties, biases, bad words), structured outputs a grammar engine (issue 28 items 2-3).
+NO_OP: dict[str, Any] = {
+    "frequency_penalty": 0,
+    "presence_penalty": 0,
+    "repetition_penalty": 1,
+    "logit_bias": {},
+    "min_tokens": 0,
+    "bad_words": [],
+    "allowed_token_ids": [],
+    "use_beam_search": False,
+    "length_penalty": 1,
+    "suffix": "",
+    "modalities": ["text"],
+    "skip_special_tokens": True,
+    "response_format": {"type": "text"},
+    "functions": [],
+    "function_call": "none",
+    "return_tokens_as_token_ids": False,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "structured_outputs": None,
+}
+WHY_NOT = {
+    "response_format": "structured outputs need a grammar engine, not built yet",
+    "frequency_penalty": "sampling penalties are not in taipan's sampler yet",
+    "presence_penalty": "sampling penalties are not in taipan's sampler yet",
+    "repetition_penalty": "sampling penalties are not in taipan's sampler yet",
+    "logit_bias": "logit biases are not in taipan's sampler yet",
+    **dict.fromkeys(
+        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
+        "structured outputs need a grammar engine, not built yet",
+    ),
+}
+
+
+def lenient(data: Any) -> Any:
+    """A request body as the body models take it: nulls dropped, IGNORED fields dropped, NO_OP
+    fields at their no-op value dropped (else a 400 naming the field)."""
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for key, value in data.items():
+        if value is None or key in IGNORED:
+            continue
+        if key in NO_OP:
+            if value == NO_OP[key] or value == {} or value == []:
+                continue
+            why = WHY_NOT.get(key, "not supported by taipan yet")
+            raise APIError(400, f"{key}={_short(value)} is not supported: {why}", key)
+        out[key] = value
+    return out
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 # --- request bodies ------------------------------------------------------------------------
 
 
-class BaseBody(BaseModel):
-    """Fields both endpoints share. Unknown fields are refused (no option is silently ignored);
-    OpenAI fields taipan does not implement are accepted only at their no-op values."""
+class Lenient(BaseModel):
+    """A body (or part of one) read through `lenient()`; unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient(cls, data: Any) -> Any:
+        return lenient(data)
+
+
+class StreamOptions(Lenient):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk
+    include_obfuscation: bool = False  # OpenAI's padding against side channels: none here
+
+
+class ToolFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
+class BaseBody(Lenient):
+    """Fields both generating endpoints share. `model` missing or empty: the served one."""
+
+    model: str = ""
     n: int = Field(1, ge=1, le=128)
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1, lt=2**31)  # vLLM's extension: -1 or 0 = off
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)  # any int64: `engine_seed`
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # vLLM's extension
+    include_stop_str_in_output: bool = False  # vLLM's extension
     stream: bool = False
-    stream_options: dict[str, Any] | None = None
+    stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
     # taipan's extension (SamplingParams.logprobs_mode): the returned log-probs of generated
     # tokens are of the model's distribution ("raw") or the one sampled from ("processed";
     # a token it drops has log-prob -inf, sent as -9999.0: `json_log_prob`).
     logprobs_mode: Literal["raw", "processed"] | None = None
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None  # an end-user id: recorded nowhere, changes nothing
+    # vLLM's extension: each prompt token's log-prob and its top candidates (vLLM's shape).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
 class CompletionBody(BaseBody):
@@ -83,15 +186,42 @@ class CompletionBody(BaseBody):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+
+
+class ToolCallFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: str
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str = ""
+    type: str = "function"
+    function: ToolCallFunction
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """A message as the chat template takes it: any role (custom ones go to the template),
+    extra fields kept, null or empty ones dropped (the SDK's `message.model_dump()` of a
+    reply, with its null `refusal`, `audio`, `function_call`, ..., round-trips)."""
 
-    role: Literal["system", "user", "assistant", "developer", "tool"]
+    model_config = ConfigDict(extra="allow")
+
+    role: str = Field(min_length=1)
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if v is not None and v != [] or k == "content"}
 
 
 class ChatBody(BaseBody):
@@ -100,64 +230,78 @@ class ChatBody(BaseBody):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    # vLLM's extensions: how the chat template renders the conversation.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeBody(BaseModel):
+class TokenizeBody(Lenient):
     """POST /tokenize (vLLM's): text, or chat messages through the template."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None  # default: True for a prompt, False for messages
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    tools: list[Tool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class DetokenizeBody(Lenient):
     model: str | None = None
     tokens: list[int]
 
 
 def refuse_unsupported(body: BaseBody) -> None:
-    """Refuse the OpenAI fields taipan does not implement, when set to something that would
-    change the output (400 naming the field)."""
-    checks = {
-        "frequency_penalty": body.frequency_penalty != 0,
-        "presence_penalty": body.presence_penalty != 0,
-        "logit_bias": bool(body.logit_bias),
-    }
-    if isinstance(body, CompletionBody):
-        checks["best_of"] = body.best_of not in (None, body.n)
-        checks["suffix"] = bool(body.suffix)
+    """Refuse what the body asks that taipan does not do (400 naming the field); `lenient`
+    has refused the unbuilt features already."""
+    if isinstance(body, CompletionBody) and body.best_of not in (None, body.n):
+        raise APIError(400, "best_of other than n is not supported by taipan", "best_of")
     if isinstance(body, ChatBody):
-        checks["tools"] = bool(body.tools)
-        checks["tool_choice"] = body.tool_choice not in (None, "none")
-        checks["response_format"] = bool(body.response_format) and body.response_format != {
-            "type": "text"
-        }
-    for name, bad in checks.items():
-        if bad:
-            raise APIError(400, f"{name} is not supported by taipan yet", name)
-    if body.stream_options is not None:
-        if not body.stream:
-            raise APIError(400, "stream_options needs stream=true", "stream_options")
-        unknown = set(body.stream_options) - {"include_usage", "continuous_usage_stats"}
-        if unknown:
-            raise APIError(400, f"unknown stream_options: {sorted(unknown)}", "stream_options")
+        refuse_tool_choice(body)
+    if body.stream and body.prompt_logprobs is not None:
+        raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options needs stream=true", "stream_options")
+
+
+def refuse_tool_choice(body: ChatBody) -> None:
+    """tool_choice "none" and "auto" work with any tools (or none); "required" or a named
+    function must force a call that parses, which needs grammar-constrained decoding."""
+    choice = body.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return
+    if not body.tools:
+        raise APIError(400, f"tool_choice {_short(choice)} needs tools", "tool_choice")
+    raise APIError(
+        400,
+        f"tool_choice {_short(choice)} is not supported yet: forcing a tool call needs "
+        'grammar-constrained decoding, which taipan has not built; use "auto" or "none"',
+        "tool_choice",
+    )
 
 
 # --- mapping ---------------------------------------------------------------------------------
 
 
+def engine_seed(seed: int | None) -> int | None:
+    """Any 64-bit seed (negative too) as the engine's [0, 2**63), deterministically."""
+    return None if seed is None else seed % SEED_RANGE
+
+
 def sampling_params(
-    body: BaseBody, max_tokens: int, top_n: int, prompt_log_probs: bool
+    body: BaseBody, max_tokens: int, top_n: int, prompt_top: int = -1
 ) -> SamplingParams:
+    """The body's SamplingParams: `top_n` candidates per generated token (-1: no log-probs),
+    `prompt_top` per prompt token (-1: no prompt log-probs); the engine's top-n serves both
+    (the larger), each cut to its own when shown."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", "stop")
@@ -167,13 +311,15 @@ def sampling_params(
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=max(0, body.top_k or 0),
         min_p=body.min_p or 0.0,
-        seed=body.seed,
+        seed=engine_seed(body.seed),
         ignore_eos=body.ignore_eos,
         stop=tuple(stop),
-        return_log_probs=top_n >= 0 or prompt_log_probs,
-        skip_prompt_log_probs=not prompt_log_probs,
-        top_n_logprobs=max(top_n, 0),
-        return_prompt_top_n_logprobs=prompt_log_probs and top_n > 0,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
+        include_stop_word=body.include_stop_str_in_output,
+        return_log_probs=top_n >= 0 or prompt_top >= 0,
+        skip_prompt_log_probs=prompt_top < 0,
+        top_n_logprobs=max(top_n, prompt_top, 0),
+        return_prompt_top_n_logprobs=prompt_top > 0,
         logprobs_mode=body.logprobs_mode or "raw",
     )
     problems = params.problems()
@@ -186,7 +332,7 @@ def choice_params(params: SamplingParams, j: int) -> SamplingParams:
     """Choice j of n: its own draws when seeded (the same seed would repeat choice 0)."""
     if params.seed is None or j == 0:
         return params
-    return SamplingParams(**{**_fields(params), "seed": (params.seed + j) % 2**63})
+    return SamplingParams(**{**_fields(params), "seed": (params.seed + j) % SEED_RANGE})
 
 
 def _fields(params: SamplingParams) -> dict:
@@ -220,17 +366,62 @@ def json_log_probs(lps: list[float | None]) -> list[float | None]:
     return [json_log_prob(lp) for lp in lps]
 
 
+TEXT_PARTS = ("text", "input_text", "output_text")  # chat's, and the Responses API's
+
+
+def content_text(content: str | list[dict[str, Any]] | None, param: str = "messages") -> str:
+    """A message's content as text: OpenAI's content parts joined (text parts only)."""
+    if not isinstance(content, list):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
+            kind = part.get("type")
+            raise APIError(400, f"only text content parts are supported, not {kind!r}", param)
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def message_dict(m: ChatMessage) -> dict:
-    """A chat message as the chat template takes it (text content parts joined)."""
-    content = m.content
-    if isinstance(content, list):  # OpenAI's content parts: text only
-        texts = []
-        for part in content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, "only text content parts are supported", "messages")
-            texts.append(part["text"])
-        content = "".join(texts)
-    out = {"role": m.role, "content": content or ""}
+    """A chat message as the chat template takes it, as Hugging Face's templates expect it:
+    text content parts joined, a tool call's JSON `arguments` as an object, extra fields kept."""
+    out = {**(m.model_extra or {}), "role": m.role, "content": content_text(m.content)}
     if m.name is not None:
         out["name"] = m.name
+    if m.tool_call_id is not None:
+        out["tool_call_id"] = m.tool_call_id
+    if m.tool_calls:
+        out["tool_calls"] = [_template_tool_call(c) for c in m.tool_calls]
     return out
+
+
+def _template_tool_call(call: ToolCall) -> dict:
+    import json
+
+    args = call.function.arguments
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            parsed = None
+        args = parsed if isinstance(parsed, dict) else args
+    function = {**(call.function.model_extra or {}), "name": call.function.name, "arguments": args}
+    return {"id": call.id, "type": call.type, "function": function}
+
+
+class ResponsesBody(BaseBody):
+    """POST /v1/responses, the text subset: `input` (a string, or message items), optional
+    `instructions`; function tools, stored conversations and non-text formats are refused."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    truncation: Literal["disabled"] | None = None
+    include: list[str] | None = None  # extra output fields: none to add for text
+    previous_response_id: str | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
