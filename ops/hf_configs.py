@@ -23,6 +23,7 @@ from taipan.ops.models.qwen3 import Qwen3Config
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig
 from taipan.ops.models.qwen3_next import FULL, LINEAR, Qwen3NextConfig
 from taipan.ops.moe import MoEConfig
+from taipan.ops.rope_scaling import UnsupportedRope, rope_scaling_from_hf
 from taipan.ops.tokenizer import Tokenizer
 
 _ARCHITECTURES = {
@@ -180,14 +181,21 @@ def _nemotron_h_moe(hf: dict, pick) -> MoEConfig:
     )
 
 
-def _rope_theta(path: Path, hf: dict) -> float:
-    """Plain RoPE's base; any other RoPE type is refused."""
-    rope = hf.get("rope_parameters") or {}  # transformers >= 5 nests rope_theta here
-    scaling = hf.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type")
-    if rope_type not in (None, "default"):
-        raise ModelLoadError(f"{path}: RoPE type {rope_type!r} is not supported yet")
-    return float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
+def _rope(path: Path, hf: dict, max_positions: int) -> dict:
+    """`rope_theta` and `rope_scaling` (ops/rope_scaling.py; None: plain) as transformers reads
+    them: the older `rope_scaling` dict if set, else `rope_parameters`, the base from it or a
+    top-level `rope_theta`. `max_positions`: the family's default max_position_embeddings. A
+    RoPE type we do not implement is refused, naming it."""
+    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    max_len = hf.get("max_position_embeddings") or max_positions
+    try:
+        theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+        scaling = rope_scaling_from_hf(params, max_len, hf.get("original_max_position_embeddings"))
+    except UnsupportedRope as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"{path}/config.json: bad or missing RoPE field ({exc})") from exc
+    return dict(rope_theta=theta, rope_scaling=scaling)
 
 
 # The dense Llama-skeleton families: our config class, transformers' default
@@ -203,14 +211,14 @@ _DENSE = {
 
 def _hf_dense_config(path: Path, hf: dict, tokenizer: Tokenizer, family: str) -> LlamaConfig:
     cls, max_positions, refused = _DENSE[family]
-    rope_theta = _rope_theta(path, hf)
+    rope = _rope(path, hf, max_positions)
     for flag in refused:
         if hf.get(flag):
             raise ModelLoadError(f"{path}: {flag}=true is not supported")
     if hf.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{path}: hidden_act {hf['hidden_act']!r} is not supported")
     try:
-        fields = _decoder_fields(hf, tokenizer, rope_theta, max_positions)
+        fields = _decoder_fields(hf, tokenizer, rope, max_positions)
         return cls(**fields, **_sliding_window(hf, family))
     except (KeyError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"{path}/config.json: bad or missing field ({exc})") from exc
@@ -239,9 +247,9 @@ def _sliding_window(hf: dict, family: str) -> dict:
     return dict(sliding_window=int(window), sliding_layers=layers)
 
 
-def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope_theta: float, max_positions: int):
+def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope: dict, max_positions: int):
     """The fields a Llama-skeleton config (the `_DENSE` families, Qwen3-MoE) takes from Hugging
-    Face's config (KeyError for a missing one)."""
+    Face's config (KeyError for a missing one); `rope`: `_rope`'s."""
     num_heads = hf["num_attention_heads"]
     return dict(
         vocab_size=hf["vocab_size"],
@@ -252,7 +260,7 @@ def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope_theta: float, max_posit
         num_kv_heads=hf.get("num_key_value_heads") or num_heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=rope_theta,
+        **rope,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=hf.get("max_position_embeddings", max_positions),
         bos_token_id=hf.get("bos_token_id", tokenizer.bos_token_id),
@@ -261,7 +269,7 @@ def _decoder_fields(hf: dict, tokenizer: Tokenizer, rope_theta: float, max_posit
 
 
 def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3MoeConfig:
-    rope_theta = _rope_theta(path, hf)
+    rope = _rope(path, hf, max_positions=32768)
     unsupported = {
         "attention_bias": hf.get("attention_bias", False),
         "use_sliding_window": hf.get("use_sliding_window", False),
@@ -287,7 +295,7 @@ def _hf_qwen3_moe_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3Moe
             renormalize=bool(hf.get("norm_topk_prob", False)),
         )
         return Qwen3MoeConfig(
-            **_decoder_fields(hf, tokenizer, rope_theta, max_positions=32768),
+            **_decoder_fields(hf, tokenizer, rope, max_positions=32768),
             moe=moe,
             decoder_sparse_step=hf.get("decoder_sparse_step", 1),
             mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
@@ -387,8 +395,8 @@ def _gemma3_rope(path: Path, hf: dict) -> dict:
 def _hf_qwen3_next_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3NextConfig:
     """Qwen3NextConfig's fields with transformers' defaults: `layer_types`, or else every
     `full_attention_interval`-th layer attention; MoE layers when num_experts > 0. Attention
-    biases, another activation or RoPE type are refused."""
-    rope_theta = _rope_theta(path, hf)
+    biases, another activation or an unsupported RoPE type (`_rope`) are refused."""
+    rope_fields = _rope(path, hf, max_positions=32768)
     if hf.get("attention_bias"):
         raise ModelLoadError(f"{path}: attention_bias=true is not supported for Qwen3-Next")
     if hf.get("hidden_act", "silu") != "silu":
@@ -414,7 +422,7 @@ def _hf_qwen3_next_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3Ne
                 renormalize=bool(hf.get("norm_topk_prob", True)),
             )
         shared = hf.get("shared_expert_intermediate_size", 0) if moe else 0
-        fields = _decoder_fields(hf, tokenizer, rope_theta, max_positions=32768)
+        fields = _decoder_fields(hf, tokenizer, rope_fields, max_positions=32768)
         del fields["num_layers"]
         return Qwen3NextConfig(
             **fields | {"head_dim": hf.get("head_dim", 256)},

@@ -35,9 +35,10 @@ _CHATML = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 # Llama 3's vocabulary size (so the LM head costs what it really costs) and RoPE base. Its
-# checkpoints scale RoPE ("llama3" rope type), which we do not support: these shapes use plain
-# RoPE, which costs the same. max_position_embeddings is the real 131072 (the fp32 cos/sin
-# cache is then 131072 x head_dim x 4 bytes: 32 MiB for 1B, 64 MiB for 8B).
+# checkpoints scale RoPE ("llama3" rope type, ops/rope_scaling.py): these shapes use plain RoPE,
+# which costs the same (scaling only changes the table built at load). max_position_embeddings
+# is the real 131072 (the fp32 cos/sin cache is then 131072 x head_dim x 4 bytes: 32 MiB for 1B,
+# 64 MiB for 8B).
 _LLAMA3 = dict(
     vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072
 )

@@ -403,7 +403,11 @@ def nh_dir(tmp_path_factory):
         ("qwen", {"use_sliding_window": True}, "use_sliding_window"),
         ("qwen", {"attention_bias": True}, "attention_bias"),
         ("qwen", {"hidden_act": "gelu"}, "hidden_act"),
-        ("qwen", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "RoPE type 'yarn'"),
+        (
+            "qwen",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+            "RoPE type 'dynamic'",
+        ),
         ("qwen", {"num_local_experts": 0}, "without experts"),
         ("qwen", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ("qwen", {"moe_intermediate_size": None}, "moe_intermediate_size"),

@@ -30,17 +30,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from taipan.kernels.rope import rope_cos_sin_cache
 from taipan.ops.attention import AttentionMetadata
 from taipan.ops.layers import Attention, GeluTanhMLP, GemmaRMSNorm
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.parallel import SINGLE, TPGroup
+from taipan.ops.rope_scaling import RopeScaling, rope_table
 
 
 @dataclass(frozen=True)
 class Gemma3Config(LlamaConfig):
     """Llama's fields (`sliding_layers`: the local layers, never None here; `rope_theta`: the
-    global layers' base) and Gemma's own."""
+    global layers' base; `rope_scaling` unused, always None: the global layers' linear scaling
+    is `rope_scaling_factor`) and Gemma's own."""
 
     rope_local_theta: float = 10000.0
     rope_scaling_factor: float = 1.0  # linear RoPE scaling of the global layers
@@ -136,16 +137,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
 
 
 def _rope_table(config: Gemma3Config, theta: float, factor: float, device) -> torch.Tensor:
-    """cos | sin per position, as kernels/rope.rope_cos_sin_cache; linear scaling divides the
-    inverse frequencies by `factor` (Hugging Face's "linear" RoPE)."""
+    """cos | sin per position (ops/rope_scaling.rope_table); `factor` != 1: Hugging Face's
+    "linear" RoPE, the inverse frequencies divided by it."""
     c = config
-    if factor == 1.0:
-        return rope_cos_sin_cache(c.max_position_embeddings, c.head_dim, theta, device)
-    exponents = torch.arange(0, c.head_dim, 2, dtype=torch.float32, device=device)
-    inv_freq = 1.0 / (theta ** (exponents / c.head_dim)) / factor  # [head_dim / 2]
-    positions = torch.arange(c.max_position_embeddings, device=device).float()
-    freqs = positions[:, None] * inv_freq[None, :]  # [max_pos, head_dim / 2]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    scaling = None if factor == 1.0 else RopeScaling("linear", factor=factor)
+    return rope_table(c.max_position_embeddings, c.head_dim, theta, scaling, device)
 
 
 @functools.cache

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from taipan.kernels.rope import rope_cos_sin_cache
 from taipan.ops.attention import AttentionMetadata
 from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP, VocabParallelEmbedding, lm_logits
 from taipan.ops.parallel import SINGLE, TPGroup
+from taipan.ops.rope_scaling import RopeScaling, rope_table
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,8 @@ class LlamaConfig:
     sliding_window: int | None = None
     # The layers the window applies to (Qwen2/3 window only some); None: all of them.
     sliding_layers: tuple[int, ...] | None = None
+    # Llama 3.1's "llama3", Qwen's "yarn", or "linear" (ops/rope_scaling.py); None: plain RoPE.
+    rope_scaling: RopeScaling | None = None
 
     @property
     def num_kv_layers(self) -> int:
@@ -182,12 +184,14 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def rope_cache(self, device: torch.device) -> torch.Tensor:
-        """cos/sin for every position, fp32 [max_position_embeddings, head_dim], built once per
-        device (a plain attribute, not a buffer: `.to(dtype)` must not round it)."""
+        """cos/sin for every position, fp32 [max_position_embeddings, head_dim] with the config's
+        RoPE scaling, built once per device (a plain attribute, not a buffer: `.to(dtype)` must
+        not round it)."""
         cache = self._rope_caches.get(device)
         if cache is None:
             c = self.config
-            cache = rope_cos_sin_cache(c.max_position_embeddings, c.head_dim, c.rope_theta, device)
+            max_pos, scaling = c.max_position_embeddings, c.rope_scaling
+            cache = rope_table(max_pos, c.head_dim, c.rope_theta, scaling, device)
             self._rope_caches[device] = cache
         return cache
 

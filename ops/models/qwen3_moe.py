@@ -23,6 +23,7 @@ from taipan.ops.layers import SwiGLUMLP
 from taipan.ops.models.llama import DecoderLayer, LlamaForCausalLM
 from taipan.ops.moe import ExpertRange, MoE, MoEConfig
 from taipan.ops.parallel import SINGLE, TPGroup
+from taipan.ops.rope_scaling import RopeScaling
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,7 @@ class Qwen3MoeConfig:
     moe: MoEConfig
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
+    rope_scaling: RopeScaling | None = None  # ops/rope_scaling.py (None: plain RoPE)
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

@@ -39,13 +39,13 @@ import torch
 from torch import nn
 
 from taipan.kernels import rope
-from taipan.kernels.rope import rope_cos_sin_cache
 from taipan.ops.attention import AttentionMetadata, paged_attention
 from taipan.ops.gated_delta import GatedDeltaNet
 from taipan.ops.layers import GemmaRMSNorm, SwiGLUMLP, VocabParallelEmbedding, lm_logits
 from taipan.ops.mamba import MambaMetadata, MambaStateShape
 from taipan.ops.moe import ExpertRange, MoE, MoEConfig
 from taipan.ops.parallel import SINGLE, TPGroup
+from taipan.ops.rope_scaling import RopeScaling, rope_table
 
 LINEAR, FULL = "linear_attention", "full_attention"
 GDN_CHUNK = 64  # the chunk of the GDN prefill (Hugging Face's and FLA's chunk_size)
@@ -77,6 +77,7 @@ class Qwen3NextConfig:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     ssm_state_dtype: str = "float32"  # of the recurrent state (mamba_inference_state_config)
+    rope_scaling: RopeScaling | None = None  # of the rotated channels (None: plain RoPE)
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.layer_types) - {LINEAR, FULL})
@@ -163,7 +164,7 @@ class Qwen3NextConfig:
 def rotate_partial_(x: torch.Tensor, cos_sin: torch.Tensor) -> None:
     """Rotate-half RoPE of the first R channels of each head of x [T, heads, D], in place; the
     other D - R pass through. cos_sin: [T, R] fp32, each token's row of
-    kernels/rope.rope_cos_sin_cache with head_dim R. fp32 arithmetic, rounded once (as
+    ops/rope_scaling.rope_table with head_dim R. fp32 arithmetic, rounded once (as
     kernels/rope.py)."""
     half = cos_sin.shape[1] // 2
     cos, sin = cos_sin[:, None, :half], cos_sin[:, None, half:]
@@ -347,12 +348,13 @@ class Qwen3NextForCausalLM(nn.Module):
         return x
 
     def rope_cache(self, device: torch.device) -> torch.Tensor:
-        """cos/sin of the rotated channels for every position, fp32 [max_pos, rotary_dim]."""
+        """cos/sin of the rotated channels for every position, fp32 [max_pos, rotary_dim], with
+        the config's RoPE scaling (over the rotary dim, as transformers scales a partial RoPE)."""
         cache = self._rope_caches.get(device)
         if cache is None:
             c = self.config
-            cache = rope_cos_sin_cache(c.max_position_embeddings, c.rotary_dim, c.rope_theta,
-                                       device)  # fmt: skip
+            max_pos, scaling = c.max_position_embeddings, c.rope_scaling
+            cache = rope_table(max_pos, c.rotary_dim, c.rope_theta, scaling, device)
             self._rope_caches[device] = cache
         return cache
 
