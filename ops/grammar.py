@@ -47,7 +47,9 @@ class GrammarSpec:
         if self.kind not in KINDS:
             raise GrammarError(f"unknown grammar kind {self.kind!r}; known: {', '.join(KINDS)}")
         if self.kind == "json_object":
-            return llguidance.grammar_from("json_schema", json.dumps(_bounded({"type": "object"})))
+            return llguidance.grammar_from(
+                "json_schema", json.dumps(bounded_schema({"type": "object"}))
+            )
         if self.kind == "choice":
             try:
                 choices = json.loads(self.spec)
@@ -64,7 +66,7 @@ class GrammarSpec:
             except json.JSONDecodeError as e:
                 raise GrammarError(f"json_schema: not JSON ({e})") from None
             if isinstance(schema, dict):
-                return llguidance.grammar_from("json_schema", json.dumps(_bounded(schema)))
+                return llguidance.grammar_from("json_schema", json.dumps(bounded_schema(schema)))
         try:
             return llguidance.grammar_from(
                 self.kind if self.kind != "grammar" else "lark", self.spec
@@ -79,7 +81,7 @@ class GrammarSpec:
 JSON_WHITESPACE = "[ \\t\\n]{0,8}"
 
 
-def _bounded(schema: dict) -> dict:
+def bounded_schema(schema: dict) -> dict:
     """`schema` with llguidance's whitespace bounded (unless it sets its own options)."""
     if "x-guidance" in schema:
         return schema

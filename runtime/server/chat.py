@@ -16,12 +16,14 @@ Builds no app and registers no routes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
 
+from taipan.messages.requests import SamplingParams, StructuredOutput
 from taipan.outputs import join_versions
 from taipan.server.completions import OpenAIServer, failed
 from taipan.server.logprobs import chat_logprobs, prompt_logprobs
@@ -30,7 +32,9 @@ from taipan.server.schemas import (
     ChatBody,
     ChatMessage,
     Tool,
+    check_structured,
     choice_params,
+    forced_tool_name,
     message_dict,
     openai_finish,
     openai_usage,
@@ -43,6 +47,7 @@ from taipan.server.tools import (
     fallback_messages,
     parse_tool_calls,
     template_renders_tools,
+    tool_grammar,
     tool_style,
 )
 
@@ -95,6 +100,25 @@ class ChatServer(OpenAIServer):
             text = text[: end + len(last)]
         return tok.encode(text, add_special_tokens=add_special_tokens)
 
+    def _forced_tools(self, body: ChatBody, params: SamplingParams) -> SamplingParams:
+        """`params` keeping to a tool call when tool_choice is "required" or names a function
+        (tools.tool_grammar, in the template's style), else as they are."""
+        choice = body.tool_choice
+        if choice is None or choice in ("none", "auto"):
+            return params
+        if params.structured is not None:
+            raise APIError(
+                400, "tool_choice forcing a call cannot be combined with response_format or "
+                "another structured output", "tool_choice",
+            )  # fmt: skip
+        only = forced_tool_name(choice) if isinstance(choice, dict) else None
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        style = tool_style(self.client.tokenizer.chat_template)
+        grammar = tool_grammar(tools, only, style, body.parallel_tool_calls and only is None)
+        structured = StructuredOutput("grammar", grammar)
+        check_structured(structured, "tools")
+        return dataclasses.replace(params, structured=structured)
+
     # --- /v1/chat/completions ----------------------------------------------------------------
 
     async def chat(self, body: ChatBody, request: Request):
@@ -119,7 +143,7 @@ class ChatServer(OpenAIServer):
         self.check_fits(len(ids), max_tokens, "messages")
         top_n = (body.top_logprobs or 0) if body.logprobs else -1
         prompt_top = -1 if body.prompt_logprobs is None else body.prompt_logprobs
-        params = sampling_params(body, max_tokens, top_n, prompt_top)
+        params = self._forced_tools(body, sampling_params(body, max_tokens, top_n, prompt_top))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await self.held_stream(

@@ -14,12 +14,13 @@ Pure data and validation: no client, no event loop, no admission or metrics stat
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from taipan.messages.requests import FinishReason, SamplingParams
+from taipan.messages.requests import FinishReason, SamplingParams, StructuredOutput
 
 MAX_LOGPROBS = 20  # OpenAI's bound on `logprobs` / `top_logprobs`
 SEED_RANGE = 2**63  # SamplingParams.seed lies in [0, 2**63)
@@ -59,14 +60,9 @@ IGNORED = frozenset({
 })  # fmt: skip
 
 # Features not built yet: accepted only at the value that changes nothing (OpenAI's default);
-# any other value is a 400 naming the field. Sampling controls need the engine's sampler
-# (penalties, biases, bad words), structured outputs a grammar engine (issue 28 items 2-3).
+# any other value is a 400 naming the field (bad_words as strings: only SamplingParams'
+# bad_words_ids, token sequences, are built).
 NO_OP: dict[str, Any] = {
-    "frequency_penalty": 0,
-    "presence_penalty": 0,
-    "repetition_penalty": 1,
-    "logit_bias": {},
-    "min_tokens": 0,
     "bad_words": [],
     "allowed_token_ids": [],
     "use_beam_search": False,
@@ -74,26 +70,12 @@ NO_OP: dict[str, Any] = {
     "suffix": "",
     "modalities": ["text"],
     "skip_special_tokens": True,
-    "response_format": {"type": "text"},
     "functions": [],
     "function_call": "none",
     "return_tokens_as_token_ids": False,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "structured_outputs": None,
 }
 WHY_NOT = {
-    "response_format": "structured outputs need a grammar engine, not built yet",
-    "frequency_penalty": "sampling penalties are not in taipan's sampler yet",
-    "presence_penalty": "sampling penalties are not in taipan's sampler yet",
-    "repetition_penalty": "sampling penalties are not in taipan's sampler yet",
-    "logit_bias": "logit biases are not in taipan's sampler yet",
-    **dict.fromkeys(
-        ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"),
-        "structured outputs need a grammar engine, not built yet",
-    ),
+    "bad_words": "bad words as strings are not built (SamplingParams.bad_words_ids takes ids)",
 }
 
 
@@ -178,6 +160,20 @@ class BaseBody(Lenient):
     logprobs_mode: Literal["raw", "processed"] | None = None
     # vLLM's extension: each prompt token's log-prob and its top candidates (vLLM's shape).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # Logit controls (SamplingParams' checks name a bad value's key).
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # vLLM's extension
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = 0  # vLLM's extension
+    # Structured outputs: OpenAI's response_format, or vLLM's guided_* / structured_outputs
+    # (one of them): `structured_output` turns them into the engine's grammar.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionBody(BaseBody):
@@ -274,18 +270,33 @@ def refuse_unsupported(body: BaseBody) -> None:
 
 def refuse_tool_choice(body: ChatBody) -> None:
     """tool_choice "none" and "auto" work with any tools (or none); "required" or a named
-    function must force a call that parses, which needs grammar-constrained decoding."""
+    function needs tools (the named one among them) and forces a call by a grammar
+    (tools.tool_grammar), so it cannot be combined with another structured output."""
     choice = body.tool_choice
     if choice is None or choice in ("none", "auto"):
         return
     if not body.tools:
         raise APIError(400, f"tool_choice {_short(choice)} needs tools", "tool_choice")
-    raise APIError(
-        400,
-        f"tool_choice {_short(choice)} is not supported yet: forcing a tool call needs "
-        'grammar-constrained decoding, which taipan has not built; use "auto" or "none"',
-        "tool_choice",
-    )
+    if isinstance(choice, dict):
+        name = forced_tool_name(choice)
+        if name not in [t.function.name for t in body.tools]:
+            raise APIError(
+                400, f"tool_choice names the function {_short(name)}, which is not in tools",
+                "tool_choice",
+            )  # fmt: skip
+
+
+def forced_tool_name(choice: dict) -> str | None:
+    """The function a named tool_choice ({"type": "function", "function": {"name": ...}})
+    names; a 400 for any other shape."""
+    function = choice.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    if choice.get("type", "function") != "function" or not isinstance(name, str) or not name:
+        raise APIError(
+            400, 'tool_choice must be "none", "auto", "required" or {"type": "function", '
+            '"function": {"name": ...}}', "tool_choice",
+        )  # fmt: skip
+    return name
 
 
 # --- mapping ---------------------------------------------------------------------------------
@@ -321,11 +332,97 @@ def sampling_params(
         top_n_logprobs=max(top_n, prompt_top, 0),
         return_prompt_top_n_logprobs=prompt_top > 0,
         logprobs_mode=body.logprobs_mode or "raw",
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=body.logit_bias or None,
+        min_tokens=body.min_tokens,
+        structured=structured_output(body),
     )
     problems = params.problems()
     if problems:
         raise APIError(400, "; ".join(problems))
     return params
+
+
+def structured_output(body: BaseBody) -> StructuredOutput | None:
+    """The grammar the body asks its output to keep to: OpenAI's `response_format`
+    (json_object, json_schema) or one of vLLM's guided_json / guided_regex / guided_choice /
+    guided_grammar / structured_outputs; None: none (or response_format "text"). A 400 naming
+    the field for two of them, an unknown type, or a grammar that does not compile."""
+    given: list[tuple[str, StructuredOutput]] = []
+    rf = body.response_format
+    if rf is not None and rf.get("type") != "text":
+        given.append(("response_format", _response_format(rf)))
+    if body.guided_json is not None:
+        spec = body.guided_json
+        spec = spec if isinstance(spec, str) else json.dumps(spec)
+        given.append(("guided_json", StructuredOutput("json_schema", spec)))
+    if body.guided_regex is not None:
+        given.append(("guided_regex", StructuredOutput("regex", body.guided_regex)))
+    if body.guided_choice is not None:
+        given.append(("guided_choice", StructuredOutput("choice", json.dumps(body.guided_choice))))
+    if body.guided_grammar is not None:
+        given.append(("guided_grammar", StructuredOutput("grammar", body.guided_grammar)))
+    if body.structured_outputs:
+        given.append(("structured_outputs", _vllm_structured(body.structured_outputs)))
+    if len(given) > 1:
+        names = ", ".join(name for name, _ in given)
+        raise APIError(400, f"give one structured output, not several ({names})", given[1][0])
+    if not given:
+        return None
+    name, structured = given[0]
+    check_structured(structured, name)
+    return structured
+
+
+def check_structured(structured: StructuredOutput, field: str) -> None:
+    """A 400 naming `field` when `structured` does not compile (ops/grammar.py, llguidance)."""
+    from taipan.ops.grammar import GrammarError, GrammarSpec, check_grammar
+
+    try:
+        check_grammar(GrammarSpec(structured.kind, structured.spec))
+    except GrammarError as e:
+        raise APIError(400, f"{field}: {e}", field) from None
+
+
+def _response_format(rf: dict) -> StructuredOutput:
+    kind = rf.get("type")
+    if kind == "json_object":
+        return StructuredOutput("json_object", "")
+    if kind == "json_schema":
+        inner = rf.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(
+                400, "response_format.json_schema.schema must be a JSON schema object",
+                "response_format",
+            )  # fmt: skip
+        return StructuredOutput("json_schema", json.dumps(schema))
+    raise APIError(
+        400, f"response_format type {_short(kind)} is not text, json_object or json_schema",
+        "response_format",
+    )  # fmt: skip
+
+
+def _vllm_structured(so: dict) -> StructuredOutput:
+    """vLLM's `structured_outputs` (json, regex, choice, grammar or json_object: one)."""
+    keys = [k for k in ("json", "regex", "choice", "grammar", "json_object") if so.get(k)]
+    if len(keys) != 1:
+        raise APIError(
+            400, "structured_outputs needs exactly one of json, regex, choice, grammar, "
+            "json_object", "structured_outputs",
+        )  # fmt: skip
+    value = so[keys[0]]
+    if keys[0] == "json":
+        return StructuredOutput(
+            "json_schema", value if isinstance(value, str) else json.dumps(value)
+        )
+    if keys[0] == "json_object":
+        return StructuredOutput("json_object", "")
+    if keys[0] == "choice":
+        return StructuredOutput("choice", json.dumps(value))
+    return StructuredOutput(keys[0], str(value))
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:

@@ -43,6 +43,35 @@ def template_renders_tools(template: str | None) -> bool:
     return bool(template) and "tools" in template
 
 
+def tool_grammar(tools: list[dict], only: str | None, style: ToolStyle, parallel: bool) -> str:
+    """The grammar (llguidance's Lark, with `%json` for the call) a reply keeps to when
+    tool_choice forces a call: of any of `tools` ("required") or of the one named `only`, in
+    the template's `style`, one call or (with `parallel`) several; `parse_tool_calls` then
+    always finds them."""
+    from taipan.ops.grammar import bounded_schema
+
+    key = "arguments" if style == "hermes" else "parameters"
+    calls = []
+    for tool in tools:
+        function = tool["function"]
+        if only is not None and function["name"] != only:
+            continue
+        params = function.get("parameters") or {"type": "object"}
+        calls.append({
+            "type": "object",
+            "properties": {"name": {"const": function["name"]}, key: params},
+            "required": ["name", key],
+            "additionalProperties": False,
+        })  # fmt: skip
+    body = json.dumps(bounded_schema({"anyOf": calls}))
+    if style == "hermes":
+        call, sep = '"<tool_call>\\n" body "\\n</tool_call>"', '"\\n"'
+    else:
+        call, sep = "body", '"; "'
+    start = f"call ({sep} call)*" if parallel else "call"
+    return f"start: {start}\ncall: {call}\nbody: %json {body}\n"
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
