@@ -214,13 +214,14 @@ def test_chat_equals_the_client_streamed_or_not(oai, direct):
         ({"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
         ({"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
         ({"model": MODEL, "prompt": "x", "bogus": 1}, 400, "bogus"),
-        ({"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+        ({"model": MODEL, "prompt": "x", "presence_penalty": 2.5}, 400, "presence_penalty"),
         ({"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, None),
         ({"model": MODEL, "prompt": "x " * 300}, 400, "prompt"),
         ({"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
         ({"model": MODEL, "prompt": "x", "stop": [""]}, 400, "stop"),
         ({"model": MODEL, "prompt": []}, 400, "prompt"),
-        ({"model": MODEL, "prompt": "x", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "logit_bias": {"1": 500}}, 400, "logit_bias"),
+        ({"model": MODEL, "prompt": "x", "bad_words": ["no"]}, 400, "bad_words"),
     ],
 )
 def test_bad_completion_requests_are_4xx_in_openai_shape(server, body, status, param):

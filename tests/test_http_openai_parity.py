@@ -109,7 +109,7 @@ def test_a_lenient_body_gives_what_the_plain_one_gives(base, oai):
     odd = {"model": "", "max_tokens": 1, "messages": [
         {"role": "critic", "content": "Terse.", "weight": 2}, *ONE]}  # fmt: skip
     assert _post(base, "/v1/chat/completions", odd).status_code == 200
-    bad = _post(base, "/v1/chat/completions", {**lenient, "presence_penalty": 0.3})
+    bad = _post(base, "/v1/chat/completions", {**lenient, "presence_penalty": 3.0})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "presence_penalty"
 
 
@@ -408,8 +408,9 @@ def test_tool_calls_parsed_plain_and_streamed(canned):
         again = await canned.chat.completions.create(model=MODEL, messages=back, tools=TOOLS)
         assert again.choices[0].finish_reason == "tool_calls"
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
+            named = {"type": "function", "function": {"name": "not_a_tool"}}
             await canned.chat.completions.create(
-                model=MODEL, messages=history, tools=TOOLS, tool_choice="required"
+                model=MODEL, messages=history, tools=TOOLS, tool_choice=named
             )
 
     asyncio.run(main())

@@ -341,7 +341,11 @@ def sampling_params(
     )
     problems = params.problems()
     if problems:
-        raise APIError(400, "; ".join(problems))
+        # (a problem that starts with a body field's name is about that field: the param)
+        first = problems[0].split(" ", 1)[0]
+        raise APIError(
+            400, "; ".join(problems), first if first in type(body).model_fields else None
+        )
     return params
 
 
