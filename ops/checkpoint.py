@@ -33,6 +33,7 @@ from taipan.ops.models.mistral import MistralConfig, MistralForCausalLM
 from taipan.ops.models.nemotron_h import NemotronHConfig, NemotronHForCausalLM
 from taipan.ops.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from taipan.ops.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from taipan.ops.models.qwen3_5 import Qwen3_5Config, Qwen3_5ForCausalLM
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from taipan.ops.models.qwen3_next import Qwen3NextConfig, Qwen3NextForCausalLM
 from taipan.ops.moe import ExpertRange
@@ -71,6 +72,7 @@ _MODELS = {
     NemotronHConfig: NemotronHForCausalLM,
     Qwen3MoeConfig: Qwen3MoeForCausalLM,
     Qwen3NextConfig: Qwen3NextForCausalLM,
+    Qwen3_5Config: Qwen3_5ForCausalLM,
 }
 # Kept in fp32 whatever the model dtype (as Hugging Face keeps them): a bf16 correction bias
 # would change which experts are chosen.

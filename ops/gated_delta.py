@@ -15,17 +15,22 @@ head_dim = Dk, state_size = Dv): the conv state [K - 1, conv_dim] (conv_dim = 2 
 value_dim, model dtype) and the recurrent state [Hv, Dk, Dv] (fp32 by default). Which slot a
 sequence reads and writes comes from the plan (ops/mamba.py's contract); never decides it.
 
-Weights keep Hugging Face's names and layouts (weight updates and transfers go in unchanged):
-in_proj_qkvz's rows are grouped by key head, [q_h | k_h | v_h | z_h] for key head h (its
-Hv / Hk value heads' v and z), in_proj_ba's likewise [b_h | a_h]; the forward un-interleaves
-the projection's output (one copy of the conv input). conv1d's channels are [q | k | v], each
-head-major (the conv's own layout), norm.weight is [Dv] (shared by the heads).
+Weights keep Hugging Face's names and layouts (weight updates and transfers go in unchanged),
+one of two input layouts (`split`). Qwen3-Next's: in_proj_qkvz's rows are grouped by key head,
+[q_h | k_h | v_h | z_h] for key head h (its Hv / Hk value heads' v and z), in_proj_ba's likewise
+[b_h | a_h]; the forward un-interleaves the projection's output (one copy of the conv input).
+Qwen3.5's (`split=True`): in_proj_qkv (rows [q | k | v], each head-major: the conv input as
+is), in_proj_z (head-major by value head), in_proj_b and in_proj_a (one row per value head).
+conv1d's channels are [q | k | v], each head-major (the conv's own layout), norm.weight is [Dv]
+(shared by the heads).
 
 Tensor parallel (`tp`): a rank holds Hk/T consecutive key heads and the Hv/T value heads that
 read them (TPError naming linear_num_key_heads unless T divides it): its contiguous rows of
 in_proj_qkvz and in_proj_ba (whole key-head groups), its conv1d channels of q, k and v, its
-heads' A_log and dt_bias, and its columns of out_proj, whose partial sums one all-reduce adds
-up. The gated norm is per head: no collective. Its state slots hold its heads only.
+heads' A_log and dt_bias (split: its q, k and v row segments of in_proj_qkv, its value heads'
+rows of in_proj_z, in_proj_b and in_proj_a), and its columns of out_proj, whose partial sums
+one all-reduce adds up. The gated norm is per head: no collective. Its state slots hold its
+heads only.
 
 The gated norm is a torch path (not kernels/gated_rmsnorm.py): Qwen3-Next gates after the norm,
 norm(y) * w * silu(z), where NemotronH's kernel normalises the gated product.
@@ -45,7 +50,7 @@ from taipan.ops.parallel import SINGLE, TPGroup
 class GatedDeltaNet(nn.Module):
     """`num_k_heads` and `num_v_heads` are the model's; the module holds this rank's share of
     them (`tp`), and its attributes (num_k_heads, num_v_heads, key_dim, value_dim, conv_dim)
-    are the rank's."""
+    are the rank's. `split`: Qwen3.5's separate in_proj_qkv / _z / _b / _a (module docstring)."""
 
     def __init__(
         self,
@@ -57,6 +62,7 @@ class GatedDeltaNet(nn.Module):
         conv_kernel: int,
         eps: float,
         tp: TPGroup = SINGLE,
+        split: bool = False,
     ) -> None:
         super().__init__()
         if num_v_heads % num_k_heads:
@@ -66,7 +72,7 @@ class GatedDeltaNet(nn.Module):
             )
         self.rep = num_v_heads // num_k_heads  # value heads per key head
         _, num_k_heads = tp.even(num_k_heads, "linear_num_key_heads")
-        self.tp, self.eps = tp, eps
+        self.tp, self.eps, self.split = tp, eps, split
         self.num_k_heads, self.num_v_heads = num_k_heads, num_k_heads * self.rep
         self.head_k_dim, self.head_v_dim = head_k_dim, head_v_dim
         self.key_dim = num_k_heads * head_k_dim
@@ -74,8 +80,14 @@ class GatedDeltaNet(nn.Module):
         self.conv_dim = 2 * self.key_dim + self.value_dim
         # One key head's rows of in_proj_qkvz: q, k (Dk each), then its value heads' v and z.
         self.group = 2 * head_k_dim + 2 * self.rep * head_v_dim
-        self.in_proj_qkvz = nn.Linear(hidden_size, num_k_heads * self.group, bias=False)
-        self.in_proj_ba = nn.Linear(hidden_size, num_k_heads * 2 * self.rep, bias=False)
+        if split:
+            self.in_proj_qkv = nn.Linear(hidden_size, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(hidden_size, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+            self.in_proj_a = nn.Linear(hidden_size, self.num_v_heads, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(hidden_size, num_k_heads * self.group, bias=False)
+            self.in_proj_ba = nn.Linear(hidden_size, num_k_heads * 2 * self.rep, bias=False)
         # Hugging Face's Conv1d layout [conv_dim, 1, K], no bias.
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, bias=False,
                                 groups=self.conv_dim)  # fmt: skip
@@ -88,8 +100,11 @@ class GatedDeltaNet(nn.Module):
         """x: [T, hidden] -> [T, hidden]; reads and writes the layer's slots of `meta`."""
         T, Hk, Hv, rep = x.shape[0], self.num_k_heads, self.num_v_heads, self.rep
         mixed, z = self._conv_input(x)  # [T, conv_dim], [T, Hk, rep, Dv]
-        ba = self.in_proj_ba(x).view(T, Hk, 2, rep)
-        b, a = ba[:, :, 0].reshape(T, Hv), ba[:, :, 1].reshape(T, Hv)
+        if self.split:
+            b, a = self.in_proj_b(x), self.in_proj_a(x)  # [T, Hv] each
+        else:
+            ba = self.in_proj_ba(x).view(T, Hk, 2, rep)
+            b, a = ba[:, :, 0].reshape(T, Hv), ba[:, :, 1].reshape(T, Hv)
         conv_out = self._conv(mixed, meta, layer)
         q = conv_out[:, : self.key_dim].view(T, Hk, self.head_k_dim)
         k = conv_out[:, self.key_dim : 2 * self.key_dim].view(T, Hk, self.head_k_dim)
@@ -131,9 +146,13 @@ class GatedDeltaNet(nn.Module):
         return y
 
     def _conv_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """in_proj_qkvz(x), un-interleaved: the conv input [T, conv_dim] (q, k, v, each
-        head-major, a new tensor) and z [T, Hk, rep, Dv] (a view)."""
+        """The conv input [T, conv_dim] (q, k, v, each head-major) and z [T, Hk, rep, Dv]:
+        split, the projections as they are; else in_proj_qkvz(x) un-interleaved (the conv input
+        a new tensor, z a view)."""
         num_tokens, Hk, Dk = x.shape[0], self.num_k_heads, self.head_k_dim
+        if self.split:
+            z = self.in_proj_z(x).view(num_tokens, Hk, self.rep, self.head_v_dim)
+            return self.in_proj_qkv(x), z
         vz = self.rep * self.head_v_dim  # one key head's v (or z) rows
         proj = self.in_proj_qkvz(x).view(num_tokens, Hk, self.group)
         mixed = torch.empty((num_tokens, self.conv_dim), dtype=x.dtype, device=x.device)

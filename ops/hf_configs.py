@@ -1,7 +1,7 @@
 """Hugging Face config.json -> our model config, one function per family (Llama, Qwen2, Qwen3,
-Mistral, Gemma 3, NemotronH with or without MoE layers, Qwen3-MoE, Qwen3-Next): which architecture a
-directory holds, which fields each family reads, with which defaults, which layers have a
-sliding window, and which settings we refuse (each a ModelLoadError naming the setting).
+Mistral, Gemma 3, NemotronH with or without MoE layers, Qwen3-MoE, Qwen3-Next, Qwen3.5): which
+architecture a directory holds, which fields each family reads, with which defaults, which layers
+have a sliding window, and which settings we refuse (each a ModelLoadError naming the setting).
 
 Every failure is a `ModelLoadError` naming the path and the field. Reads no weights and no
 tokenizer files (the caller passes the tokenizer, whose BOS/EOS ids fill in what config.json
@@ -20,6 +20,7 @@ from taipan.ops.models.mistral import MistralConfig
 from taipan.ops.models.nemotron_h import NemotronHConfig
 from taipan.ops.models.qwen2 import Qwen2Config
 from taipan.ops.models.qwen3 import Qwen3Config
+from taipan.ops.models.qwen3_5 import Qwen3_5Config
 from taipan.ops.models.qwen3_moe import Qwen3MoeConfig
 from taipan.ops.models.qwen3_next import FULL, LINEAR, Qwen3NextConfig
 from taipan.ops.moe import MoEConfig
@@ -35,12 +36,19 @@ _ARCHITECTURES = {
     "NemotronHForCausalLM": "nemotron_h",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen3NextForCausalLM": "qwen3_next",
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5",
+}
+# Multimodal checkpoints -> the text-only architecture (and model type) we serve instead.
+_MULTIMODAL = {
+    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5"),
+    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe"),
 }
 
 
 def hf_family(path: Path, hf: dict) -> str:
     """The model family of a Hugging Face config: "llama", "qwen2", "qwen3", "mistral",
-    "gemma3", "nemotron_h", "qwen3_moe" or "qwen3_next" (the launcher's torch-free
+    "gemma3", "nemotron_h", "qwen3_moe", "qwen3_next" or "qwen3_5" (the launcher's torch-free
     runtime/models.has_mamba_layers tells a hybrid the same way)."""
     archs = hf.get("architectures") or []
     for arch in archs:
@@ -51,7 +59,14 @@ def hf_family(path: Path, hf: dict) -> str:
             f"{path}: Gemma3ForConditionalGeneration (Gemma 3 with its vision tower) is not "
             "supported; only the text model, Gemma3ForCausalLM (model_type gemma3_text)"
         )
-    model_type = {"gemma3_text": "gemma3"}.get(hf.get("model_type"), hf.get("model_type"))
+    for multimodal, text in _MULTIMODAL.items():
+        if multimodal in archs or hf.get("model_type") == text[1]:
+            raise ModelLoadError(
+                f"{path}: {multimodal} (with its vision tower) is not supported; only the text "
+                f"model, {text[0]} (a config.json of its text_config, model_type {text[1]}_text)"
+            )
+    text_types = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}
+    model_type = text_types.get(hf.get("model_type"), hf.get("model_type"))
     if model_type in _ARCHITECTURES.values():
         return model_type
     raise ModelLoadError(
@@ -392,10 +407,24 @@ def _gemma3_rope(path: Path, hf: dict) -> dict:
     return out
 
 
-def _hf_qwen3_next_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3NextConfig:
-    """Qwen3NextConfig's fields with transformers' defaults: `layer_types`, or else every
-    `full_attention_interval`-th layer attention; MoE layers when num_experts > 0. Attention
-    biases, another activation or an unsupported RoPE type (`_rope`) are refused."""
+def _hf_qwen3_5_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3_5Config:
+    """Qwen3.5 (dense, or MoE when num_experts > 0): Qwen3-Next's fields, but every layer of a
+    MoE model is sparse and its top-k weights always renormalised (transformers' Qwen3.5 has
+    no decoder_sparse_step, mlp_only_layers or norm_topk_prob); its text "mrope" is plain
+    partial RoPE for text (ops/models/qwen3_5.py)."""
+    hf = dict(hf, decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    if hf.get("num_experts"):
+        hf.setdefault("intermediate_size", 0)  # (no dense layer in a Qwen3.5 MoE)
+    return _hf_qwen3_next_config(path, hf, tokenizer, Qwen3_5Config)
+
+
+def _hf_qwen3_next_config(
+    path: Path, hf: dict, tokenizer: Tokenizer, cls: type = Qwen3NextConfig
+) -> Qwen3NextConfig:
+    """Qwen3NextConfig's fields (or `cls`'s, a subclass) with transformers' defaults:
+    `layer_types`, or else every `full_attention_interval`-th layer attention; MoE layers when
+    num_experts > 0. Attention biases, another activation or an unsupported RoPE type (`_rope`)
+    are refused."""
     rope_fields = _rope(path, hf, max_positions=32768)
     if hf.get("attention_bias"):
         raise ModelLoadError(f"{path}: attention_bias=true is not supported for Qwen3-Next")
@@ -424,7 +453,7 @@ def _hf_qwen3_next_config(path: Path, hf: dict, tokenizer: Tokenizer) -> Qwen3Ne
         shared = hf.get("shared_expert_intermediate_size", 0) if moe else 0
         fields = _decoder_fields(hf, tokenizer, rope_fields, max_positions=32768)
         del fields["num_layers"]
-        return Qwen3NextConfig(
+        return cls(
             **fields | {"head_dim": hf.get("head_dim", 256)},
             layer_types=tuple(types),
             linear_num_key_heads=hf.get("linear_num_key_heads", 16),
@@ -449,6 +478,7 @@ _HF_CONFIGS = {
     "nemotron_h": _hf_nemotron_h_config,
     "qwen3_moe": _hf_qwen3_moe_config,
     "qwen3_next": _hf_qwen3_next_config,
+    "qwen3_5": _hf_qwen3_5_config,
 }
 
 

@@ -315,13 +315,17 @@ def _qwen3_next_placements(name: str, config, tp: TPGroup) -> tuple[Placement, .
 
 def _gdn_placements(name: str, part: str, config, tp: TPGroup) -> tuple[Placement, ...] | None:
     """A GDN mixer's tensor on this rank: whole key-head groups of in_proj_qkvz / in_proj_ba
-    rows, its value heads' A_log, dt_bias and out_proj columns, its q, k and v conv channels."""
+    rows (Qwen3.5: its value heads' rows of in_proj_z / _b / _a), its value heads' A_log,
+    dt_bias and out_proj columns, its q, k and v conv channels (and in_proj_qkv rows)."""
     Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
     Dk, Dv, rep = config.linear_key_head_dim, config.linear_value_head_dim, Hv // Hk
     k0, k = tp.even(Hk, "linear_num_key_heads")
-    per_head = {
+    per_head = {  # rows per key head (its value heads' rows where they are per value head)
         "in_proj_qkvz.weight": 2 * Dk + 2 * rep * Dv,
         "in_proj_ba.weight": 2 * rep,
+        "in_proj_z.weight": rep * Dv,  # Qwen3.5's split projections
+        "in_proj_b.weight": rep,
+        "in_proj_a.weight": rep,
         "A_log": rep,
         "dt_bias": rep,
     }
@@ -331,10 +335,11 @@ def _gdn_placements(name: str, part: str, config, tp: TPGroup) -> tuple[Placemen
     if part == "out_proj.weight":  # row-parallel: the columns of the rank's value heads
         n = rep * Dv
         return (Placement(name, slice(None), 1, k0 * n, k * n, Hk * n),)
-    if part != "conv1d.weight":
+    if part not in ("conv1d.weight", "in_proj_qkv.weight"):
         return None  # norm.weight: [Dv], replicated
     if tp.size == 1:
         return (Placement(name, slice(None)),)
+    # conv1d's channels and in_proj_qkv's rows alike: [q | k | v], each head-major
     segments = ((k0 * Dk, k * Dk, Hk * Dk),) * 2 + ((k0 * rep * Dv, k * rep * Dv, Hv * Dv),)
     total = sum(full for _, _, full in segments)
     pieces, ours, theirs = [], 0, 0

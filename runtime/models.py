@@ -78,8 +78,13 @@ RANDOM = {
 }
 RANDOM_HYBRIDS = ("qwen3-next-80b-a3b-8l",)  # the shapes with recurrent (GDN) layers
 # Hugging Face architectures / model types with recurrent layers (as ops/hf_configs.py names them).
-_HYBRID_ARCHITECTURES = ("NemotronHForCausalLM", "Qwen3NextForCausalLM")
-_HYBRID_MODEL_TYPES = ("nemotron_h", "qwen3_next")
+_HYBRID_ARCHITECTURES = (
+    "NemotronHForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+)
+_HYBRID_MODEL_TYPES = ("nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def cache_dir() -> str:

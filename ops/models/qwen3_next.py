@@ -34,6 +34,7 @@ the whole model's; a rank's KV cache holds its kv heads and its state slots its 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -78,6 +79,9 @@ class Qwen3NextConfig:
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     ssm_state_dtype: str = "float32"  # of the recurrent state (mamba_inference_state_config)
     rope_scaling: RopeScaling | None = None  # of the rotated channels (None: plain RoPE)
+    # The GDN input projections: Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba (False), or
+    # Qwen3.5's separate in_proj_qkv / _z / _b / _a (ops/models/qwen3_5.py's subclass: True).
+    gdn_split: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         bad = sorted(set(self.layer_types) - {LINEAR, FULL})
@@ -263,6 +267,7 @@ class Qwen3NextDecoderLayer(nn.Module):
                 c.linear_conv_kernel,
                 c.rms_norm_eps,
                 tp=tp,
+                split=c.gdn_split,
             )
         else:
             self.self_attn = GatedAttention(c, tp)
