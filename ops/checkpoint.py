@@ -2,7 +2,8 @@
 `build_model` that fills a model from them, and `ModelLoadError`.
 
 A piece is one checkpoint tensor not read yet: its name (Hugging Face's, without `model.` or
-`backbone.`), its whole shape and a reader of the slice a `Placement` (ops/sharding.py) names.
+`backbone.`: ops/sharding.py `checkpoint_name`), its whole shape and a reader of the slice a
+`Placement` (ops/sharding.py) names.
 The loaders (ops/gguf_file.py, ops/hf_dir.py, ops/random_model.py) only make pieces; this module
 decides what each rank reads of them.
 

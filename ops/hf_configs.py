@@ -1,5 +1,6 @@
 """Hugging Face config.json -> our model config, one function per family (Llama, Qwen2, Qwen3,
-Mistral, Gemma 3, NemotronH with or without MoE layers, Qwen3-MoE, Qwen3-Next, Qwen3.5): which
+Mistral, Gemma 3, NemotronH with or without MoE layers, Qwen3-MoE, Qwen3-Next, Qwen3.5; of a
+multimodal Qwen3.5 or Gemma 3 checkpoint, its text model's `text_config`): which
 architecture a directory holds, which fields each family reads, with which defaults, which layers
 have a sliding window, and which settings we refuse (each a ModelLoadError naming the setting).
 
@@ -39,39 +40,77 @@ _ARCHITECTURES = {
     "Qwen3_5ForCausalLM": "qwen3_5",
     "Qwen3_5MoeForCausalLM": "qwen3_5",
 }
-# Multimodal checkpoints -> the text-only architecture (and model type) we serve instead.
+# Multimodal checkpoints whose text model we serve -> (its family, the outer config's
+# tie_word_embeddings default: transformers ties by the outer config, not text_config).
 _MULTIMODAL = {
-    "Qwen3_5ForConditionalGeneration": ("Qwen3_5ForCausalLM", "qwen3_5"),
-    "Qwen3_5MoeForConditionalGeneration": ("Qwen3_5MoeForCausalLM", "qwen3_5_moe"),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", False),
+    "Qwen3_5MoeForConditionalGeneration": ("qwen3_5", False),
+    "Gemma3ForConditionalGeneration": ("gemma3", True),
 }
+_MULTIMODAL_TYPES = {
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+    "gemma3": "Gemma3ForConditionalGeneration",
+}
+# Fields of the outer config a text_config falls back to (older Gemma 3 configs keep the token
+# ids outside).
+_OUTER_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def multimodal_architecture(hf: dict) -> str | None:
+    """The multimodal architecture config.json names (its text model is what we serve), or
+    None for a text model."""
+    for arch in hf.get("architectures") or []:
+        if arch in _MULTIMODAL:
+            return arch
+    if hf.get("architectures"):
+        return None
+    return _MULTIMODAL_TYPES.get(hf.get("model_type"))
+
+
+def text_model_config(path: Path, hf: dict) -> dict:
+    """The config.json of the model we serve: a multimodal checkpoint's `text_config`, with the
+    outer config's tie_word_embeddings (transformers ties by it) and token ids it lacks, and
+    the text model's architecture; a text model's config.json as it is."""
+    arch = multimodal_architecture(hf)
+    if arch is None:
+        return hf
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(
+            f"{path}/config.json: {arch} without a text_config (the text model's config)"
+        )
+    family, tied = _MULTIMODAL[arch]
+    outer = {k: hf[k] for k in _OUTER_FIELDS if k in hf and k not in text}
+    text_arch = arch.replace("ForConditionalGeneration", "ForCausalLM")
+    return dict(
+        text,
+        **outer,
+        architectures=[text_arch],
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", tied)),
+    )
 
 
 def hf_family(path: Path, hf: dict) -> str:
     """The model family of a Hugging Face config: "llama", "qwen2", "qwen3", "mistral",
     "gemma3", "nemotron_h", "qwen3_moe", "qwen3_next" or "qwen3_5" (the launcher's torch-free
-    runtime/models.has_mamba_layers tells a hybrid the same way)."""
+    runtime/models.has_mamba_layers tells a hybrid the same way); a multimodal checkpoint's
+    (`multimodal_architecture`) is its text model's."""
     archs = hf.get("architectures") or []
     for arch in archs:
         if arch in _ARCHITECTURES:
             return _ARCHITECTURES[arch]
-    if "Gemma3ForConditionalGeneration" in archs or hf.get("model_type") == "gemma3":
-        raise ModelLoadError(
-            f"{path}: Gemma3ForConditionalGeneration (Gemma 3 with its vision tower) is not "
-            "supported; only the text model, Gemma3ForCausalLM (model_type gemma3_text)"
-        )
-    for multimodal, text in _MULTIMODAL.items():
-        if multimodal in archs or hf.get("model_type") == text[1]:
-            raise ModelLoadError(
-                f"{path}: {multimodal} (with its vision tower) is not supported; only the text "
-                f"model, {text[0]} (a config.json of its text_config, model_type {text[1]}_text)"
-            )
+    multimodal = multimodal_architecture(hf)
+    if multimodal is not None:
+        return _MULTIMODAL[multimodal][0]
     text_types = {"gemma3_text": "gemma3", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}
     model_type = text_types.get(hf.get("model_type"), hf.get("model_type"))
     if model_type in _ARCHITECTURES.values():
         return model_type
     raise ModelLoadError(
         f"{path}: architecture {archs or hf.get('model_type')!r} is not supported "
-        f"(supported: {', '.join(_ARCHITECTURES)})"
+        f"(supported: {', '.join(_ARCHITECTURES)}, and the text model of "
+        f"{', '.join(_MULTIMODAL)})"
     )
 
 

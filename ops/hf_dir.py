@@ -4,7 +4,9 @@ tokenizer).
 Owns reading the directory: config.json (mapped by ops/hf_configs.py), the tokenizer, and every
 safetensors tensor as a piece read lazily through the file's memory map, so a rank reads only its
 slices (ops/checkpoint.py decides which). Skips what checkpoints carry beyond our modules (RoPE's
-saved inv_freq, NemotronH's multi-token-prediction head, a tied LM head's copy).
+saved inv_freq, the multi-token-prediction heads of NemotronH and Qwen3.5, a tied LM head's copy,
+and a multimodal checkpoint's vision tower and projector: of Qwen3.5's and Gemma 3's we serve the
+text model, never reading the rest).
 """
 
 from __future__ import annotations
@@ -12,17 +14,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from taipan.ops.checkpoint import ModelLoadError, Piece, build_model, expert_pieces, no_experts
-from taipan.ops.hf_configs import hf_config, hf_family
+from taipan.ops.hf_configs import (
+    hf_config,
+    hf_family,
+    multimodal_architecture,
+    text_model_config,
+)
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import TPGroup
-from taipan.ops.sharding import Placement
+from taipan.ops.sharding import Placement, checkpoint_name, is_vision_tensor
 from taipan.ops.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGroup) -> tuple:
@@ -31,6 +41,10 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGrou
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}/config.json: cannot read ({exc})") from exc
+    multimodal = multimodal_architecture(hf)
+    if multimodal is not None:
+        hf = text_model_config(path, hf)
+        log.info("%s: a %s checkpoint: serving its text model only", path, multimodal)
     family = hf_family(path, hf)
     tokenizer = Tokenizer.from_hf_dir(path)
     config = hf_config(path, hf, family, tokenizer)
@@ -81,11 +95,13 @@ def _safetensors_pieces(files: list[Path], files_open, tied: bool) -> Iterator[P
         except Exception as exc:  # safetensors raises its own untyped errors
             raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
         for name in f.keys():
-            ours = name.removeprefix("model.").removeprefix("backbone.")
+            ours = checkpoint_name(name)
             if ours.endswith("rotary_emb.inv_freq") or ours.startswith("mtp."):
-                # A buffer older checkpoints saved (recomputed from rope_theta); NemotronH's
+                # A buffer older checkpoints saved (recomputed from rope_theta); the
                 # multi-token-prediction head (Hugging Face ignores it too).
                 continue
+            if is_vision_tensor(name):
+                continue  # a multimodal checkpoint's vision tower or projector
             if tied and ours == "lm_head.weight":
                 continue  # the embedding is the LM head
             tensor = f.get_slice(name)

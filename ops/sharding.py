@@ -2,7 +2,8 @@
 reads.
 
 A checkpoint names its tensors as Hugging Face does, without the leading `model.` / `backbone.`
-(q/k/v_proj and gate/up_proj apart). Our models fuse q, k and v into `qkv_proj` (weights, and
+or a multimodal checkpoint's `model.language_model.` (`checkpoint_name`), q/k/v_proj and
+gate/up_proj apart. Our models fuse q, k and v into `qkv_proj` (weights, and
 Qwen2's biases alike: column-parallel rows) and gate and up into `gate_up_proj`, stack a MoE
 layer's experts into `w1` [E, N, H] (N: gate rows then up rows, or ReLU²'s up rows) and `w2`
 [E, H, I], and under tensor parallelism (ops/parallel.py) hold only this rank's shard of the
@@ -54,6 +55,39 @@ EXPERT_NAME = re.compile(_MOE_BLOCK + r"\.experts\.(\d+)\.(gate|up|down)_proj\.w
 STACKED_EXPERTS_NAME = re.compile(_MOE_BLOCK + r"\.experts\.(gate_up|up|down)_proj$")
 _OUR_EXPERTS = re.compile(_MOE_BLOCK + r"\.(w1|w2)$")
 _SHARED_EXPERT = re.compile(_MOE_BLOCK + r"\.shared_experts\.(up|down)_proj\.weight$")
+
+# The prefixes `checkpoint_name` drops, longest first: a multimodal checkpoint's text model
+# (transformers' `model.language_model.`; Gemma 3's first releases, transformers' "llava"
+# layout: `language_model.model.`, and `language_model.lm_head`), then a text model's.
+_MODEL_PREFIXES = (
+    "model.language_model.",
+    "language_model.model.",
+    "language_model.",
+    "model.",
+    "backbone.",
+)
+# A multimodal checkpoint's vision tower and projector (Qwen3.5's `model.visual`, Gemma 3's
+# `model.vision_tower` and `model.multi_modal_projector`, or the same without `model.`).
+_VISION_PREFIXES = tuple(
+    f"{outer}{part}."
+    for outer in ("model.", "")
+    for part in ("visual", "vision_tower", "multi_modal_projector")
+)
+
+
+def checkpoint_name(hf_name: str) -> str:
+    """A Hugging Face tensor name -> the name `placement` reads: without `model.` /
+    `backbone.`, or a multimodal checkpoint's text-model prefix (`model.language_model.`)."""
+    for prefix in _MODEL_PREFIXES:
+        if hf_name.startswith(prefix):
+            return hf_name[len(prefix) :]
+    return hf_name
+
+
+def is_vision_tensor(hf_name: str) -> bool:
+    """Whether a Hugging Face tensor belongs to a multimodal checkpoint's vision tower or
+    projector (we serve its text model only)."""
+    return hf_name.startswith(_VISION_PREFIXES)
 
 
 @dataclass(frozen=True)

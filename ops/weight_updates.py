@@ -21,6 +21,8 @@ from taipan.ops.sharding import (
     EXPERT_NAME,
     STACKED_EXPERTS_NAME,
     Placement,
+    checkpoint_name,
+    is_vision_tensor,
     placement,
     placements,
 )
@@ -59,17 +61,17 @@ def hf_name_to_ours(name: str, config) -> tuple[str, slice | tuple[int, slice]]:
     """A Hugging Face parameter name -> (our parameter name, the part of it that holds it), for
     the whole (unsharded) model.
 
-    The "model." (a hybrid's "backbone.") prefix is optional; q/k/v_proj (weights and Qwen2's
-    biases) and gate/up_proj are row ranges of our fused qkv_proj and gate_up_proj (Hugging
-    Face layout, no un-permuting); norm weights are ours as they are (Qwen3's q_norm / k_norm,
-    Gemma's (1 + w) norms: the model adds the one);
-    with tied embeddings "lm_head.weight" is the embedding matrix. One expert's matrix
-    (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 / w2, with
-    the GLOBAL expert id (`state_updates` maps it onto a rank's range); a stacked one
+    The "model." (a hybrid's "backbone.", a multimodal checkpoint's "model.language_model.")
+    prefix is optional; q/k/v_proj (weights and Qwen2's biases) and gate/up_proj are row
+    ranges of our fused qkv_proj and gate_up_proj (Hugging Face layout, no un-permuting); norm
+    weights are ours as they are (Qwen3's q_norm / k_norm, Gemma's (1 + w) norms: the model
+    adds the one); with tied embeddings "lm_head.weight" is the embedding matrix. One expert's
+    matrix (`layers.1.mlp.experts.5.up_proj.weight`) is `(expert, rows)` of our stacked w1 /
+    w2, with the GLOBAL expert id (`state_updates` maps it onto a rank's range); a stacked one
     (`layers.1.mlp.experts.gate_up_proj`) is all of w1 or w2. A name that matches none of these
     comes back unchanged with all rows (the caller reports it if we have no such parameter).
     """
-    p = placement(name.removeprefix("model.").removeprefix("backbone."), config)
+    p = placement(checkpoint_name(name), config)
     return p.param, p.rows
 
 
@@ -82,10 +84,11 @@ def state_updates(
     Returns (our parameter name, the index of its part, array) per entry, the array sliced to
     the model's tensor-parallel shard (`model.tp`; the rows are the shard's) and its experts
     (`model.expert_range`: experts another expert-parallel rank holds are skipped, each rank
-    takes its own from the same state dict). Raises WeightUpdateError naming the parameter for
-    an unknown name, a wrong shape, an array that is not floating point, or two names for the
-    same rows with different values (lm_head.weight and model.embed_tokens.weight of a tied
-    model may both come, equal, as `state_dict()` gives them).
+    takes its own from the same state dict; a multimodal model's vision tensors are skipped).
+    Raises WeightUpdateError naming the parameter for an unknown name, a wrong shape, an array
+    that is not floating point, or two names for the same rows with different values
+    (lm_head.weight and model.embed_tokens.weight of a tied model may both come, equal, as
+    `state_dict()` gives them).
     """
     params = model.state_dict() if params is None else params  # (a big model's takes ms)
     tp = getattr(model, "tp", SINGLE)
@@ -93,9 +96,11 @@ def state_updates(
     seen: dict[tuple, str] = {}
     out = []
     for name, array in state.items():
-        if name.endswith("rotary_emb.inv_freq"):
-            continue  # a buffer some checkpoints carry; recomputed from rope_theta
-        ours = name.removeprefix("model.").removeprefix("backbone.")
+        if name.endswith("rotary_emb.inv_freq") or is_vision_tensor(name):
+            # A buffer some checkpoints carry (recomputed from rope_theta); a multimodal
+            # model's vision tower or projector (we serve its text model only).
+            continue
+        ours = checkpoint_name(name)
         try:
             pieces = placements(ours, model.config, tp)
         except TPError as exc:  # (the loaded model already split these, so never in practice)
@@ -129,7 +134,7 @@ def direct_view(spec, params: dict, config, tp=SINGLE):
     straight into our parameters: a contiguous view of the same dtype and shape (an unsplit
     tensor, or a fused q/k/v or gate/up part that this rank holds whole), or None (a shard, an
     expert, a conversion: the caller receives it apart and copies it in)."""
-    ours = spec.name.removeprefix("model.").removeprefix("backbone.")
+    ours = checkpoint_name(spec.name)
     if EXPERT_NAME.match(ours) or STACKED_EXPERTS_NAME.match(ours):
         return None
     try:

@@ -83,8 +83,17 @@ _HYBRID_ARCHITECTURES = (
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
     "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",  # (its text model is served)
+    "Qwen3_5MoeForConditionalGeneration",
 )
-_HYBRID_MODEL_TYPES = ("nemotron_h", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+_HYBRID_MODEL_TYPES = (
+    "nemotron_h",
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+)
 
 
 def cache_dir() -> str:

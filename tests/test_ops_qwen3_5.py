@@ -155,12 +155,11 @@ def test_tp2_equals_tp1(tmp_path, kind):
 @pytest.mark.parametrize(
     "arch", ["Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"]
 )
-def test_multimodal_checkpoints_are_refused_naming_the_text_model(arch):
+def test_multimodal_checkpoints_are_the_qwen3_5_family(arch):
+    """Their text model is served (tests/test_multimodal_text.py loads them)."""
     from pathlib import Path
 
-    from taipan.ops.checkpoint import ModelLoadError
     from taipan.ops.hf_configs import hf_family
 
-    with pytest.raises(ModelLoadError, match="only the text model, Qwen3_5"):
-        hf_family(Path("m"), {"architectures": [arch]})
+    assert hf_family(Path("m"), {"architectures": [arch]}) == "qwen3_5"
     assert hf_family(Path("m"), {"model_type": "qwen3_5_moe_text"}) == "qwen3_5"
