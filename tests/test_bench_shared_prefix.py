@@ -17,6 +17,7 @@ from taipan.models import has_mamba_layers
 N, PREFIX, BLOCK = 3, 32, 16
 
 
+@pytest.mark.slow  # (the default run keeps a lighter test of the same path)
 def test_shared_prefix_rows_on_cpu(tmp_path):
     """One row per scenario; greedy outputs equal with caching on and off, nothing cached with
     it off, and with it on every request after the first shares the prefix's blocks."""

@@ -61,6 +61,7 @@ def test_raw_prompts_match_hf(client, hf):
         assert c.text == hf[1].decode(c.token_ids, skip_special_tokens=True)
 
 
+@pytest.mark.slow  # (the default run keeps a lighter test of the same path)
 def test_chat_prompts_match_hf(client, hf):
     done = client.generate(CHAT, GREEDY, chat=True)
     for prompt, c in zip(CHAT, done, strict=True):

@@ -31,6 +31,7 @@ def dense(tmp_path_factory):
     return _model(tmp_path_factory, "dense")
 
 
+@pytest.mark.slow  # (the default run keeps a lighter test of the same path)
 def test_snapshots_on_equal_off_and_hf(dense):
     path, c, want = dense
     got, cached, stats = run(path, config(c, snapshots=8))

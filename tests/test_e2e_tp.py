@@ -334,6 +334,7 @@ def test_refusals(tiny):
         LLM(address="ipc:///nowhere", tensor_parallel_size=2)
 
 
+@pytest.mark.slow  # (the default run keeps a lighter test of the same path)
 def test_dp2_by_tp2_equals_tp1_and_a_dead_follower_leaves_the_other_rank_serving(
     want, tiny, tmp_path
 ):

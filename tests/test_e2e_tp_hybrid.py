@@ -87,6 +87,7 @@ def test_tp2_hybrid_with_mamba_snapshots_equals_tp1(model):
     assert stats.mamba_restored == 4 and stats.mamba_snapshots_taken == 6
 
 
+@pytest.mark.slow  # (the default run keeps a lighter test of the same path)
 def test_tp2_hybrid_under_kv_pressure_equals_tp1(model):
     """Chunk budget 64, a pool of 8 blocks: requests pause and are evicted, and evicted KV
     blocks invalidate their snapshots, on both sizes; the tokens stay T = 1's."""

@@ -42,6 +42,7 @@ def _check(rows: list[dict]) -> None:
         assert r["aborted"] >= 1 and r["sync_s"] > 0, r  # (a partial rollout every iteration)
 
 
+@pytest.mark.slow  # (the default run keeps a lighter test of the same path)
 def test_the_rl_loop_example_on_the_cpu(tmp_path):
     _check(_run_loop(make_random_llama(str(tmp_path / "tiny"), TINY_SHAPE)))
 

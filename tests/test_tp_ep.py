@@ -115,6 +115,7 @@ def _hf_greedy_of(path: str, new: int):
     return hf, prompts, want
 
 
+@pytest.mark.slow  # (the default run keeps a lighter test of the same path)
 @pytest.mark.parametrize("name", SLOW_LAST)
 def test_dp2_ep2_tp2_greedy_equals_hf(tmp_path, name):
     path = MODELS[name](str(tmp_path / name))
