@@ -113,3 +113,22 @@ def test_apply_masks_leaves_only_the_allowed_tokens(grammars):
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == allowed(masks[0])
     assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[2]).all()
     grammars.drop(7)
+
+
+def test_a_batch_of_masks_equals_each_alone(tok, grammars):
+    """Several live matchers' masks come from llguidance's parallel executor: the same rows as
+    one at a time, beside a finished grammar (EOS only) and an id without one (all)."""
+    specs = [GrammarSpec("regex", "[0-9]+"), GrammarSpec("choice", '["yes", "no"]'),
+             GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))]  # fmt: skip
+    for rid, spec in enumerate(specs, start=200):
+        grammars.start(rid, spec)
+    grammars.start(299, GrammarSpec("choice", '["x"]'))
+    for t in tok.encode("x", add_special_tokens=False):
+        grammars.consume(299, t)
+    ids = [200, 201, 999, 202, 299]
+    batch = grammars.masks(ids)
+    for i, rid in enumerate(ids):
+        assert np.array_equal(batch[i], grammars.masks([rid])[0]), rid
+    assert allowed(batch[4]) == list(tok.eos_token_ids) and batch[2].min() == -1
+    for rid in (200, 201, 202, 299):
+        grammars.drop(rid)

@@ -41,7 +41,7 @@ class GrammarMasks:
     def pending(self) -> bool:
         """Whether a grammar step's tokens wait to be consumed (every later step consumes
         them, grammar rows or not: the host buffers they sit in are reused)."""
-        return self._rows is not None
+        return self._rows is not None and self._tokens is not None
 
     def masked(self, plan: StepPlan, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """`logits` with each grammar row's disallowed tokens at -inf (a copy when `logits` is
