@@ -159,7 +159,6 @@ def gated_delta_varlen(
     snap_pos: torch.Tensor | None = None,
     snap_slots: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
-    max_query_len: int | None = None,
     chunk_size: int = 64,
 ) -> torch.Tensor:
     """Varlen prefill (module contract), the chunked kernel of kernels/gated_delta_chunk.py.
@@ -174,8 +173,7 @@ def gated_delta_varlen(
     contiguous, on v's device. `out` must not overlap q, k or v. snap_pos, snap_slots [B, E]:
     ssd_scan.check_snapshots. `chunk_size` (a power of two >= 16) caps the kernel's chunk, which
     on a GPU is at most 16 tokens for Dk > 64, 32 below (chunk_config: register pressure); the
-    result does not depend on it, up to rounding. `max_query_len` is accepted for the callers'
-    convenience and unused (the grid does not depend on lengths)."""
+    result does not depend on it, up to rounding."""
     num_seqs = _check_args(q, k, v, g, beta, states, init_slots, out_slots, out)
     _check_index("query_start_loc", query_start_loc, num_seqs + 1, v.device)
     num_snaps = check_snapshots(snap_pos, snap_slots, num_seqs, v.device)
@@ -183,8 +181,6 @@ def gated_delta_varlen(
         raise ValueError(f"chunk_size must be an int >= 16, got {chunk_size!r}")
     if chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
-    if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
-        raise ValueError(f"max_query_len must be a non-negative int or None, got {max_query_len!r}")
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     num_heads, head_k_dim, head_v_dim = v.shape[1], k.shape[2], v.shape[2]

@@ -99,6 +99,18 @@ def check_grammar(spec: GrammarSpec) -> None:
         raise GrammarError(f"{spec.kind}: {error}")
 
 
+def grammar_problem(kind: str, spec: str) -> str | None:
+    """Why the grammar (`kind`, `spec`) cannot run, as a sentence, or None (the engine's
+    submission check and the HTTP server's 400 both say this)."""
+    try:
+        check_grammar(GrammarSpec(kind, spec))
+    except GrammarError as e:
+        return str(e)
+    except ImportError:
+        return "structured outputs need the llguidance package (pip install llguidance==1.9.1)"
+    return None
+
+
 def ll_tokenizer(tokenizer):
     """llguidance's tokenizer of our `ops.tokenizer.Tokenizer` (its Rust backend's JSON; built
     once per model: ~0.3 s for a 49k vocabulary)."""

@@ -118,6 +118,16 @@ class ExpertRange:
             )
         return cls(start, count)
 
+    @classmethod
+    def of_model(cls, value, moe) -> ExpertRange | None:
+        """`of` for a model whose MoE settings are `moe` (None: no MoE layers, where any range
+        but None is a ValueError); None for such a model."""
+        if moe is not None:
+            return cls.of(value, moe.num_experts)
+        if value is not None:
+            raise ValueError(f"expert_range {value!r}: the model has no MoE layers")
+        return None
+
     def __contains__(self, expert: int) -> bool:
         return self.start <= expert < self.start + self.count
 

@@ -272,9 +272,8 @@ def test_varlen_kernel_does_not_depend_on_chunk_size_and_writes_into_out():
         buffer = torch.full((sum(lens), 4 * 16 + 3), NAN)
         out = buffer[:, 3:].view(sum(lens), 4, 16)  # a strided view
         o = gated_delta_varlen(
-            q, k, v, g, beta, _qsl(lens), states, init, dest, chunk_size=chunk, out=out,
-            max_query_len=40,
-        )  # fmt: skip
+            q, k, v, g, beta, _qsl(lens), states, init, dest, chunk_size=chunk, out=out
+        )
         assert o is out
         results.append((o, states))
     for o, states in results[1:]:
@@ -414,7 +413,6 @@ def _apply(args, changes):
         ({"query_start_loc": _ints([0, 5])}, {}, r"query_start_loc must be a \[3\]"),
         ({}, {"chunk_size": 8}, "chunk_size must be an int >= 16"),
         ({}, {"chunk_size": 48}, "power of two"),
-        ({}, {"max_query_len": -1}, "max_query_len"),
         ({}, {"snap_pos": _ints([[1], [1]])}, "both or neither"),
         ({}, {"out": torch.zeros(5, 2, 16, dtype=torch.float16)}, "out must have v's dtype"),
         ({}, {"out": lambda a: a["v"]}, "must not overlap"),

@@ -51,12 +51,7 @@ class GrammarBook:
 def grammar_problem(structured) -> str | None:
     """Why a request's grammar (a StructuredOutput) cannot run, or None: the engine refuses it
     at submission, naming why, rather than failing a step."""
-    from taipan.ops.grammar import GrammarError, GrammarSpec, check_grammar
+    from taipan.ops.grammar import grammar_problem as problem
 
-    try:
-        check_grammar(GrammarSpec(structured.kind, structured.spec))
-    except GrammarError as e:
-        return f"structured: {e}"
-    except ImportError:
-        return "structured outputs need the llguidance package (pip install llguidance==1.9.1)"
-    return None
+    why = problem(structured.kind, structured.spec)
+    return None if why is None else f"structured: {why}"

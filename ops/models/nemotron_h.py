@@ -233,11 +233,7 @@ class NemotronHForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.tp = config, tp
-        self.expert_range = None
-        if config.moe is not None:
-            self.expert_range = ExpertRange.of(expert_range, config.moe.num_experts)
-        elif expert_range is not None:
-            raise ValueError(f"expert_range {expert_range!r}: the model has no MoE layers")
+        self.expert_range = ExpertRange.of_model(expert_range, config.moe)
         self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         counts = {kind: 0 for kind in LAYER_KINDS.values()}
         layers = []
@@ -249,9 +245,7 @@ class NemotronHForCausalLM(nn.Module):
         self.norm_f = RMSNorm(config.hidden_size, config.norm_eps)
         rows = self.embeddings.weight.shape[0]  # this rank's vocabulary shard (padded)
         self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, rows, bias=False)
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
         )
 
     def forward(

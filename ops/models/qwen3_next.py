@@ -312,11 +312,7 @@ class Qwen3NextForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config, self.tp = config, tp
-        self.expert_range = None
-        if config.moe is not None:
-            self.expert_range = ExpertRange.of(expert_range, config.moe.num_experts)
-        elif expert_range is not None:
-            raise ValueError(f"expert_range {expert_range!r}: the model has no MoE layers")
+        self.expert_range = ExpertRange.of_model(expert_range, config.moe)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         counts = {LINEAR: 0, FULL: 0}
         layers = []

@@ -382,12 +382,11 @@ def structured_output(body: BaseBody) -> StructuredOutput | None:
 
 def check_structured(structured: StructuredOutput, field: str) -> None:
     """A 400 naming `field` when `structured` does not compile (ops/grammar.py, llguidance)."""
-    from taipan.ops.grammar import GrammarError, GrammarSpec, check_grammar
+    from taipan.ops.grammar import grammar_problem
 
-    try:
-        check_grammar(GrammarSpec(structured.kind, structured.spec))
-    except GrammarError as e:
-        raise APIError(400, f"{field}: {e}", field) from None
+    why = grammar_problem(structured.kind, structured.spec)
+    if why is not None:
+        raise APIError(400, f"{field}: {why}", field)
 
 
 def _response_format(rf: dict) -> StructuredOutput:
