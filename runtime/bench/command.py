@@ -35,24 +35,28 @@ def add_arguments(p) -> None:
             "http-load",
             "relay",
             "weight-sync",
+            "structured",
         ],
         help="generate: N prompts x M tokens vs HF (default); decode: step time per batch vs "
         "the floor; offline: many requests of ShareGPT-like lengths; shared-prefix: prefix "
         "caching off vs on, on a shared system prompt and on n samples of one prompt; "
         "http-load: N concurrent streams, some dropped mid-way, over HTTP vs AsyncClient; "
-        "weight-sync: a trainer's weights into taipan over NCCL/gloo vs the raw broadcast",
+        "weight-sync: a trainer's weights into taipan over NCCL/gloo vs the raw broadcast; "
+        "structured: concurrent streams with and without a json_schema",
     )
     p.add_argument(
         "--num-prompts",
         type=int,
         default=None,
-        help="generate, shared-prefix: prompts (32); http-load: requests (200)",
+        help="generate, shared-prefix: prompts (32); http-load: requests (200); "
+        "structured: streams (64)",
     )
     p.add_argument(
         "--output-len",
         type=int,
         default=None,
-        help="generate, shared-prefix, http-load: tokens (64); decode: steps (128)",
+        help="generate, shared-prefix, http-load: tokens (64); decode: steps (128); "
+        "structured: tokens (128)",
     )
     p.add_argument(
         "--drop-share",
@@ -159,6 +163,7 @@ def run(args) -> int:
     from taipan.bench.offline import offline_workload
     from taipan.bench.relay import relay_workload
     from taipan.bench.shared_prefix import shared_prefix_workload
+    from taipan.bench.structured import structured_workload
     from taipan.bench.weight_sync import weight_sync_workload
 
     workloads = {
@@ -169,6 +174,7 @@ def run(args) -> int:
         "http-load": http_load_workload,
         "relay": relay_workload,
         "weight-sync": weight_sync_workload,
+        "structured": structured_workload,
     }
     rows = workloads[args.workload](args)
     stamp = {
@@ -224,6 +230,10 @@ def _summary(row: dict) -> str:
         from taipan.bench.weight_sync import weight_sync_summary
 
         return weight_sync_summary(row)
+    if workload == "structured":
+        from taipan.bench.structured import structured_summary
+
+        return structured_summary(row)
     if workload == "http-load":
         from taipan.bench.http_load import http_load_summary
 
