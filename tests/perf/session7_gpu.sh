@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# The seventh session's device calls on a two-GPU machine (repo root; `.whl`, `.carry/new` (a
+# `git archive` of HEAD) and `.carry/old` (of 3f2c8b5, before issue 25) carried):
+#   part a (after `carry_model.sh stage1`; carry part2 too): the real model joined, then
+#     tests/perf/session_gdn_gpu.sh's GPU tests (issue 27 item 4, issue 28 item 3), the
+#     structured-output row on SmolLM2 (issue 28: json_schema streams at batch 64), and the
+#     1B decode rows of the trees before and after issue 25 (issue 25: same machine, same call);
+#   part b: the Qwen3-Next-like and 1B decode rows, and the 8B weight sync (issue 26) paused and
+#     in flight, trainer on cuda:0 and taipan on cuda:1.
+set -u
+PART=${1:?part a or b}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl || exit 1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
+ROOT=$PWD
+for tree in new old; do
+    [ -d .carry/$tree ] && python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
+stage(Path('.carry/$tree'), Path('/tmp/pkg_$tree'))"
+done
+cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
+if [ "$PART" = a ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    echo "== GPU tests"
+    timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_kernels_gated_delta.py tests/test_ops_qwen3_next.py \
+        tests/test_e2e_qwen3_next.py $(ls tests/test_sampling_controls*.py 2>/dev/null) 2>&1 \
+        | tee "$OUT/gdn_gpu.log" | tail -30
+    echo "== structured"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 150 python3 -m taipan.cli bench --workload structured \
+        --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 --output-len 128 \
+        --results "$OUT/results.jsonl" 2>&1 | tail -4
+    echo "== decode before/after issue 25 (1B shape)"
+    for tree in old new; do
+        (cd "$ROOT/.carry/$tree" && CUDA_VISIBLE_DEVICES=0 PYTHONPATH=/tmp/pkg_$tree:/tmp/site:$PWD \
+            timeout -s ABRT 100 python3 -m taipan.cli bench --workload decode \
+            --model random:llama-1b --device cuda --dtype bfloat16 --batches 1,64 --no-hf \
+            --ours-modes graphs --results "$OUT/results_$tree.jsonl" 2>&1 \
+            | grep -E "decode|rror" | tail -3)
+    done
+else
+    echo "== decode rows"
+    for model in random:qwen3-next-80b-a3b-8l random:llama-1b; do
+        CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 120 python3 -m taipan.cli bench --workload decode \
+            --model "$model" --device cuda --dtype bfloat16 --batches 1,64 --no-hf \
+            --ours-modes graphs --results "$OUT/results.jsonl" 2>&1 | grep -E "decode|rror" | tail -4
+    done
+    echo "== weight sync, 8B shape, paused then in flight"
+    WS="-m taipan.cli bench --workload weight-sync --model random:llama-8b --dtype bfloat16"
+    WS="$WS --trainer-device cuda:0 --device cuda:1 --sync-rounds 3 --results $OUT/results.jsonl"
+    timeout -s ABRT 150 python3 $WS 2>&1 | grep -E "weight-sync|rror" | tail -4
+    timeout -s ABRT 150 python3 $WS --in-flight 2>&1 | grep -E "weight-sync|rror" | tail -4
+fi
