@@ -1,7 +1,8 @@
 """The `structured` workload of `taipan bench`: what structured outputs cost. `--num-prompts`
 concurrent streams (64) of `--output-len` greedy tokens (128), once unconstrained and once under
-a json_schema, on the same prompts through the same runtime; the row gives both output rates and
-`structured_cost` = 1 - constrained / unconstrained tokens/s (issue 28's bar: <= 0.05 at 64).
+a json_schema, on the same prompts through the same runtime (each warmed once, then the faster
+of two alternating rounds); the row gives both output rates and `structured_cost` = 1 -
+constrained / unconstrained tokens/s (issue 28's bar: <= 0.05 at 64).
 
 The schema (an object holding an array of at least `--output-len` strings) cannot be complete
 before `--output-len` tokens, so both runs generate exactly the same number of tokens: the rates
@@ -20,6 +21,8 @@ import time
 
 from taipan.bench.common import mixed_prompts, rounded
 
+ROUNDS = 2  # timed rounds per mode, alternating (a GPU's clocks and caches favour neither)
+
 
 def array_schema(min_items: int) -> str:
     """A JSON schema whose shortest instance is longer than `min_items` tokens."""
@@ -34,24 +37,34 @@ def array_schema(min_items: int) -> str:
     )
 
 
-async def _streams(address: str, prompts: list[str], sampling) -> tuple[float, list[int], str]:
-    """All prompts streamed at once; (seconds to the last token, tokens per stream, the first
-    stream's text)."""
+async def _timed_streams(address: str, prompts: list[str], modes: dict, rounds: int) -> dict:
+    """Each mode's streams once untimed (graphs captured, the grammar compiled), then `rounds`
+    timed rounds alternating the modes; per mode the fastest round's (seconds, tokens per
+    stream, the first stream's text)."""
     from taipan.client import AsyncClient
 
-    async def one(client, prompt: str) -> tuple[int, str]:
+    async def one(client, prompt: str, sampling) -> tuple[int, str]:
         count, text = 0, []
         async for delta in client.stream(prompt, sampling, chat=True):
             count += len(delta.token_ids)
             text.append(delta.text)
         return count, "".join(text)
 
-    async with AsyncClient(address) as client:
-        await one(client, prompts[0])  # warm-up (and the grammar compiled once)
+    async def batch(client, sampling) -> tuple[float, list[int], str]:
         start = time.perf_counter()
-        done = await asyncio.gather(*(one(client, p) for p in prompts))
-        elapsed = time.perf_counter() - start
-    return elapsed, [n for n, _ in done], done[0][1]
+        done = await asyncio.gather(*(one(client, p, sampling) for p in prompts))
+        return time.perf_counter() - start, [n for n, _ in done], done[0][1]
+
+    best: dict = {}
+    async with AsyncClient(address) as client:
+        for sampling in modes.values():
+            await batch(client, sampling)
+        for _ in range(rounds):
+            for mode, sampling in modes.items():
+                got = await batch(client, sampling)
+                if mode not in best or got[0] < best[mode][0]:
+                    best[mode] = got
+    return best
 
 
 def structured_workload(args) -> list[dict]:
@@ -70,9 +83,10 @@ def structured_workload(args) -> list[dict]:
     constrained = SamplingParams(
         max_tokens=m, temperature=0.0, structured=StructuredOutput("json_schema", schema)
     )
+    modes = {"unconstrained": free, "json_schema": constrained}
     with runtime_from_args(args) as rt:
-        free_s, free_counts, _ = asyncio.run(_streams(rt.address, prompts, free))
-        json_s, json_counts, sample = asyncio.run(_streams(rt.address, prompts, constrained))
+        best = asyncio.run(_timed_streams(rt.address, prompts, modes, ROUNDS))
+    (free_s, free_counts, _), (json_s, json_counts, sample) = best.values()
     if set(free_counts) != {m} or set(json_counts) != {m}:
         raise RuntimeError(
             f"every stream must generate {m} tokens: unconstrained {sorted(set(free_counts))}, "
@@ -87,6 +101,7 @@ def structured_workload(args) -> list[dict]:
         "dtype": args.dtype,
         "device": args.device,
         "output_len": m,
+        "rounds": f"one untimed, then the fastest of {ROUNDS} alternating",
         "schema": schema,
         "unconstrained_seconds": free_s,
         "json_schema_seconds": json_s,
