@@ -14,6 +14,7 @@ import torch
 
 from taipan.ops.loader import RANDOM_PREFIX, load_model, random_config
 from taipan.ops.models.llama import kv_cache_bytes_per_block
+from taipan.ops.moe import MoE
 from taipan.ops.random_model import random_model_class
 
 GIB = 1 << 30
@@ -69,7 +70,12 @@ def matmul_rate(
 def model_bytes(model_path: str, dtype: str | torch.dtype) -> dict:
     """What one decode step must read: `weight_bytes` (every parameter, except an untied input
     embedding, of which a step reads only its batch's rows) and `kv_bytes_per_token` (keys and
-    values of every layer); `params` counts every parameter, `read_params` those read."""
+    values of every layer); `params` counts every parameter, `read_params` those read.
+
+    Mixtures of experts: `expert_bytes` (`expert_params`) is the routed experts' share of
+    `weight_bytes` (a step reads only the experts its tokens chose) and `experts` =
+    (num_experts, top_k), or None for a dense model; taipan.bench.decode's `step_weight_bytes`
+    turns them into one batch's bytes."""
     dtype = as_dtype(dtype)
     if model_path.startswith(RANDOM_PREFIX):
         config = random_config(model_path)
@@ -81,10 +87,14 @@ def model_bytes(model_path: str, dtype: str | torch.dtype) -> dict:
     read = [
         p for name, p in model.named_parameters() if model.lm_head is None or "embed" not in name
     ]
+    moe = [m for m in model.modules() if isinstance(m, MoE)]
     return {
         "params": sum(p.numel() for p in model.parameters()),
         "read_params": sum(p.numel() for p in read),
         "weight_bytes": sum(p.numel() for p in read) * size,
+        "expert_params": (expert_params := sum(m.w1.numel() + m.w2.numel() for m in moe)),
+        "expert_bytes": expert_params * size,
+        "experts": (moe[0].config.num_experts, moe[0].config.top_k) if moe else None,
         "kv_bytes_per_token": kv_cache_bytes_per_block(config, 1, dtype),
         # Each attention layer's window (None: its whole context), or None where the family
         # has no per-layer windows: a windowed layer reads at most its window's keys.

@@ -4,6 +4,8 @@ seeded random weights (no disk), and the Hugging Face copy the bench times holds
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -105,3 +107,33 @@ def test_decode_floor_reads_the_lm_head_not_an_untied_embedding():
     assert untied["kv_bytes_per_token"] == 32 * 2 * 8 * 128 * 2
     tied = model_bytes("random:llama-1b", torch.bfloat16)
     assert tied["weight_bytes"] == 2 * 1_235_814_400 == 2 * tied["read_params"]
+
+
+def test_decode_floor_of_a_mixture_reads_the_chosen_experts():
+    """A mixture of experts' step reads each chosen expert once: at least top_k of num_experts
+    per layer (floor_min_ms: the H100's 80B-A3B-like row at batch 1, 1.76 ms, was refused
+    against every expert's 9.2 ms), about 1 - (1 - k/E)^b of them under uniform routing."""
+    from taipan.bench.decode import _decode_row, decode_invalid, step_weight_bytes
+    from taipan.ops.hardware import model_bytes
+
+    hw = model_bytes("random:qwen3-next-80b-a3b-8l", torch.bfloat16)
+    assert hw["experts"] == (512, 10)
+    assert hw["expert_bytes"] == 2 * hw["expert_params"] == 2 * 8 * 512 * 3 * 512 * 2048
+    dense = hw["weight_bytes"] - hw["expert_bytes"]
+    expected, least = step_weight_bytes(hw, 1)
+    assert expected == pytest.approx(least) == pytest.approx(dense + hw["expert_bytes"] * 10 / 512)
+    expected, least = step_weight_bytes(hw, 64)
+    assert expected == pytest.approx(dense + hw["expert_bytes"] * (1 - (502 / 512) ** 64))
+    assert least < expected < hw["weight_bytes"]
+    dense_hw = model_bytes("random:llama-1b", torch.bfloat16)
+    assert step_weight_bytes(dense_hw, 64) == (dense_hw["weight_bytes"],) * 2
+    args = argparse.Namespace(prompt_len=8, output_len=16, copy_gib=1.0, device="cuda")
+    hw.update(copy_gb_s=1000.0, matmul_tflop_s=500.0)
+    figures = dict(step_ms=50.0, diff_ms=50.0, t1_s=0.1, tn_s=0.2, gpu_idle_share=0.0)
+    ours = {"graphs": {64: dict(figures, steps_graphed_share=1.0)}}
+    row = _decode_row(args, {"workload": "decode", "batch": 64}, 64, ours, {}, hw)
+    assert row["floor_min_ms"] < row["floor_ms"] and row["experts"].startswith("10 of 512")
+    assert decode_invalid(row) is None
+    ours["graphs"][64]["step_ms"] = row["floor_min_ms"] * 0.9
+    row = _decode_row(args, {"workload": "decode", "batch": 64}, 64, ours, {}, hw)
+    assert "below floor_min_ms" in decode_invalid(row)

@@ -312,18 +312,31 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
     context = args.prompt_len + args.output_len / 2
     share = _kv_read_share(hw.get("kv_windows"), context)
     kv_bytes = b * context * hw["kv_bytes_per_token"] * share
+    # A mixture of experts reads only the experts its batch chose (hardware.step_weight_bytes):
+    # floor_ms under uniform routing, floor_min_ms with every token choosing the same experts.
     tp = getattr(args, "tensor_parallel_size", 1)
+    weights, least = step_weight_bytes(hw, b)
+    per_ms = 1e3 / tp / (hw["copy_gb_s"] * 1e9)
+    active = hw["read_params"]  # (the parameters one token uses)
+    if hw.get("experts"):
+        active -= hw["expert_params"] * (1 - hw["experts"][1] / hw["experts"][0])
     row.update(
         params=hw["params"],
-        weight_bytes=hw["weight_bytes"],
+        weight_bytes=int(weights),
         kv_bytes=int(kv_bytes),
         copy_gib=args.copy_gib,
         copy_gb_s=hw["copy_gb_s"],
-        floor_ms=1e3 * (hw["weight_bytes"] + kv_bytes) / tp / (hw["copy_gb_s"] * 1e9),
+        floor_ms=(weights + kv_bytes) * per_ms,
         matmul_tflop_s=hw["matmul_tflop_s"],
-        # 2 FLOPs per weight read and token (attention's own FLOPs left out: small here).
-        compute_floor_ms=1e3 * 2 * hw["read_params"] * b / tp / (hw["matmul_tflop_s"] * 1e12),
+        # 2 FLOPs per weight a token uses (its top_k experts only; attention's own FLOPs
+        # left out: small here).
+        compute_floor_ms=1e3 * 2 * active * b / tp / (hw["matmul_tflop_s"] * 1e12),
     )
+    if hw.get("experts"):
+        row["floor_min_ms"] = (least + kv_bytes) * per_ms
+        row["experts"] = "{} of {} per token; floor_ms under uniform routing".format(
+            *reversed(hw["experts"])
+        )
     row["step_vs_floor"] = step / row["floor_ms"]
     if not args.device.startswith("cuda"):
         row["hf_static_skipped"] = "needs CUDA (transformers compiles static-cache decode there)"
@@ -337,18 +350,34 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
     return row
 
 
+def step_weight_bytes(hw: dict, batch: int) -> tuple[float, float]:
+    """(expected, least) weight bytes one decode step of `batch` tokens reads (`hw` from
+    model_bytes). Dense: both `weight_bytes`. A mixture of experts reads each expert chosen by
+    at least one token once: at least top_k of num_experts per layer (every token choosing the
+    same ones: the physical floor), and under uniform routing (a random router's, about) the
+    expected share 1 - (1 - top_k / num_experts) ** batch of them."""
+    if not hw.get("experts"):
+        return hw["weight_bytes"], hw["weight_bytes"]
+    num_experts, top_k = hw["experts"]
+    dense = hw["weight_bytes"] - hw["expert_bytes"]
+    expected = 1 - (1 - top_k / num_experts) ** batch
+    return dense + hw["expert_bytes"] * expected, dense + hw["expert_bytes"] * top_k / num_experts
+
+
 def decode_invalid(row: dict) -> str | None:
     """Why a decode row breaks physics, or None: a step time (any mode of ours or of HF) below
     `floor_ms`, the time to read the weights once and the batch's KV at the copy bandwidth just
-    measured. Such a figure is a measuring error, never a fast step (the `*_diff_ms` reference
+    measured (a mixture of experts: `floor_min_ms`, one token's experts per layer). Such a
+    figure is a measuring error, never a fast step (the `*_diff_ms` reference
     figures are not checked: they are known to carry that error)."""
-    floor = row["floor_ms"]
+    key = "floor_min_ms" if "floor_min_ms" in row else "floor_ms"  # (MoE: one token's experts)
+    floor = row[key]
     figures = [f"ours_{mode}_ms" for mode in OURS_MODES] + ["hf_ms", "hf_static_ms"]
     below = [f"{k} {row[k]:.4g}" for k in figures if row.get(k) is not None and row[k] < floor]
     if not below:
         return None
     return (
-        f"{', '.join(below)} ms below floor_ms {floor:.4g} ms (the weights and batch "
+        f"{', '.join(below)} ms below {key} {floor:.4g} ms (the weights and batch "
         f"{row['batch']}'s KV read once at {row['copy_gb_s']:.4g} GB/s): a measuring error"
     )
 
