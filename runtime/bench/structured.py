@@ -40,7 +40,7 @@ def array_schema(min_items: int) -> str:
 async def _timed_streams(address: str, prompts: list[str], modes: dict, rounds: int) -> dict:
     """Each mode's streams once untimed (graphs captured, the grammar compiled), then `rounds`
     timed rounds alternating the modes; per mode the fastest round's (seconds, tokens per
-    stream, the first stream's text)."""
+    stream, the first stream's text, engine steps, device seconds of those steps)."""
     from taipan.client import AsyncClient
 
     async def one(client, prompt: str, sampling) -> tuple[int, str]:
@@ -50,10 +50,15 @@ async def _timed_streams(address: str, prompts: list[str], modes: dict, rounds: 
             text.append(delta.text)
         return count, "".join(text)
 
-    async def batch(client, sampling) -> tuple[float, list[int], str]:
+    async def batch(client, sampling) -> tuple[float, list[int], str, int, float]:
+        before = (await client.stats()).merged()
         start = time.perf_counter()
         done = await asyncio.gather(*(one(client, p, sampling) for p in prompts))
-        return time.perf_counter() - start, [n for n, _ in done], done[0][1]
+        seconds = time.perf_counter() - start
+        after = (await client.stats()).merged()
+        steps = after.steps_total - before.steps_total
+        device = after.device_seconds_total - before.device_seconds_total
+        return seconds, [n for n, _ in done], done[0][1], steps, device
 
     best: dict = {}
     async with AsyncClient(address) as client:
@@ -86,7 +91,10 @@ def structured_workload(args) -> list[dict]:
     modes = {"unconstrained": free, "json_schema": constrained}
     with runtime_from_args(args) as rt:
         best = asyncio.run(_timed_streams(rt.address, prompts, modes, ROUNDS))
-    (free_s, free_counts, _), (json_s, json_counts, sample) = best.values()
+    (
+        (free_s, free_counts, _, free_steps, free_dev),
+        (json_s, json_counts, sample, json_steps, json_dev),
+    ) = best.values()
     if set(free_counts) != {m} or set(json_counts) != {m}:
         raise RuntimeError(
             f"every stream must generate {m} tokens: unconstrained {sorted(set(free_counts))}, "
@@ -108,6 +116,14 @@ def structured_workload(args) -> list[dict]:
         "unconstrained_output_tok_s": free_rate,
         "json_schema_output_tok_s": json_rate,
         "structured_cost": 1.0 - json_rate / free_rate,
+        # Where the time went: the engine's steps in the round, wall ms per step, and the
+        # share of the round the device was busy (the rest: host work between steps).
+        "unconstrained_steps": free_steps,
+        "json_schema_steps": json_steps,
+        "unconstrained_ms_per_step": 1e3 * free_s / max(free_steps, 1),
+        "json_schema_ms_per_step": 1e3 * json_s / max(json_steps, 1),
+        "unconstrained_device_busy_share": free_dev / free_s,
+        "json_schema_device_busy_share": json_dev / json_s,
         "invariants_hold": sample.lstrip().startswith("{"),  # the grammar did bind
     }
     return [rounded(row)]

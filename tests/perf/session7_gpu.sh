@@ -8,7 +8,10 @@
 #   part b (after stage1 again: a machine idle 30 s is gone): the two bf16 tests part a failed,
 #     fixed; the structured row again (warmed, alternating rounds: part a's first run was
 #     cold); the 8B weight sync (issue 26) paused and in flight, trainer on cuda:0 and taipan on
-#     cuda:1; the 1B decode rows of both trees alternating twice; the Qwen3-Next-like row.
+#     cuda:1; the 1B decode rows of both trees alternating twice; the Qwen3-Next-like row;
+#   part c (after stage1): the structured row with the engine's step counts, SmolLM2's decode
+#     rows, the 1B rows under two GIL switch intervals alternating, the Qwen3-Next-like row
+#     against the MoE floor.
 set -u
 PART=${1:?part a or b}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -41,7 +44,7 @@ if [ "$PART" = a ]; then
             --ours-modes graphs --results "$OUT/results_$tree.jsonl" 2>&1 \
             | grep -E "decode|rror" | tail -3)
     done
-else
+elif [ "$PART" = b ]; then
     (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
     echo "== the two bf16 tests of part a, fixed"
     timeout -s ABRT 120 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
@@ -64,6 +67,28 @@ else
             --ours-modes graphs --results "$OUT/results_$tree.jsonl" 2>&1 \
             | grep -E "decode|rror" | tail -3)
     done
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 120 python3 -m taipan.cli bench --workload decode \
+        --model random:qwen3-next-80b-a3b-8l --device cuda --dtype bfloat16 --batches 1,64 \
+        --no-hf --ours-modes graphs --results "$OUT/results.jsonl" 2>&1 | grep -E "decode|rror"
+elif [ "$PART" = c ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    echo "== structured, with the engine's steps"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 150 python3 -m taipan.cli bench --workload structured \
+        --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 --output-len 128 \
+        --results "$OUT/results.jsonl" --json 2>&1 | tail -1
+    echo "== SmolLM2 decode"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 100 python3 -m taipan.cli bench --workload decode \
+        --model smollm2 --device cuda --dtype bfloat16 --batches 1,64 --no-hf \
+        --ours-modes graphs --results "$OUT/results.jsonl" 2>&1 | grep -E "decode|rror"
+    echo "== 1B decode: the GIL switch interval, default (5 ms) vs 0.2 ms, alternating"
+    for si in "" 0.0002 "" 0.0002; do
+        echo "switch interval ${si:-default}"
+        TAIPAN_SWITCH_INTERVAL_S=$si CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 100 python3 -m taipan.cli \
+            bench --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
+            --batches 1,64 --no-hf --ours-modes graphs --results "$OUT/results_si${si:-def}.jsonl" \
+            2>&1 | grep -E "decode|rror"
+    done
+    echo "== Qwen3-Next-like decode, MoE floor"
     CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 120 python3 -m taipan.cli bench --workload decode \
         --model random:qwen3-next-80b-a3b-8l --device cuda --dtype bfloat16 --batches 1,64 \
         --no-hf --ours-modes graphs --results "$OUT/results.jsonl" 2>&1 | grep -E "decode|rror"
