@@ -1,5 +1,7 @@
 """Gated MLP activations on the fused gate/up projection: SwiGLU's `silu_and_mul` and Gemma's
-`gelu_tanh_and_mul` (kernel + launcher each) and their `*_ref` (the same contracts in torch).
+`gelu_tanh_and_mul` (one kernel, a launcher each) and their `*_ref` (the same contracts in
+torch); also the @triton.jit `silu` and `gelu_tanh` that every kernel gating with them calls
+(moe, causal_conv1d, gated_rmsnorm), so each is written once.
 
 A row of x [T, 2I] holds the gate then the up half, as ops/layers.SwiGLUMLP's `gate_up_proj`
 writes them; out [T, I] = silu(gate) * up, computed in fp32 and rounded once (HF rounds silu's
@@ -18,31 +20,21 @@ MAX_BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(
-    # pointers
-    x_ptr,  # [T, 2I]: gate | up
-    out_ptr,  # [T, I]
-    # strides
-    stride_x_token,
-    stride_out_token,
-    # meta-parameters
-    INTERMEDIATE: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < INTERMEDIATE
-    x_row = x_ptr + token * stride_x_token
-    gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
-    result = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(
-        out_ptr + token * stride_out_token + cols, result.to(out_ptr.dtype.element_ty), mask=mask
-    )
+def silu(x):
+    """x * sigmoid(x), for fp32 x (shared by every kernel that gates with silu)."""
+    return x / (1.0 + tl.exp(-x))
 
 
 @triton.jit
-def _gelu_tanh_and_mul_kernel(
+def gelu_tanh(x):
+    """gelu's tanh approximation for fp32 x, tanh(z) = 2 / (1 + exp(-2z)) - 1 (exp -> inf
+    gives -1)."""
+    z = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (2.0 / (1.0 + tl.exp(-2.0 * z)))
+
+
+@triton.jit
+def _gated_act_and_mul_kernel(
     # pointers
     x_ptr,  # [T, 2I]: gate | up
     out_ptr,  # [T, I]
@@ -52,6 +44,7 @@ def _gelu_tanh_and_mul_kernel(
     # meta-parameters
     INTERMEDIATE: tl.constexpr,
     BLOCK: tl.constexpr,
+    GELU_TANH: tl.constexpr,  # gelu_tanh (Gemma) instead of silu
 ):
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -59,11 +52,11 @@ def _gelu_tanh_and_mul_kernel(
     x_row = x_ptr + token * stride_x_token
     gate = tl.load(x_row + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_row + INTERMEDIATE + cols, mask=mask, other=0.0).to(tl.float32)
-    # gelu's tanh approximation, tanh(z) = 2 / (1 + exp(-2z)) - 1 (exp -> inf gives -1).
-    z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-    act = 0.5 * gate * (2.0 / (1.0 + tl.exp(-2.0 * z)))
-    # HF rounds the activation to the storage dtype before the product (gelu_pytorch_tanh).
-    act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    if GELU_TANH:
+        # HF rounds the activation to the storage dtype before the product (gelu_pytorch_tanh).
+        act = gelu_tanh(gate).to(out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        act = silu(gate)
     tl.store(
         out_ptr + token * stride_out_token + cols,
         (act * up).to(out_ptr.dtype.element_ty),
@@ -75,7 +68,7 @@ def gelu_tanh_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> to
     """x: [T, 2I] (gate | up) -> out: [T, I] = gelu_tanh(gate) * up in x's dtype (new if None),
     the activation rounded to x's dtype before the product, as HF's Gemma MLP. As
     `silu_and_mul` otherwise."""
-    return _launch(_gelu_tanh_and_mul_kernel, x, out)
+    return _launch(x, out, gelu_tanh=True)
 
 
 def gelu_tanh_and_mul_ref(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -94,10 +87,10 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
     Rows need unit stride in their last dim. Each program covers one token row's tile of up to
     MAX_BLOCK columns: a decode step's single row still spreads over many SMs. No host sync.
     """
-    return _launch(_silu_and_mul_kernel, x, out)
+    return _launch(x, out, gelu_tanh=False)
 
 
-def _launch(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+def _launch(x: torch.Tensor, out: torch.Tensor | None, *, gelu_tanh: bool) -> torch.Tensor:
     _check_args(x, out)
     num_tokens, intermediate = x.shape[0], x.shape[1] // 2
     if out is None:
@@ -105,13 +98,14 @@ def _launch(kernel, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     if num_tokens > 0:
         block = min(triton.next_power_of_2(intermediate), MAX_BLOCK)
         grid = (num_tokens, triton.cdiv(intermediate, block))
-        kernel[grid](
+        _gated_act_and_mul_kernel[grid](
             x,
             out,
             x.stride(0),
             out.stride(0),
             INTERMEDIATE=intermediate,
             BLOCK=block,
+            GELU_TANH=gelu_tanh,
         )
     return out
 

@@ -47,6 +47,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from taipan.kernels.activation import silu
 from taipan.kernels.ssd_scan import check_snapshots, snapshot_entries
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -144,7 +145,7 @@ def _causal_conv1d_varlen_kernel(
                 ptrs = init_base + state_row[:, None] * dim + cols[None, :]
                 v = tl.load(ptrs, mask=ok, other=0.0).to(tl.float32)
                 acc += v * taps[k][None, :]
-        y = acc / (1.0 + tl.exp(-acc))  # silu, fp32
+        y = silu(acc)  # fp32
         out_ptrs = out_ptr + (start + t0) * stride_out_token
         out_ptrs += rows[:, None] * stride_out_token + cols[None, :]
         tl.store(out_ptrs, y.to(out_ptr.dtype.element_ty), mask=tile_ok)
@@ -224,7 +225,7 @@ def _causal_conv1d_update_kernel(
     acc = tl.sum(window * w, axis=0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    y = acc / (1.0 + tl.exp(-acc))  # silu, fp32
+    y = silu(acc)  # fp32
     tl.store(out_ptr + row * stride_out_token + cols, y.to(out_ptr.dtype.element_ty), mask=col_ok)
 
     if dest >= 0:

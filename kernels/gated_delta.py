@@ -54,12 +54,15 @@ import triton.language as tl
 
 from taipan.kernels.causal_conv1d import _overlaps
 from taipan.kernels.gated_delta_chunk import (
-    EPS,
     L2NORM_EPS,
     chunk_config,
     gated_delta_chunk_kernel,
+    inv_l2norm,
+    load_state,
+    state_tile,
+    store_state,
 )
-from taipan.kernels.ssd_scan import _names, _nonempty, check_snapshots, snapshot_entries
+from taipan.kernels.ssd_scan import _check_tokens, _nonempty, check_snapshots, snapshot_entries
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -111,27 +114,20 @@ def _gated_delta_update_kernel(
     kh = head // HEADS_PER_KEY
     init = tl.load(init_ptr + row).to(tl.int64)
     dest = tl.load(dest_ptr + row).to(tl.int64)
-    kc = tl.arange(0, BLOCK_K)
-    vc = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    kc_ok = kc < Dk
-    vc_ok = vc < Dv
-    tile_ok = kc_ok[:, None] & vc_ok[None, :]
+    kc, vc, kc_ok, vc_ok, tile_ok, state_off = state_tile(
+        head, stride_s_h, stride_s_k, Dk, Dv, BLOCK_K, BLOCK_V
+    )
     q = tl.load(q_ptr + row * stride_q_t + kh * stride_q_h + kc, mask=kc_ok, other=0.0)
     k = tl.load(k_ptr + row * stride_k_t + kh * stride_k_h + kc, mask=kc_ok, other=0.0)
     q = q.to(tl.float32)
     k = k.to(tl.float32)
     if USE_L2NORM:
-        q = q * tl.rsqrt(tl.sum(q * q, axis=0) + EPS)
-        k = k * tl.rsqrt(tl.sum(k * k, axis=0) + EPS)
+        q = q * inv_l2norm(q, 0)
+        k = k * inv_l2norm(k, 0)
     v = tl.load(v_ptr + row * stride_v_t + head * stride_v_h + vc, mask=vc_ok, other=0.0)
     g = tl.load(g_ptr + row * stride_g_t + head).to(tl.float32)
     beta = tl.load(beta_ptr + row * stride_beta_t + head).to(tl.float32)
-    state_off = head * stride_s_h + kc[:, None] * stride_s_k + vc[None, :]
-    state = tl.load(
-        states_ptr + tl.maximum(init, 0) * stride_s_slot + state_off,
-        mask=tile_ok & (init >= 0),
-        other=0.0,
-    )  # [BLOCK_K, BLOCK_V]; slot -1: zeros
+    state = load_state(states_ptr, init, stride_s_slot, state_off, tile_ok)  # [BLOCK_K, BLOCK_V]
 
     state = state * tl.exp(g)
     delta = beta * (v.to(tl.float32) - tl.sum(k[:, None] * state, axis=0))  # [BLOCK_V]
@@ -139,8 +135,7 @@ def _gated_delta_update_kernel(
     o = tl.sum((q * scale)[:, None] * state, axis=0)
     out_ptrs = out_ptr + row * stride_o_t + head * stride_o_h + vc
     tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=vc_ok)
-    dest_ptrs = states_ptr + tl.maximum(dest, 0) * stride_s_slot + state_off
-    tl.store(dest_ptrs, state, mask=tile_ok & (dest >= 0))
+    store_state(states_ptr, dest, stride_s_slot, state_off, tile_ok, state)
 
 
 def gated_delta_varlen(
@@ -271,17 +266,17 @@ def _check_args(q, k, v, g, beta, states, init_slots, out_slots, out) -> int:
     num_tokens, num_heads, head_v_dim = v.shape
     num_key_heads, head_k_dim = q.shape[1], q.shape[2]
     device = v.device
-    _check_tokens("v", v, v.shape, device)
-    _check_tokens("q", q, (num_tokens, num_key_heads, head_k_dim), device)
-    _check_tokens("k", k, q.shape, device)
+    _check_tokens("v", v, v.shape, DTYPES, device, anchor="v")
+    _check_tokens("q", q, (num_tokens, num_key_heads, head_k_dim), DTYPES, device, anchor="v")
+    _check_tokens("k", k, q.shape, DTYPES, device, anchor="v")
     if num_key_heads == 0 or num_heads % num_key_heads:
         raise ValueError(
             f"the key heads ({num_key_heads}) must divide the value heads ({num_heads})"
         )
     if not 0 < head_k_dim <= MAX_HEAD_K_DIM:
         raise ValueError(f"head_k_dim must be in 1..{MAX_HEAD_K_DIM}, got {head_k_dim}")
-    _check_tokens("g", g, (num_tokens, num_heads), device)
-    _check_tokens("beta", beta, (num_tokens, num_heads), device)
+    _check_tokens("g", g, (num_tokens, num_heads), DTYPES, device, anchor="v")
+    _check_tokens("beta", beta, (num_tokens, num_heads), DTYPES, device, anchor="v")
     want = (num_heads, head_k_dim, head_v_dim)
     if (
         states.dim() != 4
@@ -304,25 +299,10 @@ def _check_args(q, k, v, g, beta, states, init_slots, out_slots, out) -> int:
     if out is not None:
         if out.dtype != v.dtype:
             raise ValueError(f"out must have v's dtype {v.dtype}, got {out.dtype}")
-        _check_tokens("out", out, v.shape, device)
+        _check_tokens("out", out, v.shape, DTYPES, device, anchor="v")
         if any(_overlaps(out, t) for t in (q, k, v)):
             raise ValueError("out must not overlap q, k or v (other programs still read them)")
     return num_seqs
-
-
-def _check_tokens(name, t, shape, device) -> None:
-    """A [T, ...] token tensor (possibly a strided view) with unit stride in its last dim."""
-    if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if t.dtype not in DTYPES:
-        raise ValueError(f"{name} must be {_names(DTYPES)}, got {t.dtype}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, v on {device}: use one device")
-    if t.numel() and t.stride(-1) != 1:
-        raise ValueError(
-            f"{name} must have unit stride in its last dim, got strides {t.stride()}: "
-            "pass a .contiguous() copy"
-        )
 
 
 def _check_index(name, t, length, device) -> None:

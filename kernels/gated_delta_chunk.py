@@ -1,6 +1,8 @@
 """The chunked (WY / UT-transform) Triton kernel behind kernels/gated_delta.py's
 `gated_delta_varlen`; the contract, the launcher and the reference live there. This file owns
-only the kernel and its tile-size choice; it touches no state beyond the slots it is given.
+only the kernel, its tile-size choice and the tile helpers it shares with gated_delta.py's
+decode kernel (state tile, slot load/store, l2norm); it touches no state beyond the slots it is
+given.
 
 The chunk form. Within a chunk of C tokens starting from state S0, with cum_t = g_1 + .. + g_t
 (inclusive, log of the decay from the chunk's start) and Γ_t = exp(cum_t), the deltas
@@ -54,6 +56,46 @@ def _unit_lower_inverse(A, CHUNK: tl.constexpr):
 
 
 @triton.jit
+def state_tile(head, stride_s_h, stride_s_k, Dk, Dv, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    """This program's [BLOCK_K, BLOCK_V] tile of value head `head`'s [Dk, Dv] state: every row,
+    the columns from program_id(2) * BLOCK_V. Returns (kc, vc, kc_ok, vc_ok, tile_ok, state_off),
+    state_off the tile's element offsets within a slot."""
+    kc = tl.arange(0, BLOCK_K)
+    vc = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    kc_ok = kc < Dk
+    vc_ok = vc < Dv
+    tile_ok = kc_ok[:, None] & vc_ok[None, :]
+    state_off = head * stride_s_h + kc[:, None] * stride_s_k + vc[None, :]
+    return kc, vc, kc_ok, vc_ok, tile_ok, state_off
+
+
+@triton.jit
+def load_state(states_ptr, slot, stride_s_slot, state_off, tile_ok):
+    """The fp32 state tile of `slot` (int64), zeros for slot -1."""
+    return tl.load(
+        states_ptr + tl.maximum(slot, 0) * stride_s_slot + state_off,
+        mask=tile_ok & (slot >= 0),
+        other=0.0,
+    )
+
+
+@triton.jit
+def store_state(states_ptr, slot, stride_s_slot, state_off, tile_ok, state):
+    """Stores the state tile into `slot` (int64); nothing for slot -1."""
+    tl.store(
+        states_ptr + tl.maximum(slot, 0) * stride_s_slot + state_off,
+        state,
+        mask=tile_ok & (slot >= 0),
+    )
+
+
+@triton.jit
+def inv_l2norm(x, AXIS: tl.constexpr):
+    """1 / sqrt(sum(x^2) + eps) along AXIS of fp32 x: the factor of HF's and FLA's l2norm."""
+    return tl.rsqrt(tl.sum(x * x, axis=AXIS) + EPS)
+
+
+@triton.jit
 def _load_rows(ptr, tok, t_ok, cols, col_ok, stride_t):
     """Rows `tok`, columns `cols` of a [T, D] head view, in its storage dtype (zeros outside)."""
     return tl.load(
@@ -67,8 +109,7 @@ def _load_rows(ptr, tok, t_ok, cols, col_ok, stride_t):
 def _row_scale(x, USE_L2NORM: tl.constexpr):
     """Per row of x [CHUNK, BLOCK_K], the factor of its l2norm (1 without), fp32 [CHUNK]."""
     if USE_L2NORM:
-        x32 = x.to(tl.float32)
-        r = tl.rsqrt(tl.sum(x32 * x32, axis=1) + EPS)
+        r = inv_l2norm(x.to(tl.float32), 1)
     else:
         r = tl.full([x.shape[0]], 1.0, dtype=tl.float32)
     return r
@@ -126,17 +167,10 @@ def gated_delta_chunk_kernel(
     if (end <= start) & (dest < 0):  # padding (or nothing to store)
         return
     kh = head // HEADS_PER_KEY
-    kc = tl.arange(0, BLOCK_K)
-    vc = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
-    kc_ok = kc < Dk
-    vc_ok = vc < Dv
-    tile_ok = kc_ok[:, None] & vc_ok[None, :]
-    state_off = head * stride_s_h + kc[:, None] * stride_s_k + vc[None, :]
-    state = tl.load(
-        states_ptr + tl.maximum(init, 0) * stride_s_slot + state_off,
-        mask=tile_ok & (init >= 0),
-        other=0.0,
-    )  # [BLOCK_K, BLOCK_V]; slot -1: zeros
+    kc, vc, kc_ok, vc_ok, tile_ok, state_off = state_tile(
+        head, stride_s_h, stride_s_k, Dk, Dv, BLOCK_K, BLOCK_V
+    )
+    state = load_state(states_ptr, init, stride_s_slot, state_off, tile_ok)  # [BLOCK_K, BLOCK_V]
 
     t = tl.arange(0, CHUNK)
     strict = t[:, None] > t[None, :]
@@ -199,8 +233,7 @@ def gated_delta_chunk_kernel(
             tl.trans(k), delta_to_end, acc=state * tl.exp(total), input_precision=DOT_PRECISION
         )
 
-    dest_ptrs = states_ptr + tl.maximum(dest, 0) * stride_s_slot + state_off
-    tl.store(dest_ptrs, state, mask=tile_ok & (dest >= 0))
+    store_state(states_ptr, dest, stride_s_slot, state_off, tile_ok, state)
 
 
 def chunk_config(

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.activation import silu
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUP = 16384  # one program holds a whole group in registers
 
@@ -41,7 +43,7 @@ def _gated_rms_norm_kernel(
     mask = tl.arange(0, BLOCK) < GROUP
     x = tl.load(x_ptr + token * stride_x_token + cols, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + token * stride_gate_token + cols, mask=mask, other=0.0).to(tl.float32)
-    h = x * (g / (1.0 + tl.exp(-g)))  # x * silu(gate)
+    h = x * silu(g)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / GROUP + eps)
     # HF order: cast the normalized group to the storage dtype, then multiply by the weight.
     normed = (h * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)

@@ -41,11 +41,27 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.activation import silu
 from taipan.kernels.moe_align import moe_align
 
 ACTIVATIONS = ("swiglu", "relu2")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 WEIGHT_DTYPES = (*DTYPES, torch.float64)  # topk_weights
+
+
+@triton.jit
+def _k_tile(ptrs, k0, ks, K: tl.constexpr, BLOCK_K: tl.constexpr, K_AXIS: tl.constexpr):
+    """The tile at `ptrs` of a GEMM operand whose K offsets `k0 + ks` run along axis K_AXIS:
+    unmasked when BLOCK_K divides K, else zeros past K."""
+    if K % BLOCK_K == 0:
+        tile = tl.load(ptrs)
+    else:
+        k_ok = k0 + ks < K
+        if K_AXIS == 0:
+            tile = tl.load(ptrs, mask=k_ok[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=k_ok[None, :], other=0.0)
+    return tile
 
 
 @triton.jit
@@ -88,24 +104,16 @@ def _up_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, HIDDEN, BLOCK_K):
-        if HIDDEN % BLOCK_K == 0:
-            xt = tl.load(x_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = k0 + ks < HIDDEN
-            xt = tl.load(x_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        xt = _k_tile(x_ptrs, k0, ks, HIDDEN, BLOCK_K, 1)
+        w = _k_tile(w_ptrs, k0, ks, HIDDEN, BLOCK_K, 0)
         acc = tl.dot(xt, w, acc=acc, input_precision=DOT_PRECISION)
         if SWIGLU:  # the up half: rows I.. of w1
-            if HIDDEN % BLOCK_K == 0:
-                w_up = tl.load(w_ptrs + INTER * stride_w_n)
-            else:
-                w_up = tl.load(w_ptrs + INTER * stride_w_n, mask=k_ok[:, None], other=0.0)
+            w_up = _k_tile(w_ptrs + INTER * stride_w_n, k0, ks, HIDDEN, BLOCK_K, 0)
             acc_up = tl.dot(xt, w_up, acc=acc_up, input_precision=DOT_PRECISION)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     if SWIGLU:
-        h = acc / (1.0 + tl.exp(-acc)) * acc_up
+        h = silu(acc) * acc_up
     else:
         h = tl.maximum(acc, 0.0)
         h = h * h
@@ -151,13 +159,8 @@ def _down_kernel(
     w_ptrs += ks[:, None]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, INTER, BLOCK_K):
-        if INTER % BLOCK_K == 0:
-            a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
-        else:
-            k_ok = k0 + ks < INTER
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=k_ok[:, None], other=0.0)
+        a = _k_tile(a_ptrs, k0, ks, INTER, BLOCK_K, 1)
+        w = _k_tile(w_ptrs, k0, ks, INTER, BLOCK_K, 0)
         acc = tl.dot(a, w, acc=acc, input_precision=DOT_PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K

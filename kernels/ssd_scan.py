@@ -42,6 +42,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from taipan.kernels.decode_attention import _num_sms
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PARAM_DTYPES = (*DTYPES, torch.float64)  # D and dt_bias
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -305,19 +307,9 @@ def _scan_config(x, num_seqs, num_heads, head_dim, state_size, chunk_size):
     block_p = min(64 if wide and block_n <= 128 else 32, max(16, triton.next_power_of_2(head_dim)))
     # Fewer programs than SMs (one long sequence): split head_dim finer, at the price of
     # recomputing C·Bᵀ per block.
-    if block_p > 16 and num_seqs * num_heads * triton.cdiv(head_dim, block_p) < _sm_count(x):
+    if block_p > 16 and num_seqs * num_heads * triton.cdiv(head_dim, block_p) < _num_sms(x.device):
         block_p //= 2
     return step, block_t, block_p, block_n, 4, 2 if wide else 1
-
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(t: torch.Tensor) -> int:
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index not in _SMS:
-        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return _SMS[index]
 
 
 def _nonempty(t: torch.Tensor) -> torch.Tensor:
@@ -336,14 +328,15 @@ def _check_vector(name, t, length, dtypes, device) -> None:
         raise ValueError(f"{name} is on {t.device}, x on {device}: use one device")
 
 
-def _check_tokens(name, t, shape, dtypes, device) -> None:
-    """A [T, ...] token tensor (possibly a strided view) with unit stride in its last dim."""
+def _check_tokens(name, t, shape, dtypes, device, anchor: str = "x") -> None:
+    """A [T, ...] token tensor (possibly a strided view) with unit stride in its last dim, on
+    `device` (that of the tensor named `anchor`). Shared with gated_delta."""
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} must be {_names(dtypes)}, got {t.dtype}")
     if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, x on {device}: use one device")
+        raise ValueError(f"{name} is on {t.device}, {anchor} on {device}: use one device")
     if t.numel() and t.stride(-1) != 1:
         raise ValueError(
             f"{name} must have unit stride in its last dim, got strides {t.stride()}: "
