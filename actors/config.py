@@ -107,6 +107,16 @@ class InferenceConfig:
     # larger ones through NCCL. None: on where every pair of GPUs has peer access; False: NCCL
     # only (vLLM's disable_custom_all_reduce); True: on, or a clear error where it cannot be.
     custom_all_reduce: bool | None = None
+    # Speculative decoding (num_speculative_tokens k > 0, the seed's field): each decode step
+    # of a request verifies up to k draft tokens and keeps the longest agreeing prefix plus one
+    # token (greedy outputs equal those without it; sampled ones keep their law and seeds).
+    # `speculative_method`: who drafts; only "ngram" is built (prompt lookup: copy what followed
+    # the latest earlier occurrence of the longest suffix n-gram of n in
+    # [ngram_prompt_lookup_min, ngram_prompt_lookup_max], vLLM's names). actors/engine/
+    # speculation.py says which requests speculate and what is not built yet.
+    speculative_method: str = "ngram"
+    ngram_prompt_lookup_min: int = 1
+    ngram_prompt_lookup_max: int = 4
     verbose: dataclasses.InitVar[bool] = False
 
     def __post_init__(self, verbose: bool):
@@ -181,11 +191,34 @@ class InferenceConfig:
             if needs_cache:
                 which = f"prefix_caching_coordinator_policy={routing}"
             raise ConfigError(f"{which} needs enable_prefix_caching=true")
+        self._check_speculative()
         max_tokens = self.max_tokens or DEFAULT_MAX_TOKENS
         if self.max_requests is not None and max_tokens < self.max_requests:
             raise ConfigError(
                 f"max_tokens ({max_tokens}) must be >= max_requests "
                 f"({self.max_requests}): every running request needs a token each step"
+            )
+
+    def _check_speculative(self) -> None:
+        k = self.num_speculative_tokens
+        if k < 0 or k > MAX_SPECULATIVE_TOKENS:
+            raise ConfigError(
+                f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}] (0 = off), "
+                f"got {k}"
+            )
+        method = self.speculative_method
+        if method in UNBUILT_SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_method={method!r} is not built yet; only 'ngram' is (prompt "
+                "lookup, no draft model)"
+            )
+        if method != "ngram":
+            raise ConfigError(f"speculative_method must be 'ngram', got {method!r}")
+        lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
+        if not 1 <= lo <= hi:
+            raise ConfigError(
+                f"ngram_prompt_lookup_min ({lo}) and ngram_prompt_lookup_max ({hi}) need "
+                "1 <= min <= max"
             )
 
     # --- parsing ------------------------------------------------------------------------------
@@ -311,6 +344,11 @@ def routing_policy(config: InferenceConfig) -> PrefixCachingCoordinatorPolicy:
     return PrefixCachingCoordinatorPolicy(policy)  # a config built in code may hold the string
 
 
+# Speculative decoding: the most draft tokens a step may verify per request, and the methods
+# users of vLLM / Megatron may name that are not built.
+MAX_SPECULATIVE_TOKENS = 64
+UNBUILT_SPECULATIVE_METHODS = ("draft_model", "mtp", "eagle", "eagle3", "medusa")
+
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {
     "unified_memory_level": "unified memory is not supported",
@@ -319,7 +357,6 @@ NOT_IMPLEMENTED = {
     "use_flashinfer_fused_rope": "flashinfer is not used",
     "materialize_only_last_token_logits": "taipan materializes only the logits a request "
     "asks for (return_log_probs includes the prompt's), so there is nothing to switch",
-    "num_speculative_tokens": "speculative decoding is not built",
     "metrics_writer": "no metrics writer (wandb) integration",
     "sampling_backend": "only the torch sampling backend exists",
     "request_metadata_types": "per-request metadata tracking is not built",

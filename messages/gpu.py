@@ -220,6 +220,13 @@ class StepPlan:
     grammar_rows: Array[np.int64, 1] = empty_array_field(np.int64)
     grammar_new: list[GrammarStart] = dataclasses.field(default_factory=list)
     grammar_drop: Array[np.int64, 1] = empty_array_field(np.int64)
+    # Speculative decoding (InferenceConfig.num_speculative_tokens; actors/gpu/speculative.py):
+    # num_drafts int32[B], the draft tokens sequence i verifies (empty: none in this step). Its
+    # last num_drafts[i] input tokens are the drafts, after its last known token; the gpu
+    # scores all num_drafts[i] + 1 positions and returns what it accepts in
+    # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no log-probs,
+    # controls or grammar, and runs eagerly (no CUDA graph holds a verify step yet).
+    num_drafts: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123, required=12)  # (routed_experts came later)
@@ -257,6 +264,11 @@ class StepResult:
     prompt_top_n_ids: Array[np.int32, 2] = empty_array_field(np.int32, 2)
     prompt_top_n_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
     routed_experts: Array[(np.int16, np.int32), 3] = empty_array_field(np.int16, 3)
+    # Speculative decoding: int32[B, K+1] with K = max(plan.num_drafts), when the plan has
+    # drafts (else empty): sequence i's new tokens, its accepted drafts then the token drawn at
+    # the first rejection (or the bonus token), -1 after; rows without drafts all -1 (their
+    # token is token_ids[i], which for a row with drafts is its first new token).
+    spec_tokens: Array[np.int32, 2] = empty_array_field(np.int32, 2)
 
 
 @message(124, required=4)  # (the weight-transfer fields came later)

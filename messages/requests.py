@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Sequence
 
@@ -73,9 +74,23 @@ class LogprobsMode(enum.StrEnum):
         raise ValueError(f"logprobs_mode must be {choices}, got {value!r}")
 
 
+_EMPTIES: dict[tuple[np.dtype, int], np.ndarray] = {}
+
+
+def _shared_empty(dtype, ndim: int) -> np.ndarray:
+    key = (np.dtype(dtype), ndim)
+    arr = _EMPTIES.get(key)
+    if arr is None:
+        arr = _EMPTIES[key] = np.zeros((0,) * ndim, dtype=dtype)
+        arr.flags.writeable = False  # (shared by every message that leaves the field out)
+    return arr
+
+
 def empty_array_field(dtype, ndim: int = 1):
-    """A default for an optional array field: empty, of the right dtype and rank."""
-    return dataclasses.field(default_factory=lambda: np.zeros((0,) * ndim, dtype=dtype))
+    """A default for an optional array field: empty, of the right dtype and rank (one read-only
+    array per dtype and rank, shared: a step's outputs leave about ten such fields out per
+    request)."""
+    return dataclasses.field(default_factory=functools.partial(_shared_empty, dtype, ndim))
 
 
 # Structured outputs' grammar kinds (ops/grammar.py compiles them).
@@ -172,6 +187,10 @@ class SamplingParams:
     min_tokens: int = 0
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     structured: StructuredOutput | None = None
+    # Speculative decoding (InferenceConfig.num_speculative_tokens > 0): False opts this request
+    # out (it decodes one token per step). Requests with log-probs, logit controls, a grammar
+    # or routed experts never speculate (v1; actors/engine/speculation.py).
+    speculative: bool = True
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, as sentences a user can act on."""
@@ -347,7 +366,7 @@ class EngineSubmit:
     hash_salt: int = 0
 
 
-@message(22, required=19)  # (weight_versions came later)
+@message(22, required=7)  # (the rest: left off by the sender while at their defaults)
 class RequestOutput:
     """Engine -> coordinator -> client: new tokens of one request, and whether it ended.
 

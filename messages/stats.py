@@ -75,6 +75,14 @@ class RankStats:
     # (every thread stops meanwhile: steps wait for it).
     gc_seconds_total: float = 0.0
     gc_collections_total: int = 0
+    # Speculative decoding (zeros when off): draft tokens proposed and verified, of which
+    # accepted, and the steps' rows that verified drafts; spec_accepted_per_position[j]: rows
+    # whose draft j was accepted (j = 0..num_speculative_tokens-1), so acceptance at position j
+    # = that / the rows that drafted at least j + 1 tokens (a falling drafter shows here).
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verify_rows: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
     # Set by the coordinator: False once the rank died (its last report, nothing running), with
     # why in `dead_reason`.
     alive: bool = True
@@ -84,6 +92,18 @@ class RankStats:
     def blocks_active(self) -> int:
         """Blocks with a hash that some request holds (hashed - evictable)."""
         return self.blocks_hashed - self.blocks_evictable
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        """Share of verified draft tokens accepted (0 when none was drafted)."""
+        return self.spec_accepted_tokens / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens a verify row gains on average (accepted drafts + the one drawn; 0: none)."""
+        if not self.spec_verify_rows:
+            return 0.0
+        return 1.0 + self.spec_accepted_tokens / self.spec_verify_rows
 
     @property
     def prefix_hit_rate(self) -> float:
@@ -116,6 +136,12 @@ class Stats:
         for name in ("device_seconds_total", "dummy_device_seconds_total", "gc_seconds_total"):
             fields[name] = float(fields[name])
         fields["step"] = max((r.step for r in self.ranks), default=0)
+        width = max((len(r.spec_accepted_per_position) for r in self.ranks), default=0)
+        per_position = [0] * width
+        for r in self.ranks:
+            for j, n in enumerate(r.spec_accepted_per_position):
+                per_position[j] += n
+        fields["spec_accepted_per_position"] = tuple(per_position)
         fields["weight_version"] = max((r.weight_version for r in self.ranks), default=0)
         return RankStats(
             **fields, rank=-1, state=self.state, alive=any(r.alive for r in self.ranks)

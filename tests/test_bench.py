@@ -404,6 +404,23 @@ def test_weight_sync_workload_row_on_cpu(tmp_path):
     assert row["update_s"] >= row["paused_s"] >= row["transfer_s"]
 
 
+def test_structured_workload_row_on_cpu(tmp_path):
+    """json_schema streams beside unconstrained ones: both generate exactly --output-len tokens
+    per stream (the schema cannot end sooner), the grammar bound (the text opens a JSON object),
+    and the row has both rates, the cost and the engine's steps."""
+    [row] = _bench_rows(
+        tmp_path,
+        *("--workload", "structured", "--model", "random:tiny", "--num-prompts", "2"),
+        *("--output-len", "4"),
+    )
+    assert row["workload"] == "structured" and row["batch"] == 2 and row["output_len"] == 4
+    assert row["invariants_hold"] is True and '"minItems": 4' in row["schema"]
+    for mode in ("unconstrained", "json_schema"):
+        assert row[f"{mode}_output_tok_s"] > 0 and row[f"{mode}_steps"] >= 4
+    want = 1 - row["json_schema_output_tok_s"] / row["unconstrained_output_tok_s"]
+    assert row["structured_cost"] == pytest.approx(want, rel=1e-3, abs=1e-4)
+
+
 @pytest.mark.slow
 def test_weight_sync_workload_in_flight_on_cpu(tmp_path):
     """--in-flight: push_weights(in_flight=True) with the runtime RUNNING, no pause around it."""

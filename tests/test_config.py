@@ -66,7 +66,13 @@ SEED_DEFAULTS = {
 # host memory there, and 20 GB of it would not leave a 24 GiB machine usable).
 DIFFERS_FROM_SEED = {"buffer_size_gb": None}
 # taipan's own fields, not in the seed (README: configuration).
-TAIPAN_FIELDS = {"overlap_steps": None, "custom_all_reduce": None}
+TAIPAN_FIELDS = {
+    "overlap_steps": None,
+    "custom_all_reduce": None,
+    "speculative_method": "ngram",
+    "ngram_prompt_lookup_min": 1,
+    "ngram_prompt_lookup_max": 4,
+}
 HINTS = typing.get_type_hints(InferenceConfig)
 FIELDS = {f.name: f for f in dataclasses.fields(InferenceConfig)}
 
@@ -389,3 +395,17 @@ def test_mamba_inference_state_config_keys_and_values_are_checked():
     ]:
         with pytest.raises(ConfigError, match=words):
             InferenceConfig(mamba_inference_state_config=bad)
+
+
+def test_speculative_fields():
+    config = InferenceConfig(num_speculative_tokens=4, ngram_prompt_lookup_max=3)
+    assert config.num_speculative_tokens == 4
+    for method in ("draft_model", "mtp"):
+        with pytest.raises(ConfigError, match=f"speculative_method='{method}' is not built"):
+            InferenceConfig(num_speculative_tokens=2, speculative_method=method)
+    with pytest.raises(ConfigError, match="must be 'ngram'"):
+        InferenceConfig(speculative_method="magic")
+    with pytest.raises(ConfigError, match="num_speculative_tokens must be in"):
+        InferenceConfig(num_speculative_tokens=-1)
+    with pytest.raises(ConfigError, match="1 <= min <= max"):
+        InferenceConfig(ngram_prompt_lookup_min=3, ngram_prompt_lookup_max=2)

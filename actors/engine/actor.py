@@ -336,6 +336,10 @@ class EngineActor(EngineControls, Actor):
             self.steps.dummy_device_seconds,
             self.gc_time.seconds,
             self.gc_time.collections,
+            spec_draft_tokens=s.get("spec_draft_tokens", 0),
+            spec_accepted_tokens=s.get("spec_accepted_tokens", 0),
+            spec_verify_rows=s.get("spec_verify_rows", 0),
+            spec_accepted_per_position=s.get("spec_accepted_per_position", ()),
         )
         return Stats(self.state, (rank,))
 

@@ -105,6 +105,8 @@ def register(sched, draft: Draft) -> None:
     caching), once each."""
     if sched.prefix is not None:
         for c in draft.chunks[draft.claimed :]:
+            if c.drafts is not None:  # a decode row (its drafts are no prompt, no prefill)
+                continue
             sched.prefix.register(c.request, c.num_new_tokens, sched.step + 1, draft.regs)
         draft.claimed = len(draft.chunks)
 

@@ -26,6 +26,9 @@ class Chunk:
     # Hybrids: the snapshot slot its initial Mamba state is read from (a restored prefix);
     # None: its own live slot, or zeros from position 0.
     mamba_init: int | None = None
+    # Speculative decoding: the draft tokens this row verifies after its last known token
+    # (its query is that token and these, 1 + len(drafts) tokens); None: not a verify row.
+    drafts: np.ndarray | None = None
 
 
 @dataclasses.dataclass

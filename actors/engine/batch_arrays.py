@@ -56,7 +56,10 @@ def plan_arrays(
             add_target(target)
         else:
             pos = np.arange(start, stop, dtype=np.int64)
-            ids.add_array(r.token_slice(start, stop))
+            if c.drafts is None:
+                ids.add_array(r.token_slice(start, stop))
+            else:  # a verify row: its last known token, then its drafts
+                ids.add_array(np.concatenate([r.token_slice(start, start + 1), c.drafts]))
             positions.add_array(pos)
             chunk_slots = rows[i][pos // bs].astype(np.int64) * bs + pos % bs
             if start < r.shared_until:
@@ -73,6 +76,7 @@ def plan_arrays(
         tables[i, : len(rows[i])] = rows[i]
     reqs = [c.request for c in batch.chunks]
     from_previous = max(prev_rows) >= 0
+    num_drafts = [0 if c.drafts is None else len(c.drafts) for c in batch.chunks]
     processed = [r.sampling.logprobs_mode is LogprobsMode.PROCESSED for r in reqs]
     mamba = {}
     if hybrid:
@@ -116,6 +120,8 @@ def plan_arrays(
         "prev_rows": np.asarray(prev_rows if from_previous else [], dtype=np.int32),
         # Empty when every row's log-probs are raw (the plan's default).
         "logprobs_mode": np.asarray(processed if any(processed) else [], dtype=np.int8),
+        # Speculative decoding: draft tokens per sequence (empty when the step verifies none).
+        "num_drafts": np.asarray(num_drafts if any(num_drafts) else [], dtype=np.int32),
         # Whether a chunk computes positions whose routed experts its request still wants.
         "return_routed_experts": any(
             c.request.routed is not None and c.start + c.num_new_tokens > c.request.routed.filled

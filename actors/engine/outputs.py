@@ -25,10 +25,12 @@ def append_token(
     plan: RuntimePlan,
     track_events: bool,
     weight_version: int,
+    token: int | None = None,
 ) -> FinishReason | None:
     """Append row i's sampled token (and its log-probs), sampled with the weights of
-    `weight_version`, to `r`; the reason it ends, if any."""
-    tok = int(res.token_ids[i])
+    `weight_version`, to `r`; the reason it ends, if any. `token`: a verify row's new token
+    to append instead (one of several; such a row has no log-probs)."""
+    tok = int(res.token_ids[i]) if token is None else token
     r.generated.append(tok)
     if not r.weight_versions or r.weight_versions[-1][0] != weight_version:
         r.weight_versions.append((weight_version, len(r.generated) - 1))

@@ -91,6 +91,10 @@ class EngineRequest:
     # what their arrays reuse between steps (a control_arrays.RowControls, which imports this).
     has_controls: bool = dataclasses.field(init=False, default=False)
     controls: object | None = dataclasses.field(default=None, repr=False, compare=False)
+    # Speculative decoding (actors/engine/speculation.py): whether it speculates (set when the
+    # scheduler takes it in) and its n-gram index (an ngram.NgramIndex, made at its first draft).
+    speculates: bool = False
+    ngram: object | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.has_controls = self.sampling.has_controls

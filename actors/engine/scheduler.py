@@ -24,6 +24,9 @@ whose token is dropped when that step's result comes (the request is finished by
 blocks are freed by the step after, which the device runs after both (one stream). A request
 certain to end (max_tokens or max_sequence_length reached by its pending tokens) is not
 planned again. With nothing in flight this is the plain plan -> run -> update loop.
+Speculative decoding (actors/engine/speculation.py) is the exception: a request that speculates
+is planned only once its last token is on the host, as a verify row of that token and its
+drafts, and update() appends every token the row accepted.
 
 Budgets: at most `max_tokens` tokens and `max_requests` running requests per step. Order of
 service (Megatron's DynamicInferenceEngine):
@@ -89,6 +92,7 @@ from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status, blocks_behind_window
 from taipan.actors.engine.routing import keep_block_routing, take_step
+from taipan.actors.engine.speculation import Speculation
 from taipan.messages.allocator import PrefixCachingEvictionPolicy
 from taipan.messages.block_hash import block_hashes
 from taipan.messages.gpu import StepResult
@@ -104,8 +108,11 @@ class Scheduler:
         track_token_events: bool = False,
         prefix_policy: PrefixCachingEvictionPolicy | None = None,
         sliding_window: int | None = None,
+        speculation: Speculation | None = None,
     ):
         self.plan = plan
+        # Speculative decoding (actors/engine/speculation.py has the contract); None: off.
+        self.spec = speculation
         self.chunked_prefill = enable_chunked_prefill
         self.track_paused_events = track_paused_events
         self.track_token_events = track_token_events
@@ -213,6 +220,7 @@ class Scheduler:
         if req.request_id in self.requests:
             raise ValueError(f"request {req.request_id} is already known")
         self.requests[req.request_id] = req
+        req.speculates = self.spec is not None and self.spec.eligible(req)
         req.add_event(EventType.ADD_ENGINE, now)
         self.waiting.append(req)
 
@@ -256,7 +264,8 @@ class Scheduler:
         and `free` blocks. Only a chunked prefill may be cut short; `blocked` says that the
         request could not run for want of a free block (not of budget)."""
         bs = self.plan.block_size
-        if req.num_pending and self._ends_when_known(req):
+        if req.num_pending and (req.speculates or self._ends_when_known(req)):
+            # (A speculative request drafts from its last token: it waits until that is known.)
             return 0, 0, False
         remaining = req.num_planned_tokens - req.num_computed_tokens
         n = min(remaining, budget)
@@ -319,12 +328,39 @@ class Scheduler:
     def _plan_running(self, draft: Draft, now: float) -> None:
         """1. Running requests, decode rows first, so decode tokens ride along with prefill
         chunks; one that needs a block when none is free is paused."""
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        decodes = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in order)
+        for i, req in enumerate(order):
             n, need, blocked = self.fit(req, draft.budget, draft.free)
             if blocked:
                 self._pause(req, now)
-            if n:
-                draft.take(req, n, need)
+            if not n:
+                continue
+            drafts = None
+            if n == 1 and req.speculates:  # (each later decode row keeps a token of budget)
+                drafts = self._drafts(req, draft.budget - max(0, decodes - i - 1), draft.free)
+                if drafts is not None:
+                    n += len(drafts)
+                    need = req.blocks_needed(req.num_computed_tokens + n, self.plan.block_size)
+            draft.take(req, n, need)
+            draft.chunks[-1].drafts = drafts
+
+    def _drafts(self, req: EngineRequest, budget: int, free: int) -> np.ndarray | None:
+        """The draft tokens a decode row of `req` verifies this step (int32, maybe none),
+        within `budget` tokens and `free` blocks for the whole row; None: it is no decode row
+        whose last token is known (then it runs as a plain row)."""
+        if req.num_pending or req.num_planned_tokens - req.num_computed_tokens != 1:
+            return None
+        limit = min(
+            budget - 1,
+            req.sampling.max_tokens - len(req.generated) - 1,
+            self.plan.max_sequence_length - req.num_tokens - 1,
+        )
+        drafts = self.spec.propose(req, limit)
+        bs, start = self.plan.block_size, req.num_computed_tokens
+        while len(drafts) and req.blocks_needed(start + 1 + len(drafts), bs) > free:
+            drafts = drafts[:-1]
+        return drafts
 
     def _plan_paused(self, draft: Draft, now: float) -> bool:
         """2. Paused requests resume LIFO; 3. eviction, over the paused budget or when nothing
@@ -348,7 +384,13 @@ class Scheduler:
             c.start = r.num_computed_tokens
             c.samples = c.start + c.num_new_tokens == r.num_planned_tokens
             c.gen_index = len(r.generated) + r.num_pending
-            r.num_computed_tokens += c.num_new_tokens
+            if c.drafts is not None:
+                # A verify row: its drafts' KV is written, but which of them count is known
+                # only from the result (update() sets num_computed_tokens then).
+                c.samples = True
+                r.num_computed_tokens += 1
+            else:
+                r.num_computed_tokens += c.num_new_tokens
             r.num_pending += c.samples
             r.steps_in_flight += 1
             if r.snap_bounds:
@@ -508,14 +550,43 @@ class Scheduler:
             if not c.samples:
                 continue
             r.num_pending -= 1
-            reason = append_token(
-                r, result, i, now, self.plan, self.track_token_events, batch.weight_version
-            )
+            if c.drafts is not None and len(c.drafts):
+                reason = self._append_verified(r, c, result, i, now, batch.weight_version)
+            else:
+                reason = append_token(
+                    r, result, i, now, self.plan, self.track_token_events, batch.weight_version
+                )
             if reason is not None:
                 self._finish(r, reason, now=now)
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):
                 out.append(r)
         return out
+
+    def _append_verified(
+        self, r: EngineRequest, c: Chunk, result: StepResult, i: int, now: float, version: int
+    ) -> FinishReason | None:
+        """Append a verify row's new tokens (its accepted drafts, then the one drawn) in order,
+        each with the stop checks: a stop ends `r` there and drops the tokens after it."""
+        if len(result.spec_tokens) != len(result.token_ids):
+            raise ValueError(
+                f"step {result.step} verified drafts but its result has no spec_tokens row "
+                f"for each sequence ({len(result.spec_tokens)} for {len(result.token_ids)})"
+            )
+        row = result.spec_tokens[i]
+        new = row[row >= 0].tolist()
+        if not 1 <= len(new) <= len(c.drafts) + 1:
+            raise ValueError(
+                f"step {result.step}, row {i}: {len(new)} new tokens for {len(c.drafts)} drafts"
+            )
+        self.spec.count(len(c.drafts), len(new) - 1)
+        for tok in new:
+            reason = append_token(
+                r, result, i, now, self.plan, self.track_token_events, version, token=tok
+            )
+            if reason is not None:
+                return reason
+        r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts
+        return None
 
     def fail_all(
         self, reason: FinishReason, now: float, error: str | None = None
@@ -540,6 +611,7 @@ class Scheduler:
             **({"blocks_released": self.num_released_total} if self.window else {}),
             **(self.prefix.stats() if self.prefix is not None else {}),
             **(self.mamba.stats() if self.mamba is not None else {}),
+            **(self.spec.stats() if self.spec is not None else {}),
         }
 
     # --- ending -------------------------------------------------------------------------------

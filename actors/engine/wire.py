@@ -15,6 +15,7 @@ from taipan.actors.engine.grammar import grammar_problem
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.routing import RoutedExperts
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
+from taipan.actors.engine.speculation import Speculation
 from taipan.messages.allocator import AllocatorReady, BlockOps, PrefixCachingEvictionPolicy
 from taipan.messages.gpu import ModelLoaded, StepPlan
 from taipan.messages.mamba_cache import MambaInit, MambaOps
@@ -31,6 +32,13 @@ def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorR
         raise BootError(
             f"max_sequence_length ({config.max_sequence_length}) exceeds the model's "
             f"max_position_embeddings ({loaded.max_position_embeddings})"
+        )
+    if config.num_speculative_tokens and loaded.mamba_slots:
+        raise BootError(
+            f"num_speculative_tokens={config.num_speculative_tokens} with a hybrid model "
+            "(Mamba / Gated-DeltaNet layers): speculative decoding would have to roll the "
+            "recurrent state back to the last accepted token, which is not built yet; set "
+            "num_speculative_tokens=0"
         )
     max_requests, max_tokens = plan_limits(config)
     paused = None
@@ -59,7 +67,16 @@ def new_scheduler(config: InferenceConfig, plan: RuntimePlan) -> Scheduler:
         track_paused_events=config.track_paused_request_events,
         track_token_events=config.track_generated_token_events,
         prefix_policy=prefix_policy(config),
+        speculation=speculation(config),
     )
+
+
+def speculation(config: InferenceConfig) -> Speculation | None:
+    """The engine's drafter and counters (None: num_speculative_tokens 0, speculation off)."""
+    k = config.num_speculative_tokens
+    if not k:
+        return None
+    return Speculation(k, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
 
 
 def prefix_policy(config: InferenceConfig) -> PrefixCachingEvictionPolicy | None:

@@ -59,8 +59,10 @@ class WorkerForward:
 
     def _bucket(self, plan: StepPlan, inner_snaps: dict) -> Bucket | None:
         """The CUDA graph the step replays, or None: it runs eagerly (no graph holds it, it
-        wants prompt log-probs, or its kernels store snapshots inside chunks)."""
+        wants prompt log-probs, its kernels store snapshots inside chunks, or it verifies
+        speculative drafts)."""
         eager = self.graphs is None or (plan.prompt_targets >= 0).any() or bool(inner_snaps)
+        eager = eager or bool(len(plan.num_drafts) and plan.num_drafts.any())  # (verify steps)
         all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
         if self.ep is not None:
             return self._ep_shape(len(plan.input_ids), all_decode, eager)

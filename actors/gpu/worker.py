@@ -40,6 +40,7 @@ from taipan.actors.gpu.plan_checks import (
 )
 from taipan.actors.gpu.sampling_controls import controlled_logits
 from taipan.actors.gpu.sizing import PoolSizes, available_host_memory, kv_budget, size_pools
+from taipan.actors.gpu.speculative import check_drafts, draft_rows, verify_drafts
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
 from taipan.ops.custom_all_reduce import for_mode as custom_all_reduce_for
@@ -74,6 +75,7 @@ class Launched:
     began: torch.cuda.Event | None  # CUDA only
     ended: torch.cuda.Event | None
     routed: torch.Tensor | None = None  # [T, moe layers, k] on the host, when the plan asks
+    spec: np.ndarray | None = None  # StepResult.spec_tokens, when the plan verifies drafts
 
 
 def check_device(device: torch.device) -> None:
@@ -369,6 +371,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_mamba_slots(plan, self._mamba_slots, self._snapshot_slots)
         check_logprobs_mode(plan)
         check_sampling_controls(plan, self.config.vocab_size)
+        check_drafts(plan)
         inner_snaps = inner_snapshots(plan)
         bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
@@ -388,6 +391,10 @@ class ModelWorker(WorkerForward, WorkerControls):
         if uses_grammar(plan) or self.grammar_masks.pending:  # (masks after the controls)
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
+        spec = None
+        if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; an eager step)
+            tokens, spec = verify_drafts(plan, inputs, hidden, tokens, self.model.compute_logits)
+            spec = spec.cpu().numpy().astype(np.int32)  # (waits for the step)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
         self.grammar_masks.sampled(host, ended)
@@ -406,9 +413,12 @@ class ModelWorker(WorkerForward, WorkerControls):
         if ended is not None:
             ended.record()  # after the step's device work and the copy of its tokens
         self._prev_sampled = plan.sample != 0
-        return Launched(
+        self._prev_sampled[draft_rows(plan)] = False  # (their tokens are several: not read)
+        launched = Launched(
             plan, rows, host, extra, bucket is not None, start, device_start, began, ended, routed
         )
+        launched.spec = spec
+        return launched
 
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """The sampled tokens' copy to pinned host memory, queued without waiting (collect()
@@ -426,6 +436,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             and not wants_log_probs(plan)
             and self.ep is None
             and not (uses_grammar(plan) or self.grammar_masks.pending)  # (it may wait)
+            and not len(draft_rows(plan))  # (a verify step waits for its tokens)
         )
 
     def collect(self, launched: Launched | StepResult) -> StepResult:
@@ -447,6 +458,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             extra = no_log_probs(len(plan.sample), 0)
         if launched.routed is not None:
             extra = extra | {"routed_experts": launched.routed.numpy()}
+        if launched.spec is not None:
+            extra = extra | {"spec_tokens": launched.spec}
         return StepResult(
             plan.step,
             token_ids,

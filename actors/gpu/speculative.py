@@ -1,0 +1,114 @@
+"""The verify half of speculative decoding in the gpu worker: the plan checks of a step with
+draft tokens (`check_drafts`) and, after its forward, the verification of every sequence that
+carries drafts (`verify_drafts`).
+
+A plan's sequence i with num_drafts[i] = d > 0 (messages/gpu.py StepPlan.num_drafts) has its
+last d + 1 input tokens as (its last known token, d drafts); the logits at those d + 1
+positions go to ops/speculative.py (greedy: `verify_greedy`; otherwise `verify`, seeded with
+the plan's keys, whose point-mass drafts make a seeded request draw what plain decoding draws).
+The result is StepResult.spec_tokens; the sequence's first new token also replaces its entry
+in the step's sampled tokens. Such a step runs eagerly (forward.py `_bucket`): the logits of
+every verified position come from the forward's hidden states. The engine sends no log-probs,
+sampling controls, grammar or prev_rows for these sequences (actors/engine/speculation.py);
+`check_drafts` refuses a plan that does.
+
+Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
+writes the tokens returned here into it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from taipan.messages.gpu import StepPlan
+from taipan.ops.sampling import GREEDY_EPS
+from taipan.ops.speculative import verify, verify_greedy
+
+__all__ = ["check_drafts", "draft_rows", "verify_drafts"]
+
+
+def draft_rows(plan: StepPlan) -> np.ndarray:
+    """The sequences that verify drafts (int64 indices; empty: a plain step)."""
+    if not len(plan.num_drafts):
+        return np.zeros(0, dtype=np.int64)
+    return np.flatnonzero(plan.num_drafts > 0)
+
+
+def check_drafts(plan: StepPlan) -> None:
+    """ValueError for a plan whose drafts the verify path cannot take."""
+    nd = plan.num_drafts
+    if not len(nd):
+        return
+    batch = len(plan.seq_lens)
+    if len(nd) != batch:
+        raise ValueError(f"num_drafts has {len(nd)} entries for {batch} sequences")
+    query = np.diff(plan.query_start_loc)
+    if (nd < 0).any() or (nd >= query).any():
+        raise ValueError("num_drafts[i] must be in [0, query length of sequence i)")
+    rows = draft_rows(plan)
+    if not plan.sample[rows].all():
+        raise ValueError("a sequence with drafts must sample")
+    tokens = _tokens_of(plan, rows)
+    if (
+        plan.logprobs[rows].any()
+        or plan.top_n[rows].any()
+        or (plan.prompt_targets[tokens] >= 0).any()
+    ):
+        raise ValueError("a sequence with drafts cannot ask for log-probs (not built)")
+    if len(plan.prev_rows) and (plan.prev_rows[tokens] >= 0).any():
+        raise ValueError("a sequence with drafts cannot read the previous step's tokens")
+    controlled = [plan.penalty_rows, plan.bias_rows]
+    if any(np.isin(c, rows).any() for c in controlled if len(c)):
+        raise ValueError("a sequence with drafts cannot have sampling controls (not built)")
+    if len(plan.grammar_rows) and (plan.grammar_rows[rows] >= 0).any():
+        raise ValueError("a sequence with drafts cannot have a grammar (not built)")
+
+
+def _tokens_of(plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+    """The input token indices of sequences `rows`."""
+    qsl = plan.query_start_loc.astype(np.int64)
+    return np.concatenate([np.arange(qsl[i], qsl[i + 1]) for i in rows] or [np.zeros(0, int)])
+
+
+def verify_drafts(
+    plan: StepPlan,
+    inputs: dict[str, torch.Tensor],
+    hidden: torch.Tensor,
+    tokens: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the step's sampled tokens [B] with each verifying sequence's first new token in its
+    row, spec_tokens [B, K+1] int64 on the device: -1 but the verifying rows' new tokens).
+    `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device."""
+    rows = draft_rows(plan)
+    nd = plan.num_drafts[rows].astype(np.int64)  # [R]
+    ends = plan.query_start_loc[1:][rows].astype(np.int64)  # one past each row's last token
+    counts = nd + 1
+    # Row r's positions ends[r] - counts[r] .. ends[r] - 1: its last known token, its drafts.
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    scored = np.repeat(ends - counts, counts) + offsets  # [rows]
+    is_draft = offsets > 0
+    device = hidden.device
+    scored_t = torch.from_numpy(scored).to(device)
+    logits = compute_logits(hidden[scored_t])  # [rows, V] fp32
+    drafts = inputs["input_ids"][torch.from_numpy(scored[is_draft]).to(device)].long()
+    num_drafts = torch.from_numpy(nd)
+    greedy = bool((plan.temperature[rows] < GREEDY_EPS).all())
+    if greedy:
+        verified = verify_greedy(logits, drafts, num_drafts)
+    else:
+        index = torch.from_numpy(rows).to(device)
+        names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
+        params = {name: inputs[name][index] for name in names}
+        verified = verify(logits, drafts, num_drafts, **params, with_logprobs=False)
+    k = int(nd.max())
+    out = torch.full((len(plan.seq_lens), k + 1), -1, dtype=torch.int64, device=device)
+    req = torch.from_numpy(np.repeat(rows, counts)).to(device)
+    out[req, torch.from_numpy(offsets).to(device)] = verified.tokens
+    index = torch.from_numpy(rows).to(device)
+    tokens = tokens.clone()
+    tokens[index] = out[index, 0]
+    return tokens, out

@@ -1,0 +1,93 @@
+"""Speculative decoding (n-gram drafts) through the real runtime on SmolLM2: outputs equal
+those without it (greedy, and seeded sampling token for token) with prefix caching, chunked
+prefill and a KV pool small enough that requests pause; stops and max_tokens that land inside an
+accepted run; the acceptance counters in stats()."""
+
+from __future__ import annotations
+
+import pytest
+
+from taipan.actors.config import InferenceConfig
+from taipan.client import Client
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
+
+PASSAGE = "The quick brown fox jumps over the lazy dog near the quiet river bank. "
+PROMPTS = [
+    "Repeat this sentence three times: " + PASSAGE,
+    "Copy the code:\ndef add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n",
+    "Repeat this sentence three times: " + PASSAGE,  # shares the first one's blocks
+    "Count: 1, 2, 3, 4, 5, 6, 7, 8,",
+]
+N = 12
+
+
+def speculative_config(**extra) -> InferenceConfig:
+    """k = 4 drafts, prefix caching, 40-token steps (chunked prefill) and 8 KV blocks of 16
+    tokens for 4 requests of up to ~40 + 12 tokens: they pause and resume."""
+    return InferenceConfig(
+        block_size_tokens=16,
+        max_tokens=40,
+        max_requests=8,
+        buffer_size_gb=0.006,
+        max_sequence_length=512,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        num_speculative_tokens=4,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def spec(model_path):
+    with Runtime(model_path, speculative_config()) as rt, Client(rt.address) as c:
+        yield c
+
+
+def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(client, spec):
+    """The default run's check (two prompts, no pressure): the slow tests add the rest."""
+    greedy = SamplingParams(max_tokens=N, temperature=0.0)
+    want = [x.token_ids for x in client.generate(PROMPTS[:2], greedy)]
+    before = spec.stats().merged()
+    assert [x.token_ids for x in spec.generate(PROMPTS[:2], greedy)] == want
+    rank = spec.stats().merged()
+    accepted = rank.spec_accepted_tokens - before.spec_accepted_tokens
+    assert rank.spec_draft_tokens > before.spec_draft_tokens and accepted > 0, rank
+
+
+@pytest.mark.slow
+def test_outputs_equal_plain_decoding(client, spec):
+    greedy = SamplingParams(max_tokens=N, temperature=0.0)
+    seeded = SamplingParams(max_tokens=N, temperature=0.8, top_p=0.95, seed=7)
+    want = [x.token_ids for x in client.generate(PROMPTS, greedy)]
+    want_seeded = [x.token_ids for x in client.generate(PROMPTS[:1], seeded)]
+    got = spec.generate(PROMPTS, greedy)
+    assert [x.token_ids for x in got] == want
+    assert [x.token_ids for x in spec.generate(PROMPTS[:1], seeded)] == want_seeded
+    rank = spec.stats().merged()
+    assert rank.spec_draft_tokens > 0 and rank.spec_accepted_tokens > 0, rank
+    assert rank.spec_verify_rows > 0 and sum(rank.spec_accepted_per_position) == (
+        rank.spec_accepted_tokens
+    )
+    assert rank.spec_mean_accepted_length > 1.0
+    assert rank.prefix_cached_tokens > 0, rank  # the shared prompt's blocks
+    assert rank.paused_total > 0, rank  # KV pressure
+
+
+@pytest.mark.slow
+def test_stops_inside_an_accepted_run(client, spec):
+    """A stop token and max_tokens cut a verify row's run where plain decoding stops."""
+    greedy = SamplingParams(max_tokens=N, temperature=0.0)
+    [ref] = client.generate(PROMPTS[:1], greedy)
+    ids = ref.token_ids
+    stop = next(t for i, t in enumerate(ids) if i >= 5 and t not in ids[:i])
+    cut = ids.index(stop) + 1
+    stopped = SamplingParams(max_tokens=N, temperature=0.0, stop_token_ids=(stop,))
+    short = SamplingParams(max_tokens=7, temperature=0.0)
+    [a, b] = [spec.generate(PROMPTS[:1], s)[0] for s in (stopped, short)]
+    assert a.token_ids == ids[:cut] and a.finish_reason == "stop"
+    assert b.token_ids == ids[:7] and b.finish_reason == "length"
+    # A stop string (matched by the client on the text) ends the request there too.
+    [c] = spec.generate(PROMPTS[:1], SamplingParams(max_tokens=N, temperature=0.0, stop="fox"))
+    [d] = client.generate(PROMPTS[:1], SamplingParams(max_tokens=N, temperature=0.0, stop="fox"))
+    assert c.text == d.text and c.finish_reason == d.finish_reason

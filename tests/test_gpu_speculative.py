@@ -1,0 +1,117 @@
+"""The gpu worker's verify path (actors/gpu/speculative.py) on CPU with a tiny random Llama: a
+step whose sequences carry draft tokens returns, in StepResult.spec_tokens, exactly the tokens
+one-token decoding would produce (greedy and seeded sampling), up to and including the first
+token that disagrees with a draft; plans the verify path cannot take are refused."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from taipan.actors.gpu.worker import ModelWorker
+from taipan.messages.gpu import LoadModel, StepPlan
+from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.test_ops_logprobs import Seq, make_plan
+
+pytest.importorskip("transformers")
+
+PROMPTS = [[72, 101, 108, 108, 111, 44, 32], [84, 104, 101, 32, 99, 97, 116, 32, 115, 97, 116]]
+BLOCKS = [[1, 3], [2, 4]]
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_random_llama(str(tmp_path_factory.mktemp("random-llama")), TINY_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def worker(model_dir) -> ModelWorker:
+    w = ModelWorker()
+    w.load(LoadModel(model_dir, "float32", "cpu", 16, 8, 1.0, 256, 8, 128))
+    return w
+
+
+def _with(plan: StepPlan, temperature: float, gen_index: list[int], **extra) -> StepPlan:
+    n = len(plan.seq_lens)
+    return dataclasses.replace(
+        plan,
+        temperature=np.full(n, temperature, np.float32),
+        seeds=np.asarray([11 + i for i in range(n)], np.int64),
+        gen_index=np.asarray(gen_index, np.int32),
+        **extra,
+    )
+
+
+def _plain(w: ModelWorker, temperature: float) -> list[list[int]]:
+    """Each prompt's first token (prefill), then STEPS tokens one step at a time."""
+    out = [[] for _ in PROMPTS]
+    seqs = [Seq(p, 0, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
+    first = w.step(_with(make_plan(1, seqs), temperature, [0, 0])).token_ids.tolist()
+    for i, t in enumerate(first):
+        out[i].append(t)
+    for step in range(STEPS):
+        seqs = [Seq([out[i][-1]], len(p) + step, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
+        plan = _with(make_plan(2 + step, seqs), temperature, [step + 1] * 2)
+        for i, t in enumerate(w.step(plan).token_ids.tolist()):
+            out[i].append(t)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_verify_rows_reproduce_one_token_decoding(worker, temperature):
+    want = _plain(worker, temperature)
+    seqs = [Seq(p, 0, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
+    first = worker.step(_with(make_plan(1, seqs), temperature, [0, 0])).token_ids.tolist()
+    assert first == [w[0] for w in want]
+    # Row 0 (a plain decode row) rides along; row 1 verifies 4 drafts: the next 2 true
+    # tokens, a wrong one, then a true one (never reached).
+    t = want[1]
+    wrong = (t[3] + 1) % 256
+    drafts = [t[1], t[2], wrong, t[4]]
+    seqs = [
+        Seq([want[0][0]], len(PROMPTS[0]), BLOCKS[0]),
+        Seq([t[0], *drafts], len(PROMPTS[1]), BLOCKS[1]),
+    ]
+    plan = _with(make_plan(2, seqs), temperature, [1, 1], num_drafts=np.asarray([0, 4], np.int32))
+    res = worker.step(plan)
+    assert res.error is None and res.spec_tokens.shape == (2, 5)
+    assert res.spec_tokens[0].tolist() == [-1] * 5
+    assert res.spec_tokens[1].tolist() == [t[1], t[2], t[3], -1, -1]
+    assert res.token_ids.tolist() == [want[0][1], t[1]]
+    # All drafts right: k accepted and the bonus token. Row 1 goes on from position +3
+    # (its rejected draft's KV is overwritten).
+    start = len(PROMPTS[1]) + 3
+    seqs = [
+        Seq([want[0][1]], len(PROMPTS[0]) + 1, BLOCKS[0]),
+        Seq([t[3], t[4], t[5]], start, BLOCKS[1]),
+    ]
+    plan = _with(make_plan(3, seqs), temperature, [2, 4], num_drafts=np.asarray([0, 2], np.int32))
+    res = worker.step(plan)
+    assert res.spec_tokens[1].tolist() == [t[4], t[5], t[6]]
+    assert res.token_ids[0] == want[0][2]
+
+
+def test_a_plan_without_drafts_has_no_spec_tokens(worker):
+    seqs = [Seq(PROMPTS[0], 0, BLOCKS[0])]
+    res = worker.step(make_plan(1, seqs))
+    assert res.spec_tokens.shape == (0, 0)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"logprobs": np.asarray([1], np.int8)}, "log-probs"),
+        ({"num_drafts": np.asarray([3], np.int32)}, "query length"),
+        ({"num_drafts": np.asarray([1, 1], np.int32)}, "2 entries for 1 sequences"),
+        ({"sample": np.asarray([0], np.int8)}, "must sample"),
+        ({"prev_rows": np.asarray([-1, 0, -1], np.int32)}, "previous step"),
+    ],
+)
+def test_plans_the_verify_path_cannot_take_are_refused(worker, change, message):
+    seqs = [Seq(PROMPTS[0][:3], 0, BLOCKS[0])]
+    plan = dataclasses.replace(make_plan(1, seqs), num_drafts=np.asarray([2], np.int32))
+    with pytest.raises(ValueError, match=message):
+        worker.step(dataclasses.replace(plan, **change))

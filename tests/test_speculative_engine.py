@@ -1,0 +1,268 @@
+"""Speculative decoding in the engine's scheduler (actors/engine/speculation.py): draft planning,
+the verify rows of a StepPlan, what a verify result does to a request (stop checks inside an
+accepted run, block accounting), the acceptance counters, and random workloads whose outputs
+equal plain decoding's. Driven by tests/test_scheduler.py's harness, with a fake gpu that
+verifies drafts against its known next tokens."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+
+import tests.test_scheduler as ts
+from taipan.actors.engine.request import EngineRequest
+from taipan.actors.engine.speculation import Speculation
+from taipan.messages.gpu import StepResult
+from taipan.messages.requests import SamplingParams
+
+PERIOD = 5  # the fake gpu's tokens repeat with this period here: the drafter finds them
+
+
+@pytest.fixture(autouse=True)
+def periodic_tokens():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ts, "fake_token", lambda position: position % PERIOD + 10)
+        yield
+
+
+class SpecHarness(ts.Harness):
+    """The scheduler harness with speculation on (k drafts): its fake gpu accepts a draft
+    while it equals the token it would sample there, and returns the accepted drafts and one
+    more token in spec_tokens."""
+
+    def __init__(self, plan, chunked: bool, overlap: bool = False, k: int = 4):
+        super().__init__(plan, chunked, overlap)
+        self.sched.spec = Speculation(k, 1, 3)
+        self.k = k
+        self.verify_rows: list[tuple[int, int, int]] = []  # (request, drafts, accepted)
+
+    def check_plan(self, batch, a):
+        nd = a["num_drafts"]
+        if not len(nd):
+            return super().check_plan(batch, a)
+        qsl = a["query_start_loc"]
+        for i, c in enumerate(batch.chunks):
+            r, d = c.request, int(nd[i])
+            assert d == (0 if c.drafts is None else len(c.drafts))
+            if c.drafts is None:
+                continue
+            assert r.speculates and a["sample"][i] == 1 and c.num_new_tokens == 1 + d
+            assert d <= self.k and c.start == r.num_tokens - 1
+            assert len(r.generated) + d + 1 <= r.sampling.max_tokens
+            assert r.num_tokens + d + 1 <= self.plan.max_sequence_length
+            ids = a["input_ids"][qsl[i] : qsl[i + 1]]
+            assert ids[0] == r.token_slice(c.start, c.start + 1)[0]
+            assert np.array_equal(ids[1:], c.drafts)
+            assert np.array_equal(
+                a["positions"][qsl[i] : qsl[i + 1]], np.arange(c.start, c.start + d + 1)
+            )
+            assert a["seq_lens"][i] == c.start + d + 1
+            assert a["gen_index"][i] == len(r.generated)
+            assert not len(a["prev_rows"]) or (a["prev_rows"][qsl[i] : qsl[i + 1]] == -1).all()
+
+    def gpu(self, batch, a):
+        nd = a["num_drafts"] if len(a["num_drafts"]) else np.zeros(len(batch.chunks), np.int32)
+        # The base fake gpu checks reads against the true tokens: drafts are not (yet) true.
+        truth = ts.true_tokens
+        qsl, ids = a["query_start_loc"], a["input_ids"]
+
+        def known(req: EngineRequest, n: int) -> np.ndarray:
+            out = truth(req, n).copy()
+            for i, c in enumerate(batch.chunks):
+                if c.request is req and nd[i]:
+                    out[n - nd[i] :] = ids[qsl[i + 1] - nd[i] : qsl[i + 1]]
+            return out
+
+        ts.true_tokens = known
+        try:
+            result = super().gpu(batch, a)
+        finally:
+            ts.true_tokens = truth
+        if not nd.any():
+            return result
+        spec = np.full((len(batch.chunks), int(nd.max()) + 1), -1, np.int32)
+        tokens = result.token_ids.copy()
+        for i, c in enumerate(batch.chunks):
+            d = int(nd[i])
+            if not d:
+                continue
+            start = c.start
+            drafts = ids[qsl[i + 1] - d : qsl[i + 1]]
+            accepted = 0
+            while accepted < d and drafts[accepted] == ts.fake_token(start + 1 + accepted):
+                accepted += 1
+            new = [ts.fake_token(start + 1 + j) for j in range(accepted + 1)]
+            spec[i, : len(new)] = new
+            tokens[i] = new[0]
+            self.verify_rows.append((c.request.request_id, d, accepted))
+        fields = {f: getattr(result, f) for f in result.__dataclass_fields__}
+        return StepResult(**(fields | {"token_ids": tokens, "spec_tokens": spec}))
+
+    def check_after_update(self):
+        bs = self.plan.block_size
+        for r in self.sched.running:
+            if not self.overlap:  # (below num_tokens - 1: a prompt or a recompute in chunks)
+                assert r.num_computed_tokens < r.num_tokens and not r.num_pending
+            # Blocks of rejected drafts stay, at most k tokens' worth past the sequence.
+            assert len(r.blocks) <= -(-(r.num_computed_tokens + self.k + 1) // bs)
+            assert len(r.generated) < r.sampling.max_tokens
+
+
+def periodic_request(rid: int, prompt_len: int, max_tokens: int, **sampling) -> EngineRequest:
+    """A request whose prompt is the fake gpu's own token sequence: every draft is right."""
+    prompt = np.asarray([ts.fake_token(p) for p in range(prompt_len)], np.int32)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **sampling)
+    return EngineRequest(rid, prompt, params, False, arrival_time=float(rid), seed=rid)
+
+
+def test_drafts_are_planned_verified_and_counted():
+    h = SpecHarness(ts.make_plan(), chunked=False, k=4)
+    h.add(periodic_request(1, 12, max_tokens=14))
+    h.run()
+    h.check_end()
+    r = h.ended[1]
+    assert r.generated == [ts.fake_token(12 + j) for j in range(14)]
+    # Prefill samples one token; then verify rows of 4 drafts, all accepted (5 tokens each),
+    # cut at the end so that the last row's tokens stay within max_tokens.
+    assert [d for _, d, _ in h.verify_rows] == [4, 4, 2]
+    assert all(a == d for _, d, a in h.verify_rows)
+    assert len([s for s in h.history if s]) == 4  # the prefill and three verify steps
+    stats = h.sched.stats()
+    assert stats["spec_draft_tokens"] == 10 and stats["spec_accepted_tokens"] == 10
+    assert stats["spec_verify_rows"] == 3
+    assert stats["spec_accepted_per_position"] == (3, 3, 2, 2)
+
+
+def test_a_wrong_draft_is_rejected_and_decoding_goes_on():
+    h = SpecHarness(ts.make_plan(), chunked=False, k=3)
+    req = periodic_request(1, 12, max_tokens=10)
+    req.prompt[-2] = 99  # a suffix seen nowhere else: no draft until the pattern recurs
+    h.add(req)
+    h.run()
+    h.check_end()
+    assert h.ended[1].generated == [ts.fake_token(12 + j) for j in range(10)]
+    assert h.verify_rows and h.sched.spec.draft_tokens >= h.sched.spec.accepted_tokens
+
+
+@pytest.mark.parametrize("where", ["eos", "stop_token", "stop_word", "max_tokens"])
+def test_a_stop_inside_an_accepted_run_ends_there(where):
+    # Generated tokens of a 10-token prompt: fake_token(10), (11), ... = 10, 11, 12, 13, 14, 10.
+    eos = (13,) if where == "eos" else ()
+    h = SpecHarness(ts.make_plan(eos=eos), chunked=False, k=4)
+    extra = {}
+    if where == "stop_token":
+        extra = {"stop_token_ids": (13,)}
+    if where == "stop_word":
+        extra = {"stop_word_ids": ((12, 13),)}
+    max_tokens = 3 if where == "max_tokens" else 20
+    h.add(periodic_request(1, 10, max_tokens=max_tokens, **extra))
+    h.run()
+    if where != "stop_word":  # (the harness's expected outputs know no stop words)
+        h.check_end()
+    assert h.pool.held == {} and not h.sched.requests
+    r = h.ended[1]
+    # The prefill samples 10, then one verify row of 4 drafts (11, 12, 13, 14) accepts all
+    # (max_tokens: 2 drafts), and its tokens after the stop are dropped.
+    want = {"eos": [10, 11, 12, 13], "stop_token": [10, 11, 12, 13], "stop_word": [10, 11]}
+    assert r.generated == want.get(where, [10, 11, 12])
+    assert r.finish_reason == ("length" if where == "max_tokens" else "stop")
+    assert len(h.verify_rows) == 1
+
+
+def test_requests_that_opt_out_or_need_per_token_work_do_not_speculate():
+    h = SpecHarness(ts.make_plan(), chunked=False)
+    reqs = [
+        periodic_request(1, 12, 8, speculative=False),
+        periodic_request(2, 12, 8, return_log_probs=True),
+        periodic_request(3, 12, 8, presence_penalty=0.5),
+        periodic_request(4, 12, 8),
+    ]
+    for r in reqs:
+        h.add(r)
+    assert [r.speculates for r in reqs] == [False, False, False, True]
+    h.run()
+    h.check_end()
+    assert {rid for rid, _, _ in h.verify_rows} == {4}
+    for rid in (1, 2, 3, 4):
+        assert h.ended[rid].generated == [ts.fake_token(12 + j) for j in range(8)]
+
+
+def test_drafts_fit_the_token_budget_and_the_free_blocks():
+    # max_tokens 8 for 3 decode rows: each later row keeps a token, so drafts are cut.
+    h = SpecHarness(ts.make_plan(max_tokens=8, num_blocks=64), chunked=False, k=6)
+    for rid in range(1, 4):
+        h.add(periodic_request(rid, 7, max_tokens=12))
+    h.run()
+    h.check_end()
+    assert all(sum(n for _, n, _ in step) <= 8 for step in h.history)
+    # A pool with no block to spare: drafts shrink to what the free blocks hold.
+    plan = ts.make_plan(num_blocks=5, block_size=4)
+    h = SpecHarness(plan, chunked=True, k=6)
+    h.add(periodic_request(1, 6, max_tokens=14))
+    h.run()
+    h.check_end()
+    assert h.ended[1].generated == [ts.fake_token(6 + j) for j in range(14)]
+
+
+def test_overlap_runs_a_speculative_request_only_when_its_token_is_known():
+    h = SpecHarness(ts.make_plan(), chunked=False, overlap=True, k=4)
+    h.add(periodic_request(1, 12, max_tokens=12))
+    h.add(periodic_request(2, 12, max_tokens=12, speculative=False))
+    h.run()
+    h.check_end()
+    for rid in (1, 2):
+        assert h.ended[rid].generated == [ts.fake_token(12 + j) for j in range(12)]
+    assert h.verify_rows
+
+
+@settings(
+    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(ts.workloads())
+def test_random_workloads_equal_plain_decoding(workload):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ts, "fake_token", lambda position: position % PERIOD + 10)
+        plan, chunked, requests, overlap = workload
+        h = SpecHarness(plan, chunked, overlap, k=3)
+        ts.drive(h, requests)
+        h.check_end()  # every output (and reason) is plain decoding's
+        event(f"verify rows: {bool(h.verify_rows)}, overlap: {overlap}")
+        event(f"some accepted: {any(a for _, _, a in h.verify_rows)}")
+        event(f"paused: {h.sched.num_paused_total > 0}, evicted: {h.sched.num_evicted_total > 0}")
+
+
+def test_replay_check_of_a_speculative_engine_has_no_divergence():
+    """actors/engine/check.py re-plans every step of a speculative engine's log (drafts, verify
+    results, pauses under a 6-block pool) and finds what the engine sent."""
+    import dataclasses
+
+    from taipan.actors.engine import wire
+    from taipan.actors.engine.check import EngineReplay
+    from taipan.messages.codec import encode
+    from tests.test_engine_check import CONFIG, RecordingHarness
+
+    config = dataclasses.replace(CONFIG, num_speculative_tokens=3)
+
+    class SpecRecording(SpecHarness, RecordingHarness):
+        def __init__(self):
+            RecordingHarness.__init__(self)
+            self.sched.spec, self.k, self.verify_rows = wire.speculation(config), 3, []
+
+    h = SpecRecording()
+    for rid in (1, 2):
+        h.submit(periodic_request(rid, 4, max_tokens=6))
+    h.run()
+    assert h.verify_rows and h.sched.num_paused_total > 0
+    checker = EngineReplay(config)
+    for direction, channel, msg, time in h.records:
+        if direction == "in":
+            what = checker.inbound(channel, msg, time)
+        else:
+            what = checker.outbound(msg, tuple(encode(msg)))
+        assert what is None, what
+    assert checker.steps_checked > 3
