@@ -131,8 +131,6 @@ def _pin_cpus(cpus: list[int] | None) -> None:
 
 async def engine_main(spec: LaunchSpec, rank: int) -> None:
     tp = spec.tensor_parallel_size
-    if os.environ.get("TAIPAN_SWITCH_INTERVAL_S"):  # (an experiment's knob, NOTES.md)
-        sys.setswitchinterval(float(os.environ["TAIPAN_SWITCH_INTERVAL_S"]))
     _pin_cpus(spec.tp_cpu_sets[rank][0] if tp > 1 else spec.cpu_sets[rank])
     # The followers start now: they import torch and load while this process does (across
     # hosts they are started there, and connect).
