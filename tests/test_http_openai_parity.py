@@ -182,9 +182,7 @@ def test_vllms_prompt_logprobs(base, oai, tok):
         model=MODEL, messages=ONE, max_tokens=1, extra_body={"prompt_logprobs": 0}
     )
     assert chat.prompt_logprobs[0] is None and len(chat.prompt_logprobs) == chat.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        oai.chat.completions.create(model=MODEL, messages=ONE, max_tokens=1, stream=True,
-                                    extra_body={"prompt_logprobs": 1})  # fmt: skip
+    # (streamed: tests/test_http_vllm_extensions.py)
 
 
 def test_multi_byte_characters_as_byte_strings_with_offsets(base, tok):

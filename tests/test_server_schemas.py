@@ -54,7 +54,6 @@ def test_fields_that_cannot_change_the_output_are_accepted_and_ignored():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("bad_words", ["no"]),
         ("skip_special_tokens", False),
         ("use_beam_search", True),
     ],

@@ -7,8 +7,9 @@ with `tools`, vLLM's `add_generation_prompt`, `continue_final_message` and
 tool calls (.tools): they come back as `tool_calls` with finish_reason "tool_calls", streamed as
 OpenAI streams them (each call in one delta, by index). tool_choice "none" passes the tools to
 the template but parses nothing, as vLLM does. `parallel_tool_calls` false keeps the first call.
-"required" or a named function is refused (schemas.refuse_tool_choice). vLLM's
-`prompt_logprobs` (not streamed) comes back once per response, as vLLM's does.
+"required" or a named function forces a call by a grammar (tools.tool_grammar). vLLM's
+`prompt_logprobs` comes back once per response, as vLLM's does (streamed, which vLLM refuses:
+on the first choice's last chunk, beside `choices`).
 
 Builds no app and registers no routes.
 """
@@ -39,7 +40,6 @@ from taipan.server.schemas import (
     openai_finish,
     openai_usage,
     refuse_unsupported,
-    sampling_params,
 )
 from taipan.server.streaming import Done, merge, sse
 from taipan.server.tools import (
@@ -112,9 +112,16 @@ class ChatServer(OpenAIServer):
                 "another structured output", "tool_choice",
             )  # fmt: skip
         only = forced_tool_name(choice) if isinstance(choice, dict) else None
-        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        return self.force_tool_call(params, body.tools, only, body.parallel_tool_calls)
+
+    def force_tool_call(
+        self, params: SamplingParams, tools: list[Tool], only: str | None, parallel: bool
+    ) -> SamplingParams:
+        """`params` keeping to a call of one of `tools` (of the one named `only`), in the
+        template's style; several calls with `parallel` (unless one is named)."""
+        dicts = [t.model_dump(exclude_none=True) for t in tools]
         style = tool_style(self.client.tokenizer.chat_template)
-        grammar = tool_grammar(tools, only, style, body.parallel_tool_calls and only is None)
+        grammar = tool_grammar(dicts, only, style, parallel and only is None)
         structured = StructuredOutput("grammar", grammar)
         check_structured(structured, "tools")
         return dataclasses.replace(params, structured=structured)
@@ -143,7 +150,7 @@ class ChatServer(OpenAIServer):
         self.check_fits(len(ids), max_tokens, "messages")
         top_n = (body.top_logprobs or 0) if body.logprobs else -1
         prompt_top = -1 if body.prompt_logprobs is None else body.prompt_logprobs
-        params = self._forced_tools(body, sampling_params(body, max_tokens, top_n, prompt_top))
+        params = self._forced_tools(body, self.sampling_params(body, max_tokens, top_n, prompt_top))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         if body.stream:
             return await self.held_stream(
@@ -251,16 +258,23 @@ class ChatServer(OpenAIServer):
                     finish = openai_finish(d.finish_reason)
                     chunk["finish_reason"] = "tool_calls" if sent else finish
                     chunk["stop_reason"] = d.stop_reason
+                    if body.prompt_logprobs is not None and j == 0:  # once, as unstreamed
+                        chunk["prompt_logprobs"] = prompt_logprobs(
+                            self.texts, ids, d.prompt_log_probs, d.prompt_top_n_logprobs,
+                            body.prompt_logprobs,
+                        )  # fmt: skip
                 if chunk["delta"] or d.finished or chunk["logprobs"]:
                     chunk["weight_versions"], versions = versions, []
                     await send(chunk)
             return count
 
-        def envelope(choices, usage=None):
+        def envelope(choices, usage=None, prompt=None):
             out = {"id": rid, "object": "chat.completion.chunk", "created": created,
                    "model": self.model, "choices": choices}  # fmt: skip
             if usage is not None:
                 out["usage"] = usage
+            if prompt is not None:
+                out["prompt_logprobs"] = prompt
             return out
 
         async def events() -> AsyncIterator[str]:
@@ -271,8 +285,8 @@ class ChatServer(OpenAIServer):
                     if isinstance(item, Done):
                         counts = item.results
                         break
-                    usage = item.pop("usage", None)
-                    yield sse(envelope([item], usage))
+                    usage, prompt = item.pop("usage", None), item.pop("prompt_logprobs", None)
+                    yield sse(envelope([item], usage, prompt))
             if include_usage and counts is not None:
                 yield sse(envelope([], openai_usage(len(ids), sum(counts))))
             yield "data: [DONE]\n\n"

@@ -8,7 +8,8 @@ detokenized text (the client's StoppingDetokenizer). `echo` returns the prompt b
 (a token-id prompt as its decode, special tokens included, so text, tokens and offsets agree),
 and with `logprobs` its log-probs (the first token has none); with `max_tokens` 0 only those:
 lm-eval's log-likelihood requests. Streamed, echo with logprobs holds the choice's chunks back
-until its end (the prompt's log-probs come with the request's last output). A bad request is
+until its end (the prompt's log-probs come with the request's last output), and vLLM's
+`prompt_logprobs` (which vLLM refuses to stream) come in the choice's last chunk. A bad request is
 refused before anything is submitted; a request the runtime fails is a 500 (a streamed one ends
 with an error event); a client that disconnects aborts its requests. Each request holds its
 slots of the bounded queue until its response ends. Each choice (and each streamed chunk of
@@ -22,6 +23,7 @@ Builds no app and registers no routes; admission and metrics are handed in.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -30,7 +32,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from taipan.client import AsyncClient, Completion
-from taipan.messages.requests import FinishReason
+from taipan.messages.requests import FinishReason, SamplingParams
 from taipan.outputs import join_versions
 from taipan.server.admission import Admission
 from taipan.server.logprobs import Offsets, TokenTexts, completion_logprobs, prompt_logprobs
@@ -39,6 +41,7 @@ from taipan.server.schemas import (
     APIError,
     BaseBody,
     CompletionBody,
+    bad_words_ids,
     choice_params,
     openai_finish,
     openai_usage,
@@ -94,6 +97,14 @@ class OpenAIServer:
             )
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param)
+
+    def sampling_params(
+        self, body: BaseBody, max_tokens: int, top_n: int, prompt_top: int = -1
+    ) -> SamplingParams:
+        """schemas.sampling_params with the body's `bad_words` tokenized as vLLM does."""
+        encode = functools.partial(self.client.tokenizer.encode, add_special_tokens=False)
+        bad = bad_words_ids(body.bad_words, encode)
+        return sampling_params(body, max_tokens, top_n, prompt_top, bad)
 
     def _encode_prompts(self, prompt) -> list[tuple[str, list[int]]]:
         """(the prompt's text as echoed, its ids) per prompt; a token-id prompt's text is its
@@ -164,7 +175,7 @@ class OpenAIServer:
                 raise APIError(400, "max_tokens 0 needs echo and logprobs (prompt log-probs)")
         top_n = -1 if body.logprobs is None else body.logprobs
         prompt_top = max(top_n if body.echo else -1, _or(body.prompt_logprobs, -1))
-        params = sampling_params(body, max(max_tokens, 1), top_n, prompt_top)
+        params = self.sampling_params(body, max(max_tokens, 1), top_n, prompt_top)
         prompts = self._encode_prompts(body.prompt)
         for _, ids in prompts:
             self.check_fits(len(ids), max(max_tokens, 1), "prompt")
@@ -272,6 +283,11 @@ class OpenAIServer:
                     finish = openai_finish(d.finish_reason)
                     chunk["finish_reason"] = finish if max_tokens else "length"
                     chunk["stop_reason"] = d.stop_reason
+                    if body.prompt_logprobs is not None:  # vLLM's, on the choice's last chunk
+                        chunk["prompt_logprobs"] = prompt_logprobs(
+                            self.texts, ids, d.prompt_log_probs, d.prompt_top_n_logprobs,
+                            body.prompt_logprobs,
+                        )  # fmt: skip
                 if chunk["text"] or d.finished or chunk["logprobs"]:
                     chunk["weight_versions"], versions = versions, []
                     await send(chunk)

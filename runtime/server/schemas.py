@@ -60,10 +60,8 @@ IGNORED = frozenset({
 })  # fmt: skip
 
 # Features not built yet: accepted only at the value that changes nothing (OpenAI's default);
-# any other value is a 400 naming the field (bad_words as strings: only SamplingParams'
-# bad_words_ids, token sequences, are built).
+# any other value is a 400 naming the field.
 NO_OP: dict[str, Any] = {
-    "bad_words": [],
     "allowed_token_ids": [],
     "use_beam_search": False,
     "length_penalty": 1,
@@ -74,9 +72,7 @@ NO_OP: dict[str, Any] = {
     "function_call": "none",
     "return_tokens_as_token_ids": False,
 }
-WHY_NOT = {
-    "bad_words": "bad words as strings are not built (SamplingParams.bad_words_ids takes ids)",
-}
+WHY_NOT: dict[str, str] = {}
 
 
 def lenient(data: Any) -> Any:
@@ -166,6 +162,7 @@ class BaseBody(Lenient):
     repetition_penalty: float = 1.0  # vLLM's extension
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0  # vLLM's extension
+    bad_words: list[str] | None = None  # vLLM's extension: words never generated (bad_words_ids)
     # Structured outputs: OpenAI's response_format, or vLLM's guided_* / structured_outputs
     # (one of them): `structured_output` turns them into the engine's grammar.
     response_format: dict[str, Any] | None = None
@@ -262,8 +259,6 @@ def refuse_unsupported(body: BaseBody) -> None:
         raise APIError(400, "best_of other than n is not supported by taipan", "best_of")
     if isinstance(body, ChatBody):
         refuse_tool_choice(body)
-    if body.stream and body.prompt_logprobs is not None:
-        raise APIError(400, "prompt_logprobs is not supported with stream", "prompt_logprobs")
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options needs stream=true", "stream_options")
 
@@ -308,11 +303,16 @@ def engine_seed(seed: int | None) -> int | None:
 
 
 def sampling_params(
-    body: BaseBody, max_tokens: int, top_n: int, prompt_top: int = -1
+    body: BaseBody,
+    max_tokens: int,
+    top_n: int,
+    prompt_top: int = -1,
+    bad_words_ids: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
     """The body's SamplingParams: `top_n` candidates per generated token (-1: no log-probs),
     `prompt_top` per prompt token (-1: no prompt log-probs); the engine's top-n serves both
-    (the larger), each cut to its own when shown."""
+    (the larger), each cut to its own when shown. `bad_words_ids`: the body's `bad_words`
+    tokenized (`bad_words_ids`, which needs the tokenizer)."""
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if any(not s for s in stop):
         raise APIError(400, "stop strings must be non-empty", "stop")
@@ -337,6 +337,7 @@ def sampling_params(
         repetition_penalty=body.repetition_penalty,
         logit_bias=body.logit_bias or None,
         min_tokens=body.min_tokens,
+        bad_words_ids=bad_words_ids,
         structured=structured_output(body),
     )
     problems = params.problems()
@@ -347,6 +348,23 @@ def sampling_params(
             400, "; ".join(problems), first if first in type(body).model_fields else None
         )
     return params
+
+
+def bad_words_ids(words: list[str] | None, encode) -> tuple[tuple[int, ...], ...]:
+    """vLLM's `bad_words` as token sequences (its SamplingParams.update_from_tokenizer): each
+    word, left-stripped, tokenized without and with a leading space (`encode(text)`, no special
+    tokens); the spaced form only where it is a different word token of the same length. A
+    400 naming `bad_words` for a word that is empty or all whitespace."""
+    out: list[tuple[int, ...]] = []
+    for word in words or []:
+        if not word.strip():
+            raise APIError(400, "each of bad_words must be a non-empty word", "bad_words")
+        bare = tuple(encode(word.lstrip()))
+        spaced = tuple(encode(" " + word.lstrip()))
+        out.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return tuple(out)
 
 
 def structured_output(body: BaseBody) -> StructuredOutput | None:
@@ -475,6 +493,8 @@ def content_text(content: str | list[dict[str, Any]] | None, param: str = "messa
         return content or ""
     texts = []
     for part in content:
+        if not isinstance(part, dict):
+            raise APIError(400, "content parts must be objects", param)
         if part.get("type") not in TEXT_PARTS or not isinstance(part.get("text"), str):
             kind = part.get("type")
             raise APIError(400, f"only text content parts are supported, not {kind!r}", param)
@@ -510,14 +530,16 @@ def _template_tool_call(call: ToolCall) -> dict:
 
 
 class ResponsesBody(BaseBody):
-    """POST /v1/responses, the text subset: `input` (a string, or message items), optional
-    `instructions`; function tools, stored conversations and non-text formats are refused."""
+    """POST /v1/responses, the text and function-tool subset: `input` (a string, or message,
+    function_call and function_call_output items), optional `instructions`, function `tools`
+    (flat: {"type": "function", "name", "parameters", ...}); responses.py checks the items and
+    tools and refuses stored conversations and non-text formats."""
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: dict[str, Any] | None = None
     reasoning: dict[str, Any] | None = None
