@@ -121,6 +121,9 @@ def ll_tokenizer(tokenizer):
     return llguidance.LLTokenizer(text, n_vocab=tokenizer.vocab_size, eos_token=eos or None)
 
 
+TEMPLATES = 64  # compiled grammars kept per worker (Grammars._templates)
+
+
 class Grammars:
     """The live matchers of one gpu worker, by request id. Each is advanced by the tokens its
     request samples (`consume`) and asked for the next mask (`masks`); `drop` forgets one."""
@@ -142,6 +145,11 @@ class Grammars:
             eos_only[t // 32] |= np.uint32(1 << (t % 32))
         self._eos_only = eos_only.view(np.int32)
         self.matchers: dict[int, object] = {}
+        # Per grammar text, a matcher that never advances: a new request's matcher is its
+        # deep copy (0.002 ms, sharing the compiled lexer and its lazily built states, where a
+        # fresh one costs ~1 ms and its first mask ~4 ms more: 64 streams of one schema spent
+        # 70 ms in their first step). Least recently used first out, past TEMPLATES.
+        self._templates: dict[str, object] = {}
         import llguidance
 
         self.executor = llguidance.LLExecutor() if hasattr(llguidance, "LLExecutor") else None
@@ -149,11 +157,17 @@ class Grammars:
     def start(self, request_id: int, spec: GrammarSpec) -> None:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self.ll, spec.grammar())
-        error = matcher.get_error()
-        if error:
-            raise GrammarError(f"{spec.kind}: {error}")
-        self.matchers[request_id] = matcher
+        grammar = spec.grammar()
+        template = self._templates.pop(grammar, None)
+        if template is None:
+            template = llguidance.LLMatcher(self.ll, grammar)
+            error = template.get_error()
+            if error:
+                raise GrammarError(f"{spec.kind}: {error}")
+            if len(self._templates) >= TEMPLATES:
+                del self._templates[next(iter(self._templates))]
+        self._templates[grammar] = template  # (now the most recently used)
+        self.matchers[request_id] = template.deep_copy()
 
     def consume(self, request_id: int, token: int) -> None:
         """Advance `request_id`'s matcher past its sampled `token` (an end-of-sequence token at

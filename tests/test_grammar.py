@@ -132,3 +132,27 @@ def test_a_batch_of_masks_equals_each_alone(tok, grammars):
     assert allowed(batch[4]) == list(tok.eos_token_ids) and batch[2].min() == -1
     for rid in (200, 201, 202, 299):
         grammars.drop(rid)
+
+
+def test_requests_of_one_grammar_share_its_compiled_template(tok, monkeypatch):
+    """A second request of the same grammar starts from a copy of the first one's compiled
+    matcher, which never advances: each request's matcher moves alone, and the templates kept
+    are bounded (least recently used out first)."""
+    import taipan.ops.grammar as grammar
+
+    g = Grammars(tok, 49152)
+    spec = GrammarSpec("choice", json.dumps(["yes", "no"]))
+    g.start(1, spec)
+    g.start(2, spec)
+    assert len(g._templates) == 1 and g.matchers[1] is not g.matchers[2]
+    fresh = allowed(g.masks([1])[0])
+    for t in tok.encode("yes", add_special_tokens=False):
+        g.consume(1, t)
+    assert allowed(g.masks([1])[0]) == list(tok.eos_token_ids)
+    assert allowed(g.masks([2])[0]) == fresh  # (request 2 has not moved)
+    g.start(3, spec)  # (from the template, not from request 1's advanced matcher)
+    assert allowed(g.masks([3])[0]) == fresh
+    monkeypatch.setattr(grammar, "TEMPLATES", 2)
+    for word in ("a", "b", "c"):
+        g.start(4, GrammarSpec("choice", json.dumps([word])))
+    assert len(g._templates) == 2 and spec.grammar() not in g._templates
