@@ -93,6 +93,7 @@ class WorkerControls:
         # sends the same layout every update, so later updates skip both (each takes ms).
         self._params: tuple[object, dict] | None = None  # (the model they are of, its params)
         self._fitting_buckets: tuple | None = None
+        self._side_stream = None  # CUDA: the stream received buckets are copied in on
 
     def _capture(self) -> None:
         raise NotImplementedError  # ModelWorker's: capture every CUDA graph
@@ -259,12 +260,16 @@ class WorkerControls:
         marks = self.transfer_marks = {"received": time.time()}
         transfer, params = self.transfer, self._live_params()
         problem = self._bucket_problem(msg.buckets, params)
+        side = self._copy_stream()
         for specs in msg.buckets:
             specs = [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in specs]
             tensors = transfer.receive(specs, into=into if problem is None else None)
             if problem is None:
                 try:
-                    apply(state_updates(tensors, self.model, params))
+                    if side is None:
+                        apply(state_updates(tensors, self.model, params))
+                    else:
+                        self._apply_beside(side, tensors, apply, params)
                 except WeightUpdateError as e:
                     problem = str(e)
             marks.setdefault("first_posted", time.time())
@@ -276,6 +281,30 @@ class WorkerControls:
         marks["synced"] = time.time()
         if problem is not None:
             raise WeightUpdateError(problem)
+
+    def _copy_stream(self):
+        """On CUDA, the stream a received bucket is copied into the parameters on, so that the
+        next bucket's broadcast (which waits for the current stream) runs during the copies;
+        None elsewhere."""
+        if self.device.type != "cuda":
+            return None
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(self.device)
+        return self._side_stream
+
+    def _apply_beside(self, side, tensors: dict, apply, params: dict) -> None:
+        """`apply` a received bucket's updates on `side`, after the broadcast that filled them
+        (an event on the current stream, which waits for it); its buffers stay out of the
+        allocator's reach until `side` has read them (record_stream)."""
+        updates = state_updates(tensors, self.model, params)  # (checks and views: no copies)
+        done = torch.cuda.Event()
+        done.record()
+        side.wait_event(done)
+        with torch.cuda.stream(side):
+            apply(updates)
+        for t in tensors.values():
+            if isinstance(t, torch.Tensor) and t.is_cuda:
+                t.record_stream(side)
 
     def _live_params(self) -> dict:
         """The model's state dict (views of the live parameters), kept while the model is."""

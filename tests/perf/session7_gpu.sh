@@ -11,7 +11,11 @@
 #     cuda:1; the 1B decode rows of both trees alternating twice; the Qwen3-Next-like row;
 #   part c (after stage1): the structured row with the engine's step counts, SmolLM2's decode
 #     rows, the 1B rows under two GIL switch intervals alternating, the Qwen3-Next-like row
-#     against the MoE floor.
+#     against the MoE floor;
+#   part d (after stage1): the GPU tests of the kernels deduplicated and of speculative
+#     decoding, the structured row again, the spec row;
+#   part e (right after d): the weight-transfer GPU tests and the 8B weight sync with copies on
+#     a side stream, and py-spy over a 1B batch-1 decode.
 set -u
 PART=${1:?part a or b}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -92,4 +96,41 @@ elif [ "$PART" = c ]; then
     CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 120 python3 -m taipan.cli bench --workload decode \
         --model random:qwen3-next-80b-a3b-8l --device cuda --dtype bfloat16 --batches 1,64 \
         --no-hf --ours-modes graphs --results "$OUT/results.jsonl" 2>&1 | grep -E "decode|rror"
+elif [ "$PART" = d ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    echo "== GPU tests: the kernels deduplicated (5e846e9), speculative decoding on CUDA"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 330 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        -rfs --tb=short tests/test_kernels_elementwise.py tests/test_kernels_moe.py \
+        tests/test_kernels_gated_delta.py tests/test_kernels_causal_conv1d.py \
+        tests/test_kernels_ssd_scan.py tests/test_kernels_gated_rmsnorm.py \
+        tests/test_kernels_selective_state.py tests/test_gemma3.py tests/test_ops_moe.py \
+        tests/test_e2e_speculative.py tests/test_e2e_qwen3_next.py 2>&1 \
+        | tee "$OUT/gpu_tests.log" | tail -12
+    echo "== structured (templates, whole requests too)"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 150 python3 -m taipan.cli bench --workload structured \
+        --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 --output-len 128 \
+        --results "$OUT/results.jsonl" 2>&1 | tail -1
+    if [ -f runtime/bench/spec.py ]; then
+        echo "== speculative decoding, SmolLM2, batch 1"
+        CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 200 python3 -m taipan.cli bench --workload spec \
+            --model smollm2 --device cuda --dtype bfloat16 --results "$OUT/results.jsonl" 2>&1 \
+            | tail -3
+    fi
+elif [ "$PART" = e ]; then
+    echo "== weight transfer GPU tests (copies beside the next bucket's broadcast)"
+    timeout -s ABRT 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_gpu_weight_transfer.py tests/test_weight_transfer.py tests/test_rl.py 2>&1 \
+        | tee "$OUT/wt_tests.log" | tail -6
+    echo "== weight sync, 8B shape, paused then in flight"
+    WS="-m taipan.cli bench --workload weight-sync --model random:llama-8b --dtype bfloat16"
+    WS="$WS --trainer-device cuda:0 --device cuda:1 --sync-rounds 3 --results $OUT/results.jsonl"
+    timeout -s ABRT 120 python3 $WS 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
+    timeout -s ABRT 120 python3 $WS --in-flight 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
+    echo "== py-spy over the 1B decode bench at batch 1 (every process, raw stacks)"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 120 /tmp/site/bin/py-spy record --subprocesses \
+        --format raw -r 400 -o "$OUT/decode_b1.pyspy.txt" -- python3 -m taipan.cli bench \
+        --workload decode --model random:llama-1b --device cuda --dtype bfloat16 --batches 1 \
+        --output-len 512 --no-hf --ours-modes graphs --results "$OUT/results_pyspy.jsonl" 2>&1 \
+        | grep -E "decode|rror" | tail -3
 fi
+
