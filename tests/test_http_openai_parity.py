@@ -327,8 +327,33 @@ def test_metrics_a_vllm_dashboard_reads(base):
         assert grew(f"taipan_{name}_count") == 2, name
     for name in ("taipan_requests_running", "taipan_requests_waiting",
                  "taipan_kv_cache_usage_perc", "taipan_prefix_cache_queries_total",
-                 "taipan_prefix_cache_hits_total", "taipan_prefix_cache_hit_rate"):  # fmt: skip
+                 "taipan_prefix_cache_hits_total", "taipan_prefix_cache_hit_rate",
+                 "taipan_spec_decode_num_draft_tokens_total"):  # fmt: skip
         assert name in after, name
+
+
+def test_speculative_counters_render_per_position():
+    """The runtime's speculative-decoding counters as vLLM's (per position by a label)."""
+    import types
+
+    import prometheus_client as prom
+
+    from taipan.server.metrics import _RuntimeCounters
+
+    counters = _RuntimeCounters()
+    counters.update(types.SimpleNamespace(
+        prefix_prompt_tokens=10, prefix_cached_tokens=4, spec_verify_rows=5,
+        spec_draft_tokens=20, spec_accepted_tokens=7, spec_accepted_per_position=(4, 2, 1),
+    ))  # fmt: skip
+    registry = prom.CollectorRegistry()
+    registry.register(counters)
+    text = prom.generate_latest(registry).decode()
+    for line in ("taipan_spec_decode_num_drafts_total 5.0",
+                 "taipan_spec_decode_num_draft_tokens_total 20.0",
+                 "taipan_spec_decode_num_accepted_tokens_total 7.0",
+                 'taipan_spec_decode_num_accepted_tokens_per_pos_total{position="1"} 2.0',
+                 "taipan_prefix_cache_hits_total 4.0"):  # fmt: skip
+        assert line in text, line
 
 
 # --- item 1: tool calling --------------------------------------------------------------------

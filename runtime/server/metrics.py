@@ -26,6 +26,11 @@ What a vLLM dashboard reads, under taipan's names (vLLM's in brackets):
   taipan_prefix_cache_queries_total           [vllm:prefix_cache_queries] (prompt tokens)
   taipan_prefix_cache_hits_total              [vllm:prefix_cache_hits] (of those, cached)
   taipan_prefix_cache_hit_rate                [vllm:gpu_prefix_cache_hit_rate, older vLLMs]
+  taipan_spec_decode_num_drafts_total         [vllm:spec_decode_num_drafts] (verify rows)
+  taipan_spec_decode_num_draft_tokens_total   [vllm:spec_decode_num_draft_tokens]
+  taipan_spec_decode_num_accepted_tokens_total [vllm:spec_decode_num_accepted_tokens]
+  taipan_spec_decode_num_accepted_tokens_per_pos_total{position}
+                                              [vllm:spec_decode_num_accepted_tokens_per_pos]
 
 TTFT, queue and prefill time come from the engine's clock (the request's events); end-to-end
 latency is the server's (from submission to the last token). Time per output token: a streamed
@@ -50,21 +55,47 @@ _PER_TOKEN = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1,
 _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 
 
-class _PrefixCounters:
-    """The runtime's prefix-cache token counters (cumulative since start), as counters: the
-    values of the last `client.stats()` a scrape fetched."""
+class _RuntimeCounters:
+    """The runtime's cumulative counters (since start), as Prometheus counters: the values of
+    the last `client.stats()` a scrape fetched. Prefix caching (vLLM's prefix_cache_queries /
+    hits) and speculative decoding (vLLM's spec_decode_num_drafts, _num_draft_tokens,
+    _num_accepted_tokens and _num_accepted_tokens_per_pos, by `position`)."""
+
+    HELP = {
+        "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
+        "prefix_cache_hits": "Prompt tokens served from the prefix cache",
+        "spec_decode_num_drafts": "Rows that verified speculative drafts",
+        "spec_decode_num_draft_tokens": "Draft tokens proposed",
+        "spec_decode_num_accepted_tokens": "Draft tokens accepted",
+    }
 
     def __init__(self) -> None:
-        self.queries = self.hits = 0
+        self.values = dict.fromkeys(self.HELP, 0)
+        self.per_position: tuple[int, ...] = ()
+
+    def update(self, merged) -> None:
+        self.values.update(
+            prefix_cache_queries=merged.prefix_prompt_tokens,
+            prefix_cache_hits=merged.prefix_cached_tokens,
+            spec_decode_num_drafts=merged.spec_verify_rows,
+            spec_decode_num_draft_tokens=merged.spec_draft_tokens,
+            spec_decode_num_accepted_tokens=merged.spec_accepted_tokens,
+        )
+        self.per_position = tuple(merged.spec_accepted_per_position)
 
     def collect(self):
-        for name, help_, value in (
-            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", self.queries),
-            ("prefix_cache_hits", "Prompt tokens served from the prefix cache", self.hits),
-        ):
+        for name, help_ in self.HELP.items():
             family = CounterMetricFamily(f"taipan_{name}", help_)
-            family.add_metric([], value)
+            family.add_metric([], self.values[name])
             yield family
+        family = CounterMetricFamily(
+            "taipan_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position",
+            labels=["position"],
+        )
+        for j, n in enumerate(self.per_position):
+            family.add_metric([str(j)], n)
+        yield family
 
 
 class Metrics:
@@ -130,8 +161,8 @@ class Metrics:
                 ("engine_ranks_alive", "Engine ranks serving (a dead one is routed around)"),
             )
         }
-        self._prefix = _PrefixCounters()
-        r.register(self._prefix)
+        self._counters = _RuntimeCounters()
+        r.register(self._counters)
 
     def timer(self) -> RequestTimer:
         """A timer for one choice, started now (at its submission)."""
@@ -154,8 +185,7 @@ class Metrics:
         }
         for name, value in values.items():
             self.gauges[name].set(value)
-        self._prefix.queries = merged.prefix_prompt_tokens
-        self._prefix.hits = merged.prefix_cached_tokens
+        self._counters.update(merged)
         return prom.generate_latest(self.registry)
 
 
