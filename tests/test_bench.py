@@ -454,3 +454,32 @@ def test_weight_sync_workload_on_two_gpus(tmp_path):
     )
     assert row["link_GBps"] > 10 and "invalid" not in row
     assert row["update_vs_broadcast"] > 0.5
+
+
+def test_spec_workload_rows_on_cpu(tmp_path):
+    """Speculative decoding off vs on (n-gram, k = 2) on the input-grounded and the free
+    workload: a row each, every prompt's greedy token ids equal off and on, the rates and their
+    ratio, and the drafter's counters over the timed pass."""
+    rows = _bench_rows(
+        tmp_path,
+        *("--workload", "spec", "--model", "random:tiny", "--num-prompts", "2"),
+        *("--output-len", "8", "--spec-tokens", "2"),
+    )
+    assert [row["scenario"] for row in rows] == ["grounded", "free"]
+    for row in rows:
+        assert row["workload"] == "spec" and row["batch"] == 1 and row["output_len"] == 8
+        assert row["outputs_equal"] is True and row["prompts_unequal"] == 0
+        assert row["num_speculative_tokens"] == 2 and len(row["accepted_per_position"]) == 2
+        assert row["off_output_tok_s"] > 0 and row["on_output_tok_s"] > 0
+        want = row["on_output_tok_s"] / row["off_output_tok_s"]
+        assert row["speedup"] == pytest.approx(want, rel=1e-3)
+        assert row["off_steps"] >= 2 * 8 and 0 < row["on_steps"] <= row["off_steps"]
+        drafted, accepted = row["spec_draft_tokens"], row["spec_accepted_tokens"]
+        assert 0 <= accepted <= drafted and sum(row["accepted_per_position"]) == accepted
+        if row["spec_verify_rows"]:
+            want = (accepted + row["spec_verify_rows"]) / row["spec_verify_rows"]
+            assert row["mean_accepted_length"] == pytest.approx(want, rel=1e-3)
+    assert sum(row["spec_draft_tokens"] for row in rows) > 0
+    # The family imports no torch (as the others, test_the_cli_and_the_workload_families_...).
+    code = "import sys, taipan.bench.spec\nassert 'torch' not in sys.modules\n"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

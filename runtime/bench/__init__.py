@@ -9,6 +9,7 @@ each importing only those listed after it:
   relay          one coordinator's relay capacity (synthetic engines, no model)
   weight_sync    a trainer's weights into a running taipan vs the raw broadcast (RL)
   structured     concurrent streams with and without a json_schema (structured outputs' cost)
+  spec           speculative decoding (n-gram) off vs on, input-grounded and free generation
   relay_peers    the relay run's processes (`python -m taipan.bench.relay_peers`)
   common         prompt makers and helpers the families share
 The families never import each other. What needs torch lives in ops/ (DESIGN.md §1):

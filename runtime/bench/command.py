@@ -36,27 +36,29 @@ def add_arguments(p) -> None:
             "relay",
             "weight-sync",
             "structured",
+            "spec",
         ],
         help="generate: N prompts x M tokens vs HF (default); decode: step time per batch vs "
         "the floor; offline: many requests of ShareGPT-like lengths; shared-prefix: prefix "
         "caching off vs on, on a shared system prompt and on n samples of one prompt; "
         "http-load: N concurrent streams, some dropped mid-way, over HTTP vs AsyncClient; "
         "weight-sync: a trainer's weights into taipan over NCCL/gloo vs the raw broadcast; "
-        "structured: concurrent streams with and without a json_schema",
+        "structured: concurrent streams with and without a json_schema; "
+        "spec: speculative decoding (n-gram) off vs on, input-grounded and free generation",
     )
     p.add_argument(
         "--num-prompts",
         type=int,
         default=None,
         help="generate, shared-prefix: prompts (32); http-load: requests (200); "
-        "structured: streams (64)",
+        "structured: streams (64); spec: requests per workload (8)",
     )
     p.add_argument(
         "--output-len",
         type=int,
         default=None,
         help="generate, shared-prefix, http-load: tokens (64); decode: steps (128); "
-        "structured: tokens (128)",
+        "structured, spec: tokens (128)",
     )
     p.add_argument(
         "--drop-share",
@@ -147,6 +149,18 @@ def add_arguments(p) -> None:
         action="store_true",
         help="weight-sync: update while RUNNING (push_weights(in_flight=True)), no pause/unpause",
     )
+    p.add_argument(
+        "--spec-tokens",
+        type=int,
+        default=4,
+        help="spec: num_speculative_tokens (n-gram drafts per step) of the speculation-on runs",
+    )
+    p.add_argument(
+        "--spec-batch",
+        type=int,
+        default=1,
+        help="spec: requests in flight at once (1: batch-1 decode)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object per workload")
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face side")
     p.add_argument("--results", default=RESULTS, help="JSONL file each run appends to")
@@ -163,6 +177,7 @@ def run(args) -> int:
     from taipan.bench.offline import offline_workload
     from taipan.bench.relay import relay_workload
     from taipan.bench.shared_prefix import shared_prefix_workload
+    from taipan.bench.spec import spec_workload
     from taipan.bench.structured import structured_workload
     from taipan.bench.weight_sync import weight_sync_workload
 
@@ -175,6 +190,7 @@ def run(args) -> int:
         "relay": relay_workload,
         "weight-sync": weight_sync_workload,
         "structured": structured_workload,
+        "spec": spec_workload,
     }
     rows = workloads[args.workload](args)
     stamp = {
@@ -234,6 +250,10 @@ def _summary(row: dict) -> str:
         from taipan.bench.structured import structured_summary
 
         return structured_summary(row)
+    if workload == "spec":
+        from taipan.bench.spec import spec_summary
+
+        return spec_summary(row)
     if workload == "http-load":
         from taipan.bench.http_load import http_load_summary
 
