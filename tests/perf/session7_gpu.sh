@@ -15,7 +15,8 @@
 #   part d (after stage1): the GPU tests of the kernels deduplicated and of speculative
 #     decoding, the structured row again, the spec row;
 #   part e (right after d): the weight-transfer GPU tests and the 8B weight sync with copies on
-#     a side stream, and py-spy over a 1B batch-1 decode.
+#     a side stream, and py-spy over a 1B batch-1 decode (not run: out of device time);
+#   part f (after stage1): d's failed GPU test named, and e's first three items.
 set -u
 PART=${1:?part a or b}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -132,5 +133,20 @@ elif [ "$PART" = e ]; then
         --workload decode --model random:llama-1b --device cuda --dtype bfloat16 --batches 1 \
         --output-len 512 --no-hf --ours-modes graphs --results "$OUT/results_pyspy.jsonl" 2>&1 \
         | grep -E "decode|rror" | tail -3
+elif [ "$PART" = f ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    echo "== speculative decoding's GPU test (which one failed in d)"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 120 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        -rfs --tb=line tests/test_e2e_speculative.py 2>&1 | grep -vE "^  File|^Extension" \
+        | tail -8
+    echo "== weight transfer GPU tests (copies beside the next bucket's broadcast)"
+    timeout -s ABRT 130 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_gpu_weight_transfer.py tests/test_rl.py 2>&1 | grep -vE "^  File|^Extension" \
+        | tail -8
+    echo "== weight sync, 8B shape, paused then in flight"
+    WS="-m taipan.cli bench --workload weight-sync --model random:llama-8b --dtype bfloat16"
+    WS="$WS --trainer-device cuda:0 --device cuda:1 --sync-rounds 3 --results $OUT/results.jsonl"
+    timeout -s ABRT 80 python3 $WS 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
+    timeout -s ABRT 80 python3 $WS --in-flight 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
 fi
 
