@@ -16,7 +16,8 @@
 #     decoding, the structured row again, the spec row;
 #   part e (right after d): the weight-transfer GPU tests and the 8B weight sync with copies on
 #     a side stream, and py-spy over a 1B batch-1 decode (not run: out of device time);
-#   part f (after stage1): d's failed GPU test named, and e's first three items.
+#   part f (after stage1): d's failed GPU test named, and e's first three items;
+#   part g (after stage1): py-spy over the structured and spec benches (SmolLM2).
 set -u
 PART=${1:?part a or b}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
@@ -148,5 +149,15 @@ elif [ "$PART" = f ]; then
     WS="$WS --trainer-device cuda:0 --device cuda:1 --sync-rounds 3 --results $OUT/results.jsonl"
     timeout -s ABRT 80 python3 $WS 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
     timeout -s ABRT 80 python3 $WS --in-flight 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
+elif [ "$PART" = g ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    echo "== py-spy over the structured bench and the spec bench (raw stacks, every process)"
+    for w in structured spec; do
+        CUDA_VISIBLE_DEVICES=0 timeout -s INT 100 /tmp/site/bin/py-spy record --subprocesses \
+            --format raw -r 200 -o "$OUT/$w.pyspy.txt" -- python3 -m taipan.cli bench \
+            --workload $w --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 \
+            --output-len 128 --results "$OUT/results_pyspy.jsonl" 2>&1 | grep -E "^(struct|spec)|rror" \
+            | tail -3
+    done
 fi
 
