@@ -152,12 +152,11 @@ elif [ "$PART" = f ]; then
 elif [ "$PART" = g ]; then
     (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
     echo "== py-spy over the structured bench and the spec bench (raw stacks, every process)"
-    for w in structured spec; do
+    for w in "structured --num-prompts 64" "spec --num-prompts 4"; do
         CUDA_VISIBLE_DEVICES=0 timeout -s INT 100 /tmp/site/bin/py-spy record --subprocesses \
-            --format raw -r 200 -o "$OUT/$w.pyspy.txt" -- python3 -m taipan.cli bench \
-            --workload $w --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 \
-            --output-len 128 --results "$OUT/results_pyspy.jsonl" 2>&1 | grep -E "^(struct|spec)|rror" \
-            | tail -3
+            --format raw -r 200 -o "$OUT/${w%% *}.pyspy.txt" -- python3 -m taipan.cli bench \
+            --workload $w --model smollm2 --device cuda --dtype bfloat16 --output-len 128 \
+            --results "$OUT/results_pyspy.jsonl" 2>&1 | grep -E "^(struct|spec)|rror" | tail -3
     done
 fi
 
