@@ -38,7 +38,7 @@ class GpuCommand(enum.StrEnum):
     CLOSE_WEIGHT_TRANSFER = "close_weight_transfer"
 
 
-@message(120)
+@message(120, required=20)  # (speculative came later)
 class LoadModel:
     """Load weights and size the KV cache: as many blocks as `kv_cache_gb` holds, at most
     `max_blocks` (more than every admissible request can use would only waste memory).
@@ -82,6 +82,9 @@ class LoadModel:
     # Tensor parallel on CUDA: the small all-reduces by the custom one-shot kernel
     # (InferenceConfig.custom_all_reduce: None where it can run, False never, True or fail).
     custom_all_reduce: bool | None = None
+    # Speculative decoding (InferenceConfig.num_speculative_tokens > 0): mixed CUDA graphs also
+    # keep every token's hidden state, so verify rows replay them instead of running eagerly.
+    speculative: bool = False
 
 
 @message(121, required=11)  # (tensor_parallel_size came later)

@@ -173,6 +173,7 @@ def load_model_message(spec: LaunchSpec, rank: int, ep_load: dict):
         ranks_on_host=spec.ranks_on_host * (1 if spec.tp_remote else tp),
         **ep_load,
         custom_all_reduce=config.custom_all_reduce,
+        speculative=config.num_speculative_tokens > 0,
     )
 
 

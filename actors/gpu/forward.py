@@ -51,6 +51,7 @@ class WorkerForward:
     graphs: StepGraphs | None
     graph_capture_seconds: float
     _logits: torch.Tensor | None
+    _graph_hidden: torch.Tensor | None
     _sampled: torch.Tensor | None
     _moe_blocks: list
     _routing: torch.Tensor | None
@@ -60,9 +61,12 @@ class WorkerForward:
     def _bucket(self, plan: StepPlan, inner_snaps: dict) -> Bucket | None:
         """The CUDA graph the step replays, or None: it runs eagerly (no graph holds it, it
         wants prompt log-probs, its kernels store snapshots inside chunks, or it verifies
-        speculative drafts)."""
+        speculative drafts without a mixed graph or under expert parallelism)."""
         eager = self.graphs is None or (plan.prompt_targets >= 0).any() or bool(inner_snaps)
-        eager = eager or bool(len(plan.num_drafts) and plan.num_drafts.any())  # (verify steps)
+        if len(plan.num_drafts) and plan.num_drafts.any():
+            # Verify rows (several query tokens each) fit a mixed graph, which keeps every
+            # token's hidden state (_graph_hidden); under expert parallelism they run eagerly.
+            eager = eager or self.ep is not None or self._graph_hidden is None
         all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
         if self.ep is not None:
             return self._ep_shape(len(plan.input_ids), all_decode, eager)
@@ -95,14 +99,17 @@ class WorkerForward:
     # ---- the forward ---------------------------------------------------------------------------
 
     def _forward_logits(self, plan: StepPlan, staged, bucket: Bucket | None, inner_snaps):
-        """(inputs, logits [B, V] fp32, hidden [T, H] or None after a graph): the step's one
-        host-to-device copy, then the graph of `bucket` replayed or the forward run eagerly."""
+        """(inputs, logits [B, V] fp32, hidden [T, H] or None after a decode graph): the
+        step's one host-to-device copy, then the graph of `bucket` replayed or the forward run
+        eagerly."""
         num_seqs = len(plan.seq_lens)
         inputs = self.buffers.upload(staged)
         if bucket is not None:
             self.graphs.replay(bucket)
-            inputs = self.buffers.views(num_tokens=len(plan.input_ids), num_seqs=num_seqs)
-            return inputs, self._logits[:num_seqs], None
+            num_tokens = len(plan.input_ids)
+            inputs = self.buffers.views(num_tokens=num_tokens, num_seqs=num_seqs)
+            hidden = None if bucket.decode else self._graph_hidden[:num_tokens]
+            return inputs, self._logits[:num_seqs], hidden
         with self._recording(plan.return_routed_experts):
             hidden = self._forward(plan, inputs, inner_snaps)  # [T, H]
         # Logits for every sequence's last token (rows that do not sample are ignored):
@@ -208,8 +215,9 @@ class WorkerForward:
     # ---- CUDA graphs ---------------------------------------------------------------------------
 
     def _graph_body(self, bucket: Bucket) -> None:
-        """What a graph records: the forward over the buffers at the bucket's size, and the
-        logits of each sequence's last token into the static logits buffer."""
+        """What a graph records: the forward over the buffers at the bucket's size, the logits
+        of each sequence's last token into the static logits buffer, and (a mixed bucket)
+        every token's hidden state into _graph_hidden (speculative verify rows read it)."""
         inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
         if self.exchange is not None:  # every rank captures this bucket at this size
             self.exchange.tokens = bucket.tokens
@@ -226,6 +234,8 @@ class WorkerForward:
         # Padding rows repeat the last query start: they read a real row (or row 0).
         last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
         self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
+        if not bucket.decode:
+            self._graph_hidden[: bucket.tokens].copy_(hidden)
 
     def _neutral_step(self, bucket: Bucket) -> None:
         """Fill the step buffers with an empty step padded to the bucket: no sequence attends

@@ -158,6 +158,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         self.graphs: StepGraphs | None = None  # None: every step eager
         self.static_kv = False  # static_kv_memory_pointers: only persist mode may suspend
         self._logits: torch.Tensor | None = None  # [max_requests, V] fp32, the graphs' output
+        self._graph_hidden: torch.Tensor | None = None  # [mixed tokens, H]: after mixed graphs
         # The last step's sampled tokens, on the device at a fixed address: a plan's prev_rows
         # read them. _prev_sampled: that step's rows that sampled (host copy), for the checks.
         self._sampled: torch.Tensor | None = None  # [max_requests] int64
@@ -330,6 +331,12 @@ class ModelWorker(WorkerForward, WorkerControls):
             self._logits = torch.empty(
                 msg.max_requests, config.vocab_size, dtype=torch.float32, device=self.device
             )
+            # Every token's hidden state after a mixed graph (speculative verify rows score
+            # each of their positions; a decode graph leaves it alone).
+            self._graph_hidden = None
+            if msg.speculative and msg.cuda_graph_mixed_sizes:
+                shape = (max(msg.cuda_graph_mixed_sizes), config.hidden_size)
+                self._graph_hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
             self._capture()
 
     def _slot_bytes(self, config, dtype) -> int:
