@@ -176,6 +176,16 @@ class Grammars:
         if m is not None and not m.is_stopped():
             m.consume_token(int(token))
 
+    def live(self, request_id: int) -> bool:
+        """Whether `request_id` has a matcher that still takes tokens (not stopped, no error)."""
+        m = self.matchers.get(request_id)
+        return m is not None and not (m.is_stopped() or m.is_error())
+
+    def try_consume(self, request_id: int, token: int) -> bool:
+        """Advance `request_id`'s live matcher past `token` if its grammar allows the token
+        there; whether it did (nothing changes when it does not)."""
+        return self.matchers[request_id].try_consume_tokens([int(token)]) == 1
+
     def masks(self, request_ids) -> np.ndarray:
         """The next allowed tokens of each request, [len(request_ids), words] int32 (all bits
         set for an id without a matcher). The live matchers' masks are computed in parallel

@@ -156,3 +156,54 @@ def test_requests_of_one_grammar_share_its_compiled_template(tok, monkeypatch):
     for word in ("a", "b", "c"):
         g.start(4, GrammarSpec("choice", json.dumps([word])))
     assert len(g._templates) == 2 and spec.grammar() not in g._templates
+
+
+def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_token(
+    tok, monkeypatch
+):
+    """GrammarMasks (the gpu worker's), alone: a greedy row's own best token, allowed by its
+    grammar, is kept and consumed without any mask computed; a rejected one is replaced by the
+    best token its mask allows. A sampled row is masked before sampling, as before."""
+    import types
+
+    from taipan.actors.gpu.grammar_masks import GrammarMasks
+    from taipan.messages.gpu import GrammarStart
+    from taipan.messages.requests import StructuredOutput
+
+    vocab = 49152
+    masks = GrammarMasks(tok)
+    computed = []
+    real_masks = Grammars.masks
+    monkeypatch.setattr(Grammars, "masks", lambda self, ids: computed.append(list(ids)) or
+                        real_masks(self, ids))  # fmt: skip
+    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+
+    def plan(temperature, new=()):
+        return types.SimpleNamespace(
+            grammar_rows=np.array([7], np.int32), grammar_new=list(new),
+            grammar_drop=np.zeros(0, np.int64), temperature=np.array([temperature], np.float32),
+            sample=np.array([1], np.int8), logprobs_mode=np.zeros(0, np.int8),
+        )  # fmt: skip
+
+    start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
+    logits = torch.zeros(1, vocab)
+    logits[0, yes] = 5.0  # allowed: kept, no mask
+    out = masks.masked(plan(0.0, [start]), logits, logits)
+    assert out is logits and computed == []
+    assert masks.checked(torch.tensor([yes]), logits).tolist() == [yes] and computed == []
+    assert allowed(masks.grammars.masks([7])[0]) == list(tok.eos_token_ids)  # (consumed)
+
+    computed.clear()
+    masks.grammars.drop(7)
+    logits = torch.zeros(1, vocab)
+    logits[0, 100] = 9.0  # rejected: the best allowed token instead
+    logits[0, no] = 3.0
+    start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
+    masks.masked(plan(0.0, [start]), logits, logits)
+    assert masks.checked(torch.tensor([100]), logits).tolist() == [no] and computed == [[7]]
+
+    computed.clear()
+    masks.grammars.drop(7)
+    out = masks.masked(plan(1.0, [start]), logits, logits)  # sampled: masked before
+    assert computed == [[7]] and out is not logits and out[0, 100] == float("-inf")
+    assert masks.checked(torch.tensor([no]), out).tolist() == [no]  # (nothing to check)

@@ -9,6 +9,14 @@ wait for the previous step only, while this step's forward is already queued beh
 plan with grammar rows is therefore never launched inline on the event loop
 (ModelWorker.launches_inline): that wait would block the loop.
 
+Greedy rows are checked, not masked (`checked`): a greedy row's grammar-free choice (after the
+logit controls) that its grammar allows there is exactly the choice under the mask (masking only
+removes tokens), so its mask is computed only when the grammar rejects that token, and the row
+then takes the masked logits' best token. Masks cost the host ~2 ms per step for 64 JSON rows
+on an H100's host (tests/perf/NOTES.md), and a step's sampling waits for them; a check costs a
+wait for the step's own tokens and microseconds per row. Rows whose log-probs are "processed"
+(of the masked distribution) and sampled rows keep their masks.
+
 Must not touch anything but the logits it is given and its own matchers.
 """
 
@@ -19,6 +27,7 @@ import torch
 
 from taipan.messages.gpu import StepPlan
 from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks
+from taipan.ops.sampling import GREEDY_EPS
 
 
 def uses_grammar(plan: StepPlan) -> bool:
@@ -36,6 +45,8 @@ class GrammarMasks:
         # event after their copy (None on the CPU: already there).
         self._rows: tuple[np.ndarray, np.ndarray] | None = None
         self._tokens: tuple[torch.Tensor, object] | None = None
+        # (request ids, rows) of this step's checked rows, until `checked` has seen its tokens.
+        self._lazy: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def pending(self) -> bool:
@@ -50,12 +61,17 @@ class GrammarMasks:
         if self.grammars is None:
             self.grammars = Grammars(self.tokenizer, logits.shape[1])
         g = self.grammars
+        self._lazy = None  # (a step that failed between `masked` and `checked` left its own)
         self._consume_last()
         for rid in plan.grammar_drop.tolist():
             g.drop(rid)
         for start in plan.grammar_new:
             g.start(start.request_id, GrammarSpec(start.structured.kind, start.structured.spec))
         rows = np.flatnonzero(plan.grammar_rows >= 0)
+        lazy = self._checkable(plan, rows)
+        if lazy.any():
+            self._lazy = (plan.grammar_rows[rows[lazy]], rows[lazy])
+            rows = rows[~lazy]
         if not len(rows):
             return logits
         ids = plan.grammar_rows[rows]
@@ -65,6 +81,39 @@ class GrammarMasks:
         apply_masks(logits, torch.from_numpy(rows).to(logits.device), masks)
         self._rows = (ids, rows)
         return logits
+
+    def _checkable(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+        """Which of the grammar `rows` are checked after sampling instead of masked before:
+        greedy, sampled this step, raw log-probs, and a matcher that still takes tokens."""
+        ok = (plan.temperature[rows] < GREEDY_EPS) & (plan.sample[rows] != 0)
+        if len(plan.logprobs_mode):
+            ok &= plan.logprobs_mode[rows] == 0
+        ids = plan.grammar_rows[rows]
+        return ok & np.array([self.grammars.live(int(r)) for r in ids], dtype=bool)
+
+    def checked(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The step's tokens with each checked row's choice kept where its grammar allows it
+        (and consumed), else replaced by the best token of the row's masked `logits` (the
+        controlled, unmasked ones); waits for the step's sampling when any row is checked."""
+        if self._lazy is None:
+            return tokens
+        (ids, rows), self._lazy = self._lazy, None
+        g, device = self.grammars, tokens.device
+        got = tokens[torch.from_numpy(rows).to(device)].cpu().numpy()
+        bad = [i for i, (rid, t) in enumerate(zip(ids.tolist(), got.tolist(), strict=True))
+               if not g.try_consume(rid, t)]  # fmt: skip
+        if not bad:
+            return tokens
+        bad_ids, at = ids[bad], torch.from_numpy(rows[bad]).to(device)
+        masks = torch.from_numpy(g.masks(bad_ids)).to(device, non_blocking=True)
+        sub = logits.index_select(0, at)
+        apply_masks(sub, torch.arange(len(bad), device=device), masks)
+        best = sub.argmax(dim=-1)
+        tokens = tokens.clone()
+        tokens[at] = best.to(tokens.dtype)
+        for rid, token in zip(bad_ids.tolist(), best.cpu().tolist(), strict=True):
+            g.consume(rid, token)
+        return tokens
 
     def sampled(self, host: torch.Tensor, ended) -> None:
         """The step just launched sampled into `host` (copied there once `ended`, a CUDA event,

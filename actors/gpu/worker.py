@@ -398,6 +398,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         if uses_grammar(plan) or self.grammar_masks.pending:  # (masks after the controls)
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
+        tokens = self.grammar_masks.checked(tokens, controlled)  # (greedy grammar rows)
         spec = None
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; an eager step)
             tokens, spec = verify_drafts(plan, inputs, hidden, tokens, self.model.compute_logits)
