@@ -17,14 +17,24 @@ sequence: response.created, .in_progress, then per item .output_item.added, for 
 .function_call_arguments.delta (the whole arguments at once: a call is sent when it is
 complete) and .function_call_arguments.done, then .output_item.done; last .completed or
 .incomplete. Without tools the message item opens at once (it may stay empty); with them it
-opens at the first text. Stored responses (`previous_response_id`; `store` is ignored),
-tools other than functions and non-text output formats are a 400 naming the field.
+opens at the first text.
+
+Structured outputs: `text.format` {"type": "json_schema", "name", "schema", "strict"} or
+{"type": "json_object"} keeps the reply to a grammar, as chat's `response_format` does (the
+same mapping and leniency: `name` and `strict` are not needed, chat's nested `json_schema`
+shape is taken too); {"type": "text"} (the default) keeps it to none. The Response echoes the
+format. A bad format or a schema that does not compile is a 400 naming `text.format`, as is a
+format beside another structured output (vLLM's guided_*); a tool_choice forcing a call beside
+one is a 400 naming `tool_choice`, as chat's is. The SDK's `client.responses.parse(text_format=
+...)` reads the message's `output_text`. Stored responses (`previous_response_id`; `store` is
+ignored) and tools other than functions are a 400 naming the field.
 
 Builds no app and registers no routes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -33,7 +43,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from pydantic import ValidationError
 
-from taipan.messages.requests import FinishReason, SamplingParams
+from taipan.messages.requests import FinishReason, SamplingParams, StructuredOutput
 from taipan.server.chat import ChatServer
 from taipan.server.completions import failed
 from taipan.server.schemas import (
@@ -42,6 +52,7 @@ from taipan.server.schemas import (
     ResponsesBody,
     Tool,
     ToolFunction,
+    check_structured,
     content_text,
 )
 from taipan.server.tools import ToolStream, parse_tool_calls, tool_style
@@ -52,12 +63,41 @@ def _refuse(body: ResponsesBody) -> None:
         raise APIError(
             400, "previous_response_id: taipan stores no responses", "previous_response_id"
         )
-    if body.text and body.text.get("format", {"type": "text"}) != {"type": "text"}:
-        raise APIError(400, "text.format other than text needs structured outputs", "text")
     if body.reasoning:
         raise APIError(400, "reasoning options are not supported by this model", "reasoning")
     if body.n != 1:
         raise APIError(400, "/v1/responses gives one output", "n")
+
+
+def _text_format(body: ResponsesBody) -> tuple[dict, StructuredOutput | None]:
+    """`text.format` (null or absent: {"type": "text"}) and the structured output it asks
+    for (None for text), as chat's response_format maps: a 400 naming `text.format`."""
+    text = body.text or {}
+    if not isinstance(text, dict):
+        raise APIError(400, "text must be an object", "text")
+    fmt = text.get("format")
+    fmt = {"type": "text"} if fmt is None else fmt
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind == "text":
+        return fmt, None
+    if kind == "json_object":
+        structured = StructuredOutput("json_object", "")
+    elif kind == "json_schema":
+        schema = fmt.get("schema")
+        inner = fmt.get("json_schema")  # chat's nested shape: taken too
+        if schema is None and isinstance(inner, dict):
+            schema = inner.get("schema")
+        if not isinstance(schema, dict):
+            raise APIError(400, "text.format.schema must be a JSON schema object",
+                           "text.format")  # fmt: skip
+        structured = StructuredOutput("json_schema", json.dumps(schema))
+    elif not isinstance(fmt, dict):
+        raise APIError(400, "text.format must be an object", "text.format")
+    else:
+        raise APIError(400, f"text.format type {repr(kind)[:60]} is not text, json_object or "
+                       "json_schema", "text.format")  # fmt: skip
+    check_structured(structured, "text.format")
+    return fmt, structured
 
 
 def _tools(body: ResponsesBody) -> list[Tool]:
@@ -167,12 +207,19 @@ class ResponsesServer(ChatServer):
         max_tokens = body.max_output_tokens or max(1, limit - len(ids))
         self.check_fits(len(ids), max_tokens, "input")
         params = self.sampling_params(body, max_tokens, -1)
+        fmt, structured = _text_format(body)
+        if structured is not None:
+            if params.structured is not None:
+                raise APIError(400, "give one structured output, not text.format and "
+                               "another", "text.format")  # fmt: skip
+            params = dataclasses.replace(params, structured=structured)
         if forced:
             if params.structured is not None:
                 raise APIError(400, "tool_choice forcing a call cannot be combined with "
-                               "another structured output", "tool_choice")  # fmt: skip
+                               "text.format or another structured output",
+                               "tool_choice")  # fmt: skip
             params = self.force_tool_call(params, tools, only, body.parallel_tool_calls)
-        state = _Response(self.model, body, len(ids), tools)
+        state = _Response(self.model, body, len(ids), tools, fmt)
         parses = bool(tools) and body.tool_choice != "none"
         if body.stream:
             events = self._stream(state, ids, params, parses)
@@ -238,8 +285,11 @@ class _Response:
     """One response's ids, fields, output items and event numbering. `message` is the
     streamed message item still open ({"id", "index", "text"}), else None."""
 
-    def __init__(self, model: str, body: ResponsesBody, input_tokens: int, tools) -> None:
+    def __init__(
+        self, model: str, body: ResponsesBody, input_tokens: int, tools, fmt: dict
+    ) -> None:
         self.id = self.new_id("resp")
+        self.format = fmt
         self.created_at = time.time()
         self.body, self.model, self.input_tokens = body, model, input_tokens
         self.tools = [
@@ -355,7 +405,7 @@ class _Response:
             "reasoning": None,
             "store": False,
             "temperature": 1.0 if b.temperature is None else b.temperature,
-            "text": {"format": {"type": "text"}},
+            "text": {**(b.text or {}), "format": self.format},
             "tool_choice": choice,
             "tools": self.tools,
             "top_p": 1.0 if b.top_p is None else b.top_p,

@@ -533,7 +533,7 @@ class ResponsesBody(BaseBody):
     """POST /v1/responses, the text and function-tool subset: `input` (a string, or message,
     function_call and function_call_output items), optional `instructions`, function `tools`
     (flat: {"type": "function", "name", "parameters", ...}); responses.py checks the items and
-    tools and refuses stored conversations and non-text formats."""
+    tools, maps `text.format` to a structured output and refuses stored conversations."""
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
