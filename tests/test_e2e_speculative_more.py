@@ -1,0 +1,254 @@
+"""Speculative decoding (n-gram drafts, issue 29) through real processes on the CPU, beyond
+tests/test_e2e_speculative.py. The model: a tiny Llama (fp32, random weights, 4/2 heads that
+split over 2 peers) made to loop: its untied head maps each byte token's embedding to a
+successor's (a permutation of short cycles), and its attention and MLP outputs, scaled down,
+bend that by context now and then. Its greedy outputs settle into loops of 3 to 7 tokens that
+the drafts follow (accepted at every draft position), with departures that reject drafts. Its
+greedy outputs with drafts equal those without
+
+- at tensor_parallel_size=2 (gloo: the engine's gpu actor leads, one tp-follower child runs
+  the same verify steps, whose logits are gathered over both peers), against T = 1 without
+  drafts, with prefix caching and chunked prefill, and again with the prompts' blocks cached;
+- across a weight update between two speculative requests (pause, update_weights with a state
+  dict that changes the weights, unpause): the first requests' tokens are the old weights',
+  the second's (the same prompts again: the prefix cache must not serve the old weights' KV)
+  the new ones', equal to a runtime without drafts given the same update, with the weight
+  version of every token right (Completion.weight_versions, policy_staleness);
+- across an update in a keep-mode pause that lands inside speculative requests (weights that
+  change nothing, only the version): two spans, well formed, where the update landed.
+
+Hybrid (Mamba / GDN) models refuse speculation at start-up (not built), so there is no hybrid
+case here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import numpy as np
+import pytest
+
+from taipan.actors.config import InferenceConfig
+from taipan.client import AsyncClient, Client
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
+from taipan.outputs import join_versions
+from tests.random_llama import TINY_SHAPE, make_random_llama
+from tests.test_e2e_versions import check_completion, check_versions
+
+BASE = dict(
+    block_size_tokens=16,
+    max_tokens=48,  # a step's tokens; prompts of up to 97 tokens: chunked
+    max_requests=4,
+    buffer_size_gb=0.05,
+    max_sequence_length=256,
+    enable_prefix_caching=True,
+    enable_chunked_prefill=True,
+)
+_gen = np.random.default_rng(29)
+# Byte tokens: repeated passages (the drafts find their continuation in the prompt), counting,
+# and random ids; more prompts than max_requests, two sharing their first blocks.
+PASSAGE = list(b"the quick brown fox jumps over the lazy dog. ")
+PROMPTS = [
+    PASSAGE * 2,
+    list(b"def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n"),
+    PASSAGE * 2 + list(b"again: "),
+    list(b"1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,"),
+    _gen.integers(0, 256, 37).tolist(),
+    _gen.integers(0, 256, 5).tolist() * 6,
+]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+def config(k: int = 0) -> InferenceConfig:
+    return InferenceConfig(**BASE, num_speculative_tokens=k)
+
+
+def make_looping_llama(path: str, seed: int = 0, scale: float = 0.7) -> str:
+    """make_random_llama's TINY_SHAPE with an untied head whose row succ[t] is token t's
+    embedding (greedy: t -> succ[t] unless the layers bend it), succ a permutation of the 256
+    byte tokens in cycles of 3 to 7, and o_proj, down_proj scaled by `scale` (0.7: at T = 2,
+    PROMPTS' first round drafted 174 tokens in 64 verify rows and 138 were accepted, at every
+    position)."""
+    from safetensors.numpy import load_file, save_file
+
+    make_random_llama(path, TINY_SHAPE, seed=seed)
+    weights = os.path.join(path, "model.safetensors")
+    state = load_file(weights)
+    emb = state["model.embed_tokens.weight"]
+    gen = np.random.default_rng(seed)
+    order, succ, i = gen.permutation(256), np.arange(emb.shape[0]), 0
+    while i < 256:
+        cycle = order[i : i + min(int(gen.integers(3, 8)), 256 - i)]
+        succ[cycle] = np.roll(cycle, -1)
+        i += len(cycle)
+    head = np.zeros_like(emb)
+    head[succ] = emb
+    state["lm_head.weight"] = head
+    for name in state:
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            state[name] = state[name] * np.float32(scale)
+    save_file(state, weights, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg | {"tie_word_embeddings": False}, f)
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return make_looping_llama(str(tmp_path_factory.mktemp("spec-more") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny):
+    """T = 1 without drafts: the reference."""
+    with Runtime(tiny, config()) as rt, Client(rt.address) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def spec(tiny):
+    """T = 1 with k = 4 drafts."""
+    with Runtime(tiny, config(4)) as rt, Client(rt.address) as c:
+        yield rt, c
+
+
+def _ids(completions) -> list[list[int]]:
+    return [list(x.token_ids) for x in completions]
+
+
+def _update(tiny: str, seed: int) -> dict[str, np.ndarray]:
+    """New values for tensors of each kind the peers split (q rows, down columns, the
+    embedding and the head's vocabulary rows), in Hugging Face names; small enough that the
+    outputs still loop (drafts are accepted after the update too)."""
+    from safetensors.numpy import load_file
+
+    state = load_file(os.path.join(tiny, "model.safetensors"))
+    gen = np.random.default_rng(seed)
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+    ]
+    return {n: state[n] + gen.normal(0, 0.02, state[n].shape).astype(np.float32) for n in names}
+
+
+def _original(tiny: str, update: dict) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    state = load_file(os.path.join(tiny, "model.safetensors"))
+    return {n: state[n] for n in update}
+
+
+@pytest.fixture(scope="module")
+def spec2(tiny):
+    """T = 2 (gloo) with k = 4 drafts."""
+    with Runtime(tiny, config(4), tensor_parallel_size=2) as rt, Client(rt.address) as c:
+        yield c
+
+
+def test_tp2_with_drafts_equals_tp1_without(plain, spec2):
+    c = spec2
+    want = _ids(plain.generate(PROMPTS, GREEDY))
+    assert len({tuple(w) for w in want}) == len(PROMPTS)  # the prompts lead somewhere different
+    start = c.stats().merged()
+    assert _ids(c.generate(PROMPTS, GREEDY)) == want
+    # Again: now the prompts' blocks are cached, so the first steps differ.
+    cached = c.stats().merged()
+    assert _ids(c.generate(PROMPTS[::-1], GREEDY)) == want[::-1]
+    end = c.stats().merged()
+    assert end.prefix_cached_tokens > cached.prefix_cached_tokens, end
+    for before, after in ((start, cached), (cached, end)):
+        drafted = after.spec_draft_tokens - before.spec_draft_tokens
+        accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
+        assert 0 < accepted < drafted, after  # accepted, and some rejected
+    per_position = np.subtract(end.spec_accepted_per_position, start.spec_accepted_per_position)
+    assert (per_position > 0).all(), per_position  # runs of all k = 4 drafts accepted too
+    assert plain.stats().merged().spec_draft_tokens == 0
+
+
+@pytest.mark.slow
+def test_a_weight_update_between_two_speculative_requests(tiny, plain, spec, spec2):
+    """T = 1 without drafts, T = 1 and T = 2 with: each serves PROMPTS[:4], takes the update
+    (paused), serves them again, then gets its old weights back (a third version)."""
+    update, prompts = _update(tiny, seed=5), PROMPTS[:4]
+    outs = {}
+    for name, c in (("plain", plain), ("spec", spec[1]), ("spec2", spec2)):
+        start = c.stats().merged()
+        v0 = start.weight_version
+        a = c.generate(prompts, GREEDY)
+        middle = c.stats().merged()
+        assert c.pause().state == "PAUSED"
+        assert c.update_weights(state=update).weight_version == v0 + 1
+        assert c.unpause().state == "RUNNING"
+        b = c.generate(prompts, GREEDY)
+        end = c.stats().merged()
+        assert end.weight_version == v0 + 1
+        accepted = [y.spec_accepted_tokens - x.spec_accepted_tokens for x, y in
+                    ((start, middle), (middle, end))]  # fmt: skip
+        outs[name] = (_ids(a), _ids(b), accepted)
+        assert c.pause().state == "PAUSED"
+        assert c.update_weights(state=_original(tiny, update)).weight_version == v0 + 2
+        assert c.unpause().state == "RUNNING"
+        for x, version in [(x, v0) for x in a] + [(x, v0 + 1) for x in b]:
+            assert x.weight_versions == [(version, 0)], (name, x.weight_versions)
+            assert set(x.policy_staleness) == {0} and set(x.kv_cache_staleness) == {0}
+            check_completion(x)
+    (a, b, none), spec1, spec2_ = outs["plain"], outs["spec"], outs["spec2"]
+    assert a != b  # the update reached the weights
+    assert none == [0, 0]
+    for got_a, got_b, accepted in (spec1, spec2_):
+        assert got_a == a and got_b == b  # (b: no KV of the old weights served from the cache)
+        assert min(accepted) > 0, accepted
+
+
+# HF initialises RMSNorm weights to ones (make_random_llama randomises only matrices): an
+# update with these changes no output, only the version.
+SAME_WEIGHTS = {"model.norm.weight": np.ones(TINY_SHAPE["hidden_size"], np.float32)}
+LONG = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
+
+
+async def _stream_until(ac: AsyncClient, prompt, deltas: list, seen, n: int) -> None:
+    async for d in ac.stream(prompt, LONG):
+        deltas.append(d)
+        if sum(len(x.token_ids) for x in deltas) >= n:
+            seen.set()
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_an_update_inside_speculative_requests_splits_their_versions(plain, spec):
+    prompts = [PROMPTS[0], PROMPTS[5]]
+    want = _ids(plain.generate(prompts, LONG))
+    async with AsyncClient(spec[0].address) as ac:
+        start = (await ac.stats()).merged()
+        deltas, seen = [], asyncio.Event()
+        streamed = asyncio.create_task(_stream_until(ac, prompts[0], deltas, seen, 10))
+        whole = asyncio.create_task(ac.generate([prompts[1]], LONG))
+        await asyncio.wait_for(seen.wait(), 120)
+        v0 = (await ac.pause()).weight_version
+        assert (await ac.update_weights(state=SAME_WEIGHTS)).weight_version == v0 + 1
+        await ac.unpause()
+        await streamed
+        [c] = await whole
+        rank = (await ac.stats()).merged()
+    assert rank.spec_accepted_tokens > start.spec_accepted_tokens, rank
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert [tokens, list(c.token_ids)] == want
+    spans, offset = [], 0
+    for d in deltas:  # each delta's spans cover its own tokens
+        if d.token_ids:
+            firsts = [f for _, f in d.weight_versions]
+            assert firsts[0] == offset and firsts[-1] < offset + len(d.token_ids), (d, offset)
+        offset += len(d.token_ids)
+        spans = join_versions(spans, d.weight_versions)
+    assert len(spans) == 2 and spans[0] == (v0, 0) and spans[1][0] == v0 + 1, spans
+    assert 10 <= spans[1][1] < len(tokens), spans
+    check_versions(spans, len(prompts[0]), len(tokens), deltas[-1].policy_staleness)
+    assert c.weight_versions[0] == (v0, 0) and c.weight_versions[-1][0] == v0 + 1
+    check_completion(c)
