@@ -25,7 +25,6 @@ single `RequestOutput` (the coordinator's own answers: a refusal, a lost rank) i
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import time
 from collections.abc import Callable
@@ -271,7 +270,10 @@ class ClientActor(Actor):
                 f"{getattr(out, 'finished', None)!r}) filed as an output (finished {finished})",
                 ErrorCode.BAD_FIELD,
             )
-        return dataclasses.replace(out, request_id=request_id)
+        # (A fresh object of ours: renumbered in place. dataclasses.replace would build and
+        # check all 21 fields again, ~11 us an output, 64 of them a step per client.)
+        object.__setattr__(out, "request_id", request_id)
+        return out
 
     async def _bad_output(self, request_id: int, why: str) -> None:
         """End a request whose output cannot be read with an error, and abort it in the engine
