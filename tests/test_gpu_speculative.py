@@ -115,3 +115,41 @@ def test_plans_the_verify_path_cannot_take_are_refused(worker, change, message):
     plan = dataclasses.replace(make_plan(1, seqs), num_drafts=np.asarray([2], np.int32))
     with pytest.raises(ValueError, match=message):
         worker.step(dataclasses.replace(plan, **change))
+
+
+def test_mixed_graph_bodies_keep_hidden_states_only_where_the_config_speculates(tmp_path):
+    """What a mixed CUDA graph records and a replay returns, run on the CPU (the graph body is
+    the eager code it captures): without the kept buffer (a config that does not speculate)
+    only the logits, and a replayed step has no hidden states; with it, every token's hidden
+    state, which a replayed mixed step returns for its verify rows (a decode bucket: none)."""
+    import types
+
+    import torch
+
+    from taipan.actors.gpu.forward import plan_arrays
+    from taipan.actors.gpu.graphs import Bucket
+
+    w = ModelWorker()
+    w.load(LoadModel(make_random_llama(str(tmp_path), TINY_SHAPE), "float32", "cpu", 16, 64,
+                     0.01, 256, 8, 256))  # fmt: skip
+    mixed, decode = Bucket(8, 8, False), Bucket(8, 8, True)
+    hidden_size = w.config.hidden_size
+    states = torch.arange(8 * hidden_size, dtype=torch.float32).view(8, hidden_size) / 1e4
+    # (the model's forward as a CUDA graph records it needs the CUDA kernels' attention: its
+    # output stands in here; the forward itself is every other test's)
+    w._run_model = lambda ids, inputs, attn, inner_snaps=None: states
+    w._logits = torch.empty(8, w.config.vocab_size)
+    w._neutral_step(mixed)
+    w._graph_body(mixed)  # (no kept buffer: a config that does not speculate)
+    w._graph_hidden = torch.full((8, hidden_size), float("nan"))
+    w._graph_body(decode)
+    assert w._graph_hidden.isnan().all()  # (a decode graph keeps nothing)
+    w._graph_body(mixed)
+    assert torch.equal(w._graph_hidden, states)
+    plan = make_plan(1, [Seq([5, 6, 7], 0, [0])])
+    staged = w.buffers.stage(plan_arrays(plan), num_tokens=8, num_seqs=8)
+    w.graphs = types.SimpleNamespace(replay=lambda bucket: None)  # (what a replay leaves)
+    assert torch.equal(w._forward_logits(plan, staged, mixed, {})[2], states[:3])
+    assert w._forward_logits(plan, staged, decode, {})[2] is None
+    w._graph_hidden = None
+    assert w._forward_logits(plan, staged, mixed, {})[2] is None

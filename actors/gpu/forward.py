@@ -99,16 +99,17 @@ class WorkerForward:
     # ---- the forward ---------------------------------------------------------------------------
 
     def _forward_logits(self, plan: StepPlan, staged, bucket: Bucket | None, inner_snaps):
-        """(inputs, logits [B, V] fp32, hidden [T, H] or None after a decode graph): the
-        step's one host-to-device copy, then the graph of `bucket` replayed or the forward run
-        eagerly."""
+        """(inputs, logits [B, V] fp32, hidden [T, H] or None after a graph, but a mixed one
+        of a speculative config): the step's one host-to-device copy, then the graph of
+        `bucket` replayed or the forward run eagerly."""
         num_seqs = len(plan.seq_lens)
         inputs = self.buffers.upload(staged)
         if bucket is not None:
             self.graphs.replay(bucket)
             num_tokens = len(plan.input_ids)
             inputs = self.buffers.views(num_tokens=num_tokens, num_seqs=num_seqs)
-            hidden = None if bucket.decode else self._graph_hidden[:num_tokens]
+            kept = self._graph_hidden  # (speculative configs' mixed graphs only)
+            hidden = None if bucket.decode or kept is None else kept[:num_tokens]
             return inputs, self._logits[:num_seqs], hidden
         with self._recording(plan.return_routed_experts):
             hidden = self._forward(plan, inputs, inner_snaps)  # [T, H]
@@ -217,7 +218,8 @@ class WorkerForward:
     def _graph_body(self, bucket: Bucket) -> None:
         """What a graph records: the forward over the buffers at the bucket's size, the logits
         of each sequence's last token into the static logits buffer, and (a mixed bucket)
-        every token's hidden state into _graph_hidden (speculative verify rows read it)."""
+        every token's hidden state into _graph_hidden where the config speculates (verify rows
+        read it)."""
         inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
         if self.exchange is not None:  # every rank captures this bucket at this size
             self.exchange.tokens = bucket.tokens
@@ -234,7 +236,7 @@ class WorkerForward:
         # Padding rows repeat the last query start: they read a real row (or row 0).
         last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
         self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
-        if not bucket.decode:
+        if not bucket.decode and self._graph_hidden is not None:
             self._graph_hidden[: bucket.tokens].copy_(hidden)
 
     def _neutral_step(self, bucket: Bucket) -> None:
