@@ -15,16 +15,12 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.test_http_openai_parity import MODEL, _served
+from tests.test_http_responses_tools import respond
+from tests.test_http_structured import SCHEMA
 
 pytest.importorskip("llguidance")
 
 ASK = "Describe a cat as JSON."
-SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer"}},
-    "required": ["name", "legs"],
-    "additionalProperties": False,
-}
 WEATHER = {
     "type": "function",
     "name": "get_weather",
@@ -37,15 +33,15 @@ WEATHER = {
 }
 
 
-class Cat(BaseModel):
-    name: str = Field(max_length=12)
-    legs: int
-
-
 @pytest.fixture(scope="module")
 def oai(runtime):
     with _served(runtime) as url:
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+class Cat(BaseModel):
+    name: str = Field(max_length=12)
+    legs: int
 
 
 def _json_or_prefix(r) -> None:
@@ -105,13 +101,7 @@ def test_json_schema_always_parses_when_sampled(oai, stream):
     for seed in range(4):
         kwargs = dict(model=MODEL, input=ASK, text={"format": fmt}, max_output_tokens=80,
                       temperature=1.0, extra_body={"seed": seed})  # fmt: skip
-        if stream:
-            with oai.responses.stream(**kwargs) as s:
-                for _ in s:
-                    pass
-                r = s.get_final_response()
-        else:
-            r = oai.responses.create(**kwargs)
+        r = respond(oai, stream, **kwargs)
         assert r.status == "completed", r.output
         value = json.loads(r.output_text)
         assert set(value) == {"name", "legs"} and isinstance(value["legs"], int), value

@@ -53,6 +53,16 @@ def oai(runtime):
         yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
+def respond(oai, stream: bool, **kwargs):
+    """`responses.create(**kwargs)`, or the same streamed and its final response."""
+    if not stream:
+        return oai.responses.create(**kwargs)
+    with oai.responses.stream(**kwargs) as s:
+        for _ in s:
+            pass
+        return s.get_final_response()
+
+
 def _calls(output) -> list[tuple[str, dict]]:
     return [(o.name, json.loads(o.arguments)) for o in output if o.type == "function_call"]
 
@@ -137,13 +147,7 @@ def test_a_forced_tool_choice_calls_with_the_real_model(oai, choice, stream):
     # (one call: the grammar then ends the reply, where several could run to the limit)
     kwargs = dict(model=MODEL, input=ASK, tools=[WEATHER, NOOP], tool_choice=choice,
                   max_output_tokens=60, temperature=0.0, parallel_tool_calls=False)  # fmt: skip
-    if stream:
-        with oai.responses.stream(**kwargs) as s:
-            for _ in s:
-                pass
-            r = s.get_final_response()
-    else:
-        r = oai.responses.create(**kwargs)
+    r = respond(oai, stream, **kwargs)
     calls = _calls(r.output)
     assert r.status == "completed" and len(calls) == 1, r.output
     assert calls[0][0] in ("get_weather", "noop")

@@ -237,12 +237,7 @@ class ChatServer(OpenAIServer):
                 versions = join_versions(versions, d.weight_versions)
                 text, calls = d.text, []
                 if tools is not None:
-                    text, calls = tools.feed(d.text)
-                    if d.finished:
-                        more, end_calls = tools.end()
-                        text, calls = text + more, calls + end_calls
-                    if not body.parallel_tool_calls:
-                        calls = calls[: max(0, 1 - sent)]
+                    text, calls = tools.delta(d.text, d.finished, body.parallel_tool_calls, sent)
                 chunk = {"index": j, "delta": _delta(text, calls, sent), "logprobs": None,
                          "finish_reason": None}  # fmt: skip
                 sent += len(calls)

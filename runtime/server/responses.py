@@ -254,12 +254,8 @@ class ResponsesServer(ChatServer):
             timer.tokens(len(d.token_ids))
             text, calls = d.text, []
             if tools is not None:
-                text, calls = tools.feed(d.text)
-                if d.finished:
-                    more, end_calls = tools.end()
-                    text, calls = text + more, calls + end_calls
-                if not state.body.parallel_tool_calls:
-                    calls = calls[: max(0, 1 - sent)]
+                parallel = state.body.parallel_tool_calls
+                text, calls = tools.delta(d.text, d.finished, parallel, sent)
             if text:
                 for e in state.message_text(text):
                     yield e

@@ -261,6 +261,17 @@ class ToolStream:
         out, self.held = self.held, ""
         return out, []
 
+    def delta(self, text: str, finished: bool, parallel: bool, sent: int) -> tuple[str, list[dict]]:
+        """One streamed delta's (content, calls): `feed(text)`, then `end()` on the last one;
+        without `parallel` tool calls only the first call of the reply (`sent` already sent)."""
+        text, calls = self.feed(text)
+        if finished:
+            more, end_calls = self.end()
+            text, calls = text + more, calls + end_calls
+        if not parallel:
+            calls = calls[: max(0, 1 - sent)]
+        return text, calls
+
     def end(self) -> tuple[str, list[dict]]:
         held, self.held = self.held, ""
         content, calls = held, []
