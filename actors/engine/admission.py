@@ -1,7 +1,8 @@
 """Admission: which waiting requests join the step being planned, where each starts (the
 cached prefix it shares, the Mamba snapshot it restores from) and what its first chunk is.
 Step 4 of the scheduler's order of service (actors/engine/scheduler.py); `register` records
-the prompt blocks the planned chunks write, so that a later admission waits for them.
+the prompt blocks the planned chunks write, so that a later admission waits for them;
+`never_fits` says why a request can never run (Scheduler.check: it fails at submission).
 
 Works on the scheduler's queues and mirrors (`sched`, the Scheduler: its `waiting`, `running`,
 `prefix`, `mamba`; not imported here, which would be a cycle) and on the step's Draft; only
@@ -13,7 +14,7 @@ from __future__ import annotations
 from taipan.actors.engine.batch import Draft
 from taipan.actors.engine.request import EngineRequest, Status, blocks_behind_window
 from taipan.actors.engine.routing import fill_from_cache, shareable_with_routing
-from taipan.messages.requests import EventType
+from taipan.messages.requests import EventType, SamplingParams
 
 
 def admit(sched, draft: Draft, now: float) -> None:
@@ -127,3 +128,30 @@ def _shared_prefix(sched, req: EngineRequest) -> tuple[list[int], int] | None:
     if wait:
         return None
     return blocks, px.cost(blocks)
+
+
+def never_fits(sched, prompt_len: int, sampling: SamplingParams) -> str | None:
+    """Why a request can never run on `sched` (Scheduler.check), or None: it fails at
+    submission."""
+    p = sched.plan
+    if prompt_len == 0:
+        return "the prompt is empty"
+    total = prompt_len + sampling.max_tokens
+    if total > p.max_sequence_length:
+        return (
+            f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
+            f"exceeds max_sequence_length ({p.max_sequence_length})"
+        )
+    if not sched.chunked_prefill and prompt_len > p.max_tokens:
+        return (
+            f"prompt ({prompt_len} tokens) exceeds the per-step token budget max_tokens "
+            f"({p.max_tokens}); set enable_chunked_prefill=true or raise max_tokens"
+        )
+    need = sched.min_blocks(prompt_len, total)
+    if need > p.num_blocks:
+        return f"needs {need} KV blocks; the pool has {p.num_blocks}"
+    if sampling.return_routed_experts and not p.moe_layers:
+        return (
+            "return_routed_experts needs a mixture-of-experts model; this model has no MoE layers"
+        )
+    return None

@@ -13,7 +13,7 @@ import numpy as np
 from taipan.actors.engine.request import EngineRequest
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)  # (made for every row of every step)
 class Chunk:
     request: EngineRequest
     num_new_tokens: int

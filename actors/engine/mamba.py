@@ -23,6 +23,15 @@ step's allocations), so a step that only frees sends nothing here.
 Determinism: plain dicts and lists, a function of the scheduler's calls and the replies.
 """
 
+# How the scheduler plans a hybrid model (DESIGN.md §6; the contract that actors/engine/scheduler.py
+# and admission.py follow): each admitted request takes a live Mamba slot from the mamba_cache actor
+# (one MambaOps per step, beside the BlockOps). Mamba state is recurrent, so a hybrid skips only up
+# to the deepest matched block with a Mamba snapshot (`MambaMirror.match`); the chunks that reach
+# the boundaries whose state it snapshots say where, inside the chunk or at its end
+# (`MambaMirror.snapshots_in_chunk`), and the kernels store those states, so chunks are cut by the
+# token budget only. A request waits for a snapshot of its prefix that a running chunk is about to
+# take.
+
 from __future__ import annotations
 
 import numpy as np

@@ -27,6 +27,18 @@ it never reads KV a failed step may have left unwritten).
 Determinism: plain dicts and numpy, a function of the scheduler's calls and the replies.
 """
 
+# How the scheduler plans with prefix caching (`prefix_policy`; DESIGN.md §5; the contract that
+# actors/engine/scheduler.py and admission.py follow): an admitted request first shares the longest
+# run of cached blocks of its prompt (pinned before any block is allocated) and skips
+# `min(matched * block_size, tokens - 1)` tokens, so that at least one token yields logits: a
+# block-aligned full match computes only the last prompt token, whose K/V is already cached and is
+# not written again (slot -1). A request that wants prompt log-probs shares nothing (it needs every
+# prompt logit). Each complete prompt block a planned chunk writes is registered with the allocator
+# in that step's BlockOps; it becomes shareable when that step's result is applied, and a request
+# whose next block is still being written waits (FIFO). A request that wants its routed experts
+# shares only the leading cached blocks whose routing it has already or the cache keeps with them
+# (actors/engine/routing.py), and takes the kept routing for positions it has none of.
+
 from __future__ import annotations
 
 import numpy as np

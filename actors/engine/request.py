@@ -192,6 +192,19 @@ class EngineRequest:
         return n if n >= self.sampling.streaming_interval else 0
 
 
+# Sliding window (the scheduler's contract, Scheduler._slide_windows; `window` W,
+# ModelLoaded.sliding_window: every attention layer reads at most W keys back): at the start of each
+# plan, each running or paused request lets go of the leading blocks none of its later queries reads
+# (`blocks_behind_window` below, from its num_computed_tokens n: the step being planned computes
+# positions >= n). They go to the allocator in that step's BlockOps, before its allocations, as a
+# decref (a hashed block stays cached under "lru"), so the step may hand them to another request.
+# That is safe with a step in flight: it reads only blocks of positions < n that it was planned
+# with, and the device runs it before any write of the new step (one stream). It must be n before
+# this plan, not after: the step's own queries start at n. Released columns keep their old ids in
+# the block table (the kernels never read them, and the plan is what it would be without releases);
+# a request's end frees only the rest (`held_blocks`). Releases ride with the next step that goes
+# out (an empty plan keeps them). A request needs only about W / block_size + 2 blocks at a time
+# (`Scheduler.min_blocks`), so one longer than the whole pool runs when its window fits.
 def blocks_behind_window(num_computed_tokens: int, window: int, block_size: int) -> int:
     """How many leading blocks of a request no later query reads, with a sliding `window`
     (0: none). Its next query is at a position >= `num_computed_tokens` (n: every position below

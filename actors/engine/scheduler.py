@@ -2,17 +2,15 @@
 
 Pure core: ints, lists and numpy; no torch, no zmq, no clock (times come from messages, so a
 replay of the same inbound messages makes the same decisions). Owns every EngineRequest, the
-queues and the budgets. Once per step (actors/engine/flow.py takes a step through its replies):
+queues and the budgets. Its parts: admission.py, batch_arrays.py (the StepPlan's columns),
+outputs.py (what a result does to a request), the prefix and Mamba mirrors (prefix.py, mamba.py,
+which also take in the replies) and speculation.py (drafts, verify rows); batch.py has the
+step's data types. Once per step (actors/engine/flow.py takes a step through its replies):
 
     batch = scheduler.schedule(now)       # what runs, which blocks to free / allocate
     flow.settle()                         # the allocator's and mamba_cache's answers applied
     arrays = plan_arrays(batch, ...)      # the StepPlan's numpy arrays (batch_arrays.py)
     done = scheduler.update(batch, result, now)  # append sampled tokens, stop checks
-
-Its parts: admission of waiting requests (admission.py), the StepPlan's columns
-(batch_arrays.py), what a result does to each request and what it reports (outputs.py), the
-prefix and Mamba mirrors (prefix.py, mamba.py), which also take in the replies; the step's
-data types are batch.py's.
 
 Overlap: the next step may be planned while one step is still in flight (its update() not yet
 applied). Planning a chunk advances the request at once (`num_computed_tokens`, and
@@ -22,60 +20,26 @@ the previous step sampled on the device. Stop conditions are checked one step la
 a request that ends there (EOS, a stop word, an abort) may already hold a row in the next step,
 whose token is dropped when that step's result comes (the request is finished by then); its
 blocks are freed by the step after, which the device runs after both (one stream). A request
-certain to end (max_tokens or max_sequence_length reached by its pending tokens) is not
-planned again. With nothing in flight this is the plain plan -> run -> update loop.
-Speculative decoding (actors/engine/speculation.py) is the exception: a request that speculates
-is planned only once its last token is on the host, as a verify row of that token and its
-drafts, and update() appends every token the row accepted.
+certain to end (max_tokens or max_sequence_length reached by its pending tokens) is not planned
+again. With nothing in flight this is the plain plan -> run -> update loop. A request that
+speculates is planned only once its last token is on the host, as a verify row of that token
+and its drafts, and update() appends every token the row accepted (speculation.py).
 
 Budgets: at most `max_tokens` tokens and `max_requests` running requests per step. Order of
 service (Megatron's DynamicInferenceEngine):
-1. running requests, decode rows first (one token each), then prefill chunks (with chunked
-   prefill a chunk is cut to the token budget and to the blocks that are free). A running
-   request whose next tokens need a block when none is free is *paused*: it keeps its blocks.
+1. running requests, decode rows first, then prefill chunks (with chunked prefill cut to the
+   token budget and the free blocks); one whose next tokens need a block when none is free is
+   *paused*: it keeps its blocks;
 2. paused requests resume last-in-first-out as blocks free up;
-3. if paused requests hold more than `max_paused_blocks` blocks, or nothing at all can run,
-   the oldest paused ones are *evicted*: blocks freed, the request checkpointed (prompt +
-   generated so far kept) and queued first to be recomputed;
-4. waiting requests are admitted FIFO while budgets and free blocks allow (none while any
-   request is paused: those come first).
-A request that can never fit (see `check`) fails at submission.
+3. over `max_paused_blocks`, or when nothing can run, the oldest paused ones are *evicted*
+   (blocks freed, prompt + generated recomputed later, queued first);
+4. waiting requests are admitted FIFO while budgets and blocks allow (none while one is paused).
+A request that can never fit (`check`) fails at submission.
 """
 
-# How prefix caching and hybrid models plan (the contract, beside the docstring):
-# Prefix caching (`prefix_policy`; DESIGN.md §5, actors/engine/prefix.py): an admitted request
-# first shares the longest run of cached blocks of its prompt (pinned before any block is
-# allocated) and skips `min(matched * block_size, tokens - 1)` tokens, so that at least one
-# token yields logits: a block-aligned full match computes only the last prompt token, whose K/V
-# is already cached and is not written again (slot -1). A request that wants prompt log-probs
-# shares nothing (it needs every prompt logit). Each complete prompt block a planned chunk writes
-# is registered with the allocator in that step's BlockOps; it becomes shareable when that step's
-# result is applied, and a request whose next block is still being written waits (FIFO).
-# A request that wants its routed experts shares only the leading cached blocks whose routing
-# it has already or the cache keeps with them (actors/engine/routing.py), and takes the kept
-# routing for positions it has none of.
-#
-# Hybrid models (DESIGN.md §6, actors/engine/mamba.py): each admitted request takes a live Mamba
-# slot from the mamba_cache actor (one MambaOps per step, beside the BlockOps). Mamba state is
-# recurrent, so a hybrid skips only up to the deepest matched block with a Mamba snapshot
-# (`MambaMirror.match`); the chunks that reach the boundaries whose state it snapshots say
-# where, inside the chunk or at its end (`MambaMirror.snapshots_in_chunk`), and the kernels store
-# those states, so chunks are cut by the token budget only. A request waits for a snapshot of its
-# prefix that a running chunk is about to take.
-#
-# Sliding window (`window` W, ModelLoaded.sliding_window: every attention layer reads at most W
-# keys back): at the start of each plan, each running or paused request lets go of the leading
-# blocks none of its later queries reads (request.py `blocks_behind_window`, from its
-# num_computed_tokens n: the step being planned computes positions >= n). They go to the
-# allocator in that step's BlockOps, before its allocations, as a decref (a hashed block stays
-# cached under "lru"), so the step may hand them to another request. That is safe with a step in
-# flight: it reads only blocks of positions < n that it was planned with, and the device runs it
-# before any write of the new step (one stream). It must be n before this plan, not after: the
-# step's own queries start at n. Released columns keep their old ids in the block table (the
-# kernels never read them, and the plan is what it would be without releases); a request's end
-# frees only the rest (`held_blocks`). Releases ride with the next step that goes out (an empty
-# plan keeps them). A request needs only about W / block_size + 2 blocks at a time
-# (`min_blocks`), so one longer than the whole pool runs when its window fits.
+# The planning contracts live beside their code: prefix caching at the top of prefix.py, hybrid
+# models (Mamba slots and snapshots) at the top of mamba.py, the sliding window in request.py
+# beside `blocks_behind_window` (all in actors/engine/).
 
 from __future__ import annotations
 
@@ -84,7 +48,7 @@ from collections import deque
 import numpy as np
 
 from taipan.actors.config import RuntimePlan
-from taipan.actors.engine.admission import admit, register
+from taipan.actors.engine.admission import admit, never_fits, register
 from taipan.actors.engine.batch import Chunk, Draft, StepBatch
 from taipan.actors.engine.grammar import GrammarBook
 from taipan.actors.engine.mamba import MambaMirror
@@ -191,30 +155,8 @@ class Scheduler:
     # --- admission ----------------------------------------------------------------------------
 
     def check(self, prompt_len: int, sampling: SamplingParams) -> str | None:
-        """Why a request can never run here, or None."""
-        p = self.plan
-        if prompt_len == 0:
-            return "the prompt is empty"
-        total = prompt_len + sampling.max_tokens
-        if total > p.max_sequence_length:
-            return (
-                f"prompt ({prompt_len} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
-                f"exceeds max_sequence_length ({p.max_sequence_length})"
-            )
-        if not self.chunked_prefill and prompt_len > p.max_tokens:
-            return (
-                f"prompt ({prompt_len} tokens) exceeds the per-step token budget max_tokens "
-                f"({p.max_tokens}); set enable_chunked_prefill=true or raise max_tokens"
-            )
-        need = self.min_blocks(prompt_len, total)
-        if need > p.num_blocks:
-            return f"needs {need} KV blocks; the pool has {p.num_blocks}"
-        if sampling.return_routed_experts and not p.moe_layers:
-            return (
-                "return_routed_experts needs a mixture-of-experts model; this model has no "
-                "MoE layers"
-            )
-        return None
+        """Why a request can never run here, or None (admission.py `never_fits`)."""
+        return never_fits(self, prompt_len, sampling)
 
     def add(self, req: EngineRequest, now: float) -> None:
         if req.request_id in self.requests:
@@ -313,7 +255,7 @@ class Scheduler:
 
     def _slide_windows(self) -> None:
         """Sliding window: each request that holds blocks lets go of those no later query of it
-        reads (the contract beside the module docstring); sent with the next step."""
+        reads (the contract beside request.py `blocks_behind_window`); sent with the next step."""
         if not self.window:
             return
         bs = self.plan.block_size
@@ -338,29 +280,13 @@ class Scheduler:
                 continue
             drafts = None
             if n == 1 and req.speculates:  # (each later decode row keeps a token of budget)
-                drafts = self._drafts(req, draft.budget - max(0, decodes - i - 1), draft.free)
+                budget = draft.budget - max(0, decodes - i - 1)
+                drafts = self.spec.drafts_for(req, budget, draft.free, self.plan)
                 if drafts is not None:
                     n += len(drafts)
                     need = req.blocks_needed(req.num_computed_tokens + n, self.plan.block_size)
             draft.take(req, n, need)
             draft.chunks[-1].drafts = drafts
-
-    def _drafts(self, req: EngineRequest, budget: int, free: int) -> np.ndarray | None:
-        """The draft tokens a decode row of `req` verifies this step (int32, maybe none),
-        within `budget` tokens and `free` blocks for the whole row; None: it is no decode row
-        whose last token is known (then it runs as a plain row)."""
-        if req.num_pending or req.num_planned_tokens - req.num_computed_tokens != 1:
-            return None
-        limit = min(
-            budget - 1,
-            req.sampling.max_tokens - len(req.generated) - 1,
-            self.plan.max_sequence_length - req.num_tokens - 1,
-        )
-        drafts = self.spec.propose(req, limit)
-        bs, start = self.plan.block_size, req.num_computed_tokens
-        while len(drafts) and req.blocks_needed(start + 1 + len(drafts), bs) > free:
-            drafts = drafts[:-1]
-        return drafts
 
     def _plan_paused(self, draft: Draft, now: float) -> bool:
         """2. Paused requests resume LIFO; 3. eviction, over the paused budget or when nothing
@@ -551,7 +477,9 @@ class Scheduler:
                 continue
             r.num_pending -= 1
             if c.drafts is not None and len(c.drafts):
-                reason = self._append_verified(r, c, result, i, now, batch.weight_version)
+                reason = self.spec.append_verified(
+                    r, c, result, i, now, self.plan, self.track_token_events, batch.weight_version
+                )
             else:
                 reason = append_token(
                     r, result, i, now, self.plan, self.track_token_events, batch.weight_version
@@ -561,32 +489,6 @@ class Scheduler:
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):
                 out.append(r)
         return out
-
-    def _append_verified(
-        self, r: EngineRequest, c: Chunk, result: StepResult, i: int, now: float, version: int
-    ) -> FinishReason | None:
-        """Append a verify row's new tokens (its accepted drafts, then the one drawn) in order,
-        each with the stop checks: a stop ends `r` there and drops the tokens after it."""
-        if len(result.spec_tokens) != len(result.token_ids):
-            raise ValueError(
-                f"step {result.step} verified drafts but its result has no spec_tokens row "
-                f"for each sequence ({len(result.spec_tokens)} for {len(result.token_ids)})"
-            )
-        row = result.spec_tokens[i]
-        new = row[row >= 0].tolist()
-        if not 1 <= len(new) <= len(c.drafts) + 1:
-            raise ValueError(
-                f"step {result.step}, row {i}: {len(new)} new tokens for {len(c.drafts)} drafts"
-            )
-        self.spec.count(len(c.drafts), len(new) - 1)
-        for tok in new:
-            reason = append_token(
-                r, result, i, now, self.plan, self.track_token_events, version, token=tok
-            )
-            if reason is not None:
-                return reason
-        r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts
-        return None
 
     def fail_all(
         self, reason: FinishReason, now: float, error: str | None = None

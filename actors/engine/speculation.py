@@ -2,9 +2,11 @@
 the next step, and the acceptance counters (`Speculation`).
 
 Pure: numpy and ints, no torch, no sockets. The scheduler (actors/engine/scheduler.py) asks
-`propose` while it plans a decode row and hands each verify row's result to `count`; the gpu
-actor verifies (actors/gpu/speculative.py, ops/speculative.py). Drafting is prompt lookup
-(actors/engine/ngram.py), one incremental index per request, kept on the request (`ngram`).
+`drafts_for` while it plans a decode row and hands each verify row's result to
+`append_verified`, which appends its tokens with the stop checks (outputs.py) and `count`s it;
+the gpu actor verifies (actors/gpu/speculative.py, ops/speculative.py). Drafting is prompt
+lookup (actors/engine/ngram.py), one incremental index per request, kept on the request
+(`ngram`).
 
 The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 0):
 - It is planned only when its request's last token is known on the host (no step in flight
@@ -32,8 +34,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from taipan.actors.config import RuntimePlan
+from taipan.actors.engine.batch import Chunk
 from taipan.actors.engine.ngram import NgramDrafter, NgramIndex
+from taipan.actors.engine.outputs import append_token
 from taipan.actors.engine.request import EngineRequest
+from taipan.messages.gpu import StepResult
+from taipan.messages.requests import FinishReason
 
 __all__ = ["Speculation"]
 
@@ -78,6 +85,57 @@ class Speculation:
         if limit <= 0:
             return np.zeros(0, np.int32)
         return index.lookup(limit)
+
+    def drafts_for(
+        self, req: EngineRequest, budget: int, free: int, plan: RuntimePlan
+    ) -> np.ndarray | None:
+        """The draft tokens a decode row of `req` verifies this step (int32, maybe none),
+        within `budget` tokens and `free` blocks for the whole row; None: it is no decode row
+        whose last token is known (then it runs as a plain row)."""
+        if req.num_pending or req.num_planned_tokens - req.num_computed_tokens != 1:
+            return None
+        limit = min(
+            budget - 1,
+            req.sampling.max_tokens - len(req.generated) - 1,
+            plan.max_sequence_length - req.num_tokens - 1,
+        )
+        drafts = self.propose(req, limit)
+        bs, start = plan.block_size, req.num_computed_tokens
+        while len(drafts) and req.blocks_needed(start + 1 + len(drafts), bs) > free:
+            drafts = drafts[:-1]
+        return drafts
+
+    def append_verified(
+        self,
+        r: EngineRequest,
+        c: Chunk,
+        result: StepResult,
+        i: int,
+        now: float,
+        plan: RuntimePlan,
+        track_token_events: bool,
+        version: int,
+    ) -> FinishReason | None:
+        """Append verify row i's new tokens (its accepted drafts, then the one drawn) in order,
+        each with the stop checks: a stop ends `r` there and drops the tokens after it."""
+        if len(result.spec_tokens) != len(result.token_ids):
+            raise ValueError(
+                f"step {result.step} verified drafts but its result has no spec_tokens row "
+                f"for each sequence ({len(result.spec_tokens)} for {len(result.token_ids)})"
+            )
+        row = result.spec_tokens[i]
+        new = row[row >= 0].tolist()
+        if not 1 <= len(new) <= len(c.drafts) + 1:
+            raise ValueError(
+                f"step {result.step}, row {i}: {len(new)} new tokens for {len(c.drafts)} drafts"
+            )
+        self.count(len(c.drafts), len(new) - 1)
+        for tok in new:
+            reason = append_token(r, result, i, now, plan, track_token_events, version, token=tok)
+            if reason is not None:
+                return reason
+        r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts
+        return None
 
     def count(self, drafted: int, accepted: int) -> None:
         """One verify row's outcome: `accepted` of its `drafted` drafts passed."""

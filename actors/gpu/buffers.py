@@ -130,8 +130,12 @@ class StepBuffers:
             )
         k = self._next
         self._next ^= 1
-        if self._copied[k] is not None:
-            self._copied[k].synchronize()  # the copy that last read this staging buffer is done
+        copied = self._copied[k]
+        if copied is not None and not copied.query():
+            # The copy that last read this staging buffer must be done. (Asked first: it
+            # almost always is, and synchronize() lets go of the GIL, which the step's
+            # collecting thread may then hold for a while.)
+            copied.synchronize()
         host = self._host[k]
         rows = {"tokens": num_tokens, "seqs": num_seqs, "seqs+1": num_seqs + 1}
         for name, f in self.fields.items():
@@ -141,19 +145,24 @@ class StepBuffers:
             _pack(dst, arrays[name], f)
         return k, num_tokens, num_seqs
 
-    def upload(self, staged: tuple[int, int, int]) -> dict[str, torch.Tensor]:
-        """`load`'s device half: one copy of the staged buffer; returns the device views."""
-        k, num_tokens, num_seqs = staged
+    def upload(
+        self, staged: tuple[int, int, int], *, num_tokens: int = 0, num_seqs: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """`load`'s device half: one copy of the staged buffer; returns the device views, at
+        the staged sizes or at `num_tokens` / `num_seqs` where given (a graph's bucket is
+        staged, and the step reads back its real rows)."""
+        k, staged_tokens, staged_seqs = staged
         # The whole buffer in one transfer (a few hundred KiB at most): the unused tails of
         # the fields travel too, but no view ever reaches them.
         if self.device.type == "cuda":
             self.device_bytes.copy_(self._staging[k], non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._copied[k] = event
+            # (Each staging buffer's event is recorded again once its last copy is done.)
+            if self._copied[k] is None:
+                self._copied[k] = torch.cuda.Event()
+            self._copied[k].record()
         else:
             self.device_bytes.copy_(self._staging[k])
-        return self.views(num_tokens=num_tokens, num_seqs=num_seqs)
+        return self.views(num_tokens=num_tokens or staged_tokens, num_seqs=num_seqs or staged_seqs)
 
     def views(self, *, num_tokens: int, num_seqs: int) -> dict[str, torch.Tensor]:
         """Device views of every field at these sizes, without copying anything: what a CUDA

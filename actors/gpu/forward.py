@@ -102,15 +102,14 @@ class WorkerForward:
         """(inputs, logits [B, V] fp32, hidden [T, H] or None after a graph, but a mixed one
         of a speculative config): the step's one host-to-device copy, then the graph of
         `bucket` replayed or the forward run eagerly."""
-        num_seqs = len(plan.seq_lens)
-        inputs = self.buffers.upload(staged)
+        num_seqs, num_tokens = len(plan.seq_lens), len(plan.input_ids)
         if bucket is not None:
+            inputs = self.buffers.upload(staged, num_tokens=num_tokens, num_seqs=num_seqs)
             self.graphs.replay(bucket)
-            num_tokens = len(plan.input_ids)
-            inputs = self.buffers.views(num_tokens=num_tokens, num_seqs=num_seqs)
             kept = self._graph_hidden  # (speculative configs' mixed graphs only)
             hidden = None if bucket.decode or kept is None else kept[:num_tokens]
             return inputs, self._logits[:num_seqs], hidden
+        inputs = self.buffers.upload(staged)
         with self._recording(plan.return_routed_experts):
             hidden = self._forward(plan, inputs, inner_snaps)  # [T, H]
         # Logits for every sequence's last token (rows that do not sample are ignored):

@@ -7,10 +7,11 @@ last d + 1 input tokens as (its last known token, d drafts); the logits at those
 positions go to ops/speculative.py (greedy: `verify_greedy`; otherwise `verify`, seeded with
 the plan's keys, whose point-mass drafts make a seeded request draw what plain decoding draws).
 The result is StepResult.spec_tokens; the sequence's first new token also replaces its entry
-in the step's sampled tokens. Such a step runs eagerly (forward.py `_bucket`): the logits of
-every verified position come from the forward's hidden states. The engine sends no log-probs,
-sampling controls, grammar or prev_rows for these sequences (actors/engine/speculation.py);
-`check_drafts` refuses a plan that does.
+in the step's sampled tokens. Such a step replays a mixed CUDA graph, which in a speculative
+config keeps every token's hidden state (eagerly without graphs or under expert parallelism:
+forward.py `_bucket`); the logits of every verified position come from those hidden states.
+The engine sends no log-probs, sampling controls, grammar or prev_rows for these sequences
+(actors/engine/speculation.py); `check_drafts` refuses a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
 writes the tokens returned here into it).

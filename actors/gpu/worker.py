@@ -400,7 +400,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         tokens = self._sample(plan, inputs, controlled)  # [B]
         tokens = self.grammar_masks.checked(tokens, controlled)  # (greedy grammar rows)
         spec = None
-        if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; an eager step)
+        if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py)
             tokens, spec = verify_drafts(plan, inputs, hidden, tokens, self.model.compute_logits)
             spec = spec.cpu().numpy().astype(np.int32)  # (waits for the step)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
