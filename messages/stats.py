@@ -87,6 +87,9 @@ class RankStats:
     # why in `dead_reason`.
     alive: bool = True
     dead_reason: str = ""
+    # Speculative decoding: times a request stopped speculating for a while, its rows having
+    # gained nothing (actors/engine/speculation.py's back-off).
+    spec_backoffs: int = 0
 
     @property
     def blocks_active(self) -> int:

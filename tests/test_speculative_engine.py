@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 
 import tests.test_scheduler as ts
+from taipan.actors.engine import speculation as spec
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.speculation import Speculation
 from taipan.messages.gpu import StepResult
@@ -216,6 +217,51 @@ def test_overlap_runs_a_speculative_request_only_when_its_token_is_known():
     for rid in (1, 2):
         assert h.ended[rid].generated == [ts.fake_token(12 + j) for j in range(12)]
     assert h.verify_rows
+
+
+def test_a_request_that_gains_nothing_backs_off_and_comes_back():
+    """No draft while nothing repeats (a prompt of distinct tokens): after MISSES such rows the
+    request decodes plainly (with overlap) for BACKOFF tokens, then speculates again, and by
+    then its own periodic output gives drafts that are accepted."""
+    h = SpecHarness(ts.make_plan(), chunked=False, overlap=True, k=4)
+    prompt = np.arange(100, 112, dtype=np.int32)  # nothing the fake gpu's tokens repeat
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    h.add(EngineRequest(1, prompt, params, False, arrival_time=0.0, seed=1))
+    h.run()
+    h.check_end()
+    assert h.ended[1].generated == [ts.fake_token(12 + j) for j in range(40)]
+    assert h.sched.stats()["spec_backoffs"] == 1
+    # Its first verify row comes after the back-off's plain tokens, and it is accepted.
+    assert h.verify_rows and h.verify_rows[0][2] > 0
+    decode = h.history[1:]  # (after the prompt's step)
+    first = next(i for i, step in enumerate(decode) if any(n > 1 for _, n, _ in step))
+    assert sum(1 for step in decode[:first] if step) >= spec.MISSES + spec.BACKOFF
+
+
+def test_back_off_doubles_without_an_accepted_draft_and_resets_with_one():
+    s = Speculation(4, 1, 3)
+    r = periodic_request(1, 12, 100)
+    r.speculates = True
+    lengths = []
+    for _ in range(4):  # MISSES misses each, nothing accepted in between
+        for _ in range(spec.MISSES):
+            s._missed(r)
+        assert not r.speculates
+        lengths.append(r.spec_backoff.length)
+        s.resume(r)
+        assert not r.speculates  # not before its tokens are decoded
+        r.generated.extend([0] * r.spec_backoff.length)
+        s.resume(r)
+        assert r.speculates
+    assert lengths == [spec.BACKOFF * 2**i for i in range(4)]
+    s._hit(r)
+    for _ in range(spec.MISSES):
+        s._missed(r)
+    assert r.spec_backoff.length == spec.BACKOFF and s.backoffs == 5
+    for _ in range(20):
+        s._missed(r)
+        s._missed(r)
+    assert r.spec_backoff.length == spec.BACKOFF_MAX
 
 
 @settings(

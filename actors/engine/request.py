@@ -92,9 +92,11 @@ class EngineRequest:
     has_controls: bool = dataclasses.field(init=False, default=False)
     controls: object | None = dataclasses.field(default=None, repr=False, compare=False)
     # Speculative decoding (actors/engine/speculation.py): whether it speculates (set when the
-    # scheduler takes it in) and its n-gram index (an ngram.NgramIndex, made at its first draft).
+    # scheduler takes it in; off while it backs off), its n-gram index (an ngram.NgramIndex, made
+    # at its first draft) and its back-off (a speculation.Backoff, made at its first miss).
     speculates: bool = False
     ngram: object | None = dataclasses.field(default=None, repr=False, compare=False)
+    spec_backoff: object | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.has_controls = self.sampling.has_controls

@@ -273,6 +273,8 @@ class Scheduler:
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
         decodes = sum(r.num_tokens - r.num_computed_tokens <= 1 for r in order)
         for i, req in enumerate(order):
+            if req.spec_backoff is not None:
+                self.spec.resume(req)
             n, need, blocked = self.fit(req, draft.budget, draft.free)
             if blocked:
                 self._pause(req, now)

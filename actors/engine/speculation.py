@@ -27,10 +27,19 @@ of log-probs or top-n, logit controls (penalties, logit_bias, min_tokens, bad wo
 (structured outputs) or routed experts: those decode one token per step as without
 speculation (each needs per-position work the verify step does not do yet). Hybrid (Mamba /
 GDN) models refuse speculation at start-up (their recurrent state would have to be rolled back
-to the last accepted position; not built). Verify steps run eagerly, never from a CUDA graph.
+to the last accepted position; not built).
+
+Back-off: a speculating request gives up the overlap of plain decoding (its rows wait for its
+last token), which a row that gains nothing pays for in full. After MISSES rows in a row that
+gained nothing (no draft found, or none accepted) it decodes plainly for BACKOFF tokens, then
+speculates again; each back-off with no accepted draft since the last doubles, up to
+BACKOFF_MAX, and an accepted draft resets it. Decisions depend only on tokens (replay-safe),
+and outputs do not change (verification is exact).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -42,7 +51,19 @@ from taipan.actors.engine.request import EngineRequest
 from taipan.messages.gpu import StepResult
 from taipan.messages.requests import FinishReason
 
-__all__ = ["Speculation"]
+__all__ = ["Backoff", "Speculation"]
+
+MISSES = 4  # rows in a row that gained nothing before a request backs off
+BACKOFF, BACKOFF_MAX = 8, 128  # plain tokens of a first back-off, and the most
+
+
+@dataclasses.dataclass(slots=True)
+class Backoff:
+    """One request's back-off (the module docstring)."""
+
+    misses: int = 0  # rows in a row that gained nothing
+    length: int = 0  # plain tokens of the last back-off (0: none since the last accepted draft)
+    resume_at: int = -1  # len(generated) at which it speculates again; -1: not backing off
 
 
 class Speculation:
@@ -56,6 +77,7 @@ class Speculation:
         self.draft_tokens = 0  # drafts verified
         self.accepted_tokens = 0  # of which accepted
         self.verify_rows = 0  # rows that verified at least one draft
+        self.backoffs = 0  # times a request stopped speculating for a while
         self.accepted_per_position = [0] * k  # rows whose draft j was accepted
 
     @staticmethod
@@ -91,7 +113,7 @@ class Speculation:
     ) -> np.ndarray | None:
         """The draft tokens a decode row of `req` verifies this step (int32, maybe none),
         within `budget` tokens and `free` blocks for the whole row; None: it is no decode row
-        whose last token is known (then it runs as a plain row)."""
+        whose last token is known, or no draft was found (then it runs as a plain row)."""
         if req.num_pending or req.num_planned_tokens - req.num_computed_tokens != 1:
             return None
         limit = min(
@@ -100,6 +122,10 @@ class Speculation:
             plan.max_sequence_length - req.num_tokens - 1,
         )
         drafts = self.propose(req, limit)
+        if not len(drafts):
+            if limit > 0:
+                self._missed(req)
+            return None  # (a plain row)
         bs, start = plan.block_size, req.num_computed_tokens
         while len(drafts) and req.blocks_needed(start + 1 + len(drafts), bs) > free:
             drafts = drafts[:-1]
@@ -130,12 +156,40 @@ class Speculation:
                 f"step {result.step}, row {i}: {len(new)} new tokens for {len(c.drafts)} drafts"
             )
         self.count(len(c.drafts), len(new) - 1)
+        if len(new) > 1:
+            self._hit(r)
+        else:
+            self._missed(r)
         for tok in new:
             reason = append_token(r, result, i, now, plan, track_token_events, version, token=tok)
             if reason is not None:
                 return reason
         r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts
         return None
+
+    def resume(self, r: EngineRequest) -> None:
+        """Before `r` is planned: a request backing off speculates again once it has decoded
+        its back-off's tokens."""
+        b = r.spec_backoff
+        if b is not None and 0 <= b.resume_at <= len(r.generated):
+            b.resume_at = -1
+            r.speculates = True
+
+    def _missed(self, r: EngineRequest) -> None:
+        b = r.spec_backoff
+        if b is None:
+            b = r.spec_backoff = Backoff()
+        b.misses += 1
+        if b.misses >= MISSES:
+            b.misses = 0
+            b.length = min(BACKOFF_MAX, 2 * b.length or BACKOFF)
+            b.resume_at = len(r.generated) + b.length
+            r.speculates = False
+            self.backoffs += 1
+
+    def _hit(self, r: EngineRequest) -> None:
+        if r.spec_backoff is not None:
+            r.spec_backoff.misses = r.spec_backoff.length = 0
 
     def count(self, drafted: int, accepted: int) -> None:
         """One verify row's outcome: `accepted` of its `drafted` drafts passed."""
@@ -151,4 +205,5 @@ class Speculation:
             "spec_accepted_tokens": self.accepted_tokens,
             "spec_verify_rows": self.verify_rows,
             "spec_accepted_per_position": tuple(self.accepted_per_position),
+            "spec_backoffs": self.backoffs,
         }

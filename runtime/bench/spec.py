@@ -239,7 +239,13 @@ def free_prompts(n: int) -> list[str]:
     return [QUESTIONS[i % len(QUESTIONS)] for i in range(n)]
 
 
-SPEC_COUNTERS = ("spec_draft_tokens", "spec_accepted_tokens", "spec_verify_rows", "steps_total")
+SPEC_COUNTERS = (
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+    "spec_verify_rows",
+    "spec_backoffs",
+    "steps_total",
+)
 
 
 async def _timed_passes(
@@ -385,6 +391,7 @@ def spec_workload(args) -> list[dict]:
             "spec_draft_tokens": drafted,
             "spec_accepted_tokens": accepted,
             "spec_verify_rows": verify_rows,
+            "spec_backoffs": on["spec_backoffs"],  # (speculation.py's back-off)
             "mean_accepted_length": (accepted + verify_rows) / verify_rows if verify_rows else 0.0,
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             # Verify rows whose draft j was accepted (j = 0 .. k-1).

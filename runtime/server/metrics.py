@@ -31,6 +31,7 @@ What a vLLM dashboard reads, under taipan's names (vLLM's in brackets):
   taipan_spec_decode_num_accepted_tokens_total [vllm:spec_decode_num_accepted_tokens]
   taipan_spec_decode_num_accepted_tokens_per_pos_total{position}
                                               [vllm:spec_decode_num_accepted_tokens_per_pos]
+  taipan_spec_decode_backoffs_total           (ours: requests that stopped speculating a while)
 
 TTFT, queue and prefill time come from the engine's clock (the request's events); end-to-end
 latency is the server's (from submission to the last token). Time per output token: a streamed
@@ -67,6 +68,7 @@ class _RuntimeCounters:
         "spec_decode_num_drafts": "Rows that verified speculative drafts",
         "spec_decode_num_draft_tokens": "Draft tokens proposed",
         "spec_decode_num_accepted_tokens": "Draft tokens accepted",
+        "spec_decode_backoffs": "Times a request stopped speculating, its drafts gaining nothing",
     }
 
     def __init__(self) -> None:
@@ -80,6 +82,7 @@ class _RuntimeCounters:
             spec_decode_num_drafts=merged.spec_verify_rows,
             spec_decode_num_draft_tokens=merged.spec_draft_tokens,
             spec_decode_num_accepted_tokens=merged.spec_accepted_tokens,
+            spec_decode_backoffs=merged.spec_backoffs,
         )
         self.per_position = tuple(merged.spec_accepted_per_position)
 

@@ -10,7 +10,7 @@
 #     taipan on cuda:1-2, paused and in flight (issue 26's last acceptance row, after the side-
 #     stream copies of 3e00230).
 set -u
-PART=${1:?part a or b}
+PART=${1:?part a, b or c}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
     .whl/*.whl 2>/dev/null || exit 1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -46,4 +46,17 @@ elif [ "$PART" = b ]; then
     WS="$WS --results $OUT/results.jsonl"
     timeout -s ABRT 200 python3 $WS 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
     timeout -s ABRT 200 python3 $WS --in-flight 2>&1 | grep -E "weight-sync [0-9]|rror" | tail -3
+fi
+# part c, on nvidia-h100-x1 after `carry_model.sh stage1` (carry part2, .whl, .carry/new and
+# .carry/old = 3f2c8b5): the spec row with the back-off (issue 29), py-spy over the spec bench's
+# speculating runtime (where a verify step's ~4.3 ms goes), and issue 25's A/B again after the
+# host-step trims (session8_ab.sh, 2 pairs).
+if [ "$PART" = c ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    echo "== spec (py-spy, every process, 50 Hz)"
+    CUDA_VISIBLE_DEVICES=0 timeout -s INT 200 /tmp/site/bin/py-spy record --subprocesses \
+        --format raw -r 50 -o "$OUT/spec.pyspy.txt" -- python3 -m taipan.cli bench --workload \
+        spec --model smollm2 --device cuda --dtype bfloat16 --results "$OUT/results.jsonl" \
+        2>&1 | grep -E "^spec|rror|Samples" | tail -3
+    cd "$ROOT" && bash .carry/new/tests/perf/session8_ab.sh 2 | grep -E "^(old|new)"
 fi
