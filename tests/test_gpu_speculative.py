@@ -153,3 +153,49 @@ def test_mixed_graph_bodies_keep_hidden_states_only_where_the_config_speculates(
     assert w._forward_logits(plan, staged, decode, {})[2] is None
     w._graph_hidden = None
     assert w._forward_logits(plan, staged, mixed, {})[2] is None
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
+    """The worker's greedy verify (`_greedy_on_host`: argmax to the host, prefixes there) and
+    ops/speculative.py `verify_greedy` agree on random rows with ties, no-draft rows between
+    verifying ones, and drafts that match the argmax some of the way."""
+    import types
+
+    import torch
+
+    from taipan.actors.gpu.speculative import _greedy_on_host
+    from taipan.ops.speculative import verify_greedy
+
+    rng = np.random.default_rng(seed)
+    batch, vocab = 5, 7
+    num_drafts = rng.integers(0, 4, size=batch)
+    num_drafts[rng.integers(batch)] = 3  # at least one verifying row
+    query = num_drafts + 1 + rng.integers(0, 2, size=batch)  # (a row may hold more before)
+    qsl = np.concatenate([[0], np.cumsum(query)]).astype(np.int32)
+    rows = np.flatnonzero(num_drafts > 0)
+    counts = num_drafts[rows] + 1
+    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    scored = np.repeat(qsl[1:][rows] - counts, counts) + offsets
+    logits = torch.from_numpy(rng.integers(0, 3, size=(len(scored), vocab)).astype(np.float32))
+    target = logits.argmax(-1).numpy()
+    input_ids = rng.integers(0, vocab, size=int(qsl[-1])).astype(np.int32)
+    # Drafts that follow the argmax for a while, then maybe not.
+    for i, s in enumerate(scored):
+        if offsets[i] > 0 and rng.random() < 0.7:
+            input_ids[s] = target[i - 1]
+    plan = types.SimpleNamespace(input_ids=input_ids, seq_lens=query.astype(np.int32))
+    tokens = torch.full((batch,), 99, dtype=torch.int64)
+    got_tokens, spec = _greedy_on_host(
+        plan, rows, num_drafts[rows].astype(np.int64), scored, offsets > 0, logits, tokens
+    )
+    drafts = torch.from_numpy(input_ids[scored[offsets > 0]].astype(np.int64))
+    want = verify_greedy(logits, drafts, torch.from_numpy(num_drafts[rows].astype(np.int64)))
+    req_of_row = np.repeat(np.arange(len(rows)), counts)
+    for j, row in enumerate(rows):
+        mine = want.tokens.numpy()[req_of_row == j]
+        assert spec[row][: len(mine)].tolist() == mine.tolist()
+        assert (spec[row][len(mine) :] == -1).all()
+        assert got_tokens[row] == mine[0]
+    others = np.setdiff1d(np.arange(batch), rows)
+    assert (spec[others] == -1).all() and (got_tokens[others] == 99).all()

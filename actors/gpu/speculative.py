@@ -26,7 +26,7 @@ import torch
 
 from taipan.messages.gpu import StepPlan
 from taipan.ops.sampling import GREEDY_EPS
-from taipan.ops.speculative import verify, verify_greedy
+from taipan.ops.speculative import verify
 
 __all__ = ["check_drafts", "draft_rows", "verify_drafts"]
 
@@ -80,9 +80,10 @@ def verify_drafts(
     hidden: torch.Tensor,
     tokens: torch.Tensor,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor | np.ndarray]:
     """(the step's sampled tokens [B] with each verifying sequence's first new token in its
-    row, spec_tokens [B, K+1] int64 on the device: -1 but the verifying rows' new tokens).
+    row, spec_tokens [B, K+1] int64: -1 but the verifying rows' new tokens; on the device, or
+    on the host (numpy) when every verifying row is greedy).
     `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device."""
     rows = draft_rows(plan)
     nd = plan.num_drafts[rows].astype(np.int64)  # [R]
@@ -95,16 +96,14 @@ def verify_drafts(
     device = hidden.device
     scored_t = torch.from_numpy(scored).to(device)
     logits = compute_logits(hidden[scored_t])  # [rows, V] fp32
+    if bool((plan.temperature[rows] < GREEDY_EPS).all()):
+        return _greedy_on_host(plan, rows, nd, scored, is_draft, logits, tokens)
     drafts = inputs["input_ids"][torch.from_numpy(scored[is_draft]).to(device)].long()
     num_drafts = torch.from_numpy(nd)
-    greedy = bool((plan.temperature[rows] < GREEDY_EPS).all())
-    if greedy:
-        verified = verify_greedy(logits, drafts, num_drafts)
-    else:
-        index = torch.from_numpy(rows).to(device)
-        names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
-        params = {name: inputs[name][index] for name in names}
-        verified = verify(logits, drafts, num_drafts, **params, with_logprobs=False)
+    index = torch.from_numpy(rows).to(device)
+    names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
+    params = {name: inputs[name][index] for name in names}
+    verified = verify(logits, drafts, num_drafts, **params, with_logprobs=False)
     k = int(nd.max())
     out = torch.full((len(plan.seq_lens), k + 1), -1, dtype=torch.int64, device=device)
     req = torch.from_numpy(np.repeat(rows, counts)).to(device)
@@ -112,4 +111,37 @@ def verify_drafts(
     index = torch.from_numpy(rows).to(device)
     tokens = tokens.clone()
     tokens[index] = out[index, 0]
+    return tokens, out
+
+
+def _greedy_on_host(
+    plan: StepPlan,
+    rows: np.ndarray,
+    nd: np.ndarray,
+    scored: np.ndarray,
+    is_draft: np.ndarray,
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+) -> tuple[torch.Tensor, np.ndarray]:
+    """`verify_drafts` when every verifying row is greedy: the scored positions' argmax comes
+    to the host (one copy, which waits for the step, as the result must anyway) and the
+    accepted prefixes are found there against the plan's own draft tokens, instead of a chain
+    of small device ops and index uploads, each of which waited for the step too (py-spy on
+    an H100: about half of a SmolLM2 verify step's host time). The same rule as
+    ops/speculative.py `verify_greedy`: drafts are accepted while each equals the argmax
+    before it (ties to the lowest id), then the argmax at the first mismatch or the bonus row
+    is added. Returns spec_tokens as int64 numpy."""
+    target = logits.argmax(dim=-1).cpu().numpy()  # [rows] int64
+    drafts = np.asarray(plan.input_ids)[scored[is_draft]].astype(np.int64)
+    out = np.full((len(plan.seq_lens), int(nd.max()) + 1), -1, dtype=np.int64)
+    t0 = d0 = 0
+    for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
+        t, dr = target[t0 : t0 + d + 1], drafts[d0 : d0 + d]
+        missed = np.flatnonzero(dr != t[:d])
+        accepted = int(missed[0]) if len(missed) else d
+        out[row, : accepted + 1] = t[: accepted + 1]
+        t0, d0 = t0 + d + 1, d0 + d
+    tokens = tokens.clone()
+    index = torch.from_numpy(rows).to(tokens.device)
+    tokens[index] = torch.from_numpy(out[rows, 0]).to(tokens.device, tokens.dtype)
     return tokens, out

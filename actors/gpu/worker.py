@@ -402,7 +402,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         spec = None
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py)
             tokens, spec = verify_drafts(plan, inputs, hidden, tokens, self.model.compute_logits)
-            spec = spec.cpu().numpy().astype(np.int32)  # (waits for the step)
+            if isinstance(spec, torch.Tensor):
+                spec = spec.cpu().numpy()  # (waits for the step)
+            spec = spec.astype(np.int32)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
         self.grammar_masks.sampled(host, ended)
