@@ -60,3 +60,19 @@ if [ "$PART" = c ]; then
         2>&1 | grep -E "^spec|rror|Samples" | tail -3
     cd "$ROOT" && bash .carry/new/tests/perf/session8_ab.sh 2 | grep -E "^(old|new)"
 fi
+# part d, on nvidia-h100-x1 after `carry_model.sh stage1` (carry part2, .whl, .carry/new): the
+# spec row after the host-side greedy verify and the back-off (issue 29), no profiler; then
+# py-spy over the structured bench (issue 28: where a json_schema step's extra time goes now).
+if [ "$PART" = d ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    echo "== spec"
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 200 python3 -m taipan.cli bench --workload spec \
+        --model smollm2 --device cuda --dtype bfloat16 --results "$OUT/results.jsonl" 2>&1 \
+        | grep -E "^spec|rror" | tail -3
+    echo "== structured (py-spy, every process, 50 Hz)"
+    CUDA_VISIBLE_DEVICES=0 timeout -s INT 200 /tmp/site/bin/py-spy record --subprocesses \
+        --format raw -r 50 -o "$OUT/structured.pyspy.txt" -- python3 -m taipan.cli bench \
+        --workload structured --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 \
+        --output-len 128 --results "$OUT/results_pyspy.jsonl" 2>&1 | grep -E "^structured|rror" \
+        | tail -2
+fi
