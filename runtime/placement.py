@@ -1,12 +1,15 @@
 """Where a runtime's ranks and peers go, before any process starts: the parallel sizes that are
 legal (`check_parallel_sizes`, `check_ep_fields`), each rank's and tensor-parallel peer's device
-(`rank_device`, `peer_devices`) and CPU cores (`rank_cpu_sets`, `peer_cpu_sets`), and the
+(`rank_device`, `peer_devices`) and CPU cores (`rank_cpu_sets`, `peer_cpu_sets`; on GPUs
+`gpu_process_cpu_sets`), and the
 addresses derived from one another across hosts (`next_port_address`, `tp_addresses`,
 `check_ep_addresses`). Pure functions of their arguments; every refusal is a LaunchError naming
 the flag. Starts nothing (runtime/launcher.py does).
 """
 
 from __future__ import annotations
+
+import os
 
 from taipan.actors.config import InferenceConfig
 
@@ -148,3 +151,45 @@ def rank_cpu_sets(num_ranks: int, cpus: list[int]) -> list[list[int] | None]:
         sets.append(cpus[start : start + n])
         start += n
     return sets
+
+
+# A process that drives a GPU runs its step loop on one thread and waits for the device on
+# another; on an H100 host (16 cores, one NUMA node) the 1B shape's decode step at batch 64 took
+# 2.35-2.99 ms unpinned and 1.96-2.41 ms with the engine on two cores of its own (every other
+# process on the rest; tests/perf/NOTES.md, eighth session): the scheduler moving those threads
+# around (and torch's 16-thread CPU pool) cost up to a third of the step.
+GPU_PROCESS_CORES = 2
+CORES_ENV = "TAIPAN_GPU_PROCESS_CORES"  # cores per GPU process; 0: no pinning
+
+
+def gpu_process_cores() -> int:
+    """Cores each GPU process is pinned to (TAIPAN_GPU_PROCESS_CORES, default 2; 0: none)."""
+    raw = os.environ.get(CORES_ENV, str(GPU_PROCESS_CORES))
+    if not raw.strip().isdigit():
+        raise LaunchError(f"{CORES_ENV}={raw!r}: give a number of cores (0: do not pin)")
+    return int(raw)
+
+
+def physical_gpu(device: str) -> int:
+    """The index of CUDA `device` among the host's GPUs (through CUDA_VISIBLE_DEVICES where it
+    lists indices; else the index as named)."""
+    _, _, index = device.partition(":")
+    n = int(index) if index.isdigit() else 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+    if n < len(visible) and visible[n].strip().isdigit():
+        return int(visible[n])
+    return n
+
+
+def gpu_process_cpu_sets(gpus: list[int], cpus: list[int], cores: int) -> list[list[int]] | None:
+    """The cores of each process driving GPU `gpus[i]`: `cores` of its own, counted down from
+    the last of `cpus` by its GPU's index (so runtimes on other GPUs of the host take other
+    cores), the rest of the host left to clients, the coordinator and the caller. None (leave
+    placement to the OS) when `cores` is 0 or the host cannot spare them: every set must fit
+    and leave at least as many cores for the rest."""
+    if cores < 1 or not gpus:
+        return None
+    need = (max(gpus) + 1) * cores
+    if need + max(cores, len(gpus) * cores) > len(cpus):
+        return None
+    return [cpus[len(cpus) - (g + 1) * cores : len(cpus) - g * cores] for g in gpus]

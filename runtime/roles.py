@@ -26,9 +26,12 @@ from taipan.auth import curve_keys
 from taipan.placement import (
     LaunchError,
     check_ep_addresses,
+    gpu_process_cores,
+    gpu_process_cpu_sets,
     next_port_address,
     peer_cpu_sets,
     peer_devices,
+    physical_gpu,
     rank_cpu_sets,
     tp_addresses,
 )
@@ -208,8 +211,25 @@ def _tp_addresses(rt) -> list[dict[str, str]]:
 def _tp_cpu_sets(rt) -> list[list[list[int] | None]]:
     if rt.tp_address is not None:  # one peer of the rank on this host: every core
         return [[None] * rt.tp_size] * rt.num_ranks
+    pinned = _gpu_cpu_sets(rt)
+    if pinned is not None:
+        return pinned
     cpus = sorted(os.sched_getaffinity(0))
     return [peer_cpu_sets(rank_cpus, rt.tp_size, cpus) for rank_cpus in _cpu_sets(rt)]
+
+
+def _gpu_cpu_sets(rt) -> list[list[list[int]]] | None:
+    """On CUDA, per rank its peers' own cores (placement.py `gpu_process_cpu_sets`), or None."""
+    if rt.role == "engine" or not str(rt.device).startswith("cuda"):
+        return None
+    devices = _peer_devices(rt)
+    gpus = [physical_gpu(d) for peers in devices for d in peers]
+    cpus = sorted(os.sched_getaffinity(0))
+    sets = gpu_process_cpu_sets(gpus, cpus, gpu_process_cores())
+    if sets is None:
+        return None
+    tp = rt.tp_size
+    return [sets[r * tp : (r + 1) * tp] for r in range(rt.num_ranks)]
 
 
 def _peer_devices(rt) -> list[list[str]]:
@@ -224,4 +244,7 @@ def _peer_devices(rt) -> list[list[str]]:
 def _cpu_sets(rt) -> list[list[int] | None]:
     if rt.role == "engine":
         return [None] * rt.num_ranks
+    pinned = _gpu_cpu_sets(rt)
+    if pinned is not None:
+        return [peers[0] for peers in pinned]
     return rank_cpu_sets(rt.num_ranks, sorted(os.sched_getaffinity(0)))
