@@ -154,16 +154,18 @@ def rank_cpu_sets(num_ranks: int, cpus: list[int]) -> list[list[int] | None]:
 
 
 # A process that drives a GPU runs its step loop on one thread and waits for the device on
-# another; on an H100 host (16 cores, one NUMA node) the 1B shape's decode step at batch 64 took
-# 2.35-2.99 ms unpinned and 1.96-2.41 ms with the engine on two cores of its own (every other
-# process on the rest; tests/perf/NOTES.md, eighth session): the scheduler moving those threads
-# around (and torch's 16-thread CPU pool) cost up to a third of the step.
-GPU_PROCESS_CORES = 2
+# another. Pinning it to cores of its own (TAIPAN_GPU_PROCESS_CORES=2) is opt-in: on one H100
+# host (16 cores) the 1B shape's batch-64 step was 2.35-2.99 ms as is and 1.96-2.41 ms with the
+# engine on two cores and every other process on the rest (`tests/perf/session8_pin.sh`), but
+# with only the engine pinned, on a 32-core host, 2.01-2.37 vs 1.86-2.88 ms
+# (`session8_pin2.sh`): no clear gain, and two cores would also cap what the engine process
+# runs on its CPU (llguidance's mask threads, a GGUF's dequantization). tests/perf/NOTES.md.
+GPU_PROCESS_CORES = 0
 CORES_ENV = "TAIPAN_GPU_PROCESS_CORES"  # cores per GPU process; 0: no pinning
 
 
 def gpu_process_cores() -> int:
-    """Cores each GPU process is pinned to (TAIPAN_GPU_PROCESS_CORES, default 2; 0: none)."""
+    """Cores each GPU process is pinned to (TAIPAN_GPU_PROCESS_CORES; default 0: none)."""
     raw = os.environ.get(CORES_ENV, str(GPU_PROCESS_CORES))
     if not raw.strip().isdigit():
         raise LaunchError(f"{CORES_ENV}={raw!r}: give a number of cores (0: do not pin)")

@@ -1,7 +1,8 @@
 """Cores of the processes that drive GPUs (runtime/placement.py `gpu_process_cpu_sets`,
-runtime/roles.py): two of their own each, chosen by the GPU's index on the host so runtimes on
-other GPUs take other cores, nothing pinned where the host cannot spare them, on a CPU device,
-or when TAIPAN_GPU_PROCESS_CORES is 0; a bad value is a LaunchError naming it."""
+runtime/roles.py), with TAIPAN_GPU_PROCESS_CORES=N (opt-in; default 0: none): N of their own
+each, chosen by the GPU's index on the host so runtimes on other GPUs take other cores, nothing
+pinned where the host cannot spare them or on a CPU device; a bad value is a LaunchError naming
+it."""
 
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ def test_the_physical_gpu_follows_cuda_visible_devices(monkeypatch):
 
 def test_the_core_count_comes_from_the_environment(monkeypatch):
     monkeypatch.delenv(CORES_ENV, raising=False)
-    assert gpu_process_cores() == 2
-    monkeypatch.setenv(CORES_ENV, "0")
     assert gpu_process_cores() == 0
+    monkeypatch.setenv(CORES_ENV, "2")
+    assert gpu_process_cores() == 2
     monkeypatch.setenv(CORES_ENV, "two")
     with pytest.raises(LaunchError, match=CORES_ENV):
         gpu_process_cores()
@@ -64,6 +65,8 @@ def test_the_launch_spec_pins_gpu_ranks_and_their_peers(monkeypatch):
     monkeypatch.delenv(CORES_ENV, raising=False)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr(roles.os, "sched_getaffinity", lambda pid: set(CPUS))
+    assert roles._cpu_sets(_rt("cuda")) == [None]  # (off by default)
+    monkeypatch.setenv(CORES_ENV, "2")
     assert roles._cpu_sets(_rt("cuda")) == [[14, 15]]
     assert roles._cpu_sets(_rt("cuda:1", num_ranks=2)) == [[12, 13], [10, 11]]
     assert roles._tp_cpu_sets(_rt("cuda", tp=2)) == [[[14, 15], [12, 13]]]
