@@ -76,3 +76,15 @@ if [ "$PART" = d ]; then
         --output-len 128 --results "$OUT/results_pyspy.jsonl" 2>&1 | grep -E "^structured|rror" \
         | tail -2
 fi
+# part e, on nvidia-h100-x1 after `carry_model.sh stage1` (carry part2, .whl, .carry/new): the
+# spec row with 6 and 8 drafts per row (grounded acceptance held at 0.76-0.94 per later
+# position with 4).
+if [ "$PART" = e ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    for k in 8 6; do
+        echo "== spec k=$k"
+        CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 200 python3 -m taipan.cli bench --workload spec \
+            --model smollm2 --device cuda --dtype bfloat16 --spec-tokens $k \
+            --results "$OUT/results.jsonl" 2>&1 | grep -E "^spec|rror" | tail -3
+    done
+fi
