@@ -291,7 +291,8 @@ def test_responses_create_plain_and_streamed(oai):
                           "response.output_item.done", "response.incomplete"]  # fmt: skip
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == want == events[-1].response.output_text
-    with pytest.raises(openai.BadRequestError):
+    assert r.store is False and events[-1].response.store is True
+    with pytest.raises(openai.NotFoundError):  # (stored responses: test_http_responses_store)
         oai.responses.create(model=MODEL, input="x", previous_response_id="resp_1")
 
 

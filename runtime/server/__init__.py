@@ -5,13 +5,15 @@ only those listed before it:
   schemas      OpenAI's error shape, the lenient request bodies, body -> SamplingParams
   logprobs     tokens as the API shows them (exact bytes), log-prob fields and text offsets
   tools        tool calls: the tools in the prompt, the model's calls parsed (Hermes, Llama 3)
+  response_store  the Responses API's stored responses: a bounded LRU in this process's memory
   admission    the bounded queue (--max-queued, --queue-timeout; 503 with Retry-After)
   metrics      the Prometheus registry behind GET /metrics (vLLM's names mapped)
   streaming    server-sent events; a request's choices run together, aborted on disconnect
   completions  OpenAIServer: what the endpoints share, and POST /v1/completions
   generate     POST /generate: token ids in and out, for HTTP-driven trainers (with --api-key)
   chat         ChatServer: the chat prompt, POST /v1/chat/completions (tools included)
-  responses    ResponsesServer: POST /v1/responses (the text subset)
+  responses    ResponsesServer: POST /v1/responses (the text and function-tool subset), its
+               stored responses (previous_response_id, GET / DELETE /v1/responses/{id})
   routes       the route table and the small endpoints (health, models, tokenizer)
   app          build_app, serve (in the caller's loop), http_main (the `http` process)
 

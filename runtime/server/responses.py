@@ -26,8 +26,17 @@ shape is taken too); {"type": "text"} (the default) keeps it to none. The Respon
 format. A bad format or a schema that does not compile is a 400 naming `text.format`, as is a
 format beside another structured output (vLLM's guided_*); a tool_choice forcing a call beside
 one is a 400 naming `tool_choice`, as chat's is. The SDK's `client.responses.parse(text_format=
-...)` reads the message's `output_text`. Stored responses (`previous_response_id`; `store` is
-ignored) and tools other than functions are a 400 naming the field.
+...)` reads the message's `output_text`. Tools other than functions are a 400 naming `tools`.
+
+Stored responses (.response_store), as vLLM stores them: with `store` true (the default) the
+finished Response is kept, with the conversation the model saw, in a bounded LRU in this
+process's memory (MAX_STORED_RESPONSES; the least recently used evicted first); a streamed one
+once complete, a failed or disconnected one never. `previous_response_id` continues a stored
+response: its input items, then its output items (messages, function_call items), then the
+request's `input`, converted as above; only the request's own `instructions` apply. An unknown,
+unstored, deleted or evicted id is a 404 naming `previous_response_id`. `GET` and `DELETE
+/v1/responses/{id}` return and forget a stored response (404 if unknown). The Response's `store`
+says whether it was stored.
 
 Builds no app and registers no routes.
 """
@@ -46,6 +55,7 @@ from pydantic import ValidationError
 from taipan.messages.requests import FinishReason, SamplingParams, StructuredOutput
 from taipan.server.chat import ChatServer
 from taipan.server.completions import failed
+from taipan.server.response_store import ResponseStore
 from taipan.server.schemas import (
     APIError,
     ChatMessage,
@@ -59,10 +69,6 @@ from taipan.server.tools import ToolStream, parse_tool_calls, tool_style
 
 
 def _refuse(body: ResponsesBody) -> None:
-    if body.previous_response_id:
-        raise APIError(
-            400, "previous_response_id: taipan stores no responses", "previous_response_id"
-        )
     if body.reasoning:
         raise APIError(400, "reasoning options are not supported by this model", "reasoning")
     if body.n != 1:
@@ -148,15 +154,19 @@ def _forced(body: ResponsesBody, tools: list[Tool]) -> tuple[bool, str | None]:
     return True, name
 
 
-def _messages(body: ResponsesBody) -> list[ChatMessage]:
-    out: list[dict] = []
-    if body.instructions:
-        out.append({"role": "system", "content": body.instructions})
+def _input_items(body: ResponsesBody) -> list[dict]:
+    """The request's `input` as items (a string: one user message)."""
     if isinstance(body.input, str):
-        out.append({"role": "user", "content": body.input})
-    else:
-        for item in body.input:
-            out += _item_message(item, out[-1] if out else None)
+        return [{"type": "message", "role": "user", "content": body.input}]
+    return list(body.input)
+
+
+def _messages(instructions: str | None, items: list[dict]) -> list[ChatMessage]:
+    out: list[dict] = []
+    if instructions:
+        out.append({"role": "system", "content": instructions})
+    for item in items:
+        out += _item_message(item, out[-1] if out else None)
     if not out:
         raise APIError(400, "input must not be empty", "input")
     try:
@@ -194,7 +204,36 @@ def _item_message(item: dict, last: dict | None) -> list[dict]:
 
 
 class ResponsesServer(ChatServer):
-    """ChatServer with /v1/responses."""
+    """ChatServer with /v1/responses and its stored responses (`stored`)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stored = ResponseStore()
+
+    def stored_response(self, response_id: str) -> dict:
+        """GET /v1/responses/{id}: the stored Response, else a 404."""
+        found = self.stored.get(response_id)
+        if found is None:
+            raise APIError(404, f"no stored response {response_id!r}", "response_id")
+        return found.response
+
+    def delete_response(self, response_id: str) -> dict:
+        """DELETE /v1/responses/{id}: forget a stored response, else a 404."""
+        if not self.stored.delete(response_id):
+            raise APIError(404, f"no stored response {response_id!r}", "response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    def _conversation(self, body: ResponsesBody) -> list[dict]:
+        """The input items the model sees: a previous response's conversation, then `input`."""
+        items = _input_items(body)
+        if not body.previous_response_id:  # (null or "": none)
+            return items
+        previous = self.stored.get(body.previous_response_id)
+        if previous is None:
+            raise APIError(404, f"previous_response_id: no stored response "
+                           f"{body.previous_response_id!r} (unknown, not stored, deleted or "
+                           "evicted)", "previous_response_id")  # fmt: skip
+        return [*previous.conversation(), *items]
 
     async def responses(self, body: ResponsesBody, request: Request):
         self.check_model(body)
@@ -202,7 +241,9 @@ class ResponsesServer(ChatServer):
         tools = _tools(body)
         forced, only = _forced(body, tools)
         choice = "none" if body.tool_choice == "none" else None
-        ids = self.chat_prompt(_messages(body), tools or None, tool_choice=choice)
+        items = self._conversation(body)
+        ids = self.chat_prompt(_messages(body.instructions, items), tools or None,
+                               tool_choice=choice)  # fmt: skip
         limit = self.client.info.max_sequence_length
         max_tokens = body.max_output_tokens or max(1, limit - len(ids))
         self.check_fits(len(ids), max_tokens, "input")
@@ -222,7 +263,7 @@ class ResponsesServer(ChatServer):
         state = _Response(self.model, body, len(ids), tools, fmt)
         parses = bool(tools) and body.tool_choice != "none"
         if body.stream:
-            events = self._stream(state, ids, params, parses)
+            events = self._stream(state, ids, params, parses, items)
             return await self.held_stream(request, 1, events)
         [c] = await self.generate_all(request, [(ids, params)])
         failed(c)
@@ -233,13 +274,24 @@ class ResponsesServer(ChatServer):
         if content or not calls:
             state.output.append(state.message_item(state.new_id("msg"), "completed", content or ""))
         state.output += [state.call_item(call) for call in calls]
-        return state.finish(len(c.token_ids), c.finish_reason)
+        return self._keep(state.finish(len(c.token_ids), c.finish_reason), items)
+
+    def _keep(self, response: dict, items: list[dict]) -> dict:
+        """Store a finished Response (when its `store` says so); returns it."""
+        if response["store"]:
+            self.stored.put(response, items)
+        return response
 
     def _style(self):
         return tool_style(self.client.tokenizer.chat_template)
 
     async def _stream(
-        self, state: _Response, ids: list[int], params: SamplingParams, parses: bool
+        self,
+        state: _Response,
+        ids: list[int],
+        params: SamplingParams,
+        parses: bool,
+        items: list[dict],
     ) -> AsyncIterator[str]:
         yield state.event("response.created", response=state.snapshot("in_progress"))
         yield state.event("response.in_progress", response=state.snapshot("in_progress"))
@@ -272,7 +324,7 @@ class ResponsesServer(ChatServer):
                 yield e
         for e in state.close_message():
             yield e
-        final = state.finish(count, reason)
+        final = self._keep(state.finish(count, reason), items)
         kind = "completed" if final["status"] == "completed" else "incomplete"
         yield state.event(f"response.{kind}", response=final)
 
@@ -397,9 +449,9 @@ class _Response:
             "model": self.model,
             "output": list(self.output) if status != "in_progress" else [],
             "parallel_tool_calls": b.parallel_tool_calls,
-            "previous_response_id": None,
+            "previous_response_id": b.previous_response_id or None,
             "reasoning": None,
-            "store": False,
+            "store": b.store,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "text": {**(b.text or {}), "format": self.format},
             "tool_choice": choice,

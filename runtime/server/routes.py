@@ -4,7 +4,8 @@
 `GET /tokenizer_info`, `POST /tokenize` (a prompt, or chat messages through the template) and
 `POST /detokenize` (lm-eval's remote tokenizer), the generating `POST /v1/completions`,
 `POST /v1/chat/completions` and `POST /v1/responses` (and SageMaker's `POST /invocations`, either
-of the first two), which call `ResponsesServer`, and the
+of the first two), which call `ResponsesServer`, `GET` and `DELETE /v1/responses/{id}` (its
+stored responses), and the
 lifecycle controls an HTTP-driven trainer needs (CONTROL_PATHS: pause with its mode, clear_cache
 and timeout, unpause, suspend, resume, update_weights from a path, init / update / close weight
 transfer, update_weights_from_ipc, flush_cache), only with `--api-key`.
@@ -273,6 +274,14 @@ def add_routes(app: FastAPI, server: ResponsesServer) -> None:
     @app.post("/v1/responses")
     async def responses(body: ResponsesBody, request: Request):
         return await server.responses(body, request)
+
+    @app.get("/v1/responses/{response_id}")
+    async def stored_response(response_id: str):
+        return server.stored_response(response_id)
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(response_id: str):
+        return server.delete_response(response_id)
 
     @app.post("/invocations")
     async def invocations(request: Request):

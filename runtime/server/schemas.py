@@ -533,7 +533,8 @@ class ResponsesBody(BaseBody):
     """POST /v1/responses, the text and function-tool subset: `input` (a string, or message,
     function_call and function_call_output items), optional `instructions`, function `tools`
     (flat: {"type": "function", "name", "parameters", ...}); responses.py checks the items and
-    tools, maps `text.format` to a structured output and refuses stored conversations."""
+    tools and maps `text.format` to a structured output. `store` (IGNORED elsewhere) is kept:
+    it says whether the Response is stored for `previous_response_id` and GET / DELETE."""
 
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -546,4 +547,14 @@ class ResponsesBody(BaseBody):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None  # extra output fields: none to add for text
     previous_response_id: str | None = None
+    store: bool = True  # OpenAI's default: kept for previous_response_id, GET and DELETE
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _lenient(cls, data: Any) -> Any:  # (replaces Lenient's: keeps `store`)
+        store = data.get("store") if isinstance(data, dict) else None
+        out = lenient(data)
+        if store is not None:
+            out["store"] = store
+        return out
