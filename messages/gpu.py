@@ -227,8 +227,9 @@ class StepPlan:
     # num_drafts int32[B], the draft tokens sequence i verifies (empty: none in this step). Its
     # last num_drafts[i] input tokens are the drafts, after its last known token; the gpu
     # scores all num_drafts[i] + 1 positions and returns what it accepts in
-    # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no log-probs,
-    # controls or grammar, and runs eagerly (no CUDA graph holds a verify step yet).
+    # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no top-n,
+    # prompt or processed log-probs (raw ones: StepResult.spec_log_probs), controls or
+    # grammar; it replays a mixed CUDA graph where the config keeps their hidden states.
     num_drafts: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
@@ -272,6 +273,10 @@ class StepResult:
     # the first rejection (or the bonus token), -1 after; rows without drafts all -1 (their
     # token is token_ids[i], which for a row with drafts is its first new token).
     spec_tokens: Array[np.int32, 2] = empty_array_field(np.int32, 2)
+    # float32[B, K+1]: the raw log-prob of each of spec_tokens, for the sequences with drafts
+    # that ask for log-probs (NaN elsewhere; empty when none asks). Such a sequence's
+    # log_probs[i] is of its last scored position, not of a token it gains: read these.
+    spec_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
 
 
 @message(124, required=4)  # (the weight-transfer fields came later)

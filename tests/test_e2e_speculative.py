@@ -5,6 +5,7 @@ accepted run; the acceptance counters in stats()."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from taipan.actors.config import InferenceConfig
@@ -45,11 +46,16 @@ def spec(model_path):
 
 
 def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(client, spec):
-    """The default run's check (two prompts, no pressure): the slow tests add the rest."""
-    greedy = SamplingParams(max_tokens=N, temperature=0.0)
-    want = [x.token_ids for x in client.generate(PROMPTS[:2], greedy)]
+    """The default run's check (two prompts, no pressure; the slow tests add the rest), with
+    log-probs: every accepted token carries the one plain decoding gives it."""
+    greedy = SamplingParams(max_tokens=N, temperature=0.0, return_log_probs=True)
+    want = client.generate(PROMPTS[:2], greedy)
     before = spec.stats().merged()
-    assert [x.token_ids for x in spec.generate(PROMPTS[:2], greedy)] == want
+    got = spec.generate(PROMPTS[:2], greedy)
+    assert [x.token_ids for x in got] == [x.token_ids for x in want]
+    for g, w in zip(got, want, strict=True):
+        assert len(g.log_probs) == len(g.token_ids)
+        np.testing.assert_allclose(g.log_probs, w.log_probs, atol=1e-4)
     rank = spec.stats().merged()
     accepted = rank.spec_accepted_tokens - before.spec_accepted_tokens
     assert rank.spec_draft_tokens > before.spec_draft_tokens and accepted > 0, rank
@@ -107,13 +113,20 @@ def test_gpu_speculative_equals_plain_with_graphs_and_overlap(model_path, dtype)
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    with_lp = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, return_log_probs=True)
     base = dict(block_size_tokens=16, max_sequence_length=512, max_requests=8)
     outs = {}
     for k in (0, 4):
         cfg = InferenceConfig(**base, num_speculative_tokens=k)
         with Runtime(model_path, cfg, device="cuda", dtype=dtype) as rt, Client(rt.address) as c:
             outs[k] = [x.token_ids for x in c.generate(PROMPTS, greedy)]
+            outs[k, "lp"] = c.generate(PROMPTS[:2], with_lp)  # (raw log-probs speculate too)
             outs[k, "stats"] = c.stats().merged()
+    for got, want in zip(outs[4, "lp"], outs[0, "lp"], strict=True):
+        assert len(got.log_probs) == len(got.token_ids) == 48
+        if dtype == "float32":
+            assert got.token_ids == want.token_ids
+            np.testing.assert_allclose(got.log_probs, want.log_probs, atol=2e-3)
     on = outs[4, "stats"]
     assert on.spec_accepted_tokens > 0 and on.steps_graphed > 0, on
     assert outs[0, "stats"].spec_draft_tokens == 0

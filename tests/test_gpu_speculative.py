@@ -45,18 +45,23 @@ def _with(plan: StepPlan, temperature: float, gen_index: list[int], **extra) -> 
     )
 
 
-def _plain(w: ModelWorker, temperature: float) -> list[list[int]]:
-    """Each prompt's first token (prefill), then STEPS tokens one step at a time."""
+def _plain(w: ModelWorker, temperature: float, log_probs: list | None = None) -> list[list[int]]:
+    """Each prompt's first token (prefill), then STEPS tokens one step at a time (`log_probs`:
+    a list that gets each prompt's raw log-probs of them)."""
     out = [[] for _ in PROMPTS]
+    asked = {"logprobs": np.ones(len(PROMPTS), np.int8)} if log_probs is not None else {}
+    if log_probs is not None:
+        log_probs += [[] for _ in PROMPTS]
     seqs = [Seq(p, 0, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
-    first = w.step(_with(make_plan(1, seqs), temperature, [0, 0])).token_ids.tolist()
-    for i, t in enumerate(first):
-        out[i].append(t)
-    for step in range(STEPS):
-        seqs = [Seq([out[i][-1]], len(p) + step, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
-        plan = _with(make_plan(2 + step, seqs), temperature, [step + 1] * 2)
-        for i, t in enumerate(w.step(plan).token_ids.tolist()):
+    for step in range(STEPS + 1):
+        if step:
+            seqs = [Seq([out[i][-1]], len(p) + step - 1, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
+        plan = _with(make_plan(1 + step, seqs), temperature, [step] * 2, **asked)
+        res = w.step(plan)
+        for i, t in enumerate(res.token_ids.tolist()):
             out[i].append(t)
+            if log_probs is not None:
+                log_probs[i].append(float(res.log_probs[i]))
     return out
 
 
@@ -94,6 +99,34 @@ def test_verify_rows_reproduce_one_token_decoding(worker, temperature):
     assert res.token_ids[0] == want[0][2]
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_verify_rows_carry_the_raw_log_probs_of_one_token_decoding(worker, temperature):
+    """A verify row that asks for log-probs gets each new token's raw log-prob in
+    spec_log_probs, as one-token decoding computes it; a row that does not ask gets NaN."""
+    want_lp: list = []
+    want = _plain(worker, temperature, want_lp)
+    seqs = [Seq(p, 0, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
+    worker.step(_with(make_plan(1, seqs), temperature, [0, 0]))
+    t = want[1]
+    seqs = [
+        Seq([want[0][0]], len(PROMPTS[0]), BLOCKS[0]),
+        Seq([t[0], t[1], t[2], (t[3] + 1) % 256], len(PROMPTS[1]), BLOCKS[1]),
+    ]
+    for asked in ([1, 1], [1, 0]):
+        plan = _with(
+            make_plan(2, seqs), temperature, [1, 1],
+            num_drafts=np.asarray([0, 3], np.int32), logprobs=np.asarray(asked, np.int8),
+        )  # fmt: skip
+        res = worker.step(plan)
+        assert res.spec_tokens[1].tolist() == [t[1], t[2], t[3], -1]
+        if asked[1]:
+            np.testing.assert_allclose(res.spec_log_probs[1, :3], want_lp[1][1:4], atol=1e-4)
+            assert np.isnan(res.spec_log_probs[1, 3]) and np.isnan(res.spec_log_probs[0]).all()
+        else:
+            assert res.spec_log_probs.shape == (0, 0) or np.isnan(res.spec_log_probs).all()
+        np.testing.assert_allclose(res.log_probs[0], want_lp[0][1], atol=1e-4)
+
+
 def test_a_plan_without_drafts_has_no_spec_tokens(worker):
     seqs = [Seq(PROMPTS[0], 0, BLOCKS[0])]
     res = worker.step(make_plan(1, seqs))
@@ -103,7 +136,11 @@ def test_a_plan_without_drafts_has_no_spec_tokens(worker):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"logprobs": np.asarray([1], np.int8)}, "log-probs"),
+        ({"top_n": np.asarray([2], np.int32)}, "top-n"),
+        (
+            {"logprobs": np.asarray([1], np.int8), "logprobs_mode": np.asarray([1], np.int8)},
+            "processed log-probs",
+        ),
         ({"num_drafts": np.asarray([3], np.int32)}, "query length"),
         ({"num_drafts": np.asarray([1, 1], np.int32)}, "2 entries for 1 sequences"),
         ({"sample": np.asarray([0], np.int8)}, "must sample"),
@@ -184,9 +221,12 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
     for i, s in enumerate(scored):
         if offsets[i] > 0 and rng.random() < 0.7:
             input_ids[s] = target[i - 1]
-    plan = types.SimpleNamespace(input_ids=input_ids, seq_lens=query.astype(np.int32))
+    asked = (rng.random(batch) < 0.5).astype(np.int8)
+    plan = types.SimpleNamespace(
+        input_ids=input_ids, seq_lens=query.astype(np.int32), logprobs=asked
+    )
     tokens = torch.full((batch,), 99, dtype=torch.int64)
-    got_tokens, spec = _greedy_on_host(
+    got_tokens, spec, lp = _greedy_on_host(
         plan, rows, num_drafts[rows].astype(np.int64), scored, offsets > 0, logits, tokens
     )
     drafts = torch.from_numpy(input_ids[scored[offsets > 0]].astype(np.int64))
@@ -197,5 +237,13 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
         assert spec[row][: len(mine)].tolist() == mine.tolist()
         assert (spec[row][len(mine) :] == -1).all()
         assert got_tokens[row] == mine[0]
+        if asked[row]:  # raw log-probs of the kept tokens: log-softmax at the argmax
+            kept = mine[mine >= 0]
+            rows_of = np.flatnonzero(req_of_row == j)[: len(kept)]
+            raw = torch.log_softmax(logits, -1)[rows_of, torch.from_numpy(kept)].numpy()
+            np.testing.assert_allclose(lp[row][: len(kept)], raw, atol=1e-5)
+            assert np.isnan(lp[row][len(kept) :]).all()
+        elif lp is not None:
+            assert np.isnan(lp[row]).all()
     others = np.setdiff1d(np.arange(batch), rows)
     assert (spec[others] == -1).all() and (got_tokens[others] == 99).all()

@@ -85,6 +85,7 @@ class SpecHarness(ts.Harness):
         if not nd.any():
             return result
         spec = np.full((len(batch.chunks), int(nd.max()) + 1), -1, np.int32)
+        spec_lp = np.full(spec.shape, np.nan, np.float32)  # (the real gpu's, as plain decoding's)
         tokens = result.token_ids.copy()
         for i, c in enumerate(batch.chunks):
             d = int(nd[i])
@@ -97,10 +98,13 @@ class SpecHarness(ts.Harness):
                 accepted += 1
             new = [ts.fake_token(start + 1 + j) for j in range(accepted + 1)]
             spec[i, : len(new)] = new
+            if a["logprobs"][i]:
+                spec_lp[i, : len(new)] = [ts.fake_log_prob(start + 1 + j) for j in range(len(new))]
             tokens[i] = new[0]
             self.verify_rows.append((c.request.request_id, d, accepted))
         fields = {f: getattr(result, f) for f in result.__dataclass_fields__}
-        return StepResult(**(fields | {"token_ids": tokens, "spec_tokens": spec}))
+        extra = {"token_ids": tokens, "spec_tokens": spec, "spec_log_probs": spec_lp}
+        return StepResult(**(fields | extra))
 
     def check_after_update(self):
         bs = self.plan.block_size
@@ -177,7 +181,7 @@ def test_requests_that_opt_out_or_need_per_token_work_do_not_speculate():
     h = SpecHarness(ts.make_plan(), chunked=False)
     reqs = [
         periodic_request(1, 12, 8, speculative=False),
-        periodic_request(2, 12, 8, return_log_probs=True),
+        periodic_request(2, 12, 8, return_log_probs=True, top_n_logprobs=2),
         periodic_request(3, 12, 8, presence_penalty=0.5),
         periodic_request(4, 12, 8),
     ]
@@ -189,6 +193,19 @@ def test_requests_that_opt_out_or_need_per_token_work_do_not_speculate():
     assert {rid for rid, _, _ in h.verify_rows} == {4}
     for rid in (1, 2, 3, 4):
         assert h.ended[rid].generated == [ts.fake_token(12 + j) for j in range(8)]
+
+
+def test_a_request_with_log_probs_speculates_and_gets_one_per_token():
+    """Raw log-probs ride along: each accepted token gets the one plain decoding gives it
+    (check_end compares them), processed ones do not speculate."""
+    h = SpecHarness(ts.make_plan(), chunked=False, k=4)
+    h.add(periodic_request(1, 12, 14, return_log_probs=True))
+    h.add(periodic_request(2, 12, 6, return_log_probs=True, logprobs_mode="processed"))
+    assert h.sched.requests[1].speculates and not h.sched.requests[2].speculates
+    h.run()
+    h.check_end()
+    assert {rid for rid, _, _ in h.verify_rows} == {1}
+    assert len(h.ended[1].log_probs) == 14
 
 
 def test_drafts_fit_the_token_budget_and_the_free_blocks():

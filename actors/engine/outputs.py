@@ -26,10 +26,12 @@ def append_token(
     track_events: bool,
     weight_version: int,
     token: int | None = None,
+    log_prob: float | None = None,
 ) -> FinishReason | None:
     """Append row i's sampled token (and its log-probs), sampled with the weights of
     `weight_version`, to `r`; the reason it ends, if any. `token`: a verify row's new token
-    to append instead (one of several; such a row has no log-probs)."""
+    to append instead (one of several), with its raw `log_prob` when `r` asks for log-probs
+    (such a row has no top-n)."""
     tok = int(res.token_ids[i]) if token is None else token
     r.generated.append(tok)
     if not r.weight_versions or r.weight_versions[-1][0] != weight_version:
@@ -39,7 +41,7 @@ def append_token(
     r.last_token_time = now
     s = r.sampling
     if s.return_log_probs:
-        r.log_probs.append(float(res.log_probs[i]))
+        r.log_probs.append(float(res.log_probs[i]) if token is None else float(log_prob))
     if s.top_n_logprobs:
         n = s.top_n_logprobs
         r.top_n.append((res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy()))

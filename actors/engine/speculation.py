@@ -23,11 +23,12 @@ The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 
   its admission already counted: prompt + max_tokens), and go back when it ends.
 
 Which requests speculate (v1): those with `SamplingParams.speculative` (the default) and none
-of log-probs or top-n, logit controls (penalties, logit_bias, min_tokens, bad words), a grammar
-(structured outputs) or routed experts: those decode one token per step as without
-speculation (each needs per-position work the verify step does not do yet). Hybrid (Mamba /
-GDN) models refuse speculation at start-up (their recurrent state would have to be rolled back
-to the last accepted position; not built).
+of top-n or processed log-probs, logit controls (penalties, logit_bias, min_tokens, bad
+words), a grammar (structured outputs) or routed experts: those decode one token per step as
+without speculation (each needs per-position work the verify step does not do yet). Raw
+log-probs come with each accepted token (StepResult.spec_log_probs): RL rollouts speculate.
+Hybrid (Mamba / GDN) models refuse speculation at start-up (their recurrent state would have to
+be rolled back to the last accepted position; not built).
 
 Back-off: a speculating request gives up the overlap of plain decoding (its rows wait for its
 last token), which a row that gains nothing pays for in full. After MISSES rows in a row that
@@ -49,7 +50,7 @@ from taipan.actors.engine.ngram import NgramDrafter, NgramIndex
 from taipan.actors.engine.outputs import append_token
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.gpu import StepResult
-from taipan.messages.requests import FinishReason
+from taipan.messages.requests import FinishReason, LogprobsMode
 
 __all__ = ["Backoff", "Speculation"]
 
@@ -84,9 +85,10 @@ class Speculation:
     def eligible(r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's v1 rule)."""
         s = r.sampling
+        processed = s.return_log_probs and s.logprobs_mode is LogprobsMode.PROCESSED
         return bool(
             s.speculative
-            and not (s.return_log_probs or s.top_n_logprobs)
+            and not (processed or s.top_n_logprobs)
             and not s.has_controls
             and s.structured is None
             and not s.return_routed_experts
@@ -155,13 +157,23 @@ class Speculation:
             raise ValueError(
                 f"step {result.step}, row {i}: {len(new)} new tokens for {len(c.drafts)} drafts"
             )
+        log_probs = [None] * len(new)
+        if r.sampling.return_log_probs:
+            if len(result.spec_log_probs) != len(result.token_ids):
+                raise ValueError(
+                    f"step {result.step}, row {i}: its request asks for log-probs but the "
+                    "result has no spec_log_probs row for each sequence"
+                )
+            log_probs = result.spec_log_probs[i, : len(new)].tolist()
         self.count(len(c.drafts), len(new) - 1)
         if len(new) > 1:
             self._hit(r)
         else:
             self._missed(r)
-        for tok in new:
-            reason = append_token(r, result, i, now, plan, track_token_events, version, token=tok)
+        for tok, lp in zip(new, log_probs, strict=True):
+            reason = append_token(
+                r, result, i, now, plan, track_token_events, version, token=tok, log_prob=lp
+            )
             if reason is not None:
                 return reason
         r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts

@@ -10,8 +10,9 @@ The result is StepResult.spec_tokens; the sequence's first new token also replac
 in the step's sampled tokens. Such a step replays a mixed CUDA graph, which in a speculative
 config keeps every token's hidden state (eagerly without graphs or under expert parallelism:
 forward.py `_bucket`); the logits of every verified position come from those hidden states.
-The engine sends no log-probs, sampling controls, grammar or prev_rows for these sequences
-(actors/engine/speculation.py); `check_drafts` refuses a plan that does.
+Raw log-probs of the new tokens, where a sequence asks, go in StepResult.spec_log_probs. The
+engine sends no top-n, prompt or processed log-probs, sampling controls, grammar or prev_rows
+for these sequences (actors/engine/speculation.py); `check_drafts` refuses a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
 writes the tokens returned here into it).
@@ -53,12 +54,10 @@ def check_drafts(plan: StepPlan) -> None:
     if not plan.sample[rows].all():
         raise ValueError("a sequence with drafts must sample")
     tokens = _tokens_of(plan, rows)
-    if (
-        plan.logprobs[rows].any()
-        or plan.top_n[rows].any()
-        or (plan.prompt_targets[tokens] >= 0).any()
-    ):
-        raise ValueError("a sequence with drafts cannot ask for log-probs (not built)")
+    if plan.top_n[rows].any() or (plan.prompt_targets[tokens] >= 0).any():
+        raise ValueError("a sequence with drafts cannot ask for top-n or prompt log-probs")
+    if len(plan.logprobs_mode) and (plan.logprobs[rows] & plan.logprobs_mode[rows]).any():
+        raise ValueError("a sequence with drafts cannot ask for processed log-probs")
     if len(plan.prev_rows) and (plan.prev_rows[tokens] >= 0).any():
         raise ValueError("a sequence with drafts cannot read the previous step's tokens")
     controlled = [plan.penalty_rows, plan.bias_rows]
@@ -80,10 +79,11 @@ def verify_drafts(
     hidden: torch.Tensor,
     tokens: torch.Tensor,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor | np.ndarray]:
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
     """(the step's sampled tokens [B] with each verifying sequence's first new token in its
-    row, spec_tokens [B, K+1] int64: -1 but the verifying rows' new tokens; on the device, or
-    on the host (numpy) when every verifying row is greedy).
+    row; spec_tokens [B, K+1] int64, -1 but the verifying rows' new tokens; their raw log-probs
+    [B, K+1] float32, NaN but for the rows that ask, or None when none asks). Waits for the
+    step (the spec arrays are on the host).
     `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device."""
     rows = draft_rows(plan)
     nd = plan.num_drafts[rows].astype(np.int64)  # [R]
@@ -104,14 +104,31 @@ def verify_drafts(
     names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
     params = {name: inputs[name][index] for name in names}
     verified = verify(logits, drafts, num_drafts, **params, with_logprobs=False)
-    k = int(nd.max())
-    out = torch.full((len(plan.seq_lens), k + 1), -1, dtype=torch.int64, device=device)
+    shape = (len(plan.seq_lens), int(nd.max()) + 1)
+    out = torch.full(shape, -1, dtype=torch.int64, device=device)
     req = torch.from_numpy(np.repeat(rows, counts)).to(device)
-    out[req, torch.from_numpy(offsets).to(device)] = verified.tokens
-    index = torch.from_numpy(rows).to(device)
+    at = (req, torch.from_numpy(offsets).to(device))
+    out[at] = verified.tokens
     tokens = tokens.clone()
     tokens[index] = out[index, 0]
-    return tokens, out
+    log_probs = None
+    if plan.logprobs[rows].any():
+        lp = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
+        lp[at] = _raw_log_probs(logits, verified.tokens)
+        log_probs = _asked(plan, lp.cpu().numpy())
+    return tokens, out.cpu().numpy(), log_probs
+
+
+def _raw_log_probs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """log-softmax of each row's fp32 logits at its `chosen` token ([rows]; NaN where < 0)."""
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(1, chosen.clamp(min=0)[:, None])[:, 0]
+    return torch.where(chosen >= 0, lp, float("nan"))
+
+
+def _asked(plan: StepPlan, log_probs: np.ndarray) -> np.ndarray:
+    """`log_probs` [B, K+1] with NaN on the rows that did not ask for log-probs."""
+    log_probs[plan.logprobs == 0] = np.nan
+    return log_probs
 
 
 def _greedy_on_host(
@@ -122,7 +139,7 @@ def _greedy_on_host(
     is_draft: np.ndarray,
     logits: torch.Tensor,
     tokens: torch.Tensor,
-) -> tuple[torch.Tensor, np.ndarray]:
+) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
     """`verify_drafts` when every verifying row is greedy: the scored positions' argmax comes
     to the host (one copy, which waits for the step, as the result must anyway) and the
     accepted prefixes are found there against the plan's own draft tokens, instead of a chain
@@ -130,18 +147,24 @@ def _greedy_on_host(
     an H100: about half of a SmolLM2 verify step's host time). The same rule as
     ops/speculative.py `verify_greedy`: drafts are accepted while each equals the argmax
     before it (ties to the lowest id), then the argmax at the first mismatch or the bonus row
-    is added. Returns spec_tokens as int64 numpy."""
+    is added. A greedy token's raw log-prob is its logit less the row's logsumexp."""
     target = logits.argmax(dim=-1).cpu().numpy()  # [rows] int64
+    best = None
+    if plan.logprobs[rows].any():
+        best = (logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).cpu().numpy()
     drafts = np.asarray(plan.input_ids)[scored[is_draft]].astype(np.int64)
     out = np.full((len(plan.seq_lens), int(nd.max()) + 1), -1, dtype=np.int64)
+    lp = None if best is None else np.full(out.shape, np.nan, dtype=np.float32)
     t0 = d0 = 0
     for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
         t, dr = target[t0 : t0 + d + 1], drafts[d0 : d0 + d]
         missed = np.flatnonzero(dr != t[:d])
         accepted = int(missed[0]) if len(missed) else d
         out[row, : accepted + 1] = t[: accepted + 1]
+        if lp is not None:
+            lp[row, : accepted + 1] = best[t0 : t0 + accepted + 1]
         t0, d0 = t0 + d + 1, d0 + d
     tokens = tokens.clone()
     index = torch.from_numpy(rows).to(tokens.device)
     tokens[index] = torch.from_numpy(out[rows, 0]).to(tokens.device, tokens.dtype)
-    return tokens, out
+    return tokens, out, None if lp is None else _asked(plan, lp)

@@ -76,6 +76,7 @@ class Launched:
     ended: torch.cuda.Event | None
     routed: torch.Tensor | None = None  # [T, moe layers, k] on the host, when the plan asks
     spec: np.ndarray | None = None  # StepResult.spec_tokens, when the plan verifies drafts
+    spec_log_probs: np.ndarray | None = None  # StepResult.spec_log_probs, when some ask
 
 
 def check_device(device: torch.device) -> None:
@@ -399,11 +400,11 @@ class ModelWorker(WorkerForward, WorkerControls):
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
         tokens = self.grammar_masks.checked(tokens, controlled)  # (greedy grammar rows)
-        spec = None
-        if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py)
-            tokens, spec = verify_drafts(plan, inputs, hidden, tokens, self.model.compute_logits)
-            if isinstance(spec, torch.Tensor):
-                spec = spec.cpu().numpy()  # (waits for the step)
+        spec = spec_lp = None
+        if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; waits for the step)
+            tokens, spec, spec_lp = verify_drafts(
+                plan, inputs, hidden, tokens, self.model.compute_logits
+            )
             spec = spec.astype(np.int32)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
@@ -427,7 +428,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         launched = Launched(
             plan, rows, host, extra, bucket is not None, start, device_start, began, ended, routed
         )
-        launched.spec = spec
+        launched.spec, launched.spec_log_probs = spec, spec_lp
         return launched
 
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -470,6 +471,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             extra = extra | {"routed_experts": launched.routed.numpy()}
         if launched.spec is not None:
             extra = extra | {"spec_tokens": launched.spec}
+        if launched.spec_log_probs is not None:
+            extra = extra | {"spec_log_probs": launched.spec_log_probs}
         return StepResult(
             plan.step,
             token_ids,
