@@ -88,3 +88,11 @@ if [ "$PART" = e ]; then
             --results "$OUT/results.jsonl" 2>&1 | grep -E "^spec|rror" | tail -3
     done
 fi
+# part f, on nvidia-h100-x1 after `carry_model.sh stage1` (carry part2, .whl, .carry/new): the
+# speculative GPU test with raw log-probs on verify rows (be09bb0), fp32 and bf16.
+if [ "$PART" = f ]; then
+    (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+    CUDA_VISIBLE_DEVICES=0 timeout -s ABRT 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+        -rfs --tb=short tests/test_e2e_speculative.py tests/test_gpu_speculative.py 2>&1 \
+        | grep -vE "^  File|^Extension" | tail -8
+fi
