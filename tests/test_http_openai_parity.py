@@ -65,6 +65,32 @@ def _served(runtime, wrap=None):
         thread.join(30)
 
 
+@contextlib.contextmanager
+def served_wrapped(runtime, wrapper):
+    """`_served` over a client wrapped in `wrapper` (a WrappedClient class); yields (base URL,
+    the wrapped client the server uses)."""
+    made = []
+
+    def wrap(client):
+        made.append(wrapper(client))
+        return made[0]
+
+    with _served(runtime, wrap) as url:
+        yield url, made[0]
+
+
+class WrappedClient:
+    """A connected AsyncClient that records each prompt it is given (`prompts`); a subclass
+    fakes replies or passes them through."""
+
+    def __init__(self, client: AsyncClient) -> None:
+        self._client = client
+        self.prompts: list[list[int]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
 @pytest.fixture(scope="module")
 def base(runtime):
     with _served(runtime) as url:
@@ -369,15 +395,8 @@ CALLS = ('I will check.\n<tool_call>\n{"name": "get_weather", "arguments": {"cit
          "</tool_call>")  # fmt: skip
 
 
-class _CannedCalls:
+class _CannedCalls(WrappedClient):
     """A connected AsyncClient whose replies are CALLS (streamed a few characters a delta)."""
-
-    def __init__(self, client: AsyncClient) -> None:
-        self._client = client
-        self.prompts: list[list[int]] = []
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
 
     async def generate(self, ids, params, raise_on_error=True):
         self.prompts.append(list(ids))

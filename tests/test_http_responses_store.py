@@ -13,22 +13,15 @@ import openai
 import pytest
 
 from taipan.server.response_store import MAX_STORED_RESPONSES, ResponseStore
-from tests.test_http_openai_parity import MODEL, _CannedCalls, _served
+from tests.test_http_openai_parity import MODEL, WrappedClient, _CannedCalls, served_wrapped
 from tests.test_http_responses_tools import ASK, WEATHER
 
 FIRST = "My name is Ada. Say hello to me."
 SECOND = "What is my name?"
 
 
-class _Recorded:
+class _Recorded(WrappedClient):
     """A connected AsyncClient that records each prompt it is given and generates as usual."""
-
-    def __init__(self, client) -> None:
-        self._client = client
-        self.prompts: list[list[int]] = []
-
-    def __getattr__(self, name):
-        return getattr(self._client, name)
 
     async def generate(self, ids, params, raise_on_error=True):
         self.prompts.append(list(ids))
@@ -42,15 +35,9 @@ class _Recorded:
 @pytest.fixture(scope="module")
 def served(runtime):
     """(SDK client, base URL, the recording client) over a server of the real model."""
-    made = []
-
-    def wrap(client):
-        made.append(_Recorded(client))
-        return made[0]
-
-    with _served(runtime, wrap) as url:
+    with served_wrapped(runtime, _Recorded) as (url, client):
         oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=120)
-        yield oai, url, made[0]
+        yield oai, url, client
 
 
 def _prompt(client) -> str:
@@ -131,20 +118,13 @@ def test_unstored_and_unknown_ids_are_a_404_naming_the_field(served):
 
 
 def test_function_calls_continue_through_a_stored_response(runtime):
-    made = []
-
-    def wrap(client):
-        made.append(_CannedCalls(client))
-        return made[0]
-
-    with _served(runtime, wrap) as url:
+    with served_wrapped(runtime, _CannedCalls) as (url, client):
         oai = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
         r = oai.responses.create(model=MODEL, input=ASK, tools=[WEATHER])
         calls = [o for o in r.output if o.type == "function_call"]
         back = [{"type": "function_call_output", "call_id": c.call_id, "output": f"sunny {i}"}
                 for i, c in enumerate(calls)]  # fmt: skip
         oai.responses.create(model=MODEL, input=back, tools=[WEATHER], previous_response_id=r.id)
-        client = made[0]
         prompt = _prompt(client)
         whole = [{"role": "user", "content": ASK}, *r.output, *back]
         oai.responses.create(model=MODEL, input=whole, tools=[WEATHER], store=False)

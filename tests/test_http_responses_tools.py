@@ -12,7 +12,7 @@ import json
 import openai
 import pytest
 
-from tests.test_http_openai_parity import CALLS, MODEL, _CannedCalls, _served
+from tests.test_http_openai_parity import CALLS, MODEL, _CannedCalls, _served, served_wrapped
 
 # The Responses API's flat function tool (chat nests it under "function").
 WEATHER = {
@@ -37,14 +37,8 @@ ASK = "Weather in Paris and Rome?"
 @pytest.fixture(scope="module")
 def canned(runtime):
     """(SDK client, the canned client) over a server whose replies are CALLS."""
-    made = []
-
-    def wrap(client):
-        made.append(_CannedCalls(client))
-        return made[0]
-
-    with _served(runtime, wrap) as url:
-        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0), made[0]
+    with served_wrapped(runtime, _CannedCalls) as (url, client):
+        yield openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0), client
 
 
 @pytest.fixture(scope="module")

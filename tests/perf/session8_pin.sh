@@ -28,16 +28,7 @@ run() {  # variant
         --dtype bfloat16 --batches 1,64 --output-len 256 --no-hf --ours-modes graphs \
         --results /tmp/pin_one.jsonl > /tmp/pin_one.log 2>&1) || { tail -3 /tmp/pin_one.log; }
     wait
-    python3 - "$v" "$OUT/pin.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open("/tmp/pin_one.jsonl")][-2:]
-with open(sys.argv[2], "a") as f:
-    for r in rows:
-        r.update(variant=sys.argv[1], command="tests/perf/session8_pin.sh")
-        f.write(json.dumps(r) + "\n")
-print(f"{sys.argv[1]:7s}", " ".join(
-    f"b{r['batch']}: {r['ours_step_ms']:.3f} ms (idle {100 * r['gpu_idle_share']:.1f} %)"
-    for r in rows))
-PY
+    python3 tests/perf/keep_rows.py /tmp/pin_one.jsonl "$OUT/pin.jsonl" 2 "$v" variant="$v" \
+        command=tests/perf/session8_pin.sh
 }
 for i in $(seq "$N"); do run default; run omp1; run pinned; done

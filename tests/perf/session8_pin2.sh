@@ -17,17 +17,8 @@ run() {  # variant cores
         bench --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
         --batches 1,64 --output-len 256 --no-hf --ours-modes graphs \
         --results /tmp/pin_one.jsonl > /tmp/pin_one.log 2>&1 || { tail -3 /tmp/pin_one.log; }
-    python3 - "$1" "$OUT/pin2.jsonl" <<'PY'
-import json, sys
-rows = [json.loads(line) for line in open("/tmp/pin_one.jsonl")][-2:]
-with open(sys.argv[2], "a") as f:
-    for r in rows:
-        r.update(variant=sys.argv[1], command="tests/perf/session8_pin2.sh")
-        f.write(json.dumps(r) + "\n")
-print(f"{sys.argv[1]:7s}", " ".join(
-    f"b{r['batch']}: {r['ours_step_ms']:.3f} ms (idle {100 * r['gpu_idle_share']:.1f} %)"
-    for r in rows))
-PY
+    python3 tests/perf/keep_rows.py /tmp/pin_one.jsonl "$OUT/pin2.jsonl" 2 "$1" variant="$1" \
+        command=tests/perf/session8_pin2.sh
 }
 for i in $(seq "$N"); do run pinned 2; run off 0; done
 echo "== tensor-parallel GPU tests"
