@@ -189,8 +189,8 @@ class SamplingParams:
     structured: StructuredOutput | None = None
     # Speculative decoding (InferenceConfig.num_speculative_tokens > 0): False opts this request
     # out (it decodes one token per step). Requests with top-n or processed log-probs, logit
-    # controls, a grammar or routed experts never speculate (v1; actors/engine/speculation.py);
-    # raw log-probs do.
+    # controls or a grammar never speculate (v1; actors/engine/speculation.py); raw log-probs
+    # and routed experts do.
     speculative: bool = True
 
     def problems(self) -> list[str]:

@@ -274,3 +274,18 @@ def test_cuda_graphs_write_the_routed_experts_in_place(tmp_path):
     for p, out in zip(prompts, got["cuda"], strict=False):
         assert_equal_hf(hf, p, out)
     assert got["cuda"][3].routed_experts is None
+
+
+def test_speculating_requests_return_the_routing_of_their_accepted_tokens(model):
+    """With n-gram drafts (prompts that repeat themselves, so drafts are proposed and some are
+    rejected), each position's routing is that of its real token, as Hugging Face's."""
+    path, hf = model
+    base = _prompts(7, (9, 12))
+    prompts = [p * 3 for p in base]  # (the drafter finds the repeats)
+    cfg = InferenceConfig(**CONFIG, num_speculative_tokens=3)
+    with Runtime(path, cfg) as rt, Client(rt.address) as client:
+        done = client.generate(prompts, ROUTED)
+        stats = client.stats().merged()
+    assert stats.spec_verify_rows > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    for p, out in zip(prompts, done, strict=True):
+        assert_equal_hf(hf, p, out)

@@ -40,12 +40,19 @@ class Routing:
     def gpu(self, batch, a) -> StepResult:
         result = super().gpu(batch, a)
         rows = []
+        drafts = a["num_drafts"] if len(a.get("num_drafts", ())) else None
         for i, c in enumerate(batch.chunks):
             r = c.request
-            for p in range(a["positions"][a["query_start_loc"][i]], a["seq_lens"][i]):
+            first = a["positions"][a["query_start_loc"][i]]
+            for p in range(first, a["seq_lens"][i]):
+                tok = int(true_tokens(r, p + 1)[p])
+                if drafts is not None and drafts[i] and p > first:  # a draft: maybe wrong
+                    fed = int(a["input_ids"][a["query_start_loc"][i] + p - first])
+                    if fed != tok:  # routing of a wrong token: must never be kept
+                        rows.append([[-1, p], [r.request_id, fed]])
+                        continue
                 seen = self.times.get((r.request_id, p), 0)
                 self.times[r.request_id, p] = seen + 1
-                tok = int(true_tokens(r, p + 1)[p])
                 rows.append([[seen, p], [r.request_id, tok]])
             if r.routed is not None and c.start + c.num_new_tokens > r.routed.filled:
                 assert a["return_routed_experts"], "a position whose routing is wanted"
@@ -176,3 +183,36 @@ def test_a_request_shares_the_cached_blocks_whose_routing_it_has_or_the_cache_ke
     fill_from_cache(r, 3, kept, 4)
     got = r.routed.first(20)
     assert len(got) == 12 and (got[:9] == 1).all() and (got[9:] == 0).all()
+
+
+def test_speculating_requests_keep_the_routing_of_accepted_positions_only():
+    """Verify rows (speculative decoding) route their drafts too; a rejected draft's position
+    is computed again with its real token, and only that routing is kept."""
+    import tests.test_scheduler as ts
+    from tests.test_speculative_engine import PERIOD, SpecHarness, periodic_request
+
+    class SpecRoutingHarness(Routing, SpecHarness):
+        pass
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(ts, "fake_token", lambda position: position % PERIOD + 10)  # (drafts are found)
+    try:
+        _speculate_with_routing(SpecRoutingHarness, periodic_request)
+    finally:
+        mp.undo()
+
+
+def _speculate_with_routing(harness, periodic_request) -> None:
+    h = harness(make_plan(), chunked=False, overlap=False, k=3)
+    h.always = True
+    good = periodic_request(1, 12, 14, return_routed_experts=True)
+    wrong = periodic_request(2, 12, 10, return_routed_experts=True)
+    wrong.prompt[-2] = 99  # (a suffix seen nowhere else: some drafts go wrong later)
+    for r in (good, wrong):
+        h.add(r)
+    assert good.speculates and wrong.speculates
+    h.run()
+    h.check_end()
+    assert h.verify_rows and any(a < d for _, d, a in h.verify_rows)  # some rejected
+    for rid in (1, 2):
+        assert (h.routed(rid)[:, 1, 0] == rid).all()

@@ -4,7 +4,8 @@ each MoE layer chose for every position of a request, kept so a trainer can repl
 `RoutedExperts` is one request's record: a growable int array [positions, MoE layers, top_k]
 whose positions [0, filled) are known. A position is written once, the first time it is known,
 and never again:
-- by the forward that first computes it (a step's StepResult.routed_experts, `take_step`);
+- by the forward that first computes it (a step's StepResult.routed_experts, `take_step`; for
+  a speculative verify row, only up to its accepted drafts);
 - or, for a prompt block the request shares from the prefix cache (no forward of its own), by
   the routing of the forward that computed that block, kept with the block by its hash
   (PrefixIndex.routing_of, actors/engine/prefix.py; dropped with the block when it is
@@ -70,17 +71,25 @@ class RoutedExperts:
         return self._rows[stop - block_size : stop].copy()
 
 
-def take_step(batch, routed: np.ndarray) -> None:
+def take_step(batch, routed: np.ndarray, spec_tokens: np.ndarray | None = None) -> None:
     """A step's routed experts [T, layers, k] (StepResult.routed_experts, in the plan's token
     order) into the records of the requests of its chunks (`batch`, a StepBatch) that ask;
-    empty: the step asked for none."""
+    empty: the step asked for none. A verify row (speculative decoding) keeps the routing of
+    its last known token and its accepted drafts only (`spec_tokens`, StepResult's: its new
+    tokens count them): a rejected draft's position is computed again, with its real token,
+    by a later step, which is then its first computation."""
     if not len(routed):
         return
     offset = 0
-    for c in batch.chunks:
+    for i, c in enumerate(batch.chunks):
         record = c.request.routed
         if record is not None:
-            record.put(c.start, routed[offset : offset + c.num_new_tokens])
+            keep = c.num_new_tokens
+            if c.drafts is not None and len(c.drafts):
+                if spec_tokens is None or len(spec_tokens) <= i:
+                    raise ValueError(f"step {batch.step}: a verify row's routing, no spec_tokens")
+                keep = int((spec_tokens[i] >= 0).sum())  # 1 + the accepted drafts
+            record.put(c.start, routed[offset : offset + keep])
         offset += c.num_new_tokens
 
 

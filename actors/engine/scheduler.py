@@ -455,7 +455,7 @@ class Scheduler:
             if result is None:
                 self._drop_cached()  # the step's blocks (and snapshots) may hold no valid state
         if result is not None and len(result.routed_experts):
-            take_step(batch, result.routed_experts)
+            take_step(batch, result.routed_experts, result.spec_tokens)
             if self.prefix is not None and batch.regs:
                 px = self.prefix
                 keep_block_routing(batch, px.routing_of, px.block_of, self.plan.block_size)

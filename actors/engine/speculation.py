@@ -24,9 +24,10 @@ The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 
 
 Which requests speculate (v1): those with `SamplingParams.speculative` (the default) and none
 of top-n or processed log-probs, logit controls (penalties, logit_bias, min_tokens, bad
-words), a grammar (structured outputs) or routed experts: those decode one token per step as
-without speculation (each needs per-position work the verify step does not do yet). Raw
-log-probs come with each accepted token (StepResult.spec_log_probs): RL rollouts speculate.
+words) or a grammar (structured outputs): those decode one token per step as without
+speculation (each needs per-position work the verify step does not do yet). Raw log-probs come
+with each accepted token (StepResult.spec_log_probs) and routed experts with each accepted
+position (routing.py `take_step`): RL rollouts speculate.
 Hybrid (Mamba / GDN) models refuse speculation at start-up (their recurrent state would have to
 be rolled back to the last accepted position; not built).
 
@@ -91,7 +92,6 @@ class Speculation:
             and not (processed or s.top_n_logprobs)
             and not s.has_controls
             and s.structured is None
-            and not s.return_routed_experts
         )
 
     def propose(self, r: EngineRequest, limit: int) -> np.ndarray:
