@@ -227,9 +227,9 @@ class StepPlan:
     # num_drafts int32[B], the draft tokens sequence i verifies (empty: none in this step). Its
     # last num_drafts[i] input tokens are the drafts, after its last known token; the gpu
     # scores all num_drafts[i] + 1 positions and returns what it accepts in
-    # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no top-n,
-    # prompt or processed log-probs (raw ones: StepResult.spec_log_probs), controls or
-    # grammar; it replays a mixed CUDA graph where the config keeps their hidden states.
+    # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no prompt or
+    # processed log-probs (raw ones and top-n: StepResult.spec_log_probs / spec_top_n_*),
+    # controls or grammar; it replays a mixed CUDA graph where the config keeps their hidden states.
     num_drafts: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
@@ -277,6 +277,11 @@ class StepResult:
     # that ask for log-probs (NaN elsewhere; empty when none asks). Such a sequence's
     # log_probs[i] is of its last scored position, not of a token it gains: read these.
     spec_log_probs: Array[np.float32, 2] = empty_array_field(np.float32, 2)
+    # int32 / float32 [B, K+1, N], N = the verifying rows' largest top_n: the raw top-n of each
+    # of spec_tokens, for the sequences with drafts that ask (-1 / NaN elsewhere; empty when
+    # none asks).
+    spec_top_n_ids: Array[np.int32, 3] = empty_array_field(np.int32, 3)
+    spec_top_n_log_probs: Array[np.float32, 3] = empty_array_field(np.float32, 3)
 
 
 @message(124, required=4)  # (the weight-transfer fields came later)

@@ -47,15 +47,18 @@ def spec(model_path):
 
 def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(client, spec):
     """The default run's check (two prompts, no pressure; the slow tests add the rest), with
-    log-probs: every accepted token carries the one plain decoding gives it."""
-    greedy = SamplingParams(max_tokens=N, temperature=0.0, return_log_probs=True)
+    log-probs and top-n: every accepted token carries what plain decoding gives it."""
+    greedy = SamplingParams(max_tokens=N, temperature=0.0, return_log_probs=True, top_n_logprobs=2)
     want = client.generate(PROMPTS[:2], greedy)
     before = spec.stats().merged()
     got = spec.generate(PROMPTS[:2], greedy)
     assert [x.token_ids for x in got] == [x.token_ids for x in want]
     for g, w in zip(got, want, strict=True):
-        assert len(g.log_probs) == len(g.token_ids)
+        assert len(g.log_probs) == len(g.token_ids) == len(g.top_n_logprobs)
         np.testing.assert_allclose(g.log_probs, w.log_probs, atol=1e-4)
+        for a, b in zip(g.top_n_logprobs, w.top_n_logprobs, strict=True):
+            assert list(a) == list(b)
+            np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
     rank = spec.stats().merged()
     accepted = rank.spec_accepted_tokens - before.spec_accepted_tokens
     assert rank.spec_draft_tokens > before.spec_draft_tokens and accepted > 0, rank

@@ -49,8 +49,9 @@ def _plain(w: ModelWorker, temperature: float, log_probs: list | None = None) ->
     """Each prompt's first token (prefill), then STEPS tokens one step at a time (`log_probs`:
     a list that gets each prompt's raw log-probs of them)."""
     out = [[] for _ in PROMPTS]
-    asked = {"logprobs": np.ones(len(PROMPTS), np.int8)} if log_probs is not None else {}
+    asked = {}
     if log_probs is not None:
+        asked = {"logprobs": np.ones(len(PROMPTS), np.int8), "top_n": np.full(2, 3, np.int32)}
         log_probs += [[] for _ in PROMPTS]
     seqs = [Seq(p, 0, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
     for step in range(STEPS + 1):
@@ -61,7 +62,7 @@ def _plain(w: ModelWorker, temperature: float, log_probs: list | None = None) ->
         for i, t in enumerate(res.token_ids.tolist()):
             out[i].append(t)
             if log_probs is not None:
-                log_probs[i].append(float(res.log_probs[i]))
+                log_probs[i].append((float(res.log_probs[i]), res.top_n_log_probs[i].copy()))
     return out
 
 
@@ -116,15 +117,21 @@ def test_verify_rows_carry_the_raw_log_probs_of_one_token_decoding(worker, tempe
         plan = _with(
             make_plan(2, seqs), temperature, [1, 1],
             num_drafts=np.asarray([0, 3], np.int32), logprobs=np.asarray(asked, np.int8),
+            top_n=np.asarray(asked, np.int32) * 3,
         )  # fmt: skip
         res = worker.step(plan)
         assert res.spec_tokens[1].tolist() == [t[1], t[2], t[3], -1]
         if asked[1]:
-            np.testing.assert_allclose(res.spec_log_probs[1, :3], want_lp[1][1:4], atol=1e-4)
+            lps = [lp for lp, _ in want_lp[1][1:4]]
+            np.testing.assert_allclose(res.spec_log_probs[1, :3], lps, atol=1e-4)
             assert np.isnan(res.spec_log_probs[1, 3]) and np.isnan(res.spec_log_probs[0]).all()
+            tops = np.stack([top for _, top in want_lp[1][1:4]])
+            np.testing.assert_allclose(res.spec_top_n_log_probs[1, :3], tops, atol=1e-4)
+            assert (res.spec_top_n_ids[1, 3] == -1).all() and (res.spec_top_n_ids[0] == -1).all()
         else:
             assert res.spec_log_probs.shape == (0, 0) or np.isnan(res.spec_log_probs).all()
-        np.testing.assert_allclose(res.log_probs[0], want_lp[0][1], atol=1e-4)
+            assert res.spec_top_n_ids.size == 0
+        np.testing.assert_allclose(res.log_probs[0], want_lp[0][1][0], atol=1e-4)
 
 
 def test_a_plan_without_drafts_has_no_spec_tokens(worker):
@@ -136,7 +143,7 @@ def test_a_plan_without_drafts_has_no_spec_tokens(worker):
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"top_n": np.asarray([2], np.int32)}, "top-n"),
+        ({"prompt_targets": np.asarray([-1, 5, -1], np.int32)}, "prompt log-probs"),
         (
             {"logprobs": np.asarray([1], np.int8), "logprobs_mode": np.asarray([1], np.int8)},
             "processed log-probs",
@@ -201,7 +208,7 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
 
     import torch
 
-    from taipan.actors.gpu.speculative import _greedy_on_host
+    from taipan.actors.gpu.speculative import _greedy_on_host, _log_prob_arrays
     from taipan.ops.speculative import verify_greedy
 
     rng = np.random.default_rng(seed)
@@ -223,12 +230,14 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
             input_ids[s] = target[i - 1]
     asked = (rng.random(batch) < 0.5).astype(np.int8)
     plan = types.SimpleNamespace(
-        input_ids=input_ids, seq_lens=query.astype(np.int32), logprobs=asked
-    )
+        input_ids=input_ids, seq_lens=query.astype(np.int32), logprobs=asked,
+        top_n=asked.astype(np.int32) * 2,
+    )  # fmt: skip
     tokens = torch.full((batch,), 99, dtype=torch.int64)
-    got_tokens, spec, lp = _greedy_on_host(
-        plan, rows, num_drafts[rows].astype(np.int64), scored, offsets > 0, logits, tokens
-    )
+    nd = num_drafts[rows].astype(np.int64)
+    got_tokens, spec, chosen = _greedy_on_host(plan, rows, nd, scored, offsets > 0, logits, tokens)
+    arrays = _log_prob_arrays(plan, rows, nd, logits, chosen, spec)
+    lp = arrays.get("spec_log_probs")
     drafts = torch.from_numpy(input_ids[scored[offsets > 0]].astype(np.int64))
     want = verify_greedy(logits, drafts, torch.from_numpy(num_drafts[rows].astype(np.int64)))
     req_of_row = np.repeat(np.arange(len(rows)), counts)
@@ -243,6 +252,11 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
             raw = torch.log_softmax(logits, -1)[rows_of, torch.from_numpy(kept)].numpy()
             np.testing.assert_allclose(lp[row][: len(kept)], raw, atol=1e-5)
             assert np.isnan(lp[row][len(kept) :]).all()
+            top = torch.log_softmax(logits, -1)[rows_of].topk(2, dim=-1)
+            np.testing.assert_allclose(
+                arrays["spec_top_n_log_probs"][row][: len(kept)], top.values.numpy(), atol=1e-5
+            )
+            assert (arrays["spec_top_n_ids"][row][len(kept) :] == -1).all()
         elif lp is not None:
             assert np.isnan(lp[row]).all()
     others = np.setdiff1d(np.arange(batch), rows)

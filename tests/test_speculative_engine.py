@@ -86,6 +86,8 @@ class SpecHarness(ts.Harness):
             return result
         spec = np.full((len(batch.chunks), int(nd.max()) + 1), -1, np.int32)
         spec_lp = np.full(spec.shape, np.nan, np.float32)  # (the real gpu's, as plain decoding's)
+        n_top = int(a["top_n"].max(initial=0))
+        top_ids = np.full((*spec.shape, n_top), -1, np.int32)  # (the base fake's: 0..n-1)
         tokens = result.token_ids.copy()
         for i, c in enumerate(batch.chunks):
             d = int(nd[i])
@@ -100,10 +102,12 @@ class SpecHarness(ts.Harness):
             spec[i, : len(new)] = new
             if a["logprobs"][i]:
                 spec_lp[i, : len(new)] = [ts.fake_log_prob(start + 1 + j) for j in range(len(new))]
+            top_ids[i, : len(new)] = np.arange(n_top)
             tokens[i] = new[0]
             self.verify_rows.append((c.request.request_id, d, accepted))
         fields = {f: getattr(result, f) for f in result.__dataclass_fields__}
         extra = {"token_ids": tokens, "spec_tokens": spec, "spec_log_probs": spec_lp}
+        extra |= {"spec_top_n_ids": top_ids, "spec_top_n_log_probs": -top_ids.astype(np.float32)}
         return StepResult(**(fields | extra))
 
     def check_after_update(self):
@@ -181,7 +185,7 @@ def test_requests_that_opt_out_or_need_per_token_work_do_not_speculate():
     h = SpecHarness(ts.make_plan(), chunked=False)
     reqs = [
         periodic_request(1, 12, 8, speculative=False),
-        periodic_request(2, 12, 8, return_log_probs=True, top_n_logprobs=2),
+        periodic_request(2, 12, 8, return_log_probs=True, logprobs_mode="processed"),
         periodic_request(3, 12, 8, presence_penalty=0.5),
         periodic_request(4, 12, 8),
     ]
@@ -196,16 +200,19 @@ def test_requests_that_opt_out_or_need_per_token_work_do_not_speculate():
 
 
 def test_a_request_with_log_probs_speculates_and_gets_one_per_token():
-    """Raw log-probs ride along: each accepted token gets the one plain decoding gives it
-    (check_end compares them), processed ones do not speculate."""
+    """Raw log-probs and top-n ride along: each accepted token gets what plain decoding gives
+    it (check_end compares the log-probs), processed ones do not speculate."""
     h = SpecHarness(ts.make_plan(), chunked=False, k=4)
-    h.add(periodic_request(1, 12, 14, return_log_probs=True))
+    h.add(periodic_request(1, 12, 14, return_log_probs=True, top_n_logprobs=2))
     h.add(periodic_request(2, 12, 6, return_log_probs=True, logprobs_mode="processed"))
     assert h.sched.requests[1].speculates and not h.sched.requests[2].speculates
     h.run()
     h.check_end()
     assert {rid for rid, _, _ in h.verify_rows} == {1}
-    assert len(h.ended[1].log_probs) == 14
+    r = h.ended[1]
+    assert len(r.log_probs) == len(r.top_n) == 14
+    for ids, lps in r.top_n:  # (the fake gpu's top-n: ids 0, 1 at log-probs 0, -1)
+        assert ids.tolist() == [0, 1] and lps.tolist() == [0.0, -1.0]
 
 
 def test_drafts_fit_the_token_budget_and_the_free_blocks():

@@ -27,11 +27,12 @@ def append_token(
     weight_version: int,
     token: int | None = None,
     log_prob: float | None = None,
+    top: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> FinishReason | None:
     """Append row i's sampled token (and its log-probs), sampled with the weights of
     `weight_version`, to `r`; the reason it ends, if any. `token`: a verify row's new token
-    to append instead (one of several), with its raw `log_prob` when `r` asks for log-probs
-    (such a row has no top-n)."""
+    to append instead (one of several), with its raw `log_prob` and `top` (ids, log-probs)
+    where `r` asks for them."""
     tok = int(res.token_ids[i]) if token is None else token
     r.generated.append(tok)
     if not r.weight_versions or r.weight_versions[-1][0] != weight_version:
@@ -44,7 +45,9 @@ def append_token(
         r.log_probs.append(float(res.log_probs[i]) if token is None else float(log_prob))
     if s.top_n_logprobs:
         n = s.top_n_logprobs
-        r.top_n.append((res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy()))
+        if token is None:
+            top = (res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy())
+        r.top_n.append(top)
     if track_events:
         r.add_event(EventType.GENERATED_TOKEN, now, tok)
     return stop_reason(r, tok, plan)

@@ -23,11 +23,11 @@ The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 
   its admission already counted: prompt + max_tokens), and go back when it ends.
 
 Which requests speculate (v1): those with `SamplingParams.speculative` (the default) and none
-of top-n or processed log-probs, logit controls (penalties, logit_bias, min_tokens, bad
-words) or a grammar (structured outputs): those decode one token per step as without
-speculation (each needs per-position work the verify step does not do yet). Raw log-probs come
-with each accepted token (StepResult.spec_log_probs) and routed experts with each accepted
-position (routing.py `take_step`): RL rollouts speculate.
+of processed log-probs, logit controls (penalties, logit_bias, min_tokens, bad words) or a
+grammar (structured outputs): those decode one token per step as without speculation (each
+needs per-position work the verify step does not do yet). Raw log-probs and top-n come with
+each accepted token (StepResult.spec_log_probs / spec_top_n_*) and routed experts with each
+accepted position (routing.py `take_step`): RL rollouts speculate.
 Hybrid (Mamba / GDN) models refuse speculation at start-up (their recurrent state would have to
 be rolled back to the last accepted position; not built).
 
@@ -86,13 +86,9 @@ class Speculation:
     def eligible(r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's v1 rule)."""
         s = r.sampling
-        processed = s.return_log_probs and s.logprobs_mode is LogprobsMode.PROCESSED
-        return bool(
-            s.speculative
-            and not (processed or s.top_n_logprobs)
-            and not s.has_controls
-            and s.structured is None
-        )
+        asks = s.return_log_probs or s.top_n_logprobs
+        processed = asks and s.logprobs_mode is LogprobsMode.PROCESSED
+        return bool(s.speculative and not processed and not s.has_controls and s.structured is None)
 
     def propose(self, r: EngineRequest, limit: int) -> np.ndarray:
         """Up to min(k, limit) draft tokens (int32) to follow `r`'s known tokens. Its index
@@ -157,22 +153,30 @@ class Speculation:
             raise ValueError(
                 f"step {result.step}, row {i}: {len(new)} new tokens for {len(c.drafts)} drafts"
             )
-        log_probs = [None] * len(new)
-        if r.sampling.return_log_probs:
-            if len(result.spec_log_probs) != len(result.token_ids):
+        log_probs, tops = [None] * len(new), [None] * len(new)
+        n = r.sampling.top_n_logprobs
+        for asked, arrays in (
+            (r.sampling.return_log_probs, [result.spec_log_probs]),
+            (n, [result.spec_top_n_ids, result.spec_top_n_log_probs]),
+        ):
+            if asked and any(len(a) != len(result.token_ids) for a in arrays):
                 raise ValueError(
-                    f"step {result.step}, row {i}: its request asks for log-probs but the "
-                    "result has no spec_log_probs row for each sequence"
+                    f"step {result.step}, row {i}: its request asks for log-probs the result "
+                    "does not carry for each sequence (spec_log_probs / spec_top_n_*)"
                 )
+        if r.sampling.return_log_probs:
             log_probs = result.spec_log_probs[i, : len(new)].tolist()
+        if n:
+            ids, lps = result.spec_top_n_ids[i], result.spec_top_n_log_probs[i]
+            tops = [(ids[j, :n].copy(), lps[j, :n].copy()) for j in range(len(new))]
         self.count(len(c.drafts), len(new) - 1)
         if len(new) > 1:
             self._hit(r)
         else:
             self._missed(r)
-        for tok, lp in zip(new, log_probs, strict=True):
+        for tok, lp, top in zip(new, log_probs, tops, strict=True):
             reason = append_token(
-                r, result, i, now, plan, track_token_events, version, token=tok, log_prob=lp
+                r, result, i, now, plan, track_token_events, version, tok, lp, top
             )
             if reason is not None:
                 return reason

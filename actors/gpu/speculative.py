@@ -10,9 +10,10 @@ The result is StepResult.spec_tokens; the sequence's first new token also replac
 in the step's sampled tokens. Such a step replays a mixed CUDA graph, which in a speculative
 config keeps every token's hidden state (eagerly without graphs or under expert parallelism:
 forward.py `_bucket`); the logits of every verified position come from those hidden states.
-Raw log-probs of the new tokens, where a sequence asks, go in StepResult.spec_log_probs. The
-engine sends no top-n, prompt or processed log-probs, sampling controls, grammar or prev_rows
-for these sequences (actors/engine/speculation.py); `check_drafts` refuses a plan that does.
+Raw log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
+spec_log_probs (spec_top_n_*). The engine sends no prompt or processed log-probs, sampling
+controls, grammar or prev_rows for these sequences (actors/engine/speculation.py);
+`check_drafts` refuses a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
 writes the tokens returned here into it).
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from taipan.messages.gpu import StepPlan
+from taipan.ops.logprobs import log_probs_and_top_n
 from taipan.ops.sampling import GREEDY_EPS
 from taipan.ops.speculative import verify
 
@@ -54,8 +56,8 @@ def check_drafts(plan: StepPlan) -> None:
     if not plan.sample[rows].all():
         raise ValueError("a sequence with drafts must sample")
     tokens = _tokens_of(plan, rows)
-    if plan.top_n[rows].any() or (plan.prompt_targets[tokens] >= 0).any():
-        raise ValueError("a sequence with drafts cannot ask for top-n or prompt log-probs")
+    if (plan.prompt_targets[tokens] >= 0).any():
+        raise ValueError("a sequence with drafts cannot ask for prompt log-probs")
     if len(plan.logprobs_mode) and (plan.logprobs[rows] & plan.logprobs_mode[rows]).any():
         raise ValueError("a sequence with drafts cannot ask for processed log-probs")
     if len(plan.prev_rows) and (plan.prev_rows[tokens] >= 0).any():
@@ -79,11 +81,11 @@ def verify_drafts(
     hidden: torch.Tensor,
     tokens: torch.Tensor,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+) -> tuple[torch.Tensor, np.ndarray, dict[str, np.ndarray]]:
     """(the step's sampled tokens [B] with each verifying sequence's first new token in its
-    row; spec_tokens [B, K+1] int64, -1 but the verifying rows' new tokens; their raw log-probs
-    [B, K+1] float32, NaN but for the rows that ask, or None when none asks). Waits for the
-    step (the spec arrays are on the host).
+    row; spec_tokens [B, K+1] int64, -1 but the verifying rows' new tokens; StepResult's
+    spec_log_probs / spec_top_n_* arrays of those tokens where a row asks, else {}). Waits for
+    the step (the spec arrays are on the host).
     `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device."""
     rows = draft_rows(plan)
     nd = plan.num_drafts[rows].astype(np.int64)  # [R]
@@ -97,7 +99,8 @@ def verify_drafts(
     scored_t = torch.from_numpy(scored).to(device)
     logits = compute_logits(hidden[scored_t])  # [rows, V] fp32
     if bool((plan.temperature[rows] < GREEDY_EPS).all()):
-        return _greedy_on_host(plan, rows, nd, scored, is_draft, logits, tokens)
+        tokens, out, chosen = _greedy_on_host(plan, rows, nd, scored, is_draft, logits, tokens)
+        return tokens, out, _log_prob_arrays(plan, rows, nd, logits, chosen, out)
     drafts = inputs["input_ids"][torch.from_numpy(scored[is_draft]).to(device)].long()
     num_drafts = torch.from_numpy(nd)
     index = torch.from_numpy(rows).to(device)
@@ -111,24 +114,46 @@ def verify_drafts(
     out[at] = verified.tokens
     tokens = tokens.clone()
     tokens[index] = out[index, 0]
-    log_probs = None
-    if plan.logprobs[rows].any():
-        lp = torch.full(shape, float("nan"), dtype=torch.float32, device=device)
-        lp[at] = _raw_log_probs(logits, verified.tokens)
-        log_probs = _asked(plan, lp.cpu().numpy())
-    return tokens, out.cpu().numpy(), log_probs
+    out = out.cpu().numpy()
+    return tokens, out, _log_prob_arrays(plan, rows, nd, logits, verified.tokens, out)
 
 
-def _raw_log_probs(logits: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """log-softmax of each row's fp32 logits at its `chosen` token ([rows]; NaN where < 0)."""
-    lp = torch.log_softmax(logits.float(), dim=-1).gather(1, chosen.clamp(min=0)[:, None])[:, 0]
-    return torch.where(chosen >= 0, lp, float("nan"))
-
-
-def _asked(plan: StepPlan, log_probs: np.ndarray) -> np.ndarray:
-    """`log_probs` [B, K+1] with NaN on the rows that did not ask for log-probs."""
-    log_probs[plan.logprobs == 0] = np.nan
-    return log_probs
+def _log_prob_arrays(
+    plan: StepPlan,
+    rows: np.ndarray,
+    nd: np.ndarray,
+    logits: torch.Tensor,
+    chosen: torch.Tensor,
+    out: np.ndarray,
+) -> dict[str, np.ndarray]:
+    """StepResult's spec_log_probs [B, K+1] and, where a row asks for top-n, spec_top_n_ids /
+    spec_top_n_log_probs [B, K+1, N]: raw (ops/logprobs.py `log_probs_and_top_n`, what plain
+    decoding returns) for each verifying row's new tokens (`out`, spec_tokens on the host),
+    whose scored rows pick `chosen` [scored rows] (the argmax or the draw; < 0: not kept).
+    NaN / -1 elsewhere; {} when no verifying row asks."""
+    n = int(plan.top_n[rows].max(initial=0))
+    if not (plan.logprobs[rows].any() or n):
+        return {}
+    tops = torch.from_numpy(np.repeat(plan.top_n[rows], nd + 1)).to(logits.device)
+    picked, ids, values = log_probs_and_top_n(logits, chosen.clamp(min=0), tops, n)
+    picked, ids, values = picked.cpu().numpy(), ids.cpu().numpy(), values.cpu().numpy()
+    lp = np.full(out.shape, np.nan, dtype=np.float32)
+    top_ids = np.full((*out.shape, n), -1, dtype=np.int32)
+    top_lp = np.full((*out.shape, n), np.nan, dtype=np.float32)
+    t0 = 0
+    for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
+        m = int((out[row] >= 0).sum())
+        lp[row, :m], top_ids[row, :m], top_lp[row, :m] = (
+            picked[t0 : t0 + m],
+            ids[t0 : t0 + m],
+            values[t0 : t0 + m],
+        )
+        t0 += d + 1
+    lp[plan.logprobs == 0] = np.nan
+    arrays = {"spec_log_probs": lp}
+    if n:
+        arrays |= {"spec_top_n_ids": top_ids, "spec_top_n_log_probs": top_lp}
+    return arrays
 
 
 def _greedy_on_host(
@@ -139,7 +164,7 @@ def _greedy_on_host(
     is_draft: np.ndarray,
     logits: torch.Tensor,
     tokens: torch.Tensor,
-) -> tuple[torch.Tensor, np.ndarray, np.ndarray | None]:
+) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
     """`verify_drafts` when every verifying row is greedy: the scored positions' argmax comes
     to the host (one copy, which waits for the step, as the result must anyway) and the
     accepted prefixes are found there against the plan's own draft tokens, instead of a chain
@@ -147,24 +172,20 @@ def _greedy_on_host(
     an H100: about half of a SmolLM2 verify step's host time). The same rule as
     ops/speculative.py `verify_greedy`: drafts are accepted while each equals the argmax
     before it (ties to the lowest id), then the argmax at the first mismatch or the bonus row
-    is added. A greedy token's raw log-prob is its logit less the row's logsumexp."""
-    target = logits.argmax(dim=-1).cpu().numpy()  # [rows] int64
-    best = None
-    if plan.logprobs[rows].any():
-        best = (logits.max(dim=-1).values - torch.logsumexp(logits, dim=-1)).cpu().numpy()
+    is added. Returns (tokens, spec_tokens on the host, the argmax of every scored row on the
+    device, for the log-probs)."""
+    chosen = logits.argmax(dim=-1)  # [rows]
+    target = chosen.cpu().numpy()
     drafts = np.asarray(plan.input_ids)[scored[is_draft]].astype(np.int64)
     out = np.full((len(plan.seq_lens), int(nd.max()) + 1), -1, dtype=np.int64)
-    lp = None if best is None else np.full(out.shape, np.nan, dtype=np.float32)
     t0 = d0 = 0
     for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
         t, dr = target[t0 : t0 + d + 1], drafts[d0 : d0 + d]
         missed = np.flatnonzero(dr != t[:d])
         accepted = int(missed[0]) if len(missed) else d
         out[row, : accepted + 1] = t[: accepted + 1]
-        if lp is not None:
-            lp[row, : accepted + 1] = best[t0 : t0 + accepted + 1]
         t0, d0 = t0 + d + 1, d0 + d
     tokens = tokens.clone()
     index = torch.from_numpy(rows).to(tokens.device)
     tokens[index] = torch.from_numpy(out[rows, 0]).to(tokens.device, tokens.dtype)
-    return tokens, out, None if lp is None else _asked(plan, lp)
+    return tokens, out, chosen

@@ -76,7 +76,7 @@ class Launched:
     ended: torch.cuda.Event | None
     routed: torch.Tensor | None = None  # [T, moe layers, k] on the host, when the plan asks
     spec: np.ndarray | None = None  # StepResult.spec_tokens, when the plan verifies drafts
-    spec_log_probs: np.ndarray | None = None  # StepResult.spec_log_probs, when some ask
+    spec_log_probs: dict = dataclasses.field(default_factory=dict)  # StepResult's spec_*_probs
 
 
 def check_device(device: torch.device) -> None:
@@ -400,7 +400,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
         tokens = self.grammar_masks.checked(tokens, controlled)  # (greedy grammar rows)
-        spec = spec_lp = None
+        spec, spec_lp = None, {}
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; waits for the step)
             tokens, spec, spec_lp = verify_drafts(
                 plan, inputs, hidden, tokens, self.model.compute_logits
@@ -471,8 +471,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             extra = extra | {"routed_experts": launched.routed.numpy()}
         if launched.spec is not None:
             extra = extra | {"spec_tokens": launched.spec}
-        if launched.spec_log_probs is not None:
-            extra = extra | {"spec_log_probs": launched.spec_log_probs}
+        extra = extra | launched.spec_log_probs
         return StepResult(
             plan.step,
             token_ids,
