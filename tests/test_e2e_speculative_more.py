@@ -36,7 +36,7 @@ from taipan.launcher import Runtime
 from taipan.messages.requests import SamplingParams
 from taipan.outputs import join_versions
 from tests.random_llama import TINY_SHAPE, make_random_llama
-from tests.test_e2e_versions import check_completion, check_versions
+from tests.test_e2e_versions import _stream_until, check_completion, check_versions
 
 BASE = dict(
     block_size_tokens=16,
@@ -213,13 +213,6 @@ SAME_WEIGHTS = {"model.norm.weight": np.ones(TINY_SHAPE["hidden_size"], np.float
 LONG = SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True)
 
 
-async def _stream_until(ac: AsyncClient, prompt, deltas: list, seen, n: int) -> None:
-    async for d in ac.stream(prompt, LONG):
-        deltas.append(d)
-        if sum(len(x.token_ids) for x in deltas) >= n:
-            seen.set()
-
-
 @pytest.mark.slow
 @pytest.mark.asyncio
 async def test_an_update_inside_speculative_requests_splits_their_versions(plain, spec):
@@ -228,7 +221,7 @@ async def test_an_update_inside_speculative_requests_splits_their_versions(plain
     async with AsyncClient(spec[0].address) as ac:
         start = (await ac.stats()).merged()
         deltas, seen = [], asyncio.Event()
-        streamed = asyncio.create_task(_stream_until(ac, prompts[0], deltas, seen, 10))
+        streamed = asyncio.create_task(_stream_until(ac, prompts[0], LONG, deltas, seen, 10))
         whole = asyncio.create_task(ac.generate([prompts[1]], LONG))
         await asyncio.wait_for(seen.wait(), 120)
         v0 = (await ac.pause()).weight_version

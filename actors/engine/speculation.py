@@ -155,15 +155,13 @@ class Speculation:
             )
         log_probs, tops = [None] * len(new), [None] * len(new)
         n = r.sampling.top_n_logprobs
-        for asked, arrays in (
-            (r.sampling.return_log_probs, [result.spec_log_probs]),
-            (n, [result.spec_top_n_ids, result.spec_top_n_log_probs]),
-        ):
-            if asked and any(len(a) != len(result.token_ids) for a in arrays):
-                raise ValueError(
-                    f"step {result.step}, row {i}: its request asks for log-probs the result "
-                    "does not carry for each sequence (spec_log_probs / spec_top_n_*)"
-                )
+        needed = [result.spec_log_probs] if r.sampling.return_log_probs else []
+        needed += [result.spec_top_n_ids, result.spec_top_n_log_probs] if n else []
+        if any(len(a) != len(result.token_ids) for a in needed):
+            raise ValueError(
+                f"step {result.step}, row {i}: its request asks for log-probs the result "
+                "does not carry for each sequence (spec_log_probs / spec_top_n_*)"
+            )
         if r.sampling.return_log_probs:
             log_probs = result.spec_log_probs[i, : len(new)].tolist()
         if n:

@@ -4,8 +4,10 @@ carries drafts (`verify_drafts`).
 
 A plan's sequence i with num_drafts[i] = d > 0 (messages/gpu.py StepPlan.num_drafts) has its
 last d + 1 input tokens as (its last known token, d drafts); the logits at those d + 1
-positions go to ops/speculative.py (greedy: `verify_greedy`; otherwise `verify`, seeded with
-the plan's keys, whose point-mass drafts make a seeded request draw what plain decoding draws).
+positions are verified: when every verifying row is greedy, on the host by the rule of
+ops/speculative.py `verify_greedy` (`_greedy_on_host`: one copy of the argmax, no chain of
+small device ops); otherwise by ops/speculative.py `verify`, seeded with the plan's keys, whose
+point-mass drafts make a seeded request draw what plain decoding draws.
 The result is StepResult.spec_tokens; the sequence's first new token also replaces its entry
 in the step's sampled tokens. Such a step replays a mixed CUDA graph, which in a speculative
 config keeps every token's hidden state (eagerly without graphs or under expert parallelism:

@@ -15,7 +15,7 @@ Pure data and validation: no client, no event loop, no admission or metrics stat
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -75,14 +75,15 @@ NO_OP: dict[str, Any] = {
 WHY_NOT: dict[str, str] = {}
 
 
-def lenient(data: Any) -> Any:
-    """A request body as the body models take it: nulls dropped, IGNORED fields dropped, NO_OP
-    fields at their no-op value dropped (else a 400 naming the field)."""
+def lenient(data: Any, kept: frozenset[str] = frozenset()) -> Any:
+    """A request body as the body models take it: nulls dropped, IGNORED fields dropped (but
+    those a body reads, `kept`), NO_OP fields at their no-op value dropped (else a 400 naming
+    the field)."""
     if not isinstance(data, dict):
         return data
     out = {}
     for key, value in data.items():
-        if value is None or key in IGNORED:
+        if value is None or (key in IGNORED and key not in kept):
             continue
         if key in NO_OP:
             if value == NO_OP[key] or value == {} or value == []:
@@ -105,11 +106,12 @@ class Lenient(BaseModel):
     """A body (or part of one) read through `lenient()`; unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid")
+    KEPT: ClassVar[frozenset[str]] = frozenset()  # IGNORED fields this body reads
 
     @model_validator(mode="before")
     @classmethod
     def _lenient(cls, data: Any) -> Any:
-        return lenient(data)
+        return lenient(data, cls.KEPT)
 
 
 class StreamOptions(Lenient):
@@ -550,11 +552,4 @@ class ResponsesBody(BaseBody):
     store: bool = True  # OpenAI's default: kept for previous_response_id, GET and DELETE
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
-    @model_validator(mode="before")
-    @classmethod
-    def _lenient(cls, data: Any) -> Any:  # (replaces Lenient's: keeps `store`)
-        store = data.get("store") if isinstance(data, dict) else None
-        out = lenient(data)
-        if store is not None:
-            out["store"] = store
-        return out
+    KEPT: ClassVar[frozenset[str]] = frozenset({"store"})
