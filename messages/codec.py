@@ -64,6 +64,7 @@ __all__ = [
     "dtype_name",
     "encode",
     "encode_frame",
+    "hand_over",
     "message",
     "registry",
     "replace_first_field",
@@ -193,6 +194,15 @@ def encode_frame(msg) -> bytes:
 
 def _encode_head(msg, extra: list | None) -> bytes:
     cls = type(msg)
+    _check_outbound(msg, cls)
+    values = _fields_of(msg)
+    fields = [x if type(x) in _PLAIN else _to_wire(x, extra) for x in values[: _sent(cls, values)]]
+    return msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
+
+
+def _check_outbound(msg, cls: type) -> None:
+    """What encoding checks of a sender's message: a registered class, array fields of their
+    dtype and rank (a wrong one is the sender's TypeError, not the receiver's)."""
     if registered(getattr(cls, "TAG", None)) is not cls:
         raise TypeError(f"{cls.__name__} is not a registered message")
     for name, check in array_fields(cls):
@@ -200,9 +210,35 @@ def _encode_head(msg, extra: list | None) -> bytes:
             check(getattr(msg, name))
         except MessageError as e:
             raise TypeError(f"{cls.__name__}.{name}: {e}") from None
-    values = _fields_of(msg)
-    fields = [x if type(x) in _PLAIN else _to_wire(x, extra) for x in values[: _sent(cls, values)]]
-    return msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
+
+
+def hand_over(msg) -> None:
+    """Ready `msg` to be handed to an actor of the same process as an object, unencoded
+    (actors/local.py): encoding's checks, then its array fields made read-only, as decoded
+    ones are, so neither side can change what the other holds. Raises TypeError as `encode`."""
+    cls = type(msg)
+    got = _HAND_OVER.get(cls)
+    if got is None:
+        if registered(getattr(cls, "TAG", None)) is not cls:
+            raise TypeError(f"{cls.__name__} is not a registered message")
+        fields = array_fields(cls)
+        names = tuple(name for name, _ in fields)
+        many = operator.attrgetter(*names) if names else (lambda m: ())
+        get = many if len(names) != 1 else (lambda m, one=many: (one(m),))
+        got = _HAND_OVER[cls] = (get, tuple(check for _, check in fields), names)
+    get, checks, names = got
+    values = get(msg)
+    for v, check, name in zip(values, checks, names, strict=True):
+        try:
+            check(v)
+        except MessageError as e:
+            raise TypeError(f"{cls.__name__}.{name}: {e}") from None
+    for v in values:
+        if type(v) is np.ndarray and v.size:  # (an empty one holds nothing to change)
+            v.flags.writeable = False
+
+
+_HAND_OVER: dict[type, tuple[Callable[[Any], tuple], tuple, tuple[str, ...]]] = {}
 
 
 # Per class, the defaults of the fields a sender may leave off (those after `required=`), as

@@ -6,12 +6,13 @@ name that actor is handed it by), its ZMQ type, whether it binds or connects, it
 the channel's name (what it connects to, as the actor's logs and records call it). Each process
 (runtime/procs.py) opens only its own rows (`open_process`) and hands the channels to its actors
 (which actors a process runs is procs.py's). Where a socket goes is data: moving an actor to
-another process changes its rows (their process, and an ipc or tcp address instead of inproc),
-not the code that opens them (DESIGN.md §2). The rows, by process:
+another process changes its rows (their process, and an ipc or tcp address instead of
+local), not the code that opens them (DESIGN.md §2). The rows, by process:
 
 - coordinator: the clients' ROUTER (`frontend`) and the engines' ROUTER (`backend`);
-- engine-R: the engine's DEALER to the coordinator; a PAIR pair over inproc with each of
-  allocator-R, gpu-R and (hybrid models only) mamba_cache-R, the served side binding; with
+- engine-R: the engine's DEALER to the coordinator; an in-process pair (`local://`, objects
+  handed over unencoded: actors/local.py) with each of allocator-R, gpu-R and (hybrid models
+  only) mamba_cache-R, the served side binding; with
   expert parallelism, the engine's consensus inbox (a ROUTER) and a DEALER to each group peer's
   inbox (actors/engine/ep.py); with tensor parallelism, the leader gpu-R's XPUB for plans and
   ROUTER for its followers' reports (actors/gpu/peers.py);
@@ -35,6 +36,8 @@ import zmq.asyncio
 from taipan.actors.channel import Channel, make_socket
 from taipan.actors.engine.ep import ep_identity
 from taipan.actors.gpu.peers import follower_identity
+from taipan.actors.local import SCHEME as LOCAL
+from taipan.actors.local import LocalChannel, LocalPairs
 from taipan.auth import curve_keys
 from taipan.spec import LaunchSpec
 
@@ -81,15 +84,15 @@ def wiring(spec: LaunchSpec, *, hybrid: bool = False) -> list[Wire]:
 
 
 def _engine_rank(spec: LaunchSpec, rank: int, hybrid: bool) -> list[Wire]:
-    """Engine rank `rank`'s process: the engine's link to the coordinator, and an inproc PAIR
-    with each actor it drives (the served side binds, the engine connects)."""
+    """Engine rank `rank`'s process: the engine's link to the coordinator, and an in-process
+    pair with each actor it drives (the served side binds, the engine connects)."""
     process = engine = f"engine-{rank}"
     rows = [
         Wire(process, engine, "coordinator", "DEALER", False, spec.backend, "coordinator",
              identity=f"engine-{rank}-{{pid}}"),
     ]  # fmt: skip
     for served in ("allocator", "gpu") + (("mamba_cache",) if hybrid else ()):
-        actor, address = f"{served}-{rank}", f"inproc://{served}-{rank}"
+        actor, address = f"{served}-{rank}", f"{LOCAL}{served}-{rank}"
         rows.append(Wire(process, actor, "engine", "PAIR", True, address, "engine"))
         rows.append(Wire(process, engine, served, "PAIR", False, address, served))
     return rows
@@ -156,17 +159,27 @@ def open_process(spec: LaunchSpec, process: str, *, hybrid: bool = False):
 
 
 @contextlib.contextmanager
-def open_channels(spec: LaunchSpec, rows: list[Wire]) -> Iterator[dict[tuple[str, str], Channel]]:
-    """Open `rows` (binds first: an inproc connect needs its bind) in one zmq context and yield
-    their channels by (actor, port); on exit close them, then the context, then the recorders
-    (--record: one log per actor, named as the row's actor). Call it on the event loop that runs
-    the actors (a Curve server answers its ZAP checks there)."""
+def open_channels(
+    spec: LaunchSpec, rows: list[Wire]
+) -> Iterator[dict[tuple[str, str], Channel | LocalChannel]]:
+    """Open `rows` (binds first: a local or inproc connect needs its bind) in one zmq context
+    and yield their channels by (actor, port); on exit close them, then the context, then the
+    recorders (--record: one log per actor, named as the row's actor). Call it on the event loop
+    that runs the actors (a Curve server answers its ZAP checks there; both ends of a `local://`
+    pair run there)."""
     ctx = zmq.asyncio.Context()
+    pairs = LocalPairs()
     recorders = {w.actor: _recorder(spec.record_dir, w.actor) for w in rows if w.recorded}
-    channels: dict[tuple[str, str], Channel] = {}
+    channels: dict[tuple[str, str], Channel | LocalChannel] = {}
     try:
         for w in sorted(rows, key=lambda w: not w.bind):
-            channels[w.actor, w.port] = _open(ctx, w, spec, recorders.get(w.actor))
+            recorder = recorders.get(w.actor)
+            if w.address.startswith(LOCAL):
+                channels[w.actor, w.port] = pairs.open(
+                    w.address, bind=w.bind, name=w.channel, recorder=recorder
+                )
+            else:
+                channels[w.actor, w.port] = _open(ctx, w, spec, recorder)
         yield channels
     finally:
         for channel in channels.values():

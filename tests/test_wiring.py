@@ -10,6 +10,7 @@ import os
 import pytest
 import zmq
 
+from taipan.actors.local import LocalChannel
 from taipan.messages.common import Heartbeat
 from taipan.spec import ExpertParallelSpec, LaunchSpec
 from taipan.wiring import format_wiring, open_channels, open_process, wiring
@@ -31,10 +32,10 @@ def tp2_ep2_spec(base: str = "ipc://", **changes) -> LaunchSpec:
 
 RANK_0 = [
     "engine-0 engine-0.coordinator DEALER connect ipc:///b coordinator engine-0-{pid}",
-    "engine-0 allocator-0.engine PAIR bind inproc://allocator-0 engine",
-    "engine-0 engine-0.allocator PAIR connect inproc://allocator-0 allocator",
-    "engine-0 gpu-0.engine PAIR bind inproc://gpu-0 engine",
-    "engine-0 engine-0.gpu PAIR connect inproc://gpu-0 gpu",
+    "engine-0 allocator-0.engine PAIR bind local://allocator-0 engine",
+    "engine-0 engine-0.allocator PAIR connect local://allocator-0 allocator",
+    "engine-0 gpu-0.engine PAIR bind local://gpu-0 engine",
+    "engine-0 engine-0.gpu PAIR connect local://gpu-0 gpu",
     "engine-0 engine-0.ep ROUTER bind ipc:///e0 ep watch",
     "engine-0 engine-0.ep-1 DEALER connect ipc:///e1 ep-1 ep-0",
     "engine-0 gpu-0.plans XPUB bind ipc:///p0 followers unrecorded",
@@ -45,10 +46,10 @@ RANK_0 = [
 
 RANK_1 = [
     "engine-1 engine-1.coordinator DEALER connect ipc:///b coordinator engine-1-{pid}",
-    "engine-1 allocator-1.engine PAIR bind inproc://allocator-1 engine",
-    "engine-1 engine-1.allocator PAIR connect inproc://allocator-1 allocator",
-    "engine-1 gpu-1.engine PAIR bind inproc://gpu-1 engine",
-    "engine-1 engine-1.gpu PAIR connect inproc://gpu-1 gpu",
+    "engine-1 allocator-1.engine PAIR bind local://allocator-1 engine",
+    "engine-1 engine-1.allocator PAIR connect local://allocator-1 allocator",
+    "engine-1 gpu-1.engine PAIR bind local://gpu-1 engine",
+    "engine-1 engine-1.gpu PAIR connect local://gpu-1 gpu",
     "engine-1 engine-1.ep ROUTER bind ipc:///e1 ep watch",
     "engine-1 engine-1.ep-0 DEALER connect ipc:///e0 ep-0 ep-1",
     "engine-1 gpu-1.plans XPUB bind ipc:///p1 followers unrecorded",
@@ -86,7 +87,7 @@ def test_every_connect_finds_one_bind_of_its_kind():
 
 def test_what_each_size_adds():
     """A hybrid model adds a mamba_cache actor per rank; without tensor or expert parallelism
-    a rank is its engine's link and two inproc pairs; a coordinator alone (the relay bench's
+    a rank is its engine's link and two in-process pairs; a coordinator alone (the relay bench's
     spec) still gets its table."""
     plain = wiring(tp2_ep2_spec(expert_parallel=None, tensor_parallel_size=1))
     assert [w.process for w in plain] == ["coordinator"] * 2 + ["engine-0"] * 5 + ["engine-1"] * 5
@@ -102,11 +103,11 @@ def test_what_each_size_adds():
 
 def test_moving_an_actor_is_a_change_of_rows(tmp_path):
     """allocator-0 moved to a process of its own: its rows name that process and an ipc
-    address instead of inproc, and the engine reaches it there with no other change."""
+    address instead of local, and the engine reaches it there with no other change."""
     spec, address = tp2_ep2_spec(f"ipc://{tmp_path}"), f"ipc://{tmp_path}/allocator-0"
 
     def move(w):
-        if w.address != "inproc://allocator-0":
+        if w.address != "local://allocator-0":
             return w
         process = "allocator-0" if w.actor == "allocator-0" else w.process
         return dataclasses.replace(w, process=process, address=address)
@@ -118,7 +119,7 @@ def test_moving_an_actor_is_a_change_of_rows(tmp_path):
         moved[0].address = "ipc:///elsewhere"  # a process never rewrites its table
 
     async def main():
-        # Two zmq contexts, as two processes have: inproc could not cross between them.
+        # Two opens, as two processes have: a local pair could not cross between them.
         with open_channels(spec, rows_of["allocator-0"]) as allocator:
             with open_channels(spec, rows_of["engine-0"]) as engine:
                 await engine["engine-0", "allocator"].send(Heartbeat(2.0))
@@ -130,7 +131,8 @@ def test_moving_an_actor_is_a_change_of_rows(tmp_path):
 
 def test_a_process_opens_its_own_rows(tmp_path):
     """engine-0's channels, bound and connected as its rows say (identity with this pid), talk
-    over their inproc pair, and are closed when the process is done with them."""
+    over their in-process pair (the message handed over as it was sent), and are closed when
+    the process is done with them."""
     spec = tp2_ep2_spec(f"ipc://{tmp_path}")
 
     async def main():
@@ -140,9 +142,12 @@ def test_a_process_opens_its_own_rows(tmp_path):
             )
             identity = channels["engine-0", "coordinator"].sock.getsockopt(zmq.IDENTITY)
             assert identity == f"engine-0-{os.getpid()}".encode()
-            await channels["engine-0", "allocator"].send(Heartbeat(1.5))
+            sent = Heartbeat(1.5)
+            await channels["engine-0", "allocator"].send(sent)
             got = await asyncio.wait_for(channels["allocator-0", "engine"].recv(), 5)
-            assert got.msg == Heartbeat(1.5) and got.channel.name == "engine"
-        assert all(c.sock.closed for c in channels.values())
+            assert got.msg is sent and got.channel.name == "engine"
+        assert all(
+            c.closed if isinstance(c, LocalChannel) else c.sock.closed for c in channels.values()
+        )
 
     asyncio.run(main())
