@@ -2,7 +2,8 @@
 # Issue 25's before/after (3f2c8b5 in .carry/old vs HEAD in .carry/new) and issue 24's bimodal
 # batch-1 step: the 1B shape's decode at batch 1 and 64, old/new alternating, first unpinned
 # then every process pinned to the CPUs of the GPU's NUMA node (`taskset`), N pairs each
-# (default 3). Rows to $OUT/ab.jsonl (each with `tree` and `pinned`). One GPU, no model carried;
+# (default 3). PINS="0" runs the unpinned pairs only; SPY=1 then runs py-spy over the new
+# tree (session9_ab.sh does both). Rows to $OUT/ab.jsonl (each with `tree` and `pinned`). One GPU, no model carried;
 # `.whl`, `.carry/old` and `.carry/new` carried. Run from the repository root.
 set -u
 N=${1:-3}
@@ -39,6 +40,14 @@ print(sys.argv[1], "pinned" if sys.argv[2] == "1" else "free  ", " ".join(
     for r in rows))
 PY
 }
-for pin in 0 1; do
+for pin in ${PINS:-0 1}; do
     for i in $(seq "$N"); do run old $pin; run new $pin; done
 done
+[ "${SPY:-0}" = 1 ] || exit 0
+# Then where the engine's host time goes now: py-spy over the new tree's batch-64 decode (every
+# process at 100 Hz; raw stacks to $OUT/spy_new.txt).
+(cd .carry/new && PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD timeout -s INT 100 \
+    /tmp/site/bin/py-spy record --subprocesses --format raw -r 100 -o "$OUT/spy_new.txt" -- \
+    python3 -m taipan.cli bench --workload decode --model random:llama-1b --device cuda \
+    --dtype bfloat16 --batches 64 --output-len 2400 --no-hf --ours-modes graphs \
+    --results /tmp/spy_new.jsonl 2>&1 | grep -E "^decode|rror|Samples" | cut -c1-160)
