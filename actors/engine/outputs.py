@@ -9,6 +9,8 @@ the FinishReason returned here. No sockets, no torch.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from taipan.actors.config import RuntimePlan
@@ -17,26 +19,35 @@ from taipan.messages.gpu import StepResult
 from taipan.messages.requests import EventType, FinishReason, RequestOutput
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Appending:
+    """What every token appended from one step's result shares: the time its result came,
+    the runtime plan (EOS ids), whether GENERATED_TOKEN events are kept, and the weight
+    version that sampled the step."""
+
+    now: float
+    plan: RuntimePlan
+    track_events: bool
+    weight_version: int
+
+
 def append_token(
     r: EngineRequest,
     res: StepResult,
     i: int,
-    now: float,
-    plan: RuntimePlan,
-    track_events: bool,
-    weight_version: int,
+    step: Appending,
     token: int | None = None,
     log_prob: float | None = None,
     top: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> FinishReason | None:
-    """Append row i's sampled token (and its log-probs), sampled with the weights of
-    `weight_version`, to `r`; the reason it ends, if any. `token`: a verify row's new token
-    to append instead (one of several), with its raw `log_prob` and `top` (ids, log-probs)
-    where `r` asks for them."""
+    """Append row i's sampled token (and its log-probs) to `r`; the reason it ends, if any.
+    `token`: a verify row's new token to append instead (one of several), with its raw
+    `log_prob` and `top` (ids, log-probs) where `r` asks for them."""
+    now = step.now
     tok = int(res.token_ids[i]) if token is None else token
     r.generated.append(tok)
-    if not r.weight_versions or r.weight_versions[-1][0] != weight_version:
-        r.weight_versions.append((weight_version, len(r.generated) - 1))
+    if not r.weight_versions or r.weight_versions[-1][0] != step.weight_version:
+        r.weight_versions.append((step.weight_version, len(r.generated) - 1))
     if r.first_token_time is None:
         r.first_token_time = now
     r.last_token_time = now
@@ -48,9 +59,9 @@ def append_token(
         if token is None:
             top = (res.top_n_ids[i, :n].copy(), res.top_n_log_probs[i, :n].copy())
         r.top_n.append(top)
-    if track_events:
+    if step.track_events:
         r.add_event(EventType.GENERATED_TOKEN, now, tok)
-    return stop_reason(r, tok, plan)
+    return stop_reason(r, tok, step.plan)
 
 
 def take_prompt_log_probs(r: EngineRequest, res: StepResult, k: int, n: int) -> None:

@@ -52,7 +52,7 @@ from taipan.actors.engine.admission import admit, never_fits, register
 from taipan.actors.engine.batch import Chunk, Draft, StepBatch
 from taipan.actors.engine.grammar import GrammarBook
 from taipan.actors.engine.mamba import MambaMirror
-from taipan.actors.engine.outputs import append_token, take_prompt_log_probs
+from taipan.actors.engine.outputs import Appending, append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
 from taipan.actors.engine.request import EngineRequest, Status, blocks_behind_window
 from taipan.actors.engine.routing import keep_block_routing, take_step
@@ -446,6 +446,7 @@ class Scheduler:
         the step ran (in update() of the step before, or by an abort) drops its token here."""
         out = []
         k = 0  # offset into the compacted prompt log-probs
+        step = Appending(now, self.plan, self.track_token_events, batch.weight_version)
         if batch.chunks:
             self.steps_in_flight -= 1
         if self.prefix is not None:
@@ -479,13 +480,9 @@ class Scheduler:
                 continue
             r.num_pending -= 1
             if c.drafts is not None and len(c.drafts):
-                reason = self.spec.append_verified(
-                    r, c, result, i, now, self.plan, self.track_token_events, batch.weight_version
-                )
+                reason = self.spec.append_verified(r, c, result, i, step)
             else:
-                reason = append_token(
-                    r, result, i, now, self.plan, self.track_token_events, batch.weight_version
-                )
+                reason = append_token(r, result, i, step)
             if reason is not None:
                 self._finish(r, reason, now=now)
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):

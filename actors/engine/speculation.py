@@ -48,7 +48,7 @@ import numpy as np
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine.batch import Chunk
 from taipan.actors.engine.ngram import NgramDrafter, NgramIndex
-from taipan.actors.engine.outputs import append_token
+from taipan.actors.engine.outputs import Appending, append_token
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.gpu import StepResult
 from taipan.messages.requests import FinishReason, LogprobsMode
@@ -135,10 +135,7 @@ class Speculation:
         c: Chunk,
         result: StepResult,
         i: int,
-        now: float,
-        plan: RuntimePlan,
-        track_token_events: bool,
-        version: int,
+        step: Appending,
     ) -> FinishReason | None:
         """Append verify row i's new tokens (its accepted drafts, then the one drawn) in order,
         each with the stop checks: a stop ends `r` there and drops the tokens after it."""
@@ -173,9 +170,7 @@ class Speculation:
         else:
             self._missed(r)
         for tok, lp, top in zip(new, log_probs, tops, strict=True):
-            reason = append_token(
-                r, result, i, now, plan, track_token_events, version, tok, lp, top
-            )
+            reason = append_token(r, result, i, step, tok, lp, top)
             if reason is not None:
                 return reason
         r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts
