@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The ninth session's device work after the in-process hand-off (actors/local.py, d39bf22), on
+# nvidia-h100-x1 after `carry_model.sh stage1` (carry .carry/smollm2.gguf.part2, `.whl` and
+# `.carry/new`, a `git archive` of HEAD). Run from the repository root.
+#   part a: the single-GPU tests that drive the engine's step path end to end (every StepPlan
+#     and StepResult now handed over as an object: graphs, overlap, speculation, log-probs,
+#     routed experts, prefix caching, hybrids, weight updates, the real model), then the spec
+#     row (issue 29's bar: >= 2x at batch 1 on the grounded workload) with 4 drafts;
+#   part b: the spec row with 6 drafts, and the structured row (issue 28's bar: cost <= 0.05).
+set -u
+PART=${1:?part a or b}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl 2>/dev/null || exit 1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+ROOT=$PWD
+python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
+stage(Path('.carry/new'), Path('/tmp/pkg_new'))" || exit 1
+(cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
+cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
+spec() {  # drafts
+    echo "== spec k=$1"
+    timeout -s ABRT 200 python3 -m taipan.cli bench --workload spec --model smollm2 \
+        --device cuda --dtype bfloat16 --spec-tokens "$1" --results "$OUT/results.jsonl" 2>&1 \
+        | grep -E "^spec|rror" | tail -3
+}
+if [ "$PART" = a ]; then
+    echo "== GPU tests of the step path"
+    timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_gpu.py tests/test_e2e_dense.py tests/test_e2e_speculative.py \
+        tests/test_e2e_routed_experts.py tests/test_gpu_prefix.py tests/test_gpu_hybrid.py \
+        tests/test_gpu_real_model.py tests/test_rl.py tests/test_bench.py 2>&1 \
+        | grep -vE "^  File|^Extension" | tail -15
+    spec 4
+elif [ "$PART" = b ]; then
+    spec 6
+    echo "== structured"
+    timeout -s ABRT 200 python3 -m taipan.cli bench --workload structured --model smollm2 \
+        --device cuda --dtype bfloat16 --num-prompts 64 --output-len 128 \
+        --results "$OUT/results.jsonl" 2>&1 | tail -1
+fi
