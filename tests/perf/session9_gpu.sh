@@ -10,6 +10,7 @@
 #     the structured row (issue 28's bar: cost <= 0.05);
 #   part d (x1, after stage1): py-spy over the spec bench (every process, 100 Hz): where a
 #     verify step's ~4.8 ms goes (a plain step is 1.3 ms now);
+#   part e (x1, after stage1): the same with `--idle` (waiting threads sampled too);
 #   part c, on nvidia-h100-x2 (no model: skip `carry_model.sh` with NO_MODEL=1): the multi-GPU
 #     tests whose runtime steps over the same hand-off (TP=2 with graphs, hybrid TP=2, a remote
 #     follower, NCCL and IPC pushes from a trainer, the RL loop example, weight sync on two GPUs).
@@ -56,8 +57,9 @@ elif [ "$PART" = c ]; then
         tests/test_rl.py tests/test_rl_ipc.py tests/test_rl_loop.py \
         tests/test_bench.py::test_weight_sync_workload_on_two_gpus 2>&1 \
         | grep -vE "^  File|^Extension" | tail -20
-elif [ "$PART" = d ]; then
-    timeout -s INT 170 /tmp/site/bin/py-spy record --subprocesses --format raw -r 100 \
+elif [ "$PART" = d ] || [ "$PART" = e ]; then
+    IDLE=""; [ "$PART" = e ] && IDLE="--idle"
+    timeout -s INT 170 /tmp/site/bin/py-spy record --subprocesses $IDLE --format raw -r 100 \
         -o "$OUT/spec.pyspy.txt" -- python3 -m taipan.cli bench --workload spec --model smollm2 \
         --device cuda --dtype bfloat16 --results "$OUT/results_pyspy.jsonl" 2>&1 \
         | grep -E "^spec|rror|Samples" | tail -3
