@@ -5,9 +5,10 @@ thing that mutates it. It is a deterministic function of the inbound message seq
 clock, no randomness, no unordered iteration), so `taipan replay --check` can re-drive it from
 a recording and expect the same encoded replies byte for byte.
 
-`AllocatorActor` owns nothing but the service and one channel (a zmq PAIR over inproc to the
-engine of the same rank, created by the caller with `make_socket`). It must not hold pool state
-of its own: every decision lives in the service, so the replay checker and the live actor agree.
+`AllocatorActor` owns nothing but the service and one channel to the engine of the same
+rank (in the runtime an in-process pair, actors/local.py; any PAIR socket works, as in tests).
+It must not hold pool state of its own: every decision lives in the service, so the replay
+checker and the live actor agree.
 
 Contract with the engine (messages/allocator.py): one `AllocatorInit` before anything else, then
 at most one `BlockOps` per step (none for a step that changes no block). A `BlockOps` is

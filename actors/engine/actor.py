@@ -1,11 +1,12 @@
 """The engine actor: one rank's step loop, a thin shell around the Scheduler.
 
 Channels: `coord` (DEALER to the coordinator; served: EngineSubmit, AbortRequest, GetStats and
-the lifecycle controls), `alloc`, `mamba` and `gpu` (PAIR over inproc; at most one message each
-way per step, and the gpu control calls between steps; `mamba`, the mamba_cache actor, only for
-hybrid models: its MambaOps goes out right after the step's BlockOps, before either reply is
-awaited, so the two hops overlap). The engine never touches tensors or the block pool
-itself: it plans, the allocator hands out blocks, the gpu actor computes. Outputs go to the
+the lifecycle controls), `alloc`, `mamba` and `gpu` (in-process pairs, actors/local.py, or any
+PAIR socket; at most one message each way per step, and the gpu control calls between steps;
+`mamba`, the mamba_cache actor, only for hybrid models: its MambaOps goes out right after the
+step's BlockOps, before either reply is awaited, so the two hops overlap). The engine never
+touches tensors or the block pool itself: it plans, the allocator hands out blocks, the gpu
+actor computes. Outputs go to the
 coordinator in one `StepOutputs` per step (and one per abort, refused submission or shutdown
 that ends requests between steps), never one message per request.
 

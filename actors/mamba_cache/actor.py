@@ -4,9 +4,9 @@
 a deterministic function of the inbound message sequence, so `taipan replay --check` re-drives
 it from a recording and expects the same encoded replies byte for byte (runtime/replay.py).
 
-`MambaCacheActor` owns nothing but the service and one channel (a zmq PAIR over inproc to the
-engine of the same rank). Contract (messages/mamba_cache.py): one `MambaInit`, then at most one
-`MambaOps` per step. A `MambaOps` is validated in full before any state changes: a malformed one
+`MambaCacheActor` owns nothing but the service and one channel to the engine of the same
+rank (in the runtime an in-process pair, actors/local.py; any PAIR socket works, as in tests).
+Contract (messages/mamba_cache.py): one `MambaInit`, then at most one `MambaOps` per step. A `MambaOps` is validated in full before any state changes: a malformed one
 gets `ErrorReply(ErrorCode.BAD_REQUEST)` and the pool is untouched.
 """
 
