@@ -6,8 +6,9 @@ it from a recording and expects the same encoded replies byte for byte (runtime/
 
 `MambaCacheActor` owns nothing but the service and one channel to the engine of the same
 rank (in the runtime an in-process pair, actors/local.py; any PAIR socket works, as in tests).
-Contract (messages/mamba_cache.py): one `MambaInit`, then at most one `MambaOps` per step. A `MambaOps` is validated in full before any state changes: a malformed one
-gets `ErrorReply(ErrorCode.BAD_REQUEST)` and the pool is untouched.
+Contract (messages/mamba_cache.py): one `MambaInit`, then at most one `MambaOps` per step.
+A `MambaOps` is validated in full before any state changes: a malformed one gets
+`ErrorReply(ErrorCode.BAD_REQUEST)` and the pool is untouched.
 """
 
 from __future__ import annotations
