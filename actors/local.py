@@ -49,7 +49,7 @@ class LocalChannel:
         self.peer: LocalChannel | None = None
         self.closed = False
         self._inbox: collections.deque[tuple[object, list | None]] = collections.deque()
-        self._waiter: asyncio.Future | None = None
+        self._waiters: list[asyncio.Future] = []  # receives waiting (each rechecks the inbox)
 
     async def send(self, msg, to: bytes | None = None) -> None:
         peer = self._peer()
@@ -78,11 +78,12 @@ class LocalChannel:
         while not self._inbox:
             if self.closed:
                 raise ConnectionError(f"channel {self.name} is closed")
-            self._waiter = asyncio.get_running_loop().create_future()
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
             try:
-                await self._waiter
+                await waiter
             finally:
-                self._waiter = None
+                self._waiters.remove(waiter)
         msg, frames = self._inbox.popleft()
         now = time.time()
         if frames is None:
@@ -98,8 +99,7 @@ class LocalChannel:
         """Close this end: a receive waiting on it ends with ConnectionError; what the peer
         sends from now on is dropped, as a closed socket's would be."""
         self.closed = True
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wake()
 
     def _peer(self) -> LocalChannel:
         if self.peer is None:
@@ -110,8 +110,12 @@ class LocalChannel:
         if self.closed:
             return
         self._inbox.append((msg, frames))
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
+        self._wake()
+
+    def _wake(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class LocalPairs:

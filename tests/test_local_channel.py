@@ -54,6 +54,19 @@ async def test_messages_arrive_in_order_and_a_waiting_receive_wakes():
     assert [first.msg.time, *rest] == [1.0, 2.0, 3.0]
 
 
+async def test_two_waiting_receives_each_get_a_message_and_a_cancelled_one_leaves():
+    engine, served = a_pair()
+    cancelled = asyncio.create_task(served.recv())
+    first, second = asyncio.create_task(served.recv()), asyncio.create_task(served.recv())
+    await asyncio.sleep(0)
+    cancelled.cancel()
+    await asyncio.sleep(0)
+    await engine.send(Heartbeat(1.0))
+    await engine.send(Heartbeat(2.0))
+    got = await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert sorted(e.msg.time for e in got) == [1.0, 2.0] and not served._waiters
+
+
 async def test_a_senders_bug_is_the_senders_type_error():
     engine, served = a_pair()
     with pytest.raises(TypeError, match="added_hashes"):
