@@ -31,19 +31,18 @@ class Appending:
     weight_version: int
 
 
+# A verify row's new token (one of several), its raw log-prob and top-n (ids, log-probs); the
+# last two None where the request does not ask for them.
+Verified = tuple[int, float | None, tuple[np.ndarray, np.ndarray] | None]
+
+
 def append_token(
-    r: EngineRequest,
-    res: StepResult,
-    i: int,
-    step: Appending,
-    token: int | None = None,
-    log_prob: float | None = None,
-    top: tuple[np.ndarray, np.ndarray] | None = None,
+    r: EngineRequest, res: StepResult, i: int, step: Appending, verified: Verified | None = None
 ) -> FinishReason | None:
-    """Append row i's sampled token (and its log-probs) to `r`; the reason it ends, if any.
-    `token`: a verify row's new token to append instead (one of several), with its raw
-    `log_prob` and `top` (ids, log-probs) where `r` asks for them."""
+    """Append row i's sampled token (and its log-probs) to `r`, or the `verified` one instead;
+    the reason `r` ends, if any."""
     now = step.now
+    token, log_prob, top = (None, None, None) if verified is None else verified
     tok = int(res.token_ids[i]) if token is None else token
     r.generated.append(tok)
     if not r.weight_versions or r.weight_versions[-1][0] != step.weight_version:

@@ -170,7 +170,7 @@ class Speculation:
         else:
             self._missed(r)
         for tok, lp, top in zip(new, log_probs, tops, strict=True):
-            reason = append_token(r, result, i, step, tok, lp, top)
+            reason = append_token(r, result, i, step, (tok, lp, top))
             if reason is not None:
                 return reason
         r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts

@@ -10,7 +10,8 @@
 #     the structured row (issue 28's bar: cost <= 0.05);
 #   part d (x1, after stage1): py-spy over the spec bench (every process, 100 Hz): where a
 #     verify step's ~4.8 ms goes (a plain step is 1.3 ms now);
-#   part e (x1, after stage1): the same with `--idle` (waiting threads sampled too);
+#   part e (x1, after stage1): the same with `--idle` (waiting threads sampled too; not run in
+#     the ninth session: no device time was left to start a machine);
 #   part c, on nvidia-h100-x2 (no model: skip `carry_model.sh` with NO_MODEL=1): the multi-GPU
 #     tests whose runtime steps over the same hand-off (TP=2 with graphs, hybrid TP=2, a remote
 #     follower, NCCL and IPC pushes from a trainer, the RL loop example, weight sync on two GPUs).
