@@ -57,7 +57,9 @@ class LocalChannel:
             hand_over(msg)
             peer._deliver(msg, None)
             return
-        frames = encode(msg)
+        # Bytes, not views of the sender's arrays (large ones travel as extra frames): what the
+        # receiver decodes is the logged copy, as a socket's would be.
+        frames = [bytes(f) for f in encode(msg)]
         if self.recorder is not None:
             self.recorder.write("out", self.name, None, frames, time.time())
         peer._deliver(None, frames)
