@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine import wire
-from taipan.actors.engine.batch_arrays import plan_arrays
+from taipan.actors.engine.batch_arrays import _block_tables, plan_arrays
 from taipan.actors.engine.flow import apply_block_reply
 from taipan.actors.engine.outputs import output_of
 from taipan.actors.engine.request import EngineRequest, Status
@@ -841,6 +841,15 @@ def test_plan_arrays_for_a_mixed_step():
         "seeds": [1001, 1002],
     }
     assert {k: got[k].tolist() for k in want} == want
+
+
+def test_block_tables_pad_unequal_rows_and_join_equal_ones():
+    a, b = np.array([4, 5, 6], np.int32), np.array([7], np.int32)
+    unequal = _block_tables([a, b, a])
+    assert unequal.dtype == np.int32 and unequal.tolist() == [[4, 5, 6], [7, 0, 0], [4, 5, 6]]
+    equal = _block_tables([a, a[::-1].copy()])
+    assert equal.dtype == np.int32 and equal.tolist() == [[4, 5, 6], [6, 5, 4]]
+    assert _block_tables([b]).tolist() == [[7]]
 
 
 def test_add_twice_and_bad_allocator_reply_are_refused():

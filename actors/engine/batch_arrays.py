@@ -31,8 +31,7 @@ def plan_arrays(
     add_slot, add_target = slots.scalars.append, targets.scalars.append
     seq_lens, sample, prev_rows = [], [], []
     query_start = [0]
-    rows = [_table_row(c.request) for c in batch.chunks]
-    tables = np.zeros((len(rows), max(len(t) for t in rows)), dtype=np.int32)
+    table_rows = [_table_row(c.request) for c in batch.chunks]
     for i, c in enumerate(batch.chunks):
         r = c.request
         start, stop = c.start, c.start + c.num_new_tokens
@@ -61,7 +60,7 @@ def plan_arrays(
             else:  # a verify row: its last known token, then its drafts
                 ids.add_array(np.concatenate([r.token_slice(start, start + 1), c.drafts]))
             positions.add_array(pos)
-            chunk_slots = rows[i][pos // bs].astype(np.int64) * bs + pos % bs
+            chunk_slots = table_rows[i][pos // bs].astype(np.int64) * bs + pos % bs
             if start < r.shared_until:
                 chunk_slots[pos < r.shared_until] = -1
             slots.add_array(chunk_slots)
@@ -73,7 +72,6 @@ def plan_arrays(
         query_start.append(query_start[-1] + c.num_new_tokens)
         seq_lens.append(stop)
         sample.append(c.samples)
-        tables[i, : len(rows[i])] = rows[i]
     reqs = [c.request for c in batch.chunks]
     from_previous = max(prev_rows) >= 0
     num_drafts = [0 if c.drafts is None else len(c.drafts) for c in batch.chunks]
@@ -93,8 +91,8 @@ def plan_arrays(
         }
         if batch.mamba_snap_slots:
             row = {id(c.request): i for i, c in enumerate(batch.chunks)}
-            rows = [row[id(r)] for r, _, _ in batch.mamba_snaps]
-            mamba["mamba_snap_row"] = np.asarray(rows, dtype=np.int32)
+            snap_rows = [row[id(r)] for r, _, _ in batch.mamba_snaps]
+            mamba["mamba_snap_row"] = np.asarray(snap_rows, dtype=np.int32)
             pos = [p for _, _, p in batch.mamba_snaps]
             mamba["mamba_snap_pos"] = np.asarray(pos, dtype=np.int32)
             mamba["mamba_snap_dst"] = np.asarray(batch.mamba_snap_slots, dtype=np.int32)
@@ -105,7 +103,7 @@ def plan_arrays(
         "slot_mapping": slots.array(np.int64),
         "query_start_loc": np.asarray(query_start, dtype=np.int32),
         "seq_lens": np.asarray(seq_lens, dtype=np.int32),
-        "block_tables": tables,
+        "block_tables": _block_tables(table_rows),
         "sample": np.asarray(sample, dtype=np.int8),
         "temperature": np.asarray([r.sampling.temperature for r in reqs], dtype=np.float32),
         "top_k": np.asarray([r.sampling.top_k for r in reqs], dtype=np.int32),
@@ -153,6 +151,20 @@ class _Concat:
         if len(self._pieces) == 1:
             return self._pieces[0].astype(dtype, copy=False)
         return np.concatenate(self._pieces).astype(dtype, copy=False)
+
+
+def _block_tables(rows: list[np.ndarray]) -> np.ndarray:
+    """The rows' block tables as one [rows, longest] int32 array, zero-padded: one
+    concatenation (and, for unequal rows, one masked assignment), not a slice assignment per
+    row (18 us at batch 64 on the 2-core box, against 7-11)."""
+    lengths = np.fromiter((len(t) for t in rows), dtype=np.int64, count=len(rows))
+    width = int(lengths.max())
+    flat = np.concatenate(rows)
+    if len(flat) == width * len(rows):
+        return flat.reshape(len(rows), width)
+    tables = np.zeros((len(rows), width), dtype=np.int32)
+    tables[np.arange(width) < lengths[:, None]] = flat
+    return tables
 
 
 def _table_row(r) -> np.ndarray:
