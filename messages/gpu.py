@@ -227,9 +227,10 @@ class StepPlan:
     # num_drafts int32[B], the draft tokens sequence i verifies (empty: none in this step). Its
     # last num_drafts[i] input tokens are the drafts, after its last known token; the gpu
     # scores all num_drafts[i] + 1 positions and returns what it accepts in
-    # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no prompt or
-    # processed log-probs (raw ones and top-n: StepResult.spec_log_probs / spec_top_n_*),
-    # controls or grammar; it replays a mixed CUDA graph where the config keeps their hidden states.
+    # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no prompt
+    # log-probs (its new tokens' log-probs and top-n, raw or processed, come in
+    # StepResult.spec_log_probs / spec_top_n_*), controls or grammar; it replays a mixed CUDA
+    # graph where the config keeps their hidden states.
     num_drafts: Array[np.int32, 1] = empty_array_field(np.int32)
 
 

@@ -64,6 +64,24 @@ def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(client, spe
     assert rank.spec_draft_tokens > before.spec_draft_tokens and accepted > 0, rank
 
 
+def test_processed_log_probs_of_sampled_rows_equal_plain_decoding(client, spec):
+    """A seeded, filtered request asking for processed log-probs speculates: its tokens and
+    the log-probs of the distribution each was drawn from equal plain decoding's."""
+    seeded = SamplingParams(
+        max_tokens=N, temperature=0.8, top_p=0.9, top_k=40, seed=7, return_log_probs=True,
+        top_n_logprobs=2, logprobs_mode="processed",
+    )  # fmt: skip
+    want = client.generate(PROMPTS[1:2], seeded)
+    before = spec.stats().merged()
+    got = spec.generate(PROMPTS[1:2], seeded)
+    assert [x.token_ids for x in got] == [x.token_ids for x in want]
+    np.testing.assert_allclose(got[0].log_probs, want[0].log_probs, atol=1e-4)
+    for a, b in zip(got[0].top_n_logprobs, want[0].top_n_logprobs, strict=True):
+        assert list(a) == list(b)
+        np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
+    assert spec.stats().merged().spec_verify_rows > before.spec_verify_rows
+
+
 @pytest.mark.slow
 def test_outputs_equal_plain_decoding(client, spec):
     greedy = SamplingParams(max_tokens=N, temperature=0.0)

@@ -45,13 +45,15 @@ def _with(plan: StepPlan, temperature: float, gen_index: list[int], **extra) -> 
     )
 
 
-def _plain(w: ModelWorker, temperature: float, log_probs: list | None = None) -> list[list[int]]:
+def _plain(
+    w: ModelWorker, temperature: float, log_probs: list | None = None, **extra
+) -> list[list[int]]:
     """Each prompt's first token (prefill), then STEPS tokens one step at a time (`log_probs`:
-    a list that gets each prompt's raw log-probs of them)."""
+    a list that gets each prompt's log-probs of them, raw unless `extra` says otherwise)."""
     out = [[] for _ in PROMPTS]
-    asked = {}
+    asked = dict(extra)
     if log_probs is not None:
-        asked = {"logprobs": np.ones(len(PROMPTS), np.int8), "top_n": np.full(2, 3, np.int32)}
+        asked |= {"logprobs": np.ones(len(PROMPTS), np.int8), "top_n": np.full(2, 3, np.int32)}
         log_probs += [[] for _ in PROMPTS]
     seqs = [Seq(p, 0, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
     for step in range(STEPS + 1):
@@ -134,6 +136,38 @@ def test_verify_rows_carry_the_raw_log_probs_of_one_token_decoding(worker, tempe
         np.testing.assert_allclose(res.log_probs[0], want_lp[0][1][0], atol=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_verify_rows_carry_the_processed_log_probs_of_one_token_decoding(worker, temperature):
+    """A verify row of a sequence that asks for processed log-probs (top-k and top-p filters,
+    logprobs_mode 1) gets, for each new token, what one-token decoding computes for it; the
+    plain row beside it keeps its raw ones."""
+    filters = {
+        "top_k": np.full(2, 20, np.int32),
+        "top_p": np.full(2, 0.8, np.float32),
+        "logprobs_mode": np.asarray([0, 1], np.int8),
+    }
+    want_lp: list = []
+    want = _plain(worker, temperature, want_lp, **filters)
+    seqs = [Seq(p, 0, BLOCKS[i]) for i, p in enumerate(PROMPTS)]
+    worker.step(_with(make_plan(1, seqs), temperature, [0, 0], **filters))
+    t = want[1]
+    seqs = [
+        Seq([want[0][0]], len(PROMPTS[0]), BLOCKS[0]),
+        Seq([t[0], t[1], t[2], (t[3] + 1) % 256], len(PROMPTS[1]), BLOCKS[1]),
+    ]
+    plan = _with(
+        make_plan(2, seqs), temperature, [1, 1], num_drafts=np.asarray([0, 3], np.int32),
+        logprobs=np.ones(2, np.int8), top_n=np.full(2, 3, np.int32), **filters,
+    )  # fmt: skip
+    res = worker.step(plan)
+    assert res.spec_tokens[1].tolist() == [t[1], t[2], t[3], -1]
+    lps = [lp for lp, _ in want_lp[1][1:4]]
+    np.testing.assert_allclose(res.spec_log_probs[1, :3], lps, atol=1e-4)
+    tops = np.stack([top for _, top in want_lp[1][1:4]])
+    np.testing.assert_allclose(res.spec_top_n_log_probs[1, :3], tops, atol=1e-4)
+    np.testing.assert_allclose(res.log_probs[0], want_lp[0][1][0], atol=1e-4)
+
+
 def test_a_plan_without_drafts_has_no_spec_tokens(worker):
     seqs = [Seq(PROMPTS[0], 0, BLOCKS[0])]
     res = worker.step(make_plan(1, seqs))
@@ -144,10 +178,6 @@ def test_a_plan_without_drafts_has_no_spec_tokens(worker):
     "change, message",
     [
         ({"prompt_targets": np.asarray([-1, 5, -1], np.int32)}, "prompt log-probs"),
-        (
-            {"logprobs": np.asarray([1], np.int8), "logprobs_mode": np.asarray([1], np.int8)},
-            "processed log-probs",
-        ),
         ({"num_drafts": np.asarray([3], np.int32)}, "query length"),
         ({"num_drafts": np.asarray([1, 1], np.int32)}, "2 entries for 1 sequences"),
         ({"sample": np.asarray([0], np.int8)}, "must sample"),
@@ -231,7 +261,8 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
     asked = (rng.random(batch) < 0.5).astype(np.int8)
     plan = types.SimpleNamespace(
         input_ids=input_ids, seq_lens=query.astype(np.int32), logprobs=asked,
-        top_n=asked.astype(np.int32) * 2,
+        top_n=asked.astype(np.int32) * 2, logprobs_mode=np.zeros(0, np.int8),
+        temperature=np.zeros(batch, np.float32),
     )  # fmt: skip
     tokens = torch.full((batch,), 99, dtype=torch.int64)
     nd = num_drafts[rows].astype(np.int64)

@@ -22,12 +22,12 @@ The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 
   the next steps; their blocks stay with the request (at most the blocks of k more tokens, which
   its admission already counted: prompt + max_tokens), and go back when it ends.
 
-Which requests speculate (v1): those with `SamplingParams.speculative` (the default) and none
-of processed log-probs, logit controls (penalties, logit_bias, min_tokens, bad words) or a
-grammar (structured outputs): those decode one token per step as without speculation (each
-needs per-position work the verify step does not do yet). Raw log-probs and top-n come with
-each accepted token (StepResult.spec_log_probs / spec_top_n_*) and routed experts with each
-accepted position (routing.py `take_step`): RL rollouts speculate.
+Which requests speculate (v1): those with `SamplingParams.speculative` (the default) and
+neither logit controls (penalties, logit_bias, min_tokens, bad words) nor a grammar
+(structured outputs): those decode one token per step as without speculation (each needs
+per-position work the verify step does not do yet). Log-probs and top-n, raw or processed,
+come with each accepted token (StepResult.spec_log_probs / spec_top_n_*) and routed experts
+with each accepted position (routing.py `take_step`): RL rollouts speculate.
 Hybrid (Mamba / GDN) models refuse speculation at start-up (their recurrent state would have to
 be rolled back to the last accepted position; not built).
 
@@ -51,7 +51,7 @@ from taipan.actors.engine.ngram import NgramDrafter, NgramIndex
 from taipan.actors.engine.outputs import Appending, append_token
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.gpu import StepResult
-from taipan.messages.requests import FinishReason, LogprobsMode
+from taipan.messages.requests import FinishReason
 
 __all__ = ["Backoff", "Speculation"]
 
@@ -86,9 +86,7 @@ class Speculation:
     def eligible(r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's v1 rule)."""
         s = r.sampling
-        asks = s.return_log_probs or s.top_n_logprobs
-        processed = asks and s.logprobs_mode is LogprobsMode.PROCESSED
-        return bool(s.speculative and not processed and not s.has_controls and s.structured is None)
+        return bool(s.speculative and not s.has_controls and s.structured is None)
 
     def propose(self, r: EngineRequest, limit: int) -> np.ndarray:
         """Up to min(k, limit) draft tokens (int32) to follow `r`'s known tokens. Its index

@@ -12,9 +12,10 @@ The result is StepResult.spec_tokens; the sequence's first new token also replac
 in the step's sampled tokens. Such a step replays a mixed CUDA graph, which in a speculative
 config keeps every token's hidden state (eagerly without graphs or under expert parallelism:
 forward.py `_bucket`); the logits of every verified position come from those hidden states.
-Raw log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
-spec_log_probs (spec_top_n_*). The engine sends no prompt or processed log-probs, sampling
-controls, grammar or prev_rows for these sequences (actors/engine/speculation.py);
+Log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
+spec_log_probs (spec_top_n_*): raw, or processed (StepPlan.logprobs_mode) as plain decoding
+computes them (actors/gpu/logprobs.py `processed_rows`). The engine sends no prompt log-probs,
+sampling controls, grammar or prev_rows for these sequences (actors/engine/speculation.py);
 `check_drafts` refuses a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
@@ -28,8 +29,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from taipan.actors.gpu.logprobs import PROCESSED_MAX_ELEMENTS, PROCESSED_PARAMS, processed_rows
 from taipan.messages.gpu import StepPlan
-from taipan.ops.logprobs import log_probs_and_top_n
+from taipan.ops.logprobs import log_probs_and_top_n, processed_log_probs_and_top_n
 from taipan.ops.sampling import GREEDY_EPS
 from taipan.ops.speculative import verify
 
@@ -60,8 +62,6 @@ def check_drafts(plan: StepPlan) -> None:
     tokens = _tokens_of(plan, rows)
     if (plan.prompt_targets[tokens] >= 0).any():
         raise ValueError("a sequence with drafts cannot ask for prompt log-probs")
-    if len(plan.logprobs_mode) and (plan.logprobs[rows] & plan.logprobs_mode[rows]).any():
-        raise ValueError("a sequence with drafts cannot ask for processed log-probs")
     if len(plan.prev_rows) and (plan.prev_rows[tokens] >= 0).any():
         raise ValueError("a sequence with drafts cannot read the previous step's tokens")
     controlled = [plan.penalty_rows, plan.bias_rows]
@@ -129,16 +129,15 @@ def _log_prob_arrays(
     out: np.ndarray,
 ) -> dict[str, np.ndarray]:
     """StepResult's spec_log_probs [B, K+1] and, where a row asks for top-n, spec_top_n_ids /
-    spec_top_n_log_probs [B, K+1, N]: raw (ops/logprobs.py `log_probs_and_top_n`, what plain
-    decoding returns) for each verifying row's new tokens (`out`, spec_tokens on the host),
-    whose scored rows pick `chosen` [scored rows] (the argmax or the draw; < 0: not kept).
-    NaN / -1 elsewhere; {} when no verifying row asks."""
+    spec_top_n_log_probs [B, K+1, N] for each verifying row's new tokens (`out`, spec_tokens
+    on the host), whose scored rows pick `chosen` [scored rows] (the argmax or the draw; < 0:
+    not kept): what plain decoding returns for them, raw (ops/logprobs.py
+    `log_probs_and_top_n`) or processed (`processed_log_probs_and_top_n` with the row's
+    sampling parameters). NaN / -1 elsewhere; {} when no verifying row asks."""
     n = int(plan.top_n[rows].max(initial=0))
     if not (plan.logprobs[rows].any() or n):
         return {}
-    tops = torch.from_numpy(np.repeat(plan.top_n[rows], nd + 1)).to(logits.device)
-    picked, ids, values = log_probs_and_top_n(logits, chosen.clamp(min=0), tops, n)
-    picked, ids, values = picked.cpu().numpy(), ids.cpu().numpy(), values.cpu().numpy()
+    picked, ids, values = _scored_log_probs(plan, rows, nd, logits, chosen.clamp(min=0), n)
     lp = np.full(out.shape, np.nan, dtype=np.float32)
     top_ids = np.full((*out.shape, n), -1, dtype=np.int32)
     top_lp = np.full((*out.shape, n), np.nan, dtype=np.float32)
@@ -156,6 +155,34 @@ def _log_prob_arrays(
     if n:
         arrays |= {"spec_top_n_ids": top_ids, "spec_top_n_log_probs": top_lp}
     return arrays
+
+
+def _scored_log_probs(
+    plan: StepPlan, rows: np.ndarray, nd: np.ndarray, logits: torch.Tensor, chosen, n: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(log-prob, top-n ids, top-n log-probs) on the host of every scored row's `chosen`
+    token: raw, but processed for the scored rows of sequences whose plain decoding would
+    process them (actors/gpu/logprobs.py `processed_rows`)."""
+    device = logits.device
+    counts = nd + 1
+    tops = torch.from_numpy(np.repeat(plan.top_n[rows], counts)).to(device)
+    processed = np.repeat(processed_rows(plan)[rows], counts)
+    if not processed.any():
+        got = log_probs_and_top_n(logits, chosen, tops, n)
+        return tuple(t.cpu().numpy() for t in got)
+    params = [
+        torch.from_numpy(np.repeat(getattr(plan, name)[rows], counts)).to(device)
+        for name in PROCESSED_PARAMS
+    ]
+    chunk_rows = max(1, PROCESSED_MAX_ELEMENTS // logits.shape[1])
+    got = processed_log_probs_and_top_n(logits, chosen, tops, n, *params, chunk_rows=chunk_rows)
+    picked, ids, values = (t.cpu().numpy() for t in got)
+    raw = ~processed
+    if raw.any():  # (the rest raw, as plain decoding gives them)
+        at = torch.from_numpy(np.flatnonzero(raw)).to(device)
+        got = log_probs_and_top_n(logits[at], chosen[at], tops[at], n)
+        picked[raw], ids[raw], values[raw] = (t.cpu().numpy() for t in got)
+    return picked, ids, values
 
 
 def _greedy_on_host(
