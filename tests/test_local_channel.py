@@ -101,6 +101,17 @@ async def test_with_a_recorder_both_ends_log_the_same_frames_and_the_receiver_de
     assert noted.direction == "out" and decode(list(noted.frames)) == Heartbeat(4.0)
 
 
+async def test_a_recorded_large_array_reaches_the_receiver_as_the_logged_copy(tmp_path):
+    """An array over the inline limit travels as an extra frame: the receiver decodes the
+    logged bytes, not a view of the sender's array."""
+    engine, served = a_pair(Recorder(tmp_path, "engine-0"), None)
+    added = np.arange(20_000, dtype=np.int64)  # 160 KB: an extra frame
+    await served.send(a_reply(added))
+    added[:] = -1  # (a sender that broke the contract cannot reach what was sent)
+    got = await engine.recv()
+    assert got.msg.added_hashes[:3].tolist() == [0, 1, 2] and got.msg.added_hashes[-1] == 19_999
+
+
 async def test_only_one_end_recording_still_hands_over_what_it_logs(tmp_path):
     served_log = Recorder(tmp_path, "gpu-0")
     engine, served = a_pair(None, served_log)
