@@ -229,7 +229,8 @@ class StepPlan:
     # scores all num_drafts[i] + 1 positions and returns what it accepts in
     # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no prompt
     # log-probs (its new tokens' log-probs and top-n, raw or processed, come in
-    # StepResult.spec_log_probs / spec_top_n_*), controls or grammar; it replays a mixed CUDA
+    # StepResult.spec_log_probs / spec_top_n_*), has no conditional (bad-word) bias and no
+    # grammar; its penalties and biases apply at each scored position; it replays a mixed CUDA
     # graph where the config keeps their hidden states.
     num_drafts: Array[np.int32, 1] = empty_array_field(np.int32)
 

@@ -82,6 +82,24 @@ def test_processed_log_probs_of_sampled_rows_equal_plain_decoding(client, spec):
     assert spec.stats().merged().spec_verify_rows > before.spec_verify_rows
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_penalties_and_logit_bias_apply_at_every_verified_position(client, spec, temperature):
+    """A request with repetition, frequency and presence penalties and a logit_bias speculates:
+    each verified position sees the drafts before it as output tokens, so its tokens and
+    log-probs (processed: after the controls) equal plain decoding's."""
+    params = SamplingParams(
+        max_tokens=N, temperature=temperature, top_p=0.9, seed=3, return_log_probs=True,
+        logprobs_mode="processed", repetition_penalty=1.1, frequency_penalty=0.2,
+        presence_penalty=0.1, logit_bias={13: -2.0, 11: 1.5},
+    )  # fmt: skip
+    want = client.generate(PROMPTS[1:2], params)
+    before = spec.stats().merged()
+    got = spec.generate(PROMPTS[1:2], params)
+    assert [x.token_ids for x in got] == [x.token_ids for x in want]
+    np.testing.assert_allclose(got[0].log_probs, want[0].log_probs, atol=1e-4)
+    assert spec.stats().merged().spec_verify_rows > before.spec_verify_rows
+
+
 @pytest.mark.slow
 def test_outputs_equal_plain_decoding(client, spec):
     greedy = SamplingParams(max_tokens=N, temperature=0.0)

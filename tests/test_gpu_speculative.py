@@ -178,6 +178,15 @@ def test_a_plan_without_drafts_has_no_spec_tokens(worker):
     "change, message",
     [
         ({"prompt_targets": np.asarray([-1, 5, -1], np.int32)}, "prompt log-probs"),
+        (
+            {
+                "bias_rows": np.asarray([0], np.int32),
+                "bias_tokens": np.asarray([5], np.int32),
+                "bias_values": np.asarray([-np.inf], np.float32),
+                "bias_if_last": np.asarray([3], np.int32),
+            },
+            "conditional bias",
+        ),
         ({"num_drafts": np.asarray([3], np.int32)}, "query length"),
         ({"num_drafts": np.asarray([1, 1], np.int32)}, "2 entries for 1 sequences"),
         ({"sample": np.asarray([0], np.int8)}, "must sample"),
@@ -267,7 +276,7 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
     tokens = torch.full((batch,), 99, dtype=torch.int64)
     nd = num_drafts[rows].astype(np.int64)
     got_tokens, spec, chosen = _greedy_on_host(plan, rows, nd, scored, offsets > 0, logits, tokens)
-    arrays = _log_prob_arrays(plan, rows, nd, logits, chosen, spec)
+    arrays = _log_prob_arrays(plan, rows, nd, (logits, logits), chosen, spec)
     lp = arrays.get("spec_log_probs")
     drafts = torch.from_numpy(input_ids[scored[offsets > 0]].astype(np.int64))
     want = verify_greedy(logits, drafts, torch.from_numpy(num_drafts[rows].astype(np.int64)))
@@ -292,3 +301,57 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
             assert np.isnan(lp[row]).all()
     others = np.setdiff1d(np.arange(batch), rows)
     assert (spec[others] == -1).all() and (got_tokens[others] == 99).all()
+
+
+def test_scored_controls_equal_plain_controls_with_the_drafts_counted():
+    """`scored_controls` of a verify row equals sampling_controls' `controlled_logits` of a
+    plain plan whose j-th sequence has seen the row's tokens plus its first j drafts: the
+    biases at every position, the penalties with the drafts before each counted."""
+    import torch
+
+    from taipan.actors.gpu.sampling_controls import controlled_logits
+    from taipan.actors.gpu.speculative import scored_controls
+
+    rng = np.random.default_rng(0)
+    raw = torch.from_numpy(rng.normal(size=(4, 32)).astype(np.float32))
+    drafts, seen, counts = [4, 9, 4], np.array([4, 7, 11], np.int32), np.array([1, 1, 0], np.int32)
+    pen = {"presence": 0.5, "frequency": 0.3, "repetition": 1.3}
+    bias = {"bias_tokens": [9, 2], "bias_values": [2.0, -1.0]}
+
+    def controls(n: int, rows: list[int], entries: list) -> dict:
+        """Penalty and bias fields for `n` sequences, `rows` of them controlled, each with
+        its (tokens, counts) of `entries`."""
+        each = [len(t) for t, _ in entries]
+        penalised = np.isin(np.arange(n), rows)
+        return {
+            "presence_penalty": np.where(penalised, pen["presence"], 0).astype(np.float32),
+            "frequency_penalty": np.where(penalised, pen["frequency"], 0).astype(np.float32),
+            "repetition_penalty": np.where(penalised, pen["repetition"], 1).astype(np.float32),
+            "penalty_rows": np.repeat(rows, each).astype(np.int32),
+            "penalty_tokens": np.concatenate([t for t, _ in entries]).astype(np.int32),
+            "penalty_counts": np.concatenate([c for _, c in entries]).astype(np.int32),
+            "bias_rows": np.repeat(rows, 2).astype(np.int32),
+            "bias_tokens": np.tile(bias["bias_tokens"], len(rows)).astype(np.int32),
+            "bias_values": np.tile(bias["bias_values"], len(rows)).astype(np.float32),
+            "bias_if_last": np.full(2 * len(rows), -1, np.int32),
+        }
+
+    # Sequence 0 decodes plainly, sequence 1 verifies three drafts.
+    verify = dataclasses.replace(
+        make_plan(1, [Seq([3], 5, [0]), Seq([2, *drafts], 5, [1])]),
+        num_drafts=np.array([0, 3], np.int32),
+        **controls(2, [1], [(seen, counts)]),
+    )
+    got = scored_controls(verify, np.array([1]), np.array([3]), np.arange(1, 5), raw)
+    entries = [
+        (np.concatenate([seen, drafts[:j]]), np.concatenate([counts, np.ones(j, np.int32)]))
+        for j in range(4)
+    ]
+    plain = dataclasses.replace(
+        make_plan(1, [Seq([1], 5, [j]) for j in range(4)]), **controls(4, [0, 1, 2, 3], entries)
+    )
+    none = torch.zeros(8, dtype=torch.int64)
+    torch.testing.assert_close(got, controlled_logits(plain, raw, none))
+    # (The drafts matter: without them every position would get position 0's controls.)
+    first_only = dataclasses.replace(plain, **controls(4, [0, 1, 2, 3], [(seen, counts)] * 4))
+    assert not torch.allclose(got[1:], controlled_logits(first_only, raw, none)[1:])

@@ -88,7 +88,7 @@ def _sampled_log_probs(
         return out
     processed = processed_rows(plan)[rows]
     # A greedy row's processed log-probs are the log-softmax of its controlled logits.
-    controlled = _processed_mode(plan)[rows] & ~processed
+    controlled = processed_mode(plan)[rows] & ~processed
     raw = ~processed & ~controlled
     parts = ((raw, logits[0], False), (controlled, logits[1], False), (processed, logits[1], True))
     for part, part_logits, is_processed in parts:
@@ -107,10 +107,11 @@ def processed_rows(plan: StepPlan) -> np.ndarray:
     """bool[B]: the sequences whose sampled log-probs are processed (logprobs_mode 1), but for
     greedy ones, whose processed log-probs are those of their logits after the sampling
     controls (no temperature or filters: the raw ones, without controls)."""
-    return _processed_mode(plan) & (plan.temperature >= GREEDY_EPS)
+    return processed_mode(plan) & (plan.temperature >= GREEDY_EPS)
 
 
-def _processed_mode(plan: StepPlan) -> np.ndarray:
+def processed_mode(plan: StepPlan) -> np.ndarray:
+    """bool[B]: the sequences that ask for processed log-probs (logprobs_mode 1)."""
     if not len(plan.logprobs_mode):
         return np.zeros(len(plan.seq_lens), dtype=bool)
     return plan.logprobs_mode != 0

@@ -11,12 +11,13 @@ point-mass drafts make a seeded request draw what plain decoding draws.
 The result is StepResult.spec_tokens; the sequence's first new token also replaces its entry
 in the step's sampled tokens. Such a step replays a mixed CUDA graph, which in a speculative
 config keeps every token's hidden state (eagerly without graphs or under expert parallelism:
-forward.py `_bucket`); the logits of every verified position come from those hidden states.
+forward.py `_bucket`); the logits of every verified position come from those hidden states,
+and a sequence's logit controls (penalties, logit_bias) apply at each (`scored_controls`).
 Log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
 spec_log_probs (spec_top_n_*): raw, or processed (StepPlan.logprobs_mode) as plain decoding
 computes them (actors/gpu/logprobs.py `processed_rows`). The engine sends no prompt log-probs,
-sampling controls, grammar or prev_rows for these sequences (actors/engine/speculation.py);
-`check_drafts` refuses a plan that does.
+bad-word or min_tokens entries, grammar or prev_rows for these sequences
+(actors/engine/speculation.py); `check_drafts` refuses a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
 writes the tokens returned here into it).
@@ -29,8 +30,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from taipan.actors.gpu.logprobs import PROCESSED_MAX_ELEMENTS, PROCESSED_PARAMS, processed_rows
+from taipan.actors.gpu.logprobs import (
+    PROCESSED_MAX_ELEMENTS,
+    PROCESSED_PARAMS,
+    processed_mode,
+    processed_rows,
+)
 from taipan.messages.gpu import StepPlan
+from taipan.ops.logit_controls import add_biases, apply_penalties
 from taipan.ops.logprobs import log_probs_and_top_n, processed_log_probs_and_top_n
 from taipan.ops.sampling import GREEDY_EPS
 from taipan.ops.speculative import verify
@@ -64,9 +71,8 @@ def check_drafts(plan: StepPlan) -> None:
         raise ValueError("a sequence with drafts cannot ask for prompt log-probs")
     if len(plan.prev_rows) and (plan.prev_rows[tokens] >= 0).any():
         raise ValueError("a sequence with drafts cannot read the previous step's tokens")
-    controlled = [plan.penalty_rows, plan.bias_rows]
-    if any(np.isin(c, rows).any() for c in controlled if len(c)):
-        raise ValueError("a sequence with drafts cannot have sampling controls (not built)")
+    if len(plan.bias_rows) and (plan.bias_if_last[np.isin(plan.bias_rows, rows)] >= 0).any():
+        raise ValueError("a sequence with drafts cannot have a conditional bias (bad words)")
     if len(plan.grammar_rows) and (plan.grammar_rows[rows] >= 0).any():
         raise ValueError("a sequence with drafts cannot have a grammar (not built)")
 
@@ -99,10 +105,11 @@ def verify_drafts(
     is_draft = offsets > 0
     device = hidden.device
     scored_t = torch.from_numpy(scored).to(device)
-    logits = compute_logits(hidden[scored_t])  # [rows, V] fp32
+    raw = compute_logits(hidden[scored_t])  # [rows, V] fp32
+    logits = scored_controls(plan, rows, nd, scored, raw)  # (raw itself without controls)
     if bool((plan.temperature[rows] < GREEDY_EPS).all()):
         tokens, out, chosen = _greedy_on_host(plan, rows, nd, scored, is_draft, logits, tokens)
-        return tokens, out, _log_prob_arrays(plan, rows, nd, logits, chosen, out)
+        return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
     drafts = inputs["input_ids"][torch.from_numpy(scored[is_draft]).to(device)].long()
     num_drafts = torch.from_numpy(nd)
     index = torch.from_numpy(rows).to(device)
@@ -117,23 +124,100 @@ def verify_drafts(
     tokens = tokens.clone()
     tokens[index] = out[index, 0]
     out = out.cpu().numpy()
-    return tokens, out, _log_prob_arrays(plan, rows, nd, logits, verified.tokens, out)
+    return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), verified.tokens, out)
+
+
+def scored_controls(
+    plan: StepPlan, rows: np.ndarray, nd: np.ndarray, scored: np.ndarray, raw: torch.Tensor
+) -> torch.Tensor:
+    """The scored rows' logits [S, V] after their sequences' logit controls, as plain decoding
+    applies them at each position: every entry of the sequence's logit_bias at each of its
+    positions, and its penalties counting the drafts before a position as output tokens
+    (after the sequence's own tokens, which the plan lists). `raw` itself when no verifying
+    sequence has a control. The plan holds no conditional (bad-word) or min_tokens entries for
+    these sequences (actors/engine/speculation.py)."""
+    pen = _penalised(plan)
+    bias_of = np.isin(plan.bias_rows, rows) if len(plan.bias_rows) else np.zeros(0, bool)
+    if not (bias_of.any() or np.isin(rows, pen).any()):
+        return raw
+    counts = nd + 1
+    first = np.cumsum(counts) - counts  # each verifying sequence's first scored row
+    out = raw.clone()
+    dev = out.device
+    if bias_of.any():
+        at = np.searchsorted(rows, plan.bias_rows[bias_of])  # (rows ascend)
+        virtual = _spread(first[at], counts[at])
+        tokens = np.repeat(plan.bias_tokens[bias_of], counts[at])
+        values = np.repeat(plan.bias_values[bias_of], counts[at])
+        add_biases(out, *(_on(a, dev, torch.int64) for a in (virtual, tokens)), _on(values, dev))
+    seqs = np.flatnonzero(np.isin(rows, pen))  # indices into rows
+    if len(seqs):
+        _scored_penalties(plan, rows, seqs, first, counts, scored, out)
+    return out
+
+
+def _penalised(plan: StepPlan) -> np.ndarray:
+    """The plan's sequences with a penalty (sampling_controls.py's rule)."""
+    if not len(plan.presence_penalty):
+        return np.zeros(0, np.int64)
+    pres, freq, rep = plan.presence_penalty, plan.frequency_penalty, plan.repetition_penalty
+    return np.flatnonzero((pres != 0) | (freq != 0) | (rep != 1))
+
+
+def _scored_penalties(plan, rows, seqs, first, counts, scored, out: torch.Tensor) -> None:
+    """apply_penalties over the scored rows of verifying sequences `seqs` (indices into
+    `rows`): the scored row at offset j of its sequence sees the sequence's entries, then its
+    first j drafts (each an output token, count 1)."""
+    virtual, owners, seen_rows, seen_tokens, seen_counts = [], [], [], [], []
+    for i in seqs.tolist():
+        seq, row0, c = int(rows[i]), int(first[i]), int(counts[i])
+        mine = plan.penalty_rows == seq
+        tokens, cnt = plan.penalty_tokens[mine], plan.penalty_counts[mine]
+        drafts = plan.input_ids[scored[row0 + 1 : row0 + c]]
+        for j in range(c):
+            seen_rows.append(np.full(len(tokens) + j, len(virtual), np.int64))
+            seen_tokens.append(np.concatenate([tokens, drafts[:j]]))
+            seen_counts.append(np.concatenate([cnt, np.ones(j, np.int32)]))
+            virtual.append(row0 + j)
+            owners.append(seq)
+    dev, owners = out.device, np.asarray(owners)
+    params = [
+        _on(a[owners], dev)
+        for a in (plan.presence_penalty, plan.frequency_penalty, plan.repetition_penalty)
+    ]
+    seen = (
+        _on(np.concatenate(seen_rows), dev, torch.int64),
+        _on(np.concatenate(seen_tokens), dev, torch.int64),
+        _on(np.concatenate(seen_counts).astype(np.int32), dev),
+    )
+    apply_penalties(out, _on(np.asarray(virtual), dev, torch.int64), *params, *seen)
+
+
+def _spread(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """The ranges starts[i] .. starts[i] + counts[i] - 1, concatenated (int64)."""
+    within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
+    return np.repeat(starts, counts).astype(np.int64) + within
+
+
+def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
+    t = torch.from_numpy(np.array(a, copy=True))  # (a plan's arrays are read-only)
+    return t.to(device, dtype=dtype)
 
 
 def _log_prob_arrays(
     plan: StepPlan,
     rows: np.ndarray,
     nd: np.ndarray,
-    logits: torch.Tensor,
+    logits: tuple[torch.Tensor, torch.Tensor],
     chosen: torch.Tensor,
     out: np.ndarray,
 ) -> dict[str, np.ndarray]:
     """StepResult's spec_log_probs [B, K+1] and, where a row asks for top-n, spec_top_n_ids /
     spec_top_n_log_probs [B, K+1, N] for each verifying row's new tokens (`out`, spec_tokens
     on the host), whose scored rows pick `chosen` [scored rows] (the argmax or the draw; < 0:
-    not kept): what plain decoding returns for them, raw (ops/logprobs.py
-    `log_probs_and_top_n`) or processed (`processed_log_probs_and_top_n` with the row's
-    sampling parameters). NaN / -1 elsewhere; {} when no verifying row asks."""
+    not kept): what plain decoding returns for them (`_scored_log_probs`; `logits`: the
+    scored rows' raw and controlled logits). NaN / -1 elsewhere; {} when no verifying row
+    asks."""
     n = int(plan.top_n[rows].max(initial=0))
     if not (plan.logprobs[rows].any() or n):
         return {}
@@ -158,30 +242,39 @@ def _log_prob_arrays(
 
 
 def _scored_log_probs(
-    plan: StepPlan, rows: np.ndarray, nd: np.ndarray, logits: torch.Tensor, chosen, n: int
+    plan: StepPlan, rows: np.ndarray, nd: np.ndarray, logits: tuple, chosen, n: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(log-prob, top-n ids, top-n log-probs) on the host of every scored row's `chosen`
-    token: raw, but processed for the scored rows of sequences whose plain decoding would
-    process them (actors/gpu/logprobs.py `processed_rows`)."""
-    device = logits.device
+    token, as plain decoding computes them (actors/gpu/logprobs.py): raw (of the raw logits)
+    unless the sequence asks for processed ones; those of a greedy sequence are of its
+    controlled logits, those of a sampled one of the controlled logits after its filters
+    (`processed_log_probs_and_top_n` with its sampling parameters)."""
+    raw_logits, controlled = logits
+    device = raw_logits.device
     counts = nd + 1
     tops = torch.from_numpy(np.repeat(plan.top_n[rows], counts)).to(device)
+    mode = np.repeat(processed_mode(plan)[rows], counts)
     processed = np.repeat(processed_rows(plan)[rows], counts)
-    if not processed.any():
-        got = log_probs_and_top_n(logits, chosen, tops, n)
-        return tuple(t.cpu().numpy() for t in got)
-    params = [
-        torch.from_numpy(np.repeat(getattr(plan, name)[rows], counts)).to(device)
-        for name in PROCESSED_PARAMS
-    ]
-    chunk_rows = max(1, PROCESSED_MAX_ELEMENTS // logits.shape[1])
-    got = processed_log_probs_and_top_n(logits, chosen, tops, n, *params, chunk_rows=chunk_rows)
-    picked, ids, values = (t.cpu().numpy() for t in got)
-    raw = ~processed
-    if raw.any():  # (the rest raw, as plain decoding gives them)
-        at = torch.from_numpy(np.flatnonzero(raw)).to(device)
-        got = log_probs_and_top_n(logits[at], chosen[at], tops[at], n)
-        picked[raw], ids[raw], values[raw] = (t.cpu().numpy() for t in got)
+    picked = np.full(len(chosen), np.nan, np.float32)
+    ids = np.full((len(chosen), n), -1, np.int32)
+    values = np.full((len(chosen), n), np.nan, np.float32)
+    for part, source in ((~mode, raw_logits), (mode & ~processed, controlled)):
+        if part.any():
+            at = torch.from_numpy(np.flatnonzero(part)).to(device)
+            got = log_probs_and_top_n(source[at], chosen[at], tops[at], n)
+            picked[part], ids[part], values[part] = (t.cpu().numpy() for t in got)
+    if processed.any():
+        at_np = np.flatnonzero(processed)
+        at = torch.from_numpy(at_np).to(device)
+        params = [
+            torch.from_numpy(np.repeat(getattr(plan, name)[rows], counts)[at_np]).to(device)
+            for name in PROCESSED_PARAMS
+        ]
+        chunk_rows = max(1, PROCESSED_MAX_ELEMENTS // controlled.shape[1])
+        got = processed_log_probs_and_top_n(
+            controlled[at], chosen[at], tops[at], n, *params, chunk_rows=chunk_rows
+        )
+        picked[processed], ids[processed], values[processed] = (t.cpu().numpy() for t in got)
     return picked, ids, values
 
 
