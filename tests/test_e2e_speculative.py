@@ -71,15 +71,7 @@ def test_processed_log_probs_of_sampled_rows_equal_plain_decoding(client, spec):
         max_tokens=N, temperature=0.8, top_p=0.9, top_k=40, seed=7, return_log_probs=True,
         top_n_logprobs=2, logprobs_mode="processed",
     )  # fmt: skip
-    want = client.generate(PROMPTS[1:2], seeded)
-    before = spec.stats().merged()
-    got = spec.generate(PROMPTS[1:2], seeded)
-    assert [x.token_ids for x in got] == [x.token_ids for x in want]
-    np.testing.assert_allclose(got[0].log_probs, want[0].log_probs, atol=1e-4)
-    for a, b in zip(got[0].top_n_logprobs, want[0].top_n_logprobs, strict=True):
-        assert list(a) == list(b)
-        np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
-    assert spec.stats().merged().spec_verify_rows > before.spec_verify_rows
+    _speculates_as_plain_decoding(client, spec, seeded)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -92,11 +84,20 @@ def test_penalties_and_logit_bias_apply_at_every_verified_position(client, spec,
         logprobs_mode="processed", repetition_penalty=1.1, frequency_penalty=0.2,
         presence_penalty=0.1, logit_bias={13: -2.0, 11: 1.5},
     )  # fmt: skip
+    _speculates_as_plain_decoding(client, spec, params)
+
+
+def _speculates_as_plain_decoding(client, spec, params: SamplingParams) -> None:
+    """The repeat prompt under `params`: verify rows ran, and the tokens, log-probs and top-n
+    equal plain decoding's."""
     want = client.generate(PROMPTS[1:2], params)
     before = spec.stats().merged()
     got = spec.generate(PROMPTS[1:2], params)
     assert [x.token_ids for x in got] == [x.token_ids for x in want]
     np.testing.assert_allclose(got[0].log_probs, want[0].log_probs, atol=1e-4)
+    for a, b in zip(got[0].top_n_logprobs, want[0].top_n_logprobs, strict=True):
+        assert list(a) == list(b)
+        np.testing.assert_allclose(list(a.values()), list(b.values()), atol=1e-4)
     assert spec.stats().merged().spec_verify_rows > before.spec_verify_rows
 
 
