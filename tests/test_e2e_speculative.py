@@ -81,7 +81,7 @@ def test_penalties_and_logit_bias_apply_at_every_verified_position(client, spec,
     log-probs (processed: after the controls) equal plain decoding's."""
     params = SamplingParams(
         max_tokens=N, temperature=temperature, top_p=0.9, seed=3, return_log_probs=True,
-        logprobs_mode="processed", repetition_penalty=1.1, frequency_penalty=0.2,
+        top_n_logprobs=2, logprobs_mode="processed", repetition_penalty=1.1, frequency_penalty=0.2,
         presence_penalty=0.1, logit_bias={13: -2.0, 11: 1.5},
     )  # fmt: skip
     _speculates_as_plain_decoding(client, spec, params)
