@@ -230,9 +230,13 @@ class StepPlan:
     # StepResult.spec_tokens. Such a sequence samples, reads no prev_rows, asks no prompt
     # log-probs (its new tokens' log-probs and top-n, raw or processed, come in
     # StepResult.spec_log_probs / spec_top_n_*), has no conditional (bad-word) bias and no
-    # grammar; its penalties and biases apply at each scored position; it replays a mixed CUDA
-    # graph where the config keeps their hidden states.
+    # grammar; its penalties and biases apply at each scored position (bias_offsets below); it
+    # replays a mixed CUDA graph where the config keeps their hidden states.
     num_drafts: Array[np.int32, 1] = empty_array_field(np.int32)
+    # bias_offsets int32[M] (empty: every entry -1): for a bias entry of a verifying sequence,
+    # the one scored position it applies at (0 = its last known token's, j = after its first j
+    # drafts: min_tokens and bad words depend on the drafts before it); -1: every position.
+    bias_offsets: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123, required=12)  # (routed_experts came later)

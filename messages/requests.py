@@ -188,9 +188,9 @@ class SamplingParams:
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
     structured: StructuredOutput | None = None
     # Speculative decoding (InferenceConfig.num_speculative_tokens > 0): False opts this request
-    # out (it decodes one token per step). Requests with bad words or a grammar never speculate
-    # (v1; actors/engine/speculation.py), nor one below its min_tokens; penalties, logit_bias,
-    # log-probs (raw or processed), top-n and routed experts do.
+    # out (it decodes one token per step). Requests with a grammar never speculate (v1;
+    # actors/engine/speculation.py); logit controls, log-probs (raw or processed), top-n and
+    # routed experts do.
     speculative: bool = True
 
     def problems(self) -> list[str]:

@@ -87,6 +87,18 @@ def test_penalties_and_logit_bias_apply_at_every_verified_position(client, spec,
     _speculates_as_plain_decoding(client, spec, params)
 
 
+def test_bad_words_and_min_tokens_follow_the_drafts(client, spec):
+    """A bad word taken from the output plain decoding gives without it (so it fires inside
+    the run the drafts predict) and min_tokens: the same tokens and log-probs as plain
+    decoding."""
+    t = client.generate(PROMPTS[1:2], SamplingParams(max_tokens=N, temperature=0.0))[0]
+    params = SamplingParams(
+        max_tokens=N, temperature=0.0, return_log_probs=True, top_n_logprobs=2,
+        logprobs_mode="processed", min_tokens=6, bad_words_ids=((t.token_ids[3], t.token_ids[4]),),
+    )  # fmt: skip
+    _speculates_as_plain_decoding(client, spec, params)
+
+
 def _speculates_as_plain_decoding(client, spec, params: SamplingParams) -> None:
     """The repeat prompt under `params`: verify rows ran, and the tokens, log-probs and top-n
     equal plain decoding's."""

@@ -355,3 +355,24 @@ def test_scored_controls_equal_plain_controls_with_the_drafts_counted():
     # (The drafts matter: without them every position would get position 0's controls.)
     first_only = dataclasses.replace(plain, **controls(4, [0, 1, 2, 3], [(seen, counts)] * 4))
     assert not torch.allclose(got[1:], controlled_logits(first_only, raw, none)[1:])
+
+
+def test_scored_controls_put_an_offset_entry_at_its_position_only():
+    import torch
+
+    from taipan.actors.gpu.speculative import scored_controls
+
+    raw = torch.zeros(3, 16)
+    plan = dataclasses.replace(
+        make_plan(1, [Seq([2, 7, 8], 5, [0])]),
+        num_drafts=np.array([2], np.int32),
+        bias_rows=np.zeros(3, np.int32),
+        bias_tokens=np.array([3, 4, 5], np.int32),
+        bias_values=np.array([-np.inf, -np.inf, 1.0], np.float32),
+        bias_if_last=np.full(3, -1, np.int32),
+        bias_offsets=np.array([0, 2, -1], np.int32),
+    )
+    got = scored_controls(plan, np.array([0]), np.array([2]), np.arange(3), raw)
+    assert torch.isinf(got[:, 3]).tolist() == [True, False, False]
+    assert torch.isinf(got[:, 4]).tolist() == [False, False, True]
+    assert got[:, 5].tolist() == [1.0, 1.0, 1.0]

@@ -311,9 +311,29 @@ def test_bad_word_in_flight_is_conditional_on_the_last_token():
     assert control_arrays([_chunk(r, True)], EOS) == {}
 
 
+def test_a_verify_row_gets_min_tokens_and_bad_words_per_scored_position():
+    """A verify row's entries follow its drafts: min_tokens' bans at the positions still below
+    it, a bad word's last token where the drafts before complete the rest of it; logit_bias at
+    every position (offset -1). No entry is conditional: the row's last token is known."""
+    s = SamplingParams(min_tokens=3, bad_words_ids=((5, 6),), logit_bias={"4": 1.0})
+    r = _request(s, [1], [1, 2])
+    c = _chunk(r, False, n=4)
+    c.drafts = np.asarray([5, 6, 9], np.int32)
+    arrays = control_arrays([c], EOS)
+    got = sorted(zip(arrays["bias_tokens"].tolist(), arrays["bias_offsets"].tolist(), strict=True))
+    # min_tokens 3 with 2 generated: EOS (9) banned at offset 0 only; after draft 5 (offset 1)
+    # the bad word (5, 6) forbids 6; the bias on 4 holds everywhere.
+    assert got == [(4, -1), (6, 1), (9, 0)]
+    assert (arrays["bias_if_last"] == -1).all()
+    plain = control_arrays([_chunk(r, False)], EOS)
+    assert "bias_offsets" not in plain and sorted(plain["bias_tokens"].tolist()) == [4, 9]
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
+        (dict(bias_offsets=np.asarray([1], np.int32)), "bias_offsets"),
+        (dict(bias_offsets=np.asarray([-1, -1], np.int32)), "bias_offsets must be empty"),
         (dict(presence_penalty=np.zeros(1, np.float32)), "one entry per sequence"),
         (dict(bias_rows=np.asarray([2], np.int32)), "bias_rows must name sequences"),
         (dict(bias_tokens=np.asarray([V], np.int32)), "bias_tokens must be token ids below"),

@@ -39,7 +39,6 @@ class SpecHarness(ts.Harness):
         self.sched.spec = Speculation(k, 1, 3)
         self.k = k
         self.verify_rows: list[tuple[int, int, int]] = []  # (request, drafts, accepted)
-        self.verify_starts: list[tuple[int, int]] = []  # (request, its row's first position)
 
     def check_plan(self, batch, a):
         nd = a["num_drafts"]
@@ -106,7 +105,6 @@ class SpecHarness(ts.Harness):
             top_ids[i, : len(new)] = np.arange(n_top)
             tokens[i] = new[0]
             self.verify_rows.append((c.request.request_id, d, accepted))
-            self.verify_starts.append((c.request.request_id, start))
         fields = {f: getattr(result, f) for f in result.__dataclass_fields__}
         extra = {"token_ids": tokens, "spec_tokens": spec, "spec_log_probs": spec_lp}
         extra |= {"spec_top_n_ids": top_ids, "spec_top_n_log_probs": -top_ids.astype(np.float32)}
@@ -183,7 +181,14 @@ def test_a_stop_inside_an_accepted_run_ends_there(where):
     assert len(h.verify_rows) == 1
 
 
-def test_requests_that_opt_out_or_need_per_token_work_do_not_speculate():
+def test_only_requests_that_opt_out_or_have_a_grammar_do_not_speculate():
+    """Log-probs (processed too) and every logit control speculate; speculative=False and a
+    grammar do not."""
+    from taipan.actors.engine.speculation import Speculation
+    from taipan.messages.requests import StructuredOutput
+
+    grammar = periodic_request(7, 12, 8, structured=StructuredOutput("regex", "[a-z]+"))
+    assert not Speculation.eligible(grammar)
     h = SpecHarness(ts.make_plan(), chunked=False)
     reqs = [
         periodic_request(1, 12, 8, speculative=False),
@@ -195,13 +200,10 @@ def test_requests_that_opt_out_or_need_per_token_work_do_not_speculate():
     ]
     for r in reqs:
         h.add(r)
-    assert [r.speculates for r in reqs] == [False, True, False, True, True, True]
+    assert [r.speculates for r in reqs] == [False, True, True, True, True, True]
     h.run()
     h.check_end()
-    assert {rid for rid, _, _ in h.verify_rows} == {2, 4, 5, 6}
-    # A request below its min_tokens gets no drafts: its first verify row comes after them
-    # (a row at position p follows the 12 prompt tokens and p - 11 generated ones).
-    assert min(p for rid, p in h.verify_starts if rid == 6) - 11 >= 4
+    assert {rid for rid, _, _ in h.verify_rows} == {2, 3, 4, 5, 6}
     for rid in (1, 2, 3, 4, 5, 6):
         assert h.ended[rid].generated == [ts.fake_token(12 + j) for j in range(8)]
 
@@ -328,8 +330,7 @@ def test_replay_check_of_a_speculative_engine_has_no_divergence():
     class SpecRecording(SpecHarness, RecordingHarness):
         def __init__(self):
             RecordingHarness.__init__(self)
-            self.sched.spec, self.k = wire.speculation(config), 3
-            self.verify_rows, self.verify_starts = [], []
+            self.sched.spec, self.k, self.verify_rows = wire.speculation(config), 3, []
 
     h = SpecRecording()
     for rid in (1, 2):

@@ -58,25 +58,30 @@ class RowControls:
 
 
 class _Entries:
-    """(row, token, value, if-last) entries gathered per row as a run of tokens that share a
-    row and an if-last (and, unless given per token, a value), joined once."""
+    """(row, token, value, if-last, offset) entries gathered per row as a run of tokens that
+    share a row, an if-last and an offset (and, unless given per token, a value), joined once."""
 
     def __init__(self):
         self.rows: list[int] = []
         self.tokens: list[np.ndarray] = []
         self.values: list = []  # one per run: a scalar, or an array of one per token
         self.if_last: list[int] = []
+        self.offsets: list[int] = []  # a verify row's scored position, or -1: every one
 
-    def add(self, row: int, tokens, value, if_last: int = NO_TOKEN) -> None:
+    def add(self, row: int, tokens, value, if_last: int = NO_TOKEN, offset: int = -1) -> None:
         self.rows.append(row)
         self.tokens.append(np.asarray(tokens, np.int32).reshape(-1))
         self.values.append(value)
         self.if_last.append(if_last)
+        self.offsets.append(offset)
 
     def arrays(self, value_dtype) -> tuple[np.ndarray, ...]:
-        """(rows, tokens, values, if_last), int32 but the values; all empty without runs."""
+        """(rows, tokens, values, if_last, offsets), int32 but the values; all empty without
+        runs."""
         if not self.rows:
-            return tuple(np.zeros(0, d) for d in (np.int32, np.int32, value_dtype, np.int32))
+            return tuple(
+                np.zeros(0, d) for d in (np.int32, np.int32, value_dtype) + (np.int32,) * 2
+            )
         lens = [len(t) for t in self.tokens]
         if any(isinstance(v, np.ndarray) for v in self.values):
             runs = zip(self.values, lens, strict=True)
@@ -90,6 +95,7 @@ class _Entries:
             np.concatenate(self.tokens),
             values,
             np.repeat(np.asarray(self.if_last, np.int32), lens),
+            np.repeat(np.asarray(self.offsets, np.int32), lens),
         )
 
 
@@ -106,10 +112,12 @@ def control_arrays(chunks: list[Chunk], eos_token_ids: tuple[int, ...]) -> dict[
     bias = _Entries()
     for i in rows:
         _bias_entries(bias, i, chunks[i], eos_token_ids)
-    arrays = bias.arrays(np.float32)
+    *arrays, offsets = bias.arrays(np.float32)
     if len(arrays[0]):
         names = ("bias_rows", "bias_tokens", "bias_values", "bias_if_last")
         out |= dict(zip(names, arrays, strict=True))
+        if (offsets >= 0).any():  # (a verify row's min_tokens or bad-word entries)
+            out["bias_offsets"] = offsets
     return out
 
 
@@ -141,7 +149,7 @@ def _penalty_arrays(chunks: list[Chunk], penalised: list[int], eos_token_ids) ->
         seen.add(i, _controls(r, eos_token_ids).output_tokens(r.generated), 1)
         if s.repetition_penalty != 1.0:
             seen.add(i, r.prompt, 0)
-    rows, tokens, counts, _ = seen.arrays(np.int32)
+    rows, tokens, counts, _, _ = seen.arrays(np.int32)
     return {
         "presence_penalty": presence,
         "frequency_penalty": frequency,
@@ -153,18 +161,38 @@ def _penalty_arrays(chunks: list[Chunk], penalised: list[int], eos_token_ids) ->
 
 
 def _bias_entries(bias: _Entries, i: int, c: Chunk, eos_token_ids) -> None:
-    """Row i's logit_bias, min_tokens and bad-word entries."""
+    """Row i's logit_bias, min_tokens and bad-word entries; a verify row's min_tokens and
+    bad-word entries per scored position (offset j: after its first j drafts)."""
     r = c.request
     s = r.sampling
     ctl = _controls(r, eos_token_ids)
     if len(ctl.bias_tokens):
         bias.add(i, ctl.bias_tokens, ctl.bias_values)
+    if c.drafts is not None and len(c.drafts):
+        _verify_bias_entries(bias, i, c, ctl)
+        return
     if c.gen_index < s.min_tokens and len(ctl.min_tokens_ban):
         bias.add(i, ctl.min_tokens_ban, -np.inf)
     for word in s.bad_words_ids:
         if_last = _bad_word_condition(r.generated, c.gen_index, word)
         if if_last is not None:
             bias.add(i, word[-1], -np.inf, if_last)
+
+
+def _verify_bias_entries(bias: _Entries, i: int, c: Chunk, ctl: RowControls) -> None:
+    """A verify row's min_tokens and bad-word entries at each scored position j, as plain
+    decoding would make them with its first j drafts accepted (its last token is known: no
+    step in flight holds it, so no entry is conditional)."""
+    r, s = c.request, c.request.sampling
+    drafts = [int(t) for t in c.drafts]
+    for j in range(len(drafts) + 1):
+        if c.gen_index + j < s.min_tokens and len(ctl.min_tokens_ban):
+            bias.add(i, ctl.min_tokens_ban, -np.inf, NO_TOKEN, j)
+        if s.bad_words_ids:
+            context = r.generated + drafts[:j]
+            for word in s.bad_words_ids:
+                if _bad_word_condition(context, len(context), word) is not None:
+                    bias.add(i, word[-1], -np.inf, NO_TOKEN, j)
 
 
 def _bad_word_condition(generated: list[int], gen_index: int, word) -> int | None:

@@ -22,15 +22,15 @@ The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 
   the next steps; their blocks stay with the request (at most the blocks of k more tokens, which
   its admission already counted: prompt + max_tokens), and go back when it ends.
 
-Which requests speculate (v1): those with `SamplingParams.speculative` (the default) and
-neither bad words nor a grammar (structured outputs): those decode one token per step as
-without speculation (what each forbids at a position depends on the drafts before it, which
-the verify step does not follow yet). Penalties and logit_bias are applied at every verified
-position (the gpu counts the drafts before each as output tokens,
-actors/gpu/speculative.py); a request below its min_tokens gets no drafts (its row's bans
-hold for its first position only). Log-probs and top-n, raw or processed, come with each
-accepted token (StepResult.spec_log_probs / spec_top_n_*) and routed experts with each
-accepted position (routing.py `take_step`): RL rollouts speculate.
+Which requests speculate (v1): those with `SamplingParams.speculative` (the default) and no
+grammar (structured outputs: its matcher would have to follow the drafts and roll back; not
+built), which decode one token per step as without speculation. Logit controls apply at every
+verified position: logit_bias everywhere, penalties with the drafts before a position counted
+as output tokens (actors/gpu/speculative.py), and min_tokens and bad words per position as the
+drafts before it make them (control_arrays.py, StepPlan.bias_offsets). Log-probs and top-n,
+raw or processed, come with each accepted token (StepResult.spec_log_probs / spec_top_n_*)
+and routed experts with each accepted position (routing.py `take_step`): RL rollouts
+speculate.
 Hybrid (Mamba / GDN) models refuse speculation at start-up (their recurrent state would have to
 be rolled back to the last accepted position; not built).
 
@@ -89,7 +89,7 @@ class Speculation:
     def eligible(r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's v1 rule)."""
         s = r.sampling
-        return bool(s.speculative and not s.bad_words_ids and s.structured is None)
+        return bool(s.speculative and s.structured is None)
 
     def propose(self, r: EngineRequest, limit: int) -> np.ndarray:
         """Up to min(k, limit) draft tokens (int32) to follow `r`'s known tokens. Its index
@@ -115,8 +115,6 @@ class Speculation:
         whose last token is known, or no draft was found (then it runs as a plain row)."""
         if req.num_pending or req.num_planned_tokens - req.num_computed_tokens != 1:
             return None
-        if len(req.generated) < req.sampling.min_tokens:
-            return None  # (min_tokens' bans hold at the row's first position only)
         limit = min(
             budget - 1,
             req.sampling.max_tokens - len(req.generated) - 1,

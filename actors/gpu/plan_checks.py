@@ -110,6 +110,7 @@ def check_logprobs_mode(plan: StepPlan) -> None:
 CONTROL_ARRAYS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_rows",
     "penalty_tokens", "penalty_counts", "bias_rows", "bias_tokens", "bias_values", "bias_if_last",
+    "bias_offsets",
 )  # fmt: skip
 
 
@@ -140,6 +141,20 @@ def check_sampling_controls(plan: StepPlan, vocab_size: int) -> None:
             raise ValueError("bias_values must be numbers or -inf")
         if plan.bias_if_last.min() < -1 or plan.bias_if_last.max() >= vocab_size:
             raise ValueError(f"bias_if_last must be -1 or a token id below {vocab_size}")
+    _check_offsets(plan)
+
+
+def _check_offsets(plan: StepPlan) -> None:
+    """bias_offsets: empty, or one per bias entry, each -1 or a scored position of the
+    entry's sequence (0..num_drafts)."""
+    offsets = plan.bias_offsets
+    if not len(offsets):
+        return
+    if len(offsets) != len(plan.bias_rows):
+        raise ValueError("bias_offsets must be empty or have one entry per bias entry")
+    drafts = plan.num_drafts[plan.bias_rows] if len(plan.num_drafts) else 0
+    if (offsets < -1).any() or (offsets > drafts).any():
+        raise ValueError("bias_offsets must be -1 or a scored position of the entry's sequence")
 
 
 def _check_entries(plan: StepPlan, names: tuple[str, ...], vocab_size: int) -> None:

@@ -16,8 +16,8 @@ and a sequence's logit controls (penalties, logit_bias) apply at each (`scored_c
 Log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
 spec_log_probs (spec_top_n_*): raw, or processed (StepPlan.logprobs_mode) as plain decoding
 computes them (actors/gpu/logprobs.py `processed_rows`). The engine sends no prompt log-probs,
-bad-word or min_tokens entries, grammar or prev_rows for these sequences
-(actors/engine/speculation.py); `check_drafts` refuses a plan that does.
+conditional biases, grammar or prev_rows for these sequences (actors/engine/speculation.py);
+`check_drafts` refuses a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
 writes the tokens returned here into it).
@@ -131,11 +131,11 @@ def scored_controls(
     plan: StepPlan, rows: np.ndarray, nd: np.ndarray, scored: np.ndarray, raw: torch.Tensor
 ) -> torch.Tensor:
     """The scored rows' logits [S, V] after their sequences' logit controls, as plain decoding
-    applies them at each position: every entry of the sequence's logit_bias at each of its
-    positions, and its penalties counting the drafts before a position as output tokens
-    (after the sequence's own tokens, which the plan lists). `raw` itself when no verifying
-    sequence has a control. The plan holds no conditional (bad-word) or min_tokens entries for
-    these sequences (actors/engine/speculation.py)."""
+    applies them at each position: each bias entry at its offset (StepPlan.bias_offsets: the
+    min_tokens and bad-word entries the drafts before a position make) or, at -1, at every
+    position (logit_bias), and the penalties counting the drafts before a position as output
+    tokens (after the sequence's own tokens, which the plan lists). `raw` itself when no
+    verifying sequence has a control."""
     pen = _penalised(plan)
     bias_of = np.isin(plan.bias_rows, rows) if len(plan.bias_rows) else np.zeros(0, bool)
     if not (bias_of.any() or np.isin(rows, pen).any()):
@@ -146,9 +146,12 @@ def scored_controls(
     dev = out.device
     if bias_of.any():
         at = np.searchsorted(rows, plan.bias_rows[bias_of])  # (rows ascend)
-        virtual = _spread(first[at], counts[at])
-        tokens = np.repeat(plan.bias_tokens[bias_of], counts[at])
-        values = np.repeat(plan.bias_values[bias_of], counts[at])
+        offsets = plan.bias_offsets[bias_of] if len(plan.bias_offsets) else np.full(len(at), -1)
+        # An entry at every position of its row, or at its one offset.
+        spread = np.where(offsets < 0, counts[at], 1)
+        virtual = _spread(first[at] + np.maximum(offsets, 0), spread)
+        tokens = np.repeat(plan.bias_tokens[bias_of], spread)
+        values = np.repeat(plan.bias_values[bias_of], spread)
         add_biases(out, *(_on(a, dev, torch.int64) for a in (virtual, tokens)), _on(values, dev))
     seqs = np.flatnonzero(np.isin(rows, pen))  # indices into rows
     if len(seqs):
