@@ -31,40 +31,52 @@ def controlled_logits(plan: StepPlan, logits: torch.Tensor, sampled: torch.Tenso
     out = logits.float().clone()
     last = _LastTokens(plan, sampled, logits.device)
     if len(plan.bias_rows):
-        values = _on(plan.bias_values, out.device)
+        values = to_device(plan.bias_values, out.device)
         if_last = plan.bias_if_last
         if (if_last >= 0).any():
-            holds = _on(if_last < 0, out.device) | (
-                last.of(plan.bias_rows) == _on(if_last, out.device, torch.int64)
+            holds = to_device(if_last < 0, out.device) | (
+                last.of(plan.bias_rows) == to_device(if_last, out.device, torch.int64)
             )
             values = torch.where(holds, values, torch.zeros_like(values))
-        rows, tokens = (_on(a, out.device, torch.int64) for a in (plan.bias_rows, plan.bias_tokens))
+        rows, tokens = (
+            to_device(a, out.device, torch.int64) for a in (plan.bias_rows, plan.bias_tokens)
+        )
         add_biases(out, rows, tokens, values)
     if len(plan.presence_penalty):
         _penalties(plan, out, last)
     return out
 
 
+def penalised_rows(plan: StepPlan) -> np.ndarray:
+    """The sequences with a penalty (any of presence, frequency, repetition not neutral)."""
+    if not len(plan.presence_penalty):
+        return np.zeros(0, np.int64)
+    pres, freq, rep = plan.presence_penalty, plan.frequency_penalty, plan.repetition_penalty
+    return np.flatnonzero((pres != 0) | (freq != 0) | (rep != 1))
+
+
 def _penalties(plan: StepPlan, out: torch.Tensor, last: _LastTokens) -> None:
     """The penalties of the rows that have any, their tokens as the plan lists them plus the
     last input token of a row whose input is the previous step's sampled one."""
     pres, freq, rep = plan.presence_penalty, plan.frequency_penalty, plan.repetition_penalty
-    rows = np.flatnonzero((pres != 0) | (freq != 0) | (rep != 1))
+    rows = penalised_rows(plan)
     if not len(rows):
         return
     dev = out.device
     # (plan_checks: every entry names one of `rows`)
-    seen_rows = _on(np.searchsorted(rows, plan.penalty_rows), dev, torch.int64)
-    seen_tokens = _on(plan.penalty_tokens, dev, torch.int64)
-    seen_counts = _on(plan.penalty_counts, dev)
+    seen_rows = to_device(np.searchsorted(rows, plan.penalty_rows), dev, torch.int64)
+    seen_tokens = to_device(plan.penalty_tokens, dev, torch.int64)
+    seen_counts = to_device(plan.penalty_counts, dev)
     flying = last.previous_rows(rows)  # indices into `rows`: their last input is in flight
     if len(flying):
         one = torch.ones(len(flying), dtype=torch.int32, device=dev)
-        seen_rows = torch.cat([seen_rows, _on(flying, dev, torch.int64)])
+        seen_rows = torch.cat([seen_rows, to_device(flying, dev, torch.int64)])
         seen_tokens = torch.cat([seen_tokens, last.of(rows[flying])])
         seen_counts = torch.cat([seen_counts, one])
-    params = (_on(a[rows], dev) for a in (pres, freq, rep))
-    apply_penalties(out, _on(rows, dev, torch.int64), *params, seen_rows, seen_tokens, seen_counts)
+    params = (to_device(a[rows], dev) for a in (pres, freq, rep))
+    apply_penalties(
+        out, to_device(rows, dev, torch.int64), *params, seen_rows, seen_tokens, seen_counts
+    )
 
 
 class _LastTokens:
@@ -84,15 +96,15 @@ class _LastTokens:
 
     def of(self, rows: np.ndarray) -> torch.Tensor:
         """The last input tokens of `rows` (a row may repeat), int64 on the device."""
-        known = _on(self.known[rows], self.device, torch.int64)
+        known = to_device(self.known[rows], self.device, torch.int64)
         prev = self.prev[rows]
         if not (prev >= 0).any():
             return known
-        p = _on(prev, self.device, torch.int64)
+        p = to_device(prev, self.device, torch.int64)
         return torch.where(p >= 0, self.sampled[p.clamp(min=0)].long(), known)
 
 
-def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
+def to_device(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
     # np.frombuffer views are read-only; torch wants writable memory. Pinned on CUDA: a copy
     # from pageable memory may wait for the device, and a step in flight must not be waited on.
     t = torch.from_numpy(np.array(a, copy=True))

@@ -36,6 +36,7 @@ from taipan.actors.gpu.logprobs import (
     processed_mode,
     processed_rows,
 )
+from taipan.actors.gpu.sampling_controls import penalised_rows, to_device
 from taipan.messages.gpu import StepPlan
 from taipan.ops.logit_controls import add_biases, apply_penalties
 from taipan.ops.logprobs import log_probs_and_top_n, processed_log_probs_and_top_n
@@ -100,8 +101,8 @@ def verify_drafts(
     ends = plan.query_start_loc[1:][rows].astype(np.int64)  # one past each row's last token
     counts = nd + 1
     # Row r's positions ends[r] - counts[r] .. ends[r] - 1: its last known token, its drafts.
-    offsets = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
-    scored = np.repeat(ends - counts, counts) + offsets  # [rows]
+    scored = _spread(ends - counts, counts)  # [rows]
+    offsets = scored - np.repeat(ends - counts, counts)
     is_draft = offsets > 0
     device = hidden.device
     scored_t = torch.from_numpy(scored).to(device)
@@ -136,7 +137,7 @@ def scored_controls(
     position (logit_bias), and the penalties counting the drafts before a position as output
     tokens (after the sequence's own tokens, which the plan lists). `raw` itself when no
     verifying sequence has a control."""
-    pen = _penalised(plan)
+    pen = penalised_rows(plan)
     bias_of = np.isin(plan.bias_rows, rows) if len(plan.bias_rows) else np.zeros(0, bool)
     if not (bias_of.any() or np.isin(rows, pen).any()):
         return raw
@@ -152,19 +153,15 @@ def scored_controls(
         virtual = _spread(first[at] + np.maximum(offsets, 0), spread)
         tokens = np.repeat(plan.bias_tokens[bias_of], spread)
         values = np.repeat(plan.bias_values[bias_of], spread)
-        add_biases(out, *(_on(a, dev, torch.int64) for a in (virtual, tokens)), _on(values, dev))
+        add_biases(
+            out,
+            *(to_device(a, dev, torch.int64) for a in (virtual, tokens)),
+            to_device(values, dev),
+        )
     seqs = np.flatnonzero(np.isin(rows, pen))  # indices into rows
     if len(seqs):
         _scored_penalties(plan, rows, seqs, first, counts, scored, out)
     return out
-
-
-def _penalised(plan: StepPlan) -> np.ndarray:
-    """The plan's sequences with a penalty (sampling_controls.py's rule)."""
-    if not len(plan.presence_penalty):
-        return np.zeros(0, np.int64)
-    pres, freq, rep = plan.presence_penalty, plan.frequency_penalty, plan.repetition_penalty
-    return np.flatnonzero((pres != 0) | (freq != 0) | (rep != 1))
 
 
 def _scored_penalties(plan, rows, seqs, first, counts, scored, out: torch.Tensor) -> None:
@@ -185,26 +182,21 @@ def _scored_penalties(plan, rows, seqs, first, counts, scored, out: torch.Tensor
             owners.append(seq)
     dev, owners = out.device, np.asarray(owners)
     params = [
-        _on(a[owners], dev)
+        to_device(a[owners], dev)
         for a in (plan.presence_penalty, plan.frequency_penalty, plan.repetition_penalty)
     ]
     seen = (
-        _on(np.concatenate(seen_rows), dev, torch.int64),
-        _on(np.concatenate(seen_tokens), dev, torch.int64),
-        _on(np.concatenate(seen_counts).astype(np.int32), dev),
+        to_device(np.concatenate(seen_rows), dev, torch.int64),
+        to_device(np.concatenate(seen_tokens), dev, torch.int64),
+        to_device(np.concatenate(seen_counts).astype(np.int32), dev),
     )
-    apply_penalties(out, _on(np.asarray(virtual), dev, torch.int64), *params, *seen)
+    apply_penalties(out, to_device(np.asarray(virtual), dev, torch.int64), *params, *seen)
 
 
 def _spread(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """The ranges starts[i] .. starts[i] + counts[i] - 1, concatenated (int64)."""
     within = np.arange(int(counts.sum())) - np.repeat(np.cumsum(counts) - counts, counts)
     return np.repeat(starts, counts).astype(np.int64) + within
-
-
-def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
-    t = torch.from_numpy(np.array(a, copy=True))  # (a plan's arrays are read-only)
-    return t.to(device, dtype=dtype)
 
 
 def _log_prob_arrays(
