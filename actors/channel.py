@@ -69,6 +69,19 @@ class Envelope:
         await self.channel.send(msg, to=self.sender)
 
 
+def inbound(channel, sender: bytes | None, frames: list) -> Envelope:
+    """Received `frames` as an Envelope of `channel` (a Channel or an actors/local.py
+    LocalChannel): recorded as they came (with the channel's recorder), then decoded; a
+    message that does not decode is the Envelope's `error`."""
+    now = time.time()
+    if channel.recorder is not None:
+        channel.recorder.write("in", channel.name, sender, frames, now)
+    try:
+        return Envelope(channel, sender, decode(frames), None, now)
+    except MessageError as e:
+        return Envelope(channel, sender, None, e, now)
+
+
 def is_loopback(host: str) -> bool:
     """True for localhost, 127.0.0.0/8 and ::1 (bracketed or not); False for `*`, 0.0.0.0, an
     interface name or any other address."""
@@ -206,17 +219,11 @@ class Channel:
         self._apply_reports()
 
     def _envelope(self, raw: list) -> Envelope:
-        now = time.time()
         frames = [f.buffer for f in raw]
         sender = None
         if self.routed:
             sender, frames = bytes(frames[0]), frames[1:]
-        if self.recorder is not None:
-            self.recorder.write("in", self.name, sender, frames, now)
-        try:
-            return Envelope(self, sender, decode(frames), None, now)
-        except MessageError as e:
-            return Envelope(self, sender, None, e, now)
+        return inbound(self, sender, frames)
 
     def _note_descriptor(self, peer: bytes, fd: int) -> bytes | None:
         """Remember that `peer` talks on `fd`. Returns the peer this proves gone: one still on

@@ -28,8 +28,8 @@ import collections
 import time
 from typing import TYPE_CHECKING
 
-from taipan.actors.channel import Envelope
-from taipan.messages.codec import MessageError, decode, encode, hand_over
+from taipan.actors.channel import Envelope, inbound
+from taipan.messages.codec import encode, hand_over
 
 if TYPE_CHECKING:
     from taipan.actors.record import Recorder
@@ -87,15 +87,9 @@ class LocalChannel:
             finally:
                 self._waiters.remove(waiter)
         msg, frames = self._inbox.popleft()
-        now = time.time()
         if frames is None:
-            return Envelope(self, None, msg, None, now)
-        if self.recorder is not None:
-            self.recorder.write("in", self.name, None, frames, now)
-        try:
-            return Envelope(self, None, decode(frames), None, now)
-        except MessageError as e:
-            return Envelope(self, None, None, e, now)
+            return Envelope(self, None, msg, None, time.time())
+        return inbound(self, None, frames)
 
     def close(self, linger_ms: int = 0) -> None:
         """Close this end: a receive waiting on it ends with ConnectionError; what the peer
