@@ -200,24 +200,11 @@ def _encode_head(msg, extra: list | None) -> bytes:
     return msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
 
 
-def _check_outbound(msg, cls: type) -> None:
+def _check_outbound(msg, cls: type) -> tuple:
     """What encoding checks of a sender's message: a registered class, array fields of their
-    dtype and rank (a wrong one is the sender's TypeError, not the receiver's)."""
-    if registered(getattr(cls, "TAG", None)) is not cls:
-        raise TypeError(f"{cls.__name__} is not a registered message")
-    for name, check in array_fields(cls):
-        try:
-            check(getattr(msg, name))
-        except MessageError as e:
-            raise TypeError(f"{cls.__name__}.{name}: {e}") from None
-
-
-def hand_over(msg) -> None:
-    """Ready `msg` to be handed to an actor of the same process as an object, unencoded
-    (actors/local.py): encoding's checks, then its array fields made read-only, as decoded
-    ones are, so neither side can change what the other holds. Raises TypeError as `encode`."""
-    cls = type(msg)
-    got = _HAND_OVER.get(cls)
+    dtype and rank (a wrong one is the sender's TypeError, not the receiver's). Returns the
+    array fields' values."""
+    got = _ARRAY_GETTERS.get(cls)
     if got is None:
         if registered(getattr(cls, "TAG", None)) is not cls:
             raise TypeError(f"{cls.__name__} is not a registered message")
@@ -225,7 +212,7 @@ def hand_over(msg) -> None:
         names = tuple(name for name, _ in fields)
         many = operator.attrgetter(*names) if names else (lambda m: ())
         get = many if len(names) != 1 else (lambda m, one=many: (one(m),))
-        got = _HAND_OVER[cls] = (get, tuple(check for _, check in fields), names)
+        got = _ARRAY_GETTERS[cls] = (get, tuple(check for _, check in fields), names)
     get, checks, names = got
     values = get(msg)
     for v, check, name in zip(values, checks, names, strict=True):
@@ -233,12 +220,20 @@ def hand_over(msg) -> None:
             check(v)
         except MessageError as e:
             raise TypeError(f"{cls.__name__}.{name}: {e}") from None
-    for v in values:
+    return values
+
+
+# Per registered class: (one getter of its array fields' values, their checks, their names).
+_ARRAY_GETTERS: dict[type, tuple[Callable[[Any], tuple], tuple, tuple[str, ...]]] = {}
+
+
+def hand_over(msg) -> None:
+    """Ready `msg` to be handed to an actor of the same process as an object, unencoded
+    (actors/local.py): encoding's checks, then its array fields made read-only, as decoded
+    ones are, so neither side can change what the other holds. Raises TypeError as `encode`."""
+    for v in _check_outbound(msg, type(msg)):
         if type(v) is np.ndarray and v.size:  # (an empty one holds nothing to change)
             v.flags.writeable = False
-
-
-_HAND_OVER: dict[type, tuple[Callable[[Any], tuple], tuple, tuple[str, ...]]] = {}
 
 
 # Per class, the defaults of the fields a sender may leave off (those after `required=`), as
