@@ -187,11 +187,17 @@ def gpu_process_cpu_sets(gpus: list[int], cpus: list[int], cores: int) -> list[l
     """The cores of each process driving GPU `gpus[i]`: `cores` of its own, counted down from
     the last of `cpus` by its GPU's index (so runtimes on other GPUs of the host take other
     cores), the rest of the host left to clients, the coordinator and the caller. None (leave
-    placement to the OS) when `cores` is 0 or the host cannot spare them: every set must fit
-    and leave at least as many cores for the rest."""
+    placement to the OS) when `cores` is 0 or no process drives a GPU. Every set must fit and
+    leave at least as many cores for the rest: a LaunchError naming TAIPAN_GPU_PROCESS_CORES
+    when the host cannot spare them (asked for, never silently dropped)."""
     if cores < 1 or not gpus:
         return None
     need = (max(gpus) + 1) * cores
-    if need + max(cores, len(gpus) * cores) > len(cpus):
-        return None
+    rest = max(cores, len(gpus) * cores)
+    if need + rest > len(cpus):
+        raise LaunchError(
+            f"{CORES_ENV}={cores}: the processes of GPUs {sorted(gpus)} need cores up to "
+            f"{need} of their own and {rest} left for the rest, and this process may use "
+            f"{len(cpus)}; set it lower, or to 0 to leave placement to the OS"
+        )
     return [cpus[len(cpus) - (g + 1) * cores : len(cpus) - g * cores] for g in gpus]

@@ -1,7 +1,7 @@
 """Cores of the processes that drive GPUs (runtime/placement.py `gpu_process_cpu_sets`,
 runtime/roles.py), with TAIPAN_GPU_PROCESS_CORES=N (opt-in; default 0: none): N of their own
 each, chosen by the GPU's index on the host so runtimes on other GPUs take other cores, nothing
-pinned where the host cannot spare them or on a CPU device; a bad value is a LaunchError naming
+pinned on a CPU device; a bad value, or cores the host cannot spare, is a LaunchError naming
 it."""
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ def test_each_gpu_process_gets_cores_of_its_own_counted_from_the_end():
     assert gpu_process_cpu_sets([3], CPUS, 2) == [[8, 9]]
 
 
-def test_nothing_is_pinned_where_the_host_cannot_spare_the_cores():
-    assert gpu_process_cpu_sets([0], [0, 1], 2) is None  # (the 2-core CI box)
-    assert gpu_process_cpu_sets([0, 1, 2, 3, 4, 5, 6, 7], CPUS, 2) is None  # none left over
+def test_cores_the_host_cannot_spare_are_a_launch_error_and_zero_pins_nothing():
+    with pytest.raises(LaunchError, match=f"{CORES_ENV}=2"):
+        gpu_process_cpu_sets([0], [0, 1], 2)  # (the 2-core CI box)
+    with pytest.raises(LaunchError, match="set it lower"):
+        gpu_process_cpu_sets([0, 1, 2, 3, 4, 5, 6, 7], CPUS, 2)  # none left over
     assert gpu_process_cpu_sets([0], CPUS, 0) is None
     assert gpu_process_cpu_sets([], CPUS, 2) is None
 
