@@ -207,3 +207,50 @@ def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_to
     out = masks.masked(plan(1.0, [start]), logits, logits)  # sampled: masked before
     assert computed == [[7]] and out is not logits and out[0, 100] == float("-inf")
     assert masks.checked(torch.tensor([no]), out).tolist() == [no]  # (nothing to check)
+
+
+def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(tok, monkeypatch):
+    """GrammarMasks' deferred check (a step without log-probs or drafts): `check_later` takes
+    the step's checked rows; `run_check` (at the step's collect, its tokens on the host)
+    replaces a rejected token in the host copy and in the device tokens the next step reads;
+    `wait_check` (before the next forward) returns once it ran, raises the collect's error
+    when it failed, and names the wait when no collect came."""
+    import types
+
+    from taipan.actors.gpu import grammar_masks
+    from taipan.actors.gpu.grammar_masks import GrammarMasks
+    from taipan.messages.gpu import GrammarStart
+    from taipan.messages.requests import StructuredOutput
+
+    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    masks = GrammarMasks(tok)
+    start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
+    step = types.SimpleNamespace(
+        grammar_rows=np.array([-1, 7], np.int32), grammar_new=[start],
+        grammar_drop=np.zeros(0, np.int64), temperature=np.zeros(2, np.float32),
+        sample=np.ones(2, np.int8), logprobs_mode=np.zeros(0, np.int8),
+    )  # fmt: skip
+    logits = torch.zeros(2, 49152)
+    logits[1, 100], logits[1, no] = 9.0, 3.0  # row 1's choice (100) is rejected: `no` instead
+    masks.masked(step, logits, logits)
+    host, sampled = torch.tensor([5, 100]), torch.tensor([5, 100, 0])
+    check = masks.check_later(host, sampled, logits)
+    assert masks.pending and check.rows.tolist() == [1]
+    masks.run_check(check)
+    assert host.tolist() == [5, no] and sampled.tolist() == [5, no, 0]
+    masks.wait_check()
+    assert not masks.pending
+    assert allowed(masks.grammars.masks([7])[0]) == list(tok.eos_token_ids)  # (consumed)
+
+    masks.grammars.drop(7)
+    masks.masked(step, logits, logits)
+    masks.check_later(host, sampled, logits).fail(RuntimeError("device lost"))
+    with pytest.raises(RuntimeError, match="grammar check failed: .*device lost"):
+        masks.wait_check()
+
+    monkeypatch.setattr(grammar_masks, "CHECK_TIMEOUT_S", 0.05)
+    masks.grammars.drop(7)
+    masks.masked(step, logits, logits)
+    masks.check_later(host, sampled, logits)
+    with pytest.raises(RuntimeError, match="did not run within"):
+        masks.wait_check()

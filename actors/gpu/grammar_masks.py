@@ -9,18 +9,29 @@ wait for the previous step only, while this step's forward is already queued beh
 plan with grammar rows is therefore never launched inline on the event loop
 (ModelWorker.launches_inline): that wait would block the loop.
 
-Greedy rows are checked, not masked (`checked`): a greedy row's grammar-free choice (after the
-logit controls) that its grammar allows there is exactly the choice under the mask (masking only
+Greedy rows are checked, not masked: a greedy row's grammar-free choice (after the logit
+controls) that its grammar allows there is exactly the choice under the mask (masking only
 removes tokens), so its mask is computed only when the grammar rejects that token, and the row
 then takes the masked logits' best token. Masks cost the host ~2 ms per step for 64 JSON rows
-on an H100's host (tests/perf/NOTES.md), and a step's sampling waits for them; a check costs a
-wait for the step's own tokens and microseconds per row. Rows whose log-probs are "processed"
-(of the masked distribution) and sampled rows keep their masks.
+on an H100's host (tests/perf/NOTES.md), and a step's sampling waits for them; a check costs
+microseconds per row once the step's tokens are on the host. Rows whose log-probs are
+"processed" (of the masked distribution) and sampled rows keep their masks.
+
+The check runs after the step, not inside its launch (`check_later`, then `run_check` where the
+step is collected, on the host copy its collect waits for anyway): the next step is staged
+meanwhile and waits (`wait_check`) only before its forward, which reads the checked tokens
+(prev_rows) and whose masks need the matchers to have consumed them. A launch that waited for
+its own tokens left the device idle for the next step's whole host staging (structured cost
+0.26 on an H100, NOTES "Ninth session"). A step with log-probs or drafts checks in its launch
+(`checked`): what it reports of its tokens is computed there.
 
 Must not touch anything but the logits it is given and its own matchers.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import threading
 
 import numpy as np
 import torch
@@ -29,9 +40,29 @@ from taipan.messages.gpu import StepPlan
 from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks
 from taipan.ops.sampling import GREEDY_EPS
 
+CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which waits for the device
+
 
 def uses_grammar(plan: StepPlan) -> bool:
     return bool(len(plan.grammar_rows) or plan.grammar_new or len(plan.grammar_drop))
+
+
+@dataclasses.dataclass
+class Check:
+    """A launched step's checked rows, checked when the step is collected (`run_check`)."""
+
+    ids: np.ndarray  # their request ids
+    rows: np.ndarray  # their rows in the step
+    host: torch.Tensor  # [B] the step's tokens on the host (filled once the step has ended)
+    sampled: torch.Tensor  # [>= B] the device tokens the next step's prev_rows read
+    logits: torch.Tensor  # [B, V] the step's controlled logits (not overwritten before `done`)
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    def fail(self, error: BaseException) -> None:
+        """The step's collect failed before the check could run: the next launch raises."""
+        self.error = error
+        self.done.set()
 
 
 class GrammarMasks:
@@ -45,14 +76,17 @@ class GrammarMasks:
         # event after their copy (None on the CPU: already there).
         self._rows: tuple[np.ndarray, np.ndarray] | None = None
         self._tokens: tuple[torch.Tensor, object] | None = None
-        # (request ids, rows) of this step's checked rows, until `checked` has seen its tokens.
+        # (request ids, rows) of this step's checked rows, until `checked` or `check_later`
+        # takes them; then the launched step's Check, until the next launch has waited for it.
         self._lazy: tuple[np.ndarray, np.ndarray] | None = None
+        self._check: Check | None = None
 
     @property
     def pending(self) -> bool:
-        """Whether a grammar step's tokens wait to be consumed (every later step consumes
-        them, grammar rows or not: the host buffers they sit in are reused)."""
-        return self._rows is not None and self._tokens is not None
+        """Whether a grammar step's tokens wait to be consumed or checked (every later step
+        waits for that, grammar rows or not: the host buffers they sit in are reused, and its
+        forward reads the checked tokens)."""
+        return (self._rows is not None and self._tokens is not None) or self._check is not None
 
     def masked(self, plan: StepPlan, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """`logits` with each grammar row's disallowed tokens at -inf (a copy when `logits` is
@@ -91,29 +125,85 @@ class GrammarMasks:
         ids = plan.grammar_rows[rows]
         return ok & np.array([self.grammars.live(int(r)) for r in ids], dtype=bool)
 
+    def check_later(
+        self, host: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor
+    ) -> Check | None:
+        """This step's checked rows as a Check for its collect (None: it has none); `host`
+        receives the step's tokens, `sampled` holds them on the device for the next step."""
+        if self._lazy is None:
+            return None
+        (ids, rows), self._lazy = self._lazy, None
+        self._check = Check(ids, rows, host, sampled, logits)
+        return self._check
+
+    @torch.inference_mode()  # (the step's tensors are inference tensors)
+    def run_check(self, check: Check) -> None:
+        """Check a collected step's rows (its tokens are on the host): each row's token kept
+        where its grammar allows it, else replaced, in `host` and on the device, by the best
+        token of its masked logits. Wakes `wait_check` however it ends."""
+        try:
+            bad = self._rejected(check.ids, check.host.numpy()[check.rows])
+            if len(bad):
+                ids, rows = check.ids[bad], check.rows[bad]
+                best = self._masked_best(ids, rows, check.logits)
+                check.sampled[torch.from_numpy(rows).to(best.device)] = best.to(check.sampled.dtype)
+                best = best.cpu()
+                check.host[torch.from_numpy(rows)] = best.to(check.host.dtype)
+                self._consume(ids, best)
+        except BaseException as e:
+            check.fail(e)
+            raise
+        check.done.set()
+
+    def wait_check(self) -> None:
+        """Wait (before a step's forward) until the last launched step's Check has run."""
+        check, self._check = self._check, None
+        if check is None:
+            return
+        if not check.done.wait(CHECK_TIMEOUT_S):
+            raise RuntimeError(
+                f"structured outputs: the previous step's grammar check did not run within "
+                f"{CHECK_TIMEOUT_S:.0f} s (its collect never came)"
+            )
+        if check.error is not None:
+            raise RuntimeError(
+                f"structured outputs: the previous step's grammar check failed: {check.error!r}"
+            )
+
+    def _masked_best(self, ids: np.ndarray, rows: np.ndarray, logits: torch.Tensor):
+        """The best token of each of `rows`' logits under its request's mask (device int64)."""
+        device = logits.device
+        masks = torch.from_numpy(self.grammars.masks(ids)).to(device, non_blocking=True)
+        sub = logits.index_select(0, torch.from_numpy(rows).to(device))
+        apply_masks(sub, torch.arange(len(rows), device=device), masks)
+        return sub.argmax(dim=-1)
+
     def checked(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The step's tokens with each checked row's choice kept where its grammar allows it
         (and consumed), else replaced by the best token of the row's masked `logits` (the
-        controlled, unmasked ones); waits for the step's sampling when any row is checked."""
+        controlled, unmasked ones); waits for the step's sampling when any row is checked
+        (a step whose log-probs or drafts are computed in its launch)."""
         if self._lazy is None:
             return tokens
         (ids, rows), self._lazy = self._lazy, None
-        g, device = self.grammars, tokens.device
-        got = tokens[torch.from_numpy(rows).to(device)].cpu().numpy()
-        bad = [i for i, (rid, t) in enumerate(zip(ids.tolist(), got.tolist(), strict=True))
-               if not g.try_consume(rid, t)]  # fmt: skip
-        if not bad:
+        bad = self._rejected(ids, tokens[torch.from_numpy(rows).to(tokens.device)].cpu().numpy())
+        if not len(bad):
             return tokens
-        bad_ids, at = ids[bad], torch.from_numpy(rows[bad]).to(device)
-        masks = torch.from_numpy(g.masks(bad_ids)).to(device, non_blocking=True)
-        sub = logits.index_select(0, at)
-        apply_masks(sub, torch.arange(len(bad), device=device), masks)
-        best = sub.argmax(dim=-1)
+        best = self._masked_best(ids[bad], rows[bad], logits)
         tokens = tokens.clone()
-        tokens[at] = best.to(tokens.dtype)
-        for rid, token in zip(bad_ids.tolist(), best.cpu().tolist(), strict=True):
-            g.consume(rid, token)
+        tokens[torch.from_numpy(rows[bad]).to(tokens.device)] = best.to(tokens.dtype)
+        self._consume(ids[bad], best.cpu())
         return tokens
+
+    def _rejected(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Indices of the rows whose token their grammar rejects (the others consumed it)."""
+        g = self.grammars
+        ok = [g.try_consume(rid, t) for rid, t in zip(ids.tolist(), tokens.tolist(), strict=True)]
+        return np.flatnonzero(~np.array(ok, dtype=bool))
+
+    def _consume(self, ids: np.ndarray, tokens: torch.Tensor) -> None:
+        for rid, token in zip(ids.tolist(), tokens.tolist(), strict=True):
+            self.grammars.consume(rid, token)
 
     def sampled(self, host: torch.Tensor, ended) -> None:
         """The step just launched sampled into `host` (copied there once `ended`, a CUDA event,

@@ -27,7 +27,7 @@ import torch
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
-from taipan.actors.gpu.grammar_masks import GrammarMasks, uses_grammar
+from taipan.actors.gpu.grammar_masks import Check, GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
 from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
@@ -77,6 +77,7 @@ class Launched:
     routed: torch.Tensor | None = None  # [T, moe layers, k] on the host, when the plan asks
     spec: np.ndarray | None = None  # StepResult.spec_tokens, when the plan verifies drafts
     spec_log_probs: dict = dataclasses.field(default_factory=dict)  # StepResult's spec_*_probs
+    check: Check | None = None  # greedy grammar rows to check before the tokens are read
 
 
 def check_device(device: torch.device) -> None:
@@ -386,6 +387,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         staged = self.buffers.stage(plan_arrays(plan), **sizes)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
         # packing above is time the device waits between steps, unless a step is in flight).
+        self.grammar_masks.wait_check()  # (the last step's checked tokens, which this one reads)
         began = ended = None
         if self.device.type == "cuda":
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
@@ -399,7 +401,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         if uses_grammar(plan) or self.grammar_masks.pending:  # (masks after the controls)
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
-        tokens = self.grammar_masks.checked(tokens, controlled)  # (greedy grammar rows)
+        checks_later = not (wants_log_probs(plan) or len(draft_rows(plan)))
+        if not checks_later:  # (greedy grammar rows: what the step reports of them is final)
+            tokens = self.grammar_masks.checked(tokens, controlled)
         spec, spec_lp = None, {}
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; waits for the step)
             tokens, spec, spec_lp = verify_drafts(
@@ -429,6 +433,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             plan, rows, host, extra, bucket is not None, start, device_start, began, ended, routed
         )
         launched.spec, launched.spec_log_probs = spec, spec_lp
+        if checks_later:  # (greedy grammar rows: checked at collect, the next forward waits)
+            launched.check = self.grammar_masks.check_later(host, self._sampled, controlled)
         return launched
 
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -456,11 +462,18 @@ class ModelWorker(WorkerForward, WorkerControls):
         if isinstance(launched, StepResult):
             return launched
         plan = launched.plan
-        if launched.ended is not None:
-            launched.ended.synchronize()
-            device_seconds = launched.began.elapsed_time(launched.ended) / 1e3
-        else:
-            device_seconds = time.perf_counter() - launched.device_start
+        try:
+            if launched.ended is not None:
+                launched.ended.synchronize()
+                device_seconds = launched.began.elapsed_time(launched.ended) / 1e3
+            else:
+                device_seconds = time.perf_counter() - launched.device_start
+            if launched.check is not None:  # (greedy grammar rows, before their tokens are read)
+                self.grammar_masks.run_check(launched.check)
+        except BaseException as e:
+            if launched.check is not None and not launched.check.done.is_set():
+                launched.check.fail(e)
+            raise
         token_ids = np.full(len(plan.sample), -1, dtype=np.int32)
         rows = launched.rows
         token_ids[rows] = launched.tokens.numpy()[rows]
