@@ -121,3 +121,36 @@ def test_the_engine_sends_each_grammar_once_and_drops_it_when_its_request_ends()
         2
     ]
     assert book.live == set() and isinstance(ended["grammar_drop"], np.ndarray)
+
+
+@pytest.mark.gpu
+def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path):
+    """On CUDA (graphs, overlapped steps): a checked greedy row (checked when its step is
+    collected, the next step's forward waiting for it) gives the tokens of a masked one, in
+    fp32, and each output keeps to its grammar."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.random_llama import GPU_TINY_SHAPE
+
+    gpu_tiny = make_random_llama(str(tmp_path / "m"), GPU_TINY_SHAPE)
+    prompts = [[5, 17, 42, 9], [3, 3, 3], [100, 7], [8, 8]] * 2
+    specs = [("json_schema", json.dumps(SCHEMA)), ("regex", "[0-9]{3}-[a-z]{2}")] * 4
+    checked = [_sampling(kind, spec) for kind, spec in specs]
+    masked = [
+        _sampling(kind, spec, return_log_probs=True, logprobs_mode="processed")
+        for kind, spec in specs
+    ]
+    with LLM(gpu_tiny, device="cuda", dtype="float32", max_requests=8) as llm:
+        got = llm.generate(prompts, checked, use_tqdm=False)
+        want = llm.generate(prompts, masked, use_tqdm=False)
+        stats = llm.stats().merged()
+        texts = [llm.tokenizer.decode(o.token_ids) for o in got]
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert stats.steps_graphed > 0, stats
+    for (kind, _), text in zip(specs, texts, strict=True):
+        if kind == "regex":
+            assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
+        else:
+            assert set(json.loads(text)) == {"ok", "n"}, text
