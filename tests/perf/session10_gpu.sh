@@ -35,4 +35,8 @@ elif [ "$PART" = rows ]; then
     timeout -s ABRT 200 python3 -m taipan.cli bench --workload structured --model smollm2 \
         --device cuda --dtype bfloat16 --num-prompts 64 --output-len 128 \
         --results "$OUT/results.jsonl" 2>&1 | tail -1
+    echo "== the bench tests part tests' 540 s did not reach"
+    timeout -s ABRT 150 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_bench.py::test_decode_workload_on_cuda \
+        tests/test_bench.py::test_offline_workload_on_cuda 2>&1 | tail -4
 fi
