@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The structured row before and after greedy grammar rows moved from the launch to the collect
+# (a165f2d), alternating in one call: `.carry/old.patch` (git diff HEAD 2a9e6f6 -- actors)
+# turns a copy of `.carry/new` into the tree before. nvidia-h100-x1 after `carry_model.sh
+# stage1`; carry .carry/smollm2.gguf.part2, .whl, .carry/new, .carry/old.patch. From the root.
+set -u
+N=${1:-2}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/*.whl 2>/dev/null || exit 1
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name --format=csv,noheader
+(bash tests/perf/carry_model.sh stage2) || exit 1
+rm -rf /tmp/old && cp -r .carry/new /tmp/old && (cd /tmp/old && patch -s -p1 < "$OLDPWD/.carry/old.patch") || exit 1
+for t in new old; do
+    src=.carry/new; [ $t = old ] && src=/tmp/old
+    python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
+stage(Path('$src'), Path('/tmp/pkg_$t'))" || exit 1
+done
+for i in $(seq "$N"); do
+    for t in old new; do
+        echo -n "$t: "
+        (cd .carry/new && PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD timeout -s ABRT 150 python3 -m \
+            taipan.cli bench --workload structured --model smollm2 --device cuda \
+            --dtype bfloat16 --num-prompts 64 --output-len 128 \
+            --results "$OUT/results_$t.jsonl" 2>&1 | tail -1)
+    done
+done
