@@ -224,13 +224,22 @@ _BITS = None
 def apply_masks(logits, rows, masks) -> None:
     """Set to -inf, in place, every logit of `rows` (torch int64 [n]) whose token `masks`
     ([n, words] int32, on the logits' device) does not allow."""
+    sub = logits.index_select(0, rows)
+    sub.masked_fill_(~_allowed(masks, logits.shape[1]), float("-inf"))
+    logits.index_copy_(0, rows, sub)
+
+
+def masked_argmax(logits, masks):
+    """Each row's best token among those its mask allows ([n] int64; `logits` [n, V] and
+    `masks` [n, words] int32 on one device; `logits` unchanged)."""
+    return logits.masked_fill(~_allowed(masks, logits.shape[1]), float("-inf")).argmax(dim=-1)
+
+
+def _allowed(masks, vocab: int):
+    """[n, vocab] bool: bit t % 32 of word t // 32 of each row's mask."""
     import torch
 
     global _BITS
-    vocab = logits.shape[1]
     if _BITS is None or _BITS.device != masks.device:
         _BITS = torch.arange(32, dtype=torch.int32, device=masks.device)
-    allowed = ((masks.unsqueeze(-1) >> _BITS) & 1).view(masks.shape[0], -1)[:, :vocab].bool()
-    sub = logits.index_select(0, rows)
-    sub.masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, rows, sub)
+    return ((masks.unsqueeze(-1) >> _BITS) & 1).view(masks.shape[0], -1)[:, :vocab].bool()

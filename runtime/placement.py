@@ -172,6 +172,30 @@ def gpu_process_cores() -> int:
     return int(raw)
 
 
+# An engine process runs its step loop on the event loop's thread beside the threads that launch
+# and collect the gpu actor's steps; a thread whose CUDA wait has ended waits for the GIL while
+# the loop runs Python (a batch-64 stream's outputs are ~3 ms of it per step), up to CPython's
+# switch interval (5 ms) before it may take it. A shorter interval bounds that wait: the step
+# after a grammar check, and every step's collect, reach the device sooner.
+GIL_SWITCH_MS = 0.5
+SWITCH_ENV = "TAIPAN_GIL_SWITCH_MS"  # the engine and tensor-parallel processes' switch interval
+
+
+def gil_switch_seconds() -> float:
+    """The switch interval engine processes set (TAIPAN_GIL_SWITCH_MS, default GIL_SWITCH_MS;
+    CPython's own is 5), in seconds for sys.setswitchinterval."""
+    raw = os.environ.get(SWITCH_ENV, str(GIL_SWITCH_MS))
+    try:
+        ms = float(raw)
+    except ValueError:
+        ms = float("nan")
+    if not 0.01 <= ms <= 100:  # (nan fails too)
+        raise LaunchError(
+            f"{SWITCH_ENV}={raw!r}: give milliseconds in [0.01, 100] (CPython's is 5)"
+        )
+    return ms / 1e3
+
+
 def physical_gpu(device: str) -> int:
     """The index of CUDA `device` among the host's GPUs (through CUDA_VISIBLE_DEVICES where it
     lists indices; else the index as named)."""

@@ -38,6 +38,7 @@ from taipan.actors.gpu.peers import PeerGoneError
 from taipan.actors.log import configure, get_logger
 from taipan.auth import read_token_file
 from taipan.children import EXIT_FATAL, EXIT_PEER_DIED, FollowerProcesses, exit_now
+from taipan.placement import gil_switch_seconds
 from taipan.spec import LaunchSpec
 from taipan.wiring import open_process
 
@@ -132,6 +133,7 @@ def _pin_cpus(cpus: list[int] | None) -> None:
 async def engine_main(spec: LaunchSpec, rank: int) -> None:
     tp = spec.tensor_parallel_size
     _pin_cpus(spec.tp_cpu_sets[rank][0] if tp > 1 else spec.cpu_sets[rank])
+    sys.setswitchinterval(gil_switch_seconds())  # (placement.py says why)
     # The followers start now: they import torch and load while this process does (across
     # hosts they are started there, and connect).
     local = tp > 1 and not spec.tp_remote
@@ -221,6 +223,7 @@ async def tp_follower_main(spec: LaunchSpec, rank: int, tp_rank: int) -> None:
     of the rank's engine process, which watches it, or a process of its own on another host
     (SPEC's `tp_remote`). SIGTERM (or the parent's death) ends it; so does its leader's."""
     _pin_cpus(spec.tp_cpu_sets[rank][tp_rank])
+    sys.setswitchinterval(gil_switch_seconds())
     from taipan.actors.gpu.follower import LEADER_TIMEOUT_S, FollowerActor
     from taipan.actors.gpu.peers import TPSetup
 

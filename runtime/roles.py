@@ -26,6 +26,7 @@ from taipan.auth import curve_keys
 from taipan.placement import (
     LaunchError,
     check_ep_addresses,
+    gil_switch_seconds,
     gpu_process_cores,
     gpu_process_cpu_sets,
     next_port_address,
@@ -142,6 +143,7 @@ def build_spec(rt) -> LaunchSpec:
     blocks_per_request = -(-config.max_sequence_length // config.block_size_tokens)
     local = rt.role != "engine"  # an engine started alone shares its host with no rank
     devices = _peer_devices(rt)
+    gil_switch_seconds()  # (a bad TAIPAN_GIL_SWITCH_MS is the launch's error, not a child's)
     return LaunchSpec(
         frontend=rt.address,
         backend=rt.engine_address,

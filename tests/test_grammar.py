@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from taipan.models import resolve
-from taipan.ops.grammar import GrammarError, Grammars, GrammarSpec, apply_masks, check_grammar
+from taipan.ops.grammar import (
+    GrammarError,
+    Grammars,
+    GrammarSpec,
+    apply_masks,
+    check_grammar,
+    masked_argmax,
+)
 from taipan.ops.tokenizer import Tokenizer
 
 pytest.importorskip("llguidance")
@@ -112,6 +119,11 @@ def test_apply_masks_leaves_only_the_allowed_tokens(grammars):
     apply_masks(logits, torch.tensor([0, 2]), torch.from_numpy(masks))
     assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == allowed(masks[0])
     assert torch.isfinite(logits[1]).all() and torch.isfinite(logits[2]).all()
+    # masked_argmax: the best allowed token of each row, the logits left as they were.
+    scores = torch.arange(grammars.vocab_size, dtype=torch.float32).repeat(2, 1)
+    best = masked_argmax(scores, torch.from_numpy(masks))
+    assert best.tolist() == [max(allowed(masks[0])), grammars.vocab_size - 1]
+    assert scores[0, -1] == grammars.vocab_size - 1  # (unchanged)
     grammars.drop(7)
 
 

@@ -13,7 +13,10 @@ import pytest
 from taipan import roles
 from taipan.placement import (
     CORES_ENV,
+    GIL_SWITCH_MS,
+    SWITCH_ENV,
     LaunchError,
+    gil_switch_seconds,
     gpu_process_cores,
     gpu_process_cpu_sets,
     physical_gpu,
@@ -55,6 +58,17 @@ def test_the_core_count_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv(CORES_ENV, "two")
     with pytest.raises(LaunchError, match=CORES_ENV):
         gpu_process_cores()
+
+
+def test_the_gil_switch_interval_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(SWITCH_ENV, raising=False)
+    assert gil_switch_seconds() == GIL_SWITCH_MS / 1e3
+    monkeypatch.setenv(SWITCH_ENV, "5")
+    assert gil_switch_seconds() == 0.005
+    for bad in ("fast", "0", "-1", "nan", "1000"):
+        monkeypatch.setenv(SWITCH_ENV, bad)
+        with pytest.raises(LaunchError, match=SWITCH_ENV):
+            gil_switch_seconds()
 
 
 def _rt(device: str, num_ranks: int = 1, tp: int = 1, role: str = "all"):

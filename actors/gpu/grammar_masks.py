@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from taipan.messages.gpu import StepPlan
-from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks
+from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
 from taipan.ops.sampling import GREEDY_EPS
 
 CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which waits for the device
@@ -174,9 +174,7 @@ class GrammarMasks:
         """The best token of each of `rows`' logits under its request's mask (device int64)."""
         device = logits.device
         masks = torch.from_numpy(self.grammars.masks(ids)).to(device, non_blocking=True)
-        sub = logits.index_select(0, torch.from_numpy(rows).to(device))
-        apply_masks(sub, torch.arange(len(rows), device=device), masks)
-        return sub.argmax(dim=-1)
+        return masked_argmax(logits.index_select(0, torch.from_numpy(rows).to(device)), masks)
 
     def checked(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The step's tokens with each checked row's choice kept where its grammar allows it
