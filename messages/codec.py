@@ -102,6 +102,19 @@ _EMPTY_CACHE_MAX = 256
 
 _PLAIN = frozenset({int, float, str, bytes, bool, type(None)})  # msgpack's own (not subclasses)
 
+# The shared, read-only empty arrays that message classes default their optional array fields
+# to (messages/requests.py `empty_array_field`), by id, with their wire form: such a field is
+# encoded by one lookup and needs no check (a default is of its field's dtype and rank). They
+# are never freed, so an id here is always theirs.
+_SHARED_EMPTY: dict[int, msgpack.ExtType] = {}
+
+
+def share_empty(arr: np.ndarray) -> None:
+    """Register `arr`, an empty read-only array kept for good, as a shared field default."""
+    if arr.size or arr.flags.writeable:
+        raise ValueError("a shared default must be an empty, read-only array")
+    _SHARED_EMPTY[id(arr)] = _array_to_wire(arr, None)
+
 
 def _to_wire(v, extra: list | None):
     """`v` as msgpack values; large arrays go to `extra` frames (None: every array inline)."""
@@ -196,7 +209,11 @@ def _encode_head(msg, extra: list | None) -> bytes:
     cls = type(msg)
     _check_outbound(msg, cls)
     values = _fields_of(msg)
-    fields = [x if type(x) in _PLAIN else _to_wire(x, extra) for x in values[: _sent(cls, values)]]
+    shared = _SHARED_EMPTY
+    fields = [
+        x if type(x) in _PLAIN else (shared.get(id(x)) or _to_wire(x, extra))
+        for x in values[: _sent(cls, values)]
+    ]
     return msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
 
 
@@ -212,10 +229,14 @@ def _check_outbound(msg, cls: type) -> tuple:
         names = tuple(name for name, _ in fields)
         many = operator.attrgetter(*names) if names else (lambda m: ())
         get = many if len(names) != 1 else (lambda m, one=many: (one(m),))
-        got = _ARRAY_GETTERS[cls] = (get, tuple(check for _, check in fields), names)
-    get, checks, names = got
+        got = _ARRAY_GETTERS[cls] = (
+            get, tuple(check for _, check in fields), names, _shared_defaults(cls, names)
+        )  # fmt: skip
+    get, checks, names, defaults = got
     values = get(msg)
-    for v, check, name in zip(values, checks, names, strict=True):
+    for v, check, name, default in zip(values, checks, names, defaults, strict=True):
+        if v is default:  # (the field's shared empty default)
+            continue
         try:
             check(v)
         except MessageError as e:
@@ -223,8 +244,24 @@ def _check_outbound(msg, cls: type) -> tuple:
     return values
 
 
-# Per registered class: (one getter of its array fields' values, their checks, their names).
-_ARRAY_GETTERS: dict[type, tuple[Callable[[Any], tuple], tuple, tuple[str, ...]]] = {}
+_CHECKED = object()
+
+
+def _shared_defaults(cls, names: tuple[str, ...]) -> tuple:
+    """Per array field of `cls`, its default when that is a shared empty (share_empty), else
+    a marker no value is (such a field is always checked)."""
+    by_name = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for name in names:
+        f = by_name[name]
+        d = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        out.append(d if isinstance(d, np.ndarray) and id(d) in _SHARED_EMPTY else _CHECKED)
+    return tuple(out)
+
+
+# Per registered class: (one getter of its array fields' values, their checks, their names,
+# their shared empty defaults).
+_ARRAY_GETTERS: dict[type, tuple[Callable[[Any], tuple], tuple, tuple[str, ...], tuple]] = {}
 
 
 def hand_over(msg) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import functools
+import itertools
 import math
 from collections.abc import Sequence
 
@@ -26,6 +26,7 @@ from taipan.messages.codec import (
     encode_frame,
     message,
     replace_first_field,
+    share_empty,
     struct,
 )
 from taipan.messages.errors import ErrorCode
@@ -83,14 +84,15 @@ def _shared_empty(dtype, ndim: int) -> np.ndarray:
     if arr is None:
         arr = _EMPTIES[key] = np.zeros((0,) * ndim, dtype=dtype)
         arr.flags.writeable = False  # (shared by every message that leaves the field out)
+        share_empty(arr)
     return arr
 
 
 def empty_array_field(dtype, ndim: int = 1):
     """A default for an optional array field: empty, of the right dtype and rank (one read-only
     array per dtype and rank, shared: a step's outputs leave about ten such fields out per
-    request)."""
-    return dataclasses.field(default_factory=functools.partial(_shared_empty, dtype, ndim))
+    request; found once here, not per message, and encoded from a cached wire form)."""
+    return dataclasses.field(default_factory=itertools.repeat(_shared_empty(dtype, ndim)).__next__)
 
 
 # Structured outputs' grammar kinds (ops/grammar.py compiles them).

@@ -447,6 +447,26 @@ def test_array_fields_check_dtype_and_rank_at_both_ends():
     expect_error(frame0(*output_with(array_ext("int32", [1, 1], b"\0" * 4))), "bad_array", "2-D")
 
 
+def test_shared_empty_defaults_encode_as_any_empty_array_and_others_are_still_checked():
+    """An optional array field left at its shared empty default is encoded from a cached wire
+    form, unchecked (it is of its field's dtype and rank); anything else there is checked, the
+    other dtype's shared empty and None included."""
+    from taipan.messages.codec import share_empty
+
+    wv = np.array([[0, 3]], np.int64)
+    plain = RequestOutput(1, np.array([5], np.int32), False, None, None, 2, 1, weight_versions=wv)
+    fresh = dataclasses.replace(plain, log_probs=np.zeros(0, np.float32))  # (not the shared one)
+    assert encode(plain) == encode(fresh)
+    assert roundtrip(plain).log_probs.dtype == np.float32
+    shared_int32 = plain.policy_staleness  # (the shared empty of another field)
+    with pytest.raises(TypeError, match="RequestOutput.log_probs: dtype int32"):
+        encode(dataclasses.replace(plain, log_probs=shared_int32))
+    with pytest.raises(TypeError, match="RequestOutput.top_n_ids"):
+        encode(dataclasses.replace(plain, top_n_ids=None))
+    with pytest.raises(ValueError, match="empty, read-only"):
+        share_empty(np.zeros(0, np.float32))  # (writable)
+
+
 def test_enum_fields_decode_to_members_and_refuse_other_values():
     out = roundtrip(RequestOutput(1, np.zeros(0, np.int32), True, "length", None, 1, 0))
     assert out.finish_reason is FinishReason.LENGTH
