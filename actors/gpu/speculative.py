@@ -105,22 +105,22 @@ def verify_drafts(
     offsets = scored - np.repeat(ends - counts, counts)
     is_draft = offsets > 0
     device = hidden.device
-    scored_t = torch.from_numpy(scored).to(device)
-    raw = compute_logits(hidden[scored_t])  # [rows, V] fp32
+    # (Index uploads from pinned memory: one from pageable memory would wait for the forward
+    # before the rest of the step could be queued behind it.)
+    raw = compute_logits(hidden[to_device(scored, device, torch.int64)])  # [rows, V] fp32
     logits = scored_controls(plan, rows, nd, scored, raw)  # (raw itself without controls)
     if bool((plan.temperature[rows] < GREEDY_EPS).all()):
         tokens, out, chosen = _greedy_on_host(plan, rows, nd, scored, is_draft, logits, tokens)
         return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
-    drafts = inputs["input_ids"][torch.from_numpy(scored[is_draft]).to(device)].long()
+    drafts = inputs["input_ids"][to_device(scored[is_draft], device, torch.int64)].long()
     num_drafts = torch.from_numpy(nd)
-    index = torch.from_numpy(rows).to(device)
+    index = to_device(rows, device, torch.int64)
     names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
     params = {name: inputs[name][index] for name in names}
     verified = verify(logits, drafts, num_drafts, **params, with_logprobs=False)
     shape = (len(plan.seq_lens), int(nd.max()) + 1)
     out = torch.full(shape, -1, dtype=torch.int64, device=device)
-    req = torch.from_numpy(np.repeat(rows, counts)).to(device)
-    at = (req, torch.from_numpy(offsets).to(device))
+    at = (to_device(np.repeat(rows, counts), device, torch.int64), to_device(offsets, device))
     out[at] = verified.tokens
     tokens = tokens.clone()
     tokens[index] = out[index, 0]
@@ -303,6 +303,6 @@ def _greedy_on_host(
         out[row, : accepted + 1] = t[: accepted + 1]
         t0, d0 = t0 + d + 1, d0 + d
     tokens = tokens.clone()
-    index = torch.from_numpy(rows).to(tokens.device)
-    tokens[index] = torch.from_numpy(out[rows, 0]).to(tokens.device, tokens.dtype)
+    index = to_device(rows, tokens.device, torch.int64)
+    tokens[index] = to_device(out[rows, 0], tokens.device, tokens.dtype)
     return tokens, out, chosen
