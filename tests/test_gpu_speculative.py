@@ -271,7 +271,7 @@ def test_greedy_verification_on_the_host_equals_the_device_rule(seed):
     plan = types.SimpleNamespace(
         input_ids=input_ids, seq_lens=query.astype(np.int32), logprobs=asked,
         top_n=asked.astype(np.int32) * 2, logprobs_mode=np.zeros(0, np.int8),
-        temperature=np.zeros(batch, np.float32),
+        temperature=np.zeros(batch, np.float32), grammar_rows=np.zeros(0, np.int64),
     )  # fmt: skip
     tokens = torch.full((batch,), 99, dtype=torch.int64)
     nd = num_drafts[rows].astype(np.int64)

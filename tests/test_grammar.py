@@ -195,6 +195,7 @@ def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_to
             grammar_rows=np.array([7], np.int32), grammar_new=list(new),
             grammar_drop=np.zeros(0, np.int64), temperature=np.array([temperature], np.float32),
             sample=np.array([1], np.int8), logprobs_mode=np.zeros(0, np.int8),
+            num_drafts=np.zeros(0, np.int32),
         )  # fmt: skip
 
     start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
@@ -241,6 +242,7 @@ def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(to
         grammar_rows=np.array([-1, 7], np.int32), grammar_new=[start],
         grammar_drop=np.zeros(0, np.int64), temperature=np.zeros(2, np.float32),
         sample=np.ones(2, np.int8), logprobs_mode=np.zeros(0, np.int8),
+        num_drafts=np.zeros(0, np.int32),
     )  # fmt: skip
     logits = torch.zeros(2, 49152)
     logits[1, 100], logits[1, no] = 9.0, 3.0  # row 1's choice (100) is rejected: `no` instead

@@ -127,7 +127,8 @@ def test_the_engine_sends_each_grammar_once_and_drops_it_when_its_request_ends()
 def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path):
     """On CUDA (graphs, overlapped steps): a checked greedy row (checked when its step is
     collected, the next step's forward waiting for it) gives the tokens of a masked one, in
-    fp32, and each output keeps to its grammar."""
+    fp32, and each output keeps to its grammar; with n-gram drafts (verify rows in mixed
+    graphs, each grammar walked over its positions) the same tokens again."""
     import torch
 
     if not torch.cuda.is_available():
@@ -147,10 +148,39 @@ def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path):
         want = llm.generate(prompts, masked, use_tqdm=False)
         stats = llm.stats().merged()
         texts = [llm.tokenizer.decode(o.token_ids) for o in got]
+    # The checked rows again with n-gram drafts: their grammars walked over verify rows.
+    with LLM(
+        gpu_tiny, device="cuda", dtype="float32", max_requests=8, num_speculative_tokens=4
+    ) as llm:
+        spec = llm.generate(prompts, checked, use_tqdm=False)
+        assert llm.stats().merged().spec_draft_tokens > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in spec] == [o.token_ids for o in got]
     assert stats.steps_graphed > 0, stats
     for (kind, _), text in zip(specs, texts, strict=True):
         if kind == "regex":
             assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text
         else:
             assert set(json.loads(text)) == {"ok", "n"}, text
+
+
+def test_greedy_grammar_requests_speculate_and_keep_their_outputs(tiny):
+    """With n-gram drafts, a greedy grammar request speculates (its grammar walked over the
+    scored positions) and gives the tokens it gives without; beside it in the same steps, a
+    seeded sampled request verifies on the device and keeps its draws too."""
+    specs = [("regex", "(ab ){16}"), ("json_schema", json.dumps(SCHEMA))]
+    prompts = [[5, 17, 42, 9], [3, 3, 3], [1, 2, 3, 1, 2, 3]]
+    samplings = [_sampling(kind, spec) for kind, spec in specs] + [
+        SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+    ]
+    outs, stats = {}, {}
+    for k in (0, 4):
+        with LLM(tiny, num_speculative_tokens=k, buffer_size_gb=0.05) as llm:
+            got = llm.generate(prompts, samplings, use_tqdm=False)
+            outs[k] = [o.token_ids for o in got]
+            stats[k] = llm.stats().merged()
+            texts = [llm.tokenizer.decode(o.token_ids) for o in got]
+    assert outs[4] == outs[0]
+    assert re.fullmatch("(ab ){16}", texts[0]), texts[0]
+    assert set(json.loads(texts[1])) == {"ok", "n"}, texts[1]
+    assert stats[4].spec_accepted_tokens > 0 and stats[0].spec_draft_tokens == 0, stats[4]

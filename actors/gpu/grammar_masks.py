@@ -102,6 +102,8 @@ class GrammarMasks:
         for start in plan.grammar_new:
             g.start(start.request_id, GrammarSpec(start.structured.kind, start.structured.spec))
         rows = np.flatnonzero(plan.grammar_rows >= 0)
+        if len(plan.num_drafts):  # (verify rows walk their grammar in `walk`)
+            rows = rows[plan.num_drafts[rows] == 0]
         lazy = self._checkable(plan, rows)
         if lazy.any():
             self._lazy = (plan.grammar_rows[rows[lazy]], rows[lazy])
@@ -192,6 +194,25 @@ class GrammarMasks:
         tokens[torch.from_numpy(rows[bad]).to(tokens.device)] = best.to(tokens.dtype)
         self._consume(ids[bad], best.cpu())
         return tokens
+
+    def walk(self, request_id: int, target, drafts, logits: torch.Tensor) -> tuple[list, list]:
+        """A greedy verify row under its grammar (actors/gpu/speculative.py): along its scored
+        positions, each position's argmax (`target`) is kept where the grammar allows it, else
+        the best token of that position's `logits` the grammar allows; every kept token is
+        consumed; the walk stops after the first that differs from its draft (`drafts`, one
+        fewer than the positions), as plain greedy decoding under the grammar would. Returns
+        (the new tokens, the positions whose argmax was replaced)."""
+        g, out, replaced = self.grammars, [], []
+        for j, t in enumerate(target):
+            if not (g.live(request_id) and g.try_consume(request_id, t)):
+                best = self._masked_best(np.array([request_id]), np.array([j]), logits)
+                t = int(best[0])
+                g.consume(request_id, t)
+                replaced.append(j)
+            out.append(t)
+            if j == len(drafts) or drafts[j] != t:
+                break
+        return out, replaced
 
     def _rejected(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Indices of the rows whose token their grammar rejects (the others consumed it)."""

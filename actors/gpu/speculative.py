@@ -74,8 +74,16 @@ def check_drafts(plan: StepPlan) -> None:
         raise ValueError("a sequence with drafts cannot read the previous step's tokens")
     if len(plan.bias_rows) and (plan.bias_if_last[np.isin(plan.bias_rows, rows)] >= 0).any():
         raise ValueError("a sequence with drafts cannot have a conditional bias (bad words)")
-    if len(plan.grammar_rows) and (plan.grammar_rows[rows] >= 0).any():
-        raise ValueError("a sequence with drafts cannot have a grammar (not built)")
+    if len(plan.grammar_rows):
+        walked = rows[plan.grammar_rows[rows] >= 0]
+        greedy = plan.temperature[walked] < GREEDY_EPS
+        if len(plan.logprobs_mode):
+            greedy &= plan.logprobs_mode[walked] == 0
+        if not greedy.all():
+            raise ValueError(
+                "a sequence with drafts and a grammar must be greedy with raw log-probs (a "
+                "sampled one's grammar at every position: not built)"
+            )
 
 
 def _tokens_of(plan: StepPlan, rows: np.ndarray) -> np.ndarray:
@@ -90,12 +98,15 @@ def verify_drafts(
     hidden: torch.Tensor,
     tokens: torch.Tensor,
     compute_logits: Callable[[torch.Tensor], torch.Tensor],
+    grammar=None,
 ) -> tuple[torch.Tensor, np.ndarray, dict[str, np.ndarray]]:
     """(the step's sampled tokens [B] with each verifying sequence's first new token in its
     row; spec_tokens [B, K+1] int64, -1 but the verifying rows' new tokens; StepResult's
     spec_log_probs / spec_top_n_* arrays of those tokens where a row asks, else {}). Waits for
     the step (the spec arrays are on the host).
-    `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device."""
+    `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device;
+    `grammar`: the worker's GrammarMasks, which walks a greedy row's grammar (StepPlan.
+    grammar_rows; check_drafts refuses a sampled one's)."""
     rows = draft_rows(plan)
     nd = plan.num_drafts[rows].astype(np.int64)  # [R]
     ends = plan.query_start_loc[1:][rows].astype(np.int64)  # one past each row's last token
@@ -110,7 +121,9 @@ def verify_drafts(
     raw = compute_logits(hidden[to_device(scored, device, torch.int64)])  # [rows, V] fp32
     logits = scored_controls(plan, rows, nd, scored, raw)  # (raw itself without controls)
     if bool((plan.temperature[rows] < GREEDY_EPS).all()):
-        tokens, out, chosen = _greedy_on_host(plan, rows, nd, scored, is_draft, logits, tokens)
+        tokens, out, chosen = _greedy_on_host(
+            plan, rows, nd, scored, is_draft, logits, tokens, grammar
+        )
         return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
     drafts = inputs["input_ids"][to_device(scored[is_draft], device, torch.int64)].long()
     num_drafts = torch.from_numpy(nd)
@@ -125,7 +138,50 @@ def verify_drafts(
     tokens = tokens.clone()
     tokens[index] = out[index, 0]
     out = out.cpu().numpy()
-    return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), verified.tokens, out)
+    chosen = verified.tokens
+    if _walked(plan, rows).any():  # (greedy grammar rows beside sampled ones: walked here)
+        target = logits.argmax(dim=-1).cpu().numpy()
+        drafts = np.asarray(plan.input_ids)[scored[is_draft]].astype(np.int64)
+        chosen = _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar)
+        tokens[index] = to_device(out[rows, 0], device, tokens.dtype)
+    return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
+
+
+def _walked(plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+    """[B] bool: the verifying sequences with a grammar (walked by GrammarMasks.walk)."""
+    out = np.zeros(len(plan.seq_lens), dtype=bool)
+    if len(plan.grammar_rows):
+        out[rows] = plan.grammar_rows[rows] >= 0
+    return out
+
+
+def _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar):
+    """Each verifying sequence with a grammar walks it (GrammarMasks.walk) over its scored
+    rows' argmax `target` and its `drafts` (the host's, all rows'), its new tokens written into
+    `out` (spec_tokens, on the host); returns `chosen` (the token each scored row keeps, for
+    the log-probs) with those sequences' rows set to theirs (-1 past the last)."""
+    walked = _walked(plan, rows)
+    at, values = [], []
+    t0 = d0 = 0
+    for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
+        if walked[row]:
+            got, _ = grammar.walk(
+                int(plan.grammar_rows[row]),
+                target[t0 : t0 + d + 1].tolist(),
+                drafts[d0 : d0 + d].tolist(),
+                logits[t0 : t0 + d + 1],
+            )
+            out[row] = -1
+            out[row, : len(got)] = got
+            at += range(t0, t0 + d + 1)
+            values += got + [-1] * (d + 1 - len(got))
+        t0, d0 = t0 + d + 1, d0 + d
+    chosen = chosen.clone()
+    device = chosen.device
+    chosen[to_device(np.asarray(at), device, torch.int64)] = to_device(
+        np.asarray(values), device, chosen.dtype
+    )
+    return chosen
 
 
 def scored_controls(
@@ -281,6 +337,7 @@ def _greedy_on_host(
     is_draft: np.ndarray,
     logits: torch.Tensor,
     tokens: torch.Tensor,
+    grammar=None,
 ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor]:
     """`verify_drafts` when every verifying row is greedy: the scored positions' argmax comes
     to the host (one copy, which waits for the step, as the result must anyway) and the
@@ -289,19 +346,24 @@ def _greedy_on_host(
     an H100: about half of a SmolLM2 verify step's host time). The same rule as
     ops/speculative.py `verify_greedy`: drafts are accepted while each equals the argmax
     before it (ties to the lowest id), then the argmax at the first mismatch or the bonus row
-    is added. Returns (tokens, spec_tokens on the host, the argmax of every scored row on the
-    device, for the log-probs)."""
+    is added; a row with a grammar walks it instead (GrammarMasks.walk). Returns (tokens,
+    spec_tokens on the host, the chosen token of every scored row on the device, for the
+    log-probs)."""
     chosen = logits.argmax(dim=-1)  # [rows]
     target = chosen.cpu().numpy()
     drafts = np.asarray(plan.input_ids)[scored[is_draft]].astype(np.int64)
     out = np.full((len(plan.seq_lens), int(nd.max()) + 1), -1, dtype=np.int64)
+    walked = _walked(plan, rows)
     t0 = d0 = 0
     for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
-        t, dr = target[t0 : t0 + d + 1], drafts[d0 : d0 + d]
-        missed = np.flatnonzero(dr != t[:d])
-        accepted = int(missed[0]) if len(missed) else d
-        out[row, : accepted + 1] = t[: accepted + 1]
+        if not walked[row]:
+            t, dr = target[t0 : t0 + d + 1], drafts[d0 : d0 + d]
+            missed = np.flatnonzero(dr != t[:d])
+            accepted = int(missed[0]) if len(missed) else d
+            out[row, : accepted + 1] = t[: accepted + 1]
         t0, d0 = t0 + d + 1, d0 + d
+    if walked.any():
+        chosen = _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar)
     tokens = tokens.clone()
     index = to_device(rows, tokens.device, torch.int64)
     tokens[index] = to_device(out[rows, 0], tokens.device, tokens.dtype)

@@ -407,7 +407,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         spec, spec_lp = None, {}
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; waits for the step)
             tokens, spec, spec_lp = verify_drafts(
-                plan, inputs, hidden, tokens, self.model.compute_logits
+                plan, inputs, hidden, tokens, self.model.compute_logits, self.grammar_masks
             )
             spec = spec.astype(np.int32)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
