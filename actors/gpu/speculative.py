@@ -15,9 +15,11 @@ forward.py `_bucket`); the logits of every verified position come from those hid
 and a sequence's logit controls (penalties, logit_bias) apply at each (`scored_controls`).
 Log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
 spec_log_probs (spec_top_n_*): raw, or processed (StepPlan.logprobs_mode) as plain decoding
-computes them (actors/gpu/logprobs.py `processed_rows`). The engine sends no prompt log-probs,
-conditional biases, grammar or prev_rows for these sequences (actors/engine/speculation.py);
-`check_drafts` refuses a plan that does.
+computes them (actors/gpu/logprobs.py `processed_rows`). A greedy sequence with a grammar
+walks it over its scored positions (grammar_masks.py `GrammarMasks.walk`). The engine sends no
+prompt log-probs, conditional biases, prev_rows, or grammar of a sampled sequence (or one with
+processed log-probs) for these sequences (actors/engine/speculation.py); `check_drafts` refuses
+a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
 writes the tokens returned here into it).
