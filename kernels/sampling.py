@@ -41,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from taipan.messages.requests import GREEDY_EPS  # (the engine decides on it too)
-
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows)
 _MASK32 = 0xFFFFFFFF
 _HI_MASK = 0x7FFFFFFF  # keeps the high word non-negative in int64
 _GREEDY_EPS_TL = tl.constexpr(GREEDY_EPS)

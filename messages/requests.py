@@ -120,9 +120,6 @@ class RequestEvent:
     payload: int | None
 
 
-GREEDY_EPS = 1e-5  # temperatures below this are greedy (kernels/sampling.py: dividing overflows)
-
-
 @struct(required=16)  # (logprobs_mode, return_routed_experts and the controls came later)
 class SamplingParams:
     """How to sample one request. `max_tokens` counts generated tokens (OpenAI's meaning).

@@ -190,10 +190,29 @@ class Grammars:
         """The next allowed tokens of each request, [len(request_ids), words] int32 (all bits
         set for an id without a matcher). The live matchers' masks are computed in parallel
         (llguidance's executor: a batch of grammar rows costs about one row's time)."""
-        out = np.full((len(request_ids), self.words), -1, dtype=np.int32)
+        return self.masks_of([self.matchers.get(int(rid)) for rid in request_ids])
+
+    def along(self, request_id: int, drafts) -> list:
+        """Matchers of `request_id` after each prefix of `drafts` (copies: its own does not
+        move): [its own, after drafts[:1], ...], as far as its grammar takes the drafts; None
+        past a draft it rejects (or for an id without a matcher)."""
+        m = self.matchers.get(request_id)
+        out = [m]
+        for token in drafts:
+            if m is None or m.is_stopped() or m.is_error():
+                m = None
+            else:
+                m = m.deep_copy()  # (0.002 ms: shares the compiled grammar)
+                if m.try_consume_tokens([int(token)]) != 1:
+                    m = None
+            out.append(m)
+        return out
+
+    def masks_of(self, matchers) -> np.ndarray:
+        """`masks` of matcher objects (None: all bits set)."""
+        out = np.full((len(matchers), self.words), -1, dtype=np.int32)
         live = []
-        for i, rid in enumerate(request_ids):
-            m = self.matchers.get(int(rid))
+        for i, m in enumerate(matchers):
             if m is None:
                 continue
             if m.is_stopped() or m.is_error():
@@ -202,7 +221,7 @@ class Grammars:
                 live.append((m, i))
         if live:
             # (llguidance fills the tokenizer's words; the logits' padding stays disallowed)
-            rows = np.zeros((len(request_ids), self.ll_words), dtype=np.int32)
+            rows = np.zeros((len(matchers), self.ll_words), dtype=np.int32)
             stride = self.ll_words * 4
             if self.executor is not None and len(live) > 1:
                 self.executor.unsafe_compute_mask_ptr(live, rows.ctypes.data, stride, len(rows))

@@ -268,3 +268,20 @@ def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(to
     masks.check_later(host, sampled, logits)
     with pytest.raises(RuntimeError, match="did not run within"):
         masks.wait_check()
+
+
+def test_matchers_along_drafts_are_copies_and_end_at_a_rejected_draft(tok, grammars):
+    """Grammars.along (masks at every scored position of a verify row): the matcher as is,
+    then a copy after each draft its grammar takes (its own never moves), None from the first
+    draft it rejects; masks_of gives None all bits."""
+    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    grammars.start(21, GrammarSpec("choice", json.dumps(["yes", "no"])))
+    own = grammars.matchers[21]
+    chain = grammars.along(21, [yes, no, yes])
+    assert chain[0] is own and chain[1] is not own and chain[2] is None and chain[3] is None
+    masks = grammars.masks_of(chain)
+    assert {yes, no} <= set(allowed(masks[0]))
+    assert allowed(masks[1]) == list(tok.eos_token_ids)  # (after "yes": the end)
+    assert (masks[2] == -1).all() and (masks[3] == -1).all()
+    assert allowed(grammars.masks([21])[0]) == allowed(masks[0])  # (its own did not move)
+    grammars.drop(21)

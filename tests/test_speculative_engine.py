@@ -181,23 +181,17 @@ def test_a_stop_inside_an_accepted_run_ends_there(where):
     assert len(h.verify_rows) == 1
 
 
-def test_only_requests_that_opt_out_or_have_a_sampled_grammar_do_not_speculate():
-    """Log-probs (processed too) and every logit control speculate, and a greedy grammar with
-    raw log-probs; speculative=False does not, nor a grammar sampled or with processed
-    log-probs."""
+def test_only_requests_that_opt_out_do_not_speculate():
+    """Log-probs (processed too), every logit control and grammars (greedy or sampled)
+    speculate; speculative=False does not."""
     from taipan.actors.engine.speculation import Speculation
     from taipan.messages.requests import StructuredOutput
 
     regex = StructuredOutput("regex", "[a-z]+")
     assert Speculation.eligible(periodic_request(7, 12, 8, structured=regex))
-    assert Speculation.eligible(periodic_request(7, 12, 8, structured=regex, return_log_probs=True))
     sampled = SamplingParams(max_tokens=8, temperature=0.7, structured=regex)
     prompt = np.arange(12, dtype=np.int32)
-    assert not Speculation.eligible(EngineRequest(7, prompt, sampled, False, 0.0, seed=7))
-    processed = periodic_request(
-        7, 12, 8, structured=regex, return_log_probs=True, logprobs_mode="processed"
-    )
-    assert not Speculation.eligible(processed)
+    assert Speculation.eligible(EngineRequest(7, prompt, sampled, False, 0.0, seed=7))
     h = SpecHarness(ts.make_plan(), chunked=False)
     reqs = [
         periodic_request(1, 12, 8, speculative=False),

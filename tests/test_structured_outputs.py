@@ -164,14 +164,17 @@ def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path):
             assert set(json.loads(text)) == {"ok", "n"}, text
 
 
-def test_greedy_grammar_requests_speculate_and_keep_their_outputs(tiny):
-    """With n-gram drafts, a greedy grammar request speculates (its grammar walked over the
-    scored positions) and gives the tokens it gives without; beside it in the same steps, a
-    seeded sampled request verifies on the device and keeps its draws too."""
+def test_grammar_requests_speculate_and_keep_their_outputs(tiny):
+    """With n-gram drafts, grammar requests speculate and give the tokens they give without:
+    greedy ones (their grammar walked over the scored positions), a seeded sampled one and a
+    greedy one with processed log-probs (each scored position masked as plain decoding masks
+    it), beside a seeded sampled request without a grammar (verified on the device)."""
     specs = [("regex", "(ab ){16}"), ("json_schema", json.dumps(SCHEMA))]
-    prompts = [[5, 17, 42, 9], [3, 3, 3], [1, 2, 3, 1, 2, 3]]
+    prompts = [[5, 17, 42, 9], [3, 3, 3], [1, 2, 3, 1, 2, 3], [9, 9], [4, 5]]
     samplings = [_sampling(kind, spec) for kind, spec in specs] + [
-        SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+        SamplingParams(max_tokens=24, temperature=0.8, seed=3, ignore_eos=True),
+        _sampling("regex", "(ab ){16}", temperature=0.9, seed=5),
+        _sampling("regex", "(cd ){12}", return_log_probs=True, logprobs_mode="processed"),
     ]
     outs, stats = {}, {}
     for k in (0, 4):
@@ -181,6 +184,7 @@ def test_greedy_grammar_requests_speculate_and_keep_their_outputs(tiny):
             stats[k] = llm.stats().merged()
             texts = [llm.tokenizer.decode(o.token_ids) for o in got]
     assert outs[4] == outs[0]
-    assert re.fullmatch("(ab ){16}", texts[0]), texts[0]
+    assert re.fullmatch("(ab ){16}", texts[0]) and re.fullmatch("(ab ){16}", texts[3]), texts
+    assert re.fullmatch("(cd ){12}", texts[4]), texts[4]
     assert set(json.loads(texts[1])) == {"ok", "n"}, texts[1]
     assert stats[4].spec_accepted_tokens > 0 and stats[0].spec_draft_tokens == 0, stats[4]

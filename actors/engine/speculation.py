@@ -22,14 +22,12 @@ The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 
   the next steps; their blocks stay with the request (at most the blocks of k more tokens, which
   its admission already counted: prompt + max_tokens), and go back when it ends.
 
-Which requests speculate: those with `SamplingParams.speculative` (the default), with a
-grammar (structured outputs) only when greedy and without processed log-probs: the gpu then
-walks the row's matcher along its scored positions, each position's argmax kept where the
-grammar allows it, else the best token it allows, and stops at the first that differs from
-its draft (actors/gpu/speculative.py `_grammar_walk`: exactly what plain greedy decoding under
-the grammar gives). A sampled grammar request would need a mask at every scored position (its
-matcher following the drafts, then rolled back; not built) and decodes one token per step as
-without speculation. Logit controls apply at every
+Which requests speculate: those with `SamplingParams.speculative` (the default), grammars
+(structured outputs) included: the gpu walks a greedy one's matcher along its scored positions
+(each argmax kept where the grammar allows it, else the best token it allows; it stops at the
+first that differs from its draft) and masks each scored position of any other as plain
+decoding would after the drafts before it (actors/gpu/speculative.py): exactly the tokens
+plain decoding under the grammar gives. Logit controls apply at every
 verified position: logit_bias everywhere, penalties with the drafts before a position counted
 as output tokens (actors/gpu/speculative.py), and min_tokens and bad words per position as the
 drafts before it make them (control_arrays.py, StepPlan.bias_offsets). Log-probs and top-n,
@@ -59,7 +57,7 @@ from taipan.actors.engine.ngram import NgramDrafter, NgramIndex
 from taipan.actors.engine.outputs import Appending, append_token
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.gpu import StepResult
-from taipan.messages.requests import GREEDY_EPS, FinishReason, LogprobsMode
+from taipan.messages.requests import FinishReason
 
 __all__ = ["Backoff", "Speculation"]
 
@@ -93,12 +91,7 @@ class Speculation:
     @staticmethod
     def eligible(r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's rule)."""
-        s = r.sampling
-        if s.structured is not None:  # (greedy with raw log-probs only: the docstring's rule)
-            return bool(
-                s.speculative and s.temperature < GREEDY_EPS and s.logprobs_mode == LogprobsMode.RAW
-            )
-        return bool(s.speculative)
+        return bool(r.sampling.speculative)
 
     def propose(self, r: EngineRequest, limit: int) -> np.ndarray:
         """Up to min(k, limit) draft tokens (int32) to follow `r`'s known tokens. Its index

@@ -214,6 +214,25 @@ class GrammarMasks:
                 break
         return out, replaced
 
+    def mask_positions(self, request_ids, drafts, at: np.ndarray, logits, raw) -> torch.Tensor:
+        """Verify rows whose grammar is not walked (sampled, or processed log-probs): each
+        scored position of `request_ids[i]` (its drafts `drafts[i]`; its scored rows of
+        `logits` [rows, V] listed in `at`, in order) masked as plain decoding masks it after
+        the drafts before it (a position past a draft its grammar rejects is never reached: no
+        mask). Returns the masked logits (a copy when `logits` is `raw`, which raw log-probs
+        read)."""
+        matchers = [m for rid, d in zip(request_ids, drafts, strict=True)
+                    for m in self.grammars.along(int(rid), d)]  # fmt: skip
+        masks = torch.from_numpy(self.grammars.masks_of(matchers)).to(logits.device)
+        if logits is raw:
+            logits = logits.clone()
+        apply_masks(logits, torch.from_numpy(at).to(logits.device), masks)
+        return logits
+
+    def consume_verified(self, request_id: int, tokens) -> None:
+        """A masked verify row's new tokens (each allowed where it was drawn)."""
+        self._consume(np.full(len(tokens), request_id), torch.as_tensor(tokens))
+
     def _rejected(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Indices of the rows whose token their grammar rejects (the others consumed it)."""
         g = self.grammars

@@ -16,10 +16,12 @@ and a sequence's logit controls (penalties, logit_bias) apply at each (`scored_c
 Log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
 spec_log_probs (spec_top_n_*): raw, or processed (StepPlan.logprobs_mode) as plain decoding
 computes them (actors/gpu/logprobs.py `processed_rows`). A greedy sequence with a grammar
-walks it over its scored positions (grammar_masks.py `GrammarMasks.walk`). The engine sends no
-prompt log-probs, conditional biases, prev_rows, or grammar of a sampled sequence (or one with
-processed log-probs) for these sequences (actors/engine/speculation.py); `check_drafts` refuses
-a plan that does.
+walks it over its scored positions (grammar_masks.py `GrammarMasks.walk`: the argmax kept where
+the grammar allows it); any other sequence with a grammar has each scored position masked as
+plain decoding masks it after the drafts before it (`mask_positions`, copies of its matcher
+following the drafts), and its matcher takes the new tokens after. The engine sends no prompt
+log-probs, conditional biases or prev_rows for these sequences (actors/engine/speculation.py);
+`check_drafts` refuses a plan that does.
 
 Must not touch: the worker's buffers, the KV cache or the sampled-token buffer (worker.py
 writes the tokens returned here into it).
@@ -76,16 +78,6 @@ def check_drafts(plan: StepPlan) -> None:
         raise ValueError("a sequence with drafts cannot read the previous step's tokens")
     if len(plan.bias_rows) and (plan.bias_if_last[np.isin(plan.bias_rows, rows)] >= 0).any():
         raise ValueError("a sequence with drafts cannot have a conditional bias (bad words)")
-    if len(plan.grammar_rows):
-        walked = rows[plan.grammar_rows[rows] >= 0]
-        greedy = plan.temperature[walked] < GREEDY_EPS
-        if len(plan.logprobs_mode):
-            greedy &= plan.logprobs_mode[walked] == 0
-        if not greedy.all():
-            raise ValueError(
-                "a sequence with drafts and a grammar must be greedy with raw log-probs (a "
-                "sampled one's grammar at every position: not built)"
-            )
 
 
 def _tokens_of(plan: StepPlan, rows: np.ndarray) -> np.ndarray:
@@ -107,8 +99,8 @@ def verify_drafts(
     spec_log_probs / spec_top_n_* arrays of those tokens where a row asks, else {}). Waits for
     the step (the spec arrays are on the host).
     `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device;
-    `grammar`: the worker's GrammarMasks, which walks a greedy row's grammar (StepPlan.
-    grammar_rows; check_drafts refuses a sampled one's)."""
+    `grammar`: the worker's GrammarMasks (StepPlan.grammar_rows): it walks the grammar of a
+    greedy row with raw log-probs and masks every scored position of any other."""
     rows = draft_rows(plan)
     nd = plan.num_drafts[rows].astype(np.int64)  # [R]
     ends = plan.query_start_loc[1:][rows].astype(np.int64)  # one past each row's last token
@@ -122,11 +114,29 @@ def verify_drafts(
     # before the rest of the step could be queued behind it.)
     raw = compute_logits(hidden[to_device(scored, device, torch.int64)])  # [rows, V] fp32
     logits = scored_controls(plan, rows, nd, scored, raw)  # (raw itself without controls)
+    masked = _grammar_rows(plan, rows, walked=False)
+    if len(masked):  # (masks at every scored position of those rows)
+        logits = _mask_positions(plan, rows, nd, scored, masked, logits, raw, grammar)
     if bool((plan.temperature[rows] < GREEDY_EPS).all()):
         tokens, out, chosen = _greedy_on_host(
             plan, rows, nd, scored, is_draft, logits, tokens, grammar
         )
-        return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
+    else:
+        tokens, out, chosen = _verify_on_device(
+            plan, inputs, rows, nd, scored, is_draft, logits, tokens, grammar
+        )
+    for row in masked.tolist():  # (their matchers take the new tokens)
+        grammar.consume_verified(int(plan.grammar_rows[row]), out[row][out[row] >= 0])
+    return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
+
+
+def _verify_on_device(plan, inputs, rows, nd, scored, is_draft, logits, tokens, grammar):
+    """`verify_drafts` when some verifying row samples: ops/speculative.py `verify` over every
+    verifying row (greedy ones by its point-mass rule), then the walked grammars' rows redone
+    on the host. Returns (tokens, spec_tokens on the host, the token each scored row keeps)."""
+    device = logits.device
+    counts = nd + 1
+    offsets = scored - np.repeat(scored[np.cumsum(counts) - counts], counts)
     drafts = inputs["input_ids"][to_device(scored[is_draft], device, torch.int64)].long()
     num_drafts = torch.from_numpy(nd)
     index = to_device(rows, device, torch.int64)
@@ -141,28 +151,43 @@ def verify_drafts(
     tokens[index] = out[index, 0]
     out = out.cpu().numpy()
     chosen = verified.tokens
-    if _walked(plan, rows).any():  # (greedy grammar rows beside sampled ones: walked here)
+    if len(_grammar_rows(plan, rows, walked=True)):  # (greedy ones beside sampled rows)
         target = logits.argmax(dim=-1).cpu().numpy()
         drafts = np.asarray(plan.input_ids)[scored[is_draft]].astype(np.int64)
         chosen = _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar)
         tokens[index] = to_device(out[rows, 0], device, tokens.dtype)
-    return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
+    return tokens, out, chosen
 
 
-def _walked(plan: StepPlan, rows: np.ndarray) -> np.ndarray:
-    """[B] bool: the verifying sequences with a grammar (walked by GrammarMasks.walk)."""
-    out = np.zeros(len(plan.seq_lens), dtype=bool)
-    if len(plan.grammar_rows):
-        out[rows] = plan.grammar_rows[rows] >= 0
-    return out
+def _grammar_rows(plan: StepPlan, rows: np.ndarray, walked: bool) -> np.ndarray:
+    """The verifying sequences with a grammar that GrammarMasks.walk walks (greedy, raw
+    log-probs: `walked`) or, else, that are masked at every scored position."""
+    if not len(plan.grammar_rows):
+        return np.zeros(0, dtype=np.int64)
+    greedy = plan.temperature[rows] < GREEDY_EPS
+    if len(plan.logprobs_mode):
+        greedy &= plan.logprobs_mode[rows] == 0
+    return rows[(plan.grammar_rows[rows] >= 0) & (greedy == walked)]
+
+
+def _mask_positions(plan, rows, nd, scored, masked, logits, raw, grammar) -> torch.Tensor:
+    """GrammarMasks.mask_positions over the verifying sequences `masked` (a subset of rows)."""
+    counts = nd + 1
+    first = np.cumsum(counts) - counts  # each verifying sequence's first scored row
+    which = np.searchsorted(rows, masked)
+    drafts = [plan.input_ids[scored[first[i] + 1 : first[i] + counts[i]]].tolist() for i in which]
+    at = _spread(first[which], counts[which])
+    return grammar.mask_positions(plan.grammar_rows[masked], drafts, at, logits, raw)
 
 
 def _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar):
-    """Each verifying sequence with a grammar walks it (GrammarMasks.walk) over its scored
-    rows' argmax `target` and its `drafts` (the host's, all rows'), its new tokens written into
-    `out` (spec_tokens, on the host); returns `chosen` (the token each scored row keeps, for
-    the log-probs) with those sequences' rows set to theirs (-1 past the last)."""
-    walked = _walked(plan, rows)
+    """Each walked verifying sequence (`_grammar_rows`) walks its grammar (GrammarMasks.walk)
+    over its scored rows' argmax `target` and its `drafts` (the host's, all rows'), its new
+    tokens written into `out` (spec_tokens, on the host); returns `chosen` (the token each
+    scored row keeps, for the log-probs) with those sequences' rows set to theirs (-1 past
+    the last)."""
+    walked = np.zeros(len(plan.seq_lens), dtype=bool)
+    walked[_grammar_rows(plan, rows, walked=True)] = True
     at, values = [], []
     t0 = d0 = 0
     for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
@@ -355,7 +380,8 @@ def _greedy_on_host(
     target = chosen.cpu().numpy()
     drafts = np.asarray(plan.input_ids)[scored[is_draft]].astype(np.int64)
     out = np.full((len(plan.seq_lens), int(nd.max()) + 1), -1, dtype=np.int64)
-    walked = _walked(plan, rows)
+    walked = np.zeros(len(plan.seq_lens), dtype=bool)
+    walked[_grammar_rows(plan, rows, walked=True)] = True
     t0 = d0 = 0
     for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
         if not walked[row]:

@@ -5,7 +5,8 @@ B requests of 128 prompt tokens decode for 600 steps through the scheduler as th
 drives it (schedule, the allocator's reply applied, the StepPlan's arrays, a result applied);
 prints the median and p90 per step over the last 500, and the median of what a step's outputs
 cost besides when every request streams (each its RequestOutput, in one StepOutputs, encoded).
-Run it with an older tree first on the path (`PYTHONPATH=<staged old tree>`) to compare two versions on one machine.
+Run it with an older tree first on the path (`PYTHONPATH=<staged old tree>`) to compare two
+versions on one machine.
 """
 
 from __future__ import annotations
