@@ -385,9 +385,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
         staged = self.buffers.stage(plan_arrays(plan), **sizes)
+        self.grammar_masks.wait_check()  # (the last step's checked tokens, which this one reads)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
         # packing above is time the device waits between steps, unless a step is in flight).
-        self.grammar_masks.wait_check()  # (the last step's checked tokens, which this one reads)
         began = ended = None
         if self.device.type == "cuda":
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
@@ -398,11 +398,12 @@ class ModelWorker(WorkerForward, WorkerControls):
         if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
             self._snapshot_chunk_ends(plan)
         controlled = controlled_logits(plan, logits, self._sampled)  # (logits: no controls)
-        if uses_grammar(plan) or self.grammar_masks.pending:  # (masks after the controls)
+        grammar = uses_grammar(plan) or self.grammar_masks.pending
+        if grammar:  # (masks after the controls)
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
-        checks_later = not (wants_log_probs(plan) or len(draft_rows(plan)))
-        if not checks_later:  # (greedy grammar rows: what the step reports of them is final)
+        checks_later = grammar and not (wants_log_probs(plan) or len(draft_rows(plan)))
+        if grammar and not checks_later:  # (greedy grammar rows: what the step reports is final)
             tokens = self.grammar_masks.checked(tokens, controlled)
         spec, spec_lp = None, {}
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; waits for the step)
