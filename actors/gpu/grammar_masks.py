@@ -102,7 +102,8 @@ class GrammarMasks:
         for start in plan.grammar_new:
             g.start(start.request_id, GrammarSpec(start.structured.kind, start.structured.spec))
         rows = np.flatnonzero(plan.grammar_rows >= 0)
-        if len(plan.num_drafts):  # (verify rows walk their grammar in `walk`)
+        if len(plan.num_drafts):  # (verify rows: actors/gpu/speculative.py, `walk` and
+            # `mask_positions`)
             rows = rows[plan.num_drafts[rows] == 0]
         lazy = self._checkable(plan, rows)
         if lazy.any():
