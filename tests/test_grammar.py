@@ -250,11 +250,23 @@ def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(to
     host, sampled = torch.tensor([5, 100]), torch.tensor([5, 100, 0])
     check = masks.check_later(host, sampled, logits)
     assert masks.pending and check.rows.tolist() == [1]
-    masks.run_check(check)
+    masks.run_check(check)  # (`no` is its second candidate: no mask computed)
     assert host.tolist() == [5, no] and sampled.tolist() == [5, no, 0]
     masks.wait_check()
     assert not masks.pending
     assert allowed(masks.grammars.masks([7])[0]) == list(tok.eos_token_ids)  # (consumed)
+
+    # No candidate above the K-th logit is allowed (`no` ties with every token at the floor):
+    # its mask decides, the lowest allowed id among the ties, as argmax under the mask does.
+    masks.grammars.drop(7)
+    masks.masked(step, logits, logits)
+    flat = torch.zeros(2, 49152)
+    flat[1, 100] = 9.0
+    host, sampled = torch.tensor([5, 100]), torch.tensor([5, 100, 0])
+    lowest = min(allowed(masks.grammars.masks([7])[0]))
+    masks.run_check(masks.check_later(host, sampled, flat))
+    assert host.tolist() == [5, lowest] and sampled.tolist() == [5, lowest, 0]
+    masks.wait_check()
 
     masks.grammars.drop(7)
     masks.masked(step, logits, logits)

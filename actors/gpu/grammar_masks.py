@@ -18,7 +18,8 @@ microseconds per row once the step's tokens are on the host. Rows whose log-prob
 "processed" (of the masked distribution) and sampled rows keep their masks.
 
 The check runs after the step, not inside its launch (`check_later`, then `run_check` where the
-step is collected, on the host copy its collect waits for anyway): the next step is staged
+step is collected, on the host copy its collect waits for anyway; a rejected row's replacement
+is, most of the time, among its best CHECK_CANDIDATES copied with it): the next step is staged
 meanwhile and waits (`wait_check`) only before its forward, which reads the checked tokens
 (prev_rows) and whose masks need the matchers to have consumed them. A launch that waited for
 its own tokens left the device idle for the next step's whole host staging (structured cost
@@ -36,11 +37,19 @@ import threading
 import numpy as np
 import torch
 
+from taipan.actors.gpu.sampling_controls import to_device
 from taipan.messages.gpu import StepPlan
 from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
 from taipan.ops.sampling import GREEDY_EPS
 
 CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which waits for the device
+# A checked row's best candidates (logit and id) come to the host with its step's tokens: where
+# its grammar rejects the greedy token, the first candidate it allows is the masked argmax
+# (when strictly above the K-th logit: every token of that logit is then among them), found
+# with `try_consume` alone, no mask and no device round trip before the next step's forward.
+# SmolLM2 on the CPU, 32 json_schema streams: 32 candidates take 78 % of the rejected rows (8:
+# 58 %, 128: 82 %), and a step's check fell from 3.1 ms to 1.7 ms (8: 2.0 ms).
+CHECK_CANDIDATES = 32
 
 
 def uses_grammar(plan: StepPlan) -> bool:
@@ -56,6 +65,9 @@ class Check:
     host: torch.Tensor  # [B] the step's tokens on the host (filled once the step has ended)
     sampled: torch.Tensor  # [>= B] the device tokens the next step's prev_rows read
     logits: torch.Tensor  # [B, V] the step's controlled logits (not overwritten before `done`)
+    # ([rows, K] logits, [rows, K] ids) of each row's best candidates, on the host once the
+    # step has ended (None: none taken).
+    top: tuple[torch.Tensor, torch.Tensor] | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -136,8 +148,21 @@ class GrammarMasks:
         if self._lazy is None:
             return None
         (ids, rows), self._lazy = self._lazy, None
-        self._check = Check(ids, rows, host, sampled, logits)
+        self._check = Check(ids, rows, host, sampled, logits, self._candidates(rows, logits))
         return self._check
+
+    def _candidates(self, rows: np.ndarray, logits: torch.Tensor):
+        """The rows' best CHECK_CANDIDATES (logits, ids), copied to the host without waiting
+        (the step's end event, recorded after this, covers the copy)."""
+        k = min(CHECK_CANDIDATES, logits.shape[1])
+        values, ids = torch.topk(logits.index_select(0, to_device(rows, logits.device)), k)
+        if logits.device.type != "cuda":
+            return values, ids
+        host = (torch.empty(values.shape, dtype=values.dtype, pin_memory=True),
+                torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True))  # fmt: skip
+        host[0].copy_(values, non_blocking=True)
+        host[1].copy_(ids, non_blocking=True)
+        return host
 
     @torch.inference_mode()  # (the step's tensors are inference tensors)
     def run_check(self, check: Check) -> None:
@@ -148,11 +173,17 @@ class GrammarMasks:
             bad = self._rejected(check.ids, check.host.numpy()[check.rows])
             if len(bad):
                 ids, rows = check.ids[bad], check.rows[bad]
-                best = self._masked_best(ids, rows, check.logits)
-                check.sampled[torch.from_numpy(rows).to(best.device)] = best.to(check.sampled.dtype)
-                best = best.cpu()
-                check.host[torch.from_numpy(rows)] = best.to(check.host.dtype)
-                self._consume(ids, best)
+                best = self._from_candidates(ids, bad, check.top)  # (-1: none taken)
+                rest = np.flatnonzero(best < 0)
+                if len(rest):  # (its mask, on the device)
+                    got = self._masked_best(ids[rest], rows[rest], check.logits).cpu()
+                    self._consume(ids[rest], got)
+                    best[rest] = got.numpy()
+                device = check.sampled.device
+                check.sampled[to_device(rows, device)] = to_device(
+                    best, device, check.sampled.dtype
+                )
+                check.host[torch.from_numpy(rows)] = torch.from_numpy(best).to(check.host.dtype)
         except BaseException as e:
             check.fail(e)
             raise
@@ -172,6 +203,24 @@ class GrammarMasks:
             raise RuntimeError(
                 f"structured outputs: the previous step's grammar check failed: {check.error!r}"
             )
+
+    def _from_candidates(self, ids: np.ndarray, at: np.ndarray, top) -> np.ndarray:
+        """For each rejected row (request `ids[i]`, index `at[i]` into the Check's rows), the
+        first of its candidates (by logit, then lowest id, as argmax) that its grammar takes,
+        consumed; -1 where none strictly above the K-th logit does."""
+        best = np.full(len(ids), -1, dtype=np.int64)
+        if top is None:
+            return best
+        values, tokens = top[0].numpy()[at], top[1].numpy()[at]
+        for i, rid in enumerate(ids.tolist()):
+            floor = values[i].min()
+            for j in np.lexsort((tokens[i], -values[i])).tolist():
+                if values[i, j] <= floor:
+                    break
+                if self.grammars.try_consume(rid, int(tokens[i, j])):
+                    best[i] = tokens[i, j]
+                    break
+        return best
 
     def _masked_best(self, ids: np.ndarray, rows: np.ndarray, logits: torch.Tensor):
         """The best token of each of `rows`' logits under its request's mask (device int64)."""
