@@ -183,7 +183,10 @@ class Grammars:
 
     def try_consume(self, request_id: int, token: int) -> bool:
         """Advance `request_id`'s live matcher past `token` if its grammar allows the token
-        there; whether it did (nothing changes when it does not)."""
+        there; whether it did (nothing changes when it does not). A token past the tokenizer's
+        (the logits' padding) is never allowed: llguidance would stop the matcher on it."""
+        if not 0 <= token < self.ll.vocab_size:
+            return False
         return self.matchers[request_id].try_consume_tokens([int(token)]) == 1
 
     def masks(self, request_ids) -> np.ndarray:
@@ -200,6 +203,8 @@ class Grammars:
         out = [m]
         for token in drafts:
             if m is None or m.is_stopped() or m.is_error():
+                m = None
+            elif not 0 <= token < self.ll.vocab_size:  # (padding: never allowed)
                 m = None
             else:
                 m = m.deep_copy()  # (0.002 ms: shares the compiled grammar)

@@ -297,3 +297,13 @@ def test_matchers_along_drafts_are_copies_and_end_at_a_rejected_draft(tok, gramm
     assert (masks[2] == -1).all() and (masks[3] == -1).all()
     assert allowed(grammars.masks([21])[0]) == allowed(masks[0])  # (its own did not move)
     grammars.drop(21)
+
+
+def test_a_padding_token_is_never_allowed_and_leaves_the_matcher_live(tok, grammars):
+    """Logits wider than the tokenizer: a token id past it (a candidate or a greedy choice in
+    the padding) is refused without touching the matcher (llguidance would stop it)."""
+    grammars.start(31, GrammarSpec("choice", json.dumps(["yes", "no"])))
+    past = grammars.ll.vocab_size + 3
+    assert not grammars.try_consume(31, past) and grammars.live(31)
+    assert grammars.along(31, [past])[1] is None and grammars.live(31)
+    grammars.drop(31)
