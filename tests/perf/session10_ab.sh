@@ -5,16 +5,12 @@
 # stage1`; carry .carry/smollm2.gguf.part2, .whl, .carry/new, .carry/old.patch. From the root.
 set -u
 N=${1:-2}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl 2>/dev/null || exit 1
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
-(bash tests/perf/carry_model.sh stage2) || exit 1
-rm -rf /tmp/old && cp -r .carry/new /tmp/old && (cd /tmp/old && patch -s -p1 < "$OLDPWD/.carry/old.patch") || exit 1
+source tests/perf/device_setup.sh
+start_device model || exit 1
+old_tree || exit 1
 for t in new old; do
     src=.carry/new; [ $t = old ] && src=/tmp/old
-    python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
-stage(Path('$src'), Path('/tmp/pkg_$t'))" || exit 1
+    stage_tree "$src" "/tmp/pkg_$t" || exit 1
 done
 for i in $(seq "$N"); do
     for t in old new; do

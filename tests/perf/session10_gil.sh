@@ -5,13 +5,9 @@
 # `carry_model.sh stage1`; carry .carry/smollm2.gguf.part2, .whl, .carry/new). From the root.
 set -u
 N=${1:-2}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl 2>/dev/null || exit 1
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
-(bash tests/perf/carry_model.sh stage2) || exit 1
-python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
-stage(Path('.carry/new'), Path('/tmp/pkg_new'))" || exit 1
+source tests/perf/device_setup.sh
+start_device model || exit 1
+stage_tree .carry/new /tmp/pkg_new || exit 1
 cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
 for i in $(seq "$N"); do
     for ms in 5 0.5; do

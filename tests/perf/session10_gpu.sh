@@ -10,13 +10,12 @@
 #     cost <= 0.05).
 set -u
 PART=${1:?part tests or rows}
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl 2>/dev/null || exit 1
+source tests/perf/device_setup.sh
+install_wheels || exit 1
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONFAULTHANDLER=1
 nvidia-smi --query-gpu=name --format=csv,noheader
 ROOT=$PWD
-python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
-stage(Path('.carry/new'), Path('/tmp/pkg_new'))" || exit 1
+stage_tree .carry/new /tmp/pkg_new || exit 1
 (cd "$ROOT" && bash tests/perf/carry_model.sh stage2) || exit 1
 cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
 if [ "$PART" = tests ]; then

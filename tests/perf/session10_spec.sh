@@ -6,15 +6,12 @@
 # turns a copy of `.carry/new` into the tree before. nvidia-h100-x1; carry .whl, .carry/new,
 # .carry/old.patch. From the root.
 set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/*.whl 2>/dev/null || exit 1
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name --format=csv,noheader
-rm -rf /tmp/old && cp -r .carry/new /tmp/old && (cd /tmp/old && patch -s -p1 < "$OLDPWD/.carry/old.patch") || exit 1
+source tests/perf/device_setup.sh
+start_device || exit 1
+old_tree || exit 1
 for t in new old; do
     src=.carry/new; [ $t = old ] && src=/tmp/old
-    python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
-stage(Path('$src'), Path('/tmp/pkg_$t'))" || exit 1
+    stage_tree "$src" "/tmp/pkg_$t" || exit 1
 done
 cd .carry/new
 for t in old new old new; do

@@ -1,0 +1,20 @@
+# Sourced by the tenth session's device scripts (tests/perf/session10_*.sh), from the root:
+# the carried wheels (.whl) installed to /tmp/site, a tree staged as the `taipan` package, and
+# the tree before a change rebuilt from `.carry/new` and `.carry/old.patch`.
+install_wheels() {
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+        --target /tmp/site .whl/*.whl 2>/dev/null
+}
+stage_tree() {  # SRC DEST
+    python3 -c "from tests.lint_imports import stage; from pathlib import Path; \
+stage(Path('$1'), Path('$2'))"
+}
+old_tree() {  # /tmp/old: .carry/new with .carry/old.patch applied
+    rm -rf /tmp/old && cp -r .carry/new /tmp/old && (cd /tmp/old && patch -s -p1 < "$OLDPWD/.carry/old.patch")
+}
+start_device() {  # [model]: the wheels, the environment, the GPU's name; `model`: smollm2 too
+    install_wheels || return 1
+    export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+    nvidia-smi --query-gpu=name --format=csv,noheader
+    [ "${1:-}" != model ] || bash tests/perf/carry_model.sh stage2
+}
