@@ -426,16 +426,18 @@ class ModelWorker(WorkerForward, WorkerControls):
             vocab_size=self.config.vocab_size,
             device=self.device,
         )
+        check = None
+        if checks_later:  # (greedy grammar rows: checked at collect, the next forward waits;
+            # their candidates' copy to the host is queued here, before `ended`)
+            check = self.grammar_masks.check_later(host, self._sampled, controlled)
         if ended is not None:
-            ended.record()  # after the step's device work and the copy of its tokens
+            ended.record()  # after the step's device work and the copies of its tokens
         self._prev_sampled = plan.sample != 0
         self._prev_sampled[draft_rows(plan)] = False  # (their tokens are several: not read)
         launched = Launched(
             plan, rows, host, extra, bucket is not None, start, device_start, began, ended, routed
         )
-        launched.spec, launched.spec_log_probs = spec, spec_lp
-        if checks_later:  # (greedy grammar rows: checked at collect, the next forward waits)
-            launched.check = self.grammar_masks.check_later(host, self._sampled, controlled)
+        launched.spec, launched.spec_log_probs, launched.check = spec, spec_lp, check
         return launched
 
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
