@@ -13,18 +13,34 @@ Each op has one dispatch point: on CUDA the Triton kernel of kernels/, elsewhere
 reference (`*_ref`, the same contract) — chosen by the tensor's device, never by optional
 metadata. Numerics follow Hugging Face transformers (the test oracle): norms and RoPE in fp32,
 results cast back to the activation dtype; attention softmax in fp32. Layers never know whether
-they run eagerly or under a CUDA graph, and never read the clock, a host tensor or a global.
+they run eagerly or under a CUDA graph, and never read the clock, a host tensor or a global
+(FUSED_DECODE_ROWS, below, is fixed when the module is imported).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from taipan.kernels import activation, rmsnorm, rope
+from taipan.kernels import activation, gemv, rmsnorm, rope
 from taipan.ops.attention import AttentionMetadata, paged_attention
 from taipan.ops.parallel import SINGLE, TPGroup
+
+
+def _fused_decode_rows() -> int:
+    """Steps of at most this many token rows run a Llama-family layer through kernels/gemv.py
+    (its fused norms, activation and residual adds); TAIPAN_FUSED_GEMV=0 turns that off (to
+    compare the two paths), 1 (the default) keeps it on."""
+    value = os.environ.get("TAIPAN_FUSED_GEMV", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"TAIPAN_FUSED_GEMV must be 0 or 1, got {value!r}")
+    return gemv.MAX_ROWS if value == "1" else 0
+
+
+FUSED_DECODE_ROWS = _fused_decode_rows()  # fixed at import: graphs bake in their path
 
 
 def lm_logits(
@@ -158,10 +174,24 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x: [tokens, hidden]; layer_cache: [2, num_blocks, block_size, kv_heads, head_dim].
         `cos_sin` None: no positional encoding (NemotronH), k and v are stored as they are."""
-        num_tokens = x.shape[0]
+        out = self.o_proj(self.attend(self.qkv_proj(x), positions, cos_sin, attn, layer_cache))
+        return self.tp.all_reduce(out) if self.reduce_output else out  # (this rank's heads' part)
+
+    def attend(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor | None,
+        cos_sin: torch.Tensor | None,
+        attn: AttentionMetadata,
+        layer_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """qkv: [tokens, (heads + 2 kv_heads) * head_dim], the fused projection's output ->
+        the attention's output [tokens, heads * head_dim], before o_proj (the norms, RoPE and
+        the cache write of `forward` in between)."""
+        num_tokens = qkv.shape[0]
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # views of the qkv output
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -169,14 +199,13 @@ class Attention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         if cos_sin is None:
-            store = rope.write_kv if x.is_cuda else rope.write_kv_ref
+            store = rope.write_kv if qkv.is_cuda else rope.write_kv_ref
             store(k, v, layer_cache, attn.slot_mapping)
         else:
-            write = rope.rope_and_write_kv if x.is_cuda else rope.rope_and_write_kv_ref
+            write = rope.rope_and_write_kv if qkv.is_cuda else rope.rope_and_write_kv_ref
             q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
         out = paged_attention(q, layer_cache, attn, self.scale, self.sliding_window)
-        out = self.o_proj(out.view(num_tokens, q_size))  # this rank's heads' part of the sum
-        return self.tp.all_reduce(out) if self.reduce_output else out
+        return out.view(num_tokens, q_size)
 
 
 class SwiGLUMLP(nn.Module):

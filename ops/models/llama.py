@@ -23,8 +23,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from taipan.kernels.gemv import gemv
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.layers import Attention, RMSNorm, SwiGLUMLP, VocabParallelEmbedding, lm_logits
+from taipan.ops.layers import (
+    FUSED_DECODE_ROWS,
+    Attention,
+    RMSNorm,
+    SwiGLUMLP,
+    VocabParallelEmbedding,
+    lm_logits,
+)
 from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.rope_scaling import RopeScaling, rope_table
 
@@ -129,6 +137,8 @@ class DecoderLayer(nn.Module):
         a partial sum over the TP group when `partial_input` (the previous layer's
         `partial_output`); returns this layer's output and the residual stream before it
         (fused adds)."""
+        if self._fused(x):
+            return self._fused_forward(x, residual, positions, cos_sin, attn, layer_cache)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:  # residual <- x + residual
@@ -136,6 +146,34 @@ class DecoderLayer(nn.Module):
         h = self.self_attn(h, positions, cos_sin, attn, layer_cache)  # partial under TP
         h, residual = self.post_attention_layernorm(h, residual, self.tp)
         return self.mlp(h), residual
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether this step takes the fused few-row path (decode at small batch, CUDA, no TP,
+        the dense SwiGLU MLP); decided by the shape, so each CUDA graph bakes in one path."""
+        return (
+            x.is_cuda
+            and x.shape[0] <= FUSED_DECODE_ROWS
+            and self.tp.size == 1
+            and type(self.mlp) is SwiGLUMLP
+        )
+
+    def _fused_forward(self, x, residual, positions, cos_sin, attn, layer_cache):
+        """The layer in four kernels around the attention (kernels/gemv.py): input norm + qkv,
+        o_proj + residual add, post-attention norm + gate_up + SiLU, down_proj + residual add.
+        The residual stream is updated in place and returned as this layer's output, with None
+        for the residual (the next layer, or the final norm, then adds nothing)."""
+        if residual is not None:  # (after an unfused layer: its output still to be added)
+            x = residual.add_(x)
+        attn_mod, mlp = self.self_attn, self.mlp
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        qkv_w, qkv_b = attn_mod.qkv_proj.weight, attn_mod.qkv_proj.bias
+        qkv = gemv(x, qkv_w, bias=qkv_b, norm_weight=norm1.weight, eps=norm1.eps)
+        out = attn_mod.attend(qkv, positions, cos_sin, attn, layer_cache)
+        gemv(out, attn_mod.o_proj.weight, residual=x)
+        w = mlp.gate_up_proj.weight
+        act = gemv(x, w, norm_weight=norm2.weight, eps=norm2.eps, gated=True)
+        gemv(act, mlp.down_proj.weight, residual=x)
+        return x, None
 
 
 class LlamaForCausalLM(nn.Module):
@@ -180,6 +218,8 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, cos_sin, attn, kv_cache[i], partial)
             partial = layer.partial_output
+        if residual is None:  # (the fused path's layers leave the stream itself, added up)
+            return self.norm(x)
         x, _ = self.norm(x, residual, self.tp if partial else None)
         return x
 

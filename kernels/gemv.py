@@ -1,0 +1,232 @@
+"""Matrix-vector products for a few token rows (decode at small batch), fused with what sits
+around a projection in a Llama decoder layer: `gemv` (kernel + launcher) and `gemv_ref` (the
+same contract in torch).
+
+At batch 1 a decode step is a chain of ~10 kernels per layer, each reading little; the fixed
+cost of a kernel in a graph (its launch, ramp and tail, a few microseconds) adds up to a fifth
+of the step. One program here computes BLOCK_N outputs of every row, and takes on:
+- `norm_weight`: the RMSNorm before the projection (HF Llama's numerics, as kernels/rmsnorm.py):
+  each program normalizes the rows itself (a row is a few KB, read from L2), so the norm kernel
+  and its output buffer go;
+- `gated`: w holds the gate rows then the up rows (SwiGLUMLP's gate_up_proj); the program
+  computes both halves of its columns and writes silu(gate) * up (kernels/activation.py's
+  numerics), so the activation kernel goes;
+- `residual`: the product is added into `residual` in place (rounded to the storage dtype first,
+  as F.linear's output would be, then added in fp32 and rounded once, as kernels/rmsnorm.py adds
+  its residual), so the add leaves the next norm's kernel;
+- `bias` (Qwen2's qkv), added in fp32 before the rounding.
+
+Writes only `out` (or `residual`); reads x, w and the vectors. Each output element is owned by
+one program, so `residual` may be read and written by the same launch. No host
+synchronisation: CUDA-graph safe.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from taipan.kernels.activation import silu
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_ROWS = 4  # beyond this a GEMM (cuBLAS) reads the weights as few times and computes better
+
+
+@triton.jit
+def _gemv_kernel(
+    # pointers
+    x_ptr,  # [M, K]
+    w_ptr,  # [N, K] (GATED: [2N, K], gate rows then up rows)
+    bias_ptr,  # [N] (HAS_BIAS)
+    norm_ptr,  # [K] RMSNorm weight (NORM)
+    out_ptr,  # [M, N]; RESIDUAL: the residual stream, updated in place
+    # sizes
+    M,
+    N,
+    K,
+    # strides
+    stride_x,
+    stride_w,
+    stride_out,
+    # meta-parameters
+    eps: tl.constexpr,
+    NORM: tl.constexpr,
+    GATED: tl.constexpr,
+    RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    dtype = out_ptr.dtype.element_ty
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
+    col_mask = cols < N
+    rows = tl.arange(0, BLOCK_M)
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up half
+    for m in tl.static_range(BLOCK_M):
+        if m < M:
+            x_row = x_ptr + m * stride_x
+            if NORM:  # this row's rms, recomputed by every program (the row is in L2)
+                sq = tl.zeros([BLOCK_K], dtype=tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    ks = k0 + tl.arange(0, BLOCK_K)
+                    xs = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
+                    sq += xs * xs
+                rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
+            part = tl.zeros([BLOCK_N], dtype=tl.float32)
+            part_up = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                k_mask = ks < K
+                xs = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
+                if NORM:  # HF order: normalize, round, times the weight, round
+                    nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+                    xs = ((xs * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
+                mask = col_mask[:, None] & k_mask[None, :]
+                w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+                part += tl.sum(w * xs[None, :], axis=1)
+                if GATED:
+                    up = tl.load(w_rows + N * stride_w + ks[None, :], mask=mask, other=0.0)
+                    part_up += tl.sum(up.to(tl.float32) * xs[None, :], axis=1)
+            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
+            if GATED:
+                acc_up = tl.where(rows[:, None] == m, acc_up + part_up[None, :], acc_up)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    result = acc.to(dtype)
+    if GATED:  # silu of the rounded gate times the rounded up, rounded once
+        gate = result.to(tl.float32)
+        result = (silu(gate) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+    out = out_ptr + rows[:, None] * stride_out + cols[None, :]
+    out_mask = (rows[:, None] < M) & col_mask[None, :]
+    if RESIDUAL:
+        stream = tl.load(out, mask=out_mask, other=0.0).to(tl.float32)
+        result = (stream + result.to(tl.float32)).to(dtype)
+    tl.store(out, result, mask=out_mask)
+
+
+def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): enough programs to keep every SM reading (two waves of
+    ~132 on an H100), each loading a few KB of weights per iteration. A matrix under a million
+    weights needs no such spread (and the CPU interpreter pays per program)."""
+    block_k = min(512, triton.next_power_of_2(k))
+    block_n = 16
+    while block_n > 4 and triton.cdiv(n, block_n) < 256 and n * k >= 1 << 20:
+        block_n //= 2
+    if gated:
+        block_n = max(4, block_n // 2)
+    return block_n, block_k, 4
+
+
+def gemv(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x: [M, K] (M <= MAX_ROWS) -> [M, N] = f(x) @ w.T: w [N, K] (`gated`: [2N, K], gate then
+    up rows, and the result is silu(x @ gate.T) * (x @ up.T)). `norm_weight` [K]: x is
+    RMS-normalized first (eps `eps`). `bias` [N] (not with `gated`). `residual` [M, N]: the
+    result is added into it in place and it is returned (no `out`). All of one dtype and
+    device; rows with unit stride in the last dim."""
+    n = w.shape[0] // 2 if gated else w.shape[0]
+    _check_args(x, w, bias, norm_weight, gated, residual, out, n)
+    m, k = x.shape
+    if residual is not None:
+        out = residual
+    elif out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out
+    block_n, block_k, warps = _blocks(n, k, gated)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        w,
+        bias if bias is not None else w,
+        norm_weight if norm_weight is not None else w,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        eps=float(eps),
+        NORM=norm_weight is not None,
+        GATED=bool(gated),
+        RESIDUAL=residual is not None,
+        HAS_BIAS=bias is not None,
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+    )
+    return out
+
+
+def _check_args(x, w, bias, norm_weight, gated, residual, out, n) -> None:
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(
+            f"x must be [rows, K] and w [N, K], got {tuple(x.shape)}, {tuple(w.shape)}"
+        )
+    m, k = x.shape
+    if m > MAX_ROWS:
+        raise ValueError(f"gemv takes at most {MAX_ROWS} rows, got {m}: use a GEMM")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x must be fp16, bf16 or fp32, got {x.dtype}")
+    if w.shape[1] != k or (gated and w.shape[0] % 2):
+        rows = "2N" if gated else "N"
+        raise ValueError(f"w must be [{rows}, {k}] for x {tuple(x.shape)}, got {tuple(w.shape)}")
+    if gated and bias is not None:
+        raise ValueError("a gated gemv takes no bias")
+    if out is not None and residual is not None:
+        raise ValueError("pass out or residual, not both: residual receives the result")
+    shapes = {"bias": (n,), "norm_weight": (k,), "residual": (m, n), "out": (m, n)}
+    named = {"x": x, "w": w, "bias": bias, "norm_weight": norm_weight, "residual": residual}
+    for name, t in {**named, "out": out}.items():
+        if t is None:
+            continue
+        if name in shapes and tuple(t.shape) != shapes[name]:
+            raise ValueError(f"{name} must be {shapes[name]}, got {tuple(t.shape)}")
+        if t.dtype != x.dtype or t.device != x.device:
+            raise ValueError(
+                f"{name} must be {x.dtype} on {x.device} like x, got {t.dtype} on {t.device}"
+            )
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
+
+
+def gemv_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    gated: bool = False,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`gemv` in plain torch: the unfused ops in HF's order of roundings."""
+    dtype = x.dtype
+    if norm_weight is not None:
+        x32 = x.float()
+        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+        x = (normed.float() * norm_weight.float()).to(dtype)
+    y = (x.float() @ w.float().T + (0.0 if bias is None else bias.float())).to(dtype)
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+    if residual is not None:
+        return residual.copy_((residual.float() + y.float()).to(dtype))
+    if out is None:
+        return y
+    return out.copy_(y)

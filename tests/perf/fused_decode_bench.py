@@ -1,0 +1,155 @@
+"""The fused few-row decode path (kernels/gemv.py) on a GPU (device tool helper; not a test).
+
+`python3 tests/perf/fused_decode_bench.py kernels`: per projection shape (1B, 8B, SmolLM2) and
+rows 1 and 4, microseconds per call from CUDA graphs of 50 calls with the weights in rotation
+(so the L2 holds none): cuBLAS (`F.linear`), gemv with the launcher's blocks, and the best of
+a sweep of (BLOCK_N, BLOCK_K, num_warps), next to the weight's bytes at the copy rate.
+`python3 tests/perf/fused_decode_bench.py model [SHAPE ...]` (default llama-1b llama-8b): the
+whole decode step of a random-weight model (256 cached tokens a row) from a CUDA graph, the
+layers fused and unfused, against the floor (weights and KV once at the copy rate). One JSON
+line per figure.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from taipan.kernels import gemv as G
+from taipan.kernels.activation import silu_and_mul
+from taipan.ops.attention import build_attention_metadata
+from taipan.ops.hardware import copy_bandwidth
+from taipan.ops.models import llama
+from tests.perf.cuda_graphs import graph_of
+
+SHAPES = {  # name: (K, N, gated)
+    "1b.qkv": (2048, 3072, False),
+    "1b.o": (2048, 2048, False),
+    "1b.gate_up": (2048, 8192, True),
+    "1b.down": (8192, 2048, False),
+    "8b.qkv": (4096, 6144, False),
+    "8b.o": (4096, 4096, False),
+    "8b.gate_up": (4096, 14336, True),
+    "8b.down": (14336, 4096, False),
+    "smollm2.qkv": (576, 960, False),
+    "smollm2.o": (576, 576, False),
+    "smollm2.gate_up": (576, 1536, True),
+    "smollm2.down": (1536, 576, False),
+}
+CALLS = 50
+ROTATE_BYTES = 256 << 20
+
+
+def _us(fn, calls: int = CALLS) -> float:
+    graph = graph_of(lambda: [fn() for _ in range(calls)])
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return sorted(times)[len(times) // 2]
+
+
+def _rotating(weights):
+    turn = itertools.count()
+    return lambda: weights[next(turn) % len(weights)]
+
+
+def _launch(x, w, out, n, gated, blocks):
+    block_n, block_k, warps = blocks
+    m, k = x.shape
+    G._gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, w, w, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
+        eps=1e-5, NORM=False, GATED=gated, RESIDUAL=False, HAS_BIAS=False,
+        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+    )  # fmt: skip
+
+
+def kernels(bw: float) -> None:
+    best_of = {}  # rows 4 runs the blocks rows 1 found best
+    for (name, (k, n, gated)), m in itertools.product(SHAPES.items(), (1, 4)):
+        print(json.dumps(_kernel_row(name, k, n, gated, m, bw, best_of)), flush=True)
+
+
+def _kernel_row(name, k, n, gated, m, bw, best_of) -> dict:
+    dt = torch.bfloat16
+    rows = 2 * n if gated else n
+    count = max(2, ROTATE_BYTES // (rows * k * 2))
+    ws = [torch.randn(rows, k, device="cuda", dtype=dt) / k**0.5 for _ in range(count)]
+    x = torch.randn(m, k, device="cuda", dtype=dt)
+    out = torch.empty(m, n, device="cuda", dtype=dt)
+    nxt = _rotating(ws)
+    row = dict(part="kernels", shape=name, rows=m, k=k, n=n, gated=gated)
+    row["floor_us"] = rows * k * 2 / bw * 1e6
+    if gated:
+        row["cublas_us"] = _us(lambda: silu_and_mul(F.linear(x, nxt())))
+    else:
+        row["cublas_us"] = _us(lambda: F.linear(x, nxt()))
+    row["gemv_us"] = _us(lambda: G.gemv(x, nxt(), gated=gated, out=out))
+    row["default_blocks"] = G._blocks(n, k, gated)
+    best = None
+    sweep = itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))
+    for blocks in sweep if m == 1 else [best_of[name]]:
+        run = functools.partial(_launch, x, out=out, n=n, gated=gated, blocks=blocks)
+        us = _us(lambda run=run: run(nxt()))
+        if best is None or us < best[0]:
+            best = (us, *blocks)
+    row["best_us"], row["best_blocks"] = best[0], best[1:]
+    best_of[name] = best[1:]
+    return row
+
+
+def _step(model, rows: int, ctx: int = 256, block: int = 256):
+    """A decode step of `rows` sequences with `ctx - 1` cached tokens each (garbage KV: timing
+    only), its inputs built once; returns a function of no arguments that runs it."""
+    blocks_per = triton.cdiv(ctx, block)
+    cache = llama.allocate_kv_cache(model.config, rows * blocks_per, block, torch.bfloat16, "cuda")
+    cache.normal_()
+    tables = [list(range(r * blocks_per, (r + 1) * blocks_per)) for r in range(rows)]
+    meta, positions = build_attention_metadata([1] * rows, [ctx] * rows, tables, block, "cuda")
+    ids = torch.arange(rows, device="cuda")
+    return lambda: model.compute_logits(model(ids, positions, meta, cache)[-rows:])
+
+
+def model_steps(shape: str, bw: float) -> None:
+    from taipan.ops.random_model import load_random_model
+
+    model, config, _ = load_random_model(f"random:{shape}", dtype=torch.bfloat16, device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not config.tie_word_embeddings:
+        weights -= model.embed_tokens.weight.numel() * 2  # a step reads its rows only
+    kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    with torch.no_grad():
+        for rows in (1, 4):
+            row = dict(part="model", shape=shape, rows=rows)
+            row["floor_ms"] = (weights + rows * 256 * kv_per_token) / bw * 1e3
+            for fused in (True, False, True, False):
+                llama.FUSED_DECODE_ROWS = G.MAX_ROWS if fused else 0
+                ms = _us(_step(model, rows), calls=20) / 1e3
+                key = "fused_ms" if fused else "unfused_ms"
+                row[key] = min(ms, row.get(key, ms))
+            row["fused_vs_floor"] = row["fused_ms"] / row["floor_ms"]
+            row["unfused_vs_floor"] = row["unfused_ms"] / row["floor_ms"]
+            print(json.dumps(row), flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    part, *rest = sys.argv[1:] or ["kernels"]
+    bandwidth = copy_bandwidth("cuda", 1.0)
+    print(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_gb_s": bandwidth / 1e9}))
+    if part == "kernels":
+        kernels(bandwidth)
+    else:
+        for s in rest or ["llama-1b", "llama-8b"]:
+            model_steps(s, bandwidth)

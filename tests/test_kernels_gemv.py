@@ -1,0 +1,131 @@
+"""kernels.gemv: the fused few-row matrix-vector kernel against `gemv_ref` (CPU interpreter, fp32,
+tiny shapes), `gemv_ref` against the unfused kernels' references it replaces, the launcher's
+refusals, and a GPU test in bf16 at the 1B shape's sizes against the unfused path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taipan.kernels.activation import silu_and_mul_ref
+from taipan.kernels.gemv import MAX_ROWS, gemv, gemv_ref
+from taipan.kernels.rmsnorm import rms_norm_ref
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _operands(m, n, k, seed, device="cpu", dtype=torch.float32, gated=False):
+    g = _gen(seed)
+    rows = 2 * n if gated else n
+    x = torch.randn(m, k + 5, generator=g)[:, :k]  # a strided view, as a slice of a buffer
+    w = torch.randn(rows, k, generator=g) / k**0.5
+    vecs = torch.randn(n, generator=g), torch.randn(k, generator=g), torch.randn(m, n, generator=g)
+    put = lambda t: t.to(device=device, dtype=dtype)  # noqa: E731
+    return put(x), put(w), *(put(v) for v in vecs)
+
+
+# (m, n, k): n and k off the blocks' multiples, one k over several BLOCK_K iterations
+SHAPES = [(1, 20, 48), (3, 16, 33), (4, 9, 700), (2, 1, 16)]
+
+
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize(
+    "fused",
+    [
+        {},
+        {"bias": True},
+        {"norm": True},
+        {"norm": True, "gated": True},
+        {"residual": True},
+        {"norm": True, "bias": True, "residual": True},
+    ],
+    ids=["plain", "bias", "norm", "norm-gated", "residual", "norm-bias-residual"],
+)
+def test_gemv_matches_ref(m, n, k, fused):
+    gated = fused.get("gated", False)
+    x, w, bias, norm_w, residual = _operands(m, n, k, seed=m * 1000 + n + k, gated=gated)
+    kwargs = dict(
+        bias=bias if fused.get("bias") else None,
+        norm_weight=norm_w if fused.get("norm") else None,
+        eps=1e-5,
+        gated=gated,
+    )
+    x_before = x.clone()
+    if fused.get("residual"):
+        stream, stream_ref = residual.clone(), residual.clone()
+        got = gemv(x, w, residual=stream, **kwargs)
+        want = gemv_ref(x, w, residual=stream_ref, **kwargs)
+        assert got.data_ptr() == stream.data_ptr()  # updated in place and returned
+    else:
+        got, want = gemv(x, w, **kwargs), gemv_ref(x, w, **kwargs)
+    assert torch.equal(x, x_before)  # x is only read
+    assert got.shape == (m, n)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_ref_equals_the_unfused_references():
+    """gemv_ref is the norm, the product, the activation and the add it replaces, in order."""
+    x, w, _, norm_w, residual = _operands(3, 24, 40, seed=7, gated=True)
+    normed = rms_norm_ref(x, norm_w, 1e-5)
+    want = silu_and_mul_ref(normed @ w.T)
+    got = gemv_ref(x, w, norm_weight=norm_w, eps=1e-5, gated=True)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    stream = residual.clone()
+    gemv_ref(got, w[:24, :24], residual=stream)
+    torch.testing.assert_close(stream, residual + got @ w[:24, :24].T, rtol=1e-6, atol=1e-6)
+
+
+def test_out_is_written_and_zero_rows_pass():
+    x, w, *_ = _operands(2, 16, 32, seed=3)
+    out = torch.full((2, 16), float("nan"))
+    assert gemv(x, w, out=out) is out
+    torch.testing.assert_close(out, gemv_ref(x, w), rtol=1e-5, atol=1e-5)
+    assert gemv(x[:0], w).shape == (0, 16)
+
+
+def _refusals():
+    x, w, bias, norm_w, residual = _operands(2, 8, 16, seed=1)
+    wide = torch.zeros(MAX_ROWS + 1, 16)
+    yield lambda: gemv(wide, w), f"at most {MAX_ROWS} rows"
+    yield lambda: gemv(x, w[:, :8]), r"w must be \[N, 16\]"
+    yield lambda: gemv(x, w[:7], gated=True), r"w must be \[2N, 16\]"
+    yield lambda: gemv(x, w, bias=bias[:4], gated=True), "gated gemv takes no bias"
+    yield lambda: gemv(x, w, bias=bias[:3]), r"bias must be \(8,\)"
+    yield lambda: gemv(x, w, norm_weight=norm_w[:3]), r"norm_weight must be \(16,\)"
+    yield lambda: gemv(x, w, residual=residual, out=residual), "not both"
+    yield lambda: gemv(x, w.double()), "w must be torch.float32"
+    yield lambda: gemv(x.int(), w), "fp16, bf16 or fp32"
+    yield lambda: gemv(x, w.T.contiguous().T), "unit stride"
+
+
+@pytest.mark.parametrize("call, message", list(_refusals()))
+def test_gemv_refuses_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4])
+def test_gpu_gemv_bf16_near_the_unfused_kernels(m):
+    """bf16 at the 1B shape's sizes: within bf16 rounding of the unfused path (cuBLAS and the
+    norm/activation kernels), whose sums run in another order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from taipan.kernels.activation import silu_and_mul
+    from taipan.kernels.rmsnorm import rms_norm
+
+    dt = torch.bfloat16
+    for n, k, gated in [(3072, 2048, False), (8192, 2048, True), (2048, 8192, False)]:
+        x, w, _, norm_w, residual = _operands(
+            m, n, k, seed=n + k, device="cuda", dtype=dt, gated=gated
+        )
+        if gated:
+            got = gemv(x, w, norm_weight=norm_w, eps=1e-5, gated=True)
+            want = silu_and_mul(rms_norm(x.contiguous(), norm_w, 1e-5) @ w.T)
+        else:
+            stream = residual.clone()
+            got = gemv(x, w, residual=stream)
+            want = (residual.float() + (x @ w.T).float()).to(dt)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)

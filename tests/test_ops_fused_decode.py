@@ -1,0 +1,135 @@
+"""The Llama-family decoder layer's fused few-row path (kernels/gemv.py through
+`DecoderLayer._fused_forward`) against its unfused path on the same weights and cache: on the CPU
+the Triton kernels run in the interpreter (fp32, tiny shapes, the path forced on); on a GPU the
+path the shape picks, fp32 and bf16, eager and under a CUDA graph. Llama, Qwen2 (qkv bias),
+Qwen3 (q/k norms), and a model whose MoE layers stay unfused between fused dense ones."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taipan.ops.attention import build_attention_metadata
+from taipan.ops.models import llama
+from taipan.ops.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
+from taipan.ops.moe import MoE, MoEConfig
+
+BLOCK_SIZE = 16
+PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 90, 7, 28, 55, 4, 19, 66, 23]  # 19 tokens
+CONFIG = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    tie_word_embeddings=False,
+    max_position_embeddings=256,
+    bos_token_id=None,
+    eos_token_ids=(1,),
+)
+
+
+def _model(variant: str, head_dim: int, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
+    config = LlamaConfig(**(CONFIG | {"head_dim": head_dim}))
+
+    def make_layer(index: int) -> DecoderLayer:
+        if variant == "qwen2":
+            return DecoderLayer(config, qkv_bias=True)
+        if variant == "qwen3":
+            return DecoderLayer(config, qk_norm=True)
+        if variant == "moe" and index == 1:  # a sparse layer between two dense ones
+            moe = MoEConfig(4, 2, 32, activation="swiglu", scoring="softmax", renormalize=True)
+            return DecoderLayer(config, mlp=MoE(64, moe))
+        return DecoderLayer(config)
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config, make_layer)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 0.3 if "norm" in name else 1.0 / p.shape[-1] ** 0.5
+            p.copy_(
+                1.0 + scale * torch.randn(p.shape)
+                if "norm" in name
+                else scale * torch.randn(p.shape)
+            )
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def _decode(model, cache, rows: int, device: str):
+    """One step of `rows` decode rows after the prompt (row r: the prompt's first block, then a
+    copy of its second in block 2 + r, so each row appends its token in a block of its own),
+    over a copy of `cache`; returns the final hidden states."""
+    cache = cache.clone()
+    cache[:, :, 2 : 2 + rows] = cache[:, :, 1:2]
+    seq_lens = [len(PROMPT) + 1] * rows
+    tables = [[0, 2 + r] for r in range(rows)]
+    meta, positions = build_attention_metadata([1] * rows, seq_lens, tables, BLOCK_SIZE, device)
+    ids = torch.tensor([40 + r for r in range(rows)], device=device)
+    with torch.no_grad():
+        return model(ids, positions, meta, cache)
+
+
+def _prefill(model, device: str, dtype: torch.dtype) -> torch.Tensor:
+    cache = llama.allocate_kv_cache(model.config, 8, BLOCK_SIZE, dtype, device)
+    meta, positions = build_attention_metadata(
+        [len(PROMPT)], [len(PROMPT)], [[0, 1]], BLOCK_SIZE, device
+    )
+    with torch.no_grad():
+        model(torch.tensor(PROMPT, device=device), positions, meta, cache)
+    return cache
+
+
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "moe"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fused_path_equals_the_unfused_one_on_cpu(variant, rows, monkeypatch):
+    model = _model(variant, 16, "cpu", torch.float32)
+    cache = _prefill(model, "cpu", torch.float32)
+    unfused = _decode(model, cache, rows, "cpu")
+    # Force the path on the CPU (the shape check asks for CUDA): the interpreter runs gemv.
+    taken = []
+
+    def fused(self, x):
+        taken.append(type(self.mlp) is llama.SwiGLUMLP)
+        return taken[-1]
+
+    monkeypatch.setattr(DecoderLayer, "_fused", fused)
+    got = _decode(model, cache, rows, "cpu")
+    assert taken == ([True, False, True] if variant == "moe" else [True] * 3)
+    torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
+
+
+def test_the_shape_picks_the_path():
+    model = _model("llama", 16, "cpu", torch.float32)
+    layer = model.layers[0]
+    x = torch.zeros(1, 64)
+    assert not layer._fused(x)  # CPU: never (the refs run there)
+    meta = torch.empty(llama.FUSED_DECODE_ROWS + 1, 64, device="meta")
+    assert not layer._fused(meta)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_path_equals_the_unfused_one(variant, dtype, monkeypatch):
+    """rows 1 and 4 take the fused path on CUDA (FUSED_DECODE_ROWS); eager and graphed alike."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    assert llama.FUSED_DECODE_ROWS >= 4
+    model = _model(variant, 64, "cuda", dtype)
+    cache = _prefill(model, "cuda", dtype)
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    for rows in (1, 4):
+        fused = _decode(model, cache, rows, "cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            graphed = _decode(model, cache, rows, "cuda")
+        graph.replay()
+        with monkeypatch.context() as m:
+            m.setattr(llama, "FUSED_DECODE_ROWS", 0)
+            unfused = _decode(model, cache, rows, "cuda")
+        torch.testing.assert_close(fused.float(), unfused.float(), rtol=tol, atol=tol)
+        torch.testing.assert_close(graphed, fused, rtol=0, atol=0)
