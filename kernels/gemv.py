@@ -63,37 +63,35 @@ def _gemv_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
     col_mask = cols < N
     rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_rows = x_ptr + rows[:, None] * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    if NORM:  # each row's rms, recomputed by every program (the rows are in L2)
+        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            mask = row_mask[:, None] & (ks < K)[None, :]
+            xs = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
+            sq += xs * xs
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up half
-    for m in tl.static_range(BLOCK_M):
-        if m < M:
-            x_row = x_ptr + m * stride_x
-            if NORM:  # this row's rms, recomputed by every program (the row is in L2)
-                sq = tl.zeros([BLOCK_K], dtype=tl.float32)
-                for k0 in range(0, K, BLOCK_K):
-                    ks = k0 + tl.arange(0, BLOCK_K)
-                    xs = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)
-                    sq += xs * xs
-                rstd = tl.rsqrt(tl.sum(sq, axis=0) / K + eps)
-            part = tl.zeros([BLOCK_N], dtype=tl.float32)
-            part_up = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                k_mask = ks < K
-                xs = tl.load(x_row + ks, mask=k_mask, other=0.0).to(tl.float32)
-                if NORM:  # HF order: normalize, round, times the weight, round
-                    nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-                    xs = ((xs * rstd).to(dtype).to(tl.float32) * nw).to(dtype).to(tl.float32)
-                mask = col_mask[:, None] & k_mask[None, :]
-                w = tl.load(w_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-                part += tl.sum(w * xs[None, :], axis=1)
-                if GATED:
-                    up = tl.load(w_rows + N * stride_w + ks[None, :], mask=mask, other=0.0)
-                    part_up += tl.sum(up.to(tl.float32) * xs[None, :], axis=1)
-            acc = tl.where(rows[:, None] == m, acc + part[None, :], acc)
-            if GATED:
-                acc_up = tl.where(rows[:, None] == m, acc_up + part_up[None, :], acc_up)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        if NORM:  # HF order: normalize, round, times the weight, round
+            nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            xs = (xs * rstd[:, None]).to(dtype).to(tl.float32)
+            xs = (xs * nw[None, :]).to(dtype).to(tl.float32)
+        # The weights' tile is read once for every row: [BLOCK_M, BLOCK_N, BLOCK_K] products.
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
+        if GATED:
+            up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_mask, other=0.0)
+            acc_up += tl.sum(xs[:, None, :] * up.to(tl.float32)[None, :, :], axis=2)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     result = acc.to(dtype)
@@ -109,16 +107,14 @@ def _gemv_kernel(
 
 
 def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps): enough programs to keep every SM reading (two waves of
-    ~132 on an H100), each loading a few KB of weights per iteration. A matrix under a million
-    weights needs no such spread (and the CPU interpreter pays per program)."""
-    block_k = min(512, triton.next_power_of_2(k))
-    block_n = 16
-    while block_n > 4 and triton.cdiv(n, block_n) < 256 and n * k >= 1 << 20:
-        block_n //= 2
-    if gated:
-        block_n = max(4, block_n // 2)
-    return block_n, block_k, 4
+    """(BLOCK_N, BLOCK_K, num_warps): many programs, each loading a few KB of weights per
+    iteration. A tiny matrix needs no such spread (and the CPU interpreter pays per program)."""
+    if n * k < 1 << 18:
+        return 16, min(512, triton.next_power_of_2(k)), 4
+    # Measured on an H100 (tests/perf/fused_decode_bench.py kernels): narrow tiles and 8 warps
+    # for every Llama projection from SmolLM2's to the 8B's; longer rows for long sums.
+    block_k = 1024 if k >= 8192 else 512
+    return (8 if gated else 4), block_k, 8
 
 
 def gemv(

@@ -13,6 +13,7 @@ from taipan.ops.attention import build_attention_metadata
 from taipan.ops.models import llama
 from taipan.ops.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 from taipan.ops.moe import MoE, MoEConfig
+from tests.perf.cuda_graphs import graph_of
 
 BLOCK_SIZE = 16
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 90, 7, 28, 55, 4, 19, 66, 23]  # 19 tokens
@@ -59,18 +60,23 @@ def _model(variant: str, head_dim: int, device: str, dtype: torch.dtype) -> Llam
     return model.to(device=device, dtype=dtype).eval()
 
 
-def _decode(model, cache, rows: int, device: str):
+def _inputs(cache, rows: int, device: str) -> tuple:
     """One step of `rows` decode rows after the prompt (row r: the prompt's first block, then a
     copy of its second in block 2 + r, so each row appends its token in a block of its own),
-    over a copy of `cache`; returns the final hidden states."""
+    over a copy of `cache`: the model's arguments."""
     cache = cache.clone()
     cache[:, :, 2 : 2 + rows] = cache[:, :, 1:2]
     seq_lens = [len(PROMPT) + 1] * rows
     tables = [[0, 2 + r] for r in range(rows)]
     meta, positions = build_attention_metadata([1] * rows, seq_lens, tables, BLOCK_SIZE, device)
     ids = torch.tensor([40 + r for r in range(rows)], device=device)
+    return ids, positions, meta, cache
+
+
+def _decode(model, cache, rows: int, device: str) -> torch.Tensor:
+    """The final hidden states of that step."""
     with torch.no_grad():
-        return model(ids, positions, meta, cache)
+        return model(*_inputs(cache, rows, device))
 
 
 def _prefill(model, device: str, dtype: torch.dtype) -> torch.Tensor:
@@ -124,10 +130,15 @@ def test_gpu_fused_path_equals_the_unfused_one(variant, dtype, monkeypatch):
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     for rows in (1, 4):
         fused = _decode(model, cache, rows, "cuda")
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            graphed = _decode(model, cache, rows, "cuda")
+        inputs, captured = _inputs(cache, rows, "cuda"), {}
+
+        def step(inputs=inputs, captured=captured):
+            captured["out"] = model(*inputs)
+
+        with torch.no_grad():
+            graph = graph_of(step)
         graph.replay()
+        graphed = captured["out"]
         with monkeypatch.context() as m:
             m.setattr(llama, "FUSED_DECODE_ROWS", 0)
             unfused = _decode(model, cache, rows, "cuda")

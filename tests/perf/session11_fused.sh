@@ -16,7 +16,7 @@ stage_tree .carry/new /tmp/pkg_new || exit 1
 cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
 if [ "$PART" = check ]; then
     timeout -s ABRT 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
-        tests/test_kernels_gemv.py tests/test_ops_fused_decode.py tests/test_gpu.py 2>&1 \
+        tests/test_kernels_gemv.py tests/test_ops_fused_decode.py ${TESTS:-} 2>&1 \
         | grep -vE "^  File|^Extension" | tail -15
     timeout -s ABRT 150 python3 tests/perf/fused_decode_bench.py model 2>&1 | tail -6
     timeout -s ABRT 200 python3 tests/perf/fused_decode_bench.py kernels 2>&1 | tail -26
