@@ -5,9 +5,11 @@ same contract in torch).
 At batch 1 a decode step is a chain of ~10 kernels per layer, each reading little; the fixed
 cost of a kernel in a graph (its launch, ramp and tail, a few microseconds) adds up to a fifth
 of the step. One program here computes BLOCK_N outputs of every row, and takes on:
-- `norm_weight`: the RMSNorm before the projection (HF Llama's numerics, as kernels/rmsnorm.py):
-  each program normalizes the rows itself (a row is a few KB, read from L2), so the norm kernel
-  and its output buffer go;
+- `norm_weight`: the RMSNorm before the projection: each program sums the squares of the rows
+  as it reads them (a row is a few KB, from L2) and scales its sums by 1/rms at the end, so the
+  norm kernel and its output buffer go. The normalized row is never rounded to the storage
+  dtype (HF rounds it twice, after the 1/rms and after the weight): in bf16 the products
+  differ from the unfused path's by that rounding; in fp32 only by the order of the sums;
 - `gated`: w holds the gate rows then the up rows (SwiGLUMLP's gate_up_proj); the program
   computes both halves of its columns and writes silu(gate) * up (kernels/activation.py's
   numerics), so the activation kernel goes;
@@ -66,25 +68,17 @@ def _gemv_kernel(
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    if NORM:  # each row's rms, recomputed by every program (the rows are in L2)
-        sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            mask = row_mask[:, None] & (ks < K)[None, :]
-            xs = tl.load(x_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-            sq += xs * xs
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)  # [BLOCK_M]
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up half
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x_mask = row_mask[:, None] & k_mask[None, :]
         xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        if NORM:  # HF order: normalize, round, times the weight, round
-            nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            xs = (xs * rstd[:, None]).to(dtype).to(tl.float32)
-            xs = (xs * nw[None, :]).to(dtype).to(tl.float32)
+        if NORM:  # x * weight now, times the row's 1/rms once the sums are done
+            sq += xs * xs
+            xs *= tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
         # The weights' tile is read once for every row: [BLOCK_M, BLOCK_N, BLOCK_K] products.
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
@@ -92,6 +86,10 @@ def _gemv_kernel(
         if GATED:
             up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_mask, other=0.0)
             acc_up += tl.sum(xs[:, None, :] * up.to(tl.float32)[None, :, :], axis=2)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
+        acc *= rstd
+        acc_up *= rstd
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     result = acc.to(dtype)
@@ -111,10 +109,9 @@ def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     iteration. A tiny matrix needs no such spread (and the CPU interpreter pays per program)."""
     if n * k < 1 << 18:
         return 16, min(512, triton.next_power_of_2(k)), 4
-    # Measured on an H100 (tests/perf/fused_decode_bench.py kernels): narrow tiles and 8 warps
-    # for every Llama projection from SmolLM2's to the 8B's; longer rows for long sums.
-    block_k = 1024 if k >= 8192 else 512
-    return (8 if gated else 4), block_k, 8
+    # Measured on an H100 (tests/perf/fused_decode_bench.py kernels): narrow tiles, long rows
+    # for every Llama projection from SmolLM2's to the 8B's.
+    return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
 def gemv(
@@ -211,7 +208,8 @@ def gemv_ref(
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`gemv` in plain torch: the unfused ops in HF's order of roundings."""
+    """`gemv` in plain torch: the unfused ops in HF's order of roundings (the kernel skips the
+    normalized row's two: equal in fp32 up to the order of the sums)."""
     dtype = x.dtype
     if norm_weight is not None:
         x32 = x.float()

@@ -129,7 +129,7 @@ def model_steps(shape: str, bw: float) -> None:
         weights -= model.embed_tokens.weight.numel() * 2  # a step reads its rows only
     kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
     with torch.no_grad():
-        for rows in (1, 4):
+        for rows in (1, 2, 4):
             row = dict(part="model", shape=shape, rows=rows)
             row["floor_ms"] = (weights + rows * 256 * kv_per_token) / bw * 1e3
             for fused in (True, False, True, False):
