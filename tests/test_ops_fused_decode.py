@@ -113,6 +113,7 @@ def test_the_shape_picks_the_path():
     layer = model.layers[0]
     x = torch.zeros(1, 64)
     assert not layer._fused(x)  # CPU: never (the refs run there)
+    assert llama.FUSED_DECODE_ROWS == 1  # (the default: TAIPAN_FUSED_GEMV unset)
     meta = torch.empty(llama.FUSED_DECODE_ROWS + 1, 64, device="meta")
     assert not layer._fused(meta)
 
@@ -121,13 +122,15 @@ def test_the_shape_picks_the_path():
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_fused_path_equals_the_unfused_one(variant, dtype, monkeypatch):
-    """rows 1 and 4 take the fused path on CUDA (FUSED_DECODE_ROWS); eager and graphed alike."""
+    """One row takes the fused path on CUDA (FUSED_DECODE_ROWS); four rows are made to (the
+    kernel takes up to gemv.MAX_ROWS); eager and graphed alike. bf16: norm-wise, as the
+    normalized rows are not rounded on the fused path (kernels/gemv.py)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    assert llama.FUSED_DECODE_ROWS >= 4
+    assert llama.FUSED_DECODE_ROWS == 1
+    monkeypatch.setattr(llama, "FUSED_DECODE_ROWS", 4)
     model = _model(variant, 64, "cuda", dtype)
     cache = _prefill(model, "cuda", dtype)
-    tol = 1e-4 if dtype == torch.float32 else 3e-2
     for rows in (1, 4):
         fused = _decode(model, cache, rows, "cuda")
         inputs, captured = _inputs(cache, rows, "cuda"), {}
@@ -142,5 +145,9 @@ def test_gpu_fused_path_equals_the_unfused_one(variant, dtype, monkeypatch):
         with monkeypatch.context() as m:
             m.setattr(llama, "FUSED_DECODE_ROWS", 0)
             unfused = _decode(model, cache, rows, "cuda")
-        torch.testing.assert_close(fused.float(), unfused.float(), rtol=tol, atol=tol)
+        if dtype == torch.float32:
+            torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4)
+        else:
+            error = (fused.float() - unfused.float()).norm() / unfused.float().norm()
+            assert error < 1e-2, (rows, error.item())
         torch.testing.assert_close(graphed, fused, rtol=0, atol=0)
