@@ -120,17 +120,21 @@ def test_the_shape_picks_the_path():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "moe"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_fused_path_equals_the_unfused_one(variant, dtype, monkeypatch):
+def test_gpu_fused_path_equals_the_unfused_one(variant, monkeypatch):
     """One row takes the fused path on CUDA (FUSED_DECODE_ROWS); four rows are made to (the
-    kernel takes up to gemv.MAX_ROWS); eager and graphed alike. bf16: norm-wise, as the
-    normalized rows are not rounded on the fused path (kernels/gemv.py)."""
+    kernel takes up to gemv.MAX_ROWS); eager and graphed alike. fp32: equal to the unfused
+    path within its sums' order. bf16: as close to fp32 as the unfused bf16 path is (the
+    fused one sums in another order and does not round the normalized rows)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     assert llama.FUSED_DECODE_ROWS == 1
     monkeypatch.setattr(llama, "FUSED_DECODE_ROWS", 4)
-    model = _model(variant, 64, "cuda", dtype)
-    cache = _prefill(model, "cuda", dtype)
+    model = _model(variant, 64, "cuda", torch.float32)
+    half = _model(variant, 64, "cuda", torch.bfloat16)
+    cache, half_cache = (
+        _prefill(model, "cuda", torch.float32),
+        _prefill(half, "cuda", torch.bfloat16),
+    )
     for rows in (1, 4):
         fused = _decode(model, cache, rows, "cuda")
         inputs, captured = _inputs(cache, rows, "cuda"), {}
@@ -141,13 +145,15 @@ def test_gpu_fused_path_equals_the_unfused_one(variant, dtype, monkeypatch):
         with torch.no_grad():
             graph = graph_of(step)
         graph.replay()
-        graphed = captured["out"]
+        half_fused = _decode(half, half_cache, rows, "cuda")
         with monkeypatch.context() as m:
             m.setattr(llama, "FUSED_DECODE_ROWS", 0)
             unfused = _decode(model, cache, rows, "cuda")
-        if dtype == torch.float32:
-            torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4)
-        else:
-            error = (fused.float() - unfused.float()).norm() / unfused.float().norm()
-            assert error < 1e-2, (rows, error.item())
-        torch.testing.assert_close(graphed, fused, rtol=0, atol=0)
+            half_unfused = _decode(half, half_cache, rows, "cuda")
+        torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(captured["out"], fused, rtol=0, atol=0)
+
+        def error(t):
+            return ((t.float() - unfused).norm() / unfused.norm()).item()
+
+        assert error(half_fused) < 1.5 * error(half_unfused) + 1e-3, (rows, error(half_fused))
