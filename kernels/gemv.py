@@ -9,10 +9,11 @@ of the step. One program here computes BLOCK_N outputs of every row, and takes o
   as it reads them (a row is a few KB, from L2) and scales its sums by 1/rms at the end, so the
   norm kernel and its output buffer go. The normalized row is never rounded to the storage
   dtype (HF rounds it twice, after the 1/rms and after the weight): in bf16 the products
-  differ from the unfused path's by that rounding; in fp32 only by the order of the sums;
+  differ from the unfused path's by that rounding; in fp32 only by the order of the sums.
+  `gemma_norm`: Gemma's (1 + w) norm (fp32 throughout in HF too);
 - `gated`: w holds the gate rows then the up rows (SwiGLUMLP's gate_up_proj); the program
-  computes both halves of its columns and writes silu(gate) * up (kernels/activation.py's
-  numerics), so the activation kernel goes;
+  computes both halves of its columns and writes silu(gate) * up, or gelu_tanh(gate) * up
+  (Gemma; kernels/activation.py's numerics), so the activation kernel goes;
 - `residual`: the product is added into `residual` in place (rounded to the storage dtype first,
   as F.linear's output would be, then added in fp32 and rounded once, as kernels/rmsnorm.py adds
   its residual), so the add leaves the next norm's kernel;
@@ -29,9 +30,10 @@ import torch
 import triton
 import triton.language as tl
 
-from taipan.kernels.activation import silu
+from taipan.kernels.activation import gelu_tanh, silu
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ACTIVATIONS = ("silu", "gelu_tanh")
 MAX_ROWS = 4  # beyond this a GEMM (cuBLAS) reads the weights as few times and computes better
 
 
@@ -54,7 +56,9 @@ def _gemv_kernel(
     # meta-parameters
     eps: tl.constexpr,
     NORM: tl.constexpr,
+    GEMMA_NORM: tl.constexpr,  # Gemma's norm: x / rms(x) * (1 + weight)
     GATED: tl.constexpr,
+    GELU: tl.constexpr,  # GATED with gelu_tanh (Gemma) instead of silu
     RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -78,7 +82,10 @@ def _gemv_kernel(
         xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
         if NORM:  # x * weight now, times the row's 1/rms once the sums are done
             sq += xs * xs
-            xs *= tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)[None, :]
+            nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            if GEMMA_NORM:
+                nw += 1.0
+            xs *= nw[None, :]
         # The weights' tile is read once for every row: [BLOCK_M, BLOCK_N, BLOCK_K] products.
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
@@ -93,9 +100,13 @@ def _gemv_kernel(
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     result = acc.to(dtype)
-    if GATED:  # silu of the rounded gate times the rounded up, rounded once
+    if GATED:  # the activation of the rounded gate times the rounded up, rounded once
         gate = result.to(tl.float32)
-        result = (silu(gate) * acc_up.to(dtype).to(tl.float32)).to(dtype)
+        if GELU:  # (HF rounds gelu's output before the product: kernels/activation.py)
+            act = gelu_tanh(gate).to(dtype).to(tl.float32)
+        else:
+            act = silu(gate)
+        result = (act * acc_up.to(dtype).to(tl.float32)).to(dtype)
     out = out_ptr + rows[:, None] * stride_out + cols[None, :]
     out_mask = (rows[:, None] < M) & col_mask[None, :]
     if RESIDUAL:
@@ -121,17 +132,23 @@ def gemv(
     bias: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    gemma_norm: bool = False,
     gated: bool = False,
+    activation: str = "silu",
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x: [M, K] (M <= MAX_ROWS) -> [M, N] = f(x) @ w.T: w [N, K] (`gated`: [2N, K], gate then
     up rows, and the result is silu(x @ gate.T) * (x @ up.T)). `norm_weight` [K]: x is
-    RMS-normalized first (eps `eps`). `bias` [N] (not with `gated`). `residual` [M, N]: the
+    RMS-normalized first (eps `eps`; `gemma_norm`: Gemma's x / rms(x) * (1 + weight)).
+    `activation`: the gate's, "silu" (SwiGLU) or "gelu_tanh" (Gemma). `bias` [N] (not with
+    `gated`). `residual` [M, N]: the
     result is added into it in place and it is returned (no `out`). All of one dtype and
     device; rows with unit stride in the last dim."""
     n = w.shape[0] // 2 if gated else w.shape[0]
     _check_args(x, w, bias, norm_weight, gated, residual, out, n)
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     m, k = x.shape
     if residual is not None:
         out = residual
@@ -154,7 +171,9 @@ def gemv(
         out.stride(0),
         eps=float(eps),
         NORM=norm_weight is not None,
+        GEMMA_NORM=bool(gemma_norm),
         GATED=bool(gated),
+        GELU=activation == "gelu_tanh",
         RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
         BLOCK_M=triton.next_power_of_2(m),
@@ -204,7 +223,9 @@ def gemv_ref(
     bias: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 1e-6,
+    gemma_norm: bool = False,
     gated: bool = False,
+    activation: str = "silu",
     residual: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -213,12 +234,19 @@ def gemv_ref(
     dtype = x.dtype
     if norm_weight is not None:
         x32 = x.float()
-        normed = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
-        x = (normed.float() * norm_weight.float()).to(dtype)
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        if gemma_norm:  # (fp32 throughout, one rounding: Gemma3RMSNorm)
+            x = (normed * (1.0 + norm_weight.float())).to(dtype)
+        else:
+            x = (normed.to(dtype).float() * norm_weight.float()).to(dtype)
     y = (x.float() @ w.float().T + (0.0 if bias is None else bias.float())).to(dtype)
     if gated:
         gate, up = y.chunk(2, dim=-1)
-        y = (torch.nn.functional.silu(gate.float()) * up.float()).to(dtype)
+        if activation == "gelu_tanh":
+            act = torch.nn.functional.gelu(gate.float(), approximate="tanh").to(dtype).float()
+        else:
+            act = torch.nn.functional.silu(gate.float())
+        y = (act * up.float()).to(dtype)
     if residual is not None:
         return residual.copy_((residual.float() + y.float()).to(dtype))
     if out is None:

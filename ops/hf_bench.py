@@ -22,6 +22,7 @@ from taipan.ops.loader import RANDOM_PREFIX, random_config, random_state
 from taipan.ops.models.gemma3 import Gemma3Config
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.models.mistral import MistralConfig
+from taipan.ops.models.qwen2 import Qwen2Config
 from taipan.ops.models.qwen3_next import Qwen3NextConfig
 from taipan.ops.weight_updates import hf_name_to_ours
 
@@ -118,6 +119,9 @@ def _hf_config(transformers, config, dtype: torch.dtype) -> tuple[object, type]:
             **common, rope_parameters=rope, sliding_window=config.sliding_window
         )
         return hf, transformers.MistralForCausalLM
+    if isinstance(config, Qwen2Config):
+        hf = transformers.Qwen2Config(**common, rope_parameters=rope, use_sliding_window=False)
+        return hf, transformers.Qwen2ForCausalLM
     if isinstance(config, Qwen3NextConfig):
         return _hf_qwen3_next_config(transformers, config, common, rope), (
             transformers.Qwen3NextForCausalLM

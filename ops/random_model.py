@@ -1,7 +1,7 @@
 """`random:<shape>` (RANDOM_SHAPES) -> (model, config, tokenizer) from a config alone, no disk:
 a model's real shape without its checkpoint, for benchmarks and tests. A shape is Llama's unless
-its `family` says otherwise (`FAMILIES`: Mistral's sliding window, Gemma 3's layers, Qwen3-Next's
-Gated-DeltaNet hybrid).
+its `family` says otherwise (`FAMILIES`: Mistral's sliding window, Qwen2's qkv biases, Gemma 3's
+layers, Qwen3-Next's Gated-DeltaNet hybrid).
 
 Owns the shapes, the seeded random weights made on the device (`random_state`, which the
 benchmark's Hugging Face copy reuses, so both sides hold the same weights) and a byte-level
@@ -20,6 +20,7 @@ from taipan.ops.checkpoint import ModelLoadError, Piece, build_model
 from taipan.ops.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.models.mistral import MistralConfig, MistralForCausalLM
+from taipan.ops.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from taipan.ops.models.qwen3_next import FULL, LINEAR, Qwen3NextConfig, Qwen3NextForCausalLM
 from taipan.ops.moe import MoEConfig
 from taipan.ops.parallel import SINGLE, TPGroup
@@ -116,6 +117,22 @@ RANDOM_SHAPES = {
         tie_word_embeddings=False,
         max_position_embeddings=32768,
     ),
+    # Qwen2.5-7B (Qwen/Qwen2.5-7B-Instruct's config.json): qkv biases, 28 heads over 4 kv heads,
+    # a 152,064-token vocabulary, untied LM head; no window (use_sliding_window false).
+    "qwen2.5-7b": dict(
+        family="qwen2",
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_layers=28,
+        num_heads=28,
+        num_kv_heads=4,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+    ),
     # Qwen3-Next-80B-A3B (Qwen/Qwen3-Next-80B-A3B-Instruct's config.json) at 8 of its 48 layers:
     # its pattern (three Gated-DeltaNet layers, then one gated attention layer) twice; 512
     # experts (top 10) and a shared expert in every layer, partial RoPE over 64 of 256 channels.
@@ -153,6 +170,7 @@ RANDOM_SHAPES = {
 FAMILIES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "gemma3": (Gemma3Config, Gemma3ForCausalLM),
     "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM),
 }

@@ -40,8 +40,9 @@ SHAPES = [(1, 20, 48), (3, 16, 33), (4, 9, 700), (2, 1, 16)]
         {"norm": True, "gated": True},
         {"residual": True},
         {"norm": True, "bias": True, "residual": True},
+        {"norm": True, "gemma_norm": True, "gated": True, "activation": "gelu_tanh"},
     ],
-    ids=["plain", "bias", "norm", "norm-gated", "residual", "norm-bias-residual"],
+    ids=["plain", "bias", "norm", "norm-gated", "residual", "norm-bias-residual", "gemma"],
 )
 def test_gemv_matches_ref(m, n, k, fused):
     gated = fused.get("gated", False)
@@ -51,6 +52,8 @@ def test_gemv_matches_ref(m, n, k, fused):
         norm_weight=norm_w if fused.get("norm") else None,
         eps=1e-5,
         gated=gated,
+        gemma_norm=fused.get("gemma_norm", False),
+        activation=fused.get("activation", "silu"),
     )
     x_before = x.clone()
     if fused.get("residual"):
@@ -77,6 +80,16 @@ def test_ref_equals_the_unfused_references():
     torch.testing.assert_close(stream, residual + got @ w[:24, :24].T, rtol=1e-6, atol=1e-6)
 
 
+def test_gemma_ref_equals_the_unfused_references():
+    """Gemma's (1 + w) norm and GELU-tanh gate, as kernels/rmsnorm and kernels/activation."""
+    from taipan.kernels.activation import gelu_tanh_and_mul_ref
+
+    x, w, _, norm_w, _ = _operands(2, 24, 40, seed=9, gated=True)
+    want = gelu_tanh_and_mul_ref(rms_norm_ref(x, norm_w, 1e-6, gemma=True) @ w.T)
+    got = gemv_ref(x, w, norm_weight=norm_w, gemma_norm=True, gated=True, activation="gelu_tanh")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
 def test_out_is_written_and_zero_rows_pass():
     x, w, *_ = _operands(2, 16, 32, seed=3)
     out = torch.full((2, 16), float("nan"))
@@ -97,6 +110,7 @@ def _refusals():
     yield lambda: gemv(x, w, residual=residual, out=residual), "not both"
     yield lambda: gemv(x, w.double()), "w must be torch.float32"
     yield lambda: gemv(x.int(), w), "fp16, bf16 or fp32"
+    yield lambda: gemv(x, w, gated=True, activation="relu"), "activation must be one of"
     yield lambda: gemv(x, w.T.contiguous().T), "unit stride"
 
 

@@ -2,7 +2,8 @@
 `DecoderLayer._fused_forward`) against its unfused path on the same weights and cache: on the CPU
 the Triton kernels run in the interpreter (fp32, tiny shapes, the path forced on); on a GPU the
 path the shape picks, fp32 and bf16, eager and under a CUDA graph. Llama, Qwen2 (qkv bias),
-Qwen3 (q/k norms), and a model whose MoE layers stay unfused between fused dense ones."""
+Qwen3 (q/k norms), a model whose MoE layers stay unfused between fused dense ones, and Gemma 3
+(its (1 + w) norm and GELU-tanh gate inside the products, its post-norms outside)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 
 from taipan.ops.attention import build_attention_metadata
-from taipan.ops.models import llama
+from taipan.ops.models import gemma3, llama
+from taipan.ops.models.gemma3 import Gemma3Config, Gemma3DecoderLayer, Gemma3ForCausalLM
 from taipan.ops.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 from taipan.ops.moe import MoE, MoEConfig
 from tests.perf.cuda_graphs import graph_of
@@ -36,6 +38,11 @@ CONFIG = dict(
 
 def _model(variant: str, head_dim: int, device: str, dtype: torch.dtype) -> LlamaForCausalLM:
     config = LlamaConfig(**(CONFIG | {"head_dim": head_dim}))
+    if variant == "gemma3":  # one local layer (a window of 8 keys), two global ones
+        fields = CONFIG | {"head_dim": head_dim, "sliding_window": 8, "sliding_layers": (1,)}
+        config = Gemma3Config(**fields, query_pre_attn_scalar=float(head_dim))
+        torch.manual_seed(0)
+        return _randomized(Gemma3ForCausalLM(config), device, dtype)
 
     def make_layer(index: int) -> DecoderLayer:
         if variant == "qwen2":
@@ -48,7 +55,10 @@ def _model(variant: str, head_dim: int, device: str, dtype: torch.dtype) -> Llam
         return DecoderLayer(config)
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config, make_layer)
+    return _randomized(LlamaForCausalLM(config, make_layer), device, dtype)
+
+
+def _randomized(model, device: str, dtype: torch.dtype):
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 0.3 if "norm" in name else 1.0 / p.shape[-1] ** 0.5
@@ -89,7 +99,17 @@ def _prefill(model, device: str, dtype: torch.dtype) -> torch.Tensor:
     return cache
 
 
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "moe"])
+VARIANTS = ["llama", "qwen2", "qwen3", "moe", "gemma3"]
+
+
+def _fused_rows(monkeypatch, rows: int) -> None:
+    """The rows up to which both layer kinds take the fused path (each module holds its own
+    copy of ops/layers.FUSED_DECODE_ROWS)."""
+    monkeypatch.setattr(llama, "FUSED_DECODE_ROWS", rows)
+    monkeypatch.setattr(gemma3, "FUSED_DECODE_ROWS", rows)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("rows", [1, 3])
 def test_fused_path_equals_the_unfused_one_on_cpu(variant, rows, monkeypatch):
     model = _model(variant, 16, "cpu", torch.float32)
@@ -99,10 +119,13 @@ def test_fused_path_equals_the_unfused_one_on_cpu(variant, rows, monkeypatch):
     taken = []
 
     def fused(self, x):
-        taken.append(type(self.mlp) is llama.SwiGLUMLP)
+        taken.append(
+            type(self).__name__ == "Gemma3DecoderLayer" or type(self.mlp) is llama.SwiGLUMLP
+        )
         return taken[-1]
 
     monkeypatch.setattr(DecoderLayer, "_fused", fused)
+    monkeypatch.setattr(Gemma3DecoderLayer, "_fused", fused)
     got = _decode(model, cache, rows, "cpu")
     assert taken == ([True, False, True] if variant == "moe" else [True] * 3)
     torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
@@ -119,7 +142,7 @@ def test_the_shape_picks_the_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant", ["llama", "qwen2", "qwen3", "moe"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_fused_path_equals_the_unfused_one(variant, monkeypatch):
     """One row takes the fused path on CUDA (FUSED_DECODE_ROWS); four rows are made to (the
     kernel takes up to gemv.MAX_ROWS); eager and graphed alike. fp32: equal to the unfused
@@ -127,8 +150,8 @@ def test_gpu_fused_path_equals_the_unfused_one(variant, monkeypatch):
     fused one sums in another order and does not round the normalized rows)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    assert llama.FUSED_DECODE_ROWS == 1
-    monkeypatch.setattr(llama, "FUSED_DECODE_ROWS", 4)
+    assert llama.FUSED_DECODE_ROWS == gemma3.FUSED_DECODE_ROWS == 1
+    _fused_rows(monkeypatch, 4)
     model = _model(variant, 64, "cuda", torch.float32)
     half = _model(variant, 64, "cuda", torch.bfloat16)
     cache, half_cache = (
@@ -147,7 +170,7 @@ def test_gpu_fused_path_equals_the_unfused_one(variant, monkeypatch):
         graph.replay()
         half_fused = _decode(half, half_cache, rows, "cuda")
         with monkeypatch.context() as m:
-            m.setattr(llama, "FUSED_DECODE_ROWS", 0)
+            _fused_rows(m, 0)
             unfused = _decode(model, cache, rows, "cuda")
             half_unfused = _decode(half, half_cache, rows, "cuda")
         torch.testing.assert_close(fused, unfused, rtol=1e-4, atol=1e-4)

@@ -1,5 +1,6 @@
 """The `random:` shapes of other families than Llama (ops/random_model.py): `gemma3-1b` (head_dim
-256, local and global layers) and `mistral-7b-window` (a window on every layer). Their configs are
+256, local and global layers), `mistral-7b-window` (a window on every layer) and `qwen2.5-7b`
+(qkv biases). Their configs are
 the real models' (parameter counts, the window the engine is told), and a tiny-scaled copy of
 each builds, runs and gives transformers' logits when the bench's Hugging Face copy of it
 (ops/hf_bench.py `hf_random_model`) holds our weights: fp32, CPU, windows shorter than the
@@ -15,12 +16,14 @@ from taipan.models import resolve
 from taipan.ops.loader import RANDOM_SHAPES, load_model, random_config, random_state
 from taipan.ops.models.gemma3 import Gemma3Config, Gemma3ForCausalLM
 from taipan.ops.models.mistral import MistralConfig, MistralForCausalLM
+from taipan.ops.models.qwen2 import Qwen2Config, Qwen2ForCausalLM
 from tests.test_ops_dense import ours_and_hf_logits
 
 SHAPES = {
     # shape: (config class, model class, published parameter count, kv_window)
     "gemma3-1b": (Gemma3Config, Gemma3ForCausalLM, 999_885_952, 0),
     "mistral-7b-window": (MistralConfig, MistralForCausalLM, 7_241_732_096, 4096),
+    "qwen2.5-7b": (Qwen2Config, Qwen2ForCausalLM, 7_615_616_512, 0),
 }
 # Tiny copies: 3 layers, windows of 8 keys (the test prompts run to 45 tokens).
 TINY = dict(
@@ -34,7 +37,11 @@ TINY = dict(
     sliding_window=8,
     max_position_embeddings=256,
 )
-TINY_LAYERS = {"gemma3-1b": dict(sliding_layers=(0, 1)), "mistral-7b-window": {}}
+TINY_LAYERS = {
+    "gemma3-1b": dict(sliding_layers=(0, 1)),
+    "mistral-7b-window": {},
+    "qwen2.5-7b": dict(sliding_window=None),  # (as the real one: no window)
+}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -65,7 +72,7 @@ def test_gemma3_norms_are_the_identity():
 
 
 def _tiny_config(shape: str):
-    fields = dict(RANDOM_SHAPES[shape], **TINY, **TINY_LAYERS[shape])
+    fields = {**RANDOM_SHAPES[shape], **TINY, **TINY_LAYERS[shape]}
     fields.pop("family")
     return SHAPES[shape][0](**fields, bos_token_id=None, eos_token_ids=(258,))
 
@@ -75,7 +82,7 @@ def test_tiny_copy_runs_and_equals_hf(monkeypatch, shape):
     pytest.importorskip("transformers")
     from taipan.ops.hf_bench import load_hf
 
-    tiny = dict(RANDOM_SHAPES[shape], **TINY, **TINY_LAYERS[shape])
+    tiny = {**RANDOM_SHAPES[shape], **TINY, **TINY_LAYERS[shape]}
     monkeypatch.setitem(RANDOM_SHAPES, f"{shape}-tiny", tiny)
     model, config, _ = load_model(f"random:{shape}-tiny")
     assert type(model) is SHAPES[shape][1]

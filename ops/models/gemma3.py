@@ -30,8 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from taipan.kernels.gemv import gemv
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.layers import Attention, GeluTanhMLP, GemmaRMSNorm
+from taipan.ops.layers import FUSED_DECODE_ROWS, Attention, GeluTanhMLP, GemmaRMSNorm
 from taipan.ops.models.llama import LlamaConfig, LlamaForCausalLM
 from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.rope_scaling import RopeScaling, rope_table
@@ -86,11 +87,29 @@ class Gemma3DecoderLayer(nn.Module):
         layer_cache: torch.Tensor,
     ) -> torch.Tensor:
         """x: [tokens, hidden], the residual stream -> the stream after this layer."""
+        if self._fused(x):
+            return self._fused_forward(x, positions, cos_sin, attn, layer_cache)
         h = self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, layer_cache)
         h = self.post_attention_layernorm(h)  # (attention summed over the TP group)
         # x <- x + h in place, and its norm, in one kernel (HF normalizes the rounded sum too).
         h, x = self.pre_feedforward_layernorm(h, residual=x)
         return x + self.post_feedforward_layernorm(self.mlp(h))
+
+    def _fused(self, x: torch.Tensor) -> bool:
+        """Whether this step takes the fused few-row path (as Llama's DecoderLayer._fused)."""
+        return x.is_cuda and x.shape[0] <= FUSED_DECODE_ROWS and self.self_attn.tp.size == 1
+
+    def _fused_forward(self, x, positions, cos_sin, attn, layer_cache):
+        """The input norm inside the qkv product and GELU-tanh inside the gate_up one
+        (kernels/gemv.py); the post-norms need whole rows and stay kernels of their own."""
+        attn_mod, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
+        qkv = gemv(
+            x, attn_mod.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, gemma_norm=True
+        )
+        h = gemv(attn_mod.attend(qkv, positions, cos_sin, attn, layer_cache), attn_mod.o_proj.weight)
+        h, x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual=x)
+        h = gemv(h, mlp.gate_up_proj.weight, gated=True, activation="gelu_tanh")
+        return x + self.post_feedforward_layernorm(gemv(h, mlp.down_proj.weight))
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -69,7 +69,8 @@ def _launch(x, w, out, n, gated, blocks):
     m, k = x.shape
     G._gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, w, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        eps=1e-5, NORM=False, GATED=gated, RESIDUAL=False, HAS_BIAS=False,
+        eps=1e-5, NORM=False, GEMMA_NORM=False, GATED=gated, GELU=False, RESIDUAL=False,
+        HAS_BIAS=False,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
     )  # fmt: skip
 

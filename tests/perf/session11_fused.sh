@@ -6,7 +6,10 @@
 #     compare whole models with HF (test_gpu.py), then the kernel sweep and the model steps
 #     (tests/perf/fused_decode_bench.py);
 #   part ab N: the 1B decode row (batch 1, 4 and 64) with TAIPAN_FUSED_GEMV 1 and 0 alternating,
-#     N rounds, and the 8B row at batch 1 once each.
+#     N rounds, and the 8B row at batch 1 once each;
+#   part models: issue 27's batch-1 bar (Qwen2.5-7B and Gemma 3 shapes, <= 1.3x the floor): the
+#     Gemma path's GPU tests (fused against unfused; served with graphs against HF), the model
+#     steps fused and unfused, and the decode rows with TAIPAN_FUSED_GEMV 1 and 0.
 set -u
 PART=${1:?part check or ab}
 source tests/perf/device_setup.sh
@@ -36,5 +39,20 @@ elif [ "$PART" = ab ]; then
             --workload decode --model random:llama-8b --device cuda --dtype bfloat16 \
             --batches 1 --output-len 128 --no-hf --ours-modes graphs \
             --results "$OUT/decode_8b_$f.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-220
+    done
+elif [ "$PART" = models ]; then
+    timeout -s ABRT 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_kernels_gemv.py tests/test_ops_fused_decode.py tests/test_e2e_dense.py 2>&1 \
+        | grep -vE "^  File|^Extension" | tail -8
+    timeout -s ABRT 150 python3 tests/perf/fused_decode_bench.py model gemma3-1b qwen2.5-7b 2>&1 \
+        | grep '"rows": 1' | tail -4
+    for shape in qwen2.5-7b gemma3-1b; do
+        for f in 1 0; do
+            echo "== $shape fused $f"
+            TAIPAN_FUSED_GEMV=$f timeout -s ABRT 120 python3 -m taipan.cli bench \
+                --workload decode --model random:$shape --device cuda --dtype bfloat16 \
+                --batches 1 --output-len 128 --no-hf --ours-modes graphs \
+                --results "$OUT/decode_${shape}_$f.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-200
+        done
     done
 fi
