@@ -7,7 +7,7 @@ a sweep of (BLOCK_N, BLOCK_K, num_warps), next to the weight's bytes at the copy
 `python3 tests/perf/fused_decode_bench.py model [SHAPE ...]` (default llama-1b llama-8b): the
 whole decode step of a random-weight model (256 cached tokens a row) from a CUDA graph, the
 layers fused and unfused, against the floor (weights and KV once at the copy rate). One JSON
-line per figure.
+line per figure. `... profile [SHAPE ...]`: the kernels of one batch-1 step, largest first.
 """
 
 from __future__ import annotations
@@ -145,12 +145,42 @@ def model_steps(shape: str, bw: float) -> None:
     torch.cuda.empty_cache()
 
 
+def profile(shape: str) -> None:
+    """The kernels of one fused batch-1 step (eager, under the torch profiler): count and device
+    microseconds per kernel name, the 25 largest, and the total."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from taipan.ops.random_model import load_random_model
+
+    model, _, _ = load_random_model(f"random:{shape}", dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        step = _step(model, 1)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in rows)
+    print(json.dumps({"part": "profile", "shape": shape, "kernels": sum(e.count for e in rows),
+                      "device_us": total}))  # fmt: skip
+    for e in rows[:25]:
+        print(f"{e.count:5d} {e.device_time_total:9.1f} us  {e.key[:110]}")
+    del model
+    torch.cuda.empty_cache()
+
+
 if __name__ == "__main__":
     part, *rest = sys.argv[1:] or ["kernels"]
     bandwidth = copy_bandwidth("cuda", 1.0)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_gb_s": bandwidth / 1e9}))
     if part == "kernels":
         kernels(bandwidth)
+    elif part == "profile":
+        for s in rest or ["llama-1b"]:
+            profile(s)
     else:
         for s in rest or ["llama-1b", "llama-8b"]:
             model_steps(s, bandwidth)
