@@ -72,8 +72,10 @@ def _gemv_kernel(
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)  # GATED: the up half
+    # Products accumulate elementwise and are summed over K once, after the loop: the loop is
+    # loads and multiply-adds only, no reduction across threads per tile.
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    up3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # GATED: the up half
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -86,13 +88,15 @@ def _gemv_kernel(
             if GEMMA_NORM:
                 nw += 1.0
             xs *= nw[None, :]
-        # The weights' tile is read once for every row: [BLOCK_M, BLOCK_N, BLOCK_K] products.
+        # The weights' tile is read once for every row.
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc += tl.sum(xs[:, None, :] * w[None, :, :], axis=2)
+        acc3 += xs[:, None, :] * w[None, :, :]
         if GATED:
             up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_mask, other=0.0)
-            acc_up += tl.sum(xs[:, None, :] * up.to(tl.float32)[None, :, :], axis=2)
+            up3 += xs[:, None, :] * up.to(tl.float32)[None, :, :]
+    acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+    acc_up = tl.sum(up3, axis=2)
     if NORM:
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
         acc *= rstd
@@ -120,9 +124,12 @@ def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     iteration. A tiny matrix needs no such spread (and the CPU interpreter pays per program)."""
     if n * k < 1 << 18:
         return 16, min(512, triton.next_power_of_2(k)), 4
-    # Measured on an H100 (tests/perf/fused_decode_bench.py kernels): narrow tiles, long rows
-    # for every Llama projection from SmolLM2's to the 8B's.
-    return 4, min(1024, triton.next_power_of_2(k)), 4
+    # Narrow tiles (measured on an H100: tests/perf/fused_decode_bench.py kernels), rows as long
+    # as the padding of K past its last tile stays under an eighth (Gemma's K = 1152 would
+    # waste 44 % of a 1,024-wide last tile).
+    fits = (b for b in (1024, 512, 256, 128) if 8 * (-k % b) <= k)
+    block_k = next(fits, min(128, triton.next_power_of_2(k)))
+    return 4, block_k, 4
 
 
 def gemv(

@@ -37,6 +37,10 @@ SHAPES = {  # name: (K, N, gated)
     "8b.o": (4096, 4096, False),
     "8b.gate_up": (4096, 14336, True),
     "8b.down": (14336, 4096, False),
+    "gemma3-1b.qkv": (1152, 1536, False),
+    "gemma3-1b.o": (1024, 1152, False),
+    "gemma3-1b.gate_up": (1152, 6912, True),
+    "gemma3-1b.down": (6912, 1152, False),
     "smollm2.qkv": (576, 960, False),
     "smollm2.o": (576, 576, False),
     "smollm2.gate_up": (576, 1536, True),
@@ -98,7 +102,7 @@ def _kernel_row(name, k, n, gated, m, bw, best_of) -> dict:
     row["gemv_us"] = _us(lambda: G.gemv(x, nxt(), gated=gated, out=out))
     row["default_blocks"] = G._blocks(n, k, gated)
     best = None
-    sweep = itertools.product((4, 8, 16, 32), (256, 512, 1024), (2, 4, 8))
+    sweep = itertools.product((2, 4, 8), (128, 256, 512, 1024), (2, 4, 8))
     for blocks in sweep if m == 1 else [best_of[name]]:
         run = functools.partial(_launch, x, out=out, n=n, gated=gated, blocks=blocks)
         us = _us(lambda run=run: run(nxt()))
