@@ -55,4 +55,30 @@ elif [ "$PART" = models ]; then
                 --results "$OUT/decode_${shape}_$f.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-200
         done
     done
+elif [ "$PART" = final1 ]; then  # the last kernel's GPU tests and model steps
+    timeout -s ABRT 280 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_kernels_gemv.py tests/test_ops_fused_decode.py tests/test_gpu.py \
+        tests/test_e2e_dense.py 2>&1 | grep -vE "^  File|^Extension" | tail -6
+    timeout -s ABRT 200 python3 tests/perf/fused_decode_bench.py model llama-1b llama-8b \
+        gemma3-1b qwen2.5-7b 2>&1 | grep '"part"'
+    timeout -s ABRT 40 python3 tests/perf/fused_decode_bench.py profile llama-1b 2>&1 | grep -A6 '"part"'
+elif [ "$PART" = final2 ]; then  # the decode rows, fused and not, alternating
+    for i in 1 2; do
+        for f in 1 0; do
+            echo "== 1B fused $f"
+            TAIPAN_FUSED_GEMV=$f timeout -s ABRT 100 python3 -m taipan.cli bench \
+                --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
+                --batches 1,64 --output-len 256 --no-hf --ours-modes graphs \
+                --results "$OUT/decode_1b_$f.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-200
+        done
+    done
+    for shape in llama-8b qwen2.5-7b; do
+        for f in 1 0; do
+            echo "== $shape fused $f"
+            TAIPAN_FUSED_GEMV=$f timeout -s ABRT 120 python3 -m taipan.cli bench \
+                --workload decode --model random:$shape --device cuda --dtype bfloat16 \
+                --batches 1 --output-len 128 --no-hf --ours-modes graphs \
+                --results "$OUT/decode_${shape}_$f.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-200
+        done
+    done
 fi
