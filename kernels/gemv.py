@@ -124,11 +124,11 @@ def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     iteration. A tiny matrix needs no such spread (and the CPU interpreter pays per program)."""
     if n * k < 1 << 18:
         return 16, min(512, triton.next_power_of_2(k)), 4
-    # Two outputs a program, rows of up to 1,024, two warps: the best or within ~0.5 us of it
-    # for every projection of SmolLM2, Gemma 3 1B, Llama 1B and 8B in a sweep on an H100
-    # (tests/perf/fused_decode_bench.py kernels; short rows padded to 1,024 beat tiles that
-    # fit K better).
-    return 2, min(1024, triton.next_power_of_2(k)), 2
+    # Four outputs a program, rows of up to 1,024, four warps: the whole decode step of the 1B
+    # and 8B shapes was fastest so on an H100 (tests/perf/fused_decode_bench.py model), though
+    # the per-kernel sweep (`kernels`) preferred two outputs and two warps, which made the
+    # step slower (1.27 against 1.22 ms at 1B, 6.28 against 5.82 at 8B).
+    return 4, min(1024, triton.next_power_of_2(k)), 4
 
 
 def gemv(

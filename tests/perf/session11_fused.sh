@@ -63,7 +63,7 @@ elif [ "$PART" = final1 ]; then  # the last kernel's GPU tests and model steps
         gemma3-1b qwen2.5-7b 2>&1 | grep '"part"'
     timeout -s ABRT 40 python3 tests/perf/fused_decode_bench.py profile llama-1b 2>&1 | grep -A6 '"part"'
 elif [ "$PART" = final2 ]; then  # the decode rows, fused and not, alternating
-    for i in 1 2; do
+    for i in $(seq "${2:-2}"); do
         for f in 1 0; do
             echo "== 1B fused $f"
             TAIPAN_FUSED_GEMV=$f timeout -s ABRT 100 python3 -m taipan.cli bench \
@@ -73,7 +73,7 @@ elif [ "$PART" = final2 ]; then  # the decode rows, fused and not, alternating
         done
     done
     for shape in llama-8b qwen2.5-7b; do
-        for f in 1 0; do
+        for f in 1 ${FUSED_ONLY:-0}; do
             echo "== $shape fused $f"
             TAIPAN_FUSED_GEMV=$f timeout -s ABRT 120 python3 -m taipan.cli bench \
                 --workload decode --model random:$shape --device cuda --dtype bfloat16 \
