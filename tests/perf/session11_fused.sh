@@ -73,7 +73,7 @@ elif [ "$PART" = final2 ]; then  # the decode rows, fused and not, alternating
         done
     done
     for shape in llama-8b qwen2.5-7b; do
-        for f in 1 ${FUSED_ONLY:-0}; do
+        for f in 1 ${UNFUSED-0}; do  # (UNFUSED= : the fused rows only)
             echo "== $shape fused $f"
             TAIPAN_FUSED_GEMV=$f timeout -s ABRT 120 python3 -m taipan.cli bench \
                 --workload decode --model random:$shape --device cuda --dtype bfloat16 \
