@@ -38,6 +38,49 @@ MAX_ROWS = 4  # beyond this a GEMM (cuBLAS) reads the weights as few times and c
 
 
 @triton.jit
+def _products(
+    x_ptr, stride_x, M, w_rows, w2_rows, col_mask, norm_ptr, K, eps,
+    NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, TWO: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """[BLOCK_M, BLOCK_N] sums of the rows of x (normalized with NORM) times the weight rows at
+    `w_rows` [BLOCK_N, 1] (and, with TWO, at `w2_rows`: the second sums, else zeros), fp32.
+    Products accumulate elementwise and are summed over K once, after the loop: the loop is
+    loads and multiply-adds only, no reduction across threads per tile; the weights' tiles are
+    read once for every row."""
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    x_rows = x_ptr + rows[:, None] * stride_x
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    two3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        if NORM:  # x * weight now, times the row's 1/rms once the sums are done
+            sq += xs * xs
+            nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            if GEMMA_NORM:
+                nw += 1.0
+            xs *= nw[None, :]
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc3 += xs[:, None, :] * w[None, :, :]
+        if TWO:
+            w2 = tl.load(w2_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            two3 += xs[:, None, :] * w2[None, :, :]
+    acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+    acc2 = tl.sum(two3, axis=2)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
+        acc *= rstd
+        acc2 *= rstd
+    return acc, acc2
+
+
+@triton.jit
 def _gemv_kernel(
     # pointers
     x_ptr,  # [M, K]
@@ -69,38 +112,11 @@ def _gemv_kernel(
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
     col_mask = cols < N
     rows = tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    x_rows = x_ptr + rows[:, None] * stride_x
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    # Products accumulate elementwise and are summed over K once, after the loop: the loop is
-    # loads and multiply-adds only, no reduction across threads per tile.
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    up3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)  # GATED: the up half
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        x_mask = row_mask[:, None] & k_mask[None, :]
-        xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        if NORM:  # x * weight now, times the row's 1/rms once the sums are done
-            sq += xs * xs
-            nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            if GEMMA_NORM:
-                nw += 1.0
-            xs *= nw[None, :]
-        # The weights' tile is read once for every row.
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc3 += xs[:, None, :] * w[None, :, :]
-        if GATED:
-            up = tl.load(w_rows + N * stride_w + ks[None, :], mask=w_mask, other=0.0)
-            up3 += xs[:, None, :] * up.to(tl.float32)[None, :, :]
-    acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
-    acc_up = tl.sum(up3, axis=2)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
-        acc *= rstd
-        acc_up *= rstd
+    acc, acc_up = _products(
+        x_ptr, stride_x, M, w_rows, w_rows + N * stride_w, col_mask, norm_ptr, K, eps,
+        NORM, GEMMA_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
     result = acc.to(dtype)
@@ -258,3 +274,162 @@ def gemv_ref(
     if out is None:
         return y
     return out.copy_(y)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    # pointers
+    x_ptr,  # [M, K]
+    w_ptr,  # [(H + 2 KVH) * D, K]: q heads, then k heads, then v heads
+    bias_ptr,  # [(H + 2 KVH) * D] (HAS_BIAS)
+    norm_ptr,  # [K] RMSNorm weight (NORM)
+    positions_ptr,  # [M]
+    cos_sin_ptr,  # [max_pos, D] fp32: cos | sin
+    kv_cache_ptr,  # [2, num_blocks, block_size, KVH, D]
+    slot_mapping_ptr,  # [M] int64, -1 = padding
+    q_ptr,  # [M, H * D] out: rotated q
+    # sizes
+    M,
+    K,
+    # strides
+    stride_x,
+    stride_w,
+    stride_cos_sin,
+    stride_cache_kv,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_q,
+    # meta-parameters
+    eps: tl.constexpr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    NORM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # rotation pairs (i, i + HEAD_DIM / 2) a program; divides HALF
+    BLOCK_K: tl.constexpr,
+):
+    HALF = HEAD_DIM // 2
+    dtype = q_ptr.dtype.element_ty
+    first = tl.program_id(0) * BLOCK_P  # this program's first pair: all in one head
+    head = first // HALF
+    dims = first % HALF + tl.arange(0, BLOCK_P)  # [BLOCK_P] in the head's first half
+    cols = head * HEAD_DIM + dims  # the pairs' first rows; the second ones HALF further
+    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
+    all_cols = cols < (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
+    a, b = _products(
+        x_ptr, stride_x, M, w_rows, w_rows + HALF * stride_w, all_cols, norm_ptr, K, eps,
+        NORM, False, True, BLOCK_M, BLOCK_P, BLOCK_K,
+    )  # fmt: skip
+    if HAS_BIAS:
+        a += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        b += tl.load(bias_ptr + HALF + cols).to(tl.float32)[None, :]
+    # The projection's output as F.linear would store it, then rotated in fp32 and rounded
+    # once (kernels/rope.py's numerics).
+    a = a.to(dtype).to(tl.float32)
+    b = b.to(dtype).to(tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    row_mask = rows < M
+    mask = row_mask[:, None] & (dims < HALF)[None, :]
+    if head < NUM_HEADS + NUM_KV_HEADS:  # q or k: rotated by each row's position
+        pos = tl.load(positions_ptr + rows, mask=row_mask, other=0).to(tl.int64)
+        table = cos_sin_ptr + pos[:, None] * stride_cos_sin + dims[None, :]
+        cos = tl.load(table, mask=mask, other=0.0)
+        sin = tl.load(table + HALF, mask=mask, other=0.0)
+        a, b = a * cos - b * sin, b * cos + a * sin
+    if head < NUM_HEADS:
+        q = q_ptr + rows[:, None] * stride_q + cols[None, :]
+        tl.store(q, a.to(dtype), mask=mask)
+        tl.store(q + HALF, b.to(dtype), mask=mask)
+    else:  # k (rotated) or v (raw) into each row's slot, unless it is padding
+        slot = tl.load(slot_mapping_ptr + rows, mask=row_mask, other=-1)
+        kv = (head - NUM_HEADS) // NUM_KV_HEADS  # 0: k, 1: v
+        kv_head = (head - NUM_HEADS) % NUM_KV_HEADS
+        dst = (
+            kv_cache_ptr
+            + kv * stride_cache_kv
+            + slot[:, None] * stride_cache_slot
+            + kv_head * stride_cache_head
+            + dims[None, :]
+        )
+        keep = mask & (slot >= 0)[:, None]
+        tl.store(dst, a.to(dtype), mask=keep)
+        tl.store(dst + HALF, b.to(dtype), mask=keep)
+
+
+def gemv_qkv_rope(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The fused q/k/v projection of x [M, K] (M <= MAX_ROWS; `norm_weight`, `bias`, `eps` as
+    `gemv`'s) with kernels/rope.py's `rope_and_write_kv` in its epilogue: q and k rotated by
+    `positions` [M] through `cos_sin_cache` [max_pos, D], k and v stored in one layer's
+    `kv_cache` [2, num_blocks, block_size, KVH, D] at `slot_mapping` [M] int64 (-1: not
+    stored). Returns the rotated q [M, H, D] (new). No host synchronisation."""
+    head_dim = kv_cache.shape[-1]
+    rows = (num_heads + 2 * num_kv_heads) * head_dim
+    if w.shape[0] != rows or kv_cache.shape[-2] != num_kv_heads or head_dim % 4:
+        raise ValueError(
+            f"w {tuple(w.shape)} and kv_cache {tuple(kv_cache.shape)} must hold {num_heads} q "
+            f"and {num_kv_heads} kv heads of one head_dim (a multiple of 4)"
+        )
+    _check_args(x, w, bias, norm_weight, False, None, None, rows)
+    m, k = x.shape
+    if positions.shape != (m,) or slot_mapping.shape != (m,):
+        raise ValueError(f"positions and slot_mapping must be [{m}]")
+    if slot_mapping.dtype != torch.int64 or cos_sin_cache.dtype != torch.float32:
+        raise ValueError("slot_mapping must be int64 and cos_sin_cache fp32")
+    if not kv_cache.is_contiguous() or kv_cache.dtype != x.dtype:
+        raise ValueError(f"kv_cache must be a contiguous {x.dtype} tensor")
+    q = torch.empty((m, num_heads * head_dim), dtype=x.dtype, device=x.device)
+    if m:
+        _, block_k, warps = _blocks(rows, k, False)
+        block_p = 2  # two pairs: four weight rows a program, as `gemv` reads them
+        _qkv_rope_kernel[(rows // 2 // block_p,)](
+            x, w, bias if bias is not None else w, norm_weight if norm_weight is not None else w,
+            positions, cos_sin_cache, kv_cache, slot_mapping, q, m, k,
+            x.stride(0), w.stride(0), cos_sin_cache.stride(0), kv_cache.stride(0),
+            kv_cache.stride(2), kv_cache.stride(3), q.stride(0),
+            eps=float(eps), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+            NORM=norm_weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_P=block_p, BLOCK_K=block_k, num_warps=warps,
+        )  # fmt: skip
+    return q.view(m, num_heads, head_dim)
+
+
+def gemv_qkv_rope_ref(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    kv_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """`gemv_qkv_rope` in plain torch: `gemv_ref`, then `rope_and_write_kv_ref`."""
+    from taipan.kernels.rope import rope_and_write_kv_ref
+
+    head_dim = kv_cache.shape[-1]
+    qkv = gemv_ref(x, w, bias=bias, norm_weight=norm_weight, eps=eps)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    m = x.shape[0]
+    q = q.reshape(m, num_heads, head_dim)
+    k, v = k.reshape(m, num_kv_heads, head_dim), v.reshape(m, num_kv_heads, head_dim)
+    return rope_and_write_kv_ref(q, k, v, positions, cos_sin_cache, kv_cache, slot_mapping)

@@ -206,8 +206,15 @@ class Attention(nn.Module):
         else:
             write = rope.rope_and_write_kv if qkv.is_cuda else rope.rope_and_write_kv_ref
             q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
+        return self.attend_rotated(q, attn, layer_cache)
+
+    def attend_rotated(
+        self, q: torch.Tensor, attn: AttentionMetadata, layer_cache: torch.Tensor
+    ) -> torch.Tensor:
+        """q: [tokens, heads, head_dim], rotated, this step's K/V already in the cache -> the
+        attention's output [tokens, heads * head_dim]."""
         out = paged_attention(q, layer_cache, attn, self.scale, self.sliding_window)
-        return out.view(num_tokens, q_size)
+        return out.view(q.shape[0], self.num_heads * self.head_dim)
 
 
 class SwiGLUMLP(nn.Module):

@@ -143,3 +143,47 @@ def test_gpu_gemv_bf16_near_the_unfused_kernels(m):
             got = gemv(x, w, residual=stream)
             want = (residual.float() + (x @ w.T).float()).to(dt)
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_qkv_rope_matches_ref(m, with_bias):
+    """The q/k/v product with RoPE and the cache write in its epilogue, against gemv_ref then
+    rope_and_write_kv_ref: q equal, the cache equal everywhere (padding rows store nothing)."""
+    from taipan.kernels.gemv import gemv_qkv_rope, gemv_qkv_rope_ref
+    from taipan.kernels.rope import rope_cos_sin_cache
+
+    heads, kv_heads, head_dim, k = 4, 2, 16, 40
+    rows = (heads + 2 * kv_heads) * head_dim
+    x, w, _, norm_w, _ = _operands(m, rows, k, seed=11 + m)
+    bias = torch.randn(rows, generator=_gen(5)) if with_bias else None
+    cos_sin = rope_cos_sin_cache(64, head_dim, 10000.0)
+    positions = torch.tensor([5, 17, 63][:m])
+    slots = torch.tensor([3, -1, 9][:m], dtype=torch.int64)  # row 1 is padding
+    cache = torch.randn(2, 2, 8, kv_heads, head_dim, generator=_gen(6))
+    cache_ref = cache.clone()
+    kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, positions=positions,
+                  cos_sin_cache=cos_sin, slot_mapping=slots, bias=bias, norm_weight=norm_w,
+                  eps=1e-5)  # fmt: skip
+    got = gemv_qkv_rope(x, w, kv_cache=cache, **kwargs)
+    want = gemv_qkv_rope_ref(x, w, kv_cache=cache_ref, **kwargs)
+    assert got.shape == (m, heads, head_dim)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache, cache_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_qkv_rope_refuses_bad_arguments():
+    from taipan.kernels.gemv import gemv_qkv_rope
+    from taipan.kernels.rope import rope_cos_sin_cache
+
+    x, w, *_ = _operands(1, 128, 32, seed=2)
+    cache = torch.zeros(2, 2, 8, 2, 16)
+    kwargs = dict(positions=torch.tensor([1]), cos_sin_cache=rope_cos_sin_cache(8, 16, 1e4),
+                  kv_cache=cache, slot_mapping=torch.tensor([0]))  # fmt: skip
+    with pytest.raises(ValueError, match="must hold 4 q and 2 kv heads"):
+        gemv_qkv_rope(x, w[:96], num_heads=4, num_kv_heads=2, **kwargs)
+    with pytest.raises(ValueError, match="positions and slot_mapping must be"):
+        gemv_qkv_rope(x, w, num_heads=4, num_kv_heads=2, **(kwargs | {"positions": torch.zeros(2)}))
+    with pytest.raises(ValueError, match="slot_mapping must be int64"):
+        bad = kwargs | {"slot_mapping": torch.tensor([0], dtype=torch.int32)}
+        gemv_qkv_rope(x, w, num_heads=4, num_kv_heads=2, **bad)

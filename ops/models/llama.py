@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from taipan.kernels.gemv import gemv
+from taipan.kernels.gemv import gemv, gemv_qkv_rope
 from taipan.ops.attention import AttentionMetadata
 from taipan.ops.layers import (
     FUSED_DECODE_ROWS,
@@ -158,8 +158,9 @@ class DecoderLayer(nn.Module):
         )
 
     def _fused_forward(self, x, residual, positions, cos_sin, attn, layer_cache):
-        """The layer in four kernels around the attention (kernels/gemv.py): input norm + qkv,
-        o_proj + residual add, post-attention norm + gate_up + SiLU, down_proj + residual add.
+        """The layer in four kernels around the attention (kernels/gemv.py): input norm + qkv
+        (+ RoPE and the cache write, unless q/k norms come between), o_proj + residual add,
+        post-attention norm + gate_up + SiLU, down_proj + residual add.
         The residual stream is updated in place and returned as this layer's output, with None
         for the residual (the next layer, or the final norm, then adds nothing)."""
         if residual is not None:  # (after an unfused layer: its output still to be added)
@@ -167,8 +168,17 @@ class DecoderLayer(nn.Module):
         attn_mod, mlp = self.self_attn, self.mlp
         norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
         qkv_w, qkv_b = attn_mod.qkv_proj.weight, attn_mod.qkv_proj.bias
-        qkv = gemv(x, qkv_w, bias=qkv_b, norm_weight=norm1.weight, eps=norm1.eps)
-        out = attn_mod.attend(qkv, positions, cos_sin, attn, layer_cache)
+        if attn_mod.q_norm is None and cos_sin is not None:  # RoPE and the cache write too
+            q = gemv_qkv_rope(
+                x, qkv_w, num_heads=attn_mod.num_heads, num_kv_heads=attn_mod.num_kv_heads,
+                positions=positions, cos_sin_cache=cos_sin, kv_cache=layer_cache,
+                slot_mapping=attn.slot_mapping, bias=qkv_b, norm_weight=norm1.weight,
+                eps=norm1.eps,
+            )  # fmt: skip
+            out = attn_mod.attend_rotated(q, attn, layer_cache)
+        else:  # (q/k norms between the product and RoPE: Qwen3)
+            qkv = gemv(x, qkv_w, bias=qkv_b, norm_weight=norm1.weight, eps=norm1.eps)
+            out = attn_mod.attend(qkv, positions, cos_sin, attn, layer_cache)
         gemv(out, attn_mod.o_proj.weight, residual=x)
         w = mlp.gate_up_proj.weight
         act = gemv(x, w, norm_weight=norm2.weight, eps=norm2.eps, gated=True)
