@@ -26,7 +26,7 @@ from taipan.kernels.activation import silu_and_mul
 from taipan.ops.attention import build_attention_metadata
 from taipan.ops.hardware import copy_bandwidth
 from taipan.ops.models import llama
-from tests.perf.cuda_graphs import graph_of
+from tests.perf.cuda_graphs import graph_us
 
 SHAPES = {  # name: (K, N, gated)
     "1b.qkv": (2048, 3072, False),
@@ -51,16 +51,7 @@ ROTATE_BYTES = 256 << 20
 
 
 def _us(fn, calls: int = CALLS) -> float:
-    graph = graph_of(lambda: [fn() for _ in range(calls)])
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
+    return graph_us(fn, calls)
 
 
 def _rotating(weights):

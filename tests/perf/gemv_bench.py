@@ -17,7 +17,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from tests.perf.cuda_graphs import graph_of
+from tests.perf.cuda_graphs import graph_us
 
 SHAPES = {  # name: (in_features K, out_features N)
     "1b.qkv": (2048, 3072),
@@ -55,16 +55,7 @@ def _gemv_kernel(
 
 
 def _graph_us(fn) -> float:
-    graph = graph_of(lambda: [fn() for _ in range(CALLS)])
-    times = []
-    for _ in range(30):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / CALLS)
-    return sorted(times)[len(times) // 2]
+    return graph_us(fn, CALLS, reps=30)
 
 
 def copy_gb_s() -> float:
