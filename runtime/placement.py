@@ -196,6 +196,18 @@ def gil_switch_seconds() -> float:
     return ms / 1e3
 
 
+# The GPU processes' fused one-row decode layers (ops/layers.py reads it when torch loads there;
+# a bad value is checked here first, so that it is the launch's error, not a child's).
+FUSED_GEMV_ENV = "TAIPAN_FUSED_GEMV"
+
+
+def check_fused_gemv() -> None:
+    """TAIPAN_FUSED_GEMV, if set, is 0 (the layers unfused) or 1 (the default: fused)."""
+    raw = os.environ.get(FUSED_GEMV_ENV, "1")
+    if raw not in ("0", "1"):
+        raise LaunchError(f"{FUSED_GEMV_ENV}={raw!r}: give 0 (unfused layers) or 1 (fused)")
+
+
 def physical_gpu(device: str) -> int:
     """The index of CUDA `device` among the host's GPUs (through CUDA_VISIBLE_DEVICES where it
     lists indices; else the index as named)."""

@@ -26,6 +26,7 @@ from taipan.auth import curve_keys
 from taipan.placement import (
     LaunchError,
     check_ep_addresses,
+    check_fused_gemv,
     gil_switch_seconds,
     gpu_process_cores,
     gpu_process_cpu_sets,
@@ -144,6 +145,7 @@ def build_spec(rt) -> LaunchSpec:
     local = rt.role != "engine"  # an engine started alone shares its host with no rank
     devices = _peer_devices(rt)
     gil_switch_seconds()  # (a bad TAIPAN_GIL_SWITCH_MS is the launch's error, not a child's)
+    check_fused_gemv()  # (and so is a bad TAIPAN_FUSED_GEMV)
     return LaunchSpec(
         frontend=rt.address,
         backend=rt.engine_address,

@@ -13,9 +13,11 @@ import pytest
 from taipan import roles
 from taipan.placement import (
     CORES_ENV,
+    FUSED_GEMV_ENV,
     GIL_SWITCH_MS,
     SWITCH_ENV,
     LaunchError,
+    check_fused_gemv,
     gil_switch_seconds,
     gpu_process_cores,
     gpu_process_cpu_sets,
@@ -69,6 +71,24 @@ def test_the_gil_switch_interval_comes_from_the_environment(monkeypatch):
         monkeypatch.setenv(SWITCH_ENV, bad)
         with pytest.raises(LaunchError, match=SWITCH_ENV):
             gil_switch_seconds()
+
+
+def test_a_bad_fused_gemv_setting_is_the_launchs_error_and_the_layers_agree(monkeypatch):
+    """TAIPAN_FUSED_GEMV is 0 or 1: anything else is refused at launch (runtime/placement.py)
+    and, were a child started anyway, when its layers load (ops/layers.py)."""
+    import subprocess
+    import sys
+
+    for good in ("0", "1"):
+        monkeypatch.setenv(FUSED_GEMV_ENV, good)
+        check_fused_gemv()
+    monkeypatch.setenv(FUSED_GEMV_ENV, "yes")
+    with pytest.raises(LaunchError, match=FUSED_GEMV_ENV):
+        check_fused_gemv()
+    child = subprocess.run(
+        [sys.executable, "-c", "import taipan.ops.layers"], capture_output=True, text=True
+    )
+    assert child.returncode != 0 and "TAIPAN_FUSED_GEMV must be 0 or 1" in child.stderr
 
 
 def _rt(device: str, num_ranks: int = 1, tp: int = 1, role: str = "all"):
