@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.activation import gelu_tanh, silu
+from taipan.kernels.rope import rope_and_write_kv_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = ("silu", "gelu_tanh")
@@ -423,8 +424,6 @@ def gemv_qkv_rope_ref(
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """`gemv_qkv_rope` in plain torch: `gemv_ref`, then `rope_and_write_kv_ref`."""
-    from taipan.kernels.rope import rope_and_write_kv_ref
-
     head_dim = kv_cache.shape[-1]
     qkv = gemv_ref(x, w, bias=bias, norm_weight=norm_weight, eps=eps)
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim

@@ -7,6 +7,8 @@ Qwen3 (q/k norms), a model whose MoE layers stay unfused between fused dense one
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -15,20 +17,18 @@ from taipan.ops.models import gemma3, llama
 from taipan.ops.models.gemma3 import Gemma3Config, Gemma3DecoderLayer, Gemma3ForCausalLM
 from taipan.ops.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
 from taipan.ops.moe import MoE, MoEConfig
+from taipan.ops.random_model import RANDOM_SHAPES
 from tests.perf.cuda_graphs import graph_of
 
 BLOCK_SIZE = 16
 PROMPT = [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 12, 90, 7, 28, 55, 4, 19, 66, 23]  # 19 tokens
-CONFIG = dict(
+# The tiny random shape (ops/random_model.py), a third layer (the MoE variant's sparse one sits
+# between two dense ones), untied (the Gemma variant ties nothing either) and a short table.
+CONFIG = {
+    k: v for k, v in RANDOM_SHAPES["tiny"].items() if k not in ("vocab_size", "num_layers")
+} | dict(
     vocab_size=128,
-    hidden_size=64,
-    intermediate_size=96,
     num_layers=3,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=16,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
     tie_word_embeddings=False,
     max_position_embeddings=256,
     bos_token_id=None,
@@ -131,14 +131,26 @@ def test_fused_path_equals_the_unfused_one_on_cpu(variant, rows, monkeypatch):
     torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
 
 
-def test_the_shape_picks_the_path():
-    model = _model("llama", 16, "cpu", torch.float32)
-    layer = model.layers[0]
-    x = torch.zeros(1, 64)
-    assert not layer._fused(x)  # CPU: never (the refs run there)
-    assert llama.FUSED_DECODE_ROWS == 1  # (the default: TAIPAN_FUSED_GEMV unset)
-    meta = torch.empty(llama.FUSED_DECODE_ROWS + 1, 64, device="meta")
-    assert not layer._fused(meta)
+def test_the_shape_picks_the_path(monkeypatch):
+    """One token row on CUDA, no TP, the dense SwiGLU MLP: fused; anything else not (the CPU
+    runs the references). `_fused` reads only the tensor's device and row count."""
+    assert llama.FUSED_DECODE_ROWS == gemma3.FUSED_DECODE_ROWS == 1  # (TAIPAN_FUSED_GEMV unset)
+    dense = _model("llama", 16, "cpu", torch.float32).layers[0]
+    sparse = _model("moe", 16, "cpu", torch.float32).layers[1]
+    gemma = _model("gemma3", 16, "cpu", torch.float32).layers[0]
+
+    def rows(n, cuda=True):
+        return types.SimpleNamespace(is_cuda=cuda, shape=(n, 64))
+
+    for layer in (dense, gemma):
+        assert layer._fused(rows(1))
+        assert not layer._fused(rows(2)) and not layer._fused(rows(1, cuda=False))
+    assert not sparse._fused(rows(1))
+    with monkeypatch.context() as m:
+        m.setattr(llama, "FUSED_DECODE_ROWS", 0)  # (TAIPAN_FUSED_GEMV=0)
+        assert not dense._fused(rows(1))
+    monkeypatch.setattr(dense, "tp", types.SimpleNamespace(size=2))  # a TP rank
+    assert not dense._fused(rows(1))
 
 
 @pytest.mark.gpu
