@@ -187,13 +187,28 @@ def test_gpu_served_with_cuda_graphs_equal_hf(tmp_path, family):
     """On CUDA (CUDA graphs on, the default there; head_dim 64 for the attention kernels), fp32
     with TF32 off: greedy tokens and log-probs as transformers' on the same GPU, with chunked
     prefill, prefix caching and a small pool as on the CPU."""
+    serve_on_gpu(tmp_path, family)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_gpu_served_at_tp2_with_cuda_graphs_equal_hf(tmp_path, family):
+    """The same on two GPUs (TP = 2, the custom all-reduce): the one-row decode steps take the
+    fused rank path (DecoderLayer._fused_tp_forward), with RoPE inside the qkv product (Qwen2)
+    or after it (Qwen3's q/k norms)."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    serve_on_gpu(tmp_path, family, tp=2)
+
+
+def serve_on_gpu(tmp_path, family: str, tp: int = 1) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     kw = dict(hidden_size=256)  # head_dim 256 / 4 heads
     if family in ("qwen3", "gemma3"):  # (head_dim from the config)
         kw = dict(head_dim=GPU_HEAD_DIM)
     path = make_random_dense(family, str(tmp_path / family), seed=GPU_SEEDS[family], **kw)
     hf = hf_model(path, "cuda")
-    with LLM(path, device="cuda", **engine_config(path)) as llm:
+    with LLM(path, device="cuda", **engine_config(path, tp)) as llm:
         done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         first = llm.generate([SHARED], CACHED, use_tqdm=False)
         again = llm.generate([SHARED], CACHED, use_tqdm=False)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -149,8 +150,68 @@ def test_the_shape_picks_the_path(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(llama, "FUSED_DECODE_ROWS", 0)  # (TAIPAN_FUSED_GEMV=0)
         assert not dense._fused(rows(1))
-    monkeypatch.setattr(dense, "tp", types.SimpleNamespace(size=2))  # a TP rank
-    assert not dense._fused(rows(1))
+    monkeypatch.setattr(dense, "tp", types.SimpleNamespace(size=2))  # a TP rank: fused too
+    assert dense._fused(rows(1)) and not dense._fused(rows(2))
+
+
+def _tp_job(tp, paths: list[str]) -> list[dict]:
+    """On each rank of a gloo group: one decode row after the prompt, unfused, then with the
+    fused path forced (the interpreter runs gemv), as logits over the whole vocabulary."""
+    from taipan.ops.loader import load_model
+
+    outs = []
+    for path in paths:
+        DecoderLayer._fused = _unfused
+        model, config, _ = load_model(path, tp=tp)
+        cache = llama.allocate_kv_cache(config, 8, BLOCK_SIZE, torch.float32, "cpu", tp)
+        meta, positions = build_attention_metadata(
+            [len(PROMPT)], [len(PROMPT)], [[0, 1]], BLOCK_SIZE, "cpu"
+        )
+        with torch.no_grad():
+            model(torch.tensor(PROMPT), positions, meta, cache)
+        unfused = model.compute_logits(_decode(model, cache, 1, "cpu"))
+        DecoderLayer._fused = _forced
+        taken, rank_path = [], DecoderLayer._fused_tp_forward
+
+        def counted(self, *args, taken=taken, rank_path=rank_path):
+            taken.append(type(self).__name__)
+            return rank_path(self, *args)
+
+        DecoderLayer._fused_tp_forward = counted
+        fused = model.compute_logits(_decode(model, cache, 1, "cpu"))
+        DecoderLayer._fused_tp_forward = rank_path
+        outs.append({"unfused": unfused.numpy(), "fused": fused.numpy(), "taken": taken})
+    return outs
+
+
+def _unfused(self, x) -> bool:
+    return False
+
+
+def _forced(self, x) -> bool:
+    return type(self.mlp) is llama.SwiGLUMLP
+
+
+def test_fused_path_at_tp2_equals_the_unfused_one_on_cpu(tmp_path):
+    """Two ranks over gloo, each its shard of the heads and of the MLP: the fused rank path
+    (`DecoderLayer._fused_tp_forward`: RoPE inside the qkv product, SiLU inside gate_up, the
+    sums left to the norms) gives the unfused path's logits on every rank. Qwen2 (qkv biases,
+    RoPE in the product) and Qwen3 (q/k norms: the product, then the unfused RoPE)."""
+    from tests.random_dense import make_random_qwen2, make_random_qwen3
+    from tests.test_tp import run_ranks
+
+    paths = [
+        make_random_qwen2(str(tmp_path / "qwen2")),
+        make_random_qwen3(str(tmp_path / "qwen3")),
+    ]
+    ranks = run_ranks(_tp_job, paths)
+    for rank, outs in enumerate(ranks):
+        for path, out in zip(paths, outs, strict=True):
+            np.testing.assert_allclose(
+                out["fused"], out["unfused"], rtol=1e-5, atol=1e-5, err_msg=f"{path} {rank}"
+            )
+            np.testing.assert_array_equal(out["fused"], ranks[0][paths.index(path)]["fused"])
+            assert out["taken"] == ["DecoderLayer"] * 2  # (both layers took the rank path)
 
 
 @pytest.mark.gpu

@@ -138,6 +138,10 @@ class DecoderLayer(nn.Module):
         `partial_output`); returns this layer's output and the residual stream before it
         (fused adds)."""
         if self._fused(x):
+            if self.tp.size > 1:
+                return self._fused_tp_forward(
+                    x, residual, positions, cos_sin, attn, layer_cache, partial_input
+                )
             return self._fused_forward(x, residual, positions, cos_sin, attn, layer_cache)
         if residual is None:
             residual, h = x, self.input_layernorm(x)
@@ -148,14 +152,10 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
     def _fused(self, x: torch.Tensor) -> bool:
-        """Whether this step takes the fused few-row path (decode at small batch, CUDA, no TP,
-        the dense SwiGLU MLP); decided by the shape, so each CUDA graph bakes in one path."""
-        return (
-            x.is_cuda
-            and x.shape[0] <= FUSED_DECODE_ROWS
-            and self.tp.size == 1
-            and type(self.mlp) is SwiGLUMLP
-        )
+        """Whether this step takes the fused few-row path (decode at small batch, CUDA, the
+        dense SwiGLU MLP; under TP too, `_fused_tp_forward`); decided by the shape, so each
+        CUDA graph bakes in one path."""
+        return x.is_cuda and x.shape[0] <= FUSED_DECODE_ROWS and type(self.mlp) is SwiGLUMLP
 
     def _fused_forward(self, x, residual, positions, cos_sin, attn, layer_cache):
         """The layer in four kernels around the attention (kernels/gemv.py): input norm + qkv
@@ -184,6 +184,32 @@ class DecoderLayer(nn.Module):
         act = gemv(x, w, norm_weight=norm2.weight, eps=norm2.eps, gated=True)
         gemv(act, mlp.down_proj.weight, residual=x)
         return x, None
+
+    def _fused_tp_forward(self, x, residual, positions, cos_sin, attn, layer_cache, partial):
+        """The fused path of a tensor-parallel rank: the layer's interface and sums are the
+        unfused path's (its output this rank's partial sum, the norms after the row-parallel
+        products summing them with the residual add, one kernel where the group's custom
+        all-reduce takes it), the rest in the products (kernels/gemv.py): qkv with RoPE and the
+        cache write, gate_up with SiLU. Two kernels fewer a layer, and the GEMV for the narrow
+        matrices of a rank's shard."""
+        attn_mod, mlp, tp = self.self_attn, self.mlp, self.tp
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual, tp if partial else None)
+        qkv_w, qkv_b = attn_mod.qkv_proj.weight, attn_mod.qkv_proj.bias
+        if attn_mod.q_norm is None and cos_sin is not None:
+            q = gemv_qkv_rope(
+                h, qkv_w, num_heads=attn_mod.num_heads, num_kv_heads=attn_mod.num_kv_heads,
+                positions=positions, cos_sin_cache=cos_sin, kv_cache=layer_cache,
+                slot_mapping=attn.slot_mapping, bias=qkv_b,
+            )  # fmt: skip
+            out = attn_mod.attend_rotated(q, attn, layer_cache)
+        else:
+            out = attn_mod.attend(gemv(h, qkv_w, bias=qkv_b), positions, cos_sin, attn, layer_cache)
+        h, residual = self.post_attention_layernorm(gemv(out, attn_mod.o_proj.weight), residual, tp)
+        act = gemv(h, mlp.gate_up_proj.weight, gated=True)
+        return gemv(act, mlp.down_proj.weight), residual
 
 
 class LlamaForCausalLM(nn.Module):
