@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_BLOCK = 1024
 
@@ -45,7 +47,9 @@ def _gated_act_and_mul_kernel(
     INTERMEDIATE: tl.constexpr,
     BLOCK: tl.constexpr,
     GELU_TANH: tl.constexpr,  # gelu_tanh (Gemma) instead of silu
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < INTERMEDIATE
@@ -106,6 +110,7 @@ def _launch(x: torch.Tensor, out: torch.Tensor | None, *, gelu_tanh: bool) -> to
             INTERMEDIATE=intermediate,
             BLOCK=block,
             GELU_TANH=gelu_tanh,
+            **launch_kwargs(x.device),
         )
     return out
 

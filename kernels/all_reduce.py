@@ -36,6 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_WORLD = 8
 MAX_PROGRAMS = 64
@@ -61,7 +63,9 @@ def _one_shot_all_reduce_kernel(
     WORLD: tl.constexpr,
     FLAG_STRIDE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = tl.load(counters_ptr + pid) + 1
@@ -139,6 +143,7 @@ def one_shot_all_reduce(
     _one_shot_all_reduce_kernel[grid](
         x, out, counters, status, tuple(bufs), tuple(flags), n, cap, max_spins,
         RANK=rank, WORLD=world, FLAG_STRIDE=MAX_WORLD, BLOCK=BLOCK, num_warps=4,
+        **launch_kwargs(x.device),
     )  # fmt: skip
     return out
 

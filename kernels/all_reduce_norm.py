@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.all_reduce import DTYPES, MAX_PROGRAMS, MAX_WORLD, UNBOUNDED, all_reduce_ref
+from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.rmsnorm import rms_norm_ref
 
 
@@ -57,7 +58,9 @@ def _all_reduce_rms_norm_kernel(
     WORLD: tl.constexpr,
     FLAG_STRIDE: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     epoch = tl.load(counters_ptr + pid) + 1
@@ -143,6 +146,7 @@ def one_shot_all_reduce_rms_norm(
         num_rows, rows_cap, max_spins, x.stride(0), residual.stride(0), out.stride(0),
         eps=float(eps), N=hidden, ROW_STRIDE=row_stride, RANK=rank, WORLD=len(bufs),
         FLAG_STRIDE=MAX_WORLD, BLOCK=block, num_warps=max(1, min(8, block // 512)),
+        **launch_kwargs(x.device),
     )  # fmt: skip
     return out, residual
 

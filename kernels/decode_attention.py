@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.attention_ref import SUPPORTED_HEAD_DIMS, check_sliding_window, head_dim_pad
+from taipan.kernels.pdl import enter, launch_kwargs
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "default_num_splits", "paged_decode_attention"]
 # Default split-K: one chunk per this many context tokens (of the static maximum), at most
@@ -93,7 +94,9 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
     BLOCK_N: tl.constexpr,  # context tokens per tile
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 storage (no tf32 rounding), else "tf32"
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     pid_b = tl.program_id(0)
     pid_kvh = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -177,7 +180,9 @@ def _decode_merge_kernel(
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two >= 2
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     pid_b = tl.program_id(0)
     pid_h = tl.program_id(1)
     splits = tl.arange(0, SPLITS_PAD)
@@ -314,6 +319,7 @@ def paged_decode_attention(
         BLOCK_N=tile,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=4 if dim_pad <= 128 else _SPLIT_WARPS_WIDE,
+        **launch_kwargs(q.device),
     )  # fmt: skip
     splits_pad = max(2, triton.next_power_of_2(num_splits))  # >= 2: no 1-wide tiles
     _decode_merge_kernel[(batch, num_heads)](
@@ -327,6 +333,7 @@ def paged_decode_attention(
         HEAD_DIM_PAD=dim_pad,
         # The [SPLITS_PAD, D_PAD] fp32 partials sit in registers: wide ones get more threads.
         num_warps=4 if splits_pad * dim_pad <= 8192 else 8,
+        **launch_kwargs(q.device),
     )  # fmt: skip
     return out
 

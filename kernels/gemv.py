@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.activation import gelu_tanh, silu
+from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.rope import rope_and_write_kv_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -108,7 +109,9 @@ def _gemv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     dtype = out_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
     col_mask = cols < N
@@ -203,6 +206,7 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,
+        **launch_kwargs(x.device),
     )
     return out
 
@@ -310,7 +314,9 @@ def _qkv_rope_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,  # rotation pairs (i, i + HEAD_DIM / 2) a program; divides HALF
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     HALF = HEAD_DIM // 2
     dtype = q_ptr.dtype.element_ty
     first = tl.program_id(0) * BLOCK_P  # this program's first pair: all in one head
@@ -405,6 +411,7 @@ def gemv_qkv_rope(
             eps=float(eps), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None,
             BLOCK_M=triton.next_power_of_2(m), BLOCK_P=block_p, BLOCK_K=block_k, num_warps=warps,
+            **launch_kwargs(x.device),
         )  # fmt: skip
     return q.view(m, num_heads, head_dim)
 

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HIDDEN = 32768  # one program holds a whole row in registers
 
@@ -39,7 +41,9 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     GEMMA: tl.constexpr,  # Gemma's norm: x / rms(x) * (1 + weight), all in fp32, rounded once
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -101,6 +105,7 @@ def rms_norm(
             GEMMA=bool(gemma),
             BLOCK=block,
             num_warps=max(1, min(16, block // 256)),
+            **launch_kwargs(x.device),
         )
     return out if residual is None else (out, residual)
 

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
+
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -132,7 +134,9 @@ def _rope_and_write_kv_kernel(
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     HALF = HEAD_DIM // 2
     cols = tl.arange(0, BLOCK_HALF)
@@ -174,7 +178,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token)
     store_kv = slot >= 0  # slot -1: a padding token
@@ -236,6 +242,7 @@ def rope_and_write_kv(
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_D=block_d,
         num_warps=4 if block_heads * block_d <= 2048 else 8,
+        **launch_kwargs(q.device),
     )
     return out
 
@@ -263,6 +270,7 @@ def write_kv(
         HEAD_DIM=head_dim,
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        **launch_kwargs(k.device),
     )
 
 

@@ -37,14 +37,16 @@ def compile_for_h100(kernel, pointers: dict, constexprs: dict, num_warps: int = 
 
 
 def all_reduce_kernels() -> list[str]:
-    """Both all-reduce kernels, for 2 ranks in bf16 and 4 in fp32; what compiled."""
+    """Both all-reduce kernels, for 2 ranks in bf16 (with programmatic dependent launch,
+    kernels/pdl.py) and 4 in fp32 (without); what compiled."""
     from taipan.kernels import all_reduce, all_reduce_norm
 
     done = []
     for dtype, world in (("bf16", 2), ("fp32", 4)):
         flags = ("*i64",) * world
         common = {"counters_ptr": "*i64", "status_ptr": "*i32", "flags": flags}
-        meta = {"RANK": 1, "WORLD": world, "FLAG_STRIDE": all_reduce.MAX_WORLD}
+        pdl = world == 2
+        meta = {"RANK": 1, "WORLD": world, "FLAG_STRIDE": all_reduce.MAX_WORLD, "PDL": pdl}
         plain = compile_for_h100(
             all_reduce._one_shot_all_reduce_kernel,
             {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "bufs": (f"*{dtype}",) * world} | common,
@@ -60,8 +62,28 @@ def all_reduce_kernels() -> list[str]:
         for name, compiled in (("one_shot_all_reduce", plain), ("all_reduce_rms_norm", fused)):
             # The flags' system-scope atomics made it through to the machine code.
             assert "atom" in compiled.asm["ptx"] and compiled.asm["cubin"], name
+            assert ("griddepcontrol.wait" in compiled.asm["ptx"]) == pdl, name
             done.append(f"{name} {dtype} x{world}")
     return done
+
+
+def gemv_kernel() -> str:
+    """The one-row GEMV with its norm, gate and programmatic dependent launch, in bf16."""
+    from taipan.kernels import gemv
+
+    names = ("x_ptr", "w_ptr", "bias_ptr", "norm_ptr", "out_ptr")
+    compiled = compile_for_h100(
+        gemv._gemv_kernel,
+        dict.fromkeys(names, "*bf16"),
+        {
+            "eps": 1e-5, "NORM": True, "GEMMA_NORM": False, "GATED": True, "GELU": False,
+            "RESIDUAL": False, "HAS_BIAS": False, "BLOCK_M": 1, "BLOCK_N": 4, "BLOCK_K": 1024,
+            "PDL": True,
+        },
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    assert "griddepcontrol.launch_dependents" in ptx and "griddepcontrol.wait" in ptx
+    return "gemv bf16 pdl"
 
 
 def test_all_reduce_kernels_compile_for_h100():
@@ -74,13 +96,14 @@ def test_all_reduce_kernels_compile_for_h100():
         timeout=300,
     )
     assert child.returncode == 0, child.stderr[-4000:]
-    assert child.stdout.split("\n")[:4] == [
+    assert child.stdout.split("\n")[:5] == [
         "one_shot_all_reduce bf16 x2",
         "all_reduce_rms_norm bf16 x2",
         "one_shot_all_reduce fp32 x4",
         "all_reduce_rms_norm fp32 x4",
+        "gemv bf16 pdl",
     ]
 
 
 if __name__ == "__main__":
-    print("\n".join(all_reduce_kernels()))
+    print("\n".join([*all_reduce_kernels(), gemv_kernel()]))

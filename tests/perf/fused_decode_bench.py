@@ -142,7 +142,7 @@ def model_steps(shape: str, bw: float) -> None:
 
 def profile(shape: str) -> None:
     """The kernels of one fused batch-1 step (eager, under the torch profiler): count and device
-    microseconds per kernel name, the 25 largest, and the total."""
+    microseconds per kernel name, the 40 largest, and the total."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -161,7 +161,7 @@ def profile(shape: str) -> None:
     total = sum(e.device_time_total for e in rows)
     print(json.dumps({"part": "profile", "shape": shape, "kernels": sum(e.count for e in rows),
                       "device_us": total}))  # fmt: skip
-    for e in rows[:25]:
+    for e in rows[:40]:
         print(f"{e.count:5d} {e.device_time_total:9.1f} us  {e.key[:110]}")
     del model
     torch.cuda.empty_cache()
