@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.activation import gelu_tanh, silu
-from taipan.kernels.pdl import enter, launch_kwargs
+from taipan.kernels.pdl import launch_dependents, launch_kwargs, wait
 from taipan.kernels.rope import rope_and_write_kv_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -43,19 +43,28 @@ MAX_ROWS = 4  # beyond this a GEMM (cuBLAS) reads the weights as few times and c
 def _products(
     x_ptr, stride_x, M, w_rows, w2_rows, col_mask, norm_ptr, K, eps,
     NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, TWO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] sums of the rows of x (normalized with NORM) times the weight rows at
     `w_rows` [BLOCK_N, 1] (and, with TWO, at `w2_rows`: the second sums, else zeros), fp32.
     Products accumulate elementwise and are summed over K once, after the loop: the loop is
     loads and multiply-adds only, no reduction across threads per tile; the weights' tiles are
-    read once for every row."""
+    read once for every row, each one iteration ahead of its use. The first is read before
+    the kernel waits for the one before it (PDL, kernels/pdl.py: no kernel of a step writes
+    weights), so its latency overlaps that kernel's tail; nothing else is read before."""
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     two3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
+    first = tl.arange(0, BLOCK_K)
+    w_mask = col_mask[:, None] & (first < K)[None, :]
+    w = tl.load(w_rows + first[None, :], mask=w_mask, other=0.0)
+    w2 = w
+    if TWO:
+        w2 = tl.load(w2_rows + first[None, :], mask=w_mask, other=0.0)
+    wait(PDL)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
@@ -67,12 +76,13 @@ def _products(
             if GEMMA_NORM:
                 nw += 1.0
             xs *= nw[None, :]
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-        acc3 += xs[:, None, :] * w[None, :, :]
+        acc3 += xs[:, None, :] * w.to(tl.float32)[None, :, :]
         if TWO:
-            w2 = tl.load(w2_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-            two3 += xs[:, None, :] * w2[None, :, :]
+            two3 += xs[:, None, :] * w2.to(tl.float32)[None, :, :]
+        next_mask = col_mask[:, None] & (ks + BLOCK_K < K)[None, :]
+        w = tl.load(w_rows + (ks + BLOCK_K)[None, :], mask=next_mask, other=0.0)
+        if TWO:
+            w2 = tl.load(w2_rows + (ks + BLOCK_K)[None, :], mask=next_mask, other=0.0)
     acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
     acc2 = tl.sum(two3, axis=2)
     if NORM:
@@ -111,7 +121,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
-    enter(PDL)
+    launch_dependents(PDL)  # (the wait: in _products)
     dtype = out_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
     col_mask = cols < N
@@ -119,7 +129,7 @@ def _gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     acc, acc_up = _products(
         x_ptr, stride_x, M, w_rows, w_rows + N * stride_w, col_mask, norm_ptr, K, eps,
-        NORM, GEMMA_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
+        NORM, GEMMA_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K, PDL,
     )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -316,7 +326,7 @@ def _qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
-    enter(PDL)
+    launch_dependents(PDL)  # (the wait: in _products)
     HALF = HEAD_DIM // 2
     dtype = q_ptr.dtype.element_ty
     first = tl.program_id(0) * BLOCK_P  # this program's first pair: all in one head
@@ -327,7 +337,7 @@ def _qkv_rope_kernel(
     all_cols = cols < (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     a, b = _products(
         x_ptr, stride_x, M, w_rows, w_rows + HALF * stride_w, all_cols, norm_ptr, K, eps,
-        NORM, False, True, BLOCK_M, BLOCK_P, BLOCK_K,
+        NORM, False, True, BLOCK_M, BLOCK_P, BLOCK_K, PDL,
     )  # fmt: skip
     if HAS_BIAS:
         a += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
