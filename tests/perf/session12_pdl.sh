@@ -3,6 +3,7 @@
 # `git archive` of HEAD; no model needed). From the root.
 #   part check: the GPU tests of the kernels that take part (PDL on, the default), then the
 #     model steps (tests/perf/fused_decode_bench.py model) with TAIPAN_PDL 1 and 0;
+#   part quick: the PDL, GEMV and fused-layer GPU tests, then `ab 1`;
 #   part ab N: the 1B decode row (batch 1 and 64) and the 8B row (batch 1) with TAIPAN_PDL 1
 #     and 0 alternating, N rounds.
 set -u
@@ -24,7 +25,12 @@ if [ "$PART" = check ]; then
     done
     TAIPAN_PDL=1 timeout -s ABRT 60 python3 tests/perf/fused_decode_bench.py profile 2>&1 \
         | head -30
-elif [ "$PART" = ab ]; then
+elif [ "$PART" = ab ] || [ "$PART" = quick ]; then
+    if [ "$PART" = quick ]; then
+        timeout -s ABRT 200 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+            tests/test_kernels_pdl.py tests/test_kernels_gemv.py tests/test_ops_fused_decode.py \
+            2>&1 | grep -vE "^  File|^Extension" | tail -4
+    fi
     for i in $(seq "${2:-1}"); do
         for p in 1 0; do
             echo "== round $i: TAIPAN_PDL=$p"
