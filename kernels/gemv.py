@@ -40,6 +40,21 @@ MAX_ROWS = 4  # beyond this a GEMM (cuBLAS) reads the weights as few times and c
 
 
 @triton.jit
+def _x_tile(x_rows, row_mask, ks, k_mask, norm_ptr, NORM: tl.constexpr, GEMMA_NORM: tl.constexpr):
+    """The rows' columns `ks` of x in fp32, times the norm's weight with NORM (then times 1/rms
+    once the sums are done), and their squares (zeros without NORM)."""
+    x_mask = row_mask[:, None] & k_mask[None, :]
+    xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+    sq = xs * xs
+    if NORM:
+        nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+        if GEMMA_NORM:
+            nw += 1.0
+        xs *= nw[None, :]
+    return xs, sq
+
+
+@triton.jit
 def _products(
     x_ptr, stride_x, M, w_rows, w2_rows, col_mask, norm_ptr, K, eps,
     NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, TWO: tl.constexpr,
@@ -49,40 +64,35 @@ def _products(
     `w_rows` [BLOCK_N, 1] (and, with TWO, at `w2_rows`: the second sums, else zeros), fp32.
     Products accumulate elementwise and are summed over K once, after the loop: the loop is
     loads and multiply-adds only, no reduction across threads per tile; the weights' tiles are
-    read once for every row, each one iteration ahead of its use. The first is read before
-    the kernel waits for the one before it (PDL, kernels/pdl.py: no kernel of a step writes
-    weights), so its latency overlaps that kernel's tail; nothing else is read before."""
+    read once for every row. The first tile is read before the kernel waits for the one
+    before it (PDL, kernels/pdl.py: no kernel of a step writes weights), so its latency
+    overlaps that kernel's tail; nothing else is read before the wait."""
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    ks0 = tl.arange(0, BLOCK_K)  # (the first tile's names are not the loop's: types differ)
+    mask0 = ks0 < K
+    wmask0 = col_mask[:, None] & mask0[None, :]
+    w0 = tl.load(w_rows + ks0[None, :], mask=wmask0, other=0.0).to(tl.float32)
     two3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
-    first = tl.arange(0, BLOCK_K)
-    w_mask = col_mask[:, None] & (first < K)[None, :]
-    w = tl.load(w_rows + first[None, :], mask=w_mask, other=0.0)
-    w2 = w
     if TWO:
-        w2 = tl.load(w2_rows + first[None, :], mask=w_mask, other=0.0)
+        w20 = tl.load(w2_rows + ks0[None, :], mask=wmask0, other=0.0).to(tl.float32)
     wait(PDL)
-    for k0 in range(0, K, BLOCK_K):
+    x0, sq = _x_tile(x_rows, row_mask, ks0, mask0, norm_ptr, NORM, GEMMA_NORM)
+    acc3 = x0[:, None, :] * w0[None, :, :]
+    if TWO:
+        two3 += x0[:, None, :] * w20[None, :, :]
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        x_mask = row_mask[:, None] & k_mask[None, :]
-        xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        if NORM:  # x * weight now, times the row's 1/rms once the sums are done
-            sq += xs * xs
-            nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-            if GEMMA_NORM:
-                nw += 1.0
-            xs *= nw[None, :]
-        acc3 += xs[:, None, :] * w.to(tl.float32)[None, :, :]
+        xs, sq_k = _x_tile(x_rows, row_mask, ks, k_mask, norm_ptr, NORM, GEMMA_NORM)
+        sq += sq_k
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc3 += xs[:, None, :] * w[None, :, :]
         if TWO:
-            two3 += xs[:, None, :] * w2.to(tl.float32)[None, :, :]
-        next_mask = col_mask[:, None] & (ks + BLOCK_K < K)[None, :]
-        w = tl.load(w_rows + (ks + BLOCK_K)[None, :], mask=next_mask, other=0.0)
-        if TWO:
-            w2 = tl.load(w2_rows + (ks + BLOCK_K)[None, :], mask=next_mask, other=0.0)
+            w2 = tl.load(w2_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            two3 += xs[:, None, :] * w2[None, :, :]
     acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
     acc2 = tl.sum(two3, axis=2)
     if NORM:
