@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.activation import gelu_tanh, silu
-from taipan.kernels.pdl import launch_dependents, launch_kwargs, wait
+from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.rope import rope_and_write_kv_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -40,53 +40,33 @@ MAX_ROWS = 4  # beyond this a GEMM (cuBLAS) reads the weights as few times and c
 
 
 @triton.jit
-def _x_tile(x_rows, row_mask, ks, k_mask, norm_ptr, NORM: tl.constexpr, GEMMA_NORM: tl.constexpr):
-    """The rows' columns `ks` of x in fp32, times the norm's weight with NORM (then times 1/rms
-    once the sums are done), and their squares (zeros without NORM)."""
-    x_mask = row_mask[:, None] & k_mask[None, :]
-    xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-    sq = xs * xs
-    if NORM:
-        nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
-        if GEMMA_NORM:
-            nw += 1.0
-        xs *= nw[None, :]
-    return xs, sq
-
-
-@triton.jit
 def _products(
     x_ptr, stride_x, M, w_rows, w2_rows, col_mask, norm_ptr, K, eps,
     NORM: tl.constexpr, GEMMA_NORM: tl.constexpr, TWO: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] sums of the rows of x (normalized with NORM) times the weight rows at
     `w_rows` [BLOCK_N, 1] (and, with TWO, at `w2_rows`: the second sums, else zeros), fp32.
     Products accumulate elementwise and are summed over K once, after the loop: the loop is
     loads and multiply-adds only, no reduction across threads per tile; the weights' tiles are
-    read once for every row. The first tile is read before the kernel waits for the one
-    before it (PDL, kernels/pdl.py: no kernel of a step writes weights), so its latency
-    overlaps that kernel's tail; nothing else is read before the wait."""
+    read once for every row."""
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
-    ks0 = tl.arange(0, BLOCK_K)  # (the first tile's names are not the loop's: types differ)
-    mask0 = ks0 < K
-    wmask0 = col_mask[:, None] & mask0[None, :]
-    w0 = tl.load(w_rows + ks0[None, :], mask=wmask0, other=0.0).to(tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     two3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if TWO:
-        w20 = tl.load(w2_rows + ks0[None, :], mask=wmask0, other=0.0).to(tl.float32)
-    wait(PDL)
-    x0, sq = _x_tile(x_rows, row_mask, ks0, mask0, norm_ptr, NORM, GEMMA_NORM)
-    acc3 = x0[:, None, :] * w0[None, :, :]
-    if TWO:
-        two3 += x0[:, None, :] * w20[None, :, :]
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
+    for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        xs, sq_k = _x_tile(x_rows, row_mask, ks, k_mask, norm_ptr, NORM, GEMMA_NORM)
-        sq += sq_k
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        xs = tl.load(x_rows + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        if NORM:  # x * weight now, times the row's 1/rms once the sums are done
+            sq += xs * xs
+            nw = tl.load(norm_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
+            if GEMMA_NORM:
+                nw += 1.0
+            xs *= nw[None, :]
         w_mask = col_mask[:, None] & k_mask[None, :]
         w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
         acc3 += xs[:, None, :] * w[None, :, :]
@@ -131,7 +111,7 @@ def _gemv_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
-    launch_dependents(PDL)  # (the wait: in _products)
+    enter(PDL)
     dtype = out_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # this program's outputs
     col_mask = cols < N
@@ -139,7 +119,7 @@ def _gemv_kernel(
     w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
     acc, acc_up = _products(
         x_ptr, stride_x, M, w_rows, w_rows + N * stride_w, col_mask, norm_ptr, K, eps,
-        NORM, GEMMA_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K, PDL,
+        NORM, GEMMA_NORM, GATED, BLOCK_M, BLOCK_N, BLOCK_K,
     )  # fmt: skip
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -336,7 +316,7 @@ def _qkv_rope_kernel(
     BLOCK_K: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
-    launch_dependents(PDL)  # (the wait: in _products)
+    enter(PDL)
     HALF = HEAD_DIM // 2
     dtype = q_ptr.dtype.element_ty
     first = tl.program_id(0) * BLOCK_P  # this program's first pair: all in one head
@@ -347,7 +327,7 @@ def _qkv_rope_kernel(
     all_cols = cols < (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM
     a, b = _products(
         x_ptr, stride_x, M, w_rows, w_rows + HALF * stride_w, all_cols, norm_ptr, K, eps,
-        NORM, False, True, BLOCK_M, BLOCK_P, BLOCK_K, PDL,
+        NORM, False, True, BLOCK_M, BLOCK_P, BLOCK_K,
     )  # fmt: skip
     if HAS_BIAS:
         a += tl.load(bias_ptr + cols).to(tl.float32)[None, :]

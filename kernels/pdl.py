@@ -63,17 +63,3 @@ def enter(PDL: tl.constexpr):
         gdc_launch_dependents()
         gdc_wait()
 
-
-@triton.jit
-def launch_dependents(PDL: tl.constexpr):
-    """`enter`'s first half, for a kernel that reads something no kernel of the chain writes
-    (a weight tile) before it waits: the first statement, then `wait` before any other read."""
-    if PDL:
-        gdc_launch_dependents()
-
-
-@triton.jit
-def wait(PDL: tl.constexpr):
-    """`enter`'s second half (see `launch_dependents`)."""
-    if PDL:
-        gdc_wait()

@@ -5,6 +5,7 @@
 #     product, which had never run on a GPU; the layer fused against unfused) and of TP = 2
 #     (graphs equal to TP = 1, the dense families served at TP = 2 against HF, the custom
 #     all-reduce), then the model steps of fused_decode_bench.py;
+#   part final: the TP = 2 GPU tests with PDL on (the custom all-reduces take part), then ab;
 #   part ab: the 8B decode rows at batch 1 and 64: TP = 1, TP = 2 fused (custom and NCCL-only
 #     sums in one run), TP = 2 unfused (TAIPAN_FUSED_GEMV=0), in that order, ROUNDS times.
 set -u
@@ -21,7 +22,14 @@ if [ "$PART" = check ]; then
         tests/test_tp.py tests/test_e2e_tp.py ${TESTS:-} 2>&1 \
         | grep -vE "^  File|^Extension" | tail -20
     timeout -s ABRT 120 python3 tests/perf/fused_decode_bench.py model 2>&1 | tail -6
-elif [ "$PART" = ab ]; then
+elif [ "$PART" = ab ] || [ "$PART" = final ]; then
+    if [ "$PART" = final ]; then
+        timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+            tests/test_kernels_pdl.py tests/test_custom_all_reduce.py tests/test_tp.py \
+            tests/test_e2e_tp.py \
+            tests/test_e2e_dense.py::test_gpu_served_at_tp2_with_cuda_graphs_equal_hf \
+            2>&1 | grep -vE "^  File|^Extension" | tail -12
+    fi
     DEC="bench --workload decode --model random:llama-8b --device cuda --dtype bfloat16
 --batches 1,64 --output-len 128 --no-hf"
     for i in $(seq "${ROUNDS:-1}"); do
