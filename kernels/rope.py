@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.pdl import enter, launch_kwargs
+from taipan.kernels.rmsnorm import rms_norm_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -58,6 +59,27 @@ def _head_offsets(
 
 
 @triton.jit
+def _head_norm(x1, x2, norm_ptr, eps, dtype, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
+               GEMMA: tl.constexpr):  # fmt: skip
+    """Heads [BLOCK_NUM, BLOCK_HALF] x 2 halves (fp32) RMS-normalized over their HEAD_DIM and
+    scaled by the norm's weight, rounded to `dtype` where kernels/rmsnorm.py stores its output
+    (Llama's order: the normalized head rounded, times the weight, rounded; GEMMA: times
+    (1 + weight) in fp32, rounded once), returned in fp32."""
+    cols = tl.arange(0, BLOCK_HALF)
+    w1 = tl.load(norm_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(norm_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)[None, :]
+    squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    rstd = tl.rsqrt(squares / (2 * HALF) + eps)[:, None]
+    if GEMMA:
+        x1 = (x1 * rstd * (1.0 + w1)).to(dtype).to(tl.float32)
+        x2 = (x2 * rstd * (1.0 + w2)).to(dtype).to(tl.float32)
+    else:
+        x1 = ((x1 * rstd).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * rstd).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
 def _rope_heads(
     src_ptr,
     stride_src_head,
@@ -66,18 +88,26 @@ def _rope_heads(
     active,  # False: neither load nor store (a padding token's k)
     cos,  # [1, BLOCK_HALF] fp32
     sin,
+    norm_ptr,  # [HEAD_DIM] the per-head norm's weight (NORM)
+    eps,
     NUM: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK_NUM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr,
+    GEMMA: tl.constexpr,
 ):
-    """One token's NUM heads at `src_ptr`, rotated in fp32, stored at `dst_ptr` (may be src)."""
+    """One token's NUM heads at `src_ptr`, each RMS-normalized first with NORM, rotated in
+    fp32, stored at `dst_ptr` (may be src)."""
     src, mask = _head_offsets(stride_src_head, NUM, HALF, BLOCK_NUM, BLOCK_HALF)
     dst, _ = _head_offsets(stride_dst_head, NUM, HALF, BLOCK_NUM, BLOCK_HALF)
     mask = mask & active
     x1 = tl.load(src_ptr + src, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + HALF + src, mask=mask, other=0.0).to(tl.float32)
     dtype = dst_ptr.dtype.element_ty
+    if NORM:
+        x1, x2 = _head_norm(x1, x2, norm_ptr, eps, src_ptr.dtype.element_ty, HALF, BLOCK_HALF,
+                            GEMMA)  # fmt: skip
     tl.store(dst_ptr + dst, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(dst_ptr + HALF + dst, (x2 * cos + x1 * sin).to(dtype), mask=mask)
 
@@ -113,6 +143,8 @@ def _rope_and_write_kv_kernel(
     kv_cache_ptr,  # [2, num_blocks, block_size, KVH, D]
     slot_mapping_ptr,  # [T] int64, -1 = padding
     out_ptr,  # [T, H, D], may be q
+    q_norm_ptr,  # [D] (NORM)
+    k_norm_ptr,  # [D] (NORM)
     # strides
     stride_q_token,
     stride_q_head,
@@ -126,6 +158,7 @@ def _rope_and_write_kv_kernel(
     stride_cache_head,
     stride_out_token,
     stride_out_head,
+    eps,
     # meta-parameters
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
@@ -134,6 +167,8 @@ def _rope_and_write_kv_kernel(
     BLOCK_KV_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    NORM: tl.constexpr,  # q and k heads RMS-normalized first (Qwen3, Gemma 3)
+    GEMMA: tl.constexpr,  # that norm Gemma's (1 + w)
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
     enter(PDL)
@@ -148,12 +183,12 @@ def _rope_and_write_kv_kernel(
     k_dst = kv_cache_ptr + slot * stride_cache_slot
     # q of every row, padding included (its output row is simply unused)
     q_src, q_dst = q_ptr + token * stride_q_token, out_ptr + token * stride_out_token
-    _rope_heads(q_src, stride_q_head, q_dst, stride_out_head, True, cos, sin,
-                NUM_HEADS, HALF, BLOCK_HEADS, BLOCK_HALF)  # fmt: skip
+    _rope_heads(q_src, stride_q_head, q_dst, stride_out_head, True, cos, sin, q_norm_ptr, eps,
+                NUM_HEADS, HALF, BLOCK_HEADS, BLOCK_HALF, NORM, GEMMA)  # fmt: skip
     # k (rotated) and v (raw) into the token's slot, unless it is padding
     k_src, v_src = k_ptr + token * stride_k_token, v_ptr + token * stride_v_token
-    _rope_heads(k_src, stride_k_head, k_dst, stride_cache_head, store_kv, cos, sin,
-                NUM_KV_HEADS, HALF, BLOCK_KV_HEADS, BLOCK_HALF)  # fmt: skip
+    _rope_heads(k_src, stride_k_head, k_dst, stride_cache_head, store_kv, cos, sin, k_norm_ptr,
+                eps, NUM_KV_HEADS, HALF, BLOCK_KV_HEADS, BLOCK_HALF, NORM, GEMMA)  # fmt: skip
     _copy_heads(v_src, stride_v_head, k_dst + stride_cache_kv, stride_cache_head, store_kv,
                 NUM_KV_HEADS, HEAD_DIM, BLOCK_KV_HEADS, BLOCK_D)  # fmt: skip
 
@@ -202,14 +237,24 @@ def rope_and_write_kv(
     slot_mapping: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    gemma_norm: bool = False,
 ) -> torch.Tensor:
     """Rotate q [T, H, D] and k [T, KVH, D] by `positions` [T] (int32/int64, each < max_pos);
     store rotated k and raw v [T, KVH, D] in one layer's `kv_cache` [2, num_blocks, block_size,
     KVH, D] at `slot_mapping` [T] int64 (-1: store nothing). Returns rotated q: `out` if given,
     else q itself (rotated in place). q, k, v and out may be strided views (e.g. of a fused qkv
-    projection) with unit stride in the last dim. No host synchronisation."""
+    projection) with unit stride in the last dim. No host synchronisation.
+
+    `q_norm_weight`, `k_norm_weight` [D] (both or neither): each head of q and k is
+    RMS-normalized first (eps `norm_eps`; `gemma_norm`: Gemma's (1 + w)), rounded as
+    kernels/rmsnorm.py rounds its output, then rotated: Qwen3's and Gemma 3's q/k norms, one
+    kernel instead of three."""
     _check_kv(k, v, kv_cache, slot_mapping)
     _check_q(q, k, positions, cos_sin_cache, out)
+    norm = _check_norms(q, q_norm_weight, k_norm_weight)
     out = q if out is None else out
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -226,6 +271,8 @@ def rope_and_write_kv(
         kv_cache,
         slot_mapping,
         out,
+        q_norm_weight if norm else q,
+        k_norm_weight if norm else q,
         *q.stride()[:2],
         *k.stride()[:2],
         *v.stride()[:2],
@@ -234,6 +281,7 @@ def rope_and_write_kv(
         kv_cache.stride(2),
         kv_cache.stride(3),
         *out.stride()[:2],
+        float(norm_eps),
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
@@ -241,6 +289,8 @@ def rope_and_write_kv(
         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
         BLOCK_D=block_d,
+        NORM=norm,
+        GEMMA=bool(gemma_norm),
         num_warps=4 if block_heads * block_d <= 2048 else 8,
         **launch_kwargs(q.device),
     )
@@ -286,6 +336,25 @@ def _check_strided(name: str, t: torch.Tensor, shape: tuple, dtypes: tuple, devi
             f"{name} must have unit stride in its last dim, got strides {t.stride()}: "
             "pass a .contiguous() copy"
         )
+
+
+def _check_norms(q, q_norm_weight, k_norm_weight) -> bool:
+    """Whether the per-head norms are on (both weights given, each [D] contiguous in q's dtype
+    on q's device)."""
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q_norm_weight and k_norm_weight, or neither")
+    if q_norm_weight is None:
+        return False
+    head_dim = q.shape[-1]
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w.shape != (head_dim,) or w.dtype != q.dtype or w.device != q.device:
+            raise ValueError(
+                f"{name} must be a [{head_dim}] {q.dtype} tensor on {q.device}, got "
+                f"{tuple(w.shape)} {w.dtype} on {w.device}"
+            )
+        if w.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous")
+    return True
 
 
 def _check_kv(k, v, kv_cache, slot_mapping) -> None:
@@ -337,8 +406,19 @@ def rope_and_write_kv_ref(
     slot_mapping: torch.Tensor,
     *,
     out: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float = 1e-6,
+    gemma_norm: bool = False,
 ) -> torch.Tensor:
-    """`rope_and_write_kv` in plain torch (fp32 cos/sin and arithmetic), same contract."""
+    """`rope_and_write_kv` in plain torch (fp32 cos/sin and arithmetic), same contract: the
+    per-head norms are kernels/rmsnorm.py's reference over each head."""
+    if _check_norms(q, q_norm_weight, k_norm_weight):
+        q_in, d = q, q.shape[-1]
+        q = rms_norm_ref(q.reshape(-1, d), q_norm_weight, norm_eps, gemma=gemma_norm)
+        q = q.view(q_in.shape)
+        k = rms_norm_ref(k.reshape(-1, d), k_norm_weight, norm_eps, gemma=gemma_norm).view(k.shape)
+        out = q_in if out is None else out
     half = q.shape[-1] // 2
     cos_sin = cos_sin_cache[positions.long()][:, None, :]  # [T, 1, D] fp32
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]

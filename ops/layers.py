@@ -197,6 +197,18 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # views of the qkv output
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if cos_sin is not None and self._norms_in_rope(qkv):
+            # The q/k norms inside the RoPE kernel (one launch instead of three), as the norm
+            # kernels would round them.
+            return self.attend_rotated(
+                rope.rope_and_write_kv(
+                    q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping,
+                    q_norm_weight=self.q_norm.weight, k_norm_weight=self.k_norm.weight,
+                    norm_eps=self.q_norm.eps, gemma_norm=isinstance(self.q_norm, GemmaRMSNorm),
+                ),
+                attn,
+                layer_cache,
+            )  # fmt: skip
         if self.q_norm is not None:  # rows of one head each: [tokens * heads, head_dim]
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
@@ -207,6 +219,11 @@ class Attention(nn.Module):
             write = rope.rope_and_write_kv if qkv.is_cuda else rope.rope_and_write_kv_ref
             q = write(q, k, v, positions, cos_sin, layer_cache, attn.slot_mapping)  # q rotated
         return self.attend_rotated(q, attn, layer_cache)
+
+    def _norms_in_rope(self, qkv: torch.Tensor) -> bool:
+        """Whether the q/k norms run inside the RoPE kernel (on CUDA; the CPU runs the norm
+        modules, then the RoPE reference)."""
+        return self.q_norm is not None and qkv.is_cuda
 
     def attend_rotated(
         self, q: torch.Tensor, attn: AttentionMetadata, layer_cache: torch.Tensor

@@ -86,6 +86,27 @@ def gemv_kernel() -> str:
     return "gemv bf16 pdl"
 
 
+def rope_kernel() -> str:
+    """RoPE with the cache write and Gemma's q/k norms inside, head_dim 256, in bf16."""
+    from taipan.kernels import rope
+
+    names = ("q_ptr", "k_ptr", "v_ptr", "kv_cache_ptr", "out_ptr", "q_norm_ptr", "k_norm_ptr")
+    compiled = compile_for_h100(
+        rope._rope_and_write_kv_kernel,
+        dict.fromkeys(names, "*bf16") | {
+            "positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_mapping_ptr": "*i64",
+            "eps": "fp32",
+        },
+        {
+            "NUM_HEADS": 4, "NUM_KV_HEADS": 1, "HEAD_DIM": 256, "BLOCK_HEADS": 4,
+            "BLOCK_KV_HEADS": 1, "BLOCK_HALF": 128, "BLOCK_D": 256, "NORM": True, "GEMMA": True,
+            "PDL": True,
+        },
+    )  # fmt: skip
+    assert compiled.asm["cubin"]
+    return "rope q/k norms bf16"
+
+
 def test_all_reduce_kernels_compile_for_h100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child = subprocess.run(
@@ -96,14 +117,15 @@ def test_all_reduce_kernels_compile_for_h100():
         timeout=300,
     )
     assert child.returncode == 0, child.stderr[-4000:]
-    assert child.stdout.split("\n")[:5] == [
+    assert child.stdout.split("\n")[:6] == [
         "one_shot_all_reduce bf16 x2",
         "all_reduce_rms_norm bf16 x2",
         "one_shot_all_reduce fp32 x4",
         "all_reduce_rms_norm fp32 x4",
         "gemv bf16 pdl",
+        "rope q/k norms bf16",
     ]
 
 
 if __name__ == "__main__":
-    print("\n".join([*all_reduce_kernels(), gemv_kernel()]))
+    print("\n".join([*all_reduce_kernels(), gemv_kernel(), rope_kernel()]))

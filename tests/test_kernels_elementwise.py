@@ -170,6 +170,50 @@ def test_rope_and_write_kv_matches_ref(config):
     _assert_written_only(cache, cache_before, slots, k_want, v)
 
 
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize("config", [ROPE_CONFIGS[0], ROPE_HEAD_DIM_CONFIGS[0]])
+def test_rope_and_write_kv_with_head_norms_matches_the_norms_then_rope(config, gemma):
+    """q/k norms (Qwen3's RMSNorm, Gemma 3's (1 + w)) inside the kernel: what the per-head norm
+    kernels followed by the plain kernel give, q in place and k into the cache."""
+    num_tokens, num_heads, num_kv_heads, head_dim, num_padding = config
+    q, k, v, positions, slots, cache = _kv_problem(7 + sum(config), *config)
+    g = torch.Generator().manual_seed(3)
+    wq = 1.0 + 0.3 * torch.randn(head_dim, generator=g)
+    wk = 1.0 + 0.3 * torch.randn(head_dim, generator=g)
+    cos_sin = rope_cos_sin_cache(MAX_POS, head_dim, THETA)
+    cache_before = cache.clone()
+
+    def normed(x, w):
+        return rms_norm_ref(x.reshape(-1, head_dim), w, 1e-6, gemma=gemma).view(x.shape)
+
+    want_q = rope_and_write_kv_ref(normed(q, wq), k, v, positions, cos_sin, cache.clone(), slots)
+    k_want = rope_and_write_kv_ref(normed(k, wk), k, v, positions, cos_sin, cache.clone(), slots)
+    ref_q = rope_and_write_kv_ref(
+        q.clone(), k, v, positions, cos_sin, cache.clone(), slots,
+        q_norm_weight=wq, k_norm_weight=wk, gemma_norm=gemma,
+    )  # fmt: skip
+    assert torch.equal(ref_q, want_q)  # (the reference composes the two)
+    got_q = rope_and_write_kv(
+        q, k, v, positions, cos_sin, cache, slots, q_norm_weight=wq, k_norm_weight=wk,
+        norm_eps=1e-6, gemma_norm=gemma,
+    )  # fmt: skip
+    assert got_q is q
+    assert _rel_err(got_q, want_q) < 1e-5
+    _assert_written_only(cache, cache_before, slots, k_want, v)
+
+
+def test_rope_and_write_kv_refuses_half_the_norms():
+    q, k, v, positions, slots, cache = _kv_problem(5, 4, 4, 2, 64, 0)
+    cos_sin = rope_cos_sin_cache(MAX_POS, 64, THETA)
+    w = torch.ones(64)
+    with pytest.raises(ValueError, match="both q_norm_weight and k_norm_weight"):
+        rope_and_write_kv(q, k, v, positions, cos_sin, cache, slots, q_norm_weight=w)
+    with pytest.raises(ValueError, match=r"k_norm_weight must be a \[64\] torch.float32"):
+        rope_and_write_kv(
+            q, k, v, positions, cos_sin, cache, slots, q_norm_weight=w, k_norm_weight=w[:32]
+        )
+
+
 def test_rope_and_write_kv_into_out_leaves_q():
     q, k, v, positions, slots, cache = _kv_problem(11, 4, 4, 2, 64, 0)
     cos_sin = rope_cos_sin_cache(MAX_POS, 64, THETA)
@@ -465,6 +509,15 @@ def _gpu_rope(dtype, num_tokens, g, heads=32, kv_heads=8, head_dim=128, max_pos=
 
     _graph_replays(call)
     assert _rel_err(q_out, want_q) < 1e-2 and _rel_err(cache_d, cache) < 1e-2
+    for gemma in (False, True):  # q/k norms inside (Qwen3, Gemma 3) against the fp32 refs
+        wq, wk = (1.0 + 0.3 * torch.randn(head_dim, device="cuda", generator=g) for _ in "qk")
+        norms = dict(q_norm_weight=wq, k_norm_weight=wk, gemma_norm=gemma)
+        want_q = rope_and_write_kv_ref(q.clone(), k, v, positions, table, cache, slots, **norms)
+        got = rope_and_write_kv(
+            qd, kd, vd, positions, table, cache_d, slots, out=q_out,
+            **(norms | dict(q_norm_weight=wq.to(dtype), k_norm_weight=wk.to(dtype))),
+        )  # fmt: skip
+        assert _rel_err(got, want_q) < 2e-2 and _rel_err(cache_d, cache) < 2e-2
     size, label = dtype.itemsize, f"{dtype} T={num_tokens} KVH={kv_heads} D={head_dim}"
     q_bytes = num_tokens * heads * head_dim * size * 2  # read and write
     kv_bytes = num_tokens * kv_heads * head_dim * size * 4  # k and v, read and write

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from taipan.ops.attention import build_attention_metadata
+from taipan.ops.layers import Attention
 from taipan.ops.models import gemma3, llama
 from taipan.ops.models.gemma3 import Gemma3Config, Gemma3DecoderLayer, Gemma3ForCausalLM
 from taipan.ops.models.llama import DecoderLayer, LlamaConfig, LlamaForCausalLM
@@ -130,6 +131,22 @@ def test_fused_path_equals_the_unfused_one_on_cpu(variant, rows, monkeypatch):
     got = _decode(model, cache, rows, "cpu")
     assert taken == ([True, False, True] if variant == "moe" else [True] * 3)
     torch.testing.assert_close(got, unfused, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_q_k_norms_inside_rope_equal_the_norm_modules_on_cpu(variant, rows, monkeypatch):
+    """The CUDA path's q/k norms inside the RoPE kernel (`Attention._norms_in_rope`), forced
+    on the CPU (the interpreter runs kernels/rope.py), against the norm modules then the RoPE
+    reference: prefill and decode rows, Qwen3's RMSNorm and Gemma 3's (1 + w)."""
+    model = _model(variant, 16, "cpu", torch.float32)
+    cache = _prefill(model, "cpu", torch.float32)
+    want = _decode(model, cache, rows, "cpu")
+    monkeypatch.setattr(Attention, "_norms_in_rope", lambda self, qkv: self.q_norm is not None)
+    got_cache = _prefill(model, "cpu", torch.float32)
+    for written in (lambda c: c[:, :, 0], lambda c: c[:, :, 1, :3]):  # the prompt's 19 slots
+        torch.testing.assert_close(written(got_cache), written(cache), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_decode(model, got_cache, rows, "cpu"), want, rtol=1e-5, atol=1e-5)
 
 
 def test_the_shape_picks_the_path(monkeypatch):
