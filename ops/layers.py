@@ -118,9 +118,27 @@ class GemmaRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None = None,
+        pre: GemmaRMSNorm | None = None,
+    ):
+        """`pre` (with `residual`): the norm x passes first, before the add (Gemma 3's
+        post-attention norm): one launch for the norm, the add and this norm."""
         fn = rmsnorm.rms_norm if x.is_cuda else rmsnorm.rms_norm_ref  # x: [rows, hidden]
-        return fn(x, self.weight, self.eps, residual=residual, gemma=True)
+        pre_weight = None
+        if pre is not None:
+            if pre.eps != self.eps:
+                raise ValueError(f"the two norms' eps differ ({pre.eps} and {self.eps})")
+            pre_weight = pre.weight
+        return fn(x, self.weight, self.eps, residual=residual, gemma=True, pre_weight=pre_weight)
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """`residual <- residual + norm(x)` in place (one launch), returned (Gemma 3's
+        post-feedforward norm and the layer's last add)."""
+        fn = rmsnorm.add_rms_norm_ if x.is_cuda else rmsnorm.add_rms_norm_ref
+        return fn(x, self.weight, self.eps, residual, gemma=True)
 
 
 class Attention(nn.Module):

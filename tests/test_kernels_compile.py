@@ -107,6 +107,24 @@ def rope_kernel() -> str:
     return "rope q/k norms bf16"
 
 
+def sandwich_norm_kernels() -> str:
+    """RMSNorm with Gemma's norm before the add, with and without the norm after it."""
+    from taipan.kernels import rmsnorm
+
+    names = ("x_ptr", "residual_ptr", "weight_ptr", "pre_weight_ptr", "out_ptr")
+    for final in (True, False):
+        compiled = compile_for_h100(
+            rmsnorm._rms_norm_kernel,
+            dict.fromkeys(names, "*bf16"),
+            {
+                "eps": 1e-6, "N": 1152, "HAS_RESIDUAL": True, "GEMMA": True, "PRE_NORM": True,
+                "FINAL_NORM": final, "BLOCK": 2048, "PDL": True,
+            },
+        )  # fmt: skip
+        assert compiled.asm["cubin"]
+    return "sandwich norms bf16"
+
+
 def test_all_reduce_kernels_compile_for_h100():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     child = subprocess.run(
@@ -117,15 +135,16 @@ def test_all_reduce_kernels_compile_for_h100():
         timeout=300,
     )
     assert child.returncode == 0, child.stderr[-4000:]
-    assert child.stdout.split("\n")[:6] == [
+    assert child.stdout.split("\n")[:7] == [
         "one_shot_all_reduce bf16 x2",
         "all_reduce_rms_norm bf16 x2",
         "one_shot_all_reduce fp32 x4",
         "all_reduce_rms_norm fp32 x4",
         "gemv bf16 pdl",
         "rope q/k norms bf16",
+        "sandwich norms bf16",
     ]
 
 
 if __name__ == "__main__":
-    print("\n".join([*all_reduce_kernels(), gemv_kernel(), rope_kernel()]))
+    print("\n".join([*all_reduce_kernels(), gemv_kernel(), rope_kernel(), sandwich_norm_kernels()]))

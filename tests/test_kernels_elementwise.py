@@ -13,7 +13,12 @@ from taipan.kernels.activation import (
     silu_and_mul,
     silu_and_mul_ref,
 )
-from taipan.kernels.rmsnorm import rms_norm, rms_norm_ref
+from taipan.kernels.rmsnorm import (
+    add_rms_norm_,
+    add_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
 from taipan.kernels.rope import (
     rope_and_write_kv,
     rope_and_write_kv_ref,
@@ -284,6 +289,34 @@ def test_rope_ref_matches_hf(config):
     assert torch.equal(cache.isnan(), want_cache.isnan())
 
 
+@pytest.mark.parametrize("gemma", [False, True])
+def test_sandwich_norms_in_one_launch_equal_two(gemma):
+    """Gemma 3's post-norm, add and pre-norm (`pre_weight`), and its post-norm and add
+    (`add_rms_norm_`), each one launch: the launches they replace, bitwise (fp32, the
+    interpreter), and the references likewise."""
+    g = _gen(31 + gemma)
+    x, r = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+    w1, w2 = 1.0 + 0.3 * torch.randn(40, generator=g), 1.0 + 0.3 * torch.randn(40, generator=g)
+    want_r = r.clone()
+    want, _ = rms_norm(rms_norm(x, w1, 1e-6, gemma=gemma), w2, 1e-6, residual=want_r, gemma=gemma)
+    got_r = r.clone()
+    got, back = rms_norm(x, w2, 1e-6, residual=got_r, gemma=gemma, pre_weight=w1)
+    assert back is got_r and torch.equal(got_r, want_r) and torch.equal(got, want)
+    ref_r = r.clone()
+    ref, _ = rms_norm_ref(x, w2, 1e-6, residual=ref_r, gemma=gemma, pre_weight=w1)
+    assert _rel_err(ref, want) < 1e-6 and _rel_err(ref_r, want_r) < 1e-6
+
+    want_r = r + rms_norm(x, w1, 1e-6, gemma=gemma)
+    got_r = r.clone()
+    assert add_rms_norm_(x, w1, 1e-6, got_r, gemma=gemma) is got_r
+    assert torch.equal(got_r, want_r)
+    ref_r = r.clone()
+    assert add_rms_norm_ref(x, w1, 1e-6, ref_r, gemma=gemma) is ref_r
+    assert _rel_err(ref_r, want_r) < 1e-6
+    with pytest.raises(ValueError, match="pre_weight needs residual"):
+        rms_norm(x, w2, 1e-6, pre_weight=w1)
+
+
 # ------------------------------------------------------------------------------------ activation
 
 
@@ -483,6 +516,15 @@ def _gpu_rms_norm(dtype, num_tokens, hidden, g):
     buf = torch.empty_like(xd)
     _graph_replays(lambda: rms_norm(xd, wd, 1e-6, out=buf))
     assert _rel_err(buf, rms_norm_ref(x, w, 1e-6)) < 1e-2
+    for gemma in (False, True):  # the sandwich norms in one launch: the two launches, bitwise
+        pre = (1.0 + 0.3 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
+        two_r, one_r = rd.clone(), rd.clone()
+        two, _ = rms_norm(rms_norm(xd, pre, 1e-6, gemma=gemma), wd, 1e-6, residual=two_r,
+                          gemma=gemma)  # fmt: skip
+        one, _ = rms_norm(xd, wd, 1e-6, residual=one_r, gemma=gemma, pre_weight=pre)
+        assert torch.equal(one, two) and torch.equal(one_r, two_r)
+        two_r = rd + rms_norm(xd, pre, 1e-6, gemma=gemma)
+        assert torch.equal(add_rms_norm_(xd, pre, 1e-6, rd.clone(), gemma=gemma), two_r)
     _bench(
         lambda: rms_norm(xd, wd, 1e-6, residual=rd, out=buf),
         (4 * num_tokens + 1) * hidden * dtype.itemsize,

@@ -90,10 +90,11 @@ class Gemma3DecoderLayer(nn.Module):
         if self._fused(x):
             return self._fused_forward(x, positions, cos_sin, attn, layer_cache)
         h = self.self_attn(self.input_layernorm(x), positions, cos_sin, attn, layer_cache)
-        h = self.post_attention_layernorm(h)  # (attention summed over the TP group)
-        # x <- x + h in place, and its norm, in one kernel (HF normalizes the rounded sum too).
-        h, x = self.pre_feedforward_layernorm(h, residual=x)
-        return x + self.post_feedforward_layernorm(self.mlp(h))
+        # (attention summed over the TP group) x <- x + post_attention_norm(h) in place, and
+        # its pre-feedforward norm, in one kernel (HF normalizes the rounded sum too); then
+        # x <- x + post_feedforward_norm(mlp) in place, one more.
+        h, x = self.pre_feedforward_layernorm(h, residual=x, pre=self.post_attention_layernorm)
+        return self.post_feedforward_layernorm.add_to(self.mlp(h), x)
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether this step takes the fused few-row path (as Llama's DecoderLayer._fused)."""
@@ -101,15 +102,16 @@ class Gemma3DecoderLayer(nn.Module):
 
     def _fused_forward(self, x, positions, cos_sin, attn, layer_cache):
         """The input norm inside the qkv product and GELU-tanh inside the gate_up one
-        (kernels/gemv.py); the post-norms need whole rows and stay kernels of their own."""
+        (kernels/gemv.py); the post-norms need whole rows: each in one kernel with the add
+        after it (and the pre-feedforward norm after that)."""
         attn_mod, mlp, norm = self.self_attn, self.mlp, self.input_layernorm
         qkv = gemv(
             x, attn_mod.qkv_proj.weight, norm_weight=norm.weight, eps=norm.eps, gemma_norm=True
         )
         h = gemv(attn_mod.attend(qkv, positions, cos_sin, attn, layer_cache), attn_mod.o_proj.weight)
-        h, x = self.pre_feedforward_layernorm(self.post_attention_layernorm(h), residual=x)
+        h, x = self.pre_feedforward_layernorm(h, residual=x, pre=self.post_attention_layernorm)
         h = gemv(h, mlp.gate_up_proj.weight, gated=True, activation="gelu_tanh")
-        return x + self.post_feedforward_layernorm(gemv(h, mlp.down_proj.weight))
+        return self.post_feedforward_layernorm.add_to(gemv(h, mlp.down_proj.weight), x)
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
