@@ -21,6 +21,7 @@ the process (actors/gpu/peers.py).
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import msgpack
 import torch
@@ -34,6 +35,8 @@ from taipan.kernels.all_reduce import (
     one_shot_all_reduce,
 )
 from taipan.kernels.all_reduce_norm import one_shot_all_reduce_rms_norm
+from taipan.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from taipan.kernels.gemv_all_reduce import MAX_GEMV_PROGRAMS, gemv_all_reduce_rms_norm
 from taipan.kernels.rmsnorm import rms_norm
 from taipan.ops.parallel import TPGroup, all_gather_single
 
@@ -47,6 +50,20 @@ _HANDLE_BYTES = 4096  # one peer's msgpacked IPC handles, padded (a handle is 64
 # The first sums wait this many polls at most for a peer (seconds), so that peers which cannot
 # see each other's flags fall back to NCCL instead of hanging; later ones wait for good.
 SELF_TEST_SPINS = 1 << 22
+
+
+def _gemv_sum() -> bool:
+    """TAIPAN_TP_GEMV_SUM=1: a one-row TP step's o_proj runs with its all-reduce and the norm
+    after it in one launch (kernels/gemv_all_reduce.py); 0 (the default until it has run on
+    GPUs): the product, then the fused sum + norm."""
+    value = os.environ.get(GEMV_SUM_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{GEMV_SUM_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+GEMV_SUM_ENV = "TAIPAN_TP_GEMV_SUM"
+GEMV_SUM = _gemv_sum()  # fixed at import: graphs bake in their path
 
 
 class CustomAllReduceError(RuntimeError):
@@ -81,23 +98,34 @@ class CustomAllReduce:
         self.rows_data = torch.empty_like(self.data)
         self.rows_flags = torch.zeros_like(self.flags)
         self.rows_counters = torch.zeros_like(self.counters)
-        torch.cuda.synchronize(self.device)  # flags are zero before any peer can raise one
-        mine = (self.data, self.flags, self.rows_data, self.rows_flags)
-        shared = _exchange([_share(t) for t in mine], tp)
-        self.peer_data, self.peer_flags, self.peer_rows_data, self.peer_rows_flags = (
-            [],
-            [],
-            [],
-            [],
+        # The row-parallel GEMV's own set (kernels/gemv_all_reduce.py): a slot per source rank
+        # of MAX_ROWS rows in each half, one flag per source, its call counters.
+        self.gemv_data = torch.empty(
+            2 * tp.size * GEMV_MAX_ROWS * ROW_BYTES, dtype=torch.uint8, device=self.device
         )
+        self.gemv_flags = torch.zeros(MAX_WORLD, dtype=torch.int64, device=self.device)
+        self.gemv_counters = torch.zeros(MAX_GEMV_PROGRAMS, dtype=torch.int64, device=self.device)
+        self.gemv_done = torch.zeros(1, dtype=torch.int64, device=self.device)
+        torch.cuda.synchronize(self.device)  # flags are zero before any peer can raise one
+        mine = (
+            self.data, self.flags, self.rows_data, self.rows_flags, self.gemv_data,
+            self.gemv_flags,
+        )  # fmt: skip
+        shared = _exchange([_share(t) for t in mine], tp)
+        self.peer_data, self.peer_flags, self.peer_rows_data, self.peer_rows_flags = [], [], [], []
+        self.peer_gemv_data, self.peer_gemv_flags = [], []
+        lists = (
+            self.peer_data, self.peer_flags, self.peer_rows_data, self.peer_rows_flags,
+            self.peer_gemv_data, self.peer_gemv_flags,
+        )  # fmt: skip
         for q, handles in enumerate(shared):
-            lists = (self.peer_data, self.peer_flags, self.peer_rows_data, self.peer_rows_flags)
             for own, handle, into in zip(mine, handles, lists, strict=True):
                 into.append(own if q == self.rank else _open(handle, self.device, own.dtype))
         self.peer_flags = [f.view(MAX_PROGRAMS, MAX_WORLD) for f in self.peer_flags]
         self.peer_rows_flags = [f.view(MAX_PROGRAMS, MAX_WORLD) for f in self.peer_rows_flags]
         self._views: dict[torch.dtype, tuple] = {}
         self._row_views: dict[torch.dtype, tuple] = {}
+        self._gemv_views: dict[torch.dtype, tuple] = {}
 
     def fits(self, x: torch.Tensor) -> bool:
         """Whether `all_reduce_` takes x (the same answer on every peer for the same x)."""
@@ -148,6 +176,40 @@ class CustomAllReduce:
         return one_shot_all_reduce_rms_norm(
             x, residual, weight, eps, x, self.rows_counters, bufs, tuple(self.peer_rows_flags),
             self.rank, self.status, self.max_spins,
+        )  # fmt: skip
+
+    def fits_gemv(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+        """Whether `gemv_all_reduce_rms_norm_` takes x [rows, K] @ w [N, K].T (the same answer
+        on every peer for the same shapes): at most MAX_ROWS rows and rows of N that fit a
+        slot, on this device. Only when TAIPAN_TP_GEMV_SUM=1 (GEMV_SUM)."""
+        return (
+            GEMV_SUM
+            and x.dim() == 2
+            and x.shape[0] <= GEMV_MAX_ROWS
+            and x.dtype in DTYPES
+            and w.dtype == x.dtype
+            and w.shape[0] * x.element_size() <= ROW_BYTES
+            and x.device == self.device
+        )
+
+    def gemv_all_reduce_rms_norm_(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """residual <- sum(x @ w.T) + residual; returns (rmsnorm(residual) * weight, residual)
+        (x, w must `fits_gemv`): the product, the sum, the add and the norm in one launch."""
+        bufs = self._gemv_views.get(x.dtype)
+        if bufs is None:
+            shape = (2, self.size, GEMV_MAX_ROWS, ROW_BYTES // x.element_size())
+            bufs = tuple(d.view(x.dtype).view(shape) for d in self.peer_gemv_data)
+            self._gemv_views[x.dtype] = bufs
+        return gemv_all_reduce_rms_norm(
+            x, w, residual, weight, eps, self.gemv_counters, self.gemv_done, bufs,
+            tuple(self.peer_gemv_flags), self.rank, self.status, self.max_spins,
         )  # fmt: skip
 
 
@@ -228,6 +290,28 @@ def _self_test_rows(fast: CustomAllReduce, tp: TPGroup, gen: torch.Generator) ->
             if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
                 err = (a - b).abs().max().item()
                 return f"the fused sum + RMSNorm's {what} differs from NCCL's by {err:.3g}"
+    return _self_test_gemv(fast, tp, gen) if GEMV_SUM else None
+
+
+def _self_test_gemv(fast: CustomAllReduce, tp: TPGroup, gen: torch.Generator) -> str | None:
+    """The GEMV with the sum + RMSNorm in its last program against F.linear, NCCL's sum and
+    kernels/rmsnorm.py, three times (both halves)."""
+    shared = torch.Generator(device=fast.device).manual_seed(77)  # the same on every rank
+    weight = torch.rand(1024, generator=shared, device=fast.device)
+    for rows in (1, GEMV_MAX_ROWS, 1):
+        x = torch.randn(rows, 256, generator=gen, device=fast.device)
+        w = torch.randn(1024, 256, generator=gen, device=fast.device) / 16
+        residual = torch.ones(rows, 1024, device=fast.device)
+        summed = torch.nn.functional.linear(x, w)
+        dist.all_reduce(summed, group=tp.group)
+        want, want_residual = rms_norm(summed, weight, 1e-6, residual=residual.clone())
+        got, got_residual = fast.gemv_all_reduce_rms_norm_(x, w, residual, weight, 1e-6)
+        if fast.status.item():
+            return f"a peer's flag did not arrive within {SELF_TEST_SPINS} polls (GEMV sum)"
+        for what, a, b in (("norm", got, want), ("residual", got_residual, want_residual)):
+            if not torch.allclose(a, b, atol=1e-3, rtol=1e-3):
+                err = (a - b).abs().max().item()
+                return f"the GEMV with the sum + RMSNorm: its {what} differs by {err:.3g}"
     return None
 
 

@@ -92,7 +92,8 @@ def vocab_shard(vocab_size: int, rank: int, size: int) -> VocabShard:
 class FastAllReduce(Protocol):
     """A faster path to the group's sum for the tensors it `fits` (ops/custom_all_reduce.py),
     and to the sum fused with the residual add and RMSNorm after it for the rows it
-    `fits_rows` (ops/layers.RMSNorm calls it)."""
+    `fits_rows` (ops/layers.RMSNorm calls it), and to a row-parallel product with that sum, add
+    and norm for the products it `fits_gemv` (DecoderLayer._fused_tp_forward calls it)."""
 
     def fits(self, x: torch.Tensor) -> bool: ...
 
@@ -102,6 +103,17 @@ class FastAllReduce(Protocol):
 
     def all_reduce_rms_norm_(
         self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def fits_gemv(self, x: torch.Tensor, w: torch.Tensor) -> bool: ...
+
+    def gemv_all_reduce_rms_norm_(
+        self,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        residual: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 

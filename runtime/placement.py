@@ -201,11 +201,22 @@ def gil_switch_seconds() -> float:
 FUSED_GEMV_ENV = "TAIPAN_FUSED_GEMV"
 
 
+# The other switches of the decode kernels, each 0 or 1 (read by the children at import):
+# kernels/pdl.py's programmatic dependent launch, ops/custom_all_reduce.py's products with sums.
+KERNEL_SWITCHES = {
+    FUSED_GEMV_ENV: ("1", "unfused layers", "fused"),
+    "TAIPAN_PDL": ("1", "no programmatic dependent launch", "PDL where the GPU has it"),
+    "TAIPAN_TP_GEMV_SUM": ("0", "product, then sum", "TP products with their sums"),
+}
+
+
 def check_fused_gemv() -> None:
-    """TAIPAN_FUSED_GEMV, if set, is 0 (the layers unfused) or 1 (the default: fused)."""
-    raw = os.environ.get(FUSED_GEMV_ENV, "1")
-    if raw not in ("0", "1"):
-        raise LaunchError(f"{FUSED_GEMV_ENV}={raw!r}: give 0 (unfused layers) or 1 (fused)")
+    """TAIPAN_FUSED_GEMV, TAIPAN_PDL and TAIPAN_TP_GEMV_SUM, if set, are 0 or 1 (KERNEL_SWITCHES:
+    their defaults and meanings): anything else is the launch's error, not a child's."""
+    for name, (default, off, on) in KERNEL_SWITCHES.items():
+        raw = os.environ.get(name, default)
+        if raw not in ("0", "1"):
+            raise LaunchError(f"{name}={raw!r}: give 0 ({off}) or 1 ({on})")
 
 
 def physical_gpu(device: str) -> int:

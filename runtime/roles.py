@@ -145,7 +145,7 @@ def build_spec(rt) -> LaunchSpec:
     local = rt.role != "engine"  # an engine started alone shares its host with no rank
     devices = _peer_devices(rt)
     gil_switch_seconds()  # (a bad TAIPAN_GIL_SWITCH_MS is the launch's error, not a child's)
-    check_fused_gemv()  # (and so is a bad TAIPAN_FUSED_GEMV)
+    check_fused_gemv()  # (and so is a bad TAIPAN_FUSED_GEMV, TAIPAN_PDL or TAIPAN_TP_GEMV_SUM)
     return LaunchSpec(
         frontend=rt.address,
         backend=rt.engine_address,

@@ -251,7 +251,71 @@ def gpu_job(tp: TPGroup) -> dict:
         timings[nbytes] = {"custom_us": _latency_us(custom), "nccl_us": _latency_us(nccl)}
         time.sleep(0.01)
     fused, fused_timings = _fused_norm_job(tp, gen)
-    return {"sums": gathered, "timings": timings, "fused": fused, "fused_timings": fused_timings}
+    gemv_sums, gemv_timings = _gemv_sum_job(tp, gen)
+    return {"sums": gathered, "timings": timings, "fused": fused, "fused_timings": fused_timings,
+            "gemv": gemv_sums, "gemv_timings": gemv_timings}  # fmt: skip
+
+
+def _gemv_sum_job(tp: TPGroup, gen: torch.Generator) -> tuple[list[float], dict]:
+    """The row-parallel GEMV with the sum, the add and the norm in its last program
+    (kernels/gemv_all_reduce.py): equal to the product, NCCL's sum and kernels/rmsnorm.py in
+    fp32 and bf16, eagerly and from a CUDA graph (both halves); then its latency against the
+    product followed by the fused sum + norm, for an 8B layer's o_proj at TP = 2."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from taipan.kernels.gemv import gemv
+    from taipan.kernels.rmsnorm import rms_norm
+
+    fast, dev, eps = tp.fast, tp.device, 1e-5
+    shared = torch.Generator(device=dev).manual_seed(11)  # the same stream on every rank
+    out = []
+
+    def want(x, w, residual, weight):
+        summed = F.linear(x.float(), w.float()).to(x.dtype).float()
+        dist.all_reduce(summed, group=tp.group)  # (fp32: rank order does not matter here)
+        return rms_norm(summed.to(x.dtype), weight, eps, residual=residual.clone())
+
+    def check(got, got_residual, wanted, tol):
+        torch.testing.assert_close(got_residual.float(), wanted[1].float(), atol=tol, rtol=tol)
+        torch.testing.assert_close(got.float(), wanted[0].float(), atol=tol, rtol=tol)
+        out.append(got.float().sum().item())
+
+    for dtype, tol in ((torch.float32, 1e-4), (torch.bfloat16, 3e-2)):
+        weight = torch.rand(2048, generator=shared, device=dev).to(dtype)
+        for rows in (1, 3, 4):
+            x = torch.randn(rows, 512, generator=gen, device=dev).to(dtype)
+            w = (torch.randn(2048, 512, generator=gen, device=dev) / 23).to(dtype)
+            residual = torch.randn(rows, 2048, generator=shared, device=dev).to(dtype)
+            wanted = want(x, w, residual, weight)
+            check(*fast.gemv_all_reduce_rms_norm_(x, w, residual.clone(), weight, eps), wanted, tol)
+    x = torch.empty(1, 2048, dtype=torch.bfloat16, device=dev)
+    w = (torch.randn(4096, 2048, generator=gen, device=dev) / 45).bfloat16()
+    weight = torch.rand(4096, generator=shared, device=dev).bfloat16()
+    r = torch.empty(1, 4096, dtype=torch.bfloat16, device=dev)
+    captured = {}
+
+    def step():
+        captured["out"] = fast.gemv_all_reduce_rms_norm_(x, w, r, weight, eps)
+
+    graph = graph_of(step)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen, device=dev))
+        r.copy_(torch.randn(r.shape, generator=shared, device=dev))
+        wanted = want(x, w, r, weight)
+        graph.replay()
+        check(*captured["out"], wanted, 3e-2)
+    ways = {
+        "one_launch_us": lambda: fast.gemv_all_reduce_rms_norm_(x, w, r, weight, eps),
+        "gemv_then_sum_norm_us": lambda: fast.all_reduce_rms_norm_(gemv(x, w), r, weight, eps),
+    }
+    timings = {}
+    for name, fn in ways.items():
+        g = graph_of(lambda fn=fn: [fn() for _ in range(10)])
+        dist.barrier(group=tp.group)
+        timings[name] = _latency_us(g)
+        time.sleep(0.01)
+    return out, timings
 
 
 def _fused_norm_job(tp: TPGroup, gen: torch.Generator) -> tuple[list[float], dict]:
@@ -332,6 +396,10 @@ def test_gpu_custom_all_reduce_equals_nccl(size):
     # Every rank holds the very same sums (the kernel sums in rank order on every rank).
     assert all(r["sums"] == ranks[0]["sums"] for r in ranks)
     assert all(r["fused"] == ranks[0]["fused"] for r in ranks)
+    assert all(r["gemv"] == ranks[0]["gemv"] for r in ranks)
+    gemv_timings = ranks[0]["gemv_timings"].items()
+    print(f"T={size} 8B o_proj at TP=2 with its sum + add + RMSNorm: "
+          + ", ".join(f"{k[:-3]} {v:.1f} us" for k, v in gemv_timings))  # fmt: skip
     for nbytes, t in ranks[0]["timings"].items():
         print(f"T={size} {nbytes >> 10} KiB: custom {t['custom_us']:.1f} us, "
               f"NCCL {t['nccl_us']:.1f} us")  # fmt: skip

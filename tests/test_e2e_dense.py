@@ -191,13 +191,16 @@ def test_gpu_served_with_cuda_graphs_equal_hf(tmp_path, family):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemv_sum", ["0", "1"])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_gpu_served_at_tp2_with_cuda_graphs_equal_hf(tmp_path, family):
+def test_gpu_served_at_tp2_with_cuda_graphs_equal_hf(tmp_path, family, gemv_sum, monkeypatch):
     """The same on two GPUs (TP = 2, the custom all-reduce): the one-row decode steps take the
     fused rank path (DecoderLayer._fused_tp_forward), with RoPE inside the qkv product (Qwen2)
-    or after it (Qwen3's q/k norms)."""
+    or after it (Qwen3's q/k norms); with TAIPAN_TP_GEMV_SUM=1 (read by the ranks' processes)
+    o_proj and down_proj with their sums and norms in one launch each."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
+    monkeypatch.setenv("TAIPAN_TP_GEMV_SUM", gemv_sum)
     serve_on_gpu(tmp_path, family, tp=2)
 
 

@@ -107,6 +107,26 @@ def rope_kernel() -> str:
     return "rope q/k norms bf16"
 
 
+def gemv_all_reduce_kernel() -> str:
+    """The row-parallel GEMV with the all-reduce and the norm in its last program, 2 ranks."""
+    from taipan.kernels import gemv_all_reduce
+
+    names = ("x_ptr", "w_ptr", "residual_ptr", "weight_ptr", "out_ptr")
+    compiled = compile_for_h100(
+        gemv_all_reduce._gemv_all_reduce_rms_norm_kernel,
+        dict.fromkeys(names, "*bf16") | {
+            "counters_ptr": "*i64", "done_ptr": "*i64", "status_ptr": "*i32",
+            "bufs": ("*bf16",) * 2, "flags": ("*i64",) * 2,
+        },
+        {
+            "eps": 1e-5, "ROW_STRIDE": 8192, "RANK": 1, "WORLD": 2, "BLOCK_M": 1, "BLOCK_N": 4,
+            "BLOCK_K": 1024, "BLOCK_ROW": 4096, "PDL": True,
+        },
+    )  # fmt: skip
+    assert "atom" in compiled.asm["ptx"] and compiled.asm["cubin"]
+    return "gemv all-reduce bf16 x2"
+
+
 def sandwich_norm_kernels() -> str:
     """RMSNorm with Gemma's norm before the add, with and without the norm after it."""
     from taipan.kernels import rmsnorm
@@ -135,7 +155,7 @@ def test_all_reduce_kernels_compile_for_h100():
         timeout=300,
     )
     assert child.returncode == 0, child.stderr[-4000:]
-    assert child.stdout.split("\n")[:7] == [
+    assert child.stdout.split("\n")[:8] == [
         "one_shot_all_reduce bf16 x2",
         "all_reduce_rms_norm bf16 x2",
         "one_shot_all_reduce fp32 x4",
@@ -143,8 +163,19 @@ def test_all_reduce_kernels_compile_for_h100():
         "gemv bf16 pdl",
         "rope q/k norms bf16",
         "sandwich norms bf16",
+        "gemv all-reduce bf16 x2",
     ]
 
 
 if __name__ == "__main__":
-    print("\n".join([*all_reduce_kernels(), gemv_kernel(), rope_kernel(), sandwich_norm_kernels()]))
+    print(
+        "\n".join(
+            [
+                *all_reduce_kernels(),
+                gemv_kernel(),
+                rope_kernel(),
+                sandwich_norm_kernels(),
+                gemv_all_reduce_kernel(),
+            ]
+        )
+    )

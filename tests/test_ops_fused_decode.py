@@ -7,6 +7,7 @@ Qwen3 (q/k norms), a model whose MoE layers stay unfused between fused dense one
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import numpy as np
@@ -197,8 +198,46 @@ def _tp_job(tp, paths: list[str]) -> list[dict]:
         DecoderLayer._fused_tp_forward = counted
         fused = model.compute_logits(_decode(model, cache, 1, "cpu"))
         DecoderLayer._fused_tp_forward = rank_path
-        outs.append({"unfused": unfused.numpy(), "fused": fused.numpy(), "taken": taken})
+        # The products with their sums (FastAllReduce.fits_gemv): the layers' wiring of
+        # NORMALIZED outputs and the next layers' norms, the sums over gloo.
+        sums = _GlooGemvSum(tp)
+        model = load_model(path, tp=dataclasses.replace(tp, fast=sums))[0]
+        with torch.no_grad():
+            DecoderLayer._fused = _unfused
+            model(torch.tensor(PROMPT), positions, meta, cache)
+            DecoderLayer._fused = _forced
+            summed = model.compute_logits(_decode(model, cache, 1, "cpu"))
+        outs.append({"unfused": unfused.numpy(), "fused": fused.numpy(), "taken": taken,
+                     "summed": summed.numpy(), "sum_calls": sums.calls})  # fmt: skip
     return outs
+
+
+class _GlooGemvSum:
+    """FastAllReduce's row-parallel product with its sum (kernels/gemv_all_reduce.py's
+    contract: the rounded partial product, summed, added, normalized) over gloo, for the
+    layers' wiring on the CPU; takes nothing else (`fits`, `fits_rows`: False)."""
+
+    def __init__(self, tp) -> None:
+        self.tp, self.calls = tp, 0
+
+    def fits(self, x) -> bool:
+        return False
+
+    def fits_rows(self, x) -> bool:
+        return False
+
+    def fits_gemv(self, x, w) -> bool:
+        return x.shape[0] <= 4
+
+    def gemv_all_reduce_rms_norm_(self, x, w, residual, weight, eps):
+        import torch.distributed as dist
+
+        from taipan.kernels.rmsnorm import rms_norm_ref
+
+        self.calls += 1
+        part = torch.nn.functional.linear(x, w)
+        dist.all_reduce(part, group=self.tp.group)
+        return rms_norm_ref(part, weight, eps, residual=residual)
 
 
 def _unfused(self, x) -> bool:
@@ -229,6 +268,8 @@ def test_fused_path_at_tp2_equals_the_unfused_one_on_cpu(tmp_path):
             )
             np.testing.assert_array_equal(out["fused"], ranks[0][paths.index(path)]["fused"])
             assert out["taken"] == ["DecoderLayer"] * 2  # (both layers took the rank path)
+            np.testing.assert_allclose(out["summed"], out["unfused"], rtol=1e-5, atol=1e-5)
+            assert out["sum_calls"] == 4  # o_proj and down_proj of both layers
 
 
 @pytest.mark.gpu

@@ -89,6 +89,17 @@ def test_a_bad_fused_gemv_setting_is_the_launchs_error_and_the_layers_agree(monk
         [sys.executable, "-c", "import taipan.ops.layers"], capture_output=True, text=True
     )
     assert child.returncode != 0 and "TAIPAN_FUSED_GEMV must be 0 or 1" in child.stderr
+    monkeypatch.setenv(FUSED_GEMV_ENV, "1")
+    for name, module in (("TAIPAN_PDL", "taipan.kernels.pdl"),
+                         ("TAIPAN_TP_GEMV_SUM", "taipan.ops.custom_all_reduce")):  # fmt: skip
+        monkeypatch.setenv(name, "2")
+        with pytest.raises(LaunchError, match=name):
+            check_fused_gemv()
+        child = subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True,
+                               text=True)  # fmt: skip
+        assert child.returncode != 0 and f"{name} must be 0 or 1" in child.stderr
+        monkeypatch.setenv(name, "0")
+        check_fused_gemv()
 
 
 def _rt(device: str, num_ranks: int = 1, tp: int = 1, role: str = "all"):

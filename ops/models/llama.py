@@ -12,7 +12,9 @@ qkv_proj and gate_up_proj, row-parallel o_proj and down_proj (their partial sums
 the RMSNorm after them, see DecoderLayer), and the embedding / LM head over a vocabulary shard,
 the logits gathered so every rank holds them all.
 The config stays the whole model's; the KV cache of a rank holds only its kv heads
-(`allocate_kv_cache(..., tp=...)`).
+(`allocate_kv_cache(..., tp=...)`). A one-row step of a rank may instead sum a row-parallel
+product inside its own launch and apply the next norm there (`DecoderLayer._fused_tp_forward`):
+its output is then NORMALIZED, the next layer's input as that layer's input norm leaves it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ from taipan.ops.layers import (
 )
 from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.rope_scaling import RopeScaling, rope_table
+
+# A layer's output kind (DecoderLayer.forward): already the next layer's normalized input.
+NORMALIZED = "normalized"
 
 
 @dataclass(frozen=True)
@@ -131,25 +136,32 @@ class DecoderLayer(nn.Module):
         cos_sin: torch.Tensor,
         attn: AttentionMetadata,
         layer_cache: torch.Tensor,
-        partial_input: bool = False,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        partial_input: bool | str = False,
+        next_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool | str]:
         """x: [tokens, hidden], the previous layer's output (None residual: the embeddings),
-        a partial sum over the TP group when `partial_input` (the previous layer's
-        `partial_output`); returns this layer's output and the residual stream before it
-        (fused adds)."""
+        a partial sum over the TP group when `partial_input` is True (the previous layer's
+        output kind), or, when it is NORMALIZED, already this layer's normalized input (the
+        residual already added). `next_norm`: the norm the next layer (or the model's end)
+        applies first, which a TP rank's fused path may apply itself. Returns this layer's
+        output, the residual stream before it (fused adds), and the output's kind (True: a
+        partial sum, `partial_output`; NORMALIZED: the next norm already applied)."""
         if self._fused(x):
             if self.tp.size > 1:
                 return self._fused_tp_forward(
-                    x, residual, positions, cos_sin, attn, layer_cache, partial_input
+                    x, residual, positions, cos_sin, attn, layer_cache, partial_input, next_norm
                 )
-            return self._fused_forward(x, residual, positions, cos_sin, attn, layer_cache)
-        if residual is None:
+            return (*self._fused_forward(x, residual, positions, cos_sin, attn, layer_cache),
+                    self.partial_output)  # fmt: skip
+        if partial_input == NORMALIZED:
+            h = x
+        elif residual is None:
             residual, h = x, self.input_layernorm(x)
         else:  # residual <- x + residual
             h, residual = self.input_layernorm(x, residual, self.tp if partial_input else None)
         h = self.self_attn(h, positions, cos_sin, attn, layer_cache)  # partial under TP
         h, residual = self.post_attention_layernorm(h, residual, self.tp)
-        return self.mlp(h), residual
+        return self.mlp(h), residual, self.partial_output
 
     def _fused(self, x: torch.Tensor) -> bool:
         """Whether this step takes the fused few-row path (decode at small batch, CUDA, the
@@ -185,15 +197,23 @@ class DecoderLayer(nn.Module):
         gemv(act, mlp.down_proj.weight, residual=x)
         return x, None
 
-    def _fused_tp_forward(self, x, residual, positions, cos_sin, attn, layer_cache, partial):
+    def _fused_tp_forward(
+        self, x, residual, positions, cos_sin, attn, layer_cache, partial, next_norm
+    ):
         """The fused path of a tensor-parallel rank: the layer's interface and sums are the
         unfused path's (its output this rank's partial sum, the norms after the row-parallel
         products summing them with the residual add, one kernel where the group's custom
         all-reduce takes it), the rest in the products (kernels/gemv.py): qkv with RoPE and the
         cache write, gate_up with SiLU. Two kernels fewer a layer, and the GEMV for the narrow
-        matrices of a rank's shard."""
+        matrices of a rank's shard. Where the custom all-reduce takes a row-parallel product
+        with its sum (`fits_gemv`, TAIPAN_TP_GEMV_SUM=1), o_proj and down_proj run with the sum,
+        the add and the norm after them in their own launch (kernels/gemv_all_reduce.py): down's
+        norm is `next_norm`, and the output is then NORMALIZED."""
         attn_mod, mlp, tp = self.self_attn, self.mlp, self.tp
-        if residual is None:
+        fast = tp.fast
+        if partial == NORMALIZED:
+            h = x
+        elif residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual, tp if partial else None)
@@ -207,9 +227,21 @@ class DecoderLayer(nn.Module):
             out = attn_mod.attend_rotated(q, attn, layer_cache)
         else:
             out = attn_mod.attend(gemv(h, qkv_w, bias=qkv_b), positions, cos_sin, attn, layer_cache)
-        h, residual = self.post_attention_layernorm(gemv(out, attn_mod.o_proj.weight), residual, tp)
+        o_w, norm2 = attn_mod.o_proj.weight, self.post_attention_layernorm
+        if fast is not None and fast.fits_gemv(out, o_w):
+            h, residual = fast.gemv_all_reduce_rms_norm_(
+                out, o_w, residual, norm2.weight, norm2.eps
+            )
+        else:
+            h, residual = norm2(gemv(out, o_w), residual, tp)
         act = gemv(h, mlp.gate_up_proj.weight, gated=True)
-        return gemv(act, mlp.down_proj.weight), residual
+        down_w = mlp.down_proj.weight
+        if next_norm is not None and fast is not None and fast.fits_gemv(act, down_w):
+            h, residual = fast.gemv_all_reduce_rms_norm_(
+                act, down_w, residual, next_norm.weight, next_norm.eps
+            )
+            return h, residual, NORMALIZED
+        return gemv(act, down_w), residual, self.partial_output
 
 
 class LlamaForCausalLM(nn.Module):
@@ -251,9 +283,15 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # x: [T, hidden]
         cos_sin = self.rope_cache(x.device)
         residual, partial = None, False
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, cos_sin, attn, kv_cache[i], partial)
-            partial = layer.partial_output
+        layers = self.layers
+        for i, layer in enumerate(layers):
+            after = layers[i + 1] if i + 1 < len(layers) else None
+            next_norm = self.norm if after is None else after.input_layernorm
+            x, residual, partial = layer(
+                x, residual, positions, cos_sin, attn, kv_cache[i], partial, next_norm
+            )
+        if partial == NORMALIZED:  # (the last product applied the final norm)
+            return x
         if residual is None:  # (the fused path's layers leave the stream itself, added up)
             return self.norm(x)
         x, _ = self.norm(x, residual, self.tp if partial else None)
