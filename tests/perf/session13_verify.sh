@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# What the twelfth session built and could not run on a GPU (carry .whl and .carry/new, a
+# `git archive` of HEAD; no model needed). From the root.
+#   part one (one GPU): the q/k norms inside RoPE (Qwen3, Gemma 3) and Gemma 3's sandwich norms
+#     in one launch each: their kernel GPU tests, the fused layers, the dense families served
+#     against HF; then the Gemma 3 and Qwen2.5-7B decode rows at batch 1 (the issue 27 bar);
+#   part two (two GPUs): the row-parallel GEMV with its sum (kernels/gemv_all_reduce.py,
+#     TAIPAN_TP_GEMV_SUM=1): the custom all-reduce GPU test (against NCCL, eager and graphed,
+#     and its latency against the product then the fused sum), Qwen2/Qwen3 served at TP=2
+#     against HF with the switch off and on, then the 8B decode rows at TP=1 and at TP=2 with
+#     the switch 0 and 1 (ROUNDS times).
+set -u
+PART=${1:?part one or two}
+source tests/perf/device_setup.sh
+start_device || exit 1
+export PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+export NVSHMEM_DISABLE_NVLS=1
+stage_tree .carry/new /tmp/pkg_new || exit 1
+cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
+DEC="bench --workload decode --device cuda --dtype bfloat16 --output-len 128 --no-hf
+--ours-modes graphs"
+if [ "$PART" = one ]; then
+    timeout -s ABRT 330 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_kernels_elementwise.py tests/test_ops_fused_decode.py \
+        tests/test_kernels_pdl.py tests/test_e2e_dense.py -k "not tp2" 2>&1 \
+        | grep -vE "^  File|^Extension" | tail -12
+    for shape in gemma3-1b qwen2.5-7b; do
+        timeout -s ABRT 120 python3 -m taipan.cli $DEC --model random:$shape --batches 1 \
+            --results "$OUT/decode_$shape.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-200
+    done
+elif [ "$PART" = two ]; then
+    timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short -s \
+        tests/test_custom_all_reduce.py \
+        tests/test_e2e_dense.py::test_gpu_served_at_tp2_with_cuda_graphs_equal_hf 2>&1 \
+        | grep -E "passed|failed|FAIL|Error|o_proj at TP" | tail -12
+    for i in $(seq "${ROUNDS:-1}"); do
+        timeout -s ABRT 150 python3 -m taipan.cli $DEC --model random:llama-8b --batches 1,64 \
+            --results "$OUT/tp1.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-160 | sed "s/^/TP=1 /"
+        for s in 0 1; do
+            TAIPAN_TP_GEMV_SUM=$s timeout -s ABRT 150 python3 -m taipan.cli $DEC \
+                --model random:llama-8b --batches 1,64 --tensor-parallel-size 2 \
+                --results "$OUT/tp2_sum$s.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-160 \
+                | sed "s/^/TP=2 sum=$s /"
+        done
+    done
+fi
