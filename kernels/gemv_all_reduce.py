@@ -12,13 +12,15 @@ fp32, adds the residual and normalizes, as the all-reduce kernel does after kern
 product. One launch and its gap fewer per sum: two per layer.
 
 Protocol (as kernels/all_reduce.py's, over buffers, flags and counters of its own):
-- each program's call count (`counters[pid]`) is its epoch; every call of one group has the same
-  grid (BLOCK_N is fixed, the output width is the model's hidden size), so the programs of a
-  call agree on it, and every rank's e-th call is the same sum;
+- `state` holds this rank's call count (the epoch: every rank's e-th call is the same sum) and
+  the programs of the current call that have finished. Every program reads the count first;
+  only the last program to finish, which has acquired every other program's increment (and so
+  every read before it), stores the new count and resets the finished count, so calls of any
+  grid may follow each other;
 - the data goes to half epoch % 2 of each destination buffer [2, WORLD, rows_cap, row_stride],
-  at the source rank's slot; a program's stores are ordered before its increment of `done` (an
-  acq_rel atomic at system scope), and the last program's flag (release, system scope) after it
-  has acquired them all;
+  at the source rank's slot; a program's stores are ordered before its increment of the
+  finished count (an acq_rel atomic at system scope), and the last program's flag (release,
+  system scope) after it has acquired them all;
 - a rank writes half e % 2 of a peer's buffer again only in call e + 2, which starts after its
   call e + 1 saw that peer's flag e + 1, which the peer raised after its call e had read that
   half: no closing barrier is needed.
@@ -42,8 +44,7 @@ from taipan.kernels.gemv import MAX_ROWS, _products, gemv_ref
 from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.rmsnorm import rms_norm_ref
 
-BLOCK_N = 4  # fixed, so every call of a group (o_proj, down_proj: N = hidden) has one grid
-MAX_GEMV_PROGRAMS = 1 << 14  # call counters per program: hidden sizes up to 65,536
+BLOCK_N = 4  # output columns a program
 
 
 @triton.jit
@@ -54,8 +55,7 @@ def _gemv_all_reduce_rms_norm_kernel(
     residual_ptr,  # [M, N], overwritten with sum + residual
     weight_ptr,  # [N] RMSNorm weight
     out_ptr,  # [M, N] rmsnorm(sum + residual) * weight
-    counters_ptr,  # [MAX_GEMV_PROGRAMS] int64, this rank's call count per program
-    done_ptr,  # [1] int64, programs finished over all calls on this rank
+    state_ptr,  # [2] int64: this rank's call count, the current call's finished programs
     status_ptr,  # [1] int32, set to 1 when a wait gave up
     bufs,  # WORLD buffers [2, WORLD, rows_cap, ROW_STRIDE] (by destination rank)
     flags,  # WORLD flag arrays [MAX_WORLD] int64 (by destination rank, slot = source)
@@ -84,9 +84,7 @@ def _gemv_all_reduce_rms_norm_kernel(
     enter(PDL)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    epoch = tl.load(counters_ptr + pid) + 1
-    tl.debug_barrier()  # every thread has read the count before it changes
-    tl.store(counters_ptr + pid, epoch)
+    epoch = tl.load(state_ptr) + 1  # (stored by the last program of the call before)
     half = (epoch % 2) * WORLD * rows_cap * ROW_STRIDE
     slot = RANK * rows_cap * ROW_STRIDE  # this rank's source slot in every buffer
     dtype = out_ptr.dtype.element_ty
@@ -104,8 +102,10 @@ def _gemv_all_reduce_rms_norm_kernel(
     for q in tl.static_range(WORLD):
         tl.store(bufs[q] + at, part, mask=mask)
     tl.debug_barrier()  # the program's stores are issued before its increment
-    finished = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="sys")
-    if finished == epoch * programs - 1:  # the last program of this call on this rank
+    finished = tl.atomic_add(state_ptr + 1, 1, sem="acq_rel", scope="sys")
+    if finished == programs - 1:  # the last program of this call on this rank
+        tl.store(state_ptr, epoch)  # (every program has read the count: the next call's)
+        tl.store(state_ptr + 1, 0)
         for q in tl.static_range(WORLD):
             if q != RANK:
                 tl.atomic_xchg(flags[q] + RANK, epoch, sem="release", scope="sys")
@@ -148,8 +148,7 @@ def gemv_all_reduce_rms_norm(
     residual: torch.Tensor,
     weight: torch.Tensor,
     eps: float,
-    counters: torch.Tensor,
-    done: torch.Tensor,
+    state: torch.Tensor,
     bufs: tuple[torch.Tensor, ...],
     flags: tuple[torch.Tensor, ...],
     rank: int,
@@ -163,9 +162,9 @@ def gemv_all_reduce_rms_norm(
     x: [M, K] (M <= MAX_ROWS), w: [N, K] (this rank's columns), residual: [M, N], weight: [N];
     one dtype, rows of unit stride. bufs[q]: rank q's buffer of that dtype, [2, WORLD,
     rows_cap, row_stride] contiguous (M <= rows_cap, N <= row_stride); flags[q]: rank q's
-    [MAX_WORLD] int64; counters: [MAX_GEMV_PROGRAMS] int64, done: [1] int64, both this rank's
-    and used by no other kernel; status: [1] int32."""
-    _check_args(x, w, residual, weight, counters, done, bufs, flags, rank, status)
+    [MAX_WORLD] int64; state: [2] int64 zeros at first, this rank's and used by no other
+    kernel; status: [1] int32."""
+    _check_args(x, w, residual, weight, state, bufs, flags, rank, status)
     m, k = x.shape
     n = w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -173,7 +172,7 @@ def gemv_all_reduce_rms_norm(
         return out, residual
     _, world, rows_cap, row_stride = bufs[0].shape
     _gemv_all_reduce_rms_norm_kernel[(triton.cdiv(n, BLOCK_N),)](
-        x, w, residual, weight, out, counters, done, status, tuple(bufs), tuple(flags),
+        x, w, residual, weight, out, state, status, tuple(bufs), tuple(flags),
         m, n, k, rows_cap, max_spins,
         x.stride(0), w.stride(0), residual.stride(0), out.stride(0),
         eps=float(eps), ROW_STRIDE=row_stride, RANK=rank, WORLD=world,
@@ -184,7 +183,7 @@ def gemv_all_reduce_rms_norm(
     return out, residual
 
 
-def _check_args(x, w, residual, weight, counters, done, bufs, flags, rank, status) -> None:
+def _check_args(x, w, residual, weight, state, bufs, flags, rank, status) -> None:
     world = len(bufs)
     if not 2 <= world <= MAX_WORLD or len(flags) != world:
         raise ValueError(
@@ -197,8 +196,6 @@ def _check_args(x, w, residual, weight, counters, done, bufs, flags, rank, statu
     m, n = x.shape[0], w.shape[0]
     if m > MAX_ROWS:
         raise ValueError(f"at most {MAX_ROWS} rows, got {m}")
-    if triton.cdiv(n, BLOCK_N) > MAX_GEMV_PROGRAMS:
-        raise ValueError(f"an output of {n} columns needs more than {MAX_GEMV_PROGRAMS} programs")
     for name, t in {"w": w, "residual": residual, "weight": weight}.items():
         if t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1:
             raise ValueError(f"{name} must be {x.dtype} on {x.device} with unit last stride")
@@ -217,10 +214,8 @@ def _check_args(x, w, residual, weight, counters, done, bufs, flags, rank, statu
         raise ValueError(f"buffers of shape {shape} do not hold 2 x {world} slots of {m} x {n}")
     if any(f.dtype != torch.int64 or tuple(f.shape) != (MAX_WORLD,) for f in flags):
         raise ValueError(f"every flag array must be int64 [{MAX_WORLD}]")
-    if counters.dtype != torch.int64 or tuple(counters.shape) != (MAX_GEMV_PROGRAMS,):
-        raise ValueError(f"counters must be int64 [{MAX_GEMV_PROGRAMS}]")
-    if done.dtype != torch.int64 or done.numel() != 1:
-        raise ValueError("done must be one int64")
+    if state.dtype != torch.int64 or tuple(state.shape) != (2,):
+        raise ValueError("state must be int64 [2]")
     if status.dtype != torch.int32 or status.numel() != 1:
         raise ValueError("status must be one int32")
 

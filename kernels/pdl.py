@@ -62,4 +62,3 @@ def enter(PDL: tl.constexpr):
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
-

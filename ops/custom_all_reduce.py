@@ -36,7 +36,7 @@ from taipan.kernels.all_reduce import (
 )
 from taipan.kernels.all_reduce_norm import one_shot_all_reduce_rms_norm
 from taipan.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from taipan.kernels.gemv_all_reduce import MAX_GEMV_PROGRAMS, gemv_all_reduce_rms_norm
+from taipan.kernels.gemv_all_reduce import gemv_all_reduce_rms_norm
 from taipan.kernels.rmsnorm import rms_norm
 from taipan.ops.parallel import TPGroup, all_gather_single
 
@@ -99,13 +99,12 @@ class CustomAllReduce:
         self.rows_flags = torch.zeros_like(self.flags)
         self.rows_counters = torch.zeros_like(self.counters)
         # The row-parallel GEMV's own set (kernels/gemv_all_reduce.py): a slot per source rank
-        # of MAX_ROWS rows in each half, one flag per source, its call counters.
+        # of MAX_ROWS rows in each half, one flag per source, its call count and finished programs.
         self.gemv_data = torch.empty(
             2 * tp.size * GEMV_MAX_ROWS * ROW_BYTES, dtype=torch.uint8, device=self.device
         )
         self.gemv_flags = torch.zeros(MAX_WORLD, dtype=torch.int64, device=self.device)
-        self.gemv_counters = torch.zeros(MAX_GEMV_PROGRAMS, dtype=torch.int64, device=self.device)
-        self.gemv_done = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.gemv_state = torch.zeros(2, dtype=torch.int64, device=self.device)
         torch.cuda.synchronize(self.device)  # flags are zero before any peer can raise one
         mine = (
             self.data, self.flags, self.rows_data, self.rows_flags, self.gemv_data,
@@ -208,7 +207,7 @@ class CustomAllReduce:
             bufs = tuple(d.view(x.dtype).view(shape) for d in self.peer_gemv_data)
             self._gemv_views[x.dtype] = bufs
         return gemv_all_reduce_rms_norm(
-            x, w, residual, weight, eps, self.gemv_counters, self.gemv_done, bufs,
+            x, w, residual, weight, eps, self.gemv_state, bufs,
             tuple(self.peer_gemv_flags), self.rank, self.status, self.max_spins,
         )  # fmt: skip
 

@@ -115,7 +115,7 @@ def gemv_all_reduce_kernel() -> str:
     compiled = compile_for_h100(
         gemv_all_reduce._gemv_all_reduce_rms_norm_kernel,
         dict.fromkeys(names, "*bf16") | {
-            "counters_ptr": "*i64", "done_ptr": "*i64", "status_ptr": "*i32",
+            "state_ptr": "*i64", "status_ptr": "*i32",
             "bufs": ("*bf16",) * 2, "flags": ("*i64",) * 2,
         },
         {
