@@ -12,6 +12,8 @@ Conventions shared by every kernel:
 - Grids and shapes must be CUDA-graph safe: no host synchronisation, no data-dependent grid
   sizes (bound them by static maxima and let surplus programs exit), slot -1 = padding (skip).
 - `tl.dot` tiles are at least 16 in every dimension (real GPUs require it).
+- Every kernel's first statement is `enter(PDL)` and its launch passes
+  `**launch_kwargs(device)` (kernels/pdl.py: programmatic dependent launch on Hopper).
 - Must work on triton 3.6 (the GPU image) and 3.7.1 (CI); tests run the CPU interpreter
   (`TRITON_INTERPRET=1`, set by tests/conftest.py without a GPU) in fp32, with tiny grids.
 """

@@ -48,6 +48,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.activation import silu
+from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.ssd_scan import check_snapshots, snapshot_entries
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -97,7 +98,9 @@ def _causal_conv1d_varlen_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,  # next_power_of_2(WIDTH - 1)
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     seq = tl.program_id(0)
     split = tl.program_id(2)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -204,7 +207,9 @@ def _causal_conv1d_update_kernel(
     BLOCK_K: tl.constexpr,  # next_power_of_2(WIDTH)
     BLOCK_S: tl.constexpr,  # next_power_of_2(WIDTH - 1)
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     col_ok = cols < dim
@@ -312,6 +317,7 @@ def causal_conv1d_varlen(
         BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(width - 1),
         num_warps=4,
+        **launch_kwargs(x.device),
     )
     return out
 
@@ -361,6 +367,7 @@ def causal_conv1d_update(
         BLOCK_S=triton.next_power_of_2(width - 1),
         BLOCK_D=block_d,
         num_warps=4,
+        **launch_kwargs(x.device),
     )
     return out
 

@@ -62,6 +62,7 @@ from taipan.kernels.gated_delta_chunk import (
     state_tile,
     store_state,
 )
+from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.ssd_scan import _check_tokens, _nonempty, check_snapshots, snapshot_entries
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,7 +106,9 @@ def _gated_delta_update_kernel(
     USE_L2NORM: tl.constexpr,
     BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     """One program: row program_id(0), value head program_id(1), Dv columns
     [program_id(2) * BLOCK_V, +BLOCK_V) of its state with all Dk rows: it loads that tile,
     advances it one token and stores it, so its own reads precede its writes."""
@@ -202,6 +205,7 @@ def gated_delta_varlen(
         DOT_PRECISION="ieee" if q.dtype == v.dtype == torch.float32 else "tf32",
         QK_PRECISION="ieee" if q.dtype == v.dtype == torch.float32 else "tf32x3",
         num_warps=num_warps, num_stages=1,
+        **launch_kwargs(q_.device),
     )  # fmt: skip
     return out
 
@@ -248,6 +252,7 @@ def gated_delta_update(
         USE_L2NORM=bool(use_qk_l2norm),
         BLOCK_K=block_k, BLOCK_V=block_v,
         num_warps=4,
+        **launch_kwargs(q.device),
     )  # fmt: skip
     return out
 

@@ -38,6 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter
+
 L2NORM_EPS = 1e-6
 EPS = tl.constexpr(L2NORM_EPS)  # the same, readable inside @triton.jit
 
@@ -157,7 +159,9 @@ def gated_delta_chunk_kernel(
     BLOCK_V: tl.constexpr,
     DOT_PRECISION: tl.constexpr,  # "ieee" (fp32 storage) or "tf32"
     QK_PRECISION: tl.constexpr,  # of k·kᵀ and q·kᵀ: "ieee" or "tf32x3" (A gets inverted)
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     start = tl.load(qsl_ptr + seq).to(tl.int64)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.activation import silu
+from taipan.kernels.pdl import enter, launch_kwargs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_GROUP = 16384  # one program holds a whole group in registers
@@ -37,7 +38,9 @@ def _gated_rms_norm_kernel(
     eps: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * GROUP + tl.arange(0, BLOCK)
     mask = tl.arange(0, BLOCK) < GROUP
@@ -83,6 +86,7 @@ def gated_rms_norm(
             GROUP=group_size,
             BLOCK=block,
             num_warps=max(1, min(16, block // 256)),
+            **launch_kwargs(x.device),
         )
     return out
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
+
 
 @triton.jit
 def _log_prob_gather_kernel(
@@ -25,7 +27,9 @@ def _log_prob_gather_kernel(
     # meta-parameters
     V,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_logits_b
     # Per lane: running max m and sum of exp(x - m); reduced across lanes once at the end.
@@ -84,6 +88,7 @@ def log_prob_gather(
         logits.stride(0),
         # meta-parameters
         vocab, BLOCK=block, num_warps=num_warps,
+        **launch_kwargs(logits.device),
     )  # fmt: skip
     return out
 

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from taipan.kernels.activation import silu
 from taipan.kernels.moe_align import moe_align
+from taipan.kernels.pdl import enter, launch_kwargs
 
 ACTIVATIONS = ("swiglu", "relu2")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -86,7 +87,9 @@ def _up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:  # past the blocks this routing uses
@@ -145,7 +148,9 @@ def _down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert < 0:  # past the blocks this routing uses
@@ -191,7 +196,9 @@ def _sum_kernel(
     HIDDEN: tl.constexpr,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     col_ok = cols < HIDDEN
@@ -265,6 +272,7 @@ def fused_moe(
         HIDDEN=hidden, INTER=inter, TOPK=topk, SWIGLU=activation == "swiglu",
         BLOCK_M=tiles.block_m, BLOCK_N=up.block_n, BLOCK_K=_block_k(hidden, up.block_k),
         DOT_PRECISION=precision, num_warps=tiles.num_warps, num_stages=up.num_stages,
+        **launch_kwargs(x.device),
     )  # fmt: skip
     _down_kernel[(blocks, triton.cdiv(hidden, down.block_n))](
         act, w2, topk_weights, pair_out, sorted_pairs, block_expert,
@@ -273,6 +281,7 @@ def fused_moe(
         HIDDEN=hidden, INTER=inter, TOPK=topk,
         BLOCK_M=tiles.block_m, BLOCK_N=down.block_n, BLOCK_K=_block_k(inter, down.block_k),
         DOT_PRECISION=precision, num_warps=tiles.num_warps, num_stages=down.num_stages,
+        **launch_kwargs(act.device),
     )  # fmt: skip
     block = min(triton.next_power_of_2(hidden), 1024)
     _sum_kernel[(num_tokens, triton.cdiv(hidden, block))](
@@ -280,6 +289,7 @@ def fused_moe(
         pair_out.stride(0), topk_ids.stride(0), topk_ids.stride(1), out.stride(0),
         expert_start,
         NUM_EXPERTS=num_experts, HIDDEN=hidden, TOPK=topk, BLOCK=block,
+        **launch_kwargs(pair_out.device),
     )  # fmt: skip
     return out
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
+
 SCAN_BLOCK = 1024  # pairs per step of a program's scan over topk_ids
 
 
@@ -51,7 +53,9 @@ def _count_kernel(
     # meta-parameters
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     """One program per local expert counts the pairs that chose it."""
     expert = tl.program_id(0)
     total = tl.zeros([BLOCK], dtype=tl.int32)
@@ -81,7 +85,9 @@ def _place_kernel(
     MAX_BLOCKS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     """One program per local expert writes its blocks' rows; the last one also marks the
     unused tail blocks (-1)."""
     expert = tl.program_id(0)
@@ -134,12 +140,20 @@ def moe_align(
     strides = (topk_ids.stride(0), topk_ids.stride(1))
     topk = topk_ids.shape[1]
     _count_kernel[(num_experts,)](
-        topk_ids, counts, *strides, num_pairs, expert_start, TOPK=topk, BLOCK=scan
+        topk_ids,
+        counts,
+        *strides,
+        num_pairs,
+        expert_start,
+        TOPK=topk,
+        BLOCK=scan,
+        **launch_kwargs(topk_ids.device),
     )
     _place_kernel[(num_experts,)](
         topk_ids, counts, sorted_pairs, block_expert, *strides, num_pairs, expert_start,
         TOPK=topk, NUM_EXPERTS=num_experts, EXPERTS_PAD=triton.next_power_of_2(num_experts),
         MAX_BLOCKS=blocks, BLOCK_M=block_m, BLOCK=scan,
+        **launch_kwargs(topk_ids.device),
     )  # fmt: skip
     return sorted_pairs, block_expert
 

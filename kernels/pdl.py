@@ -1,15 +1,15 @@
-"""Programmatic dependent launch (PDL, Hopper and later): a kernel of the decode chain may start
-while the kernel before it in the stream is still finishing, so its launch and ramp overlap the
-other's tail instead of following it (a one-row decode step is ~100-300 small kernels back to
-back, each paying a few microseconds of launch, ramp and tail).
+"""Programmatic dependent launch (PDL, Hopper and later): every Triton kernel of kernels/ may
+start while the kernel before it in the stream is still finishing, so its launch and ramp
+overlap the other's tail instead of following it (a one-row decode step is ~100-300 small
+kernels back to back, each paying a few microseconds of launch, ramp and tail).
 
-`enter(PDL)` opens every kernel that takes part: `griddepcontrol.launch_dependents` (the next
-kernel may be scheduled once every program of this one has passed here), then
-`griddepcontrol.wait` (this program blocks until the kernel before it has completed and its
-writes are visible). Each such kernel waits before it reads or writes anything, and every one of
-its programs waits, so completion stays transitive: when kernel N has completed, so has every
-kernel before it, and N + 1 sees all of their writes, as without PDL. A kernel launched without
-the attribute, or after one that never signals (cuBLAS, torch's), starts as usual.
+`enter(PDL)` opens every kernel (tests/test_kernels_pdl.py checks it):
+`griddepcontrol.launch_dependents` (the next kernel may be scheduled once every program of this
+one has passed here), then `griddepcontrol.wait` (this program blocks until the kernel before it
+has completed and its writes are visible). Each kernel waits before it reads or writes
+anything, and every one of its programs waits, so completion stays transitive: when kernel N has
+completed, so has every kernel before it, and N + 1 sees all of their writes, as without PDL. A
+kernel launched after one that never signals (cuBLAS, torch's) starts as usual.
 
 `launch_kwargs(device)`: the keyword arguments of a launch on `device` (`PDL` for the kernel,
 `launch_pdl` for Triton's launcher); PDL is on where the GPU has it (compute capability 9.0 or

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.attention_ref import SUPPORTED_HEAD_DIMS, check_sliding_window, head_dim_pad
+from taipan.kernels.pdl import enter, launch_kwargs
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "paged_prefill_attention"]
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 16, 256
@@ -149,7 +150,9 @@ def _prefill_attention_kernel(
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     seq = tl.program_id(1)
     kv_head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
@@ -273,6 +276,7 @@ def paged_prefill_attention(
         # fp32 storage (tests, debugging) means fp32 products, not TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
+        **launch_kwargs(q.device),
     )  # fmt: skip
     return out
 

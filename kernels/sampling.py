@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
+
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (dividing by them overflows)
 _MASK32 = 0xFFFFFFFF
 _HI_MASK = 0x7FFFFFFF  # keeps the high word non-negative in int64
@@ -346,7 +348,9 @@ def _sample_kernel(
     V,
     PIVOTS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     row = tl.program_id(0)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_logits_b
     temperature = tl.load(temperature_ptr + row)
@@ -459,6 +463,7 @@ def sample(
         logits.stride(0),
         # meta-parameters
         vocab, PIVOTS=pivots, BLOCK=block, num_warps=num_warps,
+        **launch_kwargs(logits.device),
     )  # fmt: skip
     return out
 

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.ssd_scan import _check_ssm_args, _discretize, _nonempty, discretize_dt
 
 DECODE_TILE = 2048  # state elements (BLOCK_P * BLOCK_N) per program
@@ -67,7 +68,9 @@ def _selective_state_update_kernel(
     HEADS_PER_GROUP: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     """One program: row program_id(0), head program_id(1), head_dim rows
     [program_id(2) * BLOCK_P, +BLOCK_P) of its state with all N columns: it loads that tile,
     advances it one token and stores it, so its own reads precede its writes."""
@@ -163,6 +166,7 @@ def selective_state_update(
         head_dim, state_size, float(dt_min), float(dt_max),
         HEADS_PER_GROUP=num_heads // groups, BLOCK_P=block_p, BLOCK_N=block_n,
         num_warps=4,
+        **launch_kwargs(x.device),
     )  # fmt: skip
     return out
 

@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 
 from taipan.kernels.decode_attention import _num_sms
+from taipan.kernels.pdl import enter, launch_kwargs
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PARAM_DTYPES = (*DTYPES, torch.float64)  # D and dt_bias
@@ -107,7 +108,9 @@ def _ssd_scan_kernel(
     BLOCK_N: tl.constexpr,
     CB_NATIVE: tl.constexpr,  # C·Bᵀ straight from 16-bit storage (exact products, fp32 sums)
     DOT_PRECISION: tl.constexpr,  # of the dots on fp32 values: "ieee" or "tf32"
+    PDL: tl.constexpr,  # kernels/pdl.py
 ):
+    enter(PDL)
     """One program: sequence program_id(0), head program_id(1), head_dim rows
     [program_id(2) * BLOCK_P, +BLOCK_P) of its state, all N columns. It walks the sequence STEP
     tokens at a time with the running state in registers (fp32), so it alone reads the initial
@@ -287,6 +290,7 @@ def ssd_scan_varlen(
         # fp32 storage (tests, debugging) means fp32 products, not TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,
+        **launch_kwargs(x_.device),
     )  # fmt: skip
     return out
 

@@ -27,6 +27,30 @@ def test_never_on_the_cpu():
     assert pdl.launch_kwargs(torch.device("cpu")) == {"PDL": False, "launch_pdl": False}
 
 
+def test_every_kernel_waits_first():
+    """Every Triton kernel of kernels/ takes part: a PDL parameter and `enter(PDL)` as its first
+    statement (a kernel launched with the attribute that never waited could complete before the
+    kernel before it, and the chain's completion would stop being transitive)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import taipan.kernels as package
+
+    kernels = []
+    for info in pkgutil.iter_modules(package.__path__):
+        module = importlib.import_module(f"taipan.kernels.{info.name}")
+        for name, fn in vars(module).items():
+            jitted = hasattr(fn, "arg_names") and hasattr(fn, "fn")  # (or interpreted)
+            if jitted and name.endswith("kernel") and fn.fn.__module__ == module.__name__:
+                kernels.append(name)
+                assert "PDL" in fn.arg_names, name
+                body = inspect.getsource(fn.fn).split("\n):", 1)[1].split("\n")
+                first = next(line.strip() for line in body[1:] if line.strip())
+                assert first == "enter(PDL)", (name, first)
+    assert len(kernels) >= 25, kernels
+
+
 @pytest.mark.gpu
 def test_gpu_graphed_steps_with_pdl_equal_the_step_without(monkeypatch):
     if not torch.cuda.is_available():
