@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # What the twelfth session built and could not run on a GPU (carry .whl and .carry/new, a
 # `git archive` of HEAD; no model needed). From the root.
+#   part kernels (one GPU): every kernel's and model's GPU tests (PDL now in every kernel:
+#     sampling, MoE, Mamba and Gated-DeltaNet ones too), test_gpu.py;
 #   part one (one GPU): the q/k norms inside RoPE (Qwen3, Gemma 3) and Gemma 3's sandwich norms
 #     in one launch each: their kernel GPU tests, the fused layers, the dense families served
 #     against HF; then the Gemma 3 and Qwen2.5-7B decode rows at batch 1 (the issue 27 bar);
@@ -19,7 +21,11 @@ stage_tree .carry/new /tmp/pkg_new || exit 1
 cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
 DEC="bench --workload decode --device cuda --dtype bfloat16 --output-len 128 --no-hf
 --ours-modes graphs"
-if [ "$PART" = one ]; then
+if [ "$PART" = kernels ]; then
+    timeout -s ABRT 540 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_kernels_*.py tests/test_ops_*.py tests/test_gpu.py 2>&1 \
+        | grep -vE "^  File|^Extension" | tail -12
+elif [ "$PART" = one ]; then
     timeout -s ABRT 330 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
         tests/test_kernels_elementwise.py tests/test_ops_fused_decode.py \
         tests/test_kernels_pdl.py tests/test_e2e_dense.py -k "not tp2" 2>&1 \
