@@ -148,7 +148,9 @@ def one_shot_all_reduce(
     return out
 
 
-def _check_args(x, out, counters, bufs, flags, rank, status) -> None:
+def check_group(bufs, flags, rank: int) -> int:
+    """The group's size from its buffers and flag arrays (one each per rank, 2..MAX_WORLD),
+    and `rank` within it (raises ValueError naming what does not fit)."""
     world = len(bufs)
     if not 2 <= world <= MAX_WORLD or len(flags) != world:
         raise ValueError(
@@ -156,6 +158,11 @@ def _check_args(x, out, counters, bufs, flags, rank, status) -> None:
         )
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} is outside 0..{world - 1}")
+    return world
+
+
+def _check_args(x, out, counters, bufs, flags, rank, status) -> None:
+    check_group(bufs, flags, rank)
     if x.dtype not in DTYPES or out.dtype != x.dtype or out.numel() != x.numel():
         raise ValueError(
             f"x and out must share a dtype of {DTYPES} and a size, got {x.dtype} "

@@ -26,7 +26,14 @@ import torch
 import triton
 import triton.language as tl
 
-from taipan.kernels.all_reduce import DTYPES, MAX_PROGRAMS, MAX_WORLD, UNBOUNDED, all_reduce_ref
+from taipan.kernels.all_reduce import (
+    DTYPES,
+    MAX_PROGRAMS,
+    MAX_WORLD,
+    UNBOUNDED,
+    all_reduce_ref,
+    check_group,
+)
 from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.rmsnorm import rms_norm_ref
 
@@ -152,13 +159,7 @@ def one_shot_all_reduce_rms_norm(
 
 
 def _check_args(x, residual, weight, out, counters, bufs, flags, rank, status) -> None:
-    world = len(bufs)
-    if not 2 <= world <= MAX_WORLD or len(flags) != world:
-        raise ValueError(
-            f"need 2..{MAX_WORLD} buffers and as many flag arrays, got {world} and {len(flags)}"
-        )
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside 0..{world - 1}")
+    check_group(bufs, flags, rank)
     if x.dim() != 2 or x.dtype not in DTYPES:
         raise ValueError(f"x must be [rows, N] of {DTYPES}, got {tuple(x.shape)} {x.dtype}")
     for name, t in {"residual": residual, "out": out}.items():

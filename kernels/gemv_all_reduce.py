@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from taipan.kernels.all_reduce import MAX_WORLD, UNBOUNDED
+from taipan.kernels.all_reduce import MAX_WORLD, UNBOUNDED, check_group
 from taipan.kernels.gemv import MAX_ROWS, _products, gemv_ref
 from taipan.kernels.pdl import enter, launch_kwargs
 from taipan.kernels.rmsnorm import rms_norm_ref
@@ -184,13 +184,7 @@ def gemv_all_reduce_rms_norm(
 
 
 def _check_args(x, w, residual, weight, state, bufs, flags, rank, status) -> None:
-    world = len(bufs)
-    if not 2 <= world <= MAX_WORLD or len(flags) != world:
-        raise ValueError(
-            f"need 2..{MAX_WORLD} buffers and as many flag arrays, got {world} and {len(flags)}"
-        )
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside 0..{world - 1}")
+    world = check_group(bufs, flags, rank)
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"x [M, K] and w [N, K] do not fit: {tuple(x.shape)}, {tuple(w.shape)}")
     m, n = x.shape[0], w.shape[0]
