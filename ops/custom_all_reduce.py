@@ -53,9 +53,9 @@ SELF_TEST_SPINS = 1 << 22
 
 
 def _gemv_sum() -> bool:
-    """TAIPAN_TP_GEMV_SUM=1: a one-row TP step's o_proj runs with its all-reduce and the norm
-    after it in one launch (kernels/gemv_all_reduce.py); 0 (the default until it has run on
-    GPUs): the product, then the fused sum + norm."""
+    """TAIPAN_TP_GEMV_SUM=1: a one-row TP step's o_proj and down_proj each run with their
+    all-reduce, residual add and the norm after them in one launch (kernels/gemv_all_reduce.py);
+    0 (the default until it has run on GPUs): the product, then the fused sum + norm."""
     value = os.environ.get(GEMV_SUM_ENV, "0")
     if value not in ("0", "1"):
         raise ValueError(f"{GEMV_SUM_ENV} must be 0 or 1, got {value!r}")
