@@ -413,20 +413,17 @@ def rope_and_write_kv_ref(
 ) -> torch.Tensor:
     """`rope_and_write_kv` in plain torch (fp32 cos/sin and arithmetic), same contract: the
     per-head norms are kernels/rmsnorm.py's reference over each head."""
+    out = q if out is None else out
     if _check_norms(q, q_norm_weight, k_norm_weight):
-        q_in, d = q, q.shape[-1]
-        q = rms_norm_ref(q.reshape(-1, d), q_norm_weight, norm_eps, gemma=gemma_norm)
-        q = q.view(q_in.shape)
+        d = q.shape[-1]
+        q = rms_norm_ref(q.reshape(-1, d), q_norm_weight, norm_eps, gemma=gemma_norm).view(q.shape)
         k = rms_norm_ref(k.reshape(-1, d), k_norm_weight, norm_eps, gemma=gemma_norm).view(k.shape)
-        out = q_in if out is None else out
     half = q.shape[-1] // 2
     cos_sin = cos_sin_cache[positions.long()][:, None, :]  # [T, 1, D] fp32
     cos, sin = cos_sin[..., :half], cos_sin[..., half:]
     q_rot = _rotate_half_ref(q.float(), cos, sin)
     write_kv_ref(_rotate_half_ref(k.float(), cos, sin), v, kv_cache, slot_mapping)
-    out = q if out is None else out
-    out.copy_(q_rot)
-    return out
+    return out.copy_(q_rot)
 
 
 def _rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
