@@ -167,7 +167,7 @@ def test_synchronous_rounds_refuse_overlapping_steps():
 async def test_replay_check_follows_the_consensus_rounds(tmp_path, overlap):
     """Both ranks' engine logs, with their rounds, dummy steps and a pause mid-generation,
     replay without divergence (steps overlapping or not); a log missing one peer vote diverges
-    at the step after it."""
+    (at the next step the schedule needed it for, or where a later round completes)."""
     import json
 
     from taipan.actors.record import Recorder, read_log
@@ -205,9 +205,11 @@ async def test_replay_check_follows_the_consensus_rounds(tmp_path, overlap):
 
     votes = [i for i, rec in enumerate(records) if rec.channel == "ep" and rec.direction == "in"
              and isinstance(decode(rec.frames), EpVote)]  # fmt: skip
-    del records[votes[3]]
-    div, _ = check_engine(records, tmp_path)
-    assert div is not None and "consensus round" in div.what
+    # every peer vote but the last round's is needed (that one may have no later round)
+    for i in votes[:-1]:
+        div, _ = check_engine(records[:i] + records[i + 1 :], tmp_path)
+        assert div is not None, i
+        assert "consensus round" in div.what or "agreed to" in div.what, div
 
 
 async def _control_all(g, msg) -> list:

@@ -92,7 +92,18 @@ class EpMirror:
         return self._settle()
 
     def _settle(self) -> str | None:
-        msgs = self.book.complete(self.book.next_round - 1)
+        done = self.book.next_round - 1
+        msgs = self.book.complete(done)
+        if msgs:
+            # a rank joins round r+1 only once round r is complete on its side, so a round
+            # still open below one that completed lost a message (from the log, or the wire)
+            stale = sorted(r for r in self.book.rounds if r < done)
+            if stale:
+                missing = ", ".join(f"rank {r}" for r in self.book.missing(stale[0]))
+                return (
+                    f"consensus round {stale[0]} never completed ({missing} missing) although "
+                    f"round {done} did"
+                )
         if msgs and isinstance(msgs[0], EpVote):
             self.schedule.agreed(agree(msgs))
             self.voted = True
