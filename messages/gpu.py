@@ -85,6 +85,10 @@ class LoadModel:
     # Speculative decoding (InferenceConfig.num_speculative_tokens > 0): mixed CUDA graphs also
     # keep every token's hidden state, so verify rows replay them instead of running eagerly.
     speculative: bool = False
+    # Its k (0 with it off). A hybrid's live Mamba slots then come with k scratch slots each,
+    # where a verify row's states after each of its first k tokens are kept, so the state of
+    # the last accepted one replaces the slot's (actors/gpu/forward.py `_roll_back_states`).
+    num_speculative_tokens: int = 0
 
 
 @message(121, required=11)  # (tensor_parallel_size came later)

@@ -176,6 +176,7 @@ def load_model_message(spec: LaunchSpec, rank: int, ep_load: dict):
         **ep_load,
         custom_all_reduce=config.custom_all_reduce,
         speculative=config.num_speculative_tokens > 0,
+        num_speculative_tokens=config.num_speculative_tokens,
     )
 
 

@@ -17,8 +17,7 @@ greedy outputs with drafts equal those without
 - across an update in a keep-mode pause that lands inside speculative requests (weights that
   change nothing, only the version): two spans, well formed, where the update landed.
 
-Hybrid (Mamba / GDN) models refuse speculation at start-up (not built), so there is no hybrid
-case here.
+Hybrid models speculate in tests/test_e2e_speculative_hybrid.py.
 """
 
 from __future__ import annotations
@@ -67,17 +66,24 @@ def config(k: int = 0) -> InferenceConfig:
 
 
 def make_looping_llama(path: str, seed: int = 0, scale: float = 0.7) -> str:
-    """make_random_llama's TINY_SHAPE with an untied head whose row succ[t] is token t's
-    embedding (greedy: t -> succ[t] unless the layers bend it), succ a permutation of the 256
-    byte tokens in cycles of 3 to 7, and o_proj, down_proj scaled by `scale` (0.7: at T = 2,
+    """make_random_llama's TINY_SHAPE made to loop (`make_looping`; scale 0.7: at T = 2,
     PROMPTS' first round drafted 174 tokens in 64 verify rows and 138 were accepted, at every
     position)."""
+    make_random_llama(path, TINY_SHAPE, seed=seed)
+    names = ("model.embed_tokens.weight", ("o_proj.weight", "down_proj.weight"))
+    return make_looping(path, *names, seed=seed, scale=scale)
+
+
+def make_looping(path: str, embedding: str, outputs: tuple[str, ...], seed: int, scale: float):
+    """The model saved in `path`, rewritten: an untied head whose row succ[t] is token t's
+    embedding (tensor `embedding`; greedy: t -> succ[t] unless the layers bend it), succ a
+    permutation of the 256 byte tokens in cycles of 3 to 7, and the tensors whose names end
+    with `outputs` (the layers' output projections) scaled by `scale`."""
     from safetensors.numpy import load_file, save_file
 
-    make_random_llama(path, TINY_SHAPE, seed=seed)
     weights = os.path.join(path, "model.safetensors")
     state = load_file(weights)
-    emb = state["model.embed_tokens.weight"]
+    emb = state[embedding]
     gen = np.random.default_rng(seed)
     order, succ, i = gen.permutation(256), np.arange(emb.shape[0]), 0
     while i < 256:
@@ -88,7 +94,7 @@ def make_looping_llama(path: str, seed: int = 0, scale: float = 0.7) -> str:
     head[succ] = emb
     state["lm_head.weight"] = head
     for name in state:
-        if name.endswith(("o_proj.weight", "down_proj.weight")):
+        if name.endswith(outputs):
             state[name] = state[name] * np.float32(scale)
     save_file(state, weights, metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:

@@ -34,8 +34,9 @@ drafts before it make them (control_arrays.py, StepPlan.bias_offsets). Log-probs
 raw or processed, come with each accepted token (StepResult.spec_log_probs / spec_top_n_*)
 and routed experts with each accepted position (routing.py `take_step`): RL rollouts
 speculate.
-Hybrid (Mamba / GDN) models refuse speculation at start-up (their recurrent state would have to
-be rolled back to the last accepted position; not built).
+Hybrid (Mamba / GDN) models speculate too: the gpu keeps a verify row's recurrent states inside
+the row and puts the last accepted position's back in the live slot (actors/gpu/forward.py
+`_verify_snapshots`), so nothing changes here; their verify steps run eagerly.
 
 Back-off: a speculating request gives up the overlap of plain decoding (its rows wait for its
 last token), which a row that gains nothing pays for in full. After MISSES rows in a row that

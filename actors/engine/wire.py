@@ -33,13 +33,6 @@ def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorR
             f"max_sequence_length ({config.max_sequence_length}) exceeds the model's "
             f"max_position_embeddings ({loaded.max_position_embeddings})"
         )
-    if config.num_speculative_tokens and loaded.mamba_slots:
-        raise BootError(
-            f"num_speculative_tokens={config.num_speculative_tokens} with a hybrid model "
-            "(Mamba / Gated-DeltaNet layers): speculative decoding would have to roll the "
-            "recurrent state back to the last accepted token, which is not built yet; set "
-            "num_speculative_tokens=0"
-        )
     max_requests, max_tokens = plan_limits(config)
     paused = None
     if config.paused_buffer_size_gb is not None:

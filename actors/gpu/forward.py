@@ -1,7 +1,8 @@
 """What a step runs on the device, as WorkerForward, a base of ModelWorker: the CUDA graph
 bucket it replays (agreed with the expert-parallel group), the model's forward over the step
 buffers (eager, or recorded into a CUDA graph and replayed), the last tokens' logits, sampling,
-the Mamba snapshots at chunk ends, and the routed experts' recording.
+the Mamba snapshots at chunk ends, a hybrid's verify rows (their states inside the row kept in
+scratch slots, the last accepted one restored), and the routed experts' recording.
 
 Routed experts (a MoE model, StepPlan.return_routed_experts): every MoE layer writes its router's
 ids into one static buffer (ops/moe.py `record_routing`); the captured graphs always do (one
@@ -24,6 +25,7 @@ import torch
 
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.graphs import Bucket, StepGraphs
+from taipan.actors.gpu.speculative import draft_rows
 from taipan.messages.gpu import StepPlan, StepResult
 from taipan.ops.expert_parallel import EPGroup, exchange_only
 from taipan.ops.mamba import MambaMetadata
@@ -47,6 +49,9 @@ class WorkerForward:
     exchange: object  # the MoE layers' token exchange under expert parallelism, or None
     kv_cache: torch.Tensor | None
     mamba_state: tuple[torch.Tensor, torch.Tensor] | None
+    _mamba_slots: int  # live + snapshot slots; the scratch slots follow
+    _snapshot_slots: int
+    _scratch_per_slot: int
     buffers: StepBuffers | None
     graphs: StepGraphs | None
     graph_capture_seconds: float
@@ -170,6 +175,52 @@ class WorkerForward:
             return
         s = self._tensor(plan.mamba_out[plan.mamba_snap_row[ends]], torch.long)
         d = self._tensor(plan.mamba_snap_dst[ends], torch.long)
+        for t in self.mamba_state:
+            t.index_copy_(1, d, t.index_select(1, s))
+
+    # ---- a hybrid's verify rows ------------------------------------------------------------
+
+    def _verify_snapshots(self, plan: StepPlan) -> dict[int, list[tuple[int, int]]]:
+        """A hybrid's verify rows (actors/gpu/speculative.py): the recurrent state is rolled
+        back to the last accepted token, so the kernels keep each row's states after its first
+        1..d tokens (its last known token, then each draft but the last) in its live slot's
+        scratch slots, as they keep prefix snapshots inside a chunk: row -> [(position,
+        slot)]. ValueError (before the step touches anything) for a verify row that does not
+        continue a live slot of its own, has more drafts than the scratch slots, or also takes
+        prefix snapshots."""
+        rows = draft_rows(plan)
+        nd, k = plan.num_drafts[rows], self._scratch_per_slot
+        live = self._mamba_slots - self._snapshot_slots
+        out, init = plan.mamba_out[rows], plan.mamba_init[rows]
+        if (out < 0).any() or (out >= live).any() or (init != out).any():
+            raise ValueError("a hybrid's verify row must continue its own live Mamba slot")
+        if nd.max() > k:
+            raise ValueError(
+                f"a hybrid's verify row has {int(nd.max())} drafts, more than the "
+                f"num_speculative_tokens={k} its Mamba scratch slots hold"
+            )
+        if np.isin(rows, plan.mamba_snap_row).any():
+            raise ValueError("a hybrid's verify row cannot take prefix snapshots")
+        base = self._mamba_slots
+        return {
+            int(r): [(j + 1, base + int(s) * k + j) for j in range(int(d))]
+            for r, d, s in zip(rows, nd, out, strict=True)
+        }
+
+    def _roll_back_states(self, plan: StepPlan, spec: np.ndarray) -> None:
+        """After verification (`spec`: StepResult.spec_tokens, m >= 1 new tokens a row): a
+        verify row whose drafts were not all accepted gets, in its live slot, the state after
+        its first m tokens (its last known token and the m - 1 accepted drafts), which
+        `_verify_snapshots` had the kernels keep; queued before the next step's forward."""
+        rows = draft_rows(plan)
+        new = (spec[rows] >= 0).sum(axis=1)
+        short = new < plan.num_drafts[rows] + 1
+        if not short.any():
+            return
+        live_slot = plan.mamba_out[rows[short]].astype(np.int64)
+        src = self._mamba_slots + live_slot * self._scratch_per_slot + new[short] - 1
+        s = self._tensor(src, torch.long)
+        d = self._tensor(live_slot, torch.long)
         for t in self.mamba_state:
             t.index_copy_(1, d, t.index_select(1, s))
 

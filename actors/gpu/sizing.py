@@ -27,16 +27,23 @@ HOST_RESERVE_BYTES = 2 * GIB  # an offload must leave at least this much host me
 
 @dataclasses.dataclass(frozen=True)
 class PoolSizes:
-    """What a rank allocates: KV blocks and Mamba slots (live 0..L-1, then the snapshots)."""
+    """What a rank allocates: KV blocks and Mamba slots (live 0..L-1, then the snapshots, then
+    the worker's own scratch slots of speculative verify rows, which the engine never names)."""
 
     num_blocks: int
     kv_bytes: int  # the budget left to the KV blocks, after the live Mamba slots' share
     live_slots: int = 0  # 0: no Mamba layers
     snapshot_slots: int = 0
+    scratch_per_slot: int = 0  # speculative decoding's k (each live slot's scratch slots)
 
     @property
     def mamba_slots(self) -> int:
+        """The slots the engine may name: live, then snapshots."""
         return self.live_slots + self.snapshot_slots
+
+    @property
+    def scratch_slots(self) -> int:
+        return self.live_slots * self.scratch_per_slot
 
 
 def available_host_memory() -> int:
@@ -102,11 +109,15 @@ def size_pools(
     max_requests: int = 0,
     mamba_memory_ratio: float | None = None,
     mamba_snapshot_gb: float | None = None,
+    scratch_per_slot: int = 0,
     agree: Callable[[int], int] = _same,
 ) -> PoolSizes:
     """The pools of this rank's `budget` bytes (`source`: where it comes from, for the error):
     blocks of `block_bytes`, at most `max_blocks` (0: no cap), and for a hybrid (`slot_bytes`
     > 0) live slots (mamba_live_slots) and snapshot slots (`mamba_snapshot_gb` // a slot).
+    With speculative decoding each live slot brings `scratch_per_slot` (k) scratch slots: a
+    live state then costs k + 1 slots' bytes (as vLLM keeps a state per speculative position),
+    so a mamba_memory_ratio share holds k + 1 times fewer requests.
 
     `agree` gives the group's smallest value (tensor parallelism: ranks may differ in the bytes
     of a block or slot). It is called in one fixed order (budget, live, snapshots, blocks) so
@@ -115,7 +126,8 @@ def size_pools(
     budget = agree(budget)
     live = snapshots = 0
     if slot_bytes:
-        live, budget = mamba_live_slots(budget, slot_bytes, max_requests, mamba_memory_ratio)
+        per_request = slot_bytes * (1 + scratch_per_slot)
+        live, budget = mamba_live_slots(budget, per_request, max_requests, mamba_memory_ratio)
         snapshots = mamba_snapshot_slots(int((mamba_snapshot_gb or 0) * GIB), slot_bytes)
         # The engine's slot ids must exist on every rank.
         live, snapshots = agree(live), agree(snapshots)
@@ -128,7 +140,7 @@ def size_pools(
             f"the KV budget ({budget / GIB:.3g} GiB, {source}) holds no KV "
             f"block of {block_bytes} bytes"
         )
-    return PoolSizes(num_blocks, budget, live, snapshots)
+    return PoolSizes(num_blocks, budget, live, snapshots, scratch_per_slot if live else 0)
 
 
 def offload_problem(kv_bytes: int, available: int) -> str | None:

@@ -149,8 +149,11 @@ class ModelWorker(WorkerForward, WorkerControls):
         # Hybrid models: every Mamba layer's (conv, ssm) state slots; None without Mamba layers
         # (and while suspended in offload or recompute mode).
         self.mamba_state: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._mamba_slots = 0  # live + snapshot slots
+        self._mamba_slots = 0  # live + snapshot slots (the ones a plan may name)
         self._snapshot_slots = 0
+        # Speculative decoding's k: each live slot s has scratch slots
+        # _mamba_slots + s * k + j (the state after j + 1 tokens of its verify row).
+        self._scratch_per_slot = 0
         self.buffers: StepBuffers | None = None  # the step inputs' fixed device addresses
         self.device = torch.device("cpu")
         self.dtype = torch.float32
@@ -292,6 +295,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             max_requests=msg.max_requests,
             mamba_memory_ratio=msg.mamba_memory_ratio,
             mamba_snapshot_gb=msg.mamba_snapshot_gb,
+            scratch_per_slot=msg.num_speculative_tokens if msg.speculative else 0,
             agree=self.tp.agree_min,
         )
 
@@ -304,6 +308,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         # Hybrids: live slots 0..live-1 (one per request holding state), snapshots after them.
         self.mamba_state, self._mamba_offloaded = None, None
         self._mamba_slots, self._snapshot_slots = sizes.mamba_slots, sizes.snapshot_slots
+        self._scratch_per_slot = sizes.scratch_per_slot
         self.dtype = dtype  # (the conv state is kept in the model's dtype)
         if sizes.live_slots:
             self.mamba_state = self._new_mamba_state(config)
@@ -351,8 +356,11 @@ class ModelWorker(WorkerForward, WorkerControls):
 
     def _new_mamba_state(self, config) -> tuple[torch.Tensor, torch.Tensor]:
         ssm_dtype = DTYPES[config.ssm_state_dtype]
+        slots = self._mamba_slots + self._scratch_per_slot * (
+            self._mamba_slots - self._snapshot_slots
+        )  # (live, snapshots, then the live slots' scratch)
         return allocate_mamba_state(
-            config.mamba_state_for(self.tp), self._mamba_slots, self.dtype, ssm_dtype, self.device
+            config.mamba_state_for(self.tp), slots, self.dtype, ssm_dtype, self.device
         )
 
     # ---- steps ---------------------------------------------------------------------------------
@@ -382,6 +390,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_sampling_controls(plan, self.config.vocab_size)
         check_drafts(plan)
         inner_snaps = inner_snapshots(plan)
+        if self.mamba_state is not None and len(draft_rows(plan)):
+            inner_snaps |= self._verify_snapshots(plan)  # (a hybrid's verify rows)
         bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
         staged = self.buffers.stage(plan_arrays(plan), **sizes)
@@ -411,6 +421,8 @@ class ModelWorker(WorkerForward, WorkerControls):
                 plan, inputs, hidden, tokens, self.model.compute_logits, self.grammar_masks
             )
             spec = spec.astype(np.int32)
+            if self.mamba_state is not None:
+                self._roll_back_states(plan, spec)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
         self.grammar_masks.sampled(host, ended)

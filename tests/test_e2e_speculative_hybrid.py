@@ -1,0 +1,66 @@
+"""Speculative decoding of a hybrid (Mamba2 + attention) model through real processes on the
+CPU (issue 29: hybrids, with prefix caching and chunked prefill): a tiny random NemotronH made
+to loop (tests/test_e2e_speculative_more.py `make_looping`: its greedy outputs settle into
+cycles the n-gram drafts follow, with departures that reject drafts), served with k = 3 drafts
+and without. Greedy outputs, and a seeded sampled request's, are the same; drafts were
+accepted (at every position) and rejected, so the gpu rolled the Mamba states back (actors/gpu/
+forward.py `_roll_back_states`). A second round of the same prompts starts from the cached
+prefixes' Mamba snapshots and is the same again.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from taipan.actors.config import InferenceConfig
+from taipan.client import Client
+from taipan.launcher import Runtime
+from taipan.messages.requests import SamplingParams
+from tests.random_nemotron_h import make_random_nemotron_h
+from tests.test_e2e_speculative_more import GREEDY, PROMPTS, make_looping
+
+pytest.importorskip("transformers")
+K = 3
+SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
+
+
+def config(k: int) -> InferenceConfig:
+    return InferenceConfig(
+        block_size_tokens=16,
+        max_tokens=48,  # prompts of up to 97 tokens: chunked
+        max_requests=4,
+        buffer_size_gb=0.05,
+        max_sequence_length=256,
+        enable_prefix_caching=True,
+        enable_chunked_prefill=True,
+        prefix_caching_mamba_gb=0.002,
+        num_speculative_tokens=k,
+    )
+
+
+@pytest.fixture(scope="module")
+def looping(tmp_path_factory) -> str:
+    path = make_random_nemotron_h(str(tmp_path_factory.mktemp("spec-hybrid")), "M-*-M-")
+    outputs = ("out_proj.weight", "o_proj.weight", "down_proj.weight")
+    return make_looping(path, "backbone.embeddings.weight", outputs, seed=3, scale=0.15)
+
+
+def _serve(path: str, k: int):
+    with Runtime(path, config(k)) as rt, Client(rt.address) as c:
+        first = [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)]
+        again = [list(x.token_ids) for x in c.generate(PROMPTS[::-1], GREEDY)]
+        sampled = list(c.generate([PROMPTS[1]], SAMPLED)[0].token_ids)
+        return first, again[::-1], sampled, c.stats().merged()
+
+
+def test_hybrid_with_drafts_equals_without(looping):
+    want = _serve(looping, 0)
+    got = _serve(looping, K)
+    assert len({tuple(w) for w in want[0]}) == len(PROMPTS)
+    assert got[:3] == want[:3]
+    assert want[1] == want[0]
+    stats = got[3]
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
+    assert (np.asarray(stats.spec_accepted_per_position) > 0).all(), stats
+    assert stats.mamba_restored > 0, stats  # the second round restored snapshots
