@@ -117,6 +117,13 @@ class InferenceConfig:
     speculative_method: str = "ngram"
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
+    # speculative_method "draft_model" (vLLM's speculative_config model): a smaller model of
+    # the same tokenizer (a path or a registry name, as the target's), run by the same gpu
+    # actor with a KV cache of its own over the same block ids; it drafts greedily
+    # (actors/gpu/draft.py). "self:N": the target's first N layers and its head (a
+    # self-speculative draft that shares the target's weights, so it follows every weight
+    # update). taipan's name; vLLM's old flag was --speculative-model.
+    speculative_model: str | None = None
     verbose: dataclasses.InitVar[bool] = False
 
     def __post_init__(self, verbose: bool):
@@ -209,11 +216,27 @@ class InferenceConfig:
         method = self.speculative_method
         if method in UNBUILT_SPECULATIVE_METHODS:
             raise ConfigError(
-                f"speculative_method={method!r} is not built yet; only 'ngram' is (prompt "
-                "lookup, no draft model)"
+                f"speculative_method={method!r} is not built yet; only 'ngram' (prompt "
+                "lookup) and 'draft_model' are"
             )
-        if method != "ngram":
-            raise ConfigError(f"speculative_method must be 'ngram', got {method!r}")
+        if method not in SPECULATIVE_METHODS:
+            raise ConfigError(
+                f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                f"got {method!r}"
+            )
+        draft = self.speculative_model
+        if (method == "draft_model") != bool(draft):
+            raise ConfigError(
+                "speculative_method='draft_model' needs speculative_model (the draft's path or "
+                "name), and speculative_model needs speculative_method='draft_model'"
+            )
+        if draft and draft.startswith("self:"):
+            n = draft.removeprefix("self:")
+            if not n.isdigit() or int(n) < 1:
+                raise ConfigError(
+                    f"speculative_model={draft!r}: 'self:N' needs N >= 1 (the target's first "
+                    "N layers)"
+                )
         lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
         if not 1 <= lo <= hi:
             raise ConfigError(
@@ -347,7 +370,8 @@ def routing_policy(config: InferenceConfig) -> PrefixCachingCoordinatorPolicy:
 # Speculative decoding: the most draft tokens a step may verify per request, and the methods
 # users of vLLM / Megatron may name that are not built.
 MAX_SPECULATIVE_TOKENS = 64
-UNBUILT_SPECULATIVE_METHODS = ("draft_model", "mtp", "eagle", "eagle3", "medusa")
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+UNBUILT_SPECULATIVE_METHODS = ("mtp", "eagle", "eagle3", "medusa")
 
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {

@@ -89,6 +89,10 @@ class LoadModel:
     # where a verify row's states after each of its first k tokens are kept, so the state of
     # the last accepted one replaces the slot's (actors/gpu/forward.py `_roll_back_states`).
     num_speculative_tokens: int = 0
+    # speculative_method "draft_model": the draft's path ("": none). The worker loads it beside
+    # the target (same tokenizer), with a KV cache of its own over the same block ids, and
+    # fills a plan's draft tokens itself (StepPlan.draft_prev; actors/gpu/draft.py).
+    draft_model: str = ""
 
 
 @message(121, required=11)  # (tensor_parallel_size came later)
@@ -241,6 +245,11 @@ class StepPlan:
     # the one scored position it applies at (0 = its last known token's, j = after its first j
     # drafts: min_tokens and bad words depend on the drafts before it); -1: every position.
     bias_offsets: Array[np.int32, 1] = empty_array_field(np.int32)
+    # A draft model (LoadModel.draft_model): int32[B], the token before each verifying
+    # sequence's last known one (-1 for the others; empty: no verify row). Its draft input
+    # tokens are then placeholders the gpu fills: the draft model reads that token and the
+    # last known one, then drafts greedily (actors/gpu/draft.py).
+    draft_prev: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123, required=12)  # (routed_experts came later)

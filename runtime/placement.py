@@ -100,8 +100,14 @@ EP_FIELDS = ("ep_consensus_interval", "disable_ep_consensus", "use_synchronous_z
 
 def check_ep_fields(config: InferenceConfig, expert: int) -> None:
     """LaunchError for an EP consensus field set without expert parallelism, where it would
-    change nothing (an option is never silently ignored)."""
+    change nothing (an option is never silently ignored), and for what expert parallelism
+    does not serve yet."""
     if expert > 1:
+        if config.num_speculative_tokens and config.speculative_method == "draft_model":
+            raise LaunchError(
+                "speculative_method='draft_model' under expert parallelism is not built yet "
+                "(the draft would have to join every dummy step)"
+            )
         return
     default = InferenceConfig()
     for name in EP_FIELDS:

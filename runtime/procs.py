@@ -177,7 +177,19 @@ def load_model_message(spec: LaunchSpec, rank: int, ep_load: dict):
         custom_all_reduce=config.custom_all_reduce,
         speculative=config.num_speculative_tokens > 0,
         num_speculative_tokens=config.num_speculative_tokens,
+        draft_model=_draft_model_path(config),
     )
+
+
+def _draft_model_path(config) -> str:
+    """The draft model's path for speculative_method 'draft_model' ("" without one)."""
+    if not (config.num_speculative_tokens and config.speculative_method == "draft_model"):
+        return ""
+    if config.speculative_model.startswith("self:"):
+        return config.speculative_model  # (the target's first layers: the worker builds it)
+    from taipan.models import resolve
+
+    return resolve(config.speculative_model)[1]
 
 
 async def _engine_rank(spec: LaunchSpec, rank: int) -> None:

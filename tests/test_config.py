@@ -72,6 +72,7 @@ TAIPAN_FIELDS = {
     "speculative_method": "ngram",
     "ngram_prompt_lookup_min": 1,
     "ngram_prompt_lookup_max": 4,
+    "speculative_model": None,
 }
 HINTS = typing.get_type_hints(InferenceConfig)
 FIELDS = {f.name: f for f in dataclasses.fields(InferenceConfig)}
@@ -400,11 +401,18 @@ def test_mamba_inference_state_config_keys_and_values_are_checked():
 def test_speculative_fields():
     config = InferenceConfig(num_speculative_tokens=4, ngram_prompt_lookup_max=3)
     assert config.num_speculative_tokens == 4
-    for method in ("draft_model", "mtp"):
+    for method in ("mtp", "eagle"):
         with pytest.raises(ConfigError, match=f"speculative_method='{method}' is not built"):
             InferenceConfig(num_speculative_tokens=2, speculative_method=method)
-    with pytest.raises(ConfigError, match="must be 'ngram'"):
+    with pytest.raises(ConfigError, match="must be one of ngram, draft_model"):
         InferenceConfig(speculative_method="magic")
+    drafted = InferenceConfig(
+        num_speculative_tokens=3, speculative_method="draft_model", speculative_model="/d"
+    )
+    assert drafted.speculative_model == "/d"
+    for bad in ({"speculative_method": "draft_model"}, {"speculative_model": "/d"}):
+        with pytest.raises(ConfigError, match="needs speculative_model"):
+            InferenceConfig(num_speculative_tokens=2, **bad)
     with pytest.raises(ConfigError, match="num_speculative_tokens must be in"):
         InferenceConfig(num_speculative_tokens=-1)
     with pytest.raises(ConfigError, match="1 <= min <= max"):

@@ -183,15 +183,20 @@ def test_a_stop_inside_an_accepted_run_ends_there(where):
 
 def test_only_requests_that_opt_out_do_not_speculate():
     """Log-probs (processed too), every logit control and grammars (greedy or sampled)
-    speculate; speculative=False does not."""
+    speculate; speculative=False does not; with a draft model, bad words do not."""
     from taipan.actors.engine.speculation import Speculation
     from taipan.messages.requests import StructuredOutput
 
     regex = StructuredOutput("regex", "[a-z]+")
-    assert Speculation.eligible(periodic_request(7, 12, 8, structured=regex))
+    spec, on_gpu = Speculation(4, 1, 4), Speculation(4, 1, 4, on_gpu=True)
+    assert spec.eligible(periodic_request(7, 12, 8, structured=regex))
     sampled = SamplingParams(max_tokens=8, temperature=0.7, structured=regex)
     prompt = np.arange(12, dtype=np.int32)
-    assert Speculation.eligible(EngineRequest(7, prompt, sampled, False, 0.0, seed=7))
+    assert spec.eligible(EngineRequest(7, prompt, sampled, False, 0.0, seed=7))
+    assert on_gpu.eligible(EngineRequest(7, prompt, sampled, False, 0.0, seed=7))
+    # A draft model's drafts are unknown while planning, and bad words' biases follow them.
+    bad = periodic_request(3, 12, 8, bad_words_ids=((7, 8),))
+    assert spec.eligible(bad) and not on_gpu.eligible(bad)
     h = SpecHarness(ts.make_plan(), chunked=False)
     reqs = [
         periodic_request(1, 12, 8, speculative=False),

@@ -29,6 +29,8 @@ class Chunk:
     # Speculative decoding: the draft tokens this row verifies after its last known token
     # (its query is that token and these, 1 + len(drafts) tokens); None: not a verify row.
     drafts: np.ndarray | None = None
+    # The drafts are placeholders a draft model on the gpu fills (StepPlan.draft_prev).
+    gpu_drafts: bool = False
 
 
 @dataclasses.dataclass

@@ -75,6 +75,11 @@ def plan_arrays(
     reqs = [c.request for c in batch.chunks]
     from_previous = max(prev_rows) >= 0
     num_drafts = [0 if c.drafts is None else len(c.drafts) for c in batch.chunks]
+    # A draft model's rows: the token before the last known one (the gpu's draft reads both).
+    draft_prev = [
+        int(c.request.token_slice(c.start - 1, c.start)[0]) if c.gpu_drafts and n else -1
+        for c, n in zip(batch.chunks, num_drafts, strict=True)
+    ]
     processed = [r.sampling.logprobs_mode is LogprobsMode.PROCESSED for r in reqs]
     mamba = {}
     if hybrid:
@@ -120,6 +125,7 @@ def plan_arrays(
         "logprobs_mode": np.asarray(processed if any(processed) else [], dtype=np.int8),
         # Speculative decoding: draft tokens per sequence (empty when the step verifies none).
         "num_drafts": np.asarray(num_drafts if any(num_drafts) else [], dtype=np.int32),
+        "draft_prev": np.asarray(draft_prev if max(draft_prev, default=-1) >= 0 else [], np.int32),
         # Whether a chunk computes positions whose routed experts its request still wants.
         "return_routed_experts": any(
             c.request.routed is not None and c.start + c.num_new_tokens > c.request.routed.filled

@@ -289,6 +289,7 @@ class Scheduler:
                     need = req.blocks_needed(req.num_computed_tokens + n, self.plan.block_size)
             draft.take(req, n, need)
             draft.chunks[-1].drafts = drafts
+            draft.chunks[-1].gpu_drafts = drafts is not None and self.spec.on_gpu
 
     def _plan_paused(self, draft: Draft, now: float) -> bool:
         """2. Paused requests resume LIFO; 3. eviction, over the paused budget or when nothing

@@ -78,10 +78,13 @@ class Backoff:
 class Speculation:
     """The drafter (`k` tokens at most per row) and its counters for one engine rank."""
 
-    def __init__(self, k: int, ngram_min: int, ngram_max: int) -> None:
+    def __init__(self, k: int, ngram_min: int, ngram_max: int, on_gpu: bool = False) -> None:
         if k < 1:
             raise ValueError(f"speculation needs k >= 1 draft tokens, got {k}")
         self.k = k
+        # A draft model on the gpu drafts (speculative_method "draft_model"): a row's drafts
+        # are placeholders the gpu fills (Chunk.gpu_drafts), as many as the limits allow.
+        self.on_gpu = on_gpu
         self.drafter = NgramDrafter(ngram_min, ngram_max, k)
         self.draft_tokens = 0  # drafts verified
         self.accepted_tokens = 0  # of which accepted
@@ -89,14 +92,18 @@ class Speculation:
         self.backoffs = 0  # times a request stopped speculating for a while
         self.accepted_per_position = [0] * k  # rows whose draft j was accepted
 
-    @staticmethod
-    def eligible(r: EngineRequest) -> bool:
+    def eligible(self, r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's rule)."""
+        if self.on_gpu and r.sampling.bad_words_ids:
+            return False  # (its biases per position follow the drafts, unknown here)
         return bool(r.sampling.speculative)
 
     def propose(self, r: EngineRequest, limit: int) -> np.ndarray:
         """Up to min(k, limit) draft tokens (int32) to follow `r`'s known tokens. Its index
-        takes in only the tokens that arrived since the last call."""
+        takes in only the tokens that arrived since the last call. With a draft model on the
+        gpu: min(k, limit) placeholders (it drafts them)."""
+        if self.on_gpu:
+            return np.zeros(max(0, min(self.k, limit)), np.int32)
         index = r.ngram
         if index is None or index.num_tokens > r.num_tokens:
             index = r.ngram = NgramIndex(self.drafter)

@@ -69,7 +69,10 @@ def speculation(config: InferenceConfig) -> Speculation | None:
     k = config.num_speculative_tokens
     if not k:
         return None
-    return Speculation(k, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max)
+    on_gpu = config.speculative_method == "draft_model"
+    return Speculation(
+        k, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max, on_gpu=on_gpu
+    )
 
 
 def prefix_policy(config: InferenceConfig) -> PrefixCachingEvictionPolicy | None:
