@@ -124,6 +124,12 @@ class InferenceConfig:
     # self-speculative draft that shares the target's weights, so it follows every weight
     # update). taipan's name; vLLM's old flag was --speculative-model.
     speculative_model: str | None = None
+    # What a weight update does to a draft model of its own (not "self:N", which shares the
+    # target's weights and follows every update): "keep" (it drafts with its old weights; the
+    # outputs stay exact, acceptance falls: spec_accepted_per_position shows it), "disable"
+    # (speculation stops on the rank after its first update), "refuse" (update_weights is
+    # refused while the draft is loaded). taipan's own.
+    draft_weight_policy: str = "keep"
     verbose: dataclasses.InitVar[bool] = False
 
     def __post_init__(self, verbose: bool):
@@ -237,6 +243,17 @@ class InferenceConfig:
                     f"speculative_model={draft!r}: 'self:N' needs N >= 1 (the target's first "
                     "N layers)"
                 )
+        policy = self.draft_weight_policy
+        if policy not in DRAFT_WEIGHT_POLICIES:
+            raise ConfigError(
+                f"draft_weight_policy must be one of {', '.join(DRAFT_WEIGHT_POLICIES)}, got "
+                f"{policy!r}"
+            )
+        if policy != "keep" and (not draft or draft.startswith("self:")):
+            raise ConfigError(
+                f"draft_weight_policy={policy!r} applies to a draft model with weights of its "
+                "own (speculative_model a path or name; a 'self:N' draft follows every update)"
+            )
         lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
         if not 1 <= lo <= hi:
             raise ConfigError(
@@ -371,6 +388,7 @@ def routing_policy(config: InferenceConfig) -> PrefixCachingCoordinatorPolicy:
 # users of vLLM / Megatron may name that are not built.
 MAX_SPECULATIVE_TOKENS = 64
 SPECULATIVE_METHODS = ("ngram", "draft_model")
+DRAFT_WEIGHT_POLICIES = ("keep", "disable", "refuse")
 UNBUILT_SPECULATIVE_METHODS = ("mtp", "eagle", "eagle3", "medusa")
 
 # Field -> why it is refused when set. Shrinks as features land.

@@ -90,6 +90,9 @@ class RankStats:
     # Speculative decoding: times a request stopped speculating for a while, its rows having
     # gained nothing (actors/engine/speculation.py's back-off).
     spec_backoffs: int = 0
+    # 1 once a weight update disabled this rank's draft model (draft_weight_policy "disable";
+    # merged: the ranks where it did).
+    spec_draft_disabled: int = 0
 
     @property
     def blocks_active(self) -> int:

@@ -73,6 +73,7 @@ TAIPAN_FIELDS = {
     "ngram_prompt_lookup_min": 1,
     "ngram_prompt_lookup_max": 4,
     "speculative_model": None,
+    "draft_weight_policy": "keep",
 }
 HINTS = typing.get_type_hints(InferenceConfig)
 FIELDS = {f.name: f for f in dataclasses.fields(InferenceConfig)}
@@ -413,6 +414,19 @@ def test_speculative_fields():
     for bad in ({"speculative_method": "draft_model"}, {"speculative_model": "/d"}):
         with pytest.raises(ConfigError, match="needs speculative_model"):
             InferenceConfig(num_speculative_tokens=2, **bad)
+    for policy in ("keep", "disable", "refuse"):
+        assert dataclasses.replace(drafted, draft_weight_policy=policy).draft_weight_policy
+    with pytest.raises(ConfigError, match="draft_weight_policy must be one of"):
+        dataclasses.replace(drafted, draft_weight_policy="retrain")
+    for model in (None, "self:2"):  # (no draft of its own: the policy would do nothing)
+        method = "draft_model" if model else "ngram"
+        with pytest.raises(ConfigError, match="applies to a draft model with weights"):
+            InferenceConfig(
+                num_speculative_tokens=2,
+                speculative_method=method,
+                speculative_model=model,
+                draft_weight_policy="disable",
+            )
     with pytest.raises(ConfigError, match="num_speculative_tokens must be in"):
         InferenceConfig(num_speculative_tokens=-1)
     with pytest.raises(ConfigError, match="1 <= min <= max"):

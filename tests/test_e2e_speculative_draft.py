@@ -20,6 +20,7 @@ Every output equals the runtime's without drafts given the same update.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -125,6 +126,19 @@ def test_a_self_draft_at_tp2_follows_the_update(models, plain, tmp_path):
     assert drafted2 > 0 and accepted2 > 0.4 * drafted2, (drafted2, accepted2)
     assert (np.asarray(stats.spec_accepted_per_position) > 0).all(), stats
     replay_check(tmp_path)
+
+
+def test_the_refuse_policy_refuses_updates_and_serves_on(models):
+    target, same, head = models
+    cfg = dataclasses.replace(config(same), draft_weight_policy="refuse")
+    with Runtime(target, cfg) as rt, Client(rt.address) as c:
+        assert c.pause().state == "PAUSED"
+        with pytest.raises(Exception, match="draft_weight_policy='refuse'"):
+            c.update_weights(state={"lm_head.weight": head})
+        assert c.unpause().state == "RUNNING"
+        assert c.stats().merged().weight_version == 0
+        [done] = c.generate([PROMPTS[0]], GREEDY)
+        assert len(done.token_ids) == GREEDY.max_tokens
 
 
 def test_draft_model_settings_are_checked(models, tmp_path):

@@ -353,3 +353,43 @@ def test_replay_check_of_a_speculative_engine_has_no_divergence():
             what = checker.outbound(msg, tuple(encode(msg)))
         assert what is None, what
     assert checker.steps_checked > 3
+
+
+def test_the_disable_policy_ends_speculation_at_the_first_weight_update():
+    """draft_weight_policy "disable": once new weights land, no request speculates again
+    (those running, those admitted later, and those coming back from a back-off), and the
+    tokens are the same."""
+    h = SpecHarness(ts.make_plan(), chunked=False)
+    h.sched.spec = Speculation(4, 1, 3, disable_on_update=True)
+    h.add(periodic_request(1, 12, 60))
+    for _ in range(4):
+        h.step()
+    assert h.verify_rows and not h.sched.spec.disabled
+    rows = len(h.verify_rows)
+    h.sched.new_weights(1)
+    assert h.sched.spec.disabled and not h.sched.requests[1].speculates
+    h.add(periodic_request(2, 12, 8))
+    assert not h.sched.requests[2].speculates
+    h.run()
+    h.check_end()
+    assert len(h.verify_rows) == rows
+    assert h.ended[1].generated == [ts.fake_token(12 + j) for j in range(60)]
+    assert h.sched.spec.stats()["spec_draft_disabled"] == 1
+    kept = Speculation(4, 1, 3)  # ("keep": nothing changes)
+    kept.new_weights([])
+    assert not kept.disabled and kept.stats()["spec_draft_disabled"] == 0
+
+
+def test_the_config_picks_the_drafter_and_its_policy():
+    from taipan.actors.config import InferenceConfig
+    from taipan.actors.engine.wire import speculation
+
+    assert speculation(InferenceConfig()) is None
+    ngram = speculation(InferenceConfig(num_speculative_tokens=3))
+    assert not ngram.on_gpu and not ngram.disable_on_update
+    draft = dict(num_speculative_tokens=3, speculative_method="draft_model")
+    cases = [("/d", "keep", False), ("/d", "disable", True), ("/d", "refuse", False)]
+    for model, policy, disables in cases + [("self:1", "keep", False)]:
+        config = InferenceConfig(**draft, speculative_model=model, draft_weight_policy=policy)
+        s = speculation(config)
+        assert s.on_gpu and s.disable_on_update == disables

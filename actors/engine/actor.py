@@ -342,6 +342,7 @@ class EngineActor(EngineControls, Actor):
             spec_verify_rows=s.get("spec_verify_rows", 0),
             spec_accepted_per_position=s.get("spec_accepted_per_position", ()),
             spec_backoffs=s.get("spec_backoffs", 0),
+            spec_draft_disabled=s.get("spec_draft_disabled", 0),
         )
         return Stats(self.state, (rank,))
 

@@ -95,6 +95,24 @@ class EngineControls:
         await env.reply(ErrorReply(ErrorCode.ILLEGAL_TRANSITION, text, None))
         return True
 
+    async def _draft_refuses(self, env: Envelope) -> bool:
+        """draft_weight_policy "refuse": a weight update is answered with an error naming it
+        (a draft model of its own cannot follow the target's new weights); returns True."""
+        config = self.config
+        if not (
+            config.num_speculative_tokens
+            and config.speculative_method == "draft_model"
+            and config.draft_weight_policy == "refuse"
+        ):
+            return False
+        text = (
+            f"{self.name}: update_weights is refused: draft_weight_policy='refuse' and the "
+            f"draft model {config.speculative_model!r} cannot follow the target's new weights "
+            "(use 'keep' or 'disable', or a 'self:N' draft)"
+        )
+        await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, text, None))
+        return True
+
     async def _ack(self, env: Envelope, command: ControlCommand) -> None:
         await env.reply(ControlAck(command, self.state, self.weight_version))
 
@@ -336,6 +354,8 @@ class EngineControls:
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
         if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
             return
+        if await self._draft_refuses(env):
+            return
         command = GpuCommand.STAGE_WEIGHTS if msg.hold else GpuCommand.UPDATE_WEIGHTS
         control = GpuControl(command, None, msg.path, msg.state, weight_version=msg.weight_version)
         self._control_task(self._update_weights(env, control, msg.hold))
@@ -346,6 +366,8 @@ class EngineControls:
         """The trainer's buckets into every gpu process of this rank; with `stage`, staged on
         all of them first and committed only once every one holds all of its weights."""
         if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
+            return
+        if await self._draft_refuses(env):
             return
         control = GpuControl(
             GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS,
@@ -361,6 +383,8 @@ class EngineControls:
         """The trainer's CUDA tensors, by IPC handle, into every gpu process of this rank (each
         opens and maps all of them before any copies; `stage`: committed as a second call)."""
         if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
+            return
+        if await self._draft_refuses(env):
             return
         command = GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS
         control = GpuControl(

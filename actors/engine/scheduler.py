@@ -434,6 +434,8 @@ class Scheduler:
         for req in self.requests.values():
             req.history.increment_staleness(req.num_tokens, policy_only=not req.blocks)
         self.salt = weight_version
+        if self.spec is not None:
+            self.spec.new_weights(self.requests.values())
         if self.prefix is None:
             return
         self._drop_cached()

@@ -78,13 +78,23 @@ class Backoff:
 class Speculation:
     """The drafter (`k` tokens at most per row) and its counters for one engine rank."""
 
-    def __init__(self, k: int, ngram_min: int, ngram_max: int, on_gpu: bool = False) -> None:
+    def __init__(
+        self,
+        k: int,
+        ngram_min: int,
+        ngram_max: int,
+        on_gpu: bool = False,
+        disable_on_update: bool = False,
+    ) -> None:
         if k < 1:
             raise ValueError(f"speculation needs k >= 1 draft tokens, got {k}")
         self.k = k
         # A draft model on the gpu drafts (speculative_method "draft_model"): a row's drafts
         # are placeholders the gpu fills (Chunk.gpu_drafts), as many as the limits allow.
         self.on_gpu = on_gpu
+        # draft_weight_policy "disable": the first weight update ends speculation here.
+        self.disable_on_update = disable_on_update
+        self.disabled = False
         self.drafter = NgramDrafter(ngram_min, ngram_max, k)
         self.draft_tokens = 0  # drafts verified
         self.accepted_tokens = 0  # of which accepted
@@ -92,8 +102,20 @@ class Speculation:
         self.backoffs = 0  # times a request stopped speculating for a while
         self.accepted_per_position = [0] * k  # rows whose draft j was accepted
 
+    def new_weights(self, requests) -> None:
+        """A weight update landed (Scheduler.new_weights): with draft_weight_policy "disable"
+        the draft no longer matches the target, so no request of `requests` (or later)
+        speculates again."""
+        if not self.disable_on_update:
+            return
+        self.disabled = True
+        for r in requests:
+            r.speculates = False
+
     def eligible(self, r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's rule)."""
+        if self.disabled:
+            return False
         if self.on_gpu and r.sampling.bad_words_ids:
             return False  # (its biases per position follow the drafts, unknown here)
         return bool(r.sampling.speculative)
@@ -193,7 +215,7 @@ class Speculation:
         b = r.spec_backoff
         if b is not None and 0 <= b.resume_at <= len(r.generated):
             b.resume_at = -1
-            r.speculates = True
+            r.speculates = not self.disabled
 
     def _missed(self, r: EngineRequest) -> None:
         b = r.spec_backoff
@@ -226,4 +248,5 @@ class Speculation:
             "spec_verify_rows": self.verify_rows,
             "spec_accepted_per_position": tuple(self.accepted_per_position),
             "spec_backoffs": self.backoffs,
+            "spec_draft_disabled": int(self.disabled),
         }

@@ -71,7 +71,11 @@ def speculation(config: InferenceConfig) -> Speculation | None:
         return None
     on_gpu = config.speculative_method == "draft_model"
     return Speculation(
-        k, config.ngram_prompt_lookup_min, config.ngram_prompt_lookup_max, on_gpu=on_gpu
+        k,
+        config.ngram_prompt_lookup_min,
+        config.ngram_prompt_lookup_max,
+        on_gpu=on_gpu,
+        disable_on_update=on_gpu and config.draft_weight_policy == "disable",
     )
 
 

@@ -32,6 +32,7 @@ What a vLLM dashboard reads, under taipan's names (vLLM's in brackets):
   taipan_spec_decode_num_accepted_tokens_per_pos_total{position}
                                               [vllm:spec_decode_num_accepted_tokens_per_pos]
   taipan_spec_decode_backoffs_total           (ours: requests that stopped speculating a while)
+  taipan_spec_decode_draft_disabled_total     (ours: ranks whose draft an update disabled)
 
 TTFT, queue and prefill time come from the engine's clock (the request's events); end-to-end
 latency is the server's (from submission to the last token). Time per output token: a streamed
@@ -69,6 +70,7 @@ class _RuntimeCounters:
         "spec_decode_num_draft_tokens": "Draft tokens proposed",
         "spec_decode_num_accepted_tokens": "Draft tokens accepted",
         "spec_decode_backoffs": "Times a request stopped speculating, its drafts gaining nothing",
+        "spec_decode_draft_disabled": "Ranks whose draft model a weight update disabled",
     }
 
     def __init__(self) -> None:
@@ -83,6 +85,7 @@ class _RuntimeCounters:
             spec_decode_num_draft_tokens=merged.spec_draft_tokens,
             spec_decode_num_accepted_tokens=merged.spec_accepted_tokens,
             spec_decode_backoffs=merged.spec_backoffs,
+            spec_decode_draft_disabled=merged.spec_draft_disabled,
         )
         self.per_position = tuple(merged.spec_accepted_per_position)
 
