@@ -483,3 +483,16 @@ def test_spec_workload_rows_on_cpu(tmp_path):
     # The family imports no torch (as the others, test_the_cli_and_the_workload_families_...).
     code = "import sys, taipan.bench.spec\nassert 'torch' not in sys.modules\n"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_spec_workload_with_a_self_draft_on_cpu(tmp_path):
+    """`--spec-draft self:1`: the target's first layer drafts (speculative_method
+    draft_model); outputs equal, and the row names the drafter."""
+    rows = _bench_rows(
+        tmp_path,
+        *("--workload", "spec", "--model", "random:tiny", "--num-prompts", "1"),
+        *("--output-len", "8", "--spec-tokens", "2", "--spec-draft", "self:1"),
+    )
+    for row in rows:
+        assert row["outputs_equal"] is True and row["speculative_method"] == "draft_model"
+        assert row["speculative_model"] == "self:1" and row["spec_draft_tokens"] > 0

@@ -6,7 +6,11 @@ Pure: numpy and ints, no torch, no sockets. The scheduler (actors/engine/schedul
 `append_verified`, which appends its tokens with the stop checks (outputs.py) and `count`s it;
 the gpu actor verifies (actors/gpu/speculative.py, ops/speculative.py). Drafting is prompt
 lookup (actors/engine/ngram.py), one incremental index per request, kept on the request
-(`ngram`).
+(`ngram`), or a draft model on the gpu (speculative_method "draft_model", `on_gpu`): then a
+row's drafts are placeholders, as many as the limits below allow, which the gpu fills
+(actors/gpu/draft.py; StepPlan.draft_prev); requests with bad words do not speculate there
+(their per-position biases follow the drafts' values). With draft_weight_policy "disable" a
+weight update ends speculation (`new_weights`).
 
 The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 0):
 - It is planned only when its request's last token is known on the host (no step in flight

@@ -156,6 +156,12 @@ def add_arguments(p) -> None:
         help="spec: num_speculative_tokens (n-gram drafts per step) of the speculation-on runs",
     )
     p.add_argument(
+        "--spec-draft",
+        default=None,
+        help="spec: a draft model (a path, a name, or self:N, the target's first N layers) "
+        "drafts instead of n-gram lookup",
+    )
+    p.add_argument(
         "--spec-batch",
         type=int,
         default=1,

@@ -1,4 +1,5 @@
-"""The `spec` workload of `taipan bench`: what speculative decoding (n-gram drafts) buys.
+"""The `spec` workload of `taipan bench`: what speculative decoding (n-gram drafts, or a draft
+model's with `--spec-draft`) buys.
 Two workloads in one run, each on the same chat-templated prompts with speculation off and on:
 `grounded`, prompts whose answers copy spans of the prompt (repeat a passage, fix a typo and
 print the whole code: prompt lookup's best case), and `free`, short open questions (its worst:
@@ -6,7 +7,8 @@ little to copy, the verify rows' extra positions mostly wasted). Issue 29's bars
 grounded at batch 1 on the CPU (>= 2x on a GPU), free no slower than 0.95x, outputs identical.
 
 Two runtimes: speculation off (`num_speculative_tokens=0`) and on
-(`num_speculative_tokens=--spec-tokens`, `speculative_method=ngram`), both up at once on a CPU
+(`num_speculative_tokens=--spec-tokens`, `speculative_method=ngram`, or `draft_model` with
+`speculative_model=--spec-draft`), both up at once on a CPU
 (an idle one costs nothing; their passes alternate, so a load that comes and goes on a shared
 host favours neither), one after the other on a device. Each is warmed by one full request of
 each workload, then timed ROUNDS times (alternating) on `--num-prompts` requests (8) of exactly
@@ -322,10 +324,13 @@ def spec_workload(args) -> list[dict]:
             "--num-prompts, --spec-tokens and --spec-batch must be >= 1, --output-len >= 2"
         )
     name, _ = resolve(args.model)
+    draft = getattr(args, "spec_draft", None)
+    method = "draft_model" if draft else "ngram"
+    drafter = [f"speculative_method={method}"] + ([f"speculative_model={draft}"] if draft else [])
     workloads = {"grounded": grounded_prompts(n), "free": free_prompts(n)}
     sides = {
         "off": with_sets(args, "num_speculative_tokens=0"),
-        "on": with_sets(args, f"num_speculative_tokens={k}", "speculative_method=ngram"),
+        "on": with_sets(args, f"num_speculative_tokens={k}", *drafter),
     }
     # On a CPU both runtimes are up at once (an idle one costs nothing) and their passes
     # alternate, so a load that comes and goes on the host favours neither; a device gets one
@@ -366,7 +371,8 @@ def spec_workload(args) -> list[dict]:
             "device": args.device,
             "num_prompts": n,
             "output_len": m,
-            "speculative_method": "ngram",
+            "speculative_method": method,
+            "speculative_model": draft,
             "num_speculative_tokens": k,
             "rounds": f"one untimed request, then the fastest of {ROUNDS} alternating passes"
             + (", both runtimes up" if together else ", one runtime at a time"),
@@ -404,7 +410,8 @@ def spec_workload(args) -> list[dict]:
 def spec_summary(row: dict) -> str:
     """The row's human line."""
     return (
-        f"spec {row['scenario']} batch {row['batch']} x {row['output_len']} (ngram k="
+        f"spec {row['scenario']} batch {row['batch']} x {row['output_len']} "
+        f"({row.get('speculative_model') or 'ngram'} k="
         f"{row['num_speculative_tokens']}): off {row['off_output_tok_s']} tok/s, on "
         f"{row['on_output_tok_s']} tok/s, speedup {row['speedup']}x (decode "
         f"{row['decode_speedup']}x), accepted length {row['mean_accepted_length']}, acceptance "
