@@ -166,3 +166,30 @@ def test_draft_model_settings_are_checked(models, tmp_path):
     with pytest.raises(Exception, match="needs the same tokenizer"):
         with Runtime(target, config(other)):
             pass
+
+
+@pytest.mark.gpu
+def test_gpu_draft_models_with_graphs_and_overlap(tmp_path_factory):
+    """On CUDA (fp32; the target's steps in CUDA graphs, overlapped; the draft eager): a copy
+    of the target and a self:1 draft give the tokens plain decoding gives, with drafts
+    accepted (all of them for the copy)."""
+    import torch
+
+    from tests.random_llama import GPU_TINY_SHAPE, make_random_llama
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    root = tmp_path_factory.mktemp("gpu-draft")
+    target = make_random_llama(str(root / "target"), GPU_TINY_SHAPE)
+    make_looping(target, EMBEDDING, ("o_proj.weight", "down_proj.weight"), 0, 0.7)
+    same = shutil.copytree(target, str(root / "same"))
+    outs, stats = {}, {}
+    for name, draft in (("plain", None), ("same", same), ("self", "self:1")):
+        with Runtime(target, config(draft), device="cuda") as rt, Client(rt.address) as c:
+            outs[name] = [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)]
+            stats[name] = c.stats().merged()
+    assert outs["same"] == outs["plain"] and outs["self"] == outs["plain"]
+    same_stats, self_stats = stats["same"], stats["self"]
+    assert same_stats.spec_accepted_tokens >= 0.99 * same_stats.spec_draft_tokens > 0
+    assert 0 < self_stats.spec_accepted_tokens < self_stats.spec_draft_tokens
+    assert stats["plain"].steps_graphed > 0 and self_stats.steps_graphed > 0

@@ -64,3 +64,27 @@ def test_hybrid_with_drafts_equals_without(looping):
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
     assert (np.asarray(stats.spec_accepted_per_position) > 0).all(), stats
     assert stats.mamba_restored > 0, stats  # the second round restored snapshots
+
+
+@pytest.mark.gpu
+def test_gpu_hybrid_with_drafts_equals_without(tmp_path_factory):
+    """On CUDA (fp32, Triton Mamba kernels; graphs and overlap for the plain steps, verify
+    steps eager): the same equality, drafts accepted and rejected."""
+    import torch
+
+    from tests.random_nemotron_h import TINY_HYBRID
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    root = str(tmp_path_factory.mktemp("gpu-spec-hybrid"))
+    path = make_random_nemotron_h(root, "M-*-M-", shape=TINY_HYBRID | {"head_dim": 64})
+    outputs = ("out_proj.weight", "o_proj.weight", "down_proj.weight")
+    make_looping(path, "backbone.embeddings.weight", outputs, seed=3, scale=0.15)
+    got = {}
+    for k in (0, K):
+        with Runtime(path, config(k), device="cuda") as rt, Client(rt.address) as c:
+            got[k] = [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)]
+            got[k, "stats"] = c.stats().merged()
+    assert got[K] == got[0]
+    stats = got[K, "stats"]
+    assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats

@@ -11,8 +11,13 @@
 #     and its latency against the product then the fused sum), Qwen2/Qwen3 served at TP=2
 #     against HF with the switch off and on, then the 8B decode rows at TP=1 and at TP=2 with
 #     the switch 0 and 1 (ROUNDS times).
+#   part spec (one GPU; the thirteenth session's, CPU-tested only): speculative decoding of a
+#     hybrid (the Mamba states rolled back to the last accepted draft) and with draft models
+#     (a copy of the target and a self:1 draft, beside graphed target steps), served on CUDA
+#     against plain decoding; then `bench --workload spec` rows on the 1B shape with a self:4
+#     draft (the verify step's cost against a plain step, the mechanics' timing).
 set -u
-PART=${1:?part one or two}
+PART=${1:?part kernels, one, two or spec}
 source tests/perf/device_setup.sh
 start_device || exit 1
 export PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -34,6 +39,14 @@ elif [ "$PART" = one ]; then
         timeout -s ABRT 120 python3 -m taipan.cli $DEC --model random:$shape --batches 1 \
             --results "$OUT/decode_$shape.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-200
     done
+elif [ "$PART" = spec ]; then
+    timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short \
+        tests/test_e2e_speculative_hybrid.py tests/test_e2e_speculative_draft.py \
+        tests/test_e2e_speculative.py 2>&1 | grep -vE "^  File|^Extension" | tail -12
+    timeout -s ABRT 200 python3 -m taipan.cli bench --workload spec --device cuda \
+        --dtype bfloat16 --model random:llama-1b --spec-draft self:4 --spec-tokens 4 \
+        --num-prompts 4 --output-len 64 --results "$OUT/spec_self4.jsonl" 2>&1 \
+        | grep -E "^spec|rror" | cut -c1-220
 elif [ "$PART" = two ]; then
     timeout -s ABRT 300 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs --tb=short -s \
         tests/test_custom_all_reduce.py \
