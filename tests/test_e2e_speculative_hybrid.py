@@ -2,7 +2,7 @@
 CPU (issue 29: hybrids, with prefix caching and chunked prefill): a tiny random NemotronH made
 to loop (tests/test_e2e_speculative_more.py `make_looping`: its greedy outputs settle into
 cycles the n-gram drafts follow, with departures that reject drafts), served with k = 3 drafts
-and without. Greedy outputs, and a seeded sampled request's, are the same; drafts were
+(in a KV pool too small for all its requests: they pause and are evicted) and without. Greedy outputs, and a seeded sampled request's, are the same; drafts were
 accepted (at every position) and rejected, so the gpu rolled the Mamba states back (actors/gpu/
 forward.py `_roll_back_states`). A second round of the same prompts starts from the cached
 prefixes' Mamba snapshots and is the same again.
@@ -25,12 +25,18 @@ K = 3
 SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=True)
 
 
-def config(k: int) -> InferenceConfig:
+# KV blocks of the drafting runtime: four requests of up to 137 tokens (9 blocks each) do not
+# fit, so requests pause and are evicted (then recompute from position 0, Mamba state from
+# zeros). One block: 2 (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes, one attention layer.
+PRESSED_BLOCKS = 14
+
+
+def config(k: int, pressed: bool = True) -> InferenceConfig:
     return InferenceConfig(
         block_size_tokens=16,
         max_tokens=48,  # prompts of up to 97 tokens: chunked
         max_requests=4,
-        buffer_size_gb=0.05,
+        buffer_size_gb=(PRESSED_BLOCKS + 0.5) * 4096 / 1024**3 if k and pressed else 0.05,
         max_sequence_length=256,
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
@@ -64,6 +70,7 @@ def test_hybrid_with_drafts_equals_without(looping):
     assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens, stats
     assert (np.asarray(stats.spec_accepted_per_position) > 0).all(), stats
     assert stats.mamba_restored > 0, stats  # the second round restored snapshots
+    assert stats.num_blocks == PRESSED_BLOCKS and stats.evicted_total > 0, stats
 
 
 @pytest.mark.gpu
@@ -82,7 +89,7 @@ def test_gpu_hybrid_with_drafts_equals_without(tmp_path_factory):
     make_looping(path, "backbone.embeddings.weight", outputs, seed=3, scale=0.15)
     got = {}
     for k in (0, K):
-        with Runtime(path, config(k), device="cuda") as rt, Client(rt.address) as c:
+        with Runtime(path, config(k, False), device="cuda") as rt, Client(rt.address) as c:
             got[k] = [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)]
             got[k, "stats"] = c.stats().merged()
     assert got[K] == got[0]
