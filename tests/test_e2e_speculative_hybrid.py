@@ -2,10 +2,11 @@
 CPU (issue 29: hybrids, with prefix caching and chunked prefill): a tiny random NemotronH made
 to loop (tests/test_e2e_speculative_more.py `make_looping`: its greedy outputs settle into
 cycles the n-gram drafts follow, with departures that reject drafts), served with k = 3 drafts
-(in a KV pool too small for all its requests: they pause and are evicted) and without. Greedy outputs, and a seeded sampled request's, are the same; drafts were
-accepted (at every position) and rejected, so the gpu rolled the Mamba states back (actors/gpu/
-forward.py `_roll_back_states`). A second round of the same prompts starts from the cached
-prefixes' Mamba snapshots and is the same again.
+(in a KV pool too small for all its requests: they pause and are evicted) and without. Greedy
+outputs, and a seeded sampled request's, are the same; drafts were accepted (at every
+position) and rejected, so the gpu rolled the Mamba states back (actors/gpu/forward.py
+`_roll_back_states`). A second round of the same prompts starts from the cached prefixes'
+Mamba snapshots and is the same again.
 """
 
 from __future__ import annotations
