@@ -3,6 +3,10 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 export HF_HUB_OFFLINE := 1
+# Every runtime the tests start imports our modules in several processes: let the first one
+# write their bytecode (an environment that sets PYTHONDONTWRITEBYTECODE would compile them
+# again in each process, ~1 s of CPU per runtime on the 2-core CI box).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install model run test test-slow lint format bench
 

@@ -485,6 +485,7 @@ def test_spec_workload_rows_on_cpu(tmp_path):
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
 
 
+@pytest.mark.slow  # (tests/test_e2e_speculative_draft.py runs draft models by default)
 def test_spec_workload_with_a_self_draft_on_cpu(tmp_path):
     """`--spec-draft self:1`: the target's first layer drafts (speculative_method
     draft_model); outputs equal, and the row names the drafter."""

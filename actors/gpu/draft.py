@@ -23,6 +23,10 @@ as it verifies n-gram drafts (actors/gpu/speculative.py), grammars and penalties
 Greedy drafts are point masses, which the rejection sampler takes exactly (ops/speculative.py).
 The draft's forwards run eagerly, one host copy of the drafts at the end.
 
+The draft's KV cache stays where it is through a suspend (it is small next to the target's; in
+recompute mode every request recomputes from position 0, the draft too). Expert parallelism
+(dummy steps) and drafts with recurrent layers are refused at load.
+
 Must not touch: the target's KV cache, its buffers, the plan's other fields.
 """
 
