@@ -123,6 +123,9 @@ class Runtime:
             )
         self.model_name, self.model_path = resolve(model)
         self.config = config or InferenceConfig()
+        draft = self.config.speculative_model
+        if self.config.num_speculative_tokens and draft and not draft.startswith("self:"):
+            resolve(draft)  # (a draft that is not there fails here, not in a rank's start-up)
         self.num_ranks = data_parallel_size
         self.tp_size = tensor_parallel_size
         self.expert_parallel_size = expert_parallel_size

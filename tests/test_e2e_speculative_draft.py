@@ -32,6 +32,7 @@ from taipan.actors.config import ConfigError, InferenceConfig
 from taipan.client import Client
 from taipan.launcher import Runtime
 from taipan.messages.requests import SamplingParams, StructuredOutput
+from taipan.models import ModelNotFoundError
 from tests.replay_check import replay_check
 from tests.test_e2e_speculative_more import (
     BASE,
@@ -147,6 +148,8 @@ def test_draft_model_settings_are_checked(models, tmp_path):
         InferenceConfig(num_speculative_tokens=2, speculative_method="draft_model")
     with pytest.raises(ConfigError, match="'self:N' needs N >= 1"):
         config("self:0")
+    with pytest.raises(ModelNotFoundError, match="no such file"):  # (before any process)
+        Runtime(target, config(str(tmp_path / "nothing")))
     with pytest.raises(Exception, match="N must be in 1..1"):
         with Runtime(target, config("self:2")):
             pass
