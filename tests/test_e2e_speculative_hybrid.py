@@ -2,7 +2,8 @@
 CPU (issue 29: hybrids, with prefix caching and chunked prefill): a tiny random NemotronH made
 to loop (tests/test_e2e_speculative_more.py `make_looping`: its greedy outputs settle into
 cycles the n-gram drafts follow, with departures that reject drafts), served with k = 3 drafts
-(in a KV pool too small for all its requests: they pause and are evicted) and without. Greedy
+at tensor_parallel_size=2 (gloo: each process rolls its share of the states back), in a KV
+pool too small for all its requests (they pause and are evicted), and without (T = 1). Greedy
 outputs, and a seeded sampled request's, are the same; drafts were accepted (at every
 position) and rejected, so the gpu rolled the Mamba states back (actors/gpu/forward.py
 `_roll_back_states`). A second round of the same prompts starts from the cached prefixes'
@@ -28,7 +29,8 @@ SAMPLED = SamplingParams(max_tokens=24, temperature=0.8, seed=11, ignore_eos=Tru
 
 # KV blocks of the drafting runtime: four requests of up to 137 tokens (9 blocks each) do not
 # fit, so requests pause and are evicted (then recompute from position 0, Mamba state from
-# zeros). One block: 2 (K, V) x 16 tokens x 2 heads x 16 dims x 4 bytes, one attention layer.
+# zeros). One block of a rank at T = 2: 2 (K, V) x 16 tokens x 1 of the 2 KV heads x 16 dims x
+# 4 bytes, one attention layer.
 PRESSED_BLOCKS = 14
 
 
@@ -37,7 +39,7 @@ def config(k: int, pressed: bool = True) -> InferenceConfig:
         block_size_tokens=16,
         max_tokens=48,  # prompts of up to 97 tokens: chunked
         max_requests=4,
-        buffer_size_gb=(PRESSED_BLOCKS + 0.5) * 4096 / 1024**3 if k and pressed else 0.05,
+        buffer_size_gb=(PRESSED_BLOCKS + 0.5) * 2048 / 1024**3 if k and pressed else 0.05,
         max_sequence_length=256,
         enable_prefix_caching=True,
         enable_chunked_prefill=True,
@@ -53,8 +55,8 @@ def looping(tmp_path_factory) -> str:
     return make_looping(path, "backbone.embeddings.weight", outputs, seed=3, scale=0.15)
 
 
-def _serve(path: str, k: int):
-    with Runtime(path, config(k)) as rt, Client(rt.address) as c:
+def _serve(path: str, k: int, tp: int = 1):
+    with Runtime(path, config(k), tensor_parallel_size=tp) as rt, Client(rt.address) as c:
         first = [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)]
         again = [list(x.token_ids) for x in c.generate(PROMPTS[::-1], GREEDY)]
         sampled = list(c.generate([PROMPTS[1]], SAMPLED)[0].token_ids)
@@ -63,7 +65,7 @@ def _serve(path: str, k: int):
 
 def test_hybrid_with_drafts_equals_without(looping):
     want = _serve(looping, 0)
-    got = _serve(looping, K)
+    got = _serve(looping, K, tp=2)
     assert len({tuple(w) for w in want[0]}) == len(PROMPTS)
     assert got[:3] == want[:3]
     assert want[1] == want[0]
