@@ -81,10 +81,9 @@ def tok() -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_tok():
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(MODEL_DIR), gguf_file=GGUF_NAME)
+def hf_tok(hf):
+    """The session's transformers tokenizer on the same GGUF (tests/conftest.py `hf`)."""
+    return hf[1]
 
 
 @pytest.mark.parametrize("text", TEXTS)
