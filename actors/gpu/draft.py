@@ -38,10 +38,14 @@ import dataclasses
 import numpy as np
 import torch
 
-from taipan.messages.gpu import StepPlan
+from taipan.actors.gpu.mamba_config import has_recurrent_layers
+from taipan.actors.gpu.window import kv_window
+from taipan.messages.gpu import LoadModel, StepPlan
 from taipan.ops.attention import AttentionMetadata
+from taipan.ops.loader import load_model
+from taipan.ops.parallel import SINGLE, TPGroup
 
-__all__ = ["SELF_PREFIX", "DraftModel", "check_draft", "check_draft_prev", "self_draft"]
+__all__ = ["DraftModel", "check_draft", "check_draft_prev", "load_draft", "self_draft"]
 
 
 def check_draft_prev(plan: StepPlan, draft: bool, vocab_size: int) -> None:
@@ -80,6 +84,29 @@ def check_draft(target_config, draft_config, target_window: int, draft_window: i
 
 
 SELF_PREFIX = "self:"
+
+
+def load_draft(msg: LoadModel, target, target_config, dtype, device, tp: TPGroup):
+    """(model, config, its tensor-parallel group) of LoadModel.draft_model, or None: a model
+    of its own, whole on every tensor-parallel process (it drafts the same tokens on each),
+    or "self:N", the target's first N layers (sharded as the target is, `tp`). ValueError
+    for one that cannot draft for this target."""
+    if not msg.draft_model:
+        return None
+    if msg.expert_parallel_size > 1:
+        raise ValueError("a draft model under expert parallelism is not built yet")
+    if msg.draft_model.startswith(SELF_PREFIX):
+        model, config = self_draft(target, target_config, msg.draft_model)
+    else:
+        model, config, _ = load_model(msg.draft_model, dtype=dtype, device=device)
+        tp = SINGLE
+    if has_recurrent_layers(config):
+        raise ValueError(
+            "a draft model with recurrent (Mamba / GDN) layers is not built yet: its state "
+            "would have to be rolled back to the last accepted draft too"
+        )
+    check_draft(target_config, config, kv_window(target_config), kv_window(config))
+    return model, config, tp
 
 
 def self_draft(model: torch.nn.Module, config, spec: str):

@@ -173,8 +173,11 @@ class WorkerForward:
         ends = plan.mamba_snap_pos == np.diff(plan.query_start_loc)[plan.mamba_snap_row]
         if not ends.any():
             return
-        s = self._tensor(plan.mamba_out[plan.mamba_snap_row[ends]], torch.long)
-        d = self._tensor(plan.mamba_snap_dst[ends], torch.long)
+        self._copy_slots(plan.mamba_out[plan.mamba_snap_row[ends]], plan.mamba_snap_dst[ends])
+
+    def _copy_slots(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Every recurrent layer's state slots `src` copied into slots `dst` (queued)."""
+        s, d = self._tensor(src, torch.long), self._tensor(dst, torch.long)
         for t in self.mamba_state:
             t.index_copy_(1, d, t.index_select(1, s))
 
@@ -219,10 +222,7 @@ class WorkerForward:
             return
         live_slot = plan.mamba_out[rows[short]].astype(np.int64)
         src = self._mamba_slots + live_slot * self._scratch_per_slot + new[short] - 1
-        s = self._tensor(src, torch.long)
-        d = self._tensor(live_slot, torch.long)
-        for t in self.mamba_state:
-            t.index_copy_(1, d, t.index_select(1, s))
+        self._copy_slots(src, live_slot)
 
     def _sample(
         self, plan: StepPlan, inputs: dict[str, torch.Tensor], logits: torch.Tensor

@@ -26,13 +26,7 @@ import torch
 
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
-from taipan.actors.gpu.draft import (
-    SELF_PREFIX,
-    DraftModel,
-    check_draft,
-    check_draft_prev,
-    self_draft,
-)
+from taipan.actors.gpu.draft import DraftModel, check_draft_prev, load_draft
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
 from taipan.actors.gpu.grammar_masks import Check, GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
@@ -210,7 +204,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         model, config, tokenizer = self._load_weights(msg, dtype, tp)
         self.grammar_masks = GrammarMasks(tokenizer)  # (structured outputs' matchers)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, self.tp)
-        draft = self._load_draft(msg, model, config, dtype)
+        draft = load_draft(msg, model, config, dtype, self.device, self.tp)
         if draft is not None:  # (its KV blocks share the target's ids: one budget for both)
             per_block += kv_cache_bytes_per_block(draft[1], msg.block_size, dtype, draft[2])
         config = mamba_config_for(config, msg, dtype, self.tp)
@@ -269,29 +263,6 @@ class ModelWorker(WorkerForward, WorkerControls):
             self.exchange = install_exchange(model, self.ep)
         self.tp = tp
         return model, config, tokenizer
-
-    def _load_draft(self, msg: LoadModel, target, target_config, dtype):
-        """(model, config, its tensor-parallel group) of LoadModel.draft_model, or None: a
-        model of its own, whole on every tensor-parallel process (it drafts the same tokens
-        on each), or "self:N", the target's first N layers (sharded as the target is).
-        ValueError for one that cannot draft for this target (actors/gpu/draft.py)."""
-        if not msg.draft_model:
-            return None
-        if msg.expert_parallel_size > 1:
-            raise ValueError("a draft model under expert parallelism is not built yet")
-        tp = SINGLE
-        if msg.draft_model.startswith(SELF_PREFIX):
-            model, config = self_draft(target, target_config, msg.draft_model)
-            tp = self.tp
-        else:
-            model, config, _ = load_model(msg.draft_model, dtype=dtype, device=self.device)
-        if has_recurrent_layers(config):
-            raise ValueError(
-                "a draft model with recurrent (Mamba / GDN) layers is not built yet: its "
-                "state would have to be rolled back to the last accepted draft too"
-            )
-        check_draft(target_config, config, kv_window(target_config), kv_window(config))
-        return model, config, tp
 
     def _expert_share(self, msg: LoadModel, tp: TPGroup) -> ExpertShare | None:
         """This rank's routed experts under expert parallelism (None: every expert)."""
