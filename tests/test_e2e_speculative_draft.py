@@ -1,6 +1,6 @@
 """Speculative decoding with a draft model (speculative_method "draft_model", issue 29 items 2
 and 4) through real processes on the CPU. The target: the looping tiny Llama of
-tests/test_e2e_speculative_more.py (greedy outputs follow cycles of its head, with departures).
+tests/looping.py (greedy outputs follow cycles of its head, with departures).
 Each runtime serves PROMPTS twice (the second time from cached prefixes), takes a weight update
 that gives the head other cycles (paused, then unpaused), and serves them again, plus a seeded
 sampled request and one with a grammar (a regex). Drafts:
@@ -33,14 +33,14 @@ from taipan.client import Client
 from taipan.launcher import Runtime
 from taipan.messages.requests import SamplingParams, StructuredOutput
 from taipan.models import ModelNotFoundError
-from tests.replay_check import replay_check
-from tests.test_e2e_speculative_more import (
+from tests.looping import (
     BASE,
     GREEDY,
     PROMPTS,
     make_looping,
     make_looping_llama,
 )
+from tests.replay_check import replay_check
 
 K = 3
 EMBEDDING = "model.embed_tokens.weight"

@@ -1,6 +1,6 @@
 """Speculative decoding of a hybrid (Mamba2 + attention) model through real processes on the
 CPU (issue 29: hybrids, with prefix caching and chunked prefill): a tiny random NemotronH made
-to loop (tests/test_e2e_speculative_more.py `make_looping`: its greedy outputs settle into
+to loop (tests/looping.py `make_looping`: its greedy outputs settle into
 cycles the n-gram drafts follow, with departures that reject drafts), served with k = 3 drafts
 at tensor_parallel_size=2 (gloo: each process rolls its share of the states back), in a KV
 pool too small for all its requests (they pause and are evicted), and without (T = 1). Greedy
@@ -19,8 +19,8 @@ from taipan.actors.config import InferenceConfig
 from taipan.client import Client
 from taipan.launcher import Runtime
 from taipan.messages.requests import SamplingParams
+from tests.looping import GREEDY, PROMPTS, make_looping
 from tests.random_nemotron_h import make_random_nemotron_h
-from tests.test_e2e_speculative_more import GREEDY, PROMPTS, make_looping
 
 pytest.importorskip("transformers")
 K = 3
