@@ -505,6 +505,14 @@ def _graph_replays(fn) -> None:
     torch.cuda.synchronize()
 
 
+def _within_an_ulp(a: torch.Tensor, b: torch.Tensor) -> None:
+    """a and b (same low-precision dtype) differ by rounding only: an ulp of b, or of the
+    operands' scale where a sum cancelled (the residual: rd + normed)."""
+    eps = torch.finfo(b.dtype).eps
+    atol = 4 * eps * b.float().abs().mean().item()
+    torch.testing.assert_close(a.float(), b.float(), rtol=eps, atol=atol)
+
+
 def _gpu_rms_norm(dtype, num_tokens, hidden, g):
     x = torch.randn(num_tokens, hidden, device="cuda", generator=g)
     r = torch.randn(num_tokens, hidden, device="cuda", generator=g)
@@ -516,15 +524,19 @@ def _gpu_rms_norm(dtype, num_tokens, hidden, g):
     buf = torch.empty_like(xd)
     _graph_replays(lambda: rms_norm(xd, wd, 1e-6, out=buf))
     assert _rel_err(buf, rms_norm_ref(x, w, 1e-6)) < 1e-2
-    for gemma in (False, True):  # the sandwich norms in one launch: the two launches, bitwise
+    for gemma in (False, True):  # the sandwich norms in one launch against the two launches:
+        # bitwise in the interpreter (test_sandwich_norms_*); compiled, the two kernels reduce
+        # their rows in other orders (block and warp sizes differ), so a few elements round to
+        # the neighbouring value
         pre = (1.0 + 0.3 * torch.randn(hidden, device="cuda", generator=g)).to(dtype)
         two_r, one_r = rd.clone(), rd.clone()
         two, _ = rms_norm(rms_norm(xd, pre, 1e-6, gemma=gemma), wd, 1e-6, residual=two_r,
                           gemma=gemma)  # fmt: skip
         one, _ = rms_norm(xd, wd, 1e-6, residual=one_r, gemma=gemma, pre_weight=pre)
-        assert torch.equal(one, two) and torch.equal(one_r, two_r)
+        _within_an_ulp(one, two)
+        _within_an_ulp(one_r, two_r)
         two_r = rd + rms_norm(xd, pre, 1e-6, gemma=gemma)
-        assert torch.equal(add_rms_norm_(xd, pre, 1e-6, rd.clone(), gemma=gemma), two_r)
+        _within_an_ulp(add_rms_norm_(xd, pre, 1e-6, rd.clone(), gemma=gemma), two_r)
     _bench(
         lambda: rms_norm(xd, wd, 1e-6, residual=rd, out=buf),
         (4 * num_tokens + 1) * hidden * dtype.itemsize,
