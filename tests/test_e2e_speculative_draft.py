@@ -173,7 +173,8 @@ def test_draft_model_settings_are_checked(models, tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_draft_models_with_graphs_and_overlap(tmp_path_factory):
-    """On CUDA (fp32; the target's steps in CUDA graphs, overlapped; the draft eager): a copy
+    """On CUDA (fp32; the target's steps in CUDA graphs, overlapped; the draft's one-token
+    forwards in its own graphs, actors/gpu/draft_graphs.py): a copy
     of the target and a self:1 draft give the tokens plain decoding gives, with drafts
     accepted (all of them for the copy)."""
     import torch

@@ -31,6 +31,7 @@ import time
 import numpy as np
 import torch
 
+from taipan.actors.gpu.draft import DraftModel
 from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.sizing import available_host_memory, offload_problem
 from taipan.messages.gpu import GpuCommand, GpuControl, GpuControlReply
@@ -71,6 +72,7 @@ class WorkerControls:
     kv_cache: torch.Tensor | None
     mamba_state: tuple[torch.Tensor, torch.Tensor] | None
     graphs: StepGraphs | None
+    draft: DraftModel | None  # its graphs go with the target's (actors/gpu/draft_graphs.py)
     static_kv: bool
     _kv_shape: tuple[int, ...]
     _mamba_slots: int
@@ -170,6 +172,8 @@ class WorkerControls:
             self.kv_cache = self.mamba_state = None
             if self.graphs is not None:
                 self.graphs.release()  # they hold the old KV address and their own memory
+            if self.draft is not None and self.draft.graphs is not None:
+                self.draft.graphs.release()  # (captured again with the target's at resume)
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # give the memory back for others (e.g. training)
         self.suspend_mode = msg.mode

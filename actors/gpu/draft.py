@@ -12,16 +12,21 @@ in the same slots. Every step the draft model forwards every row of the plan, in
   target's, prompts and plain tokens alike;
 - a verify row (StepPlan.draft_prev >= 0; its plan tokens are the last known token t at
   position s, then num_drafts placeholders): the token before t (draft_prev, position s - 1)
-  and t. Position s - 1 may already be in the draft's cache (rewritten with the same values)
-  or not (the previous step accepted every draft: the last one was never fed to the draft);
-  earlier positions always are. t's logits give the first draft; then one-token forwards of
-  the verify rows feed each draft at s + j (the verify row's own slots: the engine allocated
-  them) and give the next, greedily (argmax), until each row has its num_drafts.
+  and t, as two one-token rows (the second attends the first's KV, which each layer writes
+  before it attends). Position s - 1 may already be in the draft's cache (rewritten with the
+  same values) or not (the previous step accepted every draft: the last one was never fed to
+  the draft); earlier positions always are. t's logits give the first draft; then one-token
+  forwards of the verify rows feed each draft at s + j (the verify row's own slots: the
+  engine allocated them) and give the next, greedily (argmax), until each row has its
+  num_drafts.
 
 `fill` returns the plan with those drafts in its input_ids: from there the step verifies them
 as it verifies n-gram drafts (actors/gpu/speculative.py), grammars and penalties included.
 Greedy drafts are point masses, which the rejection sampler takes exactly (ops/speculative.py).
-The draft's forwards run eagerly, one host copy of the drafts at the end.
+A forward of one token a row (every one of a step without prefill chunks) replays a CUDA
+graph of the draft when the worker captured them (actors/gpu/draft_graphs.py: CUDA graphs on,
+not a self-draft sharded over tensor-parallel peers); the others run eagerly. One host copy of
+the drafts at the end.
 
 The draft's KV cache stays where it is through a suspend (it is small next to the target's; in
 recompute mode every request recomputes from position 0, the draft too). Expert parallelism
@@ -38,6 +43,7 @@ import dataclasses
 import numpy as np
 import torch
 
+from taipan.actors.gpu.draft_graphs import DraftGraphs
 from taipan.actors.gpu.mamba_config import has_recurrent_layers
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, StepPlan
@@ -141,6 +147,9 @@ class DraftModel:
     kv_cache: torch.Tensor
     block_size: int
     device: torch.device
+    # Its decode-only forwards replayed from CUDA graphs (actors/gpu/draft_graphs.py), or
+    # None: every forward eager.
+    graphs: DraftGraphs | None = None
 
     @torch.inference_mode()
     def fill(self, plan: StepPlan, sampled: torch.Tensor | None) -> StepPlan:
@@ -150,34 +159,48 @@ class DraftModel:
         `prev_rows` reads)."""
         qsl = plan.query_start_loc.astype(np.int64)
         batch = len(plan.seq_lens)
-        gpu = np.zeros(batch, bool)
+        verify = np.zeros(batch, bool)
         if len(plan.draft_prev):
-            gpu = plan.draft_prev >= 0
-        ids, pos, slots, prev, lens, starts = [], [], [], [], [], [0]
+            verify = plan.draft_prev >= 0
+        # The forward's sequences: a verify row's two known tokens are two one-token rows (the
+        # second attends the first's KV, written earlier in the same layer), so a step without
+        # prefill chunks is one token per row: what the draft's graphs hold.
+        ids, pos, slots, prev, lens, table_rows, starts = [], [], [], [], [], [], [0]
         prev_rows = plan.prev_rows if len(plan.prev_rows) else np.full(len(plan.input_ids), -1)
+        last = []  # per verify row, its last known token's index in the forward
         for i in range(batch):
             a, b = qsl[i], qsl[i + 1]
-            if gpu[i]:
+            if verify[i]:
                 s = int(plan.positions[a])
                 ids += [int(plan.draft_prev[i]), int(plan.input_ids[a])]
                 pos += [s - 1, s]
                 slots += [self._slot(plan, i, s - 1), int(plan.slot_mapping[a])]
                 prev += [-1, -1]
-                lens.append(s + 1)
+                lens += [s, s + 1]
+                table_rows += [i, i]
+                starts += [len(ids) - 1, len(ids)]
+                last.append(len(ids) - 1)
             else:
                 ids += plan.input_ids[a:b].tolist()
                 pos += plan.positions[a:b].tolist()
                 slots += plan.slot_mapping[a:b].tolist()
                 prev += prev_rows[a:b].tolist()
                 lens.append(int(plan.seq_lens[i]))
-            starts.append(len(ids))
-        tokens = self._tensor(ids, torch.int64)
-        if max(prev, default=-1) >= 0:
-            p = self._tensor(prev, torch.int64)
-            tokens = torch.where(p >= 0, sampled[p.clamp(min=0)], tokens)
-        rows = np.flatnonzero(gpu)
-        last = np.asarray(starts[1:], np.int64)[rows] - 1
-        first = self._forward(tokens, pos, slots, starts, lens, plan.block_tables, last)
+                table_rows.append(i)
+                starts.append(len(ids))
+        tables = plan.block_tables[np.asarray(table_rows, np.int64)]
+        n = self._bucket(len(ids), len(lens))
+        if n is not None:
+            fields = np.asarray([ids, prev, pos, slots, lens], dtype=np.int64)
+            self.graphs.load(n, fields, tables)
+            first = self.graphs.run(n)[self._tensor(last, torch.int64)]
+        else:
+            tokens = self._tensor(ids, torch.int64)
+            if max(prev, default=-1) >= 0:
+                p = self._tensor(prev, torch.int64)
+                tokens = torch.where(p >= 0, sampled[p.clamp(min=0)], tokens)
+            first = self._forward(tokens, pos, slots, starts, lens, tables, last)
+        rows = np.flatnonzero(verify)
         if not len(rows):
             return plan
         drafts = self._draft(plan, rows, first)
@@ -185,6 +208,12 @@ class DraftModel:
         for i, row in zip(rows.tolist(), drafts, strict=True):
             input_ids[qsl[i] + 1 : qsl[i] + 1 + len(row)] = row
         return dataclasses.replace(plan, input_ids=input_ids)
+
+    def _bucket(self, num_tokens: int, num_rows: int) -> int | None:
+        """The draft graph bucket of a forward (one token a row), or None: eager."""
+        if self.graphs is None or num_tokens != num_rows or not num_rows:
+            return None
+        return self.graphs.pick(num_rows)
 
     def _draft(self, plan: StepPlan, rows: np.ndarray, first: torch.Tensor) -> list[list[int]]:
         """Each verify row's num_drafts greedy drafts: `first` [R] came from its last known
@@ -198,18 +227,26 @@ class DraftModel:
             live = live[keep]
             tokens = cur if len(keep) == len(cur) else cur[self._tensor(keep, torch.int64)]
             at = qsl[rows[live]] + j  # the verify row's input token at offset j: draft j
-            pos = plan.positions[at].tolist()
-            starts = list(range(len(live) + 1))
+            pos = plan.positions[at]
             tables = plan.block_tables[rows[live]]
-            last = np.arange(len(live))
-            cur = self._forward(
-                tokens, pos, plan.slot_mapping[at], starts, [p + 1 for p in pos], tables, last
-            )
+            n = self._bucket(len(live), len(live))
+            if n is not None:
+                fields = np.zeros((5, len(live)), dtype=np.int64)
+                fields[1], fields[2], fields[3], fields[4] = -1, pos, plan.slot_mapping[at], pos + 1
+                self.graphs.load(n, fields, tables)
+                self.graphs.rows[0, : len(live)].copy_(tokens)
+                cur = self.graphs.run(n)[: len(live)].clone()  # (the next replay rewrites it)
+            else:
+                starts = list(range(len(live) + 1))
+                cur = self._forward(
+                    tokens, pos.tolist(), plan.slot_mapping[at], starts, (pos + 1).tolist(),
+                    tables, np.arange(len(live)),
+                )  # fmt: skip
             got.append(cur)
         return _by_row([g.cpu().numpy() for g in got], need)
 
     def _forward(self, tokens, pos, slots, starts, lens, tables, last) -> torch.Tensor:
-        """One forward of the draft over a batch; the argmax after positions `last` [R]."""
+        """One eager forward of the draft over a batch; the argmax after positions `last`."""
         attn = AttentionMetadata(
             query_start_loc=self._tensor(starts, torch.int32),
             seq_lens=self._tensor(lens, torch.int32),

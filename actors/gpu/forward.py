@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from taipan.actors.gpu.buffers import StepBuffers
+from taipan.actors.gpu.draft import DraftModel
 from taipan.actors.gpu.graphs import Bucket, StepGraphs
 from taipan.actors.gpu.speculative import draft_rows
 from taipan.messages.gpu import StepPlan, StepResult
@@ -60,6 +61,7 @@ class WorkerForward:
     _sampled: torch.Tensor | None
     _moe_blocks: list
     _routing: torch.Tensor | None
+    draft: DraftModel | None  # speculative_method "draft_model" (actors/gpu/draft.py)
 
     # ---- which graph runs ----------------------------------------------------------------------
 
@@ -303,6 +305,8 @@ class WorkerForward:
         start = time.perf_counter()
         with self._recording(True):
             self.graphs.capture(self._graph_body, self._neutral_step)
+        if self.draft is not None and self.draft.graphs is not None:  # (draft_graphs.py)
+            self.draft.graphs.capture(self._sampled)
         self.graph_capture_seconds = time.perf_counter() - start
 
 

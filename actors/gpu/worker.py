@@ -27,6 +27,7 @@ import torch
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.draft import DraftModel, check_draft_prev, load_draft
+from taipan.actors.gpu.draft_graphs import DraftGraphs, draft_graph_sizes
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
 from taipan.actors.gpu.grammar_masks import Check, GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
@@ -189,6 +190,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         self._routing: torch.Tensor | None = None
         # speculative_method "draft_model": the draft and its KV cache (actors/gpu/draft.py).
         self.draft: DraftModel | None = None
+        self._draft_graphable = False  # its forwards may be graphed (not a sharded self-draft)
 
     # ---- load ----------------------------------------------------------------------------------
 
@@ -217,6 +219,7 @@ class ModelWorker(WorkerForward, WorkerControls):
                 draft[1], sizes.num_blocks, msg.block_size, dtype, self.device, draft[2]
             )
             self.draft = DraftModel(draft[0], kv, msg.block_size, self.device)
+            self._draft_graphable = draft[2].size == 1  # (a sharded self-draft runs eagerly)
         self.model, self.config, self.dtype = model, config, dtype
         self.weight_version, self.suspend_mode = 0, None
         self._kv_shape, self._kv_offloaded = tuple(self.kv_cache.shape), None
@@ -356,6 +359,15 @@ class ModelWorker(WorkerForward, WorkerControls):
             if msg.speculative and msg.cuda_graph_mixed_sizes:
                 shape = (max(msg.cuda_graph_mixed_sizes), config.hidden_size)
                 self._graph_hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
+            if self.draft is not None and self._draft_graphable and msg.cuda_graph_decode_sizes:
+                self.draft.graphs = DraftGraphs(
+                    self.draft.model,
+                    self.draft.kv_cache,
+                    msg.block_size,
+                    draft_graph_sizes(msg.cuda_graph_decode_sizes, msg.max_requests),
+                    max_blocks=-(-msg.max_sequence_length // msg.block_size),
+                    device=self.device,
+                )
             self._capture()
 
     def _slot_bytes(self, config, dtype) -> int:
