@@ -43,7 +43,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from taipan.actors.gpu.draft_graphs import DraftGraphs
+from taipan.actors.gpu.draft_graphs import LENGTH, PICK, POSITION, PREV, SLOT, TOKEN, DraftGraphs
 from taipan.actors.gpu.mamba_config import has_recurrent_layers
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, StepPlan
@@ -190,10 +190,12 @@ class DraftModel:
                 starts.append(len(ids))
         tables = plan.block_tables[np.asarray(table_rows, np.int64)]
         n = self._bucket(len(ids), len(lens))
-        if n is not None:
-            fields = np.asarray([ids, prev, pos, slots, lens], dtype=np.int64)
+        if n is not None:  # (no host wait: the pinned copies and the graph queue behind)
+            pick = last + [0] * (len(ids) - len(last))  # (the verify rows' last known tokens)
+            fields = np.asarray([ids, prev, pos, slots, lens, pick], dtype=np.int64)
             self.graphs.load(n, fields, tables)
-            first = self.graphs.run(n)[self._tensor(last, torch.int64)]
+            out = self.graphs.run(n)
+            first = out.index_select(0, self.graphs.fields(n)[PICK, : len(last)])
         else:
             tokens = self._tensor(ids, torch.int64)
             if max(prev, default=-1) >= 0:
@@ -225,18 +227,20 @@ class DraftModel:
         for j in range(1, int(need.max())):
             keep = np.flatnonzero(need[live] > j)
             live = live[keep]
-            tokens = cur if len(keep) == len(cur) else cur[self._tensor(keep, torch.int64)]
             at = qsl[rows[live]] + j  # the verify row's input token at offset j: draft j
             pos = plan.positions[at]
             tables = plan.block_tables[rows[live]]
             n = self._bucket(len(live), len(live))
             if n is not None:
-                fields = np.zeros((5, len(live)), dtype=np.int64)
-                fields[1], fields[2], fields[3], fields[4] = -1, pos, plan.slot_mapping[at], pos + 1
+                fields = np.zeros((6, len(live)), dtype=np.int64)
+                fields[PREV], fields[POSITION], fields[SLOT] = -1, pos, plan.slot_mapping[at]
+                fields[LENGTH], fields[PICK] = pos + 1, keep
                 self.graphs.load(n, fields, tables)
-                self.graphs.rows[0, : len(live)].copy_(tokens)
+                block = self.graphs.fields(n)
+                block[TOKEN, : len(live)].copy_(cur.index_select(0, block[PICK, : len(live)]))
                 cur = self.graphs.run(n)[: len(live)].clone()  # (the next replay rewrites it)
             else:
+                tokens = cur if len(keep) == len(cur) else cur[self._tensor(keep, torch.int64)]
                 starts = list(range(len(live) + 1))
                 cur = self._forward(
                     tokens, pos.tolist(), plan.slot_mapping[at], starts, (pos + 1).tolist(),

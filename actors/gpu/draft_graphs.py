@@ -7,10 +7,14 @@ step on an H100).
 
 A graph reads static buffers at a bucket's size: one int64 block of per-row fields (token, the
 row of the previous step's sampled token to take instead or -1, position, slot, context
-length) and the block tables; it writes each row's greedy next token (argmax of the draft's
-logits) into `out`. Padding rows have context length 0 and slot -1: they attend nothing and
-write nothing (the decode attention kernel's contract). What a kernel's grid depends on is
-fixed per bucket, so one capture serves every forward it holds.
+length, and a gather index the caller may use) and the block tables; it writes each row's
+greedy next token (argmax of the draft's logits) into `out`. Padding rows have context length
+0 and slot -1: they attend nothing and write nothing (the decode attention kernel's contract).
+What a kernel's grid depends on is fixed per bucket, so one capture serves every forward it
+holds. The buffers are filled from pinned host memory without waiting (a ring of staging
+buffers, each reused once the copy that last read it is done): a copy from pageable memory
+would make the host wait for the previous step's whole forward, which is what overlapping
+the next step's host work with it is for.
 
 The graphs read the draft's KV cache, its weights and the worker's sampled-token buffer at
 their addresses: they are captured with the target's graphs and released with them (a
@@ -31,7 +35,9 @@ from taipan.ops.attention import AttentionMetadata
 __all__ = ["DraftGraphs", "draft_graph_sizes"]
 
 # Rows of the static per-row block (int64).
-TOKEN, PREV, POSITION, SLOT, LENGTH = range(5)
+TOKEN, PREV, POSITION, SLOT, LENGTH, PICK = range(6)
+FIELDS = 6
+STAGING = 4  # pinned staging buffers in the ring (a verify step loads up to k + 1 times)
 
 
 def draft_graph_sizes(decode_sizes, max_requests: int) -> tuple[int, ...]:
@@ -49,8 +55,20 @@ class DraftGraphs:
         self.block_size = block_size
         self.sizes = tuple(sorted(sizes))
         n = self.sizes[-1]
-        self.rows = torch.zeros(5, n, dtype=torch.int64, device=device)
+        # The per-row block of bucket b is the first FIELDS * b values, viewed [FIELDS, b]
+        # (`fields`): contiguous, so each load is one plain copy.
+        self._rows = torch.zeros(FIELDS * n, dtype=torch.int64, device=device)
         self.tables = torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
+        pinned = self.device.type == "cuda"
+        self._staging = [
+            (
+                torch.zeros(FIELDS * n, dtype=torch.int64, pin_memory=pinned),
+                torch.zeros(n, max_blocks, dtype=torch.int32, pin_memory=pinned),
+            )
+            for _ in range(STAGING if pinned else 1)
+        ]
+        self._copied: list[torch.cuda.Event | None] = [None] * len(self._staging)
+        self._next = 0
         self.query_start = torch.arange(n + 1, dtype=torch.int32, device=device)
         self.out = torch.zeros(n, dtype=torch.int64, device=device)
         self._sampled: torch.Tensor | None = None
@@ -68,38 +86,56 @@ class DraftGraphs:
         return next((s for s in self.sizes if s >= num_rows), None)
 
     def load(self, n: int, rows: np.ndarray, tables: np.ndarray) -> None:
-        """Fill the buffers for a forward of bucket `n`: `rows` [5, R] int64 (TOKEN, PREV,
-        POSITION, SLOT, LENGTH), `tables` [R, <= max_blocks]; rows R..n are padding. Two
-        host-to-device copies, queued in stream order after the forward that last read them."""
+        """Fill the buffers for a forward of bucket `n`: `rows` [<= 6, R] int64 (TOKEN, PREV,
+        POSITION, SLOT, LENGTH[, PICK]), `tables` [R, <= max_blocks]; rows R..n are padding.
+        Two asynchronous copies from the next pinned staging buffer, queued in stream order
+        after the forward that last read the device buffers."""
         count = self._count = rows.shape[1]
-        block = np.zeros((5, n), dtype=np.int64)
+        k = self._next
+        self._next = (k + 1) % len(self._staging)
+        copied = self._copied[k]
+        if copied is not None and not copied.query():
+            copied.synchronize()  # (the copy that last read this staging buffer)
+        host_rows, host_tables = self._staging[k]
+        block, padded = host_rows.numpy()[: FIELDS * n].reshape(FIELDS, n), host_tables.numpy()[:n]
+        block[:] = 0
         block[PREV, count:] = block[SLOT, count:] = -1
-        block[:, :count] = rows
-        padded = np.zeros((n, self.tables.shape[1]), dtype=np.int32)
+        block[: rows.shape[0], :count] = rows
+        padded[:] = 0
         padded[:count, : tables.shape[1]] = tables
-        self.rows[:, :n].copy_(torch.from_numpy(block), non_blocking=False)
-        self.tables[:n].copy_(torch.from_numpy(padded), non_blocking=False)
+        cuda = self.device.type == "cuda"
+        self._rows[: FIELDS * n].copy_(host_rows[: FIELDS * n], non_blocking=cuda)
+        self.tables[:n].copy_(host_tables[:n], non_blocking=cuda)
+        if cuda:
+            if self._copied[k] is None:
+                self._copied[k] = torch.cuda.Event()
+            self._copied[k].record()
+
+    def fields(self, n: int) -> torch.Tensor:
+        """The device block of bucket `n`: [FIELDS, n] int64 (TOKEN, PREV, ... rows)."""
+        return self._rows[: FIELDS * n].view(FIELDS, n)
 
     def body(self, n: int) -> None:
         """What a graph of bucket `n` records. Run eagerly on the CPU (tests), over the loaded
         rows only: the CPU's attention takes no empty rows."""
-        if not self.rows.is_cuda:
-            n = self._count
-        ids = self.rows[TOKEN, :n]
+        rows = self.fields(n)
+        if not rows.is_cuda:
+            n, rows = self._count, rows[:, : self._count]
+        ids = rows[TOKEN]
         if self._sampled is not None:
-            prev = self.rows[PREV, :n]
+            prev = rows[PREV]
             ids = torch.where(prev >= 0, self._sampled[prev.clamp(min=0)], ids)
         attn = AttentionMetadata(
             query_start_loc=self.query_start[: n + 1],
-            seq_lens=self.rows[LENGTH, :n].to(torch.int32),
+            seq_lens=rows[LENGTH].to(torch.int32),
             block_tables=self.tables[:n],
-            slot_mapping=self.rows[SLOT, :n],
+            slot_mapping=rows[SLOT],
             num_decodes=n,
             max_query_len=1,
         )
-        if not self.rows.is_cuda:  # (the CPU's attention wants its layout)
-            attn.with_layout(np.arange(n + 1), self.rows[LENGTH, :n].numpy(), self.block_size)
-        hidden = self.model(ids, self.rows[POSITION, :n], attn, self.kv_cache)
+        if not rows.is_cuda:  # (the CPU's attention wants its layout)
+            attn.with_layout(np.arange(n + 1), rows[LENGTH].numpy(), self.block_size)
+        hidden = self.model(ids, rows[POSITION], attn, self.kv_cache)
         self.out[:n].copy_(self.model.compute_logits(hidden).argmax(dim=-1))
 
     def run(self, n: int) -> torch.Tensor:
@@ -121,7 +157,7 @@ class DraftGraphs:
         self._sampled = sampled
         self._pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
-        empty = np.zeros((5, 0), dtype=np.int64)
+        empty = np.zeros((FIELDS, 0), dtype=np.int64)
         for n in reversed(self.sizes):
             self.load(n, empty, np.zeros((0, 0), dtype=np.int32))
             side.wait_stream(torch.cuda.current_stream())
