@@ -18,3 +18,10 @@ start_device() {  # [model]: the wheels, the environment, the GPU's name; `model
     nvidia-smi --query-gpu=name --format=csv,noheader
     [ "${1:-}" != model ] || bash tests/perf/carry_model.sh stage2
 }
+enter_new_tree() {  # [model]: start_device, NVLS off, .carry/new staged as `taipan`, cd there
+    start_device "${1:-}" || return 1
+    export PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    export NVSHMEM_DISABLE_NVLS=1
+    stage_tree .carry/new /tmp/pkg_new || return 1
+    cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
+}

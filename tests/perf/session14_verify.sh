@@ -13,11 +13,7 @@
 set -u
 PART=${1:?part kernels, spec, two or dense}
 source tests/perf/device_setup.sh
-start_device || exit 1
-export PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
-export NVSHMEM_DISABLE_NVLS=1
-stage_tree .carry/new /tmp/pkg_new || exit 1
-cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
+enter_new_tree || exit 1
 PYTEST="python3 -m pytest -v -p no:cacheprovider -m gpu --tb=short --durations=15"
 show() { grep -E "PASSED|FAILED|ERROR|^E  |passed|failed|^\S+ (decode|spec)|o_proj at TP|KiB" "$1" \
     | grep -v Retry | cut -c1-220 | tail -"${2:-40}"; }
