@@ -30,6 +30,7 @@ def test_bucket_sizes_hold_verify_rows_as_two():
     assert draft_graph_sizes((1, 2, 4, 8), max_requests=8) == (1, 2, 4, 8, 16)
     assert draft_graph_sizes((1, 8), max_requests=4) == (1, 2, 8)
     assert draft_graph_sizes((), max_requests=4) == ()
+    assert draft_graph_sizes((1, 64, 128, 256), max_requests=256) == (1, 2, 64, 128)
 
 
 @pytest.fixture(scope="module")

@@ -40,11 +40,18 @@ FIELDS = 6
 STAGING = 4  # pinned staging buffers in the ring (a verify step loads up to k + 1 times)
 
 
+# The largest bucket: a graph keeps its rows' fp32 logits in its pool (128 rows of a 128k
+# vocabulary: 64 MiB, outside the KV sizing); speculation pays at small batches, and a larger
+# forward runs eagerly.
+MAX_ROWS = 128
+
+
 def draft_graph_sizes(decode_sizes, max_requests: int) -> tuple[int, ...]:
     """The row counts to capture: the target's decode sizes and their doubles (a verify row
-    is two rows in the draft's first forward), none above 2 * max_requests."""
+    is two rows in the draft's first forward), none above 2 * max_requests or MAX_ROWS."""
     sizes = {s for s in decode_sizes} | {2 * s for s in decode_sizes}
-    return tuple(sorted(s for s in sizes if 0 < s <= 2 * max_requests))
+    bound = min(2 * max_requests, MAX_ROWS)
+    return tuple(sorted(s for s in sizes if 0 < s <= bound))
 
 
 class DraftGraphs:

@@ -359,12 +359,13 @@ class ModelWorker(WorkerForward, WorkerControls):
             if msg.speculative and msg.cuda_graph_mixed_sizes:
                 shape = (max(msg.cuda_graph_mixed_sizes), config.hidden_size)
                 self._graph_hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
-            if self.draft is not None and self._draft_graphable and msg.cuda_graph_decode_sizes:
+            draft_sizes = draft_graph_sizes(msg.cuda_graph_decode_sizes, msg.max_requests)
+            if self.draft is not None and self._draft_graphable and draft_sizes:
                 self.draft.graphs = DraftGraphs(
                     self.draft.model,
                     self.draft.kv_cache,
                     msg.block_size,
-                    draft_graph_sizes(msg.cuda_graph_decode_sizes, msg.max_requests),
+                    draft_sizes,
                     max_blocks=-(-msg.max_sequence_length // msg.block_size),
                     device=self.device,
                 )
