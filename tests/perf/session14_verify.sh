@@ -9,11 +9,16 @@
 #     the 1B shape (the verify step's and the draft's cost against a plain step);
 #   part two (two GPUs): the elementwise GPU test, the custom all-reduce test, the 8B decode
 #     rows at batch 1, TP=1 and TP=2 with TAIPAN_TP_GEMV_SUM 1 and 0;
-#   part dense (one GPU): the Gemma 3 1B and Qwen2.5-7B decode rows at batch 1 (issue 27).
+#   part dense (one GPU): the Gemma 3 1B and Qwen2.5-7B decode rows at batch 1 (issue 27);
+#   part model (one GPU, the real model: call `bash tests/perf/carry_model.sh stage1` with
+#     carry [".carry/smollm2.gguf.part1"] first, then this with carry
+#     [".carry/smollm2.gguf.part2", ".whl", ".carry/new"] within ~30 s): the GPU tests that
+#     need SmolLM2 (test_gpu.py, the real-model and speculative ones), then the issue 29 bar,
+#     `bench --workload spec` with n-gram drafts on SmolLM2 at batch 1 (grounded and free).
 set -u
-PART=${1:?part kernels, spec, two or dense}
+PART=${1:?part kernels, spec, two, dense or model}
 source tests/perf/device_setup.sh
-enter_new_tree || exit 1
+if [ "$PART" = model ]; then enter_new_tree model || exit 1; else enter_new_tree || exit 1; fi
 PYTEST="python3 -m pytest -v -p no:cacheprovider -m gpu --tb=short --durations=15"
 show() { grep -E "PASSED|FAILED|ERROR|^E  |passed|failed|^\S+ (decode|spec)|o_proj at TP|KiB" "$1" \
     | grep -v Retry | cut -c1-220 | tail -"${2:-40}"; }
@@ -43,6 +48,14 @@ elif [ "$PART" = two ]; then
             --model random:llama-8b --tensor-parallel-size 2 --results "$OUT/tp2_sum$s.jsonl" \
             2>&1 | grep -E "^decode|rror" | cut -c1-160 | sed "s/^/TP=2 sum=$s /"
     done
+elif [ "$PART" = model ]; then
+    timeout -s ABRT 330 $PYTEST tests/test_gpu.py tests/test_gpu_real_model.py \
+        tests/test_ops_llama.py tests/test_ops_logprobs.py tests/test_ops_tokenizer.py \
+        tests/test_e2e_speculative.py > "$OUT/model.log" 2>&1
+    show "$OUT/model.log" 20
+    timeout -s ABRT 200 python3 -m taipan.cli bench --workload spec --device cuda \
+        --dtype bfloat16 --model smollm2 --spec-tokens 4 --results "$OUT/spec_ngram.jsonl" \
+        2>&1 | grep -E "^spec|rror" | cut -c1-250
 elif [ "$PART" = dense ]; then
     for shape in gemma3-1b qwen2.5-7b; do
         timeout -s ABRT 100 python3 -m taipan.cli $DEC --model random:$shape \
