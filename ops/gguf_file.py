@@ -261,16 +261,20 @@ def _dequantize_q4_1(data: np.ndarray) -> np.ndarray:
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
     m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     qs = blocks[:, 4:]
-    q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.float32)
-    return (q * d + m).reshape(-1)
+    out = np.empty((len(blocks), 32), dtype=np.float32)  # (each product rounded, then the sum)
+    np.multiply(qs & 0x0F, d, out=out[:, :16], casting="unsafe")
+    np.multiply(qs >> 4, d, out=out[:, 16:], casting="unsafe")
+    out += m
+    return out.reshape(-1)
 
 
 def _dequantize_q8_0(data: np.ndarray) -> np.ndarray:
     """llama.cpp's Q8_0: per 32 weights a float16 scale d, then 32 int8 (w = q * d)."""
     blocks = data.reshape(-1, 34)
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    q = blocks[:, 2:].copy().view(np.int8).astype(np.float32)
-    return (q * d).reshape(-1)
+    out = np.empty((len(blocks), 32), dtype=np.float32)
+    np.multiply(blocks[:, 2:].view(np.int8), d, out=out, casting="unsafe")
+    return out.reshape(-1)
 
 
 # Quantization types dequantized here (the others by the gguf package).
