@@ -43,7 +43,17 @@ import dataclasses
 import numpy as np
 import torch
 
-from taipan.actors.gpu.draft_graphs import LENGTH, PICK, POSITION, PREV, SLOT, TOKEN, DraftGraphs
+from taipan.actors.gpu.draft_graphs import (
+    FIELDS,
+    LENGTH,
+    PICK,
+    POSITION,
+    PREV,
+    SLOT,
+    TOKEN,
+    DraftGraphs,
+    draft_graph_sizes,
+)
 from taipan.actors.gpu.mamba_config import has_recurrent_layers
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, StepPlan
@@ -211,6 +221,16 @@ class DraftModel:
             input_ids[qsl[i] + 1 : qsl[i] + 1 + len(row)] = row
         return dataclasses.replace(plan, input_ids=input_ids)
 
+    def use_graphs(self, msg: LoadModel) -> None:
+        """Replay its one-token forwards from CUDA graphs (the worker captures them with the
+        target's), at the target's decode sizes and their doubles, where there are any."""
+        sizes = draft_graph_sizes(msg.cuda_graph_decode_sizes, msg.max_requests)
+        if sizes:
+            max_blocks = -(-msg.max_sequence_length // msg.block_size)
+            self.graphs = DraftGraphs(
+                self.model, self.kv_cache, msg.block_size, sizes, max_blocks, self.device
+            )
+
     def _bucket(self, num_tokens: int, num_rows: int) -> int | None:
         """The draft graph bucket of a forward (one token a row), or None: eager."""
         if self.graphs is None or num_tokens != num_rows or not num_rows:
@@ -232,7 +252,7 @@ class DraftModel:
             tables = plan.block_tables[rows[live]]
             n = self._bucket(len(live), len(live))
             if n is not None:
-                fields = np.zeros((6, len(live)), dtype=np.int64)
+                fields = np.zeros((FIELDS, len(live)), dtype=np.int64)
                 fields[PREV], fields[POSITION], fields[SLOT] = -1, pos, plan.slot_mapping[at]
                 fields[LENGTH], fields[PICK] = pos + 1, keep
                 self.graphs.load(n, fields, tables)

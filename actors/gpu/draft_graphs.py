@@ -30,13 +30,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from taipan.actors.gpu.graphs import Bucket, StepGraphs
 from taipan.ops.attention import AttentionMetadata
 
 __all__ = ["DraftGraphs", "draft_graph_sizes"]
 
 # Rows of the static per-row block (int64).
 TOKEN, PREV, POSITION, SLOT, LENGTH, PICK = range(6)
-FIELDS = 6
+FIELDS = PICK + 1
 STAGING = 4  # pinned staging buffers in the ring (a verify step loads up to k + 1 times)
 
 
@@ -81,19 +82,16 @@ class DraftGraphs:
         self._sampled: torch.Tensor | None = None
         self._count = 0  # rows the last load filled
         self.replays = 0  # forwards served by a captured graph
-        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._pool = None
-
-    @property
-    def captured(self) -> bool:
-        return bool(self._graphs)
+        # Captured, replayed and released as the target's (decode buckets of n rows each).
+        self._graphs = StepGraphs(self.sizes, (), max_requests=n)
 
     def pick(self, num_rows: int) -> int | None:
         """The smallest bucket holding `num_rows` one-token rows, or None (run eagerly)."""
-        return next((s for s in self.sizes if s >= num_rows), None)
+        bucket = self._graphs.pick(num_rows, num_rows, all_decode=True)
+        return None if bucket is None else bucket.tokens
 
     def load(self, n: int, rows: np.ndarray, tables: np.ndarray) -> None:
-        """Fill the buffers for a forward of bucket `n`: `rows` [<= 6, R] int64 (TOKEN, PREV,
+        """Fill the buffers for a forward of bucket `n`: `rows` [<= FIELDS, R] int64 (TOKEN, PREV,
         POSITION, SLOT, LENGTH[, PICK]), `tables` [R, <= max_blocks]; rows R..n are padding.
         Two asynchronous copies from the next pinned staging buffer, queued in stream order
         after the forward that last read the device buffers."""
@@ -148,41 +146,28 @@ class DraftGraphs:
     def run(self, n: int) -> torch.Tensor:
         """The forward of bucket `n` over the loaded buffers (its graph when captured);
         returns `out[:n]`, each row's greedy next token."""
-        graph = self._graphs.get(n)
-        if graph is None:
-            self.body(n)
-        else:
-            graph.replay()
+        if self._graphs.captured:
+            self._graphs.replay(Bucket(n, n, True))
             self.replays += 1
+        else:
+            self.body(n)
         return self.out[:n]
 
     def capture(self, sampled: torch.Tensor) -> None:
-        """Capture every bucket, largest first, into one memory pool; `sampled`: the worker's
-        sampled-token buffer (what PREV rows read). Each body runs twice eagerly first, on a
-        side stream, over padding only (nothing attended, nothing written)."""
-        self.release()
+        """Capture every bucket (actors/gpu/graphs.py StepGraphs.capture), each over padding
+        only (nothing attended, nothing written); `sampled`: the worker's sampled-token buffer
+        (what PREV rows read)."""
         self._sampled = sampled
-        self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
-        empty = np.zeros((FIELDS, 0), dtype=np.int64)
-        for n in reversed(self.sizes):
-            self.load(n, empty, np.zeros((0, 0), dtype=np.int32))
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.body(n)
-                self.body(n)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                self.body(n)
-            self._graphs[n] = graph
-        torch.cuda.synchronize()
+        empty, no_tables = np.zeros((FIELDS, 0), dtype=np.int64), np.zeros((0, 0), np.int32)
+        self._graphs.capture(
+            lambda b: self.body(b.tokens), lambda b: self.load(b.tokens, empty, no_tables)
+        )
 
     def use_eagerly(self, sampled: torch.Tensor) -> None:
-        """Run the bodies without graphs (a CPU worker, or tests): `sampled` as for capture."""
+        """Run the bodies without graphs (the CPU tests: a CPU worker has no draft graphs):
+        `sampled` as for capture."""
         self.release()
         self._sampled = sampled
 
     def release(self) -> None:
-        self._graphs.clear()
-        self._pool = None
+        self._graphs.release()

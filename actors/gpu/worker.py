@@ -27,7 +27,6 @@ import torch
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.draft import DraftModel, check_draft_prev, load_draft
-from taipan.actors.gpu.draft_graphs import DraftGraphs, draft_graph_sizes
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
 from taipan.actors.gpu.grammar_masks import Check, GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
@@ -359,16 +358,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             if msg.speculative and msg.cuda_graph_mixed_sizes:
                 shape = (max(msg.cuda_graph_mixed_sizes), config.hidden_size)
                 self._graph_hidden = torch.empty(shape, dtype=self.dtype, device=self.device)
-            draft_sizes = draft_graph_sizes(msg.cuda_graph_decode_sizes, msg.max_requests)
-            if self.draft is not None and self._draft_graphable and draft_sizes:
-                self.draft.graphs = DraftGraphs(
-                    self.draft.model,
-                    self.draft.kv_cache,
-                    msg.block_size,
-                    draft_sizes,
-                    max_blocks=-(-msg.max_sequence_length // msg.block_size),
-                    device=self.device,
-                )
+            if self.draft is not None and self._draft_graphable:
+                self.draft.use_graphs(msg)
             self._capture()
 
     def _slot_bytes(self, config, dtype) -> int:
