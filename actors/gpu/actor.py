@@ -218,7 +218,8 @@ class GpuActor(Actor):
 
     async def on_step(self, env: Envelope, msg: StepPlan) -> None:
         """Launch the step and queue it for `_answer_steps`; returns without waiting for the
-        device (unless MAX_LAUNCHED steps are already launched)."""
+        device (unless MAX_LAUNCHED steps are already launched, or the launch waits for it
+        anyway: then the step is collected in the same thread hop)."""
         await self.room.acquire()
         if self.followers is not None:
             await self.followers.publish(msg)
@@ -230,6 +231,8 @@ class GpuActor(Actor):
             try:
                 if self.worker.launches_inline(msg):
                     handle = self.worker.launch(msg)
+                elif self.worker.launch_waits(msg):  # (collected in the same hop: a StepResult)
+                    handle = await self._in_thread(self.worker.step, msg)
                 else:
                     handle = await self._in_thread(self.worker.launch, msg)
             except Exception as e:
@@ -244,7 +247,10 @@ class GpuActor(Actor):
         while True:
             env, plan, handle, raised = await self.launched.get()
             try:
-                reply = await loop.run_in_executor(self.collector, self.worker.collect, handle)
+                if isinstance(handle, StepResult):  # (refused, failed, or already collected)
+                    reply = handle
+                else:
+                    reply = await loop.run_in_executor(self.collector, self.worker.collect, handle)
             except Exception as e:
                 self.log.exception("step failed", step=plan.step)
                 no_tokens = np.full(len(plan.sample), -1, dtype=np.int32)
