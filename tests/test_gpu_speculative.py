@@ -10,7 +10,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from taipan.actors.gpu.forward import decode_rows
 from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import LoadModel, StepPlan
 from tests.random_llama import TINY_SHAPE, make_random_llama
@@ -28,13 +27,10 @@ def model_dir(tmp_path_factory):
     return make_random_llama(str(tmp_path_factory.mktemp("random-llama")), TINY_SHAPE)
 
 
-@pytest.fixture(scope="module", params=["prefill_rows", "decode_rows"])
-def worker(model_dir, request) -> ModelWorker:
-    """Verify rows run as the plan has them, or each token as a decode row (forward.py
-    `decode_rows`: CUDA's default, forced here)."""
+@pytest.fixture(scope="module")
+def worker(model_dir) -> ModelWorker:
     w = ModelWorker()
     w.load(LoadModel(model_dir, "float32", "cpu", 16, 8, 1.0, 256, 8, 128))
-    w.verify_as_decode = request.param == "decode_rows"
     return w
 
 
@@ -88,7 +84,6 @@ def test_verify_rows_reproduce_one_token_decoding(worker, temperature):
         Seq([t[0], *drafts], len(PROMPTS[1]), BLOCKS[1]),
     ]
     plan = _with(make_plan(2, seqs), temperature, [1, 1], num_drafts=np.asarray([0, 4], np.int32))
-    assert (worker._as_decode_rows(plan, {}) is not None) == worker.verify_as_decode
     res = worker.step(plan)
     assert res.error is None and res.spec_tokens.shape == (2, 5)
     assert res.spec_tokens[0].tolist() == [-1] * 5
@@ -171,24 +166,6 @@ def test_verify_rows_carry_the_processed_log_probs_of_one_token_decoding(worker,
     tops = np.stack([top for _, top in want_lp[1][1:4]])
     np.testing.assert_allclose(res.spec_top_n_log_probs[1, :3], tops, atol=1e-4)
     np.testing.assert_allclose(res.log_probs[0], want_lp[0][1][0], atol=1e-4)
-
-
-def test_decode_rows_make_each_token_a_row_of_its_sequence():
-    """forward.py `decode_rows`: a verify row of 3 tokens becomes 3 one-token rows with its
-    block table and sampling parameters, each as long as its position + 1; a step with a
-    prefill chunk is left as it is (None)."""
-    seqs = [Seq([5], 7, BLOCKS[0]), Seq([6, 7, 8], 11, BLOCKS[1])]
-    plan = _with(make_plan(2, seqs), 0.5, [3, 4], num_drafts=np.asarray([0, 2], np.int32))
-    rows = decode_rows(plan)
-    assert rows["query_start_loc"].tolist() == [0, 1, 2, 3, 4]
-    assert rows["seq_lens"].tolist() == [8, 12, 13, 14]
-    assert rows["input_ids"].tolist() == [5, 6, 7, 8]
-    assert rows["block_tables"][:, :2].tolist() == [BLOCKS[0]] + [BLOCKS[1]] * 3
-    assert rows["gen_index"].tolist() == [3, 4, 4, 4]
-    prefill = _with(
-        make_plan(2, [Seq([5], 7, BLOCKS[0]), Seq([6, 7, 8], 0, BLOCKS[1])]), 0.5, [3, 0]
-    )
-    assert decode_rows(prefill) is None
 
 
 def test_a_plan_without_drafts_has_no_spec_tokens(worker):

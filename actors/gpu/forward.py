@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from taipan.actors.gpu.buffers import StepBuffers, step_fields
+from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.draft import DraftModel
 from taipan.actors.gpu.graphs import Bucket, StepGraphs
 from taipan.actors.gpu.speculative import draft_rows
@@ -34,9 +34,6 @@ from taipan.ops.models.llama import AttentionMetadata
 from taipan.ops.moe import record_routing
 from taipan.ops.parallel import TPGroup
 from taipan.ops.sampling import sample
-
-# The per-sequence sampling parameters the code after a forward reads from the step inputs.
-SAMPLING_FIELDS = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
 
 
 class WorkerForward:
@@ -108,25 +105,6 @@ class WorkerForward:
 
     # ---- the forward ---------------------------------------------------------------------------
 
-    def _as_decode_rows(self, plan: StepPlan, inner_snaps: dict) -> dict[str, np.ndarray] | None:
-        """A verify step as a decode step (`decode_rows`), when it can run so: every sequence
-        a decode or verify row, at most the step buffers' sequences in tokens, no prompt
-        log-probs, no recurrent state (a hybrid keeps states inside its verify rows), no
-        expert parallelism; with graphs, a decode graph must hold them (else the mixed graph
-        runs it as before). Off where `verify_as_decode` is (the CPU's default: there a decode
-        row costs about what a token of a prefill row costs, and the eager path is the
-        tested one)."""
-        if not self.verify_as_decode or not len(draft_rows(plan)) or inner_snaps:
-            return None
-        if self.ep is not None or self.mamba_state is not None:
-            return None
-        n = len(plan.input_ids)
-        if n > self.buffers.max_requests or (plan.prompt_targets >= 0).any():
-            return None
-        if self.graphs is not None and self.graphs.pick(n, n, all_decode=True) is None:
-            return None
-        return decode_rows(plan)
-
     def _forward_logits(self, plan: StepPlan, staged, bucket: Bucket | None, inner_snaps):
         """(inputs, logits [B, V] fp32, hidden [T, H] or None after a graph, but a mixed one
         of a speculative config): the step's one host-to-device copy, then the graph of
@@ -146,40 +124,15 @@ class WorkerForward:
         last = inputs["query_start_loc"][1:].long() - 1
         return inputs, self.model.compute_logits(hidden[last]), hidden
 
-    def _decode_rows_logits(self, plan: StepPlan, staged, bucket: Bucket | None):
-        """`_forward_logits` of a verify step run as decode rows (`_as_decode_rows`): (the
-        inputs post-forward code reads, per sequence; logits [B, V] of each sequence's last
-        token; the logits [T, V] of every token). The forward reads the staged decode rows
-        (the decode graph of `bucket`, or eagerly); each sequence's own sampling parameters
-        are gathered from its rows' only when some row samples (greedy rows read none)."""
-        num_tokens = len(plan.input_ids)
-        if bucket is not None:
-            inputs = self.buffers.upload(staged, num_tokens=num_tokens, num_seqs=num_tokens)
-            self.graphs.replay(bucket)
-            token_logits = self._logits[:num_tokens]
-        else:
-            inputs = self.buffers.upload(staged)
-            with self._recording(plan.return_routed_experts):
-                hidden = self._forward(plan, inputs, layout=decode_layout(plan))
-            token_logits = self.model.compute_logits(hidden)
-        last = self._tensor(plan.query_start_loc[1:] - 1, torch.int64)
-        per_seq = {"input_ids": inputs["input_ids"]}
-        if (plan.temperature[plan.sample != 0] > 0).any():
-            per_seq |= {name: inputs[name][last] for name in SAMPLING_FIELDS}
-        return per_seq, token_logits[last], token_logits
-
     def _forward(
-        self, plan: StepPlan, inputs: dict[str, torch.Tensor], inner_snaps=None, layout=None
+        self, plan: StepPlan, inputs: dict[str, torch.Tensor], inner_snaps=None
     ) -> torch.Tensor:
-        """The eager forward; `layout`: the staged rows' (query starts, sequence lengths) on the
-        host where they are not the plan's (decode rows)."""
-        starts, lens = layout or (plan.query_start_loc, plan.seq_lens)
         attn = AttentionMetadata(
             query_start_loc=inputs["query_start_loc"],
             seq_lens=inputs["seq_lens"],
             block_tables=inputs["block_tables"],
             slot_mapping=inputs["slot_mapping"],
-        ).with_layout(starts, lens, self.block_size)
+        ).with_layout(plan.query_start_loc, plan.seq_lens, self.block_size)
         ids = inputs["input_ids"]
         if len(plan.prev_rows):  # only then: the gather costs launches
             ids = self._ids_with_previous_tokens(inputs)
@@ -278,7 +231,8 @@ class WorkerForward:
     ) -> torch.Tensor:
         if not (plan.temperature[plan.sample != 0] > 0).any():
             return logits.argmax(dim=-1)  # all greedy: skip the filters and the noise
-        return sample(logits, **{name: inputs[name] for name in SAMPLING_FIELDS})
+        names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
+        return sample(logits, **{name: inputs[name] for name in names})
 
     def _tensor(self, a: np.ndarray, dtype=None) -> torch.Tensor:
         # np.frombuffer views are read-only; torch wants writable memory.
@@ -354,33 +308,6 @@ class WorkerForward:
         if self.draft is not None and self.draft.graphs is not None:  # (draft_graphs.py)
             self.draft.graphs.capture(self._sampled)
         self.graph_capture_seconds = time.perf_counter() - start
-
-
-def decode_layout(plan: StepPlan) -> tuple[np.ndarray, np.ndarray]:
-    """(query starts, sequence lengths) of `plan`'s tokens as one-token rows: a token at
-    position p attends positions 0..p of its sequence."""
-    starts = np.arange(len(plan.input_ids) + 1, dtype=np.int32)
-    return starts, (plan.positions + 1).astype(np.int32)
-
-
-def decode_rows(plan: StepPlan) -> dict[str, np.ndarray] | None:
-    """`plan_arrays` of a step whose sequences are decode or verify rows, with every token as
-    a one-token row of its own (its sequence's block table and sampling parameters, a length
-    ending at its position), or None when some sequence is another kind of row (a prefill
-    chunk). Exact: each layer writes every token's KV before any token attends, so the
-    token at position p of a verify row sees its drafts before it, as a prefill row would;
-    the tokens keep their order, so token t's logits are row t's."""
-    query = np.diff(plan.query_start_loc)
-    drafts = plan.num_drafts if len(plan.num_drafts) else np.zeros(len(query), np.int32)
-    last = plan.query_start_loc[1:] - 1
-    if (query != drafts + 1).any() or (plan.positions[last] + 1 != plan.seq_lens).any():
-        return None
-    arrays = plan_arrays(plan)
-    for name, field in step_fields(1).items():
-        if field.axis == "seqs":
-            arrays[name] = np.repeat(arrays[name], query, axis=0)
-    arrays["query_start_loc"], arrays["seq_lens"] = decode_layout(plan)
-    return arrays
 
 
 def plan_arrays(plan: StepPlan) -> dict[str, np.ndarray]:

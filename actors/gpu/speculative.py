@@ -89,17 +89,16 @@ def _tokens_of(plan: StepPlan, rows: np.ndarray) -> np.ndarray:
 def verify_drafts(
     plan: StepPlan,
     inputs: dict[str, torch.Tensor],
-    score: Callable[[torch.Tensor], torch.Tensor],
+    hidden: torch.Tensor,
     tokens: torch.Tensor,
+    compute_logits: Callable[[torch.Tensor], torch.Tensor],
     grammar=None,
 ) -> tuple[torch.Tensor, np.ndarray, dict[str, np.ndarray]]:
     """(the step's sampled tokens [B] with each verifying sequence's first new token in its
     row; spec_tokens [B, K+1] int64, -1 but the verifying rows' new tokens; StepResult's
     spec_log_probs / spec_top_n_* arrays of those tokens where a row asks, else {}). Waits for
     the step (the spec arrays are on the host).
-    `score`: the logits [S, V] fp32 of the step's tokens at device indices [S] (from the
-    hidden states a mixed forward kept, or the logits a decode-rows forward made: forward.py
-    `decode_rows`); `inputs`: the staged step inputs on the device;
+    `hidden` [T, H]: the eager forward's; `inputs`: the staged step inputs on the device;
     `grammar`: the worker's GrammarMasks (StepPlan.grammar_rows): it walks the grammar of a
     greedy row with raw log-probs and masks every scored position of any other."""
     rows = draft_rows(plan)
@@ -110,10 +109,10 @@ def verify_drafts(
     scored = _spread(ends - counts, counts)  # [rows]
     offsets = scored - np.repeat(ends - counts, counts)
     is_draft = offsets > 0
-    device = tokens.device
+    device = hidden.device
     # (Index uploads from pinned memory: one from pageable memory would wait for the forward
     # before the rest of the step could be queued behind it.)
-    raw = score(to_device(scored, device, torch.int64))  # [rows, V] fp32
+    raw = compute_logits(hidden[to_device(scored, device, torch.int64)])  # [rows, V] fp32
     logits = scored_controls(plan, rows, nd, scored, raw)  # (raw itself without controls)
     masked = _grammar_rows(plan, rows, walked=False)
     if len(masked):  # (masks at every scored position of those rows)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 
 import numpy as np
@@ -191,9 +190,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         # speculative_method "draft_model": the draft and its KV cache (actors/gpu/draft.py).
         self.draft: DraftModel | None = None
         self._draft_graphable = False  # its forwards may be graphed (not a sharded self-draft)
-        # Verify steps run as decode steps, each token a row (forward.py `decode_rows`): set at
-        # load, on CUDA unless TAIPAN_VERIFY_AS_DECODE=0 (1 forces it on a CPU too).
-        self.verify_as_decode = False
 
     # ---- load ----------------------------------------------------------------------------------
 
@@ -204,7 +200,6 @@ class ModelWorker(WorkerForward, WorkerControls):
             raise ValueError(f"dtype {msg.dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[msg.dtype]
         self.device = torch.device(msg.device)
-        self.verify_as_decode = verify_as_decode(self.device)
         check_device(self.device)
         use_device(self.device)
         model, config, tokenizer = self._load_weights(msg, dtype, tp)
@@ -416,14 +411,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         inner_snaps = inner_snapshots(plan)
         if self.mamba_state is not None and len(draft_rows(plan)):
             inner_snaps |= self._verify_snapshots(plan)  # (a hybrid's verify rows)
-        decode = self._as_decode_rows(plan, inner_snaps)  # (a verify step's tokens as rows)
-        if decode is not None:
-            n = len(plan.input_ids)
-            bucket = self.graphs.pick(n, n, all_decode=True) if self.graphs is not None else None
-        else:
-            bucket = self._bucket(plan, inner_snaps)
+        bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
-        staged = self.buffers.stage(plan_arrays(plan) if decode is None else decode, **sizes)
+        staged = self.buffers.stage(plan_arrays(plan), **sizes)
         self.grammar_masks.wait_check()  # (the last step's checked tokens, which this one reads)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
         # packing above is time the device waits between steps, unless a step is in flight).
@@ -432,12 +422,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
             began.record()
         device_start = time.perf_counter()
-        if decode is None:
-            inputs, logits, hidden = self._forward_logits(plan, staged, bucket, inner_snaps)
-            score = None if hidden is None else (lambda at: self.model.compute_logits(hidden[at]))
-        else:  # (every token's logits come from the forward: verification reads them)
-            inputs, logits, token_logits = self._decode_rows_logits(plan, staged, bucket)
-            hidden, score = None, token_logits.__getitem__
+        inputs, logits, hidden = self._forward_logits(plan, staged, bucket, inner_snaps)
         routed = self._routed_to_host(plan)
         if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
             self._snapshot_chunk_ends(plan)
@@ -451,7 +436,9 @@ class ModelWorker(WorkerForward, WorkerControls):
             tokens = self.grammar_masks.checked(tokens, controlled)
         spec, spec_lp = None, {}
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; waits for the step)
-            tokens, spec, spec_lp = verify_drafts(plan, inputs, score, tokens, self.grammar_masks)
+            tokens, spec, spec_lp = verify_drafts(
+                plan, inputs, hidden, tokens, self.model.compute_logits, self.grammar_masks
+            )
             spec = spec.astype(np.int32)
             if self.mamba_state is not None:
                 self._roll_back_states(plan, spec)
@@ -551,11 +538,3 @@ class ModelWorker(WorkerForward, WorkerControls):
             graphed=launched.graphed,
             **extra,
         )
-
-
-def verify_as_decode(device: torch.device) -> bool:
-    """Whether verify steps run as decode rows on `device` (ModelWorker.verify_as_decode)."""
-    value = os.environ.get("TAIPAN_VERIFY_AS_DECODE", "")
-    if value not in ("", "0", "1"):
-        raise ValueError(f"TAIPAN_VERIFY_AS_DECODE must be 0 or 1, got {value!r}")
-    return device.type == "cuda" if value == "" else value == "1"

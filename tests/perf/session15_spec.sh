@@ -8,10 +8,12 @@
 #     then the spec bench under py-spy (--idle, every process, summarized by
 #     tests/perf/spy_summary.py into $OUT/spy_summary.txt, the raw stacks gzipped beside it);
 #   part bench: the spec bench alone (k = 4 and 6), rows to $OUT;
-#   part ab: verify steps as decode rows (forward.py `decode_rows`) and collected in their launch's
-#     thread hop, against the tree before (`.carry/old.patch` turns a copy of .carry/new into
-#     it) and against TAIPAN_VERIFY_AS_DECODE=0, the spec bench (k = 4) of each in turn, then
-#     the speculative GPU tests on the new tree.
+#   part ab: verify steps as decode rows (each token a one-token row, the decode graph
+#     replayed) and collected in their launch's thread hop, against the tree before
+#     (`.carry/old.patch` turns a copy of .carry/new into it) and against
+#     TAIPAN_VERIFY_AS_DECODE=0, the spec bench (k = 4) of each in turn, then the speculative
+#     GPU tests on the new tree. Run at commit 892e7c0 (NOTES.md, fifteenth session); the
+#     decode rows gained nothing there and were taken out again (the variable is gone).
 set -u
 PART=${1:?part profile or bench}
 source tests/perf/device_setup.sh
