@@ -54,6 +54,19 @@ def spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
 
+_fork_server = False  # use_fork_server
+
+
+def use_fork_server(on: bool = True) -> None:
+    """From now on, this process's launchers fork their children from a server process that
+    imported torch once (runtime/forked.py) instead of starting `python -m taipan.procs` for
+    each (~2 s of CPU per child for torch alone). For a program that starts many runtimes:
+    the test suite calls it (tests/conftest.py). Not inherited by other processes (a `taipan
+    serve` started from here spawns as usual)."""
+    global _fork_server
+    _fork_server = on
+
+
 class Children:
     """The launcher's child processes, by name ("coordinator", "engine-0", "http", ...), in the
     order they started."""
@@ -66,7 +79,12 @@ class Children:
         self.log = get_logger(component="launcher")
 
     def spawn(self, name: str, *args: str) -> None:
-        proc = spawn(*args)
+        if _fork_server:
+            from taipan.forked import spawn_forked
+
+            proc = spawn_forked(*args)
+        else:
+            proc = spawn(*args)
         self.procs.append((name, proc))
         threading.Thread(target=self._watch, args=(name, proc), daemon=True).start()
 

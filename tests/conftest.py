@@ -17,6 +17,13 @@ if "TAIPAN_RUNTIME_DIR" not in os.environ:  # control-token files of test runtim
 import pytest  # noqa: E402
 
 from taipan.actors.config import InferenceConfig  # noqa: E402
+from taipan.children import use_fork_server  # noqa: E402
+
+# The runtimes this process starts fork their processes from one that imported torch once
+# (runtime/forked.py): the suite starts hundreds. `taipan serve` processes the tests start, and
+# every run on a GPU machine, spawn as a user's runtime does.
+if not os.path.exists("/dev/nvidiactl"):
+    use_fork_server()
 
 # A small engine so that tests exercise many blocks, several steps and chunking paths.
 TEST_CONFIG = dict(
