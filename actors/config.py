@@ -127,8 +127,9 @@ class InferenceConfig:
     # What a weight update does to a draft model of its own (not "self:N", which shares the
     # target's weights and follows every update): "keep" (it drafts with its old weights; the
     # outputs stay exact, acceptance falls: spec_accepted_per_position shows it), "disable"
-    # (speculation stops on the rank after its first update), "refuse" (update_weights is
-    # refused while the draft is loaded). taipan's own.
+    # (speculation stops on the rank after its first update, until the draft's own weights
+    # are updated: update_weights(..., draft=True)), "refuse" (updates of the target's weights
+    # are refused while the draft is loaded; the draft's own still land). taipan's own.
     draft_weight_policy: str = "keep"
     verbose: dataclasses.InitVar[bool] = False
 

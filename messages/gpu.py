@@ -336,6 +336,9 @@ class GpuControl:
     transfer: WeightTransferGroup | None = None
     buckets: list[list[WeightSpec]] | None = None
     ipc: list[IpcTensor] | None = None
+    # update_weights / stage_weights with `path` or `state`: the draft model's weights
+    # (UpdateWeights.draft); a commit commits what was staged, draft or target.
+    draft: bool = False
 
 
 @message(125, required=4)  # (weights_incomplete came later)
@@ -353,6 +356,9 @@ class GpuControlReply:
     kv_valid: bool
     weight_version: int
     weights_incomplete: bool = False
+    # The weights it updated or committed are the draft model's (GpuControl.draft): the
+    # target's, and their version, are as they were.
+    draft: bool = False
 
 
 @message(126)

@@ -185,7 +185,11 @@ class UpdateWeights:
     by the coordinator, whatever the client sent): stage the weights, acknowledge, and swap them
     in only on the coordinator's `WeightsDecision` (all or none over the data-parallel ranks).
     `in_flight` (all three update messages): legal while RUNNING too (`next_state_for`): no
-    pause and unpause around it, the update runs between two steps of the requests in flight."""
+    pause and unpause around it, the update runs between two steps of the requests in flight.
+    `draft`: the weights are the draft model's (speculative_method "draft_model" with a model
+    of its own, not "self:N"), checked against its architecture; the target's weights and
+    weight version stay, and a rank whose speculation draft_weight_policy "disable" ended
+    speculates again."""
 
     token: str
     path: str | None
@@ -193,6 +197,7 @@ class UpdateWeights:
     weight_version: int | None = None
     hold: bool = False
     in_flight: bool = False
+    draft: bool = False
 
 
 # The dtypes a weight may have in a transfer from a trainer (WeightSpec, IpcTensor).

@@ -170,6 +170,7 @@ class AsyncClientControls:
         *,
         weight_version: int | None = None,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         """While PAUSED or SUSPENDED, load new weights from `path` (GGUF file or Hugging Face
         directory, readable by the engine processes) or from `state` (HF parameter name ->
@@ -177,16 +178,21 @@ class AsyncClientControls:
         hash salt) becomes `weight_version` (None: the last + 1); the ack carries it.
         `in_flight`: also while RUNNING, without a pause: it runs between two steps, and the
         requests in flight take the new weights from the next step (each token carries its
-        weight version)."""
+        weight version). `draft`: the weights are the draft model's (a speculative_model of
+        its own): the target's weights and version stay, and speculation that
+        draft_weight_policy "disable" ended starts again."""
         if (path is None) == (state is None):
             raise ValueError("update_weights takes exactly one of path and state")
+        if draft and weight_version is not None:
+            raise ValueError("update_weights(draft=True) takes no weight_version (the target's)")
         token = self.control_token
         msg = (
             UpdateWeights(token, os.fspath(path), None, weight_version)
             if path is not None
             else UpdateWeights(token, None, _check_state_fits(state), weight_version)
         )
-        return await self._control(dataclasses.replace(msg, in_flight=bool(in_flight)))
+        msg = dataclasses.replace(msg, in_flight=bool(in_flight), draft=bool(draft))
+        return await self._control(msg)
 
     # --- weights from a trainer's processes (taipan.rl has the trainer's side) -----------------
 
@@ -299,10 +305,11 @@ class ClientControls:
         *,
         weight_version: int | None = None,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         return self._run(
             self._async.update_weights(
-                path, state, weight_version=weight_version, in_flight=in_flight
+                path, state, weight_version=weight_version, in_flight=in_flight, draft=draft
             )
         )
 

@@ -233,10 +233,11 @@ class AsyncLLM(_Base):
         *,
         weight_version: int | None = None,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         self._lifecycle("update_weights")
         return await self._connected().update_weights(
-            path, state, weight_version=weight_version, in_flight=in_flight
+            path, state, weight_version=weight_version, in_flight=in_flight, draft=draft
         )
 
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
@@ -365,10 +366,11 @@ class LLM(_Base):
         *,
         weight_version: int | None = None,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         self._lifecycle("update_weights")
         return self._connected().update_weights(
-            path, state, weight_version=weight_version, in_flight=in_flight
+            path, state, weight_version=weight_version, in_flight=in_flight, draft=draft
         )
 
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:

@@ -416,6 +416,11 @@ def test_lifecycle_controls_over_http_behind_the_api_key(server, direct):
     assert _post(server, "/pause", {}).json()["state"] == "PAUSED"
     r = _post(server, "/update_weights", {"weight_version": 3})
     assert r.status_code == 400 and r.json()["error"]["param"] == "path"
+    r = _post(server, "/update_weights", {"path": "/nowhere", "draft": "yes"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "draft"
+    # (a runtime without a draft model of its own: the engine names why)
+    r = _post(server, "/update_weights", {"path": "/nowhere", "draft": True})
+    assert r.status_code == 400 and "weights of its own" in r.json()["error"]["message"], r.text
     bad = {"master_address": "127.0.0.1", "master_port": 0, "world_size": 2}
     r = _post(server, "/init_weight_transfer", bad)
     assert r.status_code == 400 and "is not a port" in r.json()["error"]["message"]

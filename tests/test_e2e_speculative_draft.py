@@ -64,7 +64,8 @@ def config(draft: str | None) -> InferenceConfig:
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """(target, a copy of it, the new head of the update)."""
+    """(target, a copy of it, the new head of the update); the target with that head is
+    `updated` below."""
     from safetensors.numpy import load_file
 
     root = tmp_path_factory.mktemp("spec-draft")
@@ -73,6 +74,12 @@ def models(tmp_path_factory):
     other = make_looping(shutil.copytree(target, str(root / "other")), EMBEDDING, (), 9, 1.0)
     head = load_file(os.path.join(other, "model.safetensors"))["lm_head.weight"]
     return target, shutil.copytree(target, str(root / "same")), head
+
+
+@pytest.fixture(scope="module")
+def updated(models):
+    """A checkpoint of the target after the update (the copy the update's head came from)."""
+    return os.path.join(os.path.dirname(models[0]), "other")
 
 
 def _serve(path: str, draft: str | None, head, record_dir=None, tp: int = 1):
@@ -140,6 +147,51 @@ def test_the_refuse_policy_refuses_updates_and_serves_on(models):
         assert c.stats().merged().weight_version == 0
         [done] = c.generate([PROMPTS[0]], GREEDY)
         assert len(done.token_ids) == GREEDY.max_tokens
+
+
+def test_the_disable_policy_stops_speculation_until_the_draft_is_updated(
+    models, updated, plain, tmp_path
+):
+    """draft_weight_policy "disable": the target's update ends speculation; the draft's own
+    update (from a checkpoint path, `draft=True`) leaves the target's weights and version as
+    they are and starts speculation again, every draft accepted (the draft equals the target
+    once more). At tensor_parallel_size=2: the draft is whole on both processes, and both
+    take its update. Outputs equal plain decoding's throughout; `taipan replay --check`
+    re-plans the engine's steps through both updates."""
+    target, same, head = models
+    cfg = dataclasses.replace(config(same), draft_weight_policy="disable")
+    runtime = Runtime(target, cfg, record_dir=tmp_path, tensor_parallel_size=2)
+    with runtime as rt, Client(rt.address) as c:
+        assert [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)] == plain[0]
+        assert c.pause().state == "PAUSED"
+        assert c.update_weights(state={"lm_head.weight": head}).weight_version == 1
+        assert c.unpause().state == "RUNNING"
+        before = c.stats().merged()
+        assert before.spec_draft_disabled == 1
+        assert [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)] == plain[2]
+        stopped = c.stats().merged()
+        assert stopped.spec_draft_tokens == before.spec_draft_tokens  # nothing drafted
+        assert c.pause().state == "PAUSED"
+        ack = c.update_weights(updated, draft=True)
+        assert ack.weight_version == 1  # (the target's, as it was)
+        assert c.unpause().state == "RUNNING"
+        assert c.stats().merged().spec_draft_disabled == 0
+        assert [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)] == plain[2]
+        after = c.stats().merged()
+        drafted = after.spec_draft_tokens - stopped.spec_draft_tokens
+        accepted = after.spec_accepted_tokens - stopped.spec_accepted_tokens
+        assert drafted > 50 and accepted >= 0.95 * drafted, (drafted, accepted)
+        # A draft's update from a state dict, in flight, under any policy; never with the
+        # target's version, and never on a runtime without a draft of its own.
+        ack = c.update_weights(state={"lm_head.weight": head}, draft=True, in_flight=True)
+        assert ack.weight_version == 1
+        with pytest.raises(ValueError, match="takes no weight_version"):
+            c.update_weights(updated, draft=True, weight_version=5)
+    replay_check(tmp_path)
+    with Runtime(target, config("self:1")) as rt, Client(rt.address) as c:
+        assert c.pause().state == "PAUSED"
+        with pytest.raises(Exception, match="needs a draft model with weights of its own"):
+            c.update_weights(updated, draft=True)
 
 
 def test_draft_model_settings_are_checked(models, tmp_path):

@@ -415,7 +415,7 @@ class CoordinatorActor(Actor):
         round_ = self.lifecycle.round
         if msg.request_id is None and round_ is not None:
             name, error = self.links.name(env.sender), f"{msg.code}: {msg.text}"
-            if self.lifecycle.answer(env.sender, name, round_.command, error=error):
+            if self.lifecycle.answer(env.sender, name, round_.command, error=error, code=msg.code):
                 return
         self.log.warning("error reply", code=msg.code, text=msg.text)
 

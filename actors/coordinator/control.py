@@ -73,6 +73,7 @@ class ControlRound:
     weight_versions: list[int] = dataclasses.field(default_factory=list)
     asked: frozenset[bytes] = frozenset()  # every engine it went to
     failed: set[bytes] = dataclasses.field(default_factory=set)  # those that answered an error
+    codes: set[ErrorCode] = dataclasses.field(default_factory=set)  # their errors' codes
     timeout: float | None = None  # None: the command's default
     fail_fast: bool = False  # done at the first error (a pause: the others are undone)
     hold: bool = False  # a weight update staged on every engine, swapped in by a second round
@@ -94,15 +95,18 @@ class ControlRound:
         *,
         error: str | None = None,
         weight_version: int | None = None,
+        code: ErrorCode | None = None,
     ) -> bool:
-        """Record `engine`'s answer (`name` labels it in error texts). False, changing nothing,
-        when that engine owes no answer (a duplicate, or a late answer to an older round)."""
+        """Record `engine`'s answer (`name` labels it in error texts; `code`: an error reply's).
+        False, changing nothing, when that engine owes no answer (a duplicate, or a late answer
+        to an older round)."""
         if engine not in self.waiting:
             return False
         self.waiting.discard(engine)
         if error is not None:
             self.errors.append(f"{name}: {error}")
             self.failed.add(engine)
+            self.codes.add(code if code is not None else ErrorCode.CONTROL_FAILED)
         if weight_version is not None:
             self.weight_versions.append(weight_version)
         return True
@@ -111,6 +115,7 @@ class ControlRound:
         """Give up on the engines still waited for (`names`, in a stable order)."""
         text = f"{', '.join(names)} did not answer {self.command} within {timeout:g} s"
         self.errors.append(text + self.note)
+        self.codes.add(ErrorCode.CONTROL_FAILED)
         self.waiting.clear()
 
 
@@ -289,7 +294,11 @@ class LifecycleControl:
             if round_.command == ControlCommand.STOP:
                 text += " (the coordinator exits anyway)"
             log.warning("control failed", command=command, sender=sender, errors=round_.errors)
-            return ErrorReply(ErrorCode.CONTROL_FAILED, text, None)
+            # Every engine refused the request itself (a bad request): the client's error.
+            bad = round_.codes == {ErrorCode.BAD_REQUEST}
+            return ErrorReply(
+                ErrorCode.BAD_REQUEST if bad else ErrorCode.CONTROL_FAILED, text, None
+            )
         versions = set(round_.weight_versions)
         if len(versions) > 1:
             log.warning("engines disagree on the weight version", versions=sorted(versions))
@@ -322,6 +331,8 @@ def _bad_fields(msg) -> str | None:
     """What makes a control unusable whatever the state, or None."""
     if isinstance(msg, UpdateWeights) and (msg.path is None) == (msg.state is None):
         return "update_weights needs exactly one of path and state"
+    if isinstance(msg, UpdateWeights) and msg.draft and msg.weight_version is not None:
+        return "update_weights(draft=True) takes no weight_version (the target's stays)"
     if isinstance(msg, UpdateWeightsFromDistributed) and not any(msg.buckets):
         return "update_weights_from_distributed needs at least one non-empty bucket"
     if isinstance(msg, UpdateWeightsFromIpc):

@@ -234,6 +234,8 @@ class EngineReplay:
         elif isinstance(msg, GpuControlReply) and msg.error is None and sched is not None:
             if msg.command == "resume" and not msg.kv_valid:
                 sched.invalidate_kv()
+            elif msg.command in ("update_weights", "commit_weights") and msg.draft:
+                sched.draft_updated()
             elif msg.command in ("update_weights", "commit_weights"):
                 sched.new_weights(msg.weight_version)
         return None

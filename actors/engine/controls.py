@@ -74,6 +74,7 @@ class EngineControls:
         WeightsDecision: "on_weights_decision",
     }
     weights_held = False  # an update staged with `hold`, awaiting the coordinator's decision
+    held_draft = False  # ... of the draft model's weights (UpdateWeights.draft)
 
     async def _refuse(
         self, env: Envelope, command: ControlCommand, in_flight: bool = False
@@ -354,11 +355,36 @@ class EngineControls:
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
         if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
             return
-        if await self._draft_refuses(env):
+        if msg.draft:  # (the draft's own weights: no policy applies)
+            if await self._no_draft_of_its_own(env):
+                return
+        elif await self._draft_refuses(env):
             return
         command = GpuCommand.STAGE_WEIGHTS if msg.hold else GpuCommand.UPDATE_WEIGHTS
-        control = GpuControl(command, None, msg.path, msg.state, weight_version=msg.weight_version)
+        control = GpuControl(
+            command, None, msg.path, msg.state, weight_version=msg.weight_version, draft=msg.draft
+        )
         self._control_task(self._update_weights(env, control, msg.hold))
+
+    async def _no_draft_of_its_own(self, env: Envelope) -> bool:
+        """An update of the draft's weights needs a draft model with weights of its own: else
+        the reply is an error naming why; returns True."""
+        config = self.config
+        if (
+            config.num_speculative_tokens
+            and config.speculative_method == "draft_model"
+            and not config.speculative_model.startswith("self:")
+        ):
+            return False
+        text = (
+            f"{self.name}: update_weights(draft=True) needs a draft model with weights of its "
+            f"own (speculative_method='draft_model' and a speculative_model path or name); "
+            f"this runtime has speculative_method={config.speculative_method!r}, "
+            f"speculative_model={config.speculative_model!r}, num_speculative_tokens="
+            f"{config.num_speculative_tokens} (a 'self:N' draft follows the target's weights)"
+        )
+        await env.reply(ErrorReply(ErrorCode.BAD_REQUEST, text, None))
+        return True
 
     async def on_update_from_distributed(
         self, env: Envelope, msg: UpdateWeightsFromDistributed
@@ -431,7 +457,7 @@ class EngineControls:
         WeightsDecision (the ack then carries the old weight version)."""
         reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, control, hold)
         if reply is not None and hold:
-            self.weights_held = True
+            self.weights_held, self.held_draft = True, control.draft
             await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
             return
         if reply is not None and control.command == GpuCommand.STAGE_WEIGHTS and self.ep is None:
@@ -440,9 +466,17 @@ class EngineControls:
             commit = GpuControl(GpuCommand.COMMIT_WEIGHTS, None, None, None)
             reply = await self._gpu_control(env, ControlCommand.UPDATE_WEIGHTS, commit)
         if reply is not None:
-            self.weight_version = reply.weight_version
-            self.scheduler.new_weights(reply.weight_version)
+            self._weights_landed(reply.weight_version, control.draft)
             await self._ack(env, ControlCommand.UPDATE_WEIGHTS)
+
+    def _weights_landed(self, weight_version: int, draft: bool) -> None:
+        """New weights are in: the target's (a new version: the scheduler ages its requests
+        and salts its hashes anew) or the draft's (speculation may resume; nothing else)."""
+        if draft:
+            self.scheduler.draft_updated()
+            return
+        self.weight_version = weight_version
+        self.scheduler.new_weights(weight_version)
 
     async def on_weights_decision(self, env: Envelope, msg: WeightsDecision) -> None:
         """The coordinator's verdict on weights staged with `hold`: commit them (every rank
@@ -469,6 +503,5 @@ class EngineControls:
             await env.reply(ErrorReply(ErrorCode.CONTROL_FAILED, text, None))
             return
         if commit:
-            self.weight_version = reply.weight_version
-            self.scheduler.new_weights(reply.weight_version)
+            self._weights_landed(reply.weight_version, self.held_draft)
         await self._ack(env, ControlCommand.UPDATE_WEIGHTS)

@@ -427,6 +427,12 @@ class Scheduler:
                 req.num_computed_tokens = 0
                 req.history.checkpoint(req.num_tokens)
 
+    def draft_updated(self) -> None:
+        """The draft model's weights were updated (UpdateWeights.draft): speculation that
+        draft_weight_policy "disable" ended starts again (Speculation.draft_updated)."""
+        if self.spec is not None:
+            self.spec.draft_updated(self.requests.values())
+
     def new_weights(self, weight_version: int) -> None:
         """A weight update happened (RL): age every live request's tokens; with prefix caching,
         nothing cached before matches any more (the salt changes) and the KV requests still

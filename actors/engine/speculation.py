@@ -10,7 +10,8 @@ lookup (actors/engine/ngram.py), one incremental index per request, kept on the 
 row's drafts are placeholders, as many as the limits below allow, which the gpu fills
 (actors/gpu/draft.py; StepPlan.draft_prev); requests with bad words do not speculate there
 (their per-position biases follow the drafts' values). With draft_weight_policy "disable" a
-weight update ends speculation (`new_weights`).
+weight update ends speculation (`new_weights`) until the draft's own weights are updated
+(`draft_updated`).
 
 The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 0):
 - It is planned only when its request's last token is known on the host (no step in flight
@@ -115,6 +116,17 @@ class Speculation:
         self.disabled = True
         for r in requests:
             r.speculates = False
+
+    def draft_updated(self, requests) -> None:
+        """The draft model took new weights (UpdateWeights.draft): with draft_weight_policy
+        "disable" it matches the target again, so speculation resumes for `requests` (each
+        that may; one backing off at its back-off's end) and later ones."""
+        if not self.disabled:
+            return
+        self.disabled = False
+        for r in requests:
+            if r.spec_backoff is None or r.spec_backoff.resume_at < 0:
+                r.speculates = self.eligible(r)
 
     def eligible(self, r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's rule)."""

@@ -37,7 +37,7 @@ from taipan.actors.gpu.sizing import available_host_memory, offload_problem
 from taipan.messages.gpu import GpuCommand, GpuControl, GpuControlReply
 from taipan.messages.lifecycle import KVCacheManagementMode as Mode
 from taipan.ops.loader import ModelLoadError, load_model
-from taipan.ops.parallel import TPGroup
+from taipan.ops.parallel import SINGLE, TPGroup
 from taipan.ops.weight_transfer import (
     DTYPES,
     TensorSpec,
@@ -86,6 +86,8 @@ class WorkerControls:
         self._mamba_offloaded: tuple[torch.Tensor, torch.Tensor] | None = None
         self._staged: list | None = None  # weights checked by STAGE_WEIGHTS, not yet copied in
         self._staged_version: int | None = None  # the version they carry (None: last + 1)
+        self._staged_draft = False  # the staged weights are the draft model's
+        self._draft_touched = False  # the control being answered moved the draft's weights
         self.transfer: WeightGroup | None = None  # the trainer's weight-transfer group, joined
         self.weights_incomplete = False  # an unstaged transfer failed part way
         # Wall-clock marks of the last transfer (logged with the control: where the time went,
@@ -129,6 +131,7 @@ class WorkerControls:
             GpuCommand.INIT_WEIGHT_TRANSFER: self._init_transfer,
             GpuCommand.CLOSE_WEIGHT_TRANSFER: self._close_transfer,
         }
+        self._draft_touched = False
         try:
             if self.model is None:
                 raise ControlError("no model is loaded")
@@ -143,7 +146,12 @@ class WorkerControls:
 
     def _reply(self, msg: GpuControl, error: str | None, kv_valid: bool) -> GpuControlReply:
         return GpuControlReply(
-            msg.command, error, kv_valid, self.weight_version, self.weights_incomplete
+            msg.command,
+            error,
+            kv_valid,
+            self.weight_version,
+            self.weights_incomplete,
+            draft=self._draft_touched and error is None,
         )
 
     # ---- suspend and resume --------------------------------------------------------------------
@@ -226,10 +234,11 @@ class WorkerControls:
         """Check the new weights (every failure is here) and hold them; nothing changes."""
         self._check_source(msg)
         self._staged = None
+        model = self._draft_to_update() if msg.draft else self.model
         if msg.path is not None:
-            staged = self._updates_from_path(msg.path)
+            staged = self._updates_from_path(msg.path, draft=msg.draft)
         elif msg.state is not None:
-            staged = state_updates(msg.state, self.model)
+            staged = state_updates(msg.state, model)
         elif msg.ipc is not None:
             staged = self._ipc_updates(msg.ipc)
         else:
@@ -238,7 +247,17 @@ class WorkerControls:
                 msg, lambda ups: staged.extend((n, r, v.clone()) for n, r, v in ups)
             )
         self._staged, self._staged_version = staged, msg.weight_version
+        self._staged_draft = self._draft_touched = msg.draft
         return self.kv_valid
+
+    def _draft_to_update(self) -> torch.nn.Module:
+        """The draft model whose weights an update with `draft` replaces."""
+        if self.draft is None or not self.draft.own_weights:
+            raise ControlError(
+                "update_weights(draft=True): no draft model with weights of its own is loaded "
+                "(a 'self:N' draft follows the target's weights)"
+            )
+        return self.draft.model
 
     def _check_source(self, msg: GpuControl) -> None:
         sources = [msg.path, msg.state, msg.buckets, msg.ipc]
@@ -249,6 +268,11 @@ class WorkerControls:
                 f"update_weights_from_ipc needs taipan on a CUDA device; its weights are on "
                 f"{self.device} (CUDA IPC shares GPU memory: use update_weights_from_distributed "
                 "or update_weights(state=...) instead)"
+            )
+        if msg.draft and (msg.buckets is not None or msg.ipc is not None):
+            raise ControlError(
+                "a draft model's weights come from a path or a state dict (update_weights with "
+                "draft=True); transfers from a trainer's processes carry the target's"
             )
         if msg.buckets is not None and self.transfer is None:
             raise ControlError(
@@ -395,9 +419,14 @@ class WorkerControls:
         if self._staged is None:
             raise ControlError("commit_weights: no weights are staged")
         updates, self._staged = self._staged, None
+        draft = self._draft_touched = self._staged_draft
+        model = self.draft.model if draft else self.model
         try:
-            self._copy_in(self.model.state_dict(), updates)  # views of the live parameters
+            self._copy_in(model.state_dict(), updates)  # views of the live parameters
         except RuntimeError as e:  # (a device error part way: some weights are new)
+            if draft:  # (only acceptance can suffer: verification stays exact)
+                text = f"the draft's commit_weights failed part way: {e}"
+                raise WeightTransferError(text) from None
             self.weights_incomplete = True
             raise WeightTransferError(
                 f"commit_weights failed part way: {e} (the weights are incomplete: steps and "
@@ -409,7 +438,8 @@ class WorkerControls:
             sources = {v.device for _, _, v in updates if isinstance(v, torch.Tensor) and v.is_cuda}
             for device in sources | {self.device}:
                 torch.cuda.synchronize(device)
-        self._set_version(self._staged_version)
+        if not draft:  # (the draft's weights leave the target's version as it is)
+            self._set_version(self._staged_version)
         return self.kv_valid  # (`updates` go: the IPC views close)
 
     def _discard_weights(self, msg: GpuControl) -> bool:
@@ -440,15 +470,23 @@ class WorkerControls:
         group.close()
         return self.kv_valid
 
-    def _updates_from_path(self, path: str) -> list[tuple[str, slice, torch.Tensor]]:
+    def _updates_from_path(
+        self, path: str, draft: bool = False
+    ) -> list[tuple[str, slice, torch.Tensor]]:
         """Every parameter of the checkpoint at `path`, loaded on the CPU and checked to have the
-        loaded model's architecture and shapes (a MoE model: only the experts it holds)."""
-        experts = getattr(self.model, "expert_range", None)
+        loaded model's architecture and shapes (a MoE model: only the experts it holds); with
+        `draft`, the draft model's (whole on every tensor-parallel process)."""
+        target = self._draft_to_update() if draft else self.model
+        experts = getattr(target, "expert_range", None)
         model, config, _ = load_model(
-            path, dtype=self.dtype, device="cpu", expert_range=experts, tp=self.tp
+            path,
+            dtype=self.dtype,
+            device="cpu",
+            expert_range=experts,
+            tp=SINGLE if draft else self.tp,
         )
-        check_same_architecture(self.config, config, path)
-        ours, new = self.model.state_dict(), model.state_dict()
+        check_same_architecture(self.draft.config if draft else self.config, config, path)
+        ours, new = target.state_dict(), model.state_dict()
         if set(ours) != set(new):
             raise WeightUpdateError(
                 f"{path}: parameters differ (missing {sorted(set(ours) - set(new))[:5]}, "

@@ -160,6 +160,10 @@ class DraftModel:
     # Its decode-only forwards replayed from CUDA graphs (actors/gpu/draft_graphs.py), or
     # None: every forward eager.
     graphs: DraftGraphs | None = None
+    # Its config, and whether it has weights of its own (a model of its own, not "self:N"):
+    # then UpdateWeights.draft updates them (actors/gpu/controls.py).
+    config: object = None
+    own_weights: bool = False
 
     @torch.inference_mode()
     def fill(self, plan: StepPlan, sampled: torch.Tensor | None) -> StepPlan:

@@ -26,7 +26,7 @@ import torch
 
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
-from taipan.actors.gpu.draft import DraftModel, check_draft_prev, load_draft
+from taipan.actors.gpu.draft import SELF_PREFIX, DraftModel, check_draft_prev, load_draft
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
 from taipan.actors.gpu.grammar_masks import Check, GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
@@ -217,7 +217,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             kv = allocate_kv_cache(
                 draft[1], sizes.num_blocks, msg.block_size, dtype, self.device, draft[2]
             )
-            self.draft = DraftModel(draft[0], kv, msg.block_size, self.device)
+            own = not msg.draft_model.startswith(SELF_PREFIX)
+            self.draft = DraftModel(draft[0], kv, msg.block_size, self.device, None, draft[1], own)
             self._draft_graphable = draft[2].size == 1  # (a sharded self-draft runs eagerly)
         self.model, self.config, self.dtype = model, config, dtype
         self.weight_version, self.suspend_mode = 0, None

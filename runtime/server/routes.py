@@ -113,9 +113,11 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
-        body = keys(await body_of(request), ("path", "weight_version"))
+        body = keys(await body_of(request), ("path", "weight_version", "draft"))
         if not body.get("path"):
             raise APIError(400, "update_weights over HTTP takes a checkpoint path", "path")
+        if not isinstance(body.get("draft", False), bool):
+            raise APIError(400, "draft must be true or false", "draft")
         return await run(client.update_weights, **body)
 
     @app.post("/init_weight_transfer")

@@ -7,7 +7,7 @@
 #     a verify step of k = 4 at batch 1 and 4, and the verify step's host calls and kernels),
 #     then the spec bench under py-spy (--idle, every process, summarized by
 #     tests/perf/spy_summary.py into $OUT/spy_summary.txt, the raw stacks gzipped beside it);
-#   part bench: the spec bench alone (k = 4 and 6), rows to $OUT;
+#   part bench: the spec bench alone (k = 6 and 8), rows to $OUT;
 #   part ab: verify steps as decode rows (each token a one-token row, the decode graph
 #     replayed) and collected in their launch's thread hop, against the tree before
 #     (`.carry/old.patch` turns a copy of .carry/new into it) and against
@@ -39,7 +39,7 @@ elif [ "$PART" = ab ]; then
         tests/test_e2e_speculative.py tests/test_e2e_speculative_draft.py > "$OUT/spec.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|^E  |passed|failed" "$OUT/spec.log" | cut -c1-200 | tail -12
 elif [ "$PART" = bench ]; then
-    for k in 4 6; do
+    for k in 6 8; do
         timeout -s ABRT 200 python3 -m taipan.cli $SPEC --spec-tokens $k \
             --results "$OUT/spec_k$k.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-250
     done
