@@ -249,3 +249,37 @@ def test_gpu_draft_models_with_graphs_and_overlap(tmp_path_factory):
     assert same_stats.spec_accepted_tokens >= 0.99 * same_stats.spec_draft_tokens > 0
     assert 0 < self_stats.spec_accepted_tokens < self_stats.spec_draft_tokens
     assert stats["plain"].steps_graphed > 0 and self_stats.steps_graphed > 0
+
+
+@pytest.mark.gpu
+def test_gpu_a_draft_update_reaches_its_graphed_forwards(tmp_path_factory):
+    """On CUDA, the draft's forwards in CUDA graphs: its weights updated in place
+    (update_weights(path, draft=True)) are what the graphs read next. A copy of the target
+    drafts all; updated to another head it drafts the wrong cycles (few accepted); updated back
+    it drafts all again. The outputs stay plain decoding's throughout."""
+    import torch
+
+    from tests.random_llama import GPU_TINY_SHAPE, make_random_llama
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    root = tmp_path_factory.mktemp("gpu-draft-update")
+    target = make_random_llama(str(root / "target"), GPU_TINY_SHAPE)
+    make_looping(target, EMBEDDING, ("o_proj.weight", "down_proj.weight"), 0, 0.7)
+    same = shutil.copytree(target, str(root / "same"))
+    other = make_looping(shutil.copytree(target, str(root / "other")), EMBEDDING, (), 9, 1.0)
+    rounds = []
+    with Runtime(target, config(same), device="cuda") as rt, Client(rt.address) as c:
+        for draft in (None, other, same):
+            if draft is not None:
+                assert c.pause().state == "PAUSED"
+                assert c.update_weights(draft, draft=True).weight_version == 0
+                assert c.unpause().state == "RUNNING"
+            got = [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)]
+            s = c.stats().merged()
+            rounds.append((got, s.spec_draft_tokens, s.spec_accepted_tokens, s.steps_graphed))
+    assert rounds[0][0] == rounds[1][0] == rounds[2][0]
+    (_, d0, a0, graphed), (_, d1, a1, _), (_, d2, a2, _) = rounds
+    assert graphed > 0 and a0 >= 0.99 * d0 > 0, rounds[0][1:]
+    assert a1 - a0 < 0.5 * (d1 - d0), (d1 - d0, a1 - a0)
+    assert a2 - a1 >= 0.99 * (d2 - d1) > 0, (d2 - d1, a2 - a1)

@@ -8,6 +8,7 @@
 #     then the spec bench under py-spy (--idle, every process, summarized by
 #     tests/perf/spy_summary.py into $OUT/spy_summary.txt, the raw stacks gzipped beside it);
 #   part bench: the spec bench alone (k = 6 and 8), rows to $OUT;
+#   part draft (no model): the draft-model GPU tests (a draft's update reaching its graphs);
 #   part ab: verify steps as decode rows (each token a one-token row, the decode graph
 #     replayed) and collected in their launch's thread hop, against the tree before
 #     (`.carry/old.patch` turns a copy of .carry/new into it) and against
@@ -15,9 +16,9 @@
 #     GPU tests on the new tree. Run at commit 892e7c0 (NOTES.md, fifteenth session); the
 #     decode rows gained nothing there and were taken out again (the variable is gone).
 set -u
-PART=${1:?part profile or bench}
+PART=${1:?part profile, bench, ab or draft}
 source tests/perf/device_setup.sh
-enter_new_tree model || exit 1
+if [ "$PART" = draft ]; then enter_new_tree || exit 1; else enter_new_tree model || exit 1; fi
 SPEC="bench --workload spec --device cuda --dtype bfloat16 --model smollm2"
 if [ "$PART" = profile ]; then
     [ -n "${SKIP_WORKER:-}" ] || timeout -s ABRT 120 python3 tests/perf/verify_profile.py smollm2 4 1 4 2>&1 | cut -c1-200
@@ -38,6 +39,10 @@ elif [ "$PART" = ab ]; then
     timeout -s ABRT 200 python3 -m pytest -v -p no:cacheprovider -m gpu --tb=short \
         tests/test_e2e_speculative.py tests/test_e2e_speculative_draft.py > "$OUT/spec.log" 2>&1
     grep -E "PASSED|FAILED|ERROR|^E  |passed|failed" "$OUT/spec.log" | cut -c1-200 | tail -12
+elif [ "$PART" = draft ]; then
+    timeout -s ABRT 300 python3 -m pytest -v -p no:cacheprovider -m gpu --tb=short \
+        tests/test_e2e_speculative_draft.py > "$OUT/draft.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|^E  |passed|failed" "$OUT/draft.log" | cut -c1-200 | tail -12
 elif [ "$PART" = bench ]; then
     for k in 6 8; do
         timeout -s ABRT 200 python3 -m taipan.cli $SPEC --spec-tokens $k \
