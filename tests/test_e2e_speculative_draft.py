@@ -223,12 +223,10 @@ def test_draft_model_settings_are_checked(models, tmp_path):
             pass
 
 
-@pytest.mark.gpu
-def test_gpu_draft_models_with_graphs_and_overlap(tmp_path_factory):
-    """On CUDA (fp32; the target's steps in CUDA graphs, overlapped; the draft's one-token
-    forwards in its own graphs, actors/gpu/draft_graphs.py): a copy
-    of the target and a self:1 draft give the tokens plain decoding gives, with drafts
-    accepted (all of them for the copy)."""
+@pytest.fixture(scope="module")
+def gpu_models(tmp_path_factory):
+    """The GPU tests' (target, a copy of it, the target with another head): a looping model
+    of GPU_TINY_SHAPE (head dims the CUDA kernels serve)."""
     import torch
 
     from tests.random_llama import GPU_TINY_SHAPE, make_random_llama
@@ -239,6 +237,17 @@ def test_gpu_draft_models_with_graphs_and_overlap(tmp_path_factory):
     target = make_random_llama(str(root / "target"), GPU_TINY_SHAPE)
     make_looping(target, EMBEDDING, ("o_proj.weight", "down_proj.weight"), 0, 0.7)
     same = shutil.copytree(target, str(root / "same"))
+    other = make_looping(shutil.copytree(target, str(root / "other")), EMBEDDING, (), 9, 1.0)
+    return target, same, other
+
+
+@pytest.mark.gpu
+def test_gpu_draft_models_with_graphs_and_overlap(gpu_models):
+    """On CUDA (fp32; the target's steps in CUDA graphs, overlapped; the draft's one-token
+    forwards in its own graphs, actors/gpu/draft_graphs.py): a copy
+    of the target and a self:1 draft give the tokens plain decoding gives, with drafts
+    accepted (all of them for the copy)."""
+    target, same, _ = gpu_models
     outs, stats = {}, {}
     for name, draft in (("plain", None), ("same", same), ("self", "self:1")):
         with Runtime(target, config(draft), device="cuda") as rt, Client(rt.address) as c:
@@ -252,22 +261,12 @@ def test_gpu_draft_models_with_graphs_and_overlap(tmp_path_factory):
 
 
 @pytest.mark.gpu
-def test_gpu_a_draft_update_reaches_its_graphed_forwards(tmp_path_factory):
+def test_gpu_a_draft_update_reaches_its_graphed_forwards(gpu_models):
     """On CUDA, the draft's forwards in CUDA graphs: its weights updated in place
     (update_weights(path, draft=True)) are what the graphs read next. A copy of the target
     drafts all; updated to another head it drafts the wrong cycles (few accepted); updated back
     it drafts all again. The outputs stay plain decoding's throughout."""
-    import torch
-
-    from tests.random_llama import GPU_TINY_SHAPE, make_random_llama
-
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    root = tmp_path_factory.mktemp("gpu-draft-update")
-    target = make_random_llama(str(root / "target"), GPU_TINY_SHAPE)
-    make_looping(target, EMBEDDING, ("o_proj.weight", "down_proj.weight"), 0, 0.7)
-    same = shutil.copytree(target, str(root / "same"))
-    other = make_looping(shutil.copytree(target, str(root / "other")), EMBEDDING, (), 9, 1.0)
+    target, same, other = gpu_models
     rounds = []
     with Runtime(target, config(same), device="cuda") as rt, Client(rt.address) as c:
         for draft in (None, other, same):
