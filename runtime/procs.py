@@ -128,6 +128,9 @@ def _pin_cpus(cpus: list[int] | None) -> None:
     threads = str(len(cpus))
     for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # read when torch loads, below
         os.environ[var] = threads
+    torch = sys.modules.get("torch")
+    if torch is not None:  # (forked with torch loaded, runtime/forked.py: too late for those)
+        torch.set_num_threads(len(cpus))
 
 
 async def engine_main(spec: LaunchSpec, rank: int) -> None:

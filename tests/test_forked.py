@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from taipan.forked import ForkedProcess, _Process, spawn_forked
+from taipan.forked import ForkedProcess, _forkserver, _Process, spawn_forked
 
 
 def test_a_bad_role_exits_1_naming_it_on_the_callers_stderr(capfd):
@@ -53,3 +53,22 @@ def test_the_callers_main_script_is_not_run_again_in_the_child(tmp_path):
     )
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
     assert out.stdout.count("body ran") == 1 and "exit 1" in out.stdout, out
+
+
+def _threads_after_pinning() -> None:
+    import torch
+
+    from taipan.procs import _pin_cpus
+
+    _pin_cpus([0])
+    sys.exit(torch.get_num_threads())
+
+
+def test_a_pinned_child_runs_as_many_torch_threads_as_its_cores():
+    """torch is loaded before the fork: an engine rank pinned to its cores sets torch's
+    threads itself (OMP_NUM_THREADS is read only when torch loads; two ranks of two threads
+    each on one core were 5-10x slower)."""
+    _forkserver()
+    proc = ForkedProcess(_Process(target=_threads_after_pinning, daemon=True), ("pin",))
+    proc._process.start()
+    assert proc.wait(60) == 1
