@@ -133,6 +133,19 @@ class InferenceConfig:
     draft_weight_policy: str = "keep"
     verbose: dataclasses.InitVar[bool] = False
 
+    @property
+    def draft_has_own_weights(self) -> bool:
+        """Speculation by a draft model with weights of its own (speculative_model a path or
+        name, not "self:N"): the draft draft_weight_policy governs and UpdateWeights.draft
+        updates."""
+        draft = self.speculative_model
+        return (
+            bool(self.num_speculative_tokens)
+            and self.speculative_method == "draft_model"
+            and draft is not None
+            and not draft.startswith("self:")
+        )
+
     def __post_init__(self, verbose: bool):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)

@@ -100,11 +100,7 @@ class EngineControls:
         """draft_weight_policy "refuse": a weight update is answered with an error naming it
         (a draft model of its own cannot follow the target's new weights); returns True."""
         config = self.config
-        if not (
-            config.num_speculative_tokens
-            and config.speculative_method == "draft_model"
-            and config.draft_weight_policy == "refuse"
-        ):
+        if not (config.draft_has_own_weights and config.draft_weight_policy == "refuse"):
             return False
         text = (
             f"{self.name}: update_weights is refused: draft_weight_policy='refuse' and the "
@@ -370,11 +366,7 @@ class EngineControls:
         """An update of the draft's weights needs a draft model with weights of its own: else
         the reply is an error naming why; returns True."""
         config = self.config
-        if (
-            config.num_speculative_tokens
-            and config.speculative_method == "draft_model"
-            and not config.speculative_model.startswith("self:")
-        ):
+        if config.draft_has_own_weights:
             return False
         text = (
             f"{self.name}: update_weights(draft=True) needs a draft model with weights of its "

@@ -234,9 +234,11 @@ class WorkerControls:
         """Check the new weights (every failure is here) and hold them; nothing changes."""
         self._check_source(msg)
         self._staged = None
-        model = self._draft_to_update() if msg.draft else self.model
+        model, config, tp = (
+            self._draft_to_update() if msg.draft else (self.model, self.config, self.tp)
+        )
         if msg.path is not None:
-            staged = self._updates_from_path(msg.path, draft=msg.draft)
+            staged = self._updates_from_path(msg.path, model, config, tp)
         elif msg.state is not None:
             staged = state_updates(msg.state, model)
         elif msg.ipc is not None:
@@ -250,14 +252,15 @@ class WorkerControls:
         self._staged_draft = self._draft_touched = msg.draft
         return self.kv_valid
 
-    def _draft_to_update(self) -> torch.nn.Module:
-        """The draft model whose weights an update with `draft` replaces."""
+    def _draft_to_update(self) -> tuple[torch.nn.Module, object, TPGroup]:
+        """(model, config, tensor-parallel group) of the draft whose weights an update with
+        `draft` replaces: whole on every tensor-parallel process."""
         if self.draft is None or not self.draft.own_weights:
             raise ControlError(
                 "update_weights(draft=True): no draft model with weights of its own is loaded "
                 "(a 'self:N' draft follows the target's weights)"
             )
-        return self.draft.model
+        return self.draft.model, self.draft.config, SINGLE
 
     def _check_source(self, msg: GpuControl) -> None:
         sources = [msg.path, msg.state, msg.buckets, msg.ipc]
@@ -471,21 +474,16 @@ class WorkerControls:
         return self.kv_valid
 
     def _updates_from_path(
-        self, path: str, draft: bool = False
+        self, path: str, target: torch.nn.Module, target_config, tp: TPGroup
     ) -> list[tuple[str, slice, torch.Tensor]]:
-        """Every parameter of the checkpoint at `path`, loaded on the CPU and checked to have the
-        loaded model's architecture and shapes (a MoE model: only the experts it holds); with
-        `draft`, the draft model's (whole on every tensor-parallel process)."""
-        target = self._draft_to_update() if draft else self.model
+        """Every parameter of the checkpoint at `path`, loaded on the CPU (this process's shards
+        under `tp`) and checked to have the architecture and shapes of `target` (the loaded
+        model or its draft; a MoE model: only the experts it holds)."""
         experts = getattr(target, "expert_range", None)
         model, config, _ = load_model(
-            path,
-            dtype=self.dtype,
-            device="cpu",
-            expert_range=experts,
-            tp=SINGLE if draft else self.tp,
+            path, dtype=self.dtype, device="cpu", expert_range=experts, tp=tp
         )
-        check_same_architecture(self.draft.config if draft else self.config, config, path)
+        check_same_architecture(target_config, config, path)
         ours, new = target.state_dict(), model.state_dict()
         if set(ours) != set(new):
             raise WeightUpdateError(
