@@ -250,7 +250,9 @@ class UpdateWeightsFromDistributed:
     flat buffer per bucket in `buckets` order (ops/weight_transfer.py BucketLayout). Each
     process copies its shard in place (CUDA graphs stay valid). `stage`: receive everything into
     a second buffer first and copy in only once every process has all of it. Legal while PAUSED
-    or SUSPENDED; `weight_version` and `hold` (with `stage` only) as UpdateWeights."""
+    or SUSPENDED; `weight_version` and `hold` (with `stage` only) as UpdateWeights. `draft`:
+    the buckets are the draft model's weights (as UpdateWeights.draft; whole on every
+    process, always received into a second buffer first: all or none)."""
 
     token: str
     buckets: list[list[WeightSpec]]
@@ -258,6 +260,7 @@ class UpdateWeightsFromDistributed:
     stage: bool
     hold: bool = False
     in_flight: bool = False
+    draft: bool = False
 
 
 @message(51)
@@ -310,7 +313,8 @@ class UpdateWeightsFromIpc:
     trainer keeps the tensors alive, unchanged, until the ack. `stage`: staged on every process
     and committed as a second control (the trainer's tensors are the second buffer). Legal
     while PAUSED or SUSPENDED; `weight_version` and `hold` (with `stage` only) as
-    UpdateWeights. A runtime on the CPU refuses it."""
+    UpdateWeights. `draft`: the tensors are the draft model's (as UpdateWeights.draft). A
+    runtime on the CPU refuses it."""
 
     token: str
     tensors: list[IpcTensor]
@@ -318,6 +322,7 @@ class UpdateWeightsFromIpc:
     stage: bool
     hold: bool = False
     in_flight: bool = False
+    draft: bool = False
 
 
 @message(53)

@@ -46,6 +46,11 @@ from taipan.messages.lifecycle import (
 from taipan.messages.requests import ModelInfo
 
 
+def _no_version_for_a_draft(command: str, draft: bool, weight_version: int | None) -> None:
+    if draft and weight_version is not None:
+        raise ValueError(f"{command}(draft=True) takes no weight_version (the target's)")
+
+
 def _weight_spec(spec) -> WeightSpec:
     """A bucket entry (a TensorSpec or a (name, dtype, shape) triple) as it travels."""
     name, dtype, shape = (spec.name, spec.dtype, spec.shape) if hasattr(spec, "name") else spec
@@ -183,8 +188,7 @@ class AsyncClientControls:
         draft_weight_policy "disable" ended starts again."""
         if (path is None) == (state is None):
             raise ValueError("update_weights takes exactly one of path and state")
-        if draft and weight_version is not None:
-            raise ValueError("update_weights(draft=True) takes no weight_version (the target's)")
+        _no_version_for_a_draft("update_weights", draft, weight_version)
         token = self.control_token
         msg = (
             UpdateWeights(token, os.fspath(path), None, weight_version)
@@ -231,6 +235,7 @@ class AsyncClientControls:
         stage: bool = False,
         on_sent: Callable[[], None] | None = None,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         """While PAUSED or SUSPENDED (or RUNNING `in_flight`, as `update_weights`), take new
         weights the trainer broadcasts over the group,
@@ -238,10 +243,17 @@ class AsyncClientControls:
         (name, dtype, shape) triples, as taipan.rl.weight_buckets makes them). `stage`: hold
         them in a second buffer and copy them in only once every process has all of them.
         `on_sent`: called (on the client's loop) once the command has left; a trainer that
-        broadcasts from the same process starts then (taipan.rl.push_weights)."""
+        broadcasts from the same process starts then (taipan.rl.push_weights). `draft`: the
+        buckets are the draft model's weights (as `update_weights`)."""
+        _no_version_for_a_draft("update_weights_from_distributed", draft, weight_version)
         wire = [[_weight_spec(s) for s in bucket] for bucket in buckets]
         msg = UpdateWeightsFromDistributed(
-            self.control_token, wire, weight_version, bool(stage), in_flight=bool(in_flight)
+            self.control_token,
+            wire,
+            weight_version,
+            bool(stage),
+            in_flight=bool(in_flight),
+            draft=bool(draft),
         )
         return await self._control(msg, on_sent)
 
@@ -255,6 +267,7 @@ class AsyncClientControls:
         weight_version: int | None = None,
         stage: bool = False,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         """While PAUSED or SUSPENDED (or RUNNING `in_flight`, as `update_weights`), take new
         weights from a trainer process on this host by
@@ -262,9 +275,12 @@ class AsyncClientControls:
         copy through the host): every gpu process opens them on their GPU and copies its part
         in, all or none. Keep the trainer's tensors alive and unchanged until this returns
         (taipan.rl.push_weights_ipc does both). `stage`: staged everywhere, then committed. A
-        runtime on the CPU refuses it (ControlError)."""
+        runtime on the CPU refuses it (ControlError). `draft`: the tensors are the draft
+        model's (as `update_weights`)."""
+        _no_version_for_a_draft("update_weights_from_ipc", draft, weight_version)
         msg = _ipc_message(self.control_token, tensors, weight_version, stage)
-        return await self._control(dataclasses.replace(msg, in_flight=bool(in_flight)))
+        msg = dataclasses.replace(msg, in_flight=bool(in_flight), draft=bool(draft))
+        return await self._control(msg)
 
     async def stop(self) -> ControlAck:
         """Stop the whole runtime (legal from PAUSED or SUSPENDED: pause first): every request is
@@ -333,6 +349,7 @@ class ClientControls:
         stage: bool = False,
         on_sent: Callable[[], None] | None = None,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         return self._run(
             self._async.update_weights_from_distributed(
@@ -341,6 +358,7 @@ class ClientControls:
                 stage=stage,
                 on_sent=on_sent,
                 in_flight=in_flight,
+                draft=draft,
             )
         )
 
@@ -354,10 +372,15 @@ class ClientControls:
         weight_version: int | None = None,
         stage: bool = False,
         in_flight: bool = False,
+        draft: bool = False,
     ) -> ControlAck:
         return self._run(
             self._async.update_weights_from_ipc(
-                tensors, weight_version=weight_version, stage=stage, in_flight=in_flight
+                tensors,
+                weight_version=weight_version,
+                stage=stage,
+                in_flight=in_flight,
+                draft=draft,
             )
         )
 

@@ -126,11 +126,14 @@ def push_weights(
     stage: bool = False,
     timings: dict | None = None,
     in_flight: bool = False,
+    draft: bool = False,
 ):
     """Send the trainer's weights to a paused (or suspended) runtime, or with `in_flight` to
     a running one too (no pause and unpause around it: the update runs between two steps and
     the requests in flight take the new weights from the next step): the client's
     `update_weights_from_distributed` and the broadcasts at once. Returns its ControlAck.
+    `draft`: the weights are the runtime's draft model's (its speculative_model; HF names of
+    the draft's checkpoint), the target's stay.
     `timings` (a dict, optional) gets where the time went, in seconds from the call:
     `checked` (the state check done), `command_sent` (the update command has left), `sent`
     (every broadcast done on this side), `acked`; and
@@ -161,6 +164,7 @@ def push_weights(
             stage=stage,
             on_sent=sent.set,
             in_flight=in_flight,
+            draft=draft,
         )
         # The command leaves before the first broadcast: enqueueing them holds this process's
         # GIL for tens of ms, and the client's threads, starved of it, sent the command ~14 ms
@@ -200,9 +204,10 @@ def push_weights_ipc(
     stage: bool = False,
     timings: dict | None = None,
     in_flight: bool = False,
+    draft: bool = False,
 ):
     """Send the trainer's CUDA tensors to a paused (or suspended; `in_flight`: also running, as
-    `push_weights`) runtime on the same host by
+    `push_weights`; `draft`: the draft model's, as `push_weights`) runtime on the same host by
     CUDA IPC handles: `ipc_handles` and the client's `update_weights_from_ipc`, the tensors kept
     alive until the ack (which comes once every gpu process has copied its part and dropped
     its views). The tensors are read after the work queued on the trainer's current CUDA
@@ -213,7 +218,7 @@ def push_weights_ipc(
     records = ipc_handles(named)
     shared = time.perf_counter() - start
     ack = client.update_weights_from_ipc(
-        records, weight_version=weight_version, stage=stage, in_flight=in_flight
+        records, weight_version=weight_version, stage=stage, in_flight=in_flight, draft=draft
     )
     if timings is not None:
         timings.update(shared=shared, acked=time.perf_counter() - start)

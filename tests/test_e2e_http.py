@@ -426,6 +426,12 @@ def test_lifecycle_controls_over_http_behind_the_api_key(server, direct):
     assert r.status_code == 400 and "is not a port" in r.json()["error"]["message"]
     r = _post(server, "/update_weights_from_distributed", {"buckets": [["x"]]})
     assert r.status_code == 400 and r.json()["error"]["param"] == "buckets"
+    one = {"buckets": [[{"name": "lm_head.weight", "dtype": "float32", "shape": [2, 2]}]]}
+    for path in ("/update_weights_from_distributed", "/update_weights_from_ipc"):
+        r = _post(server, path, {"draft": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "draft", path
+    r = _post(server, "/update_weights_from_distributed", one | {"draft": True})
+    assert r.status_code == 400 and "weights of its own" in r.json()["error"]["message"], r.text
     r = _post(server, "/suspend", {"mode": "persist", "extra": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "extra"
     assert _post(server, "/unpause", {}).json() == {

@@ -24,10 +24,13 @@ import dataclasses
 import json
 import os
 import shutil
+import socket
 
 import numpy as np
 import pytest
+import torch
 
+from taipan import rl
 from taipan.actors.config import ConfigError, InferenceConfig
 from taipan.client import Client
 from taipan.launcher import Runtime
@@ -66,20 +69,29 @@ def config(draft: str | None) -> InferenceConfig:
 def models(tmp_path_factory):
     """(target, a copy of it, the new head of the update); the target with that head is
     `updated` below."""
-    from safetensors.numpy import load_file
-
     root = tmp_path_factory.mktemp("spec-draft")
     target = make_looping_llama(str(root / "target"))
     # The update's head: other cycles over the same embedding.
     other = make_looping(shutil.copytree(target, str(root / "other")), EMBEDDING, (), 9, 1.0)
-    head = load_file(os.path.join(other, "model.safetensors"))["lm_head.weight"]
-    return target, shutil.copytree(target, str(root / "same")), head
+    return target, shutil.copytree(target, str(root / "same")), _head_of(other)
 
 
 @pytest.fixture(scope="module")
 def updated(models):
     """A checkpoint of the target after the update (the copy the update's head came from)."""
     return os.path.join(os.path.dirname(models[0]), "other")
+
+
+def _head_of(path: str) -> np.ndarray:
+    from safetensors.numpy import load_file
+
+    return load_file(os.path.join(path, "model.safetensors"))["lm_head.weight"]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _serve(path: str, draft: str | None, head, record_dir=None, tp: int = 1):
@@ -187,6 +199,24 @@ def test_the_disable_policy_stops_speculation_until_the_draft_is_updated(
         assert ack.weight_version == 1
         with pytest.raises(ValueError, match="takes no weight_version"):
             c.update_weights(updated, draft=True, weight_version=5)
+        # The draft's weights from a trainer's process (gloo; both tensor-parallel processes
+        # join and take the draft whole): the target's first head back into the draft, which
+        # then drafts the old cycles, few accepted; the target's version stays.
+        group = rl.join(c, "127.0.0.1", _port())
+        with pytest.raises(ValueError, match="takes no weight_version"):
+            c.update_weights_from_distributed([], draft=True, weight_version=5)
+        assert c.pause().state == "PAUSED"
+        old_head = {"lm_head.weight": torch.from_numpy(_head_of(target))}
+        assert rl.push_weights(c, old_head, group, draft=True).weight_version == 1
+        assert c.unpause().state == "RUNNING"
+        assert [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)] == plain[2]
+        pushed = c.stats().merged()
+        drafted = pushed.spec_draft_tokens - after.spec_draft_tokens
+        accepted = pushed.spec_accepted_tokens - after.spec_accepted_tokens
+        assert drafted > 0 and accepted < 0.3 * drafted, (drafted, accepted)
+        assert pushed.weight_version == 1
+        c.close_weight_transfer()
+        group.close()
     replay_check(tmp_path)
     with Runtime(target, config("self:1")) as rt, Client(rt.address) as c:
         assert c.pause().state == "PAUSED"
@@ -265,20 +295,28 @@ def test_gpu_a_draft_update_reaches_its_graphed_forwards(gpu_models):
     """On CUDA, the draft's forwards in CUDA graphs: its weights updated in place
     (update_weights(path, draft=True)) are what the graphs read next. A copy of the target
     drafts all; updated to another head it drafts the wrong cycles (few accepted); updated back
-    it drafts all again. The outputs stay plain decoding's throughout."""
+    it drafts all again; that other head again, from a trainer's CUDA tensor by IPC handle
+    (rl.push_weights_ipc(draft=True)), few accepted again. The outputs stay plain decoding's
+    throughout."""
     target, same, other = gpu_models
     rounds = []
+    ipc_head = {"lm_head.weight": torch.from_numpy(_head_of(other)).cuda()}
     with Runtime(target, config(same), device="cuda") as rt, Client(rt.address) as c:
-        for draft in (None, other, same):
+        for draft in (None, other, same, "ipc"):
             if draft is not None:
                 assert c.pause().state == "PAUSED"
-                assert c.update_weights(draft, draft=True).weight_version == 0
+                if draft == "ipc":
+                    ack = rl.push_weights_ipc(c, ipc_head, draft=True)
+                else:
+                    ack = c.update_weights(draft, draft=True)
+                assert ack.weight_version == 0
                 assert c.unpause().state == "RUNNING"
             got = [list(x.token_ids) for x in c.generate(PROMPTS, GREEDY)]
             s = c.stats().merged()
             rounds.append((got, s.spec_draft_tokens, s.spec_accepted_tokens, s.steps_graphed))
-    assert rounds[0][0] == rounds[1][0] == rounds[2][0]
-    (_, d0, a0, graphed), (_, d1, a1, _), (_, d2, a2, _) = rounds
+    assert all(r[0] == rounds[0][0] for r in rounds)
+    (_, d0, a0, graphed), (_, d1, a1, _), (_, d2, a2, _), (_, d3, a3, _) = rounds
     assert graphed > 0 and a0 >= 0.99 * d0 > 0, rounds[0][1:]
     assert a1 - a0 < 0.5 * (d1 - d0), (d1 - d0, a1 - a0)
     assert a2 - a1 >= 0.99 * (d2 - d1) > 0, (d2 - d1, a2 - a1)
+    assert a3 - a2 < 0.5 * (d3 - d2), (d3 - d2, a3 - a2)

@@ -331,8 +331,9 @@ def _bad_fields(msg) -> str | None:
     """What makes a control unusable whatever the state, or None."""
     if isinstance(msg, UpdateWeights) and (msg.path is None) == (msg.state is None):
         return "update_weights needs exactly one of path and state"
-    if isinstance(msg, UpdateWeights) and msg.draft and msg.weight_version is not None:
-        return "update_weights(draft=True) takes no weight_version (the target's stays)"
+    updates = (UpdateWeights, UpdateWeightsFromDistributed, UpdateWeightsFromIpc)
+    if isinstance(msg, updates) and msg.draft and msg.weight_version is not None:
+        return "a draft's weight update (draft=True) takes no weight_version (the target's stays)"
     if isinstance(msg, UpdateWeightsFromDistributed) and not any(msg.buckets):
         return "update_weights_from_distributed needs at least one non-empty bucket"
     if isinstance(msg, UpdateWeightsFromIpc):

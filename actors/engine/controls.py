@@ -349,18 +349,26 @@ class EngineControls:
             await self._ack(env, ControlCommand.RESUME)
 
     async def on_update_weights(self, env: Envelope, msg: UpdateWeights) -> None:
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
-            return
-        if msg.draft:  # (the draft's own weights: no policy applies)
-            if await self._no_draft_of_its_own(env):
-                return
-        elif await self._draft_refuses(env):
+        if await self._update_refused(env, msg):
             return
         command = GpuCommand.STAGE_WEIGHTS if msg.hold else GpuCommand.UPDATE_WEIGHTS
         control = GpuControl(
             command, None, msg.path, msg.state, weight_version=msg.weight_version, draft=msg.draft
         )
         self._control_task(self._update_weights(env, control, msg.hold))
+
+    async def _update_refused(
+        self,
+        env: Envelope,
+        msg: UpdateWeights | UpdateWeightsFromDistributed | UpdateWeightsFromIpc,
+    ) -> bool:
+        """A weight update this state, or the draft's settings, refuse (the reply sent);
+        returns True."""
+        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
+            return True
+        if msg.draft:  # (the draft's own weights: no policy applies)
+            return await self._no_draft_of_its_own(env)
+        return await self._draft_refuses(env)
 
     async def _no_draft_of_its_own(self, env: Envelope) -> bool:
         """An update of the draft's weights needs a draft model with weights of its own: else
@@ -383,9 +391,7 @@ class EngineControls:
     ) -> None:
         """The trainer's buckets into every gpu process of this rank; with `stage`, staged on
         all of them first and committed only once every one holds all of its weights."""
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
-            return
-        if await self._draft_refuses(env):
+        if await self._update_refused(env, msg):
             return
         control = GpuControl(
             GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS,
@@ -394,19 +400,24 @@ class EngineControls:
             None,
             weight_version=msg.weight_version,
             buckets=msg.buckets,
+            draft=msg.draft,
         )
         self._control_task(self._update_weights(env, control, msg.hold and msg.stage))
 
     async def on_update_from_ipc(self, env: Envelope, msg: UpdateWeightsFromIpc) -> None:
         """The trainer's CUDA tensors, by IPC handle, into every gpu process of this rank (each
         opens and maps all of them before any copies; `stage`: committed as a second call)."""
-        if await self._refuse(env, ControlCommand.UPDATE_WEIGHTS, msg.in_flight):
-            return
-        if await self._draft_refuses(env):
+        if await self._update_refused(env, msg):
             return
         command = GpuCommand.STAGE_WEIGHTS if msg.stage else GpuCommand.UPDATE_WEIGHTS
         control = GpuControl(
-            command, None, None, None, weight_version=msg.weight_version, ipc=msg.tensors
+            command,
+            None,
+            None,
+            None,
+            weight_version=msg.weight_version,
+            ipc=msg.tensors,
+            draft=msg.draft,
         )
         self._control_task(self._update_weights(env, control, msg.hold and msg.stage))
 

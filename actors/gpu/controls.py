@@ -224,7 +224,7 @@ class WorkerControls:
     # ---- weight updates ------------------------------------------------------------------------
 
     def _update_weights(self, msg: GpuControl) -> bool:
-        if msg.buckets is not None:
+        if msg.buckets is not None and not msg.draft:  # (a draft's are staged: all or none)
             self._check_source(msg)
             return self._receive_in_place(msg)
         self._stage_weights(msg)
@@ -242,11 +242,11 @@ class WorkerControls:
         elif msg.state is not None:
             staged = state_updates(msg.state, model)
         elif msg.ipc is not None:
-            staged = self._ipc_updates(msg.ipc)
+            staged = self._ipc_updates(msg.ipc, model)
         else:
             staged = []  # this process's shards, copied out of the whole received buckets
             self._receive_buckets(
-                msg, lambda ups: staged.extend((n, r, v.clone()) for n, r, v in ups)
+                msg, lambda ups: staged.extend((n, r, v.clone()) for n, r, v in ups), model=model
             )
         self._staged, self._staged_version = staged, msg.weight_version
         self._staged_draft = self._draft_touched = msg.draft
@@ -272,25 +272,22 @@ class WorkerControls:
                 f"{self.device} (CUDA IPC shares GPU memory: use update_weights_from_distributed "
                 "or update_weights(state=...) instead)"
             )
-        if msg.draft and (msg.buckets is not None or msg.ipc is not None):
-            raise ControlError(
-                "a draft model's weights come from a path or a state dict (update_weights with "
-                "draft=True); transfers from a trainer's processes carry the target's"
-            )
         if msg.buckets is not None and self.transfer is None:
             raise ControlError(
                 "update_weights_from_distributed: no weight-transfer group "
                 "(call init_weight_transfer first)"
             )
 
-    def _receive_buckets(self, msg: GpuControl, apply, into=None) -> None:
+    def _receive_buckets(self, msg: GpuControl, apply, into=None, model=None) -> None:
         """Receive every bucket of `msg` from the trainer and `apply` each one's updates (this
-        process's shards). Names and shapes are checked before the first bucket arrives; when
-        they or an update fail, the rest is still received and dropped, so the trainer's
-        broadcasts complete; then the error is raised."""
+        process's shards of `model`: the target's when None, or its draft). Names and shapes
+        are checked before the first bucket arrives; when they or an update fail, the rest is
+        still received and dropped, so the trainer's broadcasts complete; then the error is
+        raised."""
         marks = self.transfer_marks = {"received": time.time()}
-        transfer, params = self.transfer, self._live_params()
-        problem = self._bucket_problem(msg.buckets, params)
+        model = self.model if model is None else model
+        transfer, params = self.transfer, self._live_params(model)
+        problem = self._bucket_problem(msg.buckets, params, model)
         side = self._copy_stream()
         for specs in msg.buckets:
             specs = [TensorSpec(s.name, s.dtype, tuple(s.shape)) for s in specs]
@@ -298,9 +295,9 @@ class WorkerControls:
             if problem is None:
                 try:
                     if side is None:
-                        apply(state_updates(tensors, self.model, params))
+                        apply(state_updates(tensors, model, params))
                     else:
-                        self._apply_beside(side, tensors, apply, params)
+                        self._apply_beside(side, tensors, apply, params, model)
                 except WeightUpdateError as e:
                     problem = str(e)
             marks.setdefault("first_posted", time.time())
@@ -323,11 +320,11 @@ class WorkerControls:
             self._side_stream = torch.cuda.Stream(self.device)
         return self._side_stream
 
-    def _apply_beside(self, side, tensors: dict, apply, params: dict) -> None:
-        """`apply` a received bucket's updates on `side`, after the broadcast that filled them
-        (an event on the current stream, which waits for it); its buffers stay out of the
-        allocator's reach until `side` has read them (record_stream)."""
-        updates = state_updates(tensors, self.model, params)  # (checks and views: no copies)
+    def _apply_beside(self, side, tensors: dict, apply, params: dict, model) -> None:
+        """`apply` a received bucket's updates (of `model`) on `side`, after the broadcast that
+        filled them (an event on the current stream, which waits for it); its buffers stay out
+        of the allocator's reach until `side` has read them (record_stream)."""
+        updates = state_updates(tensors, model, params)  # (checks and views: no copies)
         done = torch.cuda.Event()
         done.record()
         side.wait_event(done)
@@ -337,16 +334,20 @@ class WorkerControls:
             if isinstance(t, torch.Tensor) and t.is_cuda:
                 t.record_stream(side)
 
-    def _live_params(self) -> dict:
-        """The model's state dict (views of the live parameters), kept while the model is."""
+    def _live_params(self, model=None) -> dict:
+        """The state dict (views of the live parameters) of `model` (the target's when None;
+        the draft's is small: made anew), the target's kept while the model is."""
+        if model is not None and model is not self.model:
+            return model.state_dict()
         if self._params is None or self._params[0] is not self.model:
             self._params, self._fitting_buckets = (self.model, self.model.state_dict()), None
         return self._params[1]
 
-    def _bucket_problem(self, buckets, params: dict) -> str | None:
-        """What is wrong with the buckets' names and shapes for this model (on meta tensors:
-        nothing is allocated), or None; a layout that fitted before is not checked again."""
-        key = tuple((s.name, s.dtype, tuple(s.shape)) for specs in buckets for s in specs)
+    def _bucket_problem(self, buckets, params: dict, model) -> str | None:
+        """What is wrong with the buckets' names and shapes for `model` (on meta tensors:
+        nothing is allocated), or None; a layout that fitted the same model before is not
+        checked again."""
+        key = (id(model), *((s.name, s.dtype, tuple(s.shape)) for specs in buckets for s in specs))
         if key == self._fitting_buckets:
             return None
         meta = {
@@ -355,27 +356,28 @@ class WorkerControls:
             for s in specs
         }
         try:
-            state_updates(meta, self.model, params)
+            state_updates(meta, model, params)
         except WeightUpdateError as e:
             return str(e)
         self._fitting_buckets = key
         return None
 
-    def _ipc_updates(self, records) -> list:
+    def _ipc_updates(self, records, model) -> list:
         """The trainer's tensors opened by their CUDA IPC handles (views of its memory, no copy)
-        and mapped onto this process's parameters (its shard, its experts). Names, dtypes and
-        shapes are checked before any handle is opened; nothing is copied here."""
-        params = self._live_params()
+        and mapped onto this process's parameters of `model` (the target or its draft: its
+        shard, its experts). Names, dtypes and shapes are checked before any handle is opened;
+        nothing is copied here."""
+        params = self._live_params(model)
         for r in records:
             if r.dtype not in DTYPES:
                 raise WeightUpdateError(
                     f"update_weights_from_ipc: {r.name}: dtype {r.dtype!r} cannot travel"
                 )
-        problem = self._bucket_problem([records], params)
+        problem = self._bucket_problem([records], params, model)
         if problem is not None:
             raise WeightUpdateError(f"update_weights_from_ipc: {problem}")
         tensors = {r.name: open_ipc_tensor(r) for r in records}
-        return state_updates(tensors, self.model, params)
+        return state_updates(tensors, model, params)
 
     def _receive_in_place(self, msg: GpuControl) -> bool:
         """Every bucket into the live parameters as it arrives (no second copy of the weights):

@@ -113,11 +113,9 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
 
     @app.post("/update_weights")
     async def update_weights(request: Request):
-        body = keys(await body_of(request), ("path", "weight_version", "draft"))
+        body = _draft_checked(keys(await body_of(request), ("path", "weight_version", "draft")))
         if not body.get("path"):
             raise APIError(400, "update_weights over HTTP takes a checkpoint path", "path")
-        if not isinstance(body.get("draft", False), bool):
-            raise APIError(400, "draft must be true or false", "draft")
         return await run(client.update_weights, **body)
 
     @app.post("/init_weight_transfer")
@@ -127,7 +125,8 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
 
     @app.post("/update_weights_from_distributed")
     async def update_from_distributed(request: Request):
-        body = keys(await body_of(request), ("buckets", "weight_version", "stage"))
+        allowed = ("buckets", "weight_version", "stage", "draft")
+        body = _draft_checked(keys(await body_of(request), allowed))
         try:
             buckets = [[(t["name"], t["dtype"], t["shape"]) for t in b] for b in body["buckets"]]
         except (KeyError, TypeError):
@@ -139,7 +138,8 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
 
     @app.post("/update_weights_from_ipc")
     async def update_from_ipc(request: Request):
-        body = keys(await body_of(request), ("tensors", "weight_version", "stage"))
+        allowed = ("tensors", "weight_version", "stage", "draft")
+        body = _draft_checked(keys(await body_of(request), allowed))
         try:
             body["tensors"] = [_ipc_record(t) for t in body["tensors"]]
         except (KeyError, TypeError, ValueError) as e:
@@ -156,6 +156,14 @@ def add_control_routes(app: FastAPI, client, enabled: bool) -> None:
     @app.post("/flush_cache")  # (SGLang's path; vLLM's is /reset_prefix_cache)
     async def flush_cache():
         return await run(client.flush_cache)
+
+
+def _draft_checked(body: dict) -> dict:
+    """A weight update's body whose `draft` (the draft model's weights), when given, is a
+    boolean."""
+    if not isinstance(body.get("draft", False), bool):
+        raise APIError(400, "draft must be true or false", "draft")
+    return body
 
 
 def _ipc_record(fields: dict) -> dict:
