@@ -44,6 +44,29 @@ def _fused_decode_rows() -> int:
 
 FUSED_DECODE_ROWS = _fused_decode_rows()  # fixed at import: graphs bake in their path
 
+# On the CPU, products of 2..CPU_SKINNY_ROWS rows by an fp32 weight are taken as W @ x^T: MKL's
+# x @ W^T at a few rows reads the weight about twice as slowly (SmolLM2's 30 layers, 2 cores,
+# 2026-11-28: 4 rows 83 -> 44 ms, 16 rows 113 -> 81, 64 rows 274 -> 207, 128 rows 1.05x,
+# 1 row equal: left to F.linear's gemv).
+CPU_SKINNY_ROWS = 64
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """F.linear, but W @ x^T for a few fp32 rows on the CPU (CPU_SKINNY_ROWS says why); the
+    result is contiguous either way."""
+    rows = x.shape[0] if x.dim() == 2 else 0
+    if 2 <= rows <= CPU_SKINNY_ROWS and x.device.type == "cpu" and weight.dtype == torch.float32:
+        out = torch.mm(weight, x.t()).t().contiguous()
+        return out if bias is None else out.add_(bias)
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear` (the same parameters and state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 def lm_logits(
     hidden: torch.Tensor,
@@ -56,7 +79,7 @@ def lm_logits(
     rank's vocabulary shard: its logits are gathered from every rank, the padding cut off, so
     every rank holds the same full logits); written into `out` when given (the product in the
     weights' dtype, converted as it is copied)."""
-    logits = tp.all_gather(F.linear(hidden, weight), dim=-1)[:, :vocab_size]
+    logits = tp.all_gather(linear(hidden, weight), dim=-1)[:, :vocab_size]
     if out is None:
         return logits.float()
     return out.copy_(logits)
@@ -175,8 +198,8 @@ class Attention(nn.Module):
         # q, k and v projections fused into one matrix (rows: q, then k, then v): one GEMM.
         # `qkv_bias` (Qwen2): their biases, fused alike (column-parallel: this rank's rows).
         qkv_rows = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.qkv_proj = nn.Linear(hidden_size, qkv_rows, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * head_dim, hidden_size, bias=False)
+        self.qkv_proj = Linear(hidden_size, qkv_rows, bias=qkv_bias)
+        self.o_proj = Linear(self.num_heads * head_dim, hidden_size, bias=False)
         # Qwen3, Gemma 3: a norm over each head of q and of k (weights shared by the heads),
         # before RoPE; None: no such norm (Llama, NemotronH).
         self.q_norm = self.k_norm = None
@@ -267,8 +290,8 @@ class SwiGLUMLP(nn.Module):
         _, inter = tp.even(intermediate_size, "intermediate_size")
         self.tp, self.reduce_output = tp, reduce_output
         # gate and up projections fused (rows: gate, then up): one GEMM.
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden_size, bias=False)
+        self.gate_up_proj = Linear(hidden_size, 2 * inter, bias=False)
+        self.down_proj = Linear(inter, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [tokens, hidden] -> [tokens, 2 * intermediate] -> [tokens, intermediate] -> hidden

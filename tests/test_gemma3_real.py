@@ -48,11 +48,14 @@ def gguf_path() -> str:
 
 @pytest.fixture(scope="module")
 def hf(gguf_path):
+    from tests.hf_gguf import cached_gguf_reads
+
     folder, name = os.path.split(gguf_path)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32
-    )
-    tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    with cached_gguf_reads():
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, dtype=torch.float32
+        )
+        tokenizer = transformers.AutoTokenizer.from_pretrained(folder, gguf_file=name)
     return model.eval(), tokenizer
 
 
