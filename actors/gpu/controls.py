@@ -362,11 +362,12 @@ class WorkerControls:
         self._fitting_buckets = key
         return None
 
-    def _ipc_updates(self, records, model) -> list:
+    def _ipc_updates(self, records, model=None) -> list:
         """The trainer's tensors opened by their CUDA IPC handles (views of its memory, no copy)
-        and mapped onto this process's parameters of `model` (the target or its draft: its
-        shard, its experts). Names, dtypes and shapes are checked before any handle is opened;
-        nothing is copied here."""
+        and mapped onto this process's parameters of `model` (the target's when None, or its
+        draft: its shard, its experts). Names, dtypes and shapes are checked before any handle
+        is opened; nothing is copied here."""
+        model = self.model if model is None else model
         params = self._live_params(model)
         for r in records:
             if r.dtype not in DTYPES:
