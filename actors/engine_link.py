@@ -58,6 +58,7 @@ def model_info(loaded: ModelLoaded, served: ServedModel, weight_version: int) ->
         served.prefix_caching,
         weight_version,
         loaded.tensor_parallel_size,
+        loaded.draft_weights,
     )
 
 

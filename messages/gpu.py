@@ -124,6 +124,8 @@ class ModelLoaded:
     # layers), so the engine gives back the KV blocks no later query reads; 0 when some layer
     # sees its whole context (no window, or global layers among windowed ones, as Gemma 3's).
     sliding_window: int = 0
+    # A draft model with weights of its own is loaded (update_weights(draft=True) applies).
+    draft_weights: bool = False
 
 
 @struct

@@ -448,6 +448,7 @@ class ModelInfo:
     prefix_caching: bool = False  # whether SubmitRequest.block_hashes are of any use
     weight_version: int = 0  # the hash salt, as of this answer
     tensor_parallel_size: int = 1  # gpu processes per rank (num_ranks x this join a weight group)
+    draft_weights: bool = False  # a draft model with weights of its own (updates with draft=True)
 
 
 @message(26)

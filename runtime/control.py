@@ -208,6 +208,13 @@ class AsyncClientControls:
             raise RuntimeError("the client is not connected")
         return rank_offset + info.num_ranks * info.tensor_parallel_size
 
+    def has_draft_weights(self) -> bool:
+        """Whether the runtime's draft model has weights of its own (the updates with
+        `draft=True` apply to it)."""
+        if self.info is None:
+            raise RuntimeError("the client is not connected")
+        return self.info.draft_weights
+
     async def init_weight_transfer(
         self,
         master_address: str,
@@ -331,6 +338,9 @@ class ClientControls:
 
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
         return self._async.weight_transfer_world_size(rank_offset)
+
+    def has_draft_weights(self) -> bool:
+        return self._async.has_draft_weights()
 
     def init_weight_transfer(
         self, master_address, master_port, world_size, rank_offset=1, backend=None

@@ -243,6 +243,9 @@ class AsyncLLM(_Base):
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
         return self._connected().weight_transfer_world_size(rank_offset)
 
+    def has_draft_weights(self) -> bool:
+        return self._connected().has_draft_weights()
+
     async def init_weight_transfer(self, *args, **kw) -> ControlAck:
         """AsyncClient.init_weight_transfer (the trainer side: taipan.rl)."""
         self._lifecycle("init_weight_transfer")
@@ -375,6 +378,9 @@ class LLM(_Base):
 
     def weight_transfer_world_size(self, rank_offset: int = 1) -> int:
         return self._connected().weight_transfer_world_size(rank_offset)
+
+    def has_draft_weights(self) -> bool:
+        return self._connected().has_draft_weights()
 
     def init_weight_transfer(self, *args, **kw) -> ControlAck:
         """Client.init_weight_transfer (the trainer side: taipan.rl.join does both at once)."""

@@ -143,6 +143,11 @@ def push_weights(
     broadcast (taipan would refuse the update, and the trainer would wait in its first
     broadcast until the group's timeout)."""
     start = time.perf_counter()
+    if draft and not client.has_draft_weights():
+        raise RuntimeError(
+            "push_weights(draft=True) needs a draft model with weights of its own "
+            "(speculative_method='draft_model' and a speculative_model path or name)"
+        )  # (refused before any broadcast, as below: the trainer would wait out its group)
     state = str(client.stats(fresh=False).state)  # (the coordinator's own: one hop)
     legal = ("PAUSED", "SUSPENDED", "RUNNING") if in_flight else ("PAUSED", "SUSPENDED")
     if state not in legal:

@@ -108,7 +108,7 @@ class ScriptedEngine:
         await self.send(Hello("engine", 0))
         # By field name: the gpu family may grow fields the coordinator does not read.
         known = dict(model="test-model", tokenizer=byte_tokenizer_wire(), eos_token_ids=(2,))
-        fields = {f.name: known.get(f.name, 16) for f in dataclasses.fields(ModelLoaded)}
+        fields = {f.name: known.get(f.name, _sixteen(f)) for f in dataclasses.fields(ModelLoaded)}
         await self.send(ModelLoaded(**fields))
 
     async def heartbeats(self) -> None:
@@ -1155,9 +1155,14 @@ async def test_async_client_fails_waiting_calls_when_the_coordinator_stops(addre
 # --- several ranks (issue 12): readiness, refusals ----------------------------------------------
 
 
+def _sixteen(field) -> object:
+    """A made-up ModelLoaded value: 16 for a number, False for a flag."""
+    return False if field.type == "bool" else 16
+
+
 def _loaded(block_size: int = 16) -> ModelLoaded:
     known = dict(model="test-model", tokenizer=byte_tokenizer_wire(), eos_token_ids=(2,))
-    fields = {f.name: known.get(f.name, 16) for f in dataclasses.fields(ModelLoaded)}
+    fields = {f.name: known.get(f.name, _sixteen(f)) for f in dataclasses.fields(ModelLoaded)}
     return ModelLoaded(**(fields | {"block_size": block_size}))
 
 

@@ -202,6 +202,7 @@ def test_the_disable_policy_stops_speculation_until_the_draft_is_updated(
         # The draft's weights from a trainer's process (gloo; both tensor-parallel processes
         # join and take the draft whole): the target's first head back into the draft, which
         # then drafts the old cycles, few accepted; the target's version stays.
+        assert c.has_draft_weights()
         group = rl.join(c, "127.0.0.1", _port())
         with pytest.raises(ValueError, match="takes no weight_version"):
             c.update_weights_from_distributed([], draft=True, weight_version=5)
@@ -219,9 +220,14 @@ def test_the_disable_policy_stops_speculation_until_the_draft_is_updated(
         group.close()
     replay_check(tmp_path)
     with Runtime(target, config("self:1")) as rt, Client(rt.address) as c:
+        assert not c.has_draft_weights()
         assert c.pause().state == "PAUSED"
         with pytest.raises(Exception, match="needs a draft model with weights of its own"):
             c.update_weights(updated, draft=True)
+        # (a trainer's push is refused before its first broadcast, which would wait out the
+        # group's timeout)
+        with pytest.raises(RuntimeError, match="needs a draft model with weights of its own"):
+            rl.push_weights(c, {"lm_head.weight": torch.zeros(1)}, None, draft=True)
 
 
 def test_draft_model_settings_are_checked(models, tmp_path):

@@ -240,6 +240,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             tensor_parallel_size=self.tp.size,
             moe_layers=len(self._moe_blocks),
             sliding_window=kv_window(config),
+            draft_weights=self.draft is not None and self.draft.own_weights,
         )
 
     def _load_weights(self, msg: LoadModel, dtype, tp: TPGroup):
