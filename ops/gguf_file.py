@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ import numpy as np
 import torch
 
 from taipan.ops.checkpoint import ModelLoadError, build_model
+from taipan.ops.gguf_reader import gguf_reader
 from taipan.ops.models.gemma3 import Gemma3Config
 from taipan.ops.models.llama import LlamaConfig
 from taipan.ops.parallel import TPGroup
@@ -103,49 +103,15 @@ def load_gguf(path: Path, dtype: torch.dtype, device, tp: TPGroup) -> tuple:
 
 
 def _open(path: Path):
-    """A `gguf.GGUFReader` of the file (`_reader_class`), or a ModelLoadError saying why not."""
+    """A `gguf.GGUFReader` of the file (`gguf_reader`), or a ModelLoadError saying why not."""
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != b"GGUF":
         raise ModelLoadError(f"{path}: not a GGUF file (it starts with {magic!r}, not b'GGUF')")
     try:
-        return _reader_class()(str(path))
+        return gguf_reader()(str(path))
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"{path}: cannot read GGUF ({exc})") from exc
-
-
-@functools.cache
-def _reader_class():
-    """`gguf.GGUFReader` reading each metadata array in one pass: the stock reader walks an
-    array element by element (a 262,144-token vocabulary took 26 s of a 30 s load). Fields read
-    the same through `contents()`; an array field's `data` indexes one part holding all its
-    numbers, or one part per string."""
-    import gguf
-
-    array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
-
-    class Reader(gguf.GGUFReader):
-        def _get_field_parts(self, orig_offs: int, raw_type: int):
-            if raw_type != array:
-                return super()._get_field_parts(orig_offs, raw_type)
-            item_type, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
-            kind, offs = gguf.GGUFValueType(int(item_type[0])), orig_offs + 12
-            parts, types = [item_type, count], [array, kind]
-            numbers = self.gguf_scalar_to_np.get(kind)
-            if numbers is not None:
-                values = self._get(offs, numbers, int(count[0]))
-                return 12 + values.nbytes, [*parts, values], [2], types
-            if kind != string:  # (nested arrays: the stock reader's way)
-                return super()._get_field_parts(orig_offs, raw_type)
-            data = self.data.view(np.ndarray)  # (slices of a plain array: no memmap overhead)
-            raw, order = memoryview(data), "<Q" if self.byte_order == "I" else ">Q"
-            for _ in range(int(count[0])):
-                (length,) = struct.unpack_from(order, raw, offs)
-                parts.append(data[offs + 8 : offs + 8 + length])
-                offs += 8 + length
-            return offs - orig_offs, parts, list(range(2, len(parts))), types
-
-    return Reader
 
 
 def _llama_config(field, tensors: dict, tokenizer: Tokenizer, path: Path) -> LlamaConfig:

@@ -100,6 +100,46 @@ RANDOM_SHAPES = {
         tie_word_embeddings=True,
         max_position_embeddings=32768,
     ),
+    # Gemma-3-4B and -12B (the text part of google/gemma-3-4b-pt's and -12b-pt's config.json):
+    # the same layer pattern at widths where a layer's weights outweigh its launches (issue 27's
+    # decode row). Their checkpoints scale the global layers' RoPE linearly (factor 8), which
+    # changes only the table built at load: plain RoPE here costs the same.
+    "gemma3-4b": dict(
+        family="gemma3",
+        vocab_size=262208,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_layers=34,
+        num_heads=8,
+        num_kv_heads=4,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=256.0,
+        sliding_window=1024,
+        sliding_layers=tuple(i for i in range(34) if (i + 1) % 6),
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
+    "gemma3-12b": dict(
+        family="gemma3",
+        vocab_size=262208,
+        hidden_size=3840,
+        intermediate_size=15360,
+        num_layers=48,
+        num_heads=16,
+        num_kv_heads=8,
+        head_dim=256,
+        rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0,
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=256.0,
+        sliding_window=1024,
+        sliding_layers=tuple(i for i in range(48) if (i + 1) % 6),
+        tie_word_embeddings=True,
+        max_position_embeddings=131072,
+    ),
     # Mistral-7B-v0.1: Llama's layers, every one with a 4096-key window (so the engine frees
     # the KV blocks behind it: actors/gpu/window.py `kv_window`), untied LM head.
     "mistral-7b-window": dict(

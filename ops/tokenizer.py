@@ -22,6 +22,7 @@ from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.models import BPE
 
 from taipan.ops.chat_template import ChatTemplateError, compile_chat_template, read_chat_template
+from taipan.ops.gguf_reader import gguf_reader
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -93,11 +94,9 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path: str | Path) -> Tokenizer:
         """Build from a GGUF file's `tokenizer.*` metadata (byte-level BPE or Gemma's SPM)."""
-        import gguf
-
         try:
-            reader = gguf.GGUFReader(str(path))
-        except (OSError, ValueError) as exc:
+            reader = gguf_reader()(str(path))
+        except (OSError, ValueError, KeyError) as exc:
             raise TokenizerError(f"cannot read GGUF file {path}: {exc}") from exc
         return cls.from_gguf_reader(reader, path)
 

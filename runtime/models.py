@@ -64,14 +64,16 @@ KNOWN = {
 
 # `random:<shape>` -> display name; the shapes themselves are ops/random_model.py's RANDOM_SHAPES
 # (torch lives there, not here). Llama-3.2-1B and Llama-3.1-8B shapes with Llama 3's 128,256-token
-# vocabulary, Gemma-3-1B (head_dim 256, local and global layers), Mistral-7B-v0.1 (a 4096-key
-# window on every layer), Qwen2.5-7B (qkv biases), Qwen3-Next-80B-A3B at 8 of its 48 layers (a
-# Gated-DeltaNet hybrid), and a tiny one for CPU tests.
+# vocabulary, Gemma-3-1B, -4B and -12B (head_dim 256, local and global layers), Mistral-7B-v0.1
+# (a 4096-key window on every layer), Qwen2.5-7B (qkv biases), Qwen3-Next-80B-A3B at 8 of its 48
+# layers (a Gated-DeltaNet hybrid), and a tiny one for CPU tests.
 RANDOM_PREFIX = "random:"
 RANDOM = {
     "llama-1b": "llama-1b-shape",
     "llama-8b": "llama-8b-shape",
     "gemma3-1b": "gemma3-1b-shape",
+    "gemma3-4b": "gemma3-4b-shape",
+    "gemma3-12b": "gemma3-12b-shape",
     "mistral-7b-window": "mistral-7b-window-shape",
     "qwen2.5-7b": "qwen2.5-7b-shape",
     "qwen3-next-80b-a3b-8l": "qwen3-next-80b-a3b-8l-shape",

@@ -130,7 +130,7 @@ async def fuzz(address: str, count: int, seed: int) -> dict[int, int]:
 
 
 def test_fuzzed_bodies_get_only_4xx_or_200(runtime):
-    count = int(os.environ.get("HTTP_FUZZ_BODIES", 1000))
+    count = int(os.environ.get("HTTP_FUZZ_BODIES", 400))  # (10,000 in the slow run)
     statuses = asyncio.run(fuzz(runtime.address, count, seed=1))
     assert sum(statuses.values()) == count
     assert statuses.get(400, 0) > count // 2 and statuses.get(200, 0) > 0, statuses
