@@ -1,6 +1,7 @@
 """The fused few-row decode path (kernels/gemv.py) on a GPU (device tool helper; not a test).
 
-`python3 tests/perf/fused_decode_bench.py kernels`: per projection shape (1B, 8B, SmolLM2) and
+`python3 tests/perf/fused_decode_bench.py kernels [PREFIX ...]`: per projection shape (1B, 8B,
+Gemma 3 1B and 12B, Qwen2.5-7B, SmolLM2; those starting with a PREFIX) and
 rows 1 and 4, microseconds per call from CUDA graphs of 50 calls with the weights in rotation
 (so the L2 holds none): cuBLAS (`F.linear`), gemv with the launcher's blocks, and the best of
 a sweep of (BLOCK_N, BLOCK_K, num_warps), next to the weight's bytes at the copy rate.
@@ -41,6 +42,16 @@ SHAPES = {  # name: (K, N, gated)
     "gemma3-1b.o": (1024, 1152, False),
     "gemma3-1b.gate_up": (1152, 6912, True),
     "gemma3-1b.down": (6912, 1152, False),
+    "12b.qkv": (3840, 8192, False),  # (Gemma 3 12B: 16 + 2 x 8 heads of 256)
+    "12b.o": (4096, 3840, False),
+    "12b.gate_up": (3840, 15360, True),
+    "12b.down": (15360, 3840, False),
+    "12b.lm_head": (3840, 262208, False),
+    "q7b.qkv": (3584, 4608, False),  # (Qwen2.5-7B)
+    "q7b.o": (3584, 3584, False),
+    "q7b.gate_up": (3584, 18944, True),
+    "q7b.down": (18944, 3584, False),
+    "8b.lm_head": (4096, 128256, False),
     "smollm2.qkv": (576, 960, False),
     "smollm2.o": (576, 576, False),
     "smollm2.gate_up": (576, 1536, True),
@@ -70,9 +81,10 @@ def _launch(x, w, out, n, gated, blocks):
     )  # fmt: skip
 
 
-def kernels(bw: float) -> None:
+def kernels(bw: float, prefixes=()) -> None:
     best_of = {}  # rows 4 runs the blocks rows 1 found best
-    for (name, (k, n, gated)), m in itertools.product(SHAPES.items(), (1, 4)):
+    shapes = {n: s for n, s in SHAPES.items() if not prefixes or n.startswith(tuple(prefixes))}
+    for (name, (k, n, gated)), m in itertools.product(shapes.items(), (1, 4)):
         print(json.dumps(_kernel_row(name, k, n, gated, m, bw, best_of)), flush=True)
 
 
@@ -172,7 +184,7 @@ if __name__ == "__main__":
     bandwidth = copy_bandwidth("cuda", 1.0)
     print(json.dumps({"gpu": torch.cuda.get_device_name(), "copy_gb_s": bandwidth / 1e9}))
     if part == "kernels":
-        kernels(bandwidth)
+        kernels(bandwidth, rest)
     elif part == "profile":
         for s in rest or ["llama-1b"]:
             profile(s)

@@ -3,7 +3,9 @@
 #   part gemma: issue 27's Gemma 3 decode rows at batch 1 (bf16, graphs, no HF) for the 1B, 4B
 #     and 12B shapes, with the Qwen2.5-7B row in the same call for reference; rows to $OUT.
 set -u
-PART=${1:?part gemma}
+#   part kernels: where the 12B and Qwen2.5-7B steps go (the torch profiler over one eager
+#     batch-1 step, Llama-8B beside them), and the GEMV per projection shape with a block sweep.
+PART=${1:?part gemma or kernels}
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
 DEC="bench --workload decode --device cuda --dtype bfloat16 --output-len 128 --no-hf
@@ -13,4 +15,21 @@ if [ "$PART" = gemma ]; then
         timeout -s ABRT 150 python3 -m taipan.cli $DEC --model random:$shape \
             --results "$OUT/decode_$shape.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-220
     done
+fi
+if [ "$PART" = kernels ]; then
+    timeout -s ABRT 200 python3 tests/perf/fused_decode_bench.py profile gemma3-12b qwen2.5-7b \
+        llama-8b 2>&1 | grep -v Warn | head -80
+    timeout -s ABRT 300 python3 tests/perf/fused_decode_bench.py kernels 12b q7b 8b \
+        > "$OUT/kernels.jsonl" 2>&1
+    python3 -c "
+import json
+for l in open('$OUT/kernels.jsonl'):
+    if l.startswith('{'):
+        r = json.loads(l)
+        if 'shape' in r:
+            print(r['shape'], r['rows'], 'floor %.1f cublas %.1f gemv %.1f best %.1f' % (
+                r['floor_us'], r['cublas_us'], r['gemv_us'], r['best_us']), r['default_blocks'], r['best_blocks'])
+        else:
+            print(r)
+"
 fi
