@@ -78,6 +78,7 @@ def _launch(x, w, out, n, gated, blocks):
         eps=1e-5, NORM=False, GEMMA_NORM=False, GATED=gated, GELU=False, RESIDUAL=False,
         HAS_BIAS=False,
         BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+        PDL=False,
     )  # fmt: skip
 
 
