@@ -9,6 +9,7 @@ a sweep of (BLOCK_N, BLOCK_K, num_warps), next to the weight's bytes at the copy
 whole decode step of a random-weight model (256 cached tokens a row) from a CUDA graph, the
 layers fused and unfused, against the floor (weights and KV once at the copy rate). One JSON
 line per figure. `... profile [SHAPE ...]`: the kernels of one batch-1 step, largest first.
+`... blocks [SHAPE ...]`: the graphed batch-1 step under each GEMV block policy (BLOCK_POLICIES).
 """
 
 from __future__ import annotations
@@ -153,6 +154,38 @@ def model_steps(shape: str, bw: float) -> None:
     torch.cuda.empty_cache()
 
 
+BLOCK_POLICIES = {  # name: (n, k, gated) -> (BLOCK_N, BLOCK_K, num_warps) or None (the default)
+    "default": lambda n, k, gated: None,
+    "gated_2_1024_2": lambda n, k, gated: (2, 1024, 2) if gated and n * k >= 1 << 24 else None,
+    "gated_4_512_2": lambda n, k, gated: (4, 512, 2) if gated and n * k >= 1 << 24 else None,
+    "gated_2_1024_4": lambda n, k, gated: (2, 1024, 4) if gated and n * k >= 1 << 24 else None,
+    "large_2_1024_2": lambda n, k, gated: (2, 1024, 2) if n * k >= 1 << 24 else None,
+}
+
+
+def block_policies(shape: str, bw: float) -> None:
+    """The whole batch-1 step (graphed, fused) under each of BLOCK_POLICIES, in one process:
+    which GEMV blocks pay where the kernels overlap (PDL) as they do in a real step."""
+    from taipan.ops.random_model import load_random_model
+
+    model, config, _ = load_random_model(f"random:{shape}", dtype=torch.bfloat16, device="cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    if not config.tie_word_embeddings:
+        weights -= model.embed_tokens.weight.numel() * 2
+    default = G._blocks
+    row = dict(part="blocks", shape=shape, floor_ms=weights / bw * 1e3)
+    with torch.no_grad():
+        for _ in range(2):  # (two rounds: the best of each policy)
+            for name, policy in BLOCK_POLICIES.items():
+                G._blocks = lambda n, k, gated, p=policy: p(n, k, gated) or default(n, k, gated)
+                ms = _us(_step(model, 1), calls=20) / 1e3
+                row[name] = min(ms, row.get(name, ms))
+    G._blocks = default
+    print(json.dumps(row), flush=True)
+    del model
+    torch.cuda.empty_cache()
+
+
 def profile(shape: str) -> None:
     """The kernels of one fused batch-1 step (eager, under the torch profiler): count and device
     microseconds per kernel name, the 40 largest, and the total."""
@@ -189,6 +222,9 @@ if __name__ == "__main__":
     elif part == "profile":
         for s in rest or ["llama-1b"]:
             profile(s)
+    elif part == "blocks":
+        for s in rest or ["llama-1b", "llama-8b"]:
+            block_policies(s, bandwidth)
     else:
         for s in rest or ["llama-1b", "llama-8b"]:
             model_steps(s, bandwidth)
