@@ -154,12 +154,26 @@ def model_steps(shape: str, bw: float) -> None:
     torch.cuda.empty_cache()
 
 
+_BIG = 1 << 24  # weight elements: the 1B shape's gate_up and larger
+
+
+def _policy(gated_blocks, other_blocks=None, gated_min=_BIG):
+    def blocks(n, k, gated):
+        if gated and n * k >= gated_min:
+            return gated_blocks
+        return other_blocks if not gated and other_blocks and n * k >= _BIG else None
+
+    return blocks
+
+
 BLOCK_POLICIES = {  # name: (n, k, gated) -> (BLOCK_N, BLOCK_K, num_warps) or None (the default)
     "default": lambda n, k, gated: None,
-    "gated_2_1024_2": lambda n, k, gated: (2, 1024, 2) if gated and n * k >= 1 << 24 else None,
-    "gated_4_512_2": lambda n, k, gated: (4, 512, 2) if gated and n * k >= 1 << 24 else None,
-    "gated_2_1024_4": lambda n, k, gated: (2, 1024, 4) if gated and n * k >= 1 << 24 else None,
-    "large_2_1024_2": lambda n, k, gated: (2, 1024, 2) if n * k >= 1 << 24 else None,
+    "g4_512_2": _policy((4, 512, 2)),
+    "g4_512_2_all": _policy((4, 512, 2), gated_min=1 << 18),
+    "g4_256_2": _policy((4, 256, 2)),
+    "g8_512_2": _policy((8, 512, 2)),
+    "g4_512_2+n4_512_2": _policy((4, 512, 2), (4, 512, 2)),
+    "g4_512_2+n4_1024_2": _policy((4, 512, 2), (4, 1024, 2)),
 }
 
 
@@ -173,15 +187,16 @@ def block_policies(shape: str, bw: float) -> None:
     if not config.tie_word_embeddings:
         weights -= model.embed_tokens.weight.numel() * 2
     default = G._blocks
-    row = dict(part="blocks", shape=shape, floor_ms=weights / bw * 1e3)
-    with torch.no_grad():
-        for _ in range(2):  # (two rounds: the best of each policy)
-            for name, policy in BLOCK_POLICIES.items():
-                G._blocks = lambda n, k, gated, p=policy: p(n, k, gated) or default(n, k, gated)
-                ms = _us(_step(model, 1), calls=20) / 1e3
-                row[name] = min(ms, row.get(name, ms))
-    G._blocks = default
-    print(json.dumps(row), flush=True)
+    for rows in (1, 4):
+        row = dict(part="blocks", shape=shape, rows=rows, floor_ms=weights / bw * 1e3)
+        with torch.no_grad():
+            for _ in range(2):  # (two rounds: the best of each policy)
+                for name, policy in BLOCK_POLICIES.items():
+                    G._blocks = lambda n, k, g, p=policy: p(n, k, g) or default(n, k, g)
+                    ms = _us(_step(model, rows), calls=20) / 1e3
+                    row[name] = round(min(ms, row.get(name, ms)), 4)
+        G._blocks = default
+        print(json.dumps(row), flush=True)
     del model
     torch.cuda.empty_cache()
 
