@@ -144,11 +144,15 @@ def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     iteration. A tiny matrix needs no such spread (and the CPU interpreter pays per program)."""
     if n * k < 1 << 18:
         return 16, min(512, triton.next_power_of_2(k)), 4
-    # Four outputs a program, rows of up to 1,024, four warps: the whole decode step of the 1B
-    # and 8B shapes was fastest so on an H100 (tests/perf/fused_decode_bench.py model), though
-    # the per-kernel sweep (`kernels`) preferred two outputs and two warps, which made the
-    # step slower (1.27 against 1.22 ms at 1B, 6.28 against 5.82 at 8B).
-    return 4, min(1024, triton.next_power_of_2(k)), 4
+    # Four outputs a program. Chosen by the whole graphed batch-1 step, where PDL overlaps the
+    # kernels (tests/perf/fused_decode_bench.py blocks, H200): a gated product (two weight rows
+    # an output) in rows of 512 with two warps, a large plain one in rows of 1,024 with two
+    # warps, the rest with four: Qwen2.5-7B 4.45 -> 4.21 ms, Gemma 3 12B 7.63 -> 7.40, Gemma
+    # 3 1B 1.39 -> 1.33, Llama 1B 0.98 -> 0.94, Llama 8B 4.53 -> 4.47. A per-kernel sweep
+    # (`kernels`) picks other blocks that make the step slower: it cannot see the overlap.
+    if gated:
+        return 4, min(512, triton.next_power_of_2(k)), 2
+    return 4, min(1024, triton.next_power_of_2(k)), 2 if n * k >= 1 << 24 else 4
 
 
 def gemv(
