@@ -32,8 +32,10 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# Two workers: the tests that start processes on one, in turn; in-process ones beside them
+# (tests/conftest.py `test_scope`).
 test: model lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2
 
 test-slow: model
 	$(PY) -m pytest -q -m slow

@@ -3,13 +3,13 @@
 runtimes on a 2-core machine where each child's own `import torch` was ~2 s.
 
 `spawn_forked(*args)` runs what `python -m taipan.procs ARGS...` runs, in a child of
-multiprocessing's fork server (started once per launcher process, PRELOAD imported there and
-nothing of ours: module-level settings such as TAIPAN_FUSED_GEMV are read by each child as it
-imports taipan). The child gets the launcher's environment and its stdout / stderr as they are
-at the call (as a subprocess would), and runs the role's main; its exit status is the one the
-main gives (a code, or the signal that killed it). The handle has the slice of
-subprocess.Popen's interface runtime/children.py uses: pid, poll, wait (TimeoutExpired),
-returncode, send_signal, terminate, kill.
+multiprocessing's fork server (started once per launcher process, PRELOAD imported there: of
+ours only the wire, so module-level settings such as TAIPAN_FUSED_GEMV are read by each child
+as it imports the rest of taipan). The child gets the launcher's environment and its stdout /
+stderr as they are at the call (as a subprocess would), and runs the role's main; its exit
+status is the one the main gives (a code, or the signal that killed it). The handle has the
+slice of subprocess.Popen's interface runtime/children.py uses: pid, poll, wait
+(TimeoutExpired), returncode, send_signal, terminate, kill.
 
 The child's parent is the fork server, not the launcher: PR_SET_PDEATHSIG (procs.py) fires when
 the server ends, which it does as soon as the launcher process ends (it watches a pipe the
@@ -34,7 +34,23 @@ import sys
 import threading
 from multiprocessing import reduction
 
-PRELOAD = ["torch", "numpy", "zmq", "msgpack"]
+# What the fork server imports once for every child: third-party packages (their import reads
+# no setting of ours), and the wire (taipan.messages: plain message types, reads no setting).
+# structlog imports rich where it is installed (as with the test extras); with triton, gguf
+# and the wire that was ~1.6 s of CPU per runtime in its children (py-spy, 2-core box).
+PRELOAD = [
+    "torch",
+    "numpy",
+    "zmq",
+    "msgpack",
+    "structlog",
+    "triton",
+    "triton.language",
+    "gguf",
+    "tokenizers",
+    "uvloop",
+    "taipan.messages",
+]
 
 _lock = threading.Lock()  # one child sent at a time
 _preloaded = False

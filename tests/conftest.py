@@ -31,6 +31,48 @@ TEST_CONFIG = dict(
 )
 
 
+# `make test` runs two pytest workers (pytest-xdist, `-n 2`) on the 2-core box. The tests that
+# start runtimes and other processes keep both cores busy: they run one after another on one
+# worker (the scope "processes"), as they would alone. These files run in-process on mostly one
+# thread (the Triton interpreter, the pure cores, actors waiting on timeouts): the other worker
+# takes them, file by file, into the core the first leaves idle (a serial run left 29 % of the
+# box idle). Process tests on both workers at once ran 2-3x slower each (tests/perf/NOTES.md,
+# seventeenth session). A file not named here is in "processes": a new file adds no overlap.
+IN_PROCESS_FILES = frozenset(
+    """test_ops_fused_decode test_grammar test_layout test_messages test_allocator_prefix
+    test_allocator_window test_allocator_core test_engine_window test_scheduler
+    test_scheduler_mamba test_scheduler_prefix test_routing test_speculative_verify
+    test_speculative_engine test_ngram_drafter test_consensus test_stop_strings
+    test_gguf_dequantize test_block_hash test_mamba_cache test_coordinator_fsm
+    test_coordinator_core test_all_reduce_norm test_gemv_all_reduce test_random_models
+    test_random_shapes test_curve test_coordinator_actor test_channel_peers test_engine_actor
+    test_engine_link test_client_direct test_gpu_peers test_coordinator_relay
+    test_coordinator_weights test_engine_ep test_forked""".split()
+)
+
+
+def test_scope(nodeid: str) -> str:
+    """The xdist scope of a test: its file if that runs in-process, else "processes"."""
+    stem = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
+    in_process = stem in IN_PROCESS_FILES or stem.startswith("test_kernels_")
+    return stem if in_process else "processes"
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """With `-n N` (and no other `--dist`): xdist's scope scheduling over `test_scope`. (Its own
+    `--dist loadgroup` does not group under pytest 9: the group rides on a node id that pytest
+    no longer reports.)"""
+    if config.getoption("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class Scopes(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return test_scope(nodeid)
+
+    return Scopes(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """GPU tests skip (with a reason) where CUDA is absent; CI never has a GPU."""
     gpu_items = [i for i in items if i.get_closest_marker("gpu")]
