@@ -33,7 +33,7 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 # Two workers: the tests that start processes on one, in turn; in-process ones beside them
-# (tests/conftest.py `test_scope`).
+# (tests/conftest.py `xdist_scope`).
 test: model lint
 	$(PY) -m pytest -q -n 2
 

@@ -51,24 +51,25 @@ IN_PROCESS_FILES = frozenset(
 )
 
 
-def test_scope(nodeid: str) -> str:
+def xdist_scope(nodeid: str) -> str:
     """The xdist scope of a test: its file if that runs in-process, else "processes"."""
     stem = nodeid.split("::")[0].rsplit("/", 1)[-1].removesuffix(".py")
     in_process = stem in IN_PROCESS_FILES or stem.startswith("test_kernels_")
     return stem if in_process else "processes"
 
 
+@pytest.hookimpl(optionalhook=True)  # (the GPU machines' image has no xdist)
 def pytest_xdist_make_scheduler(config, log):
-    """With `-n N` (and no other `--dist`): xdist's scope scheduling over `test_scope`. (Its own
-    `--dist loadgroup` does not group under pytest 9: the group rides on a node id that pytest
-    no longer reports.)"""
+    """With `-n N` (and no other `--dist`): xdist's scope scheduling over `xdist_scope`. (Its
+    own `--dist loadgroup` does not group under pytest 9: the group rides on a node id that
+    pytest no longer reports.)"""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
 
     class Scopes(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return test_scope(nodeid)
+            return xdist_scope(nodeid)
 
     return Scopes(config, log)
 
