@@ -43,6 +43,24 @@ _CHATML = (
 _LLAMA3 = dict(
     vocab_size=128256, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072
 )
+# What every Gemma 3 size shares: head_dim 256 (not hidden / heads), its norms' eps, the global
+# layers' RoPE base 1e6 and the local ones' 1e4, queries scaled by 256^-0.5, tied embeddings.
+_GEMMA3 = dict(
+    family="gemma3",
+    head_dim=256,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    rope_local_theta=10000.0,
+    query_pre_attn_scalar=256.0,
+    tie_word_embeddings=True,
+)
+
+
+def _gemma3_local(num_layers: int) -> tuple[int, ...]:
+    """Gemma 3's local (sliding-window) layers: all but every sixth."""
+    return tuple(i for i in range(num_layers) if (i + 1) % 6)
+
+
 RANDOM_SHAPES = {
     # Llama-3.2-1B: tied embeddings.
     "llama-1b": dict(
@@ -83,21 +101,15 @@ RANDOM_SHAPES = {
     # head, a 262,144-token vocabulary, tied embeddings; every 6th layer global (the whole
     # context, RoPE base 1e6), the others local (a 512-key window, base 1e4).
     "gemma3-1b": dict(
-        family="gemma3",
+        _GEMMA3,
         vocab_size=262144,
         hidden_size=1152,
         intermediate_size=6912,
         num_layers=26,
         num_heads=4,
         num_kv_heads=1,
-        head_dim=256,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        rope_local_theta=10000.0,
-        query_pre_attn_scalar=256.0,
         sliding_window=512,
-        sliding_layers=tuple(i for i in range(26) if (i + 1) % 6),
-        tie_word_embeddings=True,
+        sliding_layers=_gemma3_local(26),
         max_position_embeddings=32768,
     ),
     # Gemma-3-4B and -12B (the text part of google/gemma-3-4b-pt's and -12b-pt's config.json):
@@ -105,39 +117,27 @@ RANDOM_SHAPES = {
     # decode row). Their checkpoints scale the global layers' RoPE linearly (factor 8), which
     # changes only the table built at load: plain RoPE here costs the same.
     "gemma3-4b": dict(
-        family="gemma3",
+        _GEMMA3,
         vocab_size=262208,
         hidden_size=2560,
         intermediate_size=10240,
         num_layers=34,
         num_heads=8,
         num_kv_heads=4,
-        head_dim=256,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        rope_local_theta=10000.0,
-        query_pre_attn_scalar=256.0,
         sliding_window=1024,
-        sliding_layers=tuple(i for i in range(34) if (i + 1) % 6),
-        tie_word_embeddings=True,
+        sliding_layers=_gemma3_local(34),
         max_position_embeddings=131072,
     ),
     "gemma3-12b": dict(
-        family="gemma3",
+        _GEMMA3,
         vocab_size=262208,
         hidden_size=3840,
         intermediate_size=15360,
         num_layers=48,
         num_heads=16,
         num_kv_heads=8,
-        head_dim=256,
-        rms_norm_eps=1e-6,
-        rope_theta=1_000_000.0,
-        rope_local_theta=10000.0,
-        query_pre_attn_scalar=256.0,
         sliding_window=1024,
-        sliding_layers=tuple(i for i in range(48) if (i + 1) % 6),
-        tie_word_embeddings=True,
+        sliding_layers=_gemma3_local(48),
         max_position_embeddings=131072,
     ),
     # Mistral-7B-v0.1: Llama's layers, every one with a 4096-key window (so the engine frees
