@@ -83,7 +83,7 @@ def test_chat_prompts_match_hf(client, hf):
 
 @pytest.mark.asyncio
 async def test_concurrent_equals_alone(runtime):
-    prompts = [f"{PROMPTS[i]} {i}" for i in range(8)]
+    prompts = [f"{PROMPTS[i]} {i}" for i in range(0, 8, 2)]  # (four: one batch, then alone)
     sampling = SamplingParams(max_tokens=12, temperature=0.0)
 
     async def main():
