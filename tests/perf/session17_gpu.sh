@@ -6,10 +6,14 @@ set -u
 #   part kernels: where the 12B and Qwen2.5-7B steps go (the torch profiler over one eager
 #     batch-1 step, Llama-8B beside them), and the GEMV per projection shape with a block sweep.
 #   part blocks: the GEMV block choice (kernels/gemv.py `_blocks`) on the GPU: the gemv, fused
-#     decode, PDL and Gemma 3 GPU tests, then the batch-1 decode rows of six shapes.
-PART=${1:?part gemma, kernels or blocks}
+#     decode, PDL and dense GPU tests, then the batch-1 decode rows of five shapes;
+#   part model (SmolLM2 staged: `bash tests/perf/carry_model.sh stage1` with carry
+#     [".carry/smollm2.gguf.part1"], then this within ~30 s with carry
+#     [".carry/smollm2.gguf.part2", ".whl", ".carry/new"]): test_gemma3.py's head_dim-256 CUDA
+#     graph test and test_gpu.py, which need the model file at collection.
+PART=${1:?part gemma, kernels, blocks or model}
 source tests/perf/device_setup.sh
-enter_new_tree || exit 1
+if [ "$PART" = model ]; then enter_new_tree model || exit 1; else enter_new_tree || exit 1; fi
 DEC="bench --workload decode --device cuda --dtype bfloat16 --output-len 128 --no-hf
 --ours-modes graphs --batches 1"
 if [ "$PART" = gemma ]; then
@@ -38,11 +42,16 @@ fi
 if [ "$PART" = blocks ]; then
     timeout -s ABRT 240 python3 -m pytest -q -p no:cacheprovider -m gpu --tb=short \
         tests/test_kernels_gemv.py tests/test_ops_fused_decode.py tests/test_kernels_pdl.py \
-        tests/test_gemma3.py tests/test_e2e_dense.py > "$OUT/blocks_tests.log" 2>&1
+        tests/test_e2e_dense.py tests/test_gpu_buffers.py > "$OUT/blocks_tests.log" 2>&1
     grep -E "FAILED|ERROR|^E  |passed|failed" "$OUT/blocks_tests.log" | cut -c1-200 | tail -12
     for shape in gemma3-1b gemma3-12b qwen2.5-7b llama-1b llama-8b; do
         timeout -s ABRT 100 python3 -m taipan.cli $DEC --model random:$shape \
             --results "$OUT/decode_$shape.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-150 \
             | sed "s/^/$shape /"
     done
+fi
+if [ "$PART" = model ]; then
+    timeout -s ABRT 330 python3 -m pytest -v -p no:cacheprovider -m gpu --tb=short \
+        tests/test_gemma3.py tests/test_gpu.py > "$OUT/model.log" 2>&1
+    grep -E "PASSED|FAILED|SKIPPED|^ERROR|passed|failed" "$OUT/model.log" | cut -c1-160 | tail -20
 fi
