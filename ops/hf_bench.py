@@ -271,23 +271,49 @@ def _allow_recompiles() -> None:
             setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
 
 
+class _StepClock:
+    """A `generate` streamer that only stamps the clock: `put` comes once with the prompt and
+    once per new token, after the token reached the host (`generate` copies it there, which
+    waits for the step), so the gaps after the second stamp are whole decode steps."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+    def decode_steps(self) -> list[float]:
+        """Seconds of each decode step (the first gap is the prompt's prefill)."""
+        return [b - a for a, b in zip(self.stamps[1:-1], self.stamps[2:], strict=True)]
+
+
 def hf_decode_seconds(
     model, runs: dict[str, list[list[int]]], output_len: int, static: bool
-) -> dict[str, float]:
+) -> dict:
     """Seconds of `generate` for run "t1" (1 new token: prefill only) and run "tn" (1 + output_len
     tokens), after a warm-up on the "warmup" prompts with the tn shape (for `static` that
-    warm-up compiles the decode graph, and sizes the static cache that later calls reuse)."""
+    warm-up compiles the decode graph, and sizes the static cache that later calls reuse); and
+    "steps": the tn run's output_len decode steps, each timed on its own (`_StepClock`)."""
     kw = {"cache_implementation": "static"} if static else {}
     if static:
         _allow_recompiles()
     _generate(model, runs["warmup"], 1 + output_len, **kw)
-    out = {}
+    out: dict = {}
+    clock = _StepClock()
     for name, new_tokens in (("t1", 1), ("tn", 1 + output_len)):
         sync(model.device)
         start = time.perf_counter()
-        _generate(model, runs[name], new_tokens, **kw)
+        _generate(
+            model, runs[name], new_tokens, **kw, **({"streamer": clock} if name == "tn" else {})
+        )
         sync(model.device)
         out[name] = time.perf_counter() - start
+    out["steps"] = clock.decode_steps()
+    if len(out["steps"]) != output_len:
+        raise RuntimeError(f"HF streamed {len(out['steps'])} decode steps, not {output_len}")
     return out
 
 

@@ -154,16 +154,16 @@ def _bench_rows(tmp_path, *args: str, timeout: int = 300) -> list[dict]:
 
 
 def test_decode_workload_rows_on_cpu(tmp_path):
-    """One row per batch: ours' step from the engine's TPOT (and from T1/TN for reference), HF's
-    from T1/TN, the floor and the ratios. On the CPU there is one eager run of ours and no
-    static-cache HF mode; each row says so."""
+    """One row per batch: ours' step from the engine's TPOT and HF's from its streamed steps
+    (each from T1/TN too, for reference), the floor and the ratios. On the CPU there is one eager
+    run of ours and no static-cache HF mode; each row says so."""
     rows = _bench_rows(
         tmp_path,
         *("--workload", "decode", "--model", "random:tiny", "--batches", "2,1"),
         *("--output-len", "12", "--prompt-len", "8", "--copy-gib", "0.0625"),
         *("--hf-repeats", "2"),
-    )  # (12 tokens: HF's step is a difference of two runs, and 4 steps of the tiny model came
-    # out below zero once on a loaded box, which the bench rightly refused)
+    )  # (HF's step was once (TN - T1) / 12, which came out below zero on a loaded box: the bench
+    # rightly refused it; each step is now stamped on its own)
     assert [r["batch"] for r in rows] == [1, 2]
     for row in rows:
         assert row["workload"] == "decode" and row["model"] == "tiny-shape"
@@ -176,6 +176,8 @@ def test_decode_workload_rows_on_cpu(tmp_path):
         assert row["step_source"].startswith("ours: median engine TPOT of the TN run")
         # 12 steps take at least 12 step times: TN's wall time bounds the engine's TPOT
         assert 0 < row["ours_eager_ms"] <= 1e3 * row["ours_eager_tn_s"] / 12
+        assert 0 < row["hf_ms"] <= 1e3 * row["hf_tn_s"] / 12 and "hf_diff_ms" in row
+        assert "HF: median decode step of 2 TN runs" in row["step_source"]
         assert row["hf_best"] == "hf" and row["hf_best_ms"] == row["hf_ms"]
         assert row["ours_vs_hf"] == pytest.approx(row["hf_ms"] / row["ours_step_ms"], rel=1e-3)
         assert row["floor_ms"] > 0 and row["copy_gb_s"] > 0 and row["copy_gib"] == 0.0625

@@ -4,7 +4,8 @@ without graphs; without overlap; under tensor parallelism with NCCL-only all-red
 `generate` (dynamic cache; static cache, compiled by transformers, CUDA only), against the floor:
 (weight bytes + the batch's KV bytes at mid-generation) / copy bandwidth measured on `--copy-gib`
 GiB. Ours: the engine's TPOT over a run of B prompts of `--prompt-len` ids and 1 + `--output-len`
-tokens (`_ours_decode` says why); HF: (TN - T1) / output_len, medians of `--hf-repeats`. One row
+tokens (`_ours_decode` says why); HF: the median of the TN runs' decode steps, each stamped by a
+streamer, over `--hf-repeats` runs. One row
 per batch; a row whose step beats the floor is marked `invalid` (`decode_invalid`), and
 taipan.bench.command refuses to record it. tests/perf/NOTES.md defines every figure.
 
@@ -182,12 +183,12 @@ def _decode_hf(args, model_path: str, runs: dict, output_len: int, errors: dict)
 
 
 def _hf_decode(model, runs: dict, output_len: int, static: bool, repeats: int) -> dict[int, dict]:
-    """Per batch: step = (median TN - median T1) / output_len over `repeats` timed pairs of
-    `generate` runs, 1 and 1 + output_len new tokens (taipan.ops.hf_bench `hf_decode_seconds`, each
-    pair after its own warm-up). HF gives no per-token clock from outside, so this stays a
-    difference of two wall-clock runs: a one-off cost in T1 (or in TN) moves the step by its
-    size / output_len, and the medians drop it only where it hits fewer than half of the
-    repeats; the shorter output_len, the larger what is left."""
+    """Per batch: step = the median of every decode step of `repeats` TN runs (1 + output_len new
+    tokens), each step stamped on its own by a streamer (taipan.ops.hf_bench
+    `hf_decode_seconds`): a one-off cost moves one step, which the median drops. Kept for
+    reference, as ours' `diff_ms`: (median TN - median T1) / output_len, a difference of two
+    wall-clock runs, which a one-off cost moves by its size / output_len (on a loaded 2-core box
+    it once came out below zero)."""
     from taipan.ops.hf_bench import hf_decode_seconds
 
     per_batch = {}
@@ -195,7 +196,13 @@ def _hf_decode(model, runs: dict, output_len: int, static: bool, repeats: int) -
         times = [hf_decode_seconds(model, prompts, output_len, static) for _ in range(repeats)]
         t1 = statistics.median(t["t1"] for t in times)
         tn = statistics.median(t["tn"] for t in times)
-        per_batch[b] = {"t1_s": t1, "tn_s": tn, "step_ms": 1e3 * (tn - t1) / output_len}
+        steps = statistics.median(s for t in times for s in t["steps"])
+        per_batch[b] = {
+            "t1_s": t1,
+            "tn_s": tn,
+            "step_ms": 1e3 * steps,
+            "diff_ms": 1e3 * (tn - t1) / output_len,
+        }
     return per_batch
 
 
@@ -286,10 +293,11 @@ def _decode_row(args, row: dict, b: int, ours: dict, hf: dict, hw: dict) -> dict
             r = per_batch[b]
             row.update({f"{mode}_ms": r["step_ms"], f"{mode}_t1_s": r["t1_s"]})
             row[f"{mode}_tn_s"] = r["tn_s"]
+            row[f"{mode}_diff_ms"] = r["diff_ms"]
     row["step_source"] = "ours: median engine TPOT of the TN run's requests"
     if hf:
         row["hf_repeats"] = repeats = getattr(args, "hf_repeats", 1)
-        row["step_source"] += f"; HF: (median TN - median T1) / output_len of {repeats} runs"
+        row["step_source"] += f"; HF: median decode step of {repeats} TN runs, each step stamped"
     main = next(iter(ours))
     row["ours_step_ms"] = step = row[f"ours_{main}_ms"]
     row["ours_output_tok_s"] = 1e3 * b / step if step > 0 else None
