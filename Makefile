@@ -32,10 +32,9 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
-# Two workers: the tests that start processes on one, in turn; in-process ones beside them
-# (tests/conftest.py `xdist_scope`).
+# Two workers, a test file at a time each (tests/conftest.py: one torch thread per process).
 test: model lint
-	$(PY) -m pytest -q -n 2
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-slow: model
 	$(PY) -m pytest -q -m slow
