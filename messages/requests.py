@@ -194,6 +194,9 @@ class SamplingParams:
     # actors/engine/speculation.py); logit controls, log-probs (raw or processed), top-n and
     # routed experts do.
     speculative: bool = True
+    # The output text leaves out special tokens (EOS, <|im_end|>, ...), as vLLM's default;
+    # False keeps their text. Only the client's detokenizer reads it: token ids are the same.
+    skip_special_tokens: bool = True
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, as sentences a user can act on."""
@@ -263,10 +266,13 @@ class SamplingParams:
         out: dict[int, float] = {}
         if not isinstance(self.logit_bias, dict | None):
             raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
-        for key, bias in (self.logit_bias or {}).items():
+        items = (self.logit_bias or {}).items()
+        bad = [key for key, _ in items if _token_id(key) is None]
+        if bad:  # (every bad key named at once, as vLLM does)
+            got = ", ".join(repr(k) for k in bad[:8]) + (", ..." if len(bad) > 8 else "")
+            raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {got}")
+        for key, bias in items:
             token = _token_id(key)
-            if token is None:
-                raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got {key!r}")
             if token in out:
                 raise ValueError(f"logit_bias names token {token} twice")
             number = isinstance(bias, int | float) and not isinstance(bias, bool)
@@ -276,8 +282,9 @@ class SamplingParams:
         return out
 
     def token_id_problems(self, vocab_size: int) -> list[str]:
-        """The ids of `logit_bias` and `bad_words_ids` outside the vocabulary (what only an
-        engine, which knows the model, can check), as sentences."""
+        """The ids of `logit_bias`, `stop_token_ids` and `bad_words_ids` outside the vocabulary
+        (what only who knows the model can check: the engine, the HTTP server by its
+        tokenizer), as sentences, each starting with its field's name."""
         try:
             bias = [t for t in self.logit_bias_ids() if t >= vocab_size]
         except ValueError as e:  # (problems() says it too: the coordinator refuses it first)
@@ -286,6 +293,9 @@ class SamplingParams:
         if bias:
             ids = sorted(bias)[:8]
             out.append(f"logit_bias token ids {ids} are outside the vocabulary (size {vocab_size})")
+        stops = sorted({t for t in self.stop_token_ids if t >= vocab_size})
+        if stops:
+            out.append(f"stop_token_ids {stops[:8]} are outside the vocabulary (size {vocab_size})")
         if any(max(w) >= vocab_size for w in self.bad_words_ids):
             out.append(f"bad_words_ids hold token ids outside the vocabulary (size {vocab_size})")
         return out

@@ -104,8 +104,9 @@ class StoppingDetokenizer:
         stops: Sequence[str] = (),
         include_stop: bool = False,
         min_tokens: int = 0,
+        skip_special_tokens: bool = True,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self._matcher = StopMatcher(stops, include_stop) if stops else None
         self._min_tokens = min_tokens
         self._fed = 0  # ids fed so far

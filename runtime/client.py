@@ -251,15 +251,22 @@ class AsyncClient(AsyncClientControls):
         still applies). On a match the text ends at the stop string, the engine is told to
         abort the request at once, and its terminal output (awaited: the abort may race a few
         more tokens) gives the final fields; tokens past the one that completed the stop string
-        are dropped.
+        are dropped. The token that ended the request as a stop token (EOS, one of
+        `stop_token_ids`) stays in the token ids but not in the text, unless
+        `include_stop_word` (vLLM's rule; its text shows only with skip_special_tokens=False
+        or for a stop token that is not special).
         """
         if self._actor is None:
             raise RuntimeError("the client is not connected")
         sampling = sampling.for_wire()  # (stop as a tuple, logit_bias keyed by strings)
         stops = sampling.stop
         reader = StoppingDetokenizer(
-            self.tokenizer, ids.tolist(), stops, sampling.include_stop_word, sampling.min_tokens
-        )
+            self.tokenizer, ids.tolist(), stops, sampling.include_stop_word, sampling.min_tokens,
+            sampling.skip_special_tokens,
+        )  # fmt: skip
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids.update(self.tokenizer.eos_token_ids)
         num_tokens = len(ids)  # prompt + output tokens so far
         request_id, queue = await self._submit(ids, sampling, stream or bool(stops))
         finished = False
@@ -268,7 +275,9 @@ class AsyncClient(AsyncClientControls):
                 out = await queue.get()
                 finished = out.finished
                 new = out.new_token_ids.tolist()
-                text, keep = reader.feed(new)
+                hidden = finished and _ends_on_stop_token(out, new, sampling, stop_ids)
+                text, keep = reader.feed(new[:-1] if hidden else new)
+                keep += hidden and reader.stop_reason is None  # (its id stays in the output)
                 if finished and reader.stop_reason is None:
                     text += reader.flush()
                 end = out if finished else None
@@ -390,3 +399,14 @@ class Client(ClientControls):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _ends_on_stop_token(out, new: list[int], sampling: SamplingParams, stop_ids: set) -> bool:
+    """Whether the terminal output `out` (its new ids `new`) ended on a stop token whose text
+    the output leaves out (`_stream`)."""
+    return (
+        bool(new)
+        and out.finish_reason == FinishReason.STOP
+        and not sampling.include_stop_word
+        and new[-1] in stop_ids
+    )

@@ -233,6 +233,54 @@ def test_bad_completion_requests_are_4xx_in_openai_shape(server, body, status, p
         assert err["param"] == param, err
 
 
+@pytest.mark.parametrize(
+    "extra, param, named",
+    [
+        ({"logit_bias": {"49153": 1.0}}, "logit_bias", ["49153", "49152"]),
+        ({"stop_token_ids": [49153]}, "stop_token_ids", ["49153", "49152"]),
+        ({"logit_bias": {"bad1": 50.0, "bad2": 20.0}}, "logit_bias", ["bad1", "bad2"]),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_the_clients_400(server, extra, param, named):
+    """As vLLM's own tests ask: a logit_bias or stop_token_ids id past the vocabulary (SmolLM2:
+    49,152) is a 400 naming the id and the size (it was the engine's refusal, a 500), and every
+    bad logit_bias key is named at once."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+        ("/v1/completions", {"prompt": "Hi"}),
+    ):
+        r = _post(server, path, {"model": MODEL, "max_tokens": 2, **body, **extra})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and all(n in err["message"] for n in named), err
+
+
+def test_stop_and_special_tokens_text_as_vllm(server):
+    """vLLM's rules for the text: the stop token that ended a request (a stop_token_id, EOS)
+    stays in the token count but not in the text unless include_stop_str_in_output; special
+    tokens' text shows with skip_special_tokens=false (SmolLM2's EOS is <|im_end|>)."""
+    [comma] = _post(server, "/tokenize", {"prompt": ",", "add_special_tokens": False}).json()[
+        "tokens"
+    ]
+    body = {"model": MODEL, "prompt": "1, 2, 3,", "max_tokens": 10, "temperature": 0}
+    texts = {}
+    for include in (False, True):
+        extra = {"stop_token_ids": [comma], "include_stop_str_in_output": include}
+        r = _post(server, "/v1/completions", {**body, **extra}).json()
+        c = r["choices"][0]
+        assert (c["finish_reason"], c["stop_reason"]) == ("stop", comma), c
+        texts[include] = (c["text"], r["usage"]["completion_tokens"])
+    assert texts[True] == (texts[False][0] + ",", texts[False][1]), texts
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 64}
+    for skip, include in ((True, True), (False, False), (False, True)):
+        extra = {"temperature": 0, "skip_special_tokens": skip}
+        extra["include_stop_str_in_output"] = include
+        c = _post(server, "/v1/chat/completions", {**chat, **extra}).json()["choices"][0]
+        assert c["finish_reason"] == "stop", c
+        shown = c["message"]["content"].endswith("<|im_end|>")
+        assert shown == (not skip and include), (skip, include, c)
+
+
 def test_bad_chat_requests_malformed_json_and_auth(server, oai):
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": []})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

@@ -165,6 +165,13 @@ def test_token_ids_outside_the_vocabulary_are_named():
     assert "logit_bias token ids [300]" in problems[0] and "(size 259)" in problems[0]
     assert "bad_words_ids" in problems[1]
     assert SamplingParams(logit_bias={258: 1.0}).token_id_problems(259) == []
+    [stops] = SamplingParams(stop_token_ids=(3, 260, 259)).token_id_problems(259)
+    assert stops == "stop_token_ids [259, 260] are outside the vocabulary (size 259)"
+
+
+def test_every_bad_logit_bias_key_is_named():
+    with pytest.raises(ValueError, match="got 'bad1', 'bad2'"):
+        SamplingParams(logit_bias={"bad1": 1.0, "3": 1.0, "bad2": 2.0}).logit_bias_ids()
 
 
 def test_wire_form_keys_logit_bias_by_strings_and_round_trips():

@@ -101,10 +101,20 @@ class OpenAIServer:
     def sampling_params(
         self, body: BaseBody, max_tokens: int, top_n: int, prompt_top: int = -1
     ) -> SamplingParams:
-        """schemas.sampling_params with the body's `bad_words` tokenized as vLLM does."""
-        encode = functools.partial(self.client.tokenizer.encode, add_special_tokens=False)
+        """schemas.sampling_params with the body's `bad_words` tokenized as vLLM does, and a
+        400 naming the field whose token ids lie outside the tokenizer's vocabulary (the engine
+        would refuse the request: a failed request, a 500, rather than the client's error)."""
+        tok = self.client.tokenizer
+        encode = functools.partial(tok.encode, add_special_tokens=False)
         bad = bad_words_ids(body.bad_words, encode)
-        return sampling_params(body, max_tokens, top_n, prompt_top, bad)
+        params = sampling_params(body, max_tokens, top_n, prompt_top, bad)
+        problems = params.token_id_problems(tok.vocab_size)
+        if problems:
+            field = problems[0].split(" ", 1)[0]
+            raise APIError(
+                400, "; ".join(problems), "bad_words" if field == "bad_words_ids" else field
+            )
+        return params
 
     def _encode_prompts(self, prompt) -> list[tuple[str, list[int]]]:
         """(the prompt's text as echoed, its ids) per prompt; a token-id prompt's text is its

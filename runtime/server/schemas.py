@@ -67,7 +67,6 @@ NO_OP: dict[str, Any] = {
     "length_penalty": 1,
     "suffix": "",
     "modalities": ["text"],
-    "skip_special_tokens": True,
     "functions": [],
     "function_call": "none",
     "return_tokens_as_token_ids": False,
@@ -152,6 +151,7 @@ class BaseBody(Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
+    skip_special_tokens: bool = True  # vLLM's extension: False keeps their text in the output
     # taipan's extension (SamplingParams.logprobs_mode): the returned log-probs of generated
     # tokens are of the model's distribution ("raw") or the one sampled from ("processed";
     # a token it drops has log-prob -inf, sent as -9999.0: `json_log_prob`).
@@ -329,6 +329,7 @@ def sampling_params(
         stop=tuple(stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
         include_stop_word=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens,
         return_log_probs=top_n >= 0 or prompt_top >= 0,
         skip_prompt_log_probs=prompt_top < 0,
         top_n_logprobs=max(top_n, prompt_top, 0),
