@@ -2,7 +2,8 @@
 real default model: `prompt_logprobs` with `stream=true` (vLLM refuses it; taipan sends the
 unstreamed value, in vLLM's shape, on the choice's last chunk: beside `choices` in chat) and
 `bad_words` as strings (tokenized as vLLM does, onto SamplingParams.bad_words_ids), each bad
-value a 400 naming its key."""
+value a 400 naming its key; `return_token_ids`, chat's `echo` and `truncate_prompt_tokens` in
+the shapes vLLM's own tests ask for."""
 
 from __future__ import annotations
 
@@ -105,3 +106,59 @@ def test_bad_bad_words_are_a_400_naming_the_key(base, path, value):
     r = _post(base, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == "bad_words", r.text
+
+
+def test_return_token_ids_in_vllms_shape(base):
+    """`return_token_ids`: completions give each choice its `prompt_token_ids` and `token_ids`
+    (streamed: the prompt's on the choice's first chunk, the tokens on every chunk); chat
+    gives `prompt_token_ids` beside the choices (streamed: on the first chunk only) and each
+    choice its `token_ids`. Without it, none of them."""
+    body = {"prompt": "The sky is", "max_tokens": 4, "temperature": 0}
+    plain = _post(base, "/v1/completions", body).json()["choices"][0]
+    [c] = _post(base, "/v1/completions", {**body, "return_token_ids": True}).json()["choices"]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    tok = _post(base, "/tokenize", {"prompt": "The sky is"}).json()["tokens"]
+    assert c["prompt_token_ids"] == tok and len(c["token_ids"]) == 4
+    body = {**body, "return_token_ids": True, "echo": True, "logprobs": 1}
+    chunks = [x["choices"][0] for x in _chunks(base, "/v1/completions", body)]
+    assert chunks[0]["prompt_token_ids"] == tok
+    assert all("prompt_token_ids" not in x for x in chunks[1:])
+    assert sum((x["token_ids"] for x in chunks), []) == c["token_ids"]
+    chat = {"messages": ONE, "max_tokens": 4, "temperature": 0, "return_token_ids": True}
+    whole = _post(base, "/v1/chat/completions", chat).json()
+    ids = whole["prompt_token_ids"]
+    assert ids == _post(base, "/tokenize", {"messages": ONE}).json()["tokens"]
+    chunks = _chunks(base, "/v1/chat/completions", chat)
+    assert chunks[0]["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in x for x in chunks[1:])
+    streamed = [t for x in chunks if x["choices"] for t in x["choices"][0].get("token_ids", [])]
+    assert streamed == whole["choices"][0]["token_ids"] and len(streamed) == 4
+
+
+def test_chat_echo_and_truncated_prompts(base):
+    """vLLM's chat `echo` starts the reply with the last (assistant) message, streamed or not;
+    `truncate_prompt_tokens` keeps the prompt's last k tokens (-1: up to the context)."""
+    saying = "An apple a day, keeps"
+    msgs = [{"role": "user", "content": "Tell me a saying."},
+            {"role": "assistant", "content": saying}]  # fmt: skip
+    chat = {"messages": msgs, "max_tokens": 5, "temperature": 0,
+            "continue_final_message": True}  # fmt: skip
+    plain = _post(base, "/v1/chat/completions", chat).json()["choices"][0]["message"]["content"]
+    echo = _post(base, "/v1/chat/completions", {**chat, "echo": True}).json()
+    assert echo["choices"][0]["message"]["content"] == saying + plain and saying not in plain
+    streamed = "".join(
+        x["choices"][0]["delta"].get("content") or ""
+        for x in _chunks(base, "/v1/chat/completions", {**chat, "echo": True})
+        if x["choices"]
+    )
+    assert streamed == saying + plain
+    body = {"prompt": "one two three four five six", "max_tokens": 2, "temperature": 0}
+    full = _post(base, "/v1/completions", body).json()
+    cut = _post(base, "/v1/completions", {**body, "truncate_prompt_tokens": 3, "echo": True})
+    ids = _post(base, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
+    assert cut.json()["usage"]["prompt_tokens"] == 3
+    assert cut.json()["choices"][0]["text"].startswith(" four five six")
+    whole = _post(base, "/v1/completions", {**body, "truncate_prompt_tokens": -1}).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids) == full["usage"]["prompt_tokens"]
+    r = _post(base, "/v1/completions", {**body, "truncate_prompt_tokens": -2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"

@@ -145,6 +145,7 @@ class ChatServer(OpenAIServer):
             add_special_tokens=body.add_special_tokens,
             chat_template_kwargs=body.chat_template_kwargs,
         )
+        ids = self.truncated(body, ids)
         limit = self.client.info.max_sequence_length
         max_tokens = body.max_completion_tokens or body.max_tokens or max(1, limit - len(ids))
         self.check_fits(len(ids), max_tokens, "messages")
@@ -162,6 +163,8 @@ class ChatServer(OpenAIServer):
             failed(c)
             completion_tokens += len(c.token_ids)
             message, finish = self._message(body, c.text), openai_finish(c.finish_reason)
+            if echoed(body):
+                message["content"] = echoed(body) + (message["content"] or "")
             if message.get("tool_calls"):
                 finish = "tool_calls"
             logprobs = None
@@ -178,6 +181,7 @@ class ChatServer(OpenAIServer):
                     "finish_reason": finish,
                     "stop_reason": c.stop_reason,
                     "weight_versions": c.weight_versions,  # taipan's extension
+                    **({"token_ids": c.token_ids} if body.return_token_ids else {}),  # vLLM's
                 }
             )
         out = {
@@ -189,6 +193,8 @@ class ChatServer(OpenAIServer):
             "usage": openai_usage(len(ids), completion_tokens),
             "prompt_logprobs": None,  # vLLM's, when asked
         }
+        if body.return_token_ids:
+            out["prompt_token_ids"] = ids
         if body.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             out["prompt_logprobs"] = prompt_logprobs(
                 self.texts, ids, c.prompt_log_probs, c.prompt_top_n_logprobs,
@@ -225,7 +231,7 @@ class ChatServer(OpenAIServer):
                     chunk["usage"] = openai_usage(len(ids), count)
                 await put(j, chunk)
 
-            await send({"index": j, "delta": {"role": "assistant", "content": ""},
+            await send({"index": j, "delta": {"role": "assistant", "content": echoed(body)},
                         "logprobs": None, "finish_reason": None})  # fmt: skip
             tools = ToolStream(style) if self._parses_tools(body) else None
             sent = 0  # tool calls sent
@@ -247,6 +253,8 @@ class ChatServer(OpenAIServer):
                         body.top_logprobs or 0,
                     )  # fmt: skip
                     chunk["logprobs"] = {"content": content}
+                if body.return_token_ids:
+                    chunk["token_ids"] = d.token_ids
                 if d.finished:
                     timer.finish(d, len(ids), count)
                     failed(d)
@@ -258,7 +266,7 @@ class ChatServer(OpenAIServer):
                             self.texts, ids, d.prompt_log_probs, d.prompt_top_n_logprobs,
                             body.prompt_logprobs,
                         )  # fmt: skip
-                if chunk["delta"] or d.finished or chunk["logprobs"]:
+                if chunk["delta"] or d.finished or chunk["logprobs"] or chunk.get("token_ids"):
                     chunk["weight_versions"], versions = versions, []
                     await send(chunk)
             return count
@@ -275,18 +283,33 @@ class ChatServer(OpenAIServer):
         async def events() -> AsyncIterator[str]:
             counts = None
             args = [(j,) for j in range(body.n)]
+            first = body.return_token_ids  # (the stream's first chunk: the prompt's ids, vLLM's)
             async with contextlib.aclosing(merge(args, one)) as items:
                 async for item in items:
                     if isinstance(item, Done):
                         counts = item.results
                         break
                     usage, prompt = item.pop("usage", None), item.pop("prompt_logprobs", None)
-                    yield sse(envelope([item], usage, prompt))
+                    chunk = envelope([item], usage, prompt)
+                    if first:
+                        chunk["prompt_token_ids"], first = ids, False
+                    yield sse(chunk)
             if include_usage and counts is not None:
                 yield sse(envelope([], openai_usage(len(ids), sum(counts))))
             yield "data: [DONE]\n\n"
 
         return events()
+
+
+def echoed(body: ChatBody) -> str:
+    """What vLLM's chat `echo` puts before the reply: the last message's text when that
+    message is the assistant's, else ""."""
+    last = body.messages[-1]
+    if not body.echo or last.role != "assistant" or not last.content:
+        return ""
+    if isinstance(last.content, str):
+        return last.content
+    return "".join(p.get("text", "") for p in last.content if p.get("type") == "text")
 
 
 def generation_prompt(body) -> bool:

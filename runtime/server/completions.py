@@ -98,6 +98,15 @@ class OpenAIServer:
         if prompt_len == 0:
             raise APIError(400, "the prompt is empty", param)
 
+    def truncated(self, body: BaseBody, ids: list[int]) -> list[int]:
+        """The prompt's ids cut to their last `truncate_prompt_tokens` (vLLM's; -1: to the
+        context length)."""
+        k = body.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = self.client.info.max_sequence_length if k == -1 else k
+        return ids[len(ids) - k :] if k else []
+
     def sampling_params(
         self, body: BaseBody, max_tokens: int, top_n: int, prompt_top: int = -1
     ) -> SamplingParams:
@@ -187,6 +196,11 @@ class OpenAIServer:
         prompt_top = max(top_n if body.echo else -1, _or(body.prompt_logprobs, -1))
         params = self.sampling_params(body, max(max_tokens, 1), top_n, prompt_top)
         prompts = self._encode_prompts(body.prompt)
+        if body.truncate_prompt_tokens is not None:  # (the echoed text: of the ids kept)
+            decode = functools.partial(self.client.tokenizer.decode, skip_special_tokens=False)
+            prompts = [
+                (decode(kept), kept) for kept in (self.truncated(body, p) for _, p in prompts)
+            ]
         for _, ids in prompts:
             self.check_fits(len(ids), max(max_tokens, 1), "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
@@ -215,6 +229,8 @@ class OpenAIServer:
                 "weight_versions": c.weight_versions if n else [],  # taipan's
                 "prompt_logprobs": None,  # vLLM's, when asked
             }
+            if body.return_token_ids:  # vLLM's
+                choice.update(prompt_token_ids=ids, token_ids=c.token_ids[:n])
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs(
                     self.texts, ids, c.prompt_log_probs, c.prompt_top_n_logprobs,
@@ -263,9 +279,14 @@ class OpenAIServer:
             hold = body.echo and body.logprobs is not None
             held: list[dict] = []
 
+            first = body.return_token_ids  # (the choice's first chunk: its prompt's ids)
+
             async def send(chunk: dict) -> None:
+                nonlocal first
                 if continuous:
                     chunk["usage"] = openai_usage(len(ids), count)
+                if first and not hold:
+                    chunk["prompt_token_ids"], first = ids, False
                 if hold:
                     held.append(chunk)
                 else:
@@ -287,6 +308,8 @@ class OpenAIServer:
                          "finish_reason": None}  # fmt: skip
                 if body.logprobs is not None and n:
                     chunk["logprobs"] = self._generated_logprobs(d, n, offsets, body.logprobs)
+                if body.return_token_ids:
+                    chunk["token_ids"] = d.token_ids[:n]
                 if d.finished:
                     timer.finish(d, len(ids), count)
                     failed(d)
@@ -298,12 +321,14 @@ class OpenAIServer:
                             self.texts, ids, d.prompt_log_probs, d.prompt_top_n_logprobs,
                             body.prompt_logprobs,
                         )  # fmt: skip
-                if chunk["text"] or d.finished or chunk["logprobs"]:
+                if chunk["text"] or d.finished or chunk["logprobs"] or chunk.get("token_ids"):
                     chunk["weight_versions"], versions = versions, []
                     await send(chunk)
                 if d.finished and hold:
                     echo = {"index": k, "text": prompt_text, "finish_reason": None,
                             "logprobs": self._prompt_logprobs(body, ids, d)}  # fmt: skip
+                    if body.return_token_ids:
+                        echo.update(prompt_token_ids=ids, token_ids=[])
                     if continuous:
                         echo["usage"] = openai_usage(len(ids), 0)
                     for c in [echo, *held]:

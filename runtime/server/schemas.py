@@ -152,6 +152,10 @@ class BaseBody(Lenient):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
     skip_special_tokens: bool = True  # vLLM's extension: False keeps their text in the output
+    # vLLM's extensions: the prompt's and each choice's token ids in the answer; the prompt
+    # cut to its last k tokens (-1: to the model's context length).
+    return_token_ids: bool = False
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
     # taipan's extension (SamplingParams.logprobs_mode): the returned log-probs of generated
     # tokens are of the model's distribution ("raw") or the one sampled from ("processed";
     # a token it drops has log-prob -inf, sent as -9999.0: `json_log_prob`).
@@ -233,6 +237,9 @@ class ChatBody(BaseBody):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's extension: the reply starts with the last message's content when that message is
+    # the assistant's (with continue_final_message: the whole message, continued).
+    echo: bool = False
 
 
 class TokenizeBody(Lenient):
