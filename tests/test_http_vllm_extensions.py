@@ -14,7 +14,10 @@ import httpx
 import openai
 import pytest
 
+from taipan.actors.config import InferenceConfig
+from taipan.launcher import Runtime
 from taipan.server.schemas import bad_words_ids
+from tests.conftest import TEST_CONFIG
 from tests.test_http_openai_parity import MODEL, _post, _served
 
 ONE = [{"role": "user", "content": "Name a colour."}]
@@ -157,8 +160,33 @@ def test_chat_echo_and_truncated_prompts(base):
     cut = _post(base, "/v1/completions", {**body, "truncate_prompt_tokens": 3, "echo": True})
     ids = _post(base, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
     assert cut.json()["usage"]["prompt_tokens"] == 3
+    assert cut.json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert cut.json()["choices"][0]["text"].startswith(" four five six")
     whole = _post(base, "/v1/completions", {**body, "truncate_prompt_tokens": -1}).json()
     assert whole["usage"]["prompt_tokens"] == len(ids) == full["usage"]["prompt_tokens"]
+    right = {**body, "prompt": list(range(100, 108)), "truncate_prompt_tokens": 4}
+    for side, want in (("right", [100, 101, 102, 103]), ("left", [104, 105, 106, 107])):
+        r = _post(
+            base, "/v1/completions", {**right, "truncation_side": side, "return_token_ids": True}
+        )
+        assert r.json()["choices"][0]["prompt_token_ids"] == want, side
     r = _post(base, "/v1/completions", {**body, "truncate_prompt_tokens": -2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_cached_prompt_tokens_in_usage(model_path):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's field): the prompt tokens whose KV
+    came from the prefix cache, once per prompt, streamed (the last chunk's usage) or not."""
+    config = InferenceConfig(**TEST_CONFIG, enable_prefix_caching=True)
+    with Runtime(model_path, config) as rt, _served(rt) as url:
+        body = {"prompt": "word " * 100, "max_tokens": 1, "n": 2}
+        ids = _post(url, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
+        first = _post(url, "/v1/completions", body).json()["usage"]
+        again = _post(url, "/v1/completions", body).json()["usage"]
+        assert first["prompt_tokens_details"] == {"cached_tokens": 0}
+        whole_blocks = (len(ids) - 1) // 16 * 16  # (block_size 16; one token left to compute)
+        assert again["prompt_tokens_details"] == {"cached_tokens": whole_blocks} != first
+        chat = {"messages": ONE, "max_tokens": 1, "stream_options": {"include_usage": True}}
+        usages = [_chunks(url, "/v1/chat/completions", chat)[-1]["usage"] for _ in range(2)]
+        assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0

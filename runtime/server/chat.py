@@ -161,6 +161,8 @@ class ChatServer(OpenAIServer):
         choices, completion_tokens = [], 0
         for j, c in enumerate(await self.generate_all(request, jobs)):
             failed(c)
+            if j == 0:
+                cached = c.num_cached_tokens
             completion_tokens += len(c.token_ids)
             message, finish = self._message(body, c.text), openai_finish(c.finish_reason)
             if echoed(body):
@@ -190,7 +192,7 @@ class ChatServer(OpenAIServer):
             "created": int(time.time()),
             "model": self.model,
             "choices": choices,
-            "usage": openai_usage(len(ids), completion_tokens),
+            "usage": openai_usage(len(ids), completion_tokens, cached),
             "prompt_logprobs": None,  # vLLM's, when asked
         }
         if body.return_token_ids:
@@ -222,6 +224,7 @@ class ChatServer(OpenAIServer):
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and options.continuous_usage_stats
         style = tool_style(self.client.tokenizer.chat_template)
+        cached: list[int] = []  # the prompt's cached tokens (from the first choice)
 
         async def one(j: int, put) -> int:
             count = 0
@@ -258,6 +261,8 @@ class ChatServer(OpenAIServer):
                 if d.finished:
                     timer.finish(d, len(ids), count)
                     failed(d)
+                    if j == 0:
+                        cached.append(d.num_cached_tokens)
                     finish = openai_finish(d.finish_reason)
                     chunk["finish_reason"] = "tool_calls" if sent else finish
                     chunk["stop_reason"] = d.stop_reason
@@ -295,7 +300,8 @@ class ChatServer(OpenAIServer):
                         chunk["prompt_token_ids"], first = ids, False
                     yield sse(chunk)
             if include_usage and counts is not None:
-                yield sse(envelope([], openai_usage(len(ids), sum(counts))))
+                usage = openai_usage(len(ids), sum(counts), sum(cached))
+                yield sse(envelope([], usage))
             yield "data: [DONE]\n\n"
 
         return events()

@@ -99,13 +99,15 @@ class OpenAIServer:
             raise APIError(400, "the prompt is empty", param)
 
     def truncated(self, body: BaseBody, ids: list[int]) -> list[int]:
-        """The prompt's ids cut to their last `truncate_prompt_tokens` (vLLM's; -1: to the
-        context length)."""
+        """The prompt's ids cut to `truncate_prompt_tokens` (vLLM's; -1: to the context
+        length): the last ones, or the first with `truncation_side` "right"."""
         k = body.truncate_prompt_tokens
         if k is None:
             return ids
         k = self.client.info.max_sequence_length if k == -1 else k
-        return ids[len(ids) - k :] if k else []
+        if body.truncation_side == "right":
+            return ids[:k]
+        return ids[max(0, len(ids) - k) :]
 
     def sampling_params(
         self, body: BaseBody, max_tokens: int, top_n: int, prompt_top: int = -1
@@ -238,13 +240,15 @@ class OpenAIServer:
                 )  # fmt: skip
             choices.append(choice)
         prompt_tokens = sum(len(ids) for _, ids in prompts)
+        pairs = zip(jobs, results, strict=True)
+        cached = sum(c.num_cached_tokens for (_, j, _), c in pairs if j == 0)
         return {
             "id": rid,
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.model,
             "choices": choices,
-            "usage": openai_usage(prompt_tokens, completion_tokens),
+            "usage": openai_usage(prompt_tokens, completion_tokens, cached),
         }
 
     def _prompt_logprobs(self, body: CompletionBody, ids: list[int], c) -> dict:
@@ -272,6 +276,7 @@ class OpenAIServer:
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and options.continuous_usage_stats
+        cached: dict[int, int] = {}  # choice -> its prompt's cached tokens (first choices)
 
         async def one(k: int, i: int, j: int, ids: list[int], put) -> int:
             prompt_text = prompts[i][0]
@@ -313,6 +318,8 @@ class OpenAIServer:
                 if d.finished:
                     timer.finish(d, len(ids), count)
                     failed(d)
+                    if j == 0:  # (once per prompt)
+                        cached[k] = d.num_cached_tokens
                     finish = openai_finish(d.finish_reason)
                     chunk["finish_reason"] = finish if max_tokens else "length"
                     chunk["stop_reason"] = d.stop_reason
@@ -354,7 +361,8 @@ class OpenAIServer:
                     yield sse(envelope([item], usage))
             if include_usage and counts is not None:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
-                yield sse(envelope([], openai_usage(prompt_tokens, sum(counts))))
+                usage = openai_usage(prompt_tokens, sum(counts), sum(cached.values()))
+                yield sse(envelope([], usage))
             yield "data: [DONE]\n\n"
 
         return events()

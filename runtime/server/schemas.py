@@ -153,9 +153,10 @@ class BaseBody(Lenient):
     ignore_eos: bool = False  # vLLM's extension
     skip_special_tokens: bool = True  # vLLM's extension: False keeps their text in the output
     # vLLM's extensions: the prompt's and each choice's token ids in the answer; the prompt
-    # cut to its last k tokens (-1: to the model's context length).
+    # cut to k tokens (-1: to the model's context length), its last ones or its first.
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] = "left"
     # taipan's extension (SamplingParams.logprobs_mode): the returned log-probs of generated
     # tokens are of the model's distribution ("raw") or the one sampled from ("processed";
     # a token it drops has log-prob -inf, sent as -9999.0: `json_log_prob`).
@@ -473,12 +474,17 @@ def openai_finish(reason: FinishReason | None) -> str | None:
     return {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}.get(reason, str(reason))
 
 
-def openai_usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def openai_usage(prompt_tokens: int, completion_tokens: int, cached: int | None = None) -> dict:
+    """OpenAI's usage object; with `cached`, its `prompt_tokens_details.cached_tokens` (the
+    prompt tokens whose KV came from the prefix cache, once per prompt)."""
+    out: dict = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if cached is not None:
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 MIN_JSON_LOG_PROB = -9999.0  # vLLM's OpenAI server's floor for a log-prob
