@@ -72,3 +72,8 @@ def add_http_arguments(p) -> None:
         help="how long a request waits for room before a 503 with Retry-After (0: refuse at "
         "once; default 10)",
     )
+    p.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage carries prompt_tokens_details.cached_tokens (as vLLM's flag)",
+    )

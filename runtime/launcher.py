@@ -53,7 +53,13 @@ BUSY_RETRY_S = 0.2  # shutdown waits this long before retrying a control refused
 
 
 def http_options(
-    port: int | None, host: str, api_key, served_model_name, max_queued, queue_timeout
+    port: int | None,
+    host: str,
+    api_key,
+    served_model_name,
+    max_queued,
+    queue_timeout,
+    prompt_tokens_details: bool = False,
 ) -> dict | None:
     """The OpenAI-compatible HTTP server's options (runtime/server/), checked; None without a
     port. A None limit means the server's default (runtime/server/admission.py)."""
@@ -74,6 +80,7 @@ def http_options(
         "served_model_name": served_model_name,
         "max_queued": max_queued,
         "queue_timeout": queue_timeout,
+        "prompt_tokens_details": prompt_tokens_details,
     }
 
 
@@ -97,6 +104,7 @@ class Runtime:
         served_model_name: str | None = None,
         max_queued: int | None = None,
         queue_timeout: float | None = None,
+        enable_prompt_tokens_details: bool = False,
         direct: bool = False,
         role: str = "all",
         engine_address: str | None = None,
@@ -137,8 +145,9 @@ class Runtime:
         self.log_level = log_level
         served_model_name = served_model_name or self.model_name
         self.http = http_options(
-            http_port, http_host, api_key, served_model_name, max_queued, queue_timeout
-        )
+            http_port, http_host, api_key, served_model_name, max_queued, queue_timeout,
+            enable_prompt_tokens_details,
+        )  # fmt: skip
         self.tmp = tempfile.mkdtemp(prefix="taipan-")
         self.address = address or f"ipc://{self.tmp}/frontend.sock"
         # Where engines connect: the coordinator binds it (roles all, coordinator); an engine
@@ -421,6 +430,7 @@ def runtime_from_args(args, address: str | None = None) -> Runtime:
         served_model_name=getattr(args, "served_model_name", None),
         max_queued=getattr(args, "max_queued", None),
         queue_timeout=getattr(args, "queue_timeout", None),
+        enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
         role=getattr(args, "role", "all"),
         engine_address=getattr(args, "engine_address", None) or getattr(args, "coordinator", None),
         data_parallel_rank=getattr(args, "data_parallel_rank", None),

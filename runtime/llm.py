@@ -267,7 +267,7 @@ class AsyncLLM(_Base):
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
         """The OpenAI-compatible server on host:port in this event loop, until cancelled
         (runtime/server/app.py `serve`: served_model_name, api_key, max_queued, queue_timeout,
-        log_level)."""
+        prompt_tokens_details, log_level)."""
         from taipan.server import serve
 
         await serve(self._connected(), host, port, **kw)

@@ -38,7 +38,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
-    """`taipan serve --http-port P --api-key KEY` with a known frontend address; yields
+    """`taipan serve --http-port P --api-key KEY ...` with a known frontend address; yields
     (base_url, frontend address, process)."""
     port = _free_port()
     address = f"ipc://{tmp_path_factory.mktemp('http')}/frontend.sock"
@@ -46,7 +46,7 @@ def server(model_path, tmp_path_factory):
         sys.executable, "-m", "taipan.cli", "serve", "--model", model_path,
         "--address", address, "--http-port", str(port), "--api-key", KEY,
         "--served-model-name", MODEL, "--max-queued", "64", "--queue-timeout", "5",
-        "--set", "max_requests=8",
+        "--enable-prompt-tokens-details", "--set", "max_requests=8",
         "--set", "max_sequence_length=256",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -140,6 +140,9 @@ def test_completions_stream_n2_and_usage(oai):
     assert texts == {0: whole.choices[0].text, 1: whole.choices[0].text}
     assert reasons == {0: "length", 1: "length"}
     assert usage.completion_tokens == 20 and usage.prompt_tokens == whole.usage.prompt_tokens
+    # (--enable-prompt-tokens-details; no prefix caching here)
+    assert whole.usage.prompt_tokens_details.cached_tokens == 0
+    assert usage.prompt_tokens_details.cached_tokens == 0
 
 
 def test_sampled_choices_are_seeded(oai):

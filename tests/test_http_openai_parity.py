@@ -34,9 +34,10 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def _served(runtime, wrap=None):
+def _served(runtime, wrap=None, **options):
     """The app over a client of the session's runtime (`wrap`ped, to fake replies), served
-    by uvicorn on a free port in a thread of its own; yields the base URL."""
+    by uvicorn on a free port in a thread of its own (`serve`'s `options`); yields the base
+    URL."""
     port, started, held = _free_port(), threading.Event(), {}
 
     def run() -> None:
@@ -45,7 +46,14 @@ def _served(runtime, wrap=None):
                 up = asyncio.Event()
                 app_client = wrap(client) if wrap else client
                 held["task"] = asyncio.ensure_future(
-                    serve(app_client, "127.0.0.1", port, served_model_name=MODEL, started=up)
+                    serve(
+                        app_client,
+                        "127.0.0.1",
+                        port,
+                        served_model_name=MODEL,
+                        started=up,
+                        **options,
+                    )  # fmt: skip
                 )
                 held["loop"] = asyncio.get_running_loop()
                 await up.wait()

@@ -60,12 +60,16 @@ def build_app(
     api_key: str | None = None,
     max_queued: int = DEFAULT_MAX_QUEUED,
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S,
+    prompt_tokens_details: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible app over a connected client; at most `max_queued` choices in
-    flight, a request waiting up to `queue_timeout` seconds for room (see .admission)."""
+    flight, a request waiting up to `queue_timeout` seconds for room (see .admission);
+    `prompt_tokens_details`: usage objects carry the cached prompt tokens (vLLM's
+    --enable-prompt-tokens-details)."""
     admission = Admission(max_queued, queue_timeout)
     metrics = Metrics(admission)
     server = ResponsesServer(client, served_model_name or client.model, metrics, admission)
+    server.prompt_tokens_details = prompt_tokens_details
     app = FastAPI(title="taipan", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 
@@ -109,6 +113,7 @@ async def serve(
     api_key: str | None = None,
     max_queued: int = DEFAULT_MAX_QUEUED,
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S,
+    prompt_tokens_details: bool = False,
     log_level: str = "warning",
     started: asyncio.Event | None = None,
 ) -> None:
@@ -121,6 +126,7 @@ async def serve(
         api_key=api_key,
         max_queued=max_queued,
         queue_timeout=queue_timeout,
+        prompt_tokens_details=prompt_tokens_details,
     )
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
     server = uvicorn.Server(config)
@@ -156,6 +162,7 @@ async def http_main(spec: dict) -> None:
             http["port"],
             served_model_name=http.get("served_model_name"),
             api_key=http.get("api_key"),
+            prompt_tokens_details=bool(http.get("prompt_tokens_details")),
             log_level=http.get("log_level") or "warning",
             **queue,
         )

@@ -192,7 +192,7 @@ class ChatServer(OpenAIServer):
             "created": int(time.time()),
             "model": self.model,
             "choices": choices,
-            "usage": openai_usage(len(ids), completion_tokens, cached),
+            "usage": self.usage(len(ids), completion_tokens, cached),
             "prompt_logprobs": None,  # vLLM's, when asked
         }
         if body.return_token_ids:
@@ -300,7 +300,7 @@ class ChatServer(OpenAIServer):
                         chunk["prompt_token_ids"], first = ids, False
                     yield sse(chunk)
             if include_usage and counts is not None:
-                usage = openai_usage(len(ids), sum(counts), sum(cached))
+                usage = self.usage(len(ids), sum(counts), sum(cached))
                 yield sse(envelope([], usage))
             yield "data: [DONE]\n\n"
 

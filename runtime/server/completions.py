@@ -75,6 +75,14 @@ class OpenAIServer:
         self.admission = admission
         self.created = int(time.time())
         self.texts = TokenTexts(client.tokenizer)
+        # usage's prompt_tokens_details.cached_tokens, vLLM's --enable-prompt-tokens-details
+        # (off: vLLM's own tests compare usage objects without it)
+        self.prompt_tokens_details = False
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+        """The answer's usage object (`openai_usage`), with the cached tokens when asked."""
+        details = cached if self.prompt_tokens_details else None
+        return openai_usage(prompt_tokens, completion_tokens, details)
 
     # --- shared -----------------------------------------------------------------------------
 
@@ -248,7 +256,7 @@ class OpenAIServer:
             "created": int(time.time()),
             "model": self.model,
             "choices": choices,
-            "usage": openai_usage(prompt_tokens, completion_tokens, cached),
+            "usage": self.usage(prompt_tokens, completion_tokens, cached),
         }
 
     def _prompt_logprobs(self, body: CompletionBody, ids: list[int], c) -> dict:
@@ -361,7 +369,7 @@ class OpenAIServer:
                     yield sse(envelope([item], usage))
             if include_usage and counts is not None:
                 prompt_tokens = sum(len(ids) for _, ids in prompts)
-                usage = openai_usage(prompt_tokens, sum(counts), sum(cached.values()))
+                usage = self.usage(prompt_tokens, sum(counts), sum(cached.values()))
                 yield sse(envelope([], usage))
             yield "data: [DONE]\n\n"
 
