@@ -453,8 +453,14 @@ def _vllm_structured(so: dict) -> StructuredOutput:
     if keys[0] == "json_object":
         return StructuredOutput("json_object", "")
     if keys[0] == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise APIError(400, "structured_outputs.choice must be a list of strings",
+                           "structured_outputs")  # fmt: skip
         return StructuredOutput("choice", json.dumps(value))
-    return StructuredOutput(keys[0], str(value))
+    if not isinstance(value, str):  # (a regex or a grammar is text)
+        raise APIError(400, f"structured_outputs.{keys[0]} must be a string, got "
+                       f"{type(value).__name__}", "structured_outputs")  # fmt: skip
+    return StructuredOutput(keys[0], value)
 
 
 def choice_params(params: SamplingParams, j: int) -> SamplingParams:
