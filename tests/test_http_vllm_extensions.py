@@ -192,3 +192,35 @@ def test_cached_prompt_tokens_in_usage(model_path):
         usages = [_chunks(url, "/v1/chat/completions", chat)[-1]["usage"] for _ in range(2)]
         assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
         assert usages[1]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_tokens_as_token_ids(base):
+    """vLLM's `return_tokens_as_token_ids`: every token of the log-probs shown as
+    "token_id:N" (a chat entry's bytes those of that string); the completion's text offsets
+    are those of the tokens' own text."""
+    body = {"prompt": "The sky is", "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "return_token_ids": True}  # fmt: skip
+    plain = _post(base, "/v1/completions", body).json()["choices"][0]
+    ids = _post(base, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    got = ids.json()["choices"][0]
+    shown = [f"token_id:{t}" for t in got["token_ids"]]
+    assert got["logprobs"]["tokens"] == shown and got["text"] == plain["text"]
+    assert got["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert all(k.startswith("token_id:") for top in got["logprobs"]["top_logprobs"] for k in top)
+    streamed = _chunks(base, "/v1/completions", {**body, "return_tokens_as_token_ids": True})
+    assert [t for x in streamed for t in x["choices"][0]["logprobs"]["tokens"]] == shown
+    chat = {
+        "messages": ONE,
+        "max_tokens": 3,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "return_tokens_as_token_ids": True,
+        "return_token_ids": True,
+    }
+    c = _post(base, "/v1/chat/completions", chat).json()["choices"][0]
+    for entry, t in zip(c["logprobs"]["content"], c["token_ids"], strict=True):
+        assert (
+            entry["token"] == f"token_id:{t}" and bytes(entry["bytes"]) == entry["token"].encode()
+        )
+        assert all(x["token"].startswith("token_id:") for x in entry["top_logprobs"])

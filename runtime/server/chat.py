@@ -172,7 +172,11 @@ class ChatServer(OpenAIServer):
             logprobs = None
             if body.logprobs:
                 content = chat_logprobs(
-                    self.texts, c.token_ids, c.log_probs, c.top_n_logprobs, body.top_logprobs or 0
+                    self.texts_for(body),
+                    c.token_ids,
+                    c.log_probs,
+                    c.top_n_logprobs,
+                    body.top_logprobs or 0,
                 )
                 logprobs = {"content": content}
             choices.append(
@@ -199,7 +203,7 @@ class ChatServer(OpenAIServer):
             out["prompt_token_ids"] = ids
         if body.prompt_logprobs is not None:  # vLLM's: the prompt's, once for all choices
             out["prompt_logprobs"] = prompt_logprobs(
-                self.texts, ids, c.prompt_log_probs, c.prompt_top_n_logprobs,
+                self.texts_for(body), ids, c.prompt_log_probs, c.prompt_top_n_logprobs,
                 body.prompt_logprobs,
             )  # fmt: skip
         return out
@@ -252,7 +256,7 @@ class ChatServer(OpenAIServer):
                 sent += len(calls)
                 if body.logprobs and d.token_ids:
                     content = chat_logprobs(
-                        self.texts, d.token_ids, d.log_probs, d.top_n_logprobs,
+                        self.texts_for(body), d.token_ids, d.log_probs, d.top_n_logprobs,
                         body.top_logprobs or 0,
                     )  # fmt: skip
                     chunk["logprobs"] = {"content": content}
@@ -268,7 +272,7 @@ class ChatServer(OpenAIServer):
                     chunk["stop_reason"] = d.stop_reason
                     if body.prompt_logprobs is not None and j == 0:  # once, as unstreamed
                         chunk["prompt_logprobs"] = prompt_logprobs(
-                            self.texts, ids, d.prompt_log_probs, d.prompt_top_n_logprobs,
+                            self.texts_for(body), ids, d.prompt_log_probs, d.prompt_top_n_logprobs,
                             body.prompt_logprobs,
                         )  # fmt: skip
                 if chunk["delta"] or d.finished or chunk["logprobs"] or chunk.get("token_ids"):

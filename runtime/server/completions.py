@@ -35,7 +35,13 @@ from taipan.client import AsyncClient, Completion
 from taipan.messages.requests import FinishReason, SamplingParams
 from taipan.outputs import join_versions
 from taipan.server.admission import Admission
-from taipan.server.logprobs import Offsets, TokenTexts, completion_logprobs, prompt_logprobs
+from taipan.server.logprobs import (
+    Offsets,
+    TokenIdTexts,
+    TokenTexts,
+    completion_logprobs,
+    prompt_logprobs,
+)
 from taipan.server.metrics import Metrics
 from taipan.server.schemas import (
     APIError,
@@ -75,9 +81,14 @@ class OpenAIServer:
         self.admission = admission
         self.created = int(time.time())
         self.texts = TokenTexts(client.tokenizer)
+        self._id_texts = TokenIdTexts(self.texts)
         # usage's prompt_tokens_details.cached_tokens, vLLM's --enable-prompt-tokens-details
         # (off: vLLM's own tests compare usage objects without it)
         self.prompt_tokens_details = False
+
+    def texts_for(self, body: BaseBody) -> TokenTexts:
+        """How the body's log-probs show tokens: as text, or as "token_id:N"."""
+        return self._id_texts if body.return_tokens_as_token_ids else self.texts
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
         """The answer's usage object (`openai_usage`), with the cached tokens when asked."""
@@ -243,7 +254,7 @@ class OpenAIServer:
                 choice.update(prompt_token_ids=ids, token_ids=c.token_ids[:n])
             if body.prompt_logprobs is not None:
                 choice["prompt_logprobs"] = prompt_logprobs(
-                    self.texts, ids, c.prompt_log_probs, c.prompt_top_n_logprobs,
+                    self.texts_for(body), ids, c.prompt_log_probs, c.prompt_top_n_logprobs,
                     body.prompt_logprobs,
                 )  # fmt: skip
             choices.append(choice)
@@ -263,20 +274,26 @@ class OpenAIServer:
         """The echoed prompt's logprobs (offsets from 0)."""
         lps = [None, *(c.prompt_log_probs or [])]
         tops = [None, *(c.prompt_top_n_logprobs or [{}] * (len(ids) - 1))]
-        return completion_logprobs(self.texts, ids, lps, tops, Offsets(0), body.logprobs or 0)
+        texts = self.texts_for(body)
+        return completion_logprobs(texts, ids, lps, tops, Offsets(0), body.logprobs or 0)
 
     def _logprobs(self, body: CompletionBody, ids, prompt_text: str, c, n: int) -> dict:
         offsets = Offsets(len(prompt_text) if body.echo else 0)
-        gen = self._generated_logprobs(c, n, offsets, body.logprobs or 0)
+        gen = self._generated_logprobs(body, c, n, offsets)
         if not body.echo:
             return gen
         prompt = self._prompt_logprobs(body, ids, c)
         return {key: prompt[key] + gen[key] for key in prompt}
 
-    def _generated_logprobs(self, c, n: int, offsets: Offsets, top_n: int) -> dict:
+    def _generated_logprobs(self, body: CompletionBody, c, n: int, offsets: Offsets) -> dict:
         tops = (c.top_n_logprobs or [{}] * n)[:n]
         return completion_logprobs(
-            self.texts, c.token_ids[:n], (c.log_probs or [])[:n], tops, offsets, top_n
+            self.texts_for(body),
+            c.token_ids[:n],
+            (c.log_probs or [])[:n],
+            tops,
+            offsets,
+            body.logprobs or 0,
         )
 
     def _stream_completions(self, body, rid, prompts, jobs, params, max_tokens):
@@ -320,7 +337,7 @@ class OpenAIServer:
                 chunk = {"index": k, "text": d.text if n else "", "logprobs": None,
                          "finish_reason": None}  # fmt: skip
                 if body.logprobs is not None and n:
-                    chunk["logprobs"] = self._generated_logprobs(d, n, offsets, body.logprobs)
+                    chunk["logprobs"] = self._generated_logprobs(body, d, n, offsets)
                 if body.return_token_ids:
                     chunk["token_ids"] = d.token_ids[:n]
                 if d.finished:
@@ -333,7 +350,8 @@ class OpenAIServer:
                     chunk["stop_reason"] = d.stop_reason
                     if body.prompt_logprobs is not None:  # vLLM's, on the choice's last chunk
                         chunk["prompt_logprobs"] = prompt_logprobs(
-                            self.texts, ids, d.prompt_log_probs, d.prompt_top_n_logprobs,
+                            self.texts_for(body), ids, d.prompt_log_probs,
+                            d.prompt_top_n_logprobs,
                             body.prompt_logprobs,
                         )  # fmt: skip
                 if chunk["text"] or d.finished or chunk["logprobs"] or chunk.get("token_ids"):

@@ -45,6 +45,26 @@ class TokenTexts:
     def text(self, token_id: int) -> str:
         return token_text(self.bytes_of(token_id))
 
+    def shown_bytes(self, token_id: int) -> bytes:
+        """The bytes a chat log-prob entry shows (its `bytes`)."""
+        return self.bytes_of(token_id)
+
+
+class TokenIdTexts(TokenTexts):
+    """vLLM's `return_tokens_as_token_ids`: each token shown as "token_id:N" (a chat entry's
+    `bytes` those of that string), so that a client never has to map text back to ids; text
+    offsets still count each token's own text."""
+
+    def __init__(self, texts: TokenTexts) -> None:
+        self.tokenizer = texts.tokenizer
+        self._bytes = texts._bytes  # (the same cache)
+
+    def text(self, token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+    def shown_bytes(self, token_id: int) -> bytes:
+        return self.text(token_id).encode()
+
 
 def token_bytes(tok: Tokenizer, token_id: int) -> bytes:
     """The bytes token `token_id` stands for. Its plain decode where that is whole UTF-8;
@@ -152,7 +172,7 @@ def chat_entry(texts: TokenTexts, token_id: int, lp: float | None) -> dict:
     return {
         "token": texts.text(token_id),
         "logprob": json_log_prob(lp),
-        "bytes": list(texts.bytes_of(token_id)),
+        "bytes": list(texts.shown_bytes(token_id)),
     }
 
 

@@ -69,7 +69,6 @@ NO_OP: dict[str, Any] = {
     "modalities": ["text"],
     "functions": [],
     "function_call": "none",
-    "return_tokens_as_token_ids": False,
 }
 WHY_NOT: dict[str, str] = {}
 
@@ -157,6 +156,7 @@ class BaseBody(Lenient):
     return_token_ids: bool = False
     truncate_prompt_tokens: int | None = Field(None, ge=-1)
     truncation_side: Literal["left", "right"] = "left"
+    return_tokens_as_token_ids: bool = False  # vLLM's: log-probs' tokens as "token_id:N"
     # taipan's extension (SamplingParams.logprobs_mode): the returned log-probs of generated
     # tokens are of the model's distribution ("raw") or the one sampled from ("processed";
     # a token it drops has log-prob -inf, sent as -9999.0: `json_log_prob`).
