@@ -16,7 +16,6 @@ import os
 import random
 import re
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from taipan.client import Client
 from taipan.messages import encode
 from taipan.messages.lifecycle import Pause, Resume, Stop, Suspend, Unpause, UpdateWeights
 from taipan.messages.requests import FinishReason, SamplingParams
+from tests.ports import free_port
 from tests.test_e2e_robust import _alive, _children
 
 GREEDY_96 = SamplingParams(max_tokens=96, temperature=0.0, ignore_eos=True)
@@ -161,16 +161,10 @@ def serves_on_then_exits_1(serve, client, prompts) -> None:
     assert serve.wait(60) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_generate_against_nothing_fails_within_the_timeout():
     from taipan.cli import _parser
 
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "taipan.cli", "generate", "--address", address, "--prompt", "hi"]
     # (the default, 5 s, is the client's: waited out here it only made the suite 5 s longer)
     assert _parser().parse_args(cmd[3:]).timeout == 5.0

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,23 +26,10 @@ from taipan.actors.curve import load_client_keys, write_keys
 from taipan.client import Client, RuntimeUnreachable
 from taipan.messages.requests import SamplingParams
 from tests.conftest import TEST_CONFIG
+from tests.ports import free_ports
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
 PROMPTS = ["The capital of France is", "Water boils at", "One, two, three,", "Hello, my"]
-
-
-def _free_port_pair() -> int:
-    """A port P with P + 1 free too (the coordinator's engine address defaults to P + 1)."""
-    for _ in range(50):
-        with socket.socket() as a, socket.socket() as b:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            try:
-                b.bind(("127.0.0.1", port + 1))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port pair")
 
 
 def _serve(model_path: str, *args: str) -> subprocess.Popen:
@@ -69,7 +55,7 @@ def keys(tmp_path_factory) -> str:
 
 @pytest.mark.slow  # (30 s on the 2-core box; make test-slow)
 def test_engines_on_other_hosts_join_over_curve(model_path, keys, client):
-    port = _free_port_pair()
+    port = free_ports(2)
     coord = _serve(
         model_path,
         "--role", "coordinator", "--address", f"tcp://0.0.0.0:{port}",
@@ -115,7 +101,7 @@ def test_engines_on_other_hosts_join_over_curve(model_path, keys, client):
 
 @pytest.mark.slow  # (the default run stays under ~15 min on the 2-core CI box)
 def test_an_engine_exits_when_its_coordinator_vanishes(model_path, keys):
-    port = _free_port_pair()
+    port = free_ports(2)
     coord = _serve(
         model_path, "--role", "coordinator", "--address", f"tcp://127.0.0.1:{port}", "--keys", keys
     )
@@ -138,7 +124,7 @@ def test_an_engine_exits_when_its_coordinator_vanishes(model_path, keys):
 
 def test_binding_beyond_loopback_needs_keys(model_path):
     cmd = [sys.executable, "-m", "taipan.cli", "serve", "--model", model_path]
-    cmd += ["--role", "coordinator", "--address", f"tcp://0.0.0.0:{_free_port_pair()}"]
+    cmd += ["--role", "coordinator", "--address", f"tcp://0.0.0.0:{free_ports(2)}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "taipan keys" in done.stderr and "Traceback" not in done.stderr

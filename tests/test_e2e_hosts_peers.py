@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from taipan.client import Client, ControlError
 from taipan.launcher import LaunchError, Runtime
 from taipan.messages.requests import SamplingParams
 from taipan.placement import tp_addresses
+from tests.ports import free_ports
 from tests.random_llama import GPU_TINY_SHAPE, TINY_SHAPE, make_random_llama
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -45,29 +45,6 @@ CONFIG = dict(
     enable_chunked_prefill=True,
 )
 GONE_S = 10.0  # a peer's end is noticed within this (a loaded 2-core box: generous)
-
-
-def _free_ports(n: int) -> int:
-    """A port P with P .. P+n-1 free."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-        if port + n > 65535:
-            continue
-        taken = []
-        try:
-            for p in range(port, port + n):
-                s = socket.socket()
-                taken.append(s)
-                s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-        finally:
-            for s in taken:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 def _serve(model: str, *args: str, cwd: str | None = None) -> subprocess.Popen:
@@ -112,7 +89,7 @@ def _wait_dead(client: Client, rank: int) -> None:
 def test_tp_followers_on_other_hosts(tiny, keys):
     want = _greedy(Runtime(tiny, InferenceConfig(**CONFIG)))
     assert len({tuple(w) for w in want}) > 1  # the prompts lead somewhere different
-    port, tp_base = _free_ports(2), _free_ports(6)
+    port, tp_base = free_ports(2), free_ports(6)
     tp_ports = [tp_base, tp_base + 3]  # each leader: PORT, PORT+1, PORT+2
     sizes = ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--keys", keys]
     coord = _serve(tiny, "--role", "coordinator", "--address", f"tcp://127.0.0.1:{port}", *sizes)
@@ -182,7 +159,7 @@ def test_a_remote_follower_without_the_checkpoint_and_a_clean_stop(tiny, keys, t
     leader_dir, follower_dir = tmp_path / "leader-host", tmp_path / "follower-host"
     follower_dir.mkdir()
     make_random_llama(str(leader_dir / "ckpt"), TINY_SHAPE, seed=7)
-    port, tp_port = _free_ports(2), _free_ports(3)
+    port, tp_port = free_ports(2), free_ports(3)
     address = f"tcp://127.0.0.1:{port}"
     coord = _serve(tiny, "--role", "coordinator", "--address", address, "--keys", keys)
     rank = ["--tensor-parallel-size", "2", "--data-parallel-rank", "0", "--keys", keys]
@@ -230,7 +207,7 @@ def test_ep_group_of_engines_on_other_hosts(tmp_path, keys):
     want = _greedy(
         Runtime(moe, InferenceConfig(**CONFIG), data_parallel_size=2, expert_parallel_size=2)
     )
-    port, ep_port = _free_ports(2), _free_ports(3)
+    port, ep_port = free_ports(2), free_ports(3)
     sizes = ["--data-parallel-size", "2", "--expert-parallel-size", "2", "--keys", keys]
     coord = _serve(moe, "--role", "coordinator", "--address", f"tcp://127.0.0.1:{port}", *sizes)
     inboxes = f"tcp://127.0.0.1:{ep_port},tcp://127.0.0.1:{ep_port + 1}"
@@ -336,7 +313,7 @@ def test_gpu_remote_follower_over_nccl_equals_tp1(tmp_path):
         pytest.skip("needs 2 CUDA GPUs")
     tiny = make_random_llama(str(tmp_path / "tiny"), GPU_TINY_SHAPE)
     want = _greedy(Runtime(tiny, InferenceConfig(**CONFIG), device="cuda"))
-    port, tp_port = _free_ports(2), _free_ports(3)
+    port, tp_port = free_ports(2), free_ports(3)
     address = f"tcp://127.0.0.1:{port}"
     coord = _serve(tiny, "--role", "coordinator", "--address", address)
     rank = ["--tensor-parallel-size", "2", "--data-parallel-rank", "0"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,23 +23,18 @@ import pytest
 
 from taipan.client import Client
 from taipan.messages.requests import SamplingParams
+from tests.ports import free_port
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
 KEY = "sk-test-key"
 MODEL = "smol"  # --served-model-name
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(model_path, tmp_path_factory):
     """`taipan serve --http-port P --api-key KEY ...` with a known frontend address; yields
     (base_url, frontend address, process)."""
-    port = _free_port()
+    port = free_port()
     address = f"ipc://{tmp_path_factory.mktemp('http')}/frontend.sock"
     cmd = [
         sys.executable, "-m", "taipan.cli", "serve", "--model", model_path,

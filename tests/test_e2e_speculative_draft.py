@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
 
 import numpy as np
 import pytest
@@ -43,6 +42,7 @@ from tests.looping import (
     make_looping,
     make_looping_llama,
 )
+from tests.ports import free_port
 from tests.replay_check import replay_check
 
 K = 3
@@ -86,12 +86,6 @@ def _head_of(path: str) -> np.ndarray:
     from safetensors.numpy import load_file
 
     return load_file(os.path.join(path, "model.safetensors"))["lm_head.weight"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _serve(path: str, draft: str | None, head, record_dir=None, tp: int = 1):
@@ -203,7 +197,7 @@ def test_the_disable_policy_stops_speculation_until_the_draft_is_updated(
         # join and take the draft whole): the target's first head back into the draft, which
         # then drafts the old cycles, few accepted; the target's version stays.
         assert c.has_draft_weights()
-        group = rl.join(c, "127.0.0.1", _port())
+        group = rl.join(c, "127.0.0.1", free_port())
         with pytest.raises(ValueError, match="takes no weight_version"):
             c.update_weights_from_distributed([], draft=True, weight_version=5)
         assert c.pause().state == "PAUSED"

@@ -13,7 +13,6 @@ complete update lands.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 import threading
 
 import pytest
@@ -23,6 +22,7 @@ from taipan.messages.gpu import GpuCommand, GpuControl
 from taipan.messages.lifecycle import WeightSpec, WeightTransferGroup
 from taipan.rl import init_weight_transfer_group, named_tensors, send_weights, weight_buckets
 from tests import test_gpu_worker_control as _control
+from tests.ports import free_port
 from tests.test_gpu_worker_control import (
     PROMPT,
     assert_matches_hf,
@@ -34,12 +34,6 @@ from tests.test_gpu_worker_control import (
 transformers = pytest.importorskip("transformers")
 # The worker on a tiny random Llama and its Hugging Face copy: test_gpu_worker_control's fixtures.
 model_dir, worker, hf_model = _control.model_dir, _control.worker, _control.hf_model
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wire(buckets) -> list[list[WeightSpec]]:
@@ -54,7 +48,7 @@ class Trainer:
     """The trainer's rank 0 of a two-process group, on a thread (its joins and sends block)."""
 
     def __init__(self, worker):
-        self.port = _port()
+        self.port = free_port()
         spec = WeightTransferGroup("127.0.0.1", self.port, 2, 1, "gloo")
         joined: dict = {}
         thread = threading.Thread(
@@ -154,7 +148,7 @@ def _dying_trainer(port: int, named, buckets) -> None:
 
 
 def test_a_trainer_that_dies_part_way_leaves_the_weights_marked(worker, hf_model):
-    port = _port()
+    port = free_port()
     named = [(n, t.detach().clone()) for n, t in _perturbed(hf_model, 5)]
     buckets = weight_buckets(named, 4096)
     assert len(buckets) > 2

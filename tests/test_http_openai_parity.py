@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 
 import httpx
@@ -22,15 +21,10 @@ import pytest
 from taipan.client import AsyncClient, Completion, Delta
 from taipan.messages.requests import FinishReason
 from taipan.server import serve
+from tests.ports import free_port
 
 MODEL = "M"
 ONE = [{"role": "user", "content": "Name a colour."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.contextmanager
@@ -38,7 +32,7 @@ def _served(runtime, wrap=None, **options):
     """The app over a client of the session's runtime (`wrap`ped, to fake replies), served
     by uvicorn on a free port in a thread of its own (`serve`'s `options`); yields the base
     URL."""
-    port, started, held = _free_port(), threading.Event(), {}
+    port, started, held = free_port(), threading.Event(), {}
 
     def run() -> None:
         async def main() -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from taipan.client import AsyncClient
 from taipan.launcher import LaunchError, Runtime
 from taipan.server import Admission, APIError, build_app, serve
+from tests.ports import free_port
 
 LONG = {"model": "M", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
 SHORT = {"model": "M", "prompt": "Hi", "max_tokens": 2, "temperature": 0}
@@ -244,12 +244,6 @@ def test_a_failed_request_gives_its_slot_back(runtime):
     asyncio.run(main())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_client_that_hangs_up_gives_its_slot_back(runtime):
     """Through uvicorn on a socket, max_queued 1 and no wait: a client that closes its
     connection mid-stream, and one that gives up on a plain answer, each free the one slot
@@ -257,7 +251,7 @@ def test_a_client_that_hangs_up_gives_its_slot_back(runtime):
 
     async def main():
         async with AsyncClient(runtime.address) as client:
-            port = _free_port()
+            port = free_port()
             started = asyncio.Event()
             server = asyncio.ensure_future(
                 serve(client, port=port, served_model_name="M", max_queued=1, queue_timeout=0,

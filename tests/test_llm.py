@@ -13,7 +13,6 @@ every later call within seconds."""
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import openai
 import pytest
@@ -23,6 +22,7 @@ from taipan.client import Client, RuntimeUnreachable
 from taipan.launcher import LaunchError, Runtime
 from taipan.messages.lifecycle import LifecycleState
 from taipan.messages.requests import FinishReason
+from tests.ports import free_port
 
 PROMPTS = ["The capital of France is", [504, 3458, 314], "Water boils at"]
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
@@ -104,12 +104,6 @@ def test_shutdown_stops_the_embedded_runtime(model_path):
         llm.generate("x")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.asyncio
 async def test_async_llm_streams_runs_many_and_serves(model_path):
     async with AsyncLLM(model_path, **CONFIG) as llm:
@@ -130,7 +124,7 @@ async def test_async_llm_streams_runs_many_and_serves(model_path):
         assert str((await llm.flush_cache()).state) == "PAUSED"
         assert str((await llm.unpause()).state) == "RUNNING"
 
-        port = _free_port()
+        port = free_port()
         started = asyncio.Event()
         server = asyncio.ensure_future(llm.serve("127.0.0.1", port, started=started))
         await asyncio.wait_for(started.wait(), 30)

@@ -11,13 +11,12 @@ any broadcast, so the trainer never waits on it).
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 from taipan import LLM, rl
 from taipan.messages.requests import SamplingParams
+from tests.ports import free_port
 from tests.random_llama import TINY_SHAPE, make_random_llama
 
 transformers = pytest.importorskip("transformers")
@@ -26,12 +25,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[72, 101, 108, 108, 111], [3, 17, 40, 90, 120, 9, 33], [5, 71, 200, 14]]
 CONFIG = dict(block_size_tokens=16, max_tokens=64, max_requests=4, buffer_size_gb=0.1,
               max_sequence_length=256)  # fmt: skip
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
@@ -58,7 +51,7 @@ def test_a_trainer_pushes_its_weights_three_times(tmp_path):
     trainer.generation_config.eos_token_id = None
     with LLM(path, tensor_parallel_size=2, **CONFIG) as llm:
         assert llm.weight_transfer_world_size() == 3
-        group = rl.join(llm, "127.0.0.1", _port())
+        group = rl.join(llm, "127.0.0.1", free_port())
         with pytest.raises(RuntimeError, match="RUNNING"):
             rl.push_weights(llm, trainer, group)
         for step in range(1, 4):
@@ -90,7 +83,7 @@ def test_nccl_push_from_one_gpu_into_taipan_on_another(tmp_path):
     trainer = trainer.to("cuda:0").eval()
     trainer.generation_config.eos_token_id = None
     with LLM(path, device="cuda:1", **CONFIG) as llm:
-        group = rl.join(llm, "127.0.0.1", _port(), device="cuda:0")
+        group = rl.join(llm, "127.0.0.1", free_port(), device="cuda:0")
         for step in range(1, 3):
             _train_step(trainer.cpu(), step)
             trainer.to("cuda:0")
@@ -124,7 +117,7 @@ def test_a_transfer_cut_off_part_way_is_never_served(tmp_path):
     named = rl.named_tensors(trainer)
     buckets = rl.weight_buckets(named, 8192)
     with LLM(path, **CONFIG) as llm:
-        port, world = _port(), llm.weight_transfer_world_size()
+        port, world = free_port(), llm.weight_transfer_world_size()
         child = mp.get_context("spawn").Process(
             target=_dying_trainer, args=(port, world, [(n, t.detach()) for n, t in named], buckets)
         )
@@ -159,7 +152,7 @@ def test_an_in_flight_update_lands_between_steps_of_running_requests(tmp_path):
     trainer.generation_config.eos_token_id = None
     long = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
     with LLM(path, **(CONFIG | {"max_sequence_length": 1536})) as llm:
-        group = rl.join(llm, "127.0.0.1", _port())
+        group = rl.join(llm, "127.0.0.1", free_port())
         _train_step(trainer, 3)
         with pytest.raises(ControlError, match="in_flight=True"):
             llm.update_weights(state={"lm_head.weight": trainer.lm_head.weight.detach().numpy()})

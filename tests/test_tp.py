@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import time
 import traceback
 
@@ -45,6 +44,7 @@ from taipan.ops.parallel import (
     vocab_shard,
 )
 from taipan.ops.sampling import sample
+from tests.ports import free_port
 from tests.random_llama import GPU_TINY_SHAPE, TINY_SHAPE, make_random_llama
 
 BLOCK_SIZE = 16
@@ -57,12 +57,6 @@ UPDATE_SEED = 7
 
 
 # ---- running T processes ------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, size: int, init: str, cuda: bool, job, args, results) -> None:
@@ -92,7 +86,7 @@ def run_ranks(
 
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    init = f"tcp://127.0.0.1:{_free_port()}"
+    init = f"tcp://127.0.0.1:{free_port()}"
     procs = [
         ctx.Process(target=_rank_main, args=(r, size, init, cuda, job, args, results), daemon=True)
         for r in range(size)
@@ -472,7 +466,7 @@ def test_a_group_whose_peers_never_come_fails_in_bounded_time():
 
     start = time.monotonic()
     with pytest.raises(TPError, match="could not join the group"):
-        init_tp(1, 2, f"tcp://127.0.0.1:{_free_port()}", timeout_s=2)
+        init_tp(1, 2, f"tcp://127.0.0.1:{free_port()}", timeout_s=2)
     assert time.monotonic() - start < 30
     assert not dist.is_initialized()
 

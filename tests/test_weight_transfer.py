@@ -8,7 +8,6 @@ with exactly the trainer's weights, then leave through `close`.
 from __future__ import annotations
 
 import multiprocessing as mp
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from taipan.ops.weight_transfer import (
     plan_buckets,
 )
 from taipan.rl import named_tensors, send_weights, weight_buckets
+from tests.ports import free_port
 from tests.random_llama import TINY_SHAPE, make_random_llama
 
 transformers = pytest.importorskip("transformers")
@@ -95,12 +95,6 @@ def _hf_shape() -> dict:
     return shape
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _receiver(model_dir: str, port: int, rank: int, buckets, out) -> None:
     from taipan.ops.loader import load_model
     from taipan.ops.weight_updates import state_updates
@@ -136,7 +130,7 @@ def test_a_gloo_group_carries_a_whole_model_to_two_receivers(tmp_path):
 
     buckets = weight_buckets(hf, bucket_bytes=20_000)
     assert len(buckets) > 3
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     procs = [ctx.Process(target=_receiver, args=(model_dir, port, r, buckets, out)) for r in (1, 2)]
@@ -160,7 +154,7 @@ def test_a_gloo_group_carries_a_whole_model_to_two_receivers(tmp_path):
 
 
 def test_joining_a_group_nobody_hosts_fails_within_its_timeout():
-    port = _free_port()
+    port = free_port()
     with pytest.raises(WeightTransferError, match="could not join"):
         WeightGroup("127.0.0.1", port, 2, 1, "gloo", "cpu", timeout_s=1)
 
