@@ -5,9 +5,9 @@ without graphs; without overlap; under tensor parallelism with NCCL-only all-red
 (weight bytes + the batch's KV bytes at mid-generation) / copy bandwidth measured on `--copy-gib`
 GiB. Ours: the engine's TPOT over a run of B prompts of `--prompt-len` ids and 1 + `--output-len`
 tokens (`_ours_decode` says why); HF: the median of the TN runs' decode steps, each stamped by a
-streamer, over `--hf-repeats` runs. One row
-per batch; a row whose step beats the floor is marked `invalid` (`decode_invalid`), and
-taipan.bench.command refuses to record it. tests/perf/NOTES.md defines every figure.
+streamer, over `--hf-repeats` runs. One row per batch; a row whose step beats the floor is
+marked `invalid` (`decode_invalid`), and taipan.bench.command refuses to record it.
+tests/perf/NOTES.md defines every figure.
 
 Never imports torch itself: HF and the hardware figures come from taipan.ops.hf_bench and
 taipan.ops.hardware, imported inside the functions that use them (dtypes travel as names).
