@@ -67,10 +67,17 @@ class GrammarSpec:
                 raise GrammarError(f"json_schema: not JSON ({e})") from None
             if isinstance(schema, dict):
                 return llguidance.grammar_from("json_schema", json.dumps(bounded_schema(schema)))
+        spec = self.spec
+        if self.kind == "grammar":  # Lark, or the GBNF / EBNF vLLM's and SGLang's users write
+            from llguidance.gbnf_to_lark import any_to_lark
+
+            try:
+                spec = any_to_lark(spec)
+            except Exception as e:  # (its converter raises plain Exceptions too: "Rule 'x' not
+                # found"); any of them is a grammar the request cannot have
+                raise GrammarError(f"grammar: {e}") from None
         try:
-            return llguidance.grammar_from(
-                self.kind if self.kind != "grammar" else "lark", self.spec
-            )
+            return llguidance.grammar_from(self.kind if self.kind != "grammar" else "lark", spec)
         except ValueError as e:
             raise GrammarError(f"{self.kind}: {e}") from None
 

@@ -137,3 +137,47 @@ def test_misuse_is_a_400_naming_the_field(oai, kwargs, field):
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=ASK, max_tokens=4, **kwargs)
     assert e.value.body["param"] == field, e.value.body
+
+
+SQL_EBNF = """root ::= select_statement
+select_statement ::= "SELECT " column " from " table " where " condition
+column ::= "col_1 " | "col_2 "
+table ::= "table_1 " | "table_2 "
+condition ::= column "= " number
+number ::= "1 " | "2 \""""
+
+
+def test_sglang_spellings_and_ebnf_grammars(oai):
+    """SGLang's `regex`, `ebnf` and `json_schema` (a string) request the same grammars as
+    vLLM's guided_* fields; a grammar may be GBNF / EBNF (`::=`, as vLLM's and SGLang's users
+    write it: llguidance converts it to Lark); `no_stop_trim` keeps the stop string."""
+    ask = [{"role": "user", "content": "Answer."}]
+
+    def content(**extra) -> str:
+        r = oai.chat.completions.create(model=MODEL, messages=ask, max_tokens=24, extra_body=extra)
+        return r.choices[0].message.content
+
+    assert re.fullmatch(r"[0-9]{2,4}", content(regex="[0-9]{2,4}"))
+    assert content(ebnf='root ::= "yes" | "no"') in ("yes", "no")
+    assert re.fullmatch(
+        r"SELECT col_[12]  from table_[12]  where col_[12] = [12] ",
+        content(guided_grammar=SQL_EBNF),
+    )
+    schema = {"type": "object", "properties": {"a": {"enum": [1, 2, 3]}}, "required": ["a"],
+              "additionalProperties": False}  # fmt: skip
+    assert json.loads(content(json_schema=json.dumps(schema)))["a"] in (1, 2, 3)
+    r = oai.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0, stop=[" 5"],
+        extra_body={"no_stop_trim": True},
+    )  # fmt: skip
+    plain = oai.completions.create(
+        model=MODEL, prompt="1, 2, 3,", max_tokens=8, temperature=0, stop=[" 5"]
+    )
+    assert r.choices[0].text == plain.choices[0].text + " 5"
+    for extra, field in (
+        ({"ebnf": "root ::= missing_rule"}, "ebnf"),
+        ({"regex": "[0-9]", "guided_regex": "[a-z]"}, "regex"),
+    ):
+        with pytest.raises(openai.BadRequestError) as e:
+            content(**extra)
+        assert e.value.body["param"] == field, e.value.body

@@ -178,6 +178,12 @@ class BaseBody(Lenient):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # SGLang's spellings of the same: a regex, an EBNF grammar, a JSON schema as a string; and
+    # `no_stop_trim`, its include_stop_str_in_output.
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
+    no_stop_trim: bool = False
 
 
 class CompletionBody(BaseBody):
@@ -336,7 +342,7 @@ def sampling_params(
         ignore_eos=body.ignore_eos,
         stop=tuple(stop),
         stop_token_ids=tuple(body.stop_token_ids or ()),
-        include_stop_word=body.include_stop_str_in_output,
+        include_stop_word=body.include_stop_str_in_output or body.no_stop_trim,
         skip_special_tokens=body.skip_special_tokens,
         return_log_probs=top_n >= 0 or prompt_top >= 0,
         skip_prompt_log_probs=prompt_top < 0,
@@ -380,9 +386,10 @@ def bad_words_ids(words: list[str] | None, encode) -> tuple[tuple[int, ...], ...
 
 def structured_output(body: BaseBody) -> StructuredOutput | None:
     """The grammar the body asks its output to keep to: OpenAI's `response_format`
-    (json_object, json_schema) or one of vLLM's guided_json / guided_regex / guided_choice /
-    guided_grammar / structured_outputs; None: none (or response_format "text"). A 400 naming
-    the field for two of them, an unknown type, or a grammar that does not compile."""
+    (json_object, json_schema), one of vLLM's guided_json / guided_regex / guided_choice /
+    guided_grammar / structured_outputs or SGLang's regex / ebnf / json_schema; None: none (or
+    response_format "text"). A 400 naming the field for two of them, an unknown type, or a
+    grammar that does not compile (a grammar is Lark, or GBNF / EBNF with `::=`)."""
     given: list[tuple[str, StructuredOutput]] = []
     rf = body.response_format
     if rf is not None and rf.get("type") != "text":
@@ -399,6 +406,12 @@ def structured_output(body: BaseBody) -> StructuredOutput | None:
         given.append(("guided_grammar", StructuredOutput("grammar", body.guided_grammar)))
     if body.structured_outputs:
         given.append(("structured_outputs", _vllm_structured(body.structured_outputs)))
+    if body.regex is not None:
+        given.append(("regex", StructuredOutput("regex", body.regex)))
+    if body.ebnf is not None:
+        given.append(("ebnf", StructuredOutput("grammar", body.ebnf)))
+    if body.json_schema is not None:
+        given.append(("json_schema", StructuredOutput("json_schema", body.json_schema)))
     if len(given) > 1:
         names = ", ".join(name for name, _ in given)
         raise APIError(400, f"give one structured output, not several ({names})", given[1][0])
