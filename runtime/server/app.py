@@ -68,8 +68,9 @@ def build_app(
     --enable-prompt-tokens-details)."""
     admission = Admission(max_queued, queue_timeout)
     metrics = Metrics(admission)
-    server = ResponsesServer(client, served_model_name or client.model, metrics, admission)
-    server.prompt_tokens_details = prompt_tokens_details
+    server = ResponsesServer(
+        client, served_model_name or client.model, metrics, admission, prompt_tokens_details
+    )
     app = FastAPI(title="taipan", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
 

@@ -158,15 +158,14 @@ class ChatServer(OpenAIServer):
                 request, body.n, self._stream_chat(body, rid, ids, params)
             )
         jobs = [(ids, choice_params(params, j)) for j in range(body.n)]
-        choices, completion_tokens = [], 0
-        for j, c in enumerate(await self.generate_all(request, jobs)):
+        choices, completion_tokens, echo = [], 0, echoed(body)
+        results = await self.generate_all(request, jobs)
+        for j, c in enumerate(results):
             failed(c)
-            if j == 0:
-                cached = c.num_cached_tokens
             completion_tokens += len(c.token_ids)
             message, finish = self._message(body, c.text), openai_finish(c.finish_reason)
-            if echoed(body):
-                message["content"] = echoed(body) + (message["content"] or "")
+            if echo:
+                message["content"] = echo + (message["content"] or "")
             if message.get("tool_calls"):
                 finish = "tool_calls"
             logprobs = None
@@ -196,7 +195,7 @@ class ChatServer(OpenAIServer):
             "created": int(time.time()),
             "model": self.model,
             "choices": choices,
-            "usage": self.usage(len(ids), completion_tokens, cached),
+            "usage": self.usage(len(ids), completion_tokens, results[0].num_cached_tokens),
             "prompt_logprobs": None,  # vLLM's, when asked
         }
         if body.return_token_ids:

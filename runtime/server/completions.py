@@ -73,7 +73,12 @@ class OpenAIServer:
     metrics, and the checks and plumbing every endpoint shares."""
 
     def __init__(
-        self, client: AsyncClient, served_model_name: str, metrics: Metrics, admission: Admission
+        self,
+        client: AsyncClient,
+        served_model_name: str,
+        metrics: Metrics,
+        admission: Admission,
+        prompt_tokens_details: bool = False,
     ):
         self.client = client
         self.model = served_model_name
@@ -81,10 +86,10 @@ class OpenAIServer:
         self.admission = admission
         self.created = int(time.time())
         self.texts = TokenTexts(client.tokenizer)
-        self._id_texts = TokenIdTexts(self.texts)
+        self._id_texts = TokenIdTexts(client.tokenizer)
         # usage's prompt_tokens_details.cached_tokens, vLLM's --enable-prompt-tokens-details
         # (off: vLLM's own tests compare usage objects without it)
-        self.prompt_tokens_details = False
+        self.prompt_tokens_details = prompt_tokens_details
 
     def texts_for(self, body: BaseBody) -> TokenTexts:
         """How the body's log-probs show tokens: as text, or as "token_id:N"."""
@@ -308,7 +313,6 @@ class OpenAIServer:
             # Echo with logprobs waits for the prompt's log-probs (on the last output).
             hold = body.echo and body.logprobs is not None
             held: list[dict] = []
-
             first = body.return_token_ids  # (the choice's first chunk: its prompt's ids)
 
             async def send(chunk: dict) -> None:

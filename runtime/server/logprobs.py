@@ -55,10 +55,6 @@ class TokenIdTexts(TokenTexts):
     `bytes` those of that string), so that a client never has to map text back to ids; text
     offsets still count each token's own text."""
 
-    def __init__(self, texts: TokenTexts) -> None:
-        self.tokenizer = texts.tokenizer
-        self._bytes = texts._bytes  # (the same cache)
-
     def text(self, token_id: int) -> str:
         return f"token_id:{token_id}"
 
