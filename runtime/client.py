@@ -244,6 +244,19 @@ class AsyncClient(AsyncClientControls):
     async def _deltas(
         self, ids: np.ndarray, sampling: SamplingParams, stream: bool
     ) -> AsyncIterator[Delta]:
+        """The request's output as one Delta per RequestOutput, the last one `finished`. A
+        stream with stop strings is read ahead of its caller (`_read_ahead`), so the match, and
+        the abort that stops the engine, comes as the tokens arrive, not when a slow reader
+        gets to them."""
+        deltas = self._matched(ids, sampling, stream)
+        if stream and sampling.stop:
+            deltas = _read_ahead(deltas)
+        async for delta in deltas:
+            yield delta
+
+    async def _matched(
+        self, ids: np.ndarray, sampling: SamplingParams, stream: bool
+    ) -> AsyncIterator[Delta]:
         """The request's output as one Delta per RequestOutput, the last one `finished`.
 
         Stop strings are matched here, on the detokenized text, so a request with any is
@@ -399,6 +412,36 @@ class Client(ClientControls):
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_END = object()
+
+
+async def _read_ahead(deltas: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """Yield what `deltas` yields, read by a task of its own as fast as it comes: the reader
+    may be slow (a blocking Client's thread, a busy consumer) without the stop-string match
+    waiting for it. Closing this generator cancels the task, and `deltas`' own cleanup (the
+    abort of a request nobody listens to) runs there."""
+    ahead: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for delta in deltas:
+                ahead.put_nowait(delta)
+        except Exception as e:  # (a cancel is not put: the reader is gone)
+            ahead.put_nowait(e)
+        else:
+            ahead.put_nowait(_END)
+
+    task = asyncio.create_task(pump())
+    try:
+        while (item := await ahead.get()) is not _END:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 def _ends_on_stop_token(out, new: list[int], sampling: SamplingParams, stop_ids: set) -> bool:

@@ -144,8 +144,11 @@ def _stops_in(tok, ids: list[int]) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("kind", ["spanning", "inside", "\n\n"])
-@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("stream", [False, True, "slow"])
 def test_stop_string_cuts_the_text_and_stops_the_engine(client, expected, kind, stream):
+    """`slow`: a reader that takes longer per delta than the engine takes for the whole text;
+    the stop still stops the engine early (the client matches as tokens arrive, not as they are
+    read)."""
     tok = client.tokenizer
     full = expected[0]
     text = tok.decode(full)
@@ -156,7 +159,10 @@ def test_stop_string_cuts_the_text_and_stops_the_engine(client, expected, kind, 
     sampling = SamplingParams(max_tokens=24, temperature=0.0, stop=stop)
     step = client.stats().ranks[0].step
     if stream:
-        deltas = list(client.stream(PROMPTS[0], sampling))
+        deltas = []
+        for d in client.stream(PROMPTS[0], sampling):
+            deltas.append(d)
+            time.sleep(0.2 if stream == "slow" else 0)
         assert deltas[-1].finished and not any(d.finished for d in deltas[:-1])
         assert len(deltas) > 1  # concatenated below: no delta showed any of the stop string
         done = deltas[-1]
