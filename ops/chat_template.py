@@ -7,6 +7,7 @@ Owns the sandboxed Jinja2 environment (helpers `raise_exception`, `strftime_now`
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -63,3 +64,27 @@ def compile_chat_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as exc:
         raise ChatTemplateError(f"the chat template does not parse: {exc}") from exc
+
+
+@functools.lru_cache(maxsize=16)
+def cached_chat_template(source: str):
+    """`compile_chat_template(source)`, kept for the next use of the same source (a server's
+    --chat-template, the templates requests bring)."""
+    return compile_chat_template(source)
+
+
+def template_source(value: str) -> str:
+    """A chat template given as vLLM's --chat-template takes one: a file's path (read), or the
+    template itself (anything with a Jinja mark or a newline); it must compile."""
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            value = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ChatTemplateError(f"cannot read the chat template {path}: {exc}") from exc
+    elif not any(mark in value for mark in ("{{", "{%", "\n")):
+        raise ChatTemplateError(
+            f"chat template {value!r} is neither a file nor a template (no {{{{ }}}} or {{% %}})"
+        )
+    cached_chat_template(value)
+    return value

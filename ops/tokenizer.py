@@ -21,7 +21,7 @@ from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers,
 from tokenizers import Tokenizer as _BackendTokenizer
 from tokenizers.models import BPE
 
-from taipan.ops.chat_template import ChatTemplateError, compile_chat_template, read_chat_template
+from taipan.ops.chat_template import ChatTemplateError, cached_chat_template, read_chat_template
 from taipan.ops.gguf_reader import gguf_reader
 
 # llama.cpp's token types (`tokenizer.ggml.token_type`).
@@ -87,7 +87,6 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.eos_token_ids = tuple(eos_token_ids)
         self.add_bos = add_bos
-        self._template = None  # compiled lazily: jinja2 is only needed for chat requests
 
     # ---- construction -----------------------------------------------------------------------
 
@@ -232,41 +231,54 @@ class Tokenizer:
     # ---- chat template --------------------------------------------------------------------------
 
     def render_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        template: str | None = None,
+        **extra: Any,
     ) -> str:
-        """The prompt text the chat template makes of `messages` (variables as transformers
-        passes them: messages, add_generation_prompt, bos_token, eos_token, plus `extra`).
+        """The prompt text the chat template (the model's, or `template`'s source) makes of
+        `messages` (variables as transformers passes them: messages, add_generation_prompt,
+        bos_token, eos_token, plus `extra`).
 
         A template that rejects the conversation (`raise_exception(...)`, e.g. "roles must
-        alternate") raises `TokenizerError` with the template's message.
+        alternate") or does not parse raises `TokenizerError` with the template's message.
         """
         import jinja2
 
-        if not self.chat_template:
+        source = template or self.chat_template
+        if not source:
             raise TokenizerError("this model has no chat template; send a plain-text prompt")
-        if self._template is None:
-            try:
-                self._template = compile_chat_template(self.chat_template)
-            except ChatTemplateError as exc:
-                raise TokenizerError(str(exc)) from exc
+        try:
+            compiled = cached_chat_template(source)
+        except ChatTemplateError as exc:
+            raise TokenizerError(str(exc)) from exc
         special = {"bos_token": self._token_str(self.bos_token_id)}
         special["eos_token"] = self._token_str(
             self.eos_token_ids[0] if self.eos_token_ids else None
         )
         variables = {"tools": None, "documents": None, **special, **extra}
         try:
-            return self._template.render(
+            return compiled.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **variables
             )
         except jinja2.exceptions.TemplateError as exc:
             raise TokenizerError(f"chat template error: {exc}") from exc
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        template: str | None = None,
+        **extra: Any,
     ) -> list[int]:
         """Ids of the rendered chat prompt. The template writes its own special tokens, so none
         are added (as transformers' `apply_chat_template(tokenize=True)`)."""
-        text = self.render_chat_template(messages, add_generation_prompt, **extra)
+        text = self.render_chat_template(
+            messages, add_generation_prompt, template=template, **extra
+        )
         return self.encode(text, add_special_tokens=False)
 
     def _token_str(self, token_id: int | None) -> str:

@@ -77,3 +77,14 @@ def add_http_arguments(p) -> None:
         action="store_true",
         help="usage carries prompt_tokens_details.cached_tokens (as vLLM's flag)",
     )
+    p.add_argument(
+        "--chat-template",
+        metavar="FILE_OR_TEMPLATE",
+        help="the Jinja chat template chat requests render with instead of the model's: a "
+        "file's path or the template itself (as vLLM's flag)",
+    )
+    p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat request bring its own chat_template (refused otherwise, as vLLM)",
+    )

@@ -45,6 +45,7 @@ from taipan.auth import new_token, publish_token, remove_token, write_token
 from taipan.children import Children
 from taipan.messages.errors import ErrorCode
 from taipan.models import resolve
+from taipan.ops.chat_template import ChatTemplateError, template_source
 from taipan.placement import LaunchError, check_ep_fields, check_parallel_sizes
 from taipan.roles import ROLES, build_spec, check_peers, check_role, launch_keys
 from taipan.spec import LaunchSpec
@@ -60,9 +61,13 @@ def http_options(
     max_queued,
     queue_timeout,
     prompt_tokens_details: bool = False,
+    chat_template: str | None = None,
+    trust_request_chat_template: bool = False,
 ) -> dict | None:
     """The OpenAI-compatible HTTP server's options (runtime/server/), checked; None without a
-    port. A None limit means the server's default (runtime/server/admission.py)."""
+    port. A None limit means the server's default (runtime/server/admission.py).
+    `chat_template`: a file's path or the template itself (read here, and compiled: a bad one
+    is the launch's error, not every chat request's)."""
     if port is not None and not 0 <= port < 65536:
         raise LaunchError(f"http_port must be in 0..65535, got {port}")
     if api_key is not None and not api_key:
@@ -72,7 +77,20 @@ def http_options(
     if queue_timeout is not None and not 0 <= queue_timeout < float("inf"):
         raise LaunchError(f"queue_timeout must be finite seconds >= 0, got {queue_timeout}")
     if port is None:
+        given = {
+            "enable_prompt_tokens_details": prompt_tokens_details,
+            "chat_template": chat_template is not None,
+            "trust_request_chat_template": trust_request_chat_template,
+        }
+        if any(given.values()):
+            named = ", ".join(k for k, v in given.items() if v)
+            raise LaunchError(f"{named}: options of the HTTP server, which needs http_port")
         return None
+    if chat_template is not None:
+        try:
+            chat_template = template_source(chat_template)
+        except ChatTemplateError as e:
+            raise LaunchError(f"chat_template: {e}") from e
     return {
         "host": host,
         "port": port,
@@ -81,6 +99,8 @@ def http_options(
         "max_queued": max_queued,
         "queue_timeout": queue_timeout,
         "prompt_tokens_details": prompt_tokens_details,
+        "chat_template": chat_template,
+        "trust_request_chat_template": trust_request_chat_template,
     }
 
 
@@ -105,6 +125,8 @@ class Runtime:
         max_queued: int | None = None,
         queue_timeout: float | None = None,
         enable_prompt_tokens_details: bool = False,
+        chat_template: str | None = None,
+        trust_request_chat_template: bool = False,
         direct: bool = False,
         role: str = "all",
         engine_address: str | None = None,
@@ -146,7 +168,7 @@ class Runtime:
         served_model_name = served_model_name or self.model_name
         self.http = http_options(
             http_port, http_host, api_key, served_model_name, max_queued, queue_timeout,
-            enable_prompt_tokens_details,
+            enable_prompt_tokens_details, chat_template, trust_request_chat_template,
         )  # fmt: skip
         self.tmp = tempfile.mkdtemp(prefix="taipan-")
         self.address = address or f"ipc://{self.tmp}/frontend.sock"
@@ -431,6 +453,8 @@ def runtime_from_args(args, address: str | None = None) -> Runtime:
         max_queued=getattr(args, "max_queued", None),
         queue_timeout=getattr(args, "queue_timeout", None),
         enable_prompt_tokens_details=getattr(args, "enable_prompt_tokens_details", False),
+        chat_template=getattr(args, "chat_template", None),
+        trust_request_chat_template=getattr(args, "trust_request_chat_template", False),
         role=getattr(args, "role", "all"),
         engine_address=getattr(args, "engine_address", None) or getattr(args, "coordinator", None),
         data_parallel_rank=getattr(args, "data_parallel_rank", None),

@@ -38,6 +38,7 @@ from taipan.launcher import Runtime
 from taipan.messages.lifecycle import ControlAck
 from taipan.messages.requests import SamplingParams
 from taipan.messages.stats import Stats
+from taipan.ops.chat_template import template_source
 
 __all__ = ["LLM", "AsyncLLM"]
 
@@ -81,6 +82,26 @@ def _prompt_list(prompts) -> list:
     ):
         return [prompts]
     return list(prompts)
+
+
+def _chats(tokenizer, messages, template, kwargs, add_generation_prompt) -> list:
+    """`messages` (a conversation, a text, or a list of them) as chat prompts: as they are for
+    the model's own rendering (the request's `chat`), or rendered here into token ids when a
+    template (a source or a file's path), template variables or no generation prompt are asked
+    for (vLLM's LLM.chat arguments)."""
+    prompts = _prompt_list(messages)
+    if template is None and not kwargs and add_generation_prompt:
+        return prompts
+    source = None if template is None else template_source(template)
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}] if isinstance(p, str) else list(p),
+            add_generation_prompt,
+            template=source,
+            **(kwargs or {}),
+        )
+        for p in prompts
+    ]
 
 
 class _Base:
@@ -194,10 +215,23 @@ class AsyncLLM(_Base):
         )
         return [d[0] for d in done]
 
-    async def chat(self, messages, sampling=None) -> list[Completion]:
+    async def chat(
+        self,
+        messages,
+        sampling=None,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[Completion]:
         """A conversation (list of {"role", "content"}) or a list of them, through the model's
-        chat template."""
-        return await self.generate_all(messages, sampling, chat=True)
+        chat template (or `chat_template`: its source or a file's path), with
+        `chat_template_kwargs` as the template's variables."""
+        prompts = _chats(
+            self._connected().tokenizer, messages, chat_template, chat_template_kwargs,
+            add_generation_prompt,
+        )  # fmt: skip
+        return await self.generate_all(prompts, sampling, chat=True)
 
     async def stats(self, fresh: bool = True) -> Stats:
         return await self._connected().stats(fresh)
@@ -267,7 +301,7 @@ class AsyncLLM(_Base):
     async def serve(self, host: str = "127.0.0.1", port: int = 8000, **kw) -> None:
         """The OpenAI-compatible server on host:port in this event loop, until cancelled
         (runtime/server/app.py `serve`: served_model_name, api_key, max_queued, queue_timeout,
-        prompt_tokens_details, log_level)."""
+        options (a ServerOptions: prompt_tokens_details, chat_template, ...), log_level)."""
         from taipan.server import serve
 
         await serve(self._connected(), host, port, **kw)
@@ -334,8 +368,21 @@ class LLM(_Base):
         show = show and os.environ.get("TQDM_DISABLE", "").lower() not in ("1", "true", "yes")
         return client.run(_gather_with_progress(client.aio, prompts, samplings, chat, show))
 
-    def chat(self, messages, sampling=None, *, use_tqdm: bool | None = None) -> list[Completion]:
-        return self.generate(messages, sampling, use_tqdm=use_tqdm, chat=True)
+    def chat(
+        self,
+        messages,
+        sampling=None,
+        *,
+        use_tqdm: bool | None = None,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[Completion]:
+        """AsyncLLM.chat's twin."""
+        prompts = _chats(
+            self.tokenizer, messages, chat_template, chat_template_kwargs, add_generation_prompt
+        )
+        return self.generate(prompts, sampling, use_tqdm=use_tqdm, chat=True)
 
     def stats(self, fresh: bool = True) -> Stats:
         return self._connected().stats(fresh)

@@ -23,9 +23,11 @@ import pytest
 
 from taipan.client import Client
 from taipan.messages.requests import SamplingParams
+from taipan.ops.tokenizer import Tokenizer
 from tests.ports import free_port
 
 PROMPTS = ["The capital of France is", "Water boils at a temperature of"]
+TEMPLATE_MARK = "{# taipan serve --chat-template #}"
 KEY = "sk-test-key"
 MODEL = "smol"  # --served-model-name
 
@@ -35,12 +37,18 @@ def server(model_path, tmp_path_factory):
     """`taipan serve --http-port P --api-key KEY ...` with a known frontend address; yields
     (base_url, frontend address, process)."""
     port = free_port()
-    address = f"ipc://{tmp_path_factory.mktemp('http')}/frontend.sock"
+    where = tmp_path_factory.mktemp("http")
+    address = f"ipc://{where}/frontend.sock"
+    # --chat-template: the model's own template (so chat answers stay the model's), marked by
+    # a Jinja comment that renders nothing but shows in /tokenizer_info
+    template = where / "chat.jinja"
+    template.write_text(Tokenizer.from_gguf(model_path).chat_template + TEMPLATE_MARK)
     cmd = [
         sys.executable, "-m", "taipan.cli", "serve", "--model", model_path,
         "--address", address, "--http-port", str(port), "--api-key", KEY,
         "--served-model-name", MODEL, "--max-queued", "64", "--queue-timeout", "5",
-        "--enable-prompt-tokens-details", "--set", "max_requests=8",
+        "--enable-prompt-tokens-details", "--chat-template", str(template),
+        "--trust-request-chat-template", "--set", "max_requests=8",
         "--set", "max_sequence_length=256",
     ]  # fmt: skip
     proc = subprocess.Popen(cmd, env=dict(os.environ, HF_HUB_OFFLINE="1"))
@@ -96,6 +104,20 @@ def test_models_health_and_metrics(server, oai):
     ):
         assert name in text, name
     assert "taipan_http_max_queued 64.0" in text  # --max-queued reached the http process
+
+
+def test_chat_template_flags_reach_the_http_process(server, direct):
+    """--chat-template: the server renders with the file's template (the model's plus a
+    comment here); --trust-request-chat-template: a request may bring its own."""
+    auth = {"authorization": f"Bearer {KEY}"}
+    info = httpx.get(f"{server[0]}/tokenizer_info", headers=auth).json()
+    assert info["chat_template"] == direct.tokenizer.chat_template + TEMPLATE_MARK
+    messages = [{"role": "user", "content": "Hi"}]
+    ids = _post(server, "/tokenize", {"messages": messages}).json()["tokens"]
+    assert ids == direct.tokenizer.apply_chat_template(messages)
+    own = "{% for m in messages %}{{ m['content'] }}!{% endfor %}"
+    r = _post(server, "/tokenize", {"messages": messages, "chat_template": own})
+    assert r.json()["tokens"] == direct.tokenizer.encode("Hi!", add_special_tokens=False)
 
 
 def test_completions_greedy_equal_the_client(oai, direct):
@@ -304,7 +326,7 @@ def test_tokenizer_endpoints(server, direct):
     r = _post(server, "/tokenize", {"messages": messages})
     assert r.json()["tokens"] == tok.apply_chat_template(messages)
     info = httpx.get(f"{server[0]}/tokenizer_info", headers={"authorization": f"Bearer {KEY}"})
-    assert info.json()["eos_token"] and info.json()["chat_template"] == tok.chat_template
+    assert info.json()["eos_token"] and info.json()["chat_template"] == tok.chat_template + TEMPLATE_MARK
     assert _post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
     assert _post(server, "/tokenize", {}).status_code == 400
     assert _post(server, "/detokenize", {"tokens": [-1]}).status_code == 400

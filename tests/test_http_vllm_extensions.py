@@ -16,6 +16,7 @@ import pytest
 
 from taipan.actors.config import InferenceConfig
 from taipan.launcher import Runtime
+from taipan.server import ServerOptions
 from taipan.server.schemas import bad_words_ids
 from tests.conftest import TEST_CONFIG
 from tests.test_http_openai_parity import MODEL, _post, _served
@@ -180,7 +181,10 @@ def test_cached_prompt_tokens_in_usage(model_path):
     prompt_tokens_details.cached_tokens, the prompt tokens whose KV came from the prefix
     cache, once per prompt, streamed (the last chunk's usage) or not."""
     config = InferenceConfig(**TEST_CONFIG, enable_prefix_caching=True)
-    with Runtime(model_path, config) as rt, _served(rt, prompt_tokens_details=True) as url:
+    with (
+        Runtime(model_path, config) as rt,
+        _served(rt, options=ServerOptions(prompt_tokens_details=True)) as url,
+    ):
         body = {"prompt": "word " * 100, "max_tokens": 1, "n": 2}
         ids = _post(url, "/tokenize", {"prompt": body["prompt"]}).json()["tokens"]
         first = _post(url, "/v1/completions", body).json()["usage"]
@@ -224,3 +228,49 @@ def test_tokens_as_token_ids(base):
             entry["token"] == f"token_id:{t}" and bytes(entry["bytes"]) == entry["token"].encode()
         )
         assert all(x["token"].startswith("token_id:") for x in entry["top_logprobs"])
+
+
+# A template unlike SmolLM2's own: each message as "[role] content", the turn to answer as
+# "[assistant]".
+PLAIN = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant]{% endif %}"
+)
+
+
+def test_a_requests_chat_template_needs_the_servers_trust(base):
+    """vLLM's rule: a request's `chat_template` is code the server would run, refused (400
+    naming the flag) unless the server trusts request templates."""
+    for path, body in (
+        ("/v1/chat/completions", {"messages": ONE, "max_tokens": 1}),
+        ("/tokenize", {"messages": ONE}),
+    ):
+        r = _post(base, path, {**body, "chat_template": PLAIN})
+        assert r.status_code == 400, (path, r.text)
+        error = r.json()["error"]
+        assert error["param"] == "chat_template"
+        assert "--trust-request-chat-template" in error["message"]
+
+
+def test_chat_templates_of_the_server_and_of_a_request(runtime, client):
+    """--chat-template (ServerOptions.chat_template) replaces the model's for every chat
+    prompt (and /tokenizer_info shows it); with --trust-request-chat-template a request's own
+    template wins for that request; one that does not parse is the request's 400."""
+    tok = client.tokenizer
+    shouted = PLAIN.replace("[{{ m['role'] }}]", "{{ m['role'] | upper }}:")
+    options = ServerOptions(chat_template=PLAIN, trust_request_chat_template=True)
+    with _served(runtime, options=options) as url:
+        assert httpx.get(f"{url}/tokenizer_info").json()["chat_template"] == PLAIN
+        plain = tok.encode("[user] Name a colour.\n[assistant]", add_special_tokens=False)
+        assert _post(url, "/tokenize", {"messages": ONE}).json()["tokens"] == plain
+        body = {"messages": ONE, "max_tokens": 2, "temperature": 0, "return_token_ids": True}
+        r = _post(url, "/v1/chat/completions", body).json()
+        assert r["prompt_token_ids"] == plain and r["usage"]["prompt_tokens"] == len(plain)
+        own = tok.encode("USER: Name a colour.\n[assistant]", add_special_tokens=False)
+        r = _post(url, "/v1/chat/completions", {**body, "chat_template": shouted}).json()
+        assert r["prompt_token_ids"] == own
+        ids = _post(url, "/tokenize", {"messages": ONE, "chat_template": shouted}).json()
+        assert ids["tokens"] == own
+        bad = _post(url, "/v1/chat/completions", {**body, "chat_template": "{% for %}"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
+        assert "does not parse" in bad.json()["error"]["message"]

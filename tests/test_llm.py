@@ -73,11 +73,38 @@ def test_chat_and_lifecycle(llm):
     assert llm.is_primary_rank
 
 
+def test_chat_with_a_template_of_its_own(llm, tmp_path):
+    """vLLM's LLM.chat arguments: `chat_template` (the source, or a file's path),
+    `chat_template_kwargs` (the template's variables) and `add_generation_prompt`."""
+    conv = [{"role": "user", "content": "Say hi."}]
+    template = "{% for m in messages %}{{ greeting }}{{ m['content'] }}{% endfor %}"
+    template += "{% if add_generation_prompt %} ->{% endif %}"
+    (tmp_path / "t.jinja").write_text(template)
+    want = llm.tokenizer.encode("Hello: Say hi. ->", add_special_tokens=False)
+    kw = {"chat_template_kwargs": {"greeting": "Hello: "}, "use_tqdm": False}
+    for source in (template, str(tmp_path / "t.jinja")):
+        [a] = llm.chat(conv, GREEDY, chat_template=source, **kw)
+        assert a.prompt_token_ids == want
+    [b] = llm.chat(conv, GREEDY, chat_template=template, add_generation_prompt=False, **kw)
+    assert b.prompt_token_ids == llm.tokenizer.encode("Hello: Say hi.", add_special_tokens=False)
+    [plain] = llm.chat(conv, GREEDY, use_tqdm=False)
+    [text] = llm.chat("Say hi.", GREEDY, use_tqdm=False)
+    assert plain.prompt_token_ids == text.prompt_token_ids != want
+    with pytest.raises(ValueError, match="does not parse"):
+        llm.chat(conv, GREEDY, chat_template="{% for %}", use_tqdm=False)
+
+
 def test_refusals(model_path, runtime):
     with pytest.raises(ValueError, match="direct mode .* starts its own engine rank"):
         LLM(address=runtime.address, use_coordinator=False)
     with pytest.raises(LaunchError, match="use AsyncLLM.serve in direct mode"):
         Runtime(model_path, direct=True, http_port=8000)
+    with pytest.raises(LaunchError, match="chat_template, trust_request_chat_template: options"):
+        Runtime(model_path, chat_template="{{ x }}", trust_request_chat_template=True)
+    with pytest.raises(LaunchError, match="neither a file nor a template"):
+        Runtime(model_path, http_port=8000, chat_template="no/such/file.jinja")
+    with pytest.raises(LaunchError, match="does not parse"):
+        Runtime(model_path, http_port=8000, chat_template="{% if %}")
     with pytest.raises(ValueError, match="address= connects to a running runtime"):
         LLM(address=runtime.address, max_requests=4)
     with pytest.raises(ValueError, match="either config= or InferenceConfig fields"):

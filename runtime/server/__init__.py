@@ -2,6 +2,7 @@
 
 A FastAPI app over one connected `AsyncClient`; never imports torch. Its parts, each importing
 only those listed before it:
+  options      ServerOptions: server-wide rendering and usage choices (taipan serve's flags)
   schemas      OpenAI's error shape, the lenient request bodies, body -> SamplingParams
   logprobs     tokens as the API shows them (exact bytes), log-prob fields and text offsets
   tools        tool calls: the tools in the prompt, the model's calls parsed (Hermes, Llama 3)
@@ -22,6 +23,7 @@ This module only re-exports what callers use; it holds no logic.
 
 from taipan.server.admission import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Admission
 from taipan.server.app import build_app, http_main, serve
+from taipan.server.options import ServerOptions
 from taipan.server.schemas import APIError
 
 __all__ = [
@@ -29,6 +31,7 @@ __all__ = [
     "DEFAULT_QUEUE_TIMEOUT_S",
     "APIError",
     "Admission",
+    "ServerOptions",
     "build_app",
     "http_main",
     "serve",

@@ -24,6 +24,7 @@ from taipan.client import AsyncClient
 from taipan.server.admission import DEFAULT_MAX_QUEUED, DEFAULT_QUEUE_TIMEOUT_S, Admission
 from taipan.server.generate import GENERATE_PATH, add_generate_route
 from taipan.server.metrics import Metrics
+from taipan.server.options import ServerOptions
 from taipan.server.responses import ResponsesServer
 from taipan.server.routes import CONTROL_PATHS, add_control_routes, add_routes
 from taipan.server.schemas import APIError
@@ -60,16 +61,15 @@ def build_app(
     api_key: str | None = None,
     max_queued: int = DEFAULT_MAX_QUEUED,
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S,
-    prompt_tokens_details: bool = False,
+    options: ServerOptions | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app over a connected client; at most `max_queued` choices in
     flight, a request waiting up to `queue_timeout` seconds for room (see .admission);
-    `prompt_tokens_details`: usage objects carry the cached prompt tokens (vLLM's
-    --enable-prompt-tokens-details)."""
+    `options`: the server-wide rendering and usage choices (.options)."""
     admission = Admission(max_queued, queue_timeout)
     metrics = Metrics(admission)
     server = ResponsesServer(
-        client, served_model_name or client.model, metrics, admission, prompt_tokens_details
+        client, served_model_name or client.model, metrics, admission, options or ServerOptions()
     )
     app = FastAPI(title="taipan", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
@@ -114,7 +114,7 @@ async def serve(
     api_key: str | None = None,
     max_queued: int = DEFAULT_MAX_QUEUED,
     queue_timeout: float = DEFAULT_QUEUE_TIMEOUT_S,
-    prompt_tokens_details: bool = False,
+    options: ServerOptions | None = None,
     log_level: str = "warning",
     started: asyncio.Event | None = None,
 ) -> None:
@@ -127,7 +127,7 @@ async def serve(
         api_key=api_key,
         max_queued=max_queued,
         queue_timeout=queue_timeout,
-        prompt_tokens_details=prompt_tokens_details,
+        options=options,
     )
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off")
     server = uvicorn.Server(config)
@@ -163,7 +163,7 @@ async def http_main(spec: dict) -> None:
             http["port"],
             served_model_name=http.get("served_model_name"),
             api_key=http.get("api_key"),
-            prompt_tokens_details=bool(http.get("prompt_tokens_details")),
+            options=ServerOptions.of(http),
             log_level=http.get("log_level") or "warning",
             **queue,
         )

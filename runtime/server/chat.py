@@ -1,15 +1,17 @@
 """`POST /v1/chat/completions` (`ChatServer.chat`), and the chat prompt every chat-shaped
 endpoint renders (`ChatServer.chat_prompt`: chat, /tokenize and /v1/responses).
 
-The model's chat template renders the messages as Hugging Face's `apply_chat_template` does,
-with `tools`, vLLM's `add_generation_prompt`, `continue_final_message` and
-`chat_template_kwargs`. With tools and tool_choice "auto" (or absent) the reply is parsed for
-tool calls (.tools): they come back as `tool_calls` with finish_reason "tool_calls", streamed as
-OpenAI streams them (each call in one delta, by index). tool_choice "none" passes the tools to
-the template but parses nothing, as vLLM does. `parallel_tool_calls` false keeps the first call.
-"required" or a named function forces a call by a grammar (tools.tool_grammar). vLLM's
-`prompt_logprobs` comes back once per response, as vLLM's does (streamed, which vLLM refuses:
-on the first choice's last chunk, beside `choices`).
+The model's chat template (or the server's --chat-template, or with
+--trust-request-chat-template the request's own `chat_template`: `template_of`) renders the
+messages as Hugging Face's `apply_chat_template` does, with `tools`, vLLM's
+`add_generation_prompt`, `continue_final_message` and `chat_template_kwargs`. With tools and
+tool_choice "auto" (or absent) the reply is parsed for tool calls (.tools): they come back as
+`tool_calls` with finish_reason "tool_calls", streamed as OpenAI streams them (each call in one
+delta, by index). tool_choice "none" passes the tools to the template but parses nothing, as
+vLLM does. `parallel_tool_calls` false keeps the first call. "required" or a named function
+forces a call by a grammar (tools.tool_grammar). vLLM's `prompt_logprobs` comes back once per
+response, as vLLM's does (streamed, which vLLM refuses: on the first choice's last chunk,
+beside `choices`).
 
 Builds no app and registers no routes.
 """
@@ -25,6 +27,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 
 from taipan.messages.requests import SamplingParams, StructuredOutput
+from taipan.ops.chat_template import ChatTemplateError, cached_chat_template
 from taipan.outputs import join_versions
 from taipan.server.completions import OpenAIServer, failed
 from taipan.server.logprobs import chat_logprobs, prompt_logprobs
@@ -57,6 +60,23 @@ class ChatServer(OpenAIServer):
 
     # --- the prompt --------------------------------------------------------------------------
 
+    def template_of(self, requested: str | None = None) -> str | None:
+        """The chat template source a request renders with: its own `requested` one (only
+        with --trust-request-chat-template; a 400 otherwise, or if it does not parse), else
+        the server's --chat-template, else the model's (None: it has none)."""
+        if requested is None:
+            return self.options.chat_template or self.client.tokenizer.chat_template
+        if not self.options.trust_request_chat_template:
+            raise APIError(
+                400, "a chat_template in the request needs the server started with "
+                "--trust-request-chat-template", "chat_template",
+            )  # fmt: skip
+        try:
+            cached_chat_template(requested)
+        except ChatTemplateError as e:
+            raise APIError(400, str(e), "chat_template") from e
+        return requested
+
     def chat_prompt(
         self,
         messages: list[ChatMessage],
@@ -67,9 +87,10 @@ class ChatServer(OpenAIServer):
         continue_final_message: bool = False,
         add_special_tokens: bool = False,
         chat_template_kwargs: dict | None = None,
+        chat_template: str | None = None,
     ) -> list[int]:
-        """The token ids of the conversation through the model's chat template; a 400 for
-        messages the template refuses."""
+        """The token ids of the conversation through the chat template (`template_of`
+        `chat_template`); a 400 for messages the template refuses."""
         if add_generation_prompt and continue_final_message:
             raise APIError(
                 400,
@@ -77,15 +98,18 @@ class ChatServer(OpenAIServer):
                 "continue_final_message",
             )
         tok = self.client.tokenizer
+        template = self.template_of(chat_template)
         dicts = [message_dict(m) for m in messages]
         tool_dicts = [t.model_dump(exclude_none=True) for t in tools or []] or None
-        if not template_renders_tools(tok.chat_template):  # (SmolLM2's GGUF template)
+        if not template_renders_tools(template):  # (SmolLM2's GGUF template)
             dicts = fallback_messages(dicts, None if tool_choice == "none" else tool_dicts)
         kwargs = dict(chat_template_kwargs or {})
         if tool_dicts:
             kwargs["tools"] = tool_dicts
         try:
-            text = tok.render_chat_template(dicts, add_generation_prompt, **kwargs)
+            text = tok.render_chat_template(
+                dicts, add_generation_prompt, template=template, **kwargs
+            )
         except Exception as e:  # a template that refuses these messages: the caller's input
             raise APIError(400, f"the chat template refused the messages: {e}", "messages") from e
         if continue_final_message:
@@ -112,15 +136,23 @@ class ChatServer(OpenAIServer):
                 "another structured output", "tool_choice",
             )  # fmt: skip
         only = forced_tool_name(choice) if isinstance(choice, dict) else None
-        return self.force_tool_call(params, body.tools, only, body.parallel_tool_calls)
+        return self.force_tool_call(
+            params, body.tools, only, body.parallel_tool_calls, body.chat_template
+        )
 
     def force_tool_call(
-        self, params: SamplingParams, tools: list[Tool], only: str | None, parallel: bool
+        self,
+        params: SamplingParams,
+        tools: list[Tool],
+        only: str | None,
+        parallel: bool,
+        chat_template: str | None = None,
     ) -> SamplingParams:
         """`params` keeping to a call of one of `tools` (of the one named `only`), in the
-        template's style; several calls with `parallel` (unless one is named)."""
+        template's style (`template_of` `chat_template`); several calls with `parallel`
+        (unless one is named)."""
         dicts = [t.model_dump(exclude_none=True) for t in tools]
-        style = tool_style(self.client.tokenizer.chat_template)
+        style = tool_style(self.template_of(chat_template))
         grammar = tool_grammar(dicts, only, style, parallel and only is None)
         structured = StructuredOutput("grammar", grammar)
         check_structured(structured, "tools")
@@ -144,6 +176,7 @@ class ChatServer(OpenAIServer):
             continue_final_message=body.continue_final_message,
             add_special_tokens=body.add_special_tokens,
             chat_template_kwargs=body.chat_template_kwargs,
+            chat_template=body.chat_template,
         )
         ids = self.truncated(body, ids)
         limit = self.client.info.max_sequence_length
@@ -213,7 +246,7 @@ class ChatServer(OpenAIServer):
     def _message(self, body: ChatBody, text: str) -> dict:
         if not self._parses_tools(body):
             return {"role": "assistant", "content": text}
-        content, calls = parse_tool_calls(text, tool_style(self.client.tokenizer.chat_template))
+        content, calls = parse_tool_calls(text, tool_style(self.template_of(body.chat_template)))
         if not body.parallel_tool_calls:
             calls = calls[:1]
         message = {"role": "assistant", "content": content}
@@ -226,7 +259,7 @@ class ChatServer(OpenAIServer):
         options = body.stream_options
         include_usage = bool(options and options.include_usage)
         continuous = include_usage and options.continuous_usage_stats
-        style = tool_style(self.client.tokenizer.chat_template)
+        style = tool_style(self.template_of(body.chat_template))
         cached: list[int] = []  # the prompt's cached tokens (from the first choice)
 
         async def one(j: int, put) -> int:

@@ -43,6 +43,7 @@ from taipan.server.logprobs import (
     prompt_logprobs,
 )
 from taipan.server.metrics import Metrics
+from taipan.server.options import ServerOptions
 from taipan.server.schemas import (
     APIError,
     BaseBody,
@@ -78,7 +79,7 @@ class OpenAIServer:
         served_model_name: str,
         metrics: Metrics,
         admission: Admission,
-        prompt_tokens_details: bool = False,
+        options: ServerOptions | None = None,
     ):
         self.client = client
         self.model = served_model_name
@@ -87,9 +88,7 @@ class OpenAIServer:
         self.created = int(time.time())
         self.texts = TokenTexts(client.tokenizer)
         self._id_texts = TokenIdTexts(client.tokenizer)
-        # usage's prompt_tokens_details.cached_tokens, vLLM's --enable-prompt-tokens-details
-        # (off: vLLM's own tests compare usage objects without it)
-        self.prompt_tokens_details = prompt_tokens_details
+        self.options = options or ServerOptions()
 
     def texts_for(self, body: BaseBody) -> TokenTexts:
         """How the body's log-probs show tokens: as text, or as "token_id:N"."""
@@ -97,7 +96,7 @@ class OpenAIServer:
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
         """The answer's usage object (`openai_usage`), with the cached tokens when asked."""
-        details = cached if self.prompt_tokens_details else None
+        details = cached if self.options.prompt_tokens_details else None
         return openai_usage(prompt_tokens, completion_tokens, details)
 
     # --- shared -----------------------------------------------------------------------------

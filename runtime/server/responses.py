@@ -283,7 +283,7 @@ class ResponsesServer(ChatServer):
         return response
 
     def _style(self):
-        return tool_style(self.client.tokenizer.chat_template)
+        return tool_style(self.template_of())
 
     async def _stream(
         self,

@@ -228,7 +228,7 @@ def add_routes(app: FastAPI, server: ResponsesServer) -> None:
             "eos_token": None if eos is None else tok.id_to_token(eos),
             "bos_token": None if tok.bos_token_id is None else tok.id_to_token(tok.bos_token_id),
             "pad_token": None,
-            "chat_template": tok.chat_template,
+            "chat_template": server.template_of(),
             "model_max_length": client.info.max_sequence_length,
         }
 
@@ -250,6 +250,7 @@ def add_routes(app: FastAPI, server: ResponsesServer) -> None:
                 continue_final_message=body.continue_final_message,
                 add_special_tokens=bool(body.add_special_tokens),
                 chat_template_kwargs=body.chat_template_kwargs,
+                chat_template=body.chat_template,
             )
         strs = [tok.id_to_token(t) for t in ids] if body.return_token_strs else None
         limit = client.info.max_sequence_length

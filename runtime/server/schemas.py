@@ -244,6 +244,7 @@ class ChatBody(BaseBody):
     continue_final_message: bool = False
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # with --trust-request-chat-template (ChatServer)
     # vLLM's extension: the reply starts with the last message's content when that message is
     # the assistant's (with continue_final_message: the whole message, continued).
     echo: bool = False
@@ -261,6 +262,7 @@ class TokenizeBody(Lenient):
     return_token_strs: bool = False
     tools: list[Tool] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # with --trust-request-chat-template (ChatServer)
 
 
 class DetokenizeBody(Lenient):
