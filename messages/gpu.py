@@ -252,6 +252,11 @@ class StepPlan:
     # tokens are then placeholders the gpu fills: the draft model reads that token and the
     # last known one, then drafts greedily (actors/gpu/draft.py).
     draft_prev: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Allowed tokens (SamplingParams.allowed_token_ids), int32[A] each: sequence allow_rows[i]
+    # may sample allow_tokens[i]; a sequence named here samples only its listed tokens (every
+    # other's logit -inf, before the biases; at every scored position of a verifying one).
+    allow_rows: Array[np.int32, 1] = empty_array_field(np.int32)
+    allow_tokens: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123, required=12)  # (routed_experts came later)

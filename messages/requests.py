@@ -150,15 +150,17 @@ class SamplingParams:
     through the model (RequestOutput.routed_experts), for a trainer to replay the routing.
 
     Controls on the logits before sampling (vLLM's; the processed log-probs see them, the raw
-    ones do not), in this order: `logit_bias` adds a bias in [-100, 100] to a token's logit
-    (token id -> bias: int keys, or their decimal strings as in OpenAI's JSON; the wire form
-    is the strings, see `for_wire`); until `min_tokens` tokens are generated, EOS (unless
-    `ignore_eos`) and `stop_token_ids` cannot be sampled and no stop word ends the request;
-    `bad_words_ids` (token sequences) forbid a word's last token where the generated tokens
-    end with the rest of it (a one-token word always); then `repetition_penalty` (> 0, 1 =
-    off) divides a positive logit of a token in the prompt or the output and multiplies a
-    negative one; `frequency_penalty` and `presence_penalty` (in [-2, 2], 0 = off) subtract
-    frequency * count + presence * (count > 0), count = the token's occurrences in the output.
+    ones do not), in this order: `allowed_token_ids` (None: any token; never empty) lets only
+    those tokens be sampled (every other's logit -inf); `logit_bias` adds a bias in [-100, 100]
+    to a token's logit (token id -> bias: int keys, or their decimal strings as in OpenAI's
+    JSON; the wire form is the strings, see `for_wire`); until `min_tokens` tokens are
+    generated, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be sampled and no stop word
+    ends the request; `bad_words_ids` (token sequences) forbid a word's last token where the
+    generated tokens end with the rest of it (a one-token word always); then
+    `repetition_penalty` (> 0, 1 = off) divides a positive logit of a token in the prompt or the
+    output and multiplies a negative one; `frequency_penalty` and `presence_penalty` (in [-2,
+    2], 0 = off) subtract frequency * count + presence * (count > 0), count = the token's
+    occurrences in the output.
     `structured` (StructuredOutput): a grammar the output keeps to, enforced while sampling by
     masking every token it does not allow (after the controls above); the engine refuses a
     grammar that does not compile, naming why.
@@ -197,6 +199,7 @@ class SamplingParams:
     # The output text leaves out special tokens (EOS, <|im_end|>, ...), as vLLM's default;
     # False keeps their text. Only the client's detokenizer reads it: token ids are the same.
     skip_special_tokens: bool = True
+    allowed_token_ids: tuple[int, ...] | None = None  # (the controls, above)
 
     def problems(self) -> list[str]:
         """What is wrong with these parameters, as sentences a user can act on."""
@@ -257,6 +260,11 @@ class SamplingParams:
             out.append(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if any(not w or min(w) < 0 for w in self.bad_words_ids):
             out.append("each of bad_words_ids must be a non-empty list of non-negative ids")
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not allowed or min(allowed) < 0):
+            out.append(
+                "allowed_token_ids must be a non-empty list of non-negative ids (None: any token)"
+            )
         return out
 
     def logit_bias_ids(self) -> dict[int, float]:
@@ -282,9 +290,9 @@ class SamplingParams:
         return out
 
     def token_id_problems(self, vocab_size: int) -> list[str]:
-        """The ids of `logit_bias`, `stop_token_ids` and `bad_words_ids` outside the vocabulary
-        (what only who knows the model can check: the engine, the HTTP server by its
-        tokenizer), as sentences, each starting with its field's name."""
+        """The ids of `logit_bias`, `stop_token_ids`, `bad_words_ids` and `allowed_token_ids`
+        outside the vocabulary (what only who knows the model can check: the engine, the HTTP
+        server by its tokenizer), as sentences, each starting with its field's name."""
         try:
             bias = [t for t in self.logit_bias_ids() if t >= vocab_size]
         except ValueError as e:  # (problems() says it too: the coordinator refuses it first)
@@ -298,13 +306,20 @@ class SamplingParams:
             out.append(f"stop_token_ids {stops[:8]} are outside the vocabulary (size {vocab_size})")
         if any(max(w) >= vocab_size for w in self.bad_words_ids):
             out.append(f"bad_words_ids hold token ids outside the vocabulary (size {vocab_size})")
+        outside = sorted({t for t in self.allowed_token_ids or () if t >= vocab_size})
+        if outside:
+            out.append(
+                f"allowed_token_ids {outside[:8]} are outside the vocabulary (size {vocab_size})"
+            )
         return out
 
     @property
     def has_controls(self) -> bool:
-        """Whether any logit control is on (penalties, logit_bias, min_tokens, bad words)."""
+        """Whether any logit control is on (allowed tokens, penalties, logit_bias, min_tokens,
+        bad words)."""
         return bool(
-            self.presence_penalty
+            self.allowed_token_ids is not None
+            or self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.logit_bias

@@ -1,6 +1,6 @@
-"""Logit controls applied before sampling, with vLLM's semantics: additive biases (logit_bias;
--inf for what min_tokens and bad words forbid) and the repetition, frequency and presence
-penalties.
+"""Logit controls applied before sampling, with vLLM's semantics: allowed tokens (every other
+token -inf), additive biases (logit_bias; -inf for what min_tokens and bad words forbid) and
+the repetition, frequency and presence penalties.
 
 Plain torch on whatever device the logits are (no Triton kernel: they touch only the rows and
 tokens that use them), run eagerly after the forward (a CUDA graph never holds them) and only
@@ -12,6 +12,19 @@ in place: the caller passes its own copy when the original must survive (raw log
 from __future__ import annotations
 
 import torch
+
+
+def keep_only(
+    logits: torch.Tensor, rows: torch.Tensor, entry_rows: torch.Tensor, tokens: torch.Tensor
+) -> None:
+    """Every token of rows `rows` but those listed for it -inf, in place: row rows[j] keeps
+    tokens[i] where entry_rows[i] == j (a row listed in `rows` keeps only its entries).
+
+    logits [B, V] float32; rows [P] int64 distinct; entry_rows [A] int64 in 0..P-1, tokens [A]
+    int64."""
+    keep = torch.zeros((len(rows), logits.shape[1]), dtype=torch.bool, device=logits.device)
+    keep[entry_rows, tokens] = True
+    logits[rows] = logits[rows].masked_fill(~keep, float("-inf"))
 
 
 def add_biases(

@@ -326,7 +326,8 @@ def test_tokenizer_endpoints(server, direct):
     r = _post(server, "/tokenize", {"messages": messages})
     assert r.json()["tokens"] == tok.apply_chat_template(messages)
     info = httpx.get(f"{server[0]}/tokenizer_info", headers={"authorization": f"Bearer {KEY}"})
-    assert info.json()["eos_token"] and info.json()["chat_template"] == tok.chat_template + TEMPLATE_MARK
+    assert info.json()["eos_token"]
+    assert info.json()["chat_template"] == tok.chat_template + TEMPLATE_MARK  # (--chat-template)
     assert _post(server, "/tokenize", {"prompt": "x"}, key=None).status_code == 401
     assert _post(server, "/tokenize", {}).status_code == 400
     assert _post(server, "/detokenize", {"tokens": [-1]}).status_code == 400

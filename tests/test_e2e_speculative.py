@@ -99,6 +99,22 @@ def test_bad_words_and_min_tokens_follow_the_drafts(client, spec):
     _speculates_as_plain_decoding(client, spec, params)
 
 
+def test_allowed_tokens_hold_at_every_verified_position(client, spec):
+    """allowed_token_ids (the copy prompt's own tokens, less the first one plain decoding
+    gives): drafts from the prompt pass the mask, the first plain token never comes; the same
+    tokens and processed log-probs as plain decoding under the same mask."""
+    ids = client.tokenizer.encode(PROMPTS[1])
+    first = client.generate(PROMPTS[1:2], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    allowed = tuple(sorted(set(ids) - set(first.token_ids)))
+    params = SamplingParams(
+        max_tokens=N, temperature=0.0, return_log_probs=True, top_n_logprobs=2,
+        logprobs_mode="processed", allowed_token_ids=allowed,
+    )  # fmt: skip
+    _speculates_as_plain_decoding(client, spec, params)
+    [got] = spec.generate(PROMPTS[1:2], params)
+    assert set(got.token_ids) <= set(allowed) and got.token_ids[0] != first.token_ids[0]
+
+
 def _speculates_as_plain_decoding(client, spec, params: SamplingParams) -> None:
     """The repeat prompt under `params`: verify rows ran, and the tokens, log-probs and top-n
     equal plain decoding's."""

@@ -274,3 +274,22 @@ def test_chat_templates_of_the_server_and_of_a_request(runtime, client):
         bad = _post(url, "/v1/chat/completions", {**body, "chat_template": "{% for %}"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template"
         assert "does not parse" in bad.json()["error"]["message"]
+
+
+def test_allowed_token_ids(base, client):
+    """vLLM's `allowed_token_ids`: only those tokens are generated (completions and chat);
+    an empty list or an id past the vocabulary is a 400 naming the field."""
+    tok = client.tokenizer
+    allowed = sorted(set(tok.encode(" red green blue yellow", add_special_tokens=False)))
+    body = {"prompt": "My favourite colour is", "max_tokens": 6, "temperature": 0,
+            "allowed_token_ids": allowed, "return_token_ids": True}  # fmt: skip
+    got = _post(base, "/v1/completions", body).json()["choices"][0]
+    assert len(got["token_ids"]) == 6 and set(got["token_ids"]) <= set(allowed)
+    chat = {"messages": ONE, "max_tokens": 4, "temperature": 0.9, "seed": 3,
+            "allowed_token_ids": allowed, "return_token_ids": True}  # fmt: skip
+    got = _post(base, "/v1/chat/completions", chat).json()["choices"][0]
+    assert got["token_ids"] and set(got["token_ids"]) <= set(allowed)
+    for bad, says in (([], "non-empty"), ([1, tok.vocab_size], "outside the vocabulary")):
+        r = _post(base, "/v1/completions", {**body, "allowed_token_ids": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
+        assert says in r.json()["error"]["message"]

@@ -41,6 +41,8 @@ V = 40
 def reference(logits, prompt, output, s: SamplingParams, eos=EOS) -> list[float]:
     """vLLM's controls on one row of logits, written out token by token."""
     x = [float(v) for v in logits]
+    if s.allowed_token_ids is not None:
+        x = [v if t in s.allowed_token_ids else -math.inf for t, v in enumerate(x)]
     for token, bias in s.logit_bias_ids().items():
         x[token] += bias
     if len(output) < s.min_tokens:
@@ -142,6 +144,8 @@ def test_penalties_touch_only_their_rows():
         (dict(min_tokens=17, max_tokens=16), r"min_tokens \(17\) must be <= max_tokens \(16\)"),
         (dict(bad_words_ids=((),)), "bad_words_ids"),
         (dict(bad_words_ids=((3, -1),)), "bad_words_ids"),
+        (dict(allowed_token_ids=()), r"allowed_token_ids must be a non-empty .* \(None: any"),
+        (dict(allowed_token_ids=(3, -1)), "allowed_token_ids"),
     ],
 )
 def test_a_bad_value_is_a_problem_naming_its_key(kw, key):
@@ -154,6 +158,7 @@ def test_good_values_have_no_problem_and_switch_controls_on():
     for kw in (
         dict(presence_penalty=-2.0), dict(frequency_penalty=2.0), dict(repetition_penalty=1.5),
         dict(logit_bias={"3": -100, 4: 100.0}), dict(min_tokens=16), dict(bad_words_ids=((1,),)),
+        dict(allowed_token_ids=(0,)),
     ):  # fmt: skip
         s = SamplingParams(**kw)
         assert s.problems() == [] and s.has_controls, kw
@@ -167,6 +172,8 @@ def test_token_ids_outside_the_vocabulary_are_named():
     assert SamplingParams(logit_bias={258: 1.0}).token_id_problems(259) == []
     [stops] = SamplingParams(stop_token_ids=(3, 260, 259)).token_id_problems(259)
     assert stops == "stop_token_ids [259, 260] are outside the vocabulary (size 259)"
+    [allowed] = SamplingParams(allowed_token_ids=(3, 300, 259)).token_id_problems(259)
+    assert allowed == "allowed_token_ids [259, 300] are outside the vocabulary (size 259)"
 
 
 def test_every_bad_logit_bias_key_is_named():
@@ -245,9 +252,12 @@ CASES = [
     SamplingParams(bad_words_ids=((2,), (4, 6), (6, 4, 5), (7, 8, 9, 1))),
     SamplingParams(),
     SamplingParams(frequency_penalty=-1.0, bad_words_ids=((4, 4),), min_tokens=1),
+    SamplingParams(
+        allowed_token_ids=(39, 3, 5, 20, 3), logit_bias={"5": 2.0, "7": 1.0}, frequency_penalty=0.5
+    ),  # fmt: skip
 ]
-OUTPUTS = [[4, 6, 4, 4], [6, 4], [1, 2], [7, 8, 6, 4], [4], [2, 4]]
-PROMPTS = [[1, 2, 3], [3, 3, 10], [5], [6], [1], [2, 2]]
+OUTPUTS = [[4, 6, 4, 4], [6, 4], [1, 2], [7, 8, 6, 4], [4], [2, 4], [5, 3]]
+PROMPTS = [[1, 2, 3], [3, 3, 10], [5], [6], [1], [2, 2], [4]]
 
 
 @pytest.mark.parametrize("in_flight", [False, True], ids=["known", "in_flight"])
@@ -350,6 +360,10 @@ def test_a_verify_row_gets_min_tokens_and_bad_words_per_scored_position():
         (dict(penalty_rows=np.asarray([1], np.int32)), "sequences with a penalty"),
         (dict(penalty_counts=np.asarray([-1], np.int32)), "penalty_counts"),
         (dict(repetition_penalty=np.asarray([1, 0], np.float32)), "repetition_penalty"),
+        (dict(allow_rows=np.asarray([2], np.int32)), "allow_rows must name sequences 0..1"),
+        (dict(allow_tokens=np.asarray([V], np.int32)), "allow_tokens must be token ids below"),
+        (dict(allow_tokens=np.asarray([1, 2], np.int32)), "allow_rows, allow_tokens must"),
+        (dict(sample=np.asarray([1, 0], np.int8)), "allow_rows must name sequences that sample"),
     ],
 )
 def test_malformed_control_arrays_are_refused_before_the_device(change, message):
@@ -359,7 +373,8 @@ def test_malformed_control_arrays_are_refused_before_the_device(change, message)
         presence_penalty=np.asarray([1, 0], np.float32),
         frequency_penalty=np.zeros(2, np.float32), repetition_penalty=np.ones(2, np.float32),
         penalty_rows=np.asarray([0], np.int32), penalty_tokens=np.asarray([5], np.int32),
-        penalty_counts=np.asarray([1], np.int32),
+        penalty_counts=np.asarray([1], np.int32), allow_rows=np.asarray([1], np.int32),
+        allow_tokens=np.asarray([4], np.int32),
     )  # fmt: skip
     plan = _plan([], good, [1, 2])
     check_sampling_controls(plan, V)
@@ -545,6 +560,26 @@ def test_min_tokens_holds_off_eos(tiny, tiny_client):
     assert plain.token_ids == [eos] and plain.finish_reason == FinishReason.STOP
     assert eos not in eager.token_ids[:5] and eager.token_ids[5:] == [eos]
     assert eager.finish_reason == FinishReason.STOP
+
+
+def test_allowed_tokens_equal_the_reference_and_bound_sampling(tiny, tiny_client):
+    """allowed_token_ids without plain greedy's first token: greedy picks among the allowed
+    as the reference does (the raw log-probs stay the model's), a sampled row never leaves
+    them, and a row without the field in the same steps is untouched."""
+    plain = SamplingParams(max_tokens=N, temperature=0.0, ignore_eos=True)
+    first = hf_greedy(tiny[1], E2E_PROMPTS[2], plain)[0]
+    allowed = tuple(t for t in range(7, 250, 9) if t != first[0])
+    greedy = dataclasses.replace(
+        plain, allowed_token_ids=allowed, return_log_probs=True, skip_prompt_log_probs=True
+    )
+    sampled = dataclasses.replace(greedy, temperature=1.0, seed=5, return_log_probs=False)
+    pairs = [(E2E_PROMPTS[2], greedy), (E2E_PROMPTS[2], sampled), (E2E_PROMPTS[2], plain)]
+    a, b, c = _generate_each(tiny_client, pairs)
+    assert a.token_ids == hf_greedy(tiny[1], E2E_PROMPTS[2], greedy)[0] != first
+    np.testing.assert_allclose(
+        a.log_probs, _raw_log_probs(tiny[1], E2E_PROMPTS[2], a.token_ids), atol=1e-4
+    )
+    assert set(a.token_ids + b.token_ids) <= set(allowed) and c.token_ids == first
 
 
 def test_sampled_rows_never_draw_a_forbidden_token(tiny_client):

@@ -1,8 +1,9 @@
-"""The StepPlan's sampling-control arrays (messages/gpu.py: penalties, logit biases) for a
-planned step: `control_arrays`.
+"""The StepPlan's sampling-control arrays (messages/gpu.py: allowed tokens, penalties, logit
+biases) for a planned step: `control_arrays`.
 
-Owns how SamplingParams' logit controls become per-step arrays: per-row penalty floats, the
-penalised rows' tokens (row, token, count), and additive biases (row, token, value, if-last):
+Owns how SamplingParams' logit controls become per-step arrays: the allowed tokens (row,
+token), per-row penalty floats, the penalised rows' tokens (row, token, count), and additive
+biases (row, token, value, if-last):
 logit_bias, -inf on EOS and stop_token_ids while min_tokens is not reached, -inf on the last
 token of a bad word whose other tokens end the output. Nothing at all when no sampled row uses a
 control, so the common step costs one flag per row. Pure: reads the chunks and their requests,
@@ -29,11 +30,13 @@ NO_TOKEN = -1  # bias_if_last: the entry holds whatever the last input token is
 @dataclasses.dataclass
 class RowControls:
     """What a controlled request's rows reuse from step to step: its logit_bias as arrays,
-    the tokens min_tokens forbids, and its output tokens as int32 (extended, not rebuilt)."""
+    the tokens min_tokens forbids, its allowed tokens (None: any), and its output tokens as
+    int32 (extended, not rebuilt)."""
 
     bias_tokens: np.ndarray  # int32
     bias_values: np.ndarray  # float32
     min_tokens_ban: np.ndarray  # int32: EOS (unless ignore_eos) and stop_token_ids
+    allowed: np.ndarray | None = None  # int32, distinct
     output: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
 
     @classmethod
@@ -41,10 +44,12 @@ class RowControls:
         s = r.sampling
         bias = s.logit_bias_ids()
         ban = (() if s.ignore_eos else tuple(eos_token_ids)) + tuple(s.stop_token_ids)
+        allowed = s.allowed_token_ids
         return cls(
             np.fromiter(bias.keys(), np.int32, len(bias)),
             np.fromiter(bias.values(), np.float32, len(bias)),
             np.asarray(sorted(set(ban)), np.int32),
+            None if allowed is None else np.unique(np.asarray(allowed, np.int32)),
         )
 
     def output_tokens(self, generated: list[int]) -> np.ndarray:
@@ -106,6 +111,13 @@ def control_arrays(chunks: list[Chunk], eos_token_ids: tuple[int, ...]) -> dict[
     if not rows:
         return {}
     out: dict[str, np.ndarray] = {}
+    allowed = [(i, a) for i in rows if (a := _controls(chunks[i].request, eos_token_ids).allowed)
+               is not None]  # fmt: skip
+    if allowed:
+        out["allow_rows"] = np.repeat(
+            np.asarray([i for i, _ in allowed], np.int32), [len(a) for _, a in allowed]
+        )
+        out["allow_tokens"] = np.concatenate([a for _, a in allowed])
     penalised = [i for i in rows if _penalised(chunks[i].request)]
     if penalised:
         out |= _penalty_arrays(chunks, penalised, eos_token_ids)

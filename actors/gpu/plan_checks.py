@@ -110,12 +110,13 @@ def check_logprobs_mode(plan: StepPlan) -> None:
 CONTROL_ARRAYS = (
     "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_rows",
     "penalty_tokens", "penalty_counts", "bias_rows", "bias_tokens", "bias_values", "bias_if_last",
-    "bias_offsets",
+    "bias_offsets", "allow_rows", "allow_tokens",
 )  # fmt: skip
 
 
 def check_sampling_controls(plan: StepPlan, vocab_size: int) -> None:
-    """The control arrays (StepPlan: penalties, biases) must be empty or one entry per
+    """The control arrays (StepPlan: penalties, biases, allowed tokens) must be empty or one
+    entry per
     sequence, and their (row, token) entries name sequences and tokens that exist, the penalty
     ones sequences that have a penalty (the device indexes them unchecked) (ValueError)."""
     if not any(len(getattr(plan, name)) for name in CONTROL_ARRAYS):
@@ -142,6 +143,9 @@ def check_sampling_controls(plan: StepPlan, vocab_size: int) -> None:
         if plan.bias_if_last.min() < -1 or plan.bias_if_last.max() >= vocab_size:
             raise ValueError(f"bias_if_last must be -1 or a token id below {vocab_size}")
     _check_offsets(plan)
+    _check_entries(plan, ("allow_rows", "allow_tokens"), vocab_size)
+    if len(plan.allow_rows) and not plan.sample[plan.allow_rows].all():
+        raise ValueError("allow_rows must name sequences that sample")
 
 
 def _check_offsets(plan: StepPlan) -> None:

@@ -1,4 +1,5 @@
-"""A step's sampling controls (StepPlan: penalties, logit biases) applied to its logits.
+"""A step's sampling controls (StepPlan: allowed tokens, penalties, logit biases) applied to
+its logits.
 
 Owns the reading of the plan's control arrays into device tensors, and the one thing only the
 device knows: the token the previous step sampled for a row whose last input it is (prev_rows),
@@ -15,20 +16,23 @@ import numpy as np
 import torch
 
 from taipan.messages.gpu import StepPlan
-from taipan.ops.logit_controls import add_biases, apply_penalties
+from taipan.ops.logit_controls import add_biases, apply_penalties, keep_only
 
 
 def has_controls(plan: StepPlan) -> bool:
-    return bool(len(plan.bias_rows) or len(plan.presence_penalty))
+    return bool(len(plan.bias_rows) or len(plan.presence_penalty) or len(plan.allow_rows))
 
 
 def controlled_logits(plan: StepPlan, logits: torch.Tensor, sampled: torch.Tensor) -> torch.Tensor:
     """The logits [B, V] float32 the rows sample from: `logits` itself when the plan has no
-    controls, else a copy with its biases, then its penalties, applied. `sampled`: the
-    previous step's sampled tokens by row (the worker's buffer, not yet overwritten)."""
+    controls, else a copy with its allowed tokens, its biases, then its penalties, applied.
+    `sampled`: the previous step's sampled tokens by row (the worker's buffer, not yet
+    overwritten)."""
     if not has_controls(plan):
         return logits
     out = logits.float().clone()
+    if len(plan.allow_rows):
+        allow(out, plan.allow_rows, plan.allow_tokens)
     last = _LastTokens(plan, sampled, logits.device)
     if len(plan.bias_rows):
         values = to_device(plan.bias_values, out.device)
@@ -45,6 +49,14 @@ def controlled_logits(plan: StepPlan, logits: torch.Tensor, sampled: torch.Tenso
     if len(plan.presence_penalty):
         _penalties(plan, out, last)
     return out
+
+
+def allow(out: torch.Tensor, rows: np.ndarray, tokens: np.ndarray) -> None:
+    """keep_only on `out` for the (row, token) entries `rows`, `tokens` (rows of `out`; a row
+    may repeat, one entry per token it keeps)."""
+    distinct, index = np.unique(rows, return_inverse=True)
+    dev = out.device
+    keep_only(out, *(to_device(a, dev, torch.int64) for a in (distinct, index, tokens)))
 
 
 def penalised_rows(plan: StepPlan) -> np.ndarray:

@@ -40,7 +40,7 @@ from taipan.actors.gpu.logprobs import (
     processed_mode,
     processed_rows,
 )
-from taipan.actors.gpu.sampling_controls import penalised_rows, to_device
+from taipan.actors.gpu.sampling_controls import allow, penalised_rows, to_device
 from taipan.messages.gpu import StepPlan
 from taipan.ops.logit_controls import add_biases, apply_penalties
 from taipan.ops.logprobs import log_probs_and_top_n, processed_log_probs_and_top_n
@@ -218,16 +218,21 @@ def scored_controls(
     applies them at each position: each bias entry at its offset (StepPlan.bias_offsets: the
     min_tokens and bad-word entries the drafts before a position make) or, at -1, at every
     position (logit_bias), and the penalties counting the drafts before a position as output
-    tokens (after the sequence's own tokens, which the plan lists). `raw` itself when no
-    verifying sequence has a control."""
+    tokens (after the sequence's own tokens, which the plan lists); allowed tokens at every
+    position. `raw` itself when no verifying sequence has a control."""
     pen = penalised_rows(plan)
     bias_of = np.isin(plan.bias_rows, rows) if len(plan.bias_rows) else np.zeros(0, bool)
-    if not (bias_of.any() or np.isin(rows, pen).any()):
+    allow_of = np.isin(plan.allow_rows, rows) if len(plan.allow_rows) else np.zeros(0, bool)
+    if not (bias_of.any() or allow_of.any() or np.isin(rows, pen).any()):
         return raw
     counts = nd + 1
     first = np.cumsum(counts) - counts  # each verifying sequence's first scored row
     out = raw.clone()
     dev = out.device
+    if allow_of.any():  # (each entry at every scored position of its sequence)
+        at = np.searchsorted(rows, plan.allow_rows[allow_of])
+        virtual = _spread(first[at], counts[at])
+        allow(out, virtual, np.repeat(plan.allow_tokens[allow_of], counts[at]))
     if bias_of.any():
         at = np.searchsorted(rows, plan.bias_rows[bias_of])  # (rows ascend)
         offsets = plan.bias_offsets[bias_of] if len(plan.bias_offsets) else np.full(len(at), -1)

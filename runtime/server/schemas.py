@@ -62,7 +62,6 @@ IGNORED = frozenset({
 # Features not built yet: accepted only at the value that changes nothing (OpenAI's default);
 # any other value is a 400 naming the field.
 NO_OP: dict[str, Any] = {
-    "allowed_token_ids": [],
     "use_beam_search": False,
     "length_penalty": 1,
     "suffix": "",
@@ -170,6 +169,7 @@ class BaseBody(Lenient):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = 0  # vLLM's extension
     bad_words: list[str] | None = None  # vLLM's extension: words never generated (bad_words_ids)
+    allowed_token_ids: list[int] | None = None  # vLLM's extension: the only tokens sampled
     # Structured outputs: OpenAI's response_format, or vLLM's guided_* / structured_outputs
     # (one of them): `structured_output` turns them into the engine's grammar.
     response_format: dict[str, Any] | None = None
@@ -358,6 +358,7 @@ def sampling_params(
         min_tokens=body.min_tokens,
         bad_words_ids=bad_words_ids,
         structured=structured_output(body),
+        allowed_token_ids=None if body.allowed_token_ids is None else tuple(body.allowed_token_ids),
     )
     problems = params.problems()
     if problems:
