@@ -443,6 +443,24 @@ class RuntimePlan:
     # The model's sliding window when every attention layer has one (ModelLoaded.sliding_window;
     # 0: some layer reads its whole context): the KV blocks behind it go back to the pool.
     sliding_window: int = 0
+    # Per-layer-group KV (ModelLoaded.local_window): the window of the windowed layers of a
+    # model whose other layers see their whole context, kept in a pool of their own of
+    # `num_local_blocks` blocks handed out as rings (actors/engine/local_kv.py); 0: none.
+    local_window: int = 0
+    num_local_blocks: int = 0
+
+
+def local_chunk(window: int, block_size: int, num_speculative_tokens: int = 0) -> int:
+    """The most tokens a step computes for a request whose local ring wraps (the contract in
+    actors/engine/local_kv.py): the window, at least a block and a verify row's k + 1."""
+    return max(window, block_size, num_speculative_tokens + 1)
+
+
+def ring_blocks(window: int, block_size: int, chunk: int) -> int:
+    """The local blocks a wrapping ring has: a chunk of `chunk` tokens reads and writes keys
+    over at most window - 1 + chunk positions, which this many blocks hold with no two in one
+    slot (one more for where the span starts inside a block)."""
+    return -(-(window - 1 + chunk) // block_size) + 1
 
 
 def mamba_snapshot_slots(budget_bytes: int, slot_bytes: int) -> int:

@@ -93,6 +93,11 @@ class LoadModel:
     # the target (same tokenizer), with a KV cache of its own over the same block ids, and
     # fills a plan's draft tokens itself (StepPlan.draft_prev; actors/gpu/draft.py).
     draft_model: str = ""
+    # Per-layer-group KV: a model whose windowed layers sit among layers that see their whole
+    # context (Gemma 3's local layers) keeps the windowed layers' KV in a pool of its own,
+    # rings of a request's last window (ModelLoaded.local_window); False (prefix caching on,
+    # whose cached prefixes need every layer's keys): every layer in the one pool.
+    local_kv_pool: bool = False
 
 
 @message(121, required=11)  # (tensor_parallel_size came later)
@@ -126,6 +131,12 @@ class ModelLoaded:
     sliding_window: int = 0
     # A draft model with weights of its own is loaded (update_weights(draft=True) applies).
     draft_weights: bool = False
+    # Per-layer-group KV (LoadModel.local_kv_pool): W > 0, the window of the windowed layers,
+    # whose KV lives in a pool of `num_local_blocks` blocks of `local_block_bytes` (block_bytes
+    # is then the other layers' block); 0: one pool for every layer.
+    local_window: int = 0
+    num_local_blocks: int = 0
+    local_block_bytes: int = 0
 
 
 @struct
@@ -257,6 +268,12 @@ class StepPlan:
     # other's logit -inf, before the biases; at every scored position of a verifying one).
     allow_rows: Array[np.int32, 1] = empty_array_field(np.int32)
     allow_tokens: Array[np.int32, 1] = empty_array_field(np.int32)
+    # Per-layer-group KV (ModelLoaded.local_window > 0; empty otherwise): the windowed layers'
+    # block tables int32[B, max_blocks] (each sequence's ring repeated: column i holds its
+    # positions [i * block_size, (i + 1) * block_size) while they are in its window) and the
+    # slots of the step's tokens int64[T] in that pool.
+    local_block_tables: Array[np.int32, 2] = empty_array_field(np.int32, 2)
+    local_slot_mapping: Array[np.int64, 1] = empty_array_field(np.int64)
 
 
 @message(123, required=12)  # (routed_experts came later)

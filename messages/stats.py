@@ -93,6 +93,10 @@ class RankStats:
     # 1 once a weight update disabled this rank's draft model (draft_weight_policy "disable";
     # merged: the ranks where it did).
     spec_draft_disabled: int = 0
+    # Per-layer-group KV (the windowed layers' own pool, actors/engine/local_kv.py; 0 without
+    # one): its blocks, and those the requests' rings hold.
+    num_local_blocks: int = 0
+    local_blocks_used: int = 0
 
     @property
     def blocks_active(self) -> int:

@@ -54,6 +54,26 @@ class AttentionMetadata:
     max_query_len: int = 0
     # CPU only: the decode rows and the prefill rows, each one padded batch for SDPA.
     batches: tuple[RowBatch, ...] | None = None
+    # Per-layer-group KV (ops/models/llama.WindowedKV): the windowed layers' view, the same
+    # sequences over their own pool's block tables and slots; None: every layer reads these.
+    local: AttentionMetadata | None = None
+
+    def for_window(self, window: int | None) -> AttentionMetadata:
+        """The metadata a layer with this sliding window reads (None: a global layer)."""
+        return self.local if window and self.local is not None else self
+
+    def with_local(
+        self, block_tables: torch.Tensor, slot_mapping: torch.Tensor, host_layout=None
+    ) -> AttentionMetadata:
+        """Attach the windowed layers' view (their block tables and slots; `host_layout`: the
+        (query_start, seq_lens, block_size) `with_layout` took, for the CPU's batches); returns
+        self."""
+        local = AttentionMetadata(
+            self.query_start_loc, self.seq_lens, block_tables, slot_mapping,
+            self.num_decodes, self.max_query_len,
+        )  # fmt: skip
+        self.local = local if host_layout is None else local.with_layout(*host_layout)
+        return self
 
     def with_layout(
         self, query_start: np.ndarray | list[int], seq_lens: np.ndarray | list[int], block_size: int

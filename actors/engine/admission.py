@@ -71,6 +71,9 @@ def _place(sched, req: EngineRequest, draft: Draft) -> tuple | None:
         # (an evicted request comes back when all it had, and one more, fits: with a sliding
         # window, what it holds at a time)
         n, need, _ = sched.fit(req, draft.budget, free)
+    local = sched.local
+    if n and local is not None and local.ring_size(req.max_total_tokens) > local.num_free:
+        n = 0  # (every ring is held: it waits for one, FIFO)
     if n == 0:
         req.blocks, req.num_computed_tokens, req.snap_bounds, req.num_released = [], 0, [], 0
         return None
@@ -81,6 +84,8 @@ def _start(sched, req, draft: Draft, now: float, n, need, cost, blocks, restore)
     """An admitted request runs: its first chunk, its pinned prefix, its live Mamba slot
     (and the snapshot its first chunk starts from)."""
     draft.take(req, n, need, cost)
+    if sched.local is not None:  # (actors/engine/local_kv.py)
+        req.ring = sched.local.take(sched.local.ring_size(req.max_total_tokens))
     if sched.prefix is not None:
         sched.prefix.pin(req, blocks, draft.pins, req.num_released)
         if req.num_released:  # (with its pin, in this step's BlockOps: nothing comes back)
@@ -150,6 +155,11 @@ def never_fits(sched, prompt_len: int, sampling: SamplingParams) -> str | None:
     need = sched.min_blocks(prompt_len, total)
     if need > p.num_blocks:
         return f"needs {need} KV blocks; the pool has {p.num_blocks}"
+    if sched.local is not None and sched.local.ring_size(total) > sched.local.num_blocks:
+        return (
+            f"needs {sched.local.ring_size(total)} KV blocks of the windowed layers; their "
+            f"pool has {sched.local.num_blocks}"
+        )
     if sampling.return_routed_experts and not p.moe_layers:
         return (
             "return_routed_experts needs a mixture-of-experts model; this model has no MoE layers"

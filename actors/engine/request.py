@@ -47,6 +47,9 @@ class EngineRequest:
     # reads them: `blocks_behind_window`); their ids stay in the table the gpu gets, unread.
     blocks: list[int] = dataclasses.field(default_factory=list)
     num_released: int = 0
+    # Per-layer-group KV: its ring of the windowed layers' pool while it runs or is paused
+    # (actors/engine/local_kv.py); empty without a local pool, or while it waits.
+    ring: list[int] = dataclasses.field(default_factory=list)
     # Prefix caching: the prompt's block hashes (int64, one per complete prompt block, salted
     # with the current weight version); positions below `shared_until` lie in blocks pinned
     # from the cache (never written by this request); `num_registered`: leading prompt blocks

@@ -47,10 +47,11 @@ from collections import deque
 
 import numpy as np
 
-from taipan.actors.config import RuntimePlan
+from taipan.actors.config import RuntimePlan, local_chunk
 from taipan.actors.engine.admission import admit, never_fits, register
 from taipan.actors.engine.batch import Chunk, Draft, StepBatch
 from taipan.actors.engine.grammar import GrammarBook
+from taipan.actors.engine.local_kv import LocalPool
 from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.outputs import Appending, append_token, take_prompt_log_probs
 from taipan.actors.engine.prefix import PrefixIndex
@@ -115,6 +116,14 @@ class Scheduler:
         # hold snapshot boundaries: the kernels store those states inside the chunk).
         self.mamba_snapshots = bool(self.mamba and self.prefix and plan.mamba_snapshot_slots)
         if self.mamba_snapshots:
+            self.chunked_prefill = True
+        # Per-layer-group KV: the windowed layers' rings (actors/engine/local_kv.py has the
+        # contract). A wrapping ring bounds a step's tokens, so prompts run in chunks.
+        self.local = None
+        if plan.local_window and plan.num_local_blocks:
+            k = speculation.k if speculation is not None else 0
+            chunk = local_chunk(plan.local_window, plan.block_size, k)
+            self.local = LocalPool(plan.num_local_blocks, plan.local_window, plan.block_size, chunk)
             self.chunked_prefill = True
 
     def set_sliding_window(self, window: int) -> None:
@@ -211,6 +220,8 @@ class Scheduler:
             return 0, 0, False
         remaining = req.num_planned_tokens - req.num_computed_tokens
         n = min(remaining, budget)
+        if self.local is not None and self.local.wraps(req.max_total_tokens):
+            n = min(n, self.local.chunk)  # (the ring holds what a chunk of that many reads)
         if n <= 0 or (n < remaining and not (self.chunked_prefill or req.generated)):
             return 0, 0, False
         need = req.blocks_needed(req.num_computed_tokens + n, bs)
@@ -384,6 +395,7 @@ class Scheduler:
         self.pending_free[req.request_id] = self._release(req.held_blocks)
         req.blocks, req.num_released = [], 0
         self._release_mamba(req)
+        self._release_ring(req)
         req.history.checkpoint(req.num_tokens)
         req.num_computed_tokens = 0
         req.status = Status.WAITING
@@ -417,6 +429,7 @@ class Scheduler:
                 self.pending_free[req.request_id] = self._release(req.held_blocks)
                 req.blocks, req.num_released, req.shared_until, req.num_registered = [], 0, 0, 0
                 self._release_mamba(req)
+                self._release_ring(req)
                 req.status = Status.WAITING
                 self.waiting.appendleft(req)
             self.running, self.paused = [], []
@@ -519,10 +532,14 @@ class Scheduler:
             "paused_total": self.num_paused_total,
             "evicted_total": self.num_evicted_total,
             **({"blocks_released": self.num_released_total} if self.window else {}),
+            **(self._local_stats() if self.local is not None else {}),
             **(self.prefix.stats() if self.prefix is not None else {}),
             **(self.mamba.stats() if self.mamba is not None else {}),
             **(self.spec.stats() if self.spec is not None else {}),
         }
+
+    def _local_stats(self) -> dict[str, int]:
+        return {"local_blocks_used": self.local.num_blocks - self.local.num_free}
 
     # --- ending -------------------------------------------------------------------------------
 
@@ -552,7 +569,15 @@ class Scheduler:
             self.pending_free[r.request_id] = self._release(r.held_blocks)
             r.blocks, r.num_released = [], 0
         self._release_mamba(r)
+        self._release_ring(r)
         del self.requests[r.request_id]
+
+    def _release_ring(self, r: EngineRequest) -> None:
+        """Its local ring goes back at once: a new owner's first write comes after every
+        step in flight (one device stream), as a Mamba slot's."""
+        if r.ring:
+            self.local.give(r.ring)
+            r.ring = []
 
     def _release_mamba(self, r: EngineRequest) -> None:
         r.snap_bounds = []

@@ -12,6 +12,7 @@ import numpy as np
 from taipan.actors.config import InferenceConfig, RuntimePlan, plan_limits
 from taipan.actors.engine.batch_arrays import plan_arrays
 from taipan.actors.engine.grammar import grammar_problem
+from taipan.actors.engine.local_kv import local_arrays
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.routing import RoutedExperts
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
@@ -50,6 +51,8 @@ def runtime_plan(config: InferenceConfig, loaded: ModelLoaded, ready: AllocatorR
         mamba_snapshot_slots=loaded.mamba_snapshot_slots,
         moe_layers=loaded.moe_layers,
         sliding_window=loaded.sliding_window,
+        local_window=loaded.local_window,
+        num_local_blocks=loaded.num_local_blocks,
     )
 
 
@@ -195,6 +198,10 @@ def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
     p = sched.plan
     arrays = plan_arrays(batch, p.block_size, sched.mamba is not None, p.eos_token_ids)
     arrays |= sched.grammars.arrays(batch, sched.requests)
+    if sched.local is not None and batch.chunks:  # (the windowed layers' rings)
+        rings = [c.request.ring for c in batch.chunks]
+        width = arrays["block_tables"].shape[1]
+        arrays |= local_arrays(rings, batch.chunks, width, p.block_size)
     return StepPlan(step=batch.step, **arrays)
 
 

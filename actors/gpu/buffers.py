@@ -41,10 +41,15 @@ class Field:
     pad: int | float = 0
 
 
-def step_fields(max_blocks_per_seq: int) -> dict[str, Field]:
-    """The inputs of one step (see messages/gpu.StepPlan for their meaning)."""
+def step_fields(max_blocks_per_seq: int, local: bool = False) -> dict[str, Field]:
+    """The inputs of one step (see messages/gpu.StepPlan for their meaning); `local`: the
+    windowed layers' block tables and slots too (per-layer-group KV)."""
     i32, i64, f32, i8 = (np.dtype(t) for t in (np.int32, np.int64, np.float32, np.int8))
-    return {
+    local_fields = {
+        "local_block_tables": Field(i32, "seqs", width=max_blocks_per_seq),
+        "local_slot_mapping": Field(i64, "tokens", pad=-1),
+    }
+    return (local_fields if local else {}) | {
         "input_ids": Field(i32, "tokens"),
         "positions": Field(i32, "tokens"),
         "slot_mapping": Field(i64, "tokens", pad=-1),
@@ -77,10 +82,11 @@ class StepBuffers:
         max_tokens: int,
         max_requests: int,
         max_blocks_per_seq: int,
+        local: bool = False,
     ):
         self.device = torch.device(device)
         self.max_tokens, self.max_requests = max_tokens, max_requests
-        self.fields = step_fields(max_blocks_per_seq)
+        self.fields = step_fields(max_blocks_per_seq, local)
         self.offsets: dict[str, int] = {}
         size = 0
         for name, f in self.fields.items():

@@ -49,6 +49,7 @@ class WorkerForward:
     ep: EPGroup | None
     exchange: object  # the MoE layers' token exchange under expert parallelism, or None
     kv_cache: torch.Tensor | None
+    model_kv: object  # ModelWorker's: the cache as the model reads it (a WindowedKV, or it)
     mamba_state: tuple[torch.Tensor, torch.Tensor] | None
     _mamba_slots: int  # live + snapshot slots; the scratch slots follow
     _snapshot_slots: int
@@ -127,12 +128,15 @@ class WorkerForward:
     def _forward(
         self, plan: StepPlan, inputs: dict[str, torch.Tensor], inner_snaps=None
     ) -> torch.Tensor:
+        layout = (plan.query_start_loc, plan.seq_lens, self.block_size)
         attn = AttentionMetadata(
             query_start_loc=inputs["query_start_loc"],
             seq_lens=inputs["seq_lens"],
             block_tables=inputs["block_tables"],
             slot_mapping=inputs["slot_mapping"],
-        ).with_layout(plan.query_start_loc, plan.seq_lens, self.block_size)
+        ).with_layout(*layout)
+        if "local_block_tables" in inputs:  # (per-layer-group KV: the windowed layers' pool)
+            attn.with_local(inputs["local_block_tables"], inputs["local_slot_mapping"], layout)
         ids = inputs["input_ids"]
         if len(plan.prev_rows):  # only then: the gather costs launches
             ids = self._ids_with_previous_tokens(inputs)
@@ -148,7 +152,7 @@ class WorkerForward:
         """The model's forward over the step's buffers (a hybrid also gets its Mamba slots, and
         the snapshots its kernels store inside chunks: row -> [(position, slot)])."""
         if self.mamba_state is None:
-            return self.model(ids, inputs["positions"], attn, self.kv_cache)
+            return self.model(ids, inputs["positions"], attn, self.model_kv())
         conv, ssm = self.mamba_state
         mamba = MambaMetadata(
             conv, ssm, inputs["mamba_init"], inputs["mamba_out"], attn.query_start_loc,
@@ -283,6 +287,8 @@ class WorkerForward:
             num_decodes=bucket.seqs if bucket.decode else 0,
             max_query_len=1 if bucket.decode else bucket.tokens,
         )
+        if "local_block_tables" in inputs:  # (per-layer-group KV: the windowed layers' pool)
+            attn.with_local(inputs["local_block_tables"], inputs["local_slot_mapping"])
         ids = self._ids_with_previous_tokens(inputs)  # 3 tiny kernels, so always recorded
         hidden = self._run_model(ids, inputs, attn)
         # Padding rows repeat the last query start: they read a real row (or row 0).
@@ -310,9 +316,10 @@ class WorkerForward:
         self.graph_capture_seconds = time.perf_counter() - start
 
 
-def plan_arrays(plan: StepPlan) -> dict[str, np.ndarray]:
-    """The StepPlan's arrays by StepBuffers field name (empty prev_rows, mamba_*: all -1)."""
-    arrays = {name: getattr(plan, name) for name in StepBuffers.FIELD_NAMES}
+def plan_arrays(plan: StepPlan, names=StepBuffers.FIELD_NAMES) -> dict[str, np.ndarray]:
+    """The StepPlan's arrays by StepBuffers field name (`names`: the buffers' fields; empty
+    prev_rows, mamba_*: all -1)."""
+    arrays = {name: getattr(plan, name) for name in names}
     if not len(plan.prev_rows):
         arrays["prev_rows"] = np.full(len(plan.input_ids), -1, dtype=np.int32)
     for name in ("mamba_init", "mamba_out"):  # empty: no Mamba layers

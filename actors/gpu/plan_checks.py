@@ -172,3 +172,27 @@ def _check_entries(plan: StepPlan, names: tuple[str, ...], vocab_size: int) -> N
         raise ValueError(f"{names[0]} must name sequences 0..{len(plan.seq_lens) - 1}")
     if tokens.min() < 0 or tokens.max() >= vocab_size:
         raise ValueError(f"{names[1]} must be token ids below {vocab_size}")
+
+
+def check_local_kv(plan: StepPlan, num_local_blocks: int, block_size: int) -> None:
+    """Per-layer-group KV: with a windowed layers' pool of `num_local_blocks` (0: none), a plan
+    with sequences carries their local block tables (as wide as its block tables) and one local
+    slot per input token (-1: none), every id in that pool; without one, neither (ValueError)."""
+    tables, slots = plan.local_block_tables, plan.local_slot_mapping
+    if not num_local_blocks:
+        if tables.size or len(slots):
+            raise ValueError("local_block_tables / local_slot_mapping need a windowed layers' pool")
+        return
+    if not len(plan.seq_lens):
+        return
+    if tables.shape != plan.block_tables.shape or len(slots) != len(plan.input_ids):
+        raise ValueError(
+            f"local_block_tables {tables.shape} and local_slot_mapping ({len(slots)}) must match "
+            f"block_tables {plan.block_tables.shape} and the {len(plan.input_ids)} input tokens"
+        )
+    if tables.size and (tables.min() < 0 or tables.max() >= num_local_blocks):
+        raise ValueError(f"local_block_tables must name blocks 0..{num_local_blocks - 1}")
+    if len(slots) and (slots.min() < -1 or slots.max() >= num_local_blocks * block_size):
+        raise ValueError(
+            f"local_slot_mapping must be -1 or a slot of the {num_local_blocks} blocks"
+        )

@@ -35,6 +35,7 @@ class PoolSizes:
     live_slots: int = 0  # 0: no Mamba layers
     snapshot_slots: int = 0
     scratch_per_slot: int = 0  # speculative decoding's k (each live slot's scratch slots)
+    num_local_blocks: int = 0  # per-layer-group KV: the windowed layers' pool (0: none)
 
     @property
     def mamba_slots(self) -> int:
@@ -110,6 +111,8 @@ def size_pools(
     mamba_memory_ratio: float | None = None,
     mamba_snapshot_gb: float | None = None,
     scratch_per_slot: int = 0,
+    local_block_bytes: int = 0,
+    local_blocks: int = 0,
     agree: Callable[[int], int] = _same,
 ) -> PoolSizes:
     """The pools of this rank's `budget` bytes (`source`: where it comes from, for the error):
@@ -122,8 +125,24 @@ def size_pools(
     `agree` gives the group's smallest value (tensor parallelism: ranks may differ in the bytes
     of a block or slot). It is called in one fixed order (budget, live, snapshots, blocks) so
     every rank runs the same collectives, and the budget first: one too small then fails on
-    every rank alike. ConfigError for a Mamba budget below one slot, ValueError for no block."""
+    every rank alike. ConfigError for a Mamba budget below one slot, ValueError for no block.
+
+    Per-layer-group KV (`local_block_bytes` > 0: the windowed layers' block, `block_bytes` the
+    other layers'): the windowed layers' pool takes `local_blocks` (what every request's ring
+    needs at once), at most their share of the budget as one pool would give them (their bytes
+    against all layers'); the rest is the main pool's (ValueError when not one block of the
+    windowed layers fits)."""
     budget = agree(budget)
+    num_local = 0
+    if local_block_bytes:
+        share = budget * local_block_bytes // (local_block_bytes + block_bytes)
+        num_local = agree(min(local_blocks, share // local_block_bytes))
+        if num_local < 1:
+            raise ValueError(
+                f"the KV budget ({budget / GIB:.3g} GiB, {source}) holds no block of the "
+                f"windowed layers ({local_block_bytes} bytes)"
+            )
+        budget -= num_local * local_block_bytes
     live = snapshots = 0
     if slot_bytes:
         per_request = slot_bytes * (1 + scratch_per_slot)
@@ -140,7 +159,9 @@ def size_pools(
             f"the KV budget ({budget / GIB:.3g} GiB, {source}) holds no KV "
             f"block of {block_bytes} bytes"
         )
-    return PoolSizes(num_blocks, budget, live, snapshots, scratch_per_slot if live else 0)
+    return PoolSizes(
+        num_blocks, budget, live, snapshots, scratch_per_slot if live else 0, num_local
+    )
 
 
 def offload_problem(kv_bytes: int, available: int) -> str | None:

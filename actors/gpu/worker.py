@@ -24,6 +24,7 @@ import time
 import numpy as np
 import torch
 
+from taipan.actors.config import local_chunk, ring_blocks
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.draft import SELF_PREFIX, DraftModel, check_draft_prev, load_draft
@@ -33,6 +34,7 @@ from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
 from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
 from taipan.actors.gpu.plan_checks import (
+    check_local_kv,
     check_logprobs_mode,
     check_mamba_slots,
     check_prev_rows,
@@ -42,7 +44,7 @@ from taipan.actors.gpu.plan_checks import (
 from taipan.actors.gpu.sampling_controls import controlled_logits
 from taipan.actors.gpu.sizing import PoolSizes, available_host_memory, kv_budget, size_pools
 from taipan.actors.gpu.speculative import check_drafts, draft_rows, verify_drafts
-from taipan.actors.gpu.window import kv_window
+from taipan.actors.gpu.window import kv_window, windowed_layers
 from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
 from taipan.ops.custom_all_reduce import for_mode as custom_all_reduce_for
 from taipan.ops.expert_parallel import (
@@ -53,7 +55,13 @@ from taipan.ops.expert_parallel import (
 )
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import allocate_mamba_state
-from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
+from taipan.ops.models.llama import (
+    LlamaForCausalLM,
+    WindowedKV,
+    allocate_kv_cache,
+    kv_cache_bytes_per_block,
+    kv_heads_per_rank,
+)
 from taipan.ops.moe import moe_blocks, routing_buffer
 from taipan.ops.parallel import SINGLE, TPGroup
 
@@ -147,6 +155,11 @@ class ModelWorker(WorkerForward, WorkerControls):
         self.model = None
         self.config = None
         self.kv_cache: torch.Tensor | None = None
+        # Per-layer-group KV (actors/engine/local_kv.py): (W, which layers have a window,
+        # blocks of the windowed layers' pool), the cache then one flat allocation that
+        # `model_kv` views as a WindowedKV; None: one pool for every layer.
+        self.local_kv: tuple[int, tuple[bool, ...], int] | None = None
+        self._model_kv: tuple[torch.Tensor, object] | None = None
         # Hybrid models: every Mamba layer's (conv, ssm) state slots; None without Mamba layers
         # (and while suspended in offload or recompute mode).
         self.mamba_state: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -205,12 +218,21 @@ class ModelWorker(WorkerForward, WorkerControls):
         model, config, tokenizer = self._load_weights(msg, dtype, tp)
         self.grammar_masks = GrammarMasks(tokenizer)  # (structured outputs' matchers)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, self.tp)
+        split = self._local_split(msg, model, config)
+        local_bytes, local_wanted = 0, 0
+        if split is not None:  # (the main pool's block: the other layers' share)
+            per_layer = per_block // config.num_kv_layers
+            local_bytes = per_layer * sum(split[1])
+            per_block -= local_bytes
+            chunk = local_chunk(split[0], msg.block_size, msg.num_speculative_tokens)
+            local_wanted = msg.max_requests * ring_blocks(split[0], msg.block_size, chunk)
         draft = load_draft(msg, model, config, dtype, self.device, self.tp)
         if draft is not None:  # (its KV blocks share the target's ids: one budget for both)
             per_block += kv_cache_bytes_per_block(draft[1], msg.block_size, dtype, draft[2])
         config = mamba_config_for(config, msg, dtype, self.tp)
         slot_bytes = self._slot_bytes(config, dtype)
-        sizes = self._size_pools(msg, per_block, slot_bytes)
+        sizes = self._size_pools(msg, per_block, slot_bytes, local_bytes, local_wanted)
+        self.local_kv = None if split is None else (*split, sizes.num_local_blocks)
         self._allocate_pools(msg, config, dtype, sizes)
         self.draft = None
         if draft is not None:
@@ -241,7 +263,32 @@ class ModelWorker(WorkerForward, WorkerControls):
             moe_layers=len(self._moe_blocks),
             sliding_window=kv_window(config),
             draft_weights=self.draft is not None and self.draft.own_weights,
+            local_window=0 if split is None else split[0],
+            num_local_blocks=sizes.num_local_blocks,
+            local_block_bytes=local_bytes,
         )
+
+    def _local_split(self, msg: LoadModel, model, config) -> tuple[int, tuple[bool, ...]] | None:
+        """(W, which layers have a window) when the windowed layers' KV gets a pool of its own
+        (LoadModel.local_kv_pool, a Llama-skeleton model with windowed and global layers and
+        no recurrent ones); else None."""
+        if not msg.local_kv_pool or not isinstance(model, LlamaForCausalLM):
+            return None
+        split = windowed_layers(config)
+        if split is None or config.num_kv_layers != len(split[1]):
+            return None
+        return split
+
+    def model_kv(self):
+        """What the model's forward gets as its KV cache: the cache, or under per-layer-group
+        KV a WindowedKV over it (made once per allocation: a resume may move it)."""
+        if self.local_kv is None or self.kv_cache is None:
+            return self.kv_cache
+        if self._model_kv is None or self._model_kv[0] is not self.kv_cache:
+            _, windowed, num_local = self.local_kv
+            view = WindowedKV(self.kv_cache, windowed, self._num_blocks, num_local, self._per_block)
+            self._model_kv = (self.kv_cache, view)
+        return self._model_kv[1]
 
     def _load_weights(self, msg: LoadModel, dtype, tp: TPGroup):
         """(model, config, tokenizer): this rank's weights, its expert-parallel group joined
@@ -293,7 +340,14 @@ class ModelWorker(WorkerForward, WorkerControls):
             self._tp_with_fast = tp
         return tp
 
-    def _size_pools(self, msg: LoadModel, block_bytes: int, slot_bytes: int) -> PoolSizes:
+    def _size_pools(
+        self,
+        msg: LoadModel,
+        block_bytes: int,
+        slot_bytes: int,
+        local_block_bytes: int = 0,
+        local_blocks: int = 0,
+    ) -> PoolSizes:
         """The pools LoadModel's budget holds on this rank, agreed with its tensor-parallel
         peers (so a budget too small fails on every peer alike)."""
         budget, self.kv_budget_source = kv_budget(
@@ -312,15 +366,24 @@ class ModelWorker(WorkerForward, WorkerControls):
             mamba_memory_ratio=msg.mamba_memory_ratio,
             mamba_snapshot_gb=msg.mamba_snapshot_gb,
             scratch_per_slot=msg.num_speculative_tokens if msg.speculative else 0,
+            local_block_bytes=local_block_bytes,
+            local_blocks=local_blocks,
             agree=self.tp.agree_min,
         )
 
     def _allocate_pools(self, msg: LoadModel, config, dtype, sizes: PoolSizes) -> None:
         """The KV cache, the Mamba state slots and the step buffers, at the agreed sizes."""
         self.block_size = msg.block_size
-        self.kv_cache = allocate_kv_cache(
-            config, sizes.num_blocks, msg.block_size, dtype, self.device, self.tp
-        )
+        self._num_blocks, self._model_kv = sizes.num_blocks, None
+        if self.local_kv is None:
+            self.kv_cache = allocate_kv_cache(
+                config, sizes.num_blocks, msg.block_size, dtype, self.device, self.tp
+            )
+        else:  # (one allocation, so suspend and resume move it as one: WindowedKV views it)
+            self._per_block = (msg.block_size, kv_heads_per_rank(config, self.tp), config.head_dim)
+            _, windowed, num_local = self.local_kv
+            n = WindowedKV.numel(windowed, sizes.num_blocks, num_local, self._per_block)
+            self.kv_cache = torch.empty(n, dtype=dtype, device=self.device)
         # Hybrids: live slots 0..live-1 (one per request holding state), snapshots after them.
         self.mamba_state, self._mamba_offloaded = None, None
         self._mamba_slots, self._snapshot_slots = sizes.mamba_slots, sizes.snapshot_slots
@@ -333,6 +396,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             max_tokens=msg.max_tokens,
             max_requests=msg.max_requests,
             max_blocks_per_seq=-(-msg.max_sequence_length // msg.block_size),
+            local=self.local_kv is not None,
         )
 
     def _allocate_outputs(self, msg: LoadModel, config) -> None:
@@ -406,6 +470,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_mamba_slots(plan, self._mamba_slots, self._snapshot_slots)
         check_logprobs_mode(plan)
         check_sampling_controls(plan, self.config.vocab_size)
+        check_local_kv(plan, self.local_kv[2] if self.local_kv else 0, self.block_size)
         check_drafts(plan)
         check_draft_prev(plan, self.draft is not None, self.config.vocab_size)
         if self.draft is not None:  # (it fills the verify rows' draft tokens)
@@ -415,7 +480,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             inner_snaps |= self._verify_snapshots(plan)  # (a hybrid's verify rows)
         bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
-        staged = self.buffers.stage(plan_arrays(plan), **sizes)
+        staged = self.buffers.stage(plan_arrays(plan, self.buffers.fields), **sizes)
         self.grammar_masks.wait_check()  # (the last step's checked tokens, which this one reads)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
         # packing above is time the device waits between steps, unless a step is in flight).

@@ -135,7 +135,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         global_cos_sin, local_cos_sin = self.rope_cache(x.device), self.local_rope_cache(x.device)
         for i, layer in enumerate(self.layers):
             cos_sin = local_cos_sin if layer.local else global_cos_sin
-            x = layer(x, positions, cos_sin, attn, kv_cache[i])
+            layer_attn = attn.for_window(layer.self_attn.sliding_window)  # (WindowedKV)
+            x = layer(x, positions, cos_sin, layer_attn, kv_cache[i])
         return self.norm(x)
 
     def rope_cache(self, device: torch.device) -> torch.Tensor:

@@ -278,8 +278,8 @@ class LlamaForCausalLM(nn.Module):
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
     ) -> torch.Tensor:
-        """input_ids, positions: [T] int32 or int64; kv_cache: see `allocate_kv_cache` (written
-        in place). Returns hidden: [T, hidden] after the final norm."""
+        """input_ids, positions: [T] int32 or int64; kv_cache: see `allocate_kv_cache`, or a
+        WindowedKV (written in place). Returns hidden: [T, hidden] after the final norm."""
         x = self.embed_tokens(input_ids)  # x: [T, hidden]
         cos_sin = self.rope_cache(x.device)
         residual, partial = None, False
@@ -287,8 +287,10 @@ class LlamaForCausalLM(nn.Module):
         for i, layer in enumerate(layers):
             after = layers[i + 1] if i + 1 < len(layers) else None
             next_norm = self.norm if after is None else after.input_layernorm
+            # (a windowed layer's own pool under per-layer-group KV: WindowedKV)
+            layer_attn = attn.for_window(layer.self_attn.sliding_window)
             x, residual, partial = layer(
-                x, residual, positions, cos_sin, attn, kv_cache[i], partial, next_norm
+                x, residual, positions, cos_sin, layer_attn, kv_cache[i], partial, next_norm
             )
         if partial == NORMALIZED:  # (the last product applied the final norm)
             return x
@@ -341,6 +343,45 @@ def allocate_kv_cache(
     heads = kv_heads_per_rank(config, tp)
     shape = (config.num_kv_layers, 2, num_blocks, block_size, heads, config.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
+
+
+class WindowedKV:
+    """The KV cache of a model whose windowed layers keep their keys in a pool of their own
+    (per-layer-group KV, actors/engine/local_kv.py): one allocation `flat`, the other layers'
+    cache [G, 2, num_blocks, ...] first, then the windowed layers' [L, 2, num_local, ...].
+    Indexed by layer as the one-pool cache is (`kv[i]`: layer i's [2, blocks, block_size,
+    kv_heads, head_dim] view), so the model's loop reads it alike; which block table and slots
+    a layer's attention uses is the metadata's (`AttentionMetadata.for_window`)."""
+
+    def __init__(
+        self, flat: torch.Tensor, windowed: tuple[bool, ...], num_blocks: int, num_local: int,
+        per_block: tuple[int, int, int],
+    ):  # fmt: skip
+        num_windowed = sum(windowed)
+        num_global = len(windowed) - num_windowed
+        size = 2 * per_block[0] * per_block[1] * per_block[2]  # one block, keys and values
+        split = num_global * num_blocks * size
+        self.global_ = flat[:split].view(num_global, 2, num_blocks, *per_block)
+        self.local = flat[split:].view(num_windowed, 2, num_local, *per_block)
+        g = w = 0
+        self._layers: list[torch.Tensor] = []
+        for is_windowed in windowed:
+            self._layers.append(self.local[w] if is_windowed else self.global_[g])
+            w, g = w + is_windowed, g + (not is_windowed)
+
+    def __getitem__(self, layer: int) -> torch.Tensor:
+        return self._layers[layer]
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    @staticmethod
+    def numel(
+        windowed: tuple[bool, ...], num_blocks: int, num_local: int, per_block: tuple[int, ...]
+    ) -> int:
+        size = 2 * per_block[0] * per_block[1] * per_block[2]
+        num_windowed = sum(windowed)
+        return ((len(windowed) - num_windowed) * num_blocks + num_windowed * num_local) * size
 
 
 def kv_cache_bytes_per_block(

@@ -1,0 +1,230 @@
+"""Per-layer-group KV (issue 27 item 3): a model whose windowed layers sit among layers that see
+their whole context (Gemma 3: local and global) keeps the windowed layers' keys in a pool of
+their own, as rings of each request's last window (actors/engine/local_kv.py), so a long request
+holds blocks of the global layers alone in the main pool.
+
+Layers: the rings' arithmetic (sizes, ids, tables, slots) and the pool split
+(actors/gpu/sizing.py); end to end on a tiny random Gemma 3 (three local layers with a window
+of 24 keys, one global) with real processes: greedy tokens and log-probs equal transformers'
+for prompts whose rings wrap (chunks cut to the window), with overlapped steps, speculative
+verify rows, a suspend that drops the KV, and the engine's plans replayed; the same budget holds
+more requests at once than one pool for every layer does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from taipan import LLM
+from taipan.actors.config import local_chunk, ring_blocks
+from taipan.actors.engine.local_kv import LocalPool, local_arrays
+from taipan.actors.gpu.sizing import size_pools
+from taipan.actors.gpu.window import kv_window, windowed_layers
+from taipan.messages.gpu import StepPlan
+from tests.random_dense import make_random_gemma3
+from tests.test_e2e_dense import GREEDY, PROMPTS, assert_equals_hf, hf_model
+
+transformers = pytest.importorskip("transformers")
+BLOCK, WINDOW = 16, 24
+LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
+
+
+# ---- the rings --------------------------------------------------------------------------------
+
+
+def test_ring_sizes_hold_a_chunk_and_its_window():
+    """A chunk of c tokens writes and reads keys over W - 1 + c positions: the ring holds them
+    in distinct slots wherever the chunk starts; a short request's ring never wraps."""
+    chunk = local_chunk(WINDOW, BLOCK, num_speculative_tokens=3)
+    assert chunk == WINDOW and local_chunk(8, BLOCK, 20) == 21
+    r = ring_blocks(WINDOW, BLOCK, chunk)
+    assert r == 4
+    pool = LocalPool(10, WINDOW, BLOCK, chunk)
+    assert pool.ring_size(40) == 3 and not pool.wraps(40)
+    assert pool.ring_size(1000) == r and pool.wraps(1000)
+    ring = list(range(r))
+    for start in range(0, 200, 7):  # every span a chunk reads maps to distinct slots
+        pos = np.arange(max(0, start - WINDOW + 1), start + chunk)
+        slots = np.asarray(ring)[(pos // BLOCK) % r] * BLOCK + pos % BLOCK
+        assert len(set(slots.tolist())) == len(pos)
+
+
+def test_rings_are_taken_and_given_back_deterministically():
+    pool = LocalPool(6, WINDOW, BLOCK, WINDOW)
+    a, b = pool.take(4), pool.take(2)
+    assert (a, b, pool.num_free) == ([0, 1, 2, 3], [4, 5], 0)
+    with pytest.raises(RuntimeError, match="2 free blocks, not 3"):
+        pool.give(b) or pool.take(3)
+    pool.give(a)
+    assert pool.take(4) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="needs blocks and a window"):
+        LocalPool(0, WINDOW, BLOCK, WINDOW)
+
+
+def test_local_tables_repeat_each_ring_and_slots_follow_positions():
+    chunks = [
+        SimpleNamespace(start=5, num_new_tokens=3),
+        SimpleNamespace(start=70, num_new_tokens=1),
+    ]
+    out = local_arrays([[7, 8, 9], [3, 4, 5, 6]], chunks, 6, BLOCK)
+    np.testing.assert_array_equal(
+        out["local_block_tables"], [[7, 8, 9, 7, 8, 9], [3, 4, 5, 6, 3, 4]]
+    )
+    # position 70: block 4 of a ring of 4 -> its first block (3), offset 6
+    assert out["local_slot_mapping"].tolist() == [7 * 16 + 5, 7 * 16 + 6, 7 * 16 + 7, 3 * 16 + 6]
+
+
+def test_the_split_gives_the_windowed_layers_at_most_their_share():
+    """Blocks of 3 windowed layers (local) and 1 other (main) over a budget of 100 one-pool
+    blocks: the windowed pool takes what the rings want, at most 3/4 of the budget."""
+    layer = 1000
+    few = size_pools(100 * 4 * layer, layer, local_block_bytes=3 * layer, local_blocks=40)
+    assert (few.num_local_blocks, few.num_blocks) == (40, 400 - 120)
+    many = size_pools(100 * 4 * layer, layer, local_block_bytes=3 * layer, local_blocks=10**6)
+    assert (many.num_local_blocks, many.num_blocks) == (100, 100)  # one pool's split
+    with pytest.raises(ValueError, match="no block of the windowed layers"):
+        size_pools(layer, layer, local_block_bytes=3 * layer, local_blocks=4)
+
+
+def test_which_models_split():
+    def config(windows):
+        return SimpleNamespace(num_layers=len(windows), layer_window=lambda i: windows[i])
+
+    assert windowed_layers(config([24, 24, None, 24])) == (24, (True, True, False, True))
+    assert windowed_layers(config([24, 24])) is None and kv_window(config([24, 24])) == 24
+    assert windowed_layers(config([None, None])) is None
+    assert windowed_layers(SimpleNamespace(num_layers=2)) is None
+
+
+def test_a_plan_without_its_local_arrays_is_refused():
+    from taipan.actors.gpu.plan_checks import check_local_kv
+    from tests.test_ops_logprobs import Seq, make_plan
+
+    plan = make_plan(1, [Seq([1, 2, 3], 0, [0])])
+    check_local_kv(plan, 0, BLOCK)
+    with pytest.raises(ValueError, match="must match block_tables"):
+        check_local_kv(plan, 8, BLOCK)
+    good = dataclasses.replace(
+        plan,
+        local_block_tables=np.zeros(plan.block_tables.shape, np.int32),
+        local_slot_mapping=np.arange(3, dtype=np.int64),
+    )
+    check_local_kv(good, 8, BLOCK)
+    with pytest.raises(ValueError, match="need a windowed layers' pool"):
+        check_local_kv(good, 0, BLOCK)
+    bad = dataclasses.replace(good, local_block_tables=good.local_block_tables + 8)
+    with pytest.raises(ValueError, match="must name blocks 0..7"):
+        check_local_kv(bad, 8, BLOCK)
+    assert isinstance(plan, StepPlan)
+
+
+# ---- served -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    path = make_random_gemma3(
+        str(tmp_path_factory.mktemp("local") / "g"), sliding_window=WINDOW,
+        layer_types=LAYERS, num_hidden_layers=len(LAYERS),
+    )  # fmt: skip
+    return path, hf_model(path)
+
+
+def _config(path: str, blocks: float, **extra) -> dict:
+    """A budget of `blocks` one-pool blocks (every layer's keys), prefix caching off (the
+    default), chunked prefill off (a local pool turns it on)."""
+    c = transformers.AutoConfig.from_pretrained(path)
+    per_block = c.num_hidden_layers * 2 * BLOCK * c.num_key_value_heads * c.head_dim * 4
+    return dict(
+        block_size_tokens=BLOCK, max_tokens=64, max_requests=4, max_sequence_length=256,
+        buffer_size_gb=blocks * per_block / 1024**3, **extra,
+    )  # fmt: skip
+
+
+def test_served_equal_hf_with_wrapping_rings(gemma, tmp_path):
+    """Prompts of 55 and 100 tokens outgrow their rings of 4 blocks (64 keys): they prefill in
+    chunks of the window and wrap, overlapped steps, and equal transformers; the engine's plans
+    replay; a suspend that drops the KV recomputes into the rings."""
+    from taipan import replay
+    from taipan.actors.record import read_log
+
+    path, hf = gemma
+    rec = tmp_path / "rec"
+    with LLM(path, record_dir=str(rec), **_config(path, 12, overlap_steps=True)) as llm:
+        done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        [rank] = llm.stats().ranks
+        assert rank.num_local_blocks > 0 and rank.local_blocks_used == 0
+        assert llm.pause().state == "PAUSED"
+        assert llm.suspend("recompute").state == "SUSPENDED"
+        llm.resume()
+        llm.unpause()
+        again = llm.generate(PROMPTS[2:4], GREEDY, use_tqdm=False)
+    assert_equals_hf(done + again, hf)
+    logs = {name: list(read_log(rec / f"{name}.tplog")) for name in ("engine-0",)}
+    assert replay.check(logs, {name: rec / f"{name}.tplog" for name in logs}) == 0
+
+
+def test_one_budget_holds_more_requests_with_a_windowed_pool(gemma):
+    """Four requests of up to 110 tokens (7 blocks each) on a budget of 20 one-pool blocks: one
+    pool for every layer (prefix caching on) pauses requests; the split (the global layer's
+    blocks in the main pool, 32 of them, the three local layers' rings apart) runs them all at
+    once."""
+    path, hf = gemma
+    prompts = PROMPTS[2:4] * 2
+    one_pool = _config(path, 20, enable_prefix_caching=True, enable_chunked_prefill=True)
+    with LLM(path, **one_pool) as llm:
+        one = llm.generate(prompts, GREEDY, use_tqdm=False)
+        [rank] = llm.stats().ranks
+        assert rank.num_local_blocks == 0 and rank.paused_total > 0
+    with LLM(path, **_config(path, 20)) as llm:
+        split = llm.generate(prompts, GREEDY, use_tqdm=False)
+        [rank] = llm.stats().ranks
+        assert rank.num_local_blocks > 0 and rank.paused_total == 0
+        assert rank.num_blocks == 32  # (blocks of the one global layer)
+    assert [d.token_ids for d in split] == [d.token_ids for d in one]
+    assert_equals_hf(split, hf)
+
+
+def test_speculative_verify_rows_on_wrapping_rings(gemma):
+    """n-gram drafts (k = 3) on a prompt that repeats itself: verify rows of four tokens write
+    into wrapping rings, rejected ones roll back, and the tokens equal transformers'."""
+    path, hf = gemma
+    repeat = (PROMPTS[2][:20] * 5)[:90]
+    with LLM(path, **_config(path, 12, num_speculative_tokens=3)) as llm:
+        [done] = llm.generate([repeat], GREEDY, use_tqdm=False)
+        stats = llm.stats().merged()
+    assert stats.spec_verify_rows > 0
+    assert_equals_hf([done], hf)
+
+
+@pytest.mark.slow
+def test_served_at_tp2_equal_hf(gemma):
+    """Two processes (gloo), each with its kv heads' share of both pools."""
+    path, hf = gemma
+    with LLM(path, tensor_parallel_size=2, **_config(path, 12)) as llm:
+        done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert llm.stats().ranks[0].num_local_blocks > 0
+    assert_equals_hf(done, hf)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graphs_with_a_windowed_pool_equal_hf(tmp_path):
+    """On CUDA (graphs on; head_dim 64 for the kernels), fp32 with TF32 off: the windowed
+    layers read their rings through the captured graphs' persistent local tables and slots."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    path = make_random_gemma3(
+        str(tmp_path / "g"), seed=2, head_dim=64, sliding_window=WINDOW, layer_types=LAYERS,
+        num_hidden_layers=len(LAYERS),
+    )  # fmt: skip
+    hf = hf_model(path, "cuda")
+    with LLM(path, device="cuda", **_config(path, 12, overlap_steps=True)) as llm:
+        done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        stats = llm.stats().merged()
+    assert stats.steps_graphed > 0 and stats.num_local_blocks > 0
+    assert_equals_hf(done, hf, atol=1e-3)
