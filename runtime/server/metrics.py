@@ -163,6 +163,8 @@ class Metrics:
                 ("kv_blocks_used", "KV cache blocks in use"),
                 ("kv_blocks_total", "KV cache blocks"),
                 ("kv_cache_usage_perc", "KV cache blocks in use, share (0..1)"),
+                ("local_kv_blocks_used", "Windowed layers' own KV blocks in use (rings)"),
+                ("local_kv_blocks_total", "Windowed layers' own KV blocks (0: one pool)"),
                 ("prefix_cache_hit_rate", "Prompt tokens taken from the prefix cache, share"),
                 ("engine_ranks_alive", "Engine ranks serving (a dead one is routed around)"),
             )
@@ -186,6 +188,8 @@ class Metrics:
             "kv_cache_usage_perc": merged.blocks_used / merged.num_blocks
             if merged.num_blocks
             else 0.0,
+            "local_kv_blocks_used": merged.local_blocks_used,
+            "local_kv_blocks_total": merged.num_local_blocks,
             "prefix_cache_hit_rate": merged.prefix_hit_rate,
             "engine_ranks_alive": sum(r.alive for r in stats.ranks),
         }
