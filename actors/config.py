@@ -131,6 +131,12 @@ class InferenceConfig:
     # are updated: update_weights(..., draft=True)), "refuse" (updates of the target's weights
     # are refused while the draft is loaded; the draft's own still land). taipan's own.
     draft_weight_policy: str = "keep"
+    # Per-layer-group KV: a model whose windowed layers sit among global ones (Gemma 3's local
+    # layers, Qwen's max_window_layers) keeps the windowed layers' keys in a pool of their own,
+    # each request a ring of its last window (actors/engine/local_kv.py; with prefix caching
+    # that pool also caches the windowed keys of cached prompt blocks). True: one pool for every
+    # layer, as a model without such layers has (vLLM's --disable-hybrid-kv-cache-manager).
+    disable_hybrid_kv_cache_manager: bool = False
     verbose: dataclasses.InitVar[bool] = False
 
     @property

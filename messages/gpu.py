@@ -95,9 +95,11 @@ class LoadModel:
     draft_model: str = ""
     # Per-layer-group KV: a model whose windowed layers sit among layers that see their whole
     # context (Gemma 3's local layers) keeps the windowed layers' KV in a pool of its own,
-    # rings of a request's last window (ModelLoaded.local_window); False (prefix caching on,
-    # whose cached prefixes need every layer's keys): every layer in the one pool.
+    # rings of a request's last window (ModelLoaded.local_window); False: every layer in the
+    # one pool. `local_kv_cache` (prefix caching on): that pool also caches the windowed keys
+    # of cached prompt blocks, so it takes the windowed layers' whole share of the budget.
     local_kv_pool: bool = False
+    local_kv_cache: bool = False
 
 
 @message(121, required=11)  # (tensor_parallel_size came later)
@@ -274,6 +276,15 @@ class StepPlan:
     # slots of the step's tokens int64[T] in that pool.
     local_block_tables: Array[np.int32, 2] = empty_array_field(np.int32, 2)
     local_slot_mapping: Array[np.int64, 1] = empty_array_field(np.int64)
+    # With prefix caching, int32[C] / [S] pairs of blocks of that pool (every windowed layer,
+    # keys and values): before the forward block local_copy_src[i] is copied into
+    # local_copy_dst[i] (a prefix hit's cached window into its ring), after it local_save_src[i]
+    # into local_save_dst[i] (a computed prompt block into the cache). All copies of one kind
+    # read before any writes.
+    local_copy_src: Array[np.int32, 1] = empty_array_field(np.int32)
+    local_copy_dst: Array[np.int32, 1] = empty_array_field(np.int32)
+    local_save_src: Array[np.int32, 1] = empty_array_field(np.int32)
+    local_save_dst: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123, required=12)  # (routed_experts came later)

@@ -94,9 +94,12 @@ class RankStats:
     # merged: the ranks where it did).
     spec_draft_disabled: int = 0
     # Per-layer-group KV (the windowed layers' own pool, actors/engine/local_kv.py; 0 without
-    # one): its blocks, and those the requests' rings hold.
+    # one): its blocks, those the requests' rings hold, those caching prompt blocks' windowed
+    # keys (prefix caching), and the cached blocks copied into rings by prefix hits.
     num_local_blocks: int = 0
     local_blocks_used: int = 0
+    local_blocks_cached: int = 0
+    local_blocks_copied: int = 0
 
     @property
     def blocks_active(self) -> int:

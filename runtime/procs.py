@@ -181,8 +181,9 @@ def load_model_message(spec: LaunchSpec, rank: int, ep_load: dict):
         speculative=config.num_speculative_tokens > 0,
         num_speculative_tokens=config.num_speculative_tokens,
         draft_model=_draft_model_path(config),
-        # (a cached prefix needs every layer's keys: actors/engine/local_kv.py)
-        local_kv_pool=not config.enable_prefix_caching,
+        # (a model without both windowed and global layers has none either way)
+        local_kv_pool=not config.disable_hybrid_kv_cache_manager,
+        local_kv_cache=config.enable_prefix_caching,
     )
 
 

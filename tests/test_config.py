@@ -74,6 +74,7 @@ TAIPAN_FIELDS = {
     "ngram_prompt_lookup_max": 4,
     "speculative_model": None,
     "draft_weight_policy": "keep",
+    "disable_hybrid_kv_cache_manager": False,
 }
 HINTS = typing.get_type_hints(InferenceConfig)
 FIELDS = {f.name: f for f in dataclasses.fields(InferenceConfig)}

@@ -78,6 +78,38 @@ def test_local_tables_repeat_each_ring_and_slots_follow_positions():
     assert out["local_slot_mapping"].tolist() == [7 * 16 + 5, 7 * 16 + 6, 7 * 16 + 7, 3 * 16 + 6]
 
 
+def test_cached_windows_shorten_a_hit_to_what_they_cover():
+    """Prompt blocks a chunk completes are saved (from the ring, into cached blocks) and usable
+    once their step is done; a hit keeps only the matched blocks whose window before the
+    first computed token is cached."""
+    pool = LocalPool(12, WINDOW, BLOCK, WINDOW, caching=True)
+    hashes = np.arange(100, 106)  # six prompt blocks
+    req = SimpleNamespace(hashes=hashes, ring=pool.take(4))
+    saves: list = []
+    chunk = SimpleNamespace(request=req, start=0, num_new_tokens=40, drafts=None)
+    pool.saves_of([chunk], 1, saves)  # blocks 0 and 1 complete (block 2 is not)
+    assert saves == [(0, 4), (1, 5)] and pool.num_cached == 2
+    assert pool.usable_hit(hashes, 2, 200) == 0  # (step 1 is still in flight)
+    pool.writing.clear()
+    assert pool.usable_hit(hashes, 2, 200) == 2  # the window before 32: blocks 0, 1
+    chunk = SimpleNamespace(request=req, start=40, num_new_tokens=24, drafts=None)
+    pool.saves_of([chunk], 2, saves)  # block 2 (positions 32..47) and 3
+    pool.writing.clear()
+    assert pool.num_cached == 4 and saves[2:] == [(2, 6), (3, 7)]
+    pool._cache.pop(101)  # block 1's windowed keys evicted
+    # a hit of 4 blocks starts at 64 and needs blocks 2, 3 (positions 41..63): cached
+    assert pool.usable_hit(hashes, 4, 200) == 4
+    # a hit of 3 starts at 48 and needs blocks 1, 2 (positions 25..47): block 1 is gone; so
+    # would 2 (blocks 0, 1) and 1 (block 0 only: cached)
+    assert pool.usable_hit(hashes, 3, 200) == 1
+    copies: list = []
+    ring = pool.take(4)
+    pool.copies_into(ring, hashes, 64, copies)
+    assert copies == [(6, ring[2]), (7, ring[3])] and pool.num_copied == 2
+    pool.drop_cache()
+    assert pool.num_cached == 0 and pool.usable_hit(hashes, 4, 200) == 0
+
+
 def test_the_split_gives_the_windowed_layers_at_most_their_share():
     """Blocks of 3 windowed layers (local) and 1 other (main) over a budget of 100 one-pool
     blocks: the windowed pool takes what the rings want, at most 3/4 of the budget."""
@@ -170,12 +202,12 @@ def test_served_equal_hf_with_wrapping_rings(gemma, tmp_path):
 
 def test_one_budget_holds_more_requests_with_a_windowed_pool(gemma):
     """Four requests of up to 110 tokens (7 blocks each) on a budget of 20 one-pool blocks: one
-    pool for every layer (prefix caching on) pauses requests; the split (the global layer's
-    blocks in the main pool, 32 of them, the three local layers' rings apart) runs them all at
-    once."""
+    pool for every layer (disable_hybrid_kv_cache_manager, vLLM's name) pauses requests; the
+    split (the global layer's blocks in the main pool, 32 of them, the three local layers'
+    rings apart) runs them all at once."""
     path, hf = gemma
     prompts = PROMPTS[2:4] * 2
-    one_pool = _config(path, 20, enable_prefix_caching=True, enable_chunked_prefill=True)
+    one_pool = _config(path, 20, enable_chunked_prefill=True, disable_hybrid_kv_cache_manager=True)
     with LLM(path, **one_pool) as llm:
         one = llm.generate(prompts, GREEDY, use_tqdm=False)
         [rank] = llm.stats().ranks
@@ -228,3 +260,25 @@ def test_gpu_cuda_graphs_with_a_windowed_pool_equal_hf(tmp_path):
         stats = llm.stats().merged()
     assert stats.steps_graphed > 0 and stats.num_local_blocks > 0
     assert_equals_hf(done, hf, atol=1e-3)
+
+
+def test_prefix_hits_copy_the_cached_window_into_the_ring(gemma):
+    """Prefix caching with the split: the second run of a 70-token prompt skips its cached
+    blocks, the windowed keys of the window before the hit copied from the cache into its
+    ring; the tokens equal the first run's and transformers'. A flush drops both caches."""
+    from tests.test_e2e_dense import CACHED, SHARED
+
+    path, hf = gemma
+    with LLM(path, **_config(path, 12, enable_prefix_caching=True)) as llm:
+        [first] = llm.generate([SHARED], CACHED, use_tqdm=False)
+        [again] = llm.generate([SHARED], CACHED, use_tqdm=False)
+        [rank] = llm.stats().ranks
+        assert again.num_cached_tokens == 4 * BLOCK and first.num_cached_tokens == 0
+        assert rank.local_blocks_cached >= 4 and rank.local_blocks_copied == 2
+        assert llm.pause().state == "PAUSED"
+        llm.flush_cache()
+        llm.unpause()
+        [third] = llm.generate([SHARED], CACHED, use_tqdm=False)
+        assert third.num_cached_tokens == 0
+    assert again.token_ids == first.token_ids == third.token_ids
+    assert_equals_hf([first, again], hf)

@@ -345,6 +345,8 @@ class EngineActor(EngineControls, Actor):
             spec_draft_disabled=s.get("spec_draft_disabled", 0),
             num_local_blocks=self.scheduler.plan.num_local_blocks,
             local_blocks_used=s.get("local_blocks_used", 0),
+            local_blocks_cached=s.get("local_blocks_cached", 0),
+            local_blocks_copied=s.get("local_blocks_copied", 0),
         )
         return Stats(self.state, (rank,))
 

@@ -86,6 +86,10 @@ def _start(sched, req, draft: Draft, now: float, n, need, cost, blocks, restore)
     draft.take(req, n, need, cost)
     if sched.local is not None:  # (actors/engine/local_kv.py)
         req.ring = sched.local.take(sched.local.ring_size(req.max_total_tokens))
+        if blocks:  # a prefix hit: its window's cached windowed keys into the ring
+            sched.local.copies_into(
+                req.ring, req.hashes, req.num_computed_tokens, draft.local_copies
+            )
     if sched.prefix is not None:
         sched.prefix.pin(req, blocks, draft.pins, req.num_released)
         if req.num_released:  # (with its pin, in this step's BlockOps: nothing comes back)
@@ -128,6 +132,10 @@ def _shared_prefix(sched, req: EngineRequest) -> tuple[list[int], int] | None:
     blocks, wait = px.match(req.hashes)
     if req.routed is not None:  # only blocks whose routing is kept (actors/engine/routing.py)
         keep = shareable_with_routing(req, len(blocks), px.routing_of, px.block_size)
+        if keep < len(blocks):
+            blocks, wait = blocks[:keep], False
+    if sched.local is not None:  # only blocks whose window's windowed keys are cached too
+        keep = sched.local.usable_hit(req.hashes, len(blocks), req.num_planned_tokens)
         if keep < len(blocks):
             blocks, wait = blocks[:keep], False
     if wait:

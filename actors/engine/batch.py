@@ -61,6 +61,10 @@ class StepBatch:
     mamba_free: list[int] = dataclasses.field(default_factory=list)
     mamba_invalidate: list[int] = dataclasses.field(default_factory=list)
     mamba_drop: bool = False
+    # Per-layer-group KV with prefix caching (actors/engine/local_kv.py): windowed keys copied
+    # from cached blocks into rings before the forward, and saved from rings after it (src, dst).
+    local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    local_saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def has_mamba_ops(self) -> bool:
@@ -89,6 +93,7 @@ class Draft:
     claimed: int = 0  # chunks whose prompt blocks are registered (later admissions wait)
     mamba_live: list[EngineRequest] = dataclasses.field(default_factory=list)
     mamba_restore: list[int] = dataclasses.field(default_factory=list)
+    local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     def take(self, req: EngineRequest, n: int, need: int, cost: int = 0) -> None:
         """`req` runs n tokens this step, on `need` new blocks (and `cost` to pin its prefix)."""

@@ -13,15 +13,23 @@ ring of `ring_blocks(W, block_size, c)` holds with no two in one slot. So r is t
 wraps), and a request whose ring wraps computes at most `local_chunk` tokens a step (the
 scheduler's `fit` cuts its chunks; chunked prefill is on with a local pool).
 
-The ring is never hashed or shared: with prefix caching on the engine asks for no local pool
-(a cached prefix would need the windowed layers' keys of its last window too). The main pool
-(the allocator's) then holds only the other layers, and a long request takes one block of it
-per block_size tokens, of the global layers alone.
+With prefix caching the pool also caches: each prompt block a step registers with the
+allocator (actors/engine/prefix.py) has its windowed layers' keys saved from the ring into a
+cached block of this pool after that step's forward (StepPlan.local_save_*), under the same
+hash; a later prefix hit uses only as many matched blocks as have the windowed keys of the
+window before the hit cached (`usable_hit`: the key of a windowed layer at p depends on the
+window before p through every layer below it, so those keys cannot be recomputed from the
+window alone), and those are copied into the new ring before its first step's forward
+(StepPlan.local_copy_*; all copies of a step read before any writes, so a cached block handed
+out again in the same plan is still read intact). Cached blocks are evicted least recently
+used first when a ring or a save needs a block, and dropped with the prefix cache.
 
 Pure: ints and lists; no sockets, no torch. Deterministic (a replay hands out the same ids).
 """
 
 from __future__ import annotations
+
+from collections import OrderedDict
 
 import numpy as np
 
@@ -29,20 +37,32 @@ from taipan.actors.config import ring_blocks
 
 
 class LocalPool:
-    """The windowed layers' blocks: `num_blocks` ids handed out as rings."""
+    """The windowed layers' blocks: `num_blocks` ids handed out as rings, and with prefix
+    caching (`caching`) the windowed keys of cached prompt blocks."""
 
-    def __init__(self, num_blocks: int, window: int, block_size: int, chunk: int):
+    def __init__(
+        self, num_blocks: int, window: int, block_size: int, chunk: int, caching: bool = False
+    ):
         if num_blocks < 1 or window < 1:
             raise ValueError(f"a local pool needs blocks and a window, got {num_blocks}, {window}")
         self.num_blocks, self.window, self.block_size, self.chunk = (
             num_blocks, window, block_size, chunk,
         )  # fmt: skip
+        self.caching = caching
         self.ring_blocks = ring_blocks(window, block_size, chunk)
         self._free = list(range(num_blocks - 1, -1, -1))  # a stack: lowest ids first
+        self._cache: OrderedDict[int, int] = OrderedDict()  # hash -> block, oldest use first
+        self.writing: dict[int, int] = {}  # hash -> the step whose forward saves it
+        self.num_copied = 0  # cached blocks copied into rings (stats)
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks a ring may take: free ones and cached ones (evicted on demand)."""
+        return len(self._free) + len(self._cache)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._cache)
 
     def ring_size(self, total_tokens: int) -> int:
         """The ring of a request that may grow to `total_tokens` (prompt + max_tokens)."""
@@ -53,14 +73,75 @@ class LocalPool:
         return self.ring_size(total_tokens) * self.block_size < total_tokens
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"the local pool has {len(self._free)} free blocks, not {n}")
+        """n blocks, the least recently used cached ones evicted if the free ones are short."""
+        if n > self.num_free:
+            raise RuntimeError(f"the local pool has {self.num_free} free blocks, not {n}")
+        while len(self._free) < n:
+            self._free.append(self._cache.popitem(last=False)[1])
         out = self._free[-n:][::-1]
         del self._free[-n:]
         return out
 
     def give(self, ring: list[int]) -> None:
         self._free.extend(reversed(ring))
+
+    # --- prefix caching ------------------------------------------------------------------------
+
+    def _window_blocks(self, start: int) -> range:
+        """The blocks holding the keys a query at `start` reads before it (its window)."""
+        return range(
+            max(0, start - self.window + 1) // self.block_size, -(-start // self.block_size)
+        )
+
+    def usable_hit(self, hashes: np.ndarray, matched: int, planned: int) -> int:
+        """The most of `matched` leading cached prompt blocks a request may skip: those whose
+        window before the first computed token (min(m * block_size, planned - 1), as
+        admission starts) has its windowed keys cached."""
+        for m in range(matched, 0, -1):
+            start = min(m * self.block_size, planned - 1)
+            if all(self._usable(int(hashes[j])) for j in self._window_blocks(start)):
+                return m
+        return 0
+
+    def _usable(self, h: int) -> bool:
+        """Cached, and saved by a step whose result came back (a failed step drops them)."""
+        return h in self._cache and h not in self.writing
+
+    def copies_into(self, ring: list[int], hashes: np.ndarray, start: int, copies: list) -> None:
+        """The cached windowed keys of the window before `start` into `ring` (src, dst)."""
+        for j in self._window_blocks(start):
+            h = int(hashes[j])
+            self._cache.move_to_end(h)
+            copies.append((self._cache[h], ring[j % len(ring)]))
+            self.num_copied += 1
+
+    def saves_of(self, chunks, step: int, saves: list) -> None:
+        """Each complete prompt block a chunk of step `step` computes, from its ring after the
+        forward into a cached block (src, dst), unless its hash is cached already (or no
+        block can be had); usable once that step's result comes back."""
+        bs = self.block_size
+        for c in chunks:
+            r = c.request
+            if c.drafts is not None or not len(r.hashes) or not r.ring:
+                continue
+            stop = min((c.start + c.num_new_tokens) // bs, len(r.hashes))
+            for j in range(c.start // bs, stop):  # (the blocks this chunk completes)
+                h = int(r.hashes[j])
+                if h in self._cache:
+                    self._cache.move_to_end(h)
+                    continue
+                if not self.num_free:
+                    return
+                [dst] = self.take(1)
+                self._cache[h] = dst
+                self.writing[h] = step
+                saves.append((r.ring[j % len(r.ring)], dst))
+
+    def drop_cache(self) -> None:
+        """Every cached block is void (the prefix cache was dropped)."""
+        self._free.extend(reversed(list(self._cache.values())))
+        self._cache.clear()
+        self.writing.clear()
 
 
 def local_arrays(rings: list[list[int]], chunks, width: int, block_size: int) -> dict:
@@ -81,3 +162,14 @@ def local_arrays(rings: list[list[int]], chunks, width: int, block_size: int) ->
     pos = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
     blocks = padded[owner, (pos // bs) % sizes[owner]].astype(np.int64)
     return {"local_block_tables": tables, "local_slot_mapping": blocks * bs + pos % bs}
+
+
+def copy_arrays(copies: list[tuple[int, int]], saves: list[tuple[int, int]]) -> dict:
+    """The StepPlan's local_copy_src / _dst (cached blocks into rings, before the forward) and
+    local_save_src / _dst (ring blocks into cached ones, after it); {} when there are none."""
+    out = {}
+    for name, pairs in (("copy", copies), ("save", saves)):
+        if pairs:
+            arr = np.asarray(pairs, dtype=np.int32)
+            out[f"local_{name}_src"], out[f"local_{name}_dst"] = arr[:, 0], arr[:, 1]
+    return out

@@ -54,7 +54,7 @@ from taipan.actors.engine.grammar import GrammarBook
 from taipan.actors.engine.local_kv import LocalPool
 from taipan.actors.engine.mamba import MambaMirror
 from taipan.actors.engine.outputs import Appending, append_token, take_prompt_log_probs
-from taipan.actors.engine.prefix import PrefixIndex
+from taipan.actors.engine.prefix import PrefixIndex, writes_done
 from taipan.actors.engine.request import EngineRequest, Status, blocks_behind_window
 from taipan.actors.engine.routing import keep_block_routing, take_step
 from taipan.actors.engine.speculation import Speculation
@@ -123,7 +123,10 @@ class Scheduler:
         if plan.local_window and plan.num_local_blocks:
             k = speculation.k if speculation is not None else 0
             chunk = local_chunk(plan.local_window, plan.block_size, k)
-            self.local = LocalPool(plan.num_local_blocks, plan.local_window, plan.block_size, chunk)
+            self.local = LocalPool(
+                plan.num_local_blocks, plan.local_window, plan.block_size, chunk,
+                caching=self.prefix is not None,
+            )  # fmt: skip
             self.chunked_prefill = True
 
     def set_sliding_window(self, window: int) -> None:
@@ -357,6 +360,10 @@ class Scheduler:
             self.pending_release_blocks = 0
         batch.mamba_live, batch.mamba_restore = draft.mamba_live, draft.mamba_restore
         batch.mamba_snaps = snaps
+        if self.local is not None:
+            batch.local_copies = draft.local_copies
+            if self.local.caching:
+                self.local.saves_of(draft.chunks, batch.step, batch.local_saves)
         batch.weight_version = self.salt
         if batch.has_mamba_ops:
             batch.mamba_free, batch.mamba_invalidate, batch.mamba_drop = self.mamba.take_pending()
@@ -471,6 +478,8 @@ class Scheduler:
         step = Appending(now, self.plan, self.track_token_events, batch.weight_version)
         if batch.chunks:
             self.steps_in_flight -= 1
+        if self.local is not None and self.local.writing:
+            writes_done(self.local.writing, batch.step, list(self.local.writing))
         if self.prefix is not None:
             self.prefix.done_writing(batch.step, [reg[2] for reg in batch.regs])
             if self.mamba_snapshots:
@@ -539,7 +548,12 @@ class Scheduler:
         }
 
     def _local_stats(self) -> dict[str, int]:
-        return {"local_blocks_used": self.local.num_blocks - self.local.num_free}
+        pool = self.local
+        return {
+            "local_blocks_used": pool.num_blocks - pool.num_free,
+            "local_blocks_cached": pool.num_cached,
+            "local_blocks_copied": pool.num_copied,
+        }
 
     # --- ending -------------------------------------------------------------------------------
 
@@ -590,6 +604,8 @@ class Scheduler:
         self.prefix.drop()
         if self.mamba_snapshots:
             self.mamba.drop()
+        if self.local is not None:
+            self.local.drop_cache()
 
     def _release(self, blocks: list[int]) -> int:
         """Blocks that come back (free, or cached and idle) when a request lets go of these."""

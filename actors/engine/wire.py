@@ -12,7 +12,7 @@ import numpy as np
 from taipan.actors.config import InferenceConfig, RuntimePlan, plan_limits
 from taipan.actors.engine.batch_arrays import plan_arrays
 from taipan.actors.engine.grammar import grammar_problem
-from taipan.actors.engine.local_kv import local_arrays
+from taipan.actors.engine.local_kv import copy_arrays, local_arrays
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.routing import RoutedExperts
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
@@ -202,6 +202,8 @@ def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
         rings = [c.request.ring for c in batch.chunks]
         width = arrays["block_tables"].shape[1]
         arrays |= local_arrays(rings, batch.chunks, width, p.block_size)
+    if sched.local is not None:
+        arrays |= copy_arrays(batch.local_copies, batch.local_saves)
     return StepPlan(step=batch.step, **arrays)
 
 

@@ -177,12 +177,20 @@ def _check_entries(plan: StepPlan, names: tuple[str, ...], vocab_size: int) -> N
 def check_local_kv(plan: StepPlan, num_local_blocks: int, block_size: int) -> None:
     """Per-layer-group KV: with a windowed layers' pool of `num_local_blocks` (0: none), a plan
     with sequences carries their local block tables (as wide as its block tables) and one local
-    slot per input token (-1: none), every id in that pool; without one, neither (ValueError)."""
+    slot per input token (-1: none), and its block copies (prefix caching) name blocks of that
+    pool; without one, none of these (ValueError)."""
     tables, slots = plan.local_block_tables, plan.local_slot_mapping
+    copies = (plan.local_copy_src, plan.local_copy_dst, plan.local_save_src, plan.local_save_dst)
     if not num_local_blocks:
-        if tables.size or len(slots):
+        if tables.size or len(slots) or any(len(a) for a in copies):
             raise ValueError("local_block_tables / local_slot_mapping need a windowed layers' pool")
         return
+    for src, dst, kind in ((copies[0], copies[1], "copy"), (copies[2], copies[3], "save")):
+        if len(src) != len(dst):
+            raise ValueError(f"local_{kind}_src and local_{kind}_dst must have one length")
+        both = np.concatenate([src, dst])
+        if len(both) and (both.min() < 0 or both.max() >= num_local_blocks):
+            raise ValueError(f"local_{kind}_src / _dst must name blocks 0..{num_local_blocks - 1}")
     if not len(plan.seq_lens):
         return
     if tables.shape != plan.block_tables.shape or len(slots) != len(plan.input_ids):

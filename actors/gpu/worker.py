@@ -41,7 +41,7 @@ from taipan.actors.gpu.plan_checks import (
     check_sampling_controls,
     inner_snapshots,
 )
-from taipan.actors.gpu.sampling_controls import controlled_logits
+from taipan.actors.gpu.sampling_controls import controlled_logits, to_device
 from taipan.actors.gpu.sizing import PoolSizes, available_host_memory, kv_budget, size_pools
 from taipan.actors.gpu.speculative import check_drafts, draft_rows, verify_drafts
 from taipan.actors.gpu.window import kv_window, windowed_layers
@@ -226,6 +226,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             per_block -= local_bytes
             chunk = local_chunk(split[0], msg.block_size, msg.num_speculative_tokens)
             local_wanted = msg.max_requests * ring_blocks(split[0], msg.block_size, chunk)
+            if msg.local_kv_cache:  # (the rest of the windowed layers' share caches)
+                local_wanted = 2**62
         draft = load_draft(msg, model, config, dtype, self.device, self.tp)
         if draft is not None:  # (its KV blocks share the target's ids: one budget for both)
             per_block += kv_cache_bytes_per_block(draft[1], msg.block_size, dtype, draft[2])
@@ -271,13 +273,25 @@ class ModelWorker(WorkerForward, WorkerControls):
     def _local_split(self, msg: LoadModel, model, config) -> tuple[int, tuple[bool, ...]] | None:
         """(W, which layers have a window) when the windowed layers' KV gets a pool of its own
         (LoadModel.local_kv_pool, a Llama-skeleton model with windowed and global layers and
-        no recurrent ones); else None."""
+        no recurrent ones, a window whose ring is shorter than max_sequence_length); else
+        None."""
         if not msg.local_kv_pool or not isinstance(model, LlamaForCausalLM):
             return None
         split = windowed_layers(config)
         if split is None or config.num_kv_layers != len(split[1]):
             return None
+        chunk = local_chunk(split[0], msg.block_size, msg.num_speculative_tokens)
+        if ring_blocks(split[0], msg.block_size, chunk) * msg.block_size >= msg.max_sequence_length:
+            return None  # (a ring would hold every request whole: nothing to gain)
         return split
+
+    def _copy_local(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Blocks `src` of the windowed layers' pool into `dst` (every windowed layer, keys and
+        values; the gather reads them all before the scatter writes)."""
+        local = self.model_kv().local  # [windowed layers, 2, blocks, block_size, heads, dim]
+        # (pinned uploads: a step may be in flight, which a pageable copy would wait for)
+        s, d = (to_device(a, self.device, torch.int64) for a in (src, dst))
+        local[:, :, d] = local[:, :, s]
 
     def model_kv(self):
         """What the model's forward gets as its KV cache: the cache, or under per-layer-group
@@ -489,7 +503,11 @@ class ModelWorker(WorkerForward, WorkerControls):
             began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
             began.record()
         device_start = time.perf_counter()
+        if len(plan.local_copy_src):  # (a prefix hit's cached windowed keys into its ring)
+            self._copy_local(plan.local_copy_src, plan.local_copy_dst)
         inputs, logits, hidden = self._forward_logits(plan, staged, bucket, inner_snaps)
+        if len(plan.local_save_src):  # (computed prompt blocks' windowed keys into the cache)
+            self._copy_local(plan.local_save_src, plan.local_save_dst)
         routed = self._routed_to_host(plan)
         if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
             self._snapshot_chunk_ends(plan)
