@@ -103,8 +103,10 @@ def test_cached_windows_shorten_a_hit_to_what_they_cover():
     # would 2 (blocks 0, 1) and 1 (block 0 only: cached)
     assert pool.usable_hit(hashes, 3, 200) == 1
     copies: list = []
-    ring = pool.take(4)
-    pool.copies_into(ring, hashes, 64, copies)
+    sources = pool.window_sources(hashes, 64)
+    ring = pool.take(pool.num_free)  # (every block: the sources are evicted, still read first)
+    pool.copies_into(ring, sources, copies)
+    assert sources == [(2, 6), (3, 7)] and pool.num_cached == 0
     assert copies == [(6, ring[2]), (7, ring[3])] and pool.num_copied == 2
     pool.drop_cache()
     assert pool.num_cached == 0 and pool.usable_hit(hashes, 4, 200) == 0

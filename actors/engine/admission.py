@@ -85,11 +85,11 @@ def _start(sched, req, draft: Draft, now: float, n, need, cost, blocks, restore)
     (and the snapshot its first chunk starts from)."""
     draft.take(req, n, need, cost)
     if sched.local is not None:  # (actors/engine/local_kv.py)
-        req.ring = sched.local.take(sched.local.ring_size(req.max_total_tokens))
-        if blocks:  # a prefix hit: its window's cached windowed keys into the ring
-            sched.local.copies_into(
-                req.ring, req.hashes, req.num_computed_tokens, draft.local_copies
-            )
+        local = sched.local
+        # A prefix hit: its window's cached windowed keys, copied into its ring.
+        sources = local.window_sources(req.hashes, req.num_computed_tokens) if blocks else []
+        req.ring = local.take(local.ring_size(req.max_total_tokens))
+        local.copies_into(req.ring, sources, draft.local_copies)
     if sched.prefix is not None:
         sched.prefix.pin(req, blocks, draft.pins, req.num_released)
         if req.num_released:  # (with its pin, in this step's BlockOps: nothing comes back)

@@ -13,16 +13,16 @@ ring of `ring_blocks(W, block_size, c)` holds with no two in one slot. So r is t
 wraps), and a request whose ring wraps computes at most `local_chunk` tokens a step (the
 scheduler's `fit` cuts its chunks; chunked prefill is on with a local pool).
 
-With prefix caching the pool also caches: each prompt block a step registers with the
-allocator (actors/engine/prefix.py) has its windowed layers' keys saved from the ring into a
-cached block of this pool after that step's forward (StepPlan.local_save_*), under the same
-hash; a later prefix hit uses only as many matched blocks as have the windowed keys of the
-window before the hit cached (`usable_hit`: the key of a windowed layer at p depends on the
-window before p through every layer below it, so those keys cannot be recomputed from the
-window alone), and those are copied into the new ring before its first step's forward
-(StepPlan.local_copy_*; all copies of a step read before any writes, so a cached block handed
-out again in the same plan is still read intact). Cached blocks are evicted least recently
-used first when a ring or a save needs a block, and dropped with the prefix cache.
+With prefix caching the pool also caches: each complete prompt block a step computes has its
+windowed layers' keys saved from the ring into a cached block of this pool after that step's
+forward (StepPlan.local_save_*), under its prefix hash (actors/engine/prefix.py), usable once
+that step's result is back; a later prefix hit uses only as many matched blocks as have the
+windowed keys of the window before the hit cached (`usable_hit`: the key of a windowed layer at
+p depends on the window before p through every layer below it, so those keys cannot be
+recomputed from the window alone), and those are copied into the new ring before its first
+step's forward (StepPlan.local_copy_*; all copies of a step read before any writes, so a cached
+block handed out again in the same plan is still read intact). Cached blocks are evicted least
+recently used first when a ring or a save needs a block, and dropped with the prefix cache.
 
 Pure: ints and lists; no sockets, no torch. Deterministic (a replay hands out the same ids).
 """
@@ -97,9 +97,15 @@ class LocalPool:
         """The most of `matched` leading cached prompt blocks a request may skip: those whose
         window before the first computed token (min(m * block_size, planned - 1), as
         admission starts) has its windowed keys cached."""
+        if not matched:
+            return 0
+        # missing[j]: leading blocks below j whose windowed keys are not usable (one pass, so
+        # each m costs one subtraction, not a window of lookups)
+        ok = [self._usable(h) for h in hashes[:matched].tolist()]
+        missing = np.concatenate([[0], np.cumsum(np.logical_not(ok))])
         for m in range(matched, 0, -1):
-            start = min(m * self.block_size, planned - 1)
-            if all(self._usable(int(hashes[j])) for j in self._window_blocks(start)):
+            window = self._window_blocks(min(m * self.block_size, planned - 1))
+            if missing[window.stop] == missing[window.start]:
                 return m
         return 0
 
@@ -107,13 +113,21 @@ class LocalPool:
         """Cached, and saved by a step whose result came back (a failed step drops them)."""
         return h in self._cache and h not in self.writing
 
-    def copies_into(self, ring: list[int], hashes: np.ndarray, start: int, copies: list) -> None:
-        """The cached windowed keys of the window before `start` into `ring` (src, dst)."""
+    def window_sources(self, hashes: np.ndarray, start: int) -> list[tuple[int, int]]:
+        """(block index, cached block) of the window before `start`, each marked as just used;
+        read before the hit's ring is taken (which may evict them: the copies still read them
+        intact, before anything of the step writes)."""
+        out = []
         for j in self._window_blocks(start):
             h = int(hashes[j])
             self._cache.move_to_end(h)
-            copies.append((self._cache[h], ring[j % len(ring)]))
-            self.num_copied += 1
+            out.append((j, self._cache[h]))
+        return out
+
+    def copies_into(self, ring: list[int], sources: list[tuple[int, int]], copies: list) -> None:
+        """`window_sources` into `ring`: (src, dst) pairs."""
+        copies.extend((src, ring[j % len(ring)]) for j, src in sources)
+        self.num_copied += len(sources)
 
     def saves_of(self, chunks, step: int, saves: list) -> None:
         """Each complete prompt block a chunk of step `step` computes, from its ring after the
