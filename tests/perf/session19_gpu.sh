@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The nineteenth session's GPU checks, none of which ran then (no device time; carry [".whl",
+# ".carry/new"]; from the root). Run them first in the next GPU session.
+#   part one (one GPU): per-layer-group KV under CUDA graphs (tests/test_local_kv.py), the
+#     sampling controls' CUDA tests (their cases now hold allowed_token_ids), the windowed dense
+#     and Gemma 3 GPU tests (the split pool serves them now), speculative and structured GPU
+#     tests (allow_rows in verify rows), test_gpu.py.
+#   part two (two GPUs): the GPU tests whose helpers moved to tests/ports.py in the eighteenth
+#     session (test_tp.py run_ranks users, the NCCL push of test_rl.py, the weight-transfer ones).
+PART=${1:?part one or two}
+source tests/perf/device_setup.sh
+enter_new_tree || exit 1
+if [ "$PART" = one ]; then
+    timeout -s ABRT 560 python3 -m pytest -q -m gpu -x -p no:cacheprovider \
+        tests/test_local_kv.py tests/test_sampling_controls.py tests/test_e2e_dense.py \
+        tests/test_gemma3.py tests/test_gpu_speculative.py tests/test_structured_outputs.py \
+        2>&1 | tail -15
+fi
+if [ "$PART" = two ]; then
+    timeout -s ABRT 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp.py \
+        tests/test_custom_all_reduce.py tests/test_ops_dense.py tests/test_tp_moe.py \
+        tests/test_rl.py tests/test_gpu_weight_transfer.py 2>&1 | tail -15
+fi
