@@ -21,7 +21,7 @@ import pytest
 
 from taipan import LLM
 from taipan.actors.config import local_chunk, ring_blocks
-from taipan.actors.engine.local_kv import LocalPool, local_arrays
+from taipan.actors.engine.local_kv import LocalPool, local_arrays, ring_row
 from taipan.actors.gpu.sizing import size_pools
 from taipan.actors.gpu.window import kv_window, windowed_layers
 from taipan.messages.gpu import StepPlan
@@ -66,14 +66,17 @@ def test_rings_are_taken_and_given_back_deterministically():
 
 
 def test_local_tables_repeat_each_ring_and_slots_follow_positions():
+    """A ring shorter than the pool's (a request that never wraps: 3 blocks, positions < 48)
+    is repeated to the common width; its entries past its own are never read."""
     chunks = [
         SimpleNamespace(start=5, num_new_tokens=3),
         SimpleNamespace(start=70, num_new_tokens=1),
     ]
-    out = local_arrays([[7, 8, 9], [3, 4, 5, 6]], chunks, 6, BLOCK)
-    np.testing.assert_array_equal(
-        out["local_block_tables"], [[7, 8, 9, 7, 8, 9], [3, 4, 5, 6, 3, 4]]
-    )
+    rows = [ring_row([7, 8, 9], 4), ring_row([3, 4, 5, 6], 4)]
+    assert rows[0].tolist() == [7, 8, 9, 7]
+    out = local_arrays(rows, chunks, 6, BLOCK)
+    np.testing.assert_array_equal(out["local_block_tables"][:, :3], [[7, 8, 9], [3, 4, 5]])
+    assert out["local_block_tables"][1].tolist() == [3, 4, 5, 6, 3, 4]
     # position 70: block 4 of a ring of 4 -> its first block (3), offset 6
     assert out["local_slot_mapping"].tolist() == [7 * 16 + 5, 7 * 16 + 6, 7 * 16 + 7, 3 * 16 + 6]
 

@@ -12,6 +12,7 @@ Works on the scheduler's queues and mirrors (`sched`, the Scheduler: its `waitin
 from __future__ import annotations
 
 from taipan.actors.engine.batch import Draft
+from taipan.actors.engine.local_kv import ring_row
 from taipan.actors.engine.request import EngineRequest, Status, blocks_behind_window
 from taipan.actors.engine.routing import fill_from_cache, shareable_with_routing
 from taipan.messages.requests import EventType, SamplingParams
@@ -89,6 +90,7 @@ def _start(sched, req, draft: Draft, now: float, n, need, cost, blocks, restore)
         # A prefix hit: its window's cached windowed keys, copied into its ring.
         sources = local.window_sources(req.hashes, req.num_computed_tokens) if blocks else []
         req.ring = local.take(local.ring_size(req.max_total_tokens))
+        req.ring_row = ring_row(req.ring, local.ring_blocks)  # (the plan's table row)
         local.copies_into(req.ring, sources, draft.local_copies)
     if sched.prefix is not None:
         sched.prefix.pin(req, blocks, draft.pins, req.num_released)

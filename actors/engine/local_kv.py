@@ -158,23 +158,28 @@ class LocalPool:
         self.writing.clear()
 
 
-def local_arrays(rings: list[list[int]], chunks, width: int, block_size: int) -> dict:
+def ring_row(ring: list[int], ring_blocks: int) -> np.ndarray:
+    """`ring` repeated to `ring_blocks` entries (int32): entry i % ring_blocks stands for
+    block i. A shorter ring never wraps (its request never reaches block len(ring)), so its
+    entries past its own are never read; one width for every row makes a step's tables one
+    gather (actors/engine/request.py keeps it as `ring_row`)."""
+    return np.resize(np.asarray(ring, dtype=np.int32), ring_blocks)
+
+
+def local_arrays(rows: list[np.ndarray], chunks, width: int, block_size: int) -> dict:
     """The StepPlan's local_block_tables [B, width] (each row its ring repeated) and
-    local_slot_mapping [T] (the chunks' positions, in step order) for rows `rings`."""
+    local_slot_mapping [T] (the chunks' positions, in step order) for the chunks' `ring_row`s
+    (one length: the pool's ring_blocks)."""
     bs = block_size
-    sizes = np.fromiter((len(r) for r in rings), dtype=np.int64, count=len(rings))
-    padded = np.zeros((len(rings), int(sizes.max(initial=1))), dtype=np.int32)
-    for i, r in enumerate(rings):
-        padded[i, : len(r)] = r
-    rows = np.arange(len(rings))
-    cols = np.arange(width, dtype=np.int64)
-    tables = padded[rows[:, None], cols[None, :] % sizes[:, None]]
+    rings = np.stack(rows)
+    size = rings.shape[1]
+    tables = np.take(rings, np.arange(width) % size, axis=1)
     # Every token's position and row at once (one-token decode rows are most of a step).
     lens = np.fromiter((c.num_new_tokens for c in chunks), dtype=np.int64, count=len(chunks))
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=len(chunks))
-    owner = np.repeat(rows, lens)
+    owner = np.repeat(np.arange(len(rows)), lens)
     pos = np.repeat(starts - (np.cumsum(lens) - lens), lens) + np.arange(int(lens.sum()))
-    blocks = padded[owner, (pos // bs) % sizes[owner]].astype(np.int64)
+    blocks = rings[owner, (pos // bs) % size].astype(np.int64)
     return {"local_block_tables": tables, "local_slot_mapping": blocks * bs + pos % bs}
 
 

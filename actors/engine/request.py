@@ -50,6 +50,7 @@ class EngineRequest:
     # Per-layer-group KV: its ring of the windowed layers' pool while it runs or is paused
     # (actors/engine/local_kv.py); empty without a local pool, or while it waits.
     ring: list[int] = dataclasses.field(default_factory=list)
+    ring_row: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
     # Prefix caching: the prompt's block hashes (int64, one per complete prompt block, salted
     # with the current weight version); positions below `shared_until` lie in blocks pinned
     # from the cache (never written by this request); `num_registered`: leading prompt blocks

@@ -591,7 +591,7 @@ class Scheduler:
         step in flight (one device stream), as a Mamba slot's."""
         if r.ring:
             self.local.give(r.ring)
-            r.ring = []
+            r.ring, r.ring_row = [], None
 
     def _release_mamba(self, r: EngineRequest) -> None:
         r.snap_bounds = []

@@ -199,9 +199,9 @@ def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
     arrays = plan_arrays(batch, p.block_size, sched.mamba is not None, p.eos_token_ids)
     arrays |= sched.grammars.arrays(batch, sched.requests)
     if sched.local is not None and batch.chunks:  # (the windowed layers' rings)
-        rings = [c.request.ring for c in batch.chunks]
+        rows = [c.request.ring_row for c in batch.chunks]
         width = arrays["block_tables"].shape[1]
-        arrays |= local_arrays(rings, batch.chunks, width, p.block_size)
+        arrays |= local_arrays(rows, batch.chunks, width, p.block_size)
     if sched.local is not None:
         arrays |= copy_arrays(batch.local_copies, batch.local_saves)
     return StepPlan(step=batch.step, **arrays)
