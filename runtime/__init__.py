@@ -19,6 +19,7 @@ _EXPORTS = {
     "ControlAck": "taipan.messages.lifecycle",
     "SamplingParams": "taipan.messages.requests",
     "StructuredOutput": "taipan.messages.requests",
+    "BeamSearchParams": "taipan.beam_search",
     "InferenceConfig": "taipan.actors.config",
     "ConfigError": "taipan.actors.config",
     "Runtime": "taipan.launcher",

@@ -33,6 +33,7 @@ from typing import Any
 
 from taipan.actors.client.direct import DirectEndpoint
 from taipan.actors.config import InferenceConfig
+from taipan.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from taipan.client import AsyncClient, Client, Completion, Delta, Prompt
 from taipan.launcher import Runtime
 from taipan.messages.lifecycle import ControlAck
@@ -82,6 +83,12 @@ def _prompt_list(prompts) -> list:
     ):
         return [prompts]
     return list(prompts)
+
+
+def _prompt_ids(client, prompts) -> list[list[int]]:
+    """Prompts (text or token ids, one or a list) as token ids."""
+    tok = client.tokenizer
+    return [tok.encode(p) if isinstance(p, str) else list(p) for p in _prompt_list(prompts)]
 
 
 def _chats(tokenizer, messages, template, kwargs, add_generation_prompt) -> list:
@@ -233,6 +240,12 @@ class AsyncLLM(_Base):
         )  # fmt: skip
         return await self.generate_all(prompts, sampling, chat=True)
 
+    async def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """vLLM's LLM.beam_search: each prompt's best `params.beam_width` sequences, best
+        first (runtime/beam_search.py); prompts: text or token ids, one or a list."""
+        client = self._connected()
+        return await beam_search(client, _prompt_ids(client, prompts), params)
+
     async def stats(self, fresh: bool = True) -> Stats:
         return await self._connected().stats(fresh)
 
@@ -383,6 +396,11 @@ class LLM(_Base):
             self.tokenizer, messages, chat_template, chat_template_kwargs, add_generation_prompt
         )
         return self.generate(prompts, sampling, use_tqdm=use_tqdm, chat=True)
+
+    def beam_search(self, prompts, params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """AsyncLLM.beam_search's twin."""
+        client = self._connected()
+        return client.run(beam_search(client.aio, _prompt_ids(client, prompts), params))
 
     def stats(self, fresh: bool = True) -> Stats:
         return self._connected().stats(fresh)

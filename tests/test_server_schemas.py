@@ -54,8 +54,8 @@ def test_fields_that_cannot_change_the_output_are_accepted_and_ignored():
 @pytest.mark.parametrize(
     "field, value",
     [
-        ("use_beam_search", True),
         ("suffix", "x"),
+        ("modalities", ["audio"]),
     ],
 )
 def test_unbuilt_features_are_a_400_naming_the_field(field, value):

@@ -184,8 +184,10 @@ class ChatServer(OpenAIServer):
         self.check_fits(len(ids), max_tokens, "messages")
         top_n = (body.top_logprobs or 0) if body.logprobs else -1
         prompt_top = -1 if body.prompt_logprobs is None else body.prompt_logprobs
-        params = self._forced_tools(body, self.sampling_params(body, max_tokens, top_n, prompt_top))
         rid = f"chatcmpl-{uuid.uuid4().hex}"
+        if body.use_beam_search:
+            return await self._beam_chat(body, request, rid, ids, max_tokens)
+        params = self._forced_tools(body, self.sampling_params(body, max_tokens, top_n, prompt_top))
         if body.stream:
             return await self.held_stream(
                 request, body.n, self._stream_chat(body, rid, ids, params)
@@ -239,6 +241,18 @@ class ChatServer(OpenAIServer):
                 body.prompt_logprobs,
             )  # fmt: skip
         return out
+
+    async def _beam_chat(self, body: ChatBody, request: Request, rid: str, ids, max_tokens: int):
+        """vLLM's `use_beam_search` in chat: `n` beams, best first, as assistant messages."""
+        if body.stream:
+            raise APIError(400, "stream cannot be combined with use_beam_search", "stream")
+        outs = await self.beam_search(request, [ids], body, max_tokens)
+        message = lambda s: {"message": {"role": "assistant", "content": s.text}}  # noqa: E731
+        choices, generated = self.beam_choices(outs, [ids], message)
+        return {
+            "id": rid, "object": "chat.completion", "created": int(time.time()),
+            "model": self.model, "choices": choices, "usage": self.usage(len(ids), generated, 0),
+        }  # fmt: skip
 
     def _parses_tools(self, body: ChatBody) -> bool:
         return bool(body.tools) and body.tool_choice != "none"

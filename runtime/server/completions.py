@@ -31,6 +31,7 @@ from collections.abc import AsyncIterator, Sequence
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
+from taipan.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from taipan.client import AsyncClient, Completion
 from taipan.messages.requests import FinishReason, SamplingParams
 from taipan.outputs import join_versions
@@ -208,6 +209,36 @@ class OpenAIServer:
             timer.finish(c, len(ids), len(c.token_ids))
         return results
 
+    async def beam_search(
+        self, request: Request, prompts: list[list[int]], body: BaseBody, max_tokens: int
+    ) -> list[BeamSearchOutput]:
+        """vLLM's `use_beam_search` (runtime/beam_search.py): `n` beams per prompt, best
+        first, holding n slots per prompt while it runs."""
+        params = BeamSearchParams(
+            body.n, max_tokens, body.ignore_eos, body.length_penalty,
+            body.include_stop_str_in_output,
+        )  # fmt: skip
+        problems = params.problems()
+        if problems:
+            raise APIError(400, "; ".join(problems).replace("beam_width", "n"), "n")
+        async with self.held(request, body.n * len(prompts)):
+            [outs] = await until_disconnected(request, [beam_search(self.client, prompts, params)])
+        return outs
+
+    @staticmethod
+    def beam_choices(outs: list[BeamSearchOutput], prompts: list[list[int]], text) -> tuple:
+        """(the choices, in prompt order and each prompt's best first; their generated tokens)
+        of a beam search; `text(seq)`: a choice's fields of its text."""
+        choices, generated = [], 0
+        for out, ids in zip(outs, prompts, strict=True):
+            for seq in out.sequences:
+                generated += len(seq.tokens) - len(ids)
+                choices.append({
+                    "index": len(choices), **text(seq), "logprobs": None,
+                    "finish_reason": seq.finish_reason, "stop_reason": None,
+                })  # fmt: skip
+        return choices, generated
+
     # --- /v1/completions ---------------------------------------------------------------------
 
     async def completions(self, body: CompletionBody, request: Request):
@@ -229,6 +260,17 @@ class OpenAIServer:
         for _, ids in prompts:
             self.check_fits(len(ids), max(max_tokens, 1), "prompt")
         rid = f"cmpl-{uuid.uuid4().hex}"
+        if body.use_beam_search:
+            if body.stream:
+                raise APIError(400, "stream cannot be combined with use_beam_search", "stream")
+            ids_list = [ids for _, ids in prompts]
+            outs = await self.beam_search(request, ids_list, body, max_tokens)
+            choices, generated = self.beam_choices(outs, ids_list, lambda s: {"text": s.text})
+            return {
+                "id": rid, "object": "text_completion", "created": int(time.time()),
+                "model": self.model, "choices": choices,
+                "usage": self.usage(sum(map(len, ids_list)), generated, 0),
+            }  # fmt: skip
         jobs = [(i, j, ids) for i, (_, ids) in enumerate(prompts) for j in range(body.n)]
         if body.stream:
             events = self._stream_completions(body, rid, prompts, jobs, params, max_tokens)

@@ -62,8 +62,6 @@ IGNORED = frozenset({
 # Features not built yet: accepted only at the value that changes nothing (OpenAI's default);
 # any other value is a 400 naming the field.
 NO_OP: dict[str, Any] = {
-    "use_beam_search": False,
-    "length_penalty": 1,
     "suffix": "",
     "modalities": ["text"],
     "functions": [],
@@ -146,6 +144,9 @@ class BaseBody(Lenient):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # vLLM's extension
     include_stop_str_in_output: bool = False  # vLLM's extension
+    # vLLM's extension: beam search (runtime/beam_search.py), n the beam width.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's extension
@@ -270,11 +271,34 @@ class DetokenizeBody(Lenient):
     tokens: list[int]
 
 
+# What a beam search request may set besides its prompt (vLLM's BeamSearchParams and the chat
+# prompt's fields); `temperature` is taken and does not change the search (the candidates are
+# the model's own log-probs, as vLLM's).
+BEAM_FIELDS = frozenset({
+    "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of",
+    "use_beam_search", "length_penalty", "ignore_eos", "include_stop_str_in_output",
+    "temperature", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "chat_template", "chat_template_kwargs",
+})  # fmt: skip
+
+
 def refuse_unsupported(body: BaseBody) -> None:
     """Refuse what the body asks that taipan does not do (400 naming the field); `lenient`
     has refused the unbuilt features already."""
     if isinstance(body, CompletionBody) and body.best_of not in (None, body.n):
         raise APIError(400, "best_of other than n is not supported by taipan", "best_of")
+    if body.use_beam_search:  # (a field given at its default changes nothing: allowed)
+        fields = type(body).model_fields
+        extra = sorted(
+            f for f in body.model_fields_set - BEAM_FIELDS
+            if getattr(body, f) != fields[f].default
+        )  # fmt: skip
+        if extra:
+            raise APIError(
+                400, f"{', '.join(extra)} cannot be combined with use_beam_search", extra[0]
+            )
+    elif body.length_penalty != 1.0:
+        raise APIError(400, "length_penalty needs use_beam_search", "length_penalty")
     if isinstance(body, ChatBody):
         refuse_tool_choice(body)
     if body.stream_options is not None and not body.stream:
