@@ -17,7 +17,7 @@ import pytest
 from taipan.actors.config import InferenceConfig
 from taipan.launcher import Runtime
 from taipan.server import ServerOptions
-from taipan.server.schemas import bad_words_ids
+from taipan.server.params import bad_words_ids
 from tests.conftest import TEST_CONFIG
 from tests.test_http_openai_parity import MODEL, _post, _served
 

@@ -10,16 +10,15 @@ import pytest
 from pydantic import ValidationError
 
 from taipan.server.logprobs import Offsets, TokenTexts, completion_logprobs, token_text
+from taipan.server.params import engine_seed, sampling_params
 from taipan.server.schemas import (
     IGNORED,
     NO_OP,
     APIError,
     ChatBody,
     CompletionBody,
-    engine_seed,
     message_dict,
     refuse_unsupported,
-    sampling_params,
 )
 
 

@@ -3,7 +3,8 @@
 A FastAPI app over one connected `AsyncClient`; never imports torch. Its parts, each importing
 only those listed before it:
   options      ServerOptions: server-wide rendering and usage choices (taipan serve's flags)
-  schemas      OpenAI's error shape, the lenient request bodies, body -> SamplingParams
+  schemas      OpenAI's error shape, the lenient request bodies, results -> OpenAI's fields
+  params       body -> SamplingParams (controls, structured outputs, seeds)
   logprobs     tokens as the API shows them (exact bytes), log-prob fields and text offsets
   tools        tool calls: the tools in the prompt, the model's calls parsed (Hermes, Llama 3)
   response_store  the Responses API's stored responses: a bounded LRU in this process's memory

@@ -31,13 +31,12 @@ from taipan.ops.chat_template import ChatTemplateError, cached_chat_template
 from taipan.outputs import join_versions
 from taipan.server.completions import OpenAIServer, failed
 from taipan.server.logprobs import chat_logprobs, prompt_logprobs
+from taipan.server.params import check_structured, choice_params
 from taipan.server.schemas import (
     APIError,
     ChatBody,
     ChatMessage,
     Tool,
-    check_structured,
-    choice_params,
     forced_tool_name,
     message_dict,
     openai_finish,

@@ -45,16 +45,14 @@ from taipan.server.logprobs import (
 )
 from taipan.server.metrics import Metrics
 from taipan.server.options import ServerOptions
+from taipan.server.params import bad_words_ids, choice_params, sampling_params
 from taipan.server.schemas import (
     APIError,
     BaseBody,
     CompletionBody,
-    bad_words_ids,
-    choice_params,
     openai_finish,
     openai_usage,
     refuse_unsupported,
-    sampling_params,
 )
 from taipan.server.streaming import Done, held_stream, merge, sse, until_disconnected
 
@@ -136,7 +134,7 @@ class OpenAIServer:
     def sampling_params(
         self, body: BaseBody, max_tokens: int, top_n: int, prompt_top: int = -1
     ) -> SamplingParams:
-        """schemas.sampling_params with the body's `bad_words` tokenized as vLLM does, and a
+        """params.sampling_params with the body's `bad_words` tokenized as vLLM does, and a
         400 naming the field whose token ids lie outside the tokenizer's vocabulary (the engine
         would refuse the request: a failed request, a 500, rather than the client's error)."""
         tok = self.client.tokenizer

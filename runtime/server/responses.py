@@ -55,6 +55,7 @@ from pydantic import ValidationError
 from taipan.messages.requests import FinishReason, SamplingParams, StructuredOutput
 from taipan.server.chat import ChatServer
 from taipan.server.completions import failed
+from taipan.server.params import check_structured
 from taipan.server.response_store import ResponseStore
 from taipan.server.schemas import (
     APIError,
@@ -62,7 +63,6 @@ from taipan.server.schemas import (
     ResponsesBody,
     Tool,
     ToolFunction,
-    check_structured,
     content_text,
 )
 from taipan.server.tools import ToolStream, parse_tool_calls, tool_style
