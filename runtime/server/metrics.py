@@ -60,8 +60,9 @@ _TOKENS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000)
 class _RuntimeCounters:
     """The runtime's cumulative counters (since start), as Prometheus counters: the values of
     the last `client.stats()` a scrape fetched. Prefix caching (vLLM's prefix_cache_queries /
-    hits) and speculative decoding (vLLM's spec_decode_num_drafts, _num_draft_tokens,
-    _num_accepted_tokens and _num_accepted_tokens_per_pos, by `position`)."""
+    hits), speculative decoding (vLLM's spec_decode_num_drafts, _num_draft_tokens,
+    _num_accepted_tokens and _num_accepted_tokens_per_pos, by `position`) and preemptions
+    (vLLM's num_preemptions: evictions, whose KV is recomputed; pauses keep theirs)."""
 
     HELP = {
         "prefix_cache_queries": "Prompt tokens looked up in the prefix cache",
@@ -71,6 +72,8 @@ class _RuntimeCounters:
         "spec_decode_num_accepted_tokens": "Draft tokens accepted",
         "spec_decode_backoffs": "Times a request stopped speculating, its drafts gaining nothing",
         "spec_decode_draft_disabled": "Ranks whose draft model a weight update disabled",
+        "num_preemptions": "Requests evicted for KV room (their KV dropped, recomputed later)",
+        "pauses": "Times a running request paused for KV room (its KV kept)",
     }
 
     def __init__(self) -> None:
@@ -86,6 +89,8 @@ class _RuntimeCounters:
             spec_decode_num_accepted_tokens=merged.spec_accepted_tokens,
             spec_decode_backoffs=merged.spec_backoffs,
             spec_decode_draft_disabled=merged.spec_draft_disabled,
+            num_preemptions=merged.evicted_total,
+            pauses=merged.paused_total,
         )
         self.per_position = tuple(merged.spec_accepted_per_position)
 
