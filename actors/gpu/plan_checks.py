@@ -116,9 +116,9 @@ CONTROL_ARRAYS = (
 
 def check_sampling_controls(plan: StepPlan, vocab_size: int) -> None:
     """The control arrays (StepPlan: penalties, biases, allowed tokens) must be empty or one
-    entry per
-    sequence, and their (row, token) entries name sequences and tokens that exist, the penalty
-    ones sequences that have a penalty (the device indexes them unchecked) (ValueError)."""
+    entry per sequence, and their (row, token) entries name sequences and tokens that exist,
+    the penalty ones sequences that have a penalty, the allowed ones sequences that sample (the
+    device indexes them unchecked) (ValueError)."""
     if not any(len(getattr(plan, name)) for name in CONTROL_ARRAYS):
         return  # (a step without controls)
     num_seqs = len(plan.seq_lens)
