@@ -238,6 +238,22 @@ def test_speculative_verify_rows_on_wrapping_rings(gemma):
     assert_equals_hf([done], hf)
 
 
+def test_a_draft_model_beside_the_split(gemma):
+    """A self-draft (the target's first two layers, a local one among them) keeps its own KV
+    over the main pool's block ids while the target's windowed layers use their rings: verify
+    rows, with prefix caching too, and the tokens equal transformers'."""
+    path, hf = gemma
+    repeat = (PROMPTS[2][:20] * 5)[:90]
+    draft = dict(num_speculative_tokens=3, speculative_method="draft_model")
+    for caching in (False, True):
+        config = _config(path, 12, speculative_model="self:2", enable_prefix_caching=caching)
+        with LLM(path, **config, **draft) as llm:
+            done = llm.generate([PROMPTS[3], repeat], GREEDY, use_tqdm=False)
+            stats = llm.stats().merged()
+        assert stats.spec_verify_rows > 0 and stats.num_local_blocks > 0
+        assert_equals_hf(done, hf)
+
+
 @pytest.mark.slow
 def test_served_at_tp2_equal_hf(gemma):
     """Two processes (gloo), each with its kv heads' share of both pools."""
