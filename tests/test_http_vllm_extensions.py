@@ -293,3 +293,27 @@ def test_allowed_token_ids(base, client):
         r = _post(base, "/v1/completions", {**body, "allowed_token_ids": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "allowed_token_ids"
         assert says in r.json()["error"]["message"]
+
+
+def test_add_special_tokens_for_completions(base):
+    """vLLM's `add_special_tokens` on /v1/completions (default true: BOS before a text prompt
+    where the tokenizer adds one; SmolLM2's adds none, so the ids agree here) reaches the
+    tokenizer: `_encode_prompts` with a tokenizer that does add one."""
+    from types import SimpleNamespace
+
+    from taipan.server.completions import OpenAIServer
+
+    body = {"prompt": "The sky is", "max_tokens": 1, "return_token_ids": True}
+    plain = _post(base, "/v1/completions", body).json()["choices"][0]
+    bare = _post(base, "/v1/completions", {**body, "add_special_tokens": False}).json()
+    assert bare["choices"][0]["prompt_token_ids"] == plain["prompt_token_ids"]
+
+    class WithBos:
+        vocab_size = 10
+
+        def encode(self, text, add_special_tokens=True):
+            return ([1] if add_special_tokens else []) + [len(text)]
+
+    server = SimpleNamespace(client=SimpleNamespace(tokenizer=WithBos()))
+    assert OpenAIServer._encode_prompts(server, "abc") == [("abc", [1, 3])]
+    assert OpenAIServer._encode_prompts(server, ["abc"], False) == [("abc", [3])]

@@ -149,9 +149,11 @@ class OpenAIServer:
             )
         return params
 
-    def _encode_prompts(self, prompt) -> list[tuple[str, list[int]]]:
-        """(the prompt's text as echoed, its ids) per prompt; a token-id prompt's text is its
-        decode with special tokens, so that it agrees with the echoed tokens."""
+    def _encode_prompts(self, prompt, add_special_tokens: bool = True) -> list:
+        """(the prompt's text as echoed, its ids) per prompt; a text prompt is encoded with the
+        tokenizer's special tokens (BOS) unless `add_special_tokens` is false (vLLM's field); a
+        token-id prompt's text is its decode with special tokens, so that it agrees with the
+        echoed tokens."""
         tok = self.client.tokenizer
         vocab = tok.vocab_size
         if isinstance(prompt, str):
@@ -165,7 +167,7 @@ class OpenAIServer:
         out = []
         for p in prompts:
             if isinstance(p, str):
-                out.append((p, tok.encode(p)))
+                out.append((p, tok.encode(p, add_special_tokens=add_special_tokens)))
             else:
                 if any(not 0 <= t < vocab for t in p):
                     raise APIError(
@@ -249,7 +251,7 @@ class OpenAIServer:
         top_n = -1 if body.logprobs is None else body.logprobs
         prompt_top = max(top_n if body.echo else -1, _or(body.prompt_logprobs, -1))
         params = self.sampling_params(body, max(max_tokens, 1), top_n, prompt_top)
-        prompts = self._encode_prompts(body.prompt)
+        prompts = self._encode_prompts(body.prompt, body.add_special_tokens)
         if body.truncate_prompt_tokens is not None:  # (the echoed text: of the ids kept)
             decode = functools.partial(self.client.tokenizer.decode, skip_special_tokens=False)
             prompts = [

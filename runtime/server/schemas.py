@@ -51,11 +51,12 @@ class APIError(Exception):
 
 
 # Fields that cannot change the output, accepted with any value and dropped (OpenAI's, and the
-# vLLM extensions clients send): storage and billing tags, end-user ids, latency hints.
+# vLLM extensions clients send): storage and billing tags, end-user ids, latency hints, the
+# structured-output backend's name (taipan has one: llguidance).
 IGNORED = frozenset({
     "store", "metadata", "service_tier", "user", "safety_identifier", "prompt_cache_key",
     "prompt_cache_retention", "prediction", "request_id", "priority", "cache_salt",
-    "kv_transfer_params", "spaces_between_special_tokens",
+    "kv_transfer_params", "spaces_between_special_tokens", "guided_decoding_backend",
 })  # fmt: skip
 
 # Features not built yet: accepted only at the value that changes nothing (OpenAI's default);
@@ -192,6 +193,7 @@ class CompletionBody(BaseBody):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's extension: False, no BOS before a text prompt
 
 
 class ToolCallFunction(BaseModel):
