@@ -261,7 +261,8 @@ class SamplingParams:
         if any(not w or min(w) < 0 for w in self.bad_words_ids):
             out.append("each of bad_words_ids must be a non-empty list of non-negative ids")
         allowed = self.allowed_token_ids
-        if allowed is not None and (not allowed or min(allowed) < 0):
+        ids = allowed is None or all(type(t) is int or isinstance(t, np.integer) for t in allowed)
+        if allowed is not None and (not allowed or not ids or min(allowed) < 0):
             out.append(
                 "allowed_token_ids must be a non-empty list of non-negative ids (None: any token)"
             )

@@ -146,6 +146,7 @@ def test_penalties_touch_only_their_rows():
         (dict(bad_words_ids=((3, -1),)), "bad_words_ids"),
         (dict(allowed_token_ids=()), r"allowed_token_ids must be a non-empty .* \(None: any"),
         (dict(allowed_token_ids=(3, -1)), "allowed_token_ids"),
+        (dict(allowed_token_ids=(3, 1.5)), "allowed_token_ids"),
     ],
 )
 def test_a_bad_value_is_a_problem_naming_its_key(kw, key):
