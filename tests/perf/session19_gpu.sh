@@ -7,7 +7,10 @@
 #     tests (allow_rows in verify rows), test_gpu.py.
 #   part two (two GPUs): the GPU tests whose helpers moved to tests/ports.py in the eighteenth
 #     session (test_tp.py run_ranks users, the NCCL push of test_rl.py, the weight-transfer ones).
-PART=${1:?part one or two}
+#   part split (one GPU): issue 27's bench rows of the split pool, a Gemma 3 1B shape with 4,096-
+#     token prompts (rings of the 512-token window, not whole requests), split and one pool
+#     (disable_hybrid_kv_cache_manager) in one call: step times and the pools' blocks.
+PART=${1:?part one, two or split}
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
 if [ "$PART" = one ]; then
@@ -20,4 +23,13 @@ if [ "$PART" = two ]; then
     timeout -s ABRT 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp.py \
         tests/test_custom_all_reduce.py tests/test_ops_dense.py tests/test_tp_moe.py \
         tests/test_rl.py tests/test_gpu_weight_transfer.py 2>&1 | tail -15
+fi
+if [ "$PART" = split ]; then
+    for one in false true; do
+        timeout -s ABRT 250 python3 -m taipan.cli bench --workload decode --device cuda \
+            --dtype bfloat16 --model random:gemma3-1b --batches 1,8 --prompt-len 4096 \
+            --output-len 64 --no-hf --set max_sequence_length=4224 \
+            --set disable_hybrid_kv_cache_manager=$one --results "$OUT/split_$one.jsonl" 2>&1 \
+            | grep -E "^decode|rror|blocks" | cut -c1-220
+    done
 fi
