@@ -13,13 +13,13 @@ a hit's window comes back from the cache intact. At the end every ring is back.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from taipan.actors.config import local_chunk, ring_blocks
+from tests.fuzz import fuzz_settings
 from tests.test_scheduler import Harness, draw_requests, drive, make_plan, true_tokens
 from tests.test_scheduler_prefix import PrefixHarness
 
@@ -140,11 +140,7 @@ def _run(workload):
     event(f"wrapped: {any(h.sched.local.wraps(r.max_total_tokens) for r in h.ended.values())}")
 
 
-@settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@fuzz_settings(150)
 @given(local_workloads())
 def test_random_workloads_read_every_window_intact(workload):
     _run(workload)

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import os
 
 import msgpack
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from taipan.actors.config import InferenceConfig
@@ -32,6 +31,7 @@ from taipan.messages.allocator import AllocatorReady, BlockOps
 from taipan.messages.block_hash import NO_HASH
 from taipan.messages.codec import decode, same_encoding
 from taipan.messages.gpu import ModelLoaded
+from tests.fuzz import fuzz_settings
 from tests.test_engine_check import RecordingHarness, replay
 from tests.test_scheduler import Harness, draw_requests, drive, make_plan, make_request
 from tests.test_scheduler_prefix import PrefixHarness, request, run_all
@@ -230,11 +230,7 @@ def window_workloads(draw):
     return plan, window, draw(st.booleans()), requests, draw(st.booleans())
 
 
-@settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@fuzz_settings(150)
 @given(window_workloads())
 def test_random_windowed_workloads_keep_every_invariant(workload):
     plan, window, chunked, requests, overlap = workload
@@ -283,11 +279,7 @@ def prefix_window_workloads(draw):
     return plan, window, requests, draw(st.booleans()), draw(st.sampled_from(["lru", "ref_zero"]))
 
 
-@settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 100)),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@fuzz_settings(100)
 @given(prefix_window_workloads())
 def test_random_windowed_workloads_with_prefix_caching_keep_every_invariant(workload):
     """The real allocator: released blocks are decrefs (a hashed one stays cached under "lru",

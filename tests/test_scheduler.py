@@ -12,7 +12,6 @@ and takes the input ids `prev_rows` points at from the tokens it sampled in the 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 
 import numpy as np
@@ -31,6 +30,7 @@ from taipan.actors.engine.wire import derive_seed
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult
 from taipan.messages.requests import SamplingParams
+from tests.fuzz import fuzz_settings
 
 REASONS = {"stop", "length", "abort"}
 
@@ -492,11 +492,7 @@ def expected_problem(plan: RuntimePlan, chunked: bool, req: EngineRequest) -> st
     return None
 
 
-@settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 200)),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@fuzz_settings(200)
 @given(workloads())
 def test_random_workloads_keep_every_invariant(workload):
     check_workload(workload)

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from taipan.actors.config import InferenceConfig, RuntimePlan
@@ -42,6 +41,7 @@ from taipan.messages.codec import encode
 from taipan.messages.gpu import GpuControlReply, ModelLoaded, StepResult
 from taipan.messages.mamba_cache import MambaInit, MambaOps, MambaOpsReply, MambaReady
 from taipan.messages.requests import AbortRequest, EngineSubmit, StepOutputs
+from tests.fuzz import fuzz_settings
 from tests.test_scheduler import drive, make_plan, true_tokens
 from tests.test_scheduler_prefix import PrefixHarness, request, run_all
 
@@ -528,11 +528,7 @@ def hybrid_workloads(draw):
     return plan, requests, draw(st.booleans()), policy
 
 
-@settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 50)),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@fuzz_settings(50)
 @given(hybrid_workloads())
 def test_random_hybrid_workloads_keep_every_invariant(workload):
     plan, requests, overlap, policy = workload

@@ -11,11 +11,10 @@ the step where it happens.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 from hypothesis import strategies as st
 
 from taipan.actors.allocator.actor import AllocatorService
@@ -23,6 +22,7 @@ from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import StepBatch
 from taipan.messages.allocator import AllocatorInit, BlockOpsReply
 from taipan.messages.requests import SamplingParams
+from tests.fuzz import fuzz_settings
 from tests.test_scheduler import Harness, drive, make_plan
 
 
@@ -218,11 +218,7 @@ def prefix_workloads(draw):
     return plan, chunked, requests, draw(st.booleans()), policy
 
 
-@settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 150)),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@fuzz_settings(150)
 @given(prefix_workloads())
 def test_random_shared_prefix_workloads_keep_every_invariant(workload):
     plan, chunked, requests, overlap, policy = workload

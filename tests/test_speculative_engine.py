@@ -6,11 +6,9 @@ verifies drafts against its known next tokens."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import event, given
 
 import tests.test_scheduler as ts
 from taipan.actors.engine import speculation as spec
@@ -18,6 +16,7 @@ from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.speculation import Speculation
 from taipan.messages.gpu import StepResult
 from taipan.messages.requests import SamplingParams
+from tests.fuzz import fuzz_settings
 
 PERIOD = 5  # the fake gpu's tokens repeat with this period here: the drafter finds them
 
@@ -305,11 +304,7 @@ def test_back_off_doubles_without_an_accepted_draft_and_resets_with_one():
     assert r.spec_backoff.length == spec.BACKOFF_MAX
 
 
-@settings(
-    max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)),
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
+@fuzz_settings(60)
 @given(ts.workloads())
 def test_random_workloads_equal_plain_decoding(workload):
     with pytest.MonkeyPatch.context() as mp:
