@@ -24,7 +24,6 @@ import time
 import numpy as np
 import torch
 
-from taipan.actors.config import local_chunk, ring_blocks
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.draft import SELF_PREFIX, DraftModel, check_draft_prev, load_draft
@@ -41,10 +40,11 @@ from taipan.actors.gpu.plan_checks import (
     check_sampling_controls,
     inner_snapshots,
 )
-from taipan.actors.gpu.sampling_controls import controlled_logits, to_device
+from taipan.actors.gpu.sampling_controls import controlled_logits
 from taipan.actors.gpu.sizing import PoolSizes, available_host_memory, kv_budget, size_pools
 from taipan.actors.gpu.speculative import check_drafts, draft_rows, verify_drafts
-from taipan.actors.gpu.window import kv_window, windowed_layers
+from taipan.actors.gpu.split_kv import SplitKV
+from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
 from taipan.ops.custom_all_reduce import for_mode as custom_all_reduce_for
 from taipan.ops.expert_parallel import (
@@ -55,13 +55,7 @@ from taipan.ops.expert_parallel import (
 )
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import allocate_mamba_state
-from taipan.ops.models.llama import (
-    LlamaForCausalLM,
-    WindowedKV,
-    allocate_kv_cache,
-    kv_cache_bytes_per_block,
-    kv_heads_per_rank,
-)
+from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
 from taipan.ops.moe import moe_blocks, routing_buffer
 from taipan.ops.parallel import SINGLE, TPGroup
 
@@ -155,11 +149,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         self.model = None
         self.config = None
         self.kv_cache: torch.Tensor | None = None
-        # Per-layer-group KV (actors/engine/local_kv.py): (W, which layers have a window,
-        # blocks of the windowed layers' pool), the cache then one flat allocation that
-        # `model_kv` views as a WindowedKV; None: one pool for every layer.
-        self.local_kv: tuple[int, tuple[bool, ...], int] | None = None
-        self._model_kv: tuple[torch.Tensor, object] | None = None
+        # Per-layer-group KV (actors/gpu/split_kv.py): the windowed layers' own pool, the
+        # cache then one flat allocation that `model_kv` views per layer; None: one pool.
+        self.split_kv: SplitKV | None = None
         # Hybrid models: every Mamba layer's (conv, ssm) state slots; None without Mamba layers
         # (and while suspended in offload or recompute mode).
         self.mamba_state: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -218,23 +210,18 @@ class ModelWorker(WorkerForward, WorkerControls):
         model, config, tokenizer = self._load_weights(msg, dtype, tp)
         self.grammar_masks = GrammarMasks(tokenizer)  # (structured outputs' matchers)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, self.tp)
-        split = self._local_split(msg, model, config)
+        split = SplitKV.of(msg, model, config)
         local_bytes, local_wanted = 0, 0
         if split is not None:  # (the main pool's block: the other layers' share)
-            per_layer = per_block // config.num_kv_layers
-            local_bytes = per_layer * sum(split[1])
-            per_block -= local_bytes
-            chunk = local_chunk(split[0], msg.block_size, msg.num_speculative_tokens)
-            local_wanted = msg.max_requests * ring_blocks(split[0], msg.block_size, chunk)
-            if msg.local_kv_cache:  # (the rest of the windowed layers' share caches)
-                local_wanted = 2**62
+            per_block, local_bytes = split.block_bytes(per_block, config.num_kv_layers)
+            local_wanted = split.wanted
         draft = load_draft(msg, model, config, dtype, self.device, self.tp)
         if draft is not None:  # (its KV blocks share the target's ids: one budget for both)
             per_block += kv_cache_bytes_per_block(draft[1], msg.block_size, dtype, draft[2])
         config = mamba_config_for(config, msg, dtype, self.tp)
         slot_bytes = self._slot_bytes(config, dtype)
         sizes = self._size_pools(msg, per_block, slot_bytes, local_bytes, local_wanted)
-        self.local_kv = None if split is None else (*split, sizes.num_local_blocks)
+        self.split_kv = split
         self._allocate_pools(msg, config, dtype, sizes)
         self.draft = None
         if draft is not None:
@@ -265,44 +252,17 @@ class ModelWorker(WorkerForward, WorkerControls):
             moe_layers=len(self._moe_blocks),
             sliding_window=kv_window(config),
             draft_weights=self.draft is not None and self.draft.own_weights,
-            local_window=0 if split is None else split[0],
+            local_window=0 if split is None else split.window,
             num_local_blocks=sizes.num_local_blocks,
             local_block_bytes=local_bytes,
         )
 
-    def _local_split(self, msg: LoadModel, model, config) -> tuple[int, tuple[bool, ...]] | None:
-        """(W, which layers have a window) when the windowed layers' KV gets a pool of its own
-        (LoadModel.local_kv_pool, a Llama-skeleton model with windowed and global layers and
-        no recurrent ones, a window whose ring is shorter than max_sequence_length); else
-        None."""
-        if not msg.local_kv_pool or not isinstance(model, LlamaForCausalLM):
-            return None
-        split = windowed_layers(config)
-        if split is None or config.num_kv_layers != len(split[1]):
-            return None
-        chunk = local_chunk(split[0], msg.block_size, msg.num_speculative_tokens)
-        if ring_blocks(split[0], msg.block_size, chunk) * msg.block_size >= msg.max_sequence_length:
-            return None  # (a ring would hold every request whole: nothing to gain)
-        return split
-
-    def _copy_local(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Blocks `src` of the windowed layers' pool into `dst` (every windowed layer, keys and
-        values; the gather reads them all before the scatter writes)."""
-        local = self.model_kv().local  # [windowed layers, 2, blocks, block_size, heads, dim]
-        # (pinned uploads: a step may be in flight, which a pageable copy would wait for)
-        s, d = (to_device(a, self.device, torch.int64) for a in (src, dst))
-        local[:, :, d] = local[:, :, s]
-
     def model_kv(self):
         """What the model's forward gets as its KV cache: the cache, or under per-layer-group
-        KV a WindowedKV over it (made once per allocation: a resume may move it)."""
-        if self.local_kv is None or self.kv_cache is None:
+        KV its per-layer view (actors/gpu/split_kv.py)."""
+        if self.split_kv is None or self.kv_cache is None:
             return self.kv_cache
-        if self._model_kv is None or self._model_kv[0] is not self.kv_cache:
-            _, windowed, num_local = self.local_kv
-            view = WindowedKV(self.kv_cache, windowed, self._num_blocks, num_local, self._per_block)
-            self._model_kv = (self.kv_cache, view)
-        return self._model_kv[1]
+        return self.split_kv.view(self.kv_cache)
 
     def _load_weights(self, msg: LoadModel, dtype, tp: TPGroup):
         """(model, config, tokenizer): this rank's weights, its expert-parallel group joined
@@ -388,16 +348,14 @@ class ModelWorker(WorkerForward, WorkerControls):
     def _allocate_pools(self, msg: LoadModel, config, dtype, sizes: PoolSizes) -> None:
         """The KV cache, the Mamba state slots and the step buffers, at the agreed sizes."""
         self.block_size = msg.block_size
-        self._num_blocks, self._model_kv = sizes.num_blocks, None
-        if self.local_kv is None:
+        if self.split_kv is None:
             self.kv_cache = allocate_kv_cache(
                 config, sizes.num_blocks, msg.block_size, dtype, self.device, self.tp
             )
-        else:  # (one allocation, so suspend and resume move it as one: WindowedKV views it)
-            self._per_block = (msg.block_size, kv_heads_per_rank(config, self.tp), config.head_dim)
-            _, windowed, num_local = self.local_kv
-            n = WindowedKV.numel(windowed, sizes.num_blocks, num_local, self._per_block)
-            self.kv_cache = torch.empty(n, dtype=dtype, device=self.device)
+        else:  # (one allocation, so suspend and resume move it as one)
+            self.kv_cache = self.split_kv.allocate(
+                config, sizes.num_blocks, sizes.num_local_blocks, dtype, self.device, self.tp
+            )
         # Hybrids: live slots 0..live-1 (one per request holding state), snapshots after them.
         self.mamba_state, self._mamba_offloaded = None, None
         self._mamba_slots, self._snapshot_slots = sizes.mamba_slots, sizes.snapshot_slots
@@ -410,7 +368,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             max_tokens=msg.max_tokens,
             max_requests=msg.max_requests,
             max_blocks_per_seq=-(-msg.max_sequence_length // msg.block_size),
-            local=self.local_kv is not None,
+            local=self.split_kv is not None,
         )
 
     def _allocate_outputs(self, msg: LoadModel, config) -> None:
@@ -484,7 +442,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_mamba_slots(plan, self._mamba_slots, self._snapshot_slots)
         check_logprobs_mode(plan)
         check_sampling_controls(plan, self.config.vocab_size)
-        check_local_kv(plan, self.local_kv[2] if self.local_kv else 0, self.block_size)
+        num_local = self.split_kv.num_local if self.split_kv is not None else 0
+        check_local_kv(plan, num_local, self.block_size)
         check_drafts(plan)
         check_draft_prev(plan, self.draft is not None, self.config.vocab_size)
         if self.draft is not None:  # (it fills the verify rows' draft tokens)
@@ -504,10 +463,10 @@ class ModelWorker(WorkerForward, WorkerControls):
             began.record()
         device_start = time.perf_counter()
         if len(plan.local_copy_src):  # (a prefix hit's cached windowed keys into its ring)
-            self._copy_local(plan.local_copy_src, plan.local_copy_dst)
+            self.split_kv.copy(self.kv_cache, plan.local_copy_src, plan.local_copy_dst)
         inputs, logits, hidden = self._forward_logits(plan, staged, bucket, inner_snaps)
         if len(plan.local_save_src):  # (computed prompt blocks' windowed keys into the cache)
-            self._copy_local(plan.local_save_src, plan.local_save_dst)
+            self.split_kv.copy(self.kv_cache, plan.local_save_src, plan.local_save_dst)
         routed = self._routed_to_host(plan)
         if len(plan.mamba_snap_dst):  # the chunk-end ones: after the forward that wrote them
             self._snapshot_chunk_ends(plan)
