@@ -226,6 +226,17 @@ def test_one_budget_holds_more_requests_with_a_windowed_pool(gemma):
     assert_equals_hf(split, hf)
 
 
+def test_a_budget_too_small_for_a_ring_keeps_one_pool(gemma):
+    """3 one-pool blocks of budget: the windowed layers' share (2.25 of them) holds no ring of
+    4 blocks, so the model keeps one pool (a split would refuse requests one pool serves)."""
+    path, hf = gemma
+    with LLM(path, **_config(path, 3.5)) as llm:
+        done = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)
+        [rank] = llm.stats().ranks
+    assert rank.num_local_blocks == 0 and rank.num_blocks == 3
+    assert_equals_hf(done, hf)
+
+
 def test_speculative_verify_rows_on_wrapping_rings(gemma):
     """n-gram drafts (k = 3) on a prompt that repeats itself: verify rows of four tokens write
     into wrapping rings, rejected ones roll back, and the tokens equal transformers'."""

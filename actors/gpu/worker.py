@@ -221,6 +221,11 @@ class ModelWorker(WorkerForward, WorkerControls):
         config = mamba_config_for(config, msg, dtype, self.tp)
         slot_bytes = self._slot_bytes(config, dtype)
         sizes = self._size_pools(msg, per_block, slot_bytes, local_bytes, local_wanted)
+        if split is not None and sizes.num_local_blocks < split.ring_blocks:
+            # A budget whose windowed share holds no whole ring would refuse requests one pool
+            # serves: one pool then (every peer decides alike: the counts are agreed).
+            split, per_block, local_bytes = None, per_block + local_bytes, 0
+            sizes = self._size_pools(msg, per_block, slot_bytes)
         self.split_kv = split
         self._allocate_pools(msg, config, dtype, sizes)
         self.draft = None
