@@ -9,8 +9,8 @@ cumulative log-prob divided by its length (prompt included, a final EOS not) to 
 `length_penalty` (vLLM's `get_beam_search_score`). With prefix caching on, each round's
 sequences share their cached blocks, so a round computes about one token per beam.
 
-The engine's log-probs are the model's (raw); `temperature` is not applied to them (vLLM's
-beam search passes it to sampling, which a max_tokens-1 greedy request does not use either).
+The engine's log-probs are the model's (raw), as vLLM's beam search ranks them; BeamSearchParams
+has no temperature (the HTTP server takes one only at 0 or 1, which change nothing).
 
 Owns: the search loop over an AsyncClient's `generate`. No torch, no sockets of its own.
 """

@@ -133,8 +133,12 @@ def test_use_beam_search_over_http(served):
         r = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=120).json()
         assert len(r["choices"]) == 2 and all(c["message"]["content"] for c in r["choices"])
         for extra, field in (({"stream": True}, "stream"), ({"logprobs": 1}, "logprobs"),
-                             ({"stop": "x"}, "stop"), ({"n": 11}, "n")):  # fmt: skip
+                             ({"stop": "x"}, "stop"), ({"n": 11}, "n"),
+                             ({"temperature": 0.7}, "temperature")):  # fmt: skip
             r = httpx.post(f"{url}/v1/completions", json={**body, **extra}, timeout=120)
             assert r.status_code == 400 and r.json()["error"]["param"] == field, (extra, r.text)
+        for t in (0, 1):  # (what leaves the model's log-probs as they are)
+            r = httpx.post(f"{url}/v1/completions", json={**body, "temperature": t}, timeout=120)
+            assert [c["text"] for c in r.json()["choices"]] == want
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "length_penalty": 2})
         assert r.status_code == 400 and r.json()["error"]["param"] == "length_penalty"

@@ -198,11 +198,10 @@ def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
     p = sched.plan
     arrays = plan_arrays(batch, p.block_size, sched.mamba is not None, p.eos_token_ids)
     arrays |= sched.grammars.arrays(batch, sched.requests)
-    if sched.local is not None and batch.chunks:  # (the windowed layers' rings)
+    if sched.local is not None and batch.chunks:  # (the windowed layers' rings, their copies)
         rows = [c.request.ring_row for c in batch.chunks]
         width = arrays["block_tables"].shape[1]
         arrays |= local_arrays(rows, batch.chunks, width, p.block_size)
-    if sched.local is not None:
         arrays |= copy_arrays(batch.local_copies, batch.local_saves)
     return StepPlan(step=batch.step, **arrays)
 

@@ -273,12 +273,12 @@ class DetokenizeBody(Lenient):
 
 
 # What a beam search request may set besides its prompt (vLLM's BeamSearchParams and the chat
-# prompt's fields); `temperature` is taken and does not change the search (the candidates are
-# the model's own log-probs, as vLLM's).
+# prompt's fields). The search ranks the model's own log-probs (as vLLM's), so `temperature` is
+# taken only at 0 or 1, which leave them as they are; any other value is a 400.
 BEAM_FIELDS = frozenset({
     "model", "prompt", "messages", "max_tokens", "max_completion_tokens", "n", "best_of",
     "use_beam_search", "length_penalty", "ignore_eos", "include_stop_str_in_output",
-    "temperature", "add_generation_prompt", "continue_final_message", "add_special_tokens",
+    "add_generation_prompt", "continue_final_message", "add_special_tokens",
     "chat_template", "chat_template_kwargs",
 })  # fmt: skip
 
@@ -293,6 +293,7 @@ def refuse_unsupported(body: BaseBody) -> None:
         extra = sorted(
             f for f in body.model_fields_set - BEAM_FIELDS
             if getattr(body, f) != fields[f].default
+            and not (f == "temperature" and body.temperature in (0.0, 1.0))
         )  # fmt: skip
         if extra:
             raise APIError(
