@@ -128,15 +128,19 @@ def update_state(path: str, family: str) -> dict[str, np.ndarray]:
     return {n: saved[n] + gen.normal(0, 0.3, saved[n].shape).astype(np.float32) for n in names}
 
 
-def serve_and_check(path: str, family: str, tp: int = 1, blocks: int = 10) -> None:
-    """The whole scenario of the module docstring on one runtime (a pool of `blocks`)."""
+def serve_and_check(
+    path: str, family: str, tp: int = 1, blocks: int = 10, pressure: bool = True
+) -> None:
+    """The whole scenario of the module docstring on one runtime (a pool of `blocks`; with
+    `pressure`, requests must pause and be evicted)."""
     hf = hf_model(path)
     with LLM(path, **engine_config(path, tp, blocks)) as llm:
         done = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert_equals_hf(done, hf)
         assert done[0].prompt_log_probs is not None
         [rank] = llm.stats().ranks
-        assert rank.paused_total > 0 and rank.evicted_total > 0, rank  # KV pressure
+        if pressure:
+            assert rank.paused_total > 0 and rank.evicted_total > 0, rank
         first = llm.generate([SHARED], CACHED, use_tqdm=False)
         again = llm.generate([SHARED], CACHED, use_tqdm=False)
         assert again[0].num_cached_tokens >= 4 * BLOCK and first[0].num_cached_tokens == 0

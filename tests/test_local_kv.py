@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from taipan import LLM
-from taipan.actors.config import local_chunk, ring_blocks
+from taipan.actors.config import LOCAL_CHUNK_TOKENS, local_chunk, ring_blocks
 from taipan.actors.engine.local_kv import LocalPool, local_arrays, ring_row
 from taipan.actors.gpu.sizing import size_pools
 from taipan.actors.gpu.window import kv_window, windowed_layers
@@ -38,8 +38,12 @@ LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
 def test_ring_sizes_hold_a_chunk_and_its_window():
     """A chunk of c tokens writes and reads keys over W - 1 + c positions: the ring holds them
     in distinct slots wherever the chunk starts; a short request's ring never wraps."""
-    chunk = local_chunk(WINDOW, BLOCK, num_speculative_tokens=3)
-    assert chunk == WINDOW and local_chunk(8, BLOCK, 20) == 21
+    chunk = local_chunk(WINDOW, BLOCK, max_tokens=4, num_speculative_tokens=3)
+    assert chunk == WINDOW and local_chunk(8, BLOCK, 4, num_speculative_tokens=20) == 21
+    # (a budget of many tokens: chunks of LOCAL_CHUNK_TOKENS, not of the window)
+    assert local_chunk(WINDOW, BLOCK, 64) == 64
+    assert local_chunk(512, 256, 16384) == LOCAL_CHUNK_TOKENS
+    assert local_chunk(4096, 256, 16384) == 4096
     r = ring_blocks(WINDOW, BLOCK, chunk)
     assert r == 4
     pool = LocalPool(10, WINDOW, BLOCK, chunk)
@@ -170,20 +174,22 @@ def gemma(tmp_path_factory):
     return path, hf_model(path)
 
 
-def _config(path: str, blocks: float, **extra) -> dict:
+def _config(path: str, blocks: float, max_tokens: int = 32, **extra) -> dict:
     """A budget of `blocks` one-pool blocks (every layer's keys), prefix caching off (the
-    default), chunked prefill off (a local pool turns it on)."""
+    default), chunked prefill off (a local pool turns it on); a step budget of 32 tokens by
+    default, so a wrapping ring's chunks are of 32 (local_chunk) and its 5 blocks wrap past 80
+    tokens."""
     c = transformers.AutoConfig.from_pretrained(path)
     per_block = c.num_hidden_layers * 2 * BLOCK * c.num_key_value_heads * c.head_dim * 4
     return dict(
-        block_size_tokens=BLOCK, max_tokens=64, max_requests=4, max_sequence_length=256,
+        block_size_tokens=BLOCK, max_tokens=max_tokens, max_requests=4, max_sequence_length=256,
         buffer_size_gb=blocks * per_block / 1024**3, **extra,
     )  # fmt: skip
 
 
 def test_served_equal_hf_with_wrapping_rings(gemma, tmp_path):
-    """Prompts of 55 and 100 tokens outgrow their rings of 4 blocks (64 keys): they prefill in
-    chunks of the window and wrap, overlapped steps, and equal transformers; the engine's plans
+    """Requests of up to 100 prompt tokens outgrow their rings of 5 blocks (80 keys): they
+    prefill in chunks of 32 and wrap, overlapped steps, and equal transformers; the engine's plans
     replay; a suspend that drops the KV recomputes into the rings."""
     from taipan import replay
     from taipan.actors.record import read_log
@@ -205,29 +211,46 @@ def test_served_equal_hf_with_wrapping_rings(gemma, tmp_path):
 
 
 def test_one_budget_holds_more_requests_with_a_windowed_pool(gemma):
-    """Four requests of up to 110 tokens (7 blocks each) on a budget of 20 one-pool blocks: one
-    pool for every layer (disable_hybrid_kv_cache_manager, vLLM's name) pauses requests; the
-    split (the global layer's blocks in the main pool, 32 of them, the three local layers'
-    rings apart) runs them all at once."""
+    """Four requests of 165 tokens (11 blocks each) on a budget of 32 one-pool blocks, steps of
+    64 tokens: one pool for every layer (disable_hybrid_kv_cache_manager, vLLM's name) pauses
+    requests; the split (the global layer's blocks in the main pool, 44 of them, the three
+    local layers' rings of 7 blocks apart: 28 blocks of three layers) runs them all at once."""
     path, hf = gemma
-    prompts = PROMPTS[2:4] * 2
-    one_pool = _config(path, 20, enable_chunked_prefill=True, disable_hybrid_kv_cache_manager=True)
-    with LLM(path, **one_pool) as llm:
+    prompts = [PROMPTS[3] + PROMPTS[2], PROMPTS[2] + PROMPTS[3]] * 2
+    one_pool = dict(enable_chunked_prefill=True, disable_hybrid_kv_cache_manager=True)
+    with LLM(path, **_config(path, 32, max_tokens=64, **one_pool)) as llm:
         one = llm.generate(prompts, GREEDY, use_tqdm=False)
         [rank] = llm.stats().ranks
         assert rank.num_local_blocks == 0 and rank.paused_total > 0
-    with LLM(path, **_config(path, 20)) as llm:
+    with LLM(path, **_config(path, 32, max_tokens=64)) as llm:
         split = llm.generate(prompts, GREEDY, use_tqdm=False)
         [rank] = llm.stats().ranks
-        assert rank.num_local_blocks > 0 and rank.paused_total == 0
-        assert rank.num_blocks == 32  # (blocks of the one global layer)
+        assert rank.num_local_blocks == 28 and rank.paused_total == 0
+        assert rank.num_blocks == 44  # (blocks of the one global layer)
     assert [d.token_ids for d in split] == [d.token_ids for d in one]
     assert_equals_hf(split, hf)
 
 
+def test_pauses_and_evictions_under_a_split_give_rings_back(gemma):
+    """Four requests of 165 tokens on 20 one-pool blocks with room for half a paused block:
+    requests pause and are evicted (their rings given back, their windows recomputed into new
+    ones) and the tokens still equal transformers'; no ring is left taken."""
+    path, hf = gemma
+    c = transformers.AutoConfig.from_pretrained(path)
+    per_block = c.num_hidden_layers * 2 * BLOCK * c.num_key_value_heads * c.head_dim * 4
+    prompts = [PROMPTS[3] + PROMPTS[2], PROMPTS[2] + PROMPTS[3]] * 2
+    paused = 0.5 * per_block / 1024**3
+    with LLM(path, **_config(path, 20, paused_buffer_size_gb=paused)) as llm:
+        done = llm.generate(prompts, GREEDY, use_tqdm=False)
+        [rank] = llm.stats().ranks
+    assert rank.num_local_blocks > 0 and rank.local_blocks_used == 0
+    assert rank.paused_total > 0 and rank.evicted_total > 0, rank
+    assert_equals_hf(done, hf)
+
+
 def test_a_budget_too_small_for_a_ring_keeps_one_pool(gemma):
     """3 one-pool blocks of budget: the windowed layers' share (2.25 of them) holds no ring of
-    4 blocks, so the model keeps one pool (a split would refuse requests one pool serves)."""
+    5 blocks, so the model keeps one pool (a split would refuse requests one pool serves)."""
     path, hf = gemma
     with LLM(path, **_config(path, 3.5)) as llm:
         done = llm.generate([PROMPTS[1]], GREEDY, use_tqdm=False)

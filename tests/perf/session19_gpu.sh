@@ -12,7 +12,10 @@
 #     (disable_hybrid_kv_cache_manager) in one call: step times and the pools' blocks.
 PART=${1:?part one, two or split}
 source tests/perf/device_setup.sh
-enter_new_tree || exit 1
+# parts one and two collect modules that need the real model (test_gemma3.py's tokenizer,
+# test_ops_dense.py through test_ops_llama.py): its halves go first (tests/perf/carry_model.sh),
+# then carry [".carry/smollm2.gguf.part2", ".whl"] and build .carry/new on the device from the tree
+if [ "$PART" = split ]; then enter_new_tree || exit 1; else enter_new_tree model || exit 1; fi
 if [ "$PART" = one ]; then
     timeout -s ABRT 560 python3 -m pytest -q -m gpu -x -p no:cacheprovider \
         tests/test_local_kv.py tests/test_sampling_controls.py tests/test_e2e_dense.py \
@@ -22,7 +25,7 @@ fi
 if [ "$PART" = two ]; then
     timeout -s ABRT 560 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_tp.py \
         tests/test_custom_all_reduce.py tests/test_ops_dense.py tests/test_tp_moe.py \
-        tests/test_rl.py tests/test_gpu_weight_transfer.py 2>&1 | tail -15
+        tests/test_rl.py tests/test_gpu_weight_transfer.py tests/test_e2e_dense.py 2>&1 | tail -25
 fi
 if [ "$PART" = split ]; then
     for one in false true; do
