@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The twentieth session's GPU call (one GPU; from the root, carry [".whl"]: the tree is copied
+# to .carry/new on the device): the split pool's rows again after the chunk floor (713d05b:
+# wrapping rings compute chunks of 2,048 tokens, not of the window), its GPU tests, and where
+# an eager step's host time goes (tests/perf/eager_host.py: the bench's eager rows are ~23 ms a
+# step on the Gemma 3 1B shape).
+mkdir -p .carry/new && tar --exclude=./.carry --exclude=./.whl -cf - . | tar -xf - -C .carry/new
+source tests/perf/device_setup.sh
+enter_new_tree || exit 1
+for one in false true; do
+    timeout -s ABRT 200 python3 -m taipan.cli bench --workload decode --device cuda \
+        --dtype bfloat16 --model random:gemma3-1b --batches 1,8 --prompt-len 4096 \
+        --output-len 64 --no-hf --set max_sequence_length=4224 \
+        --set disable_hybrid_kv_cache_manager=$one --results "$OUT/split_$one.jsonl" 2>&1 \
+        | grep -E "^decode|rror" | cut -c1-200
+done
+timeout -s ABRT 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_local_kv.py \
+    tests/test_e2e_dense.py -k "not tp2" 2>&1 | tail -3
+timeout -s ABRT 150 python3 tests/perf/eager_host.py random:gemma3-1b 1 512 2048 \
+    > "$OUT/eager_host.txt" 2>&1
+grep -E "eager: wall" "$OUT/eager_host.txt"
