@@ -7,6 +7,7 @@
 # shape twice (1.299x its floor in the seventeenth session: at the bar) and Qwen2.5-7B.
 PART=${1:-one}
 mkdir -p .carry/new && tar --exclude=./.carry --exclude=./.whl -cf - . | tar -xf - -C .carry/new
+[ "$PART" = rows ] || bash tests/perf/session19_gpu.sh split  # (the split's rows, same bench)
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
 if [ "$PART" = rows ]; then
@@ -18,13 +19,6 @@ if [ "$PART" = rows ]; then
     done
     exit 0
 fi
-for one in false true; do
-    timeout -s ABRT 200 python3 -m taipan.cli bench --workload decode --device cuda \
-        --dtype bfloat16 --model random:gemma3-1b --batches 1,8 --prompt-len 4096 \
-        --output-len 64 --no-hf --set max_sequence_length=4224 \
-        --set disable_hybrid_kv_cache_manager=$one --results "$OUT/split_$one.jsonl" 2>&1 \
-        | grep -E "^decode|rror" | cut -c1-200
-done
 timeout -s ABRT 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_local_kv.py \
     tests/test_e2e_dense.py -k "not tp2" 2>&1 | tail -3
 timeout -s ABRT 150 python3 tests/perf/eager_host.py random:gemma3-1b 1 512 2048 \
