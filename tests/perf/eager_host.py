@@ -84,6 +84,7 @@ def main(model: str, sizes: list[int]) -> None:
         prof.disable()
         stats = pstats.Stats(prof)
         stats.sort_stats("tottime").print_stats(22)
+        stats.sort_stats("cumulative").print_stats("taipan", 40)
 
 
 if __name__ == "__main__":
