@@ -457,9 +457,10 @@ class RuntimePlan:
 
 
 # The fewest prompt tokens a wrapping ring lets one step compute (up to the step's budget): a
-# prefill step that no CUDA graph covers pays a fixed host cost whatever its size (~15 ms on the
-# 1B Gemma 3 shape, H200), so chunks of only the window made a 4,096-token prompt's first token
-# 4.5x later than one pool's (121 against 27 ms, 512-token window). A ring costs W + c keys.
+# prompt step that no CUDA graph holds pays its kernel launches from Python whatever its size
+# (17-27 ms on the 1B Gemma 3 shape, H200: tests/perf/eager_host.py), so chunks of only the
+# window made a 4,096-token prompt's first token 4.5x later than one pool's (121 against 27 ms,
+# 512-token window; 62 ms with this floor). A ring costs W + c keys.
 LOCAL_CHUNK_TOKENS = 2048
 
 
