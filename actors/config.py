@@ -460,17 +460,26 @@ class RuntimePlan:
 # prompt step that no CUDA graph holds pays its kernel launches from Python whatever its size
 # (17-27 ms on the 1B Gemma 3 shape, H200: tests/perf/eager_host.py), so chunks of only the
 # window made a 4,096-token prompt's first token 4.5x later than one pool's (121 against 27 ms,
-# 512-token window; 62 ms with this floor). A ring costs W + c keys.
+# 512-token window; 62 ms with chunks of 2,048). A ring costs W + c keys, so c is also held to
+# half of max_sequence_length less the window: the ring stays at most about half a whole
+# request's keys (with the default 2,560 and Gemma 3's 512-token window: chunks of 768, rings
+# of 6 blocks of 256), or the split would save little (actors/gpu/split_kv.py keeps one pool
+# when a ring holds a whole request).
 LOCAL_CHUNK_TOKENS = 2048
 
 
 def local_chunk(
-    window: int, block_size: int, max_tokens: int, num_speculative_tokens: int = 0
+    window: int,
+    block_size: int,
+    max_tokens: int,
+    max_sequence_length: int,
+    num_speculative_tokens: int = 0,
 ) -> int:
     """The most tokens a step computes for a request whose local ring wraps (the contract in
     actors/engine/local_kv.py): the window, at least a block and a verify row's k + 1, and at
-    least LOCAL_CHUNK_TOKENS where the step's token budget (`max_tokens`) allows that many."""
-    floor = min(LOCAL_CHUNK_TOKENS, max_tokens)
+    least min(LOCAL_CHUNK_TOKENS, the step's token budget `max_tokens`, max_sequence_length //
+    2 - window)."""
+    floor = min(LOCAL_CHUNK_TOKENS, max_tokens, max_sequence_length // 2 - window)
     return max(window, block_size, num_speculative_tokens + 1, floor)
 
 

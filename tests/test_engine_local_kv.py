@@ -117,7 +117,7 @@ def local_workloads(draw):
         max_sequence_length=max_seq,
         eos=draw(st.lists(st.integers(10, 59), max_size=2, unique=True)),
     )
-    ring = ring_blocks(window, bs, local_chunk(window, bs, max_tokens))
+    ring = ring_blocks(window, bs, local_chunk(window, bs, max_tokens, max_seq))
     num_local = draw(st.integers(min(ring, -(-max_seq // bs)), 3 * ring + 4))
     plan = dataclasses.replace(plan, local_window=window, num_local_blocks=num_local)
     requests = draw_requests(draw, max_seq, 8, stop_token_ids=False)

@@ -38,12 +38,16 @@ LAYERS = ["sliding_attention"] * 3 + ["full_attention"]
 def test_ring_sizes_hold_a_chunk_and_its_window():
     """A chunk of c tokens writes and reads keys over W - 1 + c positions: the ring holds them
     in distinct slots wherever the chunk starts; a short request's ring never wraps."""
-    chunk = local_chunk(WINDOW, BLOCK, max_tokens=4, num_speculative_tokens=3)
-    assert chunk == WINDOW and local_chunk(8, BLOCK, 4, num_speculative_tokens=20) == 21
-    # (a budget of many tokens: chunks of LOCAL_CHUNK_TOKENS, not of the window)
-    assert local_chunk(WINDOW, BLOCK, 64) == 64
-    assert local_chunk(512, 256, 16384) == LOCAL_CHUNK_TOKENS
-    assert local_chunk(4096, 256, 16384) == 4096
+    chunk = local_chunk(WINDOW, BLOCK, 4, 256, num_speculative_tokens=3)
+    assert chunk == WINDOW and local_chunk(8, BLOCK, 4, 256, num_speculative_tokens=20) == 21
+    # A budget of many tokens: chunks of LOCAL_CHUNK_TOKENS, not of the window, where half the
+    # longest request (less the window) allows: a ring stays about half a request's keys.
+    assert local_chunk(WINDOW, BLOCK, 64, 256) == 64
+    assert local_chunk(512, 256, 16384, 32768) == LOCAL_CHUNK_TOKENS
+    assert local_chunk(512, 256, 16384, 2560) == 768  # (the default max_sequence_length)
+    assert ring_blocks(512, 256, 768) * 256 == 1536
+    assert local_chunk(1024, 256, 16384, 2560) == 1024
+    assert local_chunk(4096, 256, 16384, 32768) == 4096
     r = ring_blocks(WINDOW, BLOCK, chunk)
     assert r == 4
     pool = LocalPool(10, WINDOW, BLOCK, chunk)

@@ -122,7 +122,9 @@ class Scheduler:
         self.local = None
         if plan.local_window and plan.num_local_blocks:
             k = speculation.k if speculation is not None else 0
-            chunk = local_chunk(plan.local_window, plan.block_size, plan.max_tokens, k)
+            chunk = local_chunk(
+                plan.local_window, plan.block_size, plan.max_tokens, plan.max_sequence_length, k
+            )
             self.local = LocalPool(
                 plan.num_local_blocks, plan.local_window, plan.block_size, chunk,
                 caching=self.prefix is not None,

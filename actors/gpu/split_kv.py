@@ -28,7 +28,10 @@ class SplitKV:
 
     def __init__(self, window: int, windowed: tuple[bool, ...], msg: LoadModel):
         self.window, self.windowed = window, windowed
-        chunk = local_chunk(window, msg.block_size, msg.max_tokens, msg.num_speculative_tokens)
+        chunk = local_chunk(
+            window, msg.block_size, msg.max_tokens, msg.max_sequence_length,
+            msg.num_speculative_tokens,
+        )  # fmt: skip
         self.ring_blocks = ring_blocks(window, msg.block_size, chunk)
         # (with prefix caching the rest of the windowed layers' share caches their keys)
         self.wanted = 2**62 if msg.local_kv_cache else msg.max_requests * self.ring_blocks
