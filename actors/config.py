@@ -456,15 +456,15 @@ class RuntimePlan:
     num_local_blocks: int = 0
 
 
-# The fewest prompt tokens a wrapping ring lets one step compute (up to the step's budget): a
-# prompt step that no CUDA graph holds pays its kernel launches from Python whatever its size
+# How many tokens a step may compute for a request whose ring wraps, when the window is fewer:
+# a prompt step that no CUDA graph holds pays its kernel launches from Python whatever its size
 # (17-27 ms on the 1B Gemma 3 shape, H200: tests/perf/eager_host.py), so chunks of only the
 # window made a 4,096-token prompt's first token 4.5x later than one pool's (121 against 27 ms,
 # 512-token window; 62 ms with chunks of 2,048). A ring costs W + c keys, so c is also held to
-# half of max_sequence_length less the window: the ring stays at most about half a whole
-# request's keys (with the default 2,560 and Gemma 3's 512-token window: chunks of 768, rings
-# of 6 blocks of 256), or the split would save little (actors/gpu/split_kv.py keeps one pool
-# when a ring holds a whole request).
+# the step's budget and to half of max_sequence_length less the window: a ring stays at most
+# about half a whole request's keys (with the default 2,560 and Gemma 3's 512-token window:
+# chunks of 768, rings of 6 blocks of 256), or the split would save little
+# (actors/gpu/split_kv.py keeps one pool when a ring holds a whole request).
 LOCAL_CHUNK_TOKENS = 2048
 
 
@@ -476,9 +476,9 @@ def local_chunk(
     num_speculative_tokens: int = 0,
 ) -> int:
     """The most tokens a step computes for a request whose local ring wraps (the contract in
-    actors/engine/local_kv.py): the window, at least a block and a verify row's k + 1, and at
-    least min(LOCAL_CHUNK_TOKENS, the step's token budget `max_tokens`, max_sequence_length //
-    2 - window)."""
+    actors/engine/local_kv.py): the largest of the window, a block, a verify row's k + 1 and
+    min(LOCAL_CHUNK_TOKENS, the step's token budget `max_tokens`, max_sequence_length // 2 -
+    window)."""
     floor = min(LOCAL_CHUNK_TOKENS, max_tokens, max_sequence_length // 2 - window)
     return max(window, block_size, num_speculative_tokens + 1, floor)
 
