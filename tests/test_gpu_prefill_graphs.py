@@ -1,8 +1,9 @@
 """Prompt chunks in CUDA graphs (`cuda_graph_all_prefills`: mixed graphs up to max_tokens, so
-every step of these runs replays a graph) for the recurrent hybrids, whose chunks write their
-states at block boundaries inside the chunk (snapshots) and start from a slot or a snapshot:
-NemotronH (Mamba2) and Qwen3-Next (Gated-DeltaNet, MoE layers). Greedy tokens equal Hugging
-Face's, the snapshot counters are exact, and no step ran eagerly. The dense Llama path's prompt
+every step of these runs fits one) for the recurrent hybrids, whose chunks start from a slot or
+a snapshot and whose last chunk stores the state the next step reads: NemotronH (Mamba2) and
+Qwen3-Next (Gated-DeltaNet, MoE layers). Greedy tokens equal Hugging Face's and the cached
+prompt tokens are exact; without snapshots no step runs eagerly (with them, a step whose kernels
+store a snapshot inside a chunk still does: forward.py `_bucket`). The dense Llama path's prompt
 chunks in graphs are tests/test_gpu.py's `test_gpu_graph_steps_equal_eager_steps`.
 
 Why: a step no graph holds pays its launches from Python (~26 ms on a 1B shape), and the
@@ -19,6 +20,7 @@ import torch
 
 from taipan.actors.config import cuda_graph_sizes
 from tests.random_nemotron_h import TINY_HYBRID, make_random_nemotron_h
+from tests.random_qwen3_next import make_random_qwen3_next
 from tests.test_e2e_hybrid import hf_generate
 from tests.test_e2e_hybrid_prefix import CACHED, PROMPTS
 from tests.test_e2e_hybrid_prefix import slot_bytes as mamba_slot_bytes
@@ -46,16 +48,13 @@ def _all_prefills(cfg):
 @pytest.mark.parametrize("snapshots", [8, 0])
 @pytest.mark.parametrize("family", ["nemotron_h", "qwen3_next"])
 def test_gpu_hybrid_prompt_chunks_in_graphs_equal_hf(tmp_path, family, snapshots):
-    """With snapshots a step whose kernels store states inside a chunk still runs eagerly
-    (forward.py `_bucket`); without them every step replays a graph."""
+    """Snapshots on (8 slots) and off; a tiny random model of each family in fp32."""
     if family == "nemotron_h":
         shape = TINY_HYBRID | {"head_dim": 64}
         path = make_random_nemotron_h(str(tmp_path), pattern="M-*-M-", shape=shape)
         c, want = _want(path)
         slot = mamba_slot_bytes(c)
     else:
-        from tests.random_qwen3_next import make_random_qwen3_next
-
         path = make_random_qwen3_next(str(tmp_path), "moe", shape=GPU_SHAPE)
         c, want = _want(path)
         slot = gdn_slot_bytes(c)
