@@ -14,7 +14,7 @@ PART=${1:?part one, two or split}
 source tests/perf/device_setup.sh
 # parts one and two collect modules that need the real model (test_gemma3.py's tokenizer,
 # test_ops_dense.py through test_ops_llama.py): its halves go first (tests/perf/carry_model.sh),
-# then carry [".carry/smollm2.gguf.part2", ".whl"] and build .carry/new on the device from the tree
+# then carry [".carry/smollm2.gguf.part2", ".whl"] (enter_new_tree makes .carry/new from the tree)
 if [ "$PART" = split ]; then enter_new_tree || exit 1; else enter_new_tree model || exit 1; fi
 if [ "$PART" = one ]; then
     timeout -s ABRT 560 python3 -m pytest -q -m gpu -x -p no:cacheprovider \

@@ -6,7 +6,6 @@
 # step on the Gemma 3 1B shape). `rows`: issue 27's batch-1 decode rows again, the Gemma 3 12B
 # shape twice (1.299x its floor in the seventeenth session: at the bar) and Qwen2.5-7B.
 PART=${1:-one}
-mkdir -p .carry/new && tar --exclude=./.carry --exclude=./.whl -cf - . | tar -xf - -C .carry/new
 [ "$PART" = rows ] || bash tests/perf/session19_gpu.sh split  # (the split's rows, same bench)
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1

@@ -6,7 +6,6 @@
 # random:llama-1b, "false true false"). From the root, carry [".whl"].
 MODEL=${1:-random:llama-1b}
 ORDER=${2:-false true false}
-mkdir -p .carry/new && tar --exclude=./.carry --exclude=./.whl -cf - . | tar -xf - -C .carry/new
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
 for on in $ORDER; do
