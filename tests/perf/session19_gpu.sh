@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The nineteenth session's GPU checks, none of which ran then (no device time; carry [".whl",
-# ".carry/new"]; from the root). Run them first in the next GPU session.
+# The nineteenth session's GPU checks, none of which ran then (no device time); the twentieth
+# ran them (tests/perf/NOTES.md). From the root; carry [".whl"] (and the model's half, below).
 #   part one (one GPU): per-layer-group KV under CUDA graphs (tests/test_local_kv.py), the
 #     sampling controls' CUDA tests (their cases now hold allowed_token_ids), the windowed dense
-#     and Gemma 3 GPU tests (the split pool serves them now), speculative and structured GPU
-#     tests (allow_rows in verify rows), test_gpu.py.
+#     and Gemma 3 GPU tests (the split pool serves them now), the structured GPU test
+#     (allow_rows in verify rows).
 #   part two (two GPUs): the GPU tests whose helpers moved to tests/ports.py in the eighteenth
 #     session (test_tp.py run_ranks users, the NCCL push of test_rl.py, the weight-transfer ones).
 #   part split (one GPU): issue 27's bench rows of the split pool, a Gemma 3 1B shape with 4,096-
