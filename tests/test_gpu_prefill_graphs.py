@@ -7,7 +7,7 @@ store a snapshot inside a chunk still does: forward.py `_bucket`). The dense Lla
 chunks in graphs are tests/test_gpu.py's `test_gpu_graph_steps_equal_eager_steps`.
 
 Why: a step no graph holds pays its launches from Python (~26 ms on a 1B shape), and the
-offline bench ran 1.5-2.7x faster with the option on (tests/perf/NOTES.md, twentieth session);
+offline bench ran 1.5-1.8x faster with the option on (tests/perf/NOTES.md, twentieth session);
 it is off by default until these paths have run with it on a GPU.
 """
 
