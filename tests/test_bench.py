@@ -298,6 +298,7 @@ def test_offline_workload_row_on_cpu(tmp_path):
         map(len, prompts)
     )
     assert row["hf_requests"] == 4 and "first 4 requests" in row["note"]
+    assert row["ours_steps"] > 0 and row["ours_steps_graphed_share"] == 0  # (no graphs on CPU)
     for mode in ("hf_generate", "hf_continuous"):
         assert row[f"{mode}_output_tok_s"] > 0
     best = row["hf_best_output_tok_s"]

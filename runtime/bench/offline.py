@@ -36,21 +36,27 @@ def sharegpt_like(n: int, seed: int, max_len: int) -> tuple[list[list[int]], lis
     return [random_prompt(ids, p) for p in prompt_lens], output_lens
 
 
-async def _submit_all(address: str, prompts: list[list[int]], output_lens: list[int]) -> float:
-    """Every request submitted at once, each with its own max_tokens; seconds to the last."""
+async def _submit_all(
+    address: str, prompts: list[list[int]], output_lens: list[int]
+) -> tuple[float, int, int]:
+    """Every request submitted at once, each with its own max_tokens: (seconds to the last,
+    the steps the ranks ran for them, how many of those replayed a CUDA graph)."""
     from taipan.client import AsyncClient
 
     async with AsyncClient(address) as client:
         await client.generate([prompts[0][:8]], greedy(2))  # warm-up
+        before = (await client.stats()).merged()
         start = time.perf_counter()
         done = await asyncio.gather(
             *(client.generate(p, greedy(n)) for p, n in zip(prompts, output_lens, strict=True))
         )
         elapsed = time.perf_counter() - start
+        after = (await client.stats()).merged()
     got = [len(c.token_ids) for [c] in done]
     if got != output_lens:
         raise RuntimeError("ours generated other token counts than each request asked for")
-    return elapsed
+    steps = after.steps_total - before.steps_total
+    return elapsed, steps, after.steps_graphed - before.steps_graphed
 
 
 def _offline_hf(args, model_path: str, prompts, output_lens, errors: dict) -> dict:
@@ -93,9 +99,10 @@ def offline_workload(args) -> list[dict]:
     name, model_path = resolve(args.model)
     prompts, output_lens = sharegpt_like(n, args.seed, max_len)
     with runtime_from_args(args) as rt:
-        ours = {"all": asyncio.run(_submit_all(rt.address, prompts, output_lens))}
+        seconds, steps, graphed = asyncio.run(_submit_all(rt.address, prompts, output_lens))
+        ours = {"all": seconds}
         if k < n:  # the ratio compares the same requests
-            ours["k"] = asyncio.run(_submit_all(rt.address, prompts[:k], output_lens[:k]))
+            ours["k"] = asyncio.run(_submit_all(rt.address, prompts[:k], output_lens[:k]))[0]
     errors: dict = {}
     hf = {}
     if not args.no_hf:
@@ -115,6 +122,10 @@ def offline_workload(args) -> list[dict]:
         "ours_seconds": ours["all"],
         "ours_output_tok_s": sum(output_lens) / ours["all"],
         "ours_total_tok_s": (sum(output_lens) + sum(map(len, prompts))) / ours["all"],
+        # How many steps the run took and what share replayed a CUDA graph (a step no graph
+        # holds launches its kernels from Python: cuda_graph_all_prefills graphs prompt chunks).
+        "ours_steps": steps,
+        "ours_steps_graphed_share": graphed / steps if steps else 0.0,
         "hf_requests": k,
         "hf_batch": args.hf_batch,
         **errors,
@@ -141,6 +152,7 @@ def offline_summary(row: dict) -> str:
     """The row's human line."""
     return (
         f"offline {row['num_requests']} requests: ours {row['ours_output_tok_s']} output "
-        f"tok/s; HF best {row.get('hf_best_output_tok_s')} tok/s on "
+        f"tok/s in {row['ours_steps']} steps ({row['ours_steps_graphed_share']} graphed); "
+        f"HF best {row.get('hf_best_output_tok_s')} tok/s on "
         f"{row.get('hf_requests')} requests, ours_vs_hf {row.get('ours_vs_hf')}"
     )
