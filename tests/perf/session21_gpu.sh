@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# What the twentieth session changed after its device time was spent, for the next GPU session
+# (one GPU; from the root, carry [".whl"]):
+#   - the split pool's rows with the final chunk rule (chunks held to max_sequence_length // 2 -
+#     W: 1,600 tokens at the bench's 4,224, three chunks for a 4,096-token prompt; the rows in
+#     NOTES ran with 2,048): session19_gpu.sh split;
+#   - the offline rows with their new step counts (`ours_steps`, `ours_steps_graphed_share`),
+#     cuda_graph_all_prefills off and on: session20_prefill_graphs.sh;
+#   - the GPU offline bench test (it runs the new counters) and the split's GPU test.
+bash tests/perf/session19_gpu.sh split
+bash tests/perf/session20_prefill_graphs.sh random:llama-1b "false true"
+source tests/perf/device_setup.sh
+enter_new_tree || exit 1
+timeout -s ABRT 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
+    tests/test_bench.py -k offline tests/test_local_kv.py 2>&1 | tail -4
