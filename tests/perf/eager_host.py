@@ -20,37 +20,18 @@ import torch
 
 from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import LoadModel, StepPlan
+from tests.test_ops_logprobs import Seq, make_plan
 
 BLOCK = 256
 DEVICE = os.environ.get("DEVICE", "cuda")  # (cpu: a dry run of the script)
 
 
 def plan(step: int, tokens: int) -> StepPlan:
-    ctx = 256 if tokens == 1 else tokens
-    start = ctx - tokens
-    pos = np.arange(start, ctx, dtype=np.int32)
-    tables = np.arange(16, dtype=np.int32).reshape(1, 16)
-    slots = tables[0, pos // BLOCK].astype(np.int64) * BLOCK + pos % BLOCK
-    one32 = np.zeros(1, dtype=np.int32)
-    return StepPlan(
-        step=step,
-        input_ids=(np.arange(tokens) % 1000).astype(np.int32),
-        positions=pos,
-        slot_mapping=slots,
-        query_start_loc=np.asarray([0, tokens], dtype=np.int32),
-        seq_lens=np.asarray([ctx], dtype=np.int32),
-        block_tables=tables,
-        sample=np.ones(1, dtype=np.int8),
-        temperature=np.zeros(1, dtype=np.float32),
-        top_k=one32,
-        top_p=np.ones(1, dtype=np.float32),
-        min_p=np.zeros(1, dtype=np.float32),
-        seeds=np.full(1, -1, dtype=np.int64),
-        gen_index=one32,
-        logprobs=np.zeros(1, dtype=np.int8),
-        top_n=one32,
-        prompt_targets=np.full(1, -1, dtype=np.int32),
-    )
+    """One sequence: a decode row over 255 cached tokens (tokens == 1) or a prompt chunk from
+    position 0 (tests/test_ops_logprobs.py builds the plan as the engine would)."""
+    start = 255 if tokens == 1 else 0
+    ids = (np.arange(tokens) % 1000).tolist()
+    return make_plan(step, [Seq(ids, start, list(range(16)))], block_size=BLOCK)
 
 
 def sync() -> None:
