@@ -7,6 +7,10 @@
 #   - the offline rows with their new step counts (`ours_steps`, `ours_steps_graphed_share`),
 #     cuda_graph_all_prefills off and on: session20_prefill_graphs.sh;
 #   - the GPU offline bench test (it runs the new counters) and the split's GPU test.
+# Then, with the real model staged (carry_model.sh stage1, then carry the part2 half and .whl):
+# `bash tests/perf/session19_gpu.sh one`, for tests/test_gemma3.py's head_dim-256 GPU test,
+# whose window-24 layer now gets rings of 5 blocks (chunks of 32, not 24) and which last ran
+# before that change (its CPU twin of the same config passes: 64 cached tokens, equal to HF).
 bash tests/perf/session19_gpu.sh split
 bash tests/perf/session20_prefill_graphs.sh random:llama-1b "false true"
 source tests/perf/device_setup.sh
