@@ -11,6 +11,15 @@
 # `bash tests/perf/session19_gpu.sh one`, for tests/test_gemma3.py's head_dim-256 GPU test,
 # whose window-24 layer now gets rings of 5 blocks (chunks of 32, not 24) and which last ran
 # before that change (its CPU twin of the same config passes: 64 cached tokens, equal to HF).
+# `two` (a machine of two GPUs): the remote-follower NCCL test, whose ports now come from
+# tests/ports.py (the eighteenth session's helper) and which has not run on GPUs since.
+if [ "${1:-one}" = two ]; then
+    source tests/perf/device_setup.sh
+    enter_new_tree || exit 1
+    timeout -s ABRT 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
+        tests/test_e2e_hosts_peers.py 2>&1 | tail -4
+    exit 0
+fi
 bash tests/perf/session19_gpu.sh split
 bash tests/perf/session20_prefill_graphs.sh random:llama-1b "false true"
 source tests/perf/device_setup.sh
