@@ -75,7 +75,9 @@ class InferenceConfig:
     cuda_graph_mixed_prefill_count: int | None = 16
     cuda_graph_sizing_distribution: CudaGraphSizingDistribution | None = None
     use_cuda_graphs_for_non_decode_steps: bool = True
-    cuda_graph_all_prefills: bool = False
+    # True here (Megatron-LM's default is False): without it every step with a prompt chunk
+    # above max_requests tokens runs eagerly, its launches paid from Python (README, CUDA graphs).
+    cuda_graph_all_prefills: bool = True
     static_kv_memory_pointers: bool = False
     max_sequence_length: int = 2560
     pg_collection: dict | None = None

@@ -37,6 +37,7 @@ import datetime
 import functools
 import inspect
 import math
+import os
 import time
 from collections.abc import Iterable, Sequence
 
@@ -157,6 +158,20 @@ def plan_buckets(
     return [b for b in buckets if b]
 
 
+def nccl_high_priority() -> bool:
+    """Whether the weight group's NCCL kernels run on a high-priority stream: by default yes. A
+    receiver copies each bucket into its parameters on a side stream while the next bucket's
+    broadcast runs (actors/gpu/controls.py); the copies' kernels fill every SM, and a broadcast
+    kernel queued behind their blocks starts late, which holds the trainer's next send.
+    TAIPAN_WEIGHT_STREAM_PRIORITY=normal gives NCCL's own default (to compare the two)."""
+    value = os.environ.get("TAIPAN_WEIGHT_STREAM_PRIORITY", "high")
+    if value not in ("high", "normal"):
+        raise WeightTransferError(
+            f"TAIPAN_WEIGHT_STREAM_PRIORITY must be 'high' or 'normal', got {value!r}"
+        )
+    return value == "high"
+
+
 class WeightGroup:
     """One process's membership of a weight-transfer group (trainer or taipan side alike)."""
 
@@ -189,6 +204,7 @@ class WeightGroup:
             else:
                 options = dist.ProcessGroupNCCL.Options()
                 options._timeout = timeout
+                options.is_high_priority_stream = nccl_high_priority()
                 self.group = dist.ProcessGroupNCCL(store, rank, world_size, options)
         except (RuntimeError, ValueError) as e:
             raise WeightTransferError(

@@ -64,7 +64,10 @@ SEED_DEFAULTS = {
 # Where taipan's default differs from the seed's, and why. buffer_size_gb None means "the seed's
 # 20 GB on CUDA; on CPU a bounded share of the available memory" (DESIGN.md §12: the KV cache is
 # host memory there, and 20 GB of it would not leave a 24 GiB machine usable).
-DIFFERS_FROM_SEED = {"buffer_size_gb": None}
+# cuda_graph_all_prefills True: a step no graph holds launches its kernels from Python (~26 ms
+# a step on a 1B shape), and under continuous admission most steps carry a prompt chunk larger
+# than the seed's bound of max_requests tokens (README, CUDA graphs).
+DIFFERS_FROM_SEED = {"buffer_size_gb": None, "cuda_graph_all_prefills": True}
 # taipan's own fields, not in the seed (README: configuration).
 TAIPAN_FIELDS = {
     "overlap_steps": None,

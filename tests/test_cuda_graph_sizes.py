@@ -13,9 +13,10 @@ def sizes(device="cuda", **fields):
     return cuda_graph_sizes(InferenceConfig(**fields), device)
 
 
-def test_default_is_exponential_up_to_max_requests_for_both_kinds():
-    decode, mixed = sizes(max_requests=128)
-    assert decode == mixed == (1, 2, 4, 8, 16, 32, 64, 128)
+def test_default_is_exponential_up_to_max_requests_then_max_tokens():
+    decode, mixed = sizes(max_requests=128, max_tokens=512)
+    assert decode == (1, 2, 4, 8, 16, 32, 64, 128)
+    assert mixed == (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # prompt chunks too, by default
 
 
 def test_exponential_halves_rounding_up_and_keeps_the_bound():
@@ -35,13 +36,13 @@ def test_linear_spacing_as_the_seed_describes():
 def test_all_prefills_extends_mixed_graphs_to_max_tokens():
     _, mixed = sizes(max_requests=8, max_tokens=64, cuda_graph_all_prefills=True)
     assert mixed == (1, 2, 4, 8, 16, 32, 64)
-    _, mixed = sizes(max_requests=8, max_tokens=64)
-    assert mixed == (1, 2, 4, 8)
+    _, mixed = sizes(max_requests=8, max_tokens=64, cuda_graph_all_prefills=False)
+    assert mixed == (1, 2, 4, 8)  # the seed's default: mixed graphs as decode ones
 
 
 def test_counts_cap_each_kind_keeping_the_largest():
     decode, mixed = sizes(max_requests=128, num_cuda_graphs=3, cuda_graph_mixed_prefill_count=2)
-    assert decode == (1, 16, 128) and mixed == (1, 128)
+    assert decode == (1, 16, 128) and mixed == (1, 16384)  # (max_tokens: all prefills)
     decode, mixed = sizes(max_requests=128, num_cuda_graphs=1, cuda_graph_mixed_prefill_count=0)
     assert decode == (128,) and mixed == ()
 
@@ -60,7 +61,7 @@ def test_cpu_has_no_graphs_and_refuses_graph_fields_by_name():
         ("cuda_graph_mixed_prefill_count", 2),
         ("cuda_graph_sizing_distribution", "linear"),
         ("use_cuda_graphs_for_non_decode_steps", False),
-        ("cuda_graph_all_prefills", True),
+        ("cuda_graph_all_prefills", False),
     ]:
         with pytest.raises(ConfigError, match=f"{field}.*CUDA graphs need a CUDA device"):
             sizes("cpu", **{field: value})

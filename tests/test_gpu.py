@@ -133,12 +133,13 @@ def test_gpu_log_probs_match_hf(model_dir):
 
 @pytest.fixture(
     scope="module",
-    params=[(None, True), (None, False), (0, False)],
-    ids=["graphs-overlap", "graphs-serial", "eager-serial"],
+    params=[(None, True, True), (None, False, False), (0, False, True)],
+    ids=["graphs-overlap", "graphs-serial-eager-prefills", "eager-serial"],
 )
 def tiny_pool(model_dir, request):
     """A runtime on CUDA whose 10-block pool makes every pause evict (paused requests may hold
-    no block); with CUDA graphs (the default: decode and mixed graphs up to 32 tokens, so the
+    no block); with CUDA graphs (the default: mixed graphs up to max_tokens, so every step
+    replays one; or, with cuda_graph_all_prefills=False, up to max_requests (32) tokens, so the
     chunked prefills of up to 64 tokens run both ways) and without (num_cuda_graphs=0); with
     steps overlapping (the default) and not."""
     import torch
@@ -150,6 +151,7 @@ def tiny_pool(model_dir, request):
         paused_buffer_size_gb=0.0,
         num_cuda_graphs=request.param[0],
         overlap_steps=request.param[1],
+        cuda_graph_all_prefills=request.param[2],
     )
     with Runtime(model_dir, config, device="cuda") as rt:
         yield rt
@@ -170,8 +172,12 @@ async def test_gpu_tiny_pool_and_suspend_modes_keep_greedy_outputs(model_dir, ti
     want = _hf_greedy(model_dir, torch.float32, [d.prompt_token_ids for d in done], 24)
     assert [d.token_ids for d in done] == want
     assert stats.paused_total > 0 and stats.evicted_total > 0, stats
-    graphed = tiny_pool.config.num_cuda_graphs != 0
-    assert (stats.steps_graphed > 0) == graphed and stats.steps_graphed < stats.steps_total
+    if tiny_pool.config.num_cuda_graphs == 0:
+        assert stats.steps_graphed == 0 < stats.steps_total
+    elif tiny_pool.config.cuda_graph_all_prefills:
+        assert stats.steps_graphed == stats.steps_total > 0  # prompt chunks in graphs too
+    else:
+        assert 0 < stats.steps_graphed < stats.steps_total  # chunks above 32 tokens eager
     assert 0 < stats.device_seconds_total
     assert outs == {"persist": want, "offload": want, "recompute": want}
 

@@ -18,6 +18,7 @@ from taipan.ops.weight_transfer import (
     TensorSpec,
     WeightGroup,
     WeightTransferError,
+    nccl_high_priority,
     plan_buckets,
 )
 from taipan.rl import named_tensors, send_weights, weight_buckets
@@ -166,3 +167,13 @@ def test_bad_group_arguments():
         WeightGroup("127.0.0.1", 1, 2, 2, "gloo", "cpu")
     with pytest.raises(WeightTransferError, match="CUDA"):
         WeightGroup("127.0.0.1", 1, 2, 0, "nccl", "cpu")
+
+
+def test_nccl_stream_priority_is_high_unless_the_variable_says_normal(monkeypatch):
+    monkeypatch.delenv("TAIPAN_WEIGHT_STREAM_PRIORITY", raising=False)
+    assert nccl_high_priority() is True
+    monkeypatch.setenv("TAIPAN_WEIGHT_STREAM_PRIORITY", "normal")
+    assert nccl_high_priority() is False
+    monkeypatch.setenv("TAIPAN_WEIGHT_STREAM_PRIORITY", "low")
+    with pytest.raises(WeightTransferError, match="'high' or 'normal', got 'low'"):
+        nccl_high_priority()

@@ -1,23 +1,68 @@
 #!/usr/bin/env bash
-# What the twentieth session changed after its device time was spent, for the next GPU session
-# (one GPU; from the root, carry [".whl"]):
-#   - the split pool's rows with the final chunk rule (chunks held to max_sequence_length // 2 -
-#     W: 1,600 tokens at the bench's 4,224, three chunks for a 4,096-token prompt; the rows in
-#     NOTES ran with 2,048): session19_gpu.sh split;
-#   - the offline rows with their new step counts (`ours_steps`, `ours_steps_graphed_share`),
-#     cuda_graph_all_prefills off and on: session20_prefill_graphs.sh;
-#   - the GPU offline bench test (it runs the new counters) and the split's GPU test.
-# Then, with the real model staged (carry_model.sh stage1, then carry the part2 half and .whl):
-# `bash tests/perf/session19_gpu.sh one`, for tests/test_gemma3.py's head_dim-256 GPU test,
-# whose window-24 layer now gets rings of 5 blocks (chunks of 32, not 24) and which last ran
-# before that change (its CPU twin of the same config passes: 64 cached tokens, equal to HF).
-# `two` (a machine of two GPUs): the remote-follower NCCL test, whose ports now come from
-# tests/ports.py (the eighteenth session's helper) and which has not run on GPUs since.
-if [ "${1:-one}" = two ]; then
+# The twenty-first session's GPU calls (tests/perf/NOTES.md, "Twenty-first session"). From the
+# root, carry [".whl"] (and the model's half where a part says so).
+#   (no part) one GPU: what the twentieth session changed after its device time was spent: the
+#     split pool's rows with the final chunk rule (session19_gpu.sh split), the offline rows
+#     with their step counts, cuda_graph_all_prefills off and on (session20_prefill_graphs.sh),
+#     the GPU offline bench test and the split's GPU test. Then, with the real model staged,
+#     `session19_gpu.sh one` (tests/test_gemma3.py's head_dim-256 GPU test after the chunk rule).
+#   two (two GPUs): the remote-follower NCCL test (its ports from tests/ports.py).
+#   defaults (one GPU; the real model staged first: carry_model.sh stage1, then carry
+#     [".carry/smollm2.gguf.part2", ".whl"]): every runtime-level single-GPU test with
+#     cuda_graph_all_prefills on by default (mixed graphs up to max_tokens), verbose into
+#     $OUT/defaults.log.
+#   multi (four GPUs): the multi-GPU runtime tests with that default (TP=2 with graphs, hybrid
+#     TP=2, Qwen3-MoE TP=2, DP=2 x EP=2 x TP=2 on four GPUs, the NCCL weight pushes).
+#   ws (four GPUs): the weight sync at TP=2 (trainer cuda:0, taipan cuda:1-2, 8B shape) with the weight group's
+#     NCCL stream at normal and at high priority (TAIPAN_WEIGHT_STREAM_PRIORITY), alternating.
+PART=${1:-}
+if [ "$PART" = two ]; then
     source tests/perf/device_setup.sh
     enter_new_tree || exit 1
     timeout -s ABRT 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
         tests/test_e2e_hosts_peers.py 2>&1 | tail -4
+    exit 0
+fi
+if [ "$PART" = defaults ]; then
+    source tests/perf/device_setup.sh
+    enter_new_tree model || exit 1
+    timeout -s ABRT 560 python3 -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+        tests/test_gpu.py tests/test_e2e_speculative.py tests/test_e2e_speculative_draft.py \
+        tests/test_e2e_qwen3_next.py tests/test_gpu_prefix.py tests/test_gpu_hybrid.py \
+        tests/test_e2e_speculative_hybrid.py tests/test_gpu_real_model.py \
+        tests/test_structured_outputs.py tests/test_e2e_routed_experts.py \
+        tests/test_gpu_buffers.py tests/test_draft_graphs.py tests/test_local_kv.py \
+        tests/test_sampling_controls.py tests/test_speculative_verify.py \
+        tests/test_gpu_prefill_graphs.py tests/test_e2e_dense.py tests/test_gemma3.py \
+        > "$OUT/defaults.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/defaults.log" | sed 's/ *\[ *[0-9]*%\]//' \
+        | cut -c1-150
+    tail -3 "$OUT/defaults.log"
+    exit 0
+fi
+if [ "$PART" = multi ]; then
+    source tests/perf/device_setup.sh
+    enter_new_tree || exit 1
+    nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
+    timeout -s ABRT 330 python3 -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+        tests/test_e2e_tp.py tests/test_e2e_tp_hybrid.py tests/test_tp_ep.py tests/test_tp.py \
+        tests/test_tp_moe.py tests/test_tp_hybrid.py tests/test_expert_parallel.py \
+        tests/test_rl.py tests/test_gpu_weight_transfer.py > "$OUT/multi.log" 2>&1
+    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/multi.log" | sed 's/ *\[ *[0-9]*%\]//' \
+        | cut -c1-150
+    tail -3 "$OUT/multi.log"
+    exit 0
+fi
+if [ "$PART" = ws ]; then
+    source tests/perf/device_setup.sh
+    enter_new_tree || exit 1
+    WS="-m taipan.cli bench --workload weight-sync --model random:llama-8b --dtype bfloat16"
+    WS="$WS --trainer-device cuda:0 --device cuda:1 --tensor-parallel-size 2 --sync-rounds 3"
+    for prio in normal high normal high; do
+        echo "== TP=2 weight sync, NCCL stream priority $prio"
+        TAIPAN_WEIGHT_STREAM_PRIORITY=$prio timeout -s ABRT 140 python3 $WS \
+            --results "$OUT/ws_$prio.jsonl" 2>&1 | grep -E "weight-sync|rror" | tail -3
+    done
     exit 0
 fi
 bash tests/perf/session19_gpu.sh split
