@@ -15,7 +15,7 @@
 #     TP=2, DP=2 x EP=2 x TP=2 on four GPUs, EP workers, the NCCL weight push), then ws.
 #   ws (four GPUs): the weight sync at TP=2 (trainer cuda:0, taipan cuda:1-2, 8B shape) with
 #     the weight group's NCCL stream at normal, then high priority (TAIPAN_WEIGHT_STREAM_PRIORITY;
-#     WS_PRIORITIES="normal high normal high" to alternate more).
+#     WS_PRIORITIES="normal high normal high" to alternate more; WS_TP=1 on two GPUs).
 PART=${1:-}
 if [ "$PART" = two ]; then
     source tests/perf/device_setup.sh
@@ -57,7 +57,7 @@ fi
 if [ "$PART" = ws ]; then
     [ -n "${IN_TREE:-}" ] || { source tests/perf/device_setup.sh; enter_new_tree || exit 1; }
     WS="-m taipan.cli bench --workload weight-sync --model random:llama-8b --dtype bfloat16"
-    WS="$WS --trainer-device cuda:0 --device cuda:1 --tensor-parallel-size 2 --sync-rounds 3"
+    WS="$WS --trainer-device cuda:0 --device cuda:1 --tensor-parallel-size ${WS_TP:-2} --sync-rounds 3"
     for prio in ${WS_PRIORITIES:-normal high}; do
         echo "== TP=2 weight sync, NCCL stream priority $prio"
         TAIPAN_WEIGHT_STREAM_PRIORITY=$prio timeout -s ABRT 130 python3 $WS \
