@@ -59,7 +59,7 @@ if [ "$PART" = ws ]; then
     WS="-m taipan.cli bench --workload weight-sync --model random:llama-8b --dtype bfloat16"
     WS="$WS --trainer-device cuda:0 --device cuda:1 --tensor-parallel-size ${WS_TP:-2} --sync-rounds 3"
     for prio in ${WS_PRIORITIES:-normal high}; do
-        echo "== TP=2 weight sync, NCCL stream priority $prio"
+        echo "== TP=${WS_TP:-2} weight sync, NCCL stream priority $prio"
         TAIPAN_WEIGHT_STREAM_PRIORITY=$prio timeout -s ABRT 130 python3 $WS \
             --results "$OUT/ws_$prio.jsonl" 2>&1 | grep -E "weight-sync|rror" | tail -3
     done
