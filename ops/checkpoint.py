@@ -169,7 +169,8 @@ def expert_pieces(
 def _moe_prefixes(config) -> list[str]:
     """The module prefix of every MoE block of the model (`layers.3.mlp`, `layers.1.mixer`)."""
     if isinstance(config, (Qwen3MoeConfig, Qwen3NextConfig)):
-        return [f"layers.{i}.mlp" for i in range(config.num_layers) if config.is_moe_layer(i)]
+        layers = config.num_layers + getattr(config, "num_mtp_layers", 0)  # (MTP layers last)
+        return [f"layers.{i}.mlp" for i in range(layers) if config.is_moe_layer(i)]
     return [f"layers.{i}.mixer" for i, kind in enumerate(config.pattern) if kind == "E"]
 
 

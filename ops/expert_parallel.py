@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from taipan.ops.moe import MoE, exchange_rows, set_expert_dispatch
+from taipan.ops.moe import exchange_rows, moe_blocks, set_expert_dispatch
 from taipan.ops.parallel import TPGroup, join_world, share_seed
 
 DEFAULT_TIMEOUT_S = 120.0  # joining the group, and any one collective after that
@@ -234,7 +234,7 @@ def install_exchange(model: nn.Module, ep: EPGroup) -> TokenExchange:
 def exchange_only(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
     """A dummy forward: every MoE layer's exchange, in forward order, with no token of this
     rank (its experts still serve the others' rows). Returns the layers visited."""
-    blocks = [m for m in model.modules() if isinstance(m, MoE)]
+    blocks = moe_blocks(model)
     for block in blocks:
         exchange_rows(block, dtype, device)
     return len(blocks)

@@ -6,12 +6,15 @@ safetensors tensor as a piece read lazily through the file's memory map, so a ra
 slices (ops/checkpoint.py decides which). Skips what checkpoints carry beyond our modules (RoPE's
 saved inv_freq, the multi-token-prediction heads of NemotronH and Qwen3.5, a tied LM head's copy,
 and a multimodal checkpoint's vision tower and projector: of Qwen3.5's and Gemma 3's we serve the
-text model, never reading the rest).
+text model, never reading the rest). With `mtp=True` a Qwen3-Next-style checkpoint's MTP head is
+read too: its decoder layers `mtp.layers.i.*` as layers num_layers + i of the model (so they
+are fused, sharded and their experts placed as any layer's), its `mtp.fc` and norms as they are.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
@@ -27,16 +30,26 @@ from taipan.ops.hf_configs import (
     multimodal_architecture,
     text_model_config,
 )
+from taipan.ops.models.qwen3_next import Qwen3NextConfig
 from taipan.ops.moe import ExpertRange
 from taipan.ops.parallel import TPGroup
-from taipan.ops.sharding import Placement, checkpoint_name, is_vision_tensor
+from taipan.ops.sharding import (
+    Placement,
+    checkpoint_name,
+    is_vision_tensor,
+    mtp_layer_index,
+    mtp_name,
+)
 from taipan.ops.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 
-def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGroup) -> tuple:
-    """(model, config, tokenizer) of the directory, this rank's shards and experts only."""
+def load_hf_dir(
+    path: Path, dtype: torch.dtype, device, expert_range, tp: TPGroup, mtp: bool = False
+) -> tuple:
+    """(model, config, tokenizer) of the directory, this rank's shards and experts only;
+    `mtp`: with the checkpoint's multi-token-prediction head (Qwen3-Next-style only)."""
     try:
         hf = json.loads((path / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
@@ -60,8 +73,15 @@ def load_hf_dir(path: Path, dtype: torch.dtype, device, expert_range, tp: TPGrou
     files = _weight_files(path)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
+    if mtp:
+        if experts is not None and experts.count != moe.num_experts:
+            raise ModelLoadError(
+                f"{path}: an MTP head with a share of the experts (expert parallelism) is not "
+                "built: its layer would need the group's expert exchange"
+            )
+        config = _with_mtp(path, config, files)
     with contextlib.ExitStack() as files_open:
-        pieces = _safetensors_pieces(files, files_open, config.tie_word_embeddings)
+        pieces = _safetensors_pieces(files, files_open, config)
         if experts is not None:
             pieces = expert_pieces(path, config, experts, pieces, tp)
         model = build_model(path, config, pieces, dtype, device, tp, experts)
@@ -84,9 +104,36 @@ def _weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
-def _safetensors_pieces(files: list[Path], files_open, tied: bool) -> Iterator[Piece]:
+def _with_mtp(path: Path, config, files: list[Path]):
+    """`config` with num_mtp_layers: as many as the checkpoint's `mtp.layers.i` (ModelLoadError
+    for a family without MTP support here, or a checkpoint without the head)."""
+    if not isinstance(config, Qwen3NextConfig):
+        raise ModelLoadError(
+            f"{path}: an MTP head is served for Qwen3-Next-style checkpoints only, not "
+            f"{type(config).__name__}"
+        )
+    from safetensors import safe_open
+
+    layers = set()
+    for file in files:
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                found = (mtp_layer_index(checkpoint_name(name)) for name in f.keys())
+                layers |= {i for i in found if i is not None}
+        except Exception as exc:  # safetensors raises its own untyped errors
+            raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
+    if not layers or layers != set(range(len(layers))):
+        raise ModelLoadError(
+            f"{path}: the checkpoint has no multi-token-prediction head (mtp.layers.0.*, "
+            f"found layers {sorted(layers)}): load it without mtp"
+        )
+    return dataclasses.replace(config, num_mtp_layers=len(layers))
+
+
+def _safetensors_pieces(files: list[Path], files_open, config) -> Iterator[Piece]:
     """Every tensor of the files, not read yet (a piece reads its slice through the file's
-    memory map)."""
+    memory map); the MTP head's only when `config` has MTP layers (sharding.mtp_name)."""
+    tied = config.tie_word_embeddings
     from safetensors import safe_open
 
     for file in files:
@@ -95,10 +142,11 @@ def _safetensors_pieces(files: list[Path], files_open, tied: bool) -> Iterator[P
         except Exception as exc:  # safetensors raises its own untyped errors
             raise ModelLoadError(f"{file}: cannot read safetensors ({exc})") from exc
         for name in f.keys():
-            ours = checkpoint_name(name)
-            if ours.endswith("rotary_emb.inv_freq") or ours.startswith("mtp."):
-                # A buffer older checkpoints saved (recomputed from rope_theta); the
-                # multi-token-prediction head (Hugging Face ignores it too).
+            ours = mtp_name(checkpoint_name(name), config)
+            if ours is None or ours.endswith("rotary_emb.inv_freq"):
+                # The multi-token-prediction head of a model loaded without it (Hugging Face
+                # ignores it too); a buffer older checkpoints saved (recomputed from
+                # rope_theta).
                 continue
             if is_vision_tensor(name):
                 continue  # a multimodal checkpoint's vision tower or projector

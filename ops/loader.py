@@ -60,6 +60,7 @@ def load_model(
     device: str | torch.device = "cpu",
     expert_range: tuple[int, int] | ExpertRange | None = None,
     tp: TPGroup = SINGLE,
+    mtp: bool = False,
 ) -> tuple:
     """Load a `.gguf` file or a Hugging Face directory, weights in `dtype` on `device`:
     (model, config, tokenizer); with `tp`, this rank's shards only (the config is the whole
@@ -68,15 +69,20 @@ def load_model(
     A directory without config.json but with exactly one .gguf file loads that file;
     `random:<shape>` builds a random-weight model of that shape (`load_random_model`).
     `expert_range` (start, count): only those experts of every MoE layer (default: all); a
-    model without experts refuses one.
+    model without experts refuses one. `mtp`: with the checkpoint's multi-token-prediction
+    head (a Qwen3-Next-style Hugging Face directory only; ops/hf_dir.py).
     """
     if str(path).startswith(RANDOM_PREFIX):
+        if mtp:
+            raise ModelLoadError(f"{path}: an MTP head loads from a Hugging Face directory only")
         no_experts(path, expert_range)
         return load_random_model(str(path), dtype=dtype, device=device, tp=tp)
     path = _model_file(Path(path))
+    if mtp and not path.is_dir():
+        raise ModelLoadError(f"{path}: an MTP head loads from a Hugging Face directory only")
     try:
         if path.is_dir():
-            return load_hf_dir(path, dtype, device, expert_range, tp)
+            return load_hf_dir(path, dtype, device, expert_range, tp, mtp)
         no_experts(path, expert_range)
         return load_gguf(path, dtype, device, tp)
     except TokenizerError as exc:  # its message already names the file

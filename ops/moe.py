@@ -331,11 +331,16 @@ def exchange_rows(block: MoE, dtype: torch.dtype, device) -> None:
 
 
 def _blocks(model: nn.Module) -> list[MoE]:
-    return [m for m in model.modules() if isinstance(m, MoE)]
+    """The MoE blocks of the model's own layers: an MTP head's layers (after the model's in
+    `layers`, ops/models/qwen3_next.py) run outside its forward, so they record no routing
+    and join no expert exchange of a model step."""
+    mtp = getattr(getattr(model, "config", None), "num_mtp_layers", 0)
+    outside = {id(m) for layer in model.layers[-mtp:] for m in layer.modules()} if mtp else set()
+    return [m for m in model.modules() if isinstance(m, MoE) and id(m) not in outside]
 
 
 def moe_blocks(model: nn.Module) -> list[MoE]:
-    """The MoE blocks of `model`, in forward order (layer order)."""
+    """The MoE blocks of `model`'s own layers, in forward order (layer order)."""
     return _blocks(model)
 
 

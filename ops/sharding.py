@@ -84,6 +84,32 @@ def checkpoint_name(hf_name: str) -> str:
     return hf_name
 
 
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
+
+
+def mtp_name(ours: str, config) -> str | None:
+    """A multi-token-prediction tensor's name (`ours`: after `checkpoint_name`) in the model
+    of `config`: `mtp.layers.i.*` is layer num_layers + i (ops/models/qwen3_next.py), `mtp.fc`
+    and the head's norms keep their names; None when the model has no MTP head (loaded without
+    one: the tensor is skipped, as Hugging Face skips it). Any other name is returned as is."""
+    if not ours.startswith("mtp."):
+        return ours
+    if not getattr(config, "num_mtp_layers", 0):
+        return None
+    layer = _MTP_LAYER.match(ours)
+    return (
+        ours
+        if layer is None
+        else f"layers.{config.num_layers + int(layer.group(1))}.{layer.group(2)}"
+    )
+
+
+def mtp_layer_index(ours: str) -> int | None:
+    """i of a `mtp.layers.i.*` name, else None."""
+    layer = _MTP_LAYER.match(ours)
+    return None if layer is None else int(layer.group(1))
+
+
 def is_vision_tensor(hf_name: str) -> bool:
     """Whether a Hugging Face tensor belongs to a multimodal checkpoint's vision tower or
     projector (we serve its text model only)."""

@@ -23,6 +23,7 @@ from taipan.ops.sharding import (
     Placement,
     checkpoint_name,
     is_vision_tensor,
+    mtp_name,
     placement,
     placements,
 )
@@ -100,7 +101,9 @@ def state_updates(
             # A buffer some checkpoints carry (recomputed from rope_theta); a multimodal
             # model's vision tower or projector (we serve its text model only).
             continue
-        ours = checkpoint_name(name)
+        ours = mtp_name(checkpoint_name(name), model.config)
+        if ours is None:
+            continue  # the MTP head of a model loaded without it (the loader skips it too)
         try:
             pieces = placements(ours, model.config, tp)
         except TPError as exc:  # (the loaded model already split these, so never in practice)

@@ -103,3 +103,51 @@ def make_random_qwen3_next(
         model = model.to(dtype)
     model.save_pretrained(path, safe_serialization=True)
     return path
+
+
+MTP_SCALE = 0.8  # the MTP layer's weights: a full-attention layer's, scaled (not the same)
+
+
+def mtp_source_layer(config) -> int:
+    """The full-attention layer whose weights (times MTP_SCALE) become `mtp.layers.0`: one
+    whose MLP is of the MTP layer's kind (sparse as layer 0 is), so Hugging Face's decoder
+    layer of that index is the reference's module."""
+    moe = [
+        config.num_experts > 0
+        and i not in config.mlp_only_layers
+        and (i + 1) % config.decoder_sparse_step == 0
+        for i in range(config.num_hidden_layers)
+    ]
+    full = [i for i, kind in enumerate(config.layer_types) if kind == F and moe[i] == moe[0]]
+    return full[0]
+
+
+def add_mtp_head(path: str, seed: int = 1) -> dict:
+    """Add a random multi-token-prediction head to the checkpoint in `path` (Qwen3-Next's
+    `mtp.*` tensors, which Hugging Face's model ignores): `mtp.layers.0.*` are the tensors of
+    layer `mtp_source_layer` times MTP_SCALE (as saved: whatever the expert layout), `mtp.fc`
+    [H, 2H] and the three zero-centred norms drawn from `seed`. Returns the head's own
+    tensors (fc and norms) by their names."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    file = os.path.join(path, "model.safetensors")
+    tensors = load_file(file)
+    source = f"model.layers.{mtp_source_layer(config)}."
+    for name in [n for n in tensors if n.startswith(source)]:
+        tensors["mtp.layers.0." + name[len(source) :]] = tensors[name] * MTP_SCALE
+    h = config.hidden_size
+    g = torch.Generator().manual_seed(seed)
+    dtype = tensors["model.norm.weight"].dtype
+    own = {
+        "mtp.fc.weight": torch.randn(h, 2 * h, generator=g) * 0.08,
+        **{
+            f"mtp.{norm}.weight": torch.randn(h, generator=g) * 0.1
+            for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm")
+        },
+    }
+    own = {name: t.to(dtype) for name, t in own.items()}
+    save_file({**tensors, **own}, file, metadata={"format": "pt"})
+    return own

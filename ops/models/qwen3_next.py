@@ -42,7 +42,13 @@ from torch import nn
 from taipan.kernels import rope
 from taipan.ops.attention import AttentionMetadata, paged_attention
 from taipan.ops.gated_delta import GatedDeltaNet
-from taipan.ops.layers import GemmaRMSNorm, SwiGLUMLP, VocabParallelEmbedding, lm_logits
+from taipan.ops.layers import (
+    GemmaRMSNorm,
+    SwiGLUMLP,
+    VocabParallelEmbedding,
+    linear,
+    lm_logits,
+)
 from taipan.ops.mamba import MambaMetadata, MambaStateShape
 from taipan.ops.moe import ExpertRange, MoE, MoEConfig
 from taipan.ops.parallel import SINGLE, TPGroup
@@ -78,6 +84,10 @@ class Qwen3NextConfig:
     decoder_sparse_step: int = 1  # layer i is sparse when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here
     ssm_state_dtype: str = "float32"  # of the recurrent state (mamba_inference_state_config)
+    # Multi-token-prediction layers loaded from the checkpoint's `mtp.*` (load_model(mtp=True);
+    # 0: none): each a full-attention decoder layer after the model's (ops/models/
+    # qwen3_next_mtp.py), its KV in the same cache at the layer indices after the model's.
+    num_mtp_layers: int = 0
     rope_scaling: RopeScaling | None = None  # of the rotated channels (None: plain RoPE)
     # The GDN input projections: Qwen3-Next's interleaved in_proj_qkvz / in_proj_ba (False), or
     # Qwen3.5's separate in_proj_qkv / _z / _b / _a (ops/models/qwen3_5.py's subclass: True).
@@ -111,17 +121,24 @@ class Qwen3NextConfig:
             raise ValueError("Qwen3-Next MoE layers need shared_expert_intermediate_size > 0")
         if self.decoder_sparse_step < 1:
             raise ValueError(f"decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.num_mtp_layers < 0:
+            raise ValueError(f"num_mtp_layers must be >= 0, got {self.num_mtp_layers}")
         if self.ssm_state_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"recurrent state dtype {self.ssm_state_dtype!r} is not supported")
 
     @property
     def num_layers(self) -> int:
+        """The model's decoder layers (without the MTP layers after them)."""
         return len(self.layer_types)
 
     @property
     def num_kv_layers(self) -> int:
-        """Layers with a KV cache (the full-attention ones)."""
-        return self.layer_types.count(FULL)
+        """Layers with a KV cache: the full-attention ones, then the MTP layers."""
+        return self.layer_types.count(FULL) + self.num_mtp_layers
+
+    def layer_kind(self, index: int) -> str:
+        """LINEAR or FULL for layer `index`; an MTP layer (index >= num_layers) is FULL."""
+        return self.layer_types[index] if index < self.num_layers else FULL
 
     @property
     def rotary_dim(self) -> int:
@@ -138,7 +155,11 @@ class Qwen3NextConfig:
         return GDN_CHUNK
 
     def is_moe_layer(self, index: int) -> bool:
-        """Whether layer `index` (from 0) has the sparse MLP (Hugging Face's rule)."""
+        """Whether layer `index` (from 0) has the sparse MLP (Hugging Face's rule). MTP layer i
+        (index num_layers + i) is sparse as layer i is: its checkpoint names it `mtp.layers.i`
+        and the rule reads that index (as vLLM's Qwen3-Next MTP does)."""
+        if index >= self.num_layers:
+            index -= self.num_layers
         if self.moe is None or index in self.mlp_only_layers:
             return False
         return (index + 1) % self.decoder_sparse_step == 0
@@ -255,7 +276,7 @@ class Qwen3NextDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         c = config
-        self.linear, self.cache_index = c.layer_types[index] == LINEAR, cache_index
+        self.linear, self.cache_index = c.layer_kind(index) == LINEAR, cache_index
         self.input_layernorm = GemmaRMSNorm(c.hidden_size, c.rms_norm_eps)
         if self.linear:
             self.linear_attn = GatedDeltaNet(
@@ -298,6 +319,30 @@ class Qwen3NextDecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+class MTPHead(nn.Module):
+    """What a multi-token-prediction head adds besides its decoder layers (`mtp.*` of a
+    Qwen3-Next checkpoint, kept in Hugging Face's names): the next token's embedding and the
+    model's hidden state, each normalized, concatenated [embedding | hidden] and projected
+    back to the hidden size by `fc`; `norm` after the layer. Replicated on every rank (fc is
+    [hidden, 2 hidden]: small beside the layer)."""
+
+    def __init__(self, config: Qwen3NextConfig) -> None:
+        super().__init__()
+        h, eps = config.hidden_size, config.rms_norm_eps
+        self.pre_fc_norm_embedding = GemmaRMSNorm(h, eps)
+        self.pre_fc_norm_hidden = GemmaRMSNorm(h, eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.norm = GemmaRMSNorm(h, eps)
+
+    def fuse(self, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] embeddings of the next tokens and the model's hidden states -> the
+        layer's input [T, hidden]."""
+        both = torch.cat(
+            [self.pre_fc_norm_embedding(embedded), self.pre_fc_norm_hidden(hidden)], -1
+        )
+        return linear(both, self.fc.weight)
+
+
 class Qwen3NextForCausalLM(nn.Module):
     """`forward` runs one step over T tokens from B sequences (no padding) and returns hidden
     states; `compute_logits` turns chosen rows into fp32 logits (as LlamaForCausalLM).
@@ -316,11 +361,16 @@ class Qwen3NextForCausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         counts = {LINEAR: 0, FULL: 0}
         layers = []
-        for i, kind in enumerate(config.layer_types):
+        for i in range(config.num_layers + config.num_mtp_layers):  # (MTP layers: FULL, last)
+            kind = config.layer_kind(i)
             layers.append(Qwen3NextDecoderLayer(config, i, counts[kind], self.expert_range, tp))
             counts[kind] += 1
+        # The MTP layers sit after the model's in `layers` (their checkpoint names are mapped
+        # there, so loading, sharding and expert placement treat them as any layer); `forward`
+        # runs the first num_layers only, `mtp` (when loaded) the rest.
         self.layers = nn.ModuleList(layers)
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mtp = MTPHead(config) if config.num_mtp_layers else None
         self._rope_caches: dict[torch.device, torch.Tensor] = {}
         rows = self.embed_tokens.weight.shape[0]  # this rank's vocabulary shard (padded)
         self.lm_head = (
@@ -343,9 +393,38 @@ class Qwen3NextForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)
         cos_sin = self.rope_cache(x.device)[positions.long()]  # [T, rotary_dim], once a step
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[: self.config.num_layers]:
             x, residual = layer(x, residual, cos_sin, attn, kv_cache, mamba)
         x, _ = self.norm(x, residual)
+        return x
+
+    def mtp_forward(
+        self,
+        next_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: torch.Tensor,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """The multi-token-prediction head (loaded with load_model(mtp=True)) at T positions:
+        `hidden` [T, hidden] the model's output (after its final norm) at `positions`,
+        `next_ids` [T] the token after each position. Its attention layer writes its KV at
+        `positions` (cache layer num_kv_layers - num_mtp_layers + depth) and attends over the
+        head's earlier positions. Returns [T, hidden] after the head's norm: `compute_logits`
+        of a row scores the token two after its position. `depth`: which MTP layer (Qwen3-Next
+        has one; a drafter's later steps feed it its own output: MTPHead)."""
+        if self.mtp is None:
+            raise ValueError("this model was loaded without its MTP head (load_model(mtp=True))")
+        if not 0 <= depth < self.config.num_mtp_layers:
+            raise ValueError(
+                f"depth {depth}: the model has {self.config.num_mtp_layers} MTP layers"
+            )
+        x = self.mtp.fuse(self.embed_tokens(next_ids), hidden)
+        cos_sin = self.rope_cache(x.device)[positions.long()]
+        layer = self.layers[self.config.num_layers + depth]
+        x, residual = layer(x, None, cos_sin, attn, kv_cache, None)
+        x, _ = self.mtp.norm(x, residual)
         return x
 
     def rope_cache(self, device: torch.device) -> torch.Tensor:
