@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import itertools
 
+import numpy as np
 import pytest
 import torch
 
@@ -24,6 +25,7 @@ from taipan.ops.attention import build_attention_metadata
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import MambaMetadata
 from taipan.ops.moe import moe_blocks
+from taipan.ops.mtp import mtp_drafts
 from taipan.ops.weight_updates import state_updates
 from tests.random_qwen3_next import (
     CONFIGS,
@@ -51,15 +53,11 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(0, 250, (n,), generator=g).tolist()
 
 
-@torch.no_grad()
-def reference_logits(hf, own: dict, ids: list[int]) -> torch.Tensor:
-    """[len(ids) - 1, V]: row p scores the token at p + 2 from ids[p + 1] and the model's
-    hidden state at p."""
+def _reference_parts(hf, own: dict):
+    """The head's modules in Hugging Face's classes: (its decoder layer, its norms, fc)."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
 
     c = hf.config
-    tokens = torch.tensor([ids])
-    hidden = hf.model(tokens).last_hidden_state[0]  # [T, H] after the final norm
     layer = copy.deepcopy(hf.model.layers[mtp_source_layer(c)])
     for p in layer.parameters():
         p.mul_(MTP_SCALE)
@@ -67,14 +65,60 @@ def reference_logits(hf, own: dict, ids: list[int]) -> torch.Tensor:
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
         norms[name] = Qwen3NextRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         norms[name].weight.copy_(own[f"mtp.{name}.weight"].float())
-    embedded = norms["pre_fc_norm_embedding"](hf.model.embed_tokens(tokens[0, 1:]))
-    x = torch.cat([embedded, norms["pre_fc_norm_hidden"](hidden[:-1])], -1)
-    x = (x @ own["mtp.fc.weight"].float().T)[None]  # [1, T - 1, H]
-    positions = torch.arange(len(ids) - 1)[None]
-    cos_sin = hf.model.rotary_emb(x, positions)
-    out = layer(x, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
-    out = out[0] if isinstance(out, tuple) else out
-    return hf.lm_head(norms["norm"](out))[0].float()
+    fc = own["mtp.fc.weight"].float()
+
+    def fuse(next_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        embedded = norms["pre_fc_norm_embedding"](hf.model.embed_tokens(next_ids))
+        return torch.cat([embedded, norms["pre_fc_norm_hidden"](hidden)], -1) @ fc.T
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        """The layer over inputs [n, H] at positions 0..n-1 (causal), then the head's norm."""
+        positions = torch.arange(x.shape[0])[None]
+        cos_sin = hf.model.rotary_emb(x[None], positions)
+        out = layer(
+            x[None], position_embeddings=cos_sin, attention_mask=None, position_ids=positions
+        )
+        return norms["norm"]((out[0] if isinstance(out, tuple) else out)[0])
+
+    return fuse, run
+
+
+@torch.no_grad()
+def reference_logits(hf, own: dict, ids: list[int]) -> torch.Tensor:
+    """[len(ids) - 1, V]: row p scores the token at p + 2 from ids[p + 1] and the model's
+    hidden state at p."""
+    fuse, run = _reference_parts(hf, own)
+    hidden = hf.model(torch.tensor([ids])).last_hidden_state[0]  # [T, H] after the final norm
+    return hf.lm_head(run(fuse(torch.tensor(ids[1:]), hidden[:-1]))).float()
+
+
+@torch.no_grad()
+def reference_drafts(hf, own: dict, known: list[int], after: int, k: int):
+    """k greedy drafts of the head at the last position of `known` (the token after it:
+    `after`), each later one fed the head's own output and its previous draft; and their
+    logits [k, V]."""
+    fuse, run = _reference_parts(hf, own)
+    hidden = hf.model(torch.tensor([known])).last_hidden_state[0]
+    x = fuse(torch.tensor(known[1:] + [after]), hidden)  # [n, H]: position p's input
+    drafts, logits = [], []
+    for _ in range(k):
+        state = run(x)[-1]
+        logits.append(hf.lm_head(state).float())
+        drafts.append(int(logits[-1].argmax()))
+        x = torch.cat([x, fuse(torch.tensor(drafts[-1:]), state[None])])
+    return drafts, torch.stack(logits)
+
+
+def assert_drafts(got, want) -> None:
+    """(drafts, logits) of one row equal the reference's: drafts exactly, each draft's logits
+    within ATOL (where the row has that draft)."""
+    (drafts, logits), (want_drafts, want_logits) = got, want
+    n = len(want_drafts)
+    assert list(drafts[:n]) == want_drafts and all(d == -1 for d in drafts[n:])
+    assert torch.allclose(logits[:n], want_logits, atol=ATOL), (
+        (logits[:n] - want_logits).abs().max()
+    )
+    assert torch.isnan(logits[n:]).all()
 
 
 @torch.no_grad()
@@ -95,6 +139,7 @@ def model_step(runner: HybridRunner, seq: int, ids: list[int]) -> torch.Tensor:
     )
     hidden = runner.model(torch.tensor(ids), positions, attn, runner.cache, mamba)
     runner.computed[seq] += len(ids)
+    runner.last_step = (attn, positions)
     return hidden
 
 
@@ -204,3 +249,105 @@ def test_weight_updates_in_hugging_faces_names_reach_the_head(with_head):
         assert torch.allclose(theirs[name], p * 0.5, atol=1e-6), name
     plain, _, _ = load_model(path)
     assert state_updates(head, plain) == []
+
+
+K = 4
+
+
+def _drafts(runner, seq: int, ids: list[int], hidden, last: int, after: int):
+    """mtp_drafts of the step `model_step` just ran for `seq` (one row): (drafts, logits)."""
+    attn, positions = runner.last_step
+    drafts, logits = mtp_drafts(
+        runner.model,
+        runner.cache,
+        attn,
+        [runner.tables[seq]],
+        BLOCK_SIZE,
+        torch.tensor(ids),
+        positions,
+        hidden,
+        np.array([last]),
+        np.array([after]),
+        np.array([True]),
+        K,
+        with_logits=True,
+    )
+    return drafts[0].tolist(), logits[0]
+
+
+def test_drafts_after_a_prompt_and_after_a_partly_accepted_verify_row(with_head):
+    """A whole prompt (the sampled token after it), then a verify-shaped row of four tokens of
+    which the first two are kept and a bonus token follows: both times the head's k drafts
+    equal the reference's over the true sequence (the rejected positions' KV is rewritten by
+    the chain before it is read)."""
+    _, own, hf, (model, config, _) = with_head
+    ids = _prompt(40, seed=11)
+    runner = HybridRunner(model, config, num_blocks=16, num_slots=2, seed=7)
+    runner.add(0, 64, slot=0)
+    hidden = model_step(runner, 0, ids)
+    sampled = int(model.compute_logits(hidden[-1:]).argmax())
+    got = _drafts(runner, 0, ids, hidden, len(ids) - 1, sampled)
+    assert_drafts(got, reference_drafts(hf, own, ids, sampled, K))
+    row = [sampled, 5, 9, 13]  # the last known token, three "drafts"; two tokens kept
+    hidden = model_step(runner, 0, row)
+    bonus = 77
+    got = _drafts(runner, 0, row, hidden, 1, bonus)
+    assert_drafts(got, reference_drafts(hf, own, ids + row[:2], bonus, K))
+
+
+def test_a_row_at_its_blocks_end_drafts_once(with_head):
+    """seq_len 32 with blocks of 16: the chain would write the head's KV in a block the row
+    does not own yet, so only the first draft comes."""
+    _, own, hf, (model, config, _) = with_head
+    ids = _prompt(32, seed=12)
+    runner = HybridRunner(model, config, num_blocks=16, num_slots=2, seed=8)
+    runner.add(0, 48, slot=0)
+    hidden = model_step(runner, 0, ids)
+    got = _drafts(runner, 0, ids, hidden, len(ids) - 1, 3)
+    assert_drafts(got, reference_drafts(hf, own, ids, 3, 1))
+
+
+def test_two_rows_in_one_step_draft_each_its_own(with_head):
+    """Two prompts in one step (different lengths, shuffled blocks) and a row not drafting:
+    each drafting row's drafts equal the reference's alone."""
+    _, own, hf, (model, config, _) = with_head
+    prompts = {0: _prompt(23, seed=21), 1: _prompt(37, seed=22), 2: _prompt(9, seed=23)}
+    runner = HybridRunner(model, config, num_blocks=24, num_slots=4, seed=9)
+    for seq in prompts:
+        runner.add(seq, 48, slot=seq)
+    lens = [len(prompts[s]) for s in (0, 1, 2)]
+    attn, positions = build_attention_metadata(
+        lens, lens, [runner.tables[s] for s in (0, 1, 2)], BLOCK_SIZE
+    )
+    mamba = MambaMetadata(
+        runner.conv,
+        runner.ssm,
+        torch.tensor([-1, -1, -1], dtype=torch.int32),
+        torch.tensor([0, 1, 2], dtype=torch.int32),
+        attn.query_start_loc,
+        attn.num_decodes,
+    )
+    flat = [t for s in (0, 1, 2) for t in prompts[s]]
+    with torch.no_grad():
+        hidden = model(torch.tensor(flat), positions, attn, runner.cache, mamba)
+    ends = np.cumsum(lens) - 1
+    after = np.array([4, 8, 15])
+    drafts, logits = mtp_drafts(
+        model, runner.cache, attn, [runner.tables[s] for s in (0, 1, 2)], BLOCK_SIZE,
+        torch.tensor(flat), positions, hidden, ends, after, np.array([True, True, False]), K,
+        with_logits=True,
+    )  # fmt: skip
+    for seq in (0, 1):
+        want = reference_drafts(hf, own, prompts[seq], int(after[seq]), K)
+        assert_drafts((drafts[seq].tolist(), logits[seq]), want)
+    assert drafts[2].tolist() == [-1] * K and torch.isnan(logits[2]).all()
+    with pytest.raises(ValueError, match="must be one of its tokens"):
+        mtp_drafts(
+            model, runner.cache, attn, [runner.tables[s] for s in (0, 1, 2)], BLOCK_SIZE,
+            torch.tensor(flat), positions, hidden, ends + 1, after, np.ones(3, bool), K,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="token after its last valid position"):
+        mtp_drafts(
+            model, runner.cache, attn, [runner.tables[s] for s in (0, 1, 2)], BLOCK_SIZE,
+            torch.tensor(flat), positions, hidden, ends, after - 100, np.ones(3, bool), K,
+        )  # fmt: skip
