@@ -112,10 +112,12 @@ class InferenceConfig:
     # Speculative decoding (num_speculative_tokens k > 0, the seed's field): each decode step
     # of a request verifies up to k draft tokens and keeps the longest agreeing prefix plus one
     # token (greedy outputs equal those without it; sampled ones keep their law and seeds).
-    # `speculative_method`: who drafts; only "ngram" is built (prompt lookup: copy what followed
-    # the latest earlier occurrence of the longest suffix n-gram of n in
-    # [ngram_prompt_lookup_min, ngram_prompt_lookup_max], vLLM's names). actors/engine/
-    # speculation.py says which requests speculate and what is not built yet.
+    # `speculative_method`: who drafts: "ngram" (prompt lookup: copy what followed the latest
+    # earlier occurrence of the longest suffix n-gram of n in [ngram_prompt_lookup_min,
+    # ngram_prompt_lookup_max], vLLM's names), "draft_model" (below) or "mtp" (the checkpoint's
+    # own multi-token-prediction head, Qwen3-Next-style: ops/mtp.py; one gpu process per rank,
+    # eager steps). actors/engine/speculation.py says which requests speculate and what is not
+    # built yet.
     speculative_method: str = "ngram"
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
@@ -245,7 +247,7 @@ class InferenceConfig:
         if method in UNBUILT_SPECULATIVE_METHODS:
             raise ConfigError(
                 f"speculative_method={method!r} is not built yet; only 'ngram' (prompt "
-                "lookup) and 'draft_model' are"
+                "lookup), 'draft_model' and 'mtp' are"
             )
         if method not in SPECULATIVE_METHODS:
             raise ConfigError(
@@ -409,9 +411,9 @@ def routing_policy(config: InferenceConfig) -> PrefixCachingCoordinatorPolicy:
 # Speculative decoding: the most draft tokens a step may verify per request, and the methods
 # users of vLLM / Megatron may name that are not built.
 MAX_SPECULATIVE_TOKENS = 64
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
 DRAFT_WEIGHT_POLICIES = ("keep", "disable", "refuse")
-UNBUILT_SPECULATIVE_METHODS = ("mtp", "eagle", "eagle3", "medusa")
+UNBUILT_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa")
 
 # Field -> why it is refused when set. Shrinks as features land.
 NOT_IMPLEMENTED = {

@@ -100,6 +100,11 @@ class LoadModel:
     # of cached prompt blocks, so it takes the windowed layers' whole share of the budget.
     local_kv_pool: bool = False
     local_kv_cache: bool = False
+    # speculative_method "mtp": the checkpoint's multi-token-prediction head is loaded beside
+    # the model (ops/models/qwen3_next.py; its KV in the model's cache) and drafts each
+    # planned row's next num_speculative_tokens tokens at the end of every step (ops/mtp.py:
+    # StepPlan.mtp_next / mtp_draft, StepResult.next_drafts).
+    mtp: bool = False
 
 
 @message(121, required=11)  # (tensor_parallel_size came later)
@@ -285,6 +290,12 @@ class StepPlan:
     local_copy_dst: Array[np.int32, 1] = empty_array_field(np.int32)
     local_save_src: Array[np.int32, 1] = empty_array_field(np.int32)
     local_save_dst: Array[np.int32, 1] = empty_array_field(np.int32)
+    # An MTP head (LoadModel.mtp; empty otherwise), per sequence: mtp_next int32[B], for a
+    # sequence that does not sample (a prompt chunk before its last), the token after its last
+    # input token (the head at that position reads it), -1 for one that samples (it reads the
+    # token drawn there); mtp_draft int8[B], 1 = return its drafts (StepResult.next_drafts).
+    mtp_next: Array[np.int32, 1] = empty_array_field(np.int32)
+    mtp_draft: Array[np.int8, 1] = empty_array_field(np.int8)
 
 
 @message(123, required=12)  # (routed_experts came later)
@@ -336,6 +347,10 @@ class StepResult:
     # none asks).
     spec_top_n_ids: Array[np.int32, 3] = empty_array_field(np.int32, 3)
     spec_top_n_log_probs: Array[np.float32, 3] = empty_array_field(np.float32, 3)
+    # An MTP head (StepPlan.mtp_draft): int32[B, k], the drafts for sequence i's next verify
+    # row, to follow the last token this step gave it (-1 after its last draft, and for the
+    # sequences that asked none); empty when none asked.
+    next_drafts: Array[np.int32, 2] = empty_array_field(np.int32, 2)
 
 
 @message(124, required=4)  # (the weight-transfer fields came later)

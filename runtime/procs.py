@@ -156,6 +156,9 @@ def load_model_message(spec: LaunchSpec, rank: int, ep_load: dict):
     max_requests, max_tokens = plan_limits(config)
     device = spec.devices[rank]
     decode_graphs, mixed_graphs = cuda_graph_sizes(config, device)
+    mtp = bool(config.num_speculative_tokens) and config.speculative_method == "mtp"
+    if mtp:  # (every step keeps its hidden states for the head: mixed graphs only)
+        decode_graphs = ()
     state_config = config.mamba_inference_state_config
     return LoadModel(
         model=spec.model_path,
@@ -184,6 +187,7 @@ def load_model_message(spec: LaunchSpec, rank: int, ep_load: dict):
         # (a model without both windowed and global layers has none either way)
         local_kv_pool=not config.disable_hybrid_kv_cache_manager,
         local_kv_cache=config.enable_prefix_caching,
+        mtp=mtp,
     )
 
 

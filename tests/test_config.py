@@ -406,10 +406,14 @@ def test_mamba_inference_state_config_keys_and_values_are_checked():
 def test_speculative_fields():
     config = InferenceConfig(num_speculative_tokens=4, ngram_prompt_lookup_max=3)
     assert config.num_speculative_tokens == 4
-    for method in ("mtp", "eagle"):
+    for method in ("eagle", "medusa"):
         with pytest.raises(ConfigError, match=f"speculative_method='{method}' is not built"):
             InferenceConfig(num_speculative_tokens=2, speculative_method=method)
-    with pytest.raises(ConfigError, match="must be one of ngram, draft_model"):
+    assert (
+        InferenceConfig(num_speculative_tokens=2, speculative_method="mtp").num_speculative_tokens
+        == 2
+    )
+    with pytest.raises(ConfigError, match="must be one of ngram, draft_model, mtp"):
         InferenceConfig(speculative_method="magic")
     drafted = InferenceConfig(
         num_speculative_tokens=3, speculative_method="draft_model", speculative_model="/d"

@@ -15,6 +15,7 @@ Face's layer module of that index, scaled alike, is the reference layer.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import numpy as np
@@ -34,6 +35,7 @@ from tests.random_qwen3_next import (
     make_random_qwen3_next,
     mtp_source_layer,
 )
+from tests.test_ops_logprobs import Seq, make_plan
 from tests.test_ops_nemotron_h import BLOCK_SIZE, HybridRunner
 
 transformers = pytest.importorskip("transformers")
@@ -351,3 +353,92 @@ def test_two_rows_in_one_step_draft_each_its_own(with_head):
             model, runner.cache, attn, [runner.tables[s] for s in (0, 1, 2)], BLOCK_SIZE,
             torch.tensor(flat), positions, hidden, ends, after - 100, np.ones(3, bool), K,
         )  # fmt: skip
+
+
+# ---- the gpu worker with the head (speculative_method "mtp") ---------------------------------
+
+
+@pytest.fixture(scope="module")
+def mtp_worker(with_head):
+    from taipan.actors.gpu.worker import ModelWorker
+    from taipan.messages.gpu import LoadModel
+
+    w = ModelWorker()
+    load = LoadModel(with_head[0], "float32", "cpu", BLOCK_SIZE, 32, 0.05, 256, 4, 256)
+    w.load(dataclasses.replace(load, speculative=True, num_speculative_tokens=K, mtp=True))
+    return w
+
+
+def _mtp_plan(step: int, seqs: list[Seq], nxt: list[int], draft: list[int], drafts=None):
+    """make_plan's StepPlan with each sequence's recurrent slot (its index; from zeros at
+    position 0) and the head's fields; `drafts`: per sequence, how many of its last tokens
+    are drafts."""
+    plan = make_plan(step, seqs, BLOCK_SIZE)
+    n = len(seqs)
+    extra = {
+        "mamba_init": np.asarray([i if s.start else -1 for i, s in enumerate(seqs)], np.int32),
+        "mamba_out": np.arange(n, dtype=np.int32),
+        "mtp_next": np.asarray(nxt, np.int32),
+        "mtp_draft": np.asarray(draft, np.int8),
+    }
+    if drafts is not None:
+        extra["num_drafts"] = np.asarray(drafts, np.int32)
+    return dataclasses.replace(plan, **extra)
+
+
+def test_the_worker_drafts_after_chunks_and_verify_rows(with_head, mtp_worker):
+    """Through ModelWorker.step: a prompt in two chunks (the first hands the head the next
+    prompt token: mtp_next) with a second sequence beside it asking no drafts, then a verify
+    row of the drafts the first step returned: every StepResult.next_drafts row equals the
+    reference's drafts over the true sequence."""
+    _, own, hf, _ = with_head
+    w = mtp_worker
+    ids, other = _prompt(37, seed=31), _prompt(12, seed=32)
+    blocks, other_blocks = [3, 9, 4], [7]
+    first = _mtp_plan(1, [Seq(ids[:20], 0, blocks, sample=False), Seq(other, 0, other_blocks)],
+                      [ids[20], -1], [0, 0])  # fmt: skip
+    result = w.step(first)
+    assert result.error is None and not len(result.next_drafts)  # (none asked)
+    second = _mtp_plan(2, [Seq(ids[20:], 20, blocks)], [-1], [1])
+    result = w.step(second)
+    sampled = int(result.token_ids[0])
+    want = reference_drafts(hf, own, ids, sampled, K)[0]
+    assert result.next_drafts[0].tolist() == want
+    # The head's KV over the whole prompt (the chunk boundary's position read mtp_next) is
+    # the one pass's of the ops test, block for block.
+    model, config = with_head[3][:2]
+    runner = HybridRunner(model, config, num_blocks=32, num_slots=2)
+    runner.tables[0], runner.computed[0], runner.slot[0] = blocks, 0, 0
+    hidden = model_step(runner, 0, ids)
+    mtp_step(runner, 0, 0, ids[1:] + [sampled], hidden)
+    layer = config.num_kv_layers - 1  # (the head's cache layer)
+    got, ref = (_positions(c[layer], blocks, len(ids)) for c in (w.kv_cache, runner.cache))
+    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    # A verify row of those drafts: its accepted ones and the token drawn, then new drafts.
+    row = [sampled, *want[:3]]
+    third = _mtp_plan(3, [Seq(row, 37, blocks)], [-1], [1], drafts=[3])
+    result = w.step(third)
+    new = [t for t in result.spec_tokens[0].tolist() if t >= 0]
+    known = ids + [sampled] + new[:-1]
+    want = reference_drafts(hf, own, known, new[-1], K)[0]
+    # (the chain stays inside the row's last block: one draft, then one per position left)
+    count = min(K, 1 + -(-(37 + 4) // BLOCK_SIZE) * BLOCK_SIZE - len(known))
+    assert result.next_drafts[0].tolist() == want[:count] + [-1] * (K - count)
+
+
+def _positions(layer_cache: torch.Tensor, blocks: list[int], n: int) -> torch.Tensor:
+    """Keys and values of positions 0..n-1 of a sequence on `blocks`: [2, n, KVH, D]."""
+    return torch.cat([layer_cache[:, b] for b in blocks], dim=1)[:, :n]
+
+
+def test_the_worker_refuses_bad_mtp_fields(mtp_worker):
+    w = mtp_worker
+    ids = _prompt(5, seed=33)
+    with pytest.raises(ValueError, match="one entry per sequence"):
+        w.step(_mtp_plan(1, [Seq(ids, 0, [1])], [], [1]))
+    with pytest.raises(ValueError, match="must be -1 for a sequence that samples"):
+        w.step(_mtp_plan(1, [Seq(ids, 0, [1])], [3], [1]))
+    with pytest.raises(ValueError, match="must be a token id"):
+        w.step(_mtp_plan(1, [Seq(ids, 0, [1], sample=False)], [-1], [0]))
+    with pytest.raises(ValueError, match="1 only for a sequence that samples"):
+        w.step(_mtp_plan(1, [Seq(ids, 0, [1], sample=False)], [4], [1]))

@@ -101,6 +101,10 @@ class EngineRequest:
     speculates: bool = False
     ngram: object | None = dataclasses.field(default=None, repr=False, compare=False)
     spec_backoff: object | None = dataclasses.field(default=None, repr=False, compare=False)
+    # An MTP head's drafts (StepResult.next_drafts) to follow its first `mtp_at` tokens: the
+    # step that computed its last token drafted them (speculation.py `take_drafts`).
+    mtp_drafts: np.ndarray | None = dataclasses.field(default=None, repr=False, compare=False)
+    mtp_at: int = dataclasses.field(default=-1, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.has_controls = self.sampling.has_controls

@@ -520,6 +520,8 @@ class Scheduler:
                 reason = self.spec.append_verified(r, c, result, i, step)
             else:
                 reason = append_token(r, result, i, step)
+            if self.spec is not None and self.spec.mtp and reason is None:
+                self.spec.take_drafts(r, result, i)
             if reason is not None:
                 self._finish(r, reason, now=now)
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):

@@ -9,7 +9,13 @@ lookup (actors/engine/ngram.py), one incremental index per request, kept on the 
 (`ngram`), or a draft model on the gpu (speculative_method "draft_model", `on_gpu`): then a
 row's drafts are placeholders, as many as the limits below allow, which the gpu fills
 (actors/gpu/draft.py; StepPlan.draft_prev); requests with bad words do not speculate there
-(their per-position biases follow the drafts' values). With draft_weight_policy "disable" a
+(their per-position biases follow the drafts' values). Or the checkpoint's own MTP head
+(speculative_method "mtp", `mtp`): the gpu drafts at the end of the step that computed a
+request's last token (ops/mtp.py), the drafts come back with that step's result
+(StepResult.next_drafts, kept on the request by `take_drafts` with the token count they
+follow) and are planned as n-gram drafts are (host-known tokens); every sampling row of a
+speculating request asks for them (StepPlan.mtp_draft), and a prompt chunk that does not
+sample hands the gpu its next prompt token (StepPlan.mtp_next: wire.py `mtp_arrays`). With draft_weight_policy "disable" a
 weight update ends speculation (`new_weights`) until the draft's own weights are updated
 (`draft_updated`).
 
@@ -90,6 +96,7 @@ class Speculation:
         ngram_max: int,
         on_gpu: bool = False,
         disable_on_update: bool = False,
+        mtp: bool = False,
     ) -> None:
         if k < 1:
             raise ValueError(f"speculation needs k >= 1 draft tokens, got {k}")
@@ -97,6 +104,10 @@ class Speculation:
         # A draft model on the gpu drafts (speculative_method "draft_model"): a row's drafts
         # are placeholders the gpu fills (Chunk.gpu_drafts), as many as the limits allow.
         self.on_gpu = on_gpu
+        # An MTP head (speculative_method "mtp"): the drafts of a request come with the result
+        # of the step that computed its last token (`take_drafts`); every row of a speculating
+        # request that samples asks for them (StepPlan.mtp_draft).
+        self.mtp = mtp
         # draft_weight_policy "disable": the first weight update ends speculation here.
         self.disable_on_update = disable_on_update
         self.disabled = False
@@ -142,6 +153,9 @@ class Speculation:
         gpu: min(k, limit) placeholders (it drafts them)."""
         if self.on_gpu:
             return np.zeros(max(0, min(self.k, limit)), np.int32)
+        if self.mtp:
+            fresh = r.mtp_drafts is not None and r.mtp_at == r.num_tokens
+            return r.mtp_drafts[: max(0, limit)] if fresh else np.zeros(0, np.int32)
         index = r.ngram
         if index is None or index.num_tokens > r.num_tokens:
             index = r.ngram = NgramIndex(self.drafter)
@@ -224,6 +238,19 @@ class Speculation:
                 return reason
         r.num_computed_tokens = c.start + len(new)  # its last token and the accepted drafts
         return None
+
+    def take_drafts(self, r: EngineRequest, result: StepResult, i: int) -> None:
+        """Row i's drafts of an MTP head (StepResult.next_drafts), kept on `r` for its next
+        verify row: they follow the tokens `r` has now (after this step's)."""
+        if not len(result.next_drafts):
+            return
+        if len(result.next_drafts) != len(result.token_ids):
+            raise ValueError(
+                f"step {result.step}: next_drafts has {len(result.next_drafts)} rows for "
+                f"{len(result.token_ids)} sequences"
+            )
+        row = result.next_drafts[i]
+        r.mtp_drafts, r.mtp_at = row[: int((row >= 0).sum())].astype(np.int32), r.num_tokens
 
     def resume(self, r: EngineRequest) -> None:
         """Before `r` is planned: a request backing off speculates again once it has decoded

@@ -79,6 +79,7 @@ def speculation(config: InferenceConfig) -> Speculation | None:
         config.ngram_prompt_lookup_max,
         on_gpu=on_gpu,
         disable_on_update=on_gpu and config.draft_weight_policy == "disable",
+        mtp=config.speculative_method == "mtp",
     )
 
 
@@ -203,7 +204,21 @@ def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
         width = arrays["block_tables"].shape[1]
         arrays |= local_arrays(rows, batch.chunks, width, p.block_size)
         arrays |= copy_arrays(batch.local_copies, batch.local_saves)
+    if sched.spec is not None and sched.spec.mtp and batch.chunks:
+        arrays |= mtp_arrays(batch)
     return StepPlan(step=batch.step, **arrays)
+
+
+def mtp_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
+    """StepPlan.mtp_next / mtp_draft (an MTP head): the token after each chunk that does not
+    sample (a known one: such a chunk stops before its request's last known token), and
+    which sampling rows want their drafts (those of requests that speculate now)."""
+    nxt, draft = [], []
+    for c in batch.chunks:
+        r, stop = c.request, c.start + c.num_new_tokens
+        nxt.append(-1 if c.samples else int(r.token_slice(stop, stop + 1)[0]))
+        draft.append(int(c.samples and r.speculates))
+    return {"mtp_next": np.asarray(nxt, np.int32), "mtp_draft": np.asarray(draft, np.int8)}
 
 
 def dummy_plan(step: int) -> StepPlan:

@@ -63,6 +63,7 @@ class WorkerForward:
     _moe_blocks: list
     _routing: torch.Tensor | None
     draft: DraftModel | None  # speculative_method "draft_model" (actors/gpu/draft.py)
+    mtp_k: int  # speculative_method "mtp": its drafts per row (0: no MTP head)
 
     # ---- which graph runs ----------------------------------------------------------------------
 
@@ -71,11 +72,12 @@ class WorkerForward:
         wants prompt log-probs, its kernels store snapshots inside chunks, or it verifies
         speculative drafts without a mixed graph or under expert parallelism)."""
         eager = self.graphs is None or (plan.prompt_targets >= 0).any() or bool(inner_snaps)
-        if len(plan.num_drafts) and plan.num_drafts.any():
+        if (len(plan.num_drafts) and plan.num_drafts.any()) or self.mtp_k:
             # Verify rows (several query tokens each) fit a mixed graph, which keeps every
             # token's hidden state (_graph_hidden); under expert parallelism they run eagerly.
+            # An MTP head reads every step's hidden states: mixed graphs only.
             eager = eager or self.ep is not None or self._graph_hidden is None
-        all_decode = bool((np.diff(plan.query_start_loc) == 1).all())
+        all_decode = bool((np.diff(plan.query_start_loc) == 1).all()) and not self.mtp_k
         if self.ep is not None:
             return self._ep_shape(len(plan.input_ids), all_decode, eager)
         if not eager:

@@ -204,3 +204,30 @@ def check_local_kv(plan: StepPlan, num_local_blocks: int, block_size: int) -> No
         raise ValueError(
             f"local_slot_mapping must be -1 or a slot of the {num_local_blocks} blocks"
         )
+
+
+def check_mtp(plan: StepPlan, mtp: bool, vocab_size: int) -> None:
+    """An MTP head (`mtp`: LoadModel.mtp) reads, per sequence, the token after each prompt chunk
+    that does not sample (mtp_next, a token id there and -1 where the sequence samples) and
+    whether to return its drafts (mtp_draft, 0 or 1); without a head, neither (ValueError)."""
+    nxt, draft = plan.mtp_next, plan.mtp_draft
+    if not mtp:
+        if len(nxt) or len(draft):
+            raise ValueError("mtp_next / mtp_draft need an MTP head (speculative_method 'mtp')")
+        return
+    batch = len(plan.seq_lens)
+    if len(nxt) != batch or len(draft) != batch:
+        raise ValueError(
+            f"mtp_next ({len(nxt)}) and mtp_draft ({len(draft)}) need one entry per sequence "
+            f"({batch})"
+        )
+    samples = plan.sample != 0
+    if (nxt[samples] != -1).any():
+        raise ValueError("mtp_next must be -1 for a sequence that samples")
+    quiet = nxt[~samples]
+    if len(quiet) and (quiet.min() < 0 or quiet.max() >= vocab_size):
+        raise ValueError(
+            f"mtp_next of a sequence that does not sample must be a token id in [0, {vocab_size})"
+        )
+    if ((draft != 0) & (draft != 1)).any() or (draft.astype(bool) & ~samples).any():
+        raise ValueError("mtp_draft must be 0 or 1, and 1 only for a sequence that samples")

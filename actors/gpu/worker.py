@@ -36,6 +36,7 @@ from taipan.actors.gpu.plan_checks import (
     check_local_kv,
     check_logprobs_mode,
     check_mamba_slots,
+    check_mtp,
     check_prev_rows,
     check_sampling_controls,
     inner_snapshots,
@@ -46,6 +47,7 @@ from taipan.actors.gpu.speculative import check_drafts, draft_rows, verify_draft
 from taipan.actors.gpu.split_kv import SplitKV
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
+from taipan.ops.attention import AttentionMetadata
 from taipan.ops.custom_all_reduce import for_mode as custom_all_reduce_for
 from taipan.ops.expert_parallel import (
     EPGroup,
@@ -57,6 +59,7 @@ from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
 from taipan.ops.moe import moe_blocks, routing_buffer
+from taipan.ops.mtp import mtp_drafts
 from taipan.ops.parallel import SINGLE, TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -81,6 +84,7 @@ class Launched:
     spec: np.ndarray | None = None  # StepResult.spec_tokens, when the plan verifies drafts
     spec_log_probs: dict = dataclasses.field(default_factory=dict)  # StepResult's spec_*_probs
     check: Check | None = None  # greedy grammar rows to check before the tokens are read
+    next_drafts: np.ndarray | None = None  # StepResult.next_drafts (an MTP head's)
 
 
 def check_device(device: torch.device) -> None:
@@ -195,6 +199,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         # speculative_method "draft_model": the draft and its KV cache (actors/gpu/draft.py).
         self.draft: DraftModel | None = None
         self._draft_graphable = False  # its forwards may be graphed (not a sharded self-draft)
+        # speculative_method "mtp": the drafts per row of the checkpoint's MTP head (0: none).
+        self.mtp_k = 0
 
     # ---- load ----------------------------------------------------------------------------------
 
@@ -208,6 +214,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_device(self.device)
         use_device(self.device)
         model, config, tokenizer = self._load_weights(msg, dtype, tp)
+        self.mtp_k = msg.num_speculative_tokens if msg.mtp else 0
         self.grammar_masks = GrammarMasks(tokenizer)  # (structured outputs' matchers)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, self.tp)
         split = SplitKV.of(msg, model, config)
@@ -273,6 +280,12 @@ class ModelWorker(WorkerForward, WorkerControls):
         """(model, config, tokenizer): this rank's weights, its expert-parallel group joined
         and its tensor-parallel sums set up first; sets `tp` to the group the model uses."""
         experts = self._expert_share(msg, tp)
+        if msg.mtp and (tp.size > 1 or experts is not None or msg.num_speculative_tokens < 1):
+            raise ValueError(
+                "speculative_method 'mtp' needs num_speculative_tokens >= 1 and runs with one "
+                "gpu process per rank: an MTP head under tensor or expert parallelism is not "
+                "built"
+            )
         if tp.size > 1 or msg.custom_all_reduce is True:  # (true at size 1: the error says why)
             tp = self._with_custom_sums(tp, msg.custom_all_reduce)
         try:
@@ -282,6 +295,7 @@ class ModelWorker(WorkerForward, WorkerControls):
                 device=self.device,
                 tp=tp,
                 expert_range=experts,
+                mtp=msg.mtp,
             )
         except ModelLoadError as e:
             if experts is not None and "has no experts" in str(e):
@@ -451,6 +465,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         check_local_kv(plan, num_local, self.block_size)
         check_drafts(plan)
         check_draft_prev(plan, self.draft is not None, self.config.vocab_size)
+        check_mtp(plan, bool(self.mtp_k), self.config.vocab_size)
         if self.draft is not None:  # (it fills the verify rows' draft tokens)
             plan = self.draft.fill(plan, self._sampled)
         inner_snaps = inner_snapshots(plan)
@@ -480,7 +495,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         if grammar:  # (masks after the controls)
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
+        # (an MTP head reads the step's final tokens: no check left for collect)
         checks_later = grammar and not (wants_log_probs(plan) or len(draft_rows(plan)))
+        checks_later = checks_later and not self.mtp_k
         if grammar and not checks_later:  # (greedy grammar rows: what the step reports is final)
             tokens = self.grammar_masks.checked(tokens, controlled)
         spec, spec_lp = None, {}
@@ -491,6 +508,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             spec = spec.astype(np.int32)
             if self.mamba_state is not None:
                 self._roll_back_states(plan, spec)
+        next_drafts = self._mtp_drafts(plan, hidden, tokens, spec) if self.mtp_k else None
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
         self.grammar_masks.sampled(host, ended)
@@ -518,7 +536,53 @@ class ModelWorker(WorkerForward, WorkerControls):
             plan, rows, host, extra, bucket is not None, start, device_start, began, ended, routed
         )
         launched.spec, launched.spec_log_probs, launched.check = spec, spec_lp, check
+        launched.next_drafts = next_drafts
         return launched
+
+    def _mtp_drafts(self, plan: StepPlan, hidden, tokens: torch.Tensor, spec) -> np.ndarray:
+        """StepResult.next_drafts of an MTP head (ops/mtp.py): the head over the step's tokens,
+        each row's last valid position being its last token or, for a verify row, its last
+        accepted one; then the drafts of the rows that ask (StepPlan.mtp_draft). Waits for the
+        step's tokens."""
+        if hidden is None:
+            raise ValueError(
+                "an MTP step needs the forward's hidden states (a mixed graph or eager)"
+            )
+        qsl = plan.query_start_loc.astype(np.int64)
+        last, after = qsl[1:] - 1, plan.mtp_next.astype(np.int64)
+        sampled = np.flatnonzero(plan.sample)
+        after[sampled] = tokens.cpu().numpy()[sampled]
+        if spec is not None:  # a verify row: its last accepted draft, then the token drawn
+            for row in draft_rows(plan).tolist():
+                new = spec[row][spec[row] >= 0]
+                last[row], after[row] = qsl[row] + len(new) - 1, new[-1]
+        device = self.device
+        layout = (plan.query_start_loc, plan.seq_lens, self.block_size)
+        attn = AttentionMetadata(
+            query_start_loc=torch.tensor(plan.query_start_loc, device=device),
+            seq_lens=torch.tensor(plan.seq_lens, device=device),
+            block_tables=torch.tensor(plan.block_tables, device=device),
+            slot_mapping=torch.tensor(plan.slot_mapping, device=device),
+        ).with_layout(*layout)
+        tables = [
+            row[: -(-int(n) // self.block_size)].tolist()
+            for row, n in zip(plan.block_tables, plan.seq_lens, strict=True)
+        ]
+        drafts = mtp_drafts(
+            self.model,
+            self.model_kv(),
+            attn,
+            tables,
+            self.block_size,
+            torch.tensor(plan.input_ids, device=device),
+            torch.tensor(plan.positions, dtype=torch.int64, device=device),
+            hidden[: len(plan.input_ids)],
+            last,
+            after,
+            plan.mtp_draft.astype(bool) & (plan.sample != 0),
+            self.mtp_k,
+        )
+        return drafts.astype(np.int32) if plan.mtp_draft.any() else np.zeros((0, 0), np.int32)
 
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """The sampled tokens' copy to pinned host memory, queued without waiting (collect()
@@ -577,6 +641,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             extra = extra | {"routed_experts": launched.routed.numpy()}
         if launched.spec is not None:
             extra = extra | {"spec_tokens": launched.spec}
+        if launched.next_drafts is not None and launched.next_drafts.size:
+            extra = extra | {"next_drafts": launched.next_drafts}
         extra = extra | launched.spec_log_probs
         return StepResult(
             plan.step,

@@ -1,0 +1,78 @@
+"""Speculative decoding with the checkpoint's own MTP head (speculative_method "mtp", issue 29
+item 2) served end to end: real coordinator and engine processes, a tiny random Qwen3-Next
+with MoE layers and a random head (tests/random_qwen3_next.add_mtp_head), greedy tokens equal
+to Hugging Face's incremental decoding on the same weights.
+
+The waves of tests/test_e2e_hybrid_prefix.py with recurrent snapshots and steps of 24 tokens:
+prompts cut into chunks (the head reads each chunk's next prompt token: StepPlan.mtp_next),
+prefix hits (the cached blocks carry the head's KV too), drafts verified every step. The head
+is random, so few drafts pass; what the drafts are is tests/test_qwen3_next_mtp.py's (the
+worker's against a reference of Hugging Face's modules); here, that serving with them is
+exact and they are verified.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from taipan.actors.config import InferenceConfig
+from taipan.launcher import Runtime
+from tests.random_qwen3_next import add_mtp_head, make_random_qwen3_next
+from tests.test_e2e_hybrid import hf_generate
+from tests.test_e2e_hybrid_prefix import PROMPTS
+from tests.test_e2e_qwen3_next import GPU_SHAPE, config, run
+
+transformers = pytest.importorskip("transformers")
+K = 3
+
+
+def _model(tmp_path_factory, shape=None):
+    path = make_random_qwen3_next(str(tmp_path_factory.mktemp("q3n_mtp")), "moe", shape=shape)
+    add_mtp_head(path)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    names = list(PROMPTS)
+    want = dict(zip(names, hf_generate(hf, [PROMPTS[n] for n in names]), strict=True))
+    return path, hf.config, want
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return _model(tmp_path_factory)
+
+
+def test_mtp_drafts_keep_hugging_faces_tokens_with_chunks_and_prefix_hits(model):
+    path, c, want = model
+    cfg = config(c, 8, num_speculative_tokens=K, speculative_method="mtp")
+    got, cached, stats = run(path, cfg)
+    assert got == want
+    assert sum(cached.values()) > 0  # (prefix hits: the head's KV came from the cache too)
+    assert stats.spec_verify_rows > 0 and stats.spec_draft_tokens > stats.spec_verify_rows
+
+
+def test_a_checkpoint_without_a_head_fails_at_start_with_the_reason(tmp_path):
+    path = make_random_qwen3_next(str(tmp_path / "plain"), "dense")
+    cfg = InferenceConfig(
+        block_size_tokens=16,
+        max_tokens=24,
+        max_requests=4,
+        buffer_size_gb=0.05,
+        max_sequence_length=256,
+        num_speculative_tokens=K,
+        speculative_method="mtp",
+    )
+    with pytest.raises(Exception, match="no multi-token-prediction head"):
+        with Runtime(path, cfg):
+            pass
+
+
+@pytest.mark.gpu
+def test_gpu_mtp_drafts_with_mixed_graphs_keep_hugging_faces_tokens(tmp_path_factory):
+    """On CUDA, fp32: every step replays a mixed graph that keeps its hidden states (an MTP
+    config captures no decode-only graph) or runs eagerly, the head's pass and chain run
+    eagerly after it (Triton attention over the head's cache layer); Hugging Face's tokens."""
+    path, c, want = _model(tmp_path_factory, GPU_SHAPE)
+    cfg = config(c, 8, max_tokens=64, num_speculative_tokens=K, speculative_method="mtp")
+    got, _, stats = run(path, cfg, device="cuda")
+    assert got == want
+    assert stats.steps_graphed > 0 and stats.spec_verify_rows > 0
