@@ -601,16 +601,18 @@ class ModelWorker(WorkerForward, WorkerControls):
             and self.ep is None
             and not (uses_grammar(plan) or self.grammar_masks.pending)  # (it may wait)
             and not len(draft_rows(plan))  # (a verify step waits for its tokens)
+            and not self.mtp_k  # (an MTP head's pass reads the step's tokens on the host)
         )
 
     def launch_waits(self, plan: StepPlan) -> bool:
-        """Whether `launch(plan)` waits for the step's device work on CUDA (its log-probs or its
-        verified drafts come to the host in it), so that `collect` right after it, in the same
-        thread, waits for almost nothing (the gpu actor then saves a hop to its collector)."""
+        """Whether `launch(plan)` waits for the step's device work on CUDA (its log-probs, its
+        verified drafts or an MTP head's inputs come to the host in it), so that `collect`
+        right after it, in the same thread, waits for almost nothing (the gpu actor then saves
+        a hop to its collector)."""
         return (
             self.device.type == "cuda"
             and self.ep is None
-            and (wants_log_probs(plan) or bool(len(draft_rows(plan))))
+            and (wants_log_probs(plan) or bool(len(draft_rows(plan))) or bool(self.mtp_k))
         )
 
     def collect(self, launched: Launched | StepResult) -> StepResult:
