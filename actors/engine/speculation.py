@@ -15,9 +15,9 @@ request's last token (ops/mtp.py), the drafts come back with that step's result
 (StepResult.next_drafts, kept on the request by `take_drafts` with the token count they
 follow) and are planned as n-gram drafts are (host-known tokens); every sampling row of a
 speculating request asks for them (StepPlan.mtp_draft), and a prompt chunk that does not
-sample hands the gpu its next prompt token (StepPlan.mtp_next: wire.py `mtp_arrays`). With draft_weight_policy "disable" a
-weight update ends speculation (`new_weights`) until the draft's own weights are updated
-(`draft_updated`).
+sample hands the gpu its next prompt token (StepPlan.mtp_next: wire.py `mtp_arrays`).
+With draft_weight_policy "disable" a weight update ends speculation (`new_weights`) until
+the draft's own weights are updated (`draft_updated`).
 
 The contract of a speculative row (InferenceConfig.num_speculative_tokens = k > 0):
 - It is planned only when its request's last token is known on the host (no step in flight

@@ -32,6 +32,7 @@ from taipan.actors.gpu.grammar_masks import Check, GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
 from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
+from taipan.actors.gpu.mtp import step_drafts
 from taipan.actors.gpu.plan_checks import (
     check_local_kv,
     check_logprobs_mode,
@@ -47,7 +48,6 @@ from taipan.actors.gpu.speculative import check_drafts, draft_rows, verify_draft
 from taipan.actors.gpu.split_kv import SplitKV
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, ModelLoaded, StepPlan, StepResult
-from taipan.ops.attention import AttentionMetadata
 from taipan.ops.custom_all_reduce import for_mode as custom_all_reduce_for
 from taipan.ops.expert_parallel import (
     EPGroup,
@@ -59,7 +59,6 @@ from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
 from taipan.ops.moe import moe_blocks, routing_buffer
-from taipan.ops.mtp import mtp_drafts
 from taipan.ops.parallel import SINGLE, TPGroup
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -508,7 +507,10 @@ class ModelWorker(WorkerForward, WorkerControls):
             spec = spec.astype(np.int32)
             if self.mamba_state is not None:
                 self._roll_back_states(plan, spec)
-        next_drafts = self._mtp_drafts(plan, hidden, tokens, spec) if self.mtp_k else None
+        next_drafts = None
+        if self.mtp_k:  # (waits for the step's tokens)
+            kv, bs = self.model_kv(), self.block_size
+            next_drafts = step_drafts(self.model, kv, bs, plan, hidden, tokens, spec, self.mtp_k)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
         self.grammar_masks.sampled(host, ended)
@@ -538,51 +540,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         launched.spec, launched.spec_log_probs, launched.check = spec, spec_lp, check
         launched.next_drafts = next_drafts
         return launched
-
-    def _mtp_drafts(self, plan: StepPlan, hidden, tokens: torch.Tensor, spec) -> np.ndarray:
-        """StepResult.next_drafts of an MTP head (ops/mtp.py): the head over the step's tokens,
-        each row's last valid position being its last token or, for a verify row, its last
-        accepted one; then the drafts of the rows that ask (StepPlan.mtp_draft). Waits for the
-        step's tokens."""
-        if hidden is None:
-            raise ValueError(
-                "an MTP step needs the forward's hidden states (a mixed graph or eager)"
-            )
-        qsl = plan.query_start_loc.astype(np.int64)
-        last, after = qsl[1:] - 1, plan.mtp_next.astype(np.int64)
-        sampled = np.flatnonzero(plan.sample)
-        after[sampled] = tokens.cpu().numpy()[sampled]
-        if spec is not None:  # a verify row: its last accepted draft, then the token drawn
-            for row in draft_rows(plan).tolist():
-                new = spec[row][spec[row] >= 0]
-                last[row], after[row] = qsl[row] + len(new) - 1, new[-1]
-        device = self.device
-        layout = (plan.query_start_loc, plan.seq_lens, self.block_size)
-        attn = AttentionMetadata(
-            query_start_loc=torch.tensor(plan.query_start_loc, device=device),
-            seq_lens=torch.tensor(plan.seq_lens, device=device),
-            block_tables=torch.tensor(plan.block_tables, device=device),
-            slot_mapping=torch.tensor(plan.slot_mapping, device=device),
-        ).with_layout(*layout)
-        tables = [
-            row[: -(-int(n) // self.block_size)].tolist()
-            for row, n in zip(plan.block_tables, plan.seq_lens, strict=True)
-        ]
-        drafts = mtp_drafts(
-            self.model,
-            self.model_kv(),
-            attn,
-            tables,
-            self.block_size,
-            torch.tensor(plan.input_ids, device=device),
-            torch.tensor(plan.positions, dtype=torch.int64, device=device),
-            hidden[: len(plan.input_ids)],
-            last,
-            after,
-            plan.mtp_draft.astype(bool) & (plan.sample != 0),
-            self.mtp_k,
-        )
-        return drafts.astype(np.int32) if plan.mtp_draft.any() else np.zeros((0, 0), np.int32)
 
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """The sampled tokens' copy to pinned host memory, queued without waiting (collect()
