@@ -14,31 +14,19 @@ exact and they are verified.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from taipan.actors.config import InferenceConfig
 from taipan.launcher import Runtime
-from tests.random_qwen3_next import add_mtp_head, make_random_qwen3_next
-from tests.test_e2e_hybrid import hf_generate
-from tests.test_e2e_hybrid_prefix import PROMPTS
-from tests.test_e2e_qwen3_next import GPU_SHAPE, config, run
+from tests.random_qwen3_next import make_random_qwen3_next
+from tests.test_e2e_qwen3_next import GPU_SHAPE, _model, config, run
 
 transformers = pytest.importorskip("transformers")
 K = 3
 
 
-def _model(tmp_path_factory, shape=None):
-    path = make_random_qwen3_next(str(tmp_path_factory.mktemp("q3n_mtp")), "moe", shape=shape)
-    add_mtp_head(path)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    names = list(PROMPTS)
-    want = dict(zip(names, hf_generate(hf, [PROMPTS[n] for n in names]), strict=True))
-    return path, hf.config, want
-
-
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
-    return _model(tmp_path_factory)
+    return _model(tmp_path_factory, mtp_head=True)
 
 
 def test_mtp_drafts_keep_hugging_faces_tokens_with_chunks_and_prefix_hits(model):
@@ -71,7 +59,7 @@ def test_gpu_mtp_drafts_with_mixed_graphs_keep_hugging_faces_tokens(tmp_path_fac
     """On CUDA, fp32: every step replays a mixed graph that keeps its hidden states (an MTP
     config captures no decode-only graph) or runs eagerly, the head's pass and chain run
     eagerly after it (Triton attention over the head's cache layer); Hugging Face's tokens."""
-    path, c, want = _model(tmp_path_factory, GPU_SHAPE)
+    path, c, want = _model(tmp_path_factory, GPU_SHAPE, mtp_head=True)
     cfg = config(c, 8, max_tokens=64, num_speculative_tokens=K, speculative_method="mtp")
     got, _, stats = run(path, cfg, device="cuda")
     assert got == want

@@ -17,7 +17,7 @@ import torch
 from taipan.actors.config import InferenceConfig
 from taipan.client import Client
 from taipan.launcher import Runtime
-from tests.random_qwen3_next import TINY, make_random_qwen3_next
+from tests.random_qwen3_next import TINY, add_mtp_head, make_random_qwen3_next
 from tests.test_e2e_hybrid import hf_generate
 from tests.test_e2e_hybrid_prefix import BS, CACHED, GREEDY, PROMPTS, WAVES
 
@@ -34,8 +34,12 @@ def slot_bytes(c) -> int:
     return c.layer_types.count("linear_attention") * (conv + state)
 
 
-def _model(tmp_path_factory, shape=None):
+def _model(tmp_path_factory, shape=None, mtp_head: bool = False):
+    """(path, HF config, HF's greedy tokens per prompt) of the MoE model (`mtp_head`: with a
+    random MTP head added to its checkpoint, which HF ignores)."""
     path = make_random_qwen3_next(str(tmp_path_factory.mktemp("q3n")), "moe", shape=shape)
+    if mtp_head:
+        add_mtp_head(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     names = list(PROMPTS)
     want = dict(zip(names, hf_generate(hf, [PROMPTS[n] for n in names]), strict=True))
