@@ -19,6 +19,7 @@ from taipan.actors.config import InferenceConfig
 from taipan.launcher import Runtime
 from tests.random_qwen3_next import make_random_qwen3_next
 from tests.test_e2e_qwen3_next import GPU_SHAPE, _model, config, run
+from tests.test_e2e_tp_hybrid import per_peer
 
 transformers = pytest.importorskip("transformers")
 K = 3
@@ -36,6 +37,16 @@ def test_mtp_drafts_keep_hugging_faces_tokens_with_chunks_and_prefix_hits(model)
     assert got == want
     assert sum(cached.values()) > 0  # (prefix hits: the head's KV came from the cache too)
     assert stats.spec_verify_rows > 0 and stats.spec_draft_tokens > stats.spec_verify_rows
+
+
+def test_tp2_serves_hugging_faces_tokens_with_drafts(model):
+    """Tensor parallel T = 2 (gloo): each peer runs the head's passes on its shard, in the same
+    pipeline as the model's steps; the tokens and cached counts are T = 1's."""
+    path, c, want = model
+    cfg = per_peer(config(c, 8, num_speculative_tokens=K, speculative_method="mtp"), 2)
+    got, cached, stats = run(path, cfg, tensor_parallel_size=2)
+    assert got == want and sum(cached.values()) > 0
+    assert stats.spec_verify_rows > 0
 
 
 def test_a_checkpoint_without_a_head_fails_at_start_with_the_reason(tmp_path):

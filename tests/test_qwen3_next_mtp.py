@@ -355,6 +355,32 @@ def test_two_rows_in_one_step_draft_each_its_own(with_head):
         )  # fmt: skip
 
 
+# ---- tensor parallel (T = 2, gloo) -------------------------------------------------------------
+
+
+def _tp_drafts(tp, path: str) -> dict:
+    """A prompt's drafts and their logits at tensor-parallel group `tp` (the head's layer
+    sharded as any layer, fc and its norms replicated, the LM head's vocabulary gathered)."""
+    model, config, _ = load_model(path, tp=tp, mtp=True)
+    runner = HybridRunner(model, config, num_blocks=16, num_slots=2, seed=4, tp=tp)
+    runner.add(0, 48, slot=0)
+    ids = _prompt(30, seed=41)
+    hidden = model_step(runner, 0, ids)
+    drafts, logits = _drafts(runner, 0, ids, hidden, len(ids) - 1, 9)
+    return {"drafts": drafts, "logits": logits.numpy()}
+
+
+def test_tp2_drafts_equal_tp1(with_head):
+    from taipan.ops.parallel import SINGLE
+    from tests.test_tp import run_ranks
+
+    path = with_head[0]
+    want = _tp_drafts(SINGLE, path)
+    for got in run_ranks(_tp_drafts, path):
+        assert got["drafts"] == want["drafts"]
+        np.testing.assert_allclose(got["logits"], want["logits"], atol=1e-5, rtol=0)
+
+
 # ---- the gpu worker with the head (speculative_method "mtp") ---------------------------------
 
 
