@@ -14,10 +14,13 @@ exact and they are verified.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from taipan.actors.config import InferenceConfig
 from taipan.launcher import Runtime
-from tests.random_qwen3_next import make_random_qwen3_next
+from tests.random_qwen3_next import add_mtp_head, make_random_qwen3_next
+from tests.test_e2e_hybrid import hf_generate
+from tests.test_e2e_hybrid_prefix import GREEDY, PROMPTS
 from tests.test_e2e_qwen3_next import GPU_SHAPE, _model, config, run
 from tests.test_e2e_tp_hybrid import per_peer
 
@@ -47,6 +50,36 @@ def test_tp2_serves_hugging_faces_tokens_with_drafts(model):
     got, cached, stats = run(path, cfg, tensor_parallel_size=2)
     assert got == want and sum(cached.values()) > 0
     assert stats.spec_verify_rows > 0
+
+
+def test_kv_pressure_and_a_weight_update_keep_hugging_faces_tokens(model, tmp_path):
+    """A pool of 8.5 blocks (requests pause and are evicted, their head's KV recomputed with
+    the rest), then `update_weights(path)` to another checkpoint, whose head comes with it:
+    each time Hugging Face's tokens of the weights in place."""
+    from taipan.client import Client
+
+    path, c, want = model
+    other = make_random_qwen3_next(str(tmp_path / "other"), "moe", seed=1)
+    add_mtp_head(other, seed=2)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(other, dtype=torch.float32).eval()
+    prompts = [PROMPTS[n] for n in PROMPTS]
+    kv_layers = c.layer_types.count("full_attention") + 1  # (the head's layer too)
+    block = kv_layers * 2 * 16 * c.num_key_value_heads * c.head_dim * 4
+    budgets = {
+        "buffer_size_gb": 8.5 * block / 1024**3,
+        "paused_buffer_size_gb": 1.5 * block / 1024**3,
+    }
+    cfg = config(c, 8, num_speculative_tokens=K, speculative_method="mtp", **budgets)
+    with Runtime(path, cfg) as rt, Client(rt.address) as client:
+        got = [d.token_ids for d in client.generate(prompts, GREEDY)]
+        assert got == [want[n] for n in PROMPTS]
+        [stats] = client.stats().ranks
+        assert stats.paused_total > 0 and stats.spec_verify_rows > 0
+        client.pause()
+        client.update_weights(other)
+        client.unpause()
+        got = [d.token_ids for d in client.generate(prompts, GREEDY)]
+    assert got == hf_generate(hf, prompts)
 
 
 def test_a_checkpoint_without_a_head_fails_at_start_with_the_reason(tmp_path):

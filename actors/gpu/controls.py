@@ -483,8 +483,9 @@ class WorkerControls:
         under `tp`) and checked to have the architecture and shapes of `target` (the loaded
         model or its draft; a MoE model: only the experts it holds)."""
         experts = getattr(target, "expert_range", None)
+        mtp = bool(getattr(target_config, "num_mtp_layers", 0))  # (its head comes with it)
         model, config, _ = load_model(
-            path, dtype=self.dtype, device="cpu", expert_range=experts, tp=tp
+            path, dtype=self.dtype, device="cpu", expert_range=experts, tp=tp, mtp=mtp
         )
         check_same_architecture(target_config, config, path)
         ours, new = target.state_dict(), model.state_dict()
