@@ -501,3 +501,21 @@ def test_spec_workload_with_a_self_draft_on_cpu(tmp_path):
     for row in rows:
         assert row["outputs_equal"] is True and row["speculative_method"] == "draft_model"
         assert row["speculative_model"] == "self:1" and row["spec_draft_tokens"] > 0
+
+
+@pytest.mark.slow  # (tests/test_e2e_mtp.py serves MTP drafts by default)
+def test_spec_workload_with_an_mtp_head_on_cpu(tmp_path):
+    """`--spec-method mtp` on a checkpoint with a (random) MTP head: outputs equal, the row
+    names the drafter, drafts were verified."""
+    from tests.random_qwen3_next import add_mtp_head, make_random_qwen3_next
+
+    path = make_random_qwen3_next(str(tmp_path / "q3n"), "moe")
+    add_mtp_head(path)
+    rows = _bench_rows(
+        tmp_path,
+        *("--workload", "spec", "--model", path, "--num-prompts", "1"),
+        *("--output-len", "8", "--spec-tokens", "2", "--spec-method", "mtp"),
+    )
+    for row in rows:
+        assert row["outputs_equal"] is True and row["speculative_method"] == "mtp"
+        assert row["spec_draft_tokens"] > 0

@@ -162,6 +162,13 @@ def add_arguments(p) -> None:
         "drafts instead of n-gram lookup",
     )
     p.add_argument(
+        "--spec-method",
+        choices=("ngram", "draft_model", "mtp"),
+        default=None,
+        help="spec: who drafts (default: draft_model with --spec-draft, else ngram; mtp: the "
+        "checkpoint's own multi-token-prediction head)",
+    )
+    p.add_argument(
         "--spec-batch",
         type=int,
         default=1,

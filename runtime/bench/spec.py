@@ -1,5 +1,5 @@
-"""The `spec` workload of `taipan bench`: what speculative decoding (n-gram drafts, or a draft
-model's with `--spec-draft`) buys.
+"""The `spec` workload of `taipan bench`: what speculative decoding (n-gram drafts, a draft
+model's with `--spec-draft`, or the checkpoint's MTP head with `--spec-method mtp`) buys.
 Two workloads in one run, each on the same chat-templated prompts with speculation off and on:
 `grounded`, prompts whose answers copy spans of the prompt (repeat a passage, fix a typo and
 print the whole code: prompt lookup's best case), and `free`, short open questions (its worst:
@@ -325,7 +325,9 @@ def spec_workload(args) -> list[dict]:
         )
     name, _ = resolve(args.model)
     draft = getattr(args, "spec_draft", None)
-    method = "draft_model" if draft else "ngram"
+    method = getattr(args, "spec_method", None) or ("draft_model" if draft else "ngram")
+    if (method == "draft_model") != bool(draft):
+        raise ValueError("--spec-draft goes with --spec-method draft_model (and only with it)")
     drafter = [f"speculative_method={method}"] + ([f"speculative_model={draft}"] if draft else [])
     workloads = {"grounded": grounded_prompts(n), "free": free_prompts(n)}
     sides = {
