@@ -212,11 +212,13 @@ def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
 def mtp_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
     """StepPlan.mtp_next / mtp_draft (an MTP head): the token after each chunk that does not
     sample (a known one: such a chunk stops before its request's last known token), and
-    which sampling rows want their drafts (those of requests that speculate now)."""
+    which sampling rows want their drafts (those of requests that speculate now). A chunk
+    that does not sample and has no known next token gets -1, which the gpu refuses by name."""
     nxt, draft = [], []
     for c in batch.chunks:
         r, stop = c.request, c.start + c.num_new_tokens
-        nxt.append(-1 if c.samples else int(r.token_slice(stop, stop + 1)[0]))
+        after = [] if c.samples else r.token_slice(stop, stop + 1)
+        nxt.append(int(after[0]) if len(after) else -1)
         draft.append(int(c.samples and r.speculates))
     return {"mtp_next": np.asarray(nxt, np.int32), "mtp_draft": np.asarray(draft, np.int8)}
 
