@@ -112,10 +112,9 @@ def mtp_source_layer(config) -> int:
     """The full-attention layer whose weights (times MTP_SCALE) become `mtp.layers.0`: one
     whose MLP is of the MTP layer's kind (sparse as layer 0 is), so Hugging Face's decoder
     layer of that index is the reference's module."""
+    only, step = getattr(config, "mlp_only_layers", []), getattr(config, "decoder_sparse_step", 1)
     moe = [
-        config.num_experts > 0
-        and i not in config.mlp_only_layers
-        and (i + 1) % config.decoder_sparse_step == 0
+        getattr(config, "num_experts", 0) > 0 and i not in only and (i + 1) % step == 0
         for i in range(config.num_hidden_layers)
     ]
     full = [i for i, kind in enumerate(config.layer_types) if kind == F and moe[i] == moe[0]]
@@ -123,11 +122,11 @@ def mtp_source_layer(config) -> int:
 
 
 def add_mtp_head(path: str, seed: int = 1) -> dict:
-    """Add a random multi-token-prediction head to the checkpoint in `path` (Qwen3-Next's
-    `mtp.*` tensors, which Hugging Face's model ignores): `mtp.layers.0.*` are the tensors of
-    layer `mtp_source_layer` times MTP_SCALE (as saved: whatever the expert layout), `mtp.fc`
-    [H, 2H] and the three zero-centred norms drawn from `seed`. Returns the head's own
-    tensors (fc and norms) by their names."""
+    """Add a random multi-token-prediction head to the checkpoint in `path` (Qwen3-Next's or
+    Qwen3.5's `mtp.*` tensors, which Hugging Face's model ignores): `mtp.layers.0.*` are the
+    tensors of layer `mtp_source_layer` times MTP_SCALE (as saved: whatever the expert
+    layout), `mtp.fc` [H, 2H] and the three zero-centred norms drawn from `seed`. Returns the
+    head's own tensors (fc and norms) by their names."""
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import AutoConfig

@@ -42,9 +42,19 @@ transformers = pytest.importorskip("transformers")
 ATOL = 2e-4
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
+FAMILIES = [("qwen3_next", kind) for kind in CONFIGS] + [("qwen3_5", "moe")]
+
+
+@pytest.fixture(scope="module", params=FAMILIES, ids=["-".join(f) for f in FAMILIES])
 def with_head(request, tmp_path_factory):
-    path = make_random_qwen3_next(str(tmp_path_factory.mktemp("q3n_mtp")), request.param)
+    family, kind = request.param
+    root = str(tmp_path_factory.mktemp("mtp"))
+    if family == "qwen3_5":
+        from tests.random_qwen3_5 import make_random_qwen3_5
+
+        path = make_random_qwen3_5(root, kind)
+    else:
+        path = make_random_qwen3_next(root, kind)
     own = add_mtp_head(path)
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     return path, own, hf, load_model(path, mtp=True)
@@ -57,15 +67,13 @@ def _prompt(n: int, seed: int) -> list[int]:
 
 def _reference_parts(hf, own: dict):
     """The head's modules in Hugging Face's classes: (its decoder layer, its norms, fc)."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
-
     c = hf.config
     layer = copy.deepcopy(hf.model.layers[mtp_source_layer(c)])
     for p in layer.parameters():
         p.mul_(MTP_SCALE)
     norms = {}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = Qwen3NextRMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        norms[name] = type(hf.model.norm)(c.hidden_size, eps=c.rms_norm_eps)  # (the family's)
         norms[name].weight.copy_(own[f"mtp.{name}.weight"].float())
     fc = own["mtp.fc.weight"].float()
 
