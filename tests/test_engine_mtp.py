@@ -81,3 +81,7 @@ def test_stale_drafts_are_not_verified():
     r.mtp_at -= 1  # (as if they followed an earlier token)
     plan = _step(sched, taken, [44], drafts=[[-1, -1, -1]])
     assert not len(plan.num_drafts) and plan.input_ids.tolist() == [40]
+    # Drafts never asked for are no miss (a back-off counts misses); an empty answer is one.
+    assert r.spec_backoff is None
+    _step(sched, taken, [45], drafts=[[-1, -1, -1]])
+    assert r.spec_backoff is not None and r.spec_backoff.misses == 1

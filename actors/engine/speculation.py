@@ -184,7 +184,10 @@ class Speculation:
         )
         drafts = self.propose(req, limit)
         if not len(drafts):
-            if limit > 0:
+            # (an MTP head that drafted nothing for this token yet, as after a back-off, has
+            # not missed: the plain row asks it for drafts)
+            unasked = self.mtp and req.mtp_at != req.num_tokens
+            if limit > 0 and not unasked:
                 self._missed(req)
             return None  # (a plain row)
         bs, start = plan.block_size, req.num_computed_tokens
