@@ -82,6 +82,34 @@ def test_kv_pressure_and_a_weight_update_keep_hugging_faces_tokens(model, tmp_pa
     assert got == hf_generate(hf, prompts)
 
 
+def test_grammar_rows_with_mtp_drafts_equal_plain_decoding_under_the_grammar(model):
+    """Greedy and seeded requests under a regex (structured outputs) with MTP drafts: the head
+    reads each step's final tokens (no check is left for collect), the verify rows walk or mask
+    the grammar; the tokens equal those without speculation, and the text keeps to it."""
+    import re
+
+    from taipan.client import Client
+    from taipan.messages.requests import SamplingParams, StructuredOutput
+
+    path, c, _ = model
+    grammar = StructuredOutput("regex", "[a-f]{3}( [a-f]{2,4}){4}")
+    params = [
+        SamplingParams(max_tokens=24, temperature=0.0, structured=grammar),
+        SamplingParams(max_tokens=24, temperature=0.8, seed=5, structured=grammar),
+    ]
+    prompts = [PROMPTS[n] for n in list(PROMPTS)[:2]]
+    outs = {}
+    for k in (0, K):
+        cfg = config(c, 8, num_speculative_tokens=k, speculative_method="mtp")
+        with Runtime(path, cfg) as rt, Client(rt.address) as client:
+            outs[k] = [[d.token_ids for d in client.generate(prompts, sp)] for sp in params]
+            texts = [d.text for d in client.generate(prompts, params[0])]
+            [stats] = client.stats().ranks
+    assert outs[K] == outs[0]
+    assert all(re.fullmatch("[a-f]{3}( [a-f]{2,4}){4}", t) for t in texts), texts
+    assert stats.spec_verify_rows > 0
+
+
 def test_a_checkpoint_without_a_head_fails_at_start_with_the_reason(tmp_path):
     path = make_random_qwen3_next(str(tmp_path / "plain"), "dense")
     cfg = InferenceConfig(
