@@ -127,7 +127,12 @@ def _with_mtp(path: Path, config, files: list[Path]):
             f"{path}: the checkpoint has no multi-token-prediction head (mtp.layers.0.*, "
             f"found layers {sorted(layers)}): load it without mtp"
         )
-    return dataclasses.replace(config, num_mtp_layers=len(layers))
+    if len(layers) > 1:
+        raise ModelLoadError(
+            f"{path}: the multi-token-prediction head has {len(layers)} layers; heads of more "
+            "than one layer are not served (Qwen3-Next's and Qwen3.5's have one)"
+        )
+    return dataclasses.replace(config, num_mtp_layers=1)
 
 
 def _safetensors_pieces(files: list[Path], files_open, config) -> Iterator[Piece]:

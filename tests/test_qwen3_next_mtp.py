@@ -197,8 +197,17 @@ def test_refusals(tmp_path, with_head):
         load_model(plain, mtp=True)
     with pytest.raises(ModelLoadError, match="Hugging Face directory only"):
         load_model("random:llama-tiny", mtp=True)
-    with pytest.raises(ValueError, match="depth 1: the model has 1 MTP layers"):
-        model.mtp_forward(torch.tensor([1]), torch.tensor([0]), None, None, None, depth=1)
+    # A head of two layers (the first one's tensors again as mtp.layers.1): not served.
+    from safetensors.torch import load_file, save_file
+
+    two = make_random_qwen3_next(str(tmp_path / "two"), "dense")
+    add_mtp_head(two)
+    tensors = load_file(f"{two}/model.safetensors")
+    layer0 = {n: t for n, t in tensors.items() if n.startswith("mtp.layers.0.")}
+    tensors |= {n.replace("layers.0.", "layers.1.", 1): t.clone() for n, t in layer0.items()}
+    save_file(tensors, f"{two}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="has 2 layers; heads of more than one"):
+        load_model(two, mtp=True)
 
 
 def test_a_llama_checkpoint_has_no_mtp_here(tmp_path):

@@ -405,24 +405,19 @@ class Qwen3NextForCausalLM(nn.Module):
         hidden: torch.Tensor,
         attn: AttentionMetadata,
         kv_cache: torch.Tensor,
-        depth: int = 0,
     ) -> torch.Tensor:
         """The multi-token-prediction head (loaded with load_model(mtp=True)) at T positions:
         `hidden` [T, hidden] the model's output (after its final norm) at `positions`,
         `next_ids` [T] the token after each position. Its attention layer writes its KV at
-        `positions` (cache layer num_kv_layers - num_mtp_layers + depth) and attends over the
-        head's earlier positions. Returns [T, hidden] after the head's norm: `compute_logits`
-        of a row scores the token two after its position. `depth`: which MTP layer (Qwen3-Next
-        has one; a drafter's later steps feed it its own output: MTPHead)."""
+        `positions` (the last cache layer) and attends over the head's earlier positions.
+        Returns [T, hidden] after the head's norm: `compute_logits` of a row scores the token
+        two after its position (a drafter's later passes feed it its own output: ops/mtp.py).
+        One MTP layer (the loader refuses heads of more)."""
         if self.mtp is None:
             raise ValueError("this model was loaded without its MTP head (load_model(mtp=True))")
-        if not 0 <= depth < self.config.num_mtp_layers:
-            raise ValueError(
-                f"depth {depth}: the model has {self.config.num_mtp_layers} MTP layers"
-            )
         x = self.mtp.fuse(self.embed_tokens(next_ids), hidden)
         cos_sin = self.rope_cache(x.device)[positions.long()]
-        layer = self.layers[self.config.num_layers + depth]
+        layer = self.layers[self.config.num_layers]
         x, residual = layer(x, None, cos_sin, attn, kv_cache, None)
         x, _ = self.mtp.norm(x, residual)
         return x
