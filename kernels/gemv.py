@@ -26,6 +26,8 @@ synchronisation: CUDA-graph safe.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -139,9 +141,10 @@ def _gemv_kernel(
     tl.store(out, result, mask=out_mask)
 
 
-def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
+def _blocks(n: int, k: int, gated: bool, sms: int = 132) -> tuple[int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps): many programs, each loading a few KB of weights per
-    iteration. A tiny matrix needs no such spread (and the CPU interpreter pays per program)."""
+    iteration, on a GPU of `sms` multiprocessors. A tiny matrix needs no such spread (and the
+    CPU interpreter pays per program)."""
     if n * k < 1 << 18:
         return 16, min(512, triton.next_power_of_2(k)), 4
     # Four outputs a program. Chosen by the whole graphed batch-1 step, where PDL overlaps the
@@ -150,9 +153,30 @@ def _blocks(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     # warps, the rest with four: Qwen2.5-7B 4.45 -> 4.21 ms, Gemma 3 12B 7.63 -> 7.40, Gemma
     # 3 1B 1.39 -> 1.33, Llama 1B 0.98 -> 0.94, Llama 8B 4.53 -> 4.47. A per-kernel sweep
     # (`kernels`) picks other blocks that make the step slower: it cannot see the overlap.
+    # A large plain product of under four such programs an SM (Llama 1B's down, N = 2,048)
+    # reads rows of 2,048 with four warps, for more bytes in flight: 1B 0.942 -> 0.900 ms; a
+    # wide one (N >= 2K: Gemma 3 12B's qkv) eight outputs a program with four warps: 12B 7.394
+    # -> 7.303; Llama 8B, Qwen2.5-7B and Gemma 3 1B unchanged (`blocks`, the twenty-second
+    # session's rules, H200).
     if gated:
         return 4, min(512, triton.next_power_of_2(k)), 2
+    if n * k >= 1 << 24 and n // 4 < 4 * sms:
+        return 4, min(2048, triton.next_power_of_2(k)), 4
+    if n * k >= 1 << 24 and n >= 2 * k:
+        return 8, min(1024, triton.next_power_of_2(k)), 4
     return 4, min(1024, triton.next_power_of_2(k)), 2 if n * k >= 1 << 24 else 4
+
+
+def _sm_count(device: torch.device) -> int:
+    """The GPU's multiprocessors (132 on an H100 or H200; the CPU interpreter: 132 too)."""
+    if device.type != "cuda":
+        return 132
+    return _sm_count_cuda(device.index if device.index is not None else 0)
+
+
+@functools.cache
+def _sm_count_cuda(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def gemv(
@@ -186,7 +210,7 @@ def gemv(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k, warps = _blocks(n, k, gated)
+    block_n, block_k, warps = _blocks(n, k, gated, _sm_count(x.device))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         w,
@@ -405,7 +429,7 @@ def gemv_qkv_rope(
         raise ValueError(f"kv_cache must be a contiguous {x.dtype} tensor")
     q = torch.empty((m, num_heads * head_dim), dtype=x.dtype, device=x.device)
     if m:
-        _, block_k, warps = _blocks(rows, k, False)
+        _, block_k, warps = _blocks(rows, k, False, _sm_count(x.device))
         block_p = 2  # two pairs: four weight rows a program, as `gemv` reads them
         _qkv_rope_kernel[(rows // 2 // block_p,)](
             x, w, bias if bias is not None else w, norm_weight if norm_weight is not None else w,

@@ -15,6 +15,7 @@ import pytest
 
 from taipan import bench
 from taipan.bench import generate
+from taipan.bench.spec import spec_summary
 
 
 @pytest.mark.slow  # ~30 s (ours and HF on the real model); the row logic's stubbed tests stay in
@@ -484,6 +485,9 @@ def test_spec_workload_rows_on_cpu(tmp_path):
             want = (accepted + row["spec_verify_rows"]) / row["spec_verify_rows"]
             assert row["mean_accepted_length"] == pytest.approx(want, rel=1e-3)
     assert sum(row["spec_draft_tokens"] for row in rows) > 0
+    # The human line names the drafter (the row's method when no draft model is named).
+    assert "(ngram k=2)" in spec_summary(rows[0])
+    assert "(mtp k=2)" in spec_summary({**rows[0], "speculative_method": "mtp"})
     # The family imports no torch (as the others, test_the_cli_and_the_workload_families_...).
     code = "import sys, taipan.bench.spec\nassert 'torch' not in sys.modules\n"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

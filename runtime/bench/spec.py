@@ -413,7 +413,7 @@ def spec_summary(row: dict) -> str:
     """The row's human line."""
     return (
         f"spec {row['scenario']} batch {row['batch']} x {row['output_len']} "
-        f"({row.get('speculative_model') or 'ngram'} k="
+        f"({row.get('speculative_model') or row.get('speculative_method') or 'ngram'} k="
         f"{row['num_speculative_tokens']}): off {row['off_output_tok_s']} tok/s, on "
         f"{row['on_output_tok_s']} tok/s, speedup {row['speedup']}x (decode "
         f"{row['decode_speedup']}x), accepted length {row['mean_accepted_length']}, acceptance "

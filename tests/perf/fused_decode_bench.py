@@ -9,7 +9,9 @@ a sweep of (BLOCK_N, BLOCK_K, num_warps), next to the weight's bytes at the copy
 whole decode step of a random-weight model (256 cached tokens a row) from a CUDA graph, the
 layers fused and unfused, against the floor (weights and KV once at the copy rate). One JSON
 line per figure. `... profile [SHAPE ...]`: the kernels of one batch-1 step, largest first.
-`... blocks [SHAPE ...]`: the graphed batch-1 step under each GEMV block policy (BLOCK_POLICIES).
+`... blocks [SHAPE ...]`: the graphed batch-1 step under each GEMV block policy (BLOCK_POLICIES;
+rows 1 and 4, or those of $BLOCK_ROWS, e.g. "1"; all the policies, or those named in
+$BLOCK_POLICIES, e.g. "wide8,few+k8").
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import sys
 
 import torch
@@ -166,6 +169,18 @@ def _policy(gated_blocks, other_blocks=None, gated_min=_BIG):
     return blocks
 
 
+def _few(n, k, gated):  # a large plain product of under 4 programs of 4 outputs an SM
+    return not gated and n * k >= _BIG and n // 4 < 4 * 132
+
+
+def _narrow_k(n, k, gated):
+    return (8, 1024, 4) if not gated and n * k >= _BIG and k < 8192 else None
+
+
+def _wide(n, k, gated):
+    return (8, 1024, 4) if not gated and n * k >= _BIG and n >= 2 * k else None
+
+
 BLOCK_POLICIES = {  # name: (n, k, gated) -> (BLOCK_N, BLOCK_K, num_warps) or None (the default)
     "default": lambda n, k, gated: None,
     "g4_512_2": _policy((4, 512, 2)),
@@ -174,6 +189,22 @@ BLOCK_POLICIES = {  # name: (n, k, gated) -> (BLOCK_N, BLOCK_K, num_warps) or No
     "g8_512_2": _policy((8, 512, 2)),
     "g4_512_2+n4_512_2": _policy((4, 512, 2), (4, 512, 2)),
     "g4_512_2+n4_1024_2": _policy((4, 512, 2), (4, 1024, 2)),
+    # (twenty-second session: fewer outputs a program, more warps, longer rows, one warp)
+    "g2_512_2": _policy((2, 512, 2)),
+    "g2_1024_2": _policy((2, 1024, 2)),
+    "g4_512_4": _policy((4, 512, 4)),
+    "g4_1024_4": _policy((4, 1024, 4)),
+    "g4_512_1": _policy((4, 512, 1)),
+    "n2_1024_2": _policy((4, 512, 2), (2, 1024, 2)),
+    "n4_2048_4": _policy((4, 512, 2), (4, 2048, 4)),
+    "n4_1024_1": _policy((4, 512, 2), (4, 1024, 1)),
+    "n8_1024_4": _policy((4, 512, 2), (8, 1024, 4)),
+    # (rules by the programs per SM (132 SMs): a plain product of few programs reads longer rows
+    # with more warps; a wide one, N >= 2K, eight outputs a program)
+    "few_4_2048_4": lambda n, k, g: (4, 2048, 4) if _few(n, k, g) else None,
+    "few+k8": lambda n, k, g: (4, 2048, 4) if _few(n, k, g) else _narrow_k(n, k, g),
+    "few+wide8": lambda n, k, g: (4, 2048, 4) if _few(n, k, g) else _wide(n, k, g),
+    "wide8": _wide,
 }
 
 
@@ -187,12 +218,16 @@ def block_policies(shape: str, bw: float) -> None:
     if not config.tie_word_embeddings:
         weights -= model.embed_tokens.weight.numel() * 2
     default = G._blocks
-    for rows in (1, 4):
+    only = os.environ.get("BLOCK_POLICIES", "").split(",")  # (names; default: all)
+    chosen = {
+        n: p for n, p in BLOCK_POLICIES.items() if n in only or n == "default" or only == [""]
+    }
+    for rows in [int(r) for r in os.environ.get("BLOCK_ROWS", "1,4").split(",")]:
         row = dict(part="blocks", shape=shape, rows=rows, floor_ms=weights / bw * 1e3)
         with torch.no_grad():
             for _ in range(2):  # (two rounds: the best of each policy)
-                for name, policy in BLOCK_POLICIES.items():
-                    G._blocks = lambda n, k, g, p=policy: p(n, k, g) or default(n, k, g)
+                for name, policy in chosen.items():
+                    G._blocks = lambda n, k, g, *a, p=policy: p(n, k, g) or default(n, k, g, *a)
                     ms = _us(_step(model, rows), calls=20) / 1e3
                     row[name] = round(min(ms, row.get(name, ms)), 4)
         G._blocks = default

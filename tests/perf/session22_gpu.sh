@@ -9,7 +9,13 @@
 #   four (four GPUs): the GPU tests not yet run with cuda_graph_all_prefills on by default: the
 #     DP=2 x EP=2 x TP=2 runtime (tests/test_tp_ep.py) and the dense families at TP=2
 #     (tests/test_e2e_dense.py -k tp2).
-PART=${1:?part one or four}
+#   blocks (one GPU): the graphed batch-1 step of the Gemma 3 12B, Qwen2.5-7B, Llama 8B and 1B
+#     shapes under the GEMV block policies, the twenty-second session's new ones among them
+#     (tests/perf/fused_decode_bench.py blocks; issue 27's 12B row sits at 1.31x its floor).
+#   gemv (one GPU): after the new GEMV blocks (kernels/gemv.py `_blocks`): the GEMV, fused
+#     decode, PDL and dense end-to-end GPU tests, then issue 27's batch-1 decode rows (Gemma 3
+#     12B twice, Qwen2.5-7B) and the 1B shape's (issue 24).
+PART=${1:?part one, four, blocks or gemv}
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
 if [ "$PART" = one ]; then
@@ -28,4 +34,29 @@ if [ "$PART" = four ]; then
     nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c
     timeout -s ABRT 500 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
         tests/test_tp_ep.py tests/test_e2e_dense.py -k "tp2 or dp2" 2>&1 | tail -6
+fi
+if [ "$PART" = blocks ]; then
+    BLOCK_ROWS=1 timeout -s ABRT 540 python3 tests/perf/fused_decode_bench.py blocks ${SHAPES:-gemma3-12b \
+        qwen2.5-7b llama-8b llama-1b} 2>&1 | tee "$OUT/blocks.jsonl" | grep -v "^{\"part" | tail -5
+    python3 -c "
+import json
+for line in open('$OUT/blocks.jsonl'):
+    r = json.loads(line)
+    if r.get('part') != 'blocks':
+        continue
+    base = r['default']
+    best = sorted((v, k) for k, v in r.items() if isinstance(v, float) and k not in ('floor_ms',))
+    print(r['shape'], 'floor', round(r['floor_ms'], 3), 'default', base,
+          ' '.join(f'{k}={v / base:.3f}' for v, k in best[:6]))"
+fi
+if [ "$PART" = gemv ]; then
+    timeout -s ABRT 200 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_gemv.py \
+        tests/test_ops_fused_decode.py tests/test_kernels_pdl.py tests/test_e2e_dense.py \
+        -k "not tp2" 2>&1 | tail -2
+    for shape in gemma3-12b qwen2.5-7b gemma3-12b llama-1b; do
+        timeout -s ABRT 150 python3 -m taipan.cli bench --workload decode --device cuda \
+            --dtype bfloat16 --output-len 128 --no-hf --batches 1 --model random:$shape \
+            --results "$OUT/decode_$shape.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-150 \
+            | sed "s/^/$shape /"
+    done
 fi
