@@ -15,6 +15,11 @@ with a window, none before the first query's window (the engine may free and reu
 blocks), so garbage there (maybe NaN) never reaches the output. Any head_dim, block_size and
 GQA group; the kernels' own limits are their launchers' to check.
 
+Attention sinks (gpt-oss's learned ones): `sinks` [H] fp32, one logit per query head in the
+softmax's units (after the scale). Each query's softmax runs over its visible keys and the
+head's sink, and the sink's share is dropped: out = sum_k p_k v_k with
+p_k = exp(s_k) / (exp(sink) + sum_j exp(s_j)), so the weights sum to less than one.
+
 Which keys a query sees is decided in `_visible` alone. Syncs the device (reads the metadata on
 the host): for tests and debugging, never a hot path. Reads the cache only.
 """
@@ -56,16 +61,18 @@ def paged_attention_ref(
     seq_lens: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of every sequence's queries over its paged KV, one sequence at a time.
 
     q: [T, H, D]; kv_cache: one layer's [2, num_blocks, block_size, KVH, D]; block_tables:
     [B, max_blocks]; query_start_loc: [B + 1]; seq_lens: [B], context lengths including this
-    step's tokens (already written); sliding_window: None, or W >= 1 keys per query (see the
-    module docstring). Returns [T, H, D] in q's dtype.
+    step's tokens (already written); sliding_window: None, or W >= 1 keys per query; sinks:
+    None, or [H] fp32 sink logits (see the module docstring). Returns [T, H, D] in q's dtype.
     """
     _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens)
     check_sliding_window(sliding_window)
+    check_sinks(sinks, q)
     capacity = block_tables.shape[1] * kv_cache.shape[2]
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
@@ -83,7 +90,7 @@ def paged_attention_ref(
         first = 0 if sliding_window is None else max(0, context - q_len - sliding_window + 1)
         k, v = gather_kv(kv_cache, block_tables[b], context, first)  # [context - first, KVH, D]
         visible = _visible(q_len, context, first, sliding_window, q.device)
-        out[start:end] = _attend(q[start:end], k, v, visible, scale).to(q.dtype)
+        out[start:end] = _attend(q[start:end], k, v, visible, scale, sinks).to(q.dtype)
     return out
 
 
@@ -115,15 +122,37 @@ def _visible(
     return visible
 
 
+def check_sinks(sinks: torch.Tensor | None, q: torch.Tensor) -> None:
+    """None, or one fp32 sink logit per query head of q [T, H, D], on q's device."""
+    if sinks is None:
+        return
+    if sinks.shape != (q.shape[1],) or sinks.dtype != torch.float32 or sinks.device != q.device:
+        raise ValueError(
+            f"sinks must be fp32 [{q.shape[1]}] (one logit per query head) on {q.device}, got "
+            f"{sinks.dtype} {tuple(sinks.shape)} on {sinks.device}"
+        )
+
+
 def _attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: [Q, H, D]; k, v: [S, KVH, D], each kv head serving H / KVH query heads; visible:
-    [Q, S] (every row sees its own key, so no row is all -inf) -> [Q, H, D] fp32."""
+    [Q, S] (every row sees its own key, so no row is all -inf); sinks: None or [H] -> [Q, H, D]
+    fp32."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.float().repeat_interleave(group, dim=1) for t in (k, v))  # [S, H, D]
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # one more column per head, its probability dropped after
+        sink = sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 

@@ -27,7 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from taipan.kernels.attention_ref import SUPPORTED_HEAD_DIMS, check_sliding_window, head_dim_pad
+from taipan.kernels.attention_ref import (
+    SUPPORTED_HEAD_DIMS,
+    check_sinks,
+    check_sliding_window,
+    head_dim_pad,
+)
 from taipan.kernels.pdl import enter, launch_kwargs
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "default_num_splits", "paged_decode_attention"]
@@ -164,6 +169,7 @@ def _decode_merge_kernel(
     part_max_ptr,  # [B, H, num_splits] fp32
     part_sum_ptr,  # [B, H, num_splits] fp32
     part_acc_ptr,  # [B, H, num_splits, D] fp32
+    sinks_ptr,  # [H] fp32 sink logits (SINKS)
     out_ptr,  # [B, H, D]
     # strides
     stride_pm_b,
@@ -180,6 +186,7 @@ def _decode_merge_kernel(
     SPLITS_PAD: tl.constexpr,  # num_splits rounded up to a power of two >= 2
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
+    SINKS: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
     enter(PDL)
@@ -200,9 +207,14 @@ def _decode_merge_kernel(
     # max at -inf; measuring from 0 instead gives weights exp(-inf) = 0 and so a zero output,
     # never -inf - -inf = NaN.
     m_all = tl.max(m, axis=0)
+    if SINKS:  # the head's sink logit: one more term of the denominator, none of the sum
+        sink = tl.load(sinks_ptr + pid_h)
+        m_all = tl.maximum(m_all, sink)
     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
     w = tl.exp(m - m_all)  # [SPLITS_PAD]; 0 for empty chunks
     total = tl.sum(w * l, axis=0)
+    if SINKS:
+        total += tl.where(tl.sum(l, axis=0) > 0.0, tl.exp(sink - m_all), 0.0)
     o = tl.sum(w[:, None] * acc, axis=0)  # [D]
     o = o / tl.where(total > 0.0, total, 1.0)
     o_ptrs = out_ptr + pid_b * stride_o_b + pid_h * stride_o_h + dims
@@ -255,10 +267,12 @@ def paged_decode_attention(
     *,
     sliding_window: int | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's one query token over its first `seq_lens[b]` cached tokens,
-    or over the last `sliding_window` of them.
+    or over the last `sliding_window` of them; with `sinks` ([H] fp32 sink logits,
+    kernels/attention_ref.py), each head's sink joins the softmax's denominator (in the merge).
 
     q: [B, H, D]; kv_cache: [2, num_blocks, block_size, KVH, D] (contiguous, q's dtype, D in
     SUPPORTED_HEAD_DIMS); block_tables: [B, max_blocks] int32; seq_lens: [B] int32 (0 = inactive
@@ -273,6 +287,7 @@ def paged_decode_attention(
         q, kv_cache, block_tables, seq_lens
     )
     check_sliding_window(sliding_window)
+    check_sinks(sinks, q)
     dim_pad = head_dim_pad(head_dim)
     max_blocks = block_tables.shape[1]
     out = _check_out(out, q)
@@ -323,7 +338,7 @@ def paged_decode_attention(
     )  # fmt: skip
     splits_pad = max(2, triton.next_power_of_2(num_splits))  # >= 2: no 1-wide tiles
     _decode_merge_kernel[(batch, num_heads)](
-        part_max, part_sum, part_acc, out,
+        part_max, part_sum, part_acc, sinks if sinks is not None else part_max, out,
         part_max.stride(0), part_max.stride(1), part_max.stride(2),
         part_acc.stride(0), part_acc.stride(1), part_acc.stride(2),
         out.stride(0), out.stride(1),
@@ -331,6 +346,7 @@ def paged_decode_attention(
         SPLITS_PAD=splits_pad,
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=dim_pad,
+        SINKS=sinks is not None,
         # The [SPLITS_PAD, D_PAD] fp32 partials sit in registers: wide ones get more threads.
         num_warps=4 if splits_pad * dim_pad <= 8192 else 8,
         **launch_kwargs(q.device),

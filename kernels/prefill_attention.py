@@ -20,6 +20,9 @@ only the tiles at the diagonal and, with a window, at the window's left edge are
 Sliding window W: query p sees keys p - W < k <= p. The key loop starts at the window of the
 program's first query (each row masks its own), so keys before it are never loaded: the engine
 may free those blocks and hand them to another request (garbage, maybe NaN).
+
+Sinks (kernels/attention_ref.py): each row's running max and sum take its head's sink logit
+once, after the key loop, so the loop is unchanged.
 """
 
 from __future__ import annotations
@@ -30,7 +33,12 @@ import torch
 import triton
 import triton.language as tl
 
-from taipan.kernels.attention_ref import SUPPORTED_HEAD_DIMS, check_sliding_window, head_dim_pad
+from taipan.kernels.attention_ref import (
+    SUPPORTED_HEAD_DIMS,
+    check_sinks,
+    check_sliding_window,
+    head_dim_pad,
+)
 from taipan.kernels.pdl import enter, launch_kwargs
 
 __all__ = ["SUPPORTED_HEAD_DIMS", "paged_prefill_attention"]
@@ -127,6 +135,7 @@ def _prefill_attention_kernel(
     block_tables_ptr,
     query_start_loc_ptr,
     seq_lens_ptr,
+    sinks_ptr,  # [H] fp32 sink logits (SINKS)
     # strides
     stride_qt,
     stride_qh,
@@ -149,6 +158,7 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,  # BLOCK_Q * GROUP_PAD rows: row r = query r // GROUP_PAD, head r % ..
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SINKS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     PDL: tl.constexpr,  # kernels/pdl.py
 ):
@@ -223,6 +233,12 @@ def _prefill_attention_kernel(
             HEAD_DIM, HEAD_DIM_PAD, BLOCK_SIZE, BLOCK_N, True, WINDOWED, DOT_PRECISION,
         )  # fmt: skip
 
+    if SINKS:  # the head's sink logit joins the denominator only (base 2, as qk_scale's)
+        sink = tl.load(sinks_ptr + head, mask=row_ok, other=0.0) * 1.4426950408889634
+        m_sink = tl.maximum(m_i, sink)
+        alpha = tl.exp2(m_i - m_sink)
+        acc = acc * alpha[:, None]
+        l_i = l_i * alpha + tl.exp2(sink - m_sink)
     o = acc / l_i[:, None]
     o_off = token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :]
     tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=io_mask)
@@ -238,6 +254,7 @@ def paged_prefill_attention(
     *,
     max_query_len: int,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each new query token over its sequence's paged KV (cached prefix
@@ -249,10 +266,12 @@ def paged_prefill_attention(
     b sits at position `p = seq_lens[b] - q_len_b + i`. max_query_len: a host bound on every
     q_len_b (queries past it are silently not computed). sliding_window: None, or W >= 1 (a host
     int): query p sees keys p - W < k <= p only, and no key before its sequence's first query's
-    window is read. Returns out: [T, H, D] in q's dtype (`out` if given).
+    window is read. sinks: None, or [H] fp32 sink logits (kernels/attention_ref.py). Returns
+    out: [T, H, D] in q's dtype (`out` if given).
     """
     _check_inputs(q, kv_cache, block_tables, query_start_loc, seq_lens, max_query_len, out)
     check_sliding_window(sliding_window)
+    check_sinks(sinks, q)
     out = torch.empty_like(q) if out is None else out
     num_seqs = seq_lens.shape[0]
     _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
@@ -266,6 +285,7 @@ def paged_prefill_attention(
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads)
     _prefill_attention_kernel[grid](
         q, kv_cache[0], kv_cache[1], out, block_tables, query_start_loc, seq_lens,
+        sinks if sinks is not None else seq_lens,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         scale * math.log2(math.e),
@@ -273,6 +293,7 @@ def paged_prefill_attention(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=dim_pad,
         BLOCK_SIZE=block_size, BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n,
         WINDOWED=sliding_window is not None,
+        SINKS=sinks is not None,
         # fp32 storage (tests, debugging) means fp32 products, not TF32's 10-bit mantissa.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=num_warps, num_stages=num_stages,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from taipan.kernels.attention_ref import check_sliding_window
+from taipan.kernels.attention_ref import check_sinks, check_sliding_window
 from taipan.kernels.decode_attention import paged_decode_attention
 from taipan.kernels.prefill_attention import paged_prefill_attention
 
@@ -198,6 +198,7 @@ def paged_attention(
     attn: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal GQA attention of each query token over its sequence's paged KV (this step's keys
     must already be written). Needs the layout (`AttentionMetadata.with_layout`).
@@ -207,11 +208,13 @@ def paged_attention(
     keys p - W < k <= p (Hugging Face's sliding-window mask). With W, no path reads a key
     before the window of its sequence's first query this step, so the engine may free blocks
     wholly before it. On CUDA, head_dim must be one of kernels/attention_ref.SUPPORTED_HEAD_DIMS
-    (32, 64, 80, 96, 128, 192, 256); the CPU path takes any.
+    (32, 64, 80, 96, 128, 192, 256); the CPU path takes any. sinks: None, or [heads] fp32
+    learned sink logits (gpt-oss's; kernels/attention_ref.py says what they do).
     """
     check_sliding_window(sliding_window)
+    check_sinks(sinks, q)
     if q.is_cuda:
-        return _attend_kernels(q, layer_cache, attn, scale, sliding_window)
+        return _attend_kernels(q, layer_cache, attn, scale, sliding_window, sinks)
     if attn.batches is None:
         raise ValueError(
             "paged_attention needs the step's layout: build the metadata with "
@@ -219,7 +222,7 @@ def paged_attention(
         )
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     for rows in attn.batches:
-        _attend_rows(q, out, layer_cache, rows, scale, sliding_window)
+        _attend_rows(q, out, layer_cache, rows, scale, sliding_window, sinks)
     return out
 
 
@@ -229,6 +232,7 @@ def _attend_kernels(
     attn: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """The decode rows (a prefix of the step, one token each) through the split-K decode
     kernel, every other row through the varlen prefill kernel, into one output."""
@@ -242,6 +246,7 @@ def _attend_kernels(
             attn.seq_lens[:d],
             scale,
             sliding_window=sliding_window,
+            sinks=sinks,
             out=out[:d],
         )
     if d < attn.seq_lens.shape[0]:
@@ -255,6 +260,7 @@ def _attend_kernels(
             scale,
             max_query_len=attn.max_query_len,
             sliding_window=sliding_window,
+            sinks=sinks,
             out=out,
         )
     return out
@@ -267,15 +273,31 @@ def _attend_rows(
     rows: RowBatch,
     scale: float,
     sliding_window: int | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """One padded batch of rows through fused SDPA; writes their tokens' rows of `out`."""
     num_rows, qmax = rows.tokens.shape
     slots, mask = rows.keys(sliding_window)
     k, v = _gather_slots(layer_cache, slots)  # [R, kv_heads, S, D]
+    if sinks is not None:
+        k, v, mask = _with_sink_key(k, v, mask, sinks)
+        mask = mask.to(q.dtype)  # (SDPA takes a float mask in the query's dtype)
     qr = q[rows.tokens].transpose(1, 2)  # [R, heads, Qmax, D]
     o = _sdpa(qr, k.to(q.dtype), v.to(q.dtype), mask, scale)  # [R, heads, Qmax, D]
     o = o.transpose(1, 2).reshape(num_rows * qmax, *q.shape[1:])  # [R * Qmax, heads, D]
     out[rows.valid_tokens] = o[rows.valid_index].to(out.dtype)
+
+
+def _with_sink_key(k, v, mask, sinks: torch.Tensor):
+    """Sinks for SDPA: one more key of zeros (score 0, value 0) whose additive mask is the
+    head's sink logit, so it joins the softmax's denominator and adds nothing to the output.
+    k, v: [R, kv_heads, S, D]; mask [R, 1, Q, S] bool -> k, v [R, kv_heads, S + 1, D] and a
+    float mask [R, heads, Q, S + 1]."""
+    zero = k.new_zeros((*k.shape[:2], 1, k.shape[-1]))
+    bias = torch.zeros(mask.shape, device=mask.device).masked_fill(~mask, float("-inf"))
+    bias = bias.expand(-1, sinks.shape[0], -1, -1)  # [R, heads, Q, S]
+    sink = sinks.float()[None, :, None, None].expand(*bias.shape[:3], 1)
+    return torch.cat([k, zero], dim=2), torch.cat([v, zero], dim=2), torch.cat([bias, sink], -1)
 
 
 def _gather_slots(layer_cache: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, ...]:
