@@ -15,7 +15,12 @@
 #   gemv (one GPU): after the new GEMV blocks (kernels/gemv.py `_blocks`): the GEMV, fused
 #     decode, PDL and dense end-to-end GPU tests, then issue 27's batch-1 decode rows (Gemma 3
 #     12B twice, Qwen2.5-7B) and the 1B shape's (issue 24).
-PART=${1:?part one, four, blocks or gemv}
+#   final (one GPU): the attention-sink kernels' GPU test (tests/test_kernels_attention_sinks.py:
+#     bf16 and fp32, head dims 64, 80, 128, 256, windows), then where the host goes at batch 64
+#     on the 1B shape (issue 24's GPU idle share, 12-27 % there): py-spy over every process of
+#     `taipan bench --workload decode --batches 64` (graphs), summarized on the device
+#     (tests/perf/spy_summary.py: the engine process, whose threads hold the gpu actor, and all).
+PART=${1:?part one, four, blocks, gemv or final}
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
 if [ "$PART" = one ]; then
@@ -59,4 +64,18 @@ if [ "$PART" = gemv ]; then
             --results "$OUT/decode_$shape.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-150 \
             | sed "s/^/$shape /"
     done
+fi
+if [ "$PART" = final ]; then
+    timeout -s ABRT 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
+        tests/test_kernels_attention_sinks.py 2>&1 | tail -2
+    timeout -s INT 200 /tmp/site/bin/py-spy record --idle --threads --subprocesses --format raw \
+        -r 200 -o /tmp/spy_b64.txt -- python3 -m taipan.cli bench --workload decode \
+        --model random:llama-1b --device cuda --dtype bfloat16 --batches 64 --output-len 2400 \
+        --no-hf --ours-modes graphs --results "$OUT/spy_b64.jsonl" 2>&1 \
+        | grep -E "^decode|rror|Samples" | cut -c1-200
+    python3 tests/perf/spy_summary.py /tmp/spy_b64.txt "taipan.procs engine" 30 \
+        > "$OUT/spy_engine.txt"
+    python3 tests/perf/spy_summary.py /tmp/spy_b64.txt "" 30 > "$OUT/spy_all.txt"
+    gzip -c /tmp/spy_b64.txt > "$OUT/spy_b64.txt.gz"
+    head -c 4000 "$OUT/spy_engine.txt"; [ -s "$OUT/spy_engine.txt" ] || head -c 4000 "$OUT/spy_all.txt"
 fi
