@@ -17,7 +17,10 @@ happens at the end of the step that computed the positions, in two parts:
    KV block (positions below ceil(seq_len / block_size) * block_size: a partial last block
    belongs to its request alone), so a row near a block's end gets fewer drafts.
 
-Eager torch on the model's own layers (no CUDA graph yet). Must not touch: the model's layers'
+`mtp_drafts` is the reference: eager, over the drafting rows only, reading row facts on the
+host. `mtp_drafts_static` computes the same drafts from device tensors of fixed shapes (every
+row of a padded step, the rows that do not draft masked), never waiting for the device, so the
+gpu worker records it in a CUDA graph (actors/gpu/mtp.py). Must not touch: the model's layers'
 KV (the head's layer has its own cache layer), the recurrent state, the step's buffers.
 """
 
@@ -28,7 +31,7 @@ import torch
 
 from taipan.ops.attention import AttentionMetadata, build_attention_metadata
 
-__all__ = ["mtp_drafts"]
+__all__ = ["mtp_drafts", "mtp_drafts_static"]
 
 
 @torch.no_grad()
@@ -126,3 +129,65 @@ class _Drafts:
         for rows, j, values in self.kept:
             logits[torch.as_tensor(rows).to(device), j] = values
         return self.drafts, logits
+
+
+@torch.no_grad()
+def mtp_drafts_static(
+    model,
+    kv_cache: torch.Tensor,
+    attn: AttentionMetadata,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    hidden: torch.Tensor,
+    last: torch.Tensor,
+    after: torch.Tensor,
+    drafting: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+    k: int,
+) -> torch.Tensor:
+    """`mtp_drafts` over device tensors of fixed shapes: drafts int64 [B, k] (-1 past a row's
+    last draft and for rows not drafting). The step's T tokens (`input_ids`, `positions`,
+    `hidden`, `attn`, padding included: a padding token's slot is -1) and its B rows:
+    `last` [B] the index of each row's last valid position (-1: a padding row), `after` [B]
+    the token after it, `drafting` [B] bool, `seq_lens` [B] and `block_tables` [B, max_blocks]
+    the step's. Every pass runs all B rows; a row that does not draft (or has no room left in
+    its last block) is a one-key row that writes no slot, and its outputs are dropped."""
+    num_tokens, batch = input_ids.shape[0], last.shape[0]
+    valid = last >= 0
+    at = last.clamp(min=0)
+    # The token after each position: the next one of the step, or at a row's last valid
+    # position `after` (padding rows write theirs into one spare element past the end).
+    next_ids = torch.cat([torch.roll(input_ids.long(), -1), input_ids.new_zeros(1).long()])
+    spare = torch.full_like(at, num_tokens)
+    next_ids.index_put_((torch.where(valid, at, spare),), after.long())
+    out = model.mtp_forward(next_ids[:num_tokens], positions, hidden, attn, kv_cache)
+    state = out[at]  # [B, H]
+    token = model.compute_logits(state).argmax(-1)
+    drafting = drafting & valid
+    drafts = torch.full((batch, k), -1, dtype=torch.int64, device=hidden.device)
+    drafts[:, 0] = torch.where(drafting, token, -1)
+    position = positions[at].long()
+    room = (seq_lens.long() + block_size - 1) // block_size * block_size
+    query_start = torch.arange(batch + 1, dtype=torch.int32, device=hidden.device)
+    rows = torch.arange(batch, device=hidden.device)
+    for j in range(1, k):
+        p = position + j
+        live = drafting & (p < room)
+        column = (p // block_size).clamp(max=block_tables.shape[1] - 1)
+        block = block_tables[rows, column].long()
+        meta = AttentionMetadata(
+            query_start_loc=query_start,
+            seq_lens=torch.where(live, p + 1, 1).int(),
+            block_tables=block_tables,
+            slot_mapping=torch.where(live, block * block_size + p % block_size, -1),
+            num_decodes=batch,
+            max_query_len=1,
+        )
+        if not hidden.is_cuda:  # (the CPU's attention wants its layout)
+            meta.with_layout(np.arange(batch + 1), meta.seq_lens.numpy(), block_size)
+        state = model.mtp_forward(token, p, state, meta, kv_cache)
+        token = model.compute_logits(state).argmax(-1)
+        drafts[:, j] = torch.where(live, token, -1)
+    return drafts

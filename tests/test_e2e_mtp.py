@@ -129,8 +129,8 @@ def test_a_checkpoint_without_a_head_fails_at_start_with_the_reason(tmp_path):
 @pytest.mark.gpu
 def test_gpu_mtp_drafts_with_mixed_graphs_keep_hugging_faces_tokens(tmp_path_factory):
     """On CUDA, fp32: every step replays a mixed graph that keeps its hidden states (an MTP
-    config captures no decode-only graph) or runs eagerly, the head's pass and chain run
-    eagerly after it (Triton attention over the head's cache layer); Hugging Face's tokens."""
+    config captures no decode-only graph) and then its bucket's graph of the head's passes,
+    or runs both eagerly (a hybrid's verify step); Hugging Face's tokens."""
     path, c, want = _model(tmp_path_factory, GPU_SHAPE, mtp_head=True)
     cfg = config(c, 8, max_tokens=64, num_speculative_tokens=K, speculative_method="mtp")
     got, _, stats = run(path, cfg, device="cuda")

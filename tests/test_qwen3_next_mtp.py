@@ -26,7 +26,7 @@ from taipan.ops.attention import build_attention_metadata
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import MambaMetadata
 from taipan.ops.moe import moe_blocks
-from taipan.ops.mtp import mtp_drafts
+from taipan.ops.mtp import mtp_drafts, mtp_drafts_static
 from taipan.ops.weight_updates import state_updates
 from tests.random_qwen3_next import (
     CONFIGS,
@@ -372,6 +372,46 @@ def test_two_rows_in_one_step_draft_each_its_own(with_head):
         )  # fmt: skip
 
 
+def test_the_static_drafts_equal_the_references(with_head):
+    """`mtp_drafts_static` (what the worker runs and records in a CUDA graph: every row of the
+    step, device tensors only) against `mtp_drafts` over one step of three prompts (one not
+    drafting, one near its block's end): the same drafts, and the same keys and values in the
+    head's cache layer (those the drafts wrote, and nothing else). Fails if a row that does
+    not draft, or a pass past a row's room, wrote the head's KV."""
+    _, _, _, (model, config, _) = with_head
+    prompts = {0: _prompt(23, seed=31), 1: _prompt(30, seed=32), 2: _prompt(9, seed=33)}
+    runner = HybridRunner(model, config, num_blocks=24, num_slots=4, seed=10)
+    for seq in prompts:
+        runner.add(seq, 48, slot=seq)
+    lens = [len(prompts[s]) for s in (0, 1, 2)]
+    tables = [runner.tables[s] for s in (0, 1, 2)]
+    attn, positions = build_attention_metadata(lens, lens, tables, BLOCK_SIZE)
+    mamba = MambaMetadata(
+        runner.conv, runner.ssm, torch.tensor([-1, -1, -1], dtype=torch.int32),
+        torch.tensor([0, 1, 2], dtype=torch.int32), attn.query_start_loc, attn.num_decodes,
+    )  # fmt: skip
+    flat = torch.tensor([t for s in (0, 1, 2) for t in prompts[s]])
+    with torch.no_grad():
+        hidden = model(flat, positions, attn, runner.cache, mamba)
+    ends, after, drafting = np.cumsum(lens) - 1, np.array([4, 8, 15]), np.array([1, 1, 0], bool)
+    before = runner.cache.clone()
+    want = mtp_drafts(
+        model, runner.cache, attn, tables, BLOCK_SIZE, flat, positions, hidden, ends, after,
+        drafting, K,
+    )  # fmt: skip
+    want_cache = runner.cache.clone()
+    runner.cache.copy_(before)
+    got = mtp_drafts_static(
+        model, runner.cache, attn, flat, positions, hidden, torch.as_tensor(ends),
+        torch.as_tensor(after), torch.as_tensor(drafting), attn.seq_lens, attn.block_tables,
+        BLOCK_SIZE, K,
+    )  # fmt: skip
+    assert got.tolist() == want.tolist()
+    assert want[1, 2] >= 0 and want[1, 3] == -1  # (30 tokens in blocks of 16: 2 passes left)
+    assert torch.allclose(runner.cache, want_cache, atol=1e-5, equal_nan=True)
+    assert not torch.equal(runner.cache, before)
+
+
 # ---- tensor parallel (T = 2, gloo) -------------------------------------------------------------
 
 
@@ -434,8 +474,34 @@ def test_the_worker_drafts_after_chunks_and_verify_rows(with_head, mtp_worker):
     prompt token: mtp_next) with a second sequence beside it asking no drafts, then a verify
     row of the drafts the first step returned: every StepResult.next_drafts row equals the
     reference's drafts over the true sequence."""
+    check_worker_drafts(with_head, mtp_worker, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_worker_drafts_from_the_heads_graphs(with_head):
+    """The same steps on CUDA (fp32) with mixed CUDA graphs: the two prompt steps replay their
+    bucket's graph and then the head's graph of that bucket (actors/gpu/mtp.py: nothing
+    waits on the host); the hybrid's verify step runs eagerly. Drafts equal the reference's,
+    the head's KV the one-pass computation's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from taipan.actors.gpu.worker import ModelWorker
+    from taipan.messages.gpu import LoadModel
+
+    w = ModelWorker()
+    load = LoadModel(with_head[0], "float32", "cuda", BLOCK_SIZE, 32, 0.05, 64, 4, 256)
+    w.load(
+        dataclasses.replace(
+            load, speculative=True, num_speculative_tokens=K, mtp=True,
+            cuda_graph_mixed_sizes=(16, 32, 64),
+        )
+    )  # fmt: skip
+    check_worker_drafts(with_head, w, atol=1e-4)
+    assert w.mtp.replays == 2 and w.graphs.captured
+
+
+def check_worker_drafts(with_head, w, atol: float) -> None:
     _, own, hf, _ = with_head
-    w = mtp_worker
     ids, other = _prompt(37, seed=31), _prompt(12, seed=32)
     blocks, other_blocks = [3, 9, 4], [7]
     first = _mtp_plan(1, [Seq(ids[:20], 0, blocks, sample=False), Seq(other, 0, other_blocks)],
@@ -455,8 +521,8 @@ def test_the_worker_drafts_after_chunks_and_verify_rows(with_head, mtp_worker):
     hidden = model_step(runner, 0, ids)
     mtp_step(runner, 0, 0, ids[1:] + [sampled], hidden)
     layer = config.num_kv_layers - 1  # (the head's cache layer)
-    got, ref = (_positions(c[layer], blocks, len(ids)) for c in (w.kv_cache, runner.cache))
-    assert torch.allclose(got, ref, atol=1e-5), (got - ref).abs().max()
+    got, ref = (_positions(c[layer].cpu(), blocks, len(ids)) for c in (w.kv_cache, runner.cache))
+    assert torch.allclose(got, ref, atol=atol), (got - ref).abs().max()
     # A verify row of those drafts: its accepted ones and the token drawn, then new drafts.
     row = [sampled, *want[:3]]
     third = _mtp_plan(3, [Seq(row, 37, blocks)], [-1], [1], drafts=[3])

@@ -26,6 +26,7 @@ import torch
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.draft import DraftModel
 from taipan.actors.gpu.graphs import Bucket, StepGraphs
+from taipan.actors.gpu.mtp import MTPDrafter
 from taipan.actors.gpu.speculative import draft_rows
 from taipan.messages.gpu import StepPlan, StepResult
 from taipan.ops.expert_parallel import EPGroup, exchange_only
@@ -64,6 +65,7 @@ class WorkerForward:
     _routing: torch.Tensor | None
     draft: DraftModel | None  # speculative_method "draft_model" (actors/gpu/draft.py)
     mtp_k: int  # speculative_method "mtp": its drafts per row (0: no MTP head)
+    mtp: MTPDrafter | None  # and its drafter (actors/gpu/mtp.py)
 
     # ---- which graph runs ----------------------------------------------------------------------
 
@@ -307,12 +309,52 @@ class WorkerForward:
             for name, f in self.buffers.fields.items()
         }
         self.buffers.load(empty, num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+        if self.mtp is not None:  # (and no row of the head's passes)
+            self.mtp.load(None, None, None, bucket.seqs)
+
+    # ---- an MTP head's drafts ------------------------------------------------------------------
+
+    def _mtp_drafts(self, plan, bucket, inputs, hidden, tokens, spec) -> torch.Tensor | None:
+        """The head's passes over this step (actors/gpu/mtp.py), queued without waiting: the
+        bucket's second graph after its first, or eagerly over the forward's hidden states.
+        The drafts' host copy [B, k] when a row asked for them (StepPlan.mtp_draft), else None
+        (the passes still write the head's KV at the step's positions)."""
+        num_seqs = len(plan.seq_lens)
+        self.mtp.load(plan, tokens, spec, bucket.seqs if bucket is not None else num_seqs)
+        if bucket is not None:
+            self.graphs.replay_then(bucket)
+            self.mtp.replays += 1
+        else:
+            attn = AttentionMetadata(
+                query_start_loc=inputs["query_start_loc"],
+                seq_lens=inputs["seq_lens"],
+                block_tables=inputs["block_tables"],
+                slot_mapping=inputs["slot_mapping"],
+            ).with_layout(plan.query_start_loc, plan.seq_lens, self.block_size)
+            self.mtp.body(num_seqs, attn, inputs, hidden, self.model_kv())
+        return self.mtp.result(num_seqs) if plan.mtp_draft.any() else None
+
+    def _mtp_body(self, bucket: Bucket) -> None:
+        """What a mixed bucket's second graph records: the head's passes over the step buffers
+        and the hidden states the bucket's first graph kept."""
+        inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
+        attn = AttentionMetadata(
+            query_start_loc=inputs["query_start_loc"],
+            seq_lens=inputs["seq_lens"],
+            block_tables=inputs["block_tables"],
+            slot_mapping=inputs["slot_mapping"],
+            num_decodes=0,
+            max_query_len=bucket.tokens,
+        )
+        hidden = self._graph_hidden[: bucket.tokens]
+        self.mtp.body(bucket.seqs, attn, inputs, hidden, self.model_kv())
 
     @torch.inference_mode()
     def _capture(self) -> None:
         start = time.perf_counter()
+        then = self._mtp_body if self.mtp is not None else None  # (the head's passes)
         with self._recording(True):
-            self.graphs.capture(self._graph_body, self._neutral_step)
+            self.graphs.capture(self._graph_body, self._neutral_step, then)
         if self.draft is not None and self.draft.graphs is not None:  # (draft_graphs.py)
             self.draft.graphs.capture(self._sampled)
         self.graph_capture_seconds = time.perf_counter() - start

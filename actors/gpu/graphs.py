@@ -16,6 +16,10 @@ A step takes the smallest bucket that holds it (decode-only first when every row
 and runs eagerly when none does, or when it wants prompt log-probs (they read every token's
 hidden state, which the graphs do not keep).
 
+A second graph per mixed bucket (`then`, an MTP head's passes: actors/gpu/mtp.py) records what
+runs after the step's sampling over the same buffers; it is captured right after its bucket's
+graph, into the same pool, and replayed with `replay_then`.
+
 The graphs read the KV cache and the weights at their addresses: a KV cache that moves
 (resume after offload or recompute) needs a new capture (`capture` again); weights updated in
 place keep them valid. Must not touch: sockets, messages, scheduling.
@@ -41,6 +45,7 @@ class StepGraphs:
         self.decode = [Bucket(n, n, True) for n in sorted(decode_sizes)]
         self.mixed = [Bucket(n, min(max_requests, n), False) for n in sorted(mixed_sizes)]
         self._graphs: dict[Bucket, torch.cuda.CUDAGraph] = {}
+        self._then: dict[Bucket, torch.cuda.CUDAGraph] = {}  # (mixed buckets, with `then`)
         self._pool = None
 
     @property
@@ -63,33 +68,50 @@ class StepGraphs:
                 return b
         return None
 
-    def capture(self, body: Callable[[Bucket], None], reset: Callable[[Bucket], None]) -> None:
+    def capture(
+        self,
+        body: Callable[[Bucket], None],
+        reset: Callable[[Bucket], None],
+        then: Callable[[Bucket], None] | None = None,
+    ) -> None:
         """Capture `body(bucket)` for every bucket, largest first, into one memory pool (a
         smaller graph reuses the larger one's activations: steps run one at a time). `reset`
         fills the step buffers with a neutral step of that size first (nothing attended,
         nothing written). Each body runs twice eagerly before its capture (Triton compiles,
-        cuBLAS picks its kernels), on a side stream as capture wants."""
+        cuBLAS picks its kernels), on a side stream as capture wants. `then`: a second graph
+        of every mixed bucket, captured after its first the same way (it may read what the
+        first wrote outside the pool, never the first's activations)."""
         self.release()
         self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream()
         order = sorted(self.buckets, key=lambda b: (b.tokens, b.seqs, b.decode), reverse=True)
         for bucket in order:
             reset(bucket)
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                body(bucket)
-                body(bucket)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                body(bucket)
-            self._graphs[bucket] = graph
+            self._graphs[bucket] = self._record(body, bucket)
+            if then is not None and not bucket.decode:
+                self._then[bucket] = self._record(then, bucket)
         torch.cuda.synchronize()
+
+    def _record(self, body: Callable[[Bucket], None], bucket: Bucket) -> torch.cuda.CUDAGraph:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            body(bucket)
+            body(bucket)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            body(bucket)
+        return graph
 
     def replay(self, bucket: Bucket) -> None:
         self._graphs[bucket].replay()
 
+    def replay_then(self, bucket: Bucket) -> None:
+        """The second graph of a mixed bucket (`capture`'s `then`)."""
+        self._then[bucket].replay()
+
     def release(self) -> None:
         """Drop every graph and its memory pool (suspend frees them; resume captures again)."""
         self._graphs.clear()
+        self._then.clear()
         self._pool = None

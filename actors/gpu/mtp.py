@@ -1,11 +1,19 @@
 """An MTP head's drafts in the gpu worker (speculative_method "mtp", LoadModel.mtp):
-`step_drafts`, StepResult.next_drafts of one step, after its sampling and verification.
+`MTPDrafter`, StepResult.next_drafts of one step, after its sampling and verification.
 
-Owns the translation of a StepPlan and the step's outcome into ops/mtp.py `mtp_drafts`: each
-row's last valid position (its last token, or a verify row's last accepted one) and the token
-after it (the token sampled there, the verify row's token drawn after its accepted drafts, or
-a prompt chunk's next prompt token, StepPlan.mtp_next). Must not touch the worker's buffers or
-the sampled-token buffer; writes only the head's KV layer (through the model).
+Owns the translation of a StepPlan and the step's outcome into ops/mtp.py
+`mtp_drafts_static`'s row inputs: each row's last valid position (its last token, or a verify
+row's last accepted one) and the token after it (the token sampled there, read on the device
+from the step's sampled tokens; the verify row's token drawn after its accepted drafts; or a
+prompt chunk's next prompt token, StepPlan.mtp_next), and whether it drafts. They live in
+static device buffers (one int64 block [FIELDS, max_requests] filled from pinned memory without
+waiting, and the step's sampled tokens copied on the device), so the head's passes over a
+graphed step are recorded once per mixed bucket and replayed after the step's own graph
+(actors/gpu/graphs.py, `then`), and the host never waits for them: the drafts' copy to the
+host is queued before the step's end event, and `collect` reads them.
+
+Must not touch the worker's step buffers or its sampled-token buffer; writes only the head's KV
+layer (through the model) and its own buffers.
 """
 
 from __future__ import annotations
@@ -16,58 +24,120 @@ import torch
 from taipan.actors.gpu.speculative import draft_rows
 from taipan.messages.gpu import StepPlan
 from taipan.ops.attention import AttentionMetadata
-from taipan.ops.mtp import mtp_drafts
+from taipan.ops.mtp import mtp_drafts_static
 
-__all__ = ["step_drafts"]
+__all__ = ["MTPDrafter"]
+
+# Rows of the static per-row block (int64): the row's last valid position (-1: padding), the
+# token after it where the host knows it, 1 where it is the step's sampled token instead, and
+# 1 where the row drafts.
+LAST, AFTER, SAMPLED, DRAFTING = range(4)
+FIELDS = DRAFTING + 1
+STAGING = 4  # pinned staging buffers in the ring (one load a step)
 
 
-def step_drafts(
-    model,
-    kv_cache: torch.Tensor,
-    block_size: int,
-    plan: StepPlan,
-    hidden: torch.Tensor | None,
-    tokens: torch.Tensor,
-    spec: np.ndarray | None,
-    k: int,
-) -> np.ndarray:
-    """int32 [B, k] drafts of the rows the plan asks for (StepPlan.mtp_draft; empty [0, 0]
-    when none asks). `hidden` [>= T, H]: the forward's (eager, or a mixed graph's kept
-    states); `tokens` [B]: the step's sampled tokens; `spec`: StepResult.spec_tokens of a step
-    that verified drafts (else None). Waits for the step's tokens."""
-    if hidden is None:
-        raise ValueError("an MTP step needs the forward's hidden states (a mixed graph or eager)")
-    qsl = plan.query_start_loc.astype(np.int64)
-    last, after = qsl[1:] - 1, plan.mtp_next.astype(np.int64)
-    sampled = np.flatnonzero(plan.sample)
-    after[sampled] = tokens.cpu().numpy()[sampled]
-    if spec is not None:  # a verify row: its last accepted draft, then the token drawn
-        for row in draft_rows(plan).tolist():
-            new = spec[row][spec[row] >= 0]
-            last[row], after[row] = qsl[row] + len(new) - 1, new[-1]
-    device = hidden.device
-    attn = AttentionMetadata(
-        query_start_loc=torch.tensor(plan.query_start_loc, device=device),
-        seq_lens=torch.tensor(plan.seq_lens, device=device),
-        block_tables=torch.tensor(plan.block_tables, device=device),
-        slot_mapping=torch.tensor(plan.slot_mapping, device=device),
-    ).with_layout(plan.query_start_loc, plan.seq_lens, block_size)
-    tables = [
-        row[: -(-int(n) // block_size)].tolist()
-        for row, n in zip(plan.block_tables, plan.seq_lens, strict=True)
-    ]
-    drafts = mtp_drafts(
-        model,
+class MTPDrafter:
+    def __init__(
+        self, model, k: int, block_size: int, max_seqs: int, device, host_buffers: int
+    ) -> None:
+        """`host_buffers`: the drafts' pinned host copies, one per launched, uncollected step
+        (the worker's HOST_TOKEN_BUFFERS)."""
+        self.model, self.k, self.block_size = model, k, block_size
+        self.device = torch.device(device)
+        self._rows = torch.zeros(FIELDS * max_seqs, dtype=torch.int64, device=self.device)
+        self.tokens = torch.zeros(max_seqs, dtype=torch.int64, device=self.device)
+        self.out = torch.full((max_seqs, k), -1, dtype=torch.int64, device=self.device)
+        pinned = self.device.type == "cuda"
+        ring = STAGING if pinned else 1
+        self._staging = [
+            torch.zeros(FIELDS * max_seqs, dtype=torch.int64, pin_memory=pinned)
+            for _ in range(ring)
+        ]
+        self._host_out = [
+            torch.zeros(max_seqs, k, dtype=torch.int64, pin_memory=pinned)
+            for _ in range(host_buffers if pinned else 1)
+        ]
+        self._results = 0
+        self._copied: list[torch.cuda.Event | None] = [None] * ring
+        self._next = 0
+        self.replays = 0  # steps whose passes replayed a graph (the worker counts them)
+
+    def fields(self, n: int) -> torch.Tensor:
+        """The device block of `n` rows: [FIELDS, n] int64 (LAST, AFTER, SAMPLED, DRAFTING)."""
+        return self._rows[: FIELDS * n].view(FIELDS, n)
+
+    def load(
+        self, plan: StepPlan | None, tokens: torch.Tensor | None, spec: np.ndarray | None, n: int
+    ) -> None:
+        """Fill the buffers for a step of `plan`'s rows padded to `n`: `tokens` [B] its sampled
+        tokens (device; None: a neutral step of no rows), `spec` StepResult.spec_tokens of a
+        step that verified drafts (else None). Queued without waiting (the staging buffer's
+        last copy is waited for only when the ring comes round to it)."""
+        rows = np.zeros((FIELDS, n), dtype=np.int64)
+        rows[LAST] = -1
+        count = 0 if tokens is None else len(plan.seq_lens)
+        if count:
+            qsl = plan.query_start_loc.astype(np.int64)
+            rows[LAST, :count] = qsl[1:] - 1
+            rows[AFTER, :count] = np.maximum(plan.mtp_next, 0)
+            rows[SAMPLED, :count] = plan.sample != 0
+            rows[DRAFTING, :count] = (plan.mtp_draft != 0) & (plan.sample != 0)
+            if spec is not None:  # a verify row: its last accepted draft, then the token drawn
+                for row in draft_rows(plan).tolist():
+                    new = spec[row][spec[row] >= 0]
+                    rows[LAST, row], rows[AFTER, row] = qsl[row] + len(new) - 1, new[-1]
+                    rows[SAMPLED, row] = 0
+        k = self._next
+        self._next = (k + 1) % len(self._staging)
+        copied = self._copied[k]
+        if copied is not None and not copied.query():
+            copied.synchronize()  # (the copy that last read this staging buffer)
+        host = self._staging[k]
+        host.numpy()[: FIELDS * n] = rows.reshape(-1)
+        cuda = self.device.type == "cuda"
+        self._rows[: FIELDS * n].copy_(host[: FIELDS * n], non_blocking=cuda)
+        if count:
+            self.tokens[:count].copy_(tokens)
+        if cuda:
+            if self._copied[k] is None:
+                self._copied[k] = torch.cuda.Event()
+            self._copied[k].record()
+
+    def body(
+        self,
+        n: int,
+        attn: AttentionMetadata,
+        inputs: dict[str, torch.Tensor],
+        hidden: torch.Tensor,
         kv_cache,
-        attn,
-        tables,
-        block_size,
-        torch.tensor(plan.input_ids, device=device),
-        torch.tensor(plan.positions, dtype=torch.int64, device=device),
-        hidden[: len(plan.input_ids)],
-        last,
-        after,
-        plan.mtp_draft.astype(bool) & (plan.sample != 0),
-        k,
-    )
-    return drafts.astype(np.int32) if plan.mtp_draft.any() else np.zeros((0, 0), np.int32)
+    ) -> None:
+        """The head's passes over a step of `n` rows (what a graph records, or run eagerly):
+        `attn` the step's attention metadata, `inputs` its buffers (input_ids, positions,
+        seq_lens, block_tables), `hidden` [T, H] the forward's output; the drafts go to `out`."""
+        f = self.fields(n)
+        after = torch.where(f[SAMPLED] != 0, self.tokens[:n], f[AFTER])
+        drafts = mtp_drafts_static(
+            self.model,
+            kv_cache,
+            attn,
+            inputs["input_ids"],
+            inputs["positions"],
+            hidden,
+            f[LAST],
+            after,
+            f[DRAFTING] != 0,
+            inputs["seq_lens"][:n],
+            inputs["block_tables"][:n],
+            self.block_size,
+            self.k,
+        )
+        self.out[:n].copy_(drafts)
+
+    def result(self, num_seqs: int) -> torch.Tensor:
+        """The last step's drafts [num_seqs, k] on the host: a pinned copy queued without
+        waiting on CUDA (read it after the step's end event), a copy on the CPU."""
+        if self.device.type != "cuda":
+            return self.out[:num_seqs].clone()
+        self._results += 1
+        host = self._host_out[self._results % len(self._host_out)][:num_seqs]
+        return host.copy_(self.out[:num_seqs], non_blocking=True)

@@ -32,7 +32,7 @@ from taipan.actors.gpu.grammar_masks import Check, GrammarMasks, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
 from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
-from taipan.actors.gpu.mtp import step_drafts
+from taipan.actors.gpu.mtp import MTPDrafter
 from taipan.actors.gpu.plan_checks import (
     check_local_kv,
     check_logprobs_mode,
@@ -83,7 +83,7 @@ class Launched:
     spec: np.ndarray | None = None  # StepResult.spec_tokens, when the plan verifies drafts
     spec_log_probs: dict = dataclasses.field(default_factory=dict)  # StepResult's spec_*_probs
     check: Check | None = None  # greedy grammar rows to check before the tokens are read
-    next_drafts: np.ndarray | None = None  # StepResult.next_drafts (an MTP head's)
+    next_drafts: torch.Tensor | None = None  # StepResult.next_drafts (an MTP head's), host
 
 
 def check_device(device: torch.device) -> None:
@@ -198,8 +198,10 @@ class ModelWorker(WorkerForward, WorkerControls):
         # speculative_method "draft_model": the draft and its KV cache (actors/gpu/draft.py).
         self.draft: DraftModel | None = None
         self._draft_graphable = False  # its forwards may be graphed (not a sharded self-draft)
-        # speculative_method "mtp": the drafts per row of the checkpoint's MTP head (0: none).
+        # speculative_method "mtp": the drafts per row of the checkpoint's MTP head (0: none),
+        # and its drafter's buffers (actors/gpu/mtp.py; made with the graphs).
         self.mtp_k = 0
+        self.mtp: MTPDrafter | None = None
 
     # ---- load ----------------------------------------------------------------------------------
 
@@ -396,6 +398,12 @@ class ModelWorker(WorkerForward, WorkerControls):
         self._moe_blocks = moe_blocks(self.model)
         self._routing = routing_buffer(self._moe_blocks, msg.max_tokens, self.device)
         self._prev_sampled = np.zeros(0, dtype=bool)
+        self.mtp = None
+        if self.mtp_k:
+            self.mtp = MTPDrafter(
+                self.model, self.mtp_k, self.block_size, msg.max_requests, self.device,
+                HOST_TOKEN_BUFFERS,
+            )  # fmt: skip
         if self.device.type == "cuda":
             shape = (HOST_TOKEN_BUFFERS, msg.max_requests)
             self._host_tokens = torch.empty(shape, dtype=torch.int64, pin_memory=True)
@@ -507,9 +515,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             if self.mamba_state is not None:
                 self._roll_back_states(plan, spec)
         next_drafts = None
-        if self.mtp_k:  # (waits for the step's tokens)
-            kv, bs = self.model_kv(), self.block_size
-            next_drafts = step_drafts(self.model, kv, bs, plan, hidden, tokens, spec, self.mtp_k)
+        if self.mtp is not None:  # (queued: its drafts reach the host with the step's tokens)
+            next_drafts = self._mtp_drafts(plan, bucket, inputs, hidden, tokens, spec)
         self._sampled[:num_seqs].copy_(tokens)  # what the next step's prev_rows read
         host = self._tokens_to_host(tokens, num_seqs) if ended is not None else tokens
         self.grammar_masks.sampled(host, ended)
@@ -557,14 +564,15 @@ class ModelWorker(WorkerForward, WorkerControls):
             and self.ep is None
             and not (uses_grammar(plan) or self.grammar_masks.pending)  # (it may wait)
             and not len(draft_rows(plan))  # (a verify step waits for its tokens)
-            and not self.mtp_k  # (an MTP head's pass reads the step's tokens on the host)
+            and not self.mtp_k  # (an MTP head's passes: eager ones are long host work)
         )
 
     def launch_waits(self, plan: StepPlan) -> bool:
-        """Whether `launch(plan)` waits for the step's device work on CUDA (its log-probs, its
-        verified drafts or an MTP head's inputs come to the host in it), so that `collect`
-        right after it, in the same thread, waits for almost nothing (the gpu actor then saves
-        a hop to its collector)."""
+        """Whether `launch(plan)` waits for the step's device work on CUDA (its log-probs or
+        its verified drafts come to the host in it), so that `collect` right after it, in the
+        same thread, waits for almost nothing (the gpu actor then saves a hop to its
+        collector). An MTP head's steps are collected there too: the engine plans the next
+        step of a drafting request only with these drafts."""
         return (
             self.device.type == "cuda"
             and self.ep is None
@@ -599,8 +607,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             extra = extra | {"routed_experts": launched.routed.numpy()}
         if launched.spec is not None:
             extra = extra | {"spec_tokens": launched.spec}
-        if launched.next_drafts is not None and launched.next_drafts.size:
-            extra = extra | {"next_drafts": launched.next_drafts}
+        if launched.next_drafts is not None:  # (an MTP head's, on the host now)
+            extra = extra | {"next_drafts": launched.next_drafts.numpy().astype(np.int32)}
         extra = extra | launched.spec_log_probs
         return StepResult(
             plan.step,

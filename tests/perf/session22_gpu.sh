@@ -20,7 +20,11 @@
 #     on the 1B shape (issue 24's GPU idle share, 12-27 % there): py-spy over every process of
 #     `taipan bench --workload decode --batches 64` (graphs), summarized on the device
 #     (tests/perf/spy_summary.py: the engine process, whose threads hold the gpu actor, and all).
-PART=${1:?part one, four, blocks, gemv or final}
+#   mtp (one GPU): the MTP head's passes recorded in CUDA graphs (actors/gpu/mtp.py): the
+#     worker's and the runtime's MTP GPU tests, the draft model's graphs and one prompt-chunk
+#     graph test (StepGraphs' capture changed), then the spec bench with --spec-method mtp as
+#     in part one (plain 1.39 ms a step, the eager head 8.2 ms there).
+PART=${1:?part one, four, blocks, gemv, final or mtp}
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
 if [ "$PART" = one ]; then
@@ -78,4 +82,17 @@ if [ "$PART" = final ]; then
     python3 tests/perf/spy_summary.py /tmp/spy_b64.txt "" 30 > "$OUT/spy_all.txt"
     gzip -c /tmp/spy_b64.txt > "$OUT/spy_b64.txt.gz"
     head -c 4000 "$OUT/spy_engine.txt"; [ -s "$OUT/spy_engine.txt" ] || head -c 4000 "$OUT/spy_all.txt"
+fi
+if [ "$PART" = mtp ]; then
+    timeout -s ABRT 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
+        tests/test_qwen3_next_mtp.py tests/test_e2e_mtp.py tests/test_draft_graphs.py 2>&1 | tail -3
+    timeout -s ABRT 100 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs \
+        tests/test_gpu_prefill_graphs.py -k "qwen3_next-8" 2>&1 | tail -1
+    python3 -c "
+from tests.random_qwen3_next import add_mtp_head, make_random_qwen3_next
+from tests.test_e2e_qwen3_next import GPU_SHAPE
+add_mtp_head(make_random_qwen3_next('/tmp/q3n_mtp', 'moe', shape=GPU_SHAPE))" >/dev/null || exit 1
+    timeout -s ABRT 150 python3 -m taipan.cli bench --workload spec --model /tmp/q3n_mtp \
+        --device cuda --dtype bfloat16 --spec-method mtp --spec-tokens 3 \
+        --results "$OUT/spec_mtp.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-240
 fi
