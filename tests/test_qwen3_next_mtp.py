@@ -479,28 +479,56 @@ def test_the_worker_drafts_after_chunks_and_verify_rows(with_head, mtp_worker):
 
 @pytest.mark.gpu
 def test_gpu_worker_drafts_from_the_heads_graphs(with_head):
-    """The same steps on CUDA (fp32) with mixed CUDA graphs: the two prompt steps replay their
-    bucket's graph and then the head's graph of that bucket (actors/gpu/mtp.py: nothing
-    waits on the host); the hybrid's verify step runs eagerly. Drafts equal the reference's,
-    the head's KV the one-pass computation's."""
+    """The same steps on CUDA (fp32), a worker with mixed CUDA graphs against one without:
+    the graphed one's two prompt steps replay their bucket's graph and then the head's graph
+    of that bucket (actors/gpu/mtp.py: nothing waits on the host), its hybrid verify step runs
+    eagerly; the same tokens and drafts at every step, and the same keys and values in the
+    head's cache layer. (Against the reference: the CPU test above; the GPU's fp32 GDN kernels
+    differ from the CPU's by ~1e-4 relative.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from taipan.actors.gpu.worker import ModelWorker
     from taipan.messages.gpu import LoadModel
 
-    w = ModelWorker()
     load = LoadModel(with_head[0], "float32", "cuda", BLOCK_SIZE, 32, 0.05, 64, 4, 256)
-    w.load(
-        dataclasses.replace(
-            load, speculative=True, num_speculative_tokens=K, mtp=True,
-            cuda_graph_mixed_sizes=(16, 32, 64),
-        )
-    )  # fmt: skip
-    check_worker_drafts(with_head, w, atol=1e-4)
-    assert w.mtp.replays == 2 and w.graphs.captured
+    load = dataclasses.replace(load, speculative=True, num_speculative_tokens=K, mtp=True)
+    runs = []
+    for sizes in ((16, 32, 64), ()):
+        w = ModelWorker()
+        w.load(dataclasses.replace(load, cuda_graph_mixed_sizes=sizes))
+        results = _worker_steps(w)
+        runs.append((results, w.kv_cache[-1].cpu(), w.mtp.replays))
+        del w
+    (graphed, kv, replays), (eager, eager_kv, eager_replays) = runs
+    assert (replays, eager_replays) == (2, 0)
+    for a, b in zip(graphed, eager, strict=True):
+        assert a.token_ids.tolist() == b.token_ids.tolist()
+        assert a.next_drafts.tolist() == b.next_drafts.tolist()
+        assert a.spec_tokens.tolist() == b.spec_tokens.tolist()
+    assert graphed[1].next_drafts[0, 0] >= 0 and graphed[2].next_drafts[0, 0] >= 0
+    blocks = [3, 9, 4]
+    got, want = (_positions(c, blocks, 41) for c in (kv, eager_kv))
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def _worker_steps(w) -> list:
+    """check_worker_drafts' three steps, the verify row made of the worker's own drafts: the
+    StepResults."""
+    ids, other = _prompt(37, seed=31), _prompt(12, seed=32)
+    blocks, other_blocks = [3, 9, 4], [7]
+    first = _mtp_plan(1, [Seq(ids[:20], 0, blocks, sample=False), Seq(other, 0, other_blocks)],
+                      [ids[20], -1], [0, 0])  # fmt: skip
+    second = _mtp_plan(2, [Seq(ids[20:], 20, blocks)], [-1], [1])
+    results = [w.step(first), w.step(second)]
+    drafts = [int(t) for t in results[1].next_drafts[0][:3]]
+    row = [int(results[1].token_ids[0]), *drafts]
+    results.append(w.step(_mtp_plan(3, [Seq(row, 37, blocks)], [-1], [1], drafts=[3])))
+    assert all(r.error is None for r in results)
+    return results
 
 
 def check_worker_drafts(with_head, w, atol: float) -> None:
+    """The three steps of the test above against the reference."""
     _, own, hf, _ = with_head
     ids, other = _prompt(37, seed=31), _prompt(12, seed=32)
     blocks, other_blocks = [3, 9, 4], [7]
