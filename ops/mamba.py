@@ -42,6 +42,9 @@ from torch import nn
 from taipan.kernels import causal_conv1d, gated_rmsnorm, selective_state, ssd_scan
 from taipan.ops.parallel import SINGLE, TPGroup
 
+# Snapshot entries a sequence may have in one step (the varlen kernels' bound).
+MAX_SNAPS = ssd_scan.MAX_SNAPS
+
 
 @dataclass(frozen=True)
 class MambaStateShape:

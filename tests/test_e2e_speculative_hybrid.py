@@ -78,8 +78,9 @@ def test_hybrid_with_drafts_equals_without(looping):
 
 @pytest.mark.gpu
 def test_gpu_hybrid_with_drafts_equals_without(tmp_path_factory):
-    """On CUDA (fp32, Triton Mamba kernels; graphs and overlap for the plain steps, verify
-    steps eager): the same equality, drafts accepted and rejected."""
+    """On CUDA (fp32, Triton Mamba kernels; graphs and overlap for the plain steps, the
+    verify steps in mixed graphs with their recurrent snapshots in the step buffers): the
+    same equality, drafts accepted and rejected."""
     import torch
 
     from tests.random_nemotron_h import TINY_HYBRID

@@ -220,7 +220,7 @@ def test_mixed_graph_bodies_keep_hidden_states_only_where_the_config_speculates(
     states = torch.arange(8 * hidden_size, dtype=torch.float32).view(8, hidden_size) / 1e4
     # (the model's forward as a CUDA graph records it needs the CUDA kernels' attention: its
     # output stands in here; the forward itself is every other test's)
-    w._run_model = lambda ids, inputs, attn, inner_snaps=None: states
+    w._run_model = lambda ids, inputs, attn, inner_snaps=None, static_snaps=False: states
     w._logits = torch.empty(8, w.config.vocab_size)
     w._neutral_step(mixed)
     w._graph_body(mixed)  # (no kept buffer: a config that does not speculate)

@@ -480,11 +480,12 @@ def test_the_worker_drafts_after_chunks_and_verify_rows(with_head, mtp_worker):
 @pytest.mark.gpu
 def test_gpu_worker_drafts_from_the_heads_graphs(with_head):
     """The same steps on CUDA (fp32), a worker with mixed CUDA graphs against one without:
-    the graphed one's two prompt steps replay their bucket's graph and then the head's graph
-    of that bucket (actors/gpu/mtp.py: nothing waits on the host), its hybrid verify step runs
-    eagerly; the same tokens and drafts at every step, and the same keys and values in the
-    head's cache layer. (Against the reference: the CPU test above; the GPU's fp32 GDN kernels
-    differ from the CPU's by ~1e-4 relative.)"""
+    every step of the graphed one (two prompt steps, then the hybrid's verify step, its
+    recurrent snapshots in the step buffers) replays its bucket's graph and then the head's
+    graph of that bucket (actors/gpu/mtp.py: nothing waits on the host); the same tokens and
+    drafts at every step, and the same keys and values in the head's cache layer. (Against
+    the reference: the CPU test above; the GPU's fp32 GDN kernels differ from the CPU's by
+    ~1e-4 relative.)"""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from taipan.actors.gpu.worker import ModelWorker
@@ -500,7 +501,7 @@ def test_gpu_worker_drafts_from_the_heads_graphs(with_head):
         runs.append((results, w.kv_cache[-1].cpu(), w.mtp.replays))
         del w
     (graphed, kv, replays), (eager, eager_kv, eager_replays) = runs
-    assert (replays, eager_replays) == (2, 0)
+    assert (replays, eager_replays) == (3, 0)
     for a, b in zip(graphed, eager, strict=True):
         assert a.token_ids.tolist() == b.token_ids.tolist()
         assert a.next_drafts.tolist() == b.next_drafts.tolist()

@@ -120,6 +120,44 @@ def test_verify_rows_roll_the_state_back_to_the_last_accepted_token(model_dir):
     assert int(r.token_ids[0]) == want[at + 1]
 
 
+def test_the_step_buffers_carry_the_verify_snapshots_as_the_graphs_read_them(model_dir):
+    """The verify rows' snapshot entries travel in the step buffers (snap_pos / snap_slots,
+    K a row, padding (1, -1)), which a mixed CUDA graph passes to the kernels at every step.
+    Run on the CPU the way a graph runs them (every forward given the buffers' entries, with
+    or without verify rows): the same tokens and the same states in every slot as the
+    forward given only the verify steps' entries."""
+    ref, _ = _worker(model_dir, K)
+    w, loaded = _worker(model_dir, K)
+    fields = w.buffers.fields
+    assert fields["snap_pos"].width == K and fields["snap_pos"].pad == 1
+    assert fields["snap_slots"].pad == -1
+    run = w._run_model
+    w._run_model = lambda ids, inputs, attn, inner=None, static=False: run(
+        ids, inputs, attn, inner, static_snaps=not inner
+    )
+    first = hybrid_plan(
+        1, [Seq(PROMPT, 0, BLOCKS), Seq(PROMPT[:9], 0, [5])], init=[-1, -1], out=[0, 1]
+    )
+    a, b = ref.step(first), w.step(first)
+    _same_steps(ref, w, a, b)
+    tokens = [int(t) for t in a.token_ids]
+    row = [tokens[0], 7, 11, 13]  # (drafts the model will mostly reject)
+    second = _verify_plan(2, row, P, K, extra=[(Seq([tokens[1]], 9, [5]), 1)])
+    a, b = ref.step(second), w.step(second)
+    assert a.error is None and b.error is None, (a.error, b.error)
+    assert a.spec_tokens.tolist() == b.spec_tokens.tolist()
+    _same_steps(ref, w, a, b)
+
+
+def _same_steps(ref: ModelWorker, w: ModelWorker, a, b) -> None:
+    """The two workers' step results and every state slot equal (bitwise: the CPU's kernels
+    store snapshots besides, never instead)."""
+    assert a.token_ids.tolist() == b.token_ids.tolist()
+    for slot in range(w.mamba_state[0].shape[1]):
+        for x, y in zip(_state(w, slot), _state(ref, slot), strict=True):
+            assert torch.equal(x, y), f"slot {slot}"
+
+
 def test_scratch_slots_are_sized_with_the_live_ones(model_dir):
     plain, loaded = _worker(model_dir)
     slot = loaded.mamba_slot_bytes

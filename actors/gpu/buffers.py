@@ -41,35 +41,47 @@ class Field:
     pad: int | float = 0
 
 
-def step_fields(max_blocks_per_seq: int, local: bool = False) -> dict[str, Field]:
+def step_fields(
+    max_blocks_per_seq: int, local: bool = False, snapshots: int = 0
+) -> dict[str, Field]:
     """The inputs of one step (see messages/gpu.StepPlan for their meaning); `local`: the
-    windowed layers' block tables and slots too (per-layer-group KV)."""
+    windowed layers' block tables and slots too (per-layer-group KV); `snapshots`: a hybrid's
+    recurrent-state snapshots inside its verify rows, that many entries a row (position, slot;
+    padding (1, -1) stores nothing: actors/gpu/forward.py `_verify_snapshots`)."""
     i32, i64, f32, i8 = (np.dtype(t) for t in (np.int32, np.int64, np.float32, np.int8))
     local_fields = {
         "local_block_tables": Field(i32, "seqs", width=max_blocks_per_seq),
         "local_slot_mapping": Field(i64, "tokens", pad=-1),
     }
-    return (local_fields if local else {}) | {
-        "input_ids": Field(i32, "tokens"),
-        "positions": Field(i32, "tokens"),
-        "slot_mapping": Field(i64, "tokens", pad=-1),
-        "prompt_targets": Field(i32, "tokens", pad=-1),
-        "prev_rows": Field(i32, "tokens", pad=-1),
-        "query_start_loc": Field(i32, "seqs+1"),  # padded with its last value: empty rows
-        "seq_lens": Field(i32, "seqs"),
-        "block_tables": Field(i32, "seqs", width=max_blocks_per_seq),
-        "sample": Field(i8, "seqs"),
-        "temperature": Field(f32, "seqs"),
-        "top_k": Field(i32, "seqs"),
-        "top_p": Field(f32, "seqs", pad=1.0),
-        "min_p": Field(f32, "seqs"),
-        "seeds": Field(i64, "seqs"),
-        "gen_index": Field(i32, "seqs"),
-        "logprobs": Field(i8, "seqs"),
-        "top_n": Field(i32, "seqs"),
-        "mamba_init": Field(i32, "seqs", pad=-1),  # padding rows read and write no slot
-        "mamba_out": Field(i32, "seqs", pad=-1),
+    snapshot_fields = {
+        "snap_pos": Field(i32, "seqs", width=snapshots, pad=1),
+        "snap_slots": Field(i32, "seqs", width=snapshots, pad=-1),
     }
+    return (
+        (local_fields if local else {})
+        | (snapshot_fields if snapshots else {})
+        | {
+            "input_ids": Field(i32, "tokens"),
+            "positions": Field(i32, "tokens"),
+            "slot_mapping": Field(i64, "tokens", pad=-1),
+            "prompt_targets": Field(i32, "tokens", pad=-1),
+            "prev_rows": Field(i32, "tokens", pad=-1),
+            "query_start_loc": Field(i32, "seqs+1"),  # padded with its last value: empty rows
+            "seq_lens": Field(i32, "seqs"),
+            "block_tables": Field(i32, "seqs", width=max_blocks_per_seq),
+            "sample": Field(i8, "seqs"),
+            "temperature": Field(f32, "seqs"),
+            "top_k": Field(i32, "seqs"),
+            "top_p": Field(f32, "seqs", pad=1.0),
+            "min_p": Field(f32, "seqs"),
+            "seeds": Field(i64, "seqs"),
+            "gen_index": Field(i32, "seqs"),
+            "logprobs": Field(i8, "seqs"),
+            "top_n": Field(i32, "seqs"),
+            "mamba_init": Field(i32, "seqs", pad=-1),  # padding rows read and write no slot
+            "mamba_out": Field(i32, "seqs", pad=-1),
+        }
+    )
 
 
 class StepBuffers:
@@ -83,10 +95,11 @@ class StepBuffers:
         max_requests: int,
         max_blocks_per_seq: int,
         local: bool = False,
+        snapshots: int = 0,
     ):
         self.device = torch.device(device)
         self.max_tokens, self.max_requests = max_tokens, max_requests
-        self.fields = step_fields(max_blocks_per_seq, local)
+        self.fields = step_fields(max_blocks_per_seq, local, snapshots)
         self.offsets: dict[str, int] = {}
         size = 0
         for name, f in self.fields.items():
@@ -208,7 +221,7 @@ def _pack(dst: np.ndarray, src: np.ndarray, f: Field) -> None:
     n = len(src)
     if f.width:
         if src.ndim != 2 or src.shape[1] > f.width:
-            raise ValueError(f"block tables of width {src.shape} do not fit {f.width} columns")
+            raise ValueError(f"rows of shape {src.shape} do not fit {f.width} columns")
         dst[:n, : src.shape[1]] = src
         dst[:n, src.shape[1] :] = f.pad
         dst[n:] = f.pad

@@ -71,8 +71,10 @@ class WorkerForward:
 
     def _bucket(self, plan: StepPlan, inner_snaps: dict) -> Bucket | None:
         """The CUDA graph the step replays, or None: it runs eagerly (no graph holds it, it
-        wants prompt log-probs, its kernels store snapshots inside chunks, or it verifies
-        speculative drafts without a mixed graph or under expert parallelism)."""
+        wants prompt log-probs, its kernels store prefix snapshots inside chunks, or it
+        verifies speculative drafts without a mixed graph or under expert parallelism). A
+        hybrid's verify rows' snapshots travel in the step buffers (snap_pos / snap_slots),
+        which the mixed graphs read: only those `inner_snaps` holds keep a step eager."""
         eager = self.graphs is None or (plan.prompt_targets >= 0).any() or bool(inner_snaps)
         if (len(plan.num_drafts) and plan.num_drafts.any()) or self.mtp_k:
             # Verify rows (several query tokens each) fit a mixed graph, which keeps every
@@ -144,7 +146,9 @@ class WorkerForward:
         ids = inputs["input_ids"]
         if len(plan.prev_rows):  # only then: the gather costs launches
             ids = self._ids_with_previous_tokens(inputs)
-        return self._run_model(ids, inputs, attn, inner_snaps)
+        # (a hybrid's verify rows' snapshots, in the step buffers unless inner_snaps has them)
+        static = not inner_snaps and "snap_pos" in inputs and bool(len(draft_rows(plan)))
+        return self._run_model(ids, inputs, attn, inner_snaps, static)
 
     def _run_model(
         self,
@@ -152,9 +156,11 @@ class WorkerForward:
         inputs: dict[str, torch.Tensor],
         attn: AttentionMetadata,
         inner_snaps: dict[int, list[tuple[int, int]]] | None = None,
+        static_snaps: bool = False,
     ) -> torch.Tensor:
         """The model's forward over the step's buffers (a hybrid also gets its Mamba slots, and
-        the snapshots its kernels store inside chunks: row -> [(position, slot)])."""
+        the snapshots its kernels store inside chunks: row -> [(position, slot)], or with
+        `static_snaps` those of the step buffers' snap_pos / snap_slots, its verify rows')."""
         if self.mamba_state is None:
             return self.model(ids, inputs["positions"], attn, self.model_kv())
         conv, ssm = self.mamba_state
@@ -168,6 +174,9 @@ class WorkerForward:
             table = [(inner_snaps.get(r, []) + [(1, -1)] * width)[:width] for r in rows]
             mamba.snap_pos = self._tensor(np.asarray([[p for p, _ in t] for t in table]))
             mamba.snap_slots = self._tensor(np.asarray([[s for _, s in t] for t in table]))
+        elif static_snaps:  # (every non-decode row's entries; (1, -1) stores nothing)
+            nd = attn.num_decodes
+            mamba.snap_pos, mamba.snap_slots = inputs["snap_pos"][nd:], inputs["snap_slots"][nd:]
         return self.model(ids, inputs["positions"], attn, self.kv_cache, mamba)
 
     def _ids_with_previous_tokens(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -294,7 +303,10 @@ class WorkerForward:
         if "local_block_tables" in inputs:  # (per-layer-group KV: the windowed layers' pool)
             attn.with_local(inputs["local_block_tables"], inputs["local_slot_mapping"])
         ids = self._ids_with_previous_tokens(inputs)  # 3 tiny kernels, so always recorded
-        hidden = self._run_model(ids, inputs, attn)
+        # A speculative hybrid's mixed graphs take its verify rows' snapshots (every step, as
+        # padding entries where there are none: a graph cannot branch on the plan).
+        static = "snap_pos" in inputs and not bucket.decode
+        hidden = self._run_model(ids, inputs, attn, static_snaps=static)
         # Padding rows repeat the last query start: they read a real row (or row 0).
         last = (inputs["query_start_loc"][1:].long() - 1).clamp(min=0)
         self.model.compute_logits(hidden[last], out=self._logits[: bucket.seqs])
@@ -360,13 +372,26 @@ class WorkerForward:
         self.graph_capture_seconds = time.perf_counter() - start
 
 
-def plan_arrays(plan: StepPlan, names=StepBuffers.FIELD_NAMES) -> dict[str, np.ndarray]:
+def plan_arrays(
+    plan: StepPlan, names=StepBuffers.FIELD_NAMES, verify_snaps: dict | None = None
+) -> dict[str, np.ndarray]:
     """The StepPlan's arrays by StepBuffers field name (`names`: the buffers' fields; empty
-    prev_rows, mamba_*: all -1)."""
-    arrays = {name: getattr(plan, name) for name in names}
+    prev_rows, mamba_*: all -1), and where the buffers hold snapshot entries (a dict of
+    Fields), the hybrid's verify rows' `verify_snaps` (row -> [(position, slot)]) in them."""
+    arrays = {name: getattr(plan, name) for name in names if name not in _SNAPSHOT_FIELDS}
     if not len(plan.prev_rows):
         arrays["prev_rows"] = np.full(len(plan.input_ids), -1, dtype=np.int32)
     for name in ("mamba_init", "mamba_out"):  # empty: no Mamba layers
         if not len(arrays[name]):
             arrays[name] = np.full(len(plan.seq_lens), -1, dtype=np.int32)
+    if "snap_pos" in names:
+        shape = (len(plan.seq_lens), names["snap_pos"].width)
+        pos, slots = np.ones(shape, np.int32), np.full(shape, -1, np.int32)
+        for row, entries in (verify_snaps or {}).items():
+            for j, (p, slot) in enumerate(entries):
+                pos[row, j], slots[row, j] = p, slot
+        arrays["snap_pos"], arrays["snap_slots"] = pos, slots
     return arrays
+
+
+_SNAPSHOT_FIELDS = ("snap_pos", "snap_slots")

@@ -56,7 +56,7 @@ from taipan.ops.expert_parallel import (
     install_exchange,
 )
 from taipan.ops.loader import ModelLoadError, load_model
-from taipan.ops.mamba import allocate_mamba_state
+from taipan.ops.mamba import MAX_SNAPS, allocate_mamba_state
 from taipan.ops.models.llama import allocate_kv_cache, kv_cache_bytes_per_block
 from taipan.ops.moe import moe_blocks, routing_buffer
 from taipan.ops.parallel import SINGLE, TPGroup
@@ -388,6 +388,9 @@ class ModelWorker(WorkerForward, WorkerControls):
             max_requests=msg.max_requests,
             max_blocks_per_seq=-(-msg.max_sequence_length // msg.block_size),
             local=self.split_kv is not None,
+            # A hybrid's verify rows keep their states inside the row (scratch slots): in the
+            # step buffers, so the mixed graphs take them (up to the kernels' MAX_SNAPS).
+            snapshots=self._scratch_per_slot if self._scratch_per_slot <= MAX_SNAPS else 0,
         )
 
     def _allocate_outputs(self, msg: LoadModel, config) -> None:
@@ -475,11 +478,15 @@ class ModelWorker(WorkerForward, WorkerControls):
         if self.draft is not None:  # (it fills the verify rows' draft tokens)
             plan = self.draft.fill(plan, self._sampled)
         inner_snaps = inner_snapshots(plan)
+        verify_snaps = {}
         if self.mamba_state is not None and len(draft_rows(plan)):
-            inner_snaps |= self._verify_snapshots(plan)  # (a hybrid's verify rows)
+            verify_snaps = self._verify_snapshots(plan)  # (a hybrid's verify rows)
+            if inner_snaps or "snap_pos" not in self.buffers.fields:
+                inner_snaps |= verify_snaps  # (with prefix snapshots: eager, all from here)
         bucket = self._bucket(plan, inner_snaps)
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
-        staged = self.buffers.stage(plan_arrays(plan, self.buffers.fields), **sizes)
+        arrays = plan_arrays(plan, self.buffers.fields, verify_snaps)
+        staged = self.buffers.stage(arrays, **sizes)
         self.grammar_masks.wait_check()  # (the last step's checked tokens, which this one reads)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
         # packing above is time the device waits between steps, unless a step is in flight).
