@@ -48,9 +48,10 @@ def run(q, cache, tables, query_lens, seq_lens, scale=0.3, window=None):
     return paged_attention_ref(q, cache, tables, starts, lens, scale, sliding_window=window)
 
 
-def dense(q, k, v, scale=0.3, window=None):
+def dense(q, k, v, scale=0.3, window=None, sinks=None):
     """Causal attention of the last len(q) positions over k, v [S, KVH, D], in float64; with a
-    window, as Hugging Face's masking_utils builds it: causal AND kv_idx > q_idx - window."""
+    window, as Hugging Face's masking_utils builds it: causal AND kv_idx > q_idx - window;
+    `sinks` [H]: each head's sink one more logit in each softmax (and no value)."""
     group = q.shape[1] // k.shape[1]
     k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
@@ -59,7 +60,12 @@ def dense(q, k, v, scale=0.3, window=None):
     seen = kv_idx <= q_idx
     if window is not None:
         seen &= kv_idx > q_idx - window
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is None:
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    weights = scores.exp()
+    total = weights.sum(-1, keepdim=True) + sinks.double().exp()[:, None, None]
+    return torch.einsum("hqk,khd->qhd", weights / total, v)
 
 
 @pytest.mark.parametrize("head_dim, block_size", [(32, 1), (96, 4), (256, 16)])

@@ -4,7 +4,8 @@ the prefill and decode kernels and ops/attention.py's CPU path against the refer
 without a sliding window, and bad sinks refused. On CPU the kernels run in the Triton
 interpreter in fp32; the `gpu` test runs them in bf16 and fp32 with the launcher's own tiles.
 
-The caches are NaN wherever no sequence wrote (tests/test_kernels_prefill_attention.py's and
+The dense float64 attention is tests/test_kernels_attention_ref.py's `dense`. The caches are NaN
+wherever no sequence wrote (tests/test_kernels_prefill_attention.py's and
 tests/test_kernels_decode_attention.py's cases), so a sink that made a kernel read a wrong
 slot would show as NaN."""
 
@@ -17,6 +18,7 @@ from taipan.kernels.attention_ref import paged_attention_ref
 from taipan.kernels.decode_attention import paged_decode_attention
 from taipan.kernels.prefill_attention import paged_prefill_attention
 from taipan.ops.attention import AttentionMetadata, paged_attention
+from tests.test_kernels_attention_ref import dense
 from tests.test_kernels_decode_attention import make_case as decode_case
 from tests.test_kernels_prefill_attention import make_case as prefill_case
 from tests.test_kernels_prefill_attention import rel_err
@@ -30,23 +32,6 @@ def sinks_for(heads: int, device="cpu") -> torch.Tensor:
     return torch.tensor((SINKS * heads)[:heads], dtype=torch.float32, device=device)
 
 
-def dense_with_sink(q, k, v, scale, sinks, window=None):
-    """Causal attention of the last len(q) positions over k, v [S, KVH, D] in float64, the
-    head's sink one more logit in each softmax (and no value)."""
-    group = q.shape[1] // k.shape[1]
-    k, v = (t.double().repeat_interleave(group, 1) for t in (k, v))
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    q_idx = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-    kv_idx = torch.arange(k.shape[0])[None, :]
-    seen = kv_idx <= q_idx
-    if window is not None:
-        seen &= kv_idx > q_idx - window
-    scores = scores.masked_fill(~seen, float("-inf"))
-    weights = scores.exp()
-    total = weights.sum(-1, keepdim=True) + sinks.double().exp()[:, None, None]
-    return torch.einsum("hqk,khd->qhd", weights / total, v)
-
-
 @pytest.mark.parametrize("window", [None, 9])
 def test_ref_matches_dense_float64_with_sinks(window):
     case = prefill_case([(0, 7), (21, 12)], 6, 2, 32, device="cpu", window=window)
@@ -54,7 +39,8 @@ def test_ref_matches_dense_float64_with_sinks(window):
     out = paged_attention_ref(*case.args(), case.scale, sliding_window=window, sinks=sinks)
     starts = case.query_start_loc.tolist()
     for b, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
-        want = dense_with_sink(case.q[starts[b] : starts[b + 1]], k, v, case.scale, sinks, window)
+        q = case.q[starts[b] : starts[b + 1]]
+        want = dense(q, k, v, case.scale, window, sinks)
         assert torch.allclose(out[starts[b] : starts[b + 1]].double(), want, atol=1e-5)
     # Sinks take mass: the output differs from the sinkless one; a sink of -inf gives it back.
     plain = paged_attention_ref(*case.args(), case.scale, sliding_window=window)

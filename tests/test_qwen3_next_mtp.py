@@ -331,25 +331,9 @@ def test_two_rows_in_one_step_draft_each_its_own(with_head):
     each drafting row's drafts equal the reference's alone."""
     _, own, hf, (model, config, _) = with_head
     prompts = {0: _prompt(23, seed=21), 1: _prompt(37, seed=22), 2: _prompt(9, seed=23)}
-    runner = HybridRunner(model, config, num_blocks=24, num_slots=4, seed=9)
-    for seq in prompts:
-        runner.add(seq, 48, slot=seq)
-    lens = [len(prompts[s]) for s in (0, 1, 2)]
-    attn, positions = build_attention_metadata(
-        lens, lens, [runner.tables[s] for s in (0, 1, 2)], BLOCK_SIZE
-    )
-    mamba = MambaMetadata(
-        runner.conv,
-        runner.ssm,
-        torch.tensor([-1, -1, -1], dtype=torch.int32),
-        torch.tensor([0, 1, 2], dtype=torch.int32),
-        attn.query_start_loc,
-        attn.num_decodes,
-    )
-    flat = [t for s in (0, 1, 2) for t in prompts[s]]
-    with torch.no_grad():
-        hidden = model(torch.tensor(flat), positions, attn, runner.cache, mamba)
-    ends = np.cumsum(lens) - 1
+    runner, attn, positions, flat, hidden = _three_prompts(model, config, prompts, seed=9)
+    flat = flat.tolist()
+    ends = np.cumsum([len(p) for p in prompts.values()]) - 1
     after = np.array([4, 8, 15])
     drafts, logits = mtp_drafts(
         model, runner.cache, attn, [runner.tables[s] for s in (0, 1, 2)], BLOCK_SIZE,
@@ -380,20 +364,10 @@ def test_the_static_drafts_equal_the_references(with_head):
     not draft, or a pass past a row's room, wrote the head's KV."""
     _, _, _, (model, config, _) = with_head
     prompts = {0: _prompt(23, seed=31), 1: _prompt(30, seed=32), 2: _prompt(9, seed=33)}
-    runner = HybridRunner(model, config, num_blocks=24, num_slots=4, seed=10)
-    for seq in prompts:
-        runner.add(seq, 48, slot=seq)
-    lens = [len(prompts[s]) for s in (0, 1, 2)]
+    runner, attn, positions, flat, hidden = _three_prompts(model, config, prompts, seed=10)
     tables = [runner.tables[s] for s in (0, 1, 2)]
-    attn, positions = build_attention_metadata(lens, lens, tables, BLOCK_SIZE)
-    mamba = MambaMetadata(
-        runner.conv, runner.ssm, torch.tensor([-1, -1, -1], dtype=torch.int32),
-        torch.tensor([0, 1, 2], dtype=torch.int32), attn.query_start_loc, attn.num_decodes,
-    )  # fmt: skip
-    flat = torch.tensor([t for s in (0, 1, 2) for t in prompts[s]])
-    with torch.no_grad():
-        hidden = model(flat, positions, attn, runner.cache, mamba)
-    ends, after, drafting = np.cumsum(lens) - 1, np.array([4, 8, 15]), np.array([1, 1, 0], bool)
+    ends = np.cumsum([len(p) for p in prompts.values()]) - 1
+    after, drafting = np.array([4, 8, 15]), np.array([1, 1, 0], bool)
     before = runner.cache.clone()
     want = mtp_drafts(
         model, runner.cache, attn, tables, BLOCK_SIZE, flat, positions, hidden, ends, after,
@@ -410,6 +384,25 @@ def test_the_static_drafts_equal_the_references(with_head):
     assert want[1, 2] >= 0 and want[1, 3] == -1  # (30 tokens in blocks of 16: 2 passes left)
     assert torch.allclose(runner.cache, want_cache, atol=1e-5, equal_nan=True)
     assert not torch.equal(runner.cache, before)
+
+
+def _three_prompts(model, config, prompts: dict, seed: int):
+    """The model's step over prompts 0, 1 and 2 from position 0, each in its own blocks and
+    recurrent slot: (runner, attn, positions, the step's token ids, hidden states)."""
+    runner = HybridRunner(model, config, num_blocks=24, num_slots=4, seed=seed)
+    for seq in prompts:
+        runner.add(seq, 48, slot=seq)
+    lens = [len(prompts[s]) for s in (0, 1, 2)]
+    tables = [runner.tables[s] for s in (0, 1, 2)]
+    attn, positions = build_attention_metadata(lens, lens, tables, BLOCK_SIZE)
+    mamba = MambaMetadata(
+        runner.conv, runner.ssm, torch.tensor([-1, -1, -1], dtype=torch.int32),
+        torch.tensor([0, 1, 2], dtype=torch.int32), attn.query_start_loc, attn.num_decodes,
+    )  # fmt: skip
+    flat = torch.tensor([t for s in (0, 1, 2) for t in prompts[s]])
+    with torch.no_grad():
+        hidden = model(flat, positions, attn, runner.cache, mamba)
+    return runner, attn, positions, flat, hidden
 
 
 # ---- tensor parallel (T = 2, gloo) -------------------------------------------------------------
