@@ -403,3 +403,22 @@ def test_hybrid_weight_updates_from_a_checkpoint_and_a_state_dict(tmp_path):
     assert any(".mixer.k_proj." in n for n in state)
     assert control(w, "update_weights", state=state).error is None and w.weight_version == 2
     assert_same_weights(w, before)
+
+
+def test_the_step_event_sync_comes_from_the_environment(monkeypatch, tmp_path):
+    """$TAIPAN_STEP_EVENT_SYNC: "spin" (the default) or "blocking" (the step's end event, on
+    CUDA); any other value fails the load, naming the variable."""
+    from taipan.actors.gpu.worker import SYNC_ENV, step_event_blocking
+
+    monkeypatch.delenv(SYNC_ENV, raising=False)
+    assert step_event_blocking() is False
+    monkeypatch.setenv(SYNC_ENV, "blocking")
+    assert step_event_blocking() is True
+    monkeypatch.setenv(SYNC_ENV, "yield")
+    with pytest.raises(ValueError, match=SYNC_ENV):
+        step_event_blocking()
+    w = ModelWorker()
+    msg = LoadModel(make_random_llama(str(tmp_path), TINY_SHAPE), "float32", "cpu", 16, 8,
+                    0.01, 64, 4, 64)  # fmt: skip
+    with pytest.raises(ValueError, match=SYNC_ENV):
+        w.load(msg)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 
 import numpy as np
@@ -84,6 +85,20 @@ class Launched:
     spec_log_probs: dict = dataclasses.field(default_factory=dict)  # StepResult's spec_*_probs
     check: Check | None = None  # greedy grammar rows to check before the tokens are read
     next_drafts: torch.Tensor | None = None  # StepResult.next_drafts (an MTP head's), host
+
+
+SYNC_ENV = "TAIPAN_STEP_EVENT_SYNC"
+
+
+def step_event_blocking() -> bool:
+    """How the collecting thread waits for a step's end event on CUDA ($TAIPAN_STEP_EVENT_SYNC):
+    "spin" (the default: the driver polls, the fastest wake-up, a core busy meanwhile) or
+    "blocking" (the thread sleeps until the device signals: a core free for the engine's
+    thread, a later wake-up). ValueError for any other value."""
+    value = os.environ.get(SYNC_ENV, "spin")
+    if value not in ("spin", "blocking"):
+        raise ValueError(f"{SYNC_ENV} must be 'spin' or 'blocking', got {value!r}")
+    return value == "blocking"
 
 
 def check_device(device: torch.device) -> None:
@@ -202,12 +217,14 @@ class ModelWorker(WorkerForward, WorkerControls):
         # and its drafter's buffers (actors/gpu/mtp.py; made with the graphs).
         self.mtp_k = 0
         self.mtp: MTPDrafter | None = None
+        self._blocking_sync = False  # the step's end event ($TAIPAN_STEP_EVENT_SYNC)
 
     # ---- load ----------------------------------------------------------------------------------
 
     def load(self, msg: LoadModel, *, tp: TPGroup = SINGLE) -> ModelLoaded:
         """Load the model (this rank's shards under `tp`) and size the KV cache; every rank of
         `tp` calls this with the same message (block_bytes is one rank's)."""
+        self._blocking_sync = step_event_blocking()
         if msg.dtype not in DTYPES:
             raise ValueError(f"dtype {msg.dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = DTYPES[msg.dtype]
@@ -492,7 +509,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         # packing above is time the device waits between steps, unless a step is in flight).
         began = ended = None
         if self.device.type == "cuda":
-            began, ended = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            began = torch.cuda.Event(enable_timing=True)
+            ended = torch.cuda.Event(enable_timing=True, blocking=self._blocking_sync)
             began.record()
         device_start = time.perf_counter()
         if len(plan.local_copy_src):  # (a prefix hit's cached windowed keys into its ring)

@@ -9,10 +9,24 @@
 #     (session 22: 4.77 ms a step with the head's graphs and eager verify steps, 0.98 plain).
 #   four (four GPUs): the GPU tests not yet run with cuda_graph_all_prefills on by default
 #     (session22_gpu.sh four).
-PART=${1:?part one or four}
+#   sync (one GPU): issue 24's GPU idle at batch 64 (the engine's main thread sets the pace:
+#     NOTES, twenty-second session, where the launch's CUDA calls took ~0.4 ms a step while the
+#     collecting thread spun in Event.synchronize): the 1B decode rows at batch 1 and 64 with
+#     TAIPAN_STEP_EVENT_SYNC=spin / blocking / spin / blocking, one tree.
+PART=${1:?part one, four or sync}
 if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh
 enter_new_tree || exit 1
+if [ "$PART" = sync ]; then
+    for mode in spin blocking spin blocking; do
+        TAIPAN_STEP_EVENT_SYNC=$mode timeout -s ABRT 150 python3 -m taipan.cli bench \
+            --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
+            --batches 1,64 --output-len 256 --no-hf --ours-modes graphs \
+            --results "$OUT/sync_$mode.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-170 \
+            | sed "s/^/$mode /"
+    done
+    exit 0
+fi
 timeout -s ABRT 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
     tests/test_qwen3_next_mtp.py tests/test_e2e_mtp.py tests/test_e2e_speculative_hybrid.py \
     tests/test_gpu_prefill_graphs.py > "$OUT/gpu_tests.log" 2>&1
