@@ -37,6 +37,10 @@ STAGING = 4  # pinned staging buffers in the ring (one load a step)
 
 
 class MTPDrafter:
+    """The head's row buffers, its passes over a step (`body`: what a graph records) and the
+    drafts' copies to the host; the worker loads a step's rows (`load`), replays its bucket's
+    second graph or runs `body`, and collects `result`. Made once per load of the model."""
+
     def __init__(
         self, model, k: int, block_size: int, max_seqs: int, device, host_buffers: int
     ) -> None:
