@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from taipan.ops.attention import build_attention_metadata
+from taipan.ops.attention import AttentionMetadata, build_attention_metadata
 from taipan.ops.loader import ModelLoadError, load_model
 from taipan.ops.mamba import MambaMetadata
 from taipan.ops.moe import moe_blocks
@@ -384,6 +384,26 @@ def test_the_static_drafts_equal_the_references(with_head):
     assert want[1, 2] >= 0 and want[1, 3] == -1  # (30 tokens in blocks of 16: 2 passes left)
     assert torch.allclose(runner.cache, want_cache, atol=1e-5, equal_nan=True)
     assert not torch.equal(runner.cache, before)
+    # Padded as a graph's bucket pads it: 5 more tokens (slot -1, owned by no row) and a row of
+    # no tokens (last -1, length 0, a table of zeros): the same drafts, -1 for the padding row,
+    # and the same KV (padding writes nothing).
+    runner.cache.copy_(before)
+    pad, n = 5, len(flat)
+    padded = AttentionMetadata(
+        query_start_loc=torch.cat([attn.query_start_loc, attn.query_start_loc[-1:]]),
+        seq_lens=torch.cat([attn.seq_lens, torch.zeros(1, dtype=torch.int32)]),
+        block_tables=torch.cat([attn.block_tables, torch.zeros_like(attn.block_tables[:1])]),
+        slot_mapping=torch.cat([attn.slot_mapping, torch.full((pad,), -1)]),
+    ).with_layout([*attn.query_start_loc.tolist(), n], [*attn.seq_lens.tolist(), 0], BLOCK_SIZE)
+    got = mtp_drafts_static(
+        model, runner.cache, padded, torch.cat([flat, torch.zeros(pad, dtype=flat.dtype)]),
+        torch.cat([positions, torch.zeros(pad, dtype=positions.dtype)]),
+        torch.cat([hidden, torch.randn(pad, hidden.shape[1])]), torch.tensor([*ends, -1]),
+        torch.tensor([*after, 0]), torch.tensor([*drafting, False]), padded.seq_lens,
+        padded.block_tables, BLOCK_SIZE, K,
+    )  # fmt: skip
+    assert got.tolist() == [*want.tolist(), [-1] * K]
+    assert torch.allclose(runner.cache, want_cache, atol=1e-5, equal_nan=True)
 
 
 def _three_prompts(model, config, prompts: dict, seed: int):
