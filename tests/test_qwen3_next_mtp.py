@@ -522,7 +522,7 @@ def test_gpu_worker_drafts_from_the_heads_graphs(with_head):
     assert graphed[1].next_drafts[0, 0] >= 0 and graphed[2].next_drafts[0, 0] >= 0
     blocks = [3, 9, 4]
     got, want = (_positions(c, blocks, 41) for c in (kv, eager_kv))
-    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()  # (cuBLAS per shape)
 
 
 def _worker_steps(w) -> list:
