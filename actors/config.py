@@ -115,9 +115,9 @@ class InferenceConfig:
     # `speculative_method`: who drafts: "ngram" (prompt lookup: copy what followed the latest
     # earlier occurrence of the longest suffix n-gram of n in [ngram_prompt_lookup_min,
     # ngram_prompt_lookup_max], vLLM's names), "draft_model" (below) or "mtp" (the checkpoint's
-    # own multi-token-prediction head, Qwen3-Next-style: ops/mtp.py; not under expert
-    # parallelism; its passes eager). actors/engine/speculation.py says which requests
-    # speculate and what is not built yet.
+    # own multi-token-prediction head, Qwen3-Next-style: ops/mtp.py; its passes recorded in
+    # CUDA graphs, eager under expert parallelism). actors/engine/speculation.py says which
+    # requests speculate and what is not built yet.
     speculative_method: str = "ngram"
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4

@@ -37,7 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from taipan.ops.moe import exchange_rows, moe_blocks, set_expert_dispatch
+from taipan.ops.moe import exchange_rows, moe_blocks, mtp_moe_blocks, set_expert_dispatch
 from taipan.ops.parallel import TPGroup, join_world, share_seed
 
 DEFAULT_TIMEOUT_S = 120.0  # joining the group, and any one collective after that
@@ -224,17 +224,24 @@ class TokenExchange:
 
 
 def install_exchange(model: nn.Module, ep: EPGroup) -> TokenExchange:
-    """Route every MoE layer of `model` through one exchange over `ep`; returns it."""
+    """Route every MoE layer of `model` through one exchange over `ep`, an MTP head's too;
+    returns it."""
     exchange = TokenExchange(ep)
     if not set_expert_dispatch(model, exchange):
         raise EPError("expert parallelism needs a mixture-of-experts model; this one has none")
+    for block in mtp_moe_blocks(model):
+        block.dispatch = exchange
     return exchange
 
 
-def exchange_only(model: nn.Module, dtype: torch.dtype, device: torch.device) -> int:
+def exchange_only(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, head_passes: int = 0
+) -> int:
     """A dummy forward: every MoE layer's exchange, in forward order, with no token of this
-    rank (its experts still serve the others' rows). Returns the layers visited."""
-    blocks = moe_blocks(model)
+    rank (its experts still serve the others' rows), then `head_passes` passes of an MTP
+    head's MoE layers (what a rank's step runs after its forward: ops/mtp.py). Returns the
+    layers visited."""
+    blocks = moe_blocks(model) + mtp_moe_blocks(model) * head_passes
     for block in blocks:
         exchange_rows(block, dtype, device)
     return len(blocks)

@@ -73,12 +73,7 @@ def load_hf_dir(
     files = _weight_files(path)
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors weight files")
-    if mtp:
-        if experts is not None and experts.count != moe.num_experts:
-            raise ModelLoadError(
-                f"{path}: an MTP head with a share of the experts (expert parallelism) is not "
-                "built: its layer would need the group's expert exchange"
-            )
+    if mtp:  # (under expert parallelism its MoE layer takes its share as any other's)
         config = _with_mtp(path, config, files)
     with contextlib.ExitStack() as files_open:
         pieces = _safetensors_pieces(files, files_open, config)

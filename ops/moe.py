@@ -344,6 +344,15 @@ def moe_blocks(model: nn.Module) -> list[MoE]:
     return _blocks(model)
 
 
+def mtp_moe_blocks(model: nn.Module) -> list[MoE]:
+    """The MoE blocks of `model`'s multi-token-prediction layers (none without a head): each
+    head pass (ops/mtp.py) calls them once, outside the model's forward."""
+    mtp = getattr(getattr(model, "config", None), "num_mtp_layers", 0)
+    if not mtp:
+        return []
+    return [m for layer in model.layers[-mtp:] for m in layer.modules() if isinstance(m, MoE)]
+
+
 def routing_buffer(blocks: list[MoE], rows: int, device) -> torch.Tensor | None:
     """A buffer for `record_routing`: [rows, len(blocks), top_k], int16 (int32 past 32767
     experts); None for a model without MoE blocks."""

@@ -21,7 +21,7 @@ from taipan.launcher import Runtime
 from tests.random_qwen3_next import add_mtp_head, make_random_qwen3_next
 from tests.test_e2e_hybrid import hf_generate
 from tests.test_e2e_hybrid_prefix import GREEDY, PROMPTS
-from tests.test_e2e_qwen3_next import GPU_SHAPE, _model, config, run
+from tests.test_e2e_qwen3_next import GPU_SHAPE, WAVES, _model, config, run
 from tests.test_e2e_tp_hybrid import per_peer
 
 transformers = pytest.importorskip("transformers")
@@ -50,6 +50,29 @@ def test_tp2_serves_hugging_faces_tokens_with_drafts(model):
     got, cached, stats = run(path, cfg, tensor_parallel_size=2)
     assert got == want and sum(cached.values()) > 0
     assert stats.spec_verify_rows > 0
+
+
+def test_expert_parallel_ranks_run_the_heads_passes_in_step(model):
+    """Expert parallelism (data parallel 2 x expert parallel 2, gloo): each rank holds half of
+    every MoE layer's experts, the head's layer's too, and every step of a rank runs the head's
+    passes, whose MoE exchanges the other rank meets with its own step's or, with no request,
+    in its dummy steps (one request alone at the end): Hugging Face's tokens, drafts verified."""
+    from taipan.client import Client
+
+    path, c, want = model
+    cfg = config(c, 8, num_speculative_tokens=K, speculative_method="mtp")
+    got = {}
+    with Runtime(path, cfg, data_parallel_size=2, expert_parallel_size=2) as rt:
+        with Client(rt.address) as client:
+            for wave in WAVES:
+                done = client.generate([PROMPTS[n] for n in wave], GREEDY)
+                got |= {n: d.token_ids for n, d in zip(wave, done, strict=True)}
+            name = next(iter(PROMPTS))
+            [alone] = client.generate([PROMPTS[name]], GREEDY)
+            ranks = client.stats().ranks
+    assert got == want and alone.token_ids == want[name]
+    assert all(r.steps_total > 0 for r in ranks)
+    assert sum(r.spec_verify_rows for r in ranks) > 0
 
 
 def test_kv_pressure_and_a_weight_update_keep_hugging_faces_tokens(model, tmp_path):

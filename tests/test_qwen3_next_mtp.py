@@ -593,3 +593,61 @@ def test_the_worker_refuses_bad_mtp_fields(mtp_worker):
         w.step(_mtp_plan(1, [Seq(ids, 0, [1], sample=False)], [-1], [0]))
     with pytest.raises(ValueError, match="1 only for a sequence that samples"):
         w.step(_mtp_plan(1, [Seq(ids, 0, [1], sample=False)], [4], [1]))
+
+
+# ---- expert parallelism (2 ranks, gloo) --------------------------------------------------------
+
+
+def _ep_rank(rank: int, path: str, init: str) -> None:
+    """One process of an expert-parallel group of 2 (torch.multiprocessing.spawn): a worker
+    holding half of every MoE layer's experts, the head's layer's too, against one holding
+    them all. Rank 0 steps a prompt, then a decode row, while rank 1 runs dummy steps (which
+    must meet the head's exchanges too); then both step prompts of their own: every step's
+    tokens, drafts and head KV equal the whole worker's."""
+    from taipan.actors.engine.wire import dummy_plan
+    from taipan.actors.gpu.worker import ModelWorker
+    from taipan.messages.gpu import LoadModel
+
+    torch.set_num_threads(1)
+    load = LoadModel(path, "float32", "cpu", BLOCK_SIZE, 32, 0.05, 256, 4, 256)
+    load = dataclasses.replace(load, speculative=True, num_speculative_tokens=K, mtp=True)
+    whole, ep = ModelWorker(), ModelWorker()
+    whole.load(load)
+    ep.load(dataclasses.replace(load, expert_parallel_rank=rank, expert_parallel_size=2,
+                                expert_parallel_init=init))  # fmt: skip
+    head = moe_blocks(ep.model)[0].w1.shape[0]  # (the model's experts on this rank)
+    assert ep.model.layers[-1].mlp.w1.shape[0] == head  # (the head's: the same share)
+
+    def same(plan, blocks: list[int], written: int):
+        got, want = ep.step(plan), whole.step(plan)
+        assert got.error is None, got.error
+        assert got.token_ids.tolist() == want.token_ids.tolist()
+        assert got.next_drafts.tolist() == want.next_drafts.tolist()
+        # The head's KV at the positions written so far (the chain's passes after the first
+        # read the head's MoE output; the rest of the cache is uninitialized memory).
+        got_kv, want_kv = (_positions(w.kv_cache[-1], blocks, written) for w in (ep, whole))
+        torch.testing.assert_close(got_kv, want_kv, atol=1e-5, rtol=0)
+        return got
+
+    blocks = [3, 9, 4]
+    if rank == 0:  # (37 prompt tokens and the chain's K - 1 passes; then a decode row's)
+        ids = _prompt(37, seed=41)
+        first = same(_mtp_plan(1, [Seq(ids, 0, blocks)], [-1], [1]), blocks, 37 + K - 1)
+        assert (first.next_drafts[0] >= 0).all()
+        token = int(first.token_ids[0])
+        same(_mtp_plan(2, [Seq([token], 37, blocks)], [-1], [1]), blocks, 38 + K - 1)
+    else:
+        for _ in range(2):
+            assert ep.step(dummy_plan(0)).error is None
+    mine = [_prompt(9, seed=42), _prompt(5, seed=43)][rank]
+    same(_mtp_plan(3, [Seq(mine, 0, [7])], [-1], [1]), [7], len(mine) + K - 1)
+    torch.distributed.destroy_process_group()
+
+
+def test_expert_parallel_workers_draft_as_one_holding_every_expert(with_head, tmp_path):
+    import torch.multiprocessing as mp
+
+    path, _, _, (model, config, _) = with_head
+    if getattr(config, "moe", None) is None:
+        pytest.skip("a dense MLP: no experts to share")
+    mp.spawn(_ep_rank, args=(path, f"file://{tmp_path}/init"), nprocs=2, join=True)

@@ -105,7 +105,7 @@ class WorkerForward:
         """A dummy step (ModelWorker's docstring): this rank's experts serve the peers' rows."""
         self._ep_shape(0, True, False)
         with torch.inference_mode():
-            exchange_only(self.model, self.dtype, self.device)
+            exchange_only(self.model, self.dtype, self.device, head_passes=self.mtp_k)
         elapsed = time.perf_counter() - start
         no_tokens = np.zeros(0, dtype=np.int32)
         return StepResult(plan.step, no_tokens, None, elapsed, device_seconds=elapsed)
@@ -364,7 +364,9 @@ class WorkerForward:
     @torch.inference_mode()
     def _capture(self) -> None:
         start = time.perf_counter()
-        then = self._mtp_body if self.mtp is not None else None  # (the head's passes)
+        # (the head's passes; under expert parallelism MTP steps run eagerly: forward.py
+        # `_bucket`)
+        then = self._mtp_body if self.mtp is not None and self.ep is None else None
         with self._recording(True):
             self.graphs.capture(self._graph_body, self._neutral_step, then)
         if self.draft is not None and self.draft.graphs is not None:  # (draft_graphs.py)

@@ -298,11 +298,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         """(model, config, tokenizer): this rank's weights, its expert-parallel group joined
         and its tensor-parallel sums set up first; sets `tp` to the group the model uses."""
         experts = self._expert_share(msg, tp)
-        if msg.mtp and (experts is not None or msg.num_speculative_tokens < 1):
-            raise ValueError(
-                "speculative_method 'mtp' needs num_speculative_tokens >= 1, and an MTP head "
-                "under expert parallelism is not built"
-            )
+        if msg.mtp and msg.num_speculative_tokens < 1:
+            raise ValueError("speculative_method 'mtp' needs num_speculative_tokens >= 1")
         if tp.size > 1 or msg.custom_all_reduce is True:  # (true at size 1: the error says why)
             tp = self._with_custom_sums(tp, msg.custom_all_reduce)
         try:
