@@ -134,21 +134,33 @@ class WorkerForward:
     def _forward(
         self, plan: StepPlan, inputs: dict[str, torch.Tensor], inner_snaps=None
     ) -> torch.Tensor:
-        layout = (plan.query_start_loc, plan.seq_lens, self.block_size)
-        attn = AttentionMetadata(
-            query_start_loc=inputs["query_start_loc"],
-            seq_lens=inputs["seq_lens"],
-            block_tables=inputs["block_tables"],
-            slot_mapping=inputs["slot_mapping"],
-        ).with_layout(*layout)
-        if "local_block_tables" in inputs:  # (per-layer-group KV: the windowed layers' pool)
-            attn.with_local(inputs["local_block_tables"], inputs["local_slot_mapping"], layout)
+        attn = self._step_attn(inputs, plan=plan)
         ids = inputs["input_ids"]
         if len(plan.prev_rows):  # only then: the gather costs launches
             ids = self._ids_with_previous_tokens(inputs)
         # (a hybrid's verify rows' snapshots, in the step buffers unless inner_snaps has them)
         static = not inner_snaps and "snap_pos" in inputs and bool(len(draft_rows(plan)))
         return self._run_model(ids, inputs, attn, inner_snaps, static)
+
+    def _step_attn(self, inputs, plan: StepPlan | None = None, bucket: Bucket | None = None):
+        """The step's attention metadata over its buffers: an eager step's with its plan's
+        layout (`plan`), or a graph's for `bucket` (its decode rows and query bound fixed);
+        with the windowed layers' tables where the buffers hold them (per-layer-group KV)."""
+        fields = {name: inputs[name] for name in _ATTN_FIELDS}
+        if bucket is not None:
+            decode = bucket.decode
+            attn = AttentionMetadata(
+                **fields,
+                num_decodes=bucket.seqs if decode else 0,
+                max_query_len=1 if decode else bucket.tokens,
+            )
+            layout = None
+        else:
+            layout = (plan.query_start_loc, plan.seq_lens, self.block_size)
+            attn = AttentionMetadata(**fields).with_layout(*layout)
+        if "local_block_tables" in inputs:
+            attn.with_local(inputs["local_block_tables"], inputs["local_slot_mapping"], layout)
+        return attn
 
     def _run_model(
         self,
@@ -292,16 +304,7 @@ class WorkerForward:
         inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
         if self.exchange is not None:  # every rank captures this bucket at this size
             self.exchange.tokens = bucket.tokens
-        attn = AttentionMetadata(
-            query_start_loc=inputs["query_start_loc"],
-            seq_lens=inputs["seq_lens"],
-            block_tables=inputs["block_tables"],
-            slot_mapping=inputs["slot_mapping"],
-            num_decodes=bucket.seqs if bucket.decode else 0,
-            max_query_len=1 if bucket.decode else bucket.tokens,
-        )
-        if "local_block_tables" in inputs:  # (per-layer-group KV: the windowed layers' pool)
-            attn.with_local(inputs["local_block_tables"], inputs["local_slot_mapping"])
+        attn = self._step_attn(inputs, bucket=bucket)
         ids = self._ids_with_previous_tokens(inputs)  # 3 tiny kernels, so always recorded
         # A speculative hybrid's mixed graphs take its verify rows' snapshots (every step, as
         # padding entries where there are none: a graph cannot branch on the plan).
@@ -337,12 +340,7 @@ class WorkerForward:
             self.graphs.replay_then(bucket)
             self.mtp.replays += 1
         else:
-            attn = AttentionMetadata(
-                query_start_loc=inputs["query_start_loc"],
-                seq_lens=inputs["seq_lens"],
-                block_tables=inputs["block_tables"],
-                slot_mapping=inputs["slot_mapping"],
-            ).with_layout(plan.query_start_loc, plan.seq_lens, self.block_size)
+            attn = self._step_attn(inputs, plan=plan)
             self.mtp.body(num_seqs, attn, inputs, hidden, self.model_kv())
         return self.mtp.result(num_seqs) if plan.mtp_draft.any() else None
 
@@ -350,14 +348,7 @@ class WorkerForward:
         """What a mixed bucket's second graph records: the head's passes over the step buffers
         and the hidden states the bucket's first graph kept."""
         inputs = self.buffers.views(num_tokens=bucket.tokens, num_seqs=bucket.seqs)
-        attn = AttentionMetadata(
-            query_start_loc=inputs["query_start_loc"],
-            seq_lens=inputs["seq_lens"],
-            block_tables=inputs["block_tables"],
-            slot_mapping=inputs["slot_mapping"],
-            num_decodes=0,
-            max_query_len=bucket.tokens,
-        )
+        attn = self._step_attn(inputs, bucket=bucket)
         hidden = self._graph_hidden[: bucket.tokens]
         self.mtp.body(bucket.seqs, attn, inputs, hidden, self.model_kv())
 
@@ -397,3 +388,4 @@ def plan_arrays(
 
 
 _SNAPSHOT_FIELDS = ("snap_pos", "snap_slots")
+_ATTN_FIELDS = ("query_start_loc", "seq_lens", "block_tables", "slot_mapping")

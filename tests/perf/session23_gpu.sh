@@ -28,7 +28,7 @@ if [ "$PART" = sync ]; then
     exit 0
 fi
 timeout -s ABRT 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
-    tests/test_qwen3_next_mtp.py tests/test_e2e_mtp.py tests/test_e2e_speculative_hybrid.py \
+    tests/test_gpu_worker_mtp.py tests/test_e2e_mtp.py tests/test_e2e_speculative_hybrid.py \
     tests/test_gpu_prefill_graphs.py > "$OUT/gpu_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | cut -c1-220 | tail -15
 python3 -c "
