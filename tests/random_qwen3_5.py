@@ -48,11 +48,13 @@ def make_random_qwen3_5(path: str, kind: str = "dense", shape: dict | None = Non
     fields = dict(CONFIGS[kind])
     layer_types = fields.pop("layer_types")
     rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_interleaved": True}
-    rope |= {
-        "mrope_section": [2, 1, 1],
-        "partial_rotary_factor": fields.pop("partial_rotary_factor"),
-    }
     shape = dict(shape or TINY)
+    partial = fields.pop("partial_rotary_factor")
+    half = int(shape["head_dim"] * partial) // 2  # (the rotary pairs the sections split)
+    rope |= {
+        "mrope_section": [half // 2, half // 4, half - half // 2 - half // 4],
+        "partial_rotary_factor": partial,
+    }
     if kind == "moe":
         shape.pop("intermediate_size")
     config_cls, model_cls = (

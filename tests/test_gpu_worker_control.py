@@ -406,11 +406,13 @@ def test_hybrid_weight_updates_from_a_checkpoint_and_a_state_dict(tmp_path):
 
 
 def test_the_step_event_sync_comes_from_the_environment(monkeypatch, tmp_path):
-    """$TAIPAN_STEP_EVENT_SYNC: "spin" (the default) or "blocking" (the step's end event, on
+    """$TAIPAN_STEP_EVENT_SYNC: "blocking" (the default) or "spin" (the step's end event, on
     CUDA); any other value fails the load, naming the variable."""
     from taipan.actors.gpu.worker import SYNC_ENV, step_event_blocking
 
     monkeypatch.delenv(SYNC_ENV, raising=False)
+    assert step_event_blocking() is True
+    monkeypatch.setenv(SYNC_ENV, "spin")
     assert step_event_blocking() is False
     monkeypatch.setenv(SYNC_ENV, "blocking")
     assert step_event_blocking() is True

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from taipan.ops.moe import moe_blocks
+from tests.random_qwen3_next import TINY, add_mtp_head, make_random_qwen3_next
 from tests.test_ops_logprobs import Seq, make_plan
 from tests.test_ops_nemotron_h import BLOCK_SIZE, HybridRunner
 from tests.test_qwen3_next_mtp import (
@@ -72,8 +73,24 @@ def test_the_worker_drafts_after_chunks_and_verify_rows(with_head, mtp_worker):
     check_worker_drafts(with_head, mtp_worker, atol=1e-5)
 
 
+def _gpu_checkpoint(family_kind: tuple[str, str], tmp_path) -> str:
+    """FAMILIES' checkpoint with a random head in head dims the CUDA kernels serve (attention
+    64, the GDN layers' 32)."""
+    family, kind = family_kind
+    dims = {"head_dim": 64, "linear_key_head_dim": 32, "linear_value_head_dim": 32}
+    if family == "qwen3_5":
+        from tests.random_qwen3_5 import make_random_qwen3_5
+
+        path = make_random_qwen3_5(str(tmp_path), kind, shape=TINY | dims)
+    else:
+        path = make_random_qwen3_next(str(tmp_path), kind, shape=TINY | dims)
+    add_mtp_head(path)
+    return path
+
+
 @pytest.mark.gpu
-def test_gpu_worker_drafts_from_the_heads_graphs(with_head):
+@pytest.mark.parametrize("family_kind", FAMILIES, ids=["-".join(f) for f in FAMILIES])
+def test_gpu_worker_drafts_from_the_heads_graphs(family_kind, tmp_path):
     """The same steps on CUDA (fp32), a worker with mixed CUDA graphs against one without:
     every step of the graphed one (two prompt steps, then the hybrid's verify step, its
     recurrent snapshots in the step buffers) replays its bucket's graph and then the head's
@@ -86,7 +103,8 @@ def test_gpu_worker_drafts_from_the_heads_graphs(with_head):
     from taipan.actors.gpu.worker import ModelWorker
     from taipan.messages.gpu import LoadModel
 
-    load = LoadModel(with_head[0], "float32", "cuda", BLOCK_SIZE, 32, 0.05, 64, 4, 256)
+    path = _gpu_checkpoint(family_kind, tmp_path)
+    load = LoadModel(path, "float32", "cuda", BLOCK_SIZE, 32, 0.05, 64, 4, 256)
     load = dataclasses.replace(load, speculative=True, num_speculative_tokens=K, mtp=True)
     runs = []
     for sizes in ((16, 32, 64), ()):

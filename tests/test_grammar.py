@@ -222,6 +222,41 @@ def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_to
     assert masks.checked(torch.tensor([no]), out).tolist() == [no]  # (nothing to check)
 
 
+def test_greedy_rows_masked_before_sampling_when_asked(tok, monkeypatch):
+    """TAIPAN_GRAMMAR_MASKS=mask: a greedy row is masked before sampling as a sampled row is
+    (its mask computed, its disallowed tokens at -inf, nothing left to check); the variable
+    defaults to "check" and any other value is refused, naming it."""
+    import types
+
+    from taipan.actors.gpu.grammar_masks import MODE_ENV, GrammarMasks, grammar_mode
+    from taipan.messages.gpu import GrammarStart
+    from taipan.messages.requests import StructuredOutput
+
+    monkeypatch.delenv(MODE_ENV, raising=False)
+    assert grammar_mode() == "check"
+    monkeypatch.setenv(MODE_ENV, "mask")
+    assert grammar_mode() == "mask"
+    monkeypatch.setenv(MODE_ENV, "both")
+    with pytest.raises(ValueError, match=MODE_ENV):
+        grammar_mode()
+
+    masks = GrammarMasks(tok, check_greedy=False)
+    no = tok.encode("no", add_special_tokens=False)[0]
+    start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
+    step = types.SimpleNamespace(
+        grammar_rows=np.array([7], np.int32), grammar_new=[start],
+        grammar_drop=np.zeros(0, np.int64), temperature=np.zeros(1, np.float32),
+        sample=np.ones(1, np.int8), logprobs_mode=np.zeros(0, np.int8),
+        num_drafts=np.zeros(0, np.int32),
+    )  # fmt: skip
+    logits = torch.zeros(1, 49152)
+    logits[0, 100], logits[0, no] = 9.0, 3.0
+    out = masks.masked(step, logits, logits)
+    assert out is not logits and out[0, 100] == float("-inf") and int(out.argmax()) == no
+    assert masks.check_later(torch.tensor([no]), torch.tensor([no]), out) is None
+    assert masks.checked(torch.tensor([no]), out).tolist() == [no]  # (nothing to check)
+
+
 def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(tok, monkeypatch):
     """GrammarMasks' deferred check (a step without log-probs or drafts): `check_later` takes
     the step's checked rows; `run_check` (at the step's collect, its tokens on the host)

@@ -60,12 +60,14 @@ def test_outputs_keep_to_their_grammars(tiny, overlap):
         assert len(outs[3].token_ids) == 8
 
 
-@pytest.mark.parametrize("overlap", [True, False])
-def test_checked_greedy_rows_equal_masked_ones(tiny, overlap):
+@pytest.mark.parametrize(("overlap", "mode"), [(True, "check"), (False, "check"), (True, "mask")])
+def test_checked_greedy_rows_equal_masked_ones(tiny, overlap, mode, monkeypatch):
     """A greedy grammar row is checked after sampling (its mask computed only when the grammar
-    rejects its choice); one with processed log-probs is masked before. Both are greedy under
-    the same grammar: the same tokens (this random model's choices are mostly rejected, so the
-    masked fallback runs at most steps)."""
+    rejects its choice), or under TAIPAN_GRAMMAR_MASKS=mask masked before; one with processed
+    log-probs is masked before in either mode. All greedy under the same grammar: the same
+    tokens (this random model's choices are mostly rejected, so the masked fallback runs at
+    most steps), alone and sharing steps."""
+    monkeypatch.setenv("TAIPAN_GRAMMAR_MASKS", mode)
     prompts = [[5, 17, 42, 9], [3, 3, 3], [100, 7], [8, 8]]
     specs = [("json_schema", json.dumps(SCHEMA)), ("regex", "[0-9]{3}-[a-z]{2}")] * 2
     checked = [_sampling(kind, spec) for kind, spec in specs]
@@ -76,7 +78,9 @@ def test_checked_greedy_rows_equal_masked_ones(tiny, overlap):
     with LLM(tiny, max_requests=8, overlap_steps=overlap, buffer_size_gb=0.05) as llm:
         got = llm.generate(prompts, checked, use_tqdm=False)
         want = llm.generate(prompts, masked, use_tqdm=False)
+        both = llm.generate(prompts[:2] + prompts[2:], checked[:2] + masked[2:], use_tqdm=False)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in both] == [o.token_ids for o in want]
 
 
 def test_a_bad_grammar_is_refused_naming_why(tiny):

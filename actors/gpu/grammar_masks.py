@@ -26,12 +26,21 @@ its own tokens left the device idle for the next step's whole host staging (stru
 0.26 on an H100, NOTES "Ninth session"). A step with log-probs or drafts checks in its launch
 (`checked`): what it reports of its tokens is computed there.
 
+`TAIPAN_GRAMMAR_MASKS` (`grammar_mode`) picks the path: "check" (the default: greedy rows
+checked as above, sampled rows masked in the launch) or "mask" (every grammar row masked in the
+launch, which waits for the last step's tokens; no check, so the next forward waits for
+nothing). On an H200 (SmolLM2, 64 json_schema streams) the two cost the same
+(`tests/perf/session23_gpu.sh grammar`; NOTES, twenty-third session, also for masks computed
+by a thread of their own with the stream waiting on a host flag: no faster, and a deadlock
+hazard).
+
 Must not touch anything but the logits it is given and its own matchers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import numpy as np
@@ -50,6 +59,17 @@ CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which wa
 # SmolLM2 on the CPU, 32 json_schema streams: 32 candidates take 78 % of the rejected rows (8:
 # 58 %, 128: 82 %), and a step's check fell from 3.1 ms to 1.7 ms (8: 2.0 ms).
 CHECK_CANDIDATES = 32
+MODE_ENV = "TAIPAN_GRAMMAR_MASKS"
+MODES = ("check", "mask")
+
+
+def grammar_mode() -> str:
+    """$TAIPAN_GRAMMAR_MASKS: "check" (the default) or "mask" (the module docstring);
+    ValueError for any other value."""
+    value = os.environ.get(MODE_ENV, "check")
+    if value not in MODES:
+        raise ValueError(f"{MODE_ENV} must be one of {', '.join(MODES)}, got {value!r}")
+    return value
 
 
 def uses_grammar(plan: StepPlan) -> bool:
@@ -81,8 +101,9 @@ class GrammarMasks:
     """The worker's structured-output state: its matchers (built at the first grammar step,
     from the model's tokenizer) and the last grammar step's sampled tokens not yet consumed."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer, check_greedy: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.check_greedy = check_greedy  # (grammar_mode() "check": $TAIPAN_GRAMMAR_MASKS)
         self.grammars: Grammars | None = None
         # (request ids, rows) of the last grammar step, then its tokens (host tensor) and the
         # event after their copy (None on the CPU: already there).
@@ -133,7 +154,10 @@ class GrammarMasks:
 
     def _checkable(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
         """Which of the grammar `rows` are checked after sampling instead of masked before:
-        greedy, sampled this step, raw log-probs, and a matcher that still takes tokens."""
+        greedy, sampled this step, raw log-probs, and a matcher that still takes tokens (none
+        unless TAIPAN_GRAMMAR_MASKS is "check")."""
+        if not self.check_greedy:
+            return np.zeros(len(rows), dtype=bool)
         ok = (plan.temperature[rows] < GREEDY_EPS) & (plan.sample[rows] != 0)
         if len(plan.logprobs_mode):
             ok &= plan.logprobs_mode[rows] == 0

@@ -13,9 +13,70 @@
 #     NOTES, twenty-second session, where the launch's CUDA calls took ~0.4 ms a step while the
 #     collecting thread spun in Event.synchronize): the 1B decode rows at batch 1 and 64 with
 #     TAIPAN_STEP_EVENT_SYNC=spin / blocking / spin / blocking, one tree.
-PART=${1:?part one, four or sync}
+#   grammar (one GPU, the real model: carry_model.sh stage1 first, then carry
+#     [".carry/smollm2.gguf.part2", ".whl"]): issue 28's structured row (SmolLM2, batch 64 x 128,
+#     json_schema against unconstrained) with TAIPAN_GRAMMAR_MASKS=check / mask / check / mask
+#     (greedy rows checked after sampling, the next forward waiting for the check, or masked
+#     before sampling as sampled rows are); the structured GPU test in mask mode; the MTP worker
+#     GPU test (on head dims the kernels serve now); issue 29's n-gram row (k = 4) on the
+#     blocking step-event default.
+#   spy (one GPU, the real model as for grammar): py-spy over the structured bench (every
+#     thread of the engine process, where the gpu actor's launch and collect threads run).
+#   gil (one GPU, the real model as for grammar): the structured row and the 1B decode rows at
+#     batch 1 and 64 with TAIPAN_GIL_SWITCH_MS 0.5 / 0.1 / 0.5 / 0.1 (a thread that released
+#     the GIL, for a CUDA wait or llguidance's masks, waits up to the interval to take it back
+#     while the engine's loop runs: 64 masks took 0.5 ms alone and 17 ms beside a spinning
+#     thread at CPython's 5 ms, on the 2-core box).
+#   (ahead: masks computed by a thread of their own, the stream waiting on a pinned host flag,
+#     ran twice from an uncommitted tree and was taken out: NOTES, twenty-third session.)
+PART=${1:?part one, four, sync, grammar, gil or spy}
 if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh
+if [ "$PART" = grammar ]; then
+    enter_new_tree model || exit 1
+    for mode in check mask check mask; do
+        TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 150 python3 -m taipan.cli bench \
+            --workload structured --model smollm2 --device cuda --dtype bfloat16 \
+            --num-prompts 64 --output-len 128 --results "$OUT/structured_$mode.jsonl" 2>&1 \
+            | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$mode /"
+    done
+    TAIPAN_GRAMMAR_MASKS=mask timeout -s ABRT 200 python3 -m pytest -q -m gpu \
+        -p no:cacheprovider -rfs --tb=short tests/test_structured_outputs.py \
+        tests/test_gpu_worker_mtp.py > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | cut -c1-220 | tail -12
+    timeout -s ABRT 150 python3 -m taipan.cli bench --workload spec --model smollm2 \
+        --device cuda --dtype bfloat16 --spec-tokens 4 --results "$OUT/spec_ngram.jsonl" 2>&1 \
+        | grep -E "^spec|rror" | cut -c1-240
+    exit 0
+fi
+if [ "$PART" = gil ]; then  # (the real model: as for grammar)
+    enter_new_tree model || exit 1
+    for ms in 0.5 0.1 0.5 0.1; do
+        TAIPAN_GIL_SWITCH_MS=$ms timeout -s ABRT 150 python3 -m taipan.cli bench \
+            --workload structured --model smollm2 --device cuda --dtype bfloat16 \
+            --num-prompts 64 --output-len 128 --results "$OUT/structured_gil$ms.jsonl" 2>&1 \
+            | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$ms /"
+        TAIPAN_GIL_SWITCH_MS=$ms timeout -s ABRT 150 python3 -m taipan.cli bench \
+            --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
+            --batches 1,64 --output-len 256 --no-hf --ours-modes graphs \
+            --results "$OUT/decode_gil$ms.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-170 \
+            | sed "s/^/$ms /"
+    done
+    exit 0
+fi
+if [ "$PART" = spy ]; then
+    enter_new_tree model || exit 1
+    timeout -s INT 240 /tmp/site/bin/py-spy record --idle --threads --subprocesses --format raw \
+        -r 200 -o /tmp/spy_structured.txt -- python3 -m taipan.cli bench \
+        --workload structured --model smollm2 --device cuda --dtype bfloat16 \
+        --num-prompts 64 --output-len 128 --results "$OUT/structured_spy.jsonl" 2>&1 \
+        | grep -E "^structured|rror|Samples" | cut -c1-230
+    python3 tests/perf/spy_summary.py /tmp/spy_structured.txt "taipan.procs engine" 45 \
+        > "$OUT/spy_engine.txt"
+    gzip -c /tmp/spy_structured.txt > "$OUT/spy_structured.txt.gz"
+    ls -la "$OUT"
+    exit 0
+fi
 enter_new_tree || exit 1
 if [ "$PART" = sync ]; then
     for mode in spin blocking spin blocking; do
