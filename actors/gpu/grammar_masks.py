@@ -29,10 +29,13 @@ its own tokens left the device idle for the next step's whole host staging (stru
 `TAIPAN_GRAMMAR_MASKS` (`grammar_mode`) picks the path: "check" (the default: greedy rows
 checked as above, sampled rows masked in the launch) or "mask" (every grammar row masked in the
 launch, which waits for the last step's tokens; no check, so the next forward waits for
-nothing). On an H200 (SmolLM2, 64 json_schema streams) the two cost the same
-(`tests/perf/session23_gpu.sh grammar`; NOTES, twenty-third session, also for masks computed
-by a thread of their own with the stream waiting on a host flag: no faster, and a deadlock
-hazard).
+nothing). Launched from the gpu worker's thread, the two cost the same on an H200 (SmolLM2, 64
+json_schema streams; `tests/perf/session23_gpu.sh grammar`). A "mask" step's only wait is for
+the step before it to end (bounded: `wait_event`), so it launches inline, on the event loop's
+thread, as a step without grammars does (`may_launch_inline`): no thread hand-off of the GIL
+on the step's path (`session23_gpu.sh inline`). (NOTES, twenty-third session, also for masks
+computed by a thread of their own with the stream waiting on a host flag: no faster, and a
+deadlock hazard.)
 
 Must not touch anything but the logits it is given and its own matchers.
 """
@@ -42,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import time
 
 import numpy as np
 import torch
@@ -74,6 +78,22 @@ def grammar_mode() -> str:
 
 def uses_grammar(plan: StepPlan) -> bool:
     return bool(len(plan.grammar_rows) or plan.grammar_new or len(plan.grammar_drop))
+
+
+EVENT_POLL_S = 20e-6  # (the OS sleeps ~60 us at least)
+
+
+def wait_event(ended, timeout: float, what: str) -> None:
+    """Wait for a CUDA event (polled, sleeping between polls: the GIL is free meanwhile) at most
+    `timeout` seconds; RuntimeError naming `what` past that (a step that never ends must not
+    hold the thread that waits, which may be the event loop's, forever)."""
+    if ended.query():
+        return
+    deadline = time.monotonic() + timeout
+    while not ended.query():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"structured outputs: {what} did not end within {timeout:.0f} s")
+        time.sleep(EVENT_POLL_S)
 
 
 @dataclasses.dataclass
@@ -114,6 +134,13 @@ class GrammarMasks:
         self._lazy: tuple[np.ndarray, np.ndarray] | None = None
         self._check: Check | None = None
 
+    def may_launch_inline(self, plan: StepPlan) -> bool:
+        """Whether a launch of `plan` (not one with log-probs, drafts or MTP passes, which read
+        the matchers after the step's own end) may run on the event loop's thread as far as
+        grammars go: it has no grammar work, or under "mask" it waits only for the step before
+        it to end."""
+        return not (uses_grammar(plan) or self.pending) or not self.check_greedy
+
     @property
     def pending(self) -> bool:
         """Whether a grammar step's tokens wait to be consumed or checked (every later step
@@ -145,10 +172,12 @@ class GrammarMasks:
         if not len(rows):
             return logits
         ids = plan.grammar_rows[rows]
-        masks = torch.from_numpy(g.masks(ids)).to(logits.device, non_blocking=True)
+        # (pinned, queued: a blocking copy here waited for this step's forward, so the next
+        # step was launched only after it: tests/perf/host_sync_probe.py)
+        masks = to_device(g.masks(ids), logits.device)
         if logits is raw:
             logits = logits.clone()
-        apply_masks(logits, torch.from_numpy(rows).to(logits.device), masks)
+        apply_masks(logits, to_device(rows, logits.device), masks)
         self._rows = (ids, rows)
         return logits
 
@@ -179,7 +208,11 @@ class GrammarMasks:
         """The rows' best CHECK_CANDIDATES (logits, ids), copied to the host without waiting
         (the step's end event, recorded after this, covers the copy)."""
         k = min(CHECK_CANDIDATES, logits.shape[1])
-        values, ids = torch.topk(logits.index_select(0, to_device(rows, logits.device)), k)
+        # (unsorted: `_from_candidates` orders them; torch's sorted top-k waited on the host
+        # for the step's forward to end, tests/perf/host_sync_probe.py: whether the unsorted
+        # one does too is not measured yet)
+        rows_on = logits.index_select(0, to_device(rows, logits.device))
+        values, ids = torch.topk(rows_on, k, sorted=False)
         if logits.device.type != "cuda":
             return values, ids
         host = (torch.empty(values.shape, dtype=values.dtype, pin_memory=True),
@@ -249,8 +282,8 @@ class GrammarMasks:
     def _masked_best(self, ids: np.ndarray, rows: np.ndarray, logits: torch.Tensor):
         """The best token of each of `rows`' logits under its request's mask (device int64)."""
         device = logits.device
-        masks = torch.from_numpy(self.grammars.masks(ids)).to(device, non_blocking=True)
-        return masked_argmax(logits.index_select(0, torch.from_numpy(rows).to(device)), masks)
+        masks = to_device(self.grammars.masks(ids), device)
+        return masked_argmax(logits.index_select(0, to_device(rows, device)), masks)
 
     def checked(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """The step's tokens with each checked row's choice kept where its grammar allows it
@@ -328,8 +361,8 @@ class GrammarMasks:
             return
         (ids, rows), (host, ended) = self._rows, self._tokens
         self._rows = self._tokens = None
-        if ended is not None:
-            ended.synchronize()  # (the step that sampled them, not the one queued after it)
+        if ended is not None:  # (the step that sampled them, not the one queued after it)
+            wait_event(ended, CHECK_TIMEOUT_S, "the last grammar step")
         tokens = host.numpy()[rows] if host.device.type == "cpu" else host[rows].cpu().numpy()
         for rid, token in zip(ids.tolist(), tokens.tolist(), strict=True):
             self.grammars.consume(rid, token)

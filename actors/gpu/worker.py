@@ -586,15 +586,16 @@ class ModelWorker(WorkerForward, WorkerControls):
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
-        step without log-probs, not expert parallel), so the caller may run it on its own
+        step without log-probs, not expert parallel) beyond the end of the step before it (a
+        grammar step under TAIPAN_GRAMMAR_MASKS=mask), so the caller may run it on its own
         thread."""
         return (
             self.device.type == "cuda"
             and not wants_log_probs(plan)
             and self.ep is None
-            and not (uses_grammar(plan) or self.grammar_masks.pending)  # (it may wait)
             and not len(draft_rows(plan))  # (a verify step waits for its tokens)
             and not self.mtp_k  # (an MTP head's passes: eager ones are long host work)
+            and self.grammar_masks.may_launch_inline(plan)  # (grammar steps: "mask" only)
         )
 
     def launch_waits(self, plan: StepPlan) -> bool:

@@ -29,7 +29,10 @@
 #     thread at CPython's 5 ms, on the 2-core box).
 #   (ahead: masks computed by a thread of their own, the stream waiting on a pinned host flag,
 #     ran twice from an uncommitted tree and was taken out: NOTES, twenty-third session.)
-PART=${1:?part one, four, sync, grammar, gil or spy}
+#   inline (one GPU, the real model as for grammar): "mask" grammar steps launched inline on
+#     the event loop's thread (their one wait, for the step before, bounded): the structured
+#     GPU test in that mode, then the structured row check / mask / check / mask.
+PART=${1:?part one, four, sync, grammar, gil, inline or spy}
 if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh
 if [ "$PART" = grammar ]; then
@@ -47,6 +50,20 @@ if [ "$PART" = grammar ]; then
     timeout -s ABRT 150 python3 -m taipan.cli bench --workload spec --model smollm2 \
         --device cuda --dtype bfloat16 --spec-tokens 4 --results "$OUT/spec_ngram.jsonl" 2>&1 \
         | grep -E "^spec|rror" | cut -c1-240
+    exit 0
+fi
+if [ "$PART" = inline ]; then  # (the real model: as for grammar)
+    enter_new_tree model || exit 1
+    TAIPAN_GRAMMAR_MASKS=mask timeout -s ABRT 120 python3 -m pytest -q -m gpu \
+        -p no:cacheprovider -rfs --tb=short tests/test_structured_outputs.py \
+        > "$OUT/inline_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/inline_tests.log" | cut -c1-220 | tail -8
+    for mode in check mask check mask; do
+        TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 100 python3 -m taipan.cli bench \
+            --workload structured --model smollm2 --device cuda --dtype bfloat16 \
+            --num-prompts 64 --output-len 128 --results "$OUT/structured_$mode.jsonl" 2>&1 \
+            | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$mode /"
+    done
     exit 0
 fi
 if [ "$PART" = gil ]; then  # (the real model: as for grammar)
