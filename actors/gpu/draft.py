@@ -55,6 +55,7 @@ from taipan.actors.gpu.draft_graphs import (
     draft_graph_sizes,
 )
 from taipan.actors.gpu.mamba_config import has_recurrent_layers
+from taipan.actors.gpu.sampling_controls import to_device
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, StepPlan
 from taipan.ops.attention import AttentionMetadata
@@ -292,7 +293,9 @@ class DraftModel:
         return int(plan.block_tables[row, position // bs]) * bs + position % bs
 
     def _tensor(self, values, dtype) -> torch.Tensor:
-        return torch.as_tensor(np.asarray(values), dtype=dtype).to(self.device)
+        # (pinned and queued: a blocking copy waits for everything queued before it,
+        # tests/perf/host_sync_probe.py)
+        return to_device(np.asarray(values), self.device, dtype)
 
 
 def _by_row(steps: list[np.ndarray], need: np.ndarray) -> list[list[int]]:
