@@ -120,6 +120,8 @@ def _to_wire(v, extra: list | None):
     """`v` as msgpack values; large arrays go to `extra` frames (None: every array inline)."""
     if type(v) in _PLAIN:
         return v
+    if type(v) is np.ndarray and v.size:  # (the common case first)
+        return _array_to_wire(v, extra)
     if isinstance(v, enum.Enum):
         return v.value
     if isinstance(v, np.ndarray):
@@ -174,21 +176,32 @@ def _field_names(cls) -> tuple[str, ...]:
     return names
 
 
-def _array_to_wire(v: np.ndarray, extra: list | None) -> msgpack.ExtType:
-    name = dtype_name(v.dtype)
+@functools.cache
+def _wire_form(dt: np.dtype) -> tuple[str, bool]:
+    """(the dtype's wire name, whether its arrays go as they are: little-endian or one byte);
+    TypeError for a dtype that cannot travel."""
+    name = dtype_name(dt)
     if name not in ALLOWED_DTYPES:
-        raise TypeError(f"dtype {v.dtype} cannot travel")
+        raise TypeError(f"dtype {dt} cannot travel")
+    return name, dt == _little_endian(dt)
+
+
+# msgpack.ExtType validates its fields in Python (~1 us); ours are an int code and bytes.
+_ext = functools.partial(tuple.__new__, msgpack.ExtType)
+
+
+def _array_to_wire(v: np.ndarray, extra: list | None) -> msgpack.ExtType:
+    name, as_is = _wire_form(v.dtype)
     # The wire is little-endian and keeps 0-d shapes (ascontiguousarray makes them 1-d).
-    little = _little_endian(v.dtype)
     arr = v
-    if v.dtype != little or not v.flags.c_contiguous:
-        arr = np.ascontiguousarray(v, dtype=little).reshape(v.shape)
+    if not (as_is and v.flags.c_contiguous):
+        arr = np.ascontiguousarray(v, dtype=_little_endian(v.dtype)).reshape(v.shape)
     if extra is not None and arr.nbytes > INLINE_ARRAY_BYTES:
         extra.append(memoryview(arr).cast("B"))
         body = msgpack.packb([name, list(arr.shape), len(extra)])
-        return msgpack.ExtType(EXT_ARRAY_FRAME, body)
+        return _ext((EXT_ARRAY_FRAME, body))
     body = msgpack.packb([name, list(arr.shape), arr.tobytes()])
-    return msgpack.ExtType(EXT_ARRAY_INLINE, body)
+    return _ext((EXT_ARRAY_INLINE, body))
 
 
 def encode(msg) -> list:
@@ -234,13 +247,13 @@ def _check_outbound(msg, cls: type) -> tuple:
         )  # fmt: skip
     get, checks, names, defaults = got
     values = get(msg)
-    for v, check, name, default in zip(values, checks, names, defaults, strict=True):
-        if v is default:  # (the field's shared empty default)
-            continue
-        try:
-            check(v)
-        except MessageError as e:
-            raise TypeError(f"{cls.__name__}.{name}: {e}") from None
+    # (a field at its shared empty default needs no check: found in C, the rest checked)
+    for i, differs in enumerate(map(operator.is_not, values, defaults)):
+        if differs:
+            try:
+                checks[i](values[i])
+            except MessageError as e:
+                raise TypeError(f"{cls.__name__}.{names[i]}: {e}") from None
     return values
 
 
@@ -275,27 +288,33 @@ def hand_over(msg) -> None:
 
 # Per class, the defaults of the fields a sender may leave off (those after `required=`), as
 # (kind, default) where kind is "value" (an immutable default), "empty" (an empty array of that
-# dtype and rank) or None (never left off: a default the codec cannot compare).
-_OPTIONAL: dict[type, tuple[int, tuple]] = {}
+# dtype and rank) or None (never left off: a default the codec cannot compare); and per such
+# field the default object itself (a value that *is* it is at its default: one identity test
+# for the shared empty arrays, None and the booleans, which most trailing fields hold).
+_OPTIONAL: dict[type, tuple[int, tuple, tuple]] = {}
+_NEVER = object()  # (no value is this: a field never left off)
 
 
-def _optional_defaults(cls) -> tuple[int, tuple]:
+def _optional_defaults(cls) -> tuple[int, tuple, tuple]:
     got = _OPTIONAL.get(cls)
     if got is not None:
         return got
     fields = dataclasses.fields(cls)
     required = getattr(cls, "REQUIRED_FIELDS", None)
     required = len(fields) if required is None else required
-    defaults = []
+    defaults, same = [], []
     for f in fields[required:]:
         d = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
         if isinstance(d, np.ndarray) and d.size == 0:
             defaults.append(("empty", (d.dtype, d.shape)))
+            same.append(d if id(d) in _SHARED_EMPTY else _NEVER)  # (a fresh one: compared)
         elif type(d) in _PLAIN or d == ():
             defaults.append(("value", d))
+            same.append(d)
         else:
             defaults.append((None, None))
-    got = _OPTIONAL[cls] = (required, tuple(defaults))
+            same.append(_NEVER)
+    got = _OPTIONAL[cls] = (required, tuple(defaults), tuple(same))
     return got
 
 
@@ -303,11 +322,19 @@ def _sent(cls, values: tuple) -> int:
     """How many leading fields of `values` go on the wire: the trailing ones still at their
     defaults are left off, down to `required=` (the receiver fills them in, as for an older
     sender): a step's RequestOutputs carry 7 of their 21 fields, most of the time."""
-    required, defaults = _optional_defaults(cls)
-    n = len(values)
+    required, defaults, same = _optional_defaults(cls)
+    # (the last field that is not its default object, found in C; from there on, the values
+    # equal to a default without being it, such as a fresh 0.0, are compared one by one)
+    differs = list(map(operator.is_not, values[required:], same))
+    if True not in differs:
+        return required
+    n = len(differs) - differs[::-1].index(True) + required
     while n > required:
-        kind, d = defaults[n - 1 - required]
         v = values[n - 1]
+        if v is same[n - 1 - required]:
+            n -= 1
+            continue
+        kind, d = defaults[n - 1 - required]
         if kind == "value":
             if type(v) is not type(d) or v != d:
                 break
