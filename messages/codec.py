@@ -219,6 +219,13 @@ def encode_frame(msg) -> bytes:
 
 
 def _encode_head(msg, extra: list | None) -> bytes:
+    return msgpack.packb(wire_values(msg, extra), use_bin_type=True)
+
+
+def wire_values(msg, extra: list | None = None) -> list:
+    """What `encode_frame` packs for `msg` (checked as encoding checks it): [TAG, VERSION, the
+    fields sent, in wire form]. For a sender that packs many messages of one shape itself
+    (messages/requests.py `stream_frame`), from a template's values."""
     cls = type(msg)
     _check_outbound(msg, cls)
     values = _fields_of(msg)
@@ -227,7 +234,12 @@ def _encode_head(msg, extra: list | None) -> bytes:
         x if type(x) in _PLAIN else (shared.get(id(x)) or _to_wire(x, extra))
         for x in values[: _sent(cls, values)]
     ]
-    return msgpack.packb([cls.TAG, cls.VERSION, *fields], use_bin_type=True)
+    return [cls.TAG, cls.VERSION, *fields]
+
+
+def array_wire(v: np.ndarray) -> msgpack.ExtType:
+    """A non-empty array's inline wire form (as `wire_values` gives it)."""
+    return _array_to_wire(v, None)
 
 
 def _check_outbound(msg, cls: type) -> tuple:

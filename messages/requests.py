@@ -17,17 +17,20 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import msgpack
 import numpy as np
 
 from taipan.messages.codec import (
     Array,
     MessageError,
+    array_wire,
     decode,
     encode_frame,
     message,
     replace_first_field,
     share_empty,
     struct,
+    wire_values,
 )
 from taipan.messages.errors import ErrorCode
 
@@ -475,6 +478,41 @@ class ModelInfo:
     weight_version: int = 0  # the hash salt, as of this answer
     tensor_parallel_size: int = 1  # gpu processes per rank (num_ranks x this join a weight group)
     draft_weights: bool = False  # a draft model with weights of its own (updates with draft=True)
+
+
+_STREAM_TEMPLATE: list | None = None  # RequestOutput's wire values in `stream_frame`'s shape
+
+
+def stream_frame(
+    request_id: int,
+    new_token_ids: np.ndarray,
+    num_prompt_tokens: int,
+    num_generated_tokens: int,
+    num_cached_tokens: int,
+    weight_versions: np.ndarray,
+) -> bytes:
+    """`encode_frame(RequestOutput(...))`, byte for byte, of a streamed output that is not the
+    last (not finished, no log-probs; non-empty `new_token_ids` int32 [n] and
+    `weight_versions` int64 [S, 2]): the engine sends one per streaming request per step, and
+    packing the varying fields into a template's wire values costs a third of building and
+    encoding the RequestOutput (tests/test_messages.py holds the two equal)."""
+    global _STREAM_TEMPLATE
+    if new_token_ids.dtype != np.int32 or weight_versions.dtype != np.int64:
+        raise TypeError("stream_frame: new_token_ids must be int32 and weight_versions int64")
+    if _STREAM_TEMPLATE is None:
+        one = np.ones(1, np.int32)
+        _STREAM_TEMPLATE = wire_values(
+            RequestOutput(
+                0, one, False, None, None, 1, 1, 1, weight_versions=np.ones((1, 2), np.int64)
+            )
+        )
+    t = _STREAM_TEMPLATE
+    return msgpack.packb(
+        [t[0], t[1], request_id, array_wire(new_token_ids), False, None, None,
+         num_prompt_tokens, num_generated_tokens, num_cached_tokens, *t[10:-1],
+         array_wire(weight_versions)],
+        use_bin_type=True,
+    )  # fmt: skip
 
 
 @message(26)

@@ -798,3 +798,19 @@ def test_a_message_without_its_trailing_defaulted_fields_decodes():
     with pytest.raises(MessageError) as info:
         decode([msgpack.packb([42, 1])])
     assert info.value.code == "bad_arity" and "takes 1 to 4 fields" in str(info.value)
+
+
+@pytest.mark.parametrize("n", [1, 3, 40])
+def test_a_streamed_outputs_frame_packed_directly_is_encode_frames(n):
+    """messages/requests.py `stream_frame` (the engine's streamed outputs, packed into a
+    template's wire values) gives encode_frame's bytes for the same RequestOutput; a wrong
+    dtype is refused rather than sent as another."""
+    from taipan.messages.codec import encode_frame
+    from taipan.messages.requests import RequestOutput, stream_frame
+
+    tokens = (np.arange(n, dtype=np.int32) * 7919) % 151_000
+    spans = np.array([[2**40 + 3, 17]], dtype=np.int64)
+    want = RequestOutput(2**62, tokens, False, None, None, 300, 17 + n, 64, weight_versions=spans)
+    assert stream_frame(2**62, tokens, 300, 17 + n, 64, spans) == encode_frame(want)
+    with pytest.raises(TypeError, match="int32"):
+        stream_frame(1, tokens.astype(np.int64), 1, 1, 0, spans)

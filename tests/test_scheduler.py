@@ -23,13 +23,14 @@ from taipan.actors.config import RuntimePlan
 from taipan.actors.engine import wire
 from taipan.actors.engine.batch_arrays import _block_tables, plan_arrays
 from taipan.actors.engine.flow import apply_block_reply
-from taipan.actors.engine.outputs import output_of
+from taipan.actors.engine.outputs import output_of, step_outputs
 from taipan.actors.engine.request import EngineRequest, Status
 from taipan.actors.engine.scheduler import Scheduler, StepBatch
 from taipan.actors.engine.wire import derive_seed
 from taipan.messages.allocator import BlockOpsReply
+from taipan.messages.codec import encode
 from taipan.messages.gpu import NoStep, StepResult
-from taipan.messages.requests import SamplingParams
+from taipan.messages.requests import SamplingParams, StepOutputs
 from tests.fuzz import fuzz_settings
 
 REASONS = {"stop", "length", "abort"}
@@ -158,9 +159,17 @@ class Harness:
 
     def emit(self, requests: list[EngineRequest]) -> None:
         """EngineActor._emit: the next RequestOutput of each reported request (one StepOutputs,
-        see `sent`)."""
+        see `sent`), as the engine builds it (`step_outputs`, streamed outputs packed straight
+        into their frames): the same bytes and the same progress as each one's `output_of`."""
+        before = [r.num_streamed for r in requests]
+        msg = step_outputs(requests)
+        progress = [r.num_streamed for r in requests]
+        for r, n in zip(requests, before, strict=True):
+            r.num_streamed = n
         outputs = [output_of(r) for r in requests]
+        assert [r.num_streamed for r in requests] == progress
         if outputs:
+            assert encode(msg) == encode(StepOutputs.of(outputs))
             self.sent(outputs)
         for r, out in zip(requests, outputs, strict=True):
             new, finished = out.new_token_ids.tolist(), out.finished

@@ -15,8 +15,15 @@ import numpy as np
 
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine.request import EngineRequest
+from taipan.messages.codec import encode_frame
 from taipan.messages.gpu import StepResult
-from taipan.messages.requests import EventType, FinishReason, RequestOutput
+from taipan.messages.requests import (
+    EventType,
+    FinishReason,
+    RequestOutput,
+    StepOutputs,
+    stream_frame,
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -148,6 +155,50 @@ def output_of(r: EngineRequest) -> RequestOutput:
         len(r.generated),
         r.num_cached_tokens,
         **kw,
+    )
+
+
+def step_outputs(requests: list[EngineRequest]) -> StepOutputs:
+    """The StepOutputs reporting `requests` (each its `output_of`). A streaming request's
+    output that is not its last, without log-probs and of one weight version, is packed
+    straight into its frame (`stream_frame`, the same bytes): at batch 64 every step sends 64
+    of them."""
+    ids = np.empty(len(requests), dtype=np.int64)
+    finished = np.zeros(len(requests), dtype=np.bool_)
+    frames = []
+    for i, r in enumerate(requests):
+        ids[i] = r.request_id
+        frame = _stream_frame(r)
+        if frame is None:
+            out = output_of(r)
+            finished[i] = out.finished
+            frame = encode_frame(out)
+        frames.append(frame)
+    return StepOutputs(ids, finished, tuple(frames))
+
+
+def _stream_frame(r: EngineRequest) -> bytes | None:
+    """`encode_frame(output_of(r))` for a streamed output that is not the last and carries
+    tokens of one weight version and no log-probs; None (nothing changed) for any other."""
+    s = r.sampling
+    spans = r.weight_versions
+    if r.finish_reason is not None or not r.stream or len(spans) != 1:
+        return None
+    if s.return_log_probs or s.top_n_logprobs:
+        return None
+    start = r.num_streamed
+    stop = start + r.ready_to_stream()
+    version, first = spans[0]
+    if stop <= start or first >= stop:
+        return None
+    r.num_streamed = stop
+    return stream_frame(
+        r.request_id,
+        np.asarray(r.generated[start:stop], dtype=np.int32),
+        len(r.prompt),
+        len(r.generated),
+        r.num_cached_tokens,
+        np.array([[version, max(first, start)]], dtype=np.int64),
     )
 
 

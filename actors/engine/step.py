@@ -32,14 +32,14 @@ from __future__ import annotations
 from taipan.actors.base import FatalError
 from taipan.actors.channel import Channel
 from taipan.actors.engine.flow import DummyStep, EngineError, StepFlow
-from taipan.actors.engine.outputs import output_of
+from taipan.actors.engine.outputs import step_outputs
 from taipan.actors.engine.request import EngineRequest
 from taipan.actors.engine.scheduler import StepBatch
 from taipan.actors.engine.wire import dummy_plan, step_plan
 from taipan.messages.allocator import BlockOpsReply
 from taipan.messages.gpu import NoStep, StepResult
 from taipan.messages.mamba_cache import MambaOpsReply
-from taipan.messages.requests import FinishReason, StepOutputs
+from taipan.messages.requests import FinishReason
 from taipan.messages.stats import PrefixEvents
 
 
@@ -218,4 +218,4 @@ class StepRunner:
     async def emit(self, requests: list[EngineRequest]) -> None:
         """Report `requests` (their next outputs) to the coordinator in one message."""
         if requests:
-            await self.engine.coord.send(StepOutputs.of([output_of(r) for r in requests]))
+            await self.engine.coord.send(step_outputs(requests))
