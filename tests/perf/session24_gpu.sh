@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# What the twenty-third session built after its device time was spent (from the root):
+#   one (one GPU, the real model: `bash tests/perf/carry_model.sh stage1` with carry
+#     [".carry/smollm2.gguf.part1"], then this with carry [".carry/smollm2.gguf.part2", ".whl"]):
+#     - tests/perf/host_sync_probe.py: which host calls wait for the stream (the unsorted top-k
+#       of the checked grammar rows' candidates; a D2H copy into a row of a pinned ring, as the
+#       worker's tokens take);
+#     - the GPU tests of what changed: the structured-output GPU test in both grammar modes
+#       (rows and masks now pinned and queued; "mask" steps inline), the draft model's GPU
+#       tests (its eager forwards' index copies now pinned and queued);
+#     - the structured row with TAIPAN_GRAMMAR_MASKS check / mask / check / mask (issue 28's
+#       bar: <= 5 %; if "mask" wins, it becomes the default);
+#     - the decode rows of the 1B shape at batch 1 and 64 (streamed outputs now packed
+#       straight into their frames: the engine's host step at batch 64).
+#   tp (two GPUs): issue 24's TP=2 against TP=1 at batch 1 on the 8B shape, H200s (0.658x at
+#     the fourteenth session; the target 0.6x), ours and NCCL-only sums in one run.
+#   four (four GPUs): session22_gpu.sh four (never lent so far).
+PART=${1:?part one, tp or four}
+if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
+source tests/perf/device_setup.sh
+if [ "$PART" = tp ]; then
+    enter_new_tree || exit 1
+    timeout -s ABRT 280 python3 -m taipan.cli bench --workload decode --model random:llama-8b \
+        --device cuda --dtype bfloat16 --batches 1 --output-len 128 --no-hf \
+        --ours-modes graphs --results "$OUT/tp1.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-170
+    timeout -s ABRT 280 python3 -m taipan.cli bench --workload decode --model random:llama-8b \
+        --device cuda --dtype bfloat16 --batches 1 --output-len 128 --no-hf \
+        --ours-modes graphs,nccl --tensor-parallel-size 2 --results "$OUT/tp2.jsonl" 2>&1 \
+        | grep -E "^decode|rror" | cut -c1-170
+    exit 0
+fi
+enter_new_tree model || exit 1
+timeout -s ABRT 60 python3 tests/perf/host_sync_probe.py 2>&1 | tee "$OUT/probe.txt"
+for mode in check mask; do
+    TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 120 python3 -m pytest -q -m gpu \
+        -p no:cacheprovider -rfs --tb=short tests/test_structured_outputs.py \
+        > "$OUT/structured_tests_$mode.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/structured_tests_$mode.log" | tail -4
+done
+timeout -s ABRT 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
+    tests/test_e2e_speculative_draft.py tests/test_draft_graphs.py > "$OUT/draft_tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/draft_tests.log" | tail -4
+for mode in check mask check mask; do
+    TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 100 python3 -m taipan.cli bench \
+        --workload structured --model smollm2 --device cuda --dtype bfloat16 \
+        --num-prompts 64 --output-len 128 --results "$OUT/structured_$mode.jsonl" 2>&1 \
+        | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$mode /"
+done
+timeout -s ABRT 120 python3 -m taipan.cli bench --workload decode --model random:llama-1b \
+    --device cuda --dtype bfloat16 --batches 1,64 --output-len 256 --no-hf \
+    --ours-modes graphs --results "$OUT/decode_1b.jsonl" 2>&1 | grep -E "^decode|rror" \
+    | cut -c1-170
