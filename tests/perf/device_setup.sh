@@ -31,3 +31,19 @@ enter_new_tree() {  # [model]: start_device, NVLS off, .carry/new staged as `tai
     stage_tree .carry/new /tmp/pkg_new || return 1
     cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
 }
+structured_row() {  # TAG [VAR=VALUE ...]: SmolLM2's structured row (64 streams x 128 tokens)
+    local tag=$1
+    shift
+    env "$@" timeout -s ABRT 150 python3 -m taipan.cli bench --workload structured \
+        --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 --output-len 128 \
+        --results "$OUT/structured_$tag.jsonl" 2>&1 | grep -E "^structured|rror" \
+        | cut -c1-230 | sed "s/^/$tag /"
+}
+decode_1b_row() {  # TAG [VAR=VALUE ...]: the 1B shape's decode rows at batch 1 and 64
+    local tag=$1
+    shift
+    env "$@" timeout -s ABRT 150 python3 -m taipan.cli bench --workload decode \
+        --model random:llama-1b --device cuda --dtype bfloat16 --batches 1,64 \
+        --output-len 256 --no-hf --ours-modes graphs --results "$OUT/decode_$tag.jsonl" 2>&1 \
+        | grep -E "^decode|rror" | cut -c1-170 | sed "s/^/$tag /"
+}

@@ -37,12 +37,7 @@ if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh
 if [ "$PART" = grammar ]; then
     enter_new_tree model || exit 1
-    for mode in check mask check mask; do
-        TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 150 python3 -m taipan.cli bench \
-            --workload structured --model smollm2 --device cuda --dtype bfloat16 \
-            --num-prompts 64 --output-len 128 --results "$OUT/structured_$mode.jsonl" 2>&1 \
-            | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$mode /"
-    done
+    for mode in check mask check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
     TAIPAN_GRAMMAR_MASKS=mask timeout -s ABRT 200 python3 -m pytest -q -m gpu \
         -p no:cacheprovider -rfs --tb=short tests/test_structured_outputs.py \
         tests/test_gpu_worker_mtp.py > "$OUT/gpu_tests.log" 2>&1
@@ -58,26 +53,14 @@ if [ "$PART" = inline ]; then  # (the real model: as for grammar)
         -p no:cacheprovider -rfs --tb=short tests/test_structured_outputs.py \
         > "$OUT/inline_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/inline_tests.log" | cut -c1-220 | tail -8
-    for mode in check mask check mask; do
-        TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 100 python3 -m taipan.cli bench \
-            --workload structured --model smollm2 --device cuda --dtype bfloat16 \
-            --num-prompts 64 --output-len 128 --results "$OUT/structured_$mode.jsonl" 2>&1 \
-            | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$mode /"
-    done
+    for mode in check mask check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
     exit 0
 fi
 if [ "$PART" = gil ]; then  # (the real model: as for grammar)
     enter_new_tree model || exit 1
     for ms in 0.5 0.1 0.5 0.1; do
-        TAIPAN_GIL_SWITCH_MS=$ms timeout -s ABRT 150 python3 -m taipan.cli bench \
-            --workload structured --model smollm2 --device cuda --dtype bfloat16 \
-            --num-prompts 64 --output-len 128 --results "$OUT/structured_gil$ms.jsonl" 2>&1 \
-            | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$ms /"
-        TAIPAN_GIL_SWITCH_MS=$ms timeout -s ABRT 150 python3 -m taipan.cli bench \
-            --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
-            --batches 1,64 --output-len 256 --no-hf --ours-modes graphs \
-            --results "$OUT/decode_gil$ms.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-170 \
-            | sed "s/^/$ms /"
+        structured_row "gil$ms" TAIPAN_GIL_SWITCH_MS=$ms
+        decode_1b_row "gil$ms" TAIPAN_GIL_SWITCH_MS=$ms
     done
     exit 0
 fi
@@ -96,13 +79,7 @@ if [ "$PART" = spy ]; then
 fi
 enter_new_tree || exit 1
 if [ "$PART" = sync ]; then
-    for mode in spin blocking spin blocking; do
-        TAIPAN_STEP_EVENT_SYNC=$mode timeout -s ABRT 150 python3 -m taipan.cli bench \
-            --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
-            --batches 1,64 --output-len 256 --no-hf --ours-modes graphs \
-            --results "$OUT/sync_$mode.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-170 \
-            | sed "s/^/$mode /"
-    done
+    for mode in spin blocking spin blocking; do decode_1b_row "$mode" TAIPAN_STEP_EVENT_SYNC=$mode; done
     exit 0
 fi
 timeout -s ABRT 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \

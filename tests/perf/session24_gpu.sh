@@ -40,13 +40,5 @@ done
 timeout -s ABRT 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
     tests/test_e2e_speculative_draft.py tests/test_draft_graphs.py > "$OUT/draft_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/draft_tests.log" | tail -4
-for mode in check mask check mask; do
-    TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 100 python3 -m taipan.cli bench \
-        --workload structured --model smollm2 --device cuda --dtype bfloat16 \
-        --num-prompts 64 --output-len 128 --results "$OUT/structured_$mode.jsonl" 2>&1 \
-        | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$mode /"
-done
-timeout -s ABRT 120 python3 -m taipan.cli bench --workload decode --model random:llama-1b \
-    --device cuda --dtype bfloat16 --batches 1,64 --output-len 256 --no-hf \
-    --ours-modes graphs --results "$OUT/decode_1b.jsonl" 2>&1 | grep -E "^decode|rror" \
-    | cut -c1-170
+for mode in check mask check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
+decode_1b_row 1b
