@@ -215,6 +215,19 @@ def _fake_decode_row(steps: dict, b: int = 1, device: str = "cuda", hf: dict | N
     return _decode_row(args, {"workload": "decode", "batch": b}, b, ours, hf_modes, hw)
 
 
+def test_decode_workload_with_log_probs_on_cpu(tmp_path):
+    """--log-probs: every request asks its tokens' log-probs (an RL rollout's steps); the row
+    says so, and ours returned one per token (the workload checks it)."""
+    rows = _bench_rows(
+        tmp_path,
+        *("--workload", "decode", "--model", "random:tiny", "--batches", "2"),
+        *("--output-len", "6", "--prompt-len", "8", "--copy-gib", "0.0625", "--no-hf"),
+        "--log-probs",
+    )
+    assert [r["batch"] for r in rows] == [2] and rows[0]["log_probs"] is True
+    assert rows[0]["ours_eager_ms"] > 0 and "invalid" not in rows[0]
+
+
 def test_decode_row_figures_and_ratios():
     row = _fake_decode_row(
         {"graphs": 1.5, "eager": 3.0, "serial": 2.0, "nccl": 1.8}, hf={"hf": 6.0}

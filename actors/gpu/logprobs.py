@@ -6,7 +6,11 @@ target), the padding of the arrays (NaN, and -1 ids), which sampled rows are pro
 go through the logits at a time. The math is ops/logprobs.py's. It runs after the step's forward
 and sampling, on the logits they left (a graph's static buffer is read, never written), so it is
 the same code eager or after a CUDA graph's replay. Must not touch the worker's state, the KV
-cache or the sampled tokens: it reads tensors and returns numpy arrays (a device-to-host wait).
+cache or the sampled tokens: it reads tensors. On CUDA nothing here waits for the device: the
+log-probs are computed on the stream and copied to pinned host memory without waiting
+(`PendingLogProbs`), and their numpy arrays are built when the step is collected, after its end
+event, so a step with log-probs (every step of an RL rollout) overlaps the next one's launch
+as a step without does (it used to wait for its own forward in its launch).
 """
 
 from __future__ import annotations
@@ -37,6 +41,35 @@ def wants_log_probs(plan: StepPlan) -> bool:
     return bool(plan.top_n.any() or plan.logprobs.any() or (plan.prompt_targets >= 0).any())
 
 
+class PendingLogProbs:
+    """A launched step's log-prob arrays, not read yet: device tensors queued to pinned host
+    memory (`host`, CUDA; the tensors themselves elsewhere), and the steps that fill the numpy
+    arrays from them (`then`), run by `take` once the step's end event has passed."""
+
+    def __init__(self, device: torch.device, out: dict[str, np.ndarray]):
+        self.cuda = device.type == "cuda"
+        self.out = out
+        self._fill: list[Callable[[], None]] = []
+
+    def host(self, t: torch.Tensor) -> Callable[[], np.ndarray]:
+        """`t` queued to the host; returns what reads it there (at `take`)."""
+        if not self.cuda:
+            return lambda: t.numpy()
+        copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        copy.copy_(t, non_blocking=True)
+        return copy.numpy
+
+    def then(self, fill: Callable[[], None]) -> None:
+        self._fill.append(fill)
+
+    def take(self) -> dict[str, np.ndarray]:
+        """The arrays (the step's end event has passed)."""
+        for fill in self._fill:
+            fill()
+        self._fill.clear()
+        return self.out
+
+
 def no_log_probs(batch: int, n: int) -> dict[str, np.ndarray]:
     return {
         "log_probs": np.full(batch, np.nan, dtype=np.float32),
@@ -56,19 +89,21 @@ def log_prob_arrays(
     vocab_size: int,
     device: torch.device,
     processed_logits: torch.Tensor | None = None,
-) -> dict[str, np.ndarray]:
-    """StepResult's log-prob arrays when the plan asks for any, else {}. The prompt ones read
-    every token's hidden state, so only an eager step (`hidden` not None) has them.
-    `processed_logits`: the logits after the plan's sampling controls (actors/gpu/
-    sampling_controls.py), which processed rows are of; None: `logits` (no controls)."""
+) -> PendingLogProbs | dict[str, np.ndarray]:
+    """StepResult's log-prob arrays when the plan asks for any (pending until the step is
+    collected: `PendingLogProbs.take`), else {}. The prompt ones read every token's hidden
+    state, so only an eager step (`hidden` not None) has them. `processed_logits`: the logits
+    after the plan's sampling controls (actors/gpu/sampling_controls.py), which processed rows
+    are of; None: `logits` (no controls)."""
     if not wants_log_probs(plan):
         return {}
     n = int(plan.top_n.max(initial=0))
     both = (logits, logits if processed_logits is None else processed_logits)
-    extra = _sampled_log_probs(plan, rows, both, tokens, n, device)
+    pending = PendingLogProbs(device, no_log_probs(len(plan.sample), n))
+    _sampled_log_probs(pending, plan, rows, both, tokens, n, device)
     if hidden is not None:
-        extra.update(_prompt_log_probs(plan, hidden, n, compute_logits, vocab_size, device))
-    return extra
+        _prompt_log_probs(pending, plan, hidden, n, compute_logits, vocab_size, device)
+    return pending
 
 
 def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
@@ -78,14 +113,21 @@ def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
 
 
 def _sampled_log_probs(
-    plan: StepPlan, rows: np.ndarray, logits: tuple, tokens: torch.Tensor, n: int, device
-) -> dict[str, np.ndarray]:
-    """StepResult's log_probs / top_n arrays (n columns) for the sampled rows; device work
-    only where a sampled row asks for it. `logits`: (raw, after the sampling controls)."""
-    out = no_log_probs(len(plan.sample), n)
+    pending: PendingLogProbs,
+    plan: StepPlan,
+    rows: np.ndarray,
+    logits: tuple,
+    tokens: torch.Tensor,
+    n: int,
+    device,
+) -> None:
+    """StepResult's log_probs / top_n arrays (n columns) for the sampled rows, into `pending`;
+    device work only where a sampled row asks for it. `logits`: (raw, after the sampling
+    controls)."""
+    out = pending.out
     wanted, counts = plan.logprobs[rows] != 0, plan.top_n[rows]
     if not (wanted.any() or counts.any()):
-        return out
+        return
     processed = processed_rows(plan)[rows]
     # A greedy row's processed log-probs are the log-softmax of its controlled logits.
     controlled = processed_mode(plan)[rows] & ~processed
@@ -97,10 +139,15 @@ def _sampled_log_probs(
         picked, ids, values = _rows_log_probs(
             plan, rows[part], part_logits, tokens, counts[part], n, device, is_processed
         )
-        out["log_probs"][rows[part]] = np.where(wanted[part], picked.cpu().numpy(), np.nan)
-        out["top_n_ids"][rows[part]] = ids.cpu().numpy()
-        out["top_n_log_probs"][rows[part]] = values.cpu().numpy()
-    return out
+        at, keep = rows[part], wanted[part]
+        got = (pending.host(picked), pending.host(ids), pending.host(values))
+
+        def fill(at=at, keep=keep, got=got) -> None:
+            out["log_probs"][at] = np.where(keep, got[0](), np.nan)
+            out["top_n_ids"][at] = got[1]()
+            out["top_n_log_probs"][at] = got[2]()
+
+        pending.then(fill)
 
 
 def processed_rows(plan: StepPlan) -> np.ndarray:
@@ -132,16 +179,23 @@ def _rows_log_probs(
 
 
 def _prompt_log_probs(
-    plan: StepPlan, hidden: torch.Tensor, n: int, compute_logits, vocab_size: int, device
-) -> dict[str, np.ndarray]:
-    """StepResult's prompt_* arrays: one row per input token with a prompt target."""
+    pending: PendingLogProbs,
+    plan: StepPlan,
+    hidden: torch.Tensor,
+    n: int,
+    compute_logits,
+    vocab_size: int,
+    device,
+) -> None:
+    """StepResult's prompt_* arrays, into `pending`: one row per input token with a prompt
+    target."""
+    out = pending.out
     tokens = np.flatnonzero(plan.prompt_targets >= 0)
     if len(tokens) == 0:
-        return {
-            "prompt_log_probs": np.zeros(0, dtype=np.float32),
-            "prompt_top_n_ids": np.zeros((0, n), dtype=np.int32),
-            "prompt_top_n_log_probs": np.zeros((0, n), dtype=np.float32),
-        }
+        out["prompt_log_probs"] = np.zeros(0, dtype=np.float32)
+        out["prompt_top_n_ids"] = np.zeros((0, n), dtype=np.int32)
+        out["prompt_top_n_log_probs"] = np.zeros((0, n), dtype=np.float32)
+        return
     seq = np.searchsorted(plan.query_start_loc, tokens, side="right") - 1
     by_vocab = PROMPT_LOGITS_MAX_ELEMENTS // vocab_size
     picked, ids, values = prompt_log_probs(
@@ -152,8 +206,11 @@ def _prompt_log_probs(
         compute_logits,
         chunk_rows=max(1, min(PROMPT_LOGITS_MAX_ROWS, by_vocab)),
     )
-    return {
-        "prompt_log_probs": picked.cpu().numpy(),
-        "prompt_top_n_ids": ids.cpu().numpy().astype(np.int32),
-        "prompt_top_n_log_probs": values.cpu().numpy(),
-    }
+    got = (pending.host(picked), pending.host(ids), pending.host(values))
+
+    def fill() -> None:
+        out["prompt_log_probs"] = got[0]()
+        out["prompt_top_n_ids"] = got[1]().astype(np.int32)
+        out["prompt_top_n_log_probs"] = got[2]()
+
+    pending.then(fill)

@@ -36,7 +36,12 @@ from taipan.actors.gpu.grammar_masks import (
     uses_grammar,
 )
 from taipan.actors.gpu.graphs import StepGraphs
-from taipan.actors.gpu.logprobs import log_prob_arrays, no_log_probs, wants_log_probs
+from taipan.actors.gpu.logprobs import (
+    PendingLogProbs,
+    log_prob_arrays,
+    no_log_probs,
+    wants_log_probs,
+)
 from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
 from taipan.actors.gpu.mtp import MTPDrafter
 from taipan.actors.gpu.plan_checks import (
@@ -79,7 +84,7 @@ class Launched:
     plan: StepPlan
     rows: np.ndarray  # the rows that sample
     tokens: torch.Tensor  # [B] int64 on the host (pinned, filled once `ended` has passed)
-    extra: dict  # the log-prob arrays, when the step asked for them (already on the host)
+    extra: PendingLogProbs | dict  # its log-prob arrays ({}: none asked; taken at collect)
     graphed: bool
     start: float  # perf_counter when launch began
     device_start: float
@@ -586,12 +591,13 @@ class ModelWorker(WorkerForward, WorkerControls):
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
-        step without log-probs, not expert parallel) beyond the end of the step before it (a
-        grammar step under TAIPAN_GRAMMAR_MASKS=mask), so the caller may run it on its own
-        thread."""
+        step, not expert parallel; its log-probs are read at collect) beyond the end of the
+        step before it (a grammar step under TAIPAN_GRAMMAR_MASKS=mask), so the caller may run
+        it on its own thread."""
+        grammar = uses_grammar(plan) or self.grammar_masks.pending
         return (
             self.device.type == "cuda"
-            and not wants_log_probs(plan)
+            and not (wants_log_probs(plan) and grammar)  # (its rows checked in the launch)
             and self.ep is None
             and not len(draft_rows(plan))  # (a verify step waits for its tokens)
             and not self.mtp_k  # (an MTP head's passes: eager ones are long host work)
@@ -599,15 +605,18 @@ class ModelWorker(WorkerForward, WorkerControls):
         )
 
     def launch_waits(self, plan: StepPlan) -> bool:
-        """Whether `launch(plan)` waits for the step's device work on CUDA (its log-probs or
-        its verified drafts come to the host in it), so that `collect` right after it, in the
-        same thread, waits for almost nothing (the gpu actor then saves a hop to its
-        collector). An MTP head's steps are collected there too: the engine plans the next
-        step of a drafting request only with these drafts."""
+        """Whether `launch(plan)` waits for the step's device work on CUDA (its verified
+        drafts come to the host in it, or a grammar step's log-probs read its checked rows),
+        so that `collect` right after it, in the same thread, waits for almost nothing (the
+        gpu actor then saves a hop to its collector). An MTP head's steps are collected there
+        too: the engine plans the next step of a drafting request only with these drafts."""
+        grammar_log_probs = wants_log_probs(plan) and (
+            uses_grammar(plan) or self.grammar_masks.pending
+        )
         return (
             self.device.type == "cuda"
             and self.ep is None
-            and (wants_log_probs(plan) or bool(len(draft_rows(plan))) or bool(self.mtp_k))
+            and (grammar_log_probs or bool(len(draft_rows(plan))) or bool(self.mtp_k))
         )
 
     def collect(self, launched: Launched | StepResult) -> StepResult:
@@ -632,6 +641,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         rows = launched.rows
         token_ids[rows] = launched.tokens.numpy()[rows]
         extra = launched.extra
+        if isinstance(extra, PendingLogProbs):  # (copied to the host before the end event)
+            extra = extra.take()
         if not extra:
             extra = no_log_probs(len(plan.sample), 0)
         if launched.routed is not None:

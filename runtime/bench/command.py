@@ -100,6 +100,11 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt-len", type=int, default=128, help="decode: prompt tokens")
     p.add_argument("--batches", default="1,8,64,256", help="decode: comma-separated batch sizes")
     p.add_argument(
+        "--log-probs",
+        action="store_true",
+        help="decode: every request asks its tokens' log-probs (as an RL rollout does)",
+    )
+    p.add_argument(
         "--num-requests", type=int, default=1000, help="offline: requests; relay: per engine"
     )
     p.add_argument(

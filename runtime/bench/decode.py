@@ -16,6 +16,7 @@ taipan.ops.hardware, imported inside the functions that use them (dtypes travel 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 
@@ -73,11 +74,16 @@ def _decode_prompts(args, batches: list[int]) -> dict[int, dict[str, list[list[i
     return runs
 
 
-def _timed_generate(client, prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+def _timed_generate(
+    client, prompts: list[list[int]], max_tokens: int, log_probs: bool = False
+) -> tuple[float, list]:
     """(seconds from submitting every prompt to the last completion, the completions); each must
-    have exactly `max_tokens` tokens (greedy, EOS ignored)."""
+    have exactly `max_tokens` tokens (greedy, EOS ignored; `log_probs`: with their log-probs)."""
+    sampling = greedy(max_tokens)
+    if log_probs:
+        sampling = dataclasses.replace(sampling, return_log_probs=True)
     start = time.perf_counter()
-    done = client.generate(prompts, greedy(max_tokens))
+    done = client.generate(prompts, sampling)
     elapsed = time.perf_counter() - start
     lengths = sorted({len(c.token_ids) for c in done})
     if lengths != [max_tokens]:
@@ -119,9 +125,12 @@ def _ours_decode(args, runs: dict, output_len: int) -> dict[int, dict]:
         for b, prompts in runs.items():
             client.generate(prompts["warmup"], greedy(4))  # this batch's shapes, once
             asyncio.run(_warm_mixed(rt.address, prompts["warmup"]))
-            t1, _ = _timed_generate(client, prompts["t1"], 1)
+            log_probs = bool(getattr(args, "log_probs", False))
+            t1, _ = _timed_generate(client, prompts["t1"], 1, log_probs)
             dev0, steps0, graphed0, gc0 = _rank_counters(client)
-            tn, done = _timed_generate(client, prompts["tn"], 1 + output_len)
+            tn, done = _timed_generate(client, prompts["tn"], 1 + output_len, log_probs)
+            if log_probs and any(len(c.log_probs) != 1 + output_len for c in done):
+                raise RuntimeError("ours returned fewer log-probs than tokens")
             dev1, steps1, graphed1, gc1 = _rank_counters(client)
             out[b] = {
                 "t1_s": t1,
@@ -270,6 +279,7 @@ def decode_workload(args) -> list[dict]:
         "device": args.device,
         "prompt_len": args.prompt_len,
         "output_len": args.output_len,
+        **({"log_probs": True} if getattr(args, "log_probs", False) else {}),
         **errors,
     }
     return [rounded(_decode_row(args, dict(common, batch=b), b, ours, hf, hw)) for b in batches]

@@ -40,10 +40,12 @@ structured_row() {  # TAG [VAR=VALUE ...]: SmolLM2's structured row (64 streams 
         | cut -c1-230 | sed "s/^/$tag /"
 }
 decode_1b_row() {  # TAG [VAR=VALUE ...]: the 1B shape's decode rows at batch 1 and 64
+    # ($BENCH_EXTRA: more bench arguments, e.g. --log-probs)
     local tag=$1
     shift
+    # shellcheck disable=SC2086
     env "$@" timeout -s ABRT 150 python3 -m taipan.cli bench --workload decode \
         --model random:llama-1b --device cuda --dtype bfloat16 --batches 1,64 \
-        --output-len 256 --no-hf --ours-modes graphs --results "$OUT/decode_$tag.jsonl" 2>&1 \
-        | grep -E "^decode|rror" | cut -c1-170 | sed "s/^/$tag /"
+        --output-len 256 --no-hf --ours-modes graphs --results "$OUT/decode_$tag.jsonl" \
+        ${BENCH_EXTRA:-} 2>&1 | grep -E "^decode|rror" | cut -c1-170 | sed "s/^/$tag /"
 }

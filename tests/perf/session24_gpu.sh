@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # What the twenty-third session built after its device time was spent (from the root):
-#   one (one GPU, the real model: `bash tests/perf/carry_model.sh stage1` with carry
+#   tests (one GPU, the real model: `bash tests/perf/carry_model.sh stage1` with carry
 #     [".carry/smollm2.gguf.part1"], then this with carry [".carry/smollm2.gguf.part2", ".whl"]):
+#     the GPU tests of what changed: the structured-output GPU test in both grammar modes (rows
+#     and masks now pinned and queued; "mask" steps inline), the draft model's GPU tests (its
+#     eager forwards' index copies pinned and queued), and every GPU test with log-probs that
+#     runs on one GPU (a step's log-probs now reach the host at collect: such steps launch
+#     inline and overlap, actors/gpu/logprobs.py PendingLogProbs).
+#   rows (one GPU, the model staged by `tests` on the same warm machine):
 #     - tests/perf/host_sync_probe.py: which host calls wait for the stream (the unsorted top-k
 #       of the checked grammar rows' candidates; a D2H copy into a row of a pinned ring, as the
 #       worker's tokens take);
-#     - the GPU tests of what changed: the structured-output GPU test in both grammar modes
-#       (rows and masks now pinned and queued; "mask" steps inline), the draft model's GPU
-#       tests (its eager forwards' index copies now pinned and queued);
 #     - the structured row with TAIPAN_GRAMMAR_MASKS check / mask / check / mask (issue 28's
 #       bar: <= 5 %; if "mask" wins, it becomes the default);
-#     - the decode rows of the 1B shape at batch 1 and 64 (streamed outputs now packed
-#       straight into their frames: the engine's host step at batch 64).
+#     - the 1B shape's decode rows at batch 1 and 64, without and with --log-probs (an RL
+#       rollout's steps: they used to wait for their own forward in the launch).
 #   tp (two GPUs): issue 24's TP=2 against TP=1 at batch 1 on the 8B shape, H200s (0.658x at
 #     the fourteenth session; the target 0.6x), ours and NCCL-only sums in one run.
 #   four (four GPUs): session22_gpu.sh four (never lent so far).
-PART=${1:?part one, tp or four}
+PART=${1:?part tests, rows, tp or four}
 if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh
 if [ "$PART" = tp ]; then
@@ -30,7 +33,15 @@ if [ "$PART" = tp ]; then
     exit 0
 fi
 enter_new_tree model || exit 1
-timeout -s ABRT 60 python3 tests/perf/host_sync_probe.py 2>&1 | tee "$OUT/probe.txt"
+if [ "$PART" = rows ]; then
+    timeout -s ABRT 60 python3 tests/perf/host_sync_probe.py 2>&1 | tee "$OUT/probe.txt"
+    for mode in check mask check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
+    for run in 1 2; do
+        decode_1b_row "plain$run"
+        BENCH_EXTRA=--log-probs decode_1b_row "logprobs$run"
+    done
+    exit 0
+fi
 for mode in check mask; do
     TAIPAN_GRAMMAR_MASKS=$mode timeout -s ABRT 120 python3 -m pytest -q -m gpu \
         -p no:cacheprovider -rfs --tb=short tests/test_structured_outputs.py \
@@ -40,5 +51,8 @@ done
 timeout -s ABRT 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
     tests/test_e2e_speculative_draft.py tests/test_draft_graphs.py > "$OUT/draft_tests.log" 2>&1
 grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/draft_tests.log" | tail -4
-for mode in check mask check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
-decode_1b_row 1b
+timeout -s ABRT 300 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
+    tests/test_gpu.py tests/test_gpu_real_model.py tests/test_gpu_buffers.py \
+    tests/test_sampling_controls.py tests/test_e2e_dense.py tests/test_e2e_speculative.py \
+    -k "not tp2" > "$OUT/logprob_tests.log" 2>&1
+grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/logprob_tests.log" | tail -6
