@@ -336,3 +336,26 @@ def test_http_logprobs_mode_extension_field(runtime, client):
     content = chat.json()["choices"][0]["logprobs"]["content"]
     assert content and all(math.isfinite(e["logprob"]) and e["logprob"] <= 0 for e in content)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "logprobs_mode"
+
+
+def test_which_log_prob_steps_only_queue_work():
+    """actors/gpu/logprobs.py `log_probs_never_wait`: raw log-probs of the sampled tokens (an
+    RL rollout's) only queue work, so such a step may launch inline; top-n (a sorted top-k)
+    and processed rows of a sampled request (sort-based filters) may wait for the stream;
+    a greedy row's processed log-probs are its controlled logits' (no sort)."""
+    import types
+
+    import numpy as np
+
+    from taipan.actors.gpu.logprobs import log_probs_never_wait
+
+    def plan(top_n=(0, 0), mode=(), temperature=(1.0, 0.0)):
+        return types.SimpleNamespace(
+            top_n=np.asarray(top_n, np.int32), logprobs_mode=np.asarray(mode, np.int8),
+            temperature=np.asarray(temperature, np.float32), seq_lens=np.ones(2, np.int32),
+        )  # fmt: skip
+
+    assert log_probs_never_wait(plan())
+    assert not log_probs_never_wait(plan(top_n=(0, 5)))
+    assert not log_probs_never_wait(plan(mode=(1, 0)))
+    assert log_probs_never_wait(plan(mode=(0, 1)))  # (the greedy row's: no sort)

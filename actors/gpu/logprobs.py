@@ -41,6 +41,14 @@ def wants_log_probs(plan: StepPlan) -> bool:
     return bool(plan.top_n.any() or plan.logprobs.any() or (plan.prompt_targets >= 0).any())
 
 
+def log_probs_never_wait(plan: StepPlan) -> bool:
+    """Whether computing `plan`'s log-probs only queues work on the stream: no top-n (a sorted
+    top-k, which tests/perf/host_sync_probe.py found waiting for the stream) and no processed
+    rows (sort-based filters), as an RL rollout's raw log-probs of its sampled tokens. Such a
+    step may launch inline; the others launch from the worker's thread, as before."""
+    return not plan.top_n.any() and not processed_rows(plan).any()
+
+
 class PendingLogProbs:
     """A launched step's log-prob arrays, not read yet: device tensors queued to pinned host
     memory (`host`, CUDA; the tensors themselves elsewhere), and the steps that fill the numpy

@@ -39,6 +39,7 @@ from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.logprobs import (
     PendingLogProbs,
     log_prob_arrays,
+    log_probs_never_wait,
     no_log_probs,
     wants_log_probs,
 )
@@ -591,13 +592,16 @@ class ModelWorker(WorkerForward, WorkerControls):
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
-        step, not expert parallel; its log-probs are read at collect) beyond the end of the
-        step before it (a grammar step under TAIPAN_GRAMMAR_MASKS=mask), so the caller may run
-        it on its own thread."""
+        step, not expert parallel; its raw log-probs are read at collect) beyond the end of
+        the step before it (a grammar step under TAIPAN_GRAMMAR_MASKS=mask), so the caller may
+        run it on its own thread."""
         grammar = uses_grammar(plan) or self.grammar_masks.pending
+        # (a grammar step with log-probs checks its rows in the launch; top-n and processed
+        # log-probs may wait for the stream)
+        waits = wants_log_probs(plan) and (grammar or not log_probs_never_wait(plan))
         return (
             self.device.type == "cuda"
-            and not (wants_log_probs(plan) and grammar)  # (its rows checked in the launch)
+            and not waits
             and self.ep is None
             and not len(draft_rows(plan))  # (a verify step waits for its tokens)
             and not self.mtp_k  # (an MTP head's passes: eager ones are long host work)
