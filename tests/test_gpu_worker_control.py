@@ -424,3 +424,42 @@ def test_the_step_event_sync_comes_from_the_environment(monkeypatch, tmp_path):
                     0.01, 64, 4, 64)  # fmt: skip
     with pytest.raises(ValueError, match=SYNC_ENV):
         w.load(msg)
+
+
+def test_which_cuda_steps_launch_inline_and_which_wait():
+    """ModelWorker's dispatch rules on CUDA (the worker's fields set by hand: no GPU needed): a
+    plain step and one with raw log-probs of its sampled tokens (an RL rollout's, read at
+    collect) launch inline; top-n log-probs (a sorted top-k may wait) launch from the worker's
+    thread without waiting; verify rows, and a grammar step's log-probs (its rows checked in
+    the launch), wait in their launch; under "check" a grammar step launches from the thread,
+    under "mask" inline."""
+    import types
+
+    from taipan.actors.gpu.grammar_masks import GrammarMasks
+
+    w = ModelWorker()
+    w.device = torch.device("cuda")
+
+    def plan(logprobs=0, top_n=0, drafts=0, grammar=False):
+        return types.SimpleNamespace(
+            logprobs=np.array([logprobs, 0], np.int8), top_n=np.array([top_n, 0], np.int32),
+            prompt_targets=np.full(3, -1, np.int32), logprobs_mode=np.zeros(0, np.int8),
+            temperature=np.ones(2, np.float32), seq_lens=np.ones(2, np.int32),
+            num_drafts=np.array([drafts, 0], np.int32),
+            grammar_rows=np.array([7, -1] if grammar else [], np.int64),
+            grammar_new=[], grammar_drop=np.zeros(0, np.int64),
+        )  # fmt: skip
+
+    rules = {
+        "plain": (plan(), True, False),
+        "raw log-probs": (plan(logprobs=1), True, False),
+        "top-n": (plan(logprobs=1, top_n=5), False, False),
+        "verify": (plan(drafts=3), False, True),
+        "grammar": (plan(grammar=True), False, False),
+        "grammar log-probs": (plan(logprobs=1, grammar=True), False, True),
+    }
+    for name, (p, inline, waits) in rules.items():
+        assert (w.launches_inline(p), w.launch_waits(p)) == (inline, waits), name
+    w.grammar_masks = GrammarMasks(None, check_greedy=False)  # ("mask")
+    assert w.launches_inline(plan(grammar=True))
+    assert not w.launches_inline(plan(logprobs=1, grammar=True))
