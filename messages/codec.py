@@ -219,7 +219,12 @@ def encode_frame(msg) -> bytes:
 
 
 def _encode_head(msg, extra: list | None) -> bytes:
-    return msgpack.packb(wire_values(msg, extra), use_bin_type=True)
+    return pack_values(wire_values(msg, extra))
+
+
+def pack_values(values: list) -> bytes:
+    """One frame of `wire_values`-shaped values (what `encode_frame` sends)."""
+    return msgpack.packb(values, use_bin_type=True)
 
 
 def wire_values(msg, extra: list | None = None) -> list:

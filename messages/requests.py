@@ -17,7 +17,6 @@ import itertools
 import math
 from collections.abc import Sequence
 
-import msgpack
 import numpy as np
 
 from taipan.messages.codec import (
@@ -27,6 +26,7 @@ from taipan.messages.codec import (
     decode,
     encode_frame,
     message,
+    pack_values,
     replace_first_field,
     share_empty,
     struct,
@@ -507,11 +507,10 @@ def stream_frame(
             )
         )
     t = _STREAM_TEMPLATE
-    return msgpack.packb(
+    return pack_values(
         [t[0], t[1], request_id, array_wire(new_token_ids), False, None, None,
          num_prompt_tokens, num_generated_tokens, num_cached_tokens, *t[10:-1],
-         array_wire(weight_versions)],
-        use_bin_type=True,
+         array_wire(weight_versions)]
     )  # fmt: skip
 
 

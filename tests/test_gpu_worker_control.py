@@ -431,8 +431,8 @@ def test_which_cuda_steps_launch_inline_and_which_wait():
     plain step and one with raw log-probs of its sampled tokens (an RL rollout's, read at
     collect) launch inline; top-n log-probs (a sorted top-k may wait) launch from the worker's
     thread without waiting; verify rows, and a grammar step's log-probs (its rows checked in
-    the launch), wait in their launch; under "check" a grammar step launches from the thread,
-    under "mask" inline."""
+    the launch), wait in their launch; a grammar step launches from the thread in either
+    grammar mode (it waits for the step before it)."""
     import types
 
     from taipan.actors.gpu.grammar_masks import GrammarMasks
@@ -461,5 +461,5 @@ def test_which_cuda_steps_launch_inline_and_which_wait():
     for name, (p, inline, waits) in rules.items():
         assert (w.launches_inline(p), w.launch_waits(p)) == (inline, waits), name
     w.grammar_masks = GrammarMasks(None, check_greedy=False)  # ("mask")
-    assert w.launches_inline(plan(grammar=True))
+    assert not w.launches_inline(plan(grammar=True))
     assert not w.launches_inline(plan(logprobs=1, grammar=True))

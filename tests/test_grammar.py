@@ -257,38 +257,6 @@ def test_greedy_rows_masked_before_sampling_when_asked(tok, monkeypatch):
     assert masks.checked(torch.tensor([no]), out).tolist() == [no]  # (nothing to check)
 
 
-def test_mask_mode_steps_may_launch_inline_and_their_wait_is_bounded(tok):
-    """Under "mask" a grammar step may launch on the event loop's thread (its one wait, for the
-    step before it, is bounded: `wait_event` polls and gives up naming what it waited for);
-    under "check" it may not (it waits for the last step's check); a step without grammar
-    work may in both."""
-    import types
-
-    from taipan.actors.gpu.grammar_masks import GrammarMasks, wait_event
-
-    grammar = types.SimpleNamespace(grammar_rows=np.array([7]), grammar_new=[],
-                                    grammar_drop=np.zeros(0, np.int64))  # fmt: skip
-    plain = types.SimpleNamespace(grammar_rows=np.zeros(0, np.int64), grammar_new=[],
-                                  grammar_drop=np.zeros(0, np.int64))  # fmt: skip
-    check, mask = GrammarMasks(tok), GrammarMasks(tok, check_greedy=False)
-    assert not check.may_launch_inline(grammar) and check.may_launch_inline(plain)
-    assert mask.may_launch_inline(grammar) and mask.may_launch_inline(plain)
-
-    class Event:  # (a CUDA event's query)
-        def __init__(self, after: int):
-            self.polls, self.after = 0, after
-
-        def query(self) -> bool:
-            self.polls += 1
-            return self.polls > self.after
-
-    ready = Event(after=3)
-    wait_event(ready, 5.0, "the last grammar step")
-    assert ready.polls == 4
-    with pytest.raises(RuntimeError, match="the last grammar step did not end within 0 s"):
-        wait_event(Event(after=10**9), 0.05, "the last grammar step")
-
-
 def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(tok, monkeypatch):
     """GrammarMasks' deferred check (a step without log-probs or drafts): `check_later` takes
     the step's checked rows; `run_check` (at the step's collect, its tokens on the host)

@@ -29,13 +29,11 @@ its own tokens left the device idle for the next step's whole host staging (stru
 `TAIPAN_GRAMMAR_MASKS` (`grammar_mode`) picks the path: "check" (the default: greedy rows
 checked as above, sampled rows masked in the launch) or "mask" (every grammar row masked in the
 launch, which waits for the last step's tokens; no check, so the next forward waits for
-nothing). Launched from the gpu worker's thread, the two cost the same on an H200 (SmolLM2, 64
-json_schema streams; `tests/perf/session23_gpu.sh grammar`). A "mask" step's only wait is for
-the step before it to end (bounded: `wait_event`), so it launches inline, on the event loop's
-thread, as a step without grammars does (`may_launch_inline`): no thread hand-off of the GIL
-on the step's path (`session23_gpu.sh inline`). (NOTES, twenty-third session, also for masks
-computed by a thread of their own with the stream waiting on a host flag: no faster, and a
-deadlock hazard.)
+nothing). Both launch from the gpu worker's thread. On an H200 (SmolLM2, 64 json_schema
+streams; `tests/perf/session23_gpu.sh grammar`, `inline`) they cost the same, launched inline
+or not: each then waited in its launch for its own forward (a sorted top-k, a blocking copy of
+its rows; both gone since). (NOTES, twenty-third session, also for masks computed by a thread
+of their own with the stream waiting on a host flag: no faster, and a deadlock hazard.)
 
 Must not touch anything but the logits it is given and its own matchers.
 """
@@ -45,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
-import time
 
 import numpy as np
 import torch
@@ -78,22 +75,6 @@ def grammar_mode() -> str:
 
 def uses_grammar(plan: StepPlan) -> bool:
     return bool(len(plan.grammar_rows) or plan.grammar_new or len(plan.grammar_drop))
-
-
-EVENT_POLL_S = 20e-6  # (the OS sleeps ~60 us at least)
-
-
-def wait_event(ended, timeout: float, what: str) -> None:
-    """Wait for a CUDA event (polled, sleeping between polls: the GIL is free meanwhile) at most
-    `timeout` seconds; RuntimeError naming `what` past that (a step that never ends must not
-    hold the thread that waits, which may be the event loop's, forever)."""
-    if ended.query():
-        return
-    deadline = time.monotonic() + timeout
-    while not ended.query():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"structured outputs: {what} did not end within {timeout:.0f} s")
-        time.sleep(EVENT_POLL_S)
 
 
 @dataclasses.dataclass
@@ -133,13 +114,6 @@ class GrammarMasks:
         # takes them; then the launched step's Check, until the next launch has waited for it.
         self._lazy: tuple[np.ndarray, np.ndarray] | None = None
         self._check: Check | None = None
-
-    def may_launch_inline(self, plan: StepPlan) -> bool:
-        """Whether a launch of `plan` (not one with log-probs, drafts or MTP passes, which read
-        the matchers after the step's own end) may run on the event loop's thread as far as
-        grammars go: it has no grammar work, or under "mask" it waits only for the step before
-        it to end."""
-        return not (uses_grammar(plan) or self.pending) or not self.check_greedy
 
     @property
     def pending(self) -> bool:
@@ -361,8 +335,8 @@ class GrammarMasks:
             return
         (ids, rows), (host, ended) = self._rows, self._tokens
         self._rows = self._tokens = None
-        if ended is not None:  # (the step that sampled them, not the one queued after it)
-            wait_event(ended, CHECK_TIMEOUT_S, "the last grammar step")
+        if ended is not None:
+            ended.synchronize()  # (the step that sampled them, not the one queued after it)
         tokens = host.numpy()[rows] if host.device.type == "cpu" else host[rows].cpu().numpy()
         for rid, token in zip(ids.tolist(), tokens.tolist(), strict=True):
             self.grammars.consume(rid, token)

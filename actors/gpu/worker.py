@@ -592,20 +592,18 @@ class ModelWorker(WorkerForward, WorkerControls):
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
-        step, not expert parallel; its raw log-probs are read at collect) beyond the end of
-        the step before it (a grammar step under TAIPAN_GRAMMAR_MASKS=mask), so the caller may
-        run it on its own thread."""
+        step without grammar work, not expert parallel; its raw log-probs are read at
+        collect), so the caller may run it on its own thread."""
         grammar = uses_grammar(plan) or self.grammar_masks.pending
-        # (a grammar step with log-probs checks its rows in the launch; top-n and processed
-        # log-probs may wait for the stream)
-        waits = wants_log_probs(plan) and (grammar or not log_probs_never_wait(plan))
+        # (top-n and processed log-probs may wait for the stream)
+        waits = wants_log_probs(plan) and not log_probs_never_wait(plan)
         return (
             self.device.type == "cuda"
             and not waits
             and self.ep is None
             and not len(draft_rows(plan))  # (a verify step waits for its tokens)
             and not self.mtp_k  # (an MTP head's passes: eager ones are long host work)
-            and self.grammar_masks.may_launch_inline(plan)  # (grammar steps: "mask" only)
+            and not grammar  # (a grammar step may wait for the step before it)
         )
 
     def launch_waits(self, plan: StepPlan) -> bool:

@@ -29,9 +29,9 @@
 #     thread at CPython's 5 ms, on the 2-core box).
 #   (ahead: masks computed by a thread of their own, the stream waiting on a pinned host flag,
 #     ran twice from an uncommitted tree and was taken out: NOTES, twenty-third session.)
-#   inline (one GPU, the real model as for grammar): "mask" grammar steps launched inline on
-#     the event loop's thread (their one wait, for the step before, bounded): the structured
-#     GPU test in that mode, then the structured row check / mask / check / mask.
+#   inline (one GPU, the real model as for grammar): run at afad14e + "mask" grammar steps
+#     launched inline (taken out after: no gain): the structured GPU test under "mask", then the
+#     structured row check / mask / check / mask.
 PART=${1:?part one, four, sync, grammar, gil, inline or spy}
 if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh

@@ -3,7 +3,7 @@
 #   tests (one GPU, the real model: `bash tests/perf/carry_model.sh stage1` with carry
 #     [".carry/smollm2.gguf.part1"], then this with carry [".carry/smollm2.gguf.part2", ".whl"]):
 #     the GPU tests of what changed: the structured-output GPU test in both grammar modes (rows
-#     and masks now pinned and queued; "mask" steps inline), the draft model's GPU tests (its
+#     and masks now pinned and queued), the draft model's GPU tests (its
 #     eager forwards' index copies pinned and queued), and every GPU test with log-probs that
 #     runs on one GPU (a step's log-probs now reach the host at collect: such steps launch
 #     inline and overlap, actors/gpu/logprobs.py PendingLogProbs).
