@@ -3,8 +3,9 @@ one Triton program per row: `logit - logsumexp(row)` with an online max and sum 
 no [B, V] fp32 copy is ever built and each logit is read once.
 
 Owns the kernel, its launcher `log_prob_gather` and the plain-torch `log_prob_gather_ref`; they
-give raw log-probs (of the logits before temperature / top-k / top-p). Not on the serving path:
-ops/logprobs.py computes the served log-probs (raw and processed) and the top-n in torch.
+give raw log-probs (of the logits before temperature / top-k / top-p). On the serving path for
+the raw log-probs of the sampled tokens without top-n (ops/logprobs.py token_log_probs, on
+CUDA: one launch); processed log-probs and the top-n are computed in torch there.
 """
 
 from __future__ import annotations

@@ -106,14 +106,17 @@ def _blocks_gb(n: int, dtype_bytes: int) -> float:
     return (n + 0.5) * per_block / 1024**3
 
 
-def test_gpu_log_probs_match_hf(model_dir):
+@pytest.mark.parametrize("top_n", [2, 0], ids=["top-n", "raw"])
+def test_gpu_log_probs_match_hf(model_dir, top_n):
+    """With top-n (computed per asking row) and without (every sequence's at once, into the
+    worker's pinned ring: an RL rollout's steps)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
     torch.backends.cuda.matmul.allow_tf32 = False
     sampling = SamplingParams(
-        max_tokens=8, temperature=0.0, ignore_eos=True, return_log_probs=True, top_n_logprobs=2
+        max_tokens=8, temperature=0.0, ignore_eos=True, return_log_probs=True, top_n_logprobs=top_n
     )
     with Runtime(model_dir, InferenceConfig(**CONFIG), device="cuda") as rt:
         with Client(rt.address) as c:
@@ -128,7 +131,7 @@ def test_gpu_log_probs_match_hf(model_dir):
         p = len(d.prompt_token_ids)
         assert np.allclose(d.prompt_log_probs, ref[: p - 1], atol=1e-3)
         assert np.allclose(d.log_probs, ref[p - 1 :], atol=1e-3)
-        assert all(len(top) == 2 for top in d.top_n_logprobs)
+        assert all(len(top) == top_n for top in d.top_n_logprobs or [[]] * len(d.token_ids))
 
 
 @pytest.fixture(

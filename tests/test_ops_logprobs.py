@@ -17,7 +17,7 @@ import torch
 import taipan.actors.gpu.logprobs as logprobs_module
 from taipan.actors.gpu.worker import ModelWorker
 from taipan.messages.gpu import LoadModel, StepPlan
-from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs
+from taipan.ops.logprobs import log_probs_and_top_n, prompt_log_probs, token_log_probs
 
 BLOCK_SIZE = 16
 ATOL = 1e-4
@@ -39,6 +39,31 @@ def test_log_probs_and_top_n_match_log_softmax():
         assert ids[row, :count].tolist() == top_ids[row, :count].tolist()
         torch.testing.assert_close(values[row, :count], top_values[row, :count])
         assert (ids[row, count:] == -1).all() and values[row, count:].isnan().all()
+
+
+def test_token_log_probs_are_the_first_output_alone():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(5, 40, generator=gen) * 4
+    tokens = torch.tensor([39, 0, 5, 5, 17])
+    picked, _, _ = log_probs_and_top_n(logits, tokens, torch.zeros(5, dtype=torch.int32), 0)
+    torch.testing.assert_close(token_log_probs(logits, tokens), picked)
+    assert token_log_probs(logits.half(), tokens).dtype == torch.float32
+
+
+def test_pending_log_probs_fill_only_the_rows_asked():
+    """The raw path computes every sequence's log-prob and reads the sampled rows that asked:
+    the others stay NaN (a prompt chunk's row, a row without logprobs)."""
+    plan_rows, keep = np.array([0, 2, 3]), np.array([True, False, True])
+    logits = torch.randn(4, 30, generator=torch.Generator().manual_seed(2))
+    tokens = torch.tensor([1, 2, 3, 4])
+    pending = logprobs_module.PendingLogProbs(
+        torch.device("cpu"), logprobs_module.no_log_probs(4, 0)
+    )
+    logprobs_module._raw_log_probs(pending, plan_rows, keep, logits, tokens)
+    got = pending.take()["log_probs"]
+    want = torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1).numpy()
+    assert np.isnan(got[[1, 2]]).all()
+    np.testing.assert_allclose(got[[0, 3]], want[[0, 3]], rtol=1e-5, atol=1e-6)
 
 
 def test_top_n_wider_than_the_vocabulary_pads():

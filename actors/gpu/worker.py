@@ -209,6 +209,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         # Pinned host buffers the sampled tokens are copied into, one per launched step (the gpu
         # actor keeps fewer steps than this launched and uncollected); CUDA only.
         self._host_tokens: torch.Tensor | None = None
+        self._host_log_probs: torch.Tensor | None = None
         self._launches = 0
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
         self.tp = SINGLE  # this worker's tensor-parallel group (set at load)
@@ -438,6 +439,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         if self.device.type == "cuda":
             shape = (HOST_TOKEN_BUFFERS, msg.max_requests)
             self._host_tokens = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+            # (each step's log-probs of its tokens, in the row of its tokens)
+            self._host_log_probs = torch.empty(shape, dtype=torch.float32, pin_memory=True)
         sizes = msg.cuda_graph_decode_sizes, msg.cuda_graph_mixed_sizes
         if any(sizes):
             if self.device.type != "cuda":
@@ -482,8 +485,9 @@ class ModelWorker(WorkerForward, WorkerControls):
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> Launched | StepResult:
         """Queue the step's device work and the copy of its sampled tokens to the host, without
-        waiting for them (a StepResult only when the step cannot run). Steps with log-probs
-        wait for theirs here. `collect` turns the returned handle into the StepResult; the
+        waiting for them (a StepResult only when the step cannot run). Raw log-probs of the
+        sampled tokens are queued too (read at collect); top-n and processed ones may wait for
+        the stream here (`launches_inline`). `collect` turns the returned handle into the StepResult; the
         next step may be launched before that (the device runs it after this one)."""
         start = time.perf_counter()
         previous, self._prev_sampled = self._prev_sampled, np.zeros(0, dtype=bool)
@@ -567,6 +571,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             compute_logits=self.model.compute_logits,
             vocab_size=self.config.vocab_size,
             device=self.device,
+            ring=self._host_ring_row(ended),
         )
         check = None
         if checks_later:  # (greedy grammar rows: checked at collect, the next forward waits;
@@ -589,6 +594,12 @@ class ModelWorker(WorkerForward, WorkerControls):
         self._launches += 1
         host = self._host_tokens[self._launches % len(self._host_tokens)][:num_seqs]
         return host.copy_(tokens, non_blocking=True)
+
+    def _host_ring_row(self, ended) -> torch.Tensor | None:
+        """This launch's row of the pinned log-prob ring (the row of its tokens'), on CUDA."""
+        if ended is None or self._host_log_probs is None:
+            return None
+        return self._host_log_probs[self._launches % len(self._host_log_probs)]
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA

@@ -47,7 +47,7 @@ def main() -> None:
         "D2H int64 into a row of a pinned ring (the worker's)": lambda: ring[1][:64].copy_(
             tokens, non_blocking=True
         ),
-        "D2H int64 into a whole pinned tensor": lambda: ring.copy_(
+        "D2H int64 from a stride-0 (expanded) device view": lambda: ring.copy_(
             tokens.expand(3, 64), non_blocking=True
         ),
         "D2H int32 (cast on the device) into a pinned slice": lambda: pinned[:64].copy_(

@@ -18,9 +18,60 @@
 #   tp (two GPUs): issue 24's TP=2 against TP=1 at batch 1 on the 8B shape, H200s (0.658x at
 #     the fourteenth session; the target 0.6x), ours and NCCL-only sums in one run.
 #   four (four GPUs): session22_gpu.sh four (never lent so far).
-PART=${1:?part tests, rows, tp or four}
+#   bisect (one GPU; carry [".carry/bisect", ".whl"], .carry/bisect/SHA.patch = `git diff HEAD
+#     SHA` without results.jsonl, NOTES.md and README.md): the 1B batch-64 row at HEAD
+#     and at the older trees, alternating (rows found 1.96-2.04 ms a step at HEAD, GPU idle 21 %,
+#     where 81e4609 with the blocking end event gave 1.53-1.60 ms, idle 7 %).
+#   logprobs (one GPU, the real model as for tests): raw log-probs of the sampled tokens
+#     computed for every sequence at once into a pinned ring (rows found a log-prob step at
+#     batch 1 1.79-2.01 ms against 1.04-1.35 plain, GPU idle 31-37 %: three pinned allocations
+#     and two pageable index copies in each launch): the log-prob GPU tests, then the 1B decode
+#     rows plain and --log-probs, twice.
+#   spylp (one GPU): py-spy over the 1B decode bench at batch 1 with --log-probs, then without
+#     (a log-prob step still took 1.63 ms against 1.16-1.27 plain after the ring, idle 23 %).
+PART=${1:?part tests, rows, tp, bisect, logprobs, spylp or four}
 if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh
+if [ "$PART" = bisect ]; then
+    patches=$PWD/.carry/bisect
+    enter_new_tree || exit 1
+    for sha in $(cd "$patches" && ls *.patch | sed 's/.patch$//'); do
+        rm -rf "/tmp/t_$sha" && cp -r . "/tmp/t_$sha" \
+            && (cd "/tmp/t_$sha" && patch -s -p1 < "$patches/$sha.patch") \
+            && stage_tree "/tmp/t_$sha" "/tmp/pkg_$sha" || exit 1
+    done
+    row64() {  # TAG PKG TREE
+        PYTHONPATH=$2:/tmp/site:$3 timeout -s ABRT 120 python3 -m taipan.cli bench \
+            --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
+            --batches 64 --output-len 256 --no-hf --ours-modes graphs \
+            --results "$OUT/bisect_$1.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-150 \
+            | sed "s/^/$1 /"
+    }
+    for round in 1 2; do
+        row64 "head$round" /tmp/pkg_new "$PWD"
+        for sha in $(cd "$patches" && ls *.patch | sed 's/.patch$//'); do
+            row64 "$sha$round" "/tmp/pkg_$sha" "/tmp/t_$sha"
+        done
+    done
+    exit 0
+fi
+if [ "$PART" = spylp ]; then
+    enter_new_tree || exit 1
+    for tag in logprobs plain; do
+        extra=""
+        [ $tag = plain ] || extra=--log-probs
+        # shellcheck disable=SC2086
+        timeout -s INT 150 /tmp/site/bin/py-spy record --idle --threads --subprocesses \
+            --format raw -r 500 -o "/tmp/spy_$tag.txt" -- python3 -m taipan.cli bench \
+            --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
+            --batches 1 --output-len 1024 --no-hf --ours-modes graphs $extra \
+            --results "$OUT/spy_$tag.jsonl" 2>&1 | grep -E "^decode|rror" | cut -c1-170
+        python3 tests/perf/spy_summary.py "/tmp/spy_$tag.txt" "taipan.procs engine" 60 \
+            > "$OUT/spy_$tag.txt"
+        gzip -c "/tmp/spy_$tag.txt" > "$OUT/spy_$tag.raw.gz"
+    done
+    exit 0
+fi
 if [ "$PART" = tp ]; then
     enter_new_tree || exit 1
     timeout -s ABRT 280 python3 -m taipan.cli bench --workload decode --model random:llama-8b \
@@ -33,6 +84,16 @@ if [ "$PART" = tp ]; then
     exit 0
 fi
 enter_new_tree model || exit 1
+if [ "$PART" = logprobs ]; then
+    timeout -s ABRT 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
+        tests/test_gpu.py tests/test_gpu_real_model.py -k "log_probs" > "$OUT/lp_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/lp_tests.log" | cut -c1-200 | tail -6
+    for run in 1 2; do
+        decode_1b_row "plain$run"
+        BENCH_EXTRA=--log-probs decode_1b_row "logprobs$run"
+    done
+    exit 0
+fi
 if [ "$PART" = rows ]; then
     timeout -s ABRT 60 python3 tests/perf/host_sync_probe.py 2>&1 | tee "$OUT/probe.txt"
     for mode in check mask check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
