@@ -29,7 +29,12 @@
 #     rows plain and --log-probs, twice.
 #   spylp (one GPU): py-spy over the 1B decode bench at batch 1 with --log-probs, then without
 #     (a log-prob step still took 1.63 ms against 1.16-1.27 plain after the ring, idle 23 %).
-PART=${1:?part tests, rows, tp, bisect, logprobs, spylp or four}
+#   spyspec (one GPU, the real model as for tests): py-spy over the n-gram spec bench (k = 4):
+#     where a verify step's ~3.55 ms go (a plain step ~1.19 ms; issue 29's 2x needs them near).
+#   recspec (one GPU, the real model as for tests): the n-gram spec bench (k = 4) with every
+#     actor's messages recorded (--record): each step's plan and result times at the gpu actor
+#     and the engine, to lay the verify chain out step by step (tests/perf/step_timeline.py).
+PART=${1:?part tests, rows, tp, bisect, logprobs, spylp, spyspec, recspec or four}
 if [ "$PART" = four ]; then exec bash tests/perf/session22_gpu.sh four; fi
 source tests/perf/device_setup.sh
 if [ "$PART" = bisect ]; then
@@ -84,6 +89,23 @@ if [ "$PART" = tp ]; then
     exit 0
 fi
 enter_new_tree model || exit 1
+if [ "$PART" = recspec ]; then
+    timeout -s INT 200 python3 -m taipan.cli bench --workload spec --model smollm2 \
+        --device cuda --dtype bfloat16 --spec-tokens 4 --record /tmp/rec \
+        --results "$OUT/rec_spec.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-240
+    tar -czf "$OUT/rec_spec.tgz" -C /tmp rec && ls -la "$OUT"
+    exit 0
+fi
+if [ "$PART" = spyspec ]; then
+    timeout -s INT 200 /tmp/site/bin/py-spy record --idle --threads --subprocesses \
+        --format raw -r 250 -o /tmp/spy_spec.txt -- python3 -m taipan.cli bench \
+        --workload spec --model smollm2 --device cuda --dtype bfloat16 --spec-tokens 4 \
+        --results "$OUT/spy_spec.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-240
+    python3 tests/perf/spy_summary.py /tmp/spy_spec.txt "taipan.procs engine" 70 \
+        > "$OUT/spy_spec.txt"
+    gzip -c /tmp/spy_spec.txt > "$OUT/spy_spec.raw.gz"
+    exit 0
+fi
 if [ "$PART" = logprobs ]; then
     timeout -s ABRT 200 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
         tests/test_gpu.py tests/test_gpu_real_model.py -k "log_probs" > "$OUT/lp_tests.log" 2>&1
