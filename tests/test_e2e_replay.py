@@ -76,6 +76,23 @@ def test_check_passes_on_recorded_session(recorded):
     assert done.returncode == 0, done.stdout + done.stderr
 
 
+def test_step_timeline_lays_out_every_step(recorded, capsys):
+    """tests/perf/step_timeline.py (a device helper) reads the gpu actor's log: every step of
+    the session, each with its plan in before its result out."""
+    from tests.perf import step_timeline
+
+    steps = step_timeline._steps(recorded / "gpu-0.tplog")
+    results = [
+        r for r in read_log(recorded / "gpu-0.tplog")
+        if r.direction == "out" and isinstance(decode(r.frames), StepResult)
+    ]  # fmt: skip
+    assert len(steps) == len(results) > 0
+    assert all(s["result_out"] >= s["plan_in"] and s["device"] > 0 for s in steps)
+    assert {s["kind"] for s in steps} >= {"decode", "mixed"}
+    step_timeline.main(str(recorded))
+    assert "decode" in capsys.readouterr().out
+
+
 def test_timeline_filters_by_actor_and_type(recorded):
     done = replay(recorded, "--actor", "coordinator", "--type", "SubmitRequest")
     assert done.returncode == 0
