@@ -45,8 +45,8 @@ def token_log_probs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     (kernels/logprobs.py), where torch's gather and logsumexp took about eleven, each host time
     between the step's launch and the next (H200, 1B shape, batch 1: 1.63 ms a step with
     log-probs against 1.16-1.27 without, NOTES, twenty-fourth session)."""
-    if logits.is_cuda:
-        return log_prob_gather(logits, tokens)
+    if logits.is_cuda and logits.stride(-1) == 1:
+        return log_prob_gather(logits, tokens.contiguous())
     return log_prob_gather_ref(logits, tokens)
 
 
