@@ -224,6 +224,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         # (a graph cannot branch on the plan); an eager forward only when its plan asks.
         self._moe_blocks: list = []
         self._routing: torch.Tensor | None = None
+        self._host_routing: torch.Tensor | None = None
+        self._routing_launches = 0
         # speculative_method "draft_model": the draft and its KV cache (actors/gpu/draft.py).
         self.draft: DraftModel | None = None
         self._draft_graphable = False  # its forwards may be graphed (not a sharded self-draft)
@@ -429,6 +431,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         self._sampled = torch.zeros(msg.max_requests, dtype=torch.int64, device=self.device)
         self._moe_blocks = moe_blocks(self.model)
         self._routing = routing_buffer(self._moe_blocks, msg.max_tokens, self.device)
+        self._host_routing, self._routing_launches = None, 0  # (its shape may have changed)
         self._prev_sampled = np.zeros(0, dtype=bool)
         self.mtp = None
         if self.mtp_k:
@@ -487,8 +490,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         """Queue the step's device work and the copy of its sampled tokens to the host, without
         waiting for them (a StepResult only when the step cannot run). Raw log-probs of the
         sampled tokens are queued too (read at collect); top-n and processed ones may wait for
-        the stream here (`launches_inline`). `collect` turns the returned handle into the StepResult; the
-        next step may be launched before that (the device runs it after this one)."""
+        the stream here (`launches_inline`). `collect` turns the returned handle into the
+        StepResult; the next step may be launched before that (the device runs it after this
+        one)."""
         start = time.perf_counter()
         previous, self._prev_sampled = self._prev_sampled, np.zeros(0, dtype=bool)
         refusal = self.step_refusal()
@@ -658,8 +662,8 @@ class ModelWorker(WorkerForward, WorkerControls):
             extra = extra.take()
         if not extra:
             extra = no_log_probs(len(plan.sample), 0)
-        if launched.routed is not None:
-            extra = extra | {"routed_experts": launched.routed.numpy()}
+        if launched.routed is not None:  # (copied out: on CUDA a ring's row, reused later)
+            extra = extra | {"routed_experts": launched.routed.numpy().copy()}
         if launched.spec is not None:
             extra = extra | {"spec_tokens": launched.spec}
         if launched.next_drafts is not None:  # (an MTP head's, on the host now)
