@@ -54,8 +54,8 @@ from taipan.actors.gpu.draft_graphs import (
     DraftGraphs,
     draft_graph_sizes,
 )
+from taipan.actors.gpu.host_staging import to_device
 from taipan.actors.gpu.mamba_config import has_recurrent_layers
-from taipan.actors.gpu.sampling_controls import to_device
 from taipan.actors.gpu.window import kv_window
 from taipan.messages.gpu import LoadModel, StepPlan
 from taipan.ops.attention import AttentionMetadata

@@ -47,7 +47,7 @@ import threading
 import numpy as np
 import torch
 
-from taipan.actors.gpu.sampling_controls import to_device
+from taipan.actors.gpu.host_staging import to_device
 from taipan.messages.gpu import StepPlan
 from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
 from taipan.ops.sampling import GREEDY_EPS

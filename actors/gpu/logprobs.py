@@ -20,6 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from taipan.actors.gpu.host_staging import to_device
 from taipan.messages.gpu import StepPlan
 from taipan.ops.logprobs import (
     log_probs_and_top_n,
@@ -126,9 +127,7 @@ def log_prob_arrays(
 
 
 def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
-    # np.frombuffer views are read-only; torch wants writable memory.
-    t = torch.from_numpy(np.array(a, copy=True))
-    return t.to(device, dtype=dtype, non_blocking=True)
+    return to_device(a, device, dtype)  # (through the launch's pinned arena on CUDA)
 
 
 def _sampled_log_probs(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from taipan.actors.gpu.host_staging import to_device
 from taipan.messages.gpu import StepPlan
 from taipan.ops.logit_controls import add_biases, apply_penalties, keep_only
 
@@ -114,12 +115,3 @@ class _LastTokens:
             return known
         p = to_device(prev, self.device, torch.int64)
         return torch.where(p >= 0, self.sampled[p.clamp(min=0)].long(), known)
-
-
-def to_device(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
-    # np.frombuffer views are read-only; torch wants writable memory. Pinned on CUDA: a copy
-    # from pageable memory may wait for the device, and a step in flight must not be waited on.
-    t = torch.from_numpy(np.array(a, copy=True))
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, dtype=dtype, non_blocking=True)

@@ -34,13 +34,14 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from taipan.actors.gpu.host_staging import to_device
 from taipan.actors.gpu.logprobs import (
     PROCESSED_MAX_ELEMENTS,
     PROCESSED_PARAMS,
     processed_mode,
     processed_rows,
 )
-from taipan.actors.gpu.sampling_controls import allow, penalised_rows, to_device
+from taipan.actors.gpu.sampling_controls import allow, penalised_rows
 from taipan.messages.gpu import StepPlan
 from taipan.ops.logit_controls import add_biases, apply_penalties
 from taipan.ops.logprobs import log_probs_and_top_n, processed_log_probs_and_top_n

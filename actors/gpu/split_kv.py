@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from taipan.actors.config import local_chunk, ring_blocks
-from taipan.actors.gpu.sampling_controls import to_device
+from taipan.actors.gpu.host_staging import to_device
 from taipan.actors.gpu.window import windowed_layers
 from taipan.messages.gpu import LoadModel
 from taipan.ops.models.llama import LlamaForCausalLM, WindowedKV, kv_heads_per_rank

@@ -25,6 +25,7 @@ import time
 import numpy as np
 import torch
 
+from taipan.actors.gpu import host_staging
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.draft import SELF_PREFIX, DraftModel, check_draft_prev, load_draft
@@ -209,6 +210,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         # Pinned host buffers the sampled tokens are copied into, one per launched step (the gpu
         # actor keeps fewer steps than this launched and uncollected); CUDA only.
         self._host_tokens: torch.Tensor | None = None
+        self._arenas: host_staging.Arenas | None = None  # (CUDA: made at the first load)
         self._host_log_probs: torch.Tensor | None = None
         self._launches = 0
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
@@ -442,6 +444,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         if self.device.type == "cuda":
             shape = (HOST_TOKEN_BUFFERS, msg.max_requests)
             self._host_tokens = torch.empty(shape, dtype=torch.int64, pin_memory=True)
+            # (an arena is reused once the launch that used it was collected, as a row here)
+            self._arenas = self._arenas or host_staging.Arenas(HOST_TOKEN_BUFFERS)
             # (each step's log-probs of its tokens, in the row of its tokens)
             self._host_log_probs = torch.empty(shape, dtype=torch.float32, pin_memory=True)
         sizes = msg.cuda_graph_decode_sizes, msg.cuda_graph_mixed_sizes
@@ -492,7 +496,13 @@ class ModelWorker(WorkerForward, WorkerControls):
         sampled tokens are queued too (read at collect); top-n and processed ones may wait for
         the stream here (`launches_inline`). `collect` turns the returned handle into the
         StepResult; the next step may be launched before that (the device runs it after this
-        one)."""
+        one). The small arrays the launch sends to the device go through its own pinned
+        arena (actors/gpu/host_staging.py)."""
+        arena = self._arenas.next() if self._arenas is not None else None
+        with host_staging.active(arena):
+            return self._launch(plan)
+
+    def _launch(self, plan: StepPlan) -> Launched | StepResult:
         start = time.perf_counter()
         previous, self._prev_sampled = self._prev_sampled, np.zeros(0, dtype=bool)
         refusal = self.step_refusal()
