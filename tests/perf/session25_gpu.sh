@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# What the twenty-fourth session built after its device time was spent (from the root):
+#   all (one GPU, the real model: `bash tests/perf/carry_model.sh stage1` with carry
+#     [".carry/smollm2.gguf.part1"], then this with carry [".carry/smollm2.gguf.part2", ".whl"]):
+#     every GPU test that runs on one GPU (the multi-GPU ones skip themselves): launch-time
+#     host arrays now go through a per-launch pinned arena (actors/gpu/host_staging.py: the
+#     penalties', biases', grammar rows' and masks', verify and draft indexes'), a decode
+#     step's routed experts through a pinned ring (test_e2e_routed_experts.py's GPU test), and
+#     tests/test_host_staging.py's GPU test (staged copies queued behind a busy stream).
+#   rows (one GPU, the model staged by `all` on the same warm machine): the structured row
+#     check / mask / check / mask (issue 28: the grammar steps' arrays no longer pinned one by
+#     one), the 1B decode rows plain and --log-probs twice, and the n-gram spec row (k = 4).
+#   tp (two GPUs): session24_gpu.sh tp (issue 24's TP=2 against TP=1 at batch 1, 8B shape).
+PART=${1:?part all, rows or tp}
+if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
+source tests/perf/device_setup.sh
+enter_new_tree model || exit 1
+if [ "$PART" = all ]; then
+    timeout -s ABRT 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
+        tests/ > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | cut -c1-220 | tail -20
+    exit 0
+fi
+for mode in check mask check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
+for run in 1 2; do
+    decode_1b_row "plain$run"
+    BENCH_EXTRA=--log-probs decode_1b_row "logprobs$run"
+done
+timeout -s ABRT 150 python3 -m taipan.cli bench --workload spec --model smollm2 --device cuda \
+    --dtype bfloat16 --spec-tokens 4 --results "$OUT/spec_ngram.jsonl" 2>&1 \
+    | grep -E "^spec|rror" | cut -c1-240
