@@ -51,6 +51,16 @@ def test_an_array_that_does_not_fit_is_not_staged():
     assert arena.take(np.zeros(2 * ALIGN, dtype=np.int8)) is not None
 
 
+def test_empty_places_results_in_the_arena():
+    arena = StagingArena(1024, pinned=False)
+    staged = arena.take(np.arange(3, dtype=np.int32))
+    got = arena.empty((4, 2), torch.float32)
+    assert got.shape == (4, 2) and got.dtype == torch.float32
+    assert got.data_ptr() - arena.bytes.data_ptr() == ALIGN and staged.tolist() == [0, 1, 2]
+    assert arena.empty((1024,), torch.int8) is None and arena.used == 2 * ALIGN
+    assert arena.empty((0, 3), torch.int64).shape == (0, 3)
+
+
 def test_arenas_take_turns_and_start_empty():
     arenas = Arenas(3, nbytes=1024, pinned=False)
     first = arenas.next()
@@ -110,3 +120,11 @@ def test_gpu_staged_copies_arrive_while_the_stream_is_busy():
         assert t.is_cuda and np.array_equal(t.cpu().numpy(), a)
     assert torch.equal(got[-1].cpu(), torch.from_numpy(big).float())
     assert queued < 0.03, queued  # (nothing waited for the sleeping stream)
+    arena = arenas.next()
+    source = torch.arange(6, device=device, dtype=torch.int64).reshape(2, 3)
+    torch.cuda._sleep(100_000_000)
+    with active(arena):
+        back = host_staging.to_host(source)
+    assert arena.used > 0  # (in the arena, not freshly pinned)
+    torch.cuda.synchronize()
+    assert back.tolist() == [[0, 1, 2], [3, 4, 5]]

@@ -47,7 +47,7 @@ import threading
 import numpy as np
 import torch
 
-from taipan.actors.gpu.host_staging import to_device
+from taipan.actors.gpu.host_staging import to_device, to_host
 from taipan.messages.gpu import StepPlan
 from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
 from taipan.ops.sampling import GREEDY_EPS
@@ -189,11 +189,7 @@ class GrammarMasks:
         values, ids = torch.topk(rows_on, k, sorted=False)
         if logits.device.type != "cuda":
             return values, ids
-        host = (torch.empty(values.shape, dtype=values.dtype, pin_memory=True),
-                torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True))  # fmt: skip
-        host[0].copy_(values, non_blocking=True)
-        host[1].copy_(ids, non_blocking=True)
-        return host
+        return to_host(values), to_host(ids)
 
     @torch.inference_mode()  # (the step's tensors are inference tensors)
     def run_check(self, check: Check) -> None:

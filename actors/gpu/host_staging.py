@@ -1,12 +1,14 @@
-"""Small host arrays to the device inside a step's launch without a pinned allocation each:
-`to_device`, and the per-launch pinned arenas it takes them from (`Arenas`, `StagingArena`).
+"""Small host arrays to the device, and small results back, inside a step's launch without a
+pinned allocation each: `to_device`, `to_host`, and the per-launch pinned arenas they take
+their bytes from (`Arenas`, `StagingArena`).
 
 A copy to the device from pageable memory may wait for the stream (tests/perf/host_sync_probe.py),
 so every such array goes through pinned memory. `Tensor.pin_memory()` allocates it: 0.15-0.4 ms
 of host time each (the probe; a step with penalties, biases or grammar rows makes several),
 spent between one step's launch and the next. Instead the worker gives each launch an arena: a
 pinned buffer whose bytes the launch's arrays are copied into back to back, and from which
-they go to the device without waiting. An arena is reused `len(Arenas)` launches later, when
+they go to the device without waiting; a result read at collect (`to_host`: a grammar check's
+candidates, top-n log-probs) lands there too. An arena is reused `len(Arenas)` launches later, when
 the launch that used it has been collected (its end event passed, so its copies ran): the gpu
 actor keeps at most worker.py MAX_LAUNCHED launches uncollected, and `Arenas` has more. An
 array that does not fit what is left of the arena, or one staged outside a launch (a thread
@@ -60,6 +62,16 @@ class StagingArena:
         dtype = _TORCH_DTYPES.get(a.dtype) or _torch_dtype(a.dtype)
         return self.bytes[start : start + a.nbytes].view(dtype).reshape(a.shape)
 
+    def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
+        """An uninitialized host tensor in the arena (a copy from the device lands there and is
+        read once the launch is collected), or None when it does not fit."""
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        start = self.used
+        if start + nbytes > len(self._host):
+            return None
+        self.used = start + -(-nbytes // ALIGN) * ALIGN
+        return self.bytes[start : start + nbytes].view(dtype).reshape(shape)
+
 
 class Arenas:
     """The worker's arenas, one per launch in turn (`next`)."""
@@ -87,6 +99,16 @@ def active(arena: StagingArena | None):
         yield
     finally:
         _local.arena = before
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` (on CUDA) copied to pinned host memory without waiting (read it once the launch is
+    collected: its end event covers the copy): into the active arena, else freshly pinned."""
+    arena = getattr(_local, "arena", None)
+    host = arena.empty(tuple(t.shape), t.dtype) if arena is not None else None
+    if host is None:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def to_device(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from taipan.actors.gpu.host_staging import to_device
+from taipan.actors.gpu.host_staging import to_device, to_host
 from taipan.messages.gpu import StepPlan
 from taipan.ops.logprobs import (
     log_probs_and_top_n,
@@ -73,8 +73,7 @@ class PendingLogProbs:
         dtype); returns what reads it there (at `take`)."""
         if not self.cuda:
             return lambda: t.numpy()
-        copy = torch.empty(t.shape, dtype=t.dtype, pin_memory=True) if ring is None else ring
-        copy.copy_(t, non_blocking=True)
+        copy = to_host(t) if ring is None else ring.copy_(t, non_blocking=True)
         return copy.numpy
 
     def then(self, fill: Callable[[], None]) -> None:
