@@ -109,7 +109,7 @@ def _blocks_gb(n: int, dtype_bytes: int) -> float:
 @pytest.mark.parametrize("top_n", [2, 0], ids=["top-n", "raw"])
 def test_gpu_log_probs_match_hf(model_dir, top_n):
     """With top-n (computed per asking row) and without (every sequence's at once, into the
-    worker's pinned ring: an RL rollout's steps)."""
+    launch's pinned arena: an RL rollout's steps)."""
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM

@@ -26,6 +26,7 @@ import torch
 from taipan.actors.gpu.buffers import StepBuffers
 from taipan.actors.gpu.draft import DraftModel
 from taipan.actors.gpu.graphs import Bucket, StepGraphs
+from taipan.actors.gpu.host_staging import to_host
 from taipan.actors.gpu.mtp import MTPDrafter
 from taipan.actors.gpu.speculative import draft_rows
 from taipan.messages.gpu import StepPlan, StepResult
@@ -35,12 +36,6 @@ from taipan.ops.models.llama import AttentionMetadata
 from taipan.ops.moe import record_routing
 from taipan.ops.parallel import TPGroup
 from taipan.ops.sampling import sample
-
-# The routed experts' pinned ring (`_routed_to_host`): steps of at most this many tokens (a
-# decode step's rows; prefill chunks above it get fresh pinned memory), and rows enough for the
-# steps launched and not collected (worker.py MAX_LAUNCHED, 2) and one being launched.
-ROUTING_RING_TOKENS = 1024
-ROUTING_RING_ROWS = 4
 
 
 class WorkerForward:
@@ -69,8 +64,6 @@ class WorkerForward:
     _sampled: torch.Tensor | None
     _moe_blocks: list
     _routing: torch.Tensor | None
-    _host_routing: torch.Tensor | None  # pinned ring of the routed rows (CUDA; made at first use)
-    _routing_launches: int
     draft: DraftModel | None  # speculative_method "draft_model" (actors/gpu/draft.py)
     mtp_k: int  # speculative_method "mtp": its drafts per row (0: no MTP head)
     mtp: MTPDrafter | None  # and its drafter (actors/gpu/mtp.py)
@@ -294,23 +287,14 @@ class WorkerForward:
         """The step's routed experts [T, MoE layers, k], copied to host memory (queued without
         waiting on CUDA: `collect` reads them after the step's end event and copies them out),
         when the plan asks; the tensor-parallel leader's only (every peer routes alike). On
-        CUDA a step of at most ROUTING_RING_TOKENS tokens lands in a row of a pinned ring (an
-        RL rollout's every decode step asks: a pinned allocation costs 0.15-0.4 ms of host
-        time between one step's launch and the next), a longer one in fresh pinned memory."""
+        CUDA into the launch's pinned arena (host_staging.to_host: an RL rollout's every step
+        asks, and pinning memory for each cost 0.15-0.4 ms of host time between launches)."""
         if not plan.return_routed_experts or self._routing is None or self.tp.rank:
             return None
         rows = self._routing[: len(plan.input_ids)]
         if self.device.type != "cuda":
             return rows.clone()  # (the next step's forward rewrites the buffer)
-        if len(rows) > ROUTING_RING_TOKENS:
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            return host.copy_(rows, non_blocking=True)
-        if self._host_routing is None:
-            shape = (ROUTING_RING_ROWS, ROUTING_RING_TOKENS, *self._routing.shape[1:])
-            self._host_routing = torch.empty(shape, dtype=rows.dtype, pin_memory=True)
-        self._routing_launches += 1
-        ring = self._host_routing[self._routing_launches % ROUTING_RING_ROWS]
-        return ring[: len(rows)].copy_(rows, non_blocking=True)
+        return to_host(rows)
 
     # ---- CUDA graphs ---------------------------------------------------------------------------
 

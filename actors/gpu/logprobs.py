@@ -54,27 +54,21 @@ def log_probs_never_wait(plan: StepPlan) -> bool:
 class PendingLogProbs:
     """A launched step's log-prob arrays, not read yet: device tensors queued to pinned host
     memory (`host`, CUDA; the tensors themselves elsewhere), and the steps that fill the numpy
-    arrays from them (`then`), run by `take` once the step's end event has passed. `ring`: the
-    step's row of the worker's pinned fp32 ring (CUDA, max_requests long), which every
-    sequence's log-prob of its token lands in without allocating (a pinned allocation costs
-    0.15-0.4 ms of host time, tests/perf/host_sync_probe.py; an RL rollout's steps ask for
-    nothing else)."""
+    arrays from them (`then`), run by `take` once the step's end event has passed. The host
+    copies land in the launch's pinned arena (actors/gpu/host_staging.py `to_host`), not in
+    memory pinned for each (0.15-0.4 ms of host time apiece, tests/perf/host_sync_probe.py;
+    an RL rollout's every step asks)."""
 
-    def __init__(
-        self, device: torch.device, out: dict[str, np.ndarray], ring: torch.Tensor | None = None
-    ):
+    def __init__(self, device: torch.device, out: dict[str, np.ndarray]):
         self.cuda = device.type == "cuda"
         self.out = out
-        self.ring = ring if self.cuda else None
         self._fill: list[Callable[[], None]] = []
 
-    def host(self, t: torch.Tensor, ring: torch.Tensor | None = None) -> Callable[[], np.ndarray]:
-        """`t` (contiguous) queued to the host, into `ring` when given (pinned, of t's shape and
-        dtype); returns what reads it there (at `take`)."""
+    def host(self, t: torch.Tensor) -> Callable[[], np.ndarray]:
+        """`t` queued to the host; returns what reads it there (at `take`)."""
         if not self.cuda:
             return lambda: t.numpy()
-        copy = to_host(t) if ring is None else ring.copy_(t, non_blocking=True)
-        return copy.numpy
+        return to_host(t).numpy
 
     def then(self, fill: Callable[[], None]) -> None:
         self._fill.append(fill)
@@ -106,19 +100,17 @@ def log_prob_arrays(
     vocab_size: int,
     device: torch.device,
     processed_logits: torch.Tensor | None = None,
-    ring: torch.Tensor | None = None,
 ) -> PendingLogProbs | dict[str, np.ndarray]:
     """StepResult's log-prob arrays when the plan asks for any (pending until the step is
     collected: `PendingLogProbs.take`), else {}. The prompt ones read every token's hidden
     state, so only an eager step (`hidden` not None) has them. `processed_logits`: the logits
     after the plan's sampling controls (actors/gpu/sampling_controls.py), which processed rows
-    are of; None: `logits` (no controls). `ring`: pinned fp32 [sequences] (CUDA), the step's
-    own (PendingLogProbs)."""
+    are of; None: `logits` (no controls)."""
     if not wants_log_probs(plan):
         return {}
     n = int(plan.top_n.max(initial=0))
     both = (logits, logits if processed_logits is None else processed_logits)
-    pending = PendingLogProbs(device, no_log_probs(len(plan.sample), n), ring)
+    pending = PendingLogProbs(device, no_log_probs(len(plan.sample), n))
     _sampled_log_probs(pending, plan, rows, both, tokens, n, device)
     if hidden is not None:
         _prompt_log_probs(pending, plan, hidden, n, compute_logits, vocab_size, device)
@@ -176,9 +168,7 @@ def _raw_log_probs(
     """The raw log-probs of rows `at` (no top-n) into `pending`: computed for every sequence
     (logits and tokens: [sequences, ...]), which costs the device less than the host's copy of
     an index would, and read at `at`."""
-    count, ring = tokens.shape[0], pending.ring
-    ring = ring[:count] if ring is not None and len(ring) >= count else None
-    got = pending.host(token_log_probs(logits[:count], tokens), ring)
+    got = pending.host(token_log_probs(logits[: tokens.shape[0]], tokens))
     out = pending.out
 
     def fill() -> None:

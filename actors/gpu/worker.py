@@ -211,7 +211,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         # actor keeps fewer steps than this launched and uncollected); CUDA only.
         self._host_tokens: torch.Tensor | None = None
         self._arenas: host_staging.Arenas | None = None  # (CUDA: made at the first load)
-        self._host_log_probs: torch.Tensor | None = None
         self._launches = 0
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
         self.tp = SINGLE  # this worker's tensor-parallel group (set at load)
@@ -226,8 +225,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         # (a graph cannot branch on the plan); an eager forward only when its plan asks.
         self._moe_blocks: list = []
         self._routing: torch.Tensor | None = None
-        self._host_routing: torch.Tensor | None = None
-        self._routing_launches = 0
         # speculative_method "draft_model": the draft and its KV cache (actors/gpu/draft.py).
         self.draft: DraftModel | None = None
         self._draft_graphable = False  # its forwards may be graphed (not a sharded self-draft)
@@ -433,7 +430,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         self._sampled = torch.zeros(msg.max_requests, dtype=torch.int64, device=self.device)
         self._moe_blocks = moe_blocks(self.model)
         self._routing = routing_buffer(self._moe_blocks, msg.max_tokens, self.device)
-        self._host_routing, self._routing_launches = None, 0  # (its shape may have changed)
         self._prev_sampled = np.zeros(0, dtype=bool)
         self.mtp = None
         if self.mtp_k:
@@ -446,8 +442,6 @@ class ModelWorker(WorkerForward, WorkerControls):
             self._host_tokens = torch.empty(shape, dtype=torch.int64, pin_memory=True)
             # (an arena is reused once the launch that used it was collected, as a row here)
             self._arenas = self._arenas or host_staging.Arenas(HOST_TOKEN_BUFFERS)
-            # (each step's log-probs of its tokens, in the row of its tokens)
-            self._host_log_probs = torch.empty(shape, dtype=torch.float32, pin_memory=True)
         sizes = msg.cuda_graph_decode_sizes, msg.cuda_graph_mixed_sizes
         if any(sizes):
             if self.device.type != "cuda":
@@ -585,7 +579,6 @@ class ModelWorker(WorkerForward, WorkerControls):
             compute_logits=self.model.compute_logits,
             vocab_size=self.config.vocab_size,
             device=self.device,
-            ring=self._host_ring_row(ended),
         )
         check = None
         if checks_later:  # (greedy grammar rows: checked at collect, the next forward waits;
@@ -608,12 +601,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         self._launches += 1
         host = self._host_tokens[self._launches % len(self._host_tokens)][:num_seqs]
         return host.copy_(tokens, non_blocking=True)
-
-    def _host_ring_row(self, ended) -> torch.Tensor | None:
-        """This launch's row of the pinned log-prob ring (the row of its tokens'), on CUDA."""
-        if ended is None or self._host_log_probs is None:
-            return None
-        return self._host_log_probs[self._launches % len(self._host_log_probs)]
 
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
@@ -672,7 +659,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             extra = extra.take()
         if not extra:
             extra = no_log_probs(len(plan.sample), 0)
-        if launched.routed is not None:  # (copied out: on CUDA a ring's row, reused later)
+        if launched.routed is not None:  # (copied out: on CUDA the launch's arena, reused)
             extra = extra | {"routed_experts": launched.routed.numpy().copy()}
         if launched.spec is not None:
             extra = extra | {"spec_tokens": launched.spec}
