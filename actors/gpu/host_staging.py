@@ -65,7 +65,7 @@ class StagingArena:
     def empty(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
         """An uninitialized host tensor in the arena (a copy from the device lands there and is
         read once the launch is collected), or None when it does not fit."""
-        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
         start = self.used
         if start + nbytes > len(self._host):
             return None
@@ -103,7 +103,10 @@ def active(arena: StagingArena | None):
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
     """`t` (on CUDA) copied to pinned host memory without waiting (read it once the launch is
-    collected: its end event covers the copy): into the active arena, else freshly pinned."""
+    collected: its end event covers the copy): into the active arena, else freshly pinned.
+    A strided `t` is made contiguous on the device first: torch stages a copy from a strided
+    source through a temporary and waits for the stream (tests/perf/host_sync_probe.py)."""
+    t = t.contiguous()
     arena = getattr(_local, "arena", None)
     host = arena.empty(tuple(t.shape), t.dtype) if arena is not None else None
     if host is None:
