@@ -216,8 +216,9 @@ def _fake_decode_row(steps: dict, b: int = 1, device: str = "cuda", hf: dict | N
 
 
 def test_decode_workload_with_log_probs_on_cpu(tmp_path):
-    """--log-probs: every request asks its tokens' log-probs (an RL rollout's steps); the row
-    says so, and ours returned one per token (the workload checks it)."""
+    """--log-probs: every request asks its generated tokens' log-probs (an RL rollout's
+    steps, no prompt log-probs); the row says so, and ours returned one per token (the
+    workload checks it)."""
     rows = _bench_rows(
         tmp_path,
         *("--workload", "decode", "--model", "random:tiny", "--batches", "2"),

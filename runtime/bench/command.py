@@ -102,7 +102,8 @@ def add_arguments(p) -> None:
     p.add_argument(
         "--log-probs",
         action="store_true",
-        help="decode: every request asks its tokens' log-probs (as an RL rollout does)",
+        help="decode: every request asks its generated tokens' log-probs (as an RL rollout "
+        "does; not the prompt's)",
     )
     p.add_argument(
         "--num-requests", type=int, default=1000, help="offline: requests; relay: per engine"

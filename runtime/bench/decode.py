@@ -78,10 +78,12 @@ def _timed_generate(
     client, prompts: list[list[int]], max_tokens: int, log_probs: bool = False
 ) -> tuple[float, list]:
     """(seconds from submitting every prompt to the last completion, the completions); each must
-    have exactly `max_tokens` tokens (greedy, EOS ignored; `log_probs`: with their log-probs)."""
+    have exactly `max_tokens` tokens (greedy, EOS ignored; `log_probs`: with the log-probs of
+    the generated tokens, not the prompt's, as an RL rollout asks: a prompt's log-probs make
+    its prefill an eager step, which the difference of two runs would count)."""
     sampling = greedy(max_tokens)
     if log_probs:
-        sampling = dataclasses.replace(sampling, return_log_probs=True)
+        sampling = dataclasses.replace(sampling, return_log_probs=True, skip_prompt_log_probs=True)
     start = time.perf_counter()
     done = client.generate(prompts, sampling)
     elapsed = time.perf_counter() - start
