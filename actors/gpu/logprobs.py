@@ -117,10 +117,6 @@ def log_prob_arrays(
     return pending
 
 
-def _on(a: np.ndarray, device: torch.device, dtype=None) -> torch.Tensor:
-    return to_device(a, device, dtype)  # (through the launch's pinned arena on CUDA)
-
-
 def _sampled_log_probs(
     pending: PendingLogProbs,
     plan: StepPlan,
@@ -196,11 +192,11 @@ def _rows_log_probs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ops/logprobs.py's (log-prob, top-n ids, top-n log-probs) of sampled `rows`, raw or
     processed with the rows' sampling parameters."""
-    index = _on(rows, device, torch.int64)
-    args = (logits[index], tokens[index], _on(counts, device), n)
+    index = to_device(rows, device, torch.int64)
+    args = (logits[index], tokens[index], to_device(counts, device), n)
     if not processed:
         return log_probs_and_top_n(*args)
-    params = [_on(getattr(plan, name)[rows], device) for name in PROCESSED_PARAMS]
+    params = [to_device(getattr(plan, name)[rows], device) for name in PROCESSED_PARAMS]
     chunk_rows = max(1, PROCESSED_MAX_ELEMENTS // logits.shape[1])
     return processed_log_probs_and_top_n(*args, *params, chunk_rows=chunk_rows)
 
@@ -226,9 +222,9 @@ def _prompt_log_probs(
     seq = np.searchsorted(plan.query_start_loc, tokens, side="right") - 1
     by_vocab = PROMPT_LOGITS_MAX_ELEMENTS // vocab_size
     picked, ids, values = prompt_log_probs(
-        hidden[_on(tokens, device, torch.int64)],
-        _on(plan.prompt_targets[tokens], device, torch.int64),
-        _on(plan.top_n[seq], device),
+        hidden[to_device(tokens, device, torch.int64)],
+        to_device(plan.prompt_targets[tokens], device, torch.int64),
+        to_device(plan.top_n[seq], device),
         n,
         compute_logits,
         chunk_rows=max(1, min(PROMPT_LOGITS_MAX_ROWS, by_vocab)),
