@@ -9,7 +9,9 @@
 #     tests/test_host_staging.py's GPU test (staged copies queued behind a busy stream).
 #   rows (one GPU, the model staged by `all` on the same warm machine): the structured row
 #     check / mask / check / mask (issue 28: the grammar steps' arrays no longer pinned one by
-#     one), the 1B decode rows plain and --log-probs twice, and the n-gram spec row (k = 4).
+#     one), the 1B decode rows plain and --log-probs twice, the n-gram spec row (k = 4), and
+#     tests/perf/verify_profile.py on SmolLM2 and the 8B shape (issue 29: what a verify step
+#     costs against a decode step where the step is host-bound and where it is device-bound).
 #   tp (two GPUs): session24_gpu.sh tp (issue 24's TP=2 against TP=1 at batch 1, 8B shape).
 PART=${1:?part all, rows or tp}
 if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
@@ -29,3 +31,8 @@ done
 timeout -s ABRT 150 python3 -m taipan.cli bench --workload spec --model smollm2 --device cuda \
     --dtype bfloat16 --spec-tokens 4 --results "$OUT/spec_ngram.jsonl" 2>&1 \
     | grep -E "^spec|rror" | cut -c1-240
+for model in smollm2 random:llama-8b; do
+    timeout -s ABRT 150 python3 tests/perf/verify_profile.py "$model" 4 1 2>&1 \
+        | grep -vE "^ *$|Warning" | head -40 > "$OUT/verify_${model#random:}.txt"
+    head -8 "$OUT/verify_${model#random:}.txt"
+done
