@@ -190,6 +190,10 @@ def add_key_arguments(p) -> None:
     )
 
 
+class _Terminated(Exception):
+    """SIGTERM while `taipan serve` starts (cmd_serve stops cleanly)."""
+
+
 def cmd_serve(args) -> int:
     """Serve until SIGINT/SIGTERM (exit 0), or until the coordinator, the HTTP server or the last
     engine rank dies (exit 1, naming it). While other ranks live, a dead rank is logged (its
@@ -204,17 +208,35 @@ def cmd_serve(args) -> int:
             stop.set()  # nothing left to serve with: shut down too
 
     rt.on_child_exit(on_exit)
+    started = threading.Event()
+
+    def on_signal(signum, _frame) -> None:
+        # Installed before the start: a SIGTERM that comes while the start returns (clients
+        # may already stream: the engines are up) stops the runtime cleanly, exit 0, instead
+        # of killing this process by its default action. During the start a SIGTERM aborts it
+        # (exit 0: a stop asked for) and a SIGINT too (KeyboardInterrupt, exit 130).
+        if started.is_set():
+            stop.set()
+        elif signum == signal.SIGTERM:
+            raise _Terminated
+        else:
+            raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
     try:
-        if rt.role == "coordinator":
-            print(
-                f"taipan: coordinator at {rt.address}; waiting for {rt.num_ranks} engine "
-                f"rank(s) at {rt.engine_address}",
-                file=sys.stderr,
-                flush=True,
-            )
-        rt.start(timeout=args.start_timeout)  # SIGINT here: KeyboardInterrupt, shutdown
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, lambda *_: stop.set())
+        try:  # (a signal here: shut down, see above)
+            if rt.role == "coordinator":
+                print(
+                    f"taipan: coordinator at {rt.address}; waiting for {rt.num_ranks} engine "
+                    f"rank(s) at {rt.engine_address}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            rt.start(timeout=args.start_timeout)
+            started.set()
+        except _Terminated:
+            return 0
         _print_serving(rt)
         stop.wait()
     finally:

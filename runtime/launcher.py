@@ -193,6 +193,8 @@ class Runtime:
         self.children = Children()
         self.control_token = new_token()
         self.token_path = None  # where same-user clients find it, once the runtime is up
+        # Every rank loaded (the coordinator answers controls): until then a stop is signals.
+        self.ready = False
         self.model_info = None  # the ModelInfo seen when the runtime became ready
         self.log = get_logger(component="launcher")
 
@@ -242,6 +244,7 @@ class Runtime:
                 for rank in range(self.num_ranks):
                     self.children.spawn(f"engine-{rank}", "engine", spec, str(rank))
             asyncio.run(self._wait_ready(timeout))
+            self.ready = True
             if self.http is not None:
                 self.children.spawn("http", "http", spec)
                 self._wait_http(timeout)
@@ -362,7 +365,9 @@ class Runtime:
         self.children.stopping = True
         # The HTTP server first: it is a client, and would keep serving errors after the stop.
         self.children.terminate("http")
-        if self.coordinator_alive():
+        # (before every rank loaded the coordinator cannot take a stop: a SIGTERM or Ctrl-C
+        # during the start waited out the 30 s of a clean stop for nothing)
+        if self.coordinator_alive() and self.ready:
             try:
                 asyncio.run(asyncio.wait_for(self._send_stop(), timeout))
                 stopped = True  # after a clean stop they exit by themselves

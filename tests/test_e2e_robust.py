@@ -175,3 +175,30 @@ def test_sigterm_mid_generation_leaves_nothing_behind(tmp_path, model_path):
     assert not [p for p in children if _alive(p)]
     assert "Traceback" not in serve.stderr.read()
     assert not os.path.exists(ipc_dir)
+
+
+def test_sigterm_while_starting_stops_cleanly(model_path):
+    """A SIGTERM while `taipan serve` starts (its processes spawned, the model loading) shuts
+    the runtime down: exit 0, no child left (a stop asked for, not a crash)."""
+    serve = subprocess.Popen(
+        [sys.executable, "-m", "taipan.cli", "serve", "--model", model_path],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        children = _children(serve.pid)
+        while not children and time.monotonic() < deadline:  # (the start is under way)
+            time.sleep(0.02)
+            children = _children(serve.pid)
+        assert children and serve.poll() is None
+        serve.send_signal(signal.SIGTERM)
+        assert serve.wait(60) == 0, serve.stderr.read()[-2000:]
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()
+    deadline = time.monotonic() + 10
+    while [p for p in children if _alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in children if _alive(p)]
