@@ -227,11 +227,9 @@ def cmd_serve(args) -> int:
     try:
         try:  # (a signal here: shut down, see above)
             if rt.role == "coordinator":
-                print(
+                _say(
                     f"taipan: coordinator at {rt.address}; waiting for {rt.num_ranks} engine "
-                    f"rank(s) at {rt.engine_address}",
-                    file=sys.stderr,
-                    flush=True,
+                    f"rank(s) at {rt.engine_address}"
                 )
             rt.start(timeout=args.start_timeout)
             started.set()
@@ -253,34 +251,30 @@ def cmd_serve(args) -> int:
 
 def _print_serving(rt) -> None:
     if rt.role == "tp-follower":
-        print(
+        _say(
             f"taipan: tensor-parallel follower {rt.tp_rank} of {rt.tp_size} of engine rank "
-            f"{rt.rank} joining its leader at {rt.tp_address}",
-            file=sys.stderr,
-            flush=True,
+            f"{rt.rank} joining its leader at {rt.tp_address}"
         )
         return
     if rt.role == "engine":
         leads = f", leading its followers at {rt.tp_address}" if rt.tp_address else ""
-        print(
-            f"taipan: engine rank {rt.rank} of {rt.num_ranks} joining {rt.engine_address}{leads}",
-            file=sys.stderr,
-            flush=True,
-        )
+        _say(f"taipan: engine rank {rt.rank} of {rt.num_ranks} joining {rt.engine_address}{leads}")
         return
     info = rt.model_info
     # Under tensor parallelism each peer holds its kv heads of every block: the bytes are one's.
     peers = f" of {rt.tp_size} tensor-parallel processes" if rt.tp_size > 1 else ""
     per = " per process" if rt.tp_size > 1 else ""
-    print(
+    _say(
         f"taipan: serving {rt.model_name} at {rt.address} on {rt.num_ranks} engine rank(s)"
         f"{peers}; KV cache of {info.kv_cache_tokens} tokens ({info.kv_cache_bytes / 1024**3:.2f}"
-        f" GiB{per}) per rank; control token in {rt.token_path}",
-        file=sys.stderr,
-        flush=True,
+        f" GiB{per}) per rank; control token in {rt.token_path}"
     )
     if rt.http_url:
-        print(f"taipan: OpenAI API at {rt.http_url}", file=sys.stderr, flush=True)
+        _say(f"taipan: OpenAI API at {rt.http_url}")
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def cmd_generate(args) -> int:
