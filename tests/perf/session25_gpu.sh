@@ -11,7 +11,9 @@
 #     check / mask / check / mask (issue 28: the grammar steps' arrays no longer pinned one by
 #     one), the 1B decode rows plain and --log-probs twice, the n-gram spec row (k = 4), and
 #     tests/perf/verify_profile.py on SmolLM2 and the 8B shape (issue 29: what a verify step
-#     costs against a decode step where the step is host-bound and where it is device-bound).
+#     costs against a decode step where the step is host-bound and where it is device-bound),
+#     and tests/perf/grammar_step_profile.py (issue 28: a json_schema step's device span against
+#     a plain one's, serial and overlapped, and the profiler over grammar steps).
 #   tp (two GPUs): session24_gpu.sh tp (issue 24's TP=2 against TP=1 at batch 1, 8B shape).
 PART=${1:?part all, rows or tp}
 if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
@@ -36,3 +38,5 @@ for model in smollm2 random:llama-8b; do
         | grep -vE "^ *$|Warning" | head -40 > "$OUT/verify_${model#random:}.txt"
     head -8 "$OUT/verify_${model#random:}.txt"
 done
+PYTHONPATH=$PWD:$PYTHONPATH timeout -s ABRT 200 python3 tests/perf/grammar_step_profile.py cuda 64 40 \
+    2>&1 | grep -vE "Warning|USDT" | tee "$OUT/grammar_profile.txt" | head -12
