@@ -81,7 +81,7 @@ def test_step_timeline_lays_out_every_step(recorded, capsys):
     the session, each with its plan in before its result out."""
     from tests.perf import step_timeline
 
-    steps = step_timeline._steps(recorded / "gpu-0.tplog")
+    steps = step_timeline.steps_of(recorded / "gpu-0.tplog")
     results = [
         r for r in read_log(recorded / "gpu-0.tplog")
         if r.direction == "out" and isinstance(decode(r.frames), StepResult)

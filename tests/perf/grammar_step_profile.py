@@ -72,7 +72,6 @@ def main(device: str, batch: int, steps: int) -> None:
     w.load(LoadModel(resolve("smollm2")[1], dtype, device, BLOCK, 4096, 8.0, 4096, 256, 2560,
                      graphs, ()))  # fmt: skip
     tables = np.arange(batch * 10, dtype=np.int32).reshape(batch, 10)
-    rows = np.arange(batch, dtype=np.int64)
     spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
     counter = iter(range(1, 1 << 30))
     request_ids = iter(range(1 << 30))
@@ -89,7 +88,6 @@ def main(device: str, batch: int, steps: int) -> None:
             for i, p in enumerate(out)
         ]  # fmt: skip
 
-    assert len(rows) == batch
     serial(w, plans(False, 3) + plans(True, 3))  # (graphs, kernels and grammars warm)
     for mode in (serial, overlap):
         for grammar in (False, True, False, True):

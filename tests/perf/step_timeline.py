@@ -35,7 +35,7 @@ from taipan.messages.gpu import StepPlan, StepResult
 SEGMENT_GAP_S = 1.0
 
 
-def _steps(log: Path) -> list[dict]:
+def steps_of(log: Path) -> list[dict]:
     """Per step id: the plan's arrival, the result's departure and what they say."""
     by_step: dict[int, dict] = {}
     for rec in read_log(log):
@@ -89,7 +89,7 @@ def summarize(steps: list[dict]) -> dict[str, dict[str, float]]:
 
 def main(directory: str) -> None:
     for log in sorted(Path(directory).glob("gpu-*.tplog")):
-        for i, seg in enumerate(_segments(_steps(log))):
+        for i, seg in enumerate(_segments(steps_of(log))):
             print(f"{log.name} segment {i} ({len(seg)} steps), medians in ms:")
             for kind, row in summarize(seg).items():
                 cells = ", ".join(
