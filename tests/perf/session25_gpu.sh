@@ -18,9 +18,38 @@
 PART=${1:?part all, rows or tp}
 if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
 source tests/perf/device_setup.sh
-enter_new_tree model || exit 1
+rm -rf .carry/new  # an ignored tree a previous call left on the warm machine is stale
+enter_new_tree $([ "$PART" = verbose ] || echo model) || exit 1  # verbose: a fresh machine
+if [ "$PART" = verbose ]; then  # `rest` hung where no signal reached it: each test named as it
+    # starts, the run left behind after $SECS s, and what its processes wait on then
+    python3 -u -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+        --continue-on-collection-errors \
+        $(ls tests/test_*.py | sort | awk '$0 > "tests/test_gpu_hybrid.py"') \
+        tests/test_gpu_hybrid.py > "$OUT/gpu_verbose.log" 2>&1 &
+    pid=$!
+    for _ in $(seq "${SECS:-360}"); do sleep 1; kill -0 $pid 2>/dev/null || break; done
+    ps -eo pid,ppid,stat,etimes,wchan:32,args --sort=pid | grep -E "python|STAT" \
+        | cut -c1-220 > "$OUT/procs.txt"
+    nvidia-smi >> "$OUT/procs.txt" 2>&1
+    kill -ABRT $pid 2>/dev/null
+    grep -E "PASSED|FAILED|ERROR|SKIPPED" "$OUT/gpu_verbose.log" | tail -3
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_verbose.log" | cut -c1-200 | tail -20
+    exit 0
+fi
+if [ "$PART" = rest ]; then  # what `all` did not reach in 560 s: the files after test_gpu_hybrid
+    # (files in order; multi-GPU ones skip), then the hybrid test with tracebacks at 60 s
+    timeout -s ABRT 330 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
+        --durations=12 -o faulthandler_timeout=90 --continue-on-collection-errors $(ls tests/test_*.py | sort \
+        | awk '$0 > "tests/test_gpu_hybrid.py"') > "$OUT/gpu_rest.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed|s call" "$OUT/gpu_rest.log" | cut -c1-200 | tail -30
+    timeout -s ABRT 140 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short -x \
+        --durations=5 -o faulthandler_timeout=60 tests/test_gpu_hybrid.py \
+        > "$OUT/gpu_hybrid.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed|s call" "$OUT/gpu_hybrid.log" | cut -c1-200 | tail -12
+    exit 0
+fi
 if [ "$PART" = all ]; then
-    timeout -s ABRT 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short \
+    timeout -s ABRT 560 python3 -m pytest -q -m gpu -p no:cacheprovider -rfs --tb=short --continue-on-collection-errors \
         tests/ > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | cut -c1-220 | tail -20
     exit 0
