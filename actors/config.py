@@ -121,6 +121,16 @@ class InferenceConfig:
     speculative_method: str = "ngram"
     ngram_prompt_lookup_min: int = 1
     ngram_prompt_lookup_max: int = 4
+    # "ngram" only: up to this many verify steps run back to back in the gpu actor for one
+    # plan, which drafts each next step itself by the same rule (actors/gpu/chain.py), so the
+    # engine's turn and the hops between the actors are paid once per chain, not per verify
+    # step. A step chains when all its rows are greedy verify rows of requests without
+    # log-probs, logit controls, grammars or routed experts, nothing waits to be admitted, and
+    # at most speculative_chain_max_rows rows (the gpu drafts them one by one); the others run
+    # one verify step per plan. Tokens then stream a chain at a time. 1: off. taipan's own
+    # (vLLM's old multi-step scheduling, num_scheduler_steps, for speculation).
+    speculative_chain_steps: int = 1
+    speculative_chain_max_rows: int = 4
     # speculative_method "draft_model" (vLLM's speculative_config model): a smaller model of
     # the same tokenizer (a path or a registry name, as the target's), run by the same gpu
     # actor with a KV cache of its own over the same block ids; it drafts greedily
@@ -278,6 +288,17 @@ class InferenceConfig:
                 f"draft_weight_policy={policy!r} applies to a draft model with weights of its "
                 "own (speculative_model a path or name; a 'self:N' draft follows every update)"
             )
+        chain, rows = self.speculative_chain_steps, self.speculative_chain_max_rows
+        if not 1 <= chain <= MAX_CHAIN_STEPS or rows < 1:
+            raise ConfigError(
+                f"speculative_chain_steps must be in [1, {MAX_CHAIN_STEPS}] (1 = off) and "
+                f"speculative_chain_max_rows >= 1, got {chain} and {rows}"
+            )
+        if chain > 1 and (not k or method != "ngram"):
+            raise ConfigError(
+                "speculative_chain_steps > 1 chains n-gram verify steps: it needs "
+                "num_speculative_tokens > 0 and speculative_method='ngram'"
+            )
         lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
         if not 1 <= lo <= hi:
             raise ConfigError(
@@ -412,6 +433,7 @@ def routing_policy(config: InferenceConfig) -> PrefixCachingCoordinatorPolicy:
 # users of vLLM / Megatron may name that are not built.
 MAX_SPECULATIVE_TOKENS = 64
 SPECULATIVE_METHODS = ("ngram", "draft_model", "mtp")
+MAX_CHAIN_STEPS = 64  # (actors/gpu/chain.py check_chain)
 DRAFT_WEIGHT_POLICIES = ("keep", "disable", "refuse")
 UNBUILT_SPECULATIVE_METHODS = ("eagle", "eagle3", "medusa")
 

@@ -296,6 +296,25 @@ class StepPlan:
     # token drawn there); mtp_draft int8[B], 1 = return its drafts (StepResult.next_drafts).
     mtp_next: Array[np.int32, 1] = empty_array_field(np.int32)
     mtp_draft: Array[np.int8, 1] = empty_array_field(np.int8)
+    # A chained verify step (InferenceConfig.speculative_chain_steps; actors/gpu/chain.py):
+    # chain_steps > 1 lets the gpu run up to that many verify steps one after the other for
+    # these sequences, drafting each next step itself by prompt lookup (ops/ngram.py with
+    # chain_ngram int32[3] = min_n, max_n, k) over each sequence's known tokens
+    # (chain_history int32[H], sequence i's at chain_history_loc[i]:chain_history_loc[i + 1],
+    # ending with its last known token). Sequence i gains at most chain_limit[i] tokens, has
+    # KV slots for positions below chain_capacity[i] (its block table's), and stops after
+    # any token of chain_stops[chain_stops_loc[i]:chain_stops_loc[i + 1]]. Every sequence
+    # verifies drafts, greedily, with no log-probs, controls, grammar or prev_rows (the gpu
+    # refuses other plans); its new tokens come in StepResult.spec_tokens as one row and the
+    # drafts and acceptances of each inner step in StepResult.spec_chain. 0: one step.
+    chain_steps: int = 0
+    chain_ngram: Array[np.int32, 1] = empty_array_field(np.int32)
+    chain_history: Array[np.int32, 1] = empty_array_field(np.int32)
+    chain_history_loc: Array[np.int32, 1] = empty_array_field(np.int32)
+    chain_limit: Array[np.int32, 1] = empty_array_field(np.int32)
+    chain_capacity: Array[np.int32, 1] = empty_array_field(np.int32)
+    chain_stops: Array[np.int32, 1] = empty_array_field(np.int32)
+    chain_stops_loc: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
 @message(123, required=12)  # (routed_experts came later)
@@ -337,7 +356,12 @@ class StepResult:
     # drafts (else empty): sequence i's new tokens, its accepted drafts then the token drawn at
     # the first rejection (or the bonus token), -1 after; rows without drafts all -1 (their
     # token is token_ids[i], which for a row with drafts is its first new token).
+    # A chained verify step (StepPlan.chain_steps): [B, W], every new token of the chain's
+    # inner steps in order, -1 after.
     spec_tokens: Array[np.int32, 2] = empty_array_field(np.int32, 2)
+    # A chained verify step: int32[B, chain_steps, 2], (drafts verified, of which accepted) of
+    # sequence i in inner step j; -1 where it ran no such step. Empty otherwise.
+    spec_chain: Array[np.int32, 3] = empty_array_field(np.int32, 3)
     # float32[B, K+1]: the raw log-prob of each of spec_tokens, for the sequences with drafts
     # that ask for log-probs (NaN elsewhere; empty when none asks). Such a sequence's
     # log_probs[i] is of its last scored position, not of a token it gains: read these.

@@ -93,6 +93,9 @@ class RankStats:
     # 1 once a weight update disabled this rank's draft model (draft_weight_policy "disable";
     # merged: the ranks where it did).
     spec_draft_disabled: int = 0
+    # Steps planned as chained verify steps (InferenceConfig.speculative_chain_steps; each
+    # inner step's rows count in spec_verify_rows and the acceptance counters above).
+    spec_chains: int = 0
     # Per-layer-group KV (the windowed layers' own pool, actors/engine/local_kv.py; 0 without
     # one): its blocks, those the requests' rings hold, those caching prompt blocks' windowed
     # keys (prefix caching), and the cached blocks copied into rings by prefix hits.

@@ -3,7 +3,7 @@ each request accepts and the one token it adds (Leviathan et al. 2023, Chen et a
 
 Owns the acceptance rule and its draws, in torch on any device: CPU and CUDA run the same code,
 with no host sync and shapes fixed by the inputs (CUDA-graph safe; only the input checks read
-`num_drafts`, and only when it lives on the CPU). Does not own drafting (actors/engine/ngram.py,
+`num_drafts`, and only when it lives on the CPU). Does not own drafting (ops/ngram.py,
 a draft model), the logit controls applied before it (ops/logit_controls.py; a penalty at row j
 must count drafts 0..j-1 as generated), or what the engine does with the result (append tokens,
 roll back the rejected drafts' KV and recurrent state).

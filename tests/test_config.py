@@ -75,6 +75,8 @@ TAIPAN_FIELDS = {
     "speculative_method": "ngram",
     "ngram_prompt_lookup_min": 1,
     "ngram_prompt_lookup_max": 4,
+    "speculative_chain_steps": 1,
+    "speculative_chain_max_rows": 4,
     "speculative_model": None,
     "draft_weight_policy": "keep",
     "disable_hybrid_kv_cache_manager": False,

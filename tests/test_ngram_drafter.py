@@ -1,4 +1,4 @@
-"""The n-gram (prompt-lookup) drafter, actors/engine/ngram.py: hand examples, the rule against a
+"""The n-gram (prompt-lookup) drafter, ops/ngram.py: hand examples, the rule against a
 brute-force oracle, and the incremental index against the from-scratch lookup."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from taipan.actors.engine.ngram import NgramDrafter, NgramIndex
+from taipan.ops.ngram import NgramDrafter, NgramIndex
 
 
 def oracle(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:

@@ -343,6 +343,7 @@ class EngineActor(EngineControls, Actor):
             spec_accepted_per_position=s.get("spec_accepted_per_position", ()),
             spec_backoffs=s.get("spec_backoffs", 0),
             spec_draft_disabled=s.get("spec_draft_disabled", 0),
+            spec_chains=s.get("spec_chains", 0),
             num_local_blocks=self.scheduler.plan.num_local_blocks,
             local_blocks_used=s.get("local_blocks_used", 0),
             local_blocks_cached=s.get("local_blocks_cached", 0),

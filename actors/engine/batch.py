@@ -31,6 +31,8 @@ class Chunk:
     drafts: np.ndarray | None = None
     # The drafts are placeholders a draft model on the gpu fills (StepPlan.draft_prev).
     gpu_drafts: bool = False
+    # A chained verify row (StepPlan.chain_steps): the most tokens it may gain; 0: not one.
+    chain_limit: int = 0
 
 
 @dataclasses.dataclass

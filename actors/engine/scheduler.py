@@ -263,6 +263,8 @@ class Scheduler:
             # once would only churn).
             admit(self, draft, now)
         register(self, draft)
+        if self.spec is not None and self.spec.chain_steps > 1:
+            self._chain(draft)
         # Rows of one query token first (a stable sort): attention takes them as one decode
         # batch, a prefix of the step, and the longer chunks after them as one prefill batch.
         draft.chunks.sort(key=lambda c: c.num_new_tokens != 1)
@@ -310,6 +312,23 @@ class Scheduler:
             draft.take(req, n, need)
             draft.chunks[-1].drafts = drafts
             draft.chunks[-1].gpu_drafts = drafts is not None and self.spec.on_gpu
+
+    def _chain(self, draft: Draft) -> None:
+        """A step whose verify rows chain in the gpu (speculation.py `Speculation.chain`):
+        each row gets the blocks for what it may gain in the chain, as far as free blocks go
+        (the gpu stops a row at the end of its blocks)."""
+        plain = self.mamba is not None or self.local is not None or self.window
+        waiting = bool(self.waiting or self.paused)
+        limits = [] if plain else self.spec.chain(draft.chunks, self.plan, waiting)
+        bs, k = self.plan.block_size, self.spec.k
+        for c, limit in zip(draft.chunks, limits, strict=False):
+            r = c.request
+            want = min(limit, self.spec.chain_steps * (k + 1))
+            more = min(r.blocks_needed(r.num_computed_tokens + want, bs) - c.new_blocks, draft.free)
+            if more > 0:
+                c.new_blocks += more
+                draft.free -= more
+            c.chain_limit = limit
 
     def _plan_paused(self, draft: Draft, now: float) -> bool:
         """2. Paused requests resume LIFO; 3. eviction, over the paused budget or when nothing

@@ -5,7 +5,7 @@ Pure: numpy and ints, no torch, no sockets. The scheduler (actors/engine/schedul
 `drafts_for` while it plans a decode row and hands each verify row's result to
 `append_verified`, which appends its tokens with the stop checks (outputs.py) and `count`s it;
 the gpu actor verifies (actors/gpu/speculative.py, ops/speculative.py). Drafting is prompt
-lookup (actors/engine/ngram.py), one incremental index per request, kept on the request
+lookup (ops/ngram.py), one incremental index per request, kept on the request
 (`ngram`), or a draft model on the gpu (speculative_method "draft_model", `on_gpu`): then a
 row's drafts are placeholders, as many as the limits below allow, which the gpu fills
 (actors/gpu/draft.py; StepPlan.draft_prev); requests with bad words do not speculate there
@@ -65,14 +65,16 @@ import numpy as np
 
 from taipan.actors.config import RuntimePlan
 from taipan.actors.engine.batch import Chunk
-from taipan.actors.engine.ngram import NgramDrafter, NgramIndex
 from taipan.actors.engine.outputs import Appending, append_token
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.gpu import StepResult
 from taipan.messages.requests import FinishReason
+from taipan.ops.ngram import NgramDrafter, NgramIndex
 
 __all__ = ["Backoff", "Speculation"]
 
+# Temperatures below this are greedy (kernels/sampling.py GREEDY_EPS: the engine imports no torch).
+GREEDY_EPS = 1e-5
 MISSES = 4  # rows in a row that gained nothing before a request backs off
 BACKOFF, BACKOFF_MAX = 8, 128  # plain tokens of a first back-off, and the most
 
@@ -97,6 +99,8 @@ class Speculation:
         on_gpu: bool = False,
         disable_on_update: bool = False,
         mtp: bool = False,
+        chain_steps: int = 1,
+        chain_max_rows: int = 4,
     ) -> None:
         if k < 1:
             raise ValueError(f"speculation needs k >= 1 draft tokens, got {k}")
@@ -112,6 +116,9 @@ class Speculation:
         self.disable_on_update = disable_on_update
         self.disabled = False
         self.drafter = NgramDrafter(ngram_min, ngram_max, k)
+        # Chained verify steps (InferenceConfig.speculative_chain_steps; `chain`): 1 = off.
+        self.chain_steps, self.chain_max_rows = chain_steps, chain_max_rows
+        self.chains = 0  # steps planned as chains
         self.draft_tokens = 0  # drafts verified
         self.accepted_tokens = 0  # of which accepted
         self.verify_rows = 0  # rows that verified at least one draft
@@ -195,6 +202,26 @@ class Speculation:
             drafts = drafts[:-1]
         return drafts
 
+    def chain(self, chunks: list[Chunk], plan: RuntimePlan, waiting: bool) -> list[int]:
+        """Whether a step of `chunks` chains its verify steps in the gpu (StepPlan.chain_steps):
+        the tokens each row may gain in the chain (its chain_limit), or [] when it does not.
+        It chains when every row verifies n-gram drafts of a greedy request that asks nothing
+        a chain cannot carry (log-probs, logit controls, a grammar, routed experts: messages/
+        gpu.py StepPlan.chain_steps), there are at most chain_max_rows rows and nothing
+        `waiting` (a chain would hold it back)."""
+        if self.chain_steps < 2 or waiting or not 0 < len(chunks) <= self.chain_max_rows:
+            return []
+        limits = []
+        for c in chunks:
+            r, s = c.request, c.request.sampling
+            if c.drafts is None or not len(c.drafts) or c.gpu_drafts or not _chainable(r):
+                return []
+            limits.append(
+                min(s.max_tokens - len(r.generated), plan.max_sequence_length - r.num_tokens)
+            )
+        self.chains += 1
+        return limits
+
     def append_verified(
         self,
         r: EngineRequest,
@@ -212,9 +239,16 @@ class Speculation:
             )
         row = result.spec_tokens[i]
         new = row[row >= 0].tolist()
-        if not 1 <= len(new) <= len(c.drafts) + 1:
+        most = c.chain_limit if c.chain_limit else len(c.drafts) + 1
+        if not 1 <= len(new) <= most:
             raise ValueError(
                 f"step {result.step}, row {i}: {len(new)} new tokens for {len(c.drafts)} drafts"
+                + (f" in a chain of at most {most}" if c.chain_limit else "")
+            )
+        if c.chain_limit and len(result.spec_chain) != len(result.token_ids):
+            raise ValueError(
+                f"step {result.step} chained its verify steps but its result has no "
+                "spec_chain row for each sequence"
             )
         log_probs, tops = [None] * len(new), [None] * len(new)
         n = r.sampling.top_n_logprobs
@@ -230,11 +264,17 @@ class Speculation:
         if n:
             ids, lps = result.spec_top_n_ids[i], result.spec_top_n_log_probs[i]
             tops = [(ids[j, :n].copy(), lps[j, :n].copy()) for j in range(len(new))]
-        self.count(len(c.drafts), len(new) - 1)
-        if len(new) > 1:
-            self._hit(r)
-        else:
-            self._missed(r)
+        outcomes = [(len(c.drafts), len(new) - 1)]
+        if c.chain_limit:  # (each inner step's drafts and acceptances)
+            outcomes = [(int(d), int(a)) for d, a in result.spec_chain[i] if d >= 0]
+        for drafted, accepted in outcomes:
+            if not drafted:
+                continue  # (an inner step that found no draft: a plain one)
+            self.count(drafted, accepted)
+            if accepted:
+                self._hit(r)
+            else:
+                self._missed(r)
         for tok, lp, top in zip(new, log_probs, tops, strict=True):
             reason = append_token(r, result, i, step, (tok, lp, top))
             if reason is not None:
@@ -295,4 +335,20 @@ class Speculation:
             "spec_accepted_per_position": tuple(self.accepted_per_position),
             "spec_backoffs": self.backoffs,
             "spec_draft_disabled": int(self.disabled),
+            "spec_chains": self.chains,
         }
+
+
+def _chainable(r: EngineRequest) -> bool:
+    """Whether `r`'s rows can be chained (`Speculation.chain`): greedy, no log-probs, no
+    logit controls, no grammar, no routed experts."""
+    s = r.sampling
+    return (
+        s.temperature < GREEDY_EPS
+        and not (s.return_log_probs or s.top_n_logprobs or r.wants_prompt_log_probs)
+        and not (s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0)
+        and not (s.logit_bias or s.min_tokens or s.bad_words_ids)
+        and s.allowed_token_ids is None
+        and s.structured is None
+        and r.routed is None
+    )

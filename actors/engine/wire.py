@@ -80,6 +80,8 @@ def speculation(config: InferenceConfig) -> Speculation | None:
         on_gpu=on_gpu,
         disable_on_update=on_gpu and config.draft_weight_policy == "disable",
         mtp=config.speculative_method == "mtp",
+        chain_steps=config.speculative_chain_steps,
+        chain_max_rows=config.speculative_chain_max_rows,
     )
 
 
@@ -206,7 +208,37 @@ def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
         arrays |= copy_arrays(batch.local_copies, batch.local_saves)
     if sched.spec is not None and sched.spec.mtp and batch.chunks:
         arrays |= mtp_arrays(batch)
+    if batch.chunks and batch.chunks[0].chain_limit:
+        arrays |= chain_arrays(batch, sched.spec, p.block_size, p.eos_token_ids)
     return StepPlan(step=batch.step, **arrays)
+
+
+def chain_arrays(batch: StepBatch, spec: Speculation, block_size: int, eos_token_ids) -> dict:
+    """StepPlan.chain_* of a step whose verify rows chain (Speculation.chain): each row's
+    known tokens, its limit, the slots its blocks give and its stop tokens."""
+    reqs = [c.request for c in batch.chunks]
+    history = [r.token_slice(0, c.start + 1) for r, c in zip(reqs, batch.chunks, strict=True)]
+    stops = [
+        [*(() if r.sampling.ignore_eos else eos_token_ids), *r.sampling.stop_token_ids]
+        for r in reqs
+    ]
+    d = spec.drafter
+    return {
+        "chain_steps": spec.chain_steps,
+        "chain_ngram": np.asarray([d.min_n, d.max_n, d.k], np.int32),
+        "chain_history": np.concatenate(history).astype(np.int32),
+        "chain_history_loc": _offsets(len(h) for h in history),
+        "chain_limit": np.asarray([c.chain_limit for c in batch.chunks], np.int32),
+        "chain_capacity": np.asarray([len(r.blocks) * block_size for r in reqs], np.int32),
+        "chain_stops": np.asarray([t for row in stops for t in row], np.int32),
+        "chain_stops_loc": _offsets(len(row) for row in stops),
+    }
+
+
+def _offsets(lengths) -> np.ndarray:
+    """[0, l0, l0 + l1, ...] as int32."""
+    counts = np.fromiter(lengths, dtype=np.int64)
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
 
 
 def mtp_arrays(batch: StepBatch) -> dict[str, np.ndarray]:

@@ -27,6 +27,7 @@ import torch
 
 from taipan.actors.gpu import host_staging
 from taipan.actors.gpu.buffers import StepBuffers
+from taipan.actors.gpu.chain import run_chain
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.draft import SELF_PREFIX, DraftModel, check_draft_prev, load_draft
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
@@ -492,9 +493,20 @@ class ModelWorker(WorkerForward, WorkerControls):
         StepResult; the next step may be launched before that (the device runs it after this
         one). The small arrays the launch sends to the device go through its own pinned
         arena (actors/gpu/host_staging.py)."""
+        if plan.chain_steps > 1:  # (verify steps one after the other: actors/gpu/chain.py)
+            result = run_chain(plan, self.block_size, self._run_inner)
+            self._prev_sampled = np.zeros(len(plan.sample), dtype=bool)  # (none is read)
+            return result
         arena = self._arenas.next() if self._arenas is not None else None
         with host_staging.active(arena):
             return self._launch(plan)
+
+    def _run_inner(self, plan: StepPlan) -> StepResult:
+        """One inner step of a chain, launched and collected."""
+        arena = self._arenas.next() if self._arenas is not None else None
+        with host_staging.active(arena):
+            launched = self._launch(plan)
+        return self.collect(launched)
 
     def _launch(self, plan: StepPlan) -> Launched | StepResult:
         start = time.perf_counter()

@@ -162,6 +162,13 @@ def add_arguments(p) -> None:
         help="spec: num_speculative_tokens (n-gram drafts per step) of the speculation-on runs",
     )
     p.add_argument(
+        "--spec-chain",
+        type=int,
+        default=1,
+        help="spec: also run n-gram speculation with speculative_chain_steps N (verify steps "
+        "chained in the gpu actor), a third side of the same run (1: not run)",
+    )
+    p.add_argument(
         "--spec-draft",
         default=None,
         help="spec: a draft model (a path, a name, or self:N, the target's first N layers) "

@@ -22,6 +22,11 @@ engine's counters over the fastest pass: steps, drafted and accepted tokens, ver
 accepted length per verify row ((accepted + rows) / rows), acceptance rate and accepted
 drafts per position.
 
+`--spec-chain N` adds a third runtime, n-gram speculation with speculative_chain_steps=N (its
+verify steps chained in the gpu actor, actors/gpu/chain.py), timed in the same alternation:
+its columns `chain_*` (its rate, `chain_speedup` against off, `chain_vs_on` against the
+unchained side, `chain_outputs_equal` against off, `chain_chains` planned).
+
 No HF side: HF's prompt-lookup decoding is another implementation, not a baseline of ours.
 Never imports torch itself.
 """
@@ -246,6 +251,7 @@ SPEC_COUNTERS = (
     "spec_accepted_tokens",
     "spec_verify_rows",
     "spec_backoffs",
+    "spec_chains",
     "steps_total",
 )
 
@@ -334,6 +340,13 @@ def spec_workload(args) -> list[dict]:
         "off": with_sets(args, "num_speculative_tokens=0"),
         "on": with_sets(args, f"num_speculative_tokens={k}", *drafter),
     }
+    chain = getattr(args, "spec_chain", 1)
+    if chain > 1:  # (the same n-gram speculation, its verify steps chained in the gpu actor)
+        if method != "ngram":
+            raise ValueError("--spec-chain chains n-gram verify steps: not with --spec-method")
+        sides["chain"] = with_sets(
+            args, f"num_speculative_tokens={k}", *drafter, f"speculative_chain_steps={chain}"
+        )
     # On a CPU both runtimes are up at once (an idle one costs nothing) and their passes
     # alternate, so a load that comes and goes on the host favours neither; a device gets one
     # runtime at a time (two KV pools and two copies of the weights may not fit).
@@ -352,7 +365,8 @@ def spec_workload(args) -> list[dict]:
     rows = []
     for scenario in workloads:
         off, on = got["off"][scenario], got["on"][scenario]
-        for side, run in (("off", off), ("on", on)):
+        for side in sides:
+            run = got[side][scenario]
             counts = sorted({len(ids) for ids in run["token_ids"]})
             if counts != [m]:
                 raise RuntimeError(
@@ -405,17 +419,46 @@ def spec_workload(args) -> list[dict]:
             # Verify rows whose draft j was accepted (j = 0 .. k-1).
             "accepted_per_position": on["spec_accepted_per_position"],
         }
+        if "chain" in got:
+            row |= _chain_columns(got["chain"][scenario], off, on, n, m, chain)
         rows.append(rounded(row))
     return rows
 
 
+def _chain_columns(run: dict, off: dict, on: dict, n: int, m: int, chain: int) -> dict:
+    """The chained side's columns of a row (--spec-chain)."""
+    rate, itl = n * m / run["seconds"], sum(run["decode_seconds"]) / (n * (m - 1))
+    rows, accepted = run["spec_verify_rows"], run["spec_accepted_tokens"]
+    return {
+        "speculative_chain_steps": chain,
+        "chain_seconds": run["seconds"],
+        "chain_output_tok_s": rate,
+        "chain_speedup": rate * off["seconds"] / (n * m),  # (against speculation off)
+        "chain_vs_on": rate * on["seconds"] / (n * m),
+        "chain_itl_ms": 1e3 * itl,
+        "chain_outputs_equal": run["token_ids"] == off["token_ids"] and run["stable"],
+        "chain_steps": run["steps_total"],
+        "chain_chains": run["spec_chains"],
+        "chain_verify_rows": rows,
+        "chain_mean_accepted_length": (accepted + rows) / rows if rows else 0.0,
+    }
+
+
 def spec_summary(row: dict) -> str:
     """The row's human line."""
+    if "chain_output_tok_s" in row:
+        chained = (
+            f"; chained x{row['speculative_chain_steps']} {row['chain_output_tok_s']} tok/s, "
+            f"speedup {row['chain_speedup']}x ({row['chain_vs_on']}x of unchained), outputs "
+            f"equal {row['chain_outputs_equal']}"
+        )
+    else:
+        chained = ""
     return (
         f"spec {row['scenario']} batch {row['batch']} x {row['output_len']} "
         f"({row.get('speculative_model') or row.get('speculative_method') or 'ngram'} k="
         f"{row['num_speculative_tokens']}): off {row['off_output_tok_s']} tok/s, on "
         f"{row['on_output_tok_s']} tok/s, speedup {row['speedup']}x (decode "
         f"{row['decode_speedup']}x), accepted length {row['mean_accepted_length']}, acceptance "
-        f"{row['acceptance_rate']}, outputs equal {row['outputs_equal']}"
+        f"{row['acceptance_rate']}, outputs equal {row['outputs_equal']}{chained}"
     )

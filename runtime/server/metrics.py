@@ -33,6 +33,7 @@ What a vLLM dashboard reads, under taipan's names (vLLM's in brackets):
                                               [vllm:spec_decode_num_accepted_tokens_per_pos]
   taipan_spec_decode_backoffs_total           (ours: requests that stopped speculating a while)
   taipan_spec_decode_draft_disabled_total     (ours: ranks whose draft an update disabled)
+  taipan_spec_decode_chains_total             (ours: steps whose verify steps the gpu chained)
 
 TTFT, queue and prefill time come from the engine's clock (the request's events); end-to-end
 latency is the server's (from submission to the last token). Time per output token: a streamed
@@ -72,6 +73,7 @@ class _RuntimeCounters:
         "spec_decode_num_accepted_tokens": "Draft tokens accepted",
         "spec_decode_backoffs": "Times a request stopped speculating, its drafts gaining nothing",
         "spec_decode_draft_disabled": "Ranks whose draft model a weight update disabled",
+        "spec_decode_chains": "Steps whose verify steps the gpu chained (speculative_chain_steps)",
         "num_preemptions": "Requests evicted for KV room (their KV dropped, recomputed later)",
         "pauses": "Times a running request paused for KV room (its KV kept)",
     }
@@ -89,6 +91,7 @@ class _RuntimeCounters:
             spec_decode_num_accepted_tokens=merged.spec_accepted_tokens,
             spec_decode_backoffs=merged.spec_backoffs,
             spec_decode_draft_disabled=merged.spec_draft_disabled,
+            spec_decode_chains=merged.spec_chains,
             num_preemptions=merged.evicted_total,
             pauses=merged.paused_total,
         )

@@ -1,0 +1,132 @@
+"""Chained verify steps (InferenceConfig.speculative_chain_steps, actors/gpu/chain.py) through
+the real runtime on SmolLM2: greedy outputs equal plain decoding's, with stops, max_tokens and
+stop strings inside a chain, a KV pool that runs short, and requests a chain cannot carry
+(log-probs) beside chained ones; the chains show in stats(); the configs refused."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from taipan.actors.config import ConfigError, InferenceConfig
+from taipan.client import Client
+from taipan.launcher import LaunchError, Runtime
+from taipan.messages.requests import SamplingParams
+from tests.test_e2e_speculative import PROMPTS
+
+N = 40
+GREEDY = SamplingParams(max_tokens=N, temperature=0.0)
+
+
+def chain_config(**extra) -> InferenceConfig:
+    return InferenceConfig(
+        block_size_tokens=16,
+        max_requests=8,
+        max_sequence_length=512,
+        enable_prefix_caching=True,
+        num_speculative_tokens=4,
+        speculative_chain_steps=6,
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def chained_runtime(model_path):
+    with Runtime(model_path, chain_config()) as rt:
+        yield rt
+
+
+@pytest.fixture(scope="module")
+def chained(chained_runtime):
+    with Client(chained_runtime.address) as c:
+        yield c
+
+
+def test_chained_greedy_outputs_equal_plain_decoding(client, chained):
+    want = [x.token_ids for x in client.generate(PROMPTS, GREEDY)]
+    before = chained.stats().merged()
+    got = [chained.generate([p], GREEDY)[0].token_ids for p in PROMPTS]  # (one at a time)
+    assert got == want
+    together = chained.generate(PROMPTS, GREEDY)  # (4 rows: speculative_chain_max_rows)
+    assert [x.token_ids for x in together] == want
+    rank = chained.stats().merged()
+    assert rank.spec_chains > before.spec_chains
+    assert rank.spec_verify_rows > rank.spec_chains  # (several inner steps a chain)
+    assert sum(rank.spec_accepted_per_position) == rank.spec_accepted_tokens > 0
+
+
+def test_stops_max_tokens_and_stop_strings_inside_a_chain(client, chained):
+    code = PROMPTS[1]  # (its 40 greedy tokens copy code: long accepted runs)
+    [ref] = client.generate([code], GREEDY)
+    ids = ref.token_ids
+    assert len(ids) == N
+    stop = next(t for i, t in enumerate(ids) if i >= 9 and t not in ids[:i])
+    cut = ids.index(stop) + 1
+    stopped = SamplingParams(max_tokens=N, temperature=0.0, stop_token_ids=(stop,))
+    short = SamplingParams(max_tokens=13, temperature=0.0)
+    worded = SamplingParams(max_tokens=N, temperature=0.0, stop="pow")
+    [a, b, c] = [chained.generate([code], s)[0] for s in (stopped, short, worded)]
+    assert a.token_ids == ids[:cut] and a.finish_reason == "stop"
+    assert b.token_ids == ids[:13] and b.finish_reason == "length"
+    [d] = client.generate([code], worded)
+    assert c.text == d.text and c.finish_reason == d.finish_reason == "stop"
+
+
+def test_a_request_with_log_probs_runs_unchained_beside_chained_ones(client, chained_runtime):
+    logged = SamplingParams(max_tokens=N, temperature=0.0, return_log_probs=True)
+    [want] = client.generate(PROMPTS[1:2], logged)
+    [plain] = client.generate(PROMPTS[3:4], GREEDY)
+    with Client(chained_runtime.address) as a, Client(chained_runtime.address) as b:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(a.generate, PROMPTS[1:2], logged)
+            second = pool.submit(b.generate, PROMPTS[3:4], GREEDY)
+            [got], [other] = first.result(), second.result()
+    assert got.token_ids == want.token_ids and other.token_ids == plain.token_ids
+    assert got.log_probs == pytest.approx(want.log_probs, abs=1e-4)
+
+
+@pytest.mark.slow
+def test_chains_under_kv_pressure_equal_plain_decoding(client, model_path):
+    """8 blocks of 16 tokens for 4 requests of ~40 + 40 tokens: chains get fewer blocks than
+    they could use (the gpu stops a row at its last slot) and requests pause."""
+    config = chain_config(buffer_size_gb=0.006, max_tokens=40)
+    want = [x.token_ids for x in client.generate(PROMPTS, GREEDY)]
+    with Runtime(model_path, config) as rt, Client(rt.address) as c:
+        assert [x.token_ids for x in c.generate(PROMPTS, GREEDY)] == want
+        rank = c.stats().merged()
+    assert rank.spec_chains > 0 and rank.paused_total > 0, rank
+
+
+def test_chains_are_refused_where_they_are_not_built(model_path):
+    with pytest.raises(ConfigError, match="speculative_method='ngram'"):
+        InferenceConfig(num_speculative_tokens=0, speculative_chain_steps=4)
+    with pytest.raises(ConfigError, match="speculative_chain_steps must be in"):
+        InferenceConfig(num_speculative_tokens=2, speculative_chain_steps=0)
+    with pytest.raises(LaunchError, match="tensor or expert"):
+        Runtime(model_path, chain_config(), tensor_parallel_size=2)
+
+
+@pytest.mark.gpu
+def test_gpu_chained_equals_plain_with_graphs(model_path):
+    """On CUDA in fp32 (graphs and overlapped steps, the defaults there): chained verify steps
+    give plain decoding's greedy tokens, one request at a time and four together, and their
+    inner steps replay the mixed graphs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    base = dict(block_size_tokens=16, max_sequence_length=512, max_requests=8)
+    outs = {}
+    for chain in (0, 8):
+        spec = dict(num_speculative_tokens=4, speculative_chain_steps=chain) if chain else {}
+        cfg = InferenceConfig(**base, **spec)
+        with Runtime(model_path, cfg, device="cuda", dtype="float32") as rt:
+            with Client(rt.address) as c:
+                outs[chain] = [c.generate([p], greedy)[0].token_ids for p in PROMPTS]
+                outs[chain, "together"] = [x.token_ids for x in c.generate(PROMPTS, greedy)]
+                outs[chain, "stats"] = c.stats().merged()
+    assert outs[8] == outs[0] and outs[8, "together"] == outs[0]
+    rank = outs[8, "stats"]
+    assert rank.spec_chains > 0 and rank.spec_accepted_tokens > 0 and rank.steps_graphed > 0
