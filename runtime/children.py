@@ -67,6 +67,30 @@ def use_fork_server(on: bool = True) -> None:
     _fork_server = on
 
 
+class _Spawning:
+    """Spawns under way in this process, and the signals `deferring` kept meanwhile."""
+
+    def __init__(self):
+        self.depth = 0
+        self.pending: list[int] = []
+
+
+_spawning = _Spawning()
+
+
+def deferring(handler):
+    """`handler` (a signal handler) run after any `Children.spawn` under way has listed its
+    child, not in the middle of it."""
+
+    def deferred(signum, frame):
+        if _spawning.depth:
+            _spawning.pending.append(signum)
+            return
+        handler(signum, frame)
+
+    return deferred
+
+
 class Children:
     """The launcher's child processes, by name ("coordinator", "engine-0", "http", ...), in the
     order they started."""
@@ -79,13 +103,24 @@ class Children:
         self.log = get_logger(component="launcher")
 
     def spawn(self, name: str, *args: str) -> None:
-        if _fork_server:
-            from taipan.forked import spawn_forked
+        # A handler wrapped by `deferring` waits until the child is on the list: `taipan serve`
+        # raises from its handler while it starts (cli.py), and a child started but not yet
+        # listed would outlive the shutdown that follows. (Not a blocked signal mask: children
+        # inherit it across exec.)
+        _spawning.depth += 1
+        try:
+            if _fork_server:
+                from taipan.forked import spawn_forked
 
-            proc = spawn_forked(*args)
-        else:
-            proc = spawn(*args)
-        self.procs.append((name, proc))
+                proc = spawn_forked(*args)
+            else:
+                proc = spawn(*args)
+            self.procs.append((name, proc))
+        finally:
+            _spawning.depth -= 1
+            if not _spawning.depth and _spawning.pending:
+                signum, _spawning.pending = _spawning.pending[0], []
+                signal.raise_signal(signum)  # (its handler runs now, the child listed)
         threading.Thread(target=self._watch, args=(name, proc), daemon=True).start()
 
     def _watch(self, name: str, proc: subprocess.Popen) -> None:

@@ -17,7 +17,7 @@ from taipan.actors.config import ConfigError
 from taipan.actors.curve import CurveError
 from taipan.actors.log import configure
 from taipan.auth import curve_keys
-from taipan.children import describe_exit
+from taipan.children import deferring, describe_exit
 from taipan.flags import add_http_arguments, add_runtime_arguments
 from taipan.launcher import runtime_from_args
 
@@ -223,7 +223,7 @@ def cmd_serve(args) -> int:
             raise KeyboardInterrupt
 
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, deferring(on_signal))  # (not while a child is being spawned)
     try:
         try:  # (a signal here: shut down, see above)
             if rt.role == "coordinator":

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The twenty-sixth session's device parts (from the root). `pytest -m gpu tests/` on one GPU
+# takes about 20 minutes on a fresh machine (Triton compiles every kernel test's variants:
+# tests/perf/NOTES.md, twenty-fifth session), more than a call: `suite1`..`suite3` split it.
+#   changed (one GPU, the real model: `bash tests/perf/carry_model.sh stage1` with carry
+#     [".carry/smollm2.gguf.part1"], then this with carry [".carry/smollm2.gguf.part2", ".whl"]):
+#     the GPU tests of what the twenty-fourth and twenty-fifth sessions built and no device has
+#     run: chained verify steps (test_e2e_speculative_chain.py), the real model's log-probs
+#     through the launch's pinned arena (test_gpu_real_model.py), the hybrid and its verify
+#     rows (test_gpu_hybrid.py, test_e2e_speculative_hybrid.py: the hybrid test's runtime was
+#     still shutting down when the twenty-fifth session's 560-s call ended), the prefix cache
+#     and the RL paths (routed experts, log-probs); then issue 29's row: SmolLM2 n-gram
+#     speculation off / on / chained (k = 4, --spec-chain 8) at batch 1 in bf16.
+#   rows (one GPU, after `changed` on the same warm machine): structured check / mask, the
+#     1B decode rows plain and --log-probs, verify_profile on SmolLM2, grammar_step_profile.
+#   suite1, suite2, suite3 (one GPU, the model staged): the whole one-GPU suite in three calls.
+#   tp (two GPUs): session24_gpu.sh tp (TP=2 against TP=1 at batch 1, 8B shape).
+# Every pytest run names each test as it starts (-v, unbuffered) and is left behind after its
+# share of the call, with what its processes wait on then (procs_*.txt).
+PART=${1:?part changed, rows, suite1, suite2, suite3 or tp}
+if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
+source tests/perf/device_setup.sh
+rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
+enter_new_tree model || exit 1
+
+gpu_tests() {  # NAME SECONDS FILE...: pytest -m gpu over the files, left behind after SECONDS
+    local name=$1 secs=$2
+    shift 2
+    python3 -u -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+        --continue-on-collection-errors "$@" > "$OUT/gpu_$name.log" 2>&1 &
+    local pid=$!
+    for _ in $(seq "$secs"); do sleep 1; kill -0 $pid 2>/dev/null || break; done
+    if kill -0 $pid 2>/dev/null; then
+        ps -eo pid,ppid,stat,etimes,wchan:32,args --sort=pid | grep -E "python|ptxas|STAT" \
+            | cut -c1-220 > "$OUT/procs_$name.txt"
+        kill -ABRT $pid
+        echo "$name: left behind after $secs s"
+    fi
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_$name.log" | cut -c1-200 | tail -20
+}
+
+if [ "$PART" = changed ]; then
+    gpu_tests changed 380 tests/test_e2e_speculative_chain.py tests/test_gpu_real_model.py \
+        tests/test_gpu_hybrid.py tests/test_e2e_speculative_hybrid.py tests/test_gpu_prefix.py \
+        tests/test_rl.py
+    timeout -s ABRT 170 python3 -m taipan.cli bench --workload spec --model smollm2 \
+        --device cuda --dtype bfloat16 --spec-tokens 4 --spec-chain 8 \
+        --results "$OUT/spec_chain.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-400
+    exit 0
+fi
+if [ "$PART" = rows ]; then
+    for mode in check mask; do structured_row "$mode" TAIPAN_GRAMMAR_MASKS=$mode; done
+    decode_1b_row plain
+    BENCH_EXTRA=--log-probs decode_1b_row logprobs
+    timeout -s ABRT 120 python3 tests/perf/verify_profile.py smollm2 4 1 2>&1 \
+        | grep -vE "^ *$|Warning" | head -40 > "$OUT/verify_smollm2.txt"
+    head -8 "$OUT/verify_smollm2.txt"
+    PYTHONPATH=$PWD:$PYTHONPATH timeout -s ABRT 150 python3 tests/perf/grammar_step_profile.py \
+        cuda 64 40 2>&1 | grep -vE "Warning|USDT" | tee "$OUT/grammar_profile.txt" | head -12
+    exit 0
+fi
+# The whole suite in three parts by file name (multi-GPU files skip themselves on one GPU).
+files=$(ls tests/test_*.py | sort)
+case "$PART" in
+    suite1) part=$(echo "$files" | awk '$0 < "tests/test_gpu_hybrid.py"') ;;
+    suite2) part=$(echo "$files" | awk '$0 >= "tests/test_gpu_hybrid.py" &&
+        $0 < "tests/test_kernels_gated_rmsnorm.py"') ;;
+    suite3) part=$(echo "$files" | awk '$0 >= "tests/test_kernels_gated_rmsnorm.py"') ;;
+    *) echo "unknown part $PART" && exit 2 ;;
+esac
+# shellcheck disable=SC2086
+gpu_tests "$PART" 540 $part
