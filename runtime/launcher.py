@@ -153,13 +153,10 @@ class Runtime:
             )
         self.model_name, self.model_path = resolve(model)
         self.config = config or InferenceConfig()
-        if (
-            self.config.speculative_chain_steps > 1
-            and tensor_parallel_size * expert_parallel_size > 1
-        ):
+        if self.config.speculative_chain_steps > 1 and expert_parallel_size > 1:
             raise LaunchError(
-                "speculative_chain_steps > 1 is not built yet under tensor or expert "
-                "parallelism (tensor_parallel_size and expert_parallel_size must be 1)"
+                "speculative_chain_steps > 1 is not built yet under expert parallelism "
+                "(expert_parallel_size must be 1)"
             )
         draft = self.config.speculative_model
         if self.config.num_speculative_tokens and draft and not draft.startswith("self:"):

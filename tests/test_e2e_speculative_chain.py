@@ -103,8 +103,8 @@ def test_chains_are_refused_where_they_are_not_built(model_path):
         InferenceConfig(num_speculative_tokens=0, speculative_chain_steps=4)
     with pytest.raises(ConfigError, match="speculative_chain_steps must be in"):
         InferenceConfig(num_speculative_tokens=2, speculative_chain_steps=0)
-    with pytest.raises(LaunchError, match="tensor or expert"):
-        Runtime(model_path, chain_config(), tensor_parallel_size=2)
+    with pytest.raises(LaunchError, match="expert parallelism"):
+        Runtime(model_path, chain_config(), data_parallel_size=2, expert_parallel_size=2)
 
 
 @pytest.mark.gpu

@@ -116,6 +116,19 @@ def test_tp2_with_drafts_equals_tp1_without(plain, spec2):
     assert plain.stats().merged().spec_draft_tokens == 0
 
 
+def test_tp2_chained_verify_steps_equal_tp1_without(tiny, plain):
+    """T = 2 (gloo) with k = 4 drafts and verify steps chained in the gpu actors (the
+    follower runs the same chain: its decisions come from the gathered logits, the same on
+    both peers), one request at a time and all together."""
+    want = _ids(plain.generate(PROMPTS, GREEDY))
+    cfg = InferenceConfig(**BASE, num_speculative_tokens=4, speculative_chain_steps=6)
+    with Runtime(tiny, cfg, tensor_parallel_size=2) as rt, Client(rt.address) as c:
+        assert [_ids(c.generate([p], GREEDY))[0] for p in PROMPTS] == want
+        assert _ids(c.generate(PROMPTS[:4], GREEDY)) == want[:4]
+        rank = c.stats().merged()
+    assert rank.spec_chains > 0 and rank.spec_verify_rows > rank.spec_chains, rank
+
+
 @pytest.mark.slow
 def test_a_weight_update_between_two_speculative_requests(tiny, plain, spec, spec2):
     """T = 1 without drafts, T = 1 and T = 2 with: each serves PROMPTS[:4], takes the update
