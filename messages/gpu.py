@@ -304,9 +304,10 @@ class StepPlan:
     # ending with its last known token). Sequence i gains at most chain_limit[i] tokens, has
     # KV slots for positions below chain_capacity[i] (its block table's), and stops after
     # any token of chain_stops[chain_stops_loc[i]:chain_stops_loc[i + 1]]. Every sequence
-    # verifies drafts, greedily, with no log-probs, controls, grammar or prev_rows (the gpu
-    # refuses other plans); its new tokens come in StepResult.spec_tokens as one row and the
-    # drafts and acceptances of each inner step in StepResult.spec_chain. 0: one step.
+    # verifies drafts, with no top-n or processed log-probs, controls, grammar or prev_rows
+    # (the gpu refuses other plans); its new tokens come in StepResult.spec_tokens as one row
+    # (their raw log-probs in spec_log_probs where asked) and the drafts and acceptances of
+    # each inner step in StepResult.spec_chain. 0: one step.
     chain_steps: int = 0
     chain_ngram: Array[np.int32, 1] = empty_array_field(np.int32)
     chain_history: Array[np.int32, 1] = empty_array_field(np.int32)

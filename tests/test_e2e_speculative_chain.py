@@ -1,7 +1,8 @@
 """Chained verify steps (InferenceConfig.speculative_chain_steps, actors/gpu/chain.py) through
 the real runtime on SmolLM2: greedy outputs equal plain decoding's, with stops, max_tokens and
-stop strings inside a chain, a KV pool that runs short, and requests a chain cannot carry
-(log-probs) beside chained ones; the chains show in stats(); the configs refused."""
+stop strings inside a chain, a KV pool that runs short, seeded sampling with log-probs (an RL
+rollout's rows), and requests a chain cannot carry (top-n) beside chained ones; the chains
+show in stats(); the configs refused."""
 
 from __future__ import annotations
 
@@ -73,17 +74,35 @@ def test_stops_max_tokens_and_stop_strings_inside_a_chain(client, chained):
     assert c.text == d.text and c.finish_reason == d.finish_reason == "stop"
 
 
-def test_a_request_with_log_probs_runs_unchained_beside_chained_ones(client, chained_runtime):
-    logged = SamplingParams(max_tokens=N, temperature=0.0, return_log_probs=True)
-    [want] = client.generate(PROMPTS[1:2], logged)
+def test_seeded_sampling_with_log_probs_equals_plain_decoding(client, chained):
+    """Sampled rows chain too (an RL rollout's: temperature 1, raw log-probs): the drafts are
+    point masses, so a seeded request draws what plain decoding draws, and each gained
+    token carries its log-prob."""
+    seeded = SamplingParams(
+        max_tokens=N, temperature=1.0, top_p=0.95, seed=7, return_log_probs=True
+    )
+    want = client.generate(PROMPTS[:2], seeded)
+    before = chained.stats().merged()
+    got = [chained.generate([p], seeded)[0] for p in PROMPTS[:2]]
+    assert [x.token_ids for x in got] == [x.token_ids for x in want]
+    for g, w in zip(got, want, strict=True):
+        assert len(g.log_probs) == len(g.token_ids)
+        assert g.log_probs == pytest.approx(w.log_probs, abs=1e-4)
+    assert chained.stats().merged().spec_chains > before.spec_chains
+
+
+def test_a_request_with_top_n_runs_unchained_beside_chained_ones(client, chained_runtime):
+    topped = SamplingParams(max_tokens=N, temperature=0.0, return_log_probs=True, top_n_logprobs=2)
+    [want] = client.generate(PROMPTS[1:2], topped)
     [plain] = client.generate(PROMPTS[3:4], GREEDY)
     with Client(chained_runtime.address) as a, Client(chained_runtime.address) as b:
         with ThreadPoolExecutor(2) as pool:
-            first = pool.submit(a.generate, PROMPTS[1:2], logged)
+            first = pool.submit(a.generate, PROMPTS[1:2], topped)
             second = pool.submit(b.generate, PROMPTS[3:4], GREEDY)
             [got], [other] = first.result(), second.result()
     assert got.token_ids == want.token_ids and other.token_ids == plain.token_ids
     assert got.log_probs == pytest.approx(want.log_probs, abs=1e-4)
+    assert [list(t) for t in got.top_n_logprobs] == [list(t) for t in want.top_n_logprobs]
 
 
 @pytest.mark.slow

@@ -95,6 +95,11 @@ class Target:
             spec[s, : len(new)] = new
             tokens[s] = new[0]
         extra = {"spec_tokens": spec} if nd.any() else {}
+        if plan.logprobs.any():  # (a token's "log-prob": -token / 100, NaN where not asked)
+            lps = np.where(spec >= 0, -spec / 100, np.nan).astype(np.float32)
+            lps[plan.logprobs == 0] = np.nan
+            extra["spec_log_probs"] = lps
+            extra["log_probs"] = np.where(plan.logprobs != 0, -tokens / 100, np.nan)
         return StepResult(plan.step, tokens, None, 0.001, device_seconds=0.0005, **extra)
 
 
@@ -187,7 +192,8 @@ def test_a_refused_inner_step_ends_the_chain_with_what_it_gained():
         ({"chain_ngram": np.asarray([1, 3], np.int32)}, "chain_ngram"),
         ({"chain_limit": np.zeros(0, np.int32)}, "chain_limit"),
         ({"chain_history_loc": np.asarray([0, 3], np.int32)}, "chain_history_loc"),
-        ({"temperature": np.ones(1, np.float32)}, "greedy"),
+        ({"top_n": np.ones(1, np.int32)}, "top-n"),
+        ({"logprobs_mode": np.ones(1, np.int8)}, "logprobs_mode"),
         ({"num_drafts": np.zeros(1, np.int32)}, "verifies drafts"),
         ({"penalty_rows": np.zeros(1, np.int32)}, "penalty_rows"),
         ({"chain_history": np.asarray(TRUTH[:9] + [1], np.int32)}, "last known token"),
@@ -198,3 +204,14 @@ def test_plans_outside_the_contract_are_refused(change, message):
     plan = plan_of([TRUTH[:10]], [[8, 5, 6]], limits=[30], capacities=[64])
     with pytest.raises(ValueError, match=message):
         check_chain(dataclasses.replace(plan, **change))
+
+
+def test_the_log_probs_of_the_gained_tokens_come_where_asked():
+    """Row 0 asks for log-probs, row 1 does not; inner steps with and without drafts."""
+    plan = plan_of([TRUTH[:10], TRUTH[:10]], [[8, 5, 6]] * 2, limits=[30, 30], capacities=[64] * 2)
+    plan = dataclasses.replace(plan, logprobs=np.asarray([1, 0], np.int8))
+    result = run_chain(plan, BS, Target())
+    gained = result.spec_tokens[0][result.spec_tokens[0] >= 0]
+    assert len(gained) >= 8  # (plain inner steps after two that missed: log_probs, not spec)
+    np.testing.assert_allclose(result.spec_log_probs[0, : len(gained)], -gained / 100, atol=1e-6)
+    assert np.isnan(result.spec_log_probs[1]).all() and np.isnan(result.log_probs).all()

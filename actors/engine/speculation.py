@@ -68,13 +68,11 @@ from taipan.actors.engine.batch import Chunk
 from taipan.actors.engine.outputs import Appending, append_token
 from taipan.actors.engine.request import EngineRequest
 from taipan.messages.gpu import StepResult
-from taipan.messages.requests import FinishReason
+from taipan.messages.requests import FinishReason, LogprobsMode
 from taipan.ops.ngram import NgramDrafter, NgramIndex
 
 __all__ = ["Backoff", "Speculation"]
 
-# Temperatures below this are greedy (kernels/sampling.py GREEDY_EPS: the engine imports no torch).
-GREEDY_EPS = 1e-5
 MISSES = 4  # rows in a row that gained nothing before a request backs off
 BACKOFF, BACKOFF_MAX = 8, 128  # plain tokens of a first back-off, and the most
 
@@ -205,10 +203,10 @@ class Speculation:
     def chain(self, chunks: list[Chunk], plan: RuntimePlan, waiting: bool) -> list[int]:
         """Whether a step of `chunks` chains its verify steps in the gpu (StepPlan.chain_steps):
         the tokens each row may gain in the chain (its chain_limit), or [] when it does not.
-        It chains when every row verifies n-gram drafts of a greedy request that asks nothing
-        a chain cannot carry (log-probs, logit controls, a grammar, routed experts: messages/
-        gpu.py StepPlan.chain_steps), there are at most chain_max_rows rows and nothing
-        `waiting` (a chain would hold it back)."""
+        It chains when every row verifies n-gram drafts of a request that asks nothing a
+        chain cannot carry (top-n or processed log-probs, logit controls, a grammar,
+        routed experts: messages/gpu.py StepPlan.chain_steps), there are at most
+        chain_max_rows rows and nothing `waiting` (a chain would hold it back)."""
         if self.chain_steps < 2 or waiting or not 0 < len(chunks) <= self.chain_max_rows:
             return []
         limits = []
@@ -340,12 +338,13 @@ class Speculation:
 
 
 def _chainable(r: EngineRequest) -> bool:
-    """Whether `r`'s rows can be chained (`Speculation.chain`): greedy, no log-probs, no
-    logit controls, no grammar, no routed experts."""
+    """Whether `r`'s rows can be chained (`Speculation.chain`): no top-n or processed
+    log-probs, no logit controls, no grammar, no routed experts (greedy or sampled, raw
+    log-probs or none)."""
     s = r.sampling
     return (
-        s.temperature < GREEDY_EPS
-        and not (s.return_log_probs or s.top_n_logprobs or r.wants_prompt_log_probs)
+        s.logprobs_mode is not LogprobsMode.PROCESSED
+        and not s.top_n_logprobs  # (prompt log-probs: a verify row has no prompt position)
         and not (s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0)
         and not (s.logit_bias or s.min_tokens or s.bad_words_ids)
         and s.allowed_token_ids is None

@@ -14,7 +14,9 @@ by ops/ngram.py's rule over their known tokens (the engine's rule, so the drafts
 engine would plan), none after CHAIN_MISSES inner steps in a row whose drafts all failed. The
 result is one StepResult for the plan: each sequence's new tokens in spec_tokens, (drafts,
 accepted) per inner step in spec_chain. Greedy verification keeps the outputs those of plain
-decoding, whatever the drafts.
+decoding, whatever the drafts, and seeded sampling draws what plain decoding draws (the
+point-mass rule of ops/speculative.py, each inner step's gen_index advanced by the tokens
+gained); the raw log-probs of the gained tokens come in spec_log_probs where a row asks.
 
 `check_chain` refuses (ValueError) a chain plan outside the contract of messages/gpu.py
 StepPlan.chain_steps. A refusal of an inner step after the first (a suspend, a failed
@@ -32,7 +34,6 @@ import numpy as np
 
 from taipan.messages.gpu import StepPlan, StepResult
 from taipan.ops.ngram import NgramDrafter
-from taipan.ops.sampling import GREEDY_EPS
 
 __all__ = ["check_chain", "run_chain"]
 
@@ -92,8 +93,8 @@ def check_chain(plan: StepPlan) -> None:
         raise ValueError("chain_history needs each sequence's tokens, its last known one included")
     if not len(plan.num_drafts) or (plan.num_drafts < 1).any():
         raise ValueError("every sequence of a chain plan verifies drafts")
-    if (plan.temperature >= GREEDY_EPS).any() or plan.logprobs.any() or plan.top_n.any():
-        raise ValueError("a chain plan's sequences are greedy and ask no log-probs")
+    if plan.top_n.any():
+        raise ValueError("a chain plan's sequences ask no top-n log-probs")
     if (plan.prompt_targets >= 0).any() or plan.return_routed_experts:
         raise ValueError("a chain plan asks no prompt log-probs and no routed experts")
     full = [name for name in _EMPTY_FIELDS if getattr(plan, name).size]
@@ -115,6 +116,7 @@ class _Row:
     capacity: int
     stops: frozenset[int]
     gained: list[int] = dataclasses.field(default_factory=list)
+    log_probs: list[float] = dataclasses.field(default_factory=list)  # (of `gained`, if asked)
     done: bool = False
     misses: int = 0  # inner steps in a row whose drafts all failed
 
@@ -160,20 +162,25 @@ def run_chain(
             if nd[s]:
                 spec = result.spec_tokens[s]
                 new = spec[spec >= 0].tolist()
+                lps = result.spec_log_probs[s, : len(new)] if plan.logprobs[i] else None
             else:
                 new = [int(result.token_ids[s])]
+                lps = result.log_probs[s : s + 1] if plan.logprobs[i] else None
             counts[i, j] = (nd[s], len(new) - 1)
             if nd[s]:
                 row.misses = 0 if len(new) > 1 else row.misses + 1
-            _gain(row, new)
+            _gain(row, new, lps)
         active = np.asarray([i for i in active.tolist() if not rows[i].done], dtype=np.int64)
         if j + 1 == plan.chain_steps or not len(active):
             break
         inner = _next_plan(plan, active, rows, drafter, block_size)
     width = max(len(r.gained) for r in rows)
     spec_tokens = np.full((batch, width), -1, dtype=np.int32)
+    spec_log_probs = np.full((batch, width), np.nan, dtype=np.float32)
     for i, r in enumerate(rows):
         spec_tokens[i, : len(r.gained)] = r.gained
+        spec_log_probs[i, : len(r.log_probs)] = r.log_probs
+    asked = {"spec_log_probs": spec_log_probs} if plan.logprobs.any() else {}
     return StepResult(
         plan.step,
         spec_tokens[:, 0].copy(),
@@ -181,14 +188,20 @@ def run_chain(
         seconds,
         device_seconds=device,
         graphed=graphed,
+        # (every row's log-probs are in spec_log_probs: log_probs and top-n as a plan asking
+        # none would have them)
+        log_probs=np.full(batch, np.nan, dtype=np.float32),
+        top_n_ids=np.full((batch, 0), -1, dtype=np.int32),
+        top_n_log_probs=np.full((batch, 0), np.nan, dtype=np.float32),
         spec_tokens=spec_tokens,
         spec_chain=counts,
+        **asked,
     )
 
 
-def _gain(row: _Row, new: list[int]) -> None:
-    """Append an inner step's new tokens to `row` up to a stop token or its limit, and say
-    whether it is done."""
+def _gain(row: _Row, new: list[int], log_probs: np.ndarray | None) -> None:
+    """Append an inner step's new tokens (and their log-probs, where asked) to `row` up to a
+    stop token or its limit, and say whether it is done."""
     for n, token in enumerate(new[: row.left]):
         if token in row.stops:
             new = new[: n + 1]
@@ -196,6 +209,8 @@ def _gain(row: _Row, new: list[int]) -> None:
             break
     new = new[: row.left]
     row.gained += new
+    if log_probs is not None:
+        row.log_probs += log_probs[: len(new)].tolist()
     row.tokens += new
     row.left -= len(new)
     row.position += len(new)  # (the last new token's: its KV is written by the next row)
