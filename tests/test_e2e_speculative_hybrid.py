@@ -12,6 +12,8 @@ Mamba snapshots and is the same again.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -74,6 +76,22 @@ def test_hybrid_with_drafts_equals_without(looping):
     assert (np.asarray(stats.spec_accepted_per_position) > 0).all(), stats
     assert stats.mamba_restored > 0, stats  # the second round restored snapshots
     assert stats.num_blocks == PRESSED_BLOCKS and stats.evicted_total > 0, stats
+
+
+def test_hybrid_chained_verify_steps_equal_plain_decoding(looping):
+    """Verify steps chained in the gpu actor (speculative_chain_steps): each inner step rolls
+    the Mamba states back to its last accepted position and the next goes on from there."""
+    cfg = dataclasses.replace(config(K, pressed=False), speculative_chain_steps=6)
+    plain = config(0, pressed=False)
+    outs = {}
+    for name, c in (("plain", plain), ("chain", cfg)):
+        with Runtime(looping, c) as rt, Client(rt.address) as client:
+            one = [list(client.generate([p], GREEDY)[0].token_ids) for p in PROMPTS]
+            sampled = list(client.generate([PROMPTS[1]], SAMPLED)[0].token_ids)
+            outs[name] = (one, sampled, client.stats().merged())
+    assert outs["chain"][:2] == outs["plain"][:2]
+    stats = outs["chain"][2]
+    assert stats.spec_chains > 0 and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
 
 
 @pytest.mark.gpu

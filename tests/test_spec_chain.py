@@ -198,6 +198,8 @@ def test_a_refused_inner_step_ends_the_chain_with_what_it_gained():
         ({"penalty_rows": np.zeros(1, np.int32)}, "penalty_rows"),
         ({"chain_history": np.asarray(TRUTH[:9] + [1], np.int32)}, "last known token"),
         ({"chain_steps": 65}, "at most 64"),
+        ({"mamba_init": np.zeros(1, np.int32)}, "live Mamba slot"),
+        ({"mamba_snap_row": np.zeros(1, np.int32)}, "mamba_snap_row"),
     ],
 )
 def test_plans_outside_the_contract_are_refused(change, message):

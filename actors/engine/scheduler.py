@@ -317,7 +317,8 @@ class Scheduler:
         """A step whose verify rows chain in the gpu (speculation.py `Speculation.chain`):
         each row gets the blocks for what it may gain in the chain, as far as free blocks go
         (the gpu stops a row at the end of its blocks)."""
-        plain = self.mamba is not None or self.local is not None or self.window
+        plain = self.local is not None or self.window  # (a hybrid's rows chain: its decode
+        # rows take no Mamba snapshots, and each inner step rolls its states back)
         waiting = bool(self.waiting or self.paused)
         limits = [] if plain else self.spec.chain(draft.chunks, self.plan, waiting)
         bs, k = self.plan.block_size, self.spec.k

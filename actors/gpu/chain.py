@@ -9,7 +9,9 @@ collect of one plan): inner step 0 is the plan's own rows and drafts; after each
 every sequence appends its new tokens (the verify row's spec_tokens, or the token drawn where
 it had no drafts) to its known tokens and stops at a stop token, at its chain_limit, or where
 its next row would need a KV slot at or past chain_capacity; the others get their next row:
-their last new token at the position after their accepted ones, and up to k drafts proposed
+their last new token at the position after their accepted ones (a hybrid's recurrent state
+from its live slot, where the step before left its last accepted position's), and up to k
+drafts proposed
 by ops/ngram.py's rule over their known tokens (the engine's rule, so the drafts are those the
 engine would plan), none after CHAIN_MISSES inner steps in a row whose drafts all failed. The
 result is one StepResult for the plan: each sequence's new tokens in spec_tokens, (drafts,
@@ -46,8 +48,6 @@ CHAIN_MISSES = 2
 # carry over from one step to the next.
 _EMPTY_FIELDS = (
     "prev_rows",
-    "mamba_init",
-    "mamba_out",
     "mamba_snap_row",
     "logprobs_mode",
     "presence_penalty",
@@ -98,6 +98,9 @@ def check_chain(plan: StepPlan) -> None:
     if (plan.prompt_targets >= 0).any() or plan.return_routed_experts:
         raise ValueError("a chain plan asks no prompt log-probs and no routed experts")
     full = [name for name in _EMPTY_FIELDS if getattr(plan, name).size]
+    mamba = (len(plan.mamba_init), len(plan.mamba_out))
+    if mamba != (0, 0) and (mamba != (batch, batch) or (plan.mamba_out < 0).any()):
+        raise ValueError("a hybrid's chain plan gives each sequence its live Mamba slot")
     if full or plan.grammar_new:
         raise ValueError(f"a chain plan cannot carry {', '.join(full or ['grammar_new'])}")
     last = plan.query_start_loc[1:] - 1 - plan.num_drafts  # each row's last known token
@@ -263,6 +266,10 @@ def _next_plan(
         top_n=plan.top_n[active],
         prompt_targets=np.full(len(pos), -1, dtype=np.int32),
         num_drafts=nd if nd.any() else np.zeros(0, np.int32),
+        # A hybrid's rows go on from their live slots (the step before rolled them back to
+        # their last accepted position).
+        mamba_init=plan.mamba_out[active] if len(plan.mamba_out) else plan.mamba_out,
+        mamba_out=plan.mamba_out[active] if len(plan.mamba_out) else plan.mamba_out,
         chain_steps=0,
         **_NO_CHAIN,
     )
