@@ -335,7 +335,9 @@ class StepResult:
     ids each MoE layer's router chose for each input token, when the plan asks
     (`return_routed_experts`); else empty. Under tensor parallelism every peer routes alike
     (the leader's are sent); under expert parallelism a rank's router runs on its own tokens
-    before the exchange, so these are its tokens' choices.
+    before the exchange, so these are its tokens' choices. A chained verify step
+    (StepPlan.chain_steps): each sequence's kept positions only (its last known token's and
+    every accepted draft's, inner step after inner step), the sequences back to back.
     """
 
     step: int

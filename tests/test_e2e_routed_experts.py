@@ -276,16 +276,19 @@ def test_cuda_graphs_write_the_routed_experts_in_place(tmp_path):
     assert got["cuda"][3].routed_experts is None
 
 
-def test_speculating_requests_return_the_routing_of_their_accepted_tokens(model):
+@pytest.mark.parametrize("chain", [1, 4])
+def test_speculating_requests_return_the_routing_of_their_accepted_tokens(model, chain):
     """With n-gram drafts (prompts that repeat themselves, so drafts are proposed and some are
-    rejected), each position's routing is that of its real token, as Hugging Face's."""
+    rejected), each position's routing is that of its real token, as Hugging Face's; with
+    verify steps chained in the gpu actor (speculative_chain_steps 4) too."""
     path, hf = model
     base = _prompts(7, (9, 12))
     prompts = [p * 3 for p in base]  # (the drafter finds the repeats)
-    cfg = InferenceConfig(**CONFIG, num_speculative_tokens=3)
+    cfg = InferenceConfig(**CONFIG, num_speculative_tokens=3, speculative_chain_steps=chain)
     with Runtime(path, cfg) as rt, Client(rt.address) as client:
         done = client.generate(prompts, ROUTED)
         stats = client.stats().merged()
     assert stats.spec_verify_rows > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert (stats.spec_chains > 0) == (chain > 1), stats
     for p, out in zip(prompts, done, strict=True):
         assert_equal_hf(hf, p, out)

@@ -77,20 +77,24 @@ def take_step(batch, routed: np.ndarray, spec_tokens: np.ndarray | None = None) 
     empty: the step asked for none. A verify row (speculative decoding) keeps the routing of
     its last known token and its accepted drafts only (`spec_tokens`, StepResult's: its new
     tokens count them): a rejected draft's position is computed again, with its real token,
-    by a later step, which is then its first computation."""
+    by a later step, which is then its first computation. A chained verify row's routing
+    (StepPlan.chain_steps) holds those positions only, over its inner steps."""
     if not len(routed):
         return
     offset = 0
     for i, c in enumerate(batch.chunks):
         record = c.request.routed
+        keep = c.num_new_tokens
+        if c.drafts is not None and len(c.drafts):
+            if spec_tokens is None or len(spec_tokens) <= i:
+                raise ValueError(f"step {batch.step}: a verify row's routing, no spec_tokens")
+            keep = int((spec_tokens[i] >= 0).sum())  # 1 + the accepted drafts
         if record is not None:
-            keep = c.num_new_tokens
-            if c.drafts is not None and len(c.drafts):
-                if spec_tokens is None or len(spec_tokens) <= i:
-                    raise ValueError(f"step {batch.step}: a verify row's routing, no spec_tokens")
-                keep = int((spec_tokens[i] >= 0).sum())  # 1 + the accepted drafts
             record.put(c.start, routed[offset : offset + keep])
-        offset += c.num_new_tokens
+        # (a chained row's routing holds its kept positions only: actors/gpu/chain.py)
+        offset += keep if c.chain_limit else c.num_new_tokens
+    if offset != len(routed):
+        raise ValueError(f"step {batch.step}: {len(routed)} routed rows for {offset} positions")
 
 
 def keep_block_routing(

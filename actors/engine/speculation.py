@@ -204,8 +204,8 @@ class Speculation:
         """Whether a step of `chunks` chains its verify steps in the gpu (StepPlan.chain_steps):
         the tokens each row may gain in the chain (its chain_limit), or [] when it does not.
         It chains when every row verifies n-gram drafts of a request that asks nothing a
-        chain cannot carry (top-n or processed log-probs, logit controls, a grammar,
-        routed experts: messages/gpu.py StepPlan.chain_steps), there are at most
+        chain cannot carry (top-n or processed log-probs, logit controls, a grammar:
+        messages/gpu.py StepPlan.chain_steps), there are at most
         chain_max_rows rows and nothing `waiting` (a chain would hold it back)."""
         if self.chain_steps < 2 or waiting or not 0 < len(chunks) <= self.chain_max_rows:
             return []
@@ -339,8 +339,8 @@ class Speculation:
 
 def _chainable(r: EngineRequest) -> bool:
     """Whether `r`'s rows can be chained (`Speculation.chain`): no top-n or processed
-    log-probs, no logit controls, no grammar, no routed experts (greedy or sampled, raw
-    log-probs or none)."""
+    log-probs, no logit controls, no grammar (greedy or sampled, raw log-probs or none,
+    routed experts or none)."""
     s = r.sampling
     return (
         s.logprobs_mode is not LogprobsMode.PROCESSED
@@ -349,5 +349,4 @@ def _chainable(r: EngineRequest) -> bool:
         and not (s.logit_bias or s.min_tokens or s.bad_words_ids)
         and s.allowed_token_ids is None
         and s.structured is None
-        and r.routed is None
     )

@@ -18,7 +18,10 @@ result is one StepResult for the plan: each sequence's new tokens in spec_tokens
 accepted) per inner step in spec_chain. Greedy verification keeps the outputs those of plain
 decoding, whatever the drafts, and seeded sampling draws what plain decoding draws (the
 point-mass rule of ops/speculative.py, each inner step's gen_index advanced by the tokens
-gained); the raw log-probs of the gained tokens come in spec_log_probs where a row asks.
+gained); the raw log-probs of the gained tokens come in spec_log_probs where a row asks, and
+with StepPlan.return_routed_experts each row's routing of the positions it kept (its last
+known token's and each accepted draft's, per inner step), the rows back to back (engine
+routing.py `take_step` reads a chain's rows so).
 
 `check_chain` refuses (ValueError) a chain plan outside the contract of messages/gpu.py
 StepPlan.chain_steps. A refusal of an inner step after the first (a suspend, a failed
@@ -95,8 +98,8 @@ def check_chain(plan: StepPlan) -> None:
         raise ValueError("every sequence of a chain plan verifies drafts")
     if plan.top_n.any():
         raise ValueError("a chain plan's sequences ask no top-n log-probs")
-    if (plan.prompt_targets >= 0).any() or plan.return_routed_experts:
-        raise ValueError("a chain plan asks no prompt log-probs and no routed experts")
+    if (plan.prompt_targets >= 0).any():
+        raise ValueError("a chain plan asks no prompt log-probs")
     full = [name for name in _EMPTY_FIELDS if getattr(plan, name).size]
     mamba = (len(plan.mamba_init), len(plan.mamba_out))
     if mamba != (0, 0) and (mamba != (batch, batch) or (plan.mamba_out < 0).any()):
@@ -120,6 +123,7 @@ class _Row:
     stops: frozenset[int]
     gained: list[int] = dataclasses.field(default_factory=list)
     log_probs: list[float] = dataclasses.field(default_factory=list)  # (of `gained`, if asked)
+    routed: list[np.ndarray] = dataclasses.field(default_factory=list)  # (of kept positions)
     done: bool = False
     misses: int = 0  # inner steps in a row whose drafts all failed
 
@@ -172,7 +176,10 @@ def run_chain(
             counts[i, j] = (nd[s], len(new) - 1)
             if nd[s]:
                 row.misses = 0 if len(new) > 1 else row.misses + 1
-            _gain(row, new, lps)
+            kept = _gain(row, new, lps)
+            if plan.return_routed_experts:  # (its positions whose KV now holds real tokens)
+                first = int(inner.query_start_loc[s])
+                row.routed.append(result.routed_experts[first : first + kept])
         active = np.asarray([i for i in active.tolist() if not rows[i].done], dtype=np.int64)
         if j + 1 == plan.chain_steps or not len(active):
             break
@@ -184,6 +191,8 @@ def run_chain(
         spec_tokens[i, : len(r.gained)] = r.gained
         spec_log_probs[i, : len(r.log_probs)] = r.log_probs
     asked = {"spec_log_probs": spec_log_probs} if plan.logprobs.any() else {}
+    if plan.return_routed_experts:  # (each row's kept positions, the rows back to back)
+        asked["routed_experts"] = np.concatenate([x for r in rows for x in r.routed])
     return StepResult(
         plan.step,
         spec_tokens[:, 0].copy(),
@@ -202,9 +211,10 @@ def run_chain(
     )
 
 
-def _gain(row: _Row, new: list[int], log_probs: np.ndarray | None) -> None:
+def _gain(row: _Row, new: list[int], log_probs: np.ndarray | None) -> int:
     """Append an inner step's new tokens (and their log-probs, where asked) to `row` up to a
-    stop token or its limit, and say whether it is done."""
+    stop token or its limit, and say whether it is done. Returns how many it kept (as many
+    of the step's positions, from its first, hold real tokens now)."""
     for n, token in enumerate(new[: row.left]):
         if token in row.stops:
             new = new[: n + 1]
@@ -218,6 +228,7 @@ def _gain(row: _Row, new: list[int], log_probs: np.ndarray | None) -> None:
     row.left -= len(new)
     row.position += len(new)  # (the last new token's: its KV is written by the next row)
     row.done = row.done or row.left <= 0 or row.position >= row.capacity
+    return len(new)
 
 
 def _next_plan(
