@@ -125,10 +125,11 @@ class InferenceConfig:
     # plan, which drafts each next step itself by the same rule (actors/gpu/chain.py), so the
     # engine's turn and the hops between the actors are paid once per chain, not per verify
     # step. A step chains when all its rows are verify rows of requests without top-n or
-    # processed log-probs, logit controls or grammars, nothing waits to be admitted, and it has at most speculative_chain_max_rows rows (the gpu drafts them one by
-    # one); the others run one verify step per plan. Tokens then stream a chain at a time.
-    # 1: off. taipan's own (vLLM's old multi-step scheduling, num_scheduler_steps, for
-    # speculation). Not under expert parallelism.
+    # processed log-probs, logit controls or grammars, nothing waits to be admitted, and it
+    # has at most speculative_chain_max_rows rows (the gpu drafts them one by one); the
+    # others run one verify step per plan. Tokens then stream a chain at a time. 1: off.
+    # taipan's own (vLLM's old multi-step scheduling, num_scheduler_steps, for speculation).
+    # Not under expert parallelism.
     speculative_chain_steps: int = 1
     speculative_chain_max_rows: int = 4
     # speculative_method "draft_model" (vLLM's speculative_config model): a smaller model of

@@ -116,12 +116,12 @@ class Children:
             else:
                 proc = spawn(*args)
             self.procs.append((name, proc))
+            threading.Thread(target=self._watch, args=(name, proc), daemon=True).start()
         finally:
             _spawning.depth -= 1
             if not _spawning.depth and _spawning.pending:
                 signum, _spawning.pending = _spawning.pending[0], []
                 signal.raise_signal(signum)  # (its handler runs now, the child listed)
-        threading.Thread(target=self._watch, args=(name, proc), daemon=True).start()
 
     def _watch(self, name: str, proc: subprocess.Popen) -> None:
         proc.wait()  # a blocking wait in its own thread: no polling

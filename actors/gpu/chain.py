@@ -46,6 +46,7 @@ __all__ = ["check_chain", "run_chain"]
 # (a verify row costs more device time than a plain one; the engine's own back-off,
 # actors/engine/speculation.py, then sees the misses in StepResult.spec_chain).
 CHAIN_MISSES = 2
+MAX_STEPS = 64  # (actors/config.py MAX_CHAIN_STEPS)
 
 # Plan fields a chain plan must leave empty (the contract): what the inner steps could not
 # carry over from one step to the next.
@@ -73,8 +74,8 @@ _EMPTY_FIELDS = (
 def check_chain(plan: StepPlan) -> None:
     """ValueError for a plan with chain_steps > 1 that breaks StepPlan.chain_steps' contract."""
     batch = len(plan.seq_lens)
-    if plan.chain_steps > 64:
-        raise ValueError(f"chain_steps must be at most 64, got {plan.chain_steps}")
+    if plan.chain_steps > MAX_STEPS:
+        raise ValueError(f"chain_steps must be at most {MAX_STEPS}, got {plan.chain_steps}")
     if len(plan.chain_ngram) != 3:
         raise ValueError(f"chain_ngram needs (min_n, max_n, k), got {plan.chain_ngram.tolist()}")
     min_n, max_n, k = (int(v) for v in plan.chain_ngram)
@@ -178,8 +179,8 @@ def run_chain(
                 row.misses = 0 if len(new) > 1 else row.misses + 1
             kept = _gain(row, new, lps)
             if plan.return_routed_experts:  # (its positions whose KV now holds real tokens)
-                first = int(inner.query_start_loc[s])
-                row.routed.append(result.routed_experts[first : first + kept])
+                at = int(inner.query_start_loc[s])
+                row.routed.append(result.routed_experts[at : at + kept])
         active = np.asarray([i for i in active.tolist() if not rows[i].done], dtype=np.int64)
         if j + 1 == plan.chain_steps or not len(active):
             break

@@ -492,7 +492,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         the stream here (`launches_inline`). `collect` turns the returned handle into the
         StepResult; the next step may be launched before that (the device runs it after this
         one). The small arrays the launch sends to the device go through its own pinned
-        arena (actors/gpu/host_staging.py)."""
+        arena (actors/gpu/host_staging.py). A chain plan (StepPlan.chain_steps) runs its
+        inner verify steps here, each launched and collected, and returns their StepResult."""
         if plan.chain_steps > 1:  # (verify steps one after the other: actors/gpu/chain.py)
             result = run_chain(plan, self.block_size, self._run_inner)
             self._prev_sampled = np.zeros(len(plan.sample), dtype=bool)  # (none is read)
