@@ -9,15 +9,16 @@
 #     through the launch's pinned arena (test_gpu_real_model.py), the hybrid and its verify
 #     rows (test_gpu_hybrid.py, test_e2e_speculative_hybrid.py: the hybrid test's runtime was
 #     still shutting down when the twenty-fifth session's 560-s call ended), the prefix cache
-#     and the RL paths (routed experts, log-probs); then issue 29's row: SmolLM2 n-gram
-#     speculation off / on / chained (k = 4, --spec-chain 8) at batch 1 in bf16.
+#     and the RL paths (routed experts, log-probs).
+#   spec (one GPU, the model staged by `changed` on the same warm machine): issue 29's row,
+#     SmolLM2 n-gram speculation off / on / chained (k = 4, --spec-chain 8) at batch 1, bf16.
 #   rows (one GPU, after `changed` on the same warm machine): structured check / mask, the
 #     1B decode rows plain and --log-probs, verify_profile on SmolLM2, grammar_step_profile.
 #   suite1, suite2, suite3 (one GPU, the model staged): the whole one-GPU suite in three calls.
 #   tp (two GPUs): session24_gpu.sh tp (TP=2 against TP=1 at batch 1, 8B shape).
 # Every pytest run names each test as it starts (-v, unbuffered) and is left behind after its
 # share of the call, with what its processes wait on then (procs_*.txt).
-PART=${1:?part changed, rows, suite1, suite2, suite3 or tp}
+PART=${1:?part changed, spec, rows, suite1, suite2, suite3 or tp}
 if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
@@ -40,10 +41,13 @@ gpu_tests() {  # NAME SECONDS FILE...: pytest -m gpu over the files, left behind
 }
 
 if [ "$PART" = changed ]; then
-    gpu_tests changed 380 tests/test_e2e_speculative_chain.py tests/test_gpu_real_model.py \
+    gpu_tests changed 520 tests/test_e2e_speculative_chain.py tests/test_gpu_real_model.py \
         tests/test_gpu_hybrid.py tests/test_e2e_speculative_hybrid.py tests/test_gpu_prefix.py \
         tests/test_rl.py
-    timeout -s ABRT 170 python3 -m taipan.cli bench --workload spec --model smollm2 \
+    exit 0
+fi
+if [ "$PART" = spec ]; then  # (three runtimes one after the other: off, on, chained)
+    timeout -s ABRT 500 python3 -m taipan.cli bench --workload spec --model smollm2 \
         --device cuda --dtype bfloat16 --spec-tokens 4 --spec-chain 8 \
         --results "$OUT/spec_chain.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-400
     exit 0
