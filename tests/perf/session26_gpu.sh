@@ -13,7 +13,8 @@
 #   spec (one GPU, the model staged by `changed` on the same warm machine): issue 29's row,
 #     SmolLM2 n-gram speculation off / on / chained (k = 4, --spec-chain 8) at batch 1, bf16.
 #   rows (one GPU, after `changed` on the same warm machine): structured check / mask, the
-#     1B decode rows plain and --log-probs, verify_profile on SmolLM2, grammar_step_profile.
+#     1B decode rows plain and --log-probs, verify_profile on SmolLM2 (decode, verify and
+#     chained inner steps at the worker, no engine), grammar_step_profile.
 #   suite1, suite2, suite3 (one GPU, the model staged): the whole one-GPU suite in three calls.
 #   tp (two GPUs): session24_gpu.sh tp (TP=2 against TP=1 at batch 1, 8B shape).
 # Every pytest run names each test as it starts (-v, unbuffered) and is left behind after its
