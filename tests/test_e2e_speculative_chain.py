@@ -105,6 +105,22 @@ def test_a_request_with_top_n_runs_unchained_beside_chained_ones(client, chained
     assert [list(t) for t in got.top_n_logprobs] == [list(t) for t in want.top_n_logprobs]
 
 
+def test_a_streamed_chain_and_one_its_reader_leaves(client, chained):
+    """Streaming: a chain's tokens come as deltas of several tokens, in order, as plain
+    decoding's; a reader that stops after the first delta aborts the request (the chain in
+    flight ends with it) and the runtime serves the next request as before."""
+    code = PROMPTS[1]
+    [want] = client.generate([code], GREEDY)
+    deltas = list(chained.stream(code, GREEDY))
+    assert [t for d in deltas for t in d.token_ids] == want.token_ids
+    assert deltas[-1].finished and max(len(d.token_ids) for d in deltas) > 1
+    long = SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)
+    for delta in chained.stream(code, long):
+        assert delta.token_ids
+        break  # (the generator's close aborts the request)
+    assert chained.generate([code], GREEDY)[0].token_ids == want.token_ids
+
+
 @pytest.mark.slow
 def test_chains_under_kv_pressure_equal_plain_decoding(client, model_path):
     """8 blocks of 16 tokens for 4 requests of ~40 + 40 tokens: chains get fewer blocks than
