@@ -1,8 +1,8 @@
 """Chained verify steps (InferenceConfig.speculative_chain_steps, actors/gpu/chain.py) through
 the real runtime on SmolLM2: greedy outputs equal plain decoding's, with stops, max_tokens and
 stop strings inside a chain, a KV pool that runs short, seeded sampling with log-probs (an RL
-rollout's rows), and requests a chain cannot carry (top-n) beside chained ones; the chains
-show in stats(); the configs refused."""
+rollout's rows), requests a chain cannot carry (top-n) beside chained ones, streamed chains
+and a reader that leaves mid-chain; the chains show in stats(); the configs refused."""
 
 from __future__ import annotations
 
