@@ -103,38 +103,37 @@ def timed_chain(w: ModelWorker, p, n: int = 10) -> tuple[float, float]:
     step). Each chain starts from the same KV (its inner steps write past the history)."""
     prefill(w, p)
     w.step(p)
+    per_step, gains = [], []
+    for ms, r in _event_timed(w, p, n):
+        ran = int((r.spec_chain[:, :, 0] >= 0).any(axis=0).sum())
+        per_step.append(ms / ran)
+        gains.append((r.spec_tokens >= 0).sum() / (len(r.spec_tokens) * ran))
+    return float(np.median(per_step)), float(np.mean(gains))
+
+
+def _event_timed(w: ModelWorker, p, n: int) -> list:
+    """`n` steps of `p`, each timed with CUDA events (host + device): [(ms, StepResult)]."""
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    per_step, gains = [], []
+    out = []
     for _ in range(n):
         start.record()
         r = w.step(p)
         end.record()
         end.synchronize()
         assert r.error is None, r.error
-        ran = int((r.spec_chain[:, :, 0] >= 0).any(axis=0).sum())
-        per_step.append(start.elapsed_time(end) / ran)
-        gains.append((r.spec_tokens >= 0).sum() / (len(r.spec_tokens) * ran))
-    return float(np.median(per_step)), float(np.mean(gains))
+        out.append((start.elapsed_time(end), r))
+    return out
 
 
 def timed(w: ModelWorker, p, n: int = 30) -> tuple[float, float, bool]:
     """(median ms per step, host + device; median device ms; graphed)."""
     for _ in range(3):
         w.step(p)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(True), torch.cuda.Event(True)
-    walls, devs, graphed = [], [], False
-    for _ in range(n):
-        start.record()
-        r = w.step(p)
-        end.record()
-        end.synchronize()
-        assert r.error is None, r.error
-        walls.append(start.elapsed_time(end))
-        devs.append(r.device_seconds * 1e3)
-        graphed = r.graphed
-    return float(np.median(walls)), float(np.median(devs)), graphed
+    steps = _event_timed(w, p, n)
+    walls = [ms for ms, _ in steps]
+    devs = [r.device_seconds * 1e3 for _, r in steps]
+    return float(np.median(walls)), float(np.median(devs)), steps[-1][1].graphed
 
 
 def profile(w: ModelWorker, p) -> None:
