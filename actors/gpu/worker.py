@@ -38,6 +38,7 @@ from taipan.actors.gpu.grammar_masks import (
     uses_grammar,
 )
 from taipan.actors.gpu.graphs import StepGraphs
+from taipan.actors.gpu.host_staging import ARENA_BYTES
 from taipan.actors.gpu.logprobs import (
     PendingLogProbs,
     log_prob_arrays,
@@ -212,6 +213,8 @@ class ModelWorker(WorkerForward, WorkerControls):
         # actor keeps fewer steps than this launched and uncollected); CUDA only.
         self._host_tokens: torch.Tensor | None = None
         self._arenas: host_staging.Arenas | None = None  # (CUDA: made at the first load)
+        self._chain_arena: host_staging.StagingArena | None = None
+        self._in_chain = False  # (a chain's inner steps are being launched: `launch`)
         self._launches = 0
         self.graph_capture_seconds = 0.0  # how long the last capture of every graph took
         self.tp = SINGLE  # this worker's tensor-parallel group (set at load)
@@ -439,10 +442,15 @@ class ModelWorker(WorkerForward, WorkerControls):
                 HOST_TOKEN_BUFFERS,
             )  # fmt: skip
         if self.device.type == "cuda":
-            shape = (HOST_TOKEN_BUFFERS, msg.max_requests)
+            # (one row more: a chain's inner steps', below)
+            shape = (HOST_TOKEN_BUFFERS + 1, msg.max_requests)
             self._host_tokens = torch.empty(shape, dtype=torch.int64, pin_memory=True)
             # (an arena is reused once the launch that used it was collected, as a row here)
             self._arenas = self._arenas or host_staging.Arenas(HOST_TOKEN_BUFFERS)
+            # A chain's inner steps (each collected before the next) stage through an arena and
+            # a token row of their own: a step launched before the chain may still be waiting
+            # for its collect, its results in the rotating ones.
+            self._chain_arena = self._chain_arena or host_staging.StagingArena(ARENA_BYTES)
         sizes = msg.cuda_graph_decode_sizes, msg.cuda_graph_mixed_sizes
         if any(sizes):
             if self.device.type != "cuda":
@@ -495,7 +503,11 @@ class ModelWorker(WorkerForward, WorkerControls):
         arena (actors/gpu/host_staging.py). A chain plan (StepPlan.chain_steps) runs its
         inner verify steps here, each launched and collected, and returns their StepResult."""
         if plan.chain_steps > 1:  # (verify steps one after the other: actors/gpu/chain.py)
-            result = run_chain(plan, self.block_size, self._run_inner)
+            self._in_chain = True
+            try:
+                result = run_chain(plan, self.block_size, self._run_inner)
+            finally:
+                self._in_chain = False
             self._prev_sampled = np.zeros(len(plan.sample), dtype=bool)  # (none is read)
             return result
         arena = self._arenas.next() if self._arenas is not None else None
@@ -503,8 +515,11 @@ class ModelWorker(WorkerForward, WorkerControls):
             return self._launch(plan)
 
     def _run_inner(self, plan: StepPlan) -> StepResult:
-        """One inner step of a chain, launched and collected."""
-        arena = self._arenas.next() if self._arenas is not None else None
+        """One inner step of a chain, launched and collected (through the chain's own arena
+        and token row)."""
+        arena = self._chain_arena
+        if arena is not None:
+            arena.reset()
         with host_staging.active(arena):
             launched = self._launch(plan)
         return self.collect(launched)
@@ -611,8 +626,10 @@ class ModelWorker(WorkerForward, WorkerControls):
     def _tokens_to_host(self, tokens: torch.Tensor, num_seqs: int) -> torch.Tensor:
         """The sampled tokens' copy to pinned host memory, queued without waiting (collect()
         waits for it); the buffers rotate so a launched, uncollected step keeps its own."""
+        if self._in_chain:  # (the chain's own row: each inner step is collected before the next)
+            return self._host_tokens[HOST_TOKEN_BUFFERS][:num_seqs].copy_(tokens, non_blocking=True)
         self._launches += 1
-        host = self._host_tokens[self._launches % len(self._host_tokens)][:num_seqs]
+        host = self._host_tokens[self._launches % HOST_TOKEN_BUFFERS][:num_seqs]
         return host.copy_(tokens, non_blocking=True)
 
     def launches_inline(self, plan: StepPlan) -> bool:
