@@ -478,12 +478,21 @@ def test_weight_sync_workload_on_two_gpus(tmp_path):
 def test_spec_workload_rows_on_cpu(tmp_path):
     """Speculative decoding off vs on (n-gram, k = 2) on the input-grounded and the free
     workload: a row each, every prompt's greedy token ids equal off and on, the rates and their
-    ratio, and the drafter's counters over the timed pass."""
+    ratio, and the drafter's counters over the timed pass; the chained side (--spec-chain)
+    too."""
     rows = _bench_rows(
         tmp_path,
         *("--workload", "spec", "--model", "random:tiny", "--num-prompts", "2"),
-        *("--output-len", "8", "--spec-tokens", "2"),
+        *("--output-len", "8", "--spec-tokens", "2", "--spec-chain", "4"),
     )
+    for row in rows:
+        assert row["speculative_chain_steps"] == 4 and row["chain_outputs_equal"] is True
+        assert row["chain_equals_on"] is True and row["chain_output_tok_s"] > 0
+        want = row["chain_output_tok_s"] / row["off_output_tok_s"]
+        assert row["chain_speedup"] == pytest.approx(want, rel=1e-3)
+        assert row["chain_chains"] >= 0 and row["chain_steps"] <= row["off_steps"]
+    assert sum(row["chain_chains"] for row in rows) > 0
+    assert "chained x4" in spec_summary(rows[0])
     assert [row["scenario"] for row in rows] == ["grounded", "free"]
     for row in rows:
         assert row["workload"] == "spec" and row["batch"] == 1 and row["output_len"] == 8

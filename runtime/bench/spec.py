@@ -25,7 +25,8 @@ drafts per position.
 `--spec-chain N` adds a third runtime, n-gram speculation with speculative_chain_steps=N (its
 verify steps chained in the gpu actor, actors/gpu/chain.py), timed in the same alternation:
 its columns `chain_*` (its rate, `chain_speedup` against off, `chain_vs_on` against the
-unchained side, `chain_outputs_equal` against off, `chain_chains` planned).
+unchained side, `chain_outputs_equal` against off, `chain_equals_on` against the unchained
+side, `chain_chains` planned).
 
 No HF side: HF's prompt-lookup decoding is another implementation, not a baseline of ours.
 Never imports torch itself.
@@ -437,6 +438,10 @@ def _chain_columns(run: dict, off: dict, on: dict, n: int, m: int, chain: int) -
         "chain_vs_on": rate * on["seconds"] / (n * m),
         "chain_itl_ms": 1e3 * itl,
         "chain_outputs_equal": run["token_ids"] == off["token_ids"] and run["stable"],
+        # (against unchained speculation: in bf16 on a GPU a verify row rounds unlike a decode
+        # row, so both may differ from `off` somewhere; the chain's inner steps are verify rows
+        # too, and where it drafts as the engine does it computes the same rows)
+        "chain_equals_on": run["token_ids"] == on["token_ids"],
         "chain_steps": run["steps_total"],
         "chain_chains": run["spec_chains"],
         "chain_verify_rows": rows,
