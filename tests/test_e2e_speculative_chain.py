@@ -121,6 +121,20 @@ def test_a_streamed_chain_and_one_its_reader_leaves(client, chained):
     assert chained.generate([code], GREEDY)[0].token_ids == want.token_ids
 
 
+def test_a_request_with_logit_controls_runs_unchained(client, chained):
+    """A penalty (a logit control) keeps a request's verify steps one per plan: its outputs
+    are plain decoding's with the penalty, and no chain is planned for it."""
+    penalised = SamplingParams(max_tokens=N, temperature=0.0, presence_penalty=0.5)
+    [want] = client.generate(PROMPTS[1:2], penalised)
+    before = chained.stats().merged()
+    [got] = chained.generate(PROMPTS[1:2], penalised)
+    after = chained.stats().merged()
+    assert got.token_ids == want.token_ids
+    assert (
+        after.spec_chains == before.spec_chains and after.spec_verify_rows > before.spec_verify_rows
+    )
+
+
 @pytest.mark.slow
 def test_chains_under_kv_pressure_equal_plain_decoding(client, model_path):
     """8 blocks of 16 tokens for 4 requests of ~40 + 40 tokens: chains get fewer blocks than

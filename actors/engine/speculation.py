@@ -345,8 +345,6 @@ def _chainable(r: EngineRequest) -> bool:
     return (
         s.logprobs_mode is not LogprobsMode.PROCESSED
         and not s.top_n_logprobs  # (prompt log-probs: a verify row has no prompt position)
-        and not (s.presence_penalty or s.frequency_penalty or s.repetition_penalty != 1.0)
-        and not (s.logit_bias or s.min_tokens or s.bad_words_ids)
-        and s.allowed_token_ids is None
+        and not r.has_controls
         and s.structured is None
     )
