@@ -4,23 +4,24 @@ each next step itself, so the engine's turn and the actors' hops between verify 
 of a speculating request's step period at batch 1: tests/perf/NOTES.md, "Where an n-gram
 verify step's time goes") are paid once per chain.
 
-`run_chain(plan, block_size, run_step)` does it with `run_step` (the worker's launch and
-collect of one plan): inner step 0 is the plan's own rows and drafts; after each inner step
-every sequence appends its new tokens (the verify row's spec_tokens, or the token drawn where
-it had no drafts) to its known tokens and stops at a stop token, at its chain_limit, or where
-its next row would need a KV slot at or past chain_capacity; the others get their next row:
-their last new token at the position after their accepted ones (a hybrid's recurrent state
-from its live slot, where the step before left its last accepted position's), and up to k
-drafts proposed
-by ops/ngram.py's rule over their known tokens (the engine's rule, so the drafts are those the
+`run_chain(plan, block_size, run_step)` does it with `run_step` (the worker's launch and collect
+of one plan): inner step 0 is the plan's own rows and drafts; after each inner step every
+sequence appends its new tokens (the verify row's spec_tokens, or the token drawn where it had
+no drafts) to its known tokens and stops at a stop token, at its chain_limit, or where its next
+row would need a KV slot at or past chain_capacity; the others get their next row: their last
+new token at the position after their accepted ones (a hybrid's recurrent state from its live
+slot, where the step before left its last accepted position's), and up to k drafts proposed by
+ops/ngram.py's rule over their known tokens (the engine's rule, so the drafts are those the
 engine would plan), none after CHAIN_MISSES inner steps in a row whose drafts all failed. The
-result is one StepResult for the plan: each sequence's new tokens in spec_tokens, (drafts,
-accepted) per inner step in spec_chain. Greedy verification keeps the outputs those of plain
-decoding, whatever the drafts, and seeded sampling draws what plain decoding draws (the
-point-mass rule of ops/speculative.py, each inner step's gen_index advanced by the tokens
-gained); the raw log-probs of the gained tokens come in spec_log_probs where a row asks, and
-with StepPlan.return_routed_experts each row's routing of the positions it kept (its last
-known token's and each accepted draft's, per inner step), the rows back to back (engine
+chain ends where no row has drafts for its next inner step: plain rows run faster from the
+engine, whose plain steps overlap the next plan (a chain's inner steps do not: each waits for
+the one before). The result is one StepResult for the plan: each sequence's new tokens in
+spec_tokens, (drafts, accepted) per inner step in spec_chain. Greedy verification keeps the
+outputs those of plain decoding, whatever the drafts, and seeded sampling draws what plain
+decoding draws (the point-mass rule of ops/speculative.py, each inner step's gen_index advanced
+by the tokens gained); the raw log-probs of the gained tokens come in spec_log_probs where a row
+asks, and with StepPlan.return_routed_experts each row's routing of the positions it kept (its
+last known token's and each accepted draft's, per inner step), the rows back to back (engine
 routing.py `take_step` reads a chain's rows so).
 
 `check_chain` refuses (ValueError) a chain plan outside the contract of messages/gpu.py
@@ -185,6 +186,8 @@ def run_chain(
         if j + 1 == plan.chain_steps or not len(active):
             break
         inner = _next_plan(plan, active, rows, drafter, block_size)
+        if not len(inner.num_drafts):  # (the module docstring: no plain inner steps)
+            break
     width = max(len(r.gained) for r in rows)
     spec_tokens = np.full((batch, width), -1, dtype=np.int32)
     spec_log_probs = np.full((batch, width), np.nan, dtype=np.float32)
@@ -245,7 +248,7 @@ def _next_plan(
     for i in active.tolist():
         r = rows[i]
         room = min(r.left - 1, r.capacity - r.position - 1)
-        if r.misses >= CHAIN_MISSES:  # (it decodes plainly for the rest of the chain)
+        if r.misses >= CHAIN_MISSES:  # (it drafts no more in the chain)
             room = 0
         drafts = drafter.propose(np.asarray(r.tokens, np.int32), room) if room > 0 else []
         ids += [r.tokens[-1], *list(drafts)]
