@@ -38,12 +38,7 @@ from taipan.kernels.rope import rope_and_write_kv_ref
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = ("silu", "gelu_tanh")
-# Beyond this a GEMM (cuBLAS) reads the weights as few times and computes better. Eight: a
-# verify row of up to 7 drafts (speculative decoding) takes the fused path where it pays.
-MAX_ROWS = 8
-# Two rows and more multiply on the tensor cores (`_products`), their tiles padded to this
-# many rows (tl.dot's least) and at least this many weight rows a program.
-DOT_ROWS = tl.constexpr(16)
+MAX_ROWS = 4  # beyond this a GEMM (cuBLAS) reads the weights as few times and computes better
 
 
 @triton.jit
@@ -53,22 +48,15 @@ def _products(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """[BLOCK_M, BLOCK_N] sums of the rows of x (normalized with NORM) times the weight rows at
-    `w_rows` [BLOCK_N, 1] (and, with TWO, at `w2_rows`: the second sums, else zeros), fp32;
-    the weights' tiles are read once for every row. BLOCK_M < DOT_ROWS (one row): products
-    accumulate elementwise and are summed over K once, after the loop (loads and multiply-adds
-    only, no reduction across threads per tile). BLOCK_M >= DOT_ROWS: tile products on the
-    tensor cores (`tl.dot`, rows padded to DOT_ROWS): elementwise, eight rows cost eight times
-    one row's arithmetic, on an H200 more than reading the weights (1B shape, batch 8: 2.92
-    against cuBLAS's 1.24 ms a step; tests/perf/NOTES.md, twenty-sixth session)."""
+    `w_rows` [BLOCK_N, 1] (and, with TWO, at `w2_rows`: the second sums, else zeros), fp32.
+    Products accumulate elementwise and are summed over K once, after the loop: the loop is
+    loads and multiply-adds only, no reduction across threads per tile; the weights' tiles are
+    read once for every row."""
     rows = tl.arange(0, BLOCK_M)
     row_mask = rows < M
     x_rows = x_ptr + rows[:, None] * stride_x
-    if BLOCK_M >= DOT_ROWS:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc2 = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    else:
-        acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
-        two3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
+    two3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], dtype=tl.float32)
     sq = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)  # NORM: the rows' squares
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
@@ -82,21 +70,13 @@ def _products(
                 nw += 1.0
             xs *= nw[None, :]
         w_mask = col_mask[:, None] & k_mask[None, :]
-        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0)
-        if BLOCK_M >= DOT_ROWS:  # (in the weights' dtype, fp32 sums; fp32 weights: exact)
-            xd = xs.to(w.dtype)
-            acc = tl.dot(xd, tl.trans(w), acc, input_precision="ieee")
-            if TWO:
-                w2 = tl.load(w2_rows + ks[None, :], mask=w_mask, other=0.0)
-                acc2 = tl.dot(xd, tl.trans(w2), acc2, input_precision="ieee")
-        else:
-            acc3 += xs[:, None, :] * w.to(tl.float32)[None, :, :]
-            if TWO:
-                w2 = tl.load(w2_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
-                two3 += xs[:, None, :] * w2[None, :, :]
-    if BLOCK_M < DOT_ROWS:
-        acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
-        acc2 = tl.sum(two3, axis=2)
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        acc3 += xs[:, None, :] * w[None, :, :]
+        if TWO:
+            w2 = tl.load(w2_rows + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+            two3 += xs[:, None, :] * w2[None, :, :]
+    acc = tl.sum(acc3, axis=2)  # [BLOCK_M, BLOCK_N]
+    acc2 = tl.sum(two3, axis=2)
     if NORM:
         rstd = tl.rsqrt(tl.sum(sq, axis=1) / K + eps)[:, None]  # [BLOCK_M, 1]
         acc *= rstd
@@ -161,24 +141,10 @@ def _gemv_kernel(
     tl.store(out, result, mask=out_mask)
 
 
-def _blocks(n: int, k: int, gated: bool, sms: int = 132, rows: int = 1) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps) for x of `rows` rows: one row, `_one_row_blocks`; more,
-    tensor-core tiles of DOT_ROWS weight rows (as many programs as for one row's blocks of
-    four, or more) by up to 256 columns."""
-    if rows <= 1:
-        return _one_row_blocks(n, k, gated, sms)
-    return DOT_ROWS.value, max(16, min(256, triton.next_power_of_2(k))), 4
-
-
-def _block_m(rows: int) -> int:
-    """BLOCK_M for x of `rows` rows: 1, or the tensor cores' tile (`_products`)."""
-    return 1 if rows <= 1 else max(DOT_ROWS.value, triton.next_power_of_2(rows))
-
-
-def _one_row_blocks(n: int, k: int, gated: bool, sms: int) -> tuple[int, int, int]:
-    """One row's blocks: many programs, each loading a few KB of weights per iteration, on a
-    GPU of `sms` multiprocessors. A tiny matrix needs no such spread (and the CPU interpreter
-    pays per program)."""
+def _blocks(n: int, k: int, gated: bool, sms: int = 132) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps): many programs, each loading a few KB of weights per
+    iteration, on a GPU of `sms` multiprocessors. A tiny matrix needs no such spread (and the
+    CPU interpreter pays per program)."""
     if n * k < 1 << 18:
         return 16, min(512, triton.next_power_of_2(k)), 4
     # Four outputs a program. Chosen by the whole graphed batch-1 step, where PDL overlaps the
@@ -244,7 +210,7 @@ def gemv(
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    block_n, block_k, warps = _blocks(n, k, gated, _sm_count(x.device), m)
+    block_n, block_k, warps = _blocks(n, k, gated, _sm_count(x.device))
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x,
         w,
@@ -264,7 +230,7 @@ def gemv(
         GELU=activation == "gelu_tanh",
         RESIDUAL=residual is not None,
         HAS_BIAS=bias is not None,
-        BLOCK_M=_block_m(m),
+        BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,
@@ -463,14 +429,8 @@ def gemv_qkv_rope(
         raise ValueError(f"kv_cache must be a contiguous {x.dtype} tensor")
     q = torch.empty((m, num_heads * head_dim), dtype=x.dtype, device=x.device)
     if m:
-        _, block_k, warps = _blocks(rows, k, False, _sm_count(x.device), m)
-        # One row: two pairs, four weight rows a program, as `gemv` reads them; more: pairs
-        # enough for the tensor cores' tiles, where they divide the head's half (else the
-        # elementwise products, slow at several rows but right).
-        half = head_dim // 2
-        dot = m > 1 and half % DOT_ROWS.value == 0
-        block_p = DOT_ROWS.value if dot else 2
-        block_m = _block_m(m) if dot else triton.next_power_of_2(m)
+        _, block_k, warps = _blocks(rows, k, False, _sm_count(x.device))
+        block_p = 2  # two pairs: four weight rows a program, as `gemv` reads them
         _qkv_rope_kernel[(rows // 2 // block_p,)](
             x, w, bias if bias is not None else w, norm_weight if norm_weight is not None else w,
             positions, cos_sin_cache, kv_cache, slot_mapping, q, m, k,
@@ -478,7 +438,7 @@ def gemv_qkv_rope(
             kv_cache.stride(2), kv_cache.stride(3), q.stride(0),
             eps=float(eps), NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
             NORM=norm_weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_P=block_p, BLOCK_K=block_k, num_warps=warps,
+            BLOCK_M=triton.next_power_of_2(m), BLOCK_P=block_p, BLOCK_K=block_k, num_warps=warps,
             **launch_kwargs(x.device),
         )  # fmt: skip
     return q.view(m, num_heads, head_dim)

@@ -26,23 +26,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from taipan.kernels import activation, rmsnorm, rope
-from taipan.kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from taipan.ops.attention import AttentionMetadata, paged_attention
 from taipan.ops.parallel import SINGLE, TPGroup
 
 
 def _fused_decode_rows() -> int:
     """Steps of at most this many token rows run a Llama-family layer through kernels/gemv.py
-    (its fused norms, activation and residual adds): TAIPAN_FUSED_GEMV, 0 (off: to compare the
-    two paths) to kernels/gemv.MAX_ROWS, 1 by default. One row: on an H100 the fused step is
-    faster at one row (1B shape 1.31 against 1.40 ms, 8B 5.94 against 6.25) and was slower
-    than cuBLAS at two and four (tests/perf/NOTES.md, eleventh session, before the blocks
-    shrank with the rows). More rows put speculative verify rows (k + 1 a sequence) on the
-    fused path: tests/perf/NOTES.md, twenty-sixth session, says where that pays."""
+    (its fused norms, activation and residual adds); TAIPAN_FUSED_GEMV=0 turns that off (to
+    compare the two paths), 1 (the default) keeps it on. One row: on an H100 the fused step
+    is faster at one row (1B shape 1.31 against 1.40 ms, 8B 5.94 against 6.25) and slower
+    than cuBLAS at two and four (tests/perf/NOTES.md, eleventh session)."""
     value = os.environ.get("TAIPAN_FUSED_GEMV", "1")
-    if not value.isdigit() or int(value) > GEMV_MAX_ROWS:
-        raise ValueError(f"TAIPAN_FUSED_GEMV must be 0 to {GEMV_MAX_ROWS}, got {value!r}")
-    return int(value)
+    if value not in ("0", "1"):
+        raise ValueError(f"TAIPAN_FUSED_GEMV must be 0 or 1, got {value!r}")
+    return 1 if value == "1" else 0
 
 
 FUSED_DECODE_ROWS = _fused_decode_rows()  # fixed at import: graphs bake in their path

@@ -202,32 +202,23 @@ def gil_switch_seconds() -> float:
     return ms / 1e3
 
 
-# The GPU processes' fused few-row decode layers, steps of up to N rows (ops/layers.py reads it
-# when torch loads there; a bad value is checked here first, so that it is the launch's error,
-# not a child's). N at most kernels/gemv.py MAX_ROWS (written again here: no torch in this
-# process; tests/test_ops_fused_decode.py checks the two agree).
+# The GPU processes' fused one-row decode layers (ops/layers.py reads it when torch loads there;
+# a bad value is checked here first, so that it is the launch's error, not a child's).
 FUSED_GEMV_ENV = "TAIPAN_FUSED_GEMV"
-FUSED_GEMV_MAX_ROWS = 8
 
 
 # The other switches of the decode kernels, each 0 or 1 (read by the children at import):
 # kernels/pdl.py's programmatic dependent launch, ops/custom_all_reduce.py's products with sums.
 KERNEL_SWITCHES = {
+    FUSED_GEMV_ENV: ("1", "unfused layers", "fused"),
     "TAIPAN_PDL": ("1", "no programmatic dependent launch", "PDL where the GPU has it"),
     "TAIPAN_TP_GEMV_SUM": ("0", "product, then sum", "TP products with their sums"),
 }
 
 
 def check_fused_gemv() -> None:
-    """TAIPAN_FUSED_GEMV, if set, is 0 (unfused layers) to FUSED_GEMV_MAX_ROWS (fused steps of up
-    to that many rows), TAIPAN_PDL and TAIPAN_TP_GEMV_SUM 0 or 1 (KERNEL_SWITCHES: their
-    defaults and meanings): anything else is the launch's error, not a child's."""
-    rows = os.environ.get(FUSED_GEMV_ENV, "1")
-    if not rows.isdigit() or int(rows) > FUSED_GEMV_MAX_ROWS:
-        raise LaunchError(
-            f"{FUSED_GEMV_ENV}={rows!r}: give 0 (unfused layers) to {FUSED_GEMV_MAX_ROWS} "
-            "(fused steps of up to that many token rows)"
-        )
+    """TAIPAN_FUSED_GEMV, TAIPAN_PDL and TAIPAN_TP_GEMV_SUM, if set, are 0 or 1 (KERNEL_SWITCHES:
+    their defaults and meanings): anything else is the launch's error, not a child's."""
     for name, (default, off, on) in KERNEL_SWITCHES.items():
         raw = os.environ.get(name, default)
         if raw not in ("0", "1"):

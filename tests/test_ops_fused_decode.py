@@ -86,19 +86,10 @@ def _inputs(cache, rows: int, device: str) -> tuple:
     return ids, positions, meta, cache
 
 
-def _verify_inputs(cache, device: str, queries: int = 6) -> tuple:
-    """One sequence's `queries` tokens after the prompt in one step (a speculative verify row:
-    its last known token and 5 drafts), over a copy of `cache`: the model's arguments."""
-    n = len(PROMPT) + queries
-    meta, positions = build_attention_metadata([queries], [n], [[0, 1, 2]], BLOCK_SIZE, device)
-    return torch.arange(40, 40 + queries, device=device), positions, meta, cache.clone()
-
-
-def _decode(model, cache, rows: int | str, device: str) -> torch.Tensor:
-    """The final hidden states of that step (rows "verify": `_verify_inputs`' step)."""
-    args = _verify_inputs(cache, device) if rows == "verify" else _inputs(cache, rows, device)
+def _decode(model, cache, rows: int, device: str) -> torch.Tensor:
+    """The final hidden states of that step."""
     with torch.no_grad():
-        return model(*args)
+        return model(*_inputs(cache, rows, device))
 
 
 def _prefill(model, device: str, dtype: torch.dtype) -> torch.Tensor:
@@ -122,7 +113,7 @@ def _fused_rows(monkeypatch, rows: int) -> None:
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("rows", [1, 3, "verify"])
+@pytest.mark.parametrize("rows", [1, 3])
 def test_fused_path_equals_the_unfused_one_on_cpu(variant, rows, monkeypatch):
     model = _model(variant, 16, "cpu", torch.float32)
     cache = _prefill(model, "cpu", torch.float32)
@@ -177,11 +168,6 @@ def test_the_shape_picks_the_path(monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(llama, "FUSED_DECODE_ROWS", 0)  # (TAIPAN_FUSED_GEMV=0)
         assert not dense._fused(rows(1))
-    with monkeypatch.context() as m:  # (TAIPAN_FUSED_GEMV=8: verify rows of up to 7 drafts)
-        m.setattr(llama, "FUSED_DECODE_ROWS", 8)
-        m.setattr(gemma3, "FUSED_DECODE_ROWS", 8)
-        for layer in (dense, gemma):
-            assert layer._fused(rows(5)) and layer._fused(rows(8)) and not layer._fused(rows(9))
     monkeypatch.setattr(dense, "tp", types.SimpleNamespace(size=2))  # a TP rank: fused too
     assert dense._fused(rows(1)) and not dense._fused(rows(2))
 
@@ -289,25 +275,23 @@ def test_fused_path_at_tp2_equals_the_unfused_one_on_cpu(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_gpu_fused_path_equals_the_unfused_one(variant, monkeypatch):
-    """One row takes the fused path on CUDA (FUSED_DECODE_ROWS); four rows and a verify row
-    of six query tokens are made to (the kernel takes up to gemv.MAX_ROWS; TAIPAN_FUSED_GEMV=8
-    puts them there); eager and graphed alike. fp32: equal to the unfused
+    """One row takes the fused path on CUDA (FUSED_DECODE_ROWS); four rows are made to (the
+    kernel takes up to gemv.MAX_ROWS); eager and graphed alike. fp32: equal to the unfused
     path within its sums' order. bf16: as close to fp32 as the unfused bf16 path is (the
     fused one sums in another order and does not round the normalized rows)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     assert llama.FUSED_DECODE_ROWS == gemma3.FUSED_DECODE_ROWS == 1
-    _fused_rows(monkeypatch, 8)
+    _fused_rows(monkeypatch, 4)
     model = _model(variant, 64, "cuda", torch.float32)
     half = _model(variant, 64, "cuda", torch.bfloat16)
     cache, half_cache = (
         _prefill(model, "cuda", torch.float32),
         _prefill(half, "cuda", torch.bfloat16),
     )
-    for rows in (1, 4, "verify"):
+    for rows in (1, 4):
         fused = _decode(model, cache, rows, "cuda")
-        inputs = _verify_inputs(cache, "cuda") if rows == "verify" else _inputs(cache, rows, "cuda")
-        captured = {}
+        inputs, captured = _inputs(cache, rows, "cuda"), {}
 
         def step(inputs=inputs, captured=captured):
             captured["out"] = model(*inputs)

@@ -15,15 +15,11 @@
 #   rows (one GPU, after `changed` on the same warm machine): structured check / mask, the
 #     1B decode rows plain and --log-probs, verify_profile on SmolLM2 (decode, verify and
 #     chained inner steps at the worker, no engine), grammar_step_profile.
-#   fused (one GPU, the model staged): TAIPAN_FUSED_GEMV=8 (verify rows of k + 1 <= 8 on the
-#     fused few-row path, kernels/gemv.py): its GPU tests, verify_profile at 1 and 8 on SmolLM2
-#     and the 1B shape, the 1B decode rows at batches 1, 2, 4, 8 with each.
-#   spec8 (one GPU, the model staged): the spec row with TAIPAN_FUSED_GEMV=8, k = 4 and 7.
 #   suite1, suite2, suite3 (one GPU, the model staged): the whole one-GPU suite in three calls.
 #   tp (two GPUs): session24_gpu.sh tp (TP=2 against TP=1 at batch 1, 8B shape).
 # Every pytest run names each test as it starts (-v, unbuffered) and is left behind after its
 # share of the call, with what its processes wait on then (procs_*.txt).
-PART=${1:?part changed, spec, fused, spec8, rows, suite1, suite2, suite3 or tp}
+PART=${1:?part changed, spec, rows, suite1, suite2, suite3 or tp}
 if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
@@ -55,30 +51,6 @@ if [ "$PART" = spec ]; then  # (three runtimes one after the other: off, on, cha
     timeout -s ABRT 500 python3 -m taipan.cli bench --workload spec --model smollm2 \
         --device cuda --dtype bfloat16 --spec-tokens 4 --spec-chain 8 \
         --results "$OUT/spec_chain.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-400
-    exit 0
-fi
-if [ "$PART" = fused ]; then  # (TAIPAN_FUSED_GEMV=8: verify rows on the fused few-row path)
-    gpu_tests fused 170 tests/test_kernels_gemv.py tests/test_ops_fused_decode.py
-    for rows in 1 8; do
-        for m in smollm2 random:llama-1b; do
-            TAIPAN_FUSED_GEMV=$rows timeout -s ABRT 90 python3 tests/perf/verify_profile.py "$m" \
-                4 1 2>&1 | grep -E "batch 1:|chained" | sed "s/^/fused=$rows $m /"
-        done
-        TAIPAN_FUSED_GEMV=$rows timeout -s ABRT 100 python3 -m taipan.cli bench \
-            --workload decode --model random:llama-1b --device cuda --dtype bfloat16 \
-            --batches 1,2,4,8 --output-len 128 --no-hf --ours-modes graphs \
-            --results "$OUT/decode_fused$rows.jsonl" 2>&1 | grep -E "^decode|rror" \
-            | cut -c1-120 | sed "s/^/fused=$rows /"
-    done
-    exit 0
-fi
-if [ "$PART" = spec8 ]; then  # (the spec row with verify rows on the fused path)
-    TAIPAN_FUSED_GEMV=8 timeout -s ABRT 250 python3 -m taipan.cli bench --workload spec \
-        --model smollm2 --device cuda --dtype bfloat16 --spec-tokens 4 --spec-chain 8 \
-        --results "$OUT/spec_fused8.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-400
-    TAIPAN_FUSED_GEMV=8 timeout -s ABRT 250 python3 -m taipan.cli bench --workload spec \
-        --model smollm2 --device cuda --dtype bfloat16 --spec-tokens 7 --spec-chain 8 \
-        --results "$OUT/spec_fused8_k7.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-400
     exit 0
 fi
 if [ "$PART" = rows ]; then
