@@ -15,11 +15,14 @@
 #   rows (one GPU, after `changed` on the same warm machine): structured check / mask, the
 #     1B decode rows plain and --log-probs, verify_profile on SmolLM2 (decode, verify and
 #     chained inner steps at the worker, no engine), grammar_step_profile.
+#   trace (one GPU, the model staged): Chrome traces of SmolLM2's verify (k = 4) and decode
+#     steps at batch 1 (verify_profile.py, VERIFY_TRACE_DIR) and where their device waits
+#     (trace_gaps.py).
 #   suite1, suite2, suite3 (one GPU, the model staged): the whole one-GPU suite in three calls.
 #   tp (two GPUs): session24_gpu.sh tp (TP=2 against TP=1 at batch 1, 8B shape).
 # Every pytest run names each test as it starts (-v, unbuffered) and is left behind after its
 # share of the call, with what its processes wait on then (procs_*.txt).
-PART=${1:?part changed, spec, rows, suite1, suite2, suite3 or tp}
+PART=${1:?part changed, spec, trace, rows, suite1, suite2, suite3 or tp}
 if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
@@ -51,6 +54,16 @@ if [ "$PART" = spec ]; then  # (three runtimes one after the other: off, on, cha
     timeout -s ABRT 500 python3 -m taipan.cli bench --workload spec --model smollm2 \
         --device cuda --dtype bfloat16 --spec-tokens 4 --spec-chain 8 \
         --results "$OUT/spec_chain.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-400
+    exit 0
+fi
+if [ "$PART" = trace ]; then  # (the verify and decode steps' timelines, SmolLM2 batch 1)
+    VERIFY_TRACE_DIR=$OUT timeout -s ABRT 150 python3 tests/perf/verify_profile.py smollm2 4 1 \
+        2>&1 | grep -E "batch 1:|chained"
+    for t in verify_b1 decode_b1; do
+        python3 tests/perf/trace_gaps.py "$OUT/$t.json" > "$OUT/gaps_$t.txt" 2>&1
+        head -40 "$OUT/gaps_$t.txt"
+        gzip "$OUT/$t.json"
+    done
     exit 0
 fi
 if [ "$PART" = rows ]; then

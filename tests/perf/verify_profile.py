@@ -9,12 +9,14 @@ greedy), each timed with CUDA events over 30 steps (host + device, as the gpu ac
 and collect), with the step's device part; then the same rows chained (actors/gpu/chain.py:
 8 inner verify steps a plan, a periodic history the n-gram rule drafts from): ms an inner step
 and tokens gained a row each; then one verify step under the torch profiler (CPU and CUDA):
-the host calls and the kernels that take its time.
+the host calls and the kernels that take its time (with VERIFY_TRACE_DIR set, the verify and
+decode steps' Chrome traces there: tests/perf/trace_gaps.py reads them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 import numpy as np
@@ -136,12 +138,16 @@ def timed(w: ModelWorker, p, n: int = 30) -> tuple[float, float, bool]:
     return float(np.median(walls)), float(np.median(devs)), steps[-1][1].graphed
 
 
-def profile(w: ModelWorker, p) -> None:
+def profile(w: ModelWorker, p, trace: str | None = None) -> None:
+    """The host calls and kernels of 5 steps of `p`; with `trace`, their timeline too (a
+    Chrome trace: tests/perf/trace_gaps.py reads where the device waits)."""
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(5):
             w.step(p)
         torch.cuda.synchronize()
+    if trace:
+        prof.export_chrome_trace(trace)
     avg = prof.key_averages()
     cpu = sorted(avg, key=lambda e: -e.self_cpu_time_total)[:16]
     print("  host (self CPU per verify step):")
@@ -184,7 +190,16 @@ def main(model: str, k: int, batches: list[int]) -> None:
         print(f"  chained (8 inner verify steps a plan): {inner:.3f} ms an inner step, "
               f"{gain:.2f} tokens a row each: {inner / gain:.3f} ms a token against "
               f"{dec[0]:.3f} decoding ({dec[0] * gain / inner:.2f}x)")  # fmt: skip
-        profile(w, verify_plan(3, b, k, tables))
+        profile(w, verify_plan(3, b, k, tables), _trace(f"verify_b{b}"))
+        if TRACE_DIR:  # (the decode step's timeline beside it)
+            profile(w, plan(5, b, CTX, tables), _trace(f"decode_b{b}"))
+
+
+TRACE_DIR = os.environ.get("VERIFY_TRACE_DIR")  # Chrome traces of the profiled steps go here
+
+
+def _trace(name: str) -> str | None:
+    return os.path.join(TRACE_DIR, name + ".json") if TRACE_DIR else None
 
 
 if __name__ == "__main__":
