@@ -132,6 +132,12 @@ class InferenceConfig:
     # Not under expert parallelism.
     speculative_chain_steps: int = 1
     speculative_chain_max_rows: int = 4
+    # No request speculates in a step planned while more than this many requests run (vLLM's
+    # speculative_config disable_by_batch_size): a large batch's step computes more than it
+    # reads, so a verify row's extra positions cost what they save, and a speculating request
+    # gives up the overlap of plain steps. Speculation comes back in the first step planned at
+    # or under it (the long tail of an RL batch). None: at every batch size.
+    speculative_disable_by_batch_size: int | None = None
     # speculative_method "draft_model" (vLLM's speculative_config model): a smaller model of
     # the same tokenizer (a path or a registry name, as the target's), run by the same gpu
     # actor with a KV cache of its own over the same block ids; it drafts greedily
@@ -299,6 +305,13 @@ class InferenceConfig:
             raise ConfigError(
                 "speculative_chain_steps > 1 chains n-gram verify steps: it needs "
                 "num_speculative_tokens > 0 and speculative_method='ngram'"
+            )
+        off_above = self.speculative_disable_by_batch_size
+        if off_above is not None and (not k or off_above < 1):
+            raise ConfigError(
+                f"speculative_disable_by_batch_size={off_above!r}: give None (speculate at "
+                "every batch size) or a number of running requests >= 1, with "
+                "num_speculative_tokens > 0"
             )
         lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
         if not 1 <= lo <= hi:

@@ -96,6 +96,9 @@ class RankStats:
     # Steps planned as chained verify steps (InferenceConfig.speculative_chain_steps; each
     # inner step's rows count in spec_verify_rows and the acceptance counters above).
     spec_chains: int = 0
+    # Steps planned with speculation off for their batch size (more requests running than
+    # InferenceConfig.speculative_disable_by_batch_size).
+    spec_batch_off_steps: int = 0
     # Per-layer-group KV (the windowed layers' own pool, actors/engine/local_kv.py; 0 without
     # one): its blocks, those the requests' rings hold, those caching prompt blocks' windowed
     # keys (prefix caching), and the cached blocks copied into rings by prefix hits.

@@ -77,6 +77,7 @@ TAIPAN_FIELDS = {
     "ngram_prompt_lookup_max": 4,
     "speculative_chain_steps": 1,
     "speculative_chain_max_rows": 4,
+    "speculative_disable_by_batch_size": None,
     "speculative_model": None,
     "draft_weight_policy": "keep",
     "disable_hybrid_kv_cache_manager": False,

@@ -23,6 +23,7 @@ Hybrid models speculate in tests/test_e2e_speculative_hybrid.py.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import numpy as np
@@ -127,6 +128,28 @@ def test_tp2_chained_verify_steps_equal_tp1_without(tiny, plain):
         assert _ids(c.generate(PROMPTS[:4], GREEDY)) == want[:4]
         rank = c.stats().merged()
     assert rank.spec_chains > 0 and rank.spec_verify_rows > rank.spec_chains, rank
+
+
+def test_no_speculation_above_the_batch_limit_and_the_tail_speculates(tiny, plain):
+    """speculative_disable_by_batch_size=1: three short requests beside a long one run their
+    steps without drafts (4 and then 2 or 3 running), and the long one speculates once it
+    runs alone; outputs equal T = 1 without drafts."""
+    short, long = dataclasses.replace(GREEDY, max_tokens=8), GREEDY
+    want = _ids(plain.generate(PROMPTS[:3], short)) + _ids(plain.generate(PROMPTS[3:4], long))
+    cfg = InferenceConfig(**BASE, num_speculative_tokens=4, speculative_disable_by_batch_size=1)
+
+    async def together(address):
+        async with AsyncClient(address) as ac:
+            a, b = await asyncio.gather(
+                ac.generate(PROMPTS[:3], short), ac.generate(PROMPTS[3:4], long)
+            )
+            return _ids(a) + _ids(b), (await ac.stats()).merged()
+
+    with Runtime(tiny, cfg) as rt:
+        got, rank = asyncio.run(together(rt.address))
+    assert got == want
+    assert rank.spec_batch_off_steps > 0 and rank.spec_verify_rows > 0, rank
+    assert rank.spec_accepted_tokens > 0, rank
 
 
 @pytest.mark.slow

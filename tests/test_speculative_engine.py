@@ -83,6 +83,7 @@ class SpecHarness(ts.Harness):
             ts.true_tokens = truth
         if not nd.any():
             return result
+        self.device_rows[nd > 0] = False  # (as the worker: a verify row's tokens are several)
         spec = np.full((len(batch.chunks), int(nd.max()) + 1), -1, np.int32)
         spec_lp = np.full(spec.shape, np.nan, np.float32)  # (the real gpu's, as plain decoding's)
         n_top = int(a["top_n"].max(initial=0))
@@ -304,6 +305,52 @@ def test_back_off_doubles_without_an_accepted_draft_and_resets_with_one():
     assert r.spec_backoff.length == spec.BACKOFF_MAX
 
 
+def test_no_request_speculates_while_more_run_than_the_batch_limit():
+    """speculative_disable_by_batch_size 1 (Speculation.active): while two requests run no row
+    verifies drafts and both take a row in every step, overlapped as plain requests are; once
+    the short one ends, the long tail speculates again. Outputs stay plain decoding's."""
+    h = SpecHarness(ts.make_plan(), chunked=False, overlap=True, k=4)
+    h.sched.spec = Speculation(4, 1, 3, off_above=1)
+    h.add(periodic_request(1, 12, max_tokens=10))
+    h.add(periodic_request(2, 12, max_tokens=40))
+    h.run()
+    h.check_end()
+    for rid, n in ((1, 10), (2, 40)):
+        assert h.ended[rid].generated == [ts.fake_token(12 + j) for j in range(n)]
+    both = [step for step in h.history if {rid for rid, _, _ in step} == {1, 2}]
+    assert len(both) >= 9  # (the prompts' step, then a row of each in every step)
+    assert all(n == 1 for step in both[1:] for _, n, _ in step)  # (no verify row)
+    assert h.verify_rows and {rid for rid, _, _ in h.verify_rows} == {2}
+    assert h.sched.spec.stats()["spec_batch_off_steps"] >= 9
+    # The first steps after the prompts': the prompt's step speculated (nothing ran when it was
+    # planned), so the next one waits for its tokens; from then on every step has both rows.
+    decode = [step for step in h.history[1:] if step]
+    first_both = next(i for i, step in enumerate(decode) if len(step) == 2)
+    assert all(len(step) == 2 for step in decode[first_both : first_both + 8])
+
+
+def test_a_request_whose_verify_row_is_in_flight_waits_when_the_batch_grows():
+    """A request speculates alone; a second is admitted in the step that plans its verify
+    row, so the step after is planned with speculation off (2 running > 1) while that row is
+    in flight: the request still waits for the row's tokens (how many it gained is not known
+    yet), then runs plain rows beside the newcomer."""
+    h = SpecHarness(ts.make_plan(), chunked=False, overlap=True, k=4)
+    h.sched.spec = Speculation(4, 1, 3, off_above=1)
+    h.add(periodic_request(2, 12, max_tokens=40))
+    while not (h.running and any(c.drafts is not None for c in h.running[0].chunks)):
+        assert h.step()
+    assert h.step()  # (its verify row collected; it waited: its next row is a verify row)
+    h.add(periodic_request(1, 12, max_tokens=10))
+    assert h.step()  # (the verify row and the newcomer's prompt)
+    assert h.running and {c.request.request_id: c.drafts is not None
+                          for c in h.running[0].chunks} == {2: True, 1: False}  # fmt: skip
+    h.run()
+    h.check_end()
+    for rid, n in ((1, 10), (2, 40)):
+        assert h.ended[rid].generated == [ts.fake_token(12 + j) for j in range(n)]
+    assert h.sched.spec.stats()["spec_batch_off_steps"] > 0
+
+
 @fuzz_settings(60)
 @given(ts.workloads())
 def test_random_workloads_equal_plain_decoding(workload):
@@ -311,10 +358,13 @@ def test_random_workloads_equal_plain_decoding(workload):
         mp.setattr(ts, "fake_token", lambda position: position % PERIOD + 10)
         plan, chunked, requests, overlap = workload
         h = SpecHarness(plan, chunked, overlap, k=3)
+        off_above = (None, 1, 2)[len(requests) % 3]  # (speculative_disable_by_batch_size)
+        h.sched.spec = Speculation(3, 1, 3, off_above=off_above)
         ts.drive(h, requests)
         h.check_end()  # every output (and reason) is plain decoding's
         event(f"verify rows: {bool(h.verify_rows)}, overlap: {overlap}")
         event(f"some accepted: {any(a for _, _, a in h.verify_rows)}")
+        event(f"batch limit {off_above}: off in some step {h.sched.spec.steps_off > 0}")
         event(f"paused: {h.sched.num_paused_total > 0}, evicted: {h.sched.num_evicted_total > 0}")
 
 
@@ -388,3 +438,16 @@ def test_the_config_picks_the_drafter_and_its_policy():
         config = InferenceConfig(**draft, speculative_model=model, draft_weight_policy=policy)
         s = speculation(config)
         assert s.on_gpu and s.disable_on_update == disables
+
+
+def test_the_batch_limit_comes_from_the_config_and_bad_ones_are_refused():
+    from taipan.actors.config import ConfigError, InferenceConfig
+    from taipan.actors.engine.wire import speculation
+
+    s = speculation(InferenceConfig(num_speculative_tokens=3, speculative_disable_by_batch_size=8))
+    assert s.off_above == 8 and s.active(8) and not s.active(9) and s.steps_off == 1
+    assert speculation(InferenceConfig(num_speculative_tokens=3)).off_above is None
+    for bad in (dict(num_speculative_tokens=3, speculative_disable_by_batch_size=0),
+                dict(speculative_disable_by_batch_size=4)):  # fmt: skip
+        with pytest.raises(ConfigError, match="speculative_disable_by_batch_size"):
+            InferenceConfig(**bad)

@@ -67,6 +67,9 @@ class StepBatch:
     # from cached blocks into rings before the forward, and saved from rings after it (src, dst).
     local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     local_saves: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Whether its speculating requests speculate (Draft.speculate): an MTP head drafts for
+    # them only then.
+    speculate: bool = True
 
     @property
     def has_mamba_ops(self) -> bool:
@@ -96,6 +99,17 @@ class Draft:
     mamba_live: list[EngineRequest] = dataclasses.field(default_factory=list)
     mamba_restore: list[int] = dataclasses.field(default_factory=list)
     local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    # Whether the requests that speculate do this step (Speculation.active: not above
+    # speculative_disable_by_batch_size); False plans them as plain, overlapped rows. And
+    # whether the step before speculated (then a speculating request's row in flight may
+    # verify drafts, so it waits for that row's tokens whatever this step does).
+    speculate: bool = True
+    speculate_before: bool = True
+
+    @property
+    def waits_for_tokens(self) -> bool:
+        """Whether a speculating request waits for its last token before its next row."""
+        return self.speculate or self.speculate_before
 
     def take(self, req: EngineRequest, n: int, need: int, cost: int = 0) -> None:
         """`req` runs n tokens this step, on `need` new blocks (and `cost` to pin its prefix)."""

@@ -23,7 +23,9 @@ blocks are freed by the step after, which the device runs after both (one stream
 certain to end (max_tokens or max_sequence_length reached by its pending tokens) is not planned
 again. With nothing in flight this is the plain plan -> run -> update loop. A request that
 speculates is planned only once its last token is on the host, as a verify row of that token
-and its drafts, and update() appends every token the row accepted (speculation.py).
+and its drafts, and update() appends every token the row accepted (speculation.py); in a step
+planned while more requests run than speculative_disable_by_batch_size it is planned as any
+other row (once no row of it that may verify is in flight).
 
 Budgets: at most `max_tokens` tokens and `max_requests` running requests per step. Order of
 service (Megatron's DynamicInferenceEngine):
@@ -78,6 +80,7 @@ class Scheduler:
         self.plan = plan
         # Speculative decoding (actors/engine/speculation.py has the contract); None: off.
         self.spec = speculation
+        self._speculated = True  # (whether the last step planned let requests speculate)
         self.chunked_prefill = enable_chunked_prefill
         self.track_paused_events = track_paused_events
         self.track_token_events = track_token_events
@@ -215,12 +218,15 @@ class Scheduler:
     def _free_view(self) -> int:
         return self.num_free_blocks + sum(self.pending_free.values()) + self.pending_release_blocks
 
-    def fit(self, req: EngineRequest, budget: int, free: int) -> tuple[int, int, bool]:
+    def fit(
+        self, req: EngineRequest, budget: int, free: int, waits: bool = True
+    ) -> tuple[int, int, bool]:
         """(tokens, new blocks, blocked): what `req` can run this step within `budget` tokens
-        and `free` blocks. Only a chunked prefill may be cut short; `blocked` says that the
-        request could not run for want of a free block (not of budget)."""
+        and `free` blocks (`waits`: whether a speculating request waits for its last token,
+        Draft.waits_for_tokens). Only a chunked prefill may be cut short; `blocked` says
+        that the request could not run for want of a free block (not of budget)."""
         bs = self.plan.block_size
-        if req.num_pending and (req.speculates or self._ends_when_known(req)):
+        if req.num_pending and ((req.speculates and waits) or self._ends_when_known(req)):
             # (A speculative request drafts from its last token: it waits until that is known.)
             return 0, 0, False
         remaining = req.num_planned_tokens - req.num_computed_tokens
@@ -257,6 +263,11 @@ class Scheduler:
         ended = [r for r in self.running + self.paused if r.aborted]
         for r in ended:
             self._finish(r, FinishReason.ABORT, now=now)
+        draft.speculate = self.spec is not None and self.spec.active(len(self.running))
+        # (A speculating request's row still in flight may verify drafts when the step before
+        # speculated: it waits for that row's tokens this step too, drafts or not.)
+        draft.speculate_before = self._speculated
+        self._speculated = draft.speculate
         self._plan_running(draft, now)
         if not self._plan_paused(draft, now):
             # Nobody was just evicted (the pool is short: re-admitting the evicted request at
@@ -297,14 +308,14 @@ class Scheduler:
         for i, req in enumerate(decode_rows + chunk_rows):
             if req.spec_backoff is not None:
                 self.spec.resume(req)
-            n, need, blocked = self.fit(req, draft.budget, draft.free)
+            n, need, blocked = self.fit(req, draft.budget, draft.free, draft.waits_for_tokens)
             if blocked:
                 self._pause(req, now)
             if not n:
                 continue
             drafts = None
-            if n == 1 and req.speculates:  # (each later decode row keeps a token of budget)
-                budget = draft.budget - max(0, decodes - i - 1)
+            if n == 1 and req.speculates and draft.speculate:
+                budget = draft.budget - max(0, decodes - i - 1)  # (a token each later row)
                 drafts = self.spec.drafts_for(req, budget, draft.free, self.plan)
                 if drafts is not None:
                     n += len(drafts)
@@ -391,6 +402,7 @@ class Scheduler:
             if self.local.caching:
                 self.local.saves_of(draft.chunks, batch.step, batch.local_saves)
         batch.weight_version = self.salt
+        batch.speculate = draft.speculate
         if batch.has_mamba_ops:
             batch.mamba_free, batch.mamba_invalidate, batch.mamba_drop = self.mamba.take_pending()
         return batch
@@ -406,7 +418,7 @@ class Scheduler:
     def _resume(self, draft: Draft) -> None:
         while self.paused and len(self.running) < self.plan.max_requests:
             req = self.paused[-1]
-            n, need, _ = self.fit(req, draft.budget, draft.free)
+            n, need, _ = self.fit(req, draft.budget, draft.free, draft.waits_for_tokens)
             if n == 0:
                 break
             self.paused.pop()

@@ -55,6 +55,11 @@ gained nothing (no draft found, or none accepted) it decodes plainly for BACKOFF
 speculates again; each back-off with no accepted draft since the last doubles, up to
 BACKOFF_MAX, and an accepted draft resets it. Decisions depend only on tokens (replay-safe),
 and outputs do not change (verification is exact).
+
+Batch size (InferenceConfig.speculative_disable_by_batch_size, vLLM's disable_by_batch_size):
+a step planned while more requests run than that plans none of them as verify rows
+(`active`), and lets them overlap as plain rows; the first step at or under it speculates
+again. It depends on the running requests only (replay-safe too).
 """
 
 from __future__ import annotations
@@ -99,6 +104,7 @@ class Speculation:
         mtp: bool = False,
         chain_steps: int = 1,
         chain_max_rows: int = 4,
+        off_above: int | None = None,
     ) -> None:
         if k < 1:
             raise ValueError(f"speculation needs k >= 1 draft tokens, got {k}")
@@ -117,6 +123,9 @@ class Speculation:
         # Chained verify steps (InferenceConfig.speculative_chain_steps; `chain`): 1 = off.
         self.chain_steps, self.chain_max_rows = chain_steps, chain_max_rows
         self.chains = 0  # steps planned as chains
+        # InferenceConfig.speculative_disable_by_batch_size (`active`): None = never off.
+        self.off_above = off_above
+        self.steps_off = 0  # steps planned with speculation off for their batch size
         self.draft_tokens = 0  # drafts verified
         self.accepted_tokens = 0  # of which accepted
         self.verify_rows = 0  # rows that verified at least one draft
@@ -143,6 +152,15 @@ class Speculation:
         for r in requests:
             if r.spec_backoff is None or r.spec_backoff.resume_at < 0:
                 r.speculates = self.eligible(r)
+
+    def active(self, running: int) -> bool:
+        """Whether the requests that speculate do in a step planned while `running` requests
+        run (InferenceConfig.speculative_disable_by_batch_size); a step where they do not
+        plans them as plain rows, overlapped like any other. Counted once per step planned."""
+        if self.off_above is None or running <= self.off_above:
+            return True
+        self.steps_off += 1
+        return False
 
     def eligible(self, r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's rule)."""
@@ -334,6 +352,7 @@ class Speculation:
             "spec_backoffs": self.backoffs,
             "spec_draft_disabled": int(self.disabled),
             "spec_chains": self.chains,
+            "spec_batch_off_steps": self.steps_off,
         }
 
 

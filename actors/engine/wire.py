@@ -82,6 +82,7 @@ def speculation(config: InferenceConfig) -> Speculation | None:
         mtp=config.speculative_method == "mtp",
         chain_steps=config.speculative_chain_steps,
         chain_max_rows=config.speculative_chain_max_rows,
+        off_above=config.speculative_disable_by_batch_size,
     )
 
 
@@ -251,7 +252,7 @@ def mtp_arrays(batch: StepBatch) -> dict[str, np.ndarray]:
         r, stop = c.request, c.start + c.num_new_tokens
         after = [] if c.samples else r.token_slice(stop, stop + 1)
         nxt.append(int(after[0]) if len(after) else -1)
-        draft.append(int(c.samples and r.speculates))
+        draft.append(int(c.samples and r.speculates and batch.speculate))
     return {"mtp_next": np.asarray(nxt, np.int32), "mtp_draft": np.asarray(draft, np.int8)}
 
 

@@ -34,6 +34,7 @@ What a vLLM dashboard reads, under taipan's names (vLLM's in brackets):
   taipan_spec_decode_backoffs_total           (ours: requests that stopped speculating a while)
   taipan_spec_decode_draft_disabled_total     (ours: ranks whose draft an update disabled)
   taipan_spec_decode_chains_total             (ours: steps whose verify steps the gpu chained)
+  taipan_spec_decode_batch_off_steps_total    (ours: steps too large a batch kept plain)
 
 TTFT, queue and prefill time come from the engine's clock (the request's events); end-to-end
 latency is the server's (from submission to the last token). Time per output token: a streamed
@@ -74,6 +75,8 @@ class _RuntimeCounters:
         "spec_decode_backoffs": "Times a request stopped speculating, its drafts gaining nothing",
         "spec_decode_draft_disabled": "Ranks whose draft model a weight update disabled",
         "spec_decode_chains": "Steps whose verify steps the gpu chained (speculative_chain_steps)",
+        "spec_decode_batch_off_steps": "Steps planned without speculation for their batch size "
+        "(speculative_disable_by_batch_size)",
         "num_preemptions": "Requests evicted for KV room (their KV dropped, recomputed later)",
         "pauses": "Times a running request paused for KV room (its KV kept)",
     }
@@ -92,6 +95,7 @@ class _RuntimeCounters:
             spec_decode_backoffs=merged.spec_backoffs,
             spec_decode_draft_disabled=merged.spec_draft_disabled,
             spec_decode_chains=merged.spec_chains,
+            spec_decode_batch_off_steps=merged.spec_batch_off_steps,
             num_preemptions=merged.evicted_total,
             pauses=merged.paused_total,
         )
