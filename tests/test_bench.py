@@ -479,12 +479,15 @@ def test_spec_workload_rows_on_cpu(tmp_path):
     """Speculative decoding off vs on (n-gram, k = 2) on the input-grounded and the free
     workload: a row each, every prompt's greedy token ids equal off and on, the rates and their
     ratio, and the drafter's counters over the timed pass; the chained side (--spec-chain)
-    too."""
+    too, and the speculating sides' batch limit (--spec-off-above: one request at a time
+    stays under it)."""
     rows = _bench_rows(
         tmp_path,
         *("--workload", "spec", "--model", "random:tiny", "--num-prompts", "2"),
         *("--output-len", "8", "--spec-tokens", "2", "--spec-chain", "4"),
+        *("--spec-off-above", "1"),
     )
+    assert all(row["speculative_disable_by_batch_size"] == 1 for row in rows)
     for row in rows:
         assert row["speculative_chain_steps"] == 4 and row["chain_outputs_equal"] is True
         assert row["chain_equals_on"] is True and row["chain_output_tok_s"] > 0

@@ -182,6 +182,13 @@ def add_arguments(p) -> None:
         "checkpoint's own multi-token-prediction head)",
     )
     p.add_argument(
+        "--spec-off-above",
+        type=int,
+        default=None,
+        help="spec: speculative_disable_by_batch_size N of the speculating runs (no drafts in a "
+        "step planned while more than N requests run)",
+    )
+    p.add_argument(
         "--spec-batch",
         type=int,
         default=1,

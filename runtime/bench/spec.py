@@ -22,6 +22,10 @@ engine's counters over the fastest pass: steps, drafted and accepted tokens, ver
 accepted length per verify row ((accepted + rows) / rows), acceptance rate and accepted
 drafts per position.
 
+`--spec-off-above N` gives the speculating runtimes speculative_disable_by_batch_size=N (no
+verify rows in a step planned while more than N requests run; with `--spec-batch` above N only
+the tail speculates).
+
 `--spec-chain N` adds a third runtime, n-gram speculation with speculative_chain_steps=N (its
 verify steps chained in the gpu actor, actors/gpu/chain.py), timed in the same alternation:
 its columns `chain_*` (its rate, `chain_speedup` against off, `chain_vs_on` against the
@@ -336,6 +340,9 @@ def spec_workload(args) -> list[dict]:
     if (method == "draft_model") != bool(draft):
         raise ValueError("--spec-draft goes with --spec-method draft_model (and only with it)")
     drafter = [f"speculative_method={method}"] + ([f"speculative_model={draft}"] if draft else [])
+    off_above = getattr(args, "spec_off_above", None)
+    if off_above is not None:  # (the speculating sides' batch limit)
+        drafter.append(f"speculative_disable_by_batch_size={off_above}")
     workloads = {"grounded": grounded_prompts(n), "free": free_prompts(n)}
     sides = {
         "off": with_sets(args, "num_speculative_tokens=0"),
@@ -391,6 +398,7 @@ def spec_workload(args) -> list[dict]:
             "speculative_method": method,
             "speculative_model": draft,
             "num_speculative_tokens": k,
+            "speculative_disable_by_batch_size": off_above,
             "rounds": f"one untimed request, then the fastest of {ROUNDS} alternating passes"
             + (", both runtimes up" if together else ", one runtime at a time"),
             "off_seconds": off["seconds"],
