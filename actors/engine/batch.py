@@ -100,16 +100,8 @@ class Draft:
     mamba_restore: list[int] = dataclasses.field(default_factory=list)
     local_copies: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     # Whether the requests that speculate do this step (Speculation.active: not above
-    # speculative_disable_by_batch_size); False plans them as plain, overlapped rows. And
-    # whether the step before speculated (then a speculating request's row in flight may
-    # verify drafts, so it waits for that row's tokens whatever this step does).
+    # speculative_disable_by_batch_size); False plans them as plain, overlapped rows.
     speculate: bool = True
-    speculate_before: bool = True
-
-    @property
-    def waits_for_tokens(self) -> bool:
-        """Whether a speculating request waits for its last token before its next row."""
-        return self.speculate or self.speculate_before
 
     def take(self, req: EngineRequest, n: int, need: int, cost: int = 0) -> None:
         """`req` runs n tokens this step, on `need` new blocks (and `cost` to pin its prefix)."""

@@ -40,6 +40,8 @@ class EngineRequest:
     # Tokens sampled by planned steps whose results have not come back yet (0 to 2 with one step
     # in flight while the next is planned); `row`: this request's row in the last planned step.
     num_pending: int = 0
+    # Whether one of those tokens comes from a verify row (speculation: it may gain several).
+    verify_in_flight: bool = False
     row: int = -1
     steps_in_flight: int = 0  # planned steps holding this request whose results are not applied
     # Its block table: block i holds positions [i * block_size, (i + 1) * block_size). With a

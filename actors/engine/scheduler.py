@@ -80,7 +80,6 @@ class Scheduler:
         self.plan = plan
         # Speculative decoding (actors/engine/speculation.py has the contract); None: off.
         self.spec = speculation
-        self._speculated = True  # (whether the last step planned let requests speculate)
         self.chunked_prefill = enable_chunked_prefill
         self.track_paused_events = track_paused_events
         self.track_token_events = track_token_events
@@ -219,15 +218,17 @@ class Scheduler:
         return self.num_free_blocks + sum(self.pending_free.values()) + self.pending_release_blocks
 
     def fit(
-        self, req: EngineRequest, budget: int, free: int, waits: bool = True
+        self, req: EngineRequest, budget: int, free: int, speculate: bool = True
     ) -> tuple[int, int, bool]:
         """(tokens, new blocks, blocked): what `req` can run this step within `budget` tokens
-        and `free` blocks (`waits`: whether a speculating request waits for its last token,
-        Draft.waits_for_tokens). Only a chunked prefill may be cut short; `blocked` says
-        that the request could not run for want of a free block (not of budget)."""
+        and `free` blocks (`speculate`: Draft.speculate). Only a chunked prefill may be cut
+        short; `blocked` says that the request could not run for want of a free block (not
+        of budget)."""
         bs = self.plan.block_size
-        if req.num_pending and ((req.speculates and waits) or self._ends_when_known(req)):
-            # (A speculative request drafts from its last token: it waits until that is known.)
+        # A speculative request drafts from its last token: it waits until that is known. So
+        # does any whose verify row is in flight (how many tokens it gains is not known yet).
+        speculating = req.speculates and speculate
+        if req.num_pending and (speculating or req.verify_in_flight or self._ends_when_known(req)):
             return 0, 0, False
         remaining = req.num_planned_tokens - req.num_computed_tokens
         n = min(remaining, budget)
@@ -264,10 +265,6 @@ class Scheduler:
         for r in ended:
             self._finish(r, FinishReason.ABORT, now=now)
         draft.speculate = self.spec is not None and self.spec.active(len(self.running))
-        # (A speculating request's row still in flight may verify drafts when the step before
-        # speculated: it waits for that row's tokens this step too, drafts or not.)
-        draft.speculate_before = self._speculated
-        self._speculated = draft.speculate
         self._plan_running(draft, now)
         if not self._plan_paused(draft, now):
             # Nobody was just evicted (the pool is short: re-admitting the evicted request at
@@ -308,7 +305,7 @@ class Scheduler:
         for i, req in enumerate(decode_rows + chunk_rows):
             if req.spec_backoff is not None:
                 self.spec.resume(req)
-            n, need, blocked = self.fit(req, draft.budget, draft.free, draft.waits_for_tokens)
+            n, need, blocked = self.fit(req, draft.budget, draft.free, draft.speculate)
             if blocked:
                 self._pause(req, now)
             if not n:
@@ -369,6 +366,7 @@ class Scheduler:
                 # only from the result (update() sets num_computed_tokens then).
                 c.samples = True
                 r.num_computed_tokens += 1
+                r.verify_in_flight = True
             else:
                 r.num_computed_tokens += c.num_new_tokens
             r.num_pending += c.samples
@@ -418,7 +416,7 @@ class Scheduler:
     def _resume(self, draft: Draft) -> None:
         while self.paused and len(self.running) < self.plan.max_requests:
             req = self.paused[-1]
-            n, need, _ = self.fit(req, draft.budget, draft.free, draft.waits_for_tokens)
+            n, need, _ = self.fit(req, draft.budget, draft.free, draft.speculate)
             if n == 0:
                 break
             self.paused.pop()
@@ -548,6 +546,8 @@ class Scheduler:
             if not c.samples:
                 continue
             r.num_pending -= 1
+            if c.drafts is not None:
+                r.verify_in_flight = False
             if c.drafts is not None and len(c.drafts):
                 reason = self.spec.append_verified(r, c, result, i, step)
             else:
@@ -612,6 +612,7 @@ class Scheduler:
             self.waiting.remove(r)
         r.status = Status.FINISHED
         r.num_pending = 0  # tokens still being sampled for it are dropped when they come
+        r.verify_in_flight = False
         r.finish_reason = reason
         r.error = error
         if now is not None:
