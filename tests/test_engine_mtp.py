@@ -85,3 +85,23 @@ def test_stale_drafts_are_not_verified():
     assert r.spec_backoff is None
     _step(sched, taken, [45], drafts=[[-1, -1, -1]])
     assert r.spec_backoff is not None and r.spec_backoff.misses == 1
+
+
+def test_above_the_batch_limit_the_head_is_asked_for_no_drafts():
+    """speculative_disable_by_batch_size 1 with two requests running: their rows are plain and
+    ask the head for nothing (StepPlan.mtp_draft 0); alone again, the one left asks."""
+    sched, taken = _scheduler(), [0]
+    sched.spec = Speculation(K, 1, 3, mtp=True, off_above=1)
+    for rid, max_tokens in ((1, 3), (2, 8)):
+        prompt = (np.arange(8) + 3 * rid).astype(np.int32)
+        greedy = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        sched.add(EngineRequest(rid, prompt, greedy, True, arrival_time=0.0, seed=rid), 0.0)
+    plan = _step(sched, taken, [40, 50])  # both prompts (planned while none ran)
+    assert plan.mtp_draft.tolist() == [1, 1]
+    plan = _step(sched, taken, [41, 51])  # two running: no drafts asked
+    assert plan.mtp_draft.tolist() == [0, 0] and not len(plan.num_drafts)
+    plan = _step(sched, taken, [42, 52])  # request 1 ends with this step's token
+    assert plan.mtp_draft.tolist() == [0, 0]
+    plan = _step(sched, taken, [53], drafts=[[54, 55, 56]])  # alone: it asks again
+    assert plan.mtp_draft.tolist() == [1]
+    assert sched.spec.steps_off == 2
