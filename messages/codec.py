@@ -26,6 +26,7 @@ import enum
 import functools
 import math
 import operator
+import struct as _struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -225,6 +226,43 @@ def _encode_head(msg, extra: list | None) -> bytes:
 def pack_values(values: list) -> bytes:
     """One frame of `wire_values`-shaped values (what `encode_frame` sends)."""
     return msgpack.packb(values, use_bin_type=True)
+
+
+# A frame composed from its parts' bytes (messages/requests.py `stream_frame`): msgpack packs a
+# list as its header, then each element's bytes, so `list_head(2) + pack_value(a) +
+# pack_value(b)` is `pack_values([a, b])`, byte for byte, and constant parts pack once.
+
+
+def pack_value(value) -> bytes:
+    """One wire value's bytes, as `pack_values` packs it inside a list."""
+    return msgpack.packb(value, use_bin_type=True)
+
+
+@functools.cache
+def list_head(n: int) -> bytes:
+    """The header of a packed list of `n` elements."""
+    return msgpack.packb([None] * n)[:-n] if n else msgpack.packb([])
+
+
+def pack_ints(values: Sequence[int], dtype: str, shape: tuple[int, ...]) -> bytes:
+    """The bytes of an inline integer array of `shape` holding `values` (row-major) as
+    `wire_values` packs it (`array_wire`), without building the array: the raw data through
+    a cached struct, the ExtType's and the array header's bytes cached per dtype and shape.
+    `dtype`: "int32" or "int64"; the array must be small enough to travel inline."""
+    head, raw = _ints_layout(dtype, shape)
+    return head + raw.pack(*values)
+
+
+@functools.cache
+def _ints_layout(dtype: str, shape: tuple[int, ...]):
+    if dtype not in ("int32", "int64"):
+        raise TypeError(f"pack_ints takes int32 or int64, got {dtype}")
+    empty = np.zeros(shape, dtype=dtype)
+    if not 0 < empty.nbytes <= INLINE_ARRAY_BYTES:
+        raise ValueError(f"pack_ints packs arrays of 1 to {INLINE_ARRAY_BYTES} bytes, not {shape}")
+    whole = pack_value(array_wire(empty))
+    code = {"int32": "i", "int64": "q"}[dtype]
+    return whole[: -empty.nbytes], _struct.Struct(f"<{empty.size}{code}")
 
 
 def wire_values(msg, extra: list | None = None) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -22,11 +23,12 @@ import numpy as np
 from taipan.messages.codec import (
     Array,
     MessageError,
-    array_wire,
     decode,
     encode_frame,
+    list_head,
     message,
-    pack_values,
+    pack_ints,
+    pack_value,
     replace_first_field,
     share_empty,
     struct,
@@ -480,38 +482,45 @@ class ModelInfo:
     draft_weights: bool = False  # a draft model with weights of its own (updates with draft=True)
 
 
-_STREAM_TEMPLATE: list | None = None  # RequestOutput's wire values in `stream_frame`'s shape
-
-
 def stream_frame(
     request_id: int,
-    new_token_ids: np.ndarray,
+    new_token_ids: Sequence[int],
     num_prompt_tokens: int,
     num_generated_tokens: int,
     num_cached_tokens: int,
-    weight_versions: np.ndarray,
+    weight_versions: Sequence[tuple[int, int]],
 ) -> bytes:
     """`encode_frame(RequestOutput(...))`, byte for byte, of a streamed output that is not the
-    last (not finished, no log-probs; non-empty `new_token_ids` int32 [n] and
-    `weight_versions` int64 [S, 2]): the engine sends one per streaming request per step, and
-    packing the varying fields into a template's wire values costs a third of building and
-    encoding the RequestOutput (tests/test_messages.py holds the two equal)."""
-    global _STREAM_TEMPLATE
-    if new_token_ids.dtype != np.int32 or weight_versions.dtype != np.int64:
-        raise TypeError("stream_frame: new_token_ids must be int32 and weight_versions int64")
-    if _STREAM_TEMPLATE is None:
-        one = np.ones(1, np.int32)
-        _STREAM_TEMPLATE = wire_values(
-            RequestOutput(
-                0, one, False, None, None, 1, 1, 1, weight_versions=np.ones((1, 2), np.int64)
-            )
-        )
-    t = _STREAM_TEMPLATE
-    return pack_values(
-        [t[0], t[1], request_id, array_wire(new_token_ids), False, None, None,
-         num_prompt_tokens, num_generated_tokens, num_cached_tokens, *t[10:-1],
-         array_wire(weight_versions)]
-    )  # fmt: skip
+    last (not finished, no log-probs; `new_token_ids` non-empty, `weight_versions` its
+    (version, first token index) spans): the engine sends one per streaming request per
+    step. Composed from bytes (codec `list_head`, `pack_value`, `pack_ints`), the constant
+    fields packed once: no RequestOutput, no numpy array (4.6 -> ~1.6 us an output on the
+    2-core box; 64 a step at batch 64). tests/test_messages.py holds the two equal."""
+    head, middle, tail = _stream_parts()
+    spans = [v for span in weight_versions for v in span]
+    return b"".join((
+        head, pack_value(request_id),
+        pack_ints(new_token_ids, "int32", (len(new_token_ids),)),
+        middle, pack_value(num_prompt_tokens), pack_value(num_generated_tokens),
+        pack_value(num_cached_tokens), tail,
+        pack_ints(spans, "int64", (len(weight_versions), 2)),
+    ))  # fmt: skip
+
+
+@functools.cache
+def _stream_parts() -> tuple[bytes, bytes, bytes]:
+    """`stream_frame`'s constant bytes: the list's header with the tag and version, the three
+    fields after the tokens (not finished, no reason, no error), and the fields between
+    num_cached_tokens and weight_versions (their defaults: no log-probs)."""
+    one = np.ones(1, np.int32)
+    spans = np.ones((1, 2), np.int64)
+    sample = RequestOutput(0, one, False, None, None, 1, 1, 1, weight_versions=spans)
+    values = wire_values(sample)  # (the fields after weight_versions, at their defaults,
+    # are not sent: it is the last value)
+    head = list_head(len(values)) + pack_value(values[0]) + pack_value(values[1])
+    middle = b"".join(pack_value(v) for v in values[4:7])
+    tail = b"".join(pack_value(v) for v in values[10:-1])
+    return head, middle, tail
 
 
 @message(26)

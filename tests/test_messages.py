@@ -801,16 +801,19 @@ def test_a_message_without_its_trailing_defaulted_fields_decodes():
 
 
 @pytest.mark.parametrize("n", [1, 3, 40])
-def test_a_streamed_outputs_frame_packed_directly_is_encode_frames(n):
-    """messages/requests.py `stream_frame` (the engine's streamed outputs, packed into a
-    template's wire values) gives encode_frame's bytes for the same RequestOutput; a wrong
-    dtype is refused rather than sent as another."""
+@pytest.mark.parametrize("num_spans", [1, 2])
+@pytest.mark.parametrize("rid", [0, 5, 2**62])
+def test_a_streamed_outputs_frame_packed_directly_is_encode_frames(n, num_spans, rid):
+    """messages/requests.py `stream_frame` (the engine's streamed outputs, composed from
+    bytes: codec `list_head`, `pack_value`, `pack_ints`) gives encode_frame's bytes for the
+    same RequestOutput; a token outside int32 is refused rather than sent as another."""
     from taipan.messages.codec import encode_frame
     from taipan.messages.requests import RequestOutput, stream_frame
 
     tokens = (np.arange(n, dtype=np.int32) * 7919) % 151_000
-    spans = np.array([[2**40 + 3, 17]], dtype=np.int64)
-    want = RequestOutput(2**62, tokens, False, None, None, 300, 17 + n, 64, weight_versions=spans)
-    assert stream_frame(2**62, tokens, 300, 17 + n, 64, spans) == encode_frame(want)
-    with pytest.raises(TypeError, match="int32"):
-        stream_frame(1, tokens.astype(np.int64), 1, 1, 0, spans)
+    spans = np.array([[2**40 + 3, 17], [2**40 + 4, 17 + n // 2]][:num_spans], dtype=np.int64)
+    want = RequestOutput(rid, tokens, False, None, None, 300, 17 + n, 64, weight_versions=spans)
+    got = stream_frame(rid, tokens.tolist(), 300, 17 + n, 64, [tuple(s) for s in spans.tolist()])
+    assert got == encode_frame(want)
+    with pytest.raises(Exception, match="format requires"):
+        stream_frame(1, [2**31], 1, 1, 0, [(0, 0)])

@@ -194,11 +194,11 @@ def _stream_frame(r: EngineRequest) -> bytes | None:
     r.num_streamed = stop
     return stream_frame(
         r.request_id,
-        np.asarray(r.generated[start:stop], dtype=np.int32),
+        r.generated[start:stop],
         len(r.prompt),
         len(r.generated),
         r.num_cached_tokens,
-        np.array([[version, max(first, start)]], dtype=np.int64),
+        ((version, max(first, start)),),
     )
 
 
