@@ -15,6 +15,10 @@
 #   rows (one GPU, after `changed` on the same warm machine): structured check / mask, the
 #     1B decode rows plain and --log-probs, verify_profile on SmolLM2 (decode, verify and
 #     chained inner steps at the worker, no engine), grammar_step_profile.
+#   batch (one GPU, the model staged): speculation at batch 8 (SmolLM2 bf16, k = 4), then the
+#     same with --spec-off-above 4 (speculative_disable_by_batch_size; not yet run on a GPU).
+#   spygrammar (one GPU, the model staged): py-spy over the structured bench (64 json_schema
+#     streams, check mode): the engine process's threads, where a grammar step's host time goes.
 #   trace (one GPU, the model staged): Chrome traces of SmolLM2's verify (k = 4) and decode
 #     steps at batch 1 (verify_profile.py, VERIFY_TRACE_DIR) and where their device waits
 #     (trace_gaps.py).
@@ -22,7 +26,7 @@
 #   tp (two GPUs): session24_gpu.sh tp (TP=2 against TP=1 at batch 1, 8B shape).
 # Every pytest run names each test as it starts (-v, unbuffered) and is left behind after its
 # share of the call, with what its processes wait on then (procs_*.txt).
-PART=${1:?part changed, spec, trace, rows, suite1, suite2, suite3 or tp}
+PART=${1:?part changed, spec, batch, spygrammar, trace, rows, suite1, suite2, suite3 or tp}
 if [ "$PART" = tp ]; then exec bash tests/perf/session24_gpu.sh tp; fi
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
@@ -54,6 +58,27 @@ if [ "$PART" = spec ]; then  # (three runtimes one after the other: off, on, cha
     timeout -s ABRT 500 python3 -m taipan.cli bench --workload spec --model smollm2 \
         --device cuda --dtype bfloat16 --spec-tokens 4 --spec-chain 8 \
         --results "$OUT/spec_chain.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-400
+    exit 0
+fi
+if [ "$PART" = batch ]; then  # (speculation at batch 8, with and without the batch limit)
+    for extra in "" "--spec-off-above 4"; do
+        # shellcheck disable=SC2086
+        timeout -s ABRT 280 python3 -m taipan.cli bench --workload spec --model smollm2 \
+            --device cuda --dtype bfloat16 --spec-tokens 4 --spec-batch 8 $extra \
+            --results "$OUT/spec_batch8.jsonl" 2>&1 | grep -E "^spec|rror" | cut -c1-300
+    done
+    exit 0
+fi
+if [ "$PART" = spygrammar ]; then  # (where a json_schema stream's host time goes, check mode)
+    timeout -s INT 200 /tmp/site/bin/py-spy record --idle --threads --subprocesses \
+        --format raw -r 250 -o /tmp/spy_grammar.txt -- python3 -m taipan.cli bench \
+        --workload structured --model smollm2 --device cuda --dtype bfloat16 \
+        --num-prompts 64 --output-len 256 --results "$OUT/spy_grammar.jsonl" 2>&1 \
+        | grep -E "^structured|rror" | cut -c1-230
+    python3 tests/perf/spy_summary.py /tmp/spy_grammar.txt "taipan.procs engine" 70 \
+        > "$OUT/spy_grammar.txt"
+    head -40 "$OUT/spy_grammar.txt"
+    gzip -c /tmp/spy_grammar.txt > "$OUT/spy_grammar.raw.gz"
     exit 0
 fi
 if [ "$PART" = trace ]; then  # (the verify and decode steps' timelines, SmolLM2 batch 1)
