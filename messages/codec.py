@@ -253,7 +253,7 @@ def pack_ints(values: Sequence[int], dtype: str, shape: tuple[int, ...]) -> byte
     return head + raw.pack(*values)
 
 
-@functools.cache
+@functools.lru_cache(maxsize=512)  # (shapes: the tokens a step streams, mostly a few)
 def _ints_layout(dtype: str, shape: tuple[int, ...]):
     if dtype not in ("int32", "int64"):
         raise TypeError(f"pack_ints takes int32 or int64, got {dtype}")
