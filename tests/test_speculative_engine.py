@@ -445,7 +445,7 @@ def test_the_batch_limit_comes_from_the_config_and_bad_ones_are_refused():
     from taipan.actors.engine.wire import speculation
 
     s = speculation(InferenceConfig(num_speculative_tokens=3, speculative_disable_by_batch_size=8))
-    assert s.off_above == 8 and s.active(8) and not s.active(9) and s.steps_off == 1
+    assert s.off_above == 8 and s.active(8) and not s.active(9) and s.steps_off == 0
     assert speculation(InferenceConfig(num_speculative_tokens=3)).off_above is None
     for bad in (dict(num_speculative_tokens=3, speculative_disable_by_batch_size=0),
                 dict(speculative_disable_by_batch_size=4)):  # fmt: skip

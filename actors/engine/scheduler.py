@@ -271,6 +271,8 @@ class Scheduler:
             # once would only churn).
             admit(self, draft, now)
         register(self, draft)
+        if self.spec is not None and not draft.speculate and draft.chunks:
+            self.spec.steps_off += 1
         if self.spec is not None and self.spec.chain_steps > 1:
             self._chain(draft)
         # Rows of one query token first (a stable sort): attention takes them as one decode

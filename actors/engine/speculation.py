@@ -156,11 +156,9 @@ class Speculation:
     def active(self, running: int) -> bool:
         """Whether the requests that speculate do in a step planned while `running` requests
         run (InferenceConfig.speculative_disable_by_batch_size); a step where they do not
-        plans them as plain rows, overlapped like any other. Counted once per step planned."""
-        if self.off_above is None or running <= self.off_above:
-            return True
-        self.steps_off += 1
-        return False
+        plans them as plain rows, overlapped like any other (Scheduler.schedule counts such
+        steps in `steps_off`)."""
+        return self.off_above is None or running <= self.off_above
 
     def eligible(self, r: EngineRequest) -> bool:
         """Whether `r` speculates (the module docstring's rule)."""
