@@ -99,6 +99,10 @@ class RankStats:
     # Steps planned with speculation off for their batch size (more requests running than
     # InferenceConfig.speculative_disable_by_batch_size).
     spec_batch_off_steps: int = 0
+    # Forwards that verified drafts (each inner step of a chain is one) and their device time
+    # (also in device_seconds_total): a verify forward's cost beside a plain step's.
+    spec_verify_steps: int = 0
+    spec_verify_device_seconds: float = 0.0
     # Per-layer-group KV (the windowed layers' own pool, actors/engine/local_kv.py; 0 without
     # one): its blocks, those the requests' rings hold, those caching prompt blocks' windowed
     # keys (prefix caching), and the cached blocks copied into rings by prefix hits.
@@ -152,7 +156,9 @@ class Stats:
         for r in self.ranks:
             for name in fields:
                 fields[name] += getattr(r, name)
-        for name in ("device_seconds_total", "dummy_device_seconds_total", "gc_seconds_total"):
+        floats = ("device_seconds_total", "dummy_device_seconds_total", "gc_seconds_total",
+                  "spec_verify_device_seconds")  # fmt: skip
+        for name in floats:
             fields[name] = float(fields[name])
         fields["step"] = max((r.step for r in self.ranks), default=0)
         width = max((len(r.spec_accepted_per_position) for r in self.ranks), default=0)

@@ -511,6 +511,13 @@ def test_spec_workload_rows_on_cpu(tmp_path):
             want = (accepted + row["spec_verify_rows"]) / row["spec_verify_rows"]
             assert row["mean_accepted_length"] == pytest.approx(want, rel=1e-3)
     assert sum(row["spec_draft_tokens"] for row in rows) > 0
+    for row in rows:  # (what a step costs the device; a verify forward where rows verified)
+        assert row["off_device_step_ms"] > 0
+        if row["spec_verify_rows"]:
+            want = row["on_verify_step_ms"] / row["off_device_step_ms"]
+            assert row["verify_vs_plain_device"] == pytest.approx(want, rel=1e-3)
+        if row["chain_verify_rows"]:
+            assert row["chain_verify_step_ms"] > 0
     # The human line names the drafter (the row's method when no draft model is named).
     assert "(ngram k=2)" in spec_summary(rows[0])
     assert "(mtp k=2)" in spec_summary({**rows[0], "speculative_method": "mtp"})

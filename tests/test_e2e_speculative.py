@@ -62,6 +62,12 @@ def test_greedy_outputs_equal_plain_decoding_and_drafts_are_accepted(client, spe
     rank = spec.stats().merged()
     accepted = rank.spec_accepted_tokens - before.spec_accepted_tokens
     assert rank.spec_draft_tokens > before.spec_draft_tokens and accepted > 0, rank
+    # Verify forwards (a step's rows verify together: at most one forward a row) and their
+    # device time, a share of every step's.
+    forwards = rank.spec_verify_steps - before.spec_verify_steps
+    rows = rank.spec_verify_rows - before.spec_verify_rows
+    assert 0 < forwards <= rows, rank
+    assert 0 < rank.spec_verify_device_seconds < rank.device_seconds_total, rank
 
 
 def test_processed_log_probs_of_sampled_rows_equal_plain_decoding(client, spec):

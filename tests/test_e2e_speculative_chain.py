@@ -54,6 +54,7 @@ def test_chained_greedy_outputs_equal_plain_decoding(client, chained):
     rank = chained.stats().merged()
     assert rank.spec_chains > before.spec_chains
     assert rank.spec_verify_rows > rank.spec_chains  # (several inner steps a chain)
+    assert rank.spec_verify_steps > rank.spec_chains  # (each inner step a forward)
     assert sum(rank.spec_accepted_per_position) == rank.spec_accepted_tokens > 0
 
 

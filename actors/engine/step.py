@@ -56,6 +56,8 @@ class StepRunner:
         self.steps_graphed = 0
         self.dummy_steps = 0  # dummy forwards run, and their device time (RankStats)
         self.dummy_device_seconds = 0.0
+        self.verify_steps = 0  # forwards that verified drafts, and their device time
+        self.verify_device_seconds = 0.0
 
     def start(self) -> None:
         """The engine's scheduler exists: steps may run."""
@@ -171,6 +173,10 @@ class StepRunner:
         self.device_seconds_total += result.device_seconds
         self.steps_total += 1
         self.steps_graphed += int(result.graphed)
+        verify = verify_forwards(step, result)
+        if verify:
+            self.verify_steps += verify
+            self.verify_device_seconds += result.device_seconds
 
     async def _failed(self, batch: StepBatch, err: Exception) -> list[EngineRequest]:
         """The step's requests, ended with the error `err` (an EngineError is an expected
@@ -219,3 +225,11 @@ class StepRunner:
         """Report `requests` (their next outputs) to the coordinator in one message."""
         if requests:
             await self.engine.coord.send(step_outputs(requests))
+
+
+def verify_forwards(step: StepBatch, result: StepResult) -> int:
+    """How many forwards of `step` verified drafts: a chain's inner steps (StepResult.spec_chain
+    rows that ran), else 1 when a row verified drafts, else 0."""
+    if len(result.spec_chain):
+        return int((result.spec_chain[:, :, 0] >= 0).any(axis=0).sum())
+    return int(any(c.drafts is not None and len(c.drafts) for c in step.chunks))

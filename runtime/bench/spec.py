@@ -20,7 +20,9 @@ inter-token time after the first token off and on (`decode_speedup`: prefill lef
 `outputs_equal` (every prompt's token ids off == on, and the same in every pass), and the
 engine's counters over the fastest pass: steps, drafted and accepted tokens, verify rows, mean
 accepted length per verify row ((accepted + rows) / rows), acceptance rate and accepted
-drafts per position.
+drafts per position; and what a step costs the device: a plain step's with speculation off
+(`off_device_step_ms`), a verify forward's with it on (`on_verify_step_ms`, RankStats
+spec_verify_device_seconds / spec_verify_steps) and their ratio (`verify_vs_plain_device`).
 
 `--spec-off-above N` gives the speculating runtimes speculative_disable_by_batch_size=N (no
 verify rows in a step planned while more than N requests run; with `--spec-batch` above N only
@@ -258,6 +260,9 @@ SPEC_COUNTERS = (
     "spec_backoffs",
     "spec_chains",
     "steps_total",
+    "device_seconds_total",
+    "spec_verify_steps",
+    "spec_verify_device_seconds",
 )
 
 
@@ -427,11 +432,26 @@ def spec_workload(args) -> list[dict]:
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             # Verify rows whose draft j was accepted (j = 0 .. k-1).
             "accepted_per_position": on["spec_accepted_per_position"],
+            **_step_costs(off, on),
         }
         if "chain" in got:
             row |= _chain_columns(got["chain"][scenario], off, on, n, m, chain)
         rows.append(rounded(row))
     return rows
+
+
+def _step_costs(off: dict, on: dict) -> dict:
+    """What a step costs the device (the gpu actor's device time, StepResult.device_seconds):
+    a plain step's with speculation off, a verify forward's with it on, and their ratio (the
+    tokens a verify row must gain to pay for itself, before the overlap a verifying request
+    gives up)."""
+    plain = 1e3 * off["device_seconds_total"] / max(off["steps_total"], 1)
+    verify = 1e3 * on["spec_verify_device_seconds"] / max(on["spec_verify_steps"], 1)
+    return {
+        "off_device_step_ms": plain,
+        "on_verify_step_ms": verify if on["spec_verify_steps"] else 0.0,
+        "verify_vs_plain_device": verify / plain if on["spec_verify_steps"] and plain else 0.0,
+    }
 
 
 def _chain_columns(run: dict, off: dict, on: dict, n: int, m: int, chain: int) -> dict:
@@ -454,6 +474,10 @@ def _chain_columns(run: dict, off: dict, on: dict, n: int, m: int, chain: int) -
         "chain_chains": run["spec_chains"],
         "chain_verify_rows": rows,
         "chain_mean_accepted_length": (accepted + rows) / rows if rows else 0.0,
+        # (a chain's inner steps: its device time over the forwards it ran)
+        "chain_verify_step_ms": 1e3 * run["spec_verify_device_seconds"] / run["spec_verify_steps"]
+        if run["spec_verify_steps"]
+        else 0.0,
     }
 
 
