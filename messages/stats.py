@@ -99,6 +99,9 @@ class RankStats:
     # Steps planned with speculation off for their batch size (more requests running than
     # InferenceConfig.speculative_disable_by_batch_size).
     spec_batch_off_steps: int = 0
+    # Structured outputs: decode rows voided because their input was a token the grammar check
+    # then replaced (StepResult.grammar_fixed): each cost its request one step.
+    grammar_void_rows: int = 0
     # Forwards that verified drafts (each inner step of a chain is one) and their device time
     # (also in device_seconds_total): a verify forward's cost beside a plain step's.
     spec_verify_steps: int = 0

@@ -434,8 +434,11 @@ def test_structured_workload_row_on_cpu(tmp_path):
     )
     assert row["workload"] == "structured" and row["batch"] == 2 and row["output_len"] == 4
     assert row["invariants_hold"] is True and '"minItems": 4' in row["schema"]
+    assert row["grammar_mode"] == "check"
     for mode in ("unconstrained", "json_schema", "unconstrained_whole", "json_schema_whole"):
         assert row[f"{mode}_output_tok_s"] > 0 and row[f"{mode}_steps"] >= 4
+        assert row[f"{mode}_void_rows"] >= 0
+    assert row["unconstrained_void_rows"] == row["unconstrained_whole_void_rows"] == 0
     for whole in ("", "_whole"):
         free, json_ = (
             row[f"unconstrained{whole}_output_tok_s"],

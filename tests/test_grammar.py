@@ -195,7 +195,7 @@ def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_to
             grammar_rows=np.array([7], np.int32), grammar_new=list(new),
             grammar_drop=np.zeros(0, np.int64), temperature=np.array([temperature], np.float32),
             sample=np.array([1], np.int8), logprobs_mode=np.zeros(0, np.int8),
-            num_drafts=np.zeros(0, np.int32),
+            num_drafts=np.zeros(0, np.int32), prev_rows=np.zeros(0, np.int32),
         )  # fmt: skip
 
     start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
@@ -247,7 +247,7 @@ def test_greedy_rows_masked_before_sampling_when_asked(tok, monkeypatch):
         grammar_rows=np.array([7], np.int32), grammar_new=[start],
         grammar_drop=np.zeros(0, np.int64), temperature=np.zeros(1, np.float32),
         sample=np.ones(1, np.int8), logprobs_mode=np.zeros(0, np.int8),
-        num_drafts=np.zeros(0, np.int32),
+        num_drafts=np.zeros(0, np.int32), prev_rows=np.zeros(0, np.int32),
     )  # fmt: skip
     logits = torch.zeros(1, 49152)
     logits[0, 100], logits[0, no] = 9.0, 3.0
@@ -277,7 +277,7 @@ def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(to
         grammar_rows=np.array([-1, 7], np.int32), grammar_new=[start],
         grammar_drop=np.zeros(0, np.int64), temperature=np.zeros(2, np.float32),
         sample=np.ones(2, np.int8), logprobs_mode=np.zeros(0, np.int8),
-        num_drafts=np.zeros(0, np.int32),
+        num_drafts=np.zeros(0, np.int32), prev_rows=np.zeros(0, np.int32),
     )  # fmt: skip
     logits = torch.zeros(2, 49152)
     logits[1, 100], logits[1, no] = 9.0, 3.0  # row 1's choice (100) is rejected: `no` instead
@@ -315,6 +315,74 @@ def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(to
     masks.check_later(host, sampled, logits)
     with pytest.raises(RuntimeError, match="did not run within"):
         masks.wait_check()
+
+
+def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fixes(tok):
+    """ "check" mode (GrammarMasks(optimistic=True)): step 2 is launched reading step 1's
+    unchecked tokens before step 1's check runs. The check replaces a rejected token in the
+    host copy only (the device's was read already) and lists its row in `fixed`; step 2's row
+    that read it is void: its check leaves it alone (no fix, its matcher not advanced), while a
+    row that read a kept token is checked as usual. A launch after the check leaves the void
+    rows out from the start."""
+    import types
+
+    from taipan.actors.gpu.grammar_masks import GrammarMasks
+    from taipan.messages.gpu import GrammarStart
+    from taipan.messages.requests import StructuredOutput
+
+    yes, no = (tok.encode(w, add_special_tokens=False)[0] for w in ("yes", "no"))
+    masks = GrammarMasks(tok, optimistic=True)
+    two = StructuredOutput("regex", "(yes|no)(yes|no)")
+    new = [GrammarStart(7, two), GrammarStart(8, two)]
+
+    def step(prev_rows, new=()):
+        return types.SimpleNamespace(
+            grammar_rows=np.array([7, 8], np.int32), grammar_new=list(new),
+            grammar_drop=np.zeros(0, np.int64), temperature=np.zeros(2, np.float32),
+            sample=np.ones(2, np.int8), logprobs_mode=np.zeros(0, np.int8),
+            num_drafts=np.zeros(0, np.int32), prev_rows=np.array(prev_rows, np.int32),
+            query_start_loc=np.array([0, 1, 2], np.int32),
+        )  # fmt: skip
+
+    def logits_for(best):
+        out = torch.zeros(2, 49152)
+        for row, token in enumerate(best):
+            out[row, token] = 9.0
+        out[:, no] = torch.maximum(out[:, no], torch.tensor(3.0))  # (the runner-up)
+        return out
+
+    first = step([], new)
+    masks.masked(first, logits_for([100, yes]), None)
+    host1, sampled1 = torch.tensor([100, yes]), torch.tensor([100, yes])
+    check1 = masks.check_later(host1, sampled1, logits_for([100, yes]))
+    masks.launched(check1)
+    assert masks.skips_wait(step([0, 1]), False) and not masks.skips_wait(step([0, 1]), True)
+    masks.masked(step([0, 1]), logits_for([yes, no]), None)  # (launched before check 1 ran)
+    host2 = torch.tensor([yes, no])
+    check2 = masks.check_later(host2, torch.tensor([yes, no]), logits_for([yes, no]))
+    masks.launched(check2)
+
+    masks.run_check(check1)  # row 0's 100 is rejected: `no`, its best allowed candidate
+    assert host1.tolist() == [no, yes] and sampled1.tolist() == [100, yes]
+    assert check1.fixed.tolist() == [0]
+    masks.run_check(check2)  # row 0 read 100: void; row 1 read `yes` and takes `no`
+    assert check2.void.tolist() == [0] and check2.fixed.tolist() == []
+    assert host2.tolist() == [yes, no]
+    assert {yes, no} <= set(allowed(masks.grammars.masks([7])[0]))  # (one token consumed)
+    assert allowed(masks.grammars.masks([8])[0]) == list(tok.eos_token_ids)  # (two)
+
+    # Launched once the check before it ran: its void rows are left out at the launch.
+    masks.grammars.drop(7)
+    masks.grammars.drop(8)
+    masks.masked(step([], new), logits_for([100, yes]), None)
+    tokens = torch.tensor([100, yes])
+    check1 = masks.check_later(tokens, tokens.clone(), logits_for([100, yes]))
+    masks.launched(check1)
+    masks.run_check(check1)
+    masks.masked(step([0, 1]), logits_for([yes, no]), None)
+    tokens = torch.tensor([yes, no])
+    check2 = masks.check_later(tokens, tokens.clone(), logits_for([yes, no]))
+    assert check2.rows.tolist() == [1] and check2.before is None
 
 
 def test_matchers_along_drafts_are_copies_and_end_at_a_rejected_draft(tok, grammars):

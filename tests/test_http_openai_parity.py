@@ -374,7 +374,7 @@ def test_speculative_counters_render_per_position():
         prefix_prompt_tokens=10, prefix_cached_tokens=4, spec_verify_rows=5,
         spec_draft_tokens=20, spec_accepted_tokens=7, spec_accepted_per_position=(4, 2, 1),
         spec_backoffs=3, spec_draft_disabled=1, evicted_total=2, paused_total=6,
-        spec_chains=9, spec_batch_off_steps=11,
+        spec_chains=9, spec_batch_off_steps=11, grammar_void_rows=12,
     ))  # fmt: skip
     registry = prom.CollectorRegistry()
     registry.register(counters)
@@ -387,6 +387,7 @@ def test_speculative_counters_render_per_position():
                  "taipan_spec_decode_draft_disabled_total 1.0",
                  "taipan_spec_decode_chains_total 9.0",
                  "taipan_spec_decode_batch_off_steps_total 11.0",
+                 "taipan_structured_void_rows_total 12.0",
                  "taipan_prefix_cache_hits_total 4.0",
                  "taipan_num_preemptions_total 2.0", "taipan_pauses_total 6.0"):  # fmt: skip
         assert line in text, line

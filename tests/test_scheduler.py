@@ -285,7 +285,10 @@ class Harness:
         write = a["slot_mapping"] >= 0  # -1: a token whose K/V is already cached
         self.kv_token[a["slot_mapping"][write]] = ids[write]
         self.kv_owner[a["slot_mapping"][write]] = owners[write]
+        void = self.void_rows(a)
         for i, c in enumerate(batch.chunks):
+            if i in void:  # (its input was a replaced token: it reads that, and is dropped)
+                continue
             seq_len = int(a["seq_lens"][i])
             pos = self.keys_read(int(a["positions"][a["query_start_loc"][i]]), seq_len)
             slots = a["block_tables"][i][pos // bs].astype(np.int64) * bs + pos % bs
@@ -317,6 +320,10 @@ class Harness:
             prompt_top_n_ids=np.zeros((int(wanted.sum()), n_top), np.int32),
             prompt_top_n_log_probs=np.zeros((int(wanted.sum()), n_top), np.float32),
         )
+
+    def void_rows(self, a: dict[str, np.ndarray]) -> set[int]:
+        """Rows of the step whose input is a token the step before replaced (none here)."""
+        return set()
 
     # --- invariants ---------------------------------------------------------------------------
 
@@ -413,7 +420,9 @@ class Harness:
                 assert r.num_computed_tokens <= r.num_planned_tokens
             else:
                 assert r.num_computed_tokens < r.num_tokens and not r.num_pending
-            assert len(r.blocks) == -(-r.num_computed_tokens // bs), "blocks beyond need"
+            # (a void row's position is computed again: its block stays)
+            held = r.num_computed_tokens + r.void_rows
+            assert len(r.blocks) == -(-held // bs), "blocks beyond need"
             assert len(r.generated) < r.sampling.max_tokens
 
     def check_end(self) -> None:
@@ -514,10 +523,20 @@ def test_random_workloads_keep_every_invariant_deep(workload):
     check_workload(workload)
 
 
-def check_workload(workload) -> None:
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workloads())
+def test_random_workloads_with_grammar_fixes_keep_every_invariant(workload):
+    """As above, the fake gpu replacing every third sampled token after the next step read it
+    (GrammarFixes): the same outputs; the engine counts the void rows of requests the fixed
+    token did not end."""
+    h = check_workload(workload, GrammarFixes)
+    assert h.sched.stats()["grammar_void_rows"] <= h.num_void
+
+
+def check_workload(workload, harness=None) -> Harness:
     """Drive the harness through one random workload; every invariant holds at every step."""
     plan, chunked, requests, overlap = workload
-    h = Harness(plan, chunked, overlap)
+    h = (harness or Harness)(plan, chunked, overlap)
 
     def added(req, problem):
         want = expected_problem(plan, chunked, req)
@@ -533,6 +552,7 @@ def check_workload(workload) -> None:
     event(f"steps > 20: {len(h.history) > 20}")
     event(f"paused: {h.sched.num_paused_total > 0}, evicted: {h.sched.num_evicted_total > 0}")
     event(f"overlap: {overlap}")
+    return h
 
 
 def drive(h: Harness, requests, added=lambda req, problem: None) -> None:
@@ -927,6 +947,58 @@ def test_overlap_abort_while_two_steps_hold_the_request():
     h.check_end()
     # Its end came with step 2's result: the tokens of steps 2 and 3 are dropped.
     assert len(h.ended[1].generated) == 1
+
+
+class GrammarFixes(Harness):
+    """The fake gpu as the worker's "check" grammar mode (actors/gpu/grammar_masks.py): where
+    `fixes(request, position)`, a sampled row's device token (what the next step's prev_rows
+    read) is not the one the step reports (the check replaced it after the next step was
+    launched); its row is in StepResult.grammar_fixed, and the next step's row that read it is
+    void (its token junk)."""
+
+    def __init__(self, *args, fixes=lambda rid, pos: (rid + pos) % 3 == 0, **kw):
+        super().__init__(*args, **kw)
+        self.fixes = fixes
+        self.fixed: set[int] = set()  # (rows of the last step)
+        self.num_void = 0  # (rows the fake gpu found void)
+
+    def void_rows(self, a):
+        prev, qsl = a["prev_rows"], a["query_start_loc"]
+        if not len(prev):
+            return set()
+        return {i for i in range(len(qsl) - 1) if int(prev[qsl[i]]) in self.fixed}
+
+    def gpu(self, batch, a):
+        void = self.void_rows(a)
+        self.num_void += len(void)
+        result = super().gpu(batch, a)
+        fixed = [
+            i
+            for i, c in enumerate(batch.chunks)
+            if a["sample"][i] and i not in void
+            and self.fixes(c.request.request_id, int(a["seq_lens"][i]))
+        ]  # fmt: skip
+        self.device_sampled[fixed] += 1000  # (the unchecked token the next step reads)
+        result.token_ids[sorted(void)] = 1  # (junk: the engine drops it)
+        self.fixed = set(fixed)
+        return dataclasses.replace(result, grammar_fixed=np.array(fixed, np.int32))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_row_that_read_a_replaced_token_is_void_and_computed_again(overlap):
+    """StepResult.grammar_fixed (structured outputs, "check" mode): with overlap, the request's
+    row in the step already planned read the old token; the engine drops that row's token and
+    plans its position again with the new one (its KV slot written again). Outputs are those
+    of a run without fixes, every block comes back, grammar_void_rows counts the void rows;
+    without overlap no row is ever void."""
+    plan = make_plan(num_blocks=12, block_size=2, max_tokens=16, max_requests=4)
+    h = GrammarFixes(plan, chunked=True, overlap=overlap)
+    for rid in range(1, 6):
+        h.add(make_request(rid, 3 + rid, max_tokens=9, stream=rid % 2 == 0))
+    h.run()
+    h.check_end()
+    void = h.sched.stats()["grammar_void_rows"]
+    assert void == h.num_void and (void > 0) == overlap, (void, h.num_void)
 
 
 def test_overlap_outputs_equal_the_serial_loop_under_pressure():

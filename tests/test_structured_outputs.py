@@ -60,13 +60,17 @@ def test_outputs_keep_to_their_grammars(tiny, overlap):
         assert len(outs[3].token_ids) == 8
 
 
-@pytest.mark.parametrize(("overlap", "mode"), [(True, "check"), (False, "check"), (True, "mask")])
+@pytest.mark.parametrize(
+    ("overlap", "mode"), [(True, "check"), (False, "check"), (True, "wait"), (True, "mask")]
+)
 def test_checked_greedy_rows_equal_masked_ones(tiny, overlap, mode, monkeypatch):
     """A greedy grammar row is checked after sampling (its mask computed only when the grammar
     rejects its choice), or under TAIPAN_GRAMMAR_MASKS=mask masked before; one with processed
-    log-probs is masked before in either mode. All greedy under the same grammar: the same
+    log-probs is masked before in every mode. All greedy under the same grammar: the same
     tokens (this random model's choices are mostly rejected, so the masked fallback runs at
-    most steps), alone and sharing steps."""
+    most steps), alone and sharing steps. In "check" mode with overlapped steps the next step
+    does not wait for the check: the rows that read a replaced token are void and computed
+    again (grammar_void_rows counts them); "wait" and "mask" never void a row."""
     monkeypatch.setenv("TAIPAN_GRAMMAR_MASKS", mode)
     prompts = [[5, 17, 42, 9], [3, 3, 3], [100, 7], [8, 8]]
     specs = [("json_schema", json.dumps(SCHEMA)), ("regex", "[0-9]{3}-[a-z]{2}")] * 2
@@ -79,7 +83,9 @@ def test_checked_greedy_rows_equal_masked_ones(tiny, overlap, mode, monkeypatch)
         got = llm.generate(prompts, checked, use_tqdm=False)
         want = llm.generate(prompts, masked, use_tqdm=False)
         both = llm.generate(prompts[:2] + prompts[2:], checked[:2] + masked[2:], use_tqdm=False)
+        void = llm.stats().merged().grammar_void_rows
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert (void > 0) == (overlap and mode == "check"), void
     assert [o.token_ids for o in both] == [o.token_ids for o in want]
 
 
@@ -128,11 +134,13 @@ def test_the_engine_sends_each_grammar_once_and_drops_it_when_its_request_ends()
 
 
 @pytest.mark.gpu
-def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path):
+def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path, monkeypatch):
     """On CUDA (graphs, overlapped steps): a checked greedy row (checked when its step is
-    collected, the next step's forward waiting for it) gives the tokens of a masked one, in
-    fp32, and each output keeps to its grammar; with n-gram drafts (verify rows in mixed
-    graphs, each grammar walked over its positions) the same tokens again."""
+    collected; the next step, launched inline without waiting for it, reads the unchecked
+    token, and its row is void where the check replaced it) gives the tokens of a masked one,
+    in fp32, and each output keeps to its grammar; so it does with TAIPAN_GRAMMAR_MASKS=wait
+    (the next forward waits for the check: no void row); with n-gram drafts (verify rows in
+    mixed graphs, each grammar walked over its positions) the same tokens again."""
     import torch
 
     if not torch.cuda.is_available():
@@ -152,6 +160,11 @@ def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path):
         want = llm.generate(prompts, masked, use_tqdm=False)
         stats = llm.stats().merged()
         texts = [llm.tokenizer.decode(o.token_ids) for o in got]
+    monkeypatch.setenv("TAIPAN_GRAMMAR_MASKS", "wait")  # (read by the engine process)
+    with LLM(gpu_tiny, device="cuda", dtype="float32", max_requests=8) as llm:
+        waited = llm.generate(prompts, checked, use_tqdm=False)
+        assert llm.stats().merged().grammar_void_rows == 0
+    monkeypatch.delenv("TAIPAN_GRAMMAR_MASKS")
     # The checked rows again with n-gram drafts: their grammars walked over verify rows.
     with LLM(
         gpu_tiny, device="cuda", dtype="float32", max_requests=8, num_speculative_tokens=4
@@ -159,8 +172,9 @@ def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path):
         spec = llm.generate(prompts, checked, use_tqdm=False)
         assert llm.stats().merged().spec_draft_tokens > 0
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.token_ids for o in waited] == [o.token_ids for o in got]
     assert [o.token_ids for o in spec] == [o.token_ids for o in got]
-    assert stats.steps_graphed > 0, stats
+    assert stats.steps_graphed > 0 and stats.grammar_void_rows > 0, stats
     for (kind, _), text in zip(specs, texts, strict=True):
         if kind == "regex":
             assert re.fullmatch("[0-9]{3}-[a-z]{2}", text), text

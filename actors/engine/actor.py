@@ -345,6 +345,7 @@ class EngineActor(EngineControls, Actor):
             spec_draft_disabled=s.get("spec_draft_disabled", 0),
             spec_chains=s.get("spec_chains", 0),
             spec_batch_off_steps=s.get("spec_batch_off_steps", 0),
+            grammar_void_rows=s.get("grammar_void_rows", 0),
             spec_verify_steps=self.steps.verify_steps,
             spec_verify_device_seconds=self.steps.verify_device_seconds,
             num_local_blocks=self.scheduler.plan.num_local_blocks,

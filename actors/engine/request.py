@@ -43,6 +43,9 @@ class EngineRequest:
     # Whether one of those tokens comes from a verify row (speculation: it may gain several).
     verify_in_flight: bool = False
     row: int = -1
+    # Rows of it in planned steps whose token is void (their input was a token the grammar
+    # check replaced: StepResult.grammar_fixed); each is dropped when its result comes.
+    void_rows: int = 0
     steps_in_flight: int = 0  # planned steps holding this request whose results are not applied
     # Its block table: block i holds positions [i * block_size, (i + 1) * block_size). With a
     # sliding window the leading `num_released` columns went back to the pool (no later query

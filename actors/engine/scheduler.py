@@ -101,6 +101,7 @@ class Scheduler:
         self.steps_in_flight = 0  # planned steps with chunks whose update() has not run
         self.num_paused_total = 0
         self.num_evicted_total = 0
+        self.num_void_rows_total = 0  # (rows a grammar check voided: `_void_next`)
         self.prefix = None
         if prefix_policy is not None:
             self.prefix = PrefixIndex(plan.num_blocks, plan.block_size, prefix_policy)
@@ -529,6 +530,7 @@ class Scheduler:
             if self.prefix is not None and batch.regs:
                 px = self.prefix
                 keep_block_routing(batch, px.routing_of, px.block_of, self.plan.block_size)
+        fixed = set(result.grammar_fixed.tolist()) if result is not None else ()
         for i, c in enumerate(batch.chunks):
             r = c.request
             r.steps_in_flight -= 1
@@ -547,6 +549,9 @@ class Scheduler:
                 continue
             if not c.samples:
                 continue
+            if r.void_rows:  # (its input was replaced by the grammar check: computed again)
+                r.void_rows -= 1
+                continue
             r.num_pending -= 1
             if c.drafts is not None:
                 r.verify_in_flight = False
@@ -558,9 +563,20 @@ class Scheduler:
                 self.spec.take_drafts(r, result, i)
             if reason is not None:
                 self._finish(r, reason, now=now)
+            elif r.steps_in_flight and i in fixed:
+                self._void_next(r)
             if r.finish_reason is not None or (r.stream and r.ready_to_stream()):
                 out.append(r)
         return out
+
+    def _void_next(self, r: EngineRequest) -> None:
+        """`r`'s token was replaced by its grammar check after the step in flight had read the
+        old one: that row is void (dropped when it comes) and its position is planned again,
+        with the new token."""
+        r.num_computed_tokens -= 1
+        r.num_pending -= 1
+        r.void_rows += 1
+        self.num_void_rows_total += 1
 
     def fail_all(
         self, reason: FinishReason, now: float, error: str | None = None
@@ -582,6 +598,7 @@ class Scheduler:
             "blocks_used": self.plan.num_blocks - self.num_free_blocks,
             "paused_total": self.num_paused_total,
             "evicted_total": self.num_evicted_total,
+            "grammar_void_rows": self.num_void_rows_total,
             **({"blocks_released": self.num_released_total} if self.window else {}),
             **(self._local_stats() if self.local is not None else {}),
             **(self.prefix.stats() if self.prefix is not None else {}),

@@ -19,21 +19,29 @@ microseconds per row once the step's tokens are on the host. Rows whose log-prob
 
 The check runs after the step, not inside its launch (`check_later`, then `run_check` where the
 step is collected, on the host copy its collect waits for anyway; a rejected row's replacement
-is, most of the time, among its best CHECK_CANDIDATES copied with it): the next step is staged
-meanwhile and waits (`wait_check`) only before its forward, which reads the checked tokens
-(prev_rows) and whose masks need the matchers to have consumed them. A launch that waited for
-its own tokens left the device idle for the next step's whole host staging (structured cost
-0.26 on an H100, NOTES "Ninth session"). A step with log-probs or drafts checks in its launch
-(`checked`): what it reports of its tokens is computed there.
+is, most of the time, among its best CHECK_CANDIDATES copied with it). A step with log-probs or
+drafts checks in its launch (`checked`): what it reports of its tokens is computed there.
 
-`TAIPAN_GRAMMAR_MASKS` (`grammar_mode`) picks the path: "check" (the default: greedy rows
-checked as above, sampled rows masked in the launch) or "mask" (every grammar row masked in the
-launch, which waits for the last step's tokens; no check, so the next forward waits for
-nothing). Both launch from the gpu worker's thread. On an H200 (SmolLM2, 64 json_schema
-streams; `tests/perf/session23_gpu.sh grammar`, `inline`) they cost the same, launched inline
-or not: each then waited in its launch for its own forward (a sorted top-k, a blocking copy of
-its rows; both gone since). (NOTES, twenty-third session, also for masks computed by a thread
-of their own with the stream waiting on a host flag: no faster, and a deadlock hazard.)
+What the next step's forward does meanwhile (`TAIPAN_GRAMMAR_MASKS`, `grammar_mode`):
+- "check" (the default; "wait" on a model with recurrent layers): the next step does not wait
+  for the check. Its rows read the unchecked tokens, so where the check replaced a row's token
+  (StepResult.grammar_fixed) that request's row in the next step is void: the engine drops its
+  token and plans the position again with the replaced token (the rewrite of its KV slot makes
+  the void one harmless), and the check of the next step skips it. Greedy outputs are those of
+  the waiting path; a rejected token costs its request one step (about 4 % of the structured
+  bench's rows, most in its first steps), where waiting cost every step a host round trip and
+  its thread hand-offs (structured cost 0.26-0.45 at batch 64 on an H200, NOTES). Such steps
+  launch inline on the gpu actor's loop like plain ones. A rejected row without an allowed
+  candidate takes the argmax of its saved logits under its mask on a side stream (the step's
+  own logits are the next step's by then).
+- "wait": the next step's forward waits for the check (`wait_check`) and reads the replaced
+  tokens (written back to the device): no void rows. A recurrent state cannot take a void row
+  back, so hybrids always wait.
+- "mask": every grammar row masked in the launch, which waits for the last step's tokens; no
+  check. (On an H200 no faster than waiting for the check: NOTES, twenty-third session, also
+  for masks computed by a thread of their own with the stream waiting on a host flag: no
+  faster, and a deadlock hazard.)
+The matchers are shared by the launching thread and the collecting one (`run_check`): one lock.
 
 Must not touch anything but the logits it is given and its own matchers.
 """
@@ -61,11 +69,11 @@ CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which wa
 # 58 %, 128: 82 %), and a step's check fell from 3.1 ms to 1.7 ms (8: 2.0 ms).
 CHECK_CANDIDATES = 32
 MODE_ENV = "TAIPAN_GRAMMAR_MASKS"
-MODES = ("check", "mask")
+MODES = ("check", "wait", "mask")
 
 
 def grammar_mode() -> str:
-    """$TAIPAN_GRAMMAR_MASKS: "check" (the default) or "mask" (the module docstring);
+    """$TAIPAN_GRAMMAR_MASKS: "check" (the default), "wait" or "mask" (the module docstring);
     ValueError for any other value."""
     value = os.environ.get(MODE_ENV, "check")
     if value not in MODES:
@@ -77,6 +85,14 @@ def uses_grammar(plan: StepPlan) -> bool:
     return bool(len(plan.grammar_rows) or plan.grammar_new or len(plan.grammar_drop))
 
 
+def seq_prev_rows(plan: StepPlan) -> np.ndarray:
+    """For each sequence of `plan`, the previous step's row its first token is read from
+    (StepPlan.prev_rows; -1: from the plan's input ids)."""
+    if not len(plan.prev_rows):
+        return np.full(len(plan.sample), -1, dtype=np.int64)
+    return plan.prev_rows[plan.query_start_loc[:-1]].astype(np.int64)
+
+
 @dataclasses.dataclass
 class Check:
     """A launched step's checked rows, checked when the step is collected (`run_check`)."""
@@ -85,10 +101,21 @@ class Check:
     rows: np.ndarray  # their rows in the step
     host: torch.Tensor  # [B] the step's tokens on the host (filled once the step has ended)
     sampled: torch.Tensor  # [>= B] the device tokens the next step's prev_rows read
-    logits: torch.Tensor  # [B, V] the step's controlled logits (not overwritten before `done`)
+    # [B, V] the step's controlled logits ("wait": not overwritten before `done`), or, when the
+    # next step does not wait, [rows, V] the checked rows' own copy.
+    logits: torch.Tensor
     # ([rows, K] logits, [rows, K] ids) of each row's best candidates, on the host once the
     # step has ended (None: none taken).
     top: tuple[torch.Tensor, torch.Tensor] | None = None
+    # The next step does not wait ("check"): the replaced tokens stay off the device, and
+    # `fixed` lists their rows (StepResult.grammar_fixed). `prev`: the previous step's row each
+    # checked row read its input from (-1: none), and `before`, that step's Check when it was
+    # not waited for: a row that read a token it replaced is void (`void`), not checked.
+    optimistic: bool = False
+    prev: np.ndarray | None = None
+    before: Check | None = None
+    fixed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    void: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -98,38 +125,96 @@ class Check:
         self.done.set()
 
 
+def _wait_done(check: Check) -> None:
+    if not check.done.wait(CHECK_TIMEOUT_S):
+        raise RuntimeError(
+            f"structured outputs: the previous step's grammar check did not run within "
+            f"{CHECK_TIMEOUT_S:.0f} s (its collect never came)"
+        )
+    if check.error is not None:
+        raise RuntimeError(
+            f"structured outputs: the previous step's grammar check failed: {check.error!r}"
+        )
+
+
+def _void_of(prev: np.ndarray, before: Check | None) -> np.ndarray:
+    """Which of the rows whose inputs came from `prev` (rows of the step before) read a token
+    that step's check replaced (`before`, collected: its check has run)."""
+    if before is None or not before.optimistic:
+        return np.zeros(len(prev), dtype=bool)
+    _wait_done(before)  # (collected before this one: at once)
+    return np.isin(prev, before.fixed) & (prev >= 0)
+
+
 class GrammarMasks:
     """The worker's structured-output state: its matchers (built at the first grammar step,
-    from the model's tokenizer) and the last grammar step's sampled tokens not yet consumed."""
+    from the model's tokenizer), the last grammar step's sampled tokens not yet consumed, and
+    the last launched step's Check."""
 
-    def __init__(self, tokenizer, check_greedy: bool = True) -> None:
+    def __init__(self, tokenizer, check_greedy: bool = True, optimistic: bool = False) -> None:
         self.tokenizer = tokenizer
-        self.check_greedy = check_greedy  # (grammar_mode() "check": $TAIPAN_GRAMMAR_MASKS)
+        self.check_greedy = check_greedy  # (grammar_mode() "check" or "wait")
+        self.optimistic = optimistic and check_greedy  # ("check" on a model that allows it)
         self.grammars: Grammars | None = None
-        # (request ids, rows) of the last grammar step, then its tokens (host tensor) and the
-        # event after their copy (None on the CPU: already there).
-        self._rows: tuple[np.ndarray, np.ndarray] | None = None
+        self._lock = threading.RLock()  # (the matchers: the launching and collecting threads)
+        # (request ids, rows, their prev rows) of the last grammar step's masked rows, then its
+        # tokens (host tensor) and the event after their copy (None on the CPU: already there),
+        # and the Check before that step (its void rows are not consumed).
+        self._rows: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._tokens: tuple[torch.Tensor, object] | None = None
-        # (request ids, rows) of this step's checked rows, until `checked` or `check_later`
-        # takes them; then the launched step's Check, until the next launch has waited for it.
-        self._lazy: tuple[np.ndarray, np.ndarray] | None = None
+        self._rows_before: Check | None = None
+        self._before: Check | None = None  # (this launch's: `_last` when it was not waited for)
+        # (request ids, rows, their prev rows) of this step's checked rows, until `checked` or
+        # `check_later` takes them; then the launched step's Check, until the next launch has
+        # waited for it. `_last`: the last launched step's Check (None: it had none).
+        self._lazy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._check: Check | None = None
+        self._last: Check | None = None
+        self._side = None  # (CUDA: the stream a void-mode check's masked argmax runs on)
 
     @property
     def pending(self) -> bool:
         """Whether a grammar step's tokens wait to be consumed or checked (every later step
-        waits for that, grammar rows or not: the host buffers they sit in are reused, and its
-        forward reads the checked tokens)."""
+        waits for that, grammar rows or not, unless `skips_wait`: the host buffers they sit in
+        are reused, and its forward reads the checked tokens)."""
         return (self._rows is not None and self._tokens is not None) or self._check is not None
+
+    def skips_wait(self, plan: StepPlan, checks_in_launch: bool) -> bool:
+        """Whether `plan`'s launch may skip `wait_check` (the last step's check): "check" mode,
+        and no grammar work of its own in the launch that reads checked matchers (a check
+        there: log-probs or drafts; masks: a sampled grammar row, or the last step's masked
+        rows to consume)."""
+        if not self.optimistic or checks_in_launch or self._rows is not None:
+            return False
+        rows = plan.grammar_rows >= 0
+        if not rows.any():
+            return True
+        return bool(((plan.temperature[rows] < GREEDY_EPS) & (plan.sample[rows] != 0)).all())
+
+    def inline(self, plan: StepPlan) -> bool:
+        """Whether a launch of `plan` (no log-probs, drafts or MTP) does nothing that waits
+        or takes long on the host: "check" mode, no grammar to compile, no masks to compute
+        or tokens to consume (its grammar rows greedy; no masked rows before it)."""
+        return not plan.grammar_new and self.skips_wait(plan, False)
+
+    def launched(self, check: Check | None) -> None:
+        """Every launch ends here: the step's Check (None: it has none), which the next step's
+        void rows are found against."""
+        self._last = check
 
     def masked(self, plan: StepPlan, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         """`logits` with each grammar row's disallowed tokens at -inf (a copy when `logits` is
         `raw`, the model's own logits, which the raw log-probs read); `logits` itself when no
         row of `plan` has a grammar."""
+        with self._lock:
+            return self._masked(plan, logits, raw)
+
+    def _masked(self, plan: StepPlan, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         if self.grammars is None:
             self.grammars = Grammars(self.tokenizer, logits.shape[1])
         g = self.grammars
         self._lazy = None  # (a step that failed between `masked` and `checked` left its own)
+        before, self._before = self._last, None
         self._consume_last()
         for rid in plan.grammar_drop.tolist():
             g.drop(rid)
@@ -139,10 +224,15 @@ class GrammarMasks:
         if len(plan.num_drafts):  # (verify rows: actors/gpu/speculative.py, `walk` and
             # `mask_positions`)
             rows = rows[plan.num_drafts[rows] == 0]
+        prev = seq_prev_rows(plan)[rows]
+        if before is not None and before.done.is_set():  # (its void rows: known, left out)
+            keep = ~_void_of(prev, before)
+            rows, prev, before = rows[keep], prev[keep], None
+        self._before = before  # (not checked yet: the rows' check or consumption finds them)
         lazy = self._checkable(plan, rows)
         if lazy.any():
-            self._lazy = (plan.grammar_rows[rows[lazy]], rows[lazy])
-            rows = rows[~lazy]
+            self._lazy = (plan.grammar_rows[rows[lazy]], rows[lazy], prev[lazy])
+            rows, prev = rows[~lazy], prev[~lazy]
         if not len(rows):
             return logits
         ids = plan.grammar_rows[rows]
@@ -152,13 +242,13 @@ class GrammarMasks:
         if logits is raw:
             logits = logits.clone()
         apply_masks(logits, to_device(rows, logits.device), masks)
-        self._rows = (ids, rows)
+        self._rows, self._rows_before = (ids, rows, prev), before
         return logits
 
     def _checkable(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
         """Which of the grammar `rows` are checked after sampling instead of masked before:
         greedy, sampled this step, raw log-probs, and a matcher that still takes tokens (none
-        unless TAIPAN_GRAMMAR_MASKS is "check")."""
+        unless TAIPAN_GRAMMAR_MASKS is "check" or "wait")."""
         if not self.check_greedy:
             return np.zeros(len(rows), dtype=bool)
         ok = (plan.temperature[rows] < GREEDY_EPS) & (plan.sample[rows] != 0)
@@ -174,13 +264,17 @@ class GrammarMasks:
         receives the step's tokens, `sampled` holds them on the device for the next step."""
         if self._lazy is None:
             return None
-        (ids, rows), self._lazy = self._lazy, None
-        self._check = Check(ids, rows, host, sampled, logits, self._candidates(rows, logits))
-        return self._check
+        (ids, rows, prev), self._lazy = self._lazy, None
+        rows_on, top = self._candidates(rows, logits)
+        check = Check(ids, rows, host, sampled, rows_on if self.optimistic else logits, top)
+        check.optimistic, check.prev, check.before = self.optimistic, prev, self._before
+        self._check = check
+        return check
 
     def _candidates(self, rows: np.ndarray, logits: torch.Tensor):
-        """The rows' best CHECK_CANDIDATES (logits, ids), copied to the host without waiting
-        (the step's end event, recorded after this, covers the copy)."""
+        """The rows' logits ([rows, V], on the device) and their best CHECK_CANDIDATES
+        (logits, ids), copied to the host without waiting (the step's end event, recorded after
+        this, covers the copy)."""
         k = min(CHECK_CANDIDATES, logits.shape[1])
         # (unsorted: `_from_candidates` orders them; torch's sorted top-k waited on the host
         # for the step's forward to end, the unsorted one does not: tests/perf/host_sync_probe.py,
@@ -188,48 +282,72 @@ class GrammarMasks:
         rows_on = logits.index_select(0, to_device(rows, logits.device))
         values, ids = torch.topk(rows_on, k, sorted=False)
         if logits.device.type != "cuda":
-            return values, ids
-        return to_host(values), to_host(ids)
+            return rows_on, (values, ids)
+        return rows_on, (to_host(values), to_host(ids))
 
     @torch.inference_mode()  # (the step's tensors are inference tensors)
     def run_check(self, check: Check) -> None:
         """Check a collected step's rows (its tokens are on the host): each row's token kept
-        where its grammar allows it, else replaced, in `host` and on the device, by the best
-        token of its masked logits. Wakes `wait_check` however it ends."""
+        where its grammar allows it, else replaced, in `host` (and, unless the next step did
+        not wait, on the device), by the best token of its masked logits. Rows that read a
+        token the step before replaced are void: left alone. Wakes `wait_check` however it
+        ends."""
         try:
-            bad = self._rejected(check.ids, check.host.numpy()[check.rows])
-            if len(bad):
-                ids, rows = check.ids[bad], check.rows[bad]
-                best = self._from_candidates(ids, bad, check.top)  # (-1: none taken)
-                rest = np.flatnonzero(best < 0)
-                if len(rest):  # (its mask, on the device)
-                    got = self._masked_best(ids[rest], rows[rest], check.logits).cpu()
-                    self._consume(ids[rest], got)
-                    best[rest] = got.numpy()
-                device = check.sampled.device
-                check.sampled[to_device(rows, device)] = to_device(
-                    best, device, check.sampled.dtype
-                )
-                check.host[torch.from_numpy(rows)] = torch.from_numpy(best).to(check.host.dtype)
+            with self._lock:
+                self._run_check(check)
         except BaseException as e:
             check.fail(e)
             raise
         check.done.set()
 
+    def _run_check(self, check: Check) -> None:
+        g = self.grammars
+        keep = np.array([rid in g.matchers for rid in check.ids.tolist()], dtype=bool)
+        if check.before is not None:  # (its rows were not known to be void at the launch)
+            keep &= ~_void_of(check.prev, check.before)
+            check.before = None  # (no chain of Checks kept alive)
+        check.void = check.rows[~keep]
+        at = np.flatnonzero(keep)
+        ids, rows = check.ids[at], check.rows[at]
+        bad = self._rejected(ids, check.host.numpy()[rows])
+        if not len(bad):
+            return
+        ids, rows, at = ids[bad], rows[bad], at[bad]
+        best = self._from_candidates(ids, at, check.top)  # (-1: none taken)
+        rest = np.flatnonzero(best < 0)
+        if len(rest):  # (its mask, on the device)
+            if check.optimistic:
+                got = self._saved_best(ids[rest], at[rest], check.logits)
+            else:
+                got = self._masked_best(ids[rest], rows[rest], check.logits).cpu()
+            self._consume(ids[rest], got)
+            best[rest] = got.numpy()
+        if check.optimistic:
+            check.fixed = rows.astype(np.int32)
+        else:
+            device = check.sampled.device
+            check.sampled[to_device(rows, device)] = to_device(best, device, check.sampled.dtype)
+        check.host[torch.from_numpy(rows)] = torch.from_numpy(best).to(check.host.dtype)
+
+    def _saved_best(self, ids: np.ndarray, at: np.ndarray, saved: torch.Tensor) -> torch.Tensor:
+        """The masked best token of the checked rows `at` of a void-mode Check (their own logits
+        `saved`, [rows, V]), on the host: on CUDA on a side stream (the main one runs the next
+        step by now; the step that wrote `saved` has ended)."""
+        masks = self.grammars.masks(ids)
+        if saved.device.type != "cuda":
+            return masked_argmax(saved[torch.from_numpy(at)], torch.from_numpy(masks)).cpu()
+        if self._side is None:
+            self._side = torch.cuda.Stream(saved.device)
+        with torch.cuda.stream(self._side):
+            on = torch.from_numpy(masks).to(saved.device)
+            best = masked_argmax(saved[torch.from_numpy(at).to(saved.device)], on)
+            return best.cpu()  # (waits for this stream only)
+
     def wait_check(self) -> None:
         """Wait (before a step's forward) until the last launched step's Check has run."""
         check, self._check = self._check, None
-        if check is None:
-            return
-        if not check.done.wait(CHECK_TIMEOUT_S):
-            raise RuntimeError(
-                f"structured outputs: the previous step's grammar check did not run within "
-                f"{CHECK_TIMEOUT_S:.0f} s (its collect never came)"
-            )
-        if check.error is not None:
-            raise RuntimeError(
-                f"structured outputs: the previous step's grammar check failed: {check.error!r}"
-            )
+        if check is not None:
+            _wait_done(check)
 
     def _from_candidates(self, ids: np.ndarray, at: np.ndarray, top) -> np.ndarray:
         """For each rejected row (request `ids[i]`, index `at[i]` into the Check's rows), the
@@ -259,17 +377,20 @@ class GrammarMasks:
         """The step's tokens with each checked row's choice kept where its grammar allows it
         (and consumed), else replaced by the best token of the row's masked `logits` (the
         controlled, unmasked ones); waits for the step's sampling when any row is checked
-        (a step whose log-probs or drafts are computed in its launch)."""
+        (a step whose log-probs or drafts are computed in its launch, after `wait_check`: its
+        void rows were left out)."""
         if self._lazy is None:
             return tokens
-        (ids, rows), self._lazy = self._lazy, None
-        bad = self._rejected(ids, tokens[torch.from_numpy(rows).to(tokens.device)].cpu().numpy())
-        if not len(bad):
-            return tokens
-        best = self._masked_best(ids[bad], rows[bad], logits)
-        tokens = tokens.clone()
-        tokens[torch.from_numpy(rows[bad]).to(tokens.device)] = best.to(tokens.dtype)
-        self._consume(ids[bad], best.cpu())
+        (ids, rows, _), self._lazy = self._lazy, None
+        with self._lock:
+            got = tokens[torch.from_numpy(rows).to(tokens.device)].cpu().numpy()
+            bad = self._rejected(ids, got)
+            if not len(bad):
+                return tokens
+            best = self._masked_best(ids[bad], rows[bad], logits)
+            tokens = tokens.clone()
+            tokens[torch.from_numpy(rows[bad]).to(tokens.device)] = best.to(tokens.dtype)
+            self._consume(ids[bad], best.cpu())
         return tokens
 
     def walk(self, request_id: int, target, drafts, logits: torch.Tensor) -> tuple[list, list]:
@@ -329,10 +450,12 @@ class GrammarMasks:
     def _consume_last(self) -> None:
         if self._rows is None or self._tokens is None:
             return
-        (ids, rows), (host, ended) = self._rows, self._tokens
+        (ids, rows, prev), (host, ended) = self._rows, self._tokens
         self._rows = self._tokens = None
+        before, self._rows_before = self._rows_before, None
         if ended is not None:
             ended.synchronize()  # (the step that sampled them, not the one queued after it)
         tokens = host.numpy()[rows] if host.device.type == "cpu" else host[rows].cpu().numpy()
-        for rid, token in zip(ids.tolist(), tokens.tolist(), strict=True):
+        keep = ~_void_of(prev, before)  # (a void row's token is nobody's)
+        for rid, token in zip(ids[keep].tolist(), tokens[keep].tolist(), strict=True):
             self.grammars.consume(rid, token)

@@ -253,7 +253,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         use_device(self.device)
         model, config, tokenizer = self._load_weights(msg, dtype, tp)
         self.mtp_k = msg.num_speculative_tokens if msg.mtp else 0
-        self.grammar_masks = GrammarMasks(tokenizer, grammar == "check")  # (structured outputs)
         per_block = kv_cache_bytes_per_block(config, msg.block_size, dtype, self.tp)
         split = SplitKV.of(msg, model, config)
         local_bytes, local_wanted = 0, 0
@@ -273,6 +272,9 @@ class ModelWorker(WorkerForward, WorkerControls):
             sizes = self._size_pools(msg, per_block, slot_bytes)
         self.split_kv = split
         self._allocate_pools(msg, config, dtype, sizes)
+        # (structured outputs; a recurrent state cannot take a void row back: hybrids wait)
+        optimistic = grammar == "check" and self.mamba_state is None
+        self.grammar_masks = GrammarMasks(tokenizer, grammar != "mask", optimistic)
         self.draft = None
         if draft is not None:
             kv = allocate_kv_cache(
@@ -529,6 +531,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         previous, self._prev_sampled = self._prev_sampled, np.zeros(0, dtype=bool)
         refusal = self.step_refusal()
         if refusal is not None:
+            self.grammar_masks.launched(None)  # (no tokens: none read from the last step)
             no_tokens = np.full(len(plan.sample), -1, dtype=np.int32)
             return StepResult(plan.step, no_tokens, refusal, 0.0)
         num_seqs = len(plan.seq_lens)
@@ -555,7 +558,10 @@ class ModelWorker(WorkerForward, WorkerControls):
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
         arrays = plan_arrays(plan, self.buffers.fields, verify_snaps)
         staged = self.buffers.stage(arrays, **sizes)
-        self.grammar_masks.wait_check()  # (the last step's checked tokens, which this one reads)
+        # (the grammar rows' tokens checked in the launch: what the step reports is final)
+        checks_in_launch = wants_log_probs(plan) or bool(len(draft_rows(plan))) or self.mtp_k
+        if not self.grammar_masks.skips_wait(plan, checks_in_launch):
+            self.grammar_masks.wait_check()  # (the last step's checked tokens, which it reads)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
         # packing above is time the device waits between steps, unless a step is in flight).
         began = ended = None
@@ -578,8 +584,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             controlled = self.grammar_masks.masked(plan, controlled, logits)
         tokens = self._sample(plan, inputs, controlled)  # [B]
         # (an MTP head reads the step's final tokens: no check left for collect)
-        checks_later = grammar and not (wants_log_probs(plan) or len(draft_rows(plan)))
-        checks_later = checks_later and not self.mtp_k
+        checks_later = grammar and not checks_in_launch
         if grammar and not checks_later:  # (greedy grammar rows: what the step reports is final)
             tokens = self.grammar_masks.checked(tokens, controlled)
         spec, spec_lp = None, {}
@@ -612,6 +617,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         if checks_later:  # (greedy grammar rows: checked at collect, the next forward waits;
             # their candidates' copy to the host is queued here, before `ended`)
             check = self.grammar_masks.check_later(host, self._sampled, controlled)
+        self.grammar_masks.launched(check)
         if ended is not None:
             ended.record()  # after the step's device work and the copies of its tokens
         self._prev_sampled = plan.sample != 0
@@ -637,6 +643,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         step without grammar work, not expert parallel; its raw log-probs are read at
         collect), so the caller may run it on its own thread."""
         grammar = uses_grammar(plan) or self.grammar_masks.pending
+        # (a grammar step may wait for the step before it, or compile a grammar: not in
+        # "check" mode with greedy rows only, GrammarMasks.inline)
+        grammar = grammar and not (self.device.type == "cuda" and self.grammar_masks.inline(plan))
         # (top-n and processed log-probs may wait for the stream)
         waits = wants_log_probs(plan) and not log_probs_never_wait(plan)
         return (
@@ -645,7 +654,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             and self.ep is None
             and not len(draft_rows(plan))  # (a verify step waits for its tokens)
             and not self.mtp_k  # (an MTP head's passes: eager ones are long host work)
-            and not grammar  # (a grammar step may wait for the step before it)
+            and not grammar
         )
 
     def launch_waits(self, plan: StepPlan) -> bool:
@@ -696,6 +705,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         if launched.next_drafts is not None:  # (an MTP head's, on the host now)
             extra = extra | {"next_drafts": launched.next_drafts.numpy().astype(np.int32)}
         extra = extra | launched.spec_log_probs
+        check = launched.check
+        if check is not None and len(check.fixed):  # (their next step's rows are void)
+            extra = extra | {"grammar_fixed": check.fixed}
         return StepResult(
             plan.step,
             token_ids,

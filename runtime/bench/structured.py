@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 from taipan.bench.common import mixed_prompts, rounded
@@ -43,7 +44,8 @@ def array_schema(min_items: int) -> str:
 async def _timed_rounds(address: str, prompts: list[str], modes: dict, rounds: int) -> dict:
     """Each mode once untimed (graphs captured, the grammar compiled), then `rounds` timed
     rounds alternating the modes; per mode the fastest round's (seconds, tokens per request,
-    the first request's text, engine steps, device seconds of those steps). A mode is
+    the first request's text, engine steps, device seconds of those steps, rows a grammar
+    check voided). A mode is
     (SamplingParams, stream): streamed requests as a chat client reads them, or whole ones."""
     from taipan.client import AsyncClient
 
@@ -58,7 +60,7 @@ async def _timed_rounds(address: str, prompts: list[str], modes: dict, rounds: i
         [done] = await client.generate([prompt], sampling, chat=True)
         return len(done.token_ids), done.text
 
-    async def batch(client, sampling, stream: bool) -> tuple[float, list[int], str, int, float]:
+    async def batch(client, sampling, stream: bool) -> tuple:
         one = streamed if stream else whole
         before = (await client.stats()).merged()
         start = time.perf_counter()
@@ -67,7 +69,8 @@ async def _timed_rounds(address: str, prompts: list[str], modes: dict, rounds: i
         after = (await client.stats()).merged()
         steps = after.steps_total - before.steps_total
         device = after.device_seconds_total - before.device_seconds_total
-        return seconds, [n for n, _ in done], done[0][1], steps, device
+        void = after.grammar_void_rows - before.grammar_void_rows
+        return seconds, [n for n, _ in done], done[0][1], steps, device, void
 
     best: dict = {}
     async with AsyncClient(address) as client:
@@ -123,17 +126,21 @@ def structured_workload(args) -> list[dict]:
     # and the share of the round the device was busy (the rest: host work between steps, or
     # a client slower than the engine). "_whole": the same requests not streamed (one output
     # each at its end): the engine's own rate, without the per-step outputs.
-    for mode, (seconds, _, _, steps, device) in best.items():
+    # "_void_rows": decode rows voided because the grammar check replaced the token they read
+    # (TAIPAN_GRAMMAR_MASKS "check": each costs its request a step; actors/gpu/grammar_masks.py).
+    for mode, (seconds, _, _, steps, device, void) in best.items():
         row[f"{mode}_seconds"] = seconds
         row[f"{mode}_output_tok_s"] = n * m / seconds
         row[f"{mode}_steps"] = steps
         row[f"{mode}_ms_per_step"] = 1e3 * seconds / max(steps, 1)
         row[f"{mode}_device_busy_share"] = device / seconds
+        row[f"{mode}_void_rows"] = void
     row["structured_cost"] = 1.0 - row["unconstrained_seconds"] / row["json_schema_seconds"]
     row["structured_cost_whole"] = (
         1.0 - row["unconstrained_whole_seconds"] / row["json_schema_whole_seconds"]
     )
     texts = [best["json_schema"][2], best["json_schema_whole"][2]]
+    row["grammar_mode"] = os.environ.get("TAIPAN_GRAMMAR_MASKS", "check")
     row["invariants_hold"] = all(t.lstrip().startswith("{") for t in texts)  # the grammar bound
     return [rounded(row)]
 
@@ -144,5 +151,6 @@ def structured_summary(row: dict) -> str:
         f"structured batch {row['batch']} x {row['output_len']}: unconstrained "
         f"{row['unconstrained_output_tok_s']} tok/s, json_schema "
         f"{row['json_schema_output_tok_s']} tok/s, cost {row['structured_cost']} (whole "
-        f"requests, not streamed: {row['structured_cost_whole']})"
+        f"requests, not streamed: {row['structured_cost_whole']}); "
+        f"{row.get('json_schema_void_rows', 0)} void rows ({row.get('grammar_mode', 'check')})"
     )

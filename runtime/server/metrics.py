@@ -35,6 +35,7 @@ What a vLLM dashboard reads, under taipan's names (vLLM's in brackets):
   taipan_spec_decode_draft_disabled_total     (ours: ranks whose draft an update disabled)
   taipan_spec_decode_chains_total             (ours: steps whose verify steps the gpu chained)
   taipan_spec_decode_batch_off_steps_total    (ours: steps too large a batch kept plain)
+  taipan_structured_void_rows_total           (ours: rows a grammar check's fix voided)
 
 TTFT, queue and prefill time come from the engine's clock (the request's events); end-to-end
 latency is the server's (from submission to the last token). Time per output token: a streamed
@@ -77,6 +78,8 @@ class _RuntimeCounters:
         "spec_decode_chains": "Steps whose verify steps the gpu chained (speculative_chain_steps)",
         "spec_decode_batch_off_steps": "Steps planned without speculation for their batch size "
         "(speculative_disable_by_batch_size)",
+        "structured_void_rows": "Decode rows voided by a grammar check that replaced their "
+        "input token (each a step lost by its request)",
         "num_preemptions": "Requests evicted for KV room (their KV dropped, recomputed later)",
         "pauses": "Times a running request paused for KV room (its KV kept)",
     }
@@ -96,6 +99,7 @@ class _RuntimeCounters:
             spec_decode_draft_disabled=merged.spec_draft_disabled,
             spec_decode_chains=merged.spec_chains,
             spec_decode_batch_off_steps=merged.spec_batch_off_steps,
+            structured_void_rows=merged.grammar_void_rows,
             num_preemptions=merged.evicted_total,
             pauses=merged.paused_total,
         )
