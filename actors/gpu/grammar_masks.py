@@ -18,8 +18,7 @@ microseconds per row once the step's tokens are on the host. Rows whose log-prob
 "processed" (of the masked distribution) and sampled rows keep their masks.
 
 The check runs after the step, not inside its launch (`check_later`, then `run_check` where the
-step is collected, on the host copy its collect waits for anyway; a rejected row's replacement
-is, most of the time, among its best CHECK_CANDIDATES copied with it). A step with log-probs or
+step is collected, on the host copy its collect waits for anyway). A step with log-probs or
 drafts checks in its launch (`checked`): what it reports of its tokens is computed there.
 
 What the next step's forward does meanwhile (`TAIPAN_GRAMMAR_MASKS`, `grammar_mode`):
@@ -31,12 +30,13 @@ What the next step's forward does meanwhile (`TAIPAN_GRAMMAR_MASKS`, `grammar_mo
   the waiting path; a rejected token costs its request one step (about 4 % of the structured
   bench's rows, most in its first steps), where waiting cost every step a host round trip and
   its thread hand-offs (structured cost 0.26-0.45 at batch 64 on an H200, NOTES). Such steps
-  launch inline on the gpu actor's loop like plain ones. A rejected row without an allowed
-  candidate takes the argmax of its saved logits under its mask on a side stream (the step's
-  own logits are the next step's by then).
+  launch inline on the gpu actor's loop like plain ones. A rejected row takes the argmax of
+  its own copy of its logits under its mask, on a side stream (the step's logits are the next
+  step's by then, and the main stream runs it).
 - "wait": the next step's forward waits for the check (`wait_check`) and reads the replaced
-  tokens (written back to the device): no void rows. A recurrent state cannot take a void row
-  back, so hybrids always wait.
+  tokens (written back to the device): no void rows. A rejected row's replacement is, most of
+  the time, among its best CHECK_CANDIDATES copied with its step's tokens. A recurrent state
+  cannot take a void row back, so hybrids always wait.
 - "mask": every grammar row masked in the launch, which waits for the last step's tokens; no
   check. (On an H200 no faster than waiting for the check: NOTES, twenty-third session, also
   for masks computed by a thread of their own with the stream waiting on a host flag: no
@@ -61,7 +61,9 @@ from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
 from taipan.ops.sampling import GREEDY_EPS
 
 CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which waits for the device
-# A checked row's best candidates (logit and id) come to the host with its step's tokens: where
+# "wait" mode: a checked row's best candidates (logit and id) come to the host with its step's
+# tokens (the next forward waits for the check, so a device round trip there would cost every
+# step; "check" mode's costs only the collect, on a side stream, and skips the top-k): where
 # its grammar rejects the greedy token, the first candidate it allows is the masked argmax
 # (when strictly above the K-th logit: every token of that logit is then among them), found
 # with `try_consume` alone, no mask and no device round trip before the next step's forward.
@@ -265,16 +267,20 @@ class GrammarMasks:
         if self._lazy is None:
             return None
         (ids, rows, prev), self._lazy = self._lazy, None
-        rows_on, top = self._candidates(rows, logits)
-        check = Check(ids, rows, host, sampled, rows_on if self.optimistic else logits, top)
+        if self.optimistic:  # (a rejected row's best allowed token: from its own logits, on
+            # a side stream at the check; a top-k's host work here cost the step ~0.6 ms on
+            # an H200, with ~4 % of rows rejected)
+            rows_on = logits.index_select(0, to_device(rows, logits.device))
+            check = Check(ids, rows, host, sampled, rows_on)
+        else:
+            check = Check(ids, rows, host, sampled, logits, self._candidates(rows, logits))
         check.optimistic, check.prev, check.before = self.optimistic, prev, self._before
         self._check = check
         return check
 
     def _candidates(self, rows: np.ndarray, logits: torch.Tensor):
-        """The rows' logits ([rows, V], on the device) and their best CHECK_CANDIDATES
-        (logits, ids), copied to the host without waiting (the step's end event, recorded after
-        this, covers the copy)."""
+        """The rows' best CHECK_CANDIDATES (logits, ids), copied to the host without waiting
+        (the step's end event, recorded after this, covers the copy)."""
         k = min(CHECK_CANDIDATES, logits.shape[1])
         # (unsorted: `_from_candidates` orders them; torch's sorted top-k waited on the host
         # for the step's forward to end, the unsorted one does not: tests/perf/host_sync_probe.py,
@@ -282,8 +288,8 @@ class GrammarMasks:
         rows_on = logits.index_select(0, to_device(rows, logits.device))
         values, ids = torch.topk(rows_on, k, sorted=False)
         if logits.device.type != "cuda":
-            return rows_on, (values, ids)
-        return rows_on, (to_host(values), to_host(ids))
+            return values, ids
+        return to_host(values), to_host(ids)
 
     @torch.inference_mode()  # (the step's tensors are inference tensors)
     def run_check(self, check: Check) -> None:

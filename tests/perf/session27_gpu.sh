@@ -8,10 +8,22 @@
 #     graphs and overlap, "check" against "wait" and masked rows), then SmolLM2's structured rows (64 json_schema streams x 128) in
 #     "check", "wait" and "mask" modes, and grammar_step_profile.py (the worker alone).
 #   rows: the same three structured rows again (the scatter between runs), the 1B decode rows.
-PART=${1:?part grammar or rows}
+#   spy: the "check" row again under py-spy (the engine process's threads; spy_summary.py).
+PART=${1:?part grammar, rows or spy}
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
 enter_new_tree model || exit 1
+
+if [ "$PART" = spy ]; then
+    timeout -s INT 200 /tmp/site/bin/py-spy record --idle --threads --subprocesses \
+        --format raw -r 250 -o /tmp/spy.txt -- python3 -m taipan.cli bench \
+        --workload structured --model smollm2 --device cuda --dtype bfloat16 \
+        --num-prompts 64 --output-len 128 --results "$OUT/spy_check.jsonl" 2>&1 \
+        | grep -E "^structured|rror" | cut -c1-260
+    python3 tests/perf/spy_summary.py /tmp/spy.txt "taipan.procs engine" 60 > "$OUT/spy.txt"
+    gzip -c /tmp/spy.txt > "$OUT/spy.raw.gz"
+    exit 0
+fi
 
 if [ "$PART" = grammar ]; then
     timeout -s ABRT 300 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
