@@ -297,36 +297,41 @@ class GrammarMasks:
         where its grammar allows it, else replaced, in `host` (and, unless the next step did
         not wait, on the device), by the best token of its masked logits. Rows that read a
         token the step before replaced are void: left alone. Wakes `wait_check` however it
-        ends."""
+        ends. The lock is held for the matchers' work only, not for the device's (the next
+        launch's `masked` waits for it)."""
         try:
-            with self._lock:
-                self._run_check(check)
+            self._run_check(check)
         except BaseException as e:
             check.fail(e)
             raise
         check.done.set()
 
     def _run_check(self, check: Check) -> None:
-        g = self.grammars
-        keep = np.array([rid in g.matchers for rid in check.ids.tolist()], dtype=bool)
-        if check.before is not None:  # (its rows were not known to be void at the launch)
-            keep &= ~_void_of(check.prev, check.before)
-            check.before = None  # (no chain of Checks kept alive)
-        check.void = check.rows[~keep]
-        at = np.flatnonzero(keep)
-        ids, rows = check.ids[at], check.rows[at]
-        bad = self._rejected(ids, check.host.numpy()[rows])
-        if not len(bad):
-            return
-        ids, rows, at = ids[bad], rows[bad], at[bad]
-        best = self._from_candidates(ids, at, check.top)  # (-1: none taken)
-        rest = np.flatnonzero(best < 0)
-        if len(rest):  # (its mask, on the device)
+        with self._lock:
+            g = self.grammars
+            keep = np.array([rid in g.matchers for rid in check.ids.tolist()], dtype=bool)
+            if check.before is not None:  # (its rows were not known to be void at the launch)
+                keep &= ~_void_of(check.prev, check.before)
+                check.before = None  # (no chain of Checks kept alive)
+            check.void = check.rows[~keep]
+            at = np.flatnonzero(keep)
+            ids, rows = check.ids[at], check.rows[at]
+            bad = self._rejected(ids, check.host.numpy()[rows])
+            if not len(bad):
+                return
+            ids, rows, at = ids[bad], rows[bad], at[bad]
+            best = self._from_candidates(ids, at, check.top)  # (-1: none taken)
+            rest = np.flatnonzero(best < 0)
+            masks = g.masks(ids[rest]) if len(rest) else None
+        if len(rest):  # (their masks, on the device; their matchers wait in their state)
             if check.optimistic:
-                got = self._saved_best(ids[rest], at[rest], check.logits)
+                got = self._saved_best(masks, at[rest], check.logits)
             else:
-                got = self._masked_best(ids[rest], rows[rest], check.logits).cpu()
-            self._consume(ids[rest], got)
+                device = check.logits.device
+                picked = check.logits.index_select(0, to_device(rows[rest], device))
+                got = masked_argmax(picked, to_device(masks, device)).cpu()
+            with self._lock:
+                self._consume(ids[rest], got)
             best[rest] = got.numpy()
         if check.optimistic:
             check.fixed = rows.astype(np.int32)
@@ -335,11 +340,10 @@ class GrammarMasks:
             check.sampled[to_device(rows, device)] = to_device(best, device, check.sampled.dtype)
         check.host[torch.from_numpy(rows)] = torch.from_numpy(best).to(check.host.dtype)
 
-    def _saved_best(self, ids: np.ndarray, at: np.ndarray, saved: torch.Tensor) -> torch.Tensor:
-        """The masked best token of the checked rows `at` of a void-mode Check (their own logits
-        `saved`, [rows, V]), on the host: on CUDA on a side stream (the main one runs the next
-        step by now; the step that wrote `saved` has ended)."""
-        masks = self.grammars.masks(ids)
+    def _saved_best(self, masks: np.ndarray, at: np.ndarray, saved: torch.Tensor) -> torch.Tensor:
+        """The best token under `masks` of the checked rows `at` of a void-mode Check (their own
+        logits `saved`, [rows, V]), on the host: on CUDA on a side stream (the main one runs
+        the next step by now; the step that wrote `saved` has ended)."""
         if saved.device.type != "cuda":
             return masked_argmax(saved[torch.from_numpy(at)], torch.from_numpy(masks)).cpu()
         if self._side is None:
