@@ -84,8 +84,11 @@ class GrammarSpec:
 
 # JSON's whitespace between tokens: at most this much per gap (as xgrammar's
 # max_whitespace_cnt), where JSON allows any amount: a model that favours whitespace would
-# otherwise fill max_tokens with it. A schema's own "x-guidance" options take precedence.
-JSON_WHITESPACE = "[ \\t\\n]{0,8}"
+# otherwise fill max_tokens with it. 32 holds a newline and the indentation of `json.dumps(...,
+# indent=4)` seven levels deep; 8 rejected a second level's items (a newline and 8 spaces), and
+# SmolLM2's pretty-printed JSON lost a step to a rejected token every few items (NOTES,
+# twenty-seventh session). A schema's own "x-guidance" options take precedence.
+JSON_WHITESPACE = "[ \\t\\n]{0,32}"
 
 
 def bounded_schema(schema: dict) -> dict:

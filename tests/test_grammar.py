@@ -385,6 +385,27 @@ def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fix
     assert check2.rows.tolist() == [1] and check2.before is None
 
 
+def test_json_takes_indented_text_and_bounds_each_whitespace_gap(tok, grammars):
+    """A json_schema's whitespace between tokens (JSON_WHITESPACE): `json.dumps(indent=4)` of
+    an instance nested three deep parses token by token (a newline and 12 spaces before its
+    innermost items), while a gap of 40 spaces is refused: a model cannot fill its output with
+    whitespace."""
+    strings = {"type": "array", "items": {"type": "string"}}
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "object", "properties": {"b": strings}}},
+    }
+    text = json.dumps({"a": {"b": ["x", "y"]}}, indent=4)
+    assert "\n            " in text
+    grammars.start(31, GrammarSpec("json_schema", json.dumps(schema)))
+    assert all(grammars.try_consume(31, t) for t in tok.encode(text, add_special_tokens=False))
+    grammars.start(32, GrammarSpec("json_schema", json.dumps(schema)))
+    taken = [
+        grammars.try_consume(32, t) for t in tok.encode("{" + " " * 40, add_special_tokens=False)
+    ]
+    assert not all(taken)
+
+
 def test_matchers_along_drafts_are_copies_and_end_at_a_rejected_draft(tok, grammars):
     """Grammars.along (masks at every scored position of a verify row): the matcher as is,
     then a copy after each draft its grammar takes (its own never moves), None from the first

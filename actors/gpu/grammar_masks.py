@@ -172,7 +172,8 @@ class GrammarMasks:
         self._lazy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._check: Check | None = None
         self._last: Check | None = None
-        self._side = None  # (CUDA: the stream a void-mode check's masked argmax runs on)
+        self._device: torch.device | None = None  # (the logits': set at the first grammar step)
+        self._side_stream = None  # (CUDA: the stream a void-mode check's device work runs on)
 
     @property
     def pending(self) -> bool:
@@ -214,6 +215,7 @@ class GrammarMasks:
     def _masked(self, plan: StepPlan, logits: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
         if self.grammars is None:
             self.grammars = Grammars(self.tokenizer, logits.shape[1])
+            self._device = logits.device
         g = self.grammars
         self._lazy = None  # (a step that failed between `masked` and `checked` left its own)
         before, self._before = self._last, None
@@ -320,12 +322,17 @@ class GrammarMasks:
             if not len(bad):
                 return
             ids, rows, at = ids[bad], rows[bad], at[bad]
-            best = self._from_candidates(ids, at, check.top)  # (-1: none taken)
+        if check.optimistic:  # (the rejected rows' candidates, from their own logits)
+            top, where = self._side(lambda: self._top(at, check.logits)), np.arange(len(at))
+        else:
+            top, where = check.top, at
+        with self._lock:
+            best = self._from_candidates(ids, where, top)  # (-1: none taken)
             rest = np.flatnonzero(best < 0)
             masks = g.masks(ids[rest]) if len(rest) else None
         if len(rest):  # (their masks, on the device; their matchers wait in their state)
             if check.optimistic:
-                got = self._saved_best(masks, at[rest], check.logits)
+                got = self._side(lambda: self._saved_best(masks, at[rest], check.logits))
             else:
                 device = check.logits.device
                 picked = check.logits.index_select(0, to_device(rows[rest], device))
@@ -340,18 +347,32 @@ class GrammarMasks:
             check.sampled[to_device(rows, device)] = to_device(best, device, check.sampled.dtype)
         check.host[torch.from_numpy(rows)] = torch.from_numpy(best).to(check.host.dtype)
 
-    def _saved_best(self, masks: np.ndarray, at: np.ndarray, saved: torch.Tensor) -> torch.Tensor:
-        """The best token under `masks` of the checked rows `at` of a void-mode Check (their own
-        logits `saved`, [rows, V]), on the host: on CUDA on a side stream (the main one runs
-        the next step by now; the step that wrote `saved` has ended)."""
-        if saved.device.type != "cuda":
-            return masked_argmax(saved[torch.from_numpy(at)], torch.from_numpy(masks)).cpu()
-        if self._side is None:
-            self._side = torch.cuda.Stream(saved.device)
-        with torch.cuda.stream(self._side):
-            on = torch.from_numpy(masks).to(saved.device)
-            best = masked_argmax(saved[torch.from_numpy(at).to(saved.device)], on)
-            return best.cpu()  # (waits for this stream only)
+    def _side(self, fn):
+        """`fn()` with its device work on a side stream (CUDA; else as it is): a void-mode
+        check's, while the main stream runs the next step (the step that wrote the logits it
+        reads has ended). Its results come to the host: waits for that stream only."""
+        device = self._device
+        if device is None or device.type != "cuda":
+            return fn()
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._side_stream):
+            return fn()
+
+    @staticmethod
+    def _top(at: np.ndarray, saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The best CHECK_CANDIDATES (logits, ids) of the checked rows `at` (their own logits
+        `saved`, [rows, V]), on the host."""
+        picked = saved[torch.from_numpy(at).to(saved.device)]
+        values, ids = torch.topk(picked, min(CHECK_CANDIDATES, saved.shape[1]), sorted=False)
+        return values.cpu(), ids.cpu()
+
+    @staticmethod
+    def _saved_best(masks: np.ndarray, at: np.ndarray, saved: torch.Tensor) -> torch.Tensor:
+        """The best token under `masks` of the checked rows `at` (their own logits `saved`,
+        [rows, V]), on the host."""
+        on = torch.from_numpy(masks).to(saved.device)
+        return masked_argmax(saved[torch.from_numpy(at).to(saved.device)], on).cpu()
 
     def wait_check(self) -> None:
         """Wait (before a step's forward) until the last launched step's Check has run."""
