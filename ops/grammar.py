@@ -193,11 +193,13 @@ class Grammars:
 
     def try_consume(self, request_id: int, token: int) -> bool:
         """Advance `request_id`'s live matcher past `token` if its grammar allows the token
-        there; whether it did (nothing changes when it does not). A token past the tokenizer's
-        (the logits' padding) is never allowed: llguidance would stop the matcher on it."""
-        if not 0 <= token < self.ll.vocab_size:
+        there; whether it did (nothing changes when it does not; False without a matcher: a
+        request dropped meanwhile). A token past the tokenizer's (the logits' padding) is never
+        allowed: llguidance would stop the matcher on it."""
+        m = self.matchers.get(request_id)
+        if m is None or not 0 <= token < self.ll.vocab_size:
             return False
-        return self.matchers[request_id].try_consume_tokens([int(token)]) == 1
+        return m.try_consume_tokens([int(token)]) == 1
 
     def masks(self, request_ids) -> np.ndarray:
         """The next allowed tokens of each request, [len(request_ids), words] int32 (all bits

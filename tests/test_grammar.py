@@ -323,7 +323,7 @@ def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fix
     host copy only (the device's was read already) and lists its row in `fixed`; step 2's row
     that read it is void: its check leaves it alone (no fix, its matcher not advanced), while a
     row that read a kept token is checked as usual. A launch after the check leaves the void
-    rows out from the start."""
+    rows out from the start; a row whose request was dropped meanwhile is left alone."""
     import types
 
     from taipan.actors.gpu.grammar_masks import GrammarMasks
@@ -383,6 +383,12 @@ def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fix
     tokens = torch.tensor([yes, no])
     check2 = masks.check_later(tokens, tokens.clone(), logits_for([yes, no]))
     assert check2.rows.tolist() == [1] and check2.before is None
+
+    # A request dropped (aborted) by a launch before its row's check ran: the row is left as
+    # it is, nothing raises.
+    masks.grammars.drop(8)
+    masks.run_check(check2)
+    assert check2.void.tolist() == [1] and check2.fixed.tolist() == []
 
 
 def test_json_takes_indented_text_and_bounds_each_whitespace_gap(tok, grammars):

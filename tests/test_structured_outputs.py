@@ -25,6 +25,9 @@ SCHEMA = {
     },
     "required": ["ok", "n"],
     "additionalProperties": False,
+    # (no whitespace between tokens: a random model pads every gap to its bound, which can
+    # outrun max_tokens)
+    "x-guidance": {"whitespace_flexible": False},
 }
 
 
