@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import time
 
 import numpy as np
@@ -250,7 +251,9 @@ class GpuActor(Actor):
                 if isinstance(handle, StepResult):  # (refused, failed, or already collected)
                     reply = handle
                 else:
-                    reply = await loop.run_in_executor(self.collector, self.worker.collect, handle)
+                    collect = functools.partial(self.worker.collect, deferred_check=True)
+                    reply = await loop.run_in_executor(self.collector, collect, handle)
+                    reply = self.worker.finish_check(handle, reply)  # (its grammar check)
             except Exception as e:
                 self.log.exception("step failed", step=plan.step)
                 no_tokens = np.full(len(plan.sample), -1, dtype=np.int32)

@@ -194,11 +194,12 @@ class GrammarMasks:
             return True
         return bool(((plan.temperature[rows] < GREEDY_EPS) & (plan.sample[rows] != 0)).all())
 
-    def inline(self, plan: StepPlan) -> bool:
-        """Whether a launch of `plan` (no log-probs, drafts or MTP) does nothing that waits
-        or takes long on the host: "check" mode, no grammar to compile, no masks to compute
-        or tokens to consume (its grammar rows greedy; no masked rows before it)."""
-        return not plan.grammar_new and self.skips_wait(plan, False)
+    def inline(self, plan: StepPlan, checks_in_launch: bool) -> bool:
+        """Whether a launch of `plan` does no grammar work that waits or takes long on the
+        host: "check" mode, no check in the launch (log-probs, drafts, MTP), no grammar to
+        compile, no masks to compute or tokens to consume (its grammar rows greedy; no masked
+        rows before it)."""
+        return not plan.grammar_new and self.skips_wait(plan, checks_in_launch)
 
     def launched(self, check: Check | None) -> None:
         """Every launch ends here: the step's Check (None: it has none), which the next step's

@@ -638,6 +638,20 @@ class ModelWorker(WorkerForward, WorkerControls):
         host = self._host_tokens[self._launches % HOST_TOKEN_BUFFERS][:num_seqs]
         return host.copy_(tokens, non_blocking=True)
 
+    def finish_check(self, launched: Launched | StepResult, result: StepResult) -> StepResult:
+        """`result` (of `collect(launched, deferred_check=True)`) with the grammar check it
+        left run: its checked rows' tokens, and the rows whose replaced token the next step read
+        (StepResult.grammar_fixed)."""
+        check = None if isinstance(launched, StepResult) else launched.check
+        if check is None or check.done.is_set() or result.error is not None:
+            return result
+        self.grammar_masks.run_check(check)
+        if not len(check.fixed):
+            return result
+        token_ids = result.token_ids.copy()
+        token_ids[check.fixed] = launched.tokens.numpy()[check.fixed]
+        return dataclasses.replace(result, token_ids=token_ids, grammar_fixed=check.fixed)
+
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
         step without grammar work, not expert parallel; its raw log-probs are read at
@@ -645,7 +659,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         grammar = uses_grammar(plan) or self.grammar_masks.pending
         # (a grammar step may wait for the step before it, or compile a grammar: not in
         # "check" mode with greedy rows only, GrammarMasks.inline)
-        grammar = grammar and not (self.device.type == "cuda" and self.grammar_masks.inline(plan))
+        checks_in_launch = wants_log_probs(plan) or bool(len(draft_rows(plan))) or self.mtp_k
+        inline = self.device.type == "cuda" and self.grammar_masks.inline(plan, checks_in_launch)
+        grammar = grammar and not inline
         # (top-n and processed log-probs may wait for the stream)
         waits = wants_log_probs(plan) and not log_probs_never_wait(plan)
         return (
@@ -672,9 +688,14 @@ class ModelWorker(WorkerForward, WorkerControls):
             and (grammar_log_probs or bool(len(draft_rows(plan))) or bool(self.mtp_k))
         )
 
-    def collect(self, launched: Launched | StepResult) -> StepResult:
+    def collect(
+        self, launched: Launched | StepResult, *, deferred_check: bool = False
+    ) -> StepResult:
         """Wait for a launched step's device work and build its StepResult. Thread-safe with
-        `launch` (it only waits on the step's event and reads its host buffers)."""
+        `launch` (it only waits on the step's event and reads its host buffers).
+        `deferred_check`: a "check" mode grammar check (one no launch waits for) is left to
+        `finish_check`, on the caller's next thread (the gpu actor's loop: the check's Python
+        there, not a third thread contending for the GIL)."""
         if isinstance(launched, StepResult):
             return launched
         plan = launched.plan
@@ -684,8 +705,9 @@ class ModelWorker(WorkerForward, WorkerControls):
                 device_seconds = launched.began.elapsed_time(launched.ended) / 1e3
             else:
                 device_seconds = time.perf_counter() - launched.device_start
-            if launched.check is not None:  # (greedy grammar rows, before their tokens are read)
-                self.grammar_masks.run_check(launched.check)
+            check = launched.check
+            if check is not None and not (deferred_check and check.optimistic):
+                self.grammar_masks.run_check(check)  # (greedy grammar rows, before their tokens)
         except BaseException as e:
             if launched.check is not None and not launched.check.done.is_set():
                 launched.check.fail(e)
@@ -705,7 +727,6 @@ class ModelWorker(WorkerForward, WorkerControls):
         if launched.next_drafts is not None:  # (an MTP head's, on the host now)
             extra = extra | {"next_drafts": launched.next_drafts.numpy().astype(np.int32)}
         extra = extra | launched.spec_log_probs
-        check = launched.check
         if check is not None and len(check.fixed):  # (their next step's rows are void)
             extra = extra | {"grammar_fixed": check.fixed}
         return StepResult(
