@@ -693,9 +693,10 @@ class ModelWorker(WorkerForward, WorkerControls):
     ) -> StepResult:
         """Wait for a launched step's device work and build its StepResult. Thread-safe with
         `launch` (it only waits on the step's event and reads its host buffers).
-        `deferred_check`: a "check" mode grammar check (one no launch waits for) is left to
-        `finish_check`, on the caller's next thread (the gpu actor's loop: the check's Python
-        there, not a third thread contending for the GIL)."""
+        `deferred_check`: a "check" mode grammar check is left to `finish_check`, on the
+        caller's next thread (the gpu actor's loop: the check's Python there, not a third
+        thread contending for the GIL; a launch that waits for it runs in the worker's thread,
+        never inline, so the loop stays free to run it)."""
         if isinstance(launched, StepResult):
             return launched
         plan = launched.plan
