@@ -175,7 +175,9 @@ def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_to
 ):
     """GrammarMasks (the gpu worker's), alone: a greedy row's own best token, allowed by its
     grammar, is kept and consumed without any mask computed; a rejected one is replaced by the
-    best token its mask allows. A sampled row is masked before sampling, as before."""
+    best token its mask allows. A request's first token is masked (its matcher has taken
+    nothing: its mask waits for no step) and checked. A sampled row is masked before sampling,
+    as before."""
     import types
 
     from taipan.actors.gpu.grammar_masks import GrammarMasks
@@ -198,21 +200,31 @@ def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_to
             num_drafts=np.zeros(0, np.int32), prev_rows=np.zeros(0, np.int32),
         )  # fmt: skip
 
-    start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
+    start = GrammarStart(7, StructuredOutput("regex", "(yes|no)(yes|no)"))
     logits = torch.zeros(1, vocab)
-    logits[0, yes] = 5.0  # allowed: kept, no mask
+    logits[0, 100] = 9.0  # (not allowed: masked away in the first token's step)
+    logits[0, yes] = 5.0
     out = masks.masked(plan(0.0, [start]), logits, logits)
+    assert computed == [[7]] and out is not logits and int(out.argmax()) == yes
+    assert masks.checked(torch.tensor([yes]), out).tolist() == [yes]  # (consumed)
+
+    computed.clear()
+    logits = torch.zeros(1, vocab)
+    logits[0, no] = 5.0  # allowed: kept, no mask
+    out = masks.masked(plan(0.0), logits, logits)
     assert out is logits and computed == []
-    assert masks.checked(torch.tensor([yes]), logits).tolist() == [yes] and computed == []
+    assert masks.checked(torch.tensor([no]), logits).tolist() == [no] and computed == []
     assert allowed(masks.grammars.masks([7])[0]) == list(tok.eos_token_ids)  # (consumed)
 
     computed.clear()
     masks.grammars.drop(7)
+    masks.masked(plan(0.0, [start]), logits, logits)
+    masks.checked(torch.tensor([yes]), logits)
+    computed.clear()
     logits = torch.zeros(1, vocab)
     logits[0, 100] = 9.0  # rejected: the best allowed token instead
     logits[0, no] = 3.0
-    start = GrammarStart(7, StructuredOutput("choice", json.dumps(["yes", "no"])))
-    masks.masked(plan(0.0, [start]), logits, logits)
+    masks.masked(plan(0.0), logits, logits)
     assert masks.checked(torch.tensor([100]), logits).tolist() == [no] and computed == [[7]]
 
     computed.clear()
@@ -323,7 +335,8 @@ def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fix
     host copy only (the device's was read already) and lists its row in `fixed`; step 2's row
     that read it is void: its check leaves it alone (no fix, its matcher not advanced), while a
     row that read a kept token is checked as usual. A launch after the check leaves the void
-    rows out from the start; a row whose request was dropped meanwhile is left alone."""
+    rows out from the start; a row whose request was dropped meanwhile is left alone. The row
+    that computes a void position again is masked as well as checked."""
     import types
 
     from taipan.actors.gpu.grammar_masks import GrammarMasks
@@ -373,6 +386,16 @@ def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fix
     assert host2.tolist() == [yes, no]
     assert {yes, no} <= set(allowed(masks.grammars.masks([7])[0]))  # (one token consumed)
     assert allowed(masks.grammars.masks([8])[0]) == list(tok.eos_token_ids)  # (two)
+    # Request 7's next row computes the void position again from the plan's input (prev -1):
+    # masked as well as checked (its matcher is current: check 1 ran).
+    assert masks._redo == {7}
+    redo = logits_for([100, yes])
+    masks.masked(step([-1, 1]), redo, None)
+    assert redo[0, 100] == float("-inf") and redo[0, no] == 3.0 and masks._redo == set()
+    check3 = masks.check_later(torch.tensor([no, 2]), torch.tensor([no, 2]), redo)
+    masks.launched(check3)
+    masks.run_check(check3)
+    assert check3.rows.tolist() == [0] and check3.fixed.tolist() == []
 
     # Launched once the check before it ran: its void rows are left out at the launch.
     masks.grammars.drop(7)

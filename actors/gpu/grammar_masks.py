@@ -172,6 +172,9 @@ class GrammarMasks:
         self._lazy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._check: Check | None = None
         self._last: Check | None = None
+        # Requests whose token a "check" mode check replaced: the row that computes the next
+        # position again is masked as well as checked (`_masked`).
+        self._redo: set[int] = set()
         self._device: torch.device | None = None  # (the logits': set at the first grammar step)
         self._side_stream = None  # (CUDA: the stream a void-mode check's device work runs on)
 
@@ -223,6 +226,7 @@ class GrammarMasks:
         self._consume_last()
         for rid in plan.grammar_drop.tolist():
             g.drop(rid)
+            self._redo.discard(rid)
         for start in plan.grammar_new:
             g.start(start.request_id, GrammarSpec(start.structured.kind, start.structured.spec))
         rows = np.flatnonzero(plan.grammar_rows >= 0)
@@ -237,7 +241,18 @@ class GrammarMasks:
         lazy = self._checkable(plan, rows)
         if lazy.any():
             self._lazy = (plan.grammar_rows[rows[lazy]], rows[lazy], prev[lazy])
-            rows, prev = rows[~lazy], prev[~lazy]
+        # A request's first token is masked too (its matcher has taken nothing, so its mask
+        # waits for no step), and checked with the others: a model rarely opens with what its
+        # schema wants ("JSON", "```" for "{": most of SmolLM2's first tokens were rejected).
+        # So is the row that computes again the position after a replaced token (its matcher
+        # took that token at the check, which has run): the schema's next fixed part is as
+        # unlikely ("text" for the key "notes" after "{").
+        ids = plan.grammar_rows[rows]
+        redo = np.isin(ids, list(self._redo)) & (prev < 0) if self._redo else False
+        first = lazy & (np.isin(ids, [n.request_id for n in plan.grammar_new]) | redo)
+        self._redo.difference_update(ids[first].tolist())
+        own = ~lazy  # (masked here, consumed at the next launch; the rest at their check)
+        rows, prev, own = rows[own | first], prev[own | first], own[own | first]
         if not len(rows):
             return logits
         ids = plan.grammar_rows[rows]
@@ -247,7 +262,8 @@ class GrammarMasks:
         if logits is raw:
             logits = logits.clone()
         apply_masks(logits, to_device(rows, logits.device), masks)
-        self._rows, self._rows_before = (ids, rows, prev), before
+        if own.any():
+            self._rows, self._rows_before = (ids[own], rows[own], prev[own]), before
         return logits
 
     def _checkable(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
@@ -343,6 +359,8 @@ class GrammarMasks:
             best[rest] = got.numpy()
         if check.optimistic:
             check.fixed = rows.astype(np.int32)
+            with self._lock:
+                self._redo.update(ids.tolist())  # (their next rows: masked, `_masked`)
         else:
             device = check.sampled.device
             check.sampled[to_device(rows, device)] = to_device(best, device, check.sampled.dtype)
