@@ -33,9 +33,10 @@ What the next step's forward does meanwhile (`TAIPAN_GRAMMAR_MASKS`, `grammar_mo
   launch inline on the gpu actor's loop like plain ones. A request's first token, and the row
   that computes a void position again, are masked as well as checked (their matchers are
   current at the launch, and a model's choice there is the likeliest to be refused: SmolLM2's
-  rejected tokens on the structured bench 59 -> 45 of 2,048 on the CPU). A rejected row takes the argmax of
-  its own copy of its logits under its mask, on a side stream (the step's logits are the next
-  step's by then, and the main stream runs it).
+  rejected tokens on the structured bench 59 -> 45 of 2,048 on the CPU). A rejected row takes
+  the first of its best candidates its grammar allows, else the argmax under its mask, both
+  from its own copy of its logits on a side stream (the step's logits are the next step's by
+  then, and the main stream runs it).
 - "wait": the next step's forward waits for the check (`wait_check`) and reads the replaced
   tokens (written back to the device): no void rows. A rejected row's replacement is, most of
   the time, among its best CHECK_CANDIDATES copied with its step's tokens. A recurrent state
