@@ -277,7 +277,7 @@ def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(to
     when it failed, and names the wait when no collect came."""
     import types
 
-    from taipan.actors.gpu import grammar_masks
+    from taipan.actors.gpu import grammar_check
     from taipan.actors.gpu.grammar_masks import GrammarMasks
     from taipan.messages.gpu import GrammarStart
     from taipan.messages.requests import StructuredOutput
@@ -321,7 +321,7 @@ def test_a_checked_row_is_checked_at_collect_and_the_next_launch_waits_for_it(to
     with pytest.raises(RuntimeError, match="grammar check failed: .*device lost"):
         masks.wait_check()
 
-    monkeypatch.setattr(grammar_masks, "CHECK_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(grammar_check, "CHECK_TIMEOUT_S", 0.05)
     masks.grammars.drop(7)
     masks.masked(step, logits, logits)
     masks.check_later(host, sampled, logits)

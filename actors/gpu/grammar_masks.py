@@ -46,34 +46,33 @@ What the next step's forward does meanwhile (`TAIPAN_GRAMMAR_MASKS`, `grammar_mo
   for masks computed by a thread of their own with the stream waiting on a host flag: no
   faster, and a deadlock hazard.)
 The matchers are shared by the launching thread and the collecting one (`run_check`): one lock.
+A step's Check, its void rows and a rejected row's device work are in grammar_check.py.
 
 Must not touch anything but the logits it is given and its own matchers.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 
 import numpy as np
 import torch
 
+from taipan.actors.gpu.grammar_check import (
+    CHECK_CANDIDATES,
+    Check,
+    saved_best,
+    seq_prev_rows,
+    top_candidates,
+    void_of,
+    wait_done,
+)
 from taipan.actors.gpu.host_staging import to_device, to_host
 from taipan.messages.gpu import StepPlan
 from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
 from taipan.ops.sampling import GREEDY_EPS
 
-CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which waits for the device
-# "wait" mode: a checked row's best candidates (logit and id) come to the host with its step's
-# tokens (the next forward waits for the check, so a device round trip there would cost every
-# step; "check" mode's costs only the collect, on a side stream, and skips the top-k): where
-# its grammar rejects the greedy token, the first candidate it allows is the masked argmax
-# (when strictly above the K-th logit: every token of that logit is then among them), found
-# with `try_consume` alone, no mask and no device round trip before the next step's forward.
-# SmolLM2 on the CPU, 32 json_schema streams: 32 candidates take 78 % of the rejected rows (8:
-# 58 %, 128: 82 %), and a step's check fell from 3.1 ms to 1.7 ms (8: 2.0 ms).
-CHECK_CANDIDATES = 32
 MODE_ENV = "TAIPAN_GRAMMAR_MASKS"
 MODES = ("check", "wait", "mask")
 
@@ -89,67 +88,6 @@ def grammar_mode() -> str:
 
 def uses_grammar(plan: StepPlan) -> bool:
     return bool(len(plan.grammar_rows) or plan.grammar_new or len(plan.grammar_drop))
-
-
-def seq_prev_rows(plan: StepPlan) -> np.ndarray:
-    """For each sequence of `plan`, the previous step's row its first token is read from
-    (StepPlan.prev_rows; -1: from the plan's input ids)."""
-    if not len(plan.prev_rows):
-        return np.full(len(plan.sample), -1, dtype=np.int64)
-    return plan.prev_rows[plan.query_start_loc[:-1]].astype(np.int64)
-
-
-@dataclasses.dataclass
-class Check:
-    """A launched step's checked rows, checked when the step is collected (`run_check`)."""
-
-    ids: np.ndarray  # their request ids
-    rows: np.ndarray  # their rows in the step
-    host: torch.Tensor  # [B] the step's tokens on the host (filled once the step has ended)
-    sampled: torch.Tensor  # [>= B] the device tokens the next step's prev_rows read
-    # [B, V] the step's controlled logits ("wait": not overwritten before `done`), or, when the
-    # next step does not wait, [rows, V] the checked rows' own copy.
-    logits: torch.Tensor
-    # ([rows, K] logits, [rows, K] ids) of each row's best candidates, on the host once the
-    # step has ended (None: none taken).
-    top: tuple[torch.Tensor, torch.Tensor] | None = None
-    # The next step does not wait ("check"): the replaced tokens stay off the device, and
-    # `fixed` lists their rows (StepResult.grammar_fixed). `prev`: the previous step's row each
-    # checked row read its input from (-1: none), and `before`, that step's Check when it was
-    # not waited for: a row that read a token it replaced is void (`void`), not checked.
-    optimistic: bool = False
-    prev: np.ndarray | None = None
-    before: Check | None = None
-    fixed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
-    void: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    error: BaseException | None = None
-
-    def fail(self, error: BaseException) -> None:
-        """The step's collect failed before the check could run: the next launch raises."""
-        self.error = error
-        self.done.set()
-
-
-def _wait_done(check: Check) -> None:
-    if not check.done.wait(CHECK_TIMEOUT_S):
-        raise RuntimeError(
-            f"structured outputs: the previous step's grammar check did not run within "
-            f"{CHECK_TIMEOUT_S:.0f} s (its collect never came)"
-        )
-    if check.error is not None:
-        raise RuntimeError(
-            f"structured outputs: the previous step's grammar check failed: {check.error!r}"
-        )
-
-
-def _void_of(prev: np.ndarray, before: Check | None) -> np.ndarray:
-    """Which of the rows whose inputs came from `prev` (rows of the step before) read a token
-    that step's check replaced (`before`, collected: its check has run)."""
-    if before is None or not before.optimistic:
-        return np.zeros(len(prev), dtype=bool)
-    _wait_done(before)  # (collected before this one: at once)
-    return np.isin(prev, before.fixed) & (prev >= 0)
 
 
 class GrammarMasks:
@@ -239,7 +177,7 @@ class GrammarMasks:
             rows = rows[plan.num_drafts[rows] == 0]
         prev = seq_prev_rows(plan)[rows]
         if before is not None and before.done.is_set():  # (its void rows: known, left out)
-            keep = ~_void_of(prev, before)
+            keep = ~void_of(prev, before)
             rows, prev, before = rows[keep], prev[keep], None
         self._before = before  # (not checked yet: the rows' check or consumption finds them)
         lazy = self._checkable(plan, rows)
@@ -334,7 +272,7 @@ class GrammarMasks:
             g = self.grammars
             keep = np.array([rid in g.matchers for rid in check.ids.tolist()], dtype=bool)
             if check.before is not None:  # (its rows were not known to be void at the launch)
-                keep &= ~_void_of(check.prev, check.before)
+                keep &= ~void_of(check.prev, check.before)
                 check.before = None  # (no chain of Checks kept alive)
             check.void = check.rows[~keep]
             at = np.flatnonzero(keep)
@@ -344,7 +282,7 @@ class GrammarMasks:
                 return
             ids, rows, at = ids[bad], rows[bad], at[bad]
         if check.optimistic:  # (the rejected rows' candidates, from their own logits)
-            top, where = self._side(lambda: self._top(at, check.logits)), np.arange(len(at))
+            top, where = self._side(lambda: top_candidates(at, check.logits)), np.arange(len(at))
         else:
             top, where = check.top, at
         with self._lock:
@@ -353,7 +291,7 @@ class GrammarMasks:
             masks = g.masks(ids[rest]) if len(rest) else None
         if len(rest):  # (their masks, on the device; their matchers wait in their state)
             if check.optimistic:
-                got = self._side(lambda: self._saved_best(masks, at[rest], check.logits))
+                got = self._side(lambda: saved_best(masks, at[rest], check.logits))
             else:
                 device = check.logits.device
                 picked = check.logits.index_select(0, to_device(rows[rest], device))
@@ -382,26 +320,11 @@ class GrammarMasks:
         with torch.cuda.stream(self._side_stream):
             return fn()
 
-    @staticmethod
-    def _top(at: np.ndarray, saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The best CHECK_CANDIDATES (logits, ids) of the checked rows `at` (their own logits
-        `saved`, [rows, V]), on the host."""
-        picked = saved[torch.from_numpy(at).to(saved.device)]
-        values, ids = torch.topk(picked, min(CHECK_CANDIDATES, saved.shape[1]), sorted=False)
-        return values.cpu(), ids.cpu()
-
-    @staticmethod
-    def _saved_best(masks: np.ndarray, at: np.ndarray, saved: torch.Tensor) -> torch.Tensor:
-        """The best token under `masks` of the checked rows `at` (their own logits `saved`,
-        [rows, V]), on the host."""
-        on = torch.from_numpy(masks).to(saved.device)
-        return masked_argmax(saved[torch.from_numpy(at).to(saved.device)], on).cpu()
-
     def wait_check(self) -> None:
         """Wait (before a step's forward) until the last launched step's Check has run."""
         check, self._check = self._check, None
         if check is not None:
-            _wait_done(check)
+            wait_done(check)
 
     def _from_candidates(self, ids: np.ndarray, at: np.ndarray, top) -> np.ndarray:
         """For each rejected row (request `ids[i]`, index `at[i]` into the Check's rows), the
@@ -510,6 +433,6 @@ class GrammarMasks:
         if ended is not None:
             ended.synchronize()  # (the step that sampled them, not the one queued after it)
         tokens = host.numpy()[rows] if host.device.type == "cpu" else host[rows].cpu().numpy()
-        keep = ~_void_of(prev, before)  # (a void row's token is nobody's)
+        keep = ~void_of(prev, before)  # (a void row's token is nobody's)
         for rid, token in zip(ids[keep].tolist(), tokens[keep].tolist(), strict=True):
             self.grammars.consume(rid, token)

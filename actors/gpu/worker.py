@@ -31,12 +31,8 @@ from taipan.actors.gpu.chain import run_chain
 from taipan.actors.gpu.controls import WorkerControls
 from taipan.actors.gpu.draft import SELF_PREFIX, DraftModel, check_draft_prev, load_draft
 from taipan.actors.gpu.forward import WorkerForward, plan_arrays
-from taipan.actors.gpu.grammar_masks import (
-    Check,
-    GrammarMasks,
-    grammar_mode,
-    uses_grammar,
-)
+from taipan.actors.gpu.grammar_check import Check
+from taipan.actors.gpu.grammar_masks import GrammarMasks, grammar_mode, uses_grammar
 from taipan.actors.gpu.graphs import StepGraphs
 from taipan.actors.gpu.host_staging import ARENA_BYTES
 from taipan.actors.gpu.logprobs import (
