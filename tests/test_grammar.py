@@ -381,7 +381,9 @@ def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fix
     masks.run_check(check1)  # row 0's 100 is rejected: `no`, its best allowed candidate
     assert host1.tolist() == [no, yes] and sampled1.tolist() == [100, yes]
     assert check1.fixed.tolist() == [0]
+    assert masks.pending
     masks.run_check(check2)  # row 0 read 100: void; row 1 read `yes` and takes `no`
+    assert not masks.pending  # (checks that ran leave plain steps nothing to do)
     assert check2.void.tolist() == [0] and check2.fixed.tolist() == []
     assert host2.tolist() == [yes, no]
     assert {yes, no} <= set(allowed(masks.grammars.masks([7])[0]))  # (one token consumed)

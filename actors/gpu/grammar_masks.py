@@ -124,8 +124,13 @@ class GrammarMasks:
     def pending(self) -> bool:
         """Whether a grammar step's tokens wait to be consumed or checked (every later step
         waits for that, grammar rows or not, unless `skips_wait`: the host buffers they sit in
-        are reused, and its forward reads the checked tokens)."""
-        return (self._rows is not None and self._tokens is not None) or self._check is not None
+        are reused, and its forward reads the checked tokens). A "check" mode check that has
+        run leaves nothing pending: plain steps after the last grammar request do no grammar
+        work."""
+        if self._rows is not None and self._tokens is not None:
+            return True
+        check = self._check
+        return check is not None and not (check.optimistic and check.done.is_set())
 
     def skips_wait(self, plan: StepPlan, checks_in_launch: bool) -> bool:
         """Whether `plan`'s launch may skip `wait_check` (the last step's check): "check" mode,
