@@ -378,10 +378,11 @@ class StepResult:
     # row, to follow the last token this step gave it (-1 after its last draft, and for the
     # sequences that asked none); empty when none asked.
     next_drafts: Array[np.int32, 2] = empty_array_field(np.int32, 2)
-    # Structured outputs (actors/gpu/grammar_masks.py, "check" mode): the rows whose sampled
-    # token the grammar check replaced after the next step had been launched reading it. Each
-    # such request's row in that next step is void: its token is dropped and its position is
-    # computed again (the engine plans it with the replaced token).
+    # Structured outputs (actors/gpu/grammar_masks.py, "check" mode, where the next step does
+    # not wait for the grammar check and reads the old token): the rows whose sampled token
+    # the check replaced. Such a request's row in the step in flight, if it has one, is void:
+    # its token is dropped and its position computed again (the engine plans it with the
+    # replaced token).
     grammar_fixed: Array[np.int32, 1] = empty_array_field(np.int32)
 
 
