@@ -92,6 +92,33 @@ def test_checked_greedy_rows_equal_masked_ones(tiny, overlap, mode, monkeypatch)
     assert [o.token_ids for o in both] == [o.token_ids for o in want]
 
 
+def test_void_rows_keep_outputs_under_kv_pressure_and_prefix_caching(tiny, monkeypatch):
+    """ "check" mode with overlapped steps in a pool too small for its requests (8 blocks of 16
+    tokens, 6 grammar requests growing to 2-3 blocks each: they pause, are evicted and
+    recompute) and with prefix caching (two prompts share their first block): the tokens of
+    "wait" mode, where no row is ever void; every block comes back."""
+    shape = TINY_SHAPE
+    kv_per_token = shape["num_key_value_heads"] * shape["head_dim"]
+    per_block = shape["num_hidden_layers"] * 2 * 16 * kv_per_token * 4  # (fp32 K, V of a layer)
+    config = dict(
+        block_size_tokens=16, buffer_size_gb=8.5 * per_block / 1024**3, max_tokens=24,
+        max_requests=8, max_sequence_length=512, overlap_steps=True, enable_prefix_caching=True,
+    )  # fmt: skip
+    shared = list(range(200, 216))
+    prompts = [shared + [5, 17], shared + [9], [3, 3, 3], [100, 7], [8, 8, 1], [4] * 10]
+    specs = [("json_schema", json.dumps(SCHEMA)), ("regex", "[0-9]{3}-[a-z]{30}")] * 3
+    sampling = [_sampling(kind, spec, max_tokens=36) for kind, spec in specs]
+    got = {}
+    for mode in ("wait", "check"):
+        monkeypatch.setenv("TAIPAN_GRAMMAR_MASKS", mode)
+        with LLM(tiny, **config) as llm:
+            got[mode] = [o.token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
+            stats = llm.stats().merged()
+        assert stats.evicted_total > 0 and stats.prefix_cached_tokens > 0, (mode, stats)
+        assert (stats.grammar_void_rows > 0) == (mode == "check"), (mode, stats)
+    assert got["check"] == got["wait"]
+
+
 def test_a_bad_grammar_is_refused_naming_why(tiny):
     with LLM(tiny, buffer_size_gb=0.05) as llm:
         with pytest.raises(RequestError, match="regex"):
