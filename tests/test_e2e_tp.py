@@ -18,6 +18,8 @@ against the same model at T = 1:
   leave no process;
 - a tiny Qwen3-MoE (experts split along their intermediate size) at T = 2 gives T = 1's
   greedy tokens and log-probs;
+- structured outputs with overlapped steps ("check" mode: rows voided where the grammar check
+  replaced the token they read, on every peer alike) give T = 1's tokens;
 - `taipan bench --tensor-parallel-size 2` rows carry the size, with per-device floors;
 - DP=2 x TP=2, four model processes, equal T = 1; with a follower of rank 1 killed, rank 1's
   requests fail naming it and rank 0 serves on.
@@ -26,6 +28,7 @@ A gpu-marked test runs T = 2 over NCCL with CUDA graphs against T = 1 on 2 GPUs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -120,6 +123,33 @@ def test_tp2_equals_tp1(want, tp2):
     assert len({tuple(c.token_ids) for c in want}) > 5  # the prompts lead somewhere different
     [rank] = llm.stats().ranks
     assert rank.alive and rank.steps_total > len(PROMPTS)
+
+
+def test_grammar_rows_at_tp2_equal_tp1_with_void_rows(tiny):
+    """Structured outputs at T = 2 with overlapped steps ("check" mode: the next step does not
+    wait for the grammar check; each peer checks its own rows, the leader reports): T = 1's
+    tokens, rows voided on both peers alike (a follower that disagreed would diverge)."""
+    from taipan.messages.requests import StructuredOutput
+
+    number = {"type": "integer", "minimum": 0, "maximum": 99}
+    schema = json.dumps({
+        "type": "object", "properties": {"n": number}, "required": ["n"],
+        "additionalProperties": False, "x-guidance": {"whitespace_flexible": False},
+    })  # fmt: skip
+    kinds = [("json_schema", schema), ("regex", "[0-9]{3}-[a-z]{20}")]
+    sampling = [
+        SamplingParams(max_tokens=40, temperature=0.0, structured=StructuredOutput(k, spec))
+        for k, spec in kinds * 3
+    ]
+    prompts = [[5, 17, 42, 9], [3, 3, 3], [100, 7], [8, 8], [1, 2, 3, 4, 5], [9] * 20]
+    got = {}
+    for size in (1, 2):
+        cfg = TP_CONFIG | {"overlap_steps": True}
+        with LLM(tiny, tensor_parallel_size=size, **cfg) as llm:
+            got[size] = [o.token_ids for o in llm.generate(prompts, sampling, use_tqdm=False)]
+            void = llm.stats().merged().grammar_void_rows
+        assert void > 0, (size, void)
+    assert got[2] == got[1]
 
 
 def test_direct_mode_at_tp2_equals_tp1(want, tiny):
