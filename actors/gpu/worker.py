@@ -532,6 +532,7 @@ class ModelWorker(WorkerForward, WorkerControls):
             return StepResult(plan.step, no_tokens, refusal, 0.0)
         num_seqs = len(plan.seq_lens)
         if num_seqs == 0 and self.ep is not None:
+            self.grammar_masks.launched(None)  # (no rows: none reads this step's tokens)
             return self._dummy(plan, start)
         check_prev_rows(plan, previous)
         check_mamba_slots(plan, self._mamba_slots, self._snapshot_slots)
