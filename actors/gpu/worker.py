@@ -555,9 +555,11 @@ class ModelWorker(WorkerForward, WorkerControls):
         sizes = {"num_tokens": bucket.tokens, "num_seqs": bucket.seqs} if bucket else {}
         arrays = plan_arrays(plan, self.buffers.fields, verify_snaps)
         staged = self.buffers.stage(arrays, **sizes)
-        # (the grammar rows' tokens checked in the launch: what the step reports is final)
-        checks_in_launch = wants_log_probs(plan) or bool(len(draft_rows(plan))) or self.mtp_k
-        if not self.grammar_masks.skips_wait(plan, checks_in_launch):
+        # (the grammar rows' tokens checked in the launch: what the step reports is final; a
+        # plain step with no grammar work pending computes none of this)
+        grammar = uses_grammar(plan) or self.grammar_masks.pending
+        checks_in_launch = grammar and self._checks_in_launch(plan)
+        if grammar and not self.grammar_masks.skips_wait(plan, checks_in_launch):
             self.grammar_masks.wait_check()  # (the last step's checked tokens, which it reads)
         # Device time: from the step's one host-to-device copy to its last kernel (the host
         # packing above is time the device waits between steps, unless a step is in flight).
@@ -611,8 +613,9 @@ class ModelWorker(WorkerForward, WorkerControls):
             device=self.device,
         )
         check = None
-        if checks_later:  # (greedy grammar rows: checked at collect, the next forward waits;
-            # their candidates' copy to the host is queued here, before `ended`)
+        if checks_later:  # (greedy grammar rows: checked at collect; "wait": the next forward
+            # waits for it, and their candidates' copy to the host is queued here, before
+            # `ended`; "check": their logits' copy, for a rejected row's replacement)
             check = self.grammar_masks.check_later(host, self._sampled, controlled)
         self.grammar_masks.launched(check)
         if ended is not None:
@@ -649,16 +652,19 @@ class ModelWorker(WorkerForward, WorkerControls):
         token_ids[check.fixed] = launched.tokens.numpy()[check.fixed]
         return dataclasses.replace(result, token_ids=token_ids, grammar_fixed=check.fixed)
 
+    def _checks_in_launch(self, plan: StepPlan) -> bool:
+        """Whether a grammar step's checked rows are checked in its launch (what it reports of
+        them is computed there: log-probs, verified drafts, an MTP head's input)."""
+        return wants_log_probs(plan) or bool(len(draft_rows(plan))) or bool(self.mtp_k)
+
     def launches_inline(self, plan: StepPlan) -> bool:
         """Whether `launch(plan)` is short host work that never waits for the device (a CUDA
         step without grammar work, not expert parallel; its raw log-probs are read at
         collect), so the caller may run it on its own thread."""
         grammar = uses_grammar(plan) or self.grammar_masks.pending
-        # (a grammar step may wait for the step before it, or compile a grammar: not in
-        # "check" mode with greedy rows only, GrammarMasks.inline)
-        checks_in_launch = wants_log_probs(plan) or bool(len(draft_rows(plan))) or self.mtp_k
-        inline = self.device.type == "cuda" and self.grammar_masks.inline(plan, checks_in_launch)
-        grammar = grammar and not inline
+        if grammar and self.device.type == "cuda":  # (a grammar step may wait for the step
+            # before it, or compile a grammar: not in "check" mode with greedy rows only)
+            grammar = not self.grammar_masks.inline(plan, self._checks_in_launch(plan))
         # (top-n and processed log-probs may wait for the stream)
         waits = wants_log_probs(plan) and not log_probs_never_wait(plan)
         return (
