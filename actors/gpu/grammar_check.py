@@ -98,8 +98,8 @@ def top_candidates(at: np.ndarray, saved: torch.Tensor) -> tuple[torch.Tensor, t
     return values.cpu(), ids.cpu()
 
 
-def saved_best(masks: np.ndarray, at: np.ndarray, saved: torch.Tensor) -> torch.Tensor:
-    """The best token under `masks` of the checked rows `at` (their own logits `saved`,
-    [rows, V]), on the host."""
-    on = torch.from_numpy(masks).to(saved.device)
-    return masked_argmax(saved[torch.from_numpy(at).to(saved.device)], on).cpu()
+def best_allowed(masks: np.ndarray, rows: np.ndarray, logits: torch.Tensor) -> torch.Tensor:
+    """The best token under `masks` of each of `rows` of `logits` ([N, V]), on the host (a
+    check's: its step has ended)."""
+    on = torch.from_numpy(masks).to(logits.device)
+    return masked_argmax(logits[torch.from_numpy(rows).to(logits.device)], on).cpu()

@@ -62,7 +62,7 @@ import torch
 from taipan.actors.gpu.grammar_check import (
     CHECK_CANDIDATES,
     Check,
-    saved_best,
+    best_allowed,
     seq_prev_rows,
     top_candidates,
     void_of,
@@ -295,12 +295,10 @@ class GrammarMasks:
             rest = np.flatnonzero(best < 0)
             masks = g.masks(ids[rest]) if len(rest) else None
         if len(rest):  # (their masks, on the device; their matchers wait in their state)
-            if check.optimistic:
-                got = self._side(lambda: saved_best(masks, at[rest], check.logits))
-            else:
-                device = check.logits.device
-                picked = check.logits.index_select(0, to_device(rows[rest], device))
-                got = masked_argmax(picked, to_device(masks, device)).cpu()
+            if check.optimistic:  # (its rows' own logits, on the side stream)
+                got = self._side(lambda: best_allowed(masks, at[rest], check.logits))
+            else:  # (the step's logits: the next forward waits for this)
+                got = best_allowed(masks, rows[rest], check.logits)
             with self._lock:
                 self._consume(ids[rest], got)
             best[rest] = got.numpy()
