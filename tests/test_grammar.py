@@ -170,6 +170,51 @@ def test_requests_of_one_grammar_share_its_compiled_template(tok, monkeypatch):
     assert len(g._templates) == 2 and spec.grammar() not in g._templates
 
 
+def test_advance_takes_allowed_tokens_and_leaves_a_refused_one_untaken(tok):
+    """A batch check (`advance`): each allowed token is taken, a refused one is not (its
+    matcher, broken by llguidance's consume, is built again from its template and the tokens
+    it took: it goes on as if it had never seen the refused one), a request without a matcher
+    is -1, the logits' padding is refused, a grammar that completes takes nothing more."""
+    g = Grammars(tok, 49152 + 64)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
+    for rid in (1, 2, 3):
+        g.start(rid, spec)
+    g.start(4, GrammarSpec("choice", json.dumps(["yes"])))
+    brace = tok.encode("{", add_special_tokens=False)[0]
+    hello = tok.encode("Hello", add_special_tokens=False)[0]
+    yes = tok.encode("yes", add_special_tokens=False)
+    assert len(yes) == 1
+    took = g.advance([1, 2, 3, 9, 4], [brace, hello, 49152 + 3, brace, yes[0]])
+    assert took.tolist() == [1, 0, 0, -1, 1]
+    assert g._history[1] == [brace] and g._history[2] == [] and g._history[3] == []
+    assert not g.matchers[2].is_error() and g.live(2)
+    for rid in (2, 3):  # (untouched: they take what a fresh matcher takes)
+        assert not np.array_equal(g.masks([rid])[0], g.masks([1])[0])
+        assert brace in allowed(g.masks([rid])[0])
+    assert g.advance([2], [brace]).tolist() == [1]
+    assert np.array_equal(g.masks([2])[0], g.masks([1])[0])
+    assert not g.live(4) and allowed(g.masks([4])[0]) == list(tok.eos_token_ids)
+    assert g.advance([4], [yes[0]]).tolist() == [0]  # (complete: nothing more)
+    for rid in (1, 2, 3, 4):
+        g.drop(rid)
+    assert not g._history and not g._origin and not g.dead
+
+
+def test_first_masks_come_from_the_template_and_equal_a_matchers_own(tok):
+    """A request that has taken nothing gets its template's first mask, computed once: the
+    same bits its own matcher gives."""
+    g = Grammars(tok, 49152 + 64)
+    spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
+    for rid in (1, 2):
+        g.start(rid, spec)
+    cached = g.masks([1, 2])
+    assert g._origin[1][1] is not None and g._origin[1] is g._origin[2]
+    own = g.masks_of([g.matchers[1]])[0]
+    assert np.array_equal(cached[0], own) and np.array_equal(cached[1], own)
+    g.consume(1, tok.encode("{", add_special_tokens=False)[0])
+    assert not np.array_equal(g.masks([1])[0], own)  # (its own matcher's, once it moved)
+
+
 def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_token(
     tok, monkeypatch
 ):

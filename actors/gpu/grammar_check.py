@@ -87,6 +87,8 @@ def void_of(prev: np.ndarray, before: Check | None) -> np.ndarray:
     if before is None or not before.optimistic:
         return np.zeros(len(prev), dtype=bool)
     wait_done(before)  # (collected before this one: at once)
+    if not len(before.fixed):  # (most steps: it replaced nothing)
+        return np.zeros(len(prev), dtype=bool)
     return np.isin(prev, before.fixed) & (prev >= 0)
 
 

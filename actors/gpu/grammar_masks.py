@@ -195,9 +195,16 @@ class GrammarMasks:
         # took that token at the check, which has run): the schema's next fixed part is as
         # unlikely ("text" for the key "notes" after "{").
         ids = plan.grammar_rows[rows]
-        redo = np.isin(ids, list(self._redo)) & (prev < 0) if self._redo else False
-        first = lazy & (np.isin(ids, [n.request_id for n in plan.grammar_new]) | redo)
-        self._redo.difference_update(ids[first].tolist())
+        first = np.zeros(len(rows), dtype=bool)
+        if plan.grammar_new:
+            first |= np.isin(ids, [n.request_id for n in plan.grammar_new])
+        if self._redo:
+            first |= np.isin(ids, list(self._redo)) & (prev < 0)
+        first &= lazy
+        if first.any():
+            self._redo.difference_update(ids[first].tolist())
+        elif lazy.all():  # (every row checked after sampling: nothing to mask)
+            return logits
         own = ~lazy  # (masked here, consumed at the next launch; the rest at their check)
         rows, prev, own = rows[own | first], prev[own | first], own[own | first]
         if not len(rows):
@@ -223,7 +230,13 @@ class GrammarMasks:
         if len(plan.logprobs_mode):
             ok &= plan.logprobs_mode[rows] == 0
         ids = plan.grammar_rows[rows]
-        return ok & np.array([self.grammars.live(int(r)) for r in ids], dtype=bool)
+        g = self.grammars
+        if g.dead:  # (stopped or broken: masked, end-of-sequence tokens only)
+            ok &= ~np.isin(ids, list(g.dead))
+        known = g.matchers
+        gone = [i for i, r in enumerate(ids.tolist()) if r not in known]
+        ok[gone] = False
+        return ok
 
     def check_later(
         self, host: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor
@@ -236,7 +249,11 @@ class GrammarMasks:
         if self.optimistic:  # (a rejected row's best allowed token: from its own logits, on
             # a side stream at the check; a top-k's host work here cost the step ~0.6 ms on
             # an H200, with ~4 % of rows rejected)
-            rows_on = logits.index_select(0, to_device(rows, logits.device))
+            lo = int(rows[0])
+            if int(rows[-1]) - lo + 1 == len(rows):  # (consecutive rows: no index upload)
+                rows_on = logits[lo : lo + len(rows)].clone()
+            else:
+                rows_on = logits.index_select(0, to_device(rows, logits.device))
             check = Check(ids, rows, host, sampled, rows_on)
         else:
             check = Check(ids, rows, host, sampled, logits, self._candidates(rows, logits))
@@ -275,14 +292,20 @@ class GrammarMasks:
     def _run_check(self, check: Check) -> None:
         with self._lock:
             g = self.grammars
-            keep = np.array([rid in g.matchers for rid in check.ids.tolist()], dtype=bool)
+            keep = np.ones(len(check.rows), dtype=bool)
             if check.before is not None:  # (its rows were not known to be void at the launch)
                 keep &= ~void_of(check.prev, check.before)
                 check.before = None  # (no chain of Checks kept alive)
-            check.void = check.rows[~keep]
             at = np.flatnonzero(keep)
             ids, rows = check.ids[at], check.rows[at]
-            bad = self._rejected(ids, check.host.numpy()[rows])
+            took = g.advance(ids.tolist(), check.host.numpy()[rows].tolist())
+            if took.min(initial=1) == 1:  # (most steps: every token taken, nothing void)
+                if len(at) < len(keep):
+                    check.void = check.rows[~keep]
+                return
+            keep[at[took < 0]] = False  # (a request dropped meanwhile: its row is nobody's)
+            check.void = check.rows[~keep]
+            bad = np.flatnonzero(took == 0)
             if not len(bad):
                 return
             ids, rows, at = ids[bad], rows[bad], at[bad]
@@ -413,9 +436,7 @@ class GrammarMasks:
 
     def _rejected(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Indices of the rows whose token their grammar rejects (the others consumed it)."""
-        g = self.grammars
-        ok = [g.try_consume(rid, t) for rid, t in zip(ids.tolist(), tokens.tolist(), strict=True)]
-        return np.flatnonzero(~np.array(ok, dtype=bool))
+        return np.flatnonzero(self.grammars.advance(ids.tolist(), tokens.tolist()) <= 0)
 
     def _consume(self, ids: np.ndarray, tokens: torch.Tensor) -> None:
         for rid, token in zip(ids.tolist(), tokens.tolist(), strict=True):

@@ -1,6 +1,6 @@
 """Lay a recorded runtime's decode steps out in time (device tool helper, not a test):
 
-    python3 tests/perf/step_timeline.py DIR   (DIR: `taipan bench ... --record DIR`)
+    python3 tests/perf/step_timeline.py DIR [GAP_MS]   (DIR: `taipan bench ... --record DIR`)
 
 From the gpu actor's log (every StepPlan in, every StepResult out, stamped when its channel saw
 it) and the engine's (the same messages from the other side), per kind of step, plain decode
@@ -17,7 +17,9 @@ it) and the engine's (the same messages from the other side), per kind of step, 
 and the share of them replayed from a CUDA graph.
 
 Runtimes recorded into one directory one after the other (the spec bench's "off" and "on")
-share the logs; steps more than a second apart start a new segment, printed apart.
+share the logs; steps more than a second apart (or GAP_MS, the second argument: a bench's
+rounds) start a new segment, printed apart with its span, its first and last 8 steps' share and
+the middle's ms a step. A step with grammar rows is its kind's "+grammar".
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from taipan.actors.record import read_log
 from taipan.messages.codec import decode
 from taipan.messages.gpu import StepPlan, StepResult
 
-SEGMENT_GAP_S = 1.0
+SEGMENT_GAP_S = 1.0  # (argv[2], in ms, cuts at shorter gaps: e.g. a bench's rounds)
 
 
 def steps_of(log: Path) -> list[dict]:
@@ -47,6 +49,8 @@ def steps_of(log: Path) -> list[dict]:
             drafts = len(msg.num_drafts) and bool(msg.num_drafts.any())
             decode_only = bool((np.diff(msg.query_start_loc) == 1).all())
             kind = "verify" if drafts else "decode" if decode_only else "mixed"
+            if len(msg.grammar_rows) and (msg.grammar_rows >= 0).any():
+                kind += "+grammar"
             by_step[msg.step] = {"plan_in": rec.time, "kind": kind, "seqs": len(msg.seq_lens)}
         elif isinstance(msg, StepResult) and rec.direction == "out" and msg.step in by_step:
             by_step[msg.step].update(
@@ -58,10 +62,10 @@ def steps_of(log: Path) -> list[dict]:
     return [s for _, s in sorted(by_step.items()) if "result_out" in s]
 
 
-def _segments(steps: list[dict]) -> list[list[dict]]:
+def _segments(steps: list[dict], gap_s: float = SEGMENT_GAP_S) -> list[list[dict]]:
     out: list[list[dict]] = []
     for s in steps:
-        if not out or s["plan_in"] - out[-1][-1]["result_out"] > SEGMENT_GAP_S:
+        if not out or s["plan_in"] - out[-1][-1]["result_out"] > gap_s:
             out.append([])
         out[-1].append(s)
     return out
@@ -87,10 +91,29 @@ def summarize(steps: list[dict]) -> dict[str, dict[str, float]]:
     }
 
 
-def main(directory: str) -> None:
+def phases(seg: list[dict], edge: int = 8) -> str:
+    """A segment's span and where it went: its first `edge` steps (requests arriving,
+    prefills), the middle and its last `edge`, each as ms in total."""
+
+    def span(a: int, b: int) -> float:
+        part = seg[a:b]
+        return 1e3 * (
+            part[-1]["result_out"] - (seg[a - 1]["result_out"] if a else part[0]["plan_in"])
+        )
+
+    n = len(seg)
+    if n <= 2 * edge:
+        return f"span {span(0, n):.1f} ms"
+    return (f"span {span(0, n):.1f} ms: first {edge} steps {span(0, edge):.1f}, middle "
+            f"{span(edge, n - edge):.1f} ({span(edge, n - edge) / (n - 2 * edge):.3f} a step), "
+            f"last {edge} {span(n - edge, n):.1f}")  # fmt: skip
+
+
+def main(directory: str, gap_ms: float | None = None) -> None:
+    gap_s = SEGMENT_GAP_S if gap_ms is None else gap_ms / 1e3
     for log in sorted(Path(directory).glob("gpu-*.tplog")):
-        for i, seg in enumerate(_segments(steps_of(log))):
-            print(f"{log.name} segment {i} ({len(seg)} steps), medians in ms:")
+        for i, seg in enumerate(_segments(steps_of(log), gap_s)):
+            print(f"{log.name} segment {i} ({len(seg)} steps), {phases(seg)}; medians in ms:")
             for kind, row in summarize(seg).items():
                 cells = ", ".join(
                     f"{v} steps" if k == "steps" else f"{k} {v:.3f}" for k, v in row.items()
@@ -99,4 +122,4 @@ def main(directory: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], float(sys.argv[2]) if len(sys.argv) > 2 else None)
