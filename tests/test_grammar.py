@@ -200,19 +200,34 @@ def test_advance_takes_allowed_tokens_and_leaves_a_refused_one_untaken(tok):
     assert not g._history and not g._origin and not g.dead
 
 
-def test_first_masks_come_from_the_template_and_equal_a_matchers_own(tok):
-    """A request that has taken nothing gets its template's first mask, computed once: the
-    same bits its own matcher gives."""
+def test_opening_masks_are_cached_by_the_tokens_taken_and_equal_a_matchers_own(tok, monkeypatch):
+    """Over a request's first PROLOGUE_MASKS tokens its masks are kept with its template, by
+    the tokens taken (requests of one schema share them): each equals the mask its own
+    matcher gives; past the prologue, or beyond CACHED_MASKS, the matcher's own is used."""
+    import taipan.ops.grammar as grammar
+
     g = Grammars(tok, 49152 + 64)
     spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
-    for rid in (1, 2):
+    for rid in (1, 2, 3):
         g.start(rid, spec)
-    cached = g.masks([1, 2])
-    assert g._origin[1][1] is not None and g._origin[1] is g._origin[2]
+    cache = g._origin[1][1]
+    assert cache is g._origin[2][1]
+    first = g.masks([1, 2])
     own = g.masks_of([g.matchers[1]])[0]
-    assert np.array_equal(cached[0], own) and np.array_equal(cached[1], own)
-    g.consume(1, tok.encode("{", add_special_tokens=False)[0])
-    assert not np.array_equal(g.masks([1])[0], own)  # (its own matcher's, once it moved)
+    assert list(cache) == [()] and np.array_equal(first[0], own) and np.array_equal(first[1], own)
+    text = tok.encode('{"name": "Ada", "age": 36}', add_special_tokens=False)
+    for t in text[:3]:
+        assert g.advance([1, 2], [t, t]).tolist() == [1, 1]
+        got = g.masks([1, 3, 2])
+        assert np.array_equal(got[0], g.masks_of([g.matchers[1]])[0])
+        assert np.array_equal(got[0], got[2]) and np.array_equal(got[1], own)
+    assert tuple(text[:3]) in cache and len(cache) == 4
+    monkeypatch.setattr(grammar, "CACHED_MASKS", len(cache))
+    assert g.advance([1], [text[3]]).tolist() == [1]
+    assert np.array_equal(g.masks([1])[0], g.masks_of([g.matchers[1]])[0])
+    assert len(cache) == 4  # (full: computed, not kept)
+    monkeypatch.setattr(grammar, "PROLOGUE_MASKS", 2)
+    assert np.array_equal(g.masks([2])[0], g.masks_of([g.matchers[2]])[0])
 
 
 def test_a_greedy_row_is_checked_and_masked_only_when_its_grammar_rejects_its_token(

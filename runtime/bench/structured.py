@@ -1,7 +1,7 @@
 """The `structured` workload of `taipan bench`: what structured outputs cost. `--num-prompts`
 concurrent streams (64) of `--output-len` greedy tokens (128), once unconstrained and once under
 a json_schema, on the same prompts through the same runtime (each warmed once, then the faster
-of two alternating rounds); the row gives both output rates and `structured_cost` = 1 -
+of four alternating rounds); the row gives both output rates and `structured_cost` = 1 -
 constrained / unconstrained tokens/s (issue 28's bar: <= 0.05 at 64).
 
 The same two again with whole requests (not streamed): `structured_cost_whole`, the engine's
@@ -25,7 +25,10 @@ import time
 
 from taipan.bench.common import mixed_prompts, rounded
 
-ROUNDS = 2  # timed rounds per mode, alternating (a GPU's clocks and caches favour neither)
+# Timed rounds per mode, alternating (a GPU's clocks and caches favour neither). 4, not 2: on
+# an H200 one round of 64 x 128 takes 0.2-0.5 s and the same tree's cost scattered 0.12-0.42
+# between runtimes of one call with 2 (NOTES, twenty-eighth session).
+ROUNDS = 4
 
 
 def array_schema(min_items: int) -> str:

@@ -6,6 +6,8 @@
 #   gil: which functions hold the engine process's GIL in a structured step: py-spy --gil over
 #     tests/perf/structured_modes.py, whole json_schema requests alone (ROUNDS rounds), then
 #     whole unconstrained ones alone (summaries spy_json.txt, spy_free.txt).
+#   ab: the structured row of the tree before (.carry/old.patch, carried, turns this tree into
+#     it) and of this one, alternating, ROUNDS (2) times each.
 #   wrap: the grammar check's host cost alone (grammar_advance_bench.py), then wall time per
 #     function (tests/perf/prof_hooks) in the engine process, whole json_schema requests alone,
 #     then whole unconstrained ones (ROUNDS rounds each).
@@ -14,10 +16,25 @@
 #     laid out by tests/perf/step_timeline.py (a segment per mode and round).
 #   grammar: the structured GPU tests, then SmolLM2's structured rows in "check" and "wait".
 #   rows: the structured rows in "check" (twice), the 1B decode rows.
-PART=${1:?part gil, wrap, timeline, grammar or rows}
+PART=${1:?part ab, gil, wrap, timeline, grammar or rows}
 ROUNDS=${ROUNDS:-12}
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
+if [ "$PART" = ab ]; then  # (.carry/old.patch carried: the tree before, from this one)
+    mkdir -p .carry/new && tar --exclude=./.carry --exclude=./.whl -cf - . | tar -xf - -C .carry/new
+    start_device model || exit 1
+    old_tree || exit 1
+    for t in new old; do
+        src=.carry/new; [ $t = old ] && src=/tmp/old
+        stage_tree "$src" "/tmp/pkg_$t" || exit 1
+    done
+    for i in $(seq "${ROUNDS:-2}"); do
+        for t in old new; do
+            (cd .carry/new && export PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD && structured_row "${t}$i")
+        done
+    done
+    exit 0
+fi
 enter_new_tree model || exit 1
 
 if [ "$PART" = gil ]; then

@@ -43,6 +43,18 @@ TARGETS = (
     "taipan.actors.engine.step:StepRunner.plan",
     "taipan.actors.engine.step:StepRunner.dispatch",
     "taipan.actors.engine.step:StepRunner.collect",
+    "taipan.messages.codec:encode",
+    "taipan.messages.codec:decode",
+    "taipan.actors.gpu.forward:plan_arrays",
+    "taipan.actors.gpu.buffers:StepBuffers.stage",
+    "taipan.actors.gpu.logprobs:log_prob_arrays",
+    "taipan.actors.gpu.plan_checks:check_prev_rows",
+    "taipan.actors.gpu.plan_checks:check_sampling_controls",
+    "taipan.actors.gpu.plan_checks:check_logprobs_mode",
+    "taipan.actors.gpu.plan_checks:check_local_kv",
+    "taipan.actors.gpu.plan_checks:check_mamba_slots",
+    "taipan.actors.gpu.worker:ModelWorker._bucket",
+    "taipan.actors.engine.wire:step_plan",
 )
 OUT = os.environ.get("PROF_WRAP_OUT")
 totals: dict = {}
@@ -122,8 +134,10 @@ def _dump() -> None:
         for label, d in rows:
             d = sorted(d)
             n, s = len(d), sum(d)
-            f.write(f"{n:8d} {s * 1e3:10.1f} {s / n * 1e6:9.1f} {d[n // 2] * 1e6:9.1f} "
-                    f"{d[n * 9 // 10] * 1e6:9.1f} {d[-1] * 1e3:9.2f}  {label}\n")
+            f.write(
+                f"{n:8d} {s * 1e3:10.1f} {s / n * 1e6:9.1f} {d[n // 2] * 1e6:9.1f} "
+                f"{d[n * 9 // 10] * 1e6:9.1f} {d[-1] * 1e3:9.2f}  {label}\n"
+            )
 
 
 if OUT:
