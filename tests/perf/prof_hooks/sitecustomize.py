@@ -56,22 +56,30 @@ TARGETS = (
     "taipan.actors.gpu.worker:ModelWorker._bucket",
     "taipan.actors.engine.wire:step_plan",
 )
+# Marks of the calling thread's CPU time at each call of this one (the engine's step loop):
+# `_dump` gives the share of wall time that thread was on a CPU between steps < 20 ms apart.
+MARK = "taipan.actors.engine.scheduler:Scheduler.schedule"
+marks: list = []
 OUT = os.environ.get("PROF_WRAP_OUT")
 totals: dict = {}
 
 
-def _wrap(owner, attr: str, label: str) -> None:
+def _wrap(owner, attr: str, label: str, full: str) -> None:
     fn = getattr(owner, attr)
+
+    marked = full == MARK
 
     @functools.wraps(fn)
     def timed(*a, **k):
         start = time.perf_counter()
+        if marked:
+            marks.append((start, time.thread_time()))
         try:
             return fn(*a, **k)
         finally:
             totals.setdefault(label, []).append(time.perf_counter() - start)
 
-    if __import__("asyncio").iscoroutinefunction(fn):
+    if __import__("inspect").iscoroutinefunction(fn):
 
         @functools.wraps(fn)
         async def timed(*a, **k):  # noqa: F811 (an async target: its awaits count)
@@ -118,10 +126,20 @@ class _After(importlib.abc.MetaPathFinder):
                     owner = module
                     for part in parts[:-1]:
                         owner = getattr(owner, part)
-                    _wrap(owner, parts[-1], f"{name.rpartition('.')[2]}:{p}")
+                    _wrap(owner, parts[-1], f"{name.rpartition('.')[2]}:{p}", f"{name}:{p}")
 
         spec.loader = Loader()
         return spec
+
+
+def _busy() -> str:
+    wall = cpu = 0.0
+    for (w0, c0), (w1, c1) in zip(marks, marks[1:], strict=False):
+        if w1 - w0 < 0.02:
+            wall, cpu = wall + w1 - w0, cpu + c1 - c0
+    if not wall:
+        return ""
+    return f"step loop thread on a CPU {100 * cpu / wall:.1f} % of {wall:.3f} s between steps\n"
 
 
 def _dump() -> None:
@@ -129,7 +147,7 @@ def _dump() -> None:
         return
     rows = sorted(totals.items(), key=lambda kv: -sum(kv[1]))
     with open(os.path.join(OUT, f"{os.getpid()}.txt"), "w") as f:
-        f.write(" ".join(sys.argv[:2]) + "\n")
+        f.write(" ".join(sys.argv[:2]) + "\n" + _busy())
         f.write("   calls   total ms   mean us median us    p90 us    max ms\n")
         for label, d in rows:
             d = sorted(d)
