@@ -174,7 +174,8 @@ def test_advance_takes_allowed_tokens_and_leaves_a_refused_one_untaken(tok):
     """A batch check (`advance`): each allowed token is taken, a refused one is not (its
     matcher, broken by llguidance's consume, is built again from its template and the tokens
     it took: it goes on as if it had never seen the refused one), a request without a matcher
-    is -1, the logits' padding is refused, a grammar that completes takes nothing more."""
+    is -1, the logits' padding is refused, a grammar that completes takes only an
+    end-of-sequence token (what its mask allows)."""
     g = Grammars(tok, 49152 + 64)
     spec = GrammarSpec("json_schema", json.dumps(SCHEMAS[0]))
     for rid in (1, 2, 3):
@@ -194,7 +195,8 @@ def test_advance_takes_allowed_tokens_and_leaves_a_refused_one_untaken(tok):
     assert g.advance([2], [brace]).tolist() == [1]
     assert np.array_equal(g.masks([2])[0], g.masks([1])[0])
     assert not g.live(4) and allowed(g.masks([4])[0]) == list(tok.eos_token_ids)
-    assert g.advance([4], [yes[0]]).tolist() == [0]  # (complete: nothing more)
+    eos = tok.eos_token_ids[0]
+    assert g.advance([4, 4], [yes[0], eos]).tolist() == [0, 1]  # (complete: its EOS only)
     for rid in (1, 2, 3, 4):
         g.drop(rid)
     assert not g._history and not g._origin and not g.dead

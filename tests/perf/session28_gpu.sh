@@ -5,7 +5,7 @@
 # machine needs only ".whl").
 #   gil: which functions hold the engine process's GIL in a structured step: py-spy --gil over
 #     tests/perf/structured_modes.py, whole json_schema requests alone (ROUNDS rounds), then
-#     whole unconstrained ones alone (summaries spy_json.txt, spy_free.txt).
+#     whole unconstrained ones alone (summaries spy_json_schema_whole.txt, spy_unconstrained_whole.txt).
 #   ab: the structured row of the tree before (.carry/old.patch, carried, turns this tree into
 #     it) and of this one, alternating, ROUNDS (2) times each.
 #   wrap: the grammar check's host cost alone (grammar_advance_bench.py), then wall time per
@@ -14,9 +14,10 @@
 #   timeline: the four structured modes (streamed and whole, unconstrained and json_schema) in
 #     one recorded runtime, ROUNDS rounds (each: every mode untimed, then timed, in that order),
 #     laid out by tests/perf/step_timeline.py (a segment per mode and round).
+#   final: the structured GPU tests, the "check" row, and `wrap` of whole json_schema requests.
 #   grammar: the structured GPU tests, then SmolLM2's structured rows in "check" and "wait".
 #   rows: the structured rows in "check" (twice), the 1B decode rows.
-PART=${1:?part ab, gil, wrap, timeline, grammar or rows}
+PART=${1:?part ab, gil, wrap, timeline, final, grammar or rows}
 ROUNDS=${ROUNDS:-12}
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
@@ -65,6 +66,19 @@ if [ "$PART" = timeline ]; then
         | grep -E "^round|rror" | tail -8
     python3 tests/perf/step_timeline.py /tmp/rec 15 > "$OUT/timeline.txt" 2>&1
     grep -c segment "$OUT/timeline.txt"
+    exit 0
+fi
+if [ "$PART" = final ]; then  # (the GPU test, the "check" row, json_schema whole requests'
+    # per-function times: what one call of the last minutes of device time can hold)
+    timeout -s ABRT 200 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+        tests/test_structured_outputs.py > "$OUT/gpu_grammar.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_grammar.log" | cut -c1-200 | tail -20
+    structured_row check
+    mkdir -p "$OUT/wrap_json"
+    PROF_WRAP_OUT="$OUT/wrap_json" PYTHONPATH=$PWD/tests/perf/prof_hooks:$PYTHONPATH \
+        timeout -s ABRT 100 python3 tests/perf/structured_modes.py json_schema_whole 2 2>&1 \
+        | grep -E "^round|rror" | tail -2
+    grep -h -A 16 "procs.py engine" "$OUT"/wrap_json/*.txt | cut -c1-100 | tail -n +2
     exit 0
 fi
 if [ "$PART" = grammar ]; then
