@@ -18,13 +18,24 @@ start_device() {  # [model]: the wheels, the environment, the GPU's name; `model
     nvidia-smi --query-gpu=name --format=csv,noheader
     [ "${1:-}" != model ] || bash tests/perf/carry_model.sh stage2
 }
-enter_new_tree() {  # [model]: start_device, NVLS off, .carry/new staged as `taipan`, cd there
-    # (.carry/new not carried: made from the working tree the call brought, which holds the
-    # same files as a `git archive` of it and keeps the call under its 64 MiB with the model)
+copy_new_tree() {  # .carry/new from the working tree the call brought (unless there)
+    # (not carried: the working tree holds the same files as a `git archive` of it, and the
+    # call stays under its 64 MiB with the model)
     if [ ! -d .carry/new ]; then
         mkdir -p .carry/new && tar --exclude=./.carry --exclude=./.whl -cf - . \
             | tar -xf - -C .carry/new || return 1
     fi
+}
+stage_old_and_new() {  # .carry/new and the tree before it (old_tree) as /tmp/pkg_{new,old}
+    old_tree || return 1
+    local t src
+    for t in new old; do
+        src=.carry/new; [ $t = old ] && src=/tmp/old
+        stage_tree "$src" "/tmp/pkg_$t" || return 1
+    done
+}
+enter_new_tree() {  # [model]: start_device, NVLS off, .carry/new staged as `taipan`, cd there
+    copy_new_tree || return 1
     start_device "${1:-}" || return 1
     export PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     export NVSHMEM_DISABLE_NVLS=1

@@ -6,12 +6,7 @@
 set -u
 N=${1:-2}
 source tests/perf/device_setup.sh
-start_device model || exit 1
-old_tree || exit 1
-for t in new old; do
-    src=.carry/new; [ $t = old ] && src=/tmp/old
-    stage_tree "$src" "/tmp/pkg_$t" || exit 1
-done
+start_device model && stage_old_and_new || exit 1
 for i in $(seq "$N"); do
     for t in old new; do
         echo -n "$t: "

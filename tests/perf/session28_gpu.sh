@@ -4,34 +4,28 @@
 # machine, then with carry [".carry/smollm2.gguf.part2", ".whl"]; a later call on the same warm
 # machine needs only ".whl").
 #   gil: which functions hold the engine process's GIL in a structured step: py-spy --gil over
-#     tests/perf/structured_modes.py, whole json_schema requests alone (ROUNDS rounds), then
-#     whole unconstrained ones alone (summaries spy_json_schema_whole.txt, spy_unconstrained_whole.txt).
+#     tests/perf/structured_modes.py, whole json_schema requests alone (ROUNDS, 12, rounds),
+#     then whole unconstrained ones alone (summaries spy_<mode>.txt).
 #   ab: the structured row of the tree before (.carry/old.patch, carried, turns this tree into
 #     it) and of this one, alternating, ROUNDS (2) times each.
 #   wrap: the grammar check's host cost alone (grammar_advance_bench.py), then wall time per
 #     function (tests/perf/prof_hooks) in the engine process, whole json_schema requests alone,
-#     then whole unconstrained ones (ROUNDS rounds each).
+#     then whole unconstrained ones (ROUNDS, 4, rounds each).
 #   timeline: the four structured modes (streamed and whole, unconstrained and json_schema) in
-#     one recorded runtime, ROUNDS rounds (each: every mode untimed, then timed, in that order),
+#     one recorded runtime, ROUNDS (3) rounds (each: every mode untimed, then timed, in order),
 #     laid out by tests/perf/step_timeline.py (a segment per mode and round).
 #   final: the structured GPU tests, the "check" row, and `wrap` of whole json_schema requests.
 #   grammar: the structured GPU tests, then SmolLM2's structured rows in "check" and "wait".
 #   rows: the structured rows in "check" (twice), the 1B decode rows.
 PART=${1:?part ab, gil, wrap, timeline, final, grammar or rows}
-ROUNDS=${ROUNDS:-12}
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
 if [ "$PART" = ab ]; then  # (.carry/old.patch carried: the tree before, from this one)
-    mkdir -p .carry/new && tar --exclude=./.carry --exclude=./.whl -cf - . | tar -xf - -C .carry/new
-    start_device model || exit 1
-    old_tree || exit 1
-    for t in new old; do
-        src=.carry/new; [ $t = old ] && src=/tmp/old
-        stage_tree "$src" "/tmp/pkg_$t" || exit 1
-    done
+    copy_new_tree && start_device model && stage_old_and_new || exit 1
     for i in $(seq "${ROUNDS:-2}"); do
         for t in old new; do
-            (cd .carry/new && export PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD && structured_row "${t}$i")
+            (cd .carry/new && export PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD \
+                && structured_row "${t}$i")
         done
     done
     exit 0
@@ -42,7 +36,8 @@ if [ "$PART" = gil ]; then
     for mode in json_schema_whole unconstrained_whole; do
         timeout -s INT 200 /tmp/site/bin/py-spy record --gil --threads --subprocesses \
             --format raw -r 1000 -o /tmp/spy_$mode.txt -- python3 \
-            tests/perf/structured_modes.py $mode "$ROUNDS" 2>&1 | grep -E "^round|rror" | tail -4
+            tests/perf/structured_modes.py $mode "${ROUNDS:-12}" 2>&1 \
+            | grep -E "^round|rror" | tail -4
         python3 tests/perf/spy_summary.py /tmp/spy_$mode.txt "taipan.procs engine" 70 \
             > "$OUT/spy_$mode.txt"
         gzip -c /tmp/spy_$mode.txt > "$OUT/spy_$mode.raw.gz"
@@ -54,7 +49,7 @@ if [ "$PART" = wrap ]; then  # (PROF_WRAP: the functions; default the prof_hooks
     for mode in json_schema_whole unconstrained_whole; do
         mkdir -p "$OUT/wrap_$mode"
         PROF_WRAP_OUT="$OUT/wrap_$mode" PYTHONPATH=$PWD/tests/perf/prof_hooks:$PYTHONPATH \
-            timeout -s ABRT 200 python3 tests/perf/structured_modes.py $mode "${ROUNDS}" 2>&1 \
+            timeout -s ABRT 200 python3 tests/perf/structured_modes.py $mode "${ROUNDS:-4}" 2>&1 \
             | grep -E "^round|rror" | tail -3
         grep -l "procs.py engine" "$OUT/wrap_$mode"/*.txt | xargs -r cat | cut -c1-100 | tail -n +2
     done
@@ -62,7 +57,7 @@ if [ "$PART" = wrap ]; then  # (PROF_WRAP: the functions; default the prof_hooks
 fi
 if [ "$PART" = timeline ]; then
     RECORD=/tmp/rec timeout -s ABRT 300 python3 tests/perf/structured_modes.py \
-        unconstrained,json_schema,unconstrained_whole,json_schema_whole "${ROUNDS}" 2>&1 \
+        unconstrained,json_schema,unconstrained_whole,json_schema_whole "${ROUNDS:-3}" 2>&1 \
         | grep -E "^round|rror" | tail -8
     python3 tests/perf/step_timeline.py /tmp/rec 15 > "$OUT/timeline.txt" 2>&1
     grep -c segment "$OUT/timeline.txt"
