@@ -19,6 +19,7 @@ neither torch nor llguidance at import time (the client and HTTP processes check
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -222,8 +223,23 @@ class Grammars:
         work; tests/perf/grammar_advance_bench.py, NOTES, twenty-eighth session)."""
         n = len(request_ids)
         out = np.ones(n, dtype=np.int8)
-        ms = [self.matchers.get(r) for r in request_ids]
+        ms = list(map(self.matchers.get, request_ids))
         dead, vocab = self.dead, self.ll.vocab_size
+        if (
+            n
+            and None not in ms
+            and dead.isdisjoint(request_ids)
+            and min(tokens) >= 0
+            and max(tokens) < vocab
+        ):  # (most checks: every row live, and every token taken)
+            took = list(map(type(ms[0]).consume_token, ms, tokens))
+            if all(took):
+                collections.deque(map(list.append, map(self._history.__getitem__, request_ids),
+                                      tokens), maxlen=0)  # fmt: skip
+                if any(map(type(ms[0]).is_stopped, ms)):
+                    dead.update(r for r, m in zip(request_ids, ms, strict=True) if m.is_stopped())
+                return out
+            return self._after_refusals(request_ids, tokens, ms, range(n), took, out)
         at = [
             i
             for i, (r, m, t) in enumerate(zip(request_ids, ms, tokens, strict=True))
@@ -237,7 +253,12 @@ class Grammars:
         skip = set(at)  # (a stopped grammar's end-of-sequence token: taken, nothing consumed)
         todo = [i for i in range(n) if i not in skip] if skip else range(n)
         took = [ms[i].consume_token(tokens[i]) for i in todo]
-        history = self._history
+        return self._after_refusals(request_ids, tokens, ms, todo, took, out)
+
+    def _after_refusals(self, request_ids, tokens, ms, todo, took, out) -> np.ndarray:
+        """`advance`'s bookkeeping once rows `todo` consumed (`took`: whether each did): the
+        history of those that took theirs, the others' matchers built again, the stops."""
+        history, dead = self._history, self.dead
         for i, ok in zip(todo, took, strict=True):
             r = request_ids[i]
             if ok:

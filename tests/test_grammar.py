@@ -197,7 +197,11 @@ def test_advance_takes_allowed_tokens_and_leaves_a_refused_one_untaken(tok):
     assert not g.live(4) and allowed(g.masks([4])[0]) == list(tok.eos_token_ids)
     eos = tok.eos_token_ids[0]
     assert g.advance([4, 4], [yes[0], eos]).tolist() == [0, 1]  # (complete: its EOS only)
-    for rid in (1, 2, 3, 4):
+    for rid in (5, 6):  # (every row live, every token in range: the batch's quick path)
+        g.start(rid, spec)
+    assert g.advance([5, 6], [hello, brace]).tolist() == [0, 1]
+    assert g._history[5] == [] and g._history[6] == [brace] and not g.matchers[5].is_error()
+    for rid in (1, 2, 3, 4, 5, 6):
         g.drop(rid)
     assert not g._history and not g._origin and not g.dead
 

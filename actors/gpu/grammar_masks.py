@@ -186,7 +186,11 @@ class GrammarMasks:
             rows, prev, before = rows[keep], prev[keep], None
         self._before = before  # (not checked yet: the rows' check or consumption finds them)
         lazy = self._checkable(plan, rows)
-        if lazy.any():
+        if lazy.all():  # (most steps: every row checked after sampling)
+            self._lazy = (plan.grammar_rows[rows], rows, prev) if len(rows) else None
+            if not plan.grammar_new and not self._redo:  # (and none masked as well)
+                return logits
+        elif lazy.any():
             self._lazy = (plan.grammar_rows[rows[lazy]], rows[lazy], prev[lazy])
         # A request's first token is masked too (its matcher has taken nothing, so its mask
         # waits for no step), and checked with the others: a model rarely opens with what its
@@ -292,17 +296,21 @@ class GrammarMasks:
     def _run_check(self, check: Check) -> None:
         with self._lock:
             g = self.grammars
-            keep = np.ones(len(check.rows), dtype=bool)
+            keep = None  # (all)
             if check.before is not None:  # (its rows were not known to be void at the launch)
-                keep &= ~void_of(check.prev, check.before)
+                void = void_of(check.prev, check.before)
                 check.before = None  # (no chain of Checks kept alive)
-            at = np.flatnonzero(keep)
-            ids, rows = check.ids[at], check.rows[at]
+                if void.any():
+                    keep = ~void
+            at = np.flatnonzero(keep) if keep is not None else None
+            ids, rows = (check.ids, check.rows) if at is None else (check.ids[at], check.rows[at])
             took = g.advance(ids.tolist(), check.host.numpy()[rows].tolist())
             if took.min(initial=1) == 1:  # (most steps: every token taken, nothing void)
-                if len(at) < len(keep):
+                if keep is not None:
                     check.void = check.rows[~keep]
                 return
+            if keep is None:
+                keep, at = np.ones(len(rows), dtype=bool), np.arange(len(rows))
             keep[at[took < 0]] = False  # (a request dropped meanwhile: its row is nobody's)
             check.void = check.rows[~keep]
             bad = np.flatnonzero(took == 0)
