@@ -349,11 +349,8 @@ class GrammarMasks:
         device = self._device
         if device is None or device.type != "cuda":
             return fn()
-        if self._side_stream is None:  # (high priority: its few kernels are dispatched
-            # ahead of the queued blocks of the next step's graph, which the check's wait for
-            # them sat behind: the candidates' top-k took 0.28-0.46 ms median a rejection
-            # step on an H200, NOTES twenty-eighth session)
-            self._side_stream = torch.cuda.Stream(device, priority=-1)
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
         with torch.cuda.stream(self._side_stream):
             return fn()
 
