@@ -389,6 +389,24 @@ def masked_argmax(logits, masks):
     return logits.masked_fill(~_allowed(masks, logits.shape[1]), float("-inf")).argmax(dim=-1)
 
 
+def masked_draw(logits, masks, temperature, keys):
+    """Each row's draw among the tokens its mask allows: ops.sampling.sample's race at the
+    row's `temperature` ([n] float32 > 0; no top-k, top-p or min-p) with its own noise `keys`
+    ([n] int64) over `logits` masked first, what a draw after masking gives for that key
+    ([n] int64; `logits` [n, V] unchanged)."""
+    import torch
+
+    from taipan.ops.sampling import sample
+
+    masked = logits.masked_fill(~_allowed(masks, logits.shape[1]), float("-inf"))
+    n, device = logits.shape[0], logits.device
+    off = torch.zeros(n, dtype=torch.int32, device=device)
+    return sample(
+        masked, temperature, off, torch.ones(n, device=device), seeds=keys, gen_index=off,
+        min_p=torch.zeros(n, device=device), keys=keys,
+    )  # fmt: skip
+
+
 def _allowed(masks, vocab: int):
     """[n, vocab] bool: bit t % 32 of word t // 32 of each row's mask."""
     import torch

@@ -38,17 +38,21 @@ def sample(
     seeds: torch.Tensor,
     gen_index: torch.Tensor,
     min_p: torch.Tensor | None = None,
+    keys: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row. logits: [B, V] -> tokens: [B] int64.
 
     temperature [B] f32 (0 = greedy), top_k [B] i32 (0 = off), top_p [B] f32 (1.0 = off),
     seeds [B] i64 (-1 = unseeded), gen_index [B] i32 (how many tokens the request has already
     generated; part of the seed, so each step of a seeded request draws fresh noise), min_p [B]
-    f32 (0 = off; None: off for every row).
+    f32 (0 = off; None: off for every row); `keys` [B] int64: the rows' noise keys when the
+    caller made them (`row_keys`: a grammar check draws a refused row again with its own key),
+    else made here from seeds and gen_index.
     """
     if min_p is None:
         min_p = torch.zeros_like(top_p)
-    keys = row_keys(seeds, gen_index)
+    if keys is None:
+        keys = row_keys(seeds, gen_index)
     fn = sample_kernel if logits.is_cuda else sample_ref
     return fn(logits, temperature, top_k, top_p, min_p, keys)
 

@@ -485,6 +485,67 @@ def test_a_check_the_next_step_did_not_wait_for_voids_the_rows_that_read_its_fix
     assert check2.void.tolist() == [1] and check2.fixed.tolist() == []
 
 
+@pytest.mark.parametrize("later", [False, True])
+def test_a_refused_draw_is_drawn_again_over_the_allowed_tokens_with_its_noise(tok, later):
+    """ "check" mode, a temperature draw with no top-k / top-p / min-p: its unmasked draw is
+    checked; refused, it is replaced by the draw over the allowed tokens with the same noise
+    key: the token a draw after masking gives (in the launch, `checked`, or at the collect,
+    `check_later` then `run_check`). A top-p row is masked before drawing instead."""
+    import types
+
+    from taipan.actors.gpu.grammar_masks import GrammarMasks
+    from taipan.messages.gpu import GrammarStart
+    from taipan.messages.requests import StructuredOutput
+    from taipan.ops.grammar import masked_draw
+    from taipan.ops.sampling import row_keys, sample
+
+    vocab = 49152
+    masks = GrammarMasks(tok, optimistic=True)
+    spec = StructuredOutput("regex", "[0-9]{3}-[a-z]{40}")
+
+    def plan(new=(), top_p=1.0):
+        return types.SimpleNamespace(
+            grammar_rows=np.array([7], np.int32), grammar_new=list(new),
+            grammar_drop=np.zeros(0, np.int64), temperature=np.array([1.0], np.float32),
+            top_k=np.zeros(1, np.int32), top_p=np.array([top_p], np.float32),
+            min_p=np.zeros(1, np.float32), sample=np.array([1], np.int8),
+            logprobs_mode=np.zeros(0, np.int8), num_drafts=np.zeros(0, np.int32),
+            prev_rows=np.zeros(0, np.int32),
+        )  # fmt: skip
+
+    gen = torch.Generator().manual_seed(0)
+    one = torch.ones(1)
+    digit = tok.encode("4", add_special_tokens=False)[0]
+    masks.masked(plan([GrammarStart(7, spec)]), torch.zeros(1, vocab), None)  # (first: masked)
+    assert masks.checked(torch.tensor([digit]), torch.zeros(1, vocab)).tolist() == [digit]
+    for gen_index in range(1, 6):
+        logits = torch.randn(1, vocab, generator=gen) * 4
+        keys = row_keys(torch.tensor([11]), torch.tensor([gen_index], dtype=torch.int32))
+        off = torch.zeros(1, dtype=torch.int32)
+        unmasked = int(sample(logits, one, off, one, torch.tensor([11]), off, keys=keys))
+        mask = torch.from_numpy(masks.grammars.masks([7]))
+        want = int(masked_draw(logits, mask, one, keys))
+        out = masks.masked(plan(), logits, logits)
+        assert out is logits  # (checked, not masked)
+        if later:
+            host = torch.tensor([unmasked])
+            check = masks.check_later(host, host.clone(), logits, keys)
+            masks.launched(check)
+            masks.run_check(check)
+            got = int(host[0])
+            assert check.fixed.tolist() == ([0] if unmasked != want else [])
+            masks._redo.clear()  # (the next row would be the void position's redo)
+        else:
+            got = int(masks.checked(torch.tensor([unmasked]), logits, keys)[0])
+        assert got == want, (gen_index, unmasked, want)
+        assert (unmasked == want) == (unmasked in allowed(mask[0].numpy()))
+    masks.grammars.drop(7)
+    masks.masked(plan([GrammarStart(7, spec)]), torch.zeros(1, vocab), None)
+    masks.checked(torch.tensor([digit]), torch.zeros(1, vocab))
+    out = masks.masked(plan(top_p=0.9), logits, logits)  # (a nucleus: masked before)
+    assert out is not logits and out[0, 100] == float("-inf")
+
+
 def test_json_takes_indented_text_and_bounds_each_whitespace_gap(tok, grammars):
     """A json_schema's whitespace between tokens (JSON_WHITESPACE): `json.dumps(indent=4)` of
     an instance nested three deep parses token by token (a newline and 12 spaces before its

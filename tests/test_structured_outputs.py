@@ -5,6 +5,7 @@ is refused at submission naming why, and requests with and without grammars shar
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -90,6 +91,35 @@ def test_checked_greedy_rows_equal_masked_ones(tiny, overlap, mode, monkeypatch)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert (void > 0) == (overlap and mode == "check"), void
     assert [o.token_ids for o in both] == [o.token_ids for o in want]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_checked_sampled_rows_equal_masked_ones(tiny, overlap, monkeypatch):
+    """ "check" mode checks a seeded temperature draw with no top-k / top-p / min-p too: kept
+    where the grammar allows it, else drawn again over the allowed tokens with its own noise,
+    so the tokens equal "mask" mode's, which masks before drawing (this random model's draws
+    are mostly refused: the second draw runs at most steps). With raw log-probs (checked in
+    the launch) as well; a top-p row keeps its mask in both modes."""
+    prompts = [[5, 17, 42, 9], [3, 3, 3], [100, 7], [8, 8], [6, 1]]
+    specs = [("json_schema", json.dumps(SCHEMA)), ("regex", "[0-9]{3}-[a-z]{2}")] * 2
+    specs.append(("regex", "[0-9]{3}-[a-z]{2}"))
+    drawn = [_sampling(k, sp, temperature=1.0, seed=10 + i) for i, (k, sp) in enumerate(specs)]
+    drawn[-1] = _sampling(*specs[-1], temperature=0.8, top_p=0.9, seed=3)
+    logged = [dataclasses.replace(p, return_log_probs=True) for p in drawn]
+    got = {}
+    for mode in ("mask", "check"):
+        monkeypatch.setenv("TAIPAN_GRAMMAR_MASKS", mode)
+        with LLM(tiny, max_requests=8, overlap_steps=overlap, buffer_size_gb=0.05) as llm:
+            outs = llm.generate(prompts, drawn, use_tqdm=False)
+            outs += llm.generate(prompts, logged, use_tqdm=False)
+            void = llm.stats().merged().grammar_void_rows
+            texts = [llm.tokenizer.decode(o.token_ids) for o in outs]
+        got[mode] = [o.token_ids for o in outs]
+        assert (void > 0) == (overlap and mode == "check"), (mode, void)
+        for (kind, _), text in zip(specs * 2, texts, strict=True):
+            ok = re.fullmatch("[0-9]{3}-[a-z]{2}", text) if kind == "regex" else json.loads(text)
+            assert ok, (mode, kind, text)
+    assert got["check"] == got["mask"]
 
 
 def test_void_rows_keep_outputs_under_kv_pressure_and_prefix_caching(tiny, monkeypatch):

@@ -35,7 +35,7 @@ from taipan.ops.mamba import MambaMetadata
 from taipan.ops.models.llama import AttentionMetadata
 from taipan.ops.moe import record_routing
 from taipan.ops.parallel import TPGroup
-from taipan.ops.sampling import sample
+from taipan.ops.sampling import row_keys, sample
 
 
 class WorkerForward:
@@ -51,6 +51,8 @@ class WorkerForward:
     ep: EPGroup | None
     exchange: object  # the MoE layers' token exchange under expert parallelism, or None
     kv_cache: torch.Tensor | None
+    # The last `_sample`'s noise keys [B] (None: every row greedy), for a grammar check.
+    sample_keys: torch.Tensor | None = None
     model_kv: object  # ModelWorker's: the cache as the model reads it (a WindowedKV, or it)
     mamba_state: tuple[torch.Tensor, torch.Tensor] | None
     _mamba_slots: int  # live + snapshot slots; the scratch slots follow
@@ -260,9 +262,12 @@ class WorkerForward:
         self, plan: StepPlan, inputs: dict[str, torch.Tensor], logits: torch.Tensor
     ) -> torch.Tensor:
         if not (plan.temperature[plan.sample != 0] > 0).any():
+            self.sample_keys = None
             return logits.argmax(dim=-1)  # all greedy: skip the filters and the noise
         names = ("temperature", "top_k", "top_p", "seeds", "gen_index", "min_p")
-        return sample(logits, **{name: inputs[name] for name in names})
+        # (the rows' noise keys, kept: a grammar check draws a refused row again with its own)
+        self.sample_keys = row_keys(inputs["seeds"], inputs["gen_index"])
+        return sample(logits, **{name: inputs[name] for name in names}, keys=self.sample_keys)
 
     def _tensor(self, a: np.ndarray, dtype=None) -> torch.Tensor:
         # np.frombuffer views are read-only; torch wants writable memory.

@@ -14,6 +14,7 @@ import threading
 import numpy as np
 import torch
 
+from taipan.actors.gpu.host_staging import to_device
 from taipan.messages.gpu import StepPlan
 from taipan.ops.grammar import masked_argmax
 
@@ -56,6 +57,10 @@ class Check:
     # checked row read its input from (-1: none), and `before`, that step's Check when it was
     # not waited for: a row that read a token it replaced is void (`void`), not checked.
     optimistic: bool = False
+    # ("check" mode) the checked rows' temperatures and noise keys ([rows], on the device)
+    # when any of them is drawn, not greedy: a refused draw is drawn again with its own key.
+    temps: np.ndarray | None = None
+    keys: torch.Tensor | None = None
     prev: np.ndarray | None = None
     before: Check | None = None
     fixed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
@@ -90,6 +95,14 @@ def void_of(prev: np.ndarray, before: Check | None) -> np.ndarray:
     if not len(before.fixed):  # (most steps: it replaced nothing)
         return np.zeros(len(prev), dtype=bool)
     return np.isin(prev, before.fixed) & (prev >= 0)
+
+
+def rows_of(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
+    """A copy of `rows` of `t` (on its device; consecutive rows by a slice, no index upload)."""
+    lo = int(rows[0])
+    if int(rows[-1]) - lo + 1 == len(rows):
+        return t[lo : lo + len(rows)].clone()
+    return t.index_select(0, to_device(rows, t.device))
 
 
 def top_candidates(at: np.ndarray, saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

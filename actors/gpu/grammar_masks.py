@@ -63,6 +63,7 @@ from taipan.actors.gpu.grammar_check import (
     CHECK_CANDIDATES,
     Check,
     best_allowed,
+    rows_of,
     seq_prev_rows,
     top_candidates,
     void_of,
@@ -70,7 +71,7 @@ from taipan.actors.gpu.grammar_check import (
 )
 from taipan.actors.gpu.host_staging import to_device, to_host
 from taipan.messages.gpu import StepPlan
-from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
+from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax, masked_draw
 from taipan.ops.sampling import GREEDY_EPS
 
 MODE_ENV = "TAIPAN_GRAMMAR_MASKS"
@@ -111,7 +112,7 @@ class GrammarMasks:
         # (request ids, rows, their prev rows) of this step's checked rows, until `checked` or
         # `check_later` takes them; then the launched step's Check, until the next launch has
         # waited for it. `_last`: the last launched step's Check (None: it had none).
-        self._lazy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._lazy: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._check: Check | None = None
         self._last: Check | None = None
         # Requests whose token a "check" mode check replaced: the row that computes the next
@@ -139,10 +140,24 @@ class GrammarMasks:
         rows to consume)."""
         if not self.optimistic or checks_in_launch or self._rows is not None:
             return False
-        rows = plan.grammar_rows >= 0
-        if not rows.any():
+        rows = np.flatnonzero(plan.grammar_rows >= 0)
+        if not len(rows):
             return True
-        return bool(((plan.temperature[rows] < GREEDY_EPS) & (plan.sample[rows] != 0)).all())
+        return bool(((plan.sample[rows] != 0) & self._checked_kind(plan, rows)).all())
+
+    def _checked_kind(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
+        """Which of `rows` sample a kind of draw a check keeps exact: greedy, or ("check"
+        mode) a temperature's race with no top-k, top-p or min-p. The sampler's race over
+        allowed tokens, with the row's noise, picks what its unmasked race picked whenever
+        that is allowed (masking scales every allowed probability alike); a refused draw is
+        drawn again with the same noise over the allowed tokens (`masked_draw`), so a checked
+        row takes the token masking first gives. A nucleus filter cuts the masked
+        distribution elsewhere: such rows keep their masks."""
+        greedy = plan.temperature[rows] < GREEDY_EPS
+        if not self.optimistic or greedy.all():
+            return greedy
+        race = (plan.top_k[rows] == 0) & (plan.top_p[rows] >= 1.0) & (plan.min_p[rows] <= 0.0)
+        return greedy | race
 
     def inline(self, plan: StepPlan, checks_in_launch: bool) -> bool:
         """Whether a launch of `plan` does no grammar work that waits or takes long on the
@@ -187,11 +202,13 @@ class GrammarMasks:
         self._before = before  # (not checked yet: the rows' check or consumption finds them)
         lazy = self._checkable(plan, rows)
         if lazy.all():  # (most steps: every row checked after sampling)
-            self._lazy = (plan.grammar_rows[rows], rows, prev) if len(rows) else None
+            temps = plan.temperature[rows]
+            self._lazy = (plan.grammar_rows[rows], rows, prev, temps) if len(rows) else None
             if not plan.grammar_new and not self._redo:  # (and none masked as well)
                 return logits
         elif lazy.any():
-            self._lazy = (plan.grammar_rows[rows[lazy]], rows[lazy], prev[lazy])
+            at = rows[lazy]
+            self._lazy = (plan.grammar_rows[at], at, prev[lazy], plan.temperature[at])
         # A request's first token is masked too (its matcher has taken nothing, so its mask
         # waits for no step), and checked with the others: a model rarely opens with what its
         # schema wants ("JSON", "```" for "{": most of SmolLM2's first tokens were rejected).
@@ -226,11 +243,12 @@ class GrammarMasks:
 
     def _checkable(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
         """Which of the grammar `rows` are checked after sampling instead of masked before:
-        greedy, sampled this step, raw log-probs, and a matcher that still takes tokens (none
-        unless TAIPAN_GRAMMAR_MASKS is "check" or "wait")."""
+        greedy (or, in "check" mode, an unfiltered temperature draw: `_checked_kind`), sampled
+        this step, raw log-probs, and a matcher that still takes tokens (none unless
+        TAIPAN_GRAMMAR_MASKS is "check" or "wait")."""
         if not self.check_greedy:
             return np.zeros(len(rows), dtype=bool)
-        ok = (plan.temperature[rows] < GREEDY_EPS) & (plan.sample[rows] != 0)
+        ok = (plan.sample[rows] != 0) & self._checked_kind(plan, rows)
         if len(plan.logprobs_mode):
             ok &= plan.logprobs_mode[rows] == 0
         ids = plan.grammar_rows[rows]
@@ -243,22 +261,21 @@ class GrammarMasks:
         return ok
 
     def check_later(
-        self, host: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor
+        self, host: torch.Tensor, sampled: torch.Tensor, logits: torch.Tensor, keys=None
     ) -> Check | None:
         """This step's checked rows as a Check for its collect (None: it has none); `host`
-        receives the step's tokens, `sampled` holds them on the device for the next step."""
+        receives the step's tokens, `sampled` holds them on the device for the next step;
+        `keys`: the step's noise keys ([B], None when every row was greedy)."""
         if self._lazy is None:
             return None
-        (ids, rows, prev), self._lazy = self._lazy, None
+        (ids, rows, prev, temps), self._lazy = self._lazy, None
         if self.optimistic:  # (a rejected row's best allowed token: from its own logits, on
             # a side stream at the check; a top-k's host work here cost the step ~0.6 ms on
             # an H200, with ~4 % of rows rejected)
-            lo = int(rows[0])
-            if int(rows[-1]) - lo + 1 == len(rows):  # (consecutive rows: no index upload)
-                rows_on = logits[lo : lo + len(rows)].clone()
-            else:
-                rows_on = logits.index_select(0, to_device(rows, logits.device))
+            rows_on = rows_of(logits, rows)
             check = Check(ids, rows, host, sampled, rows_on)
+            if (temps >= GREEDY_EPS).any():  # (a drawn row is drawn again with its noise)
+                check.temps, check.keys = temps, rows_of(keys, rows)
         else:
             check = Check(ids, rows, host, sampled, logits, self._candidates(rows, logits))
         check.optimistic, check.prev, check.before = self.optimistic, prev, self._before
@@ -317,17 +334,20 @@ class GrammarMasks:
             if not len(bad):
                 return
             ids, rows, at = ids[bad], rows[bad], at[bad]
+        drawn = check.temps[at] >= GREEDY_EPS if check.temps is not None else None
         if check.optimistic:  # (the rejected rows' candidates, from their own logits)
-            top, where = self._side(lambda: top_candidates(at, check.logits)), np.arange(len(at))
+            greedy = at if drawn is None else at[~drawn]
+            top = self._side(lambda: top_candidates(greedy, check.logits)) if len(greedy) else None
+            where = np.cumsum(~drawn) - 1 if drawn is not None else np.arange(len(at))
         else:
             top, where = check.top, at
         with self._lock:
-            best = self._from_candidates(ids, where, top)  # (-1: none taken)
+            best = self._from_candidates(ids, where, top, drawn)  # (-1: none taken)
             rest = np.flatnonzero(best < 0)
             masks = g.masks(ids[rest]) if len(rest) else None
         if len(rest):  # (their masks, on the device; their matchers wait in their state)
             if check.optimistic:  # (its rows' own logits, on the side stream)
-                got = self._side(lambda: best_allowed(masks, at[rest], check.logits))
+                got = self._side(lambda: self._replacements(check, at[rest], masks))
             else:  # (the step's logits: the next forward waits for this)
                 got = best_allowed(masks, rows[rest], check.logits)
             with self._lock:
@@ -360,23 +380,46 @@ class GrammarMasks:
         if check is not None:
             wait_done(check)
 
-    def _from_candidates(self, ids: np.ndarray, at: np.ndarray, top) -> np.ndarray:
-        """For each rejected row (request `ids[i]`, index `at[i]` into the Check's rows), the
-        first of its candidates (by logit, then lowest id, as argmax) that its grammar takes,
-        consumed; -1 where none strictly above the K-th logit does."""
+    def _from_candidates(self, ids: np.ndarray, at: np.ndarray, top, drawn=None) -> np.ndarray:
+        """For each rejected greedy row (request `ids[i]`, index `at[i]` into the candidates),
+        the first of its candidates (by logit, then lowest id, as argmax) that its grammar
+        takes, consumed; -1 where none strictly above the K-th logit does, and for a drawn row
+        (`drawn[i]`: its replacement is drawn again, `_replacements`)."""
         best = np.full(len(ids), -1, dtype=np.int64)
         if top is None:
             return best
-        values, tokens = top[0].numpy()[at], top[1].numpy()[at]
+        values, tokens = top[0].numpy(), top[1].numpy()
         for i, rid in enumerate(ids.tolist()):
-            floor = values[i].min()
-            for j in np.lexsort((tokens[i], -values[i])).tolist():
-                if values[i, j] <= floor:
+            if drawn is not None and drawn[i]:
+                continue
+            row_values, row_tokens = values[at[i]], tokens[at[i]]
+            floor = row_values.min()
+            for j in np.lexsort((row_tokens, -row_values)).tolist():
+                if row_values[j] <= floor:
                     break
-                if self.grammars.try_consume(rid, int(tokens[i, j])):
-                    best[i] = tokens[i, j]
+                if self.grammars.try_consume(rid, int(row_tokens[j])):
+                    best[i] = row_tokens[j]
                     break
         return best
+
+    def _replacements(self, check: Check, at: np.ndarray, masks: np.ndarray) -> torch.Tensor:
+        """Rejected rows `at` (indices into the Check's rows): each one's token under its mask,
+        from the Check's copy of its logits: the best (greedy), or drawn again with the row's
+        own noise (`masked_draw`: the token masking first gives). On the host."""
+        drawn = (
+            check.temps[at] >= GREEDY_EPS if check.temps is not None else np.zeros(len(at), bool)
+        )
+        if not drawn.any():
+            return best_allowed(masks, at, check.logits)
+        out = torch.empty(len(at), dtype=torch.int64)
+        if not drawn.all():
+            out[torch.from_numpy(~drawn)] = best_allowed(masks[~drawn], at[~drawn], check.logits)
+        device = check.logits.device
+        on = torch.from_numpy(at[drawn]).to(device)
+        temps = torch.from_numpy(check.temps[at[drawn]]).to(device)
+        got = masked_draw(check.logits[on], to_device(masks[drawn], device), temps, check.keys[on])
+        out[torch.from_numpy(drawn)] = got.cpu()
+        return out
 
     def _masked_best(self, ids: np.ndarray, rows: np.ndarray, logits: torch.Tensor):
         """The best token of each of `rows`' logits under its request's mask (device int64)."""
@@ -384,21 +427,30 @@ class GrammarMasks:
         masks = to_device(self.grammars.masks(ids), device)
         return masked_argmax(logits.index_select(0, to_device(rows, device)), masks)
 
-    def checked(self, tokens: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def checked(self, tokens: torch.Tensor, logits: torch.Tensor, keys=None) -> torch.Tensor:
         """The step's tokens with each checked row's choice kept where its grammar allows it
         (and consumed), else replaced by the best token of the row's masked `logits` (the
-        controlled, unmasked ones); waits for the step's sampling when any row is checked
+        controlled, unmasked ones), or for a drawn row its draw again over them with its own
+        noise key (`keys`, the step's); waits for the step's sampling when any row is checked
         (a step whose log-probs or drafts are computed in its launch, after `wait_check`: its
         void rows were left out)."""
         if self._lazy is None:
             return tokens
-        (ids, rows, _), self._lazy = self._lazy, None
+        (ids, rows, _, temps), self._lazy = self._lazy, None
         with self._lock:
             got = tokens[torch.from_numpy(rows).to(tokens.device)].cpu().numpy()
             bad = self._rejected(ids, got)
             if not len(bad):
                 return tokens
-            best = self._masked_best(ids[bad], rows[bad], logits)
+            drawn = temps[bad] >= GREEDY_EPS
+            if drawn.any():  # (masks, then each row's own draw or argmax under its mask)
+                device = logits.device
+                check = Check(ids, rows, tokens, tokens, rows_of(logits, rows[bad]))
+                check.temps, check.keys = temps[bad], rows_of(keys, rows[bad])
+                at = np.arange(len(bad))
+                best = self._replacements(check, at, self.grammars.masks(ids[bad])).to(device)
+            else:
+                best = self._masked_best(ids[bad], rows[bad], logits)
             tokens = tokens.clone()
             tokens[torch.from_numpy(rows[bad]).to(tokens.device)] = best.to(tokens.dtype)
             self._consume(ids[bad], best.cpu())

@@ -585,7 +585,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         # (an MTP head reads the step's final tokens: no check left for collect)
         checks_later = grammar and not checks_in_launch
         if grammar and not checks_later:  # (greedy grammar rows: what the step reports is final)
-            tokens = self.grammar_masks.checked(tokens, controlled)
+            tokens = self.grammar_masks.checked(tokens, controlled, self.sample_keys)
         spec, spec_lp = None, {}
         if len(draft_rows(plan)):  # (speculative: actors/gpu/speculative.py; waits for the step)
             tokens, spec, spec_lp = verify_drafts(
@@ -616,7 +616,9 @@ class ModelWorker(WorkerForward, WorkerControls):
         if checks_later:  # (greedy grammar rows: checked at collect; "wait": the next forward
             # waits for it, and their candidates' copy to the host is queued here, before
             # `ended`; "check": their logits' copy, for a rejected row's replacement)
-            check = self.grammar_masks.check_later(host, self._sampled, controlled)
+            check = self.grammar_masks.check_later(
+                host, self._sampled, controlled, self.sample_keys
+            )
         self.grammar_masks.launched(check)
         if ended is not None:
             ended.record()  # after the step's device work and the copies of its tokens
