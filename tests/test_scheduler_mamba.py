@@ -836,6 +836,33 @@ def test_no_snapshot_of_a_block_its_own_step_evicts(case, engine_order):
     assert not h.stale, "a step snapshots a hash its own BlockOpsReply evicts"
 
 
+@pytest.mark.parametrize("engine_order", [True, False])
+def test_no_snapshot_of_a_block_in_flight_whose_writer_an_abort_ends(engine_order):
+    """ref_zero, overlapped steps, one request at a time (hypothesis found it): request 0's
+    first chunk registers [200, 201] in step 9, whose forward is still in flight when an
+    abort ends request 0 with step 10; request 5 (prompt log-probs: it shares nothing)
+    computes the same two tokens in step 10 and must not snapshot under that hash, which
+    step 10's own reply evicts (no request holds it)."""
+    plan = dataclasses.replace(
+        make_plan(num_blocks=4, block_size=2, max_requests=1, max_tokens=2),
+        max_sequence_length=8, mamba_slots=1, mamba_snapshot_slots=1,
+    )  # fmt: skip
+    h = MambaHarness(plan, overlap=True, policy="ref_zero", engine_order=engine_order)
+    h.raise_on_stale = True
+    work = [(1, 12, 0, [200, 201, 202, 900, 901], 1, False), (0, None, 1, [907], 1, False),
+            (2, None, 2, [914], 1, False), (0, None, 3, [921], 2, False),
+            (0, None, 4, [928], 1, False), (1, None, 5, [200, 201], 1, True),
+            (1, None, 6, [942], 1, False), (1, None, 7, [949], 1, False),
+            (1, None, 8, [956], 1, False), (0, None, 9, [963], 4, False)]  # fmt: skip
+    requests = [
+        (at, abort, request(rid, prompt, max_tokens=n, return_log_probs=lp))
+        for at, abort, rid, prompt, n, lp in work
+    ]
+    drive(h, requests)
+    h.check_end()
+    assert set(h.ended) == set(range(10)) and not h.stale
+
+
 def test_replay_of_a_snapshot_of_a_block_its_own_step_frees():
     config = dataclasses.replace(HYBRID_CONFIG, prefix_caching_eviction_policy="ref_zero")
     config = dataclasses.replace(config, max_requests=1)

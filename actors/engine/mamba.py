@@ -155,10 +155,13 @@ class MambaMirror:
             if h in self.snap_of or any(h == x for _, x, _ in snaps):
                 continue
             block = prefix.block_of.get(h)
-            if h not in prefix.writing and (block is None or not prefix.refs[block]):
+            if (block is None and h not in prefix.writing) or (
+                block is not None and not prefix.refs[block]
+            ):
                 # A private block (its hash never matches, so its state would never be read),
-                # or a cached copy no request holds, which this very step's allocations may
-                # evict.
+                # or a cached copy no request holds, which this very step's allocations (or,
+                # REF_ZERO, its frees) may evict: also one a step in flight is still writing
+                # whose writer ended in this one (an abort: hypothesis found it).
                 continue
             if num_restored + len(snaps) < self.snapshot_slots:
                 snaps.append((r, h, b - start))
