@@ -401,7 +401,7 @@ def masked_draw(logits, masks, temperature, keys):
     masked = logits.masked_fill(~_allowed(masks, logits.shape[1]), float("-inf"))
     n, device = logits.shape[0], logits.device
     off = torch.zeros(n, dtype=torch.int32, device=device)
-    return sample(
+    return sample(  # (seeds and gen_index unread: the keys are given)
         masked, temperature, off, torch.ones(n, device=device), seeds=keys, gen_index=off,
         min_p=torch.zeros(n, device=device), keys=keys,
     )  # fmt: skip

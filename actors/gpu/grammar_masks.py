@@ -14,8 +14,11 @@ controls) that its grammar allows there is exactly the choice under the mask (ma
 removes tokens), so its mask is computed only when the grammar rejects that token, and the row
 then takes the masked logits' best token. Masks cost the host ~2 ms per step for 64 JSON rows
 on an H100's host (tests/perf/NOTES.md), and a step's sampling waits for them; a check costs
-microseconds per row once the step's tokens are on the host. Rows whose log-probs are
-"processed" (of the masked distribution) and sampled rows keep their masks.
+microseconds per row once the step's tokens are on the host. So, in "check" mode, is a
+temperature draw with no top-k, top-p or min-p: the sampler's race keeps its unmasked winner
+whenever that is allowed, and a refused draw is drawn again over the allowed tokens with the
+same noise (`_checked_kind`). Rows whose log-probs are "processed" (of the masked distribution)
+and other sampled rows keep their masks.
 
 The check runs after the step, not inside its launch (`check_later`, then `run_check` where the
 step is collected, on the host copy its collect waits for anyway). A step with log-probs or
@@ -109,9 +112,10 @@ class GrammarMasks:
         self._tokens: tuple[torch.Tensor, object] | None = None
         self._rows_before: Check | None = None
         self._before: Check | None = None  # (this launch's: `_last` when it was not waited for)
-        # (request ids, rows, their prev rows) of this step's checked rows, until `checked` or
-        # `check_later` takes them; then the launched step's Check, until the next launch has
-        # waited for it. `_last`: the last launched step's Check (None: it had none).
+        # (request ids, rows, their prev rows, their temperatures) of this step's checked
+        # rows, until `checked` or `check_later` takes them; then the launched step's Check,
+        # until the next launch has waited for it. `_last`: the last launched step's Check
+        # (None: it had none).
         self._lazy: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
         self._check: Check | None = None
         self._last: Check | None = None
@@ -445,7 +449,8 @@ class GrammarMasks:
             drawn = temps[bad] >= GREEDY_EPS
             if drawn.any():  # (masks, then each row's own draw or argmax under its mask)
                 device = logits.device
-                check = Check(ids, rows, tokens, tokens, rows_of(logits, rows[bad]))
+                # (a Check of the refused rows alone: what `_replacements` reads)
+                check = Check(ids[bad], rows[bad], tokens, tokens, rows_of(logits, rows[bad]))
                 check.temps, check.keys = temps[bad], rows_of(keys, rows[bad])
                 at = np.arange(len(bad))
                 best = self._replacements(check, at, self.grammars.masks(ids[bad])).to(device)
