@@ -242,6 +242,34 @@ def test_gpu_checked_rows_equal_masked_ones_with_graphs_and_overlap(tmp_path, mo
             assert set(json.loads(text)) == {"ok", "n"}, text
 
 
+@pytest.mark.gpu
+def test_gpu_checked_draws_equal_masked_ones_with_graphs_and_overlap(tmp_path, monkeypatch):
+    """On CUDA (graphs, overlapped steps, the Triton sampler), fp32: seeded temperature draws
+    checked in "check" mode (a refused draw drawn again over the allowed tokens with its own
+    noise) give the tokens "mask" mode draws after masking, with and without raw log-probs."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from tests.random_llama import GPU_TINY_SHAPE
+
+    gpu_tiny = make_random_llama(str(tmp_path / "m"), GPU_TINY_SHAPE)
+    prompts = [[5, 17, 42, 9], [3, 3, 3], [100, 7], [8, 8]] * 2
+    specs = [("json_schema", json.dumps(SCHEMA)), ("regex", "[0-9]{3}-[a-z]{2}")] * 4
+    drawn = [_sampling(k, sp, temperature=1.0, seed=20 + i) for i, (k, sp) in enumerate(specs)]
+    logged = [dataclasses.replace(p, return_log_probs=True) for p in drawn]
+    got = {}
+    for mode in ("mask", "check"):
+        monkeypatch.setenv("TAIPAN_GRAMMAR_MASKS", mode)  # (read by the engine process)
+        with LLM(gpu_tiny, device="cuda", dtype="float32", max_requests=8) as llm:
+            outs = llm.generate(prompts, drawn, use_tqdm=False)
+            outs += llm.generate(prompts, logged, use_tqdm=False)
+            stats = llm.stats().merged()
+        got[mode] = [o.token_ids for o in outs]
+        assert stats.steps_graphed > 0 and (stats.grammar_void_rows > 0) == (mode == "check")
+    assert got["check"] == got["mask"]
+
+
 def test_grammar_requests_speculate_and_keep_their_outputs(tiny):
     """With n-gram drafts, grammar requests speculate and give the tokens they give without:
     greedy ones (their grammar walked over the scored positions), a seeded sampled one and a
