@@ -447,6 +447,25 @@ def test_structured_workload_row_on_cpu(tmp_path):
         assert row[f"structured_cost{whole}"] == pytest.approx(1 - json_ / free, abs=1e-3)
 
 
+def test_structured_workload_draws_at_a_temperature(tmp_path):
+    """`--temperature 1`: the streams draw (an RL rollout's sampling) and still generate
+    exactly --output-len tokens each; the row names the temperature; a negative one is
+    refused."""
+    [row] = _bench_rows(
+        tmp_path,
+        *("--workload", "structured", "--model", "random:tiny", "--num-prompts", "2"),
+        *("--output-len", "4", "--temperature", "1"),
+    )
+    assert row["temperature"] == 1.0 and row["invariants_hold"] is True
+    assert row["json_schema_output_tok_s"] > 0 and row["json_schema_steps"] >= 4
+    cmd = [sys.executable, "-m", "taipan.cli", "bench", "--workload", "structured"]
+    bad = subprocess.run(
+        [*cmd, "--model", "random:tiny", "--temperature", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "--temperature must be >= 0" in bad.stderr, bad.stderr[-2000:]
+
+
 @pytest.mark.slow
 def test_weight_sync_workload_in_flight_on_cpu(tmp_path):
     """--in-flight: push_weights(in_flight=True) with the runtime RUNNING, no pause around it."""

@@ -123,6 +123,13 @@ def add_arguments(p) -> None:
         help="decode/offline/shared-prefix: prompts and lengths; http-load: the dropped requests",
     )
     p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="structured: the streams' sampling temperature (0: greedy; above it every stream "
+        "draws, unseeded, with no top-k, top-p or min-p: an RL rollout's sampling)",
+    )
+    p.add_argument(
         "--copy-gib", type=float, default=1.0, help="decode: copy-bandwidth buffer size (GiB)"
     )
     p.add_argument(

@@ -43,12 +43,14 @@ enter_new_tree() {  # [model]: start_device, NVLS off, .carry/new staged as `tai
     cd .carry/new && export PYTHONPATH=/tmp/pkg_new:/tmp/site:$PWD
 }
 structured_row() {  # TAG [VAR=VALUE ...]: SmolLM2's structured row (64 streams x 128 tokens)
+    # ($STRUCTURED_EXTRA: more bench arguments, e.g. --temperature 1)
     local tag=$1
     shift
+    # shellcheck disable=SC2086
     env "$@" timeout -s ABRT 150 python3 -m taipan.cli bench --workload structured \
         --model smollm2 --device cuda --dtype bfloat16 --num-prompts 64 --output-len 128 \
-        --results "$OUT/structured_$tag.jsonl" 2>&1 | grep -E "^structured|rror" \
-        | cut -c1-230 | sed "s/^/$tag /"
+        --results "$OUT/structured_$tag.jsonl" ${STRUCTURED_EXTRA:-} 2>&1 \
+        | grep -E "^structured|rror" | cut -c1-230 | sed "s/^/$tag /"
 }
 decode_1b_row() {  # TAG [VAR=VALUE ...]: the 1B shape's decode rows at batch 1 and 64
     # ($BENCH_EXTRA: more bench arguments, e.g. --log-probs)

@@ -14,7 +14,8 @@
 #   timeline: the four structured modes (streamed and whole, unconstrained and json_schema) in
 #     one recorded runtime, ROUNDS (3) rounds (each: every mode untimed, then timed, in order),
 #     laid out by tests/perf/step_timeline.py (a segment per mode and round).
-#   final: the structured GPU tests, the "check" row, and `wrap` of whole json_schema requests.
+#   final: the structured GPU tests, the "check" row, temperature-1 rows in "check" and "mask"
+#     (checked draws against masked ones), and `wrap` of whole json_schema requests.
 #   grammar: the structured GPU tests, then SmolLM2's structured rows in "check" and "wait".
 #   rows: the structured rows in "check" (twice), the 1B decode rows.
 PART=${1:?part ab, gil, wrap, timeline, final, grammar or rows}
@@ -69,6 +70,9 @@ if [ "$PART" = final ]; then  # (the GPU test, the "check" row, json_schema whol
         tests/test_structured_outputs.py > "$OUT/gpu_grammar.log" 2>&1
     grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_grammar.log" | cut -c1-200 | tail -20
     structured_row check
+    for mode in check mask; do  # (temperature-1 draws: checked in "check", masked in "mask")
+        STRUCTURED_EXTRA="--temperature 1" structured_row "drawn_$mode" TAIPAN_GRAMMAR_MASKS=$mode
+    done
     mkdir -p "$OUT/wrap_json"
     PROF_WRAP_OUT="$OUT/wrap_json" PYTHONPATH=$PWD/tests/perf/prof_hooks:$PYTHONPATH \
         timeout -s ABRT 100 python3 tests/perf/structured_modes.py json_schema_whole 2 2>&1 \
