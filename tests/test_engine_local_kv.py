@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from taipan.actors.config import local_chunk, ring_blocks
 from tests.fuzz import fuzz_settings
-from tests.test_scheduler import Harness, draw_requests, drive, make_plan, true_tokens
+from tests.test_scheduler import Harness, draw_requests, drive, make_plan, make_request, true_tokens
 from tests.test_scheduler_prefix import PrefixHarness
 
 
@@ -138,6 +138,25 @@ def _run(workload):
     h.check_end()
     event(f"prefix {prefix}: copied {h.copied > 0}, saved {h.saved > 0}")
     event(f"wrapped: {any(h.sched.local.wraps(r.max_total_tokens) for r in h.ended.values())}")
+
+
+def test_two_prompts_that_each_need_most_of_the_pool_do_not_evict_each_other_forever():
+    """A livelock hypothesis found (tests/perf/logs/session28_local_kv_livelock.txt): two
+    prompts of 37 and 38 tokens, each needing 10 of the 11 blocks, both admitted under chunked
+    prefill (the local pool turns it on); the one evicted for room came back with a chunk at
+    once and evicted the other in turn, for ever. An evicted request now comes back only when
+    all it had, and one more, fits: every request ends."""
+    plan = dataclasses.replace(
+        make_plan(num_blocks=11, block_size=4, max_requests=3, max_tokens=21,
+                  max_sequence_length=41),
+        local_window=8, num_local_blocks=18,
+    )  # fmt: skip
+    work = [(1, 0, 1, 15), (1, 1, 38, 1), (0, 2, 37, 1), (0, 3, 1, 1), (1, 4, 1, 1),
+            (1, 5, 1, 1), (0, 6, 1, 1), (0, 7, 9, 1)]  # fmt: skip
+    h = LocalHarness(plan, False, False, 8)
+    drive(h, [(at, None, make_request(rid, n, max_tokens=m)) for at, rid, n, m in work])
+    h.check_end()
+    assert set(h.ended) == set(range(8)) and h.sched.num_evicted_total > 0
 
 
 @fuzz_settings(150)

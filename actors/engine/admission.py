@@ -68,9 +68,11 @@ def _place(sched, req: EngineRequest, draft: Draft) -> tuple | None:
     comeback = req.blocks_needed(req.num_tokens + 1, bs)
     if sched.window:  # (the shared blocks it holds count toward its window's)
         comeback = min(comeback, max(0, sched.window_blocks - len(req.held_blocks)))
-    if not (req.generated and comeback > free):
+    if not (req.admissions and comeback > free):
         # (an evicted request comes back when all it had, and one more, fits: with a sliding
-        # window, what it holds at a time)
+        # window, what it holds at a time. So does one evicted in its prompt's chunks: back
+        # with a chunk at once, two long prompts that each need most of the pool evicted each
+        # other for ever: hypothesis, tests/perf/logs/session28_local_kv_livelock.txt)
         n, need, _ = sched.fit(req, draft.budget, free)
     local = sched.local
     if n and local is not None and local.ring_size(req.max_total_tokens) > local.num_free:
