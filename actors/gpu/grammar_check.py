@@ -1,7 +1,8 @@
 """A launched step's grammar check (actors/gpu/grammar_masks.py owns the matchers and runs
 it): the `Check` a step with greedy grammar rows leaves for its collect, which of the next
 step's rows are void because they read a token it replaced ("check" mode), and the device work
-that finds a rejected row's replacement from the row's own logits.
+around a rejected row: its best candidates, and its replacement from its own logits (the best
+allowed token, or a drawn row drawn again over the allowed tokens with its noise).
 
 Must not touch the matchers (GrammarMasks does, under its lock) or the step's buffers.
 """
@@ -14,9 +15,10 @@ import threading
 import numpy as np
 import torch
 
-from taipan.actors.gpu.host_staging import to_device
+from taipan.actors.gpu.host_staging import to_device, to_host
 from taipan.messages.gpu import StepPlan
-from taipan.ops.grammar import masked_argmax
+from taipan.ops.grammar import masked_argmax, masked_draw
+from taipan.ops.sampling import GREEDY_EPS
 
 CHECK_TIMEOUT_S = 60.0  # a step's check waits for that step's collect, which waits for the device
 # "wait" mode: a checked row's best candidates (logit and id) come to the host with its step's
@@ -105,6 +107,20 @@ def rows_of(t: torch.Tensor, rows: np.ndarray) -> torch.Tensor:
     return t.index_select(0, to_device(rows, t.device))
 
 
+def queued_candidates(rows: np.ndarray, logits: torch.Tensor):
+    """("wait" mode) the rows' best CHECK_CANDIDATES (logits, ids), copied to the host
+    without waiting (the step's end event, recorded after this, covers the copy)."""
+    k = min(CHECK_CANDIDATES, logits.shape[1])
+    # (unsorted: `GrammarMasks._from_candidates` orders them; torch's sorted top-k waited on
+    # the host for the step's forward to end, the unsorted one does not:
+    # tests/perf/host_sync_probe.py, H200, 546 ms against 0.30 ms behind a 0.5 s kernel)
+    rows_on = logits.index_select(0, to_device(rows, logits.device))
+    values, ids = torch.topk(rows_on, k, sorted=False)
+    if logits.device.type != "cuda":
+        return values, ids
+    return to_host(values), to_host(ids)
+
+
 def top_candidates(at: np.ndarray, saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The best CHECK_CANDIDATES (logits, ids) of the checked rows `at` (their own logits
     `saved`, [rows, V]), on the host."""
@@ -118,3 +134,22 @@ def best_allowed(masks: np.ndarray, rows: np.ndarray, logits: torch.Tensor) -> t
     check's: its step has ended)."""
     on = torch.from_numpy(masks).to(logits.device)
     return masked_argmax(logits[torch.from_numpy(rows).to(logits.device)], on).cpu()
+
+
+def replacements(masks, at, logits, temps=None, keys=None) -> torch.Tensor:
+    """Rejected rows `at` of `logits` ([N, V], a check's copy): each one's token under its mask
+    (`masks`, one row per entry of `at`), on the host: the best, or for a drawn row (`temps`
+    per row of `logits`, at or above GREEDY_EPS) the draw again with its own noise (`keys` per
+    row of `logits`; `masked_draw`: the token masking first gives)."""
+    drawn = temps[at] >= GREEDY_EPS if temps is not None else np.zeros(len(at), dtype=bool)
+    if not drawn.any():
+        return best_allowed(masks, at, logits)
+    out = torch.empty(len(at), dtype=torch.int64)
+    if not drawn.all():
+        out[torch.from_numpy(~drawn)] = best_allowed(masks[~drawn], at[~drawn], logits)
+    device = logits.device
+    on = torch.from_numpy(at[drawn]).to(device)
+    temps_on = torch.from_numpy(temps[at[drawn]]).to(device)
+    got = masked_draw(logits[on], to_device(masks[drawn], device), temps_on, keys[on])
+    out[torch.from_numpy(drawn)] = got.cpu()
+    return out

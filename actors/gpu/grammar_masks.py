@@ -63,18 +63,19 @@ import numpy as np
 import torch
 
 from taipan.actors.gpu.grammar_check import (
-    CHECK_CANDIDATES,
     Check,
     best_allowed,
+    queued_candidates,
+    replacements,
     rows_of,
     seq_prev_rows,
     top_candidates,
     void_of,
     wait_done,
 )
-from taipan.actors.gpu.host_staging import to_device, to_host
+from taipan.actors.gpu.host_staging import to_device
 from taipan.messages.gpu import StepPlan
-from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax, masked_draw
+from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
 from taipan.ops.sampling import GREEDY_EPS
 
 MODE_ENV = "TAIPAN_GRAMMAR_MASKS"
@@ -154,7 +155,7 @@ class GrammarMasks:
         mode) a temperature's race with no top-k, top-p or min-p. The sampler's race over
         allowed tokens, with the row's noise, picks what its unmasked race picked whenever
         that is allowed (masking scales every allowed probability alike); a refused draw is
-        drawn again with the same noise over the allowed tokens (`masked_draw`), so a checked
+        drawn again with the same noise over the allowed tokens (`replacements`), so a checked
         row takes the token masking first gives. A nucleus filter cuts the masked
         distribution elsewhere: such rows keep their masks."""
         greedy = plan.temperature[rows] < GREEDY_EPS
@@ -281,23 +282,10 @@ class GrammarMasks:
             if (temps >= GREEDY_EPS).any():  # (a drawn row is drawn again with its noise)
                 check.temps, check.keys = temps, rows_of(keys, rows)
         else:
-            check = Check(ids, rows, host, sampled, logits, self._candidates(rows, logits))
+            check = Check(ids, rows, host, sampled, logits, queued_candidates(rows, logits))
         check.optimistic, check.prev, check.before = self.optimistic, prev, self._before
         self._check = check
         return check
-
-    def _candidates(self, rows: np.ndarray, logits: torch.Tensor):
-        """The rows' best CHECK_CANDIDATES (logits, ids), copied to the host without waiting
-        (the step's end event, recorded after this, covers the copy)."""
-        k = min(CHECK_CANDIDATES, logits.shape[1])
-        # (unsorted: `_from_candidates` orders them; torch's sorted top-k waited on the host
-        # for the step's forward to end, the unsorted one does not: tests/perf/host_sync_probe.py,
-        # H200, 546 ms against 0.30 ms behind a 0.5 s kernel)
-        rows_on = logits.index_select(0, to_device(rows, logits.device))
-        values, ids = torch.topk(rows_on, k, sorted=False)
-        if logits.device.type != "cuda":
-            return values, ids
-        return to_host(values), to_host(ids)
 
     @torch.inference_mode()  # (the step's tensors are inference tensors)
     def run_check(self, check: Check) -> None:
@@ -351,7 +339,9 @@ class GrammarMasks:
             masks = g.masks(ids[rest]) if len(rest) else None
         if len(rest):  # (their masks, on the device; their matchers wait in their state)
             if check.optimistic:  # (its rows' own logits, on the side stream)
-                got = self._side(lambda: self._replacements(check, at[rest], masks))
+                got = self._side(
+                    lambda: replacements(masks, at[rest], check.logits, check.temps, check.keys)
+                )
             else:  # (the step's logits: the next forward waits for this)
                 got = best_allowed(masks, rows[rest], check.logits)
             with self._lock:
@@ -388,7 +378,7 @@ class GrammarMasks:
         """For each rejected greedy row (request `ids[i]`, index `at[i]` into the candidates),
         the first of its candidates (by logit, then lowest id, as argmax) that its grammar
         takes, consumed; -1 where none strictly above the K-th logit does, and for a drawn row
-        (`drawn[i]`: its replacement is drawn again, `_replacements`)."""
+        (`drawn[i]`: its replacement is drawn again, grammar_check.py `replacements`)."""
         best = np.full(len(ids), -1, dtype=np.int64)
         if top is None:
             return best
@@ -405,25 +395,6 @@ class GrammarMasks:
                     best[i] = row_tokens[j]
                     break
         return best
-
-    def _replacements(self, check: Check, at: np.ndarray, masks: np.ndarray) -> torch.Tensor:
-        """Rejected rows `at` (indices into the Check's rows): each one's token under its mask,
-        from the Check's copy of its logits: the best (greedy), or drawn again with the row's
-        own noise (`masked_draw`: the token masking first gives). On the host."""
-        drawn = (
-            check.temps[at] >= GREEDY_EPS if check.temps is not None else np.zeros(len(at), bool)
-        )
-        if not drawn.any():
-            return best_allowed(masks, at, check.logits)
-        out = torch.empty(len(at), dtype=torch.int64)
-        if not drawn.all():
-            out[torch.from_numpy(~drawn)] = best_allowed(masks[~drawn], at[~drawn], check.logits)
-        device = check.logits.device
-        on = torch.from_numpy(at[drawn]).to(device)
-        temps = torch.from_numpy(check.temps[at[drawn]]).to(device)
-        got = masked_draw(check.logits[on], to_device(masks[drawn], device), temps, check.keys[on])
-        out[torch.from_numpy(drawn)] = got.cpu()
-        return out
 
     def _masked_best(self, ids: np.ndarray, rows: np.ndarray, logits: torch.Tensor):
         """The best token of each of `rows`' logits under its request's mask (device int64)."""
@@ -448,12 +419,10 @@ class GrammarMasks:
                 return tokens
             drawn = temps[bad] >= GREEDY_EPS
             if drawn.any():  # (masks, then each row's own draw or argmax under its mask)
-                device = logits.device
-                # (a Check of the refused rows alone: what `_replacements` reads)
-                check = Check(ids[bad], rows[bad], tokens, tokens, rows_of(logits, rows[bad]))
-                check.temps, check.keys = temps[bad], rows_of(keys, rows[bad])
-                at = np.arange(len(bad))
-                best = self._replacements(check, at, self.grammars.masks(ids[bad])).to(device)
+                saved, at = rows_of(logits, rows[bad]), np.arange(len(bad))
+                masks = self.grammars.masks(ids[bad])
+                best = replacements(masks, at, saved, temps[bad], rows_of(keys, rows[bad]))
+                best = best.to(logits.device)
             else:
                 best = self._masked_best(ids[bad], rows[bad], logits)
             tokens = tokens.clone()
