@@ -190,8 +190,29 @@ def add_key_arguments(p) -> None:
     )
 
 
-class _Terminated(Exception):
-    """SIGTERM while `taipan serve` starts (cmd_serve stops cleanly)."""
+class Terminated(SystemExit):
+    """SIGTERM while `taipan serve` starts (cmd_serve stops cleanly). A SystemExit, as
+    KeyboardInterrupt is a BaseException, because the handler raises it wherever the main thread
+    is: inside an asyncio callback of the start's wait, asyncio logs and drops any other
+    exception ("Exception in callback ..."), and the start went on to serve, the SIGTERM lost."""
+
+
+def stop_signal_handler(started: threading.Event, stop: threading.Event):
+    """`taipan serve`'s SIGINT/SIGTERM handler. Installed before the start: a SIGTERM that comes
+    while the start returns (clients may already stream: the engines are up) stops the runtime
+    cleanly, exit 0, instead of killing the process by its default action. During the start a
+    SIGTERM aborts it (Terminated: exit 0, a stop asked for) and a SIGINT too
+    (KeyboardInterrupt, exit 130)."""
+
+    def on_signal(signum, _frame) -> None:
+        if started.is_set():
+            stop.set()
+        elif signum == signal.SIGTERM:
+            raise Terminated(0)
+        else:
+            raise KeyboardInterrupt
+
+    return deferring(on_signal)  # (not while a child is being spawned)
 
 
 def cmd_serve(args) -> int:
@@ -209,21 +230,8 @@ def cmd_serve(args) -> int:
 
     rt.on_child_exit(on_exit)
     started = threading.Event()
-
-    def on_signal(signum, _frame) -> None:
-        # Installed before the start: a SIGTERM that comes while the start returns (clients
-        # may already stream: the engines are up) stops the runtime cleanly, exit 0, instead
-        # of killing this process by its default action. During the start a SIGTERM aborts it
-        # (exit 0: a stop asked for) and a SIGINT too (KeyboardInterrupt, exit 130).
-        if started.is_set():
-            stop.set()
-        elif signum == signal.SIGTERM:
-            raise _Terminated
-        else:
-            raise KeyboardInterrupt
-
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, deferring(on_signal))  # (not while a child is being spawned)
+        signal.signal(sig, stop_signal_handler(started, stop))
     try:
         try:  # (a signal here: shut down, see above)
             if rt.role == "coordinator":
@@ -233,7 +241,7 @@ def cmd_serve(args) -> int:
                 )
             rt.start(timeout=args.start_timeout)
             started.set()
-        except _Terminated:
+        except Terminated:
             return 0
         _print_serving(rt)
         stop.wait()
