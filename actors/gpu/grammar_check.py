@@ -4,7 +4,8 @@ step's rows are void because they read a token it replaced ("check" mode), and t
 around a rejected row: its best candidates, and its replacement from its own logits (the best
 allowed token, or a drawn row drawn again over the allowed tokens with its noise).
 
-Must not touch the matchers (GrammarMasks does, under its lock) or the step's buffers.
+Must not touch the step's buffers; the matchers only through the Grammars a caller passes
+(GrammarMasks, under its lock, or the verify path: actors/gpu/speculative.py).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def queued_candidates(rows: np.ndarray, logits: torch.Tensor):
     """("wait" mode) the rows' best CHECK_CANDIDATES (logits, ids), copied to the host
     without waiting (the step's end event, recorded after this, covers the copy)."""
     k = min(CHECK_CANDIDATES, logits.shape[1])
-    # (unsorted: `GrammarMasks._from_candidates` orders them; torch's sorted top-k waited on
+    # (unsorted: `first_allowed` orders them; torch's sorted top-k waited on
     # the host for the step's forward to end, the unsorted one does not:
     # tests/perf/host_sync_probe.py, H200, 546 ms against 0.30 ms behind a 0.5 s kernel)
     rows_on = logits.index_select(0, to_device(rows, logits.device))
@@ -153,3 +154,35 @@ def replacements(masks, at, logits, temps=None, keys=None) -> torch.Tensor:
     got = masked_draw(logits[on], to_device(masks[drawn], device), temps_on, keys[on])
     out[torch.from_numpy(drawn)] = got.cpu()
     return out
+
+
+def first_allowed(grammars, ids: np.ndarray, at: np.ndarray, top, drawn=None) -> np.ndarray:
+    """For each rejected greedy row (request `ids[i]`, index `at[i]` into the candidates `top`,
+    ([rows, K] logits, [rows, K] ids) on the host), the first of its candidates (by logit, then
+    lowest id, as argmax) that its grammar takes, consumed (`grammars`, ops/grammar.py); -1
+    where none strictly above the K-th logit does, and for a drawn row (`drawn[i]`: its
+    replacement is drawn again, `replacements`)."""
+    best = np.full(len(ids), -1, dtype=np.int64)
+    if top is None:
+        return best
+    values, tokens = top[0].numpy(), top[1].numpy()
+    for i, rid in enumerate(ids.tolist()):
+        if drawn is not None and drawn[i]:
+            continue
+        row_values, row_tokens = values[at[i]], tokens[at[i]]
+        floor = row_values.min()
+        for j in np.lexsort((row_tokens, -row_values)).tolist():
+            if row_values[j] <= floor:
+                break
+            if grammars.try_consume(rid, int(row_tokens[j])):
+                best[i] = row_tokens[j]
+                break
+    return best
+
+
+def masked_best(grammars, ids: np.ndarray, rows: np.ndarray, logits: torch.Tensor):
+    """The best token of each of `rows`' logits under its request's mask (`grammars`), device
+    int64."""
+    device = logits.device
+    masks = to_device(grammars.masks(ids), device)
+    return masked_argmax(logits.index_select(0, to_device(rows, device)), masks)

@@ -65,6 +65,8 @@ import torch
 from taipan.actors.gpu.grammar_check import (
     Check,
     best_allowed,
+    first_allowed,
+    masked_best,
     queued_candidates,
     replacements,
     rows_of,
@@ -75,7 +77,7 @@ from taipan.actors.gpu.grammar_check import (
 )
 from taipan.actors.gpu.host_staging import to_device
 from taipan.messages.gpu import StepPlan
-from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks, masked_argmax
+from taipan.ops.grammar import Grammars, GrammarSpec, apply_masks
 from taipan.ops.sampling import GREEDY_EPS
 
 MODE_ENV = "TAIPAN_GRAMMAR_MASKS"
@@ -124,6 +126,11 @@ class GrammarMasks:
         # position again is masked as well as checked (`_masked`).
         self._redo: set[int] = set()
         self._device: torch.device | None = None  # (the logits': set at the first grammar step)
+        # The last launch's grammar rows when every one was checked and nothing was masked:
+        # (its `_signature`, then its checked ids, rows, temperatures). A decode step of the
+        # same requests in the same rows checks them alike: `_masked` reuses them (most steps
+        # of a structured batch).
+        self._steady: tuple | None = None
         self._side_stream = None  # (CUDA: the stream a void-mode check's device work runs on)
 
     @property
@@ -191,25 +198,43 @@ class GrammarMasks:
         self._lazy = None  # (a step that failed between `masked` and `checked` left its own)
         before, self._before = self._last, None
         self._consume_last()
+        steady = self._steady_rows(plan)
+        if steady is not None:  # (the last launch's rows, all checked: `_steady`)
+            ids, rows, temps = steady
+            prev = seq_prev_rows(plan)[rows]
+            if before is not None and before.done.is_set():  # (its void rows: left out)
+                keep = ~void_of(prev, before)
+                if not keep.all():
+                    ids, rows, prev, temps = ids[keep], rows[keep], prev[keep], temps[keep]
+                before = None
+            self._before = before
+            self._lazy = (ids, rows, prev, temps) if len(rows) else None
+            return logits
         for rid in plan.grammar_drop.tolist():
             g.drop(rid)
             self._redo.discard(rid)
         for start in plan.grammar_new:
             g.start(start.request_id, GrammarSpec(start.structured.kind, start.structured.spec))
-        rows = np.flatnonzero(plan.grammar_rows >= 0)
-        if len(plan.num_drafts):  # (verify rows: actors/gpu/speculative.py, `walk` and
-            # `mask_positions`)
+        all_rows = np.flatnonzero(plan.grammar_rows >= 0)
+        rows = all_rows
+        if len(plan.num_drafts):  # (verify rows: actors/gpu/speculative.py, `_walk` and
+            # `_masked_along`)
             rows = rows[plan.num_drafts[rows] == 0]
         prev = seq_prev_rows(plan)[rows]
+        whole = len(rows) == len(all_rows)
         if before is not None and before.done.is_set():  # (its void rows: known, left out)
             keep = ~void_of(prev, before)
+            whole &= bool(keep.all())
             rows, prev, before = rows[keep], prev[keep], None
         self._before = before  # (not checked yet: the rows' check or consumption finds them)
         lazy = self._checkable(plan, rows)
         if lazy.all():  # (most steps: every row checked after sampling)
             temps = plan.temperature[rows]
-            self._lazy = (plan.grammar_rows[rows], rows, prev, temps) if len(rows) else None
+            ids = plan.grammar_rows[rows]
+            self._lazy = (ids, rows, prev, temps) if len(rows) else None
             if not plan.grammar_new and not self._redo:  # (and none masked as well)
+                if whole and len(rows):
+                    self._steady = (*self._signature(plan), ids, rows, temps)
                 return logits
         elif lazy.any():
             at = rows[lazy]
@@ -245,6 +270,30 @@ class GrammarMasks:
         if own.any():
             self._rows, self._rows_before = (ids[own], rows[own], prev[own]), before
         return logits
+
+    def _signature(self, plan: StepPlan) -> tuple[bytes, int]:
+        """What decides `plan`'s checked rows besides its requests' own sampling parameters
+        and what `_steady_rows` rules out: its grammar rows (a row has one only where it
+        samples) and how many matchers have stopped (a stop needs no start or drop)."""
+        return plan.grammar_rows.tobytes(), len(self.grammars.dead)
+
+    def _steady_rows(self, plan: StepPlan):
+        """(ids, rows, temperatures) of `plan`'s checked rows when they are the last launch's
+        (`_steady`): nothing to start, drop or redo, no drafts, the same rows of the
+        same requests sampling, no matcher started or stopped since (a request's sampling
+        parameters are its own, so its rows are checked alike); else None."""
+        steady, self._steady = self._steady, None
+        if (
+            steady is None
+            or plan.grammar_new
+            or len(plan.grammar_drop)
+            or self._redo
+            or len(plan.num_drafts)
+            or steady[:2] != self._signature(plan)
+        ):
+            return None
+        self._steady = steady
+        return steady[2:]
 
     def _checkable(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
         """Which of the grammar `rows` are checked after sampling instead of masked before:
@@ -334,7 +383,7 @@ class GrammarMasks:
         else:
             top, where = check.top, at
         with self._lock:
-            best = self._from_candidates(ids, where, top, drawn)  # (-1: none taken)
+            best = first_allowed(g, ids, where, top, drawn)  # (-1: none taken)
             rest = np.flatnonzero(best < 0)
             masks = g.masks(ids[rest]) if len(rest) else None
         if len(rest):  # (their masks, on the device; their matchers wait in their state)
@@ -374,34 +423,6 @@ class GrammarMasks:
         if check is not None:
             wait_done(check)
 
-    def _from_candidates(self, ids: np.ndarray, at: np.ndarray, top, drawn=None) -> np.ndarray:
-        """For each rejected greedy row (request `ids[i]`, index `at[i]` into the candidates),
-        the first of its candidates (by logit, then lowest id, as argmax) that its grammar
-        takes, consumed; -1 where none strictly above the K-th logit does, and for a drawn row
-        (`drawn[i]`: its replacement is drawn again, grammar_check.py `replacements`)."""
-        best = np.full(len(ids), -1, dtype=np.int64)
-        if top is None:
-            return best
-        values, tokens = top[0].numpy(), top[1].numpy()
-        for i, rid in enumerate(ids.tolist()):
-            if drawn is not None and drawn[i]:
-                continue
-            row_values, row_tokens = values[at[i]], tokens[at[i]]
-            floor = row_values.min()
-            for j in np.lexsort((row_tokens, -row_values)).tolist():
-                if row_values[j] <= floor:
-                    break
-                if self.grammars.try_consume(rid, int(row_tokens[j])):
-                    best[i] = row_tokens[j]
-                    break
-        return best
-
-    def _masked_best(self, ids: np.ndarray, rows: np.ndarray, logits: torch.Tensor):
-        """The best token of each of `rows`' logits under its request's mask (device int64)."""
-        device = logits.device
-        masks = to_device(self.grammars.masks(ids), device)
-        return masked_argmax(logits.index_select(0, to_device(rows, device)), masks)
-
     def checked(self, tokens: torch.Tensor, logits: torch.Tensor, keys=None) -> torch.Tensor:
         """The step's tokens with each checked row's choice kept where its grammar allows it
         (and consumed), else replaced by the best token of the row's masked `logits` (the
@@ -424,49 +445,11 @@ class GrammarMasks:
                 best = replacements(masks, at, saved, temps[bad], rows_of(keys, rows[bad]))
                 best = best.to(logits.device)
             else:
-                best = self._masked_best(ids[bad], rows[bad], logits)
+                best = masked_best(self.grammars, ids[bad], rows[bad], logits)
             tokens = tokens.clone()
             tokens[torch.from_numpy(rows[bad]).to(tokens.device)] = best.to(tokens.dtype)
             self._consume(ids[bad], best.cpu())
         return tokens
-
-    def walk(self, request_id: int, target, drafts, logits: torch.Tensor) -> tuple[list, list]:
-        """A greedy verify row under its grammar (actors/gpu/speculative.py): along its scored
-        positions, each position's argmax (`target`) is kept where the grammar allows it, else
-        the best token of that position's `logits` the grammar allows; every kept token is
-        consumed; the walk stops after the first that differs from its draft (`drafts`, one
-        fewer than the positions), as plain greedy decoding under the grammar would. Returns
-        (the new tokens, the positions whose argmax was replaced)."""
-        g, out, replaced = self.grammars, [], []
-        for j, t in enumerate(target):
-            if not (g.live(request_id) and g.try_consume(request_id, t)):
-                best = self._masked_best(np.array([request_id]), np.array([j]), logits)
-                t = int(best[0])
-                g.consume(request_id, t)
-                replaced.append(j)
-            out.append(t)
-            if j == len(drafts) or drafts[j] != t:
-                break
-        return out, replaced
-
-    def mask_positions(self, request_ids, drafts, at: np.ndarray, logits, raw) -> torch.Tensor:
-        """Verify rows whose grammar is not walked (sampled, or processed log-probs): each
-        scored position of `request_ids[i]` (its drafts `drafts[i]`; its scored rows of
-        `logits` [rows, V] listed in `at`, in order) masked as plain decoding masks it after
-        the drafts before it (a position past a draft its grammar rejects is never reached: no
-        mask). Returns the masked logits (a copy when `logits` is `raw`, which raw log-probs
-        read)."""
-        matchers = [m for rid, d in zip(request_ids, drafts, strict=True)
-                    for m in self.grammars.along(int(rid), d)]  # fmt: skip
-        masks = torch.from_numpy(self.grammars.masks_of(matchers)).to(logits.device)
-        if logits is raw:
-            logits = logits.clone()
-        apply_masks(logits, torch.from_numpy(at).to(logits.device), masks)
-        return logits
-
-    def consume_verified(self, request_id: int, tokens) -> None:
-        """A masked verify row's new tokens (each allowed where it was drawn)."""
-        self._consume(np.full(len(tokens), request_id), torch.as_tensor(tokens))
 
     def _rejected(self, ids: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """Indices of the rows whose token their grammar rejects (the others consumed it)."""

@@ -16,9 +16,9 @@ and a sequence's logit controls (penalties, logit_bias) apply at each (`scored_c
 Log-probs (and top-n) of the new tokens, where a sequence asks, go in StepResult's
 spec_log_probs (spec_top_n_*): raw, or processed (StepPlan.logprobs_mode) as plain decoding
 computes them (actors/gpu/logprobs.py `processed_rows`). A greedy sequence with a grammar
-walks it over its scored positions (grammar_masks.py `GrammarMasks.walk`: the argmax kept where
+walks it over its scored positions (`_walk`: the argmax kept where
 the grammar allows it); any other sequence with a grammar has each scored position masked as
-plain decoding masks it after the drafts before it (`mask_positions`, copies of its matcher
+plain decoding masks it after the drafts before it (`_masked_along`, copies of its matcher
 following the drafts), and its matcher takes the new tokens after. The engine sends no prompt
 log-probs, conditional biases or prev_rows for these sequences (actors/engine/speculation.py);
 `check_drafts` refuses a plan that does.
@@ -34,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from taipan.actors.gpu.grammar_check import masked_best
 from taipan.actors.gpu.host_staging import to_device
 from taipan.actors.gpu.logprobs import (
     PROCESSED_MAX_ELEMENTS,
@@ -43,6 +44,7 @@ from taipan.actors.gpu.logprobs import (
 )
 from taipan.actors.gpu.sampling_controls import allow, penalised_rows
 from taipan.messages.gpu import StepPlan
+from taipan.ops.grammar import apply_masks
 from taipan.ops.logit_controls import add_biases, apply_penalties
 from taipan.ops.logprobs import log_probs_and_top_n, processed_log_probs_and_top_n
 from taipan.ops.sampling import GREEDY_EPS
@@ -127,7 +129,9 @@ def verify_drafts(
             plan, inputs, rows, nd, scored, is_draft, logits, tokens, grammar
         )
     for row in masked.tolist():  # (their matchers take the new tokens)
-        grammar.consume_verified(int(plan.grammar_rows[row]), out[row][out[row] >= 0])
+        rid = int(plan.grammar_rows[row])  # (each allowed where it was drawn)
+        for token in out[row][out[row] >= 0].tolist():
+            grammar.grammars.consume(rid, token)
     return tokens, out, _log_prob_arrays(plan, rows, nd, (raw, logits), chosen, out)
 
 
@@ -161,7 +165,7 @@ def _verify_on_device(plan, inputs, rows, nd, scored, is_draft, logits, tokens, 
 
 
 def _grammar_rows(plan: StepPlan, rows: np.ndarray, walked: bool) -> np.ndarray:
-    """The verifying sequences with a grammar that GrammarMasks.walk walks (greedy, raw
+    """The verifying sequences with a grammar that `_walk` walks (greedy, raw
     log-probs: `walked`) or, else, that are masked at every scored position."""
     if not len(plan.grammar_rows):
         return np.zeros(0, dtype=np.int64)
@@ -172,17 +176,32 @@ def _grammar_rows(plan: StepPlan, rows: np.ndarray, walked: bool) -> np.ndarray:
 
 
 def _mask_positions(plan, rows, nd, scored, masked, logits, raw, grammar) -> torch.Tensor:
-    """GrammarMasks.mask_positions over the verifying sequences `masked` (a subset of rows)."""
+    """`_masked_along` over the verifying sequences `masked` (a subset of rows)."""
     counts = nd + 1
     first = np.cumsum(counts) - counts  # each verifying sequence's first scored row
     which = np.searchsorted(rows, masked)
     drafts = [plan.input_ids[scored[first[i] + 1 : first[i] + counts[i]]].tolist() for i in which]
     at = _spread(first[which], counts[which])
-    return grammar.mask_positions(plan.grammar_rows[masked], drafts, at, logits, raw)
+    return _masked_along(grammar.grammars, plan.grammar_rows[masked], drafts, at, logits, raw)
+
+
+def _masked_along(grammars, request_ids, drafts, at: np.ndarray, logits, raw) -> torch.Tensor:
+    """Verify rows whose grammar is not walked (sampled, or processed log-probs): each scored
+    position of `request_ids[i]` (its drafts `drafts[i]`; its scored rows of `logits` [rows, V]
+    listed in `at`, in order) masked as plain decoding masks it after the drafts before it (a
+    position past a draft its grammar rejects is never reached: no mask). Returns the masked
+    logits (a copy when `logits` is `raw`, which raw log-probs read)."""
+    matchers = [m for rid, d in zip(request_ids, drafts, strict=True)
+                for m in grammars.along(int(rid), d)]  # fmt: skip
+    masks = torch.from_numpy(grammars.masks_of(matchers)).to(logits.device)
+    if logits is raw:
+        logits = logits.clone()
+    apply_masks(logits, torch.from_numpy(at).to(logits.device), masks)
+    return logits
 
 
 def _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar):
-    """Each walked verifying sequence (`_grammar_rows`) walks its grammar (GrammarMasks.walk)
+    """Each walked verifying sequence (`_grammar_rows`) walks its grammar (`_walk`)
     over its scored rows' argmax `target` and its `drafts` (the host's, all rows'), its new
     tokens written into `out` (spec_tokens, on the host); returns `chosen` (the token each
     scored row keeps, for the log-probs) with those sequences' rows set to theirs (-1 past
@@ -193,7 +212,8 @@ def _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar)
     t0 = d0 = 0
     for row, d in zip(rows.tolist(), nd.tolist(), strict=True):
         if walked[row]:
-            got, _ = grammar.walk(
+            got, _ = _walk(
+                grammar.grammars,
                 int(plan.grammar_rows[row]),
                 target[t0 : t0 + d + 1].tolist(),
                 drafts[d0 : d0 + d].tolist(),
@@ -210,6 +230,25 @@ def _walk_grammars(plan, rows, nd, target, drafts, logits, chosen, out, grammar)
         np.asarray(values), device, chosen.dtype
     )
     return chosen
+
+
+def _walk(grammars, request_id: int, target, drafts, logits: torch.Tensor) -> tuple[list, list]:
+    """A greedy verify row under its grammar (`grammars`, ops/grammar.py): along its scored
+    positions, each position's argmax (`target`) is kept where the grammar allows it, else the
+    best token of that position's `logits` the grammar allows; every kept token is consumed;
+    the walk stops after the first that differs from its draft (`drafts`, one fewer than the
+    positions), as plain greedy decoding under the grammar would. Returns (the new tokens, the
+    positions whose argmax was replaced)."""
+    out, replaced = [], []
+    for j, t in enumerate(target):
+        if not (grammars.live(request_id) and grammars.try_consume(request_id, t)):
+            t = int(masked_best(grammars, np.array([request_id]), np.array([j]), logits)[0])
+            grammars.consume(request_id, t)
+            replaced.append(j)
+        out.append(t)
+        if j == len(drafts) or drafts[j] != t:
+            break
+    return out, replaced
 
 
 def scored_controls(
@@ -379,7 +418,7 @@ def _greedy_on_host(
     an H100: about half of a SmolLM2 verify step's host time). The same rule as
     ops/speculative.py `verify_greedy`: drafts are accepted while each equals the argmax
     before it (ties to the lowest id), then the argmax at the first mismatch or the bonus row
-    is added; a row with a grammar walks it instead (GrammarMasks.walk). Returns (tokens,
+    is added; a row with a grammar walks it instead (`_walk`). Returns (tokens,
     spec_tokens on the host, the chosen token of every scored row on the device, for the
     log-probs)."""
     chosen = logits.argmax(dim=-1)  # [rows]

@@ -24,7 +24,7 @@ TARGETS = (
     "taipan.actors.gpu.grammar_check:void_of",
     "taipan.actors.gpu.grammar_check:top_candidates",
     "taipan.actors.gpu.grammar_masks:GrammarMasks._consume_last",
-    "taipan.actors.gpu.grammar_masks:GrammarMasks._from_candidates",
+    "taipan.actors.gpu.grammar_check:first_allowed",
     "taipan.ops.grammar:Grammars.masks",
     "taipan.ops.grammar:apply_masks",
     "taipan.actors.gpu.host_staging:to_device",
