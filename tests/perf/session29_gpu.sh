@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The twenty-ninth session's device parts, for the next session with device time (this one had
+# 174 s, under a machine's start; from the root, each after `bash tests/perf/carry_model.sh
+# stage1` with carry [".carry/smollm2.gguf.part1"] on a fresh machine, then with carry
+# [".carry/smollm2.gguf.part2", ".whl"]; a later call on the same warm machine needs ".whl").
+#   first: what no GPU has run yet: the structured GPU tests (the end-of-sequence acceptance,
+#     the quick paths and checked draws of the twenty-eighth session, the steady path of this
+#     one; `test_gpu_checked_draws_equal_masked_ones_with_graphs_and_overlap` never ran) and
+#     the speculative GPU tests (the verify path's grammar walk moved to speculative.py), then
+#     the "check" structured row twice, temperature-1 rows in "check" and "mask", and the
+#     per-function medians of whole json_schema requests (tests/perf/prof_hooks).
+#   rows: the 1B decode rows (issue 24's batch-64 idle) and the structured row again.
+PART=${1:?part first or rows}
+source tests/perf/device_setup.sh
+rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
+enter_new_tree model || exit 1
+
+if [ "$PART" = first ]; then
+    timeout -s ABRT 240 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+        tests/test_structured_outputs.py tests/test_speculative_verify.py \
+        tests/test_e2e_speculative.py > "$OUT/gpu_tests.log" 2>&1
+    grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | cut -c1-200 | tail -20
+    structured_row check1
+    structured_row check2
+    for mode in check mask; do  # (temperature-1 draws: checked in "check", masked in "mask")
+        STRUCTURED_EXTRA="--temperature 1" structured_row "drawn_$mode" TAIPAN_GRAMMAR_MASKS=$mode
+    done
+    mkdir -p "$OUT/wrap_json"
+    PROF_WRAP_OUT="$OUT/wrap_json" PYTHONPATH=$PWD/tests/perf/prof_hooks:$PYTHONPATH \
+        timeout -s ABRT 100 python3 tests/perf/structured_modes.py json_schema_whole 2 2>&1 \
+        | grep -E "^round|rror" | tail -2
+    grep -h -A 16 "procs.py engine" "$OUT"/wrap_json/*.txt | cut -c1-100 | tail -n +2
+elif [ "$PART" = rows ]; then
+    decode_1b_row plain
+    structured_row check3
+fi
