@@ -62,3 +62,14 @@ decode_1b_row() {  # TAG [VAR=VALUE ...]: the 1B shape's decode rows at batch 1 
         --output-len 256 --no-hf --ours-modes graphs --results "$OUT/decode_$tag.jsonl" \
         ${BENCH_EXTRA:-} 2>&1 | grep -E "^decode|rror" | cut -c1-170 | sed "s/^/$tag /"
 }
+structured_drawn_and_wrap() {  # temperature-1 structured rows in "check" (checked draws) and
+    # "mask", then the per-function medians of whole json_schema requests (tests/perf/prof_hooks)
+    for mode in check mask; do
+        STRUCTURED_EXTRA="--temperature 1" structured_row "drawn_$mode" TAIPAN_GRAMMAR_MASKS=$mode
+    done
+    mkdir -p "$OUT/wrap_json"
+    PROF_WRAP_OUT="$OUT/wrap_json" PYTHONPATH=$PWD/tests/perf/prof_hooks:$PYTHONPATH \
+        timeout -s ABRT 100 python3 tests/perf/structured_modes.py json_schema_whole 2 2>&1 \
+        | grep -E "^round|rror" | tail -2
+    grep -h -A 16 "procs.py engine" "$OUT"/wrap_json/*.txt | cut -c1-100 | tail -n +2
+}

@@ -70,14 +70,7 @@ if [ "$PART" = final ]; then  # (the GPU test, the "check" row, json_schema whol
         tests/test_structured_outputs.py > "$OUT/gpu_grammar.log" 2>&1
     grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_grammar.log" | cut -c1-200 | tail -20
     structured_row check
-    for mode in check mask; do  # (temperature-1 draws: checked in "check", masked in "mask")
-        STRUCTURED_EXTRA="--temperature 1" structured_row "drawn_$mode" TAIPAN_GRAMMAR_MASKS=$mode
-    done
-    mkdir -p "$OUT/wrap_json"
-    PROF_WRAP_OUT="$OUT/wrap_json" PYTHONPATH=$PWD/tests/perf/prof_hooks:$PYTHONPATH \
-        timeout -s ABRT 100 python3 tests/perf/structured_modes.py json_schema_whole 2 2>&1 \
-        | grep -E "^round|rror" | tail -2
-    grep -h -A 16 "procs.py engine" "$OUT"/wrap_json/*.txt | cut -c1-100 | tail -n +2
+    structured_drawn_and_wrap
     exit 0
 fi
 if [ "$PART" = grammar ]; then

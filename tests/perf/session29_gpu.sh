@@ -22,14 +22,7 @@ if [ "$PART" = first ]; then
     grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | cut -c1-200 | tail -20
     structured_row check1
     structured_row check2
-    for mode in check mask; do  # (temperature-1 draws: checked in "check", masked in "mask")
-        STRUCTURED_EXTRA="--temperature 1" structured_row "drawn_$mode" TAIPAN_GRAMMAR_MASKS=$mode
-    done
-    mkdir -p "$OUT/wrap_json"
-    PROF_WRAP_OUT="$OUT/wrap_json" PYTHONPATH=$PWD/tests/perf/prof_hooks:$PYTHONPATH \
-        timeout -s ABRT 100 python3 tests/perf/structured_modes.py json_schema_whole 2 2>&1 \
-        | grep -E "^round|rror" | tail -2
-    grep -h -A 16 "procs.py engine" "$OUT"/wrap_json/*.txt | cut -c1-100 | tail -n +2
+    structured_drawn_and_wrap
 elif [ "$PART" = rows ]; then
     decode_1b_row plain
     structured_row check3
