@@ -2,11 +2,14 @@
 
 Owns the translation of a StepBatch (chunks of requests, their blocks, Mamba slots and
 sampling parameters) into the numpy arrays the gpu actor reads. Pure: reads the batch and its
-requests, writes only each chunk's `num_prompt_targets` and each request's `row` (the row it
-samples in this step, which the next step's plan reads as `prev_rows`). No sockets, no torch.
+requests, writes only each chunk's `num_prompt_targets`, each request's `row` (the row it
+samples in this step, which the next step's plan reads as `prev_rows`) and the scheduler's
+PlanCache (a steady decode step's columns, reused by the next one). No sockets, no torch.
 """
 
 from __future__ import annotations
+
+import operator
 
 import numpy as np
 
@@ -14,16 +17,138 @@ from taipan.actors.engine.batch import StepBatch
 from taipan.actors.engine.control_arrays import control_arrays
 from taipan.messages.requests import LogprobsMode
 
+# The columns of a step that depend on its requests only (and which rows they sit in), not on
+# where they are: a steady decode step (`PlanCache`) takes them from the step before.
+REQUEST_COLUMNS = (
+    "query_start_loc", "sample", "temperature", "top_k", "top_p", "min_p", "seeds", "logprobs",
+    "top_n", "prompt_targets", "prev_rows", "logprobs_mode", "num_drafts", "draft_prev",
+)  # fmt: skip
+
+
+class PlanCache:
+    """The last planned step's requests (in row order) and its REQUEST_COLUMNS, when every row
+    of it was a decode row reading the step in flight (None otherwise). Owned by the scheduler;
+    only `plan_arrays` reads and writes it."""
+
+    def __init__(self) -> None:
+        self.ids: list[int] | None = None  # id() of each row's EngineRequest
+        self.columns: dict[str, np.ndarray] = {}
+        # The last step's block tables and, per row, its request's block list and its length
+        # then (a table only grows at its end, or its list is replaced: `_table_row`).
+        self.tables: np.ndarray | None = None
+        self.blocks: list[list[int]] = []
+        self.lengths: np.ndarray | None = None
+
 
 def plan_arrays(
-    batch: StepBatch, block_size: int, hybrid: bool, eos_token_ids: tuple[int, ...] = ()
+    batch: StepBatch,
+    block_size: int,
+    hybrid: bool,
+    eos_token_ids: tuple[int, ...] = (),
+    cache: PlanCache | None = None,
 ) -> dict[str, np.ndarray]:
     """The StepPlan arrays (see messages/gpu.py) for this batch (`hybrid`: the model has Mamba
     layers, so the rows' Mamba slots go too; `eos_token_ids`: what min_tokens forbids besides
-    stop_token_ids, control_arrays.py). A one-token chunk (every
-    decode row) is read as Python scalars: at batch 256 per-row numpy calls were most of
-    the engine's time per step. A decode row whose token the step in flight is sampling
-    gets input id 0 and, in `prev_rows`, the row that samples it."""
+    stop_token_ids, control_arrays.py). With a `cache` (the scheduler's), a steady decode step
+    (`_steady_arrays`: the same requests in the same rows as the step before, each one token
+    past it) computes only its inputs, positions, slots, lengths and controls; any other step
+    is built row by row (`_arrays`)."""
+    if cache is None:
+        return _arrays(batch, block_size, hybrid, eos_token_ids)
+    out = None if hybrid else _steady_arrays(batch, block_size, eos_token_ids, cache)
+    if out is None:
+        out = _arrays(batch, block_size, hybrid, eos_token_ids)
+        n = len(batch.chunks)
+        prev = out["prev_rows"]
+        steady = not hybrid and n > 0 and len(out["input_ids"]) == n
+        # (every row reads the step in flight, from its own row of it; or none does)
+        steady = steady and (not len(prev) or bool((prev == np.arange(n)).all()))
+        cache.ids = [id(c.request) for c in batch.chunks] if steady else None
+        cache.columns = {k: _frozen(out[k]) for k in REQUEST_COLUMNS} if steady else {}
+        cache.tables = None
+    return out
+
+
+def _steady_tables(chunks, lengths: np.ndarray, cache: PlanCache) -> np.ndarray:
+    """The block tables of a steady step's rows: the step before's when no row's block list
+    was replaced or grew since, else built again (and kept)."""
+    blocks = [c.request.blocks for c in chunks]
+    if (
+        cache.tables is None
+        or not np.array_equal(lengths, cache.lengths)
+        or any(map(operator.is_not, blocks, cache.blocks))
+    ):
+        cache.tables = _frozen(_block_tables([_table_row(c.request) for c in chunks]))
+        cache.blocks, cache.lengths = blocks, lengths
+    return cache.tables
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False  # (shared by the steps that reuse it: a write would raise)
+    return a
+
+
+def _steady_arrays(batch: StepBatch, block_size: int, eos_token_ids, cache: PlanCache):
+    """`_arrays` of a steady decode step, or None when the step is not one: the step before
+    had the same requests in the same rows, one token each, and so has this one, every row
+    reading the token the step before samples in its own row (overlapped steps) or, in both,
+    every row a generated token of its own; then every REQUEST_COLUMNS column is the step
+    before's, and inputs, positions, slots, lengths and tables are computed at once for all
+    rows (`wire.step_plan` 96-98 -> 61-62 us a step at batch 64 on the 2-core box, the
+    engine's host work per step 375-380 -> 341-345: tests/perf/engine_step_cost.py)."""
+    chunks = batch.chunks
+    if cache.ids is None or [id(c.request) for c in chunks] != cache.ids:
+        return None
+    # Per row: its position, token count, prompt length, tokens generated, first position not
+    # shared from the cache, generated index, whether it samples, blocks.
+    rows = np.array(
+        [(c.start, c.num_new_tokens, len(c.request.prompt), len(c.request.generated),
+          c.request.shared_until, c.gen_index, c.samples, len(c.request.blocks))
+         for c in chunks],
+        dtype=np.int64,
+    )  # fmt: skip
+    start, new, prompt, generated, shared, gen, samples, lengths = rows.T
+    n = len(chunks)
+    if (new != 1).any() or (samples != cache.columns["sample"]).any():
+        return None
+    # (Each request sits in the row it had in the step before, which set its `row` to it: the
+    # prev_rows column, i -> i, holds.)
+    if len(cache.columns["prev_rows"]):  # (overlapped: each reads its row of the step before)
+        if (start < prompt + generated).any():
+            return None
+        ids = np.zeros(n, dtype=np.int32)
+    else:  # (each reads a token it generated)
+        at = start - prompt
+        if (at < 0).any() or (at >= generated).any():
+            return None
+        ids = np.asarray(
+            [c.request.generated[i] for c, i in zip(chunks, at.tolist(), strict=True)],
+            dtype=np.int32,
+        )
+    tables = _steady_tables(chunks, lengths, cache)
+    bs = block_size
+    slots = tables[np.arange(n), start // bs].astype(np.int64) * bs + start % bs
+    slots[start < shared] = -1
+    out = dict(cache.columns)
+    out |= control_arrays(chunks, eos_token_ids)
+    return out | {
+        "input_ids": ids,
+        "positions": start.astype(np.int32),
+        "slot_mapping": slots,
+        "seq_lens": (start + 1).astype(np.int32),
+        "block_tables": tables,
+        "gen_index": gen.astype(np.int32),
+        "return_routed_experts": any(
+            c.request.routed is not None and c.start + 1 > c.request.routed.filled for c in chunks
+        ),
+    }
+
+
+def _arrays(batch, block_size, hybrid, eos_token_ids) -> dict[str, np.ndarray]:
+    """`plan_arrays` row by row. A one-token chunk (every decode row) is read as Python
+    scalars: at batch 256 per-row numpy calls were most of the engine's time per step. A
+    decode row whose token the step in flight is sampling gets input id 0 and, in
+    `prev_rows`, the row that samples it."""
     bs = block_size
     ids, positions, slots, targets = _Concat(), _Concat(), _Concat(), _Concat()
     # Decode rows append Python scalars to the current runs (bound once: most rows are these).

@@ -52,6 +52,7 @@ import numpy as np
 from taipan.actors.config import RuntimePlan, local_chunk
 from taipan.actors.engine.admission import admit, never_fits, register
 from taipan.actors.engine.batch import Chunk, Draft, StepBatch
+from taipan.actors.engine.batch_arrays import PlanCache
 from taipan.actors.engine.grammar import GrammarBook
 from taipan.actors.engine.local_kv import LocalPool
 from taipan.actors.engine.mamba import MambaMirror
@@ -88,6 +89,7 @@ class Scheduler:
         self.paused: list[EngineRequest] = []  # a stack: the last one paused resumes first
         self.requests: dict[int, EngineRequest] = {}
         self.grammars = GrammarBook()  # the grammars the gpu holds (structured outputs)
+        self.plan_cache = PlanCache()  # a steady decode step's columns (batch_arrays.py)
         self.num_free_blocks = plan.num_blocks  # the allocator's count after the last reply
         self.pending_free: dict[int, int] = {}  # request id -> blocks to free next step
         # Sliding window: request id -> leading columns released in all, not sent yet, and the

@@ -200,7 +200,9 @@ def mamba_init(loaded: ModelLoaded) -> MambaInit | None:
 
 def step_plan(sched: Scheduler, batch: StepBatch) -> StepPlan:
     p = sched.plan
-    arrays = plan_arrays(batch, p.block_size, sched.mamba is not None, p.eos_token_ids)
+    arrays = plan_arrays(
+        batch, p.block_size, sched.mamba is not None, p.eos_token_ids, sched.plan_cache
+    )
     arrays |= sched.grammars.arrays(batch, sched.requests)
     if sched.local is not None and batch.chunks:  # (the windowed layers' rings, their copies)
         rows = [c.request.ring_row for c in batch.chunks]
