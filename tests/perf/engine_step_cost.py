@@ -1,8 +1,9 @@
 """The engine's host work per decode step at batch B, without a device (helper; not a test).
 
-Usage: python tests/perf/engine_step_cost.py [BATCH] [STEPS] [--profile] [--grammar]
+Usage: python tests/perf/engine_step_cost.py [BATCH] [STEPS] [--profile] [--grammar] [--overlap]
 (default 64 200). B requests of 256-token prompts are admitted and prefilled, then the timed
-steps decode one token each, as the engine's step loop runs them with overlap off: plan
+steps decode one token each, as the engine's step loop runs them with overlap off (with
+`--overlap`, on: each step planned before the result of the one before is applied): plan
 (`Scheduler.schedule`), the allocator's reply applied, the StepPlan built
 (`wire.step_plan`), the result applied (`Scheduler.update`) and the step's outputs built and
 encoded (`outputs.step_outputs`, streamed requests). The fake device samples token 7 for
@@ -58,7 +59,9 @@ class Pool:
         return BlockOpsReply(batch.step, True, np.asarray(out, np.int32), len(self.free), None)
 
 
-def run(batch: int, steps: int, profile: bool, grammar: bool = False) -> None:
+def run(
+    batch: int, steps: int, profile: bool, grammar: bool = False, overlap: bool = False
+) -> None:
     blocks = batch * (PROMPT + steps + 64) // BLOCK + 8
     plan = RuntimePlan(
         num_blocks=blocks,
@@ -84,6 +87,7 @@ def run(batch: int, steps: int, profile: bool, grammar: bool = False) -> None:
         k: [] for k in ("schedule", "blocks", "step_plan", "update", "outputs")
     }
     prof = cProfile.Profile() if profile else None
+    in_flight = (None, None)
     for n in range(steps + 2):
         timed = n >= 2  # (the prompts' step and the first decode step are not)
         if timed and prof is not None:
@@ -98,7 +102,9 @@ def run(batch: int, steps: int, profile: bool, grammar: bool = False) -> None:
         t3 = time.perf_counter()
         rows = len(step_plan.seq_lens)
         result = StepResult(planned.step, np.full(rows, 7, np.int32), None, 0.001)
-        done = sched.update(planned, result, float(n))
+        if overlap:  # (the step before's result, applied once this one is planned)
+            (planned, result), in_flight = in_flight, (planned, result)
+        done = sched.update(planned, result, float(n)) if planned is not None else []
         t4 = time.perf_counter()
         encode(step_outputs(done))
         t5 = time.perf_counter()
@@ -125,4 +131,5 @@ if __name__ == "__main__":
         int(args[1]) if len(args) > 1 else 200,
         "--profile" in sys.argv,
         "--grammar" in sys.argv,
+        "--overlap" in sys.argv,
     )
