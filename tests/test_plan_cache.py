@@ -73,7 +73,7 @@ def test_a_step_that_changes_what_the_columns_assume_is_built_in_full(monkeypatc
 
     seen = {"steady": 0}
     monkeypatch.setattr(batch_arrays, "_steady_arrays", checking(seen))
-    a, b = make_request(1, 4), make_request(2, 4)
+    a, b = make_request(1, 4, frequency_penalty=0.5), make_request(2, 4)  # (a: a control)
     a.generated, b.generated = [20, 21, 22], [30, 31, 32]
     a.blocks, b.blocks = [1, 2, 11], [3, 4, 12]
     cache = batch_arrays.PlanCache()
@@ -112,3 +112,4 @@ def test_a_step_that_changes_what_the_columns_assume_is_built_in_full(monkeypatc
     b.generated.append(37)
     got = step(10, True, 11)
     assert seen["steady"] == 4 and got["slot_mapping"][0] == -1
+    assert len(got["penalty_rows"]) and not got["penalty_rows"].any()  # (row 0: a's)

@@ -26,9 +26,10 @@ REQUEST_COLUMNS = (
 
 
 class PlanCache:
-    """The last planned step's requests (in row order) and its REQUEST_COLUMNS, when every row
-    of it was a decode row reading the step in flight (None otherwise). Owned by the scheduler;
-    only `plan_arrays` reads and writes it."""
+    """The last planned step's requests (in row order) and its REQUEST_COLUMNS, when the next
+    step may reuse them: every row of it one token, each reading its own row of the step in
+    flight, or none reading that step (`ids` None otherwise). Owned by the scheduler; only
+    `plan_arrays` reads and writes it."""
 
     def __init__(self) -> None:
         self.ids: list[int] | None = None  # id() of each row's EngineRequest
