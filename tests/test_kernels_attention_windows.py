@@ -85,10 +85,11 @@ def prefill(dtype: str, head_dim: int, windowed: bool, group: int = 2):
     pointers = {name: f"*{dtype}" for name in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     for name in ("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"):
         pointers[name] = "*i32"
+    pointers["sinks_ptr"] = "*fp32"
     constexprs = dict(
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, BLOCK_SIZE=16,
         BLOCK_Q=block_q, BLOCK_M=block_q * group_pad, BLOCK_N=block_n, WINDOWED=windowed,
-        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+        SINKS=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=False,
     )  # fmt: skip
     return _compile(pa._prefill_attention_kernel, pointers, constexprs, num_warps, num_stages)
 
@@ -108,14 +109,14 @@ def decode(dtype: str, head_dim: int, group: int = 4, splits: int = 64):
         GROUP=group, GROUP_PAD=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
         HEAD_DIM_PAD=pad, BLOCK_SIZE=16,
         BLOCK_N=da._MAX_TILE_TOKENS if pad <= 128 else da._MAX_TILE_TOKENS_WIDE,
-        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+        DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", PDL=False,
     )  # fmt: skip
     split = _compile(da._decode_split_kernel, pointers, constexprs, 4, 3)  # launch defaults
     splits_pad = triton.next_power_of_2(splits)
     merge = _compile(
         da._decode_merge_kernel,
-        {**partials, "out_ptr": f"*{dtype}"},
-        dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad),
+        {**partials, "sinks_ptr": "*fp32", "out_ptr": f"*{dtype}"},
+        dict(SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, HEAD_DIM_PAD=pad, SINKS=False, PDL=False),
         4 if splits_pad * pad <= 8192 else 8,
         3,
     )
