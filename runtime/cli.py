@@ -191,10 +191,11 @@ def add_key_arguments(p) -> None:
 
 
 class Terminated(SystemExit):
-    """SIGTERM while `taipan serve` starts (cmd_serve stops cleanly). A SystemExit, as
-    KeyboardInterrupt is a BaseException, because the handler raises it wherever the main thread
-    is: inside an asyncio callback of the start's wait, asyncio logs and drops any other
-    exception ("Exception in callback ..."), and the start went on to serve, the SIGTERM lost."""
+    """SIGTERM while `taipan serve` starts (cmd_serve stops cleanly). The handler raises it
+    wherever the main thread is; asyncio re-raises SystemExit and KeyboardInterrupt from its
+    callbacks but logs and drops any other exception ("Exception in callback ..."): an
+    Exception landing in a callback of the start's wait let the start go on to serve, the
+    SIGTERM lost."""
 
 
 def stop_signal_handler(started: threading.Event, stop: threading.Event):
