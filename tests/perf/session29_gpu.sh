@@ -10,9 +10,24 @@
 #     the "check" structured row twice, temperature-1 rows in "check" and "mask", and the
 #     per-function medians of whole json_schema requests (tests/perf/prof_hooks).
 #   rows: the 1B decode rows (issue 24's batch-64 idle) and the structured row again.
-PART=${1:?part first or rows}
+#   ab: the tree before this session's host trims (.carry/old.patch, carried: `git diff HEAD
+#     369e5d7 > .carry/old.patch` turns this tree into it) against this one, alternating
+#     ROUNDS (2) times: the 1B decode rows (batch 1 and 64) and the structured "check" row.
+PART=${1:?part first, rows or ab}
 source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
+if [ "$PART" = ab ]; then
+    copy_new_tree && start_device model && stage_old_and_new || exit 1
+    export PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+    export NVSHMEM_DISABLE_NVLS=1
+    for i in $(seq "${ROUNDS:-2}"); do
+        for t in old new; do
+            (cd .carry/new && export PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD \
+                && decode_1b_row "${t}$i" && structured_row "${t}$i")
+        done
+    done
+    exit 0
+fi
 enter_new_tree model || exit 1
 
 if [ "$PART" = first ]; then
