@@ -15,6 +15,7 @@ as a step without does (it used to wait for its own forward in its launch).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import numpy as np
@@ -87,6 +88,16 @@ def no_log_probs(batch: int, n: int) -> dict[str, np.ndarray]:
         "top_n_ids": np.full((batch, n), -1, dtype=np.int32),
         "top_n_log_probs": np.full((batch, n), np.nan, dtype=np.float32),
     }
+
+
+@functools.lru_cache(maxsize=64)
+def none_asked(batch: int) -> dict[str, np.ndarray]:
+    """`no_log_probs(batch, 0)` for a step that asks for none, read-only and shared by every
+    such step of `batch` sequences (a StepResult's arrays are read-only once handed over)."""
+    out = no_log_probs(batch, 0)
+    for a in out.values():
+        a.flags.writeable = False
+    return out
 
 
 def log_prob_arrays(

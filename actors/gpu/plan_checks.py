@@ -83,6 +83,8 @@ def inner_snapshots(plan: StepPlan) -> dict[int, list[tuple[int, int]]]:
     kernels store: row -> [(position, slot)]. Such a row has at least two tokens, so it is
     a prefill row. The step runs eagerly (they are rare: a few per shared prefix)."""
     out: dict[int, list[tuple[int, int]]] = {}
+    if not len(plan.mamba_snap_row):  # (most steps)
+        return out
     lens = np.diff(plan.query_start_loc)
     for row, pos, dst in zip(
         plan.mamba_snap_row.tolist(), plan.mamba_snap_pos.tolist(),

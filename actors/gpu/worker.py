@@ -39,7 +39,7 @@ from taipan.actors.gpu.logprobs import (
     PendingLogProbs,
     log_prob_arrays,
     log_probs_never_wait,
-    no_log_probs,
+    none_asked,
     wants_log_probs,
 )
 from taipan.actors.gpu.mamba_config import has_recurrent_layers, mamba_config_for
@@ -725,7 +725,7 @@ class ModelWorker(WorkerForward, WorkerControls):
         if isinstance(extra, PendingLogProbs):  # (copied to the host before the end event)
             extra = extra.take()
         if not extra:
-            extra = no_log_probs(len(plan.sample), 0)
+            extra = none_asked(len(plan.sample))
         if launched.routed is not None:  # (copied out: on CUDA the launch's arena, reused)
             extra = extra | {"routed_experts": launched.routed.numpy().copy()}
         if launched.spec is not None:
