@@ -2,7 +2,8 @@
 grammar requests in the same rows as the last launch, every row checked, reuses that launch's
 checked rows instead of working them out again. Driven step by step beside a GrammarMasks that
 always works them out: the same checked rows, the same tokens kept and replaced, the same void
-rows, through a stop, a row that does not sample, a drop, a void row and a verify row."""
+rows, the same answer to whether a launch may skip waiting for the last check, through a stop,
+a row that does not sample, a drop, a void row and a verify row."""
 
 from __future__ import annotations
 
@@ -67,23 +68,38 @@ def test_the_steady_path_checks_as_the_full_one(tok):
         (ids, [GrammarStart(6, long)], [], [1, 1, 1], [0, -1, 2], [yes, yes, yes]),
         (ids, [], [], [1, 1, 1], [0, 1, 2], [no, no, no]),
         (ids, [], [], [1, 1, 1], [0, 1, 2], [yes, yes, yes]),
-        (ids, [], [], [1, 1, 1], [0, 1, 2, -1], [no, no, no], [0, 0, 1]),  # (row 2 verifies)
+        (ids, [], [], [1, 1, 1], [0, 1, 2, -1], [no, no, no], {"drafts": [0, 0, 1]}),  # (verify)
+        (ids, [], [], [1, 1, 1], [0, 1, 2], [yes, yes, yes]),
+        (
+            np.array([5, 9, 7]),
+            [GrammarStart(9, long)],
+            [],
+            [1, 1, 1],
+            [0, -1, 2],
+            [no, no, no],
+            {"temperature": [0, 1, 0], "top_k": [0, 5, 0]},
+        ),  # (9 draws with a top-k: masked)
     ]
     checks = {id(fast): None, id(full): None}
     seen = []
-    for rows, new, drop, sample, prev, best, *drafts in steps:
-        num_drafts = np.array(drafts[0] if drafts else [], np.int32)
+    for rows, new, drop, sample, prev, best, *more in steps:
+        opts = more[0] if more else {}
+        num_drafts = np.array(opts.get("drafts", []), np.int32)
         plan = types.SimpleNamespace(
             grammar_rows=rows,
             grammar_new=list(new), grammar_drop=np.array(drop, np.int64),
-            temperature=np.zeros(3, np.float32), sample=np.array(sample, np.int8),
-            top_k=np.zeros(3, np.int32), top_p=np.ones(3, np.float32),
+            temperature=np.array(opts.get("temperature", [0] * 3), np.float32),
+            sample=np.array(sample, np.int8),
+            top_k=np.array(opts.get("top_k", [0] * 3), np.int32), top_p=np.ones(3, np.float32),
             min_p=np.zeros(3, np.float32), logprobs_mode=np.zeros(0, np.int8),
             num_drafts=num_drafts, prev_rows=np.array(prev, np.int32),
-            query_start_loc=np.cumsum([0, 1, 1, 1 + (num_drafts[-1] if drafts else 0)]),
+            query_start_loc=np.cumsum([0, 1, 1, 1 + (num_drafts[-1] if len(num_drafts) else 0)]),
         )  # fmt: skip
         got = []
         for masks in (fast, full):
+            if masks is full:  # (its launches work every answer out)
+                full._steady = None
+            skips = masks.skips_wait(plan, False)  # (the worker asks before the launch)
             logits = torch.zeros(3, 49152)
             logits[torch.arange(3), torch.tensor(best)] = 9.0
             logits[:, no] = torch.maximum(logits[:, no], torch.tensor(3.0))
@@ -98,6 +114,7 @@ def test_the_steady_path_checks_as_the_full_one(tok):
                 masks.run_check(before)
             got.append(
                 (
+                    skips,
                     controlled.argmax(dim=-1).tolist(),
                     None if check is None else (check.ids.tolist(), check.rows.tolist()),
                     None if before is None else (before.host.tolist(), before.fixed.tolist(),
@@ -110,5 +127,6 @@ def test_the_steady_path_checks_as_the_full_one(tok):
         masks.run_check(checks[id(masks)])
     assert checks[id(fast)].host.tolist() == checks[id(full)].host.tolist()
     assert any(used) and not all(used)
-    assert any(fixed for *_, (_, fixed, _) in [s for s in seen if s[2] is not None])
-    assert any(void for *_, (_, _, void) in [s for s in seen if s[2] is not None])
+    assert any(fixed for *_, (_, fixed, _) in [s for s in seen if s[3] is not None])
+    assert any(void for *_, (_, _, void) in [s for s in seen if s[3] is not None])
+    assert any(s[0] for s in seen) and not all(s[0] for s in seen)

@@ -152,6 +152,8 @@ class GrammarMasks:
         rows to consume)."""
         if not self.optimistic or checks_in_launch or self._rows is not None:
             return False
+        if self._is_steady(plan):  # (the last launch's rows, all checked: so are these)
+            return True
         rows = np.flatnonzero(plan.grammar_rows >= 0)
         if not len(rows):
             return True
@@ -282,18 +284,22 @@ class GrammarMasks:
         (`_steady`): nothing to start, drop or redo, no drafts, the same rows of the
         same requests sampling, no matcher started or stopped since (a request's sampling
         parameters are its own, so its rows are checked alike); else None."""
-        steady, self._steady = self._steady, None
-        if (
+        if self._redo or not self._is_steady(plan):
+            self._steady = None
+            return None
+        return self._steady[2:]
+
+    def _is_steady(self, plan: StepPlan) -> bool:
+        """Whether `plan` has the last launch's grammar rows, all checked (`_steady`), with
+        nothing to start or drop and no drafts."""
+        steady = self._steady
+        return not (
             steady is None
             or plan.grammar_new
             or len(plan.grammar_drop)
-            or self._redo
             or len(plan.num_drafts)
             or steady[:2] != self._signature(plan)
-        ):
-            return None
-        self._steady = steady
-        return steady[2:]
+        )
 
     def _checkable(self, plan: StepPlan, rows: np.ndarray) -> np.ndarray:
         """Which of the grammar `rows` are checked after sampling instead of masked before:

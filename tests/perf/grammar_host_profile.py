@@ -3,7 +3,8 @@ test): GrammarMasks (optimistic) over SmolLM2's tokenizer, B rows of the structu
 schema taking an indented JSON text, each step as the worker runs it: `masked` at the launch
 (reading the last step's rows), `check_later`, `launched`, then `run_check` when collected
 (after the next launch, as overlapped steps do). CPU tensors stand in for the device's.
-Prints the median microseconds of each part per step; `--profile` adds cProfile's busiest
+Prints the median microseconds of each part per step (`skips_wait`: the launch's two questions,
+`inline` and `skips_wait`, as the worker asks them); `--profile` adds cProfile's busiest
 functions.
 
     python3 tests/perf/grammar_host_profile.py [BATCH] [STEPS] [--profile]   (64 200)
@@ -51,7 +52,9 @@ def run(batch: int, steps: int, profile: bool) -> None:
         )  # fmt: skip
 
     logits = torch.zeros(batch, vocab)
-    parts: dict[str, list[float]] = {k: [] for k in ("masked", "check_later", "run_check")}
+    parts: dict[str, list[float]] = {
+        k: [] for k in ("skips_wait", "masked", "check_later", "run_check")
+    }
     prof = cProfile.Profile() if profile else None
     pending = None
     for n in range(steps):
@@ -61,8 +64,11 @@ def run(batch: int, steps: int, profile: bool) -> None:
         timed = n >= 2
         if timed and prof is not None:
             prof.enable()
+        step = plan(n)
+        tw = time.perf_counter()
+        masks.inline(step, False) and masks.skips_wait(step, False)  # (as the worker asks)
         t0 = time.perf_counter()
-        masks.masked(plan(n), logits, None)
+        masks.masked(step, logits, None)
         t1 = time.perf_counter()
         host = torch.full((batch,), token)
         # (the checked rows' logits copy is device work on a GPU; here a memcpy of [B, V]
@@ -77,7 +83,8 @@ def run(batch: int, steps: int, profile: bool) -> None:
             prof.disable()
         pending = check
         if timed:
-            for key, (a, b) in zip(parts, ((t0, t1), (t1, t2), (t2, t3)), strict=True):
+            spans = ((tw, t0), (t0, t1), (t1, t2), (t2, t3))
+            for key, (a, b) in zip(parts, spans, strict=True):
                 parts[key].append((b - a) * 1e6)
     total = sum(statistics.median(v) for v in parts.values())
     cells = ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in parts.items())
