@@ -228,12 +228,15 @@ class Scheduler:
         short; `blocked` says that the request could not run for want of a free block (not
         of budget)."""
         bs = self.plan.block_size
+        planned = req.num_planned_tokens
         # A speculative request drafts from its last token: it waits until that is known. So
         # does any whose verify row is in flight (how many tokens it gains is not known yet).
         speculating = req.speculates and speculate
-        if req.num_pending and (speculating or req.verify_in_flight or self._ends_when_known(req)):
+        if req.num_pending and (
+            speculating or req.verify_in_flight or self._ends_when_known(req, planned)
+        ):
             return 0, 0, False
-        remaining = req.num_planned_tokens - req.num_computed_tokens
+        remaining = planned - req.num_computed_tokens
         n = min(remaining, budget)
         if self.local is not None and self.local.wraps(req.max_total_tokens):
             n = min(n, self.local.chunk)  # (the ring holds what a chunk of that many reads)
@@ -251,12 +254,12 @@ class Scheduler:
                 return n, req.blocks_needed(req.num_computed_tokens + n, bs), False
         return 0, 0, True
 
-    def _ends_when_known(self, req: EngineRequest) -> bool:
-        """Whether the tokens being sampled for `req` certainly end it (by length)."""
-        limit = self.plan.max_sequence_length
+    def _ends_when_known(self, req: EngineRequest, planned: int) -> bool:
+        """Whether the tokens being sampled for `req` certainly end it (by length; `planned`:
+        its num_planned_tokens)."""
         return (
             len(req.generated) + req.num_pending >= req.sampling.max_tokens
-            or req.num_planned_tokens >= limit
+            or planned >= self.plan.max_sequence_length
         )
 
     def schedule(self, now: float) -> StepBatch:
@@ -323,8 +326,9 @@ class Scheduler:
                     n += len(drafts)
                     need = req.blocks_needed(req.num_computed_tokens + n, self.plan.block_size)
             draft.take(req, n, need)
-            draft.chunks[-1].drafts = drafts
-            draft.chunks[-1].gpu_drafts = drafts is not None and self.spec.on_gpu
+            if drafts is not None:  # (a Chunk verifies none by default)
+                draft.chunks[-1].drafts = drafts
+                draft.chunks[-1].gpu_drafts = self.spec.on_gpu
 
     def _chain(self, draft: Draft) -> None:
         """A step whose verify rows chain in the gpu (speculation.py `Speculation.chain`):
