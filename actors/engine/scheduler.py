@@ -520,7 +520,8 @@ class Scheduler:
         the step ran (in update() of the step before, or by an abort) drops its token here."""
         out = []
         k = 0  # offset into the compacted prompt log-probs
-        step = Appending(now, self.plan, self.track_token_events, batch.weight_version)
+        tokens = result.token_ids.tolist() if result is not None else None
+        step = Appending(now, self.plan, self.track_token_events, batch.weight_version, tokens)
         if batch.chunks:
             self.steps_in_flight -= 1
         if self.local is not None and self.local.writing:
