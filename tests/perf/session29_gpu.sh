@@ -6,7 +6,8 @@
 #   first: what no GPU has run yet: the structured GPU tests (the end-of-sequence acceptance,
 #     the quick paths and checked draws of the twenty-eighth session, the steady path of this
 #     one; `test_gpu_checked_draws_equal_masked_ones_with_graphs_and_overlap` never ran) and
-#     the speculative GPU tests (the verify path's grammar walk moved to speculative.py), then
+#     the speculative GPU tests (the verify path's grammar walk moved to speculative.py), the
+#     dense and real-model ones (the engine's plan cache under overlap and graphs), then
 #     the "check" structured row twice, temperature-1 rows in "check" and "mask", and the
 #     per-function medians of whole json_schema requests (tests/perf/prof_hooks).
 #   rows: the 1B decode rows (issue 24's batch-64 idle) and the structured row again.
@@ -31,9 +32,10 @@ fi
 enter_new_tree model || exit 1
 
 if [ "$PART" = first ]; then
-    timeout -s ABRT 240 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
+    timeout -s ABRT 300 python3 -u -m pytest -v -m gpu -p no:cacheprovider -rfs --tb=short \
         tests/test_structured_outputs.py tests/test_speculative_verify.py \
-        tests/test_e2e_speculative.py > "$OUT/gpu_tests.log" 2>&1
+        tests/test_e2e_speculative.py tests/test_e2e_dense.py tests/test_gpu_real_model.py \
+        > "$OUT/gpu_tests.log" 2>&1
     grep -E "^(FAILED|ERROR)|^E  |passed|failed" "$OUT/gpu_tests.log" | cut -c1-200 | tail -20
     structured_row check1
     structured_row check2
