@@ -37,8 +37,8 @@ class Appending:
     track_events: bool
     weight_version: int
     # The step's sampled tokens as Python ints (StepResult.token_ids.tolist(): one conversion
-    # a step, not one a row); None where the caller has no result.
-    tokens: list[int] | None = None
+    # a step, not one a row); None when the step failed (nothing is appended then).
+    tokens: list[int] | None
 
 
 # A verify row's new token (one of several), its raw log-prob and top-n (ids, log-probs); the
@@ -53,10 +53,7 @@ def append_token(
     the reason `r` ends, if any."""
     now = step.now
     token, log_prob, top = (None, None, None) if verified is None else verified
-    if token is not None:
-        tok = token
-    else:
-        tok = step.tokens[i] if step.tokens is not None else int(res.token_ids[i])
+    tok = step.tokens[i] if token is None else token
     r.generated.append(tok)
     if not r.weight_versions or r.weight_versions[-1][0] != step.weight_version:
         r.weight_versions.append((step.weight_version, len(r.generated) - 1))

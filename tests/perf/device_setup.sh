@@ -73,3 +73,12 @@ structured_drawn_and_wrap() {  # temperature-1 structured rows in "check" (check
         | grep -E "^round|rror" | tail -2
     grep -h -A 16 "procs.py engine" "$OUT"/wrap_json/*.txt | cut -c1-100 | tail -n +2
 }
+alternate_old_new() {  # ROW_FN: `ROW_FN TAG` for the tree before (old) and this one (new),
+    # alternating ROUNDS (2) times, each staged as the `taipan` package (stage_old_and_new)
+    local i t
+    for i in $(seq "${ROUNDS:-2}"); do
+        for t in old new; do
+            (cd .carry/new && export PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD && "$1" "${t}$i")
+        done
+    done
+}

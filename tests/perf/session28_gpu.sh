@@ -23,12 +23,7 @@ source tests/perf/device_setup.sh
 rm -rf .carry/new  # (an ignored tree a previous call left on the warm machine is stale)
 if [ "$PART" = ab ]; then  # (.carry/old.patch carried: the tree before, from this one)
     copy_new_tree && start_device model && stage_old_and_new || exit 1
-    for i in $(seq "${ROUNDS:-2}"); do
-        for t in old new; do
-            (cd .carry/new && export PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD \
-                && structured_row "${t}$i")
-        done
-    done
+    alternate_old_new structured_row
     exit 0
 fi
 enter_new_tree model || exit 1

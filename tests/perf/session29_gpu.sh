@@ -22,12 +22,7 @@ if [ "$PART" = ab ]; then
     copy_new_tree && start_device model && stage_old_and_new || exit 1
     export PYTHONFAULTHANDLER=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
     export NVSHMEM_DISABLE_NVLS=1
-    for i in $(seq "${ROUNDS:-2}"); do
-        for t in old new; do
-            (cd .carry/new && export PYTHONPATH=/tmp/pkg_$t:/tmp/site:$PWD \
-                && decode_1b_row "${t}$i")
-        done
-    done
+    alternate_old_new decode_1b_row
     exit 0
 fi
 enter_new_tree model || exit 1
